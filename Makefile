@@ -1,0 +1,43 @@
+# The project's front door: `make demo` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast test-slow bench lint proto clean
+
+install: $(STAMP)
+
+# torch is pinned and installed first, so no resolver ever pulls a CUDA build of several GB.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/disttrain baseline --dataset digits --num-epochs 3 \
+		--log-dir runs/demo/logs --checkpoint-dir runs/demo/checkpoints
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
+
+bench: install
+	mkdir -p runs/bench
+	for script in benchmarks/*.py; do \
+		$(PY) $$script --output runs/bench/$$(basename $$script .py).json || exit 1; \
+	done
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks
+
+clean:
+	rm -rf runs .pytest_cache build
