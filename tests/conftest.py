@@ -1,0 +1,47 @@
+"""Shared fixtures: the real-data folder (skip when absent), a CLI runner, thread limits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+torch.set_num_threads(1)
+
+
+def find_real_data_dir() -> Path | None:
+    """MNIST/Fashion-MNIST IDX files: $DISTTRAIN_DATA_DIR, else ./data or ../shared/data
+    beside the checkout. None when no copy is at hand (tests needing it skip)."""
+    candidates = [os.environ.get("DISTTRAIN_DATA_DIR"), REPO_ROOT / "data",
+                  REPO_ROOT.parent / "shared" / "data"]
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "mnist" / "train-images-idx3-ubyte.gz").is_file():
+            return Path(candidate)
+    return None
+
+
+@pytest.fixture
+def real_data_dir() -> Path:
+    found = find_real_data_dir()
+    if found is None:
+        pytest.skip("no MNIST copy at hand (set DISTTRAIN_DATA_DIR)")
+    return found
+
+
+def run_cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m disttrain ARGS` in a fresh process; capture its output."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "disttrain", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=full_env, cwd=cwd)
+
+
+@pytest.fixture
+def cli():
+    return run_cli
