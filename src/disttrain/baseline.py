@@ -108,7 +108,9 @@ def train(config: Config, resume: bool = False, summary_json: str | Path | None 
         metrics.log(position.step, epoch, {"loss/test": result.loss, "accuracy/test": result.accuracy})
         logger.info("epoch %d: test accuracy %.4f, test loss %.4f", epoch, result.accuracy,
                     result.loss)
+        # Evaluation is not training: restart the clocks so throughput leaves it out.
         interval_start = time.perf_counter()
+        loop_start = interval_start - position.train_time_s
     progress.close()
     if result is None:  # resumed a finished run: nothing left to train
         result = evaluate(model, test_set, training.eval_batch_size)

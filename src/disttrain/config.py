@@ -73,6 +73,7 @@ class TrainingConfig:
     weight_decay: float = field(default=0.0, metadata=NON_NEGATIVE)
     seed: int = field(default=42, metadata=NON_NEGATIVE)
     data_dir: str = field(default="data", metadata=NON_EMPTY)
+    download: bool = True  # fetch missing data set files from the canonical mirrors
     max_train_samples: int | None = field(default=None, metadata=_optional_positive())
     max_test_samples: int | None = field(default=None, metadata=_optional_positive())
     num_samples: int = field(default=2048, metadata=POSITIVE)

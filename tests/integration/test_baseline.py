@@ -1,0 +1,152 @@
+"""The baseline from the command line: a real run, exact resume after SIGKILL, bad input."""
+
+import json
+import signal
+
+import pytest
+import torch
+
+from disttrain import checkpoint as ckpt
+from disttrain.data import ShardedSampler
+from disttrain.metrics import read_metrics
+
+FAST = ["--dataset", "digits", "--batch-size", "64", "--num-epochs", "2", "--num-threads", "1",
+        "--checkpoint-interval", "5", "--optimizer", "sgd", "--learning-rate", "0.05"]
+
+
+def dirs(tmp_path, name):
+    return ["--checkpoint-dir", tmp_path / name / "ckpt", "--log-dir", tmp_path / name / "logs"]
+
+
+def final_weights(tmp_path, name):
+    return ckpt.load_checkpoint(tmp_path / name / "ckpt" / "baseline_final.pt")["model"]
+
+
+@pytest.mark.timeout(120)
+def test_run_writes_metrics_events_checkpoints_and_summary(tmp_path, cli):
+    result = cli("baseline", *FAST, *dirs(tmp_path, "run"), "--summary-json", tmp_path / "s.json")
+    assert result.returncode == 0, result.stderr
+    assert "Final Accuracy:" in result.stdout and "Throughput:" in result.stdout
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["strategy"] == "baseline" and summary["world_size"] == 1
+    assert summary["final_accuracy"] > 0.8  # digits is easy; a broken loop stays near 0.1
+    assert summary["steps"] == 2 * 23 and summary["samples_processed"] == 2 * 1438
+    assert json.loads((tmp_path / "run" / "logs" / "summary.json").read_text()) == summary
+    records = read_metrics(tmp_path / "run" / "logs" / "baseline" / "metrics.jsonl")
+    train = [r for r in records if "loss/train" in r]
+    assert train and {"throughput/samples_per_s", "time/compute_s", "accuracy/train"} <= set(train[0])
+    assert [r["accuracy/test"] for r in records if "accuracy/test" in r][-1] == summary["final_accuracy"]
+    assert list((tmp_path / "run" / "logs" / "baseline").glob("events.out.tfevents.*"))
+    assert len(ckpt.list_checkpoints(tmp_path / "run" / "ckpt")) == 3  # the newest `keep`
+    evaluated = cli("evaluate", "--dataset", "digits",
+                    tmp_path / "run" / "ckpt" / "baseline_final.pt")
+    assert f"Test Accuracy: {summary['final_accuracy'] * 100:.2f}%" in evaluated.stdout
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, cli):
+    whole = cli("baseline", *FAST, *dirs(tmp_path, "whole"))
+    assert whole.returncode == 0, whole.stderr
+
+    killed = cli("baseline", *FAST, *dirs(tmp_path, "cut"), "--inject-fault", "kill@step=13")
+    assert killed.returncode == -signal.SIGKILL
+    newest = ckpt.latest_checkpoint(tmp_path / "cut" / "ckpt")
+    assert newest.name == "checkpoint_step00000010.pt"
+
+    # From the sampler: the checkpoint the resume started from sits mid-epoch, and what it
+    # had consumed plus what it had left is the epoch's shard, each sample exactly once.
+    state = ckpt.load_checkpoint(newest)
+    sampler = ShardedSampler(state["sampler"]["num_samples"], seed=state["sampler"]["seed"])
+    sampler.load_state_dict(state["sampler"])
+    assert 0 < sampler.position < len(sampler)
+    consumed, remaining = sampler.consumed(), sampler.remaining()
+    assert len(consumed) == 10 * 64
+    combined = torch.cat([consumed, remaining])
+    assert torch.equal(combined, sampler.shard()) and len(combined.unique()) == len(sampler)
+    resumed = cli("baseline", *FAST, *dirs(tmp_path, "cut"), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr
+
+    expected, actual = final_weights(tmp_path, "whole"), final_weights(tmp_path, "cut")
+    assert all(torch.equal(expected[k], actual[k]) for k in expected)
+
+    summary = json.loads((tmp_path / "cut" / "logs" / "summary.json").read_text())
+    assert summary["steps"] == 46 and summary["resumed_from_step"] == 10
+    steps = [r["step"] for r in read_metrics(tmp_path / "cut" / "logs" / "baseline" / "metrics.jsonl")
+             if "loss/train" in r]
+    assert steps == sorted(set(steps))  # no step logged twice across the kill
+
+
+def one_line_error(result, fragment, code):
+    assert result.returncode == code, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors and any(fragment in line for line in errors), result.stderr
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--batch-size", "-5"], "training.batch_size: -5 must be > 0"),
+    (["--set", "training.batchsize=3"], "unknown key; did you mean training.batch_size"),
+    (["--set", "system.heartbeat_interval=5", "--set", "system.heartbeat_timeout=2"],
+     "system.heartbeat_timeout: 2.0 must be greater than system.heartbeat_interval"),
+])
+@pytest.mark.timeout(60)
+def test_bad_config_exits_2_with_one_line(tmp_path, cli, args, fragment):
+    one_line_error(cli("baseline", *FAST, *dirs(tmp_path, "bad"), *args), fragment, 2)
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.timeout(60)
+def test_bad_config_file(tmp_path, cli):
+    path = tmp_path / "c.yaml"
+    path.write_text("training:\n  batch_size: -1\nsytem: {}\n")
+    result = cli("baseline", "--config", path)
+    one_line_error(result, "training.batch_size: -1 must be > 0", 2)
+    assert "sytem: unknown section; did you mean system?" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_missing_data_directory(tmp_path, cli):
+    result = cli("baseline", "--dataset", "mnist", "--data-dir", tmp_path / "nowhere",
+                 "--set", "training.download=false", *dirs(tmp_path, "x"))
+    one_line_error(result, "put the files train-images-idx3-ubyte.gz", 1)
+
+
+@pytest.mark.timeout(60)
+def test_truncated_idx_file(tmp_path, cli, real_data_dir):
+    folder = tmp_path / "data" / "mnist"
+    folder.mkdir(parents=True)
+    for source in (real_data_dir / "mnist").iterdir():
+        data = source.read_bytes()
+        (folder / source.name).write_bytes(data[:-5000] if "t10k-images" in source.name else data)
+    result = cli("baseline", "--dataset", "mnist", "--data-dir", tmp_path / "data",
+                 "--set", "training.download=false", *dirs(tmp_path, "x"))
+    one_line_error(result, "t10k-images-idx3-ubyte.gz is a truncated or corrupt gzip", 1)
+
+
+@pytest.mark.timeout(120)
+def test_corrupt_checkpoint_is_named_and_never_overwritten(tmp_path, cli):
+    first = cli("baseline", *FAST, "--num-epochs", "1", *dirs(tmp_path, "run"))
+    assert first.returncode == 0, first.stderr
+    folder = tmp_path / "run" / "ckpt"
+    newest = ckpt.latest_checkpoint(folder)
+    damaged = newest.read_bytes()[:1000]
+    newest.write_bytes(damaged)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    result = cli("baseline", *FAST, *dirs(tmp_path, "run"), "--resume")
+    one_line_error(result, f"{newest.name} is corrupt or truncated", 1)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+    fresh = cli("baseline", *FAST, *dirs(tmp_path, "run"))  # without --resume: refused
+    one_line_error(fresh, "already holds checkpoints", 2)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_mnist_one_epoch_reaches_98_percent(tmp_path, cli, real_data_dir):
+    result = cli("baseline", "--dataset", "mnist", "--data-dir", real_data_dir, "--num-epochs", "1",
+                 *dirs(tmp_path, "mnist"), timeout=600)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "mnist" / "logs" / "summary.json").read_text())
+    assert summary["final_accuracy"] >= 0.98, summary["final_accuracy"]

@@ -1,0 +1,89 @@
+"""Config schema: defaults, precedence, unknown keys, the seed's rules, error lines."""
+
+import json
+
+import pytest
+
+from disttrain.config import Config, config_from_dict, load_config, parse_set_expression
+from disttrain.errors import ConfigError
+
+
+def test_defaults_validate():
+    config = config_from_dict({})
+    assert config.training.batch_size == 64
+    assert config.system.architecture == "baseline"
+
+
+def test_precedence_file_then_flags_then_set(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("training:\n  batch_size: 32\n  learning_rate: 0.5\n  num_epochs: 3\n")
+    config = load_config(path, {"training.batch_size": 16, "training.learning_rate": 0.25},
+                         ["training.batch_size=128"])
+    assert config.training.batch_size == 128  # --set wins over the flag and the file
+    assert config.training.learning_rate == 0.25  # the flag wins over the file
+    assert config.training.num_epochs == 3  # the file wins over the default
+
+
+def test_json_files_load(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"system": {"num_workers": 4, "aggregation_mode": "ssp"}}))
+    config = load_config(path)
+    assert config.system.num_workers == 4 and config.system.aggregation_mode == "ssp"
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    ({"training": {"batch_size": -5}}, "training.batch_size: -5 must be > 0"),
+    ({"training": {"batch_size": "big"}}, "training.batch_size: 'big' is not an integer"),
+    ({"training": {"batchsize": 3}}, "did you mean training.batch_size"),
+    ({"trainng": {}}, "trainng: unknown section; did you mean training"),
+    ({"training": {"dataset": "imagenet"}}, "training.dataset: 'imagenet' must be one of"),
+    ({"training": {"model_architecture": "resnet"}}, "is not a registered model"),
+    ({"training": {"model_architecture": " "}}, "must not be empty"),
+    ({"system": {"compression_ratio": 0.0}}, "must be in (0, 1]"),
+    ({"system": {"compression_ratio": 1.5}}, "must be in (0, 1]"),
+    ({"system": {"compression_enabled": "yes"}}, "is not a boolean"),
+    ({"system": {"heartbeat_interval": 5.0, "heartbeat_timeout": 5.0}},
+     "system.heartbeat_timeout: 5.0 must be greater than system.heartbeat_interval"),
+    ({"system": {"aggregation_mode": "lazy"}}, "must be one of sync, async, ssp"),
+    ({"training": {"learning_rate": float("nan")}}, "must be a finite number"),
+])
+def test_bad_values_name_field_value_and_rule(raw, fragment):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(raw)
+    assert any(fragment in line for line in info.value.problems), info.value.problems
+
+
+def test_every_problem_is_reported_once_per_line():
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"training": {"batch_size": 0, "num_epochs": -1, "typo": 1}})
+    assert len(info.value.problems) == 3
+
+
+def test_set_expressions_are_typed():
+    assert parse_set_expression("training.batch_size=128") == ("training.batch_size", 128)
+    assert parse_set_expression("system.compression_enabled=true") == (
+        "system.compression_enabled", True)
+    assert parse_set_expression("training.max_train_samples=null") == (
+        "training.max_train_samples", None)
+    with pytest.raises(ConfigError):
+        parse_set_expression("batch_size=3")
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("training: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(listing)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = load_config(None, {"training.dataset": "synthetic", "system.num_workers": 3})
+    config.save(tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again == config and isinstance(again, Config)
