@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from disttrain.config import TrainingConfig
-from disttrain.data import load_datasets
-from disttrain.data import sources
+from disttrain.data import load_datasets, sources
 from disttrain.errors import DataError
 
 
