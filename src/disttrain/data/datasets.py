@@ -1,0 +1,129 @@
+"""In-memory data sets: normalised float images and int64 labels, batched by index.
+
+Every supported data set is small enough to hold in memory, so a batch is one indexed
+gather (`images[indices]`), with no loader processes to start or to shut down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from disttrain.config import TrainingConfig
+from disttrain.data import sources
+from disttrain.errors import DataError
+
+# Per-channel (mean, std) of the training images scaled to [0, 1].
+NORMALISATION = {
+    "mnist": ((0.1307,), (0.3081,)),
+    "fashion_mnist": ((0.2860,), (0.3530,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+}
+SUBSET_SEED = 0  # the subsets of max_*_samples are the same whatever the training seed
+SYNTHETIC_SEED = 1234
+SYNTHETIC_SHAPE = (1, 28, 28)
+DIGITS_TEST_FRACTION = 0.2
+
+
+@dataclass
+class ArrayDataset:
+    """Images (N, C, H, W) float32, normalised, and labels (N,) int64."""
+
+    name: str
+    images: torch.Tensor
+    labels: torch.Tensor
+    num_classes: int = 10
+
+    def __post_init__(self):
+        if len(self.images) != len(self.labels):
+            raise ValueError(f"{self.name}: {len(self.images)} images but {len(self.labels)} labels")
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        return tuple(self.images.shape[1:])
+
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[indices], self.labels[indices]
+
+    def subset(self, limit: int | None) -> ArrayDataset:
+        """The first `limit` samples of a fixed permutation (class-balanced, deterministic)."""
+        if limit is None or limit >= len(self):
+            return self
+        order = torch.randperm(len(self), generator=torch.Generator().manual_seed(SUBSET_SEED))
+        keep = order[:limit]
+        return ArrayDataset(self.name, self.images[keep], self.labels[keep], self.num_classes)
+
+
+def _to_tensor(images: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    x = torch.from_numpy(np.array(images, dtype=np.float32)).div_(255.0)  # a writable copy
+    if x.dim() == 3:
+        x = x.unsqueeze(1)
+    mean_t = torch.tensor(mean).view(1, -1, 1, 1)
+    std_t = torch.tensor(std).view(1, -1, 1, 1)
+    return ((x - mean_t) / std_t).contiguous()
+
+
+def _from_arrays(name: str, arrays: dict[str, np.ndarray]) -> tuple[ArrayDataset, ArrayDataset]:
+    mean, std = NORMALISATION[name]
+    return tuple(
+        ArrayDataset(name, _to_tensor(arrays[f"{split}_images"], mean, std),
+                     torch.from_numpy(arrays[f"{split}_labels"].astype(np.int64)))
+        for split in ("train", "test")
+    )
+
+
+def synthetic(num_samples: int) -> tuple[ArrayDataset, ArrayDataset]:
+    """A deterministic, learnable, image-shaped data set: ten fixed random prototypes plus
+    noise. The test split (a fifth of `num_samples`, at least 10) uses the same prototypes."""
+    gen = torch.Generator().manual_seed(SYNTHETIC_SEED)
+    prototypes = torch.randn((10, *SYNTHETIC_SHAPE), generator=gen)
+
+    def draw(count: int) -> ArrayDataset:
+        labels = torch.randint(0, 10, (count,), generator=gen)
+        noise = torch.randn((count, *SYNTHETIC_SHAPE), generator=gen)
+        return ArrayDataset("synthetic", (prototypes[labels] + 1.5 * noise).contiguous(), labels)
+
+    return draw(num_samples), draw(max(num_samples // 5, 10))
+
+
+def digits() -> tuple[ArrayDataset, ArrayDataset]:
+    """scikit-learn's bundled 8x8 handwritten digits (1,797 real samples, no download);
+    a fixed 80/20 split, normalised by the training split's mean and std."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = torch.from_numpy(bunch.images).float().div_(16.0).unsqueeze(1)
+    labels = torch.from_numpy(bunch.target.astype(np.int64))
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(SUBSET_SEED))
+    num_test = int(len(labels) * DIGITS_TEST_FRACTION)
+    train_idx, test_idx = order[num_test:], order[:num_test]
+    mean, std = images[train_idx].mean(), images[train_idx].std()
+    images = ((images - mean) / std).contiguous()
+    return (ArrayDataset("digits", images[train_idx], labels[train_idx]),
+            ArrayDataset("digits", images[test_idx], labels[test_idx]))
+
+
+def load_datasets(training: TrainingConfig) -> tuple[ArrayDataset, ArrayDataset]:
+    """Load the train and test splits named by `training.dataset`, with the sample limits.
+
+    Raises:
+        DataError: files are missing (and cannot be downloaded), truncated or malformed.
+    """
+    name = training.dataset
+    if name == "synthetic":
+        train, test = synthetic(training.num_samples)
+    elif name == "digits":
+        train, test = digits()
+    elif name in ("mnist", "fashion_mnist"):
+        train, test = _from_arrays(name, sources.load_idx_dataset(name, Path(training.data_dir)))
+    elif name == "cifar10":
+        train, test = _from_arrays(name, sources.load_cifar10(Path(training.data_dir)))
+    else:
+        raise DataError(f"training.dataset: unknown data set {name!r}")
+    return train.subset(training.max_train_samples), test.subset(training.max_test_samples)
