@@ -78,7 +78,8 @@ class ShardClient:
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(is_transient),
-            wait=tenacity.wait_exponential_jitter(initial=policy.initial_backoff_s, max=policy.max_backoff_s),
+            wait=tenacity.wait_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s)
+            + tenacity.wait_random(0, policy.initial_backoff_s),  # jitter: retries of many workers spread out
             stop=tenacity.stop_after_attempt(policy.max_attempts), before_sleep=log_retry, reraise=True)
         try:
             return retrying(fn)
@@ -214,7 +215,8 @@ class PSClient:
 
         def send(header: pb.GradientMessage, shard: int) -> tuple[pb.PushReply, int]:
             plan = self.plans[shard]
-            return self.shards[shard].push(header, plan, data[plan.offset * size:(plan.offset + plan.numel) * size])
+            start, end = plan.offset * size, (plan.offset + plan.numel) * size
+            return self.shards[shard].push(header, plan, data[start:end])
 
         results = self.gather([lambda h=h, s=s: send(h, s) for h, s in zip(headers, shards, strict=True)])
         self._count(sent=sum(r[1] for r in results))

@@ -61,7 +61,8 @@ class ShardState:
         self.plan = plan
         self.config = config
         self.param = nn.Parameter(initial.detach().clone().reshape(-1))
-        self.optimizer = build_optimizer([self.param], config.training)
+        # One flat tensor per shard: the fused kernels update it in one pass.
+        self.optimizer = build_optimizer([self.param], config.training, fused=True)
         self.rules = AggregationRules(system.aggregation_mode, system.num_workers,
                                       system.staleness, system.backup_workers)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -171,6 +172,8 @@ class ShardState:
     def stop(self) -> None:
         """Wake every waiter, write a final checkpoint, wait for pending writes."""
         with self._changed:
+            if self.stopping:
+                return
             self.stopping = True
             self._changed.notify_all()
             state = self._state() if self.checkpoint_dir is not None else None
