@@ -21,6 +21,7 @@ from pathlib import Path
 from disttrain import cli
 from disttrain.config import Config
 from disttrain.errors import ConfigError, DistributedError
+from disttrain.faults import Fault
 from disttrain.launch import Cluster, raise_on_sigterm
 from disttrain.metrics import SUMMARY_FILE, Progress, RunSummary
 from disttrain.ps.model import check_supported
@@ -145,4 +146,10 @@ def main(args: argparse.Namespace, config: Config) -> RunSummary:
     if args.resume:
         raise ConfigError("--resume: the ps launcher cannot resume a run yet; restart a server from its "
                           "checkpoints with `disttrain ps-server --resume`")
-    return run_cluster(config, args.summary_json, args.verbose)
+    return run_cluster(config, args.summary_json, args.verbose, [_fault_flag(f) for f in args.faults])
+
+
+def _fault_flag(fault: Fault) -> str:
+    """The `--inject-fault` argument that names `fault` again, for the workers."""
+    rank = "" if fault.rank is None else f",rank={fault.rank}"
+    return f"--inject-fault={fault.action}@step={fault.step}{rank},attempt={fault.attempt}"

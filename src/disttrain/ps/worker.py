@@ -25,6 +25,7 @@ from disttrain.config import Config
 from disttrain.data import ShardedSampler, load_datasets
 from disttrain.engine import configure_threads, evaluate, forward_backward, seed_everything
 from disttrain.errors import ConfigError, DataError
+from disttrain.faults import Fault, FaultInjector
 from disttrain.launch import bind_to_parent, emit_event
 from disttrain.metrics import MetricsLogger, RunSummary, StepTimer
 from disttrain.proto import parameter_server_pb2 as pb
@@ -57,7 +58,8 @@ class Tally:
 
 
 def run_worker(config: Config, servers: list[str], worker_id: str, requested_rank: int = -1,
-               summary_json: str | None = None) -> RunSummary | None:
+               summary_json: str | None = None, faults: list[Fault] | tuple[Fault, ...] = ()
+               ) -> RunSummary | None:
     """Train as one worker of a parameter-server run; rank 0 returns the run summary.
 
     Raises:
@@ -91,6 +93,7 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
         exchange = make_exchange(assignment.aggregation_mode, client, worker_id, flat, grads,
                                  assignment.staleness)
         exchange.start()
+        faults_here = FaultInjector(faults, rank)
         timer, tally = StepTimer(), Tally()
         totals = Tally()
         step = 0
@@ -108,6 +111,7 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                 if step % training.log_interval == 0:
                     _log(metrics, step, epoch, tally, timer, client, totals.samples, exchange.num_rejected)
                     tally = Tally()
+                faults_here.at_step(step)
             if rank == 0:
                 _evaluate_epoch(exchange, model, test_set, training.eval_batch_size, metrics, step, epoch)
         if tally.steps:
@@ -203,4 +207,5 @@ def main(args: argparse.Namespace, config: Config) -> RunSummary | None:
     tune_allocator()
     torch.set_num_threads(config.system.num_threads or 1)
     worker_id = args.worker_id or f"{socket.gethostname()}:{os.getpid()}"
-    return run_worker(config, parse_servers(args.servers), worker_id, args.rank, args.summary_json)
+    return run_worker(config, parse_servers(args.servers), worker_id, args.rank, args.summary_json,
+                      args.faults)
