@@ -57,9 +57,11 @@ def test_frames_are_valid_protobuf_and_decode_back(numel):
     parsed = [pb.GradientMessage.FromString(f) for f in frames]  # the stock parser agrees
     assert parsed[0].step == 3 and parsed[0].base_version == 7 and list(parsed[0].payload.shape) == [numel]
     assert b"".join(p.payload.data for p in parsed) == bytes(codec.tensor_bytes(values))
-    joined = wire.join_payload(iter(wire.read_gradient(f) for f in frames), numel * 4)
-    assert joined.header.worker_id == "w" and joined.meta.dtype == "float32"
-    assert torch.equal(codec.decode_tensor(joined.data, "float32"), values)
+    payload = wire.collect_payload(iter(wire.read_gradient(f) for f in frames), numel * 4)
+    assert payload.header.worker_id == "w" and payload.meta.dtype == "float32" and payload.nbytes == numel * 4
+    out = torch.empty(numel)
+    codec.copy_chunks(codec.decode_chunks(payload.chunks, "float32"), out)
+    assert torch.equal(out, values)
 
 
 def test_stock_serialized_messages_decode_too():
@@ -75,9 +77,9 @@ def test_malformed_frames_raise_value_error(raw):
         wire.read_gradient(raw)
 
 
-def test_join_payload_bounds_the_size():
+def test_collect_payload_bounds_the_size():
     frames = [codec.Frame(None, None, memoryview(b"x" * 10)) for _ in range(3)]
     with pytest.raises(ValueError, match="exceeds"):
-        wire.join_payload(iter(frames), 25)
+        wire.collect_payload(iter(frames), 25)
     with pytest.raises(ValueError, match="empty stream"):
-        wire.join_payload(iter([]), 25)
+        wire.collect_payload(iter([]), 25)

@@ -24,7 +24,7 @@ import torch
 from disttrain.errors import DistributedError
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.ps import wire
-from disttrain.ps.codec import decode_tensor, tensor_bytes
+from disttrain.ps.codec import copy_chunks, decode_chunks, tensor_bytes
 from disttrain.ps.sharding import ShardPlan
 
 logger = logging.getLogger(__name__)
@@ -117,15 +117,15 @@ class ShardClient:
         def attempt():
             stream = self._calls["GetParameters"](request, timeout=self.policy.timeout_s,
                                                   wait_for_ready=True)
-            return wire.join_payload(iter(stream), plan.nbytes)
+            return wire.collect_payload(iter(stream), plan.nbytes)
 
-        frame = self._retry("GetParameters", attempt)
-        if frame.header.version < min_version or frame.data.nbytes != plan.nbytes:
-            raise DistributedError(f"shard {plan.shard} answered version {frame.header.version} "
-                                   f"with {frame.data.nbytes} bytes; expected version >= {min_version} "
+        payload = self._retry("GetParameters", attempt)
+        if payload.header.version < min_version or payload.nbytes != plan.nbytes:
+            raise DistributedError(f"shard {plan.shard} answered version {payload.header.version} "
+                                   f"with {payload.nbytes} bytes; expected version >= {min_version} "
                                    f"and {plan.nbytes} bytes")
-        into.copy_(decode_tensor(frame.data, plan.dtype))
-        return frame.header.version, frame.data.nbytes
+        copy_chunks(decode_chunks(payload.chunks, plan.dtype), into)
+        return payload.header.version, payload.nbytes
 
     def close(self) -> None:
         self.channel.close()

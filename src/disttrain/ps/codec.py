@@ -170,6 +170,38 @@ def _len_field(number: int, length: int) -> bytes:
 
 
 @dataclass
+class Payload:
+    """A whole message gathered from its stream: the first frame's header and payload
+    metadata, and the payload bytes as the list of received chunks (not joined: each
+    consumer copies them once, straight to where they go)."""
+
+    header: Any
+    meta: Any
+    chunks: list[memoryview]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(chunk.nbytes for chunk in self.chunks)
+
+
+def decode_chunks(chunks: list[memoryview], dtype: str | torch.dtype) -> list[torch.Tensor]:
+    """One 1-D tensor over each chunk (no copy).
+
+    Raises:
+        ValueError: a chunk is not a whole number of elements.
+    """
+    return [decode_tensor(chunk, dtype) for chunk in chunks]
+
+
+def copy_chunks(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+    """Copy consecutive 1-D chunks into the 1-D tensor `out` (their total length)."""
+    offset = 0
+    for tensor in tensors:
+        out[offset:offset + tensor.numel()].copy_(tensor)
+        offset += tensor.numel()
+
+
+@dataclass
 class Frame:
     """One received message: its header fields, its payload's metadata, its payload bytes.
 

@@ -49,8 +49,8 @@ class ParameterServicer:
 
     def SendGradients(self, request_iterator, context):
         try:
-            frame = wire.join_payload(request_iterator, self.state.plan.nbytes)
-            decision = self.state.push(frame)
+            payload = wire.collect_payload(request_iterator, self.state.plan.nbytes)
+            decision = self.state.push(payload)
         except PushRefused as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:  # InvalidPush, or a malformed frame

@@ -25,7 +25,7 @@ from disttrain.config import Config
 from disttrain.engine import build_optimizer
 from disttrain.errors import CheckpointError
 from disttrain.ps.aggregation import AggregationRules, Contribution, Decision
-from disttrain.ps.codec import Frame, tensor_bytes
+from disttrain.ps.codec import Payload, tensor_bytes
 from disttrain.ps.sharding import ShardPlan
 from disttrain.ps.validation import check_header, decode_payload
 
@@ -94,21 +94,21 @@ class ShardState:
 
     # -- pushes and pulls -----------------------------------------------------------------
 
-    def push(self, frame: Frame) -> Decision:
-        """Validate and offer one push (its frame holds the whole payload).
+    def push(self, payload: Payload) -> Decision:
+        """Validate and offer one push.
 
         Raises:
             InvalidPush: malformed payload (INVALID_ARGUMENT).
             PushRefused: unknown worker or impossible version (FAILED_PRECONDITION).
         """
         try:
-            check_header(frame, self.plan)
-            gradient = decode_payload(frame.data, self.plan)
+            check_header(payload, self.plan)
+            gradient = decode_payload(payload, self.plan)
         except ValueError:
             with self._lock:
                 self.num_invalid += 1
             raise
-        header = frame.header
+        header = payload.header
         with self._changed:
             decision = self.rules.offer(header.worker_id, header.step, header.base_version,
                                         float(header.num_samples), gradient, self.clock())
@@ -226,11 +226,20 @@ class ShardState:
 
 
 def _combine(contributions: list[Contribution]) -> torch.Tensor:
-    """The weighted sum of gradients, in rank order (deterministic whatever the arrival order)."""
+    """The weighted sum of gradients (each a list of 1-D chunks), in rank order, so the
+    result does not depend on the order they arrived in."""
     first = contributions[0]
-    if len(contributions) == 1 and first.weight == 1.0:
-        return first.payload
-    total = torch.mul(first.payload, first.weight)
-    for c in contributions[1:]:
-        total.add_(c.payload, alpha=c.weight)
+    if len(contributions) == 1 and first.weight == 1.0 and len(first.payload) == 1:
+        return first.payload[0]
+    numel = sum(chunk.numel() for chunk in first.payload)
+    total = torch.empty(numel, dtype=first.payload[0].dtype)
+    for index, c in enumerate(contributions):
+        offset = 0
+        for chunk in c.payload:
+            target = total[offset:offset + chunk.numel()]
+            if index == 0:
+                torch.mul(chunk, c.weight, out=target)
+            else:
+                target.add_(chunk, alpha=c.weight)
+            offset += chunk.numel()
     return total

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from disttrain.ps.codec import Frame, all_finite, decode_tensor, to_dtype
+from disttrain.ps.codec import Payload, all_finite, decode_chunks, to_dtype
 from disttrain.ps.sharding import ShardPlan, TensorSlice
 
 
@@ -21,13 +21,13 @@ def layout_of(message_layout) -> list[TensorSlice]:
     return [TensorSlice(s.name, tuple(s.shape), s.start, s.length) for s in message_layout]
 
 
-def check_header(frame: Frame, plan: ShardPlan) -> None:
+def check_header(payload: Payload, plan: ShardPlan) -> None:
     """Check a push's header and payload metadata (not yet its bytes).
 
     Raises:
         InvalidPush: naming the first problem found.
     """
-    header, meta = frame.header, frame.meta
+    header, meta = payload.header, payload.meta
     if not header.worker_id:
         raise InvalidPush("worker_id is empty")
     if header.shard != plan.shard:
@@ -63,18 +63,22 @@ def _check_layout(layout: list[TensorSlice], plan: ShardPlan) -> None:
                           f"{[s.name for s in plan.slices]}")
 
 
-def decode_payload(data: memoryview, plan: ShardPlan) -> torch.Tensor:
-    """The flat gradient of a push whose header passed `check_header`.
+def decode_payload(payload: Payload, plan: ShardPlan) -> list[torch.Tensor]:
+    """The flat gradient of a push whose header passed `check_header`, as 1-D chunks
+    (views of the received bytes, in order).
 
     Raises:
         InvalidPush: truncated or overlong bytes, or non-finite values.
     """
     itemsize = torch.empty((), dtype=to_dtype(plan.dtype)).element_size()
     expected = plan.numel * itemsize
-    if data.nbytes != expected:
-        raise InvalidPush(f"payload has {data.nbytes} bytes, expected {expected} "
+    if payload.nbytes != expected:
+        raise InvalidPush(f"payload has {payload.nbytes} bytes, expected {expected} "
                           f"({plan.numel} x {plan.dtype}); truncated or padded")
-    tensor = decode_tensor(data, plan.dtype)
-    if not all_finite(tensor):
+    try:
+        chunks = decode_chunks(payload.chunks, plan.dtype)
+    except ValueError as e:
+        raise InvalidPush(f"payload chunks split an element: {e}") from e
+    if not all(all_finite(chunk) for chunk in chunks):
         raise InvalidPush("payload holds NaN or infinite values; the gradient is discarded")
-    return tensor
+    return chunks

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.proto import tensor_pb2
-from disttrain.ps.codec import CHUNK_BYTES, Frame, decode_frame, encode_frames
+from disttrain.ps.codec import CHUNK_BYTES, Frame, Payload, decode_frame, encode_frames
 from disttrain.ps.sharding import ShardPlan, TensorSlice
 
 logger = logging.getLogger(__name__)
@@ -85,8 +85,8 @@ def parameter_frames(plan: ShardPlan, version: int, data: memoryview,
     return encode_frames(header, PARAMETER_PAYLOAD_FIELD, meta, data, chunk_bytes)
 
 
-def join_payload(frames: Iterator[Frame], max_bytes: int) -> Frame:
-    """Gather a chunked stream into one frame (no copy when it had a single message).
+def collect_payload(frames: Iterator[Frame], max_bytes: int) -> Payload:
+    """Gather a chunked stream into one payload, without copying its bytes.
 
     Raises:
         ValueError: an empty stream, or more than `max_bytes` of payload.
@@ -94,15 +94,13 @@ def join_payload(frames: Iterator[Frame], max_bytes: int) -> Frame:
     first = next(frames, None)
     if first is None:
         raise ValueError("empty stream: no message arrived")
-    parts, total = [first.data], first.data.nbytes
+    chunks, total = [first.data], first.data.nbytes
     for frame in frames:
         total += frame.data.nbytes
         if total > max_bytes:
             raise ValueError(f"payload exceeds the {max_bytes} bytes this shard expects")
-        parts.append(frame.data)
-    if len(parts) > 1:
-        first.data = memoryview(b"".join(parts))
-    return first
+        chunks.append(frame.data)
+    return Payload(first.header, first.meta, chunks)
 
 
 def tune_allocator() -> None:
