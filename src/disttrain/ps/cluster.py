@@ -50,10 +50,7 @@ def run_cluster(config: Config, summary_json: str | None = None, verbose: bool =
     common = ["--config", str(config_path)] + (["-v"] if verbose else [])
     raise_on_sigterm()
     with Cluster(log_dir) as cluster:
-        for shard in range(system.num_servers):
-            cluster.spawn(f"server{shard}", ["ps-server", *common, "--bind", f"{system.bind_host}:0",
-                                             "--shard", f"{shard}/{system.num_servers}"])
-        addresses = _wait_for_servers(cluster, system.num_servers)
+        addresses = start_servers(cluster, common, system.bind_host, system.num_servers)
         logger.info("servers listening on %s", ", ".join(addresses))
         for rank in range(system.num_workers):
             args = ["ps-worker", *common, "--servers", ",".join(addresses), "--rank", str(rank),
@@ -65,7 +62,17 @@ def run_cluster(config: Config, summary_json: str | None = None, verbose: bool =
     return _read_summary(log_dir / SUMMARY_FILE)
 
 
-def _wait_for_servers(cluster: Cluster, num_servers: int) -> list[str]:
+def start_servers(cluster: Cluster, args: list[str], bind_host: str, num_servers: int) -> list[str]:
+    """Start `num_servers` shard servers on free ports; return their addresses in shard order.
+
+    Args:
+        args: extra arguments of every server (`--config PATH`, ...).
+    Raises:
+        DistributedError: a server exited, or none reported its address in time.
+    """
+    for shard in range(num_servers):
+        cluster.spawn(f"server{shard}", ["ps-server", *args, "--bind", f"{bind_host}:0",
+                                         "--shard", f"{shard}/{num_servers}"])
     addresses: dict[int, str] = {}
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while len(addresses) < num_servers:

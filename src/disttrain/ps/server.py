@@ -69,7 +69,7 @@ class ParameterServicer:
             code = grpc.StatusCode.UNAVAILABLE if self.state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
             context.abort(code, f"shard {self.state.plan.shard} did not reach version "
                                 f"{request.min_version} in time (now {self.state.version})")
-        yield from wire.parameter_frames(self.state.plan, snapshot.version, memoryview(snapshot.data))
+        yield from snapshot.frames
 
     def RegisterWorker(self, request, context):
         try:

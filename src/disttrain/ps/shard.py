@@ -25,6 +25,7 @@ from disttrain.config import Config
 from disttrain.engine import build_optimizer
 from disttrain.errors import CheckpointError
 from disttrain.ps.aggregation import AggregationRules, Contribution, Decision
+from disttrain.ps import wire
 from disttrain.ps.codec import Payload, tensor_bytes
 from disttrain.ps.sharding import ShardPlan
 from disttrain.ps.validation import check_header, decode_payload
@@ -36,10 +37,11 @@ STRATEGY = "ps-server"
 
 @dataclass
 class Snapshot:
-    """The bytes of the parameters at `version` (immutable; shared by readers)."""
+    """The parameters at `version` as ready-made wire messages (immutable; every reader
+    of that version streams the same ones, so they are built once per version)."""
 
     version: int
-    data: bytes
+    frames: list[bytes]
 
 
 class ShardState:
@@ -135,7 +137,8 @@ class ShardState:
             if not ready or self.rules.version < min_version:
                 return None
             if self._snapshot is None or self._snapshot.version != self.rules.version:
-                self._snapshot = Snapshot(self.rules.version, tensor_bytes(self.param).tobytes())
+                frames = wire.parameter_frames(self.plan, self.rules.version, tensor_bytes(self.param))
+                self._snapshot = Snapshot(self.rules.version, list(frames))
             return self._snapshot
 
     def wait_all_done(self, timeout_s: float | None) -> bool:
