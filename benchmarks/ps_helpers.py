@@ -7,6 +7,7 @@ to a file the parent reads. Every process runs with one torch thread.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -87,6 +88,24 @@ def run_roles(script: str, role: str, count: int, args: list[str], timeout_s: fl
             for process in processes:
                 process.kill()
         return [json.loads(out.read_text()) for out in outputs]
+
+
+ROLE_FLAGS = {
+    "--role": str,
+    "--rank": int,
+    "--result": str,
+    "--config": str,
+    "--servers": str,
+    "--store": str,
+    "--nbytes": int,
+    "--steps": int,
+}
+
+
+def role_flags(parser: argparse.ArgumentParser) -> None:
+    """The hidden flags that helper roles of a benchmark script are started with."""
+    for flag, type_ in ROLE_FLAGS.items():
+        parser.add_argument(flag, type=type_, help=argparse.SUPPRESS)
 
 
 def write_result(path: str, result: dict) -> None:

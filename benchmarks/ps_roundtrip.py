@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from common import median, parse_args, report, time_interleaved
-from ps_helpers import make_config, servers
+from ps_helpers import make_config, role_flags, servers
 
 from disttrain.launch import Cluster
 from disttrain.proto import parameter_server_pb2 as pb
@@ -47,7 +47,7 @@ def echo_server(nbytes: int) -> None:
 
 
 def main() -> None:
-    args = parse_args(__doc__.split("\n\n")[0], _role_flags)
+    args = parse_args(__doc__.split("\n\n")[0], role_flags)
     torch.set_num_threads(1)
     tune_allocator()
     with tempfile.TemporaryDirectory() as tmp, Cluster(Path(tmp) / "logs") as cluster:
@@ -115,14 +115,9 @@ def main() -> None:
     )
 
 
-def _role_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--role", choices=["echo"], help=argparse.SUPPRESS)
-    parser.add_argument("--nbytes", type=int, help=argparse.SUPPRESS)
-
-
 if __name__ == "__main__":
     helper = argparse.ArgumentParser(add_help=False)
-    _role_flags(helper)
+    role_flags(helper)
     known, _ = helper.parse_known_args()
     if known.role == "echo":
         echo_server(known.nbytes)

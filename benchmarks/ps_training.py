@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from common import parse_args, report
-from ps_helpers import file_store, make_config, one_thread, run_roles, write_result
+from ps_helpers import file_store, make_config, one_thread, role_flags, run_roles, write_result
 
 from disttrain.config import load_config
 from disttrain.data import ShardedSampler, load_datasets
@@ -84,19 +84,9 @@ def measure_ddp(steps: int, folder: Path) -> float:
     return results[0]["samples_per_s"]
 
 
-def _role_flags(parser: argparse.ArgumentParser) -> None:
-    for flag, type_ in (
-        ("--role", str),
-        ("--rank", int),
-        ("--result", str),
-        ("--config", str),
-        ("--store", str),
-    ):
-        parser.add_argument(flag, type=type_, help=argparse.SUPPRESS)
-
 
 def main() -> None:
-    args = parse_args(__doc__.split("\n\n")[0], _role_flags)
+    args = parse_args(__doc__.split("\n\n")[0], role_flags)
     one_thread()
     if args.role == "ddp":
         return ddp_rank(args)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from common import parse_args, report
-from ps_helpers import file_store, make_config, one_thread, run_roles, servers, write_result
+from ps_helpers import file_store, make_config, one_thread, role_flags, run_roles, servers, write_result
 
 from disttrain.config import load_config
 from disttrain.engine import StepResult
@@ -94,22 +94,9 @@ def measure(model_name: str, steps: int, folder: Path) -> dict:
     return {"bytes": nbytes, "ps_step_comm_s": ps_s, "gloo_all_reduce_s": gloo_s, "ratio": ps_s / gloo_s}
 
 
-def _role_flags(parser: argparse.ArgumentParser) -> None:
-    for flag, type_ in (
-        ("--role", str),
-        ("--rank", int),
-        ("--result", str),
-        ("--config", str),
-        ("--servers", str),
-        ("--store", str),
-        ("--nbytes", int),
-        ("--steps", int),
-    ):
-        parser.add_argument(flag, type=type_, help=argparse.SUPPRESS)
-
 
 def main() -> None:
-    args = parse_args(__doc__.split("\n\n")[0], _role_flags)
+    args = parse_args(__doc__.split("\n\n")[0], role_flags)
     one_thread()
     tune_allocator()
     if args.role == "ps-worker":

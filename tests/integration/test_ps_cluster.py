@@ -21,15 +21,43 @@ from disttrain.data import ShardedSampler, load_datasets
 from disttrain.evaluation import evaluate_model_file
 from disttrain.ps.model import build_initial_model
 
-EXACT_ARGS = ["--dataset", "digits", "--model", "mlp", "--optimizer", "sgd", "--set", "training.momentum=0",
-              "--learning-rate", "0.1", "--batch-size", "16", "--max-train-samples", "96",
-              "--max-test-samples", "60", "--num-epochs", "1"]
+EXACT_ARGS = [
+    "--dataset",
+    "digits",
+    "--model",
+    "mlp",
+    "--optimizer",
+    "sgd",
+    "--set",
+    "training.momentum=0",
+    "--learning-rate",
+    "0.1",
+    "--batch-size",
+    "16",
+    "--max-train-samples",
+    "96",
+    "--max-test-samples",
+    "60",
+    "--num-epochs",
+    "1",
+]
 
 
 @pytest.mark.timeout(120)
 def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path, cli):
-    result = cli("ps", "--workers", "2", "--servers", "2", *EXACT_ARGS, "--log-dir", tmp_path / "logs",
-                 "--checkpoint-dir", tmp_path / "ckpt", timeout=110)
+    result = cli(
+        "ps",
+        "--workers",
+        "2",
+        "--servers",
+        "2",
+        *EXACT_ARGS,
+        "--log-dir",
+        tmp_path / "logs",
+        "--checkpoint-dir",
+        tmp_path / "ckpt",
+        timeout=110,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Strategy: ps-sync (world size 2" in result.stdout
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
@@ -40,7 +68,9 @@ def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path
     train_set, _ = load_datasets(config.training)
     model = build_initial_model(config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    samplers = [ShardedSampler(len(train_set), world_size=2, rank=r, seed=config.training.seed) for r in range(2)]
+    samplers = [
+        ShardedSampler(len(train_set), world_size=2, rank=r, seed=config.training.seed) for r in range(2)
+    ]
     for batches in zip(*(s.batches(16) for s in samplers), strict=True):
         inputs, targets = train_set.batch(torch.cat(batches))
         optimizer.zero_grad()
@@ -49,16 +79,36 @@ def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path
     final = load_checkpoint(tmp_path / "ckpt" / "parameter_server_final.pt")["model"]
     for name, expected in model.state_dict().items():
         torch.testing.assert_close(final[name], expected, rtol=0, atol=1e-5, msg=name)
-    assert evaluate_model_file(tmp_path / "ckpt" / "parameter_server_final.pt", config.training).num_samples == 60
+    assert (
+        evaluate_model_file(tmp_path / "ckpt" / "parameter_server_final.pt", config.training).num_samples
+        == 60
+    )
     assert (tmp_path / "logs" / "worker1" / "metrics.jsonl").is_file()
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["parameter_server_final.pt", "server0",
-                                                                      "server1"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "parameter_server_final.pt",
+        "server0",
+        "server1",
+    ]
 
 
 @pytest.mark.timeout(120)
 def test_a_failing_worker_stops_the_whole_cluster(tmp_path, cli):
-    result = cli("ps", "--workers", "2", "--dataset", "digits", "--num-epochs", "20", "--log-dir", tmp_path / "logs",
-                 "--checkpoint-dir", tmp_path / "ckpt", "--inject-fault", "kill@step=3,rank=1", timeout=110)
+    result = cli(
+        "ps",
+        "--workers",
+        "2",
+        "--dataset",
+        "digits",
+        "--num-epochs",
+        "20",
+        "--log-dir",
+        tmp_path / "logs",
+        "--checkpoint-dir",
+        tmp_path / "ckpt",
+        "--inject-fault",
+        "kill@step=3,rank=1",
+        timeout=110,
+    )
     assert result.returncode == 1
     assert "worker1 exited with code -9" in result.stderr
     assert cluster_processes(tmp_path) == []
@@ -97,12 +147,32 @@ def wait_until(predicate, timeout_s: float, what: str):
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT])
 def test_stopping_the_launcher_leaves_no_process_behind(tmp_path, signum):
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "disttrain", "ps", "--workers", "2", "--servers", "2", "--dataset", "digits",
-         "--num-epochs", "500", "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        [
+            sys.executable,
+            "-m",
+            "disttrain",
+            "ps",
+            "--workers",
+            "2",
+            "--servers",
+            "2",
+            "--dataset",
+            "digits",
+            "--num-epochs",
+            "500",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         metrics = [tmp_path / "logs" / f"worker{r}" / "metrics.jsonl" for r in range(2)]
-        wait_until(lambda: all(m.is_file() and m.stat().st_size for m in metrics), 90, "both workers training")
+        wait_until(
+            lambda: all(m.is_file() and m.stat().st_size for m in metrics), 90, "both workers training"
+        )
         assert len(cluster_processes(tmp_path)) >= 5  # launcher, 2 servers, 2 workers
         launcher.send_signal(signum)
         launcher.wait(timeout=30)

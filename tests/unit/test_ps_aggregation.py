@@ -19,7 +19,11 @@ def test_sync_waits_for_every_worker_then_applies_by_weight_in_rank_order():
     assert r.version == 0
     decision = r.offer("w1", 1, 0, 60.0, "g1", now=4.5)
     assert decision.outcome is Outcome.APPLIED and decision.version == 1 == r.version
-    assert [(c.rank, c.payload, c.weight) for c in decision.apply] == [(0, "g0", 0.3), (1, "g1", 0.6), (2, "g2", 0.1)]
+    assert [(c.rank, c.payload, c.weight) for c in decision.apply] == [
+        (0, "g0", 0.3),
+        (1, "g1", 0.6),
+        (2, "g2", 0.1),
+    ]
     assert r.round_wait_s == pytest.approx(3.5)
     assert r.counts["samples"] == 100 and r.staleness_histogram == {0: 3}
 
