@@ -202,3 +202,37 @@ def test_initial_parameters_are_the_seeded_model(tmp_path):
     config = make_config(tmp_path)
     state = build_state(config, 0, 1)
     assert torch.equal(state.parameters(), flat_vector(build_initial_model(config)))
+
+
+def test_ssp_worker_recomputes_a_rejected_gradient_on_fresh_parameters(tmp_path):
+    from disttrain.engine import StepResult
+    from disttrain.metrics import StepTimer
+    from disttrain.ps.exchange import make_exchange
+
+    config = make_config(tmp_path, num_workers=2, aggregation_mode="ssp", staleness=0)
+    state = build_state(config, 0, 1)
+    server = ShardServer(state, "127.0.0.1:0")
+    plan = state.plan
+    clients = [PSClient([server.address], [plan], RetryPolicy(timeout_s=10.0)) for _ in range(2)]
+    try:
+        exchanges = []
+        for rank, c in enumerate(clients):
+            c.register(f"w{rank}", rank)
+            flat, grads = torch.zeros(plan.numel), torch.ones(plan.numel)
+            exchanges.append(make_exchange("ssp", c, f"w{rank}", flat, grads, 0))
+            exchanges[-1].start()
+        computed = []
+
+        def compute(rank):
+            computed.append((rank, exchanges[rank].versions[0]))
+            return StepResult(0.0, 0, 8)
+
+        exchanges[0].step(lambda: compute(0), 1, 0, 8, StepTimer())  # version 0 -> 1
+        exchanges[1].step(lambda: compute(1), 1, 0, 8, StepTimer())  # on version 0: rejected, redone on 1
+        assert computed == [(0, 0), (1, 0), (1, 1)]
+        assert exchanges[1].num_rejected == 1 and state.version == 2
+        assert state.status()["num_rejected_stale"] == 1
+    finally:
+        for c in clients:
+            c.close()
+        server.stop(0)

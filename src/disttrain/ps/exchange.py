@@ -115,7 +115,8 @@ class SSPExchange(AsyncExchange):
                 break
             self.num_rejected += len(stale)
             with timer.phase("comm"):
-                fetched.result()  # let the prefetch finish before pulling over it
+                if fetched is not None:
+                    fetched.result()  # let the prefetch finish before pulling over it
                 self.versions = self.client.pull(self.worker_id, self.flat, self.versions)
             fetched, pending = None, stale
         with timer.phase("comm"):

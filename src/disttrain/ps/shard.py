@@ -24,8 +24,8 @@ from disttrain import checkpoint as ckpt
 from disttrain.config import Config
 from disttrain.engine import build_optimizer
 from disttrain.errors import CheckpointError
-from disttrain.ps.aggregation import AggregationRules, Contribution, Decision
 from disttrain.ps import wire
+from disttrain.ps.aggregation import AggregationRules, Contribution, Decision
 from disttrain.ps.codec import Payload, tensor_bytes
 from disttrain.ps.sharding import ShardPlan
 from disttrain.ps.validation import check_header, decode_payload
