@@ -192,7 +192,8 @@ def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool =
     configure_threads(config.system.num_threads or 1)
     seed_everything(config.training.seed)
     state = build_state(config, shard, num_shards, resume)
-    server = ShardServer(state, bind)
+    # Long-polls hold a thread each: room for every worker's push, pull and status call.
+    server = ShardServer(state, bind, max_threads=max(32, 4 * config.system.num_workers + 8))
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.stopped.set())
     logger.info("shard %d/%d (%d parameters, %.2f MB) listening on %s (%s)", shard, num_shards,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from disttrain.ps.codec import dtype_name
+from disttrain.ps.codec import dtype_name, to_dtype
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class ShardPlan:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.numel * torch.empty((), dtype=to_dtype(self.dtype)).element_size()
 
 
 def model_tensors(model: nn.Module) -> list[tuple[str, tuple[int, ...], int]]:

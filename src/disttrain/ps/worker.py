@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +35,9 @@ from disttrain.ps.client import PSClient, RetryPolicy
 from disttrain.ps.exchange import make_exchange
 from disttrain.ps.finalize import finalize_run
 from disttrain.ps.model import INPUT_SHAPES, build_initial_model, check_supported
+from disttrain.ps.server import parse_address
 from disttrain.ps.sharding import flat_parameters, plan_shards
+from disttrain.ps.wire import tune_allocator
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +182,6 @@ def parse_servers(text: str) -> list[str]:
     Raises:
         ConfigError: empty, or an entry without a port.
     """
-    from disttrain.ps.server import parse_address
-
     addresses = [part.strip() for part in text.split(",") if part.strip()]
     if not addresses:
         raise ConfigError("--servers: give the servers as HOST:PORT,HOST:PORT in shard order")
@@ -198,11 +200,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, config: Config) -> RunSummary | None:
-    import os
-    import socket
-
-    from disttrain.ps.wire import tune_allocator
-
     bind_to_parent()
     tune_allocator()
     torch.set_num_threads(config.system.num_threads or 1)
