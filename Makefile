@@ -44,5 +44,10 @@ bench: install
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks
 
+# Regenerate src/disttrain/proto/ from proto/disttrain/v1/*.proto (commit the result;
+# tests/unit/test_proto_stubs.py fails while the committed stubs are stale).
+proto: install
+	$(PY) tools/proto.py
+
 clean:
 	rm -rf runs .pytest_cache build

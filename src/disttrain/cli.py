@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 COMMANDS: dict[str, tuple[str, str]] = {
     "baseline": ("disttrain.baseline", "train in one process (the control group)"),
     "evaluate": ("disttrain.evaluation", "test accuracy of a saved model file"),
+    "ps": ("disttrain.ps.cluster", "parameter server: servers and workers on this machine"),
+    "ps-server": ("disttrain.ps.server", "serve one parameter-server shard over gRPC"),
+    "ps-worker": ("disttrain.ps.worker", "train as one parameter-server worker"),
 }
 
 CONFIG_PREFIX = "config:"

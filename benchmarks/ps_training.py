@@ -1,0 +1,110 @@
+"""End-to-end training samples/s: synchronous PS with 2 workers against DistributedDataParallel
+over gloo with 2 ranks, same model (SimpleCNN), data, batch (64 per worker) and optimizer,
+one torch thread per process.
+
+The PS run is a real `disttrain ps` cluster (1 server + 2 workers, server included in the
+machine's load); its rate is read from worker 0's metrics, past the first logged interval.
+The DDP run is a plain `DistributedDataParallel` loop in 2 processes, timed over the same
+steps. Process start-up and evaluation are excluded from both. Target: PS / DDP >= 0.8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from common import parse_args, report
+from ps_helpers import file_store, make_config, one_thread, role_flags, run_roles, write_result
+
+from disttrain.config import load_config
+from disttrain.data import ShardedSampler, load_datasets
+from disttrain.engine import build_optimizer, forward_backward
+from disttrain.metrics import read_metrics
+from disttrain.ps.cluster import run_cluster
+from disttrain.ps.model import build_initial_model
+
+WARMUP_STEPS = 10
+LOG_INTERVAL = 10
+
+
+def ddp_rank(args: argparse.Namespace) -> None:
+    """Role: one DDP rank; times steps WARMUP_STEPS.. to the end."""
+    config = load_config(args.config)
+    dist.init_process_group("gloo", init_method=args.store, rank=args.rank, world_size=2)
+    train_set, _ = load_datasets(config.training)
+    model = torch.nn.parallel.DistributedDataParallel(build_initial_model(config))
+    optimizer = build_optimizer(model.parameters(), config.training)
+    sampler = ShardedSampler(len(train_set), world_size=2, rank=args.rank, seed=config.training.seed)
+    start, samples = None, 0
+    for step, indices in enumerate(sampler.batches(config.training.batch_size)):
+        if step == WARMUP_STEPS:
+            dist.barrier()
+            start = time.perf_counter()
+        inputs, targets = train_set.batch(indices)
+        optimizer.zero_grad()
+        forward_backward(model, inputs, targets)
+        optimizer.step()
+        if start is not None:
+            samples += len(indices)
+    elapsed = time.perf_counter() - start
+    dist.destroy_process_group()
+    write_result(args.result, {"samples_per_s": 2 * samples / elapsed})
+
+
+def ps_samples_per_s(metrics_path: Path, num_workers: int) -> float:
+    """Cluster samples/s from a worker's logged intervals, the first (warm-up) left out."""
+    records = [r for r in read_metrics(metrics_path) if "throughput/samples_per_s" in r][1:]
+    samples = [LOG_INTERVAL * 64 for _ in records]
+    seconds = sum(s / r["throughput/samples_per_s"] for s, r in zip(samples, records, strict=True))
+    return num_workers * sum(samples) / seconds
+
+
+def measure_ps(steps: int, folder: Path) -> float:
+    config = make_config(folder, num_workers=2, num_servers=1, aggregation_mode="sync")
+    config.training.max_train_samples = 2 * 64 * (WARMUP_STEPS + steps)
+    config.training.max_test_samples = 100
+    config.training.log_interval = LOG_INTERVAL
+    run_cluster(config)
+    return ps_samples_per_s(folder / "logs" / "worker0" / "metrics.jsonl", 2)
+
+
+def measure_ddp(steps: int, folder: Path) -> float:
+    config = make_config(folder)
+    config.training.max_train_samples = 2 * 64 * (WARMUP_STEPS + steps)
+    config.save(folder / "ddp.yaml")
+    results = run_roles(
+        __file__, "ddp", 2, ["--config", str(folder / "ddp.yaml"), "--store", file_store(folder)]
+    )
+    return results[0]["samples_per_s"]
+
+
+
+def main() -> None:
+    args = parse_args(__doc__.split("\n\n")[0], role_flags)
+    one_thread()
+    if args.role == "ddp":
+        return ddp_rank(args)
+    logging.basicConfig(level=logging.WARNING)
+    steps = 30 if args.quick else 200
+    rates: dict[str, list[float]] = {"ps": [], "ddp": []}
+    for _ in range(1 if args.quick else 2):  # interleaved: drift in the machine's load hits both
+        for name, measure in (("ddp", measure_ddp), ("ps", measure_ps)):
+            with tempfile.TemporaryDirectory() as tmp:
+                rates[name].append(measure(steps, Path(tmp)))
+    ps, ddp = statistics.median(rates["ps"]), statistics.median(rates["ddp"])
+    report(
+        "ps_training",
+        {"steps": steps, "ps_samples_per_s": ps, "ddp_samples_per_s": ddp, "runs": rates, "ratio": ps / ddp},
+        args.output,
+        target="ratio >= 0.8",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Start a local cluster of processes, stream their logs, and never leave one behind.
+
+Each child runs `python -m disttrain ...` in its own session (so a Ctrl-C reaches only
+the launcher, which then stops the children in order), with its stdout and stderr in
+`<log_dir>/<name>.log`. Children report to the launcher with event lines on stdout
+(`emit_event`): the address a server bound, progress. A child calls `bind_to_parent()`
+first thing: on Linux the kernel then kills it when the launcher dies, however the
+launcher dies (SIGKILL included); elsewhere a watchdog thread does the same.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+EVENT_PREFIX = "@disttrain-event "
+PARENT_ENV = "DISTTRAIN_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+_QUIET_EVENTS = {"progress"}  # frequent events stay out of the log files
+
+
+def emit_event(kind: str, **fields: Any) -> None:
+    """Tell the launcher something (one JSON line on stdout); a no-op when not launched."""
+    if PARENT_ENV in os.environ:
+        print(EVENT_PREFIX + json.dumps({"event": kind, **fields}), flush=True)
+
+
+def bind_to_parent() -> None:
+    """Die with the launcher that started this process (no-op when not launched)."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+    parent_pid = int(parent)
+    libc_name = ctypes.util.find_library("c")
+    bound = False
+    if sys.platform.startswith("linux") and libc_name:
+        libc = ctypes.CDLL(libc_name, use_errno=True)
+        bound = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    if os.getppid() != parent_pid:  # the launcher died before the line above took effect
+        os._exit(1)
+    if not bound:
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    exit_code: int | None = None
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def tail(self, lines: int = 5) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+
+@dataclass
+class Event:
+    """What the launcher hears: a child's event line ("kind" from the child), or its exit."""
+
+    child: str
+    kind: str
+    fields: dict[str, Any]
+
+
+class Cluster:
+    """A group of child processes. Use as a context manager: leaving it stops them all.
+
+    Args:
+        log_dir: where each child's `<name>.log` goes.
+    """
+
+    def __init__(self, log_dir: str | Path):
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children: dict[str, Child] = {}
+        self.events: queue.Queue[Event] = queue.Queue()
+
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+        """Start `python -m disttrain ARGS` as child `name` (call from the main thread:
+        the kernel ties a child's death signal to the thread that forked it)."""
+        log_path = self.log_dir / f"{name}.log"
+        log_file = log_path.open("ab", buffering=0)
+        child_env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen([sys.executable, "-m", "disttrain", *args], stdout=subprocess.PIPE,
+                                   stderr=log_file, stdin=subprocess.DEVNULL, env=child_env,
+                                   start_new_session=True)
+        log_file.close()
+        child = Child(name, process, log_path)
+        child.threads = [threading.Thread(target=self._read, args=(child,), daemon=True),
+                         threading.Thread(target=self._wait, args=(child,), daemon=True)]
+        for thread in child.threads:
+            thread.start()
+        self.children[name] = child
+        logger.debug("started %s (pid %d): %s", name, process.pid, " ".join(args))
+        return child
+
+    def _read(self, child: Child) -> None:
+        with child.log_path.open("ab", buffering=0) as log:
+            for raw in child.process.stdout:
+                line = raw.decode(errors="replace")
+                if line.startswith(EVENT_PREFIX):
+                    try:
+                        fields = json.loads(line[len(EVENT_PREFIX):])
+                    except ValueError:
+                        fields = None
+                    if isinstance(fields, dict):
+                        kind = str(fields.pop("event", ""))
+                        self.events.put(Event(child.name, kind, fields))
+                        if kind in _QUIET_EVENTS:
+                            continue
+                log.write(raw)
+
+    def _wait(self, child: Child) -> None:
+        code = child.process.wait()
+        for thread in child.threads[:1]:
+            thread.join(timeout=5.0)  # deliver its last events before its exit
+        self.events.put(Event(child.name, "exit", {"code": code}))
+
+    def next_event(self, timeout_s: float | None) -> Event | None:
+        try:
+            return self.events.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def alive(self) -> list[Child]:
+        return [c for c in self.children.values() if c.process.poll() is None]
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every child's process group, then SIGKILL what is left after `grace_s`."""
+        for child in self.alive():
+            _signal_group(child.process, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children.values():
+            try:
+                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop within %.0fs; killing it", child.name, grace_s)
+                _signal_group(child.process, signal.SIGKILL)
+                child.process.wait()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(process: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(process.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def raise_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit in the main thread, so `with Cluster` cleans up."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)

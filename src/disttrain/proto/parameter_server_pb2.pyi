@@ -1,0 +1,174 @@
+from . import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GradientMessage(_message.Message):
+    __slots__ = ("worker_id", "step", "compressed", "compression_type", "base_version", "block_id", "shard", "num_samples", "layout", "payload")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSED_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_TYPE_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    step: int
+    compressed: bool
+    compression_type: str
+    base_version: int
+    block_id: int
+    shard: int
+    num_samples: int
+    layout: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.SliceSpec]
+    payload: _tensor_pb2.TensorProto
+    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., base_version: _Optional[int] = ..., block_id: _Optional[int] = ..., shard: _Optional[int] = ..., num_samples: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("outcome", "version", "staleness")
+    class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        APPLIED: _ClassVar[PushReply.Outcome]
+        BUFFERED: _ClassVar[PushReply.Outcome]
+        STALE: _ClassVar[PushReply.Outcome]
+        LATE: _ClassVar[PushReply.Outcome]
+        DUPLICATE: _ClassVar[PushReply.Outcome]
+    APPLIED: PushReply.Outcome
+    BUFFERED: PushReply.Outcome
+    STALE: PushReply.Outcome
+    LATE: PushReply.Outcome
+    DUPLICATE: PushReply.Outcome
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    outcome: PushReply.Outcome
+    version: int
+    staleness: int
+    def __init__(self, outcome: _Optional[_Union[PushReply.Outcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
+
+class ParameterRequest(_message.Message):
+    __slots__ = ("worker_id", "min_version", "shard")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    min_version: int
+    shard: int
+    def __init__(self, worker_id: _Optional[str] = ..., min_version: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+
+class ParameterMessage(_message.Message):
+    __slots__ = ("version", "shard", "layout", "payload", "compressed", "compression_type")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSED_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_TYPE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    shard: int
+    layout: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.SliceSpec]
+    payload: _tensor_pb2.TensorProto
+    compressed: bool
+    compression_type: str
+    def __init__(self, version: _Optional[int] = ..., shard: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("worker_id", "requested_rank", "hostname", "pid")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_RANK_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    requested_rank: int
+    hostname: str
+    pid: int
+    def __init__(self, worker_id: _Optional[str] = ..., requested_rank: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class WorkerAssignment(_message.Message):
+    __slots__ = ("rank", "world_size", "worker_id", "shard", "num_shards", "aggregation_mode", "staleness", "version", "layout", "dtype")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_MODE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    worker_id: str
+    shard: int
+    num_shards: int
+    aggregation_mode: str
+    staleness: int
+    version: int
+    layout: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.SliceSpec]
+    dtype: str
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., aggregation_mode: _Optional[str] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class WorkerDoneRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("wait_all_done",)
+    WAIT_ALL_DONE_FIELD_NUMBER: _ClassVar[int]
+    wait_all_done: bool
+    def __init__(self, wait_all_done: _Optional[bool] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShardStatus(_message.Message):
+    __slots__ = ("shard", "num_shards", "version", "world_size", "num_registered", "num_done", "num_applied", "num_rejected_stale", "num_dropped_late", "num_duplicates", "num_invalid", "staleness_histogram", "round_wait_s", "aggregation_mode", "num_samples_applied")
+    class StalenessHistogramEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DONE_FIELD_NUMBER: _ClassVar[int]
+    NUM_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REJECTED_STALE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_LATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    NUM_INVALID_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    ROUND_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_MODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    num_shards: int
+    version: int
+    world_size: int
+    num_registered: int
+    num_done: int
+    num_applied: int
+    num_rejected_stale: int
+    num_dropped_late: int
+    num_duplicates: int
+    num_invalid: int
+    staleness_histogram: _containers.ScalarMap[int, int]
+    round_wait_s: float
+    aggregation_mode: str
+    num_samples_applied: int
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., world_size: _Optional[int] = ..., num_registered: _Optional[int] = ..., num_done: _Optional[int] = ..., num_applied: _Optional[int] = ..., num_rejected_stale: _Optional[int] = ..., num_dropped_late: _Optional[int] = ..., num_duplicates: _Optional[int] = ..., num_invalid: _Optional[int] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., round_wait_s: _Optional[float] = ..., aggregation_mode: _Optional[str] = ..., num_samples_applied: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,268 @@
+"""Tensors <-> wire bytes, without pickle and with as few copies as the transport allows.
+
+A tensor travels as its raw little-endian element bytes and is decoded with
+`torch.frombuffer` (no copy). Many tensors travel as one flat buffer. A message whose
+payload exceeds `CHUNK_BYTES` is streamed as several protobuf messages: the first holds
+every header field and the first chunk of `payload.data`, the rest hold only further
+bytes of `payload.data` (see proto/disttrain/v1/tensor.proto).
+
+The hot messages (gradients and parameters) are framed here by hand, in protobuf's own
+wire format: the header is serialized by protobuf, the payload bytes are appended as the
+`data` field of the payload `TensorProto`, so the bytes go from the tensor's storage
+into the frame in one copy, and on arrival `decode_frame` hands them out as a
+`memoryview` of the received buffer (no copy). Any protobuf parser reads these frames as
+ordinary messages, so the contract is unchanged. This module knows nothing of gRPC.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+CHUNK_BYTES = 1 << 20
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
+    "int8": torch.int8, "uint8": torch.uint8,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# numpy can check these for NaN/inf much faster than torch.isfinite on CPU.
+_NUMPY_FLOATS = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+
+_WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
+_TENSOR_DATA_FIELD = 1
+_LITTLE_ENDIAN_HOST = sys.byteorder == "little"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype ("float32", ...).
+
+    Raises:
+        ValueError: the dtype has no wire name.
+    """
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype} cannot travel on the wire; use one of {', '.join(DTYPES)}")
+    return DTYPE_NAMES[dtype]
+
+
+def to_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wire name.
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a CPU tensor, as a view of its storage when possible."""
+    tensor = tensor.detach().contiguous().cpu()
+    if not _LITTLE_ENDIAN_HOST and tensor.element_size() > 1:
+        tensor = torch.from_numpy(tensor.numpy().byteswap())
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: view the same bytes as int16
+        tensor = tensor.view(torch.int16)
+    return memoryview(tensor.numpy()).cast("B")
+
+
+def decode_tensor(data: Any, dtype: str | torch.dtype, shape: tuple[int, ...] | None = None
+                  ) -> torch.Tensor:
+    """A tensor over `data` (bytes, bytearray or memoryview of raw little-endian elements).
+
+    The tensor shares memory with `data` and must be treated as read-only when `data` is.
+
+    Raises:
+        ValueError: the byte length does not fit the dtype and shape.
+    """
+    dtype = to_dtype(dtype) if isinstance(dtype, str) else dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    length = memoryview(data).nbytes
+    if length % itemsize:
+        raise ValueError(f"{length} bytes is not a whole number of {dtype} elements")
+    expected = None if shape is None else int(np.prod(shape, dtype=np.int64)) * itemsize
+    if expected is not None and expected != length:
+        raise ValueError(f"{length} bytes given for shape {list(shape)} of {dtype}, which needs {expected}")
+    if length == 0:
+        flat = torch.empty(0, dtype=dtype)
+    else:
+        with warnings.catch_warnings():  # read-only buffers: callers copy before writing
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(data, dtype=dtype)
+    if not _LITTLE_ENDIAN_HOST and itemsize > 1:
+        flat = torch.from_numpy(flat.numpy().byteswap())
+    return flat if shape is None else flat.view(shape)
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """True when no element is NaN or infinite (integers always are)."""
+    if not tensor.dtype.is_floating_point:
+        return True
+    if tensor.dtype in _NUMPY_FLOATS:
+        return bool(np.isfinite(tensor.numpy()).all())
+    return bool(torch.isfinite(tensor).all())
+
+
+# ----------------------------------------------------------------------------------------
+# protobuf wire format, just enough to frame one large bytes field by hand
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        bits = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(bits | 0x80)
+        else:
+            out.append(bits)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result, shift = 0, 0
+    while True:
+        if pos >= len(buf):
+            raise ValueError("truncated message: a varint runs past the end")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("malformed message: varint longer than 10 bytes")
+
+
+def _fields(buf: memoryview) -> Iterator[tuple[int, int, int, int]]:
+    """Yield (number, wire_type, field_start, value_start, end) of each top-level field."""
+    pos = 0
+    while pos < len(buf):
+        start = pos
+        key, pos = _read_varint(buf, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == _WIRE_VARINT:
+            _, end = _read_varint(buf, pos)
+        elif wire_type == _WIRE_I64:
+            end = pos + 8
+        elif wire_type == _WIRE_I32:
+            end = pos + 4
+        elif wire_type == _WIRE_LEN:
+            length, pos = _read_varint(buf, pos)
+            end = pos + length
+        else:
+            raise ValueError(f"malformed message: unsupported wire type {wire_type}")
+        if end > len(buf):
+            raise ValueError("truncated message: a field runs past the end")
+        yield number, wire_type, start, pos, end
+        pos = end
+
+
+def _len_field(number: int, length: int) -> bytes:
+    return _varint(number << 3 | _WIRE_LEN) + _varint(length)
+
+
+@dataclass
+class Payload:
+    """A whole message gathered from its stream: the first frame's header and payload
+    metadata, and the payload bytes as the list of received chunks (not joined: each
+    consumer copies them once, straight to where they go)."""
+
+    header: Any
+    meta: Any
+    chunks: list[memoryview]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(chunk.nbytes for chunk in self.chunks)
+
+
+def decode_chunks(chunks: list[memoryview], dtype: str | torch.dtype) -> list[torch.Tensor]:
+    """One 1-D tensor over each chunk (no copy).
+
+    Raises:
+        ValueError: a chunk is not a whole number of elements.
+    """
+    return [decode_tensor(chunk, dtype) for chunk in chunks]
+
+
+def copy_chunks(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+    """Copy consecutive 1-D chunks into the 1-D tensor `out` (their total length)."""
+    offset = 0
+    for tensor in tensors:
+        out[offset:offset + tensor.numel()].copy_(tensor)
+        offset += tensor.numel()
+
+
+@dataclass
+class Frame:
+    """One received message: its header fields, its payload's metadata, its payload bytes.
+
+    `header` is the message with the payload's `data` left out; `meta` is the payload
+    TensorProto without `data`; `data` is a view of the received buffer.
+    """
+
+    header: Any
+    meta: Any
+    data: memoryview
+
+
+def encode_frames(header: Any, payload_field: int, meta: Any, data: memoryview,
+                  chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """Serialize `header` with the payload `meta` + `data` as one or more wire messages.
+
+    Args:
+        header: the message, without its payload field set.
+        payload_field: field number of the payload TensorProto in the header's type.
+        meta: the payload TensorProto without `data`.
+        data: the payload bytes; the first `chunk_bytes` go with the header, the rest in
+            further messages of `chunk_bytes` each.
+    Yields:
+        Serialized messages, each valid for the header's type.
+    """
+    data = memoryview(data).cast("B")
+    total = data.nbytes
+    meta_bytes = meta.SerializeToString()
+    first = data[:chunk_bytes]
+    inner = _len_field(_TENSOR_DATA_FIELD, first.nbytes)
+    payload_len = len(meta_bytes) + len(inner) + first.nbytes
+    yield b"".join((header.SerializeToString(), _len_field(payload_field, payload_len),
+                    meta_bytes, inner, first))
+    for start in range(chunk_bytes, total, chunk_bytes):
+        part = data[start:start + chunk_bytes]
+        inner = _len_field(_TENSOR_DATA_FIELD, part.nbytes)
+        yield b"".join((_len_field(payload_field, len(inner) + part.nbytes), inner, part))
+
+
+def decode_frame(raw: bytes, header_type: Any, payload_field: int, meta_type: Any) -> Frame:
+    """Split a received message into header, payload metadata and a view of the payload bytes.
+
+    Raises:
+        ValueError: the bytes are not a well-formed message of that shape.
+    """
+    buf = memoryview(raw)
+    header_parts, meta_parts = [], []
+    data = memoryview(b"")
+    for number, wire_type, start, value_start, end in _fields(buf):
+        if number != payload_field or wire_type != _WIRE_LEN:
+            header_parts.append(buf[start:end])
+            continue
+        inner = buf[value_start:end]
+        for sub_number, sub_type, sub_start, sub_value, sub_end in _fields(inner):
+            if sub_number == _TENSOR_DATA_FIELD and sub_type == _WIRE_LEN:
+                data = inner[sub_value:sub_end]  # the last occurrence wins, as in protobuf
+            else:
+                meta_parts.append(inner[sub_start:sub_end])
+    try:
+        header = header_type.FromString(b"".join(header_parts))
+        meta = meta_type.FromString(b"".join(meta_parts))
+    except Exception as e:  # protobuf's DecodeError, or any parser error
+        raise ValueError(f"malformed message: {e}") from e
+    return Frame(header, meta, data)

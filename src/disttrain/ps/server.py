@@ -1,0 +1,219 @@
+"""`disttrain ps-server`: one parameter-server shard, served over gRPC.
+
+A thin servicer: it decodes requests, calls `ShardState`, and maps failures to status
+codes (INVALID_ARGUMENT for malformed pushes, FAILED_PRECONDITION for protocol
+violations). The server binds `--bind HOST:PORT` (port 0 picks a free one), reports the
+address it bound on its log and, under the cluster launcher, as an event line on stdout,
+and stops on SIGTERM/SIGINT or on a Shutdown call once every worker is done, writing a
+final checkpoint.
+
+    disttrain ps-server --bind 0.0.0.0:50051 --shard 0/2 --config ps.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from disttrain import checkpoint as ckpt
+from disttrain.config import Config
+from disttrain.engine import configure_threads, seed_everything
+from disttrain.errors import ConfigError
+from disttrain.launch import bind_to_parent, emit_event
+from disttrain.proto import parameter_server_pb2 as pb
+from disttrain.ps import wire
+from disttrain.ps.aggregation import PushRefused
+from disttrain.ps.model import build_initial_model, check_supported, flat_vector
+from disttrain.ps.shard import ShardState
+from disttrain.ps.sharding import plan_shards
+
+logger = logging.getLogger(__name__)
+
+# Long-polls that the client left without a deadline still wake up this often to re-check.
+MAX_WAIT_S = 3600.0
+
+
+class ParameterServicer:
+    """gRPC handlers of one shard; every method maps to one `ShardState` call."""
+
+    def __init__(self, state: ShardState, stopped: threading.Event):
+        self.state = state
+        self.stopped = stopped
+
+    def SendGradients(self, request_iterator, context):
+        try:
+            payload = wire.collect_payload(request_iterator, self.state.plan.nbytes)
+            decision = self.state.push(payload)
+        except PushRefused as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ValueError as e:  # InvalidPush, or a malformed frame
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.PushReply(outcome=decision.outcome.value, version=decision.version,
+                            staleness=decision.staleness)
+
+    def GetParameters(self, request, context):
+        if request.shard != self.state.plan.shard:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"pull for shard {request.shard} reached shard {self.state.plan.shard}")
+        remaining = context.time_remaining()
+        timeout = MAX_WAIT_S if remaining is None else max(0.0, min(remaining, MAX_WAIT_S))
+        snapshot = self.state.wait_for_version(request.min_version, timeout)
+        if snapshot is None:
+            code = grpc.StatusCode.UNAVAILABLE if self.state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
+            context.abort(code, f"shard {self.state.plan.shard} did not reach version "
+                                f"{request.min_version} in time (now {self.state.version})")
+        yield from snapshot.frames
+
+    def RegisterWorker(self, request, context):
+        try:
+            rank, version = self.state.register(request.worker_id, request.requested_rank)
+        except PushRefused as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        plan, rules = self.state.plan, self.state.rules
+        logger.info("worker %s (%s pid %d) registered as rank %d", request.worker_id,
+                    request.hostname, request.pid, rank)
+        return pb.WorkerAssignment(rank=rank, world_size=rules.world_size, worker_id=request.worker_id,
+                                   shard=plan.shard, num_shards=plan.num_shards,
+                                   aggregation_mode=rules.mode, staleness=rules.staleness_bound,
+                                   version=version, layout=wire.slice_specs(plan), dtype=plan.dtype)
+
+    def WorkerDone(self, request, context):
+        try:
+            self.state.worker_done(request.worker_id)
+        except PushRefused as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return pb.ShardStatus(**self.state.status())
+
+    def GetStatus(self, request, context):
+        if request.wait_all_done:
+            remaining = context.time_remaining()
+            self.state.wait_all_done(MAX_WAIT_S if remaining is None else max(0.0, remaining))
+        return pb.ShardStatus(**self.state.status())
+
+    def Shutdown(self, request, context):
+        if not self.state.rules.all_done():
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "workers are still training; shut down after every worker is done")
+        self.stopped.set()
+        return pb.ShardStatus(**self.state.status())
+
+
+def _handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
+    handlers = {}
+    for name, (kind, request_type, response_type) in wire.METHODS.items():
+        deserialize = wire.read_gradient if request_type is None else request_type.FromString
+        serialize = wire.identity if response_type is None else response_type.SerializeToString
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        handlers[name] = make(getattr(servicer, name), request_deserializer=deserialize,
+                              response_serializer=serialize)
+    return grpc.method_handlers_generic_handler(wire.SERVICE, handlers)
+
+
+class ShardServer:
+    """A started gRPC server for one shard. `address` is what it bound ("host:port")."""
+
+    def __init__(self, state: ShardState, bind: str, max_threads: int = 32):
+        self.state = state
+        self.stopped = threading.Event()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_threads, thread_name_prefix="rpc"),
+                                   options=wire.CHANNEL_OPTIONS, maximum_concurrent_rpcs=None)
+        self._server.add_generic_rpc_handlers((_handler(ParameterServicer(state, self.stopped)),))
+        host, port = parse_address(bind)
+        try:
+            bound = self._server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as e:
+            raise ConfigError(f"--bind {bind}: cannot listen there ({e}); pick a free port or 0") from e
+        if bound == 0:
+            raise ConfigError(f"--bind {bind}: cannot listen there; pick a free port or 0")
+        self.address = f"{host}:{bound}"
+        self._server.start()
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Stop serving, wake waiters and write the final checkpoint."""
+        self.state.stop()
+        self._server.stop(grace_s).wait()
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """Split "host:port" (port 0: any free port).
+
+    Raises:
+        ConfigError: not of that form.
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"address {text!r} must look like HOST:PORT, e.g. 127.0.0.1:50051")
+    return host, int(port)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """Split "I/S" into (shard index, number of shards).
+
+    Raises:
+        ConfigError: not of that form, or I outside [0, S).
+    """
+    index, sep, count = text.partition("/")
+    if not sep or not index.isdigit() or not count.isdigit() or not 0 <= int(index) < int(count):
+        raise ConfigError(f"--shard {text!r} must look like I/S with 0 <= I < S, e.g. 0/2")
+    return int(index), int(count)
+
+
+def build_state(config: Config, shard: int, num_shards: int, resume: bool = False) -> ShardState:
+    """The state of shard `shard` of `num_shards`: the model's initial slice (from the
+    training seed), restored from this shard's newest checkpoint when resuming.
+
+    Raises:
+        ConfigError: the checkpoint dir holds an earlier run (and not resuming).
+        CheckpointError: the newest checkpoint cannot be used.
+    """
+    model = build_initial_model(config)
+    plans = plan_shards(model, num_shards)
+    plan = plans[shard]
+    flat = flat_vector(model)[plan.offset:plan.offset + plan.numel]
+    folder = Path(config.system.checkpoint_dir) / f"server{shard}"
+    resumed_from = ckpt.prepare_checkpoint_dir(folder, resume)
+    state = ShardState(plan, flat, config, folder)
+    if resumed_from is not None:
+        state.restore(resumed_from)
+    return state
+
+
+def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool = False) -> None:
+    """Run one shard until SIGTERM/SIGINT or a Shutdown call."""
+    check_supported(config)
+    wire.tune_allocator()
+    configure_threads(config.system.num_threads or 1)
+    seed_everything(config.training.seed)
+    state = build_state(config, shard, num_shards, resume)
+    # Long-polls hold a thread each: room for every worker's push, pull and status call.
+    server = ShardServer(state, bind, max_threads=max(32, 4 * config.system.num_workers + 8))
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: server.stopped.set())
+    logger.info("shard %d/%d (%d parameters, %.2f MB) listening on %s (%s)", shard, num_shards,
+                state.plan.numel, state.plan.nbytes / 1e6, server.address, socket.gethostname())
+    emit_event("listening", address=server.address, shard=shard)
+    try:
+        server.stopped.wait()
+    finally:
+        server.stop()
+        logger.info("shard %d stopped at version %d", shard, state.version)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bind", default=None, metavar="HOST:PORT",
+                        help="address to listen on (default: system.bind_host with a free port)")
+    parser.add_argument("--shard", default="0/1", metavar="I/S",
+                        help="which shard this server holds, of how many (default 0/1)")
+
+
+def main(args: argparse.Namespace, config: Config) -> None:
+    bind_to_parent()
+    shard, num_shards = parse_shard(args.shard)
+    serve(config, args.bind or f"{config.system.bind_host}:0", shard, num_shards, resume=args.resume)

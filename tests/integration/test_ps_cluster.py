@@ -1,0 +1,184 @@
+"""Whole parameter-server runs from the CLI: real processes, real sockets.
+
+The exactness check: 2 workers with plain SGD end with the parameters of one process
+stepping on the concatenated batches, in the same order. Then the launcher's promises:
+a failing process stops the run, and killing the launcher leaves no process behind.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from disttrain.checkpoint import load_checkpoint
+from disttrain.config import load_config
+from disttrain.data import ShardedSampler, load_datasets
+from disttrain.evaluation import evaluate_model_file
+from disttrain.ps.model import build_initial_model
+
+EXACT_ARGS = [
+    "--dataset",
+    "digits",
+    "--model",
+    "mlp",
+    "--optimizer",
+    "sgd",
+    "--set",
+    "training.momentum=0",
+    "--learning-rate",
+    "0.1",
+    "--batch-size",
+    "16",
+    "--max-train-samples",
+    "96",
+    "--max-test-samples",
+    "60",
+    "--num-epochs",
+    "1",
+]
+
+
+@pytest.mark.timeout(120)
+def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path, cli):
+    result = cli(
+        "ps",
+        "--workers",
+        "2",
+        "--servers",
+        "2",
+        *EXACT_ARGS,
+        "--log-dir",
+        tmp_path / "logs",
+        "--checkpoint-dir",
+        tmp_path / "ckpt",
+        timeout=110,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Strategy: ps-sync (world size 2" in result.stdout
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["strategy"] == "ps-sync" and summary["steps"] == 3 and summary["samples_processed"] == 96
+    assert summary["shard_versions"] == [3, 3] and summary["staleness_histogram"] == {"0": 12}
+
+    config = load_config(tmp_path / "logs" / "config.yaml")
+    train_set, _ = load_datasets(config.training)
+    model = build_initial_model(config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    samplers = [
+        ShardedSampler(len(train_set), world_size=2, rank=r, seed=config.training.seed) for r in range(2)
+    ]
+    for batches in zip(*(s.batches(16) for s in samplers), strict=True):
+        inputs, targets = train_set.batch(torch.cat(batches))
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+    final = load_checkpoint(tmp_path / "ckpt" / "parameter_server_final.pt")["model"]
+    for name, expected in model.state_dict().items():
+        torch.testing.assert_close(final[name], expected, rtol=0, atol=1e-5, msg=name)
+    assert (
+        evaluate_model_file(tmp_path / "ckpt" / "parameter_server_final.pt", config.training).num_samples
+        == 60
+    )
+    assert (tmp_path / "logs" / "worker1" / "metrics.jsonl").is_file()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "parameter_server_final.pt",
+        "server0",
+        "server1",
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_worker_stops_the_whole_cluster(tmp_path, cli):
+    result = cli(
+        "ps",
+        "--workers",
+        "2",
+        "--dataset",
+        "digits",
+        "--num-epochs",
+        "20",
+        "--log-dir",
+        tmp_path / "logs",
+        "--checkpoint-dir",
+        tmp_path / "ckpt",
+        "--inject-fault",
+        "kill@step=3,rank=1",
+        timeout=110,
+    )
+    assert result.returncode == 1
+    assert "worker1 exited with code -9" in result.stderr
+    assert cluster_processes(tmp_path) == []
+
+
+def cluster_processes(marker) -> list[int]:
+    """Pids of live processes whose command line mentions `marker` (this test's folder)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(marker).encode() in cmdline and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT])
+def test_stopping_the_launcher_leaves_no_process_behind(tmp_path, signum):
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "disttrain",
+            "ps",
+            "--workers",
+            "2",
+            "--servers",
+            "2",
+            "--dataset",
+            "digits",
+            "--num-epochs",
+            "500",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        metrics = [tmp_path / "logs" / f"worker{r}" / "metrics.jsonl" for r in range(2)]
+        wait_until(
+            lambda: all(m.is_file() and m.stat().st_size for m in metrics), 90, "both workers training"
+        )
+        assert len(cluster_processes(tmp_path)) >= 5  # launcher, 2 servers, 2 workers
+        launcher.send_signal(signum)
+        launcher.wait(timeout=30)
+        wait_until(lambda: cluster_processes(tmp_path) == [], 20, "every cluster process to exit")
+        if signum == signal.SIGINT:
+            assert launcher.returncode == 130
+    finally:
+        launcher.kill()
+        launcher.wait()
