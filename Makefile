@@ -32,13 +32,13 @@ test-fast: install
 test-slow: install
 	$(PY) -m pytest -q -m slow
 
-BENCHMARKS := $(filter-out common __init__,$(basename $(notdir $(wildcard benchmarks/*.py))))
+BENCHMARKS := $(filter-out common ps_helpers,$(basename $(notdir $(wildcard benchmarks/*.py))))
 
 # Each benchmark prints its JSON and writes it under runs/bench/.
 bench: install
 	mkdir -p runs/bench
 	for name in $(BENCHMARKS); do \
-		$(PY) -m benchmarks.$$name --output runs/bench/$$name.json || exit 1; \
+		$(PY) benchmarks/$$name.py --output runs/bench/$$name.json || exit 1; \
 	done
 
 lint: install

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import median, parse_args, report, time_interleaved
 
-from benchmarks.common import median, parse_args, report, time_interleaved
 from disttrain.baseline import train
 from disttrain.config import config_from_dict
 from disttrain.data import load_datasets

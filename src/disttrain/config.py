@@ -31,6 +31,8 @@ OPTIMIZERS = ("sgd", "adam")
 BACKENDS = ("auto", "gloo", "nccl")
 LR_SCALINGS = ("none", "linear")
 MIXED_PRECISIONS = ("none", "bf16", "fp16")
+# auto: shared memory between processes of one machine, gRPC bytes between machines.
+PAYLOAD_TRANSPORTS = ("auto", "grpc", "shared_memory")
 
 
 def _rule(check, text: str) -> dict[str, Any]:
@@ -117,6 +119,7 @@ class SystemConfig:
     backup_workers: int = field(default=0, metadata=NON_NEGATIVE)
     rpc_timeout_s: float = field(default=60.0, metadata=POSITIVE)
     bind_host: str = field(default="127.0.0.1", metadata=NON_EMPTY)
+    payload_transport: str = field(default="auto", metadata=_choice(PAYLOAD_TRANSPORTS))
 
     def cross_problems(self) -> list[str]:
         problems = []

@@ -44,7 +44,8 @@ EXACT_ARGS = [
 
 
 @pytest.mark.timeout(120)
-def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path, cli):
+@pytest.mark.parametrize("transport", ["grpc", "shared_memory"])
+def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path, cli, transport):
     result = cli(
         "ps",
         "--workers",
@@ -52,6 +53,8 @@ def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path
         "--servers",
         "2",
         *EXACT_ARGS,
+        "--set",
+        f"system.payload_transport={transport}",
         "--log-dir",
         tmp_path / "logs",
         "--checkpoint-dir",
@@ -84,6 +87,8 @@ def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path
         == 60
     )
     assert (tmp_path / "logs" / "worker1" / "metrics.jsonl").is_file()
+    through_memory = "payloads go through shared memory" in (tmp_path / "logs" / "worker1.log").read_text()
+    assert through_memory == (transport == "shared_memory")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "parameter_server_final.pt",
         "server0",

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import tensor_pb2 as disttrain_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#disttrain/v1/parameter_server.proto\x12\x0c\x64isttrain.v1\x1a\x19\x64isttrain/v1/tensor.proto\"\x81\x02\n\x0fGradientMessage\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\ncompressed\x18\x03 \x01(\x08\x12\x18\n\x10\x63ompression_type\x18\x04 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x05 \x01(\x03\x12\x10\n\x08\x62lock_id\x18\x06 \x01(\x03\x12\r\n\x05shard\x18\x07 \x01(\x05\x12\x13\n\x0bnum_samples\x18\x08 \x01(\x03\x12\'\n\x06layout\x18\t \x03(\x0b\x32\x17.disttrain.v1.SliceSpec\x12*\n\x07payload\x18\n \x01(\x0b\x32\x19.disttrain.v1.TensorProto\"\xab\x01\n\tPushReply\x12\x30\n\x07outcome\x18\x01 \x01(\x0e\x32\x1f.disttrain.v1.PushReply.Outcome\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tstaleness\x18\x03 \x01(\x03\"H\n\x07Outcome\x12\x0b\n\x07\x41PPLIED\x10\x00\x12\x0c\n\x08\x42UFFERED\x10\x01\x12\t\n\x05STALE\x10\x02\x12\x08\n\x04LATE\x10\x03\x12\r\n\tDUPLICATE\x10\x04\"I\n\x10ParameterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bmin_version\x18\x02 \x01(\x03\x12\r\n\x05shard\x18\x03 \x01(\x05\"\xb5\x01\n\x10ParameterMessage\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\'\n\x06layout\x18\x03 \x03(\x0b\x32\x17.disttrain.v1.SliceSpec\x12*\n\x07payload\x18\x04 \x01(\x0b\x32\x19.disttrain.v1.TensorProto\x12\x12\n\ncompressed\x18\x05 \x01(\x08\x12\x18\n\x10\x63ompression_type\x18\x06 \x01(\t\"[\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0erequested_rank\x18\x02 \x01(\x05\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\"\xe0\x01\n\x10WorkerAssignment\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\r\n\x05shard\x18\x04 \x01(\x05\x12\x12\n\nnum_shards\x18\x05 \x01(\x05\x12\x18\n\x10\x61ggregation_mode\x18\x06 \x01(\t\x12\x11\n\tstaleness\x18\x07 \x01(\x05\x12\x0f\n\x07version\x18\x08 \x01(\x03\x12\'\n\x06layout\x18\t \x03(\x0b\x32\x17.disttrain.v1.SliceSpec\x12\r\n\x05\x64type\x18\n \x01(\t\"&\n\x11WorkerDoneRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"&\n\rStatusRequest\x12\x15\n\rwait_all_done\x18\x01 \x01(\x08\"\x11\n\x0fShutdownRequest\"\xcf\x03\n\x0bShardStatus\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x12\n\nnum_shards\x18\x02 \x01(\x05\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x16\n\x0enum_registered\x18\x05 \x01(\x05\x12\x10\n\x08num_done\x18\x06 \x01(\x05\x12\x13\n\x0bnum_applied\x18\x07 \x01(\x03\x12\x1a\n\x12num_rejected_stale\x18\x08 \x01(\x03\x12\x18\n\x10num_dropped_late\x18\t \x01(\x03\x12\x16\n\x0enum_duplicates\x18\n \x01(\x03\x12\x13\n\x0bnum_invalid\x18\x0b \x01(\x03\x12N\n\x13staleness_histogram\x18\x0c \x03(\x0b\x32\x31.disttrain.v1.ShardStatus.StalenessHistogramEntry\x12\x14\n\x0cround_wait_s\x18\r \x01(\x01\x12\x18\n\x10\x61ggregation_mode\x18\x0e \x01(\t\x12\x1b\n\x13num_samples_applied\x18\x0f \x01(\x03\x1a\x39\n\x17StalenessHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xdc\x03\n\x16ParameterServerService\x12I\n\rSendGradients\x12\x1d.disttrain.v1.GradientMessage\x1a\x17.disttrain.v1.PushReply(\x01\x12Q\n\rGetParameters\x12\x1e.disttrain.v1.ParameterRequest\x1a\x1e.disttrain.v1.ParameterMessage0\x01\x12O\n\x0eRegisterWorker\x12\x1d.disttrain.v1.RegisterRequest\x1a\x1e.disttrain.v1.WorkerAssignment\x12H\n\nWorkerDone\x12\x1f.disttrain.v1.WorkerDoneRequest\x1a\x19.disttrain.v1.ShardStatus\x12\x43\n\tGetStatus\x12\x1b.disttrain.v1.StatusRequest\x1a\x19.disttrain.v1.ShardStatus\x12\x44\n\x08Shutdown\x12\x1d.disttrain.v1.ShutdownRequest\x1a\x19.disttrain.v1.ShardStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#disttrain/v1/parameter_server.proto\x12\x0c\x64isttrain.v1\x1a\x19\x64isttrain/v1/tensor.proto\"\x98\x02\n\x0fGradientMessage\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\ncompressed\x18\x03 \x01(\x08\x12\x18\n\x10\x63ompression_type\x18\x04 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x05 \x01(\x03\x12\x10\n\x08\x62lock_id\x18\x06 \x01(\x03\x12\r\n\x05shard\x18\x07 \x01(\x05\x12\x13\n\x0bnum_samples\x18\x08 \x01(\x03\x12\'\n\x06layout\x18\t \x03(\x0b\x32\x17.disttrain.v1.SliceSpec\x12*\n\x07payload\x18\n \x01(\x0b\x32\x19.disttrain.v1.TensorProto\x12\x15\n\rshared_memory\x18\x0b \x01(\x08\"\xab\x01\n\tPushReply\x12\x30\n\x07outcome\x18\x01 \x01(\x0e\x32\x1f.disttrain.v1.PushReply.Outcome\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tstaleness\x18\x03 \x01(\x03\"H\n\x07Outcome\x12\x0b\n\x07\x41PPLIED\x10\x00\x12\x0c\n\x08\x42UFFERED\x10\x01\x12\t\n\x05STALE\x10\x02\x12\x08\n\x04LATE\x10\x03\x12\r\n\tDUPLICATE\x10\x04\"`\n\x10ParameterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bmin_version\x18\x02 \x01(\x03\x12\r\n\x05shard\x18\x03 \x01(\x05\x12\x15\n\rshared_memory\x18\x04 \x01(\x08\"\xcc\x01\n\x10ParameterMessage\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\'\n\x06layout\x18\x03 \x03(\x0b\x32\x17.disttrain.v1.SliceSpec\x12*\n\x07payload\x18\x04 \x01(\x0b\x32\x19.disttrain.v1.TensorProto\x12\x12\n\ncompressed\x18\x05 \x01(\x08\x12\x18\n\x10\x63ompression_type\x18\x06 \x01(\t\x12\x15\n\rshared_memory\x18\x07 \x01(\x08\"r\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0erequested_rank\x18\x02 \x01(\x05\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x15\n\rshared_memory\x18\x05 \x01(\x08\"Q\n\x11SharedMemoryOffer\x12\x15\n\rgradient_path\x18\x01 \x01(\t\x12\x16\n\x0eparameter_path\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\x0c\"\x98\x02\n\x10WorkerAssignment\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\r\n\x05shard\x18\x04 \x01(\x05\x12\x12\n\nnum_shards\x18\x05 \x01(\x05\x12\x18\n\x10\x61ggregation_mode\x18\x06 \x01(\t\x12\x11\n\tstaleness\x18\x07 \x01(\x05\x12\x0f\n\x07version\x18\x08 \x01(\x03\x12\'\n\x06layout\x18\t \x03(\x0b\x32\x17.disttrain.v1.SliceSpec\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x36\n\rshared_memory\x18\x0b \x01(\x0b\x32\x1f.disttrain.v1.SharedMemoryOffer\"&\n\x11WorkerDoneRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"&\n\rStatusRequest\x12\x15\n\rwait_all_done\x18\x01 \x01(\x08\"\x11\n\x0fShutdownRequest\"\xcf\x03\n\x0bShardStatus\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x12\n\nnum_shards\x18\x02 \x01(\x05\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x16\n\x0enum_registered\x18\x05 \x01(\x05\x12\x10\n\x08num_done\x18\x06 \x01(\x05\x12\x13\n\x0bnum_applied\x18\x07 \x01(\x03\x12\x1a\n\x12num_rejected_stale\x18\x08 \x01(\x03\x12\x18\n\x10num_dropped_late\x18\t \x01(\x03\x12\x16\n\x0enum_duplicates\x18\n \x01(\x03\x12\x13\n\x0bnum_invalid\x18\x0b \x01(\x03\x12N\n\x13staleness_histogram\x18\x0c \x03(\x0b\x32\x31.disttrain.v1.ShardStatus.StalenessHistogramEntry\x12\x14\n\x0cround_wait_s\x18\r \x01(\x01\x12\x18\n\x10\x61ggregation_mode\x18\x0e \x01(\t\x12\x1b\n\x13num_samples_applied\x18\x0f \x01(\x03\x1a\x39\n\x17StalenessHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xf8\x04\n\x16ParameterServerService\x12I\n\rSendGradients\x12\x1d.disttrain.v1.GradientMessage\x1a\x17.disttrain.v1.PushReply(\x01\x12Q\n\rGetParameters\x12\x1e.disttrain.v1.ParameterRequest\x1a\x1e.disttrain.v1.ParameterMessage0\x01\x12G\n\rPushGradients\x12\x1d.disttrain.v1.GradientMessage\x1a\x17.disttrain.v1.PushReply\x12Q\n\x0f\x46\x65tchParameters\x12\x1e.disttrain.v1.ParameterRequest\x1a\x1e.disttrain.v1.ParameterMessage\x12O\n\x0eRegisterWorker\x12\x1d.disttrain.v1.RegisterRequest\x1a\x1e.disttrain.v1.WorkerAssignment\x12H\n\nWorkerDone\x12\x1f.disttrain.v1.WorkerDoneRequest\x1a\x19.disttrain.v1.ShardStatus\x12\x43\n\tGetStatus\x12\x1b.disttrain.v1.StatusRequest\x1a\x19.disttrain.v1.ShardStatus\x12\x44\n\x08Shutdown\x12\x1d.disttrain.v1.ShutdownRequest\x1a\x19.disttrain.v1.ShardStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDSTATUS_STALENESSHISTOGRAMENTRY']._loaded_options = None
   _globals['_SHARDSTATUS_STALENESSHISTOGRAMENTRY']._serialized_options = b'8\001'
   _globals['_GRADIENTMESSAGE']._serialized_start=81
-  _globals['_GRADIENTMESSAGE']._serialized_end=338
-  _globals['_PUSHREPLY']._serialized_start=341
-  _globals['_PUSHREPLY']._serialized_end=512
-  _globals['_PUSHREPLY_OUTCOME']._serialized_start=440
-  _globals['_PUSHREPLY_OUTCOME']._serialized_end=512
-  _globals['_PARAMETERREQUEST']._serialized_start=514
-  _globals['_PARAMETERREQUEST']._serialized_end=587
-  _globals['_PARAMETERMESSAGE']._serialized_start=590
-  _globals['_PARAMETERMESSAGE']._serialized_end=771
-  _globals['_REGISTERREQUEST']._serialized_start=773
-  _globals['_REGISTERREQUEST']._serialized_end=864
-  _globals['_WORKERASSIGNMENT']._serialized_start=867
-  _globals['_WORKERASSIGNMENT']._serialized_end=1091
-  _globals['_WORKERDONEREQUEST']._serialized_start=1093
-  _globals['_WORKERDONEREQUEST']._serialized_end=1131
-  _globals['_STATUSREQUEST']._serialized_start=1133
-  _globals['_STATUSREQUEST']._serialized_end=1171
-  _globals['_SHUTDOWNREQUEST']._serialized_start=1173
-  _globals['_SHUTDOWNREQUEST']._serialized_end=1190
-  _globals['_SHARDSTATUS']._serialized_start=1193
-  _globals['_SHARDSTATUS']._serialized_end=1656
-  _globals['_SHARDSTATUS_STALENESSHISTOGRAMENTRY']._serialized_start=1599
-  _globals['_SHARDSTATUS_STALENESSHISTOGRAMENTRY']._serialized_end=1656
-  _globals['_PARAMETERSERVERSERVICE']._serialized_start=1659
-  _globals['_PARAMETERSERVERSERVICE']._serialized_end=2135
+  _globals['_GRADIENTMESSAGE']._serialized_end=361
+  _globals['_PUSHREPLY']._serialized_start=364
+  _globals['_PUSHREPLY']._serialized_end=535
+  _globals['_PUSHREPLY_OUTCOME']._serialized_start=463
+  _globals['_PUSHREPLY_OUTCOME']._serialized_end=535
+  _globals['_PARAMETERREQUEST']._serialized_start=537
+  _globals['_PARAMETERREQUEST']._serialized_end=633
+  _globals['_PARAMETERMESSAGE']._serialized_start=636
+  _globals['_PARAMETERMESSAGE']._serialized_end=840
+  _globals['_REGISTERREQUEST']._serialized_start=842
+  _globals['_REGISTERREQUEST']._serialized_end=956
+  _globals['_SHAREDMEMORYOFFER']._serialized_start=958
+  _globals['_SHAREDMEMORYOFFER']._serialized_end=1039
+  _globals['_WORKERASSIGNMENT']._serialized_start=1042
+  _globals['_WORKERASSIGNMENT']._serialized_end=1322
+  _globals['_WORKERDONEREQUEST']._serialized_start=1324
+  _globals['_WORKERDONEREQUEST']._serialized_end=1362
+  _globals['_STATUSREQUEST']._serialized_start=1364
+  _globals['_STATUSREQUEST']._serialized_end=1402
+  _globals['_SHUTDOWNREQUEST']._serialized_start=1404
+  _globals['_SHUTDOWNREQUEST']._serialized_end=1421
+  _globals['_SHARDSTATUS']._serialized_start=1424
+  _globals['_SHARDSTATUS']._serialized_end=1887
+  _globals['_SHARDSTATUS_STALENESSHISTOGRAMENTRY']._serialized_start=1830
+  _globals['_SHARDSTATUS_STALENESSHISTOGRAMENTRY']._serialized_end=1887
+  _globals['_PARAMETERSERVERSERVICE']._serialized_start=1890
+  _globals['_PARAMETERSERVERSERVICE']._serialized_end=2522
 # @@protoc_insertion_point(module_scope)

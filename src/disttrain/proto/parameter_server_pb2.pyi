@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GradientMessage(_message.Message):
-    __slots__ = ("worker_id", "step", "compressed", "compression_type", "base_version", "block_id", "shard", "num_samples", "layout", "payload")
+    __slots__ = ("worker_id", "step", "compressed", "compression_type", "base_version", "block_id", "shard", "num_samples", "layout", "payload", "shared_memory")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMPRESSED_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class GradientMessage(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     step: int
     compressed: bool
@@ -30,7 +31,8 @@ class GradientMessage(_message.Message):
     num_samples: int
     layout: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.SliceSpec]
     payload: _tensor_pb2.TensorProto
-    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., base_version: _Optional[int] = ..., block_id: _Optional[int] = ..., shard: _Optional[int] = ..., num_samples: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ...) -> None: ...
+    shared_memory: bool
+    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., base_version: _Optional[int] = ..., block_id: _Optional[int] = ..., shard: _Optional[int] = ..., num_samples: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("outcome", "version", "staleness")
@@ -55,45 +57,61 @@ class PushReply(_message.Message):
     def __init__(self, outcome: _Optional[_Union[PushReply.Outcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
 
 class ParameterRequest(_message.Message):
-    __slots__ = ("worker_id", "min_version", "shard")
+    __slots__ = ("worker_id", "min_version", "shard", "shared_memory")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     min_version: int
     shard: int
-    def __init__(self, worker_id: _Optional[str] = ..., min_version: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+    shared_memory: bool
+    def __init__(self, worker_id: _Optional[str] = ..., min_version: _Optional[int] = ..., shard: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class ParameterMessage(_message.Message):
-    __slots__ = ("version", "shard", "layout", "payload", "compressed", "compression_type")
+    __slots__ = ("version", "shard", "layout", "payload", "compressed", "compression_type", "shared_memory")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     COMPRESSED_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_TYPE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     version: int
     shard: int
     layout: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.SliceSpec]
     payload: _tensor_pb2.TensorProto
     compressed: bool
     compression_type: str
-    def __init__(self, version: _Optional[int] = ..., shard: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ...) -> None: ...
+    shared_memory: bool
+    def __init__(self, version: _Optional[int] = ..., shard: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "requested_rank", "hostname", "pid")
+    __slots__ = ("worker_id", "requested_rank", "hostname", "pid", "shared_memory")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_RANK_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     requested_rank: int
     hostname: str
     pid: int
-    def __init__(self, worker_id: _Optional[str] = ..., requested_rank: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    shared_memory: bool
+    def __init__(self, worker_id: _Optional[str] = ..., requested_rank: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+
+class SharedMemoryOffer(_message.Message):
+    __slots__ = ("gradient_path", "parameter_path", "nonce")
+    GRADIENT_PATH_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_PATH_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    gradient_path: str
+    parameter_path: str
+    nonce: bytes
+    def __init__(self, gradient_path: _Optional[str] = ..., parameter_path: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class WorkerAssignment(_message.Message):
-    __slots__ = ("rank", "world_size", "worker_id", "shard", "num_shards", "aggregation_mode", "staleness", "version", "layout", "dtype")
+    __slots__ = ("rank", "world_size", "worker_id", "shard", "num_shards", "aggregation_mode", "staleness", "version", "layout", "dtype", "shared_memory")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +122,7 @@ class WorkerAssignment(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     worker_id: str
@@ -114,7 +133,8 @@ class WorkerAssignment(_message.Message):
     version: int
     layout: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.SliceSpec]
     dtype: str
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., aggregation_mode: _Optional[str] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., dtype: _Optional[str] = ...) -> None: ...
+    shared_memory: SharedMemoryOffer
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., aggregation_mode: _Optional[str] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., dtype: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ...) -> None: ...
 
 class WorkerDoneRequest(_message.Message):
     __slots__ = ("worker_id",)

@@ -44,6 +44,16 @@ class ParameterServerServiceStub:
                 request_serializer=disttrain_dot_v1_dot_parameter__server__pb2.ParameterRequest.SerializeToString,
                 response_deserializer=disttrain_dot_v1_dot_parameter__server__pb2.ParameterMessage.FromString,
                 _registered_method=True)
+        self.PushGradients = channel.unary_unary(
+                '/disttrain.v1.ParameterServerService/PushGradients',
+                request_serializer=disttrain_dot_v1_dot_parameter__server__pb2.GradientMessage.SerializeToString,
+                response_deserializer=disttrain_dot_v1_dot_parameter__server__pb2.PushReply.FromString,
+                _registered_method=True)
+        self.FetchParameters = channel.unary_unary(
+                '/disttrain.v1.ParameterServerService/FetchParameters',
+                request_serializer=disttrain_dot_v1_dot_parameter__server__pb2.ParameterRequest.SerializeToString,
+                response_deserializer=disttrain_dot_v1_dot_parameter__server__pb2.ParameterMessage.FromString,
+                _registered_method=True)
         self.RegisterWorker = channel.unary_unary(
                 '/disttrain.v1.ParameterServerService/RegisterWorker',
                 request_serializer=disttrain_dot_v1_dot_parameter__server__pb2.RegisterRequest.SerializeToString,
@@ -88,6 +98,22 @@ class ParameterServerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushGradients(self, request, context):
+        """SendGradients and GetParameters in one message each way: for payloads that fit one
+        message (up to UNARY_MAX_BYTES, see ps/wire.py) or travel through shared memory. A
+        unary call costs a fraction of a stream's latency; FetchParameters refuses a shard
+        too large for one message with FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchParameters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterWorker(self, request, context):
         """Join the run: a rank (the same one again for a worker_id already known) and the shard's layout.
         """
@@ -126,6 +152,16 @@ def add_ParameterServerServiceServicer_to_server(servicer, server):
             ),
             'GetParameters': grpc.unary_stream_rpc_method_handler(
                     servicer.GetParameters,
+                    request_deserializer=disttrain_dot_v1_dot_parameter__server__pb2.ParameterRequest.FromString,
+                    response_serializer=disttrain_dot_v1_dot_parameter__server__pb2.ParameterMessage.SerializeToString,
+            ),
+            'PushGradients': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushGradients,
+                    request_deserializer=disttrain_dot_v1_dot_parameter__server__pb2.GradientMessage.FromString,
+                    response_serializer=disttrain_dot_v1_dot_parameter__server__pb2.PushReply.SerializeToString,
+            ),
+            'FetchParameters': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchParameters,
                     request_deserializer=disttrain_dot_v1_dot_parameter__server__pb2.ParameterRequest.FromString,
                     response_serializer=disttrain_dot_v1_dot_parameter__server__pb2.ParameterMessage.SerializeToString,
             ),
@@ -202,6 +238,60 @@ class ParameterServerService:
             request,
             target,
             '/disttrain.v1.ParameterServerService/GetParameters',
+            disttrain_dot_v1_dot_parameter__server__pb2.ParameterRequest.SerializeToString,
+            disttrain_dot_v1_dot_parameter__server__pb2.ParameterMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushGradients(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/disttrain.v1.ParameterServerService/PushGradients',
+            disttrain_dot_v1_dot_parameter__server__pb2.GradientMessage.SerializeToString,
+            disttrain_dot_v1_dot_parameter__server__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchParameters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/disttrain.v1.ParameterServerService/FetchParameters',
             disttrain_dot_v1_dot_parameter__server__pb2.ParameterRequest.SerializeToString,
             disttrain_dot_v1_dot_parameter__server__pb2.ParameterMessage.FromString,
             options,

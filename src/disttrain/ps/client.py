@@ -21,11 +21,13 @@ import grpc
 import tenacity
 import torch
 
+from disttrain.config import PAYLOAD_TRANSPORTS
 from disttrain.errors import DistributedError
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.ps import wire
-from disttrain.ps.codec import copy_chunks, decode_chunks, tensor_bytes
+from disttrain.ps import shared_memory, wire
+from disttrain.ps.codec import Payload, copy_chunks, decode_chunks, decode_tensor, tensor_bytes
 from disttrain.ps.sharding import ShardPlan
+from disttrain.ps.shared_memory import SegmentPair, SharedMemoryUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +56,14 @@ def describe(error: BaseException) -> str:
 
 
 class ShardClient:
-    """Calls to one shard's server at `address`."""
+    """Calls to one shard's server at `address`. Payload bytes travel in the gRPC
+    messages, or through shared memory once `segments` are attached (same machine)."""
 
     def __init__(self, address: str, shard: int, policy: RetryPolicy):
         self.address = address
         self.shard = shard
         self.policy = policy
+        self.segments: SegmentPair | None = None
         self.channel = grpc.insecure_channel(address, options=wire.CHANNEL_OPTIONS)
         self._calls = {}
         for name, (kind, request_type, response_type) in wire.METHODS.items():
@@ -92,14 +96,21 @@ class ShardClient:
         return self._retry(name, lambda: self._calls[name](request, timeout=timeout, wait_for_ready=True))
 
     def push(self, header: pb.GradientMessage, plan: ShardPlan, data: memoryview) -> tuple[pb.PushReply, int]:
-        """Send one gradient; returns the reply and the bytes sent."""
+        """Send one gradient; returns the reply and the bytes sent (payload included)."""
         sent = [0]
+        if self.segments is not None:
+            self.segments.gradient_tensor.copy_(decode_tensor(data, plan.dtype))
+            data = memoryview(b"")
 
         def attempt():
             header_copy = pb.GradientMessage()
             header_copy.CopyFrom(header)
+            header_copy.shared_memory = self.segments is not None
             frames = list(wire.gradient_frames(header_copy, plan, data))
-            sent[0] = sum(len(f) for f in frames)
+            sent[0] = sum(len(f) for f in frames) + (plan.nbytes if self.segments is not None else 0)
+            if len(frames) == 1:
+                return self._calls["PushGradients"](frames[0], timeout=self.policy.timeout_s,
+                                                    wait_for_ready=True)
             return self._calls["SendGradients"](iter(frames), timeout=self.policy.timeout_s,
                                                 wait_for_ready=True)
 
@@ -112,20 +123,52 @@ class ShardClient:
         Returns:
             (version, bytes received).
         """
-        request = pb.ParameterRequest(worker_id=worker_id, min_version=min_version, shard=plan.shard)
+        segments = self.segments
+        request = pb.ParameterRequest(worker_id=worker_id, min_version=min_version, shard=plan.shard,
+                                      shared_memory=segments is not None)
+
+        one_message = segments is not None or wire.fits_one_message(plan.nbytes)
 
         def attempt():
+            if one_message:
+                frame = self._calls["FetchParameters"](request, timeout=self.policy.timeout_s,
+                                                       wait_for_ready=True)
+                return Payload(frame.header, frame.meta, [frame.data])
             stream = self._calls["GetParameters"](request, timeout=self.policy.timeout_s,
                                                   wait_for_ready=True)
             return wire.collect_payload(iter(stream), plan.nbytes)
 
         payload = self._retry("GetParameters", attempt)
-        if payload.header.version < min_version or payload.nbytes != plan.nbytes:
+        expected = 0 if segments is not None else plan.nbytes
+        if payload.header.version < min_version or payload.nbytes != expected \
+                or payload.header.shared_memory != (segments is not None):
             raise DistributedError(f"shard {plan.shard} answered version {payload.header.version} "
                                    f"with {payload.nbytes} bytes; expected version >= {min_version} "
-                                   f"and {plan.nbytes} bytes")
-        copy_chunks(decode_chunks(payload.chunks, plan.dtype), into)
-        return payload.header.version, payload.nbytes
+                                   f"and {expected} bytes")
+        if segments is not None:
+            into.copy_(segments.parameter_tensor)
+        else:
+            copy_chunks(decode_chunks(payload.chunks, plan.dtype), into)
+        return payload.header.version, plan.nbytes
+
+    def attach(self, offer: pb.SharedMemoryOffer, plan: ShardPlan, required: bool) -> None:
+        """Map the server's shared-memory segments, or stay with gRPC bytes when they
+        cannot be mapped from here (another machine).
+
+        Raises:
+            DistributedError: `required`, and the segments cannot be mapped.
+        """
+        try:
+            self.segments = SegmentPair.attach(offer, plan.nbytes, plan.dtype)
+            logger.info("shard %d at %s shares this machine: payloads go through shared memory",
+                        self.shard, self.address)
+        except SharedMemoryUnavailable as e:
+            if required:
+                raise DistributedError(f"shard {self.shard} at {self.address}: shared memory "
+                                       f"unavailable ({e}); use system.payload_transport: auto or "
+                                       "grpc when servers run on other machines") from e
+            logger.info("shard %d at %s is on another machine (%s): payloads go through gRPC",
+                        self.shard, self.address, e)
 
     def close(self) -> None:
         self.channel.close()
@@ -139,10 +182,14 @@ class PSClient:
         plans: the worker's own shard plans (checked against the servers' at register).
     """
 
-    def __init__(self, addresses: list[str], plans: list[ShardPlan], policy: RetryPolicy):
+    def __init__(self, addresses: list[str], plans: list[ShardPlan], policy: RetryPolicy,
+                 transport: str = "auto"):
         if len(addresses) != len(plans):
             raise ValueError(f"{len(addresses)} server addresses for {len(plans)} shards")
+        if transport not in PAYLOAD_TRANSPORTS:
+            raise ValueError(f"payload transport {transport!r} is not one of {', '.join(PAYLOAD_TRANSPORTS)}")
         self.plans = plans
+        self.transport = transport
         self.shards = [ShardClient(a, i, policy) for i, a in enumerate(addresses)]
         self._pool = ThreadPoolExecutor(max(2 * len(addresses), 2), thread_name_prefix="ps-client")
         self._lock = threading.Lock()
@@ -179,8 +226,13 @@ class PSClient:
             DistributedError: a server's layout differs from this worker's model, or the
                 servers disagree on the run's shape.
         """
+        wants_memory = self.transport != "grpc" and shared_memory.available()
+        if self.transport == "shared_memory" and not wants_memory:
+            raise DistributedError("system.payload_transport is shared_memory, but this machine has "
+                                   f"no writable {shared_memory.SEGMENT_DIR}; use auto or grpc")
         request = pb.RegisterRequest(worker_id=worker_id, requested_rank=requested_rank,
-                                     hostname=socket.gethostname(), pid=os.getpid())
+                                     hostname=socket.gethostname(), pid=os.getpid(),
+                                     shared_memory=wants_memory)
         first = self.shards[0].unary("RegisterWorker", request)
         request.requested_rank = first.rank
         rest = self.gather([lambda s=s: s.unary("RegisterWorker", request) for s in self.shards[1:]]) \
@@ -197,6 +249,11 @@ class PSClient:
             shape = (assignment.world_size, assignment.aggregation_mode, assignment.staleness)
             if shape != (first.world_size, first.aggregation_mode, first.staleness):
                 raise DistributedError("the servers were started with different configs")
+            if assignment.HasField("shared_memory"):
+                shard.attach(assignment.shared_memory, plan, self.transport == "shared_memory")
+            elif self.transport == "shared_memory":
+                raise DistributedError(f"server {shard.address} offered no shared memory; use "
+                                       "system.payload_transport: auto or grpc")
         return first
 
     def pull(self, worker_id: str, flat: torch.Tensor, min_versions: list[int]) -> list[int]:

@@ -30,6 +30,7 @@ from disttrain.launch import bind_to_parent, emit_event
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.ps import wire
 from disttrain.ps.aggregation import PushRefused
+from disttrain.ps.codec import Payload
 from disttrain.ps.model import build_initial_model, check_supported, flat_vector
 from disttrain.ps.shard import ShardState
 from disttrain.ps.sharding import plan_shards
@@ -50,26 +51,55 @@ class ParameterServicer:
     def SendGradients(self, request_iterator, context):
         try:
             payload = wire.collect_payload(request_iterator, self.state.plan.nbytes)
+        except ValueError as e:  # a malformed frame, or too many bytes
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return self._push(payload, context)
+
+    def PushGradients(self, frame, context):
+        return self._push(Payload(frame.header, frame.meta, [frame.data]), context)
+
+    def _push(self, payload: Payload, context) -> pb.PushReply:
+        try:
             decision = self.state.push(payload)
         except PushRefused as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except ValueError as e:  # InvalidPush, or a malformed frame
+        except ValueError as e:  # InvalidPush
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.PushReply(outcome=decision.outcome.value, version=decision.version,
                             staleness=decision.staleness)
 
     def GetParameters(self, request, context):
+        yield from self._pull(request, context)
+
+    def FetchParameters(self, request, context):
+        if not request.shared_memory and not wire.fits_one_message(self.state.plan.nbytes):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"shard {self.state.plan.shard} holds {self.state.plan.nbytes} bytes, more "
+                          "than one message carries; use GetParameters")
+        (message,) = self._pull(request, context)
+        return message
+
+    def _pull(self, request, context) -> list[bytes]:
+        """The messages that answer a pull, once the version is there."""
         if request.shard != self.state.plan.shard:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"pull for shard {request.shard} reached shard {self.state.plan.shard}")
         remaining = context.time_remaining()
         timeout = MAX_WAIT_S if remaining is None else max(0.0, min(remaining, MAX_WAIT_S))
-        snapshot = self.state.wait_for_version(request.min_version, timeout)
-        if snapshot is None:
-            code = grpc.StatusCode.UNAVAILABLE if self.state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
-            context.abort(code, f"shard {self.state.plan.shard} did not reach version "
-                                f"{request.min_version} in time (now {self.state.version})")
-        yield from snapshot.frames
+        if request.shared_memory:
+            try:
+                version = self.state.write_parameters(request.worker_id, request.min_version, timeout)
+            except PushRefused as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            if version is not None:
+                return [wire.parameter_notice(self.state.plan, version)]
+        else:
+            snapshot = self.state.wait_for_version(request.min_version, timeout)
+            if snapshot is not None:
+                return snapshot.frames
+        code = grpc.StatusCode.UNAVAILABLE if self.state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
+        context.abort(code, f"shard {self.state.plan.shard} did not reach version "
+                            f"{request.min_version} in time (now {self.state.version})")
 
     def RegisterWorker(self, request, context):
         try:
@@ -79,10 +109,16 @@ class ParameterServicer:
         plan, rules = self.state.plan, self.state.rules
         logger.info("worker %s (%s pid %d) registered as rank %d", request.worker_id,
                     request.hostname, request.pid, rank)
-        return pb.WorkerAssignment(rank=rank, world_size=rules.world_size, worker_id=request.worker_id,
-                                   shard=plan.shard, num_shards=plan.num_shards,
-                                   aggregation_mode=rules.mode, staleness=rules.staleness_bound,
-                                   version=version, layout=wire.slice_specs(plan), dtype=plan.dtype)
+        assignment = pb.WorkerAssignment(
+            rank=rank, world_size=rules.world_size, worker_id=request.worker_id, shard=plan.shard,
+            num_shards=plan.num_shards, aggregation_mode=rules.mode, staleness=rules.staleness_bound,
+            version=version, layout=wire.slice_specs(plan), dtype=plan.dtype)
+        pair = self.state.offer_shared_memory(request.worker_id) if request.shared_memory else None
+        if pair is not None:
+            assignment.shared_memory.gradient_path = str(pair.gradient.path)
+            assignment.shared_memory.parameter_path = str(pair.parameter.path)
+            assignment.shared_memory.nonce = pair.gradient.nonce
+        return assignment
 
     def WorkerDone(self, request, context):
         try:

@@ -24,11 +24,12 @@ from disttrain import checkpoint as ckpt
 from disttrain.config import Config
 from disttrain.engine import build_optimizer
 from disttrain.errors import CheckpointError
-from disttrain.ps import wire
-from disttrain.ps.aggregation import AggregationRules, Contribution, Decision
+from disttrain.ps import shared_memory, wire
+from disttrain.ps.aggregation import AggregationRules, Contribution, Decision, PushRefused
 from disttrain.ps.codec import Payload, tensor_bytes
 from disttrain.ps.sharding import ShardPlan
-from disttrain.ps.validation import check_header, decode_payload
+from disttrain.ps.shared_memory import SegmentPair, SharedMemoryUnavailable
+from disttrain.ps.validation import InvalidPush, check_header, decode_payload
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class ShardState:
         self._snapshot: Snapshot | None = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._last_save: Future | None = None
+        self._segments: dict[str, SegmentPair] = {}
 
     # -- membership ---------------------------------------------------------------------
 
@@ -86,6 +88,39 @@ class ShardState:
             rank = self.rules.register(worker_id, requested_rank)
             self._changed.notify_all()
             return rank, self.rules.version
+
+    def offer_shared_memory(self, worker_id: str) -> SegmentPair | None:
+        """Make fresh shared-memory segments for `worker_id` (replacing earlier ones), or
+        None when this machine has none to give."""
+        if not shared_memory.available():
+            return None
+        try:
+            pair = SegmentPair.create(self.plan.nbytes, self.plan.dtype)
+        except SharedMemoryUnavailable as e:
+            logger.warning("no shared memory for worker %s (%s); its payloads use gRPC", worker_id, e)
+            return None
+        with self._lock:
+            old = self._segments.pop(worker_id, None)
+            self._segments[worker_id] = pair
+        if old is not None:
+            old.unlink()
+        return pair
+
+    def _segments_of(self, worker_id: str, required: bool = True) -> SegmentPair | None:
+        """The worker's segments. Any call from the worker means it has mapped them or
+        given up on them (another machine): either way their names can go now.
+
+        Raises:
+            PushRefused: `required`, and the worker has none.
+        """
+        with self._lock:
+            pair = self._segments.get(worker_id)
+        if pair is not None:
+            pair.unlink()
+        elif required:
+            raise PushRefused(f"worker {worker_id!r} has no shared-memory segments on shard "
+                              f"{self.plan.shard}; register asking for them, or send the bytes")
+        return pair
 
     def worker_done(self, worker_id: str) -> None:
         """`worker_id` finished training. Raises PushRefused for an unknown worker."""
@@ -105,8 +140,12 @@ class ShardState:
         """
         try:
             check_header(payload, self.plan)
+            if payload.header.shared_memory:
+                payload = self._payload_from_segment(payload)
+            elif self._segments:
+                self._segments_of(payload.header.worker_id, required=False)
             gradient = decode_payload(payload, self.plan)
-        except ValueError:
+        except InvalidPush:
             with self._lock:
                 self.num_invalid += 1
             raise
@@ -118,6 +157,19 @@ class ShardState:
             if decision.apply:
                 self._changed.notify_all()
         return decision
+
+    def _payload_from_segment(self, payload: Payload) -> Payload:
+        """The push's bytes, read in place from the worker's gradient segment.
+
+        No copy: a worker writes its segment only between the answer to one push and its
+        next push, and the server is done with a gradient before that (async and ssp
+        apply it within the push; a synchronous step applies it before the version the
+        worker waits for exists, and drops it if it comes late).
+        """
+        if payload.nbytes:
+            raise InvalidPush(f"a shared-memory push also carries {payload.nbytes} payload bytes")
+        pair = self._segments_of(payload.header.worker_id)
+        return Payload(payload.header, payload.meta, [tensor_bytes(pair.gradient_tensor)])
 
     def _apply(self, decision: Decision) -> None:
         """Apply a decision's gradients (lock held). The rules already advanced the version."""
@@ -140,6 +192,22 @@ class ShardState:
                 frames = wire.parameter_frames(self.plan, self.rules.version, tensor_bytes(self.param))
                 self._snapshot = Snapshot(self.rules.version, list(frames))
             return self._snapshot
+
+    def write_parameters(self, worker_id: str, min_version: int, timeout_s: float | None) -> int | None:
+        """Once the version reaches `min_version`, copy the parameters into the worker's
+        parameter segment; return that version, or None on timeout or stop.
+
+        Raises:
+            PushRefused: the worker has no segments here.
+        """
+        pair = self._segments_of(worker_id)
+        with self._changed:
+            ready = self._changed.wait_for(
+                lambda: self.rules.version >= min_version or self.stopping, timeout_s)
+            if not ready or self.rules.version < min_version:
+                return None
+            pair.parameter_tensor.copy_(self.param.detach())
+            return self.rules.version
 
     def wait_all_done(self, timeout_s: float | None) -> bool:
         with self._changed:
@@ -180,6 +248,9 @@ class ShardState:
             self.stopping = True
             self._changed.notify_all()
             state = self._state() if self.checkpoint_dir is not None else None
+            segments, self._segments = list(self._segments.values()), {}
+        for pair in segments:
+            pair.unlink()
         if state is not None:
             self._save_async(state)
         self._saver.shutdown(wait=True)

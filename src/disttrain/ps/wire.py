@@ -33,10 +33,18 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.bdp_probe", 0),
 ]
 
+# Payloads up to this size travel in one message of a unary call (PushGradients,
+# FetchParameters): on loopback a streaming call costs several times a unary one's
+# latency, and one message of a few MB still moves at a stream's bandwidth. Larger
+# payloads are streamed in CHUNK_BYTES pieces (one message of tens of MB crawls).
+UNARY_MAX_BYTES = 4 << 20
+
 # method -> (kind, request type or None for framed, response type or None for framed)
 METHODS = {
     "SendGradients": ("stream_unary", None, pb.PushReply),
     "GetParameters": ("unary_stream", pb.ParameterRequest, None),
+    "PushGradients": ("unary_unary", None, pb.PushReply),
+    "FetchParameters": ("unary_unary", pb.ParameterRequest, None),
     "RegisterWorker": ("unary_unary", pb.RegisterRequest, pb.WorkerAssignment),
     "WorkerDone": ("unary_unary", pb.WorkerDoneRequest, pb.ShardStatus),
     "GetStatus": ("unary_unary", pb.StatusRequest, pb.ShardStatus),
@@ -69,20 +77,37 @@ def plan_layout(specs) -> tuple[TensorSlice, ...]:
     return tuple(TensorSlice(s.name, tuple(s.shape), s.start, s.length) for s in specs)
 
 
-def gradient_frames(header: pb.GradientMessage, plan: ShardPlan, data: memoryview,
-                    chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """The wire messages of one push: `header` (layout and payload left unset) + `data`."""
+def fits_one_message(nbytes: int) -> bool:
+    """Whether a payload of `nbytes` travels in one message of a unary call."""
+    return nbytes <= UNARY_MAX_BYTES
+
+
+def _chunk_bytes(nbytes: int) -> int:
+    return max(nbytes, 1) if fits_one_message(nbytes) else CHUNK_BYTES
+
+
+def gradient_frames(header: pb.GradientMessage, plan: ShardPlan, data: memoryview) -> Iterator[bytes]:
+    """The wire messages of one push: `header` (layout and payload left unset) + `data`,
+    in one message when it fits one, else in `CHUNK_BYTES` pieces."""
     header.layout.extend(slice_specs(plan))
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
-    return encode_frames(header, GRADIENT_PAYLOAD_FIELD, meta, data, chunk_bytes)
+    data = memoryview(data)
+    return encode_frames(header, GRADIENT_PAYLOAD_FIELD, meta, data, _chunk_bytes(data.nbytes))
 
 
-def parameter_frames(plan: ShardPlan, version: int, data: memoryview,
-                     chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """The wire messages of one pull answer."""
+def parameter_frames(plan: ShardPlan, version: int, data: memoryview) -> Iterator[bytes]:
+    """The wire messages of one pull answer, cut like a push's."""
+    chunk_bytes = _chunk_bytes(plan.nbytes)
     header = pb.ParameterMessage(version=version, shard=plan.shard, layout=slice_specs(plan))
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
     return encode_frames(header, PARAMETER_PAYLOAD_FIELD, meta, data, chunk_bytes)
+
+
+def parameter_notice(plan: ShardPlan, version: int) -> bytes:
+    """The one message of a pull answered through shared memory: no payload bytes."""
+    meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
+    return pb.ParameterMessage(version=version, shard=plan.shard, payload=meta,
+                               shared_memory=True).SerializeToString()
 
 
 def collect_payload(frames: Iterator[Frame], max_bytes: int) -> Payload:

@@ -83,7 +83,7 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
     flat, grads = flat_parameters(model)
     plans = plan_shards(model, len(servers))
     policy = RetryPolicy(timeout_s=system.rpc_timeout_s)
-    client = PSClient(servers, plans, policy)
+    client = PSClient(servers, plans, policy, system.payload_transport)
     try:
         assignment = client.register(worker_id, requested_rank)
         rank, world_size = assignment.rank, assignment.world_size
