@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 # name -> (module, one-line help). Each module defines add_arguments(parser) and main(args, config).
 COMMANDS: dict[str, tuple[str, str]] = {
     "baseline": ("disttrain.baseline", "train in one process (the control group)"),
+    "ddp": ("disttrain.ddp", "data-parallel ranks with ring all-reduce (torch.distributed)"),
     "evaluate": ("disttrain.evaluation", "test accuracy of a saved model file"),
     "ps": ("disttrain.ps.cluster", "parameter server: servers and workers on this machine"),
     "ps-server": ("disttrain.ps.server", "serve one parameter-server shard over gRPC"),

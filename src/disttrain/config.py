@@ -150,6 +150,23 @@ class DDPConfig:
     max_restarts: int = field(default=0, metadata=NON_NEGATIVE)
     timeout_s: float = field(default=300.0, metadata=POSITIVE)
     rdzv_endpoint: str = ""
+    num_nodes: int = field(default=1, metadata=POSITIVE)
+    rdzv_id: str = ""
+
+    def cross_problems(self) -> list[str]:
+        problems = []
+        if self.rdzv_endpoint and not _is_endpoint(self.rdzv_endpoint):
+            problems.append(f"ddp.rdzv_endpoint: {self.rdzv_endpoint!r} must look like HOST:PORT "
+                            "(port 0-65535), e.g. node0.example.com:29400")
+        if self.num_nodes > 1 and not self.rdzv_endpoint:
+            problems.append(f"ddp.rdzv_endpoint: ddp.num_nodes is {self.num_nodes}, so every node "
+                            "needs the HOST:PORT of the rendezvous (pass --rdzv-endpoint)")
+        return problems
+
+
+def _is_endpoint(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host.strip("[]") and port.isdigit() and int(port) <= 65535)
 
 
 @dataclass

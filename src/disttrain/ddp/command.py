@@ -1,0 +1,97 @@
+"""The command lines of the DDP strategy: `disttrain ddp` (the launcher) and
+`python -m disttrain.ddp` (one rank, as torchrun or the launcher starts it).
+
+`python -m disttrain.ddp` decides by its environment: started by an elastic agent (the
+rank variables are set) it is one rank; typed by hand it is the same as `disttrain ddp`.
+Environment variables are read here and nowhere deeper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Mapping
+
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+from disttrain import cli
+from disttrain.config import Config
+from disttrain.ddp.launcher import launch
+from disttrain.ddp.runtime import RankInfo, started_by_elastic_agent
+from disttrain.ddp.trainer import train
+from disttrain.errors import DisttrainError
+from disttrain.logs import setup_logging
+from disttrain.metrics import RunSummary
+
+# flag -> (config key, type, help): the DDP knobs on top of the common training flags.
+DDP_FLAGS = {
+    "--world-size": ("system.num_workers", int, "ranks in all, over every node"),
+    "--backend": ("ddp.backend", str, "auto (NCCL with CUDA, else gloo), gloo or nccl"),
+    "--max-restarts": ("ddp.max_restarts", int, "restarts of the rank group after a failure; "
+                       "each resumes from the newest checkpoint"),
+    "--bucket-cap-mb": ("ddp.bucket_cap_mb", float, "gradient bucket size for all-reduce"),
+    "--gradient-as-bucket-view": ("ddp.gradient_as_bucket_view", bool,
+                                  "gradients are views into the buckets (saves a copy)"),
+    "--static-graph": ("ddp.static_graph", bool, "the graph is the same every step"),
+    "--grad-accumulation-steps": ("ddp.grad_accumulation_steps", int,
+                                  "micro-batches per optimizer step (one all-reduce per step)"),
+    "--lr-scaling": ("ddp.lr_scaling", str, "none, or linear (learning rate x world size)"),
+    "--mixed-precision": ("ddp.mixed_precision", str, "none, bf16 or fp16 (CUDA only)"),
+    "--timeout-s": ("ddp.timeout_s", float, "rendezvous and collective timeout"),
+    "--nnodes": ("ddp.num_nodes", int, "nodes taking part (each runs this command)"),
+    "--rdzv-endpoint": ("ddp.rdzv_endpoint", str, "HOST:PORT of the rendezvous for several nodes"),
+    "--rdzv-id": ("ddp.rdzv_id", str, "run id every node of one run shares"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, (key, type_, help_) in DDP_FLAGS.items():
+        cli.add_config_flag(parser, flag, key, type_, help_)
+    parser.add_argument("--quiet-summary", action="store_true", help=argparse.SUPPRESS)
+
+
+def main(args: argparse.Namespace, config: Config) -> RunSummary | None:
+    """`disttrain ddp`: start this node's ranks through the elastic agent and wait."""
+    return launch(config, resume=args.resume, summary_json=args.summary_json, faults=args.faults,
+                  verbose=args.verbose)
+
+
+def rank_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m disttrain.ddp", description=__doc__)
+    cli.add_common_flags(parser)
+    add_arguments(parser)
+    return parser
+
+
+def rank_main(argv: list[str], env: Mapping[str, str]) -> int:
+    """Run one rank. Returns the exit code: 0, 2 for bad input, 1 for a failure.
+
+    A failure's one-line message goes to stderr and to the agent's error file, where
+    the launcher (or torchrun) reads it.
+    """
+    args = rank_parser().parse_args(argv)
+    info = RankInfo.from_env(env)
+    setup_logging("rank", info.rank, level=logging.DEBUG if args.verbose else logging.INFO)
+    try:
+        config = cli.config_from_args(args)
+        summary = train(config, info, resume=args.resume, summary_json=args.summary_json,
+                        faults=args.faults)
+    except DisttrainError as e:
+        for line in getattr(e, "problems", [str(e)]):
+            print(f"error: rank {info.rank}: {line}", file=sys.stderr)
+        ErrorHandler().record_exception(e)
+        return e.exit_code
+    except BaseException as e:
+        ErrorHandler().record_exception(e)
+        raise
+    if summary is not None and not args.quiet_summary:
+        print("\n".join(summary.lines()), flush=True)
+    return 0
+
+
+def module_main(argv: list[str], env: Mapping[str, str]) -> int:
+    """`python -m disttrain.ddp`: a rank under an elastic agent, else the launcher."""
+    if started_by_elastic_agent(env):
+        return rank_main(argv, env)
+    return cli.main(["ddp", *argv])
