@@ -24,6 +24,8 @@ from disttrain.errors import DisttrainError
 from disttrain.logs import setup_logging
 from disttrain.metrics import RunSummary
 
+logger = logging.getLogger(__name__)
+
 # flag -> (config key, type, help): the DDP knobs on top of the common training flags.
 DDP_FLAGS = {
     "--world-size": ("system.num_workers", int, "ranks in all, over every node"),
@@ -73,6 +75,10 @@ def rank_main(argv: list[str], env: Mapping[str, str]) -> int:
     args = rank_parser().parse_args(argv)
     info = RankInfo.from_env(env)
     setup_logging("rank", info.rank, level=logging.DEBUG if args.verbose else logging.INFO)
+    if info.is_main and restarts_need_fresh_store(env):
+        logger.warning("torchrun shares its rendezvous store with the ranks, so a restarted group "
+                       "reads the dead group's addresses and cannot connect (pytorch/pytorch#135712); "
+                       "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun --max-restarts")
     try:
         config = cli.config_from_args(args)
         summary = train(config, info, resume=args.resume, summary_json=args.summary_json,
@@ -88,6 +94,12 @@ def rank_main(argv: list[str], env: Mapping[str, str]) -> int:
     if summary is not None and not args.quiet_summary:
         print("\n".join(summary.lines()), flush=True)
     return 0
+
+
+def restarts_need_fresh_store(env: Mapping[str, str]) -> bool:
+    """Restarts are allowed but the agent shares its store (torchrun's default)."""
+    return (env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and env.get("TORCHELASTIC_MAX_RESTARTS", "0") not in ("", "0"))
 
 
 def module_main(argv: list[str], env: Mapping[str, str]) -> int:

@@ -1,0 +1,191 @@
+"""DDP pieces tested alone: comm-hook timing, RNG codec, evaluation slices, the launcher's
+arguments and error lines, the rendezvous endpoint check (with a fake clock)."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from disttrain import checkpoint as ckpt
+from disttrain.config import config_from_dict
+from disttrain.ddp import rng
+from disttrain.ddp.comm_hooks import CommStats, union_length
+from disttrain.ddp.endpoint import wait_for_endpoint
+from disttrain.ddp.launcher import (
+    child_failure,
+    format_fault,
+    launch_config,
+    preflight,
+    rank_arguments,
+    read_summary,
+)
+from disttrain.ddp.reduce import eval_slice
+from disttrain.errors import ConfigError, DistributedError
+from disttrain.faults import parse_fault
+from disttrain.metrics import RunSummary
+
+
+def test_union_counts_overlapping_buckets_once():
+    assert union_length([]) == 0.0
+    assert union_length([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
+    assert union_length([(2.0, 3.0), (0.0, 5.0)]) == pytest.approx(5.0)
+
+
+def test_comm_stats_drain_resets():
+    stats = CommStats(clock=lambda: 0.0)
+    stats.record(0.0, 0.25, 400)
+    stats.record(0.1, 0.30, 100)
+    sample = stats.drain()
+    assert (sample.seconds, sample.num_bytes, sample.num_buckets) == (pytest.approx(0.3), 500, 2)
+    assert stats.drain().num_buckets == 0
+
+
+def test_rng_state_survives_the_tensor_codec():
+    random.seed(3)
+    random.gauss(0, 1)  # leaves a cached Gaussian in Python's state
+    np.random.seed(4)
+    torch.manual_seed(5)
+    state = ckpt.rng_state()
+    tensors = rng.encode(state)
+    assert all(isinstance(t, torch.Tensor) for t in tensors.values())
+    expected = (random.random(), float(np.random.rand()), torch.rand(3))
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    ckpt.set_rng_state(rng.decode(tensors))
+    assert (random.random(), float(np.random.rand())) == expected[:2]
+    assert torch.equal(torch.rand(3), expected[2])
+
+
+def test_eval_slices_cover_every_test_sample_once():
+    slices = [eval_slice(11, 4, rank) for rank in range(4)]
+    assert torch.equal(torch.cat(slices), torch.arange(11))
+    assert [len(eval_slice(3, 5, 0)), len(eval_slice(3, 5, 4))] == [1, 0]
+
+
+def test_faults_pass_to_the_ranks_unchanged():
+    for text in ("kill@step=7,rank=1,attempt=0", "kill@step=3,attempt=2"):
+        fault = parse_fault(text)
+        assert parse_fault(format_fault(fault)) == fault
+    args = rank_arguments(Path("c.yaml"), Path("s.json"), resume=True,
+                          faults=[parse_fault("kill@step=7,rank=1")], verbose=False)
+    assert args[:3] == ["-u", "-m", "disttrain.ddp"]
+    assert "--resume" in args and "--inject-fault=kill@step=7,rank=1,attempt=0" in args
+
+
+def test_launch_config_uses_c10d_restarts_and_timeouts(tmp_path):
+    ddp = config_from_dict({"ddp": {"max_restarts": 2, "timeout_s": 7.5}}).ddp
+    standalone = launch_config(ddp, 3, tmp_path)
+    assert (standalone.rdzv_backend, standalone.rdzv_endpoint) == ("c10d", "localhost:0")
+    assert (standalone.nproc_per_node, standalone.max_restarts) == (3, 2)
+    assert standalone.rdzv_configs["join_timeout"] == 8 and standalone.rdzv_configs["is_host"]
+    nodes = config_from_dict({"ddp": {"num_nodes": 2, "rdzv_endpoint": "node0:29400"}}).ddp
+    shared = launch_config(nodes, 4, tmp_path)
+    assert (shared.min_nodes, shared.max_nodes, shared.rdzv_endpoint) == (2, 2, "node0:29400")
+    assert shared.run_id == "disttrain" and "is_host" not in shared.rdzv_configs
+
+
+def _failure(tmp_path: Path, rank: int, exitcode: int, message: str | None) -> ProcessFailure:
+    error_file = tmp_path / f"error{rank}.json"
+    if message is not None:
+        error_file.write_text(json.dumps({"message": {"message": message, "extraInfo": {
+            "py_callstack": "Traceback ...", "timestamp": "1"}}}))
+    return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(error_file))
+
+
+def test_child_failure_is_one_line_with_the_killed_rank_first(tmp_path):
+    error = ChildFailedError("disttrain.ddp", {
+        0: _failure(tmp_path, 0, 1, "DistributedError: lost contact with another rank"),
+        1: _failure(tmp_path, 1, -9, None),
+    })
+    line = str(child_failure(error, max_restarts=1))
+    assert line.startswith("rank 1 was killed by SIGKILL; rank 0 failed with exit code 1: lost contact")
+    assert line.endswith("(after 1 restart(s))") and "\n" not in line
+
+
+def test_child_config_error_keeps_exit_code_two(tmp_path):
+    error = ChildFailedError("disttrain.ddp", {1: _failure(tmp_path, 1, 2, "ConfigError: bad value")})
+    result = child_failure(error, max_restarts=0)
+    assert isinstance(result, ConfigError) and str(result) == "rank 1: bad value"
+
+
+def test_summary_round_trip(tmp_path):
+    summary = RunSummary("ddp", "digits", 0.9, 0.3, 5.0, 100.0, 500, 8, 1, 2, {"a": 1},
+                         extra={"backend": "gloo", "restarts": 1})
+    summary.write(tmp_path)
+    assert read_summary(tmp_path / "summary.json") == summary
+    assert read_summary(tmp_path / "absent.json") is None
+
+
+def test_preflight_refuses_bad_input_before_any_process(tmp_path):
+    def config(**ddp):
+        return config_from_dict({"training": {"dataset": "synthetic", "num_samples": 3},
+                                 "system": {"num_workers": 2, "checkpoint_dir": str(tmp_path)},
+                                 "ddp": ddp})
+
+    assert preflight(config(), resume=False).ranks_per_node == 2
+    too_many = config()
+    too_many.system.num_workers = 4
+    with pytest.raises(ConfigError, match="world size 4 is larger than the 3 training samples"):
+        preflight(too_many, resume=False)
+    uneven = config(num_nodes=3, rdzv_endpoint="node0:1")
+    with pytest.raises(ConfigError, match="does not split evenly"):
+        preflight(uneven, resume=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="nccl needs CUDA"):
+            preflight(config(backend="nccl"), resume=False)
+    (tmp_path / ckpt.checkpoint_name(4)).write_bytes(b"x")
+    with pytest.raises(ConfigError, match="--resume"):
+        preflight(config(), resume=False)
+    assert preflight(config(), resume=True).backend in ("gloo", "nccl")
+
+
+class FakeTime:
+    def __init__(self):
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_endpoint_check_waits_for_a_late_host_then_gives_up():
+    fake, attempts = FakeTime(), []
+
+    def refuse_twice(address, timeout):
+        attempts.append(address)
+        fake.now += 0.01
+        if len(attempts) <= 2:
+            raise ConnectionRefusedError(111, "Connection refused")
+        return socket.socket()
+
+    wait_for_endpoint("192.0.2.1:29400", 5.0, connect=refuse_twice, clock=fake.clock, sleep=fake.sleep)
+    assert attempts == [("192.0.2.1", 29400)] * 3
+
+    def never(address, timeout):
+        fake.now += timeout
+        raise TimeoutError("timed out")
+
+    fake.now = 0.0
+    expected = r"nothing answered at 192.0.2.1:29400 within 3s \(timed out\)"
+    with pytest.raises(DistributedError, match=expected):
+        wait_for_endpoint("192.0.2.1:29400", 3.0, connect=never, clock=fake.clock, sleep=fake.sleep)
+    assert 3.0 <= fake.now < 6.0  # gave up at the deadline, not long after
+
+
+def test_endpoint_check_names_an_unknown_host():
+    with pytest.raises(DistributedError, match="cannot resolve host 'nohost.invalid'"):
+        wait_for_endpoint("nohost.invalid:29400", 1.0, connect=None)
+
+
+def test_endpoint_hosted_here_is_not_probed():
+    wait_for_endpoint("localhost:1", 1.0, connect=None)  # the agent will host it

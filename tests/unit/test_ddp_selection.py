@@ -1,0 +1,152 @@
+"""DDP decisions that need no process group: backend, device, precision, learning rate,
+micro-batch grouping, rank variables, config rules. GPU-only paths skip without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disttrain.config import config_from_dict
+from disttrain.ddp.precision import Precision, plan_precision
+from disttrain.ddp.runtime import (
+    RankInfo,
+    check_gpu_count,
+    is_peer_loss,
+    select_backend,
+    select_device,
+    started_by_elastic_agent,
+)
+from disttrain.ddp.trainer import accumulation_groups, make_sampler, scaled_learning_rate
+from disttrain.engine import forward_backward
+from disttrain.errors import ConfigError, DistributedError
+from disttrain.models import build_model
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+RANK_ENV = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "TORCHELASTIC_RESTART_COUNT": "3"}
+
+
+def test_auto_backend_follows_cuda():
+    assert select_backend("auto", cuda_available=True) == "nccl"
+    assert select_backend("auto", cuda_available=False) == "gloo"
+    assert select_backend("gloo", cuda_available=True) == "gloo"
+    assert select_backend("nccl", cuda_available=True) == "nccl"
+
+
+def test_nccl_without_gpu_is_a_one_line_config_error():
+    with pytest.raises(ConfigError) as info:
+        select_backend("nccl", cuda_available=False)
+    message = str(info.value)
+    assert "nccl" in message and "--backend gloo" in message and "\n" not in message
+
+
+def test_nccl_needs_one_gpu_per_rank_of_the_node():
+    check_gpu_count("nccl", ranks_per_node=2, num_gpus=2)
+    check_gpu_count("gloo", ranks_per_node=8, num_gpus=0)
+    with pytest.raises(ConfigError, match="4 ranks per node"):
+        check_gpu_count("nccl", ranks_per_node=4, num_gpus=2)
+
+
+def test_one_device_per_rank():
+    assert select_device("nccl", local_rank=3) == torch.device("cuda", 3)
+    assert select_device("gloo", local_rank=3) == torch.device("cpu")
+
+
+def test_precision_plans():
+    assert not plan_precision("none", "cpu").enabled
+    fp16 = plan_precision("fp16", "cuda")
+    assert fp16.autocast_dtype == torch.float16 and fp16.use_grad_scaler
+    bf16 = plan_precision("bf16", "cuda", bf16_supported=True)
+    assert bf16.autocast_dtype == torch.bfloat16 and not bf16.use_grad_scaler
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_mixed_precision_on_cpu_is_refused(mode):
+    with pytest.raises(ConfigError, match=f"{mode} runs on CUDA GPUs only"):
+        plan_precision(mode, "cpu")
+
+
+def test_bf16_on_a_gpu_without_it_is_refused():
+    with pytest.raises(ConfigError, match="use fp16"):
+        plan_precision("bf16", "cuda", bf16_supported=False)
+
+
+def test_full_precision_step_is_the_engine_step():
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 8, 8), 10)
+    inputs, targets = torch.randn(6, 1, 8, 8), torch.randint(0, 10, (6,))
+    precision = Precision(plan_precision("none", "cpu"), torch.device("cpu"))
+    mine = precision.forward_backward(model, inputs, targets, loss_scale=0.5)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    reference = forward_backward(model, inputs, targets, loss_scale=0.5)
+    assert mine == reference
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters(), strict=True))
+    assert precision.state_dict() == {}
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_mixed_precision_step_on_gpu(mode):
+    device = torch.device("cuda", 0)
+    plan = plan_precision(mode, "cuda", torch.cuda.is_bf16_supported())
+    torch.manual_seed(0)
+    model = build_model("simplecnn", (1, 28, 28), 10).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    before = [p.detach().clone() for p in model.parameters()]
+    precision = Precision(plan, device)
+    inputs = torch.randn(8, 1, 28, 28, device=device)
+    result = precision.forward_backward(model, inputs, torch.randint(0, 10, (8,), device=device))
+    precision.step(optimizer)
+    assert torch.isfinite(torch.tensor(result.loss))
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert ("scale" in precision.state_dict()) == (mode == "fp16")
+
+
+def test_learning_rate_scaling():
+    assert scaled_learning_rate(0.01, "none", 4) == 0.01
+    assert scaled_learning_rate(0.01, "linear", 4) == pytest.approx(0.04)
+    with pytest.raises(ConfigError):
+        scaled_learning_rate(0.01, "sqrt", 4)
+
+
+def test_accumulation_groups_keep_order_and_a_short_tail():
+    batches = [torch.tensor([i]) for i in range(7)]
+    groups = list(accumulation_groups(iter(batches), 3))
+    assert [[int(b) for b in g] for g in groups] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [len(g) for g in accumulation_groups(iter(batches), 1)] == [1] * 7
+
+
+def test_world_size_larger_than_the_data_is_a_config_error():
+    with pytest.raises(ConfigError, match="world size 5 is larger than the 4 training samples"):
+        make_sampler(4, world_size=5, rank=0, seed=0)
+    assert len(make_sampler(10, world_size=5, rank=4, seed=0)) == 2
+
+
+def test_rank_info_from_the_agent_variables():
+    info = RankInfo.from_env(RANK_ENV)
+    assert info == RankInfo(rank=1, world_size=4, local_rank=1, local_world_size=2, restart_count=3)
+    assert not info.is_main and started_by_elastic_agent(RANK_ENV)
+    assert not started_by_elastic_agent({"RANK": "0"})
+    with pytest.raises(DistributedError, match="MASTER_PORT"):
+        RankInfo.from_env({k: v for k, v in RANK_ENV.items() if k != "MASTER_PORT"})
+
+
+def test_peer_loss_is_recognised():
+    assert is_peer_loss(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1"))
+    assert not is_peer_loss(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_peer_loss(ValueError("Connection closed by peer"))
+
+
+def test_ddp_config_rules():
+    config = config_from_dict({"ddp": {"num_nodes": 2, "rdzv_endpoint": "node0:29400"}})
+    assert config.ddp.num_nodes == 2
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"ddp": {"num_nodes": 2}})
+    assert any("ddp.rdzv_endpoint" in p and "--rdzv-endpoint" in p for p in info.value.problems)
+    for bad in ("node0", "node0:http", ":29400", "node0:70000"):
+        with pytest.raises(ConfigError, match="HOST:PORT"):
+            config_from_dict({"ddp": {"rdzv_endpoint": bad}})
+    assert config_from_dict({"ddp": {"rdzv_endpoint": "[::1]:29400"}}).ddp.rdzv_endpoint
