@@ -125,7 +125,7 @@ def train(config: Config, resume: bool = False, summary_json: str | Path | None 
         samples_processed=position.samples_processed, steps=position.step,
         epochs=training.num_epochs, world_size=1, config=config.to_dict(),
         extra={"train_time_s": position.train_time_s, "resumed_from_step":
-               None if resumed_from is None else _step_of(resumed_from)},
+               None if resumed_from is None else ckpt.checkpoint_step(resumed_from)},
     )
     summary.write(log_dir, summary_json)
     return summary
@@ -147,11 +147,7 @@ def _state(config: Config, model, optimizer, sampler: ShardedSampler, position: 
 
 
 def _restore(path: Path, model, optimizer, sampler: ShardedSampler) -> Position:
-    state = ckpt.load_checkpoint(path)
-    ckpt.require_keys(state, ("strategy", "model", "optimizer", "sampler", "rng", "step"), path)
-    if state["strategy"] != STRATEGY:
-        raise CheckpointError(f"checkpoint {path} was written by strategy {state['strategy']!r}, "
-                              f"not {STRATEGY!r}; use another --checkpoint-dir")
+    state = ckpt.load_strategy_checkpoint(path, STRATEGY, ("model", "optimizer", "sampler", "rng", "step"))
     try:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -165,9 +161,6 @@ def _restore(path: Path, model, optimizer, sampler: ShardedSampler) -> Position:
                     train_time_s=float(state["train_time_s"]))
 
 
-def _step_of(path: Path) -> int:
-    match = ckpt.CHECKPOINT_PATTERN.match(path.name)
-    return int(match.group(1)) if match else -1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

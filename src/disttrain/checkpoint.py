@@ -143,6 +143,26 @@ def require_keys(state: dict[str, Any], keys: tuple[str, ...], path: str | Path)
                                   "strategy or is from an incompatible version")
 
 
+def load_strategy_checkpoint(path: str | Path, strategy: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """Load a training checkpoint written by `strategy` holding `keys`.
+
+    Raises:
+        CheckpointError: unreadable, a key missing, or written by another strategy.
+    """
+    state = load_checkpoint(path)
+    require_keys(state, ("strategy", *keys), path)
+    if state["strategy"] != strategy:
+        raise CheckpointError(f"checkpoint {path} was written by strategy {state['strategy']!r}, "
+                              f"not {strategy!r}; use another --checkpoint-dir")
+    return state
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step in a checkpoint's file name (-1 when the name is not a checkpoint's)."""
+    match = CHECKPOINT_PATTERN.match(Path(path).name)
+    return int(match.group(1)) if match else -1
+
+
 def rng_state() -> dict[str, Any]:
     """Every RNG's state, as types `weights_only` loading accepts."""
     np_state = np.random.get_state()

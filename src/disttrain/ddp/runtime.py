@@ -159,6 +159,14 @@ def peer_loss_error(error: BaseException) -> DistributedError:
                             "group and restarts it while restarts are left")
 
 
+def barrier(runtime: Runtime) -> None:
+    """Wait until every rank gets here (NCCL is told this rank's GPU)."""
+    if runtime.backend == "nccl":
+        dist.barrier(device_ids=[runtime.device.index])
+    else:
+        dist.barrier()
+
+
 def shutdown(runtime: Runtime) -> None:
     """Leave the process group cleanly: wait for every rank, then destroy it.
 
@@ -167,8 +175,5 @@ def shutdown(runtime: Runtime) -> None:
     """
     if not dist.is_initialized():
         return
-    if runtime.backend == "nccl":
-        dist.barrier(device_ids=[runtime.device.index])
-    else:
-        dist.barrier()
+    barrier(runtime)
     dist.destroy_process_group()

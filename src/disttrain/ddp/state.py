@@ -24,7 +24,7 @@ from disttrain.errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 STRATEGY = "ddp"
-REQUIRED_KEYS = ("strategy", "world_size", "model", "optimizer", "grad_scaler", "sampler", "rng",
+REQUIRED_KEYS = ("world_size", "model", "optimizer", "grad_scaler", "sampler", "rng",
                  "epoch", "step", "samples_processed", "train_time_s")
 
 
@@ -62,11 +62,7 @@ def restore(path: Path, rank: int, world_size: int, model: nn.Module, optimizer,
     Raises:
         CheckpointError: unreadable, from another strategy or world size, or not fitting the model.
     """
-    state = ckpt.load_checkpoint(path)
-    ckpt.require_keys(state, REQUIRED_KEYS, path)
-    if state["strategy"] != STRATEGY:
-        raise CheckpointError(f"checkpoint {path} was written by strategy {state['strategy']!r}, "
-                              f"not {STRATEGY!r}; use another --checkpoint-dir")
+    state = ckpt.load_strategy_checkpoint(path, STRATEGY, REQUIRED_KEYS)
     if int(state["world_size"]) != world_size or len(state["rng"]) != world_size:
         raise CheckpointError(f"checkpoint {path} was written by {state['world_size']} ranks and this "
                               f"run has {world_size}; resume with --world-size {state['world_size']}")

@@ -157,7 +157,7 @@ def agree_on_checkpoint(checkpoint_dir: Path, resume: bool, runtime: rt.Runtime)
     step = NO_CHECKPOINT
     if runtime.info.is_main:
         chosen = ckpt.prepare_checkpoint_dir(checkpoint_dir, resume)
-        step = NO_CHECKPOINT if chosen is None else checkpoint_step(chosen)
+        step = NO_CHECKPOINT if chosen is None else ckpt.checkpoint_step(chosen)
     tensor = torch.tensor([step], dtype=torch.int64, device=runtime.device)
     dist.broadcast(tensor, src=0)
     step = int(tensor.item())
@@ -169,11 +169,6 @@ def agree_on_checkpoint(checkpoint_dir: Path, resume: bool, runtime: rt.Runtime)
                                    f"cannot see it in {checkpoint_dir}; put system.checkpoint_dir "
                                    "on storage every node shares")
     return path
-
-
-def checkpoint_step(path: Path) -> int:
-    match = ckpt.CHECKPOINT_PATTERN.match(path.name)
-    return int(match.group(1)) if match else NO_CHECKPOINT
 
 
 def train(config: Config, info: rt.RankInfo, resume: bool = False,
@@ -246,6 +241,7 @@ def _run(config: Config, runtime: rt.Runtime, resume: bool, summary_json, faults
         return evaluate_sharded(module, test_set, training.eval_batch_size, info.rank,
                                 info.world_size, device)
 
+    rt.barrier(runtime)  # start the clock together: setup skew between ranks is not training time
     window = Window(started=time.perf_counter())
     loop_start = time.perf_counter() - position.train_time_s
     result = None
@@ -295,7 +291,7 @@ def _run(config: Config, runtime: rt.Runtime, resume: bool, summary_json, faults
         world_size=info.world_size, config=config.to_dict(),
         extra={"backend": runtime.backend, "device": str(device), "train_time_s": train_time_s,
                "learning_rate": learning_rate, "restarts": info.restart_count,
-               "resumed_from_step": None if resumed_from is None else checkpoint_step(resumed_from)},
+               "resumed_from_step": None if resumed_from is None else ckpt.checkpoint_step(resumed_from)},
     )
     summary.write(log_dir, summary_json)
     return summary
