@@ -150,10 +150,11 @@ def load_strategy_checkpoint(path: str | Path, strategy: str, keys: tuple[str, .
         CheckpointError: unreadable, a key missing, or written by another strategy.
     """
     state = load_checkpoint(path)
-    require_keys(state, ("strategy", *keys), path)
+    require_keys(state, ("strategy",), path)
     if state["strategy"] != strategy:
         raise CheckpointError(f"checkpoint {path} was written by strategy {state['strategy']!r}, "
                               f"not {strategy!r}; use another --checkpoint-dir")
+    require_keys(state, keys, path)
     return state
 
 

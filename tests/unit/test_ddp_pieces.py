@@ -189,3 +189,45 @@ def test_endpoint_check_names_an_unknown_host():
 
 def test_endpoint_hosted_here_is_not_probed():
     wait_for_endpoint("localhost:1", 1.0, connect=None)  # the agent will host it
+
+
+def test_ddp_checkpoint_restores_each_rank_its_own_rng(tmp_path):
+    from disttrain.baseline import Position
+    from disttrain.data import ShardedSampler
+    from disttrain.ddp import state as ddp_state
+    from disttrain.ddp.precision import Precision, plan_precision
+    from disttrain.errors import CheckpointError
+    from disttrain.models import build_model
+
+    config = config_from_dict({})
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 8, 8), 10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    precision = Precision(plan_precision("none", "cpu"), torch.device("cpu"))
+    sampler = ShardedSampler(100, world_size=2, rank=0, seed=1)
+    sampler.set_epoch(1)
+    next(sampler.batches(8))
+    states = []
+    for seed in (10, 11):  # what each rank's RNG held at the checkpoint
+        torch.manual_seed(seed)
+        states.append(ckpt.rng_state())
+    path = tmp_path / ckpt.checkpoint_name(5)
+    ckpt.atomic_torch_save(ddp_state.build_state(config, model, optimizer, sampler, precision,
+                                                 Position(1, 5, 80, 2.5), states), path)
+
+    fresh = build_model("mlp", (1, 8, 8), 10)
+    fresh_sampler = ShardedSampler(100, world_size=2, rank=1, seed=1)
+    position = ddp_state.restore(path, 1, 2, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1),
+                                 fresh_sampler, precision)
+    assert torch.equal(torch.get_rng_state(), states[1]["torch"])  # rank 1's own stream
+    assert position == Position(1, 5, 80, 2.5)
+    assert (fresh_sampler.epoch, fresh_sampler.position, fresh_sampler.rank) == (1, 8, 1)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 fresh.state_dict().values(), strict=True))
+    with pytest.raises(CheckpointError, match="resume with --world-size 2"):
+        ddp_state.restore(path, 0, 3, fresh, optimizer, fresh_sampler, precision)
+    baseline_file = tmp_path / ckpt.checkpoint_name(6)
+    ckpt.atomic_torch_save({"strategy": "baseline"}, baseline_file)
+    with pytest.raises(CheckpointError, match="written by strategy 'baseline', not 'ddp'"):
+        ddp_state.restore(baseline_file, 0, 2, fresh, optimizer, fresh_sampler, precision)
+    assert ckpt.checkpoint_step(path) == 5 and ckpt.checkpoint_step(tmp_path / "x.pt") == -1
