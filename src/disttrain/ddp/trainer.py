@@ -33,7 +33,7 @@ from disttrain.ddp.comm_hooks import CommSample, CommStats, register_comm_hook
 from disttrain.ddp.precision import Precision, plan_precision
 from disttrain.ddp.reduce import all_reduce_values, evaluate_sharded
 from disttrain.ddp.rng import gather_rng_states
-from disttrain.engine import StepResult, build_optimizer, seed_everything
+from disttrain.engine import EvalResult, StepResult, build_optimizer, seed_everything
 from disttrain.errors import CheckpointError, ConfigError
 from disttrain.faults import Fault, FaultInjector
 from disttrain.metrics import MetricsLogger, Progress, RunSummary, StepTimer
@@ -195,11 +195,27 @@ def train(config: Config, info: rt.RankInfo, resume: bool = False,
     return summary
 
 
-def _run(config: Config, runtime: rt.Runtime, resume: bool, summary_json, faults,
-         started: float) -> RunSummary | None:
-    training, system, ddp = config.training, config.system, config.ddp
-    info, device = runtime.info, runtime.device
-    system.num_workers = info.world_size  # the config records what actually ran
+@dataclass
+class Rank:
+    """What one rank trains with, built by `build_rank`."""
+
+    train_set: ArrayDataset
+    test_set: ArrayDataset
+    sampler: ShardedSampler
+    module: torch.nn.Module  # the plain model: checkpoints, evaluation, the final file
+    model: DistributedDataParallel
+    optimizer: torch.optim.Optimizer
+    precision: Precision
+    comm: CommStats
+    learning_rate: float
+    position: Position
+    resumed_from: Path | None
+
+
+def build_rank(config: Config, runtime: rt.Runtime, resume: bool) -> Rank:
+    """Data, model, optimizer and precision; restore a checkpoint if resuming; wrap in DDP
+    and register the communication hook. Every rank builds the same model from the seed."""
+    training, ddp, info, device = config.training, config.ddp, runtime.info, runtime.device
     seed_everything(training.seed)
     train_set, test_set = load_datasets(training)
     sampler = make_sampler(len(train_set), info.world_size, info.rank, training.seed)
@@ -210,8 +226,7 @@ def _run(config: Config, runtime: rt.Runtime, resume: bool, summary_json, faults
     optimizer = build_optimizer(module.parameters(), training, learning_rate)
     precision = Precision(plan_precision(ddp.mixed_precision, device.type, _bf16_supported(device)),
                           device)
-    checkpoint_dir, log_dir = Path(system.checkpoint_dir), Path(system.log_dir)
-    resumed_from = agree_on_checkpoint(checkpoint_dir, resume, runtime)
+    resumed_from = agree_on_checkpoint(Path(config.system.checkpoint_dir), resume, runtime)
     position = Position()
     if resumed_from is not None:
         position = ddp_state.restore(resumed_from, info.rank, info.world_size, module, optimizer,
@@ -219,10 +234,22 @@ def _run(config: Config, runtime: rt.Runtime, resume: bool, summary_json, faults
     model = wrap_model(module, ddp, runtime)
     comm = CommStats()
     register_comm_hook(model, comm)
+    return Rank(train_set, test_set, sampler, module, model, optimizer, precision, comm,
+                learning_rate, position, resumed_from)
+
+
+def _run(config: Config, runtime: rt.Runtime, resume: bool, summary_json, faults,
+         started: float) -> RunSummary | None:
+    training, system, ddp = config.training, config.system, config.ddp
+    info, device = runtime.info, runtime.device
+    system.num_workers = info.world_size  # the config records what actually ran
+    rank = build_rank(config, runtime, resume)
+    position, sampler, comm = rank.position, rank.sampler, rank.comm
+    checkpoint_dir, log_dir = Path(system.checkpoint_dir), Path(system.log_dir)
     if info.is_main:
         config.save(log_dir / "config.yaml")
     metrics = MetricsLogger(log_dir / f"rank{info.rank}",
-                            resume_step=position.step if resumed_from is not None else None)
+                            resume_step=position.step if rank.resumed_from is not None else None)
     faults_here = FaultInjector(faults, rank=info.rank, attempt=info.restart_count)
     timer = StepTimer()
     steps_per_epoch = math.ceil(sampler.num_batches(training.batch_size) / ddp.grad_accumulation_steps)
@@ -234,11 +261,11 @@ def _run(config: Config, runtime: rt.Runtime, resume: bool, summary_json, faults
         metrics.flush()  # the records a resume from this checkpoint keeps are on disk
         if info.is_main:
             ckpt.save_checkpoint(checkpoint_dir, position.step, ddp_state.build_state(
-                config, module, optimizer, sampler, precision, position, rng_states),
+                config, rank.module, rank.optimizer, sampler, rank.precision, position, rng_states),
                 keep=system.checkpoint_keep)
 
     def evaluate_all():
-        return evaluate_sharded(module, test_set, training.eval_batch_size, info.rank,
+        return evaluate_sharded(rank.module, rank.test_set, training.eval_batch_size, info.rank,
                                 info.world_size, device)
 
     rt.barrier(runtime)  # start the clock together: setup skew between ranks is not training time
@@ -251,7 +278,8 @@ def _run(config: Config, runtime: rt.Runtime, resume: bool, summary_json, faults
         for group in accumulation_groups(sampler.batches(training.batch_size),
                                          ddp.grad_accumulation_steps):
             with timer.phase("step"):
-                step_result = train_step(model, optimizer, precision, train_set, group, device)
+                step_result = train_step(rank.model, rank.optimizer, rank.precision, rank.train_set,
+                                         group, device)
             position.step += 1
             position.samples_processed += step_result.num_samples
             window.add(step_result, comm.drain())
@@ -278,22 +306,31 @@ def _run(config: Config, runtime: rt.Runtime, resume: bool, summary_json, faults
     if position.step % training.checkpoint_interval != 0:
         save()
     metrics.close()
-    samples, = all_reduce_values([position.samples_processed], device)
-    train_time_s, = all_reduce_values([position.train_time_s], device, dist.ReduceOp.MAX)
+    return finish(config, runtime, rank, result, started, summary_json)
+
+
+def finish(config: Config, runtime: rt.Runtime, rank: Rank, result: EvalResult, started: float,
+           summary_json: str | Path | None) -> RunSummary | None:
+    """Totals over all ranks (a collective); then rank 0 writes the final model and summary."""
+    position, info = rank.position, runtime.info
+    samples, = all_reduce_values([position.samples_processed], runtime.device)
+    train_time_s, = all_reduce_values([position.train_time_s], runtime.device, dist.ReduceOp.MAX)
     if not info.is_main:
         return None
-    ckpt.save_final_model(checkpoint_dir / FINAL_MODEL, module.state_dict(), config)
+    ckpt.save_final_model(Path(config.system.checkpoint_dir) / FINAL_MODEL, rank.module.state_dict(),
+                          config)
+    resumed_from_step = None if rank.resumed_from is None else ckpt.checkpoint_step(rank.resumed_from)
     summary = RunSummary(
-        strategy=STRATEGY, dataset=training.dataset, final_accuracy=result.accuracy,
+        strategy=STRATEGY, dataset=config.training.dataset, final_accuracy=result.accuracy,
         final_loss=result.loss, total_time_s=time.perf_counter() - started,
         throughput_samples_per_s=samples / max(train_time_s, 1e-9),
-        samples_processed=int(samples), steps=position.step, epochs=training.num_epochs,
+        samples_processed=int(samples), steps=position.step, epochs=config.training.num_epochs,
         world_size=info.world_size, config=config.to_dict(),
-        extra={"backend": runtime.backend, "device": str(device), "train_time_s": train_time_s,
-               "learning_rate": learning_rate, "restarts": info.restart_count,
-               "resumed_from_step": None if resumed_from is None else ckpt.checkpoint_step(resumed_from)},
+        extra={"backend": runtime.backend, "device": str(runtime.device),
+               "train_time_s": train_time_s, "learning_rate": rank.learning_rate,
+               "restarts": info.restart_count, "resumed_from_step": resumed_from_step},
     )
-    summary.write(log_dir, summary_json)
+    summary.write(config.system.log_dir, summary_json)
     return summary
 
 
