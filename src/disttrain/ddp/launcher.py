@@ -79,8 +79,9 @@ def preflight(config: Config, resume: bool) -> LaunchPlan:
     backend = rt.select_backend(ddp.backend, torch.cuda.is_available())
     rt.check_gpu_count(backend, ranks_per_node, torch.cuda.device_count())
     device = rt.select_device(backend, 0)
-    plan_precision(ddp.mixed_precision, device.type,
-                   device.type == "cuda" and torch.cuda.is_bf16_supported())
+    # Asked only for bf16: the question starts a CUDA context in this (launcher) process.
+    plan_precision(ddp.mixed_precision, device.type, ddp.mixed_precision == "bf16"
+                   and device.type == "cuda" and torch.cuda.is_bf16_supported())
     train_set, _ = load_datasets(training)
     make_sampler(len(train_set), system.num_workers, 0, training.seed)
     del train_set  # the ranks load their own copies
