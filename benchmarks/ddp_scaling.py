@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from common import median, parse_args, report, time_interleaved
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.common import median, parse_args, report, time_interleaved
 from disttrain.config import config_from_dict
 from disttrain.data import load_datasets
 from disttrain.models import build_model

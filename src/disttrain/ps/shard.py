@@ -79,6 +79,8 @@ class ShardState:
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._last_save: Future | None = None
         self._segments: dict[str, SegmentPair] = {}
+        # Reused by every update: a fresh buffer each time costs page faults on every page.
+        self._gradient_sum = torch.empty_like(self.param.detach())
 
     # -- membership ---------------------------------------------------------------------
 
@@ -175,7 +177,7 @@ class ShardState:
         """Apply a decision's gradients (lock held). The rules already advanced the version."""
         if not decision.apply:
             return
-        self.param.grad = _combine(decision.apply)
+        self.param.grad = _combine(decision.apply, self._gradient_sum)
         self.optimizer.step()
         self.param.grad = None
         if self.checkpoint_dir is not None and self.rules.version % self.checkpoint_interval == 0:
@@ -299,21 +301,53 @@ class ShardState:
         logger.info("shard %d restored version %d from %s", self.plan.shard, self.rules.version, path)
 
 
-def _combine(contributions: list[Contribution]) -> torch.Tensor:
+def _combine(contributions: list[Contribution], out: torch.Tensor) -> torch.Tensor:
     """The weighted sum of gradients (each a list of 1-D chunks), in rank order, so the
-    result does not depend on the order they arrived in."""
+    result does not depend on the order they arrived in.
+
+    A single unweighted gradient in one chunk is used as it is; otherwise `out` receives
+    the running weighted mean: one `lerp` pass per gradient after the first two (a pass
+    reads two streams and writes one, where multiply-then-add needs one pass more).
+    """
     first = contributions[0]
     if len(contributions) == 1 and first.weight == 1.0 and len(first.payload) == 1:
         return first.payload[0]
-    numel = sum(chunk.numel() for chunk in first.payload)
-    total = torch.empty(numel, dtype=first.payload[0].dtype)
-    for index, c in enumerate(contributions):
-        offset = 0
-        for chunk in c.payload:
-            target = total[offset:offset + chunk.numel()]
-            if index == 0:
-                torch.mul(chunk, c.weight, out=target)
-            else:
-                target.add_(chunk, alpha=c.weight)
-            offset += chunk.numel()
-    return total
+    weights = [c.weight for c in contributions]
+    for start, end, pieces in _aligned([c.payload for c in contributions]):
+        target = out[start:end]
+        if len(pieces) == 1:
+            torch.mul(pieces[0], weights[0], out=target)
+            continue
+        seen = weights[0] + weights[1]
+        torch.lerp(pieces[0], pieces[1], weights[1] / seen, out=target)
+        for weight, piece in zip(weights[2:], pieces[2:], strict=True):
+            seen += weight
+            target.lerp_(piece, weight / seen)
+        if abs(seen - 1.0) > 1e-9:  # the rules normalise the weights; this is for callers that don't
+            target.mul_(seen)
+    return out
+
+
+def _aligned(payloads: list[list[torch.Tensor]]):
+    """Walk several chunked 1-D tensors of one length together: yield (start, end, views)
+    for each range inside one chunk of every payload (chunk boundaries may differ, e.g.
+    one gradient in one piece from shared memory, another in 1 MB pieces from the wire)."""
+    bounds = sorted({0} | {end for chunks in payloads for end in _chunk_ends(chunks)})
+    cursors = [[0, 0] for _ in payloads]  # (chunk index, chunk start) per payload
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        views = []
+        for chunks, cursor in zip(payloads, cursors, strict=True):
+            while start >= cursor[1] + chunks[cursor[0]].numel():
+                cursor[1] += chunks[cursor[0]].numel()
+                cursor[0] += 1
+            offset = start - cursor[1]
+            views.append(chunks[cursor[0]][offset:offset + end - start])
+        yield start, end, views
+
+
+def _chunk_ends(chunks: list[torch.Tensor]) -> list[int]:
+    ends, total = [], 0
+    for chunk in chunks:
+        total += chunk.numel()
+        ends.append(total)
+    return ends
