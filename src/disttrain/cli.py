@@ -59,8 +59,9 @@ def add_config_flag(parser: argparse.ArgumentParser, flag: str, key: str, type_:
     """Add a flag whose value, when given, overrides config key `key` (section.key)."""
     if type_ is bool:
         parser.add_argument(flag, dest=CONFIG_PREFIX + key, action="store_const", const=True,
-                            default=None, help=help_, **kwargs)
+                            default=None, help=f"{help_} [{key}]", **kwargs)
     else:
+        kwargs.setdefault("metavar", flag.lstrip("-").upper().replace("-", "_"))
         parser.add_argument(flag, dest=CONFIG_PREFIX + key, type=type_, default=None,
                             help=f"{help_} [{key}]", **kwargs)
 
