@@ -18,7 +18,7 @@ from disttrain.data import ShardedSampler, load_datasets
 from disttrain.engine import build_optimizer, configure_threads, evaluate, seed_everything, train_step
 from disttrain.errors import CheckpointError
 from disttrain.faults import Fault, FaultInjector
-from disttrain.metrics import MetricsLogger, Progress, RunSummary, StepTimer
+from disttrain.metrics import MetricsLogger, Progress, RunSummary, StepTimer, TrainWindow
 from disttrain.models import build_model
 
 logger = logging.getLogger(__name__)
@@ -71,8 +71,7 @@ def train(config: Config, resume: bool = False, summary_json: str | Path | None 
         ckpt.save_checkpoint(checkpoint_dir, step, _state(config, model, optimizer, sampler,
                                                           position), keep=system.checkpoint_keep)
 
-    interval_loss, interval_correct, interval_samples, interval_steps = 0.0, 0, 0, 0
-    interval_start = time.perf_counter()
+    window = TrainWindow()
     loop_start = time.perf_counter() - position.train_time_s
     result = None
     for epoch in range(position.epoch, training.num_epochs):
@@ -84,21 +83,14 @@ def train(config: Config, resume: bool = False, summary_json: str | Path | None 
                 step_result = train_step(model, optimizer, inputs, targets)
             position.step += 1
             position.samples_processed += step_result.num_samples
-            interval_loss += step_result.loss * step_result.num_samples
-            interval_correct += step_result.num_correct
-            interval_samples += step_result.num_samples
-            interval_steps += 1
+            window.add(step_result.loss, step_result.num_correct, step_result.num_samples)
             progress.update(1, loss=step_result.loss)
             if position.step % training.log_interval == 0:
-                now = time.perf_counter()
                 metrics.log(position.step, epoch, {
-                    "loss/train": interval_loss / interval_samples,
-                    "accuracy/train": interval_correct / interval_samples,
-                    "throughput/samples_per_s": interval_samples / (now - interval_start),
-                    **{k: v / interval_steps for k, v in timer.drain().items()},
+                    **window.scalars(),
+                    **{k: v / window.num_steps for k, v in timer.drain().items()},
                 })
-                interval_loss, interval_correct, interval_samples, interval_steps = 0.0, 0, 0, 0
-                interval_start = now
+                window = TrainWindow()
             if position.step % training.checkpoint_interval == 0:
                 position.train_time_s = time.perf_counter() - loop_start
                 save(position.step)
@@ -109,8 +101,8 @@ def train(config: Config, resume: bool = False, summary_json: str | Path | None 
         logger.info("epoch %d: test accuracy %.4f, test loss %.4f", epoch, result.accuracy,
                     result.loss)
         # Evaluation is not training: restart the clocks so throughput leaves it out.
-        interval_start = time.perf_counter()
-        loop_start = interval_start - position.train_time_s
+        window.started = time.perf_counter()
+        loop_start = window.started - position.train_time_s
     progress.close()
     if result is None:  # resumed a finished run: nothing left to train
         result = evaluate(model, test_set, training.eval_batch_size)

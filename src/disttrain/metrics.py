@@ -125,6 +125,33 @@ class StepTimer:
         return out
 
 
+@dataclass
+class TrainWindow:
+    """Sums over the training steps between two metric records (every strategy keeps one
+    and starts a fresh one after each record)."""
+
+    started: float = field(default_factory=time.perf_counter)
+    loss_sum: float = 0.0
+    num_correct: int = 0
+    num_samples: int = 0
+    num_steps: int = 0
+
+    def add(self, loss: float, num_correct: int, num_samples: int) -> None:
+        """Count one step whose mean loss over `num_samples` samples was `loss`."""
+        self.loss_sum += loss * num_samples
+        self.num_correct += num_correct
+        self.num_samples += num_samples
+        self.num_steps += 1
+
+    def scalars(self, now: float | None = None) -> dict[str, float]:
+        """`loss/train`, `accuracy/train` and `throughput/samples_per_s` of the window."""
+        now = time.perf_counter() if now is None else now
+        samples = max(self.num_samples, 1)
+        return {"loss/train": self.loss_sum / samples,
+                "accuracy/train": self.num_correct / samples,
+                "throughput/samples_per_s": self.num_samples / max(now - self.started, 1e-9)}
+
+
 class Progress:
     """A tqdm bar on an interactive terminal; otherwise a plain log line every ~10%."""
 

@@ -2,7 +2,7 @@
 
 import json
 
-from disttrain.metrics import MetricsLogger, RunSummary, StepTimer, read_metrics
+from disttrain.metrics import MetricsLogger, RunSummary, StepTimer, TrainWindow, read_metrics
 
 
 def test_jsonl_and_tensorboard(tmp_path):
@@ -49,3 +49,13 @@ def test_summary_written_twice_with_required_fields(tmp_path):
         assert {"final_accuracy", "final_loss", "total_time_s", "throughput_samples_per_s",
                 "samples_processed", "steps", "epochs", "world_size", "config"} <= set(data)
     assert summary.lines()[1] == "Final Accuracy: 90.00%"
+
+
+def test_train_window_weights_loss_by_samples():
+    window = TrainWindow(started=10.0)
+    window.add(1.0, 3, 4)
+    window.add(4.0, 1, 12)
+    scalars = window.scalars(now=12.0)
+    assert scalars == {"loss/train": (4 * 1.0 + 12 * 4.0) / 16, "accuracy/train": 4 / 16,
+                       "throughput/samples_per_s": 8.0}
+    assert window.num_steps == 2

@@ -36,7 +36,7 @@ from disttrain.ddp.rng import gather_rng_states
 from disttrain.engine import EvalResult, StepResult, build_optimizer, seed_everything
 from disttrain.errors import CheckpointError, ConfigError
 from disttrain.faults import Fault, FaultInjector
-from disttrain.metrics import MetricsLogger, Progress, RunSummary, StepTimer
+from disttrain.metrics import MetricsLogger, Progress, RunSummary, StepTimer, TrainWindow
 from disttrain.models import build_model
 
 logger = logging.getLogger(__name__)
@@ -113,32 +113,22 @@ def train_step(model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
 
 
 @dataclass
-class Window:
-    """Sums over the steps between two metric records."""
+class Window(TrainWindow):
+    """A metrics window that also sums what the timing hook saw of communication."""
 
-    started: float
-    loss_sum: float = 0.0
-    num_correct: int = 0
-    num_samples: int = 0
-    num_steps: int = 0
     comm: CommSample = field(default_factory=CommSample)
 
-    def add(self, result: StepResult, comm: CommSample) -> None:
-        self.loss_sum += result.loss * result.num_samples
-        self.num_correct += result.num_correct
-        self.num_samples += result.num_samples
-        self.num_steps += 1
+    def add_step(self, result: StepResult, comm: CommSample) -> None:
+        self.add(result.loss, result.num_correct, result.num_samples)
         self.comm.seconds += comm.seconds
         self.comm.num_bytes += comm.num_bytes
         self.comm.num_buckets += comm.num_buckets
 
-    def scalars(self, now: float, step_seconds: float) -> dict[str, float]:
+    def step_scalars(self, now: float, step_seconds: float) -> dict[str, float]:
         """Per-step means; `time/compute_s` is the step time with no all-reduce in flight."""
         steps, comm = max(self.num_steps, 1), self.comm
         return {
-            "loss/train": self.loss_sum / max(self.num_samples, 1),
-            "accuracy/train": self.num_correct / max(self.num_samples, 1),
-            "throughput/samples_per_s": self.num_samples / max(now - self.started, 1e-9),
+            **self.scalars(now),
             "time/step_s": step_seconds / steps,
             "time/comm_s": comm.seconds / steps,
             "time/compute_s": max(step_seconds - comm.seconds, 0.0) / steps,
@@ -282,12 +272,12 @@ def _run(config: Config, runtime: rt.Runtime, resume: bool, summary_json, faults
                                          group, device)
             position.step += 1
             position.samples_processed += step_result.num_samples
-            window.add(step_result, comm.drain())
+            window.add_step(step_result, comm.drain())
             progress.update(1, loss=step_result.loss)
             if position.step % training.log_interval == 0:
                 now = time.perf_counter()
                 metrics.log(position.step, epoch,
-                            window.scalars(now, timer.drain().get("time/step_s", 0.0)))
+                            window.step_scalars(now, timer.drain().get("time/step_s", 0.0)))
                 window = Window(started=now)
             if position.step % training.checkpoint_interval == 0:
                 position.train_time_s = time.perf_counter() - loop_start

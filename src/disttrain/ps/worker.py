@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +29,7 @@ from disttrain.engine import configure_threads, evaluate, forward_backward, seed
 from disttrain.errors import ConfigError, DataError
 from disttrain.faults import Fault, FaultInjector
 from disttrain.launch import bind_to_parent, emit_event
-from disttrain.metrics import MetricsLogger, RunSummary, StepTimer
+from disttrain.metrics import MetricsLogger, RunSummary, StepTimer, TrainWindow
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.ps.client import PSClient, RetryPolicy
 from disttrain.ps.exchange import make_exchange
@@ -43,21 +43,13 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Tally:
-    """Running sums between two metric records, and totals for the run."""
+class Tally(TrainWindow):
+    """A metrics window that also sums each step's staleness."""
 
-    loss: float = 0.0
-    correct: int = 0
-    samples: int = 0
-    steps: int = 0
     staleness: int = 0
-    started: float = field(default_factory=time.perf_counter)
 
-    def add(self, loss: float, correct: int, samples: int, staleness: int) -> None:
-        self.loss += loss * samples
-        self.correct += correct
-        self.samples += samples
-        self.steps += 1
+    def add_step(self, result, staleness: int) -> None:
+        self.add(result.loss, result.num_correct, result.num_samples)
         self.staleness += staleness
 
 
@@ -109,26 +101,27 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                 block_id = (epoch * world_size + rank) * batches_per_epoch + batch_index
                 compute = functools.partial(_compute, model, grads, inputs, targets, timer)
                 result, staleness = exchange.step(compute, step, block_id, len(indices), timer)
-                tally.add(result.loss, result.num_correct, result.num_samples, staleness)
-                totals.add(result.loss, result.num_correct, result.num_samples, staleness)
+                tally.add_step(result, staleness)
+                totals.add_step(result, staleness)
                 emit_event("progress", rank=rank, step=step, loss=round(result.loss, 4))
                 if step % training.log_interval == 0:
-                    _log(metrics, step, epoch, tally, timer, client, totals.samples, exchange.num_rejected)
+                    _log(metrics, step, epoch, tally, timer, client, totals.num_samples,
+                         exchange.num_rejected)
                     tally = Tally()
                 faults_here.at_step(step)
             if rank == 0:
                 _evaluate_epoch(exchange, model, test_set, training.eval_batch_size, metrics, step, epoch)
-        if tally.steps:
-            _log(metrics, step, training.num_epochs - 1, tally, timer, client, totals.samples,
+        if tally.num_steps:
+            _log(metrics, step, training.num_epochs - 1, tally, timer, client, totals.num_samples,
                  exchange.num_rejected)
         train_time_s = time.perf_counter() - totals.started
         client.call_all("WorkerDone", pb.WorkerDoneRequest(worker_id=worker_id))
         logger.info("worker %d done: %d steps, %d samples in %.1fs, %.1f MB sent, %.1f MB received",
-                    rank, step, totals.samples, train_time_s, client.bytes_sent / 1e6,
+                    rank, step, totals.num_samples, train_time_s, client.bytes_sent / 1e6,
                     client.bytes_received / 1e6)
-        worker_stats = {"rank": rank, "steps": step, "samples": totals.samples, "train_time_s": train_time_s,
-                        "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received,
-                        "num_rejected": exchange.num_rejected}
+        worker_stats = {"rank": rank, "steps": step, "samples": totals.num_samples,
+                        "train_time_s": train_time_s, "bytes_sent": client.bytes_sent,
+                        "bytes_received": client.bytes_received, "num_rejected": exchange.num_rejected}
         if rank != 0:
             metrics.close()
             return None
@@ -151,16 +144,13 @@ def _compute(model, grads: torch.Tensor, inputs: torch.Tensor, targets: torch.Te
 
 def _log(metrics: MetricsLogger, step: int, epoch: int, tally: Tally, timer: StepTimer,
          client: PSClient, total_samples: int, num_rejected: int) -> None:
-    elapsed = time.perf_counter() - tally.started
     metrics.log(step, epoch, {
-        "loss/train": tally.loss / tally.samples,
-        "accuracy/train": tally.correct / tally.samples,
-        "throughput/samples_per_s": tally.samples / max(elapsed, 1e-9),
-        **{k: v / tally.steps for k, v in timer.drain().items()},
+        **tally.scalars(),
+        **{k: v / tally.num_steps for k, v in timer.drain().items()},
         "comm/bytes_sent": client.bytes_sent,
         "comm/bytes_received": client.bytes_received,
         "samples": total_samples,
-        "ps/staleness": tally.staleness / tally.steps,
+        "ps/staleness": tally.staleness / tally.num_steps,
         "ps/rejected": num_rejected,
     })
 
