@@ -47,3 +47,17 @@ def test_another_run_or_size_is_refused():
 def test_only_names_this_project_makes_are_opened(path):
     with pytest.raises(SharedMemoryUnavailable, match="not a segment name"):
         Segment.attach(path, 8, b"0" * 16)
+
+
+def test_a_full_shared_memory_is_refused_up_front_and_leaves_nothing(monkeypatch):
+    import errno
+    import os
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    before = set(shared_memory.SEGMENT_DIR.iterdir())
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(SharedMemoryUnavailable, match="No space left"):
+        SegmentPair.create(1 << 20, "float32")
+    assert set(shared_memory.SEGMENT_DIR.iterdir()) == before

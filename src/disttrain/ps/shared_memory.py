@@ -71,7 +71,9 @@ class Segment:
         except OSError as e:
             raise SharedMemoryUnavailable(f"cannot create {path}: {e}") from e
         try:
-            os.ftruncate(fd, HEADER_BYTES + nbytes)
+            # Reserve the pages now: a sparse file on a full /dev/shm (64 MB in a default
+            # container) would kill the process with SIGBUS at the first write instead.
+            os.posix_fallocate(fd, 0, HEADER_BYTES + nbytes)
             mapping = mmap.mmap(fd, HEADER_BYTES + nbytes)
         except OSError as e:
             path.unlink(missing_ok=True)
