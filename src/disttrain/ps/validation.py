@@ -11,14 +11,11 @@ import torch
 
 from disttrain.ps.codec import Payload, all_finite, decode_chunks, to_dtype
 from disttrain.ps.sharding import ShardPlan, TensorSlice
+from disttrain.ps.wire import plan_layout
 
 
 class InvalidPush(ValueError):
     """A malformed push: wrong layout, shape, dtype, length or values. Nothing changed."""
-
-
-def layout_of(message_layout) -> list[TensorSlice]:
-    return [TensorSlice(s.name, tuple(s.shape), s.start, s.length) for s in message_layout]
 
 
 def check_header(payload: Payload, plan: ShardPlan) -> None:
@@ -38,14 +35,14 @@ def check_header(payload: Payload, plan: ShardPlan) -> None:
     if header.compressed or header.compression_type:
         raise InvalidPush(f"compressed payloads ({header.compression_type or 'unnamed'}) are not "
                           "accepted by this server; send raw values")
-    _check_layout(layout_of(header.layout), plan)
+    _check_layout(plan_layout(header.layout), plan)
     if meta.dtype != plan.dtype:
         raise InvalidPush(f"payload dtype is {meta.dtype or 'unset'!r}, expected {plan.dtype!r}")
     if list(meta.shape) != [plan.numel]:
         raise InvalidPush(f"payload shape is {list(meta.shape)}, expected the flat [{plan.numel}]")
 
 
-def _check_layout(layout: list[TensorSlice], plan: ShardPlan) -> None:
+def _check_layout(layout: tuple[TensorSlice, ...], plan: ShardPlan) -> None:
     expected = {s.name: s for s in plan.slices}
     for got in layout:
         want = expected.get(got.name)
