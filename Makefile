@@ -41,8 +41,10 @@ bench: install
 		$(PY) benchmarks/$$name.py --output runs/bench/$$name.json || exit 1; \
 	done
 
+# Style, and the import contracts of pyproject.toml (layers; strategies as peers).
 lint: install
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks tools
+	$(VENV)/bin/lint-imports
 
 # Regenerate src/disttrain/proto/ from proto/disttrain/v1/*.proto (commit the result;
 # tests/unit/test_proto_stubs.py fails while the committed stubs are stale).

@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from common import median, parse_args, report, time_interleaved
 
-from disttrain.baseline import train
 from disttrain.config import config_from_dict
 from disttrain.data import load_datasets
-from disttrain.models import build_model
+from disttrain.strategies.baseline import STRATEGY
+from disttrain.training.models import build_model
+from disttrain.training.strategy import RunOptions
 
 TARGET = 0.95
 
@@ -48,10 +49,9 @@ def main() -> None:
 
     def trainer() -> None:
         run = workdir / f"run{len(trainer_seconds)}"
-        config.system.checkpoint_dir = str(run / "ckpt")
-        config.system.log_dir = str(run / "logs")
-        summary = train(config)
-        trainer_seconds.append(summary.extra["train_time_s"])
+        summary = STRATEGY.run(config.replace(system={"checkpoint_dir": str(run / "ckpt"),
+                                                      "log_dir": str(run / "logs")}), RunOptions())
+        trainer_seconds.append(summary.train_time_s)
 
     plain_loop()  # warm-up: first-touch allocations and kernel selection
     times = time_interleaved({"plain": plain_loop, "trainer": trainer}, args.repeats)

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from disttrain.config import Config, config_from_dict
-from disttrain.launch import Cluster
-from disttrain.ps.cluster import start_servers
+from disttrain.core.processes import Cluster
+from disttrain.strategies.ps.launcher import start_servers
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # An MLP whose parameters take 10.5 MB: 784*1270 + 1270*1270 + 1270*10 weights, plus biases.
@@ -39,11 +39,13 @@ def data_dir() -> Path | None:
     return None
 
 
-def make_config(folder: Path, model: str = "simplecnn", **system: Any) -> Config:
+def make_config(folder: Path, model: str = "simplecnn", training: dict[str, Any] | None = None,
+                **system: Any) -> Config:
     """A PS config for benchmarks: MNIST when at hand (synthetic otherwise), one thread
-    per process, no checkpoints during the run."""
+    per process, no checkpoints during the run. `training` overrides training keys;
+    `system` takes system keys and the seed's `system.*` spelling of the ps keys."""
     found = data_dir()
-    training = {
+    base = {
         "dataset": "mnist" if found else "synthetic",
         "data_dir": str(found or "data"),
         "model_architecture": model,
@@ -53,14 +55,14 @@ def make_config(folder: Path, model: str = "simplecnn", **system: Any) -> Config
         "batch_size": 64,
     }
     defaults = {"num_threads": 1, "checkpoint_dir": str(folder / "ckpt"), "log_dir": str(folder / "logs")}
-    return config_from_dict({"training": training, "system": {**defaults, **system}})
+    return config_from_dict({"training": {**base, **(training or {})}, "system": {**defaults, **system}})
 
 
 def servers(cluster: Cluster, config: Config, folder: Path) -> list[str]:
     """Start the config's shard servers; return their addresses."""
     path = folder / "config.yaml"
     config.save(path)
-    return start_servers(cluster, ["--config", str(path)], "127.0.0.1", config.system.num_servers)
+    return start_servers(cluster, ["--config", str(path)], "127.0.0.1", config.ps.num_servers)
 
 
 def run_roles(script: str, role: str, count: int, args: list[str], timeout_s: float = 600) -> list[dict]:

@@ -20,12 +20,12 @@ import torch
 from common import median, parse_args, report, time_interleaved
 from ps_helpers import make_config, role_flags, servers
 
-from disttrain.launch import Cluster
+from disttrain.core.processes import Cluster
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.ps.client import PSClient, RetryPolicy
-from disttrain.ps.model import build_initial_model
-from disttrain.ps.sharding import flat_parameters, plan_shards
-from disttrain.ps.wire import tune_allocator
+from disttrain.strategies.ps.client import PSClient, RetryPolicy
+from disttrain.strategies.ps.sharding import flat_parameters, plan_shards
+from disttrain.strategies.ps.wire import tune_allocator
+from disttrain.training.models import init_model
 
 
 def echo_server(nbytes: int) -> None:
@@ -51,12 +51,13 @@ def main() -> None:
     torch.set_num_threads(1)
     tune_allocator()
     with tempfile.TemporaryDirectory() as tmp, Cluster(Path(tmp) / "logs") as cluster:
-        config = make_config(Path(tmp), model="mlp", num_workers=1, aggregation_mode="async")
-        config.training.optimizer = "sgd"
-        config.training.dataset = "mnist"  # only the input shape matters here; no data is read
+        # Only the input shape of mnist matters here; no data is read.
+        training = {"optimizer": "sgd", "dataset": "mnist"}
         if args.quick:
-            config.training.mlp_hidden_size = 256
-        model = build_initial_model(config)
+            training["mlp_hidden_size"] = 256
+        config = make_config(Path(tmp), model="mlp", training=training, num_workers=1,
+                             aggregation_mode="async")
+        model = init_model(config.training)
         flat, grads = flat_parameters(model)
         grads.zero_()  # the server's work does not depend on the values
         plans = plan_shards(model, 1)

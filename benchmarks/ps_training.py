@@ -24,10 +24,11 @@ from ps_helpers import file_store, make_config, one_thread, role_flags, run_role
 
 from disttrain.config import load_config
 from disttrain.data import ShardedSampler, load_datasets
-from disttrain.engine import build_optimizer, forward_backward
-from disttrain.metrics import read_metrics
-from disttrain.ps.cluster import run_cluster
-from disttrain.ps.model import build_initial_model
+from disttrain.metrics.logger import read_metrics
+from disttrain.strategies.ps import STRATEGY
+from disttrain.training.engine import build_optimizer, forward_backward
+from disttrain.training.models import init_model
+from disttrain.training.strategy import RunOptions
 
 WARMUP_STEPS = 10
 LOG_INTERVAL = 10
@@ -38,7 +39,7 @@ def ddp_rank(args: argparse.Namespace) -> None:
     config = load_config(args.config)
     dist.init_process_group("gloo", init_method=args.store, rank=args.rank, world_size=2)
     train_set, _ = load_datasets(config.training)
-    model = torch.nn.parallel.DistributedDataParallel(build_initial_model(config))
+    model = torch.nn.parallel.DistributedDataParallel(init_model(config.training))
     optimizer = build_optimizer(model.parameters(), config.training)
     sampler = ShardedSampler(len(train_set), world_size=2, rank=args.rank, seed=config.training.seed)
     start, samples = None, 0
@@ -66,17 +67,15 @@ def ps_samples_per_s(metrics_path: Path, num_workers: int) -> float:
 
 
 def measure_ps(steps: int, folder: Path) -> float:
-    config = make_config(folder, num_workers=2, num_servers=1, aggregation_mode="sync")
-    config.training.max_train_samples = 2 * 64 * (WARMUP_STEPS + steps)
-    config.training.max_test_samples = 100
-    config.training.log_interval = LOG_INTERVAL
-    run_cluster(config)
+    training = {"max_train_samples": 2 * 64 * (WARMUP_STEPS + steps), "max_test_samples": 100,
+                "log_interval": LOG_INTERVAL}
+    config = make_config(folder, training=training, num_workers=2, num_servers=1, aggregation_mode="sync")
+    STRATEGY.run(config, RunOptions())
     return ps_samples_per_s(folder / "logs" / "worker0" / "metrics.jsonl", 2)
 
 
 def measure_ddp(steps: int, folder: Path) -> float:
-    config = make_config(folder)
-    config.training.max_train_samples = 2 * 64 * (WARMUP_STEPS + steps)
+    config = make_config(folder, training={"max_train_samples": 2 * 64 * (WARMUP_STEPS + steps)})
     config.save(folder / "ddp.yaml")
     results = run_roles(
         __file__, "ddp", 2, ["--config", str(folder / "ddp.yaml"), "--store", file_store(folder)]

@@ -21,14 +21,14 @@ from common import parse_args, report
 from ps_helpers import file_store, make_config, one_thread, role_flags, run_roles, servers, write_result
 
 from disttrain.config import load_config
-from disttrain.engine import StepResult
-from disttrain.launch import Cluster
-from disttrain.metrics import StepTimer
-from disttrain.ps.client import PSClient, RetryPolicy
-from disttrain.ps.exchange import SyncExchange
-from disttrain.ps.model import build_initial_model
-from disttrain.ps.sharding import flat_parameters, plan_shards
-from disttrain.ps.wire import tune_allocator
+from disttrain.core.processes import Cluster
+from disttrain.metrics.window import StepTimer
+from disttrain.strategies.ps.client import PSClient, RetryPolicy
+from disttrain.strategies.ps.exchange import SyncExchange
+from disttrain.strategies.ps.sharding import flat_parameters, plan_shards
+from disttrain.strategies.ps.wire import tune_allocator
+from disttrain.training.engine import StepResult
+from disttrain.training.models import init_model
 
 WARMUP_STEPS = 5
 
@@ -36,7 +36,7 @@ WARMUP_STEPS = 5
 def ps_worker(args: argparse.Namespace) -> None:
     """Role: one sync worker pushing a fixed gradient; times each step's communication."""
     config = load_config(args.config)
-    model = build_initial_model(config)
+    model = init_model(config.training)
     flat, grads = flat_parameters(model)
     grads.normal_()
     client = PSClient(args.servers.split(","), plan_shards(model, 1), RetryPolicy())
@@ -69,8 +69,9 @@ def gloo_rank(args: argparse.Namespace) -> None:
 
 
 def measure(model_name: str, steps: int, folder: Path) -> dict:
-    config = make_config(folder, model=model_name, num_workers=2, aggregation_mode="sync")
-    config.training.dataset = "mnist"  # the input shape only; no data is read
+    # The input shape of mnist only; no data is read.
+    config = make_config(folder, model=model_name, training={"dataset": "mnist"}, num_workers=2,
+                         aggregation_mode="sync")
     with Cluster(folder / "logs") as cluster:
         addresses = servers(cluster, config, folder)
         ps = run_roles(

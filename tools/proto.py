@@ -5,7 +5,9 @@
 
 protoc writes absolute imports (`from disttrain.v1 import tensor_pb2`) that would resolve
 inside this project's own `disttrain` package; they are rewritten to relative imports so the
-stubs live in `disttrain.proto`. Protos without services get no `_pb2_grpc.py` module.
+stubs live in `disttrain.proto`. Only message classes are generated: the services' method
+tables are built from them in the strategies' wire modules, which frame the hot messages
+by hand.
 The generator is pinned (grpcio-tools in the test extras) so its output is reproducible.
 """
 
@@ -21,7 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PROTO_ROOT = REPO_ROOT / "proto"
 PROTO_PACKAGE = "disttrain/v1"
 OUTPUT_DIR = REPO_ROOT / "src" / "disttrain" / "proto"
-INIT_TEXT = '"""Generated protobuf and gRPC stubs of proto/disttrain/v1 (regenerate with `make proto`)."""\n'
+INIT_TEXT = '"""Generated protobuf message classes of proto/disttrain/v1 (regenerate with `make proto`)."""\n'
 ABSOLUTE_IMPORT = re.compile(r"^from disttrain\.v1 import ", re.MULTILINE)
 
 
@@ -41,14 +43,12 @@ def generate(proto_root: Path = PROTO_ROOT) -> dict[str, str]:
     include = Path(protoc.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
         args = ["protoc", f"-I{proto_root}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                f"--grpc_python_out={tmp}", *(str(s.relative_to(proto_root)) for s in sources)]
+                *(str(s.relative_to(proto_root)) for s in sources)]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {', '.join(s.name for s in sources)}")
         out = {"__init__.py": INIT_TEXT}
         for path in sorted((Path(tmp) / PROTO_PACKAGE).iterdir()):
             text = path.read_text()
-            if path.name.endswith("_pb2_grpc.py") and "def add_" not in text:
-                continue  # a proto of messages only: its gRPC module would be empty
             out[path.name] = ABSOLUTE_IMPORT.sub("from . import ", text)
     return out
 

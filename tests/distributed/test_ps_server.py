@@ -9,15 +9,16 @@ import threading
 import grpc
 import pytest
 import torch
+from torch.nn.utils import parameters_to_vector
 
 from disttrain.config import config_from_dict
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.proto import tensor_pb2
-from disttrain.ps import codec, wire
-from disttrain.ps.client import PSClient, RetryPolicy
-from disttrain.ps.model import build_initial_model, flat_vector
-from disttrain.ps.server import ShardServer, build_state
-from disttrain.ps.sharding import plan_shards
+from disttrain.strategies.ps import codec, wire
+from disttrain.strategies.ps.client import PSClient, RetryPolicy
+from disttrain.strategies.ps.server import ShardServer, build_state
+from disttrain.strategies.ps.sharding import plan_shards
+from disttrain.training.models import init_model
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,7 +34,7 @@ def make_config(tmp_path, **system):
 def shard(tmp_path):
     config = make_config(tmp_path)
     server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0")
-    model = build_initial_model(config)
+    model = init_model(config.training)
     plan = plan_shards(model, 1)[0]
     client = PSClient([server.address], [plan], RetryPolicy(timeout_s=10.0, max_attempts=2))
     client.register("w0")
@@ -201,13 +202,13 @@ def test_sync_shard_averages_two_workers_by_samples(tmp_path):
 def test_initial_parameters_are_the_seeded_model(tmp_path):
     config = make_config(tmp_path)
     state = build_state(config, 0, 1)
-    assert torch.equal(state.parameters(), flat_vector(build_initial_model(config)))
+    assert torch.equal(state.parameters(), parameters_to_vector(init_model(config.training).parameters()))
 
 
 def test_ssp_worker_recomputes_a_rejected_gradient_on_fresh_parameters(tmp_path):
-    from disttrain.engine import StepResult
-    from disttrain.metrics import StepTimer
-    from disttrain.ps.exchange import make_exchange
+    from disttrain.metrics.window import StepTimer
+    from disttrain.strategies.ps.exchange import make_exchange
+    from disttrain.training.engine import StepResult
 
     config = make_config(tmp_path, num_workers=2, aggregation_mode="ssp", staleness=0)
     state = build_state(config, 0, 1)

@@ -8,11 +8,11 @@ import torch
 from disttrain.config import config_from_dict
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.proto import tensor_pb2
-from disttrain.ps import shared_memory, wire
-from disttrain.ps.client import PSClient, RetryPolicy
-from disttrain.ps.model import build_initial_model
-from disttrain.ps.server import ShardServer, build_state
-from disttrain.ps.sharding import plan_shards
+from disttrain.strategies.ps import shared_memory, wire
+from disttrain.strategies.ps.client import PSClient, RetryPolicy
+from disttrain.strategies.ps.server import ShardServer, build_state
+from disttrain.strategies.ps.sharding import plan_shards
+from disttrain.training.models import init_model
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not shared_memory.available(), reason="no /dev/shm here")]
@@ -26,7 +26,7 @@ def cluster(tmp_path):
                      "momentum": 0.0, "learning_rate": 0.5},
         "system": {"num_workers": 2, "aggregation_mode": "async", "checkpoint_dir": str(tmp_path)}})
     server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0")
-    plan = plan_shards(build_initial_model(config), 1)[0]
+    plan = plan_shards(init_model(config.training), 1)[0]
     clients = {transport: PSClient([server.address], [plan], RetryPolicy(timeout_s=10.0, max_attempts=2),
                                    transport) for transport in ("shared_memory", "grpc")}
     clients["shared_memory"].register("memory")

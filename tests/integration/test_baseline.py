@@ -6,9 +6,9 @@ import signal
 import pytest
 import torch
 
-from disttrain import checkpoint as ckpt
+from disttrain.core import checkpoint as ckpt
 from disttrain.data import ShardedSampler
-from disttrain.metrics import read_metrics
+from disttrain.metrics.logger import read_metrics
 
 FAST = ["--dataset", "digits", "--batch-size", "64", "--num-epochs", "2", "--num-threads", "1",
         "--checkpoint-interval", "5", "--optimizer", "sgd", "--learning-rate", "0.05"]
@@ -89,6 +89,7 @@ def one_line_error(result, fragment, code):
     (["--set", "training.batchsize=3"], "unknown key; did you mean training.batch_size"),
     (["--set", "system.heartbeat_interval=5", "--set", "system.heartbeat_timeout=2"],
      "system.heartbeat_timeout: 2.0 must be greater than system.heartbeat_interval"),
+    (["--model", "resnet"], "training.model_architecture: 'resnet' is not a registered model"),
 ])
 @pytest.mark.timeout(60)
 def test_bad_config_exits_2_with_one_line(tmp_path, cli, args, fragment):

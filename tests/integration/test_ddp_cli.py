@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from disttrain.metrics import read_metrics
+from disttrain.metrics.logger import read_metrics
 
 # Small, but with dropout (per-rank RNG) and Adam (optimizer state) to restore.
 TRAINING = ["--dataset", "synthetic", "--num-samples", 512, "--batch-size", 32, "--num-epochs", 2,

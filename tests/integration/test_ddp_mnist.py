@@ -8,7 +8,7 @@ import json
 import pytest
 
 from disttrain.config import config_from_dict
-from disttrain.evaluation import evaluate_model_file
+from disttrain.training.evaluation import evaluate_model_file
 
 
 @pytest.mark.slow

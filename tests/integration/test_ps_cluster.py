@@ -15,11 +15,11 @@ import time
 import pytest
 import torch
 
-from disttrain.checkpoint import load_checkpoint
 from disttrain.config import load_config
+from disttrain.core.checkpoint import load_checkpoint
 from disttrain.data import ShardedSampler, load_datasets
-from disttrain.evaluation import evaluate_model_file
-from disttrain.ps.model import build_initial_model
+from disttrain.training.evaluation import evaluate_model_file
+from disttrain.training.models import init_model
 
 EXACT_ARGS = [
     "--dataset",
@@ -69,7 +69,7 @@ def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path
 
     config = load_config(tmp_path / "logs" / "config.yaml")
     train_set, _ = load_datasets(config.training)
-    model = build_initial_model(config)
+    model = init_model(config.training)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     samplers = [
         ShardedSampler(len(train_set), world_size=2, rank=r, seed=config.training.seed) for r in range(2)
@@ -93,6 +93,8 @@ def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path
         "parameter_server_final.pt",
         "server0",
         "server1",
+        "worker0",
+        "worker1",
     ]
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from disttrain import checkpoint as ckpt
-from disttrain.errors import CheckpointError, ConfigError
+from disttrain.core import checkpoint as ckpt
+from disttrain.core.errors import CheckpointError, ConfigError
 
 
 def test_save_load_and_prune(tmp_path):

@@ -1,11 +1,13 @@
-"""Config schema: defaults, precedence, unknown keys, the seed's rules, error lines."""
+"""Config schema: defaults, precedence, sections and the seed's `system.*` spellings,
+unknown keys, the seed's rules, error lines."""
 
+import dataclasses
 import json
 
 import pytest
 
-from disttrain.config import Config, config_from_dict, load_config, parse_set_expression
-from disttrain.errors import ConfigError
+from disttrain.config import Config, config_from_dict, load_config, not_used_yet, parse_set_expression
+from disttrain.core.errors import ConfigError
 
 
 def test_defaults_validate():
@@ -28,7 +30,48 @@ def test_json_files_load(tmp_path):
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"system": {"num_workers": 4, "aggregation_mode": "ssp"}}))
     config = load_config(path)
-    assert config.system.num_workers == 4 and config.system.aggregation_mode == "ssp"
+    assert config.system.num_workers == 4 and config.ps.aggregation_mode == "ssp"
+
+
+def test_the_seeds_system_keys_reach_their_components():
+    config = config_from_dict({"system": {
+        "aggregation_mode": "async", "staleness": 3, "num_servers": 2, "payload_transport": "grpc",
+        "compression_enabled": True, "compression_type": "topk", "compression_ratio": 0.1,
+        "heartbeat_interval": 2.0, "heartbeat_timeout": 9.0, "num_workers": 4}})
+    assert (config.ps.aggregation_mode, config.ps.staleness, config.ps.num_servers) == ("async", 3, 2)
+    assert config.ps.payload_transport == "grpc"
+    assert (config.compression.enabled, config.compression.type, config.compression.ratio) == (
+        True, "topk", 0.1)
+    assert (config.coordinator.heartbeat_interval, config.coordinator.heartbeat_timeout) == (2.0, 9.0)
+    assert config == config_from_dict(config.to_dict())  # saved in the components' spelling
+
+
+def test_a_later_layer_overrides_either_spelling(tmp_path):
+    path = tmp_path / "seed.yaml"
+    path.write_text("system:\n  aggregation_mode: sync\n  staleness: 1\n")
+    config = load_config(path, {"ps.aggregation_mode": "ssp"}, ["system.staleness=4"])
+    assert (config.ps.aggregation_mode, config.ps.staleness) == ("ssp", 4)
+
+
+def test_one_key_given_twice_in_one_file_is_refused():
+    with pytest.raises(ConfigError, match="ps.staleness: the config also sets it as system.staleness"):
+        config_from_dict({"system": {"staleness": 1}, "ps": {"staleness": 2}})
+    assert config_from_dict({"system": {"staleness": 2}, "ps": {"staleness": 2}}).ps.staleness == 2
+
+
+def test_nothing_writes_into_a_config():
+    config = config_from_dict({})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.system.num_workers = 8
+    changed = config.replace(system={"num_workers": 8}, ps={"staleness": 0})
+    assert (changed.system.num_workers, changed.ps.staleness) == (8, 0)
+    assert config.system.num_workers == 2
+
+
+def test_keys_not_used_yet_are_listed():
+    listed = not_used_yet()
+    assert {"compression.enabled", "coordinator.heartbeat_interval"} <= set(listed)
+    assert "training.batch_size" not in listed
 
 
 @pytest.mark.parametrize("raw, fragment", [
@@ -37,14 +80,18 @@ def test_json_files_load(tmp_path):
     ({"training": {"batchsize": 3}}, "did you mean training.batch_size"),
     ({"trainng": {}}, "trainng: unknown section; did you mean training"),
     ({"training": {"dataset": "imagenet"}}, "training.dataset: 'imagenet' must be one of"),
-    ({"training": {"model_architecture": "resnet"}}, "is not a registered model"),
     ({"training": {"model_architecture": " "}}, "must not be empty"),
     ({"system": {"compression_ratio": 0.0}}, "must be in (0, 1]"),
     ({"system": {"compression_ratio": 1.5}}, "must be in (0, 1]"),
     ({"system": {"compression_enabled": "yes"}}, "is not a boolean"),
     ({"system": {"heartbeat_interval": 5.0, "heartbeat_timeout": 5.0}},
      "system.heartbeat_timeout: 5.0 must be greater than system.heartbeat_interval"),
-    ({"system": {"aggregation_mode": "lazy"}}, "must be one of sync, async, ssp"),
+    ({"system": {"aggregation_mode": "lazy"}}, "system.aggregation_mode: 'lazy' must be one of sync"),
+    ({"ps": {"aggregation_mode": "lazy"}}, "ps.aggregation_mode: 'lazy' must be one of sync"),
+    ({"system": {"backup_workers": 2}}, "system.backup_workers: 2 must be less than system.num_workers"),
+    ({"coordinator": {"heartbeat_timeout": 0.5}},
+     "coordinator.heartbeat_timeout: 0.5 must be greater than coordinator.heartbeat_interval"),
+    ({"system": {"compresion_ratio": 0.1}}, "did you mean system.compression_ratio"),
     ({"training": {"learning_rate": float("nan")}}, "must be a finite number"),
 ])
 def test_bad_values_name_field_value_and_rule(raw, fragment):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from disttrain.config import TrainingConfig
+from disttrain.core.errors import DataError
 from disttrain.data import load_datasets, sources
-from disttrain.errors import DataError
 
 
 def write_idx(path, array: np.ndarray, compress=True, cut=0):

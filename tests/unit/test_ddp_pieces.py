@@ -13,23 +13,17 @@ import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from disttrain import checkpoint as ckpt
 from disttrain.config import config_from_dict
-from disttrain.ddp import rng
-from disttrain.ddp.comm_hooks import CommStats, union_length
-from disttrain.ddp.endpoint import wait_for_endpoint
-from disttrain.ddp.launcher import (
-    child_failure,
-    format_fault,
-    launch_config,
-    preflight,
-    rank_arguments,
-    read_summary,
-)
-from disttrain.ddp.reduce import eval_slice
-from disttrain.errors import ConfigError, DistributedError
-from disttrain.faults import parse_fault
-from disttrain.metrics import RunSummary
+from disttrain.core import checkpoint as ckpt
+from disttrain.core.errors import ConfigError, DistributedError
+from disttrain.core.faults import format_fault, parse_fault
+from disttrain.metrics.summary import RunSummary
+from disttrain.strategies.ddp import rng
+from disttrain.strategies.ddp.comm_hooks import CommStats, split_intervals, union_length
+from disttrain.strategies.ddp.endpoint import wait_for_endpoint
+from disttrain.strategies.ddp.launcher import child_failure, launch_config, preflight, rank_arguments
+from disttrain.training.engine import eval_slice
+from disttrain.training.strategy import RunOptions
 
 
 def test_union_counts_overlapping_buckets_once():
@@ -43,8 +37,17 @@ def test_comm_stats_drain_resets():
     stats.record(0.0, 0.25, 400)
     stats.record(0.1, 0.30, 100)
     sample = stats.drain()
-    assert (sample.seconds, sample.num_bytes, sample.num_buckets) == (pytest.approx(0.3), 500, 2)
+    assert (sample.num_bytes, sample.num_buckets) == (500, 2)
+    # The last bucket went out at 0.1: what ran after it blocked the step, the rest overlapped.
+    assert (sample.blocked_s, sample.overlapped_s) == (pytest.approx(0.2), pytest.approx(0.1))
     assert stats.drain().num_buckets == 0
+
+
+def test_blocked_and_overlapped_split_the_union():
+    assert split_intervals([]) == (0.0, 0.0)
+    assert split_intervals([(1.0, 2.0)]) == (pytest.approx(1.0), 0.0)  # one bucket: all blocked
+    blocked, overlapped = split_intervals([(0.0, 1.0), (3.0, 3.5), (2.0, 4.0)])
+    assert (blocked, overlapped) == (pytest.approx(1.0), pytest.approx(2.0))
 
 
 def test_rng_state_survives_the_tensor_codec():
@@ -71,11 +74,11 @@ def test_eval_slices_cover_every_test_sample_once():
 
 
 def test_faults_pass_to_the_ranks_unchanged():
-    for text in ("kill@step=7,rank=1,attempt=0", "kill@step=3,attempt=2"):
+    for text in ("kill@step=7,rank=1,attempt=0", "kill@step=3,attempt=2", "slow-eval@seconds=1.5"):
         fault = parse_fault(text)
         assert parse_fault(format_fault(fault)) == fault
-    args = rank_arguments(Path("c.yaml"), Path("s.json"), resume=True,
-                          faults=[parse_fault("kill@step=7,rank=1")], verbose=False)
+    options = RunOptions(resume=True, faults=(parse_fault("kill@step=7,rank=1"),))
+    args = rank_arguments(Path("c.yaml"), Path("s.json"), options)
     assert args[:3] == ["-u", "-m", "disttrain.ddp"]
     assert "--resume" in args and "--inject-fault=kill@step=7,rank=1,attempt=0" in args
 
@@ -117,11 +120,13 @@ def test_child_config_error_keeps_exit_code_two(tmp_path):
 
 
 def test_summary_round_trip(tmp_path):
-    summary = RunSummary("ddp", "digits", 0.9, 0.3, 5.0, 100.0, 500, 8, 1, 2, {"a": 1},
+    summary = RunSummary("ddp", "digits", 0.9, 0.3, 5.0, 4.0, 100.0, 500, 8, 1, 2, {"a": 1},
                          extra={"backend": "gloo", "restarts": 1})
     summary.write(tmp_path)
-    assert read_summary(tmp_path / "summary.json") == summary
-    assert read_summary(tmp_path / "absent.json") is None
+    assert RunSummary.read(tmp_path) == summary
+    with pytest.raises(ValueError, match="not a run summary"):
+        (tmp_path / "other.json").write_text('{"strategy": "ddp"}')
+        RunSummary.read(tmp_path / "other.json")
 
 
 def test_preflight_refuses_bad_input_before_any_process(tmp_path):
@@ -131,8 +136,7 @@ def test_preflight_refuses_bad_input_before_any_process(tmp_path):
                                  "ddp": ddp})
 
     assert preflight(config(), resume=False).ranks_per_node == 2
-    too_many = config()
-    too_many.system.num_workers = 4
+    too_many = config().replace(system={"num_workers": 4})
     with pytest.raises(ConfigError, match="world size 4 is larger than the 3 training samples"):
         preflight(too_many, resume=False)
     uneven = config(num_nodes=3, rdzv_endpoint="node0:1")
@@ -191,43 +195,24 @@ def test_endpoint_hosted_here_is_not_probed():
     wait_for_endpoint("localhost:1", 1.0, connect=None)  # the agent will host it
 
 
-def test_ddp_checkpoint_restores_each_rank_its_own_rng(tmp_path):
-    from disttrain.baseline import Position
-    from disttrain.data import ShardedSampler
-    from disttrain.ddp import state as ddp_state
-    from disttrain.ddp.precision import Precision, plan_precision
-    from disttrain.errors import CheckpointError
-    from disttrain.models import build_model
+def test_ddp_checkpoint_gives_each_rank_its_own_rng(tmp_path):
+    from disttrain.core.errors import CheckpointError
+    from disttrain.strategies.ddp.runtime import RankInfo, Runtime
+    from disttrain.strategies.ddp.store import RankZeroCheckpoints
 
-    config = config_from_dict({})
-    torch.manual_seed(0)
-    model = build_model("mlp", (1, 8, 8), 10)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    precision = Precision(plan_precision("none", "cpu"), torch.device("cpu"))
-    sampler = ShardedSampler(100, world_size=2, rank=0, seed=1)
-    sampler.set_epoch(1)
-    next(sampler.batches(8))
     states = []
     for seed in (10, 11):  # what each rank's RNG held at the checkpoint
         torch.manual_seed(seed)
         states.append(ckpt.rng_state())
     path = tmp_path / ckpt.checkpoint_name(5)
-    ckpt.atomic_torch_save(ddp_state.build_state(config, model, optimizer, sampler, precision,
-                                                 Position(1, 5, 80, 2.5), states), path)
+    ckpt.atomic_torch_save({"strategy": "ddp", "world_size": 2, "rng": states}, path)
 
-    fresh = build_model("mlp", (1, 8, 8), 10)
-    fresh_sampler = ShardedSampler(100, world_size=2, rank=1, seed=1)
-    position = ddp_state.restore(path, 1, 2, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1),
-                                 fresh_sampler, precision)
-    assert torch.equal(torch.get_rng_state(), states[1]["torch"])  # rank 1's own stream
-    assert position == Position(1, 5, 80, 2.5)
-    assert (fresh_sampler.epoch, fresh_sampler.position, fresh_sampler.rank) == (1, 8, 1)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                 fresh.state_dict().values(), strict=True))
+    def store(rank: int, world_size: int) -> RankZeroCheckpoints:
+        runtime = Runtime(RankInfo(rank, world_size, rank, world_size), "gloo", torch.device("cpu"), 1)
+        return RankZeroCheckpoints(tmp_path, 3, runtime)
+
+    loaded = store(1, 2).load(path)
+    assert torch.equal(loaded["rng"]["torch"], states[1]["torch"])  # rank 1's own stream
     with pytest.raises(CheckpointError, match="resume with --world-size 2"):
-        ddp_state.restore(path, 0, 3, fresh, optimizer, fresh_sampler, precision)
-    baseline_file = tmp_path / ckpt.checkpoint_name(6)
-    ckpt.atomic_torch_save({"strategy": "baseline"}, baseline_file)
-    with pytest.raises(CheckpointError, match="written by strategy 'baseline', not 'ddp'"):
-        ddp_state.restore(baseline_file, 0, 2, fresh, optimizer, fresh_sampler, precision)
+        store(0, 3).load(path)
     assert ckpt.checkpoint_step(path) == 5 and ckpt.checkpoint_step(tmp_path / "x.pt") == -1

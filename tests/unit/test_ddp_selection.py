@@ -7,19 +7,21 @@ import pytest
 import torch
 
 from disttrain.config import config_from_dict
-from disttrain.ddp.precision import Precision, plan_precision
-from disttrain.ddp.runtime import (
+from disttrain.core.errors import ConfigError, DistributedError
+from disttrain.strategies.ddp.precision import Precision, plan_precision
+from disttrain.strategies.ddp.rank import scaled_learning_rate
+from disttrain.strategies.ddp.runtime import (
     RankInfo,
     check_gpu_count,
+    check_world_size,
     is_peer_loss,
     select_backend,
     select_device,
     started_by_elastic_agent,
 )
-from disttrain.ddp.trainer import accumulation_groups, make_sampler, scaled_learning_rate
-from disttrain.engine import forward_backward
-from disttrain.errors import ConfigError, DistributedError
-from disttrain.models import build_model
+from disttrain.training.engine import forward_backward
+from disttrain.training.loop import groups as accumulation_groups
+from disttrain.training.models import build_model
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -121,8 +123,8 @@ def test_accumulation_groups_keep_order_and_a_short_tail():
 
 def test_world_size_larger_than_the_data_is_a_config_error():
     with pytest.raises(ConfigError, match="world size 5 is larger than the 4 training samples"):
-        make_sampler(4, world_size=5, rank=0, seed=0)
-    assert len(make_sampler(10, world_size=5, rank=4, seed=0)) == 2
+        check_world_size(4, world_size=5)
+    check_world_size(5, world_size=5)
 
 
 def test_rank_info_from_the_agent_variables():

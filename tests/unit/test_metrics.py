@@ -1,8 +1,23 @@
-"""Metrics: JSONL records, TensorBoard events, resume truncation, summary files."""
+"""Metrics: JSONL records, TensorBoard events, resume truncation, the vocabulary, the
+training clock, windows, summary files."""
 
 import json
 
-from disttrain.metrics import MetricsLogger, RunSummary, StepTimer, TrainWindow, read_metrics
+import pytest
+from conftest import REPO_ROOT
+
+from disttrain.metrics import keys
+from disttrain.metrics.logger import MetricsLogger, read_metrics
+from disttrain.metrics.summary import RunSummary
+from disttrain.metrics.window import MetricsWindow, StepTimer, TrainClock
+
+
+class FakeTime:
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def test_jsonl_and_tensorboard(tmp_path):
@@ -14,6 +29,24 @@ def test_jsonl_and_tensorboard(tmp_path):
     assert records[0]["loss/train"] == 1.5 and records[1]["loss/train"] is None
     assert {"epoch", "time"} <= set(records[0])
     assert list((tmp_path / "worker0").glob("events.out.tfevents.*"))
+
+
+def test_a_key_outside_the_vocabulary_is_refused(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False) as metrics:
+        with pytest.raises(ValueError, match=r"\['samples'\] are not in"):
+            metrics.log(1, 0, {"loss/train": 1.0, "samples": 64})
+    assert read_metrics(tmp_path / "metrics.jsonl") == []
+
+
+def test_every_key_has_a_unit_kind_and_meaning():
+    for metric in [*keys.METRICS.values(), *keys.SUMMARY.values()]:
+        assert metric.unit and metric.meaning and metric.logged_by
+        assert metric.kind in (keys.WINDOW, keys.PER_STEP, keys.CUMULATIVE, keys.EPOCH_END, keys.RUN)
+    assert set(keys.SUMMARY) <= set(RunSummary.__dataclass_fields__)
+
+
+def test_readme_metrics_table_is_the_vocabulary():
+    assert keys.markdown() in (REPO_ROOT / "README.md").read_text()
 
 
 def test_resume_drops_records_of_redone_steps(tmp_path):
@@ -28,34 +61,54 @@ def test_resume_drops_records_of_redone_steps(tmp_path):
         (10, 10.0), (20, 20.0), (30, 3.0)]
 
 
+def test_clock_stops_while_paused():
+    now = FakeTime(100.0)
+    clock = TrainClock(elapsed_s=5.0, now=now)
+    assert clock.elapsed() == 5.0  # starts stopped
+    clock.start()
+    now.now = 102.0
+    with clock.paused():
+        now.now = 150.0  # an evaluation
+        assert clock.elapsed() == 7.0
+    now.now = 151.0
+    assert clock.elapsed() == 8.0
+    clock.stop()
+    now.now = 200.0
+    assert clock.elapsed() == 8.0
+
+
 def test_step_timer_drains_per_phase():
-    timer = StepTimer()
-    with timer.phase("compute"):
-        sum(range(1000))
-    with timer.phase("comm"):
-        pass
-    drained = timer.drain()
-    assert set(drained) == {"time/compute_s", "time/comm_s"} and drained["time/compute_s"] > 0
+    now = FakeTime()
+    timer = StepTimer(now=now)
+    with timer.phase("comm_blocked"):
+        now.now += 0.25
+    assert timer.drain() == {"time/comm_blocked_s": 0.25}
     assert timer.drain() == {}
 
 
-def test_summary_written_twice_with_required_fields(tmp_path):
-    summary = RunSummary("baseline", "digits", 0.9, 0.3, 12.0, 500.0, 6000, 100, 2, 1,
-                         {"training": {}}, extra={"train_time_s": 11.0})
-    written = summary.write(tmp_path / "logs", tmp_path / "out" / "s.json")
-    for path in written:
-        data = json.loads(path.read_text())
-        assert data["strategy"] == "baseline" and data["train_time_s"] == 11.0
-        assert {"final_accuracy", "final_loss", "total_time_s", "throughput_samples_per_s",
-                "samples_processed", "steps", "epochs", "world_size", "config"} <= set(data)
-    assert summary.lines()[1] == "Final Accuracy: 90.00%"
-
-
-def test_train_window_weights_loss_by_samples():
-    window = TrainWindow(started=10.0)
-    window.add(1.0, 3, 4)
-    window.add(4.0, 1, 12)
-    scalars = window.scalars(now=12.0)
-    assert scalars == {"loss/train": (4 * 1.0 + 12 * 4.0) / 16, "accuracy/train": 4 / 16,
-                       "throughput/samples_per_s": 8.0}
+def test_window_figures_are_per_step_and_weighted_by_samples():
+    window = MetricsWindow(clock_s=10.0)
+    window.add(1.0, 3, 4, {"time/comm_blocked_s": 0.5, "comm/bytes_sent": 100})
+    window.add(4.0, 1, 12, {"time/comm_blocked_s": 0.1, "comm/bytes_sent": 300})
+    scalars = window.scalars(clock_s=12.0)
+    assert scalars == pytest.approx({
+        "loss/train": (4 * 1.0 + 12 * 4.0) / 16, "accuracy/train": 4 / 16,
+        "throughput/samples_per_s": 8.0, "time/step_s": 1.0, "time/compute_s": 0.7,
+        "time/comm_blocked_s": 0.3, "comm/bytes_sent": 200.0})
     assert window.num_steps == 2
+
+
+def test_summary_throughput_is_samples_over_the_training_clock(tmp_path):
+    from disttrain.config import config_from_dict
+
+    summary = RunSummary.create(strategy="baseline", config=config_from_dict({}), final_accuracy=0.9,
+                                final_loss=0.3, total_time_s=12.0, train_time_s=4.0,
+                                samples_processed=6000, steps=100, world_size=1,
+                                extra={"resumed_from_step": None})
+    assert summary.throughput_samples_per_s == 1500.0
+    path = summary.write(tmp_path / "logs" / "summary.json")
+    data = json.loads(path.read_text())
+    assert data["strategy"] == "baseline" and data["resumed_from_step"] is None
+    assert set(keys.SUMMARY) <= set(data)
+    assert RunSummary.read(tmp_path / "logs") == summary
+    assert summary.lines()[1] == "Final Accuracy: 90.00%"

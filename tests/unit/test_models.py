@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from disttrain.config import TrainingConfig
-from disttrain.models import SimpleCNN, build_model, count_parameters, registered_models
+from disttrain.training.models import SimpleCNN, build_model, count_parameters, registered_models
 
 
 @pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32), (1, 8, 8)])
@@ -29,5 +29,5 @@ def test_mlp_width_is_configurable():
 
 def test_registry():
     assert {"simplecnn", "mlp"} <= set(registered_models())
-    with pytest.raises(ValueError, match="unknown model"):
+    with pytest.raises(ValueError, match="is not a registered model"):
         build_model("transformer", (1, 8, 8), 10)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from disttrain.ps.aggregation import AggregationRules, Outcome, PushRefused
+from disttrain.strategies.ps.aggregation import AggregationRules, Outcome, PushRefused
 
 
 def rules(mode, world_size=2, **kwargs):

@@ -4,8 +4,8 @@ chunk boundaries of each gradient (one piece from shared memory, 1 MB pieces off
 import pytest
 import torch
 
-from disttrain.ps.aggregation import Contribution
-from disttrain.ps.shard import _combine
+from disttrain.strategies.ps.aggregation import Contribution
+from disttrain.strategies.ps.combine import combine
 
 
 @pytest.mark.parametrize("weights", [[1.0], [0.25, 0.75], [0.2, 0.3, 0.5], [0.5, 0.25]])
@@ -17,9 +17,9 @@ def test_weighted_sum_over_misaligned_chunks(weights):
                      for rank, (w, g) in enumerate(zip(weights, gradients, strict=True))]
     expected = sum(w * g for w, g in zip(weights, gradients, strict=True))
     out = torch.full((1000,), float("nan"))
-    torch.testing.assert_close(_combine(contributions, out), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(combine(contributions, out), expected, rtol=0, atol=1e-6)
 
 
 def test_one_whole_unweighted_gradient_is_used_without_a_copy():
     gradient = torch.randn(10)
-    assert _combine([Contribution(0, 1.0, [gradient])], torch.empty(10)) is gradient
+    assert combine([Contribution(0, 1.0, [gradient])], torch.empty(10)) is gradient

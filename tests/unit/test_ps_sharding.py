@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from disttrain.models import SimpleCNN, build_model
-from disttrain.ps.sharding import flat_parameters, plan_shards, state_dict_from_flat
+from disttrain.strategies.ps.sharding import flat_parameters, plan_shards, state_dict_from_flat
+from disttrain.training.models import SimpleCNN, build_model
 
 
 @pytest.mark.parametrize("num_shards", [2, 4])

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from disttrain.config import TrainingConfig
+from disttrain.core.errors import DataError
 from disttrain.data import sources
-from disttrain.errors import DataError
 
 # Per-channel (mean, std) of the training images scaled to [0, 1].
 NORMALISATION = {
@@ -24,8 +24,26 @@ NORMALISATION = {
 }
 SUBSET_SEED = 0  # the subsets of max_*_samples are the same whatever the training seed
 SYNTHETIC_SEED = 1234
-SYNTHETIC_SHAPE = (1, 28, 28)
 DIGITS_TEST_FRACTION = 0.2
+NUM_CLASSES = 10  # every supported data set has ten classes
+# (channels, height, width) of each data set's images: the one table of shapes, so a
+# model can be built from the config alone, without loading any data.
+INPUT_SHAPES: dict[str, tuple[int, int, int]] = {
+    "mnist": (1, 28, 28), "fashion_mnist": (1, 28, 28), "cifar10": (3, 32, 32),
+    "digits": (1, 8, 8), "synthetic": (1, 28, 28),
+}
+
+
+def dataset_shape(name: str) -> tuple[tuple[int, int, int], int]:
+    """(input shape, number of classes) of data set `name`.
+
+    Raises:
+        DataError: an unknown data set.
+    """
+    if name not in INPUT_SHAPES:
+        raise DataError(f"training.dataset: unknown data set {name!r}; use one of "
+                        f"{', '.join(INPUT_SHAPES)}")
+    return INPUT_SHAPES[name], NUM_CLASSES
 
 
 @dataclass
@@ -82,11 +100,11 @@ def synthetic(num_samples: int) -> tuple[ArrayDataset, ArrayDataset]:
     """A deterministic, learnable, image-shaped data set: ten fixed random prototypes plus
     noise. The test split (a fifth of `num_samples`, at least 10) uses the same prototypes."""
     gen = torch.Generator().manual_seed(SYNTHETIC_SEED)
-    prototypes = torch.randn((10, *SYNTHETIC_SHAPE), generator=gen)
+    prototypes = torch.randn((10, *INPUT_SHAPES["synthetic"]), generator=gen)
 
     def draw(count: int) -> ArrayDataset:
         labels = torch.randint(0, 10, (count,), generator=gen)
-        noise = torch.randn((count, *SYNTHETIC_SHAPE), generator=gen)
+        noise = torch.randn((count, *INPUT_SHAPES["synthetic"]), generator=gen)
         return ArrayDataset("synthetic", (prototypes[labels] + 1.5 * noise).contiguous(), labels)
 
     return draw(num_samples), draw(max(num_samples // 5, 10))
@@ -127,5 +145,8 @@ def load_datasets(training: TrainingConfig) -> tuple[ArrayDataset, ArrayDataset]
         arrays = sources.load_cifar10(Path(training.data_dir), training.download)
         train, test = _from_arrays(name, arrays)
     else:
-        raise DataError(f"training.dataset: unknown data set {name!r}")
+        dataset_shape(name)  # raises DataError naming the known data sets
+    for split in (train, test):
+        if split.input_shape != INPUT_SHAPES[name]:
+            raise DataError(f"{name} images are {split.input_shape}, expected {INPUT_SHAPES[name]}")
     return train.subset(training.max_train_samples), test.subset(training.max_test_samples)

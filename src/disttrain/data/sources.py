@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from disttrain.errors import DataError
+from disttrain.core.errors import DataError
 
 logger = logging.getLogger(__name__)
 

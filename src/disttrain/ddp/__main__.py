@@ -1,9 +1,10 @@
-"""`python -m disttrain.ddp`: one rank under torchrun (or `disttrain ddp`), else the launcher."""
+"""`python -m disttrain.ddp`: one DDP rank under torchrun (or `disttrain ddp`); typed by
+hand without torchrun, the same as `disttrain ddp`."""
 
 import os
 import sys
 
-from disttrain.ddp.command import module_main
+from disttrain.cli.ddp import module_main
 
 if __name__ == "__main__":
     sys.exit(module_main(sys.argv[1:], os.environ))

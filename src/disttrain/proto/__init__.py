@@ -1,1 +1,1 @@
-"""Generated protobuf and gRPC stubs of proto/disttrain/v1 (regenerate with `make proto`)."""
+"""Generated protobuf message classes of proto/disttrain/v1 (regenerate with `make proto`)."""

@@ -152,6 +152,24 @@ class ShutdownRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class BarrierRequest(_message.Message):
+    __slots__ = ("worker_id", "name", "values")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    name: str
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class BarrierReply(_message.Message):
+    __slots__ = ("world_size", "values")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, world_size: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class ShardStatus(_message.Message):
     __slots__ = ("shard", "num_shards", "version", "world_size", "num_registered", "num_done", "num_applied", "num_rejected_stale", "num_dropped_late", "num_duplicates", "num_invalid", "staleness_histogram", "round_wait_s", "aggregation_mode", "num_samples_applied")
     class StalenessHistogramEntry(_message.Message):

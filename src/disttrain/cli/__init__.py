@@ -1,0 +1,63 @@
+"""The `disttrain` command line: the only module that knows every strategy, parses flags,
+reads the environment or prints. Nothing imports it.
+
+Exit codes: 0 done, 2 bad usage or config, 1 failure while running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from disttrain import __version__
+from disttrain.core.errors import DisttrainError, error_lines
+from disttrain.core.logs import setup_logging
+from disttrain.metrics.summary import RunSummary
+
+DESCRIPTION = ("Train one PyTorch model several ways from one config (a single process, a "
+               "parameter server over gRPC, DDP all-reduce) and measure what each costs.")
+
+# name -> module; each defines HELP, DESCRIPTION, add_arguments(parser) and run(args).
+COMMANDS: dict[str, str] = {
+    "baseline": "disttrain.cli.baseline",
+    "ps": "disttrain.cli.ps",
+    "ps-server": "disttrain.cli.ps_server",
+    "ps-worker": "disttrain.cli.ps_worker",
+    "ddp": "disttrain.cli.ddp",
+    "evaluate": "disttrain.cli.evaluate",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="disttrain", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"disttrain {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        sub = subparsers.add_parser(name, help=module.HELP, description=module.DESCRIPTION,
+                                    epilog=getattr(module, "EPILOG", None),
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(sub)
+        sub.set_defaults(command_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.command, level=logging.DEBUG if args.verbose else logging.INFO)
+    try:
+        result = args.command_module.run(args)
+        if isinstance(result, RunSummary):
+            if getattr(args, "summary_json", None):
+                result.write(args.summary_json)
+            print("\n".join(result.lines()))
+    except DisttrainError as e:
+        for line in error_lines(e):
+            print(f"error: {line}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0

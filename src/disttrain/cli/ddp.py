@@ -1,0 +1,128 @@
+"""`disttrain ddp` (the launcher) and `python -m disttrain.ddp` (one rank, as torchrun or
+the launcher starts it).
+
+`python -m disttrain.ddp` decides by its environment: started by an elastic agent (the
+rank variables are set) it is one rank; typed by hand it is the same as `disttrain ddp`.
+Environment variables are read here and nowhere deeper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Mapping
+
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+from disttrain import cli
+from disttrain.cli.flags import (
+    add_common_flags,
+    add_config_flags,
+    add_run_flags,
+    config_from_args,
+    not_used_yet_epilog,
+    options_from_args,
+)
+from disttrain.core.errors import DisttrainError, error_lines
+from disttrain.core.logs import setup_logging
+from disttrain.metrics.summary import RunSummary
+from disttrain.strategies.ddp import STRATEGY
+from disttrain.strategies.ddp.rank import run_rank
+from disttrain.strategies.ddp.runtime import RankInfo, started_by_elastic_agent
+
+logger = logging.getLogger(__name__)
+
+HELP = "data-parallel ranks with ring all-reduce (torch.distributed)"
+DESCRIPTION = """Train with DistributedDataParallel: start this node's ranks through torch's
+elastic agent (the engine behind torchrun), each on its shard of the data, gradients
+averaged by ring all-reduce (gloo on CPU, NCCL on GPU). Checks the world size, backend
+and checkpoint folder before starting anything; --max-restarts restarts the group after
+a failure, from the newest checkpoint. Rank 0 writes ddp_final.pt and summary.json.
+
+    disttrain ddp --world-size 2 --dataset mnist --num-epochs 1
+    disttrain ddp --world-size 8 --nnodes 2 --rdzv-endpoint node0:29400 --config ddp.yaml
+    torchrun --standalone --nproc-per-node 2 -m disttrain.ddp --config ddp.yaml"""
+EPILOG = not_used_yet_epilog()
+
+# flag -> (config key, type, help): the DDP knobs on top of the common training flags.
+DDP_FLAGS = {
+    "--world-size": ("system.num_workers", int, "ranks in all, over every node"),
+    "--backend": ("ddp.backend", str, "auto (NCCL with CUDA, else gloo), gloo or nccl"),
+    "--max-restarts": ("ddp.max_restarts", int, "restarts of the rank group after a failure; "
+                       "each resumes from the newest checkpoint"),
+    "--bucket-cap-mb": ("ddp.bucket_cap_mb", float, "gradient bucket size for all-reduce"),
+    "--gradient-as-bucket-view": ("ddp.gradient_as_bucket_view", bool,
+                                  "gradients are views into the buckets (saves a copy)"),
+    "--static-graph": ("ddp.static_graph", bool, "the graph is the same every step"),
+    "--grad-accumulation-steps": ("ddp.grad_accumulation_steps", int,
+                                  "micro-batches per optimizer step (one all-reduce per step)"),
+    "--lr-scaling": ("ddp.lr_scaling", str, "none, or linear (learning rate x world size)"),
+    "--mixed-precision": ("ddp.mixed_precision", str, "none, bf16 or fp16 (CUDA only)"),
+    "--timeout-s": ("ddp.timeout_s", float, "rendezvous and collective timeout"),
+    "--nnodes": ("ddp.num_nodes", int, "nodes taking part (each runs this command)"),
+    "--rdzv-endpoint": ("ddp.rdzv_endpoint", str, "HOST:PORT of the rendezvous for several nodes"),
+    "--rdzv-id": ("ddp.rdzv_id", str, "run id every node of one run shares"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_flags(parser)
+    add_run_flags(parser)
+    add_config_flags(parser, DDP_FLAGS)
+    parser.add_argument("--quiet-summary", action="store_true", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> RunSummary | None:
+    """`disttrain ddp`: start this node's ranks through the elastic agent and wait."""
+    return STRATEGY.run(config_from_args(args), options_from_args(args))
+
+
+def rank_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m disttrain.ddp", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return parser
+
+
+def rank_main(argv: list[str], env: Mapping[str, str]) -> int:
+    """Run one rank. Returns the exit code: 0, 2 for bad input, 1 for a failure.
+
+    A failure's one-line message goes to stderr and to the agent's error file, where
+    the launcher (or torchrun) reads it.
+    """
+    args = rank_parser().parse_args(argv)
+    info = RankInfo.from_env(env)
+    setup_logging("rank", info.rank, level=logging.DEBUG if args.verbose else logging.INFO)
+    if info.is_main and restarts_need_fresh_store(env):
+        logger.warning("torchrun shares its rendezvous store with the ranks, so a restarted group "
+                       "reads the dead group's addresses and cannot connect (pytorch/pytorch#135712); "
+                       "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun --max-restarts")
+    try:
+        summary = run_rank(config_from_args(args), info, options_from_args(args))
+        if summary is not None and args.summary_json:
+            summary.write(args.summary_json)
+    except DisttrainError as e:
+        for line in error_lines(e):
+            print(f"error: rank {info.rank}: {line}", file=sys.stderr)
+        ErrorHandler().record_exception(e)
+        return e.exit_code
+    except BaseException as e:
+        ErrorHandler().record_exception(e)
+        raise
+    if summary is not None and not args.quiet_summary:
+        print("\n".join(summary.lines()), flush=True)
+    return 0
+
+
+def restarts_need_fresh_store(env: Mapping[str, str]) -> bool:
+    """Restarts are allowed but the agent shares its store (torchrun's default)."""
+    return (env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and env.get("TORCHELASTIC_MAX_RESTARTS", "0") not in ("", "0"))
+
+
+def module_main(argv: list[str], env: Mapping[str, str]) -> int:
+    """`python -m disttrain.ddp`: a rank under an elastic agent, else the launcher."""
+    if started_by_elastic_agent(env):
+        return rank_main(argv, env)
+    return cli.main(["ddp", *argv])

@@ -1,0 +1,103 @@
+"""Flags shared by the training commands, each mapped to one config key, and the run
+options every strategy takes.
+
+Precedence, lowest first: defaults < `--config` file < flags < `--set section.key=value`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from disttrain.config import Config, load_config, not_used_yet
+from disttrain.core.errors import ConfigError
+from disttrain.core.faults import parse_fault
+from disttrain.training.models import registered_models
+from disttrain.training.strategy import RunOptions
+
+CONFIG_PREFIX = "config:"
+
+# flag -> (config key, type, help)
+COMMON_FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--dataset": ("training.dataset", str, "mnist, fashion_mnist, cifar10, digits or synthetic"),
+    "--data-dir": ("training.data_dir", str, "folder holding <dataset>/ files (downloaded if absent)"),
+    "--num-epochs": ("training.num_epochs", int, "epochs to train"),
+    "--batch-size": ("training.batch_size", int, "samples per step, per worker or rank"),
+    "--learning-rate": ("training.learning_rate", float, "learning rate"),
+    "--optimizer": ("training.optimizer", str, "sgd or adam"),
+    "--seed": ("training.seed", int, "seed of model init and data order"),
+    "--model": ("training.model_architecture", str, "registered model: simplecnn or mlp"),
+    "--max-train-samples": ("training.max_train_samples", int, "train on a fixed subset"),
+    "--max-test-samples": ("training.max_test_samples", int, "evaluate on a fixed subset"),
+    "--num-samples": ("training.num_samples", int, "size of the synthetic data set"),
+    "--checkpoint-dir": ("system.checkpoint_dir", str, "where checkpoints go"),
+    "--log-dir": ("system.log_dir", str, "where metrics, TensorBoard events, summary go"),
+    "--checkpoint-interval": ("training.checkpoint_interval", int, "checkpoint every N steps"),
+    "--num-threads": ("system.num_threads", int, "torch threads per process (0 = auto)"),
+}
+
+
+def add_config_flag(parser: argparse.ArgumentParser, flag: str, key: str, type_: Any,
+                    help_: str, **kwargs: Any) -> None:
+    """Add a flag whose value, when given, overrides config key `key` (section.key)."""
+    if type_ is bool:
+        parser.add_argument(flag, dest=CONFIG_PREFIX + key, action="store_const", const=True,
+                            default=None, help=f"{help_} [{key}]", **kwargs)
+    else:
+        kwargs.setdefault("metavar", flag.lstrip("-").upper().replace("-", "_"))
+        parser.add_argument(flag, dest=CONFIG_PREFIX + key, type=type_, default=None,
+                            help=f"{help_} [{key}]", **kwargs)
+
+
+def add_config_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, Any, str]]) -> None:
+    for flag, (key, type_, help_) in flags.items():
+        add_config_flag(parser, flag, key, type_, help_)
+
+
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of every command that reads a config."""
+    parser.add_argument("--config", help="YAML or JSON config file")
+    add_config_flags(parser, COMMON_FLAGS)
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override any config key (repeatable; wins over everything)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of every command that trains."""
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint in the checkpoint dir")
+    parser.add_argument("--summary-json", metavar="PATH", help="also write summary.json here")
+    parser.add_argument("--inject-fault", dest="faults", action="append", default=[],
+                        type=_fault, help=argparse.SUPPRESS)
+
+
+def not_used_yet_epilog() -> str:
+    lines = [f"  {key}: {why}" for key, why in not_used_yet().items()]
+    return "config keys accepted but not acted on yet:\n" + "\n".join(lines)
+
+
+def _fault(text: str):
+    try:
+        return parse_fault(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Resolve the config of a parsed command line.
+
+    Raises:
+        ConfigError: one line per problem (an unknown model among them).
+    """
+    flags = {name[len(CONFIG_PREFIX):]: value for name, value in vars(args).items()
+             if name.startswith(CONFIG_PREFIX) and value is not None}
+    config = load_config(args.config, flags, args.set)
+    if config.training.model_architecture not in registered_models():
+        raise ConfigError(f"training.model_architecture: {config.training.model_architecture!r} is "
+                          f"not a registered model; use one of {', '.join(registered_models())}")
+    return config
+
+
+def options_from_args(args: argparse.Namespace) -> RunOptions:
+    return RunOptions(resume=args.resume, faults=tuple(args.faults), verbose=args.verbose)

@@ -1,0 +1,18 @@
+"""The run configuration: one section per component, loaded from YAML/JSON, flags and
+`--set` overrides, validated with one line per problem."""
+
+from disttrain.config.loading import SYSTEM_ALIASES, config_from_dict, load_config, parse_set_expression
+from disttrain.config.schema import (
+    CompressionConfig,
+    Config,
+    CoordinatorConfig,
+    DDPConfig,
+    PSConfig,
+    SystemConfig,
+    TrainingConfig,
+    not_used_yet,
+)
+
+__all__ = ["SYSTEM_ALIASES", "CompressionConfig", "Config", "CoordinatorConfig", "DDPConfig",
+           "PSConfig", "SystemConfig", "TrainingConfig", "config_from_dict", "load_config",
+           "not_used_yet", "parse_set_expression"]

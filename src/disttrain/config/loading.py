@@ -1,0 +1,217 @@
+"""Loading the run configuration: YAML or JSON files, overrides, aliases, validation.
+
+Precedence, lowest first: dataclass defaults < config file < CLI flags < `--set
+section.key=value`. Unknown keys are errors, so a typo never passes silently. Validation
+collects every problem and raises one `ConfigError` whose `problems` hold one line each,
+naming the field as the user spelled it, the bad value and the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+from disttrain.config.schema import SECTIONS, Config
+from disttrain.core.errors import ConfigError
+
+# The seed kept every run-wide key under `system`; those spellings stay valid and mean
+# the key of the component that now owns it.
+SYSTEM_ALIASES: dict[str, str] = {
+    **{key: f"ps.{key}" for key in ("aggregation_mode", "staleness", "num_servers", "backup_workers",
+                                    "rpc_timeout_s", "bind_host", "payload_transport")},
+    "compression_enabled": "compression.enabled",
+    "compression_type": "compression.type",
+    "compression_ratio": "compression.ratio",
+    "heartbeat_interval": "coordinator.heartbeat_interval",
+    "heartbeat_timeout": "coordinator.heartbeat_timeout",
+}
+
+Flat = dict[str, Any]          # "section.key" -> value
+Spelling = dict[str, str]      # canonical "section.key" -> as the user wrote it
+
+
+def canonical_key(dotted: str) -> str:
+    """The owning component's spelling of `dotted` (`system.staleness` -> `ps.staleness`)."""
+    section, _, key = dotted.partition(".")
+    return SYSTEM_ALIASES.get(key, dotted) if section == "system" else dotted
+
+
+def flatten(raw: dict[str, Any], source: str) -> tuple[Flat, Spelling, list[str]]:
+    """A nested mapping as canonical dotted keys, with how each was spelled.
+
+    Raises nothing: problems (a section that is not a mapping, one key given twice under
+    two spellings) are returned.
+    """
+    flat: Flat = {}
+    spelled: Spelling = {}
+    problems: list[str] = []
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            problems.append(_unknown(str(section), list(SECTIONS), "section"))
+            continue
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            problems.append(f"{section}: expected a mapping of keys to values, got {values!r}")
+            continue
+        for key, value in values.items():
+            written = f"{section}.{key}"
+            dotted = canonical_key(written)
+            if dotted in flat and flat[dotted] != value:
+                problems.append(f"{written}: {source} also sets it as {spelled[dotted]}; give it once")
+            flat[dotted] = value
+            spelled[dotted] = written
+    return flat, spelled, problems
+
+
+def _type_problem(name: str, value: Any, expected: Any) -> tuple[Any, str | None]:
+    """Coerce `value` to the annotated type; return (value, problem-or-None)."""
+    allow_none = expected == (int | None) or expected == (float | None)
+    if value is None:
+        return value, None if allow_none else f"{name}: null is not allowed; give a value"
+    base = int if expected in (int, int | None) else float if expected in (float, float | None) else expected
+    if base is bool:
+        if isinstance(value, bool):
+            return value, None
+        return value, f"{name}: {value!r} is not a boolean; use true or false"
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if base is int:
+        if number and (isinstance(value, int) or value.is_integer()):
+            return int(value), None
+        return value, f"{name}: {value!r} is not an integer"
+    if base is float:
+        if number and not math.isfinite(value):
+            return value, f"{name}: {value!r} must be a finite number"
+        return (float(value), None) if number else (value, f"{name}: {value!r} is not a number")
+    if base is str:
+        if isinstance(value, str) or number:
+            return str(value), None
+        return value, f"{name}: {value!r} is not a string"
+    raise AssertionError(f"unsupported config type {expected!r} for {name}")
+
+
+def _unknown(written: str, known: list[str], what: str) -> str:
+    leaf = written.rpartition(".")[2] if what == "key" else written
+    close = difflib.get_close_matches(leaf, known, n=1)
+    prefix = written.rpartition(".")[0] + "." if what == "key" else ""
+    hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+    return f"{written}: unknown {what}{hint} (known: {', '.join(known)})"
+
+
+def build(flat: Flat, spelled: Spelling, problems: list[str] | None = None) -> Config:
+    """Validate canonical dotted keys and build the `Config`.
+
+    Args:
+        problems: problems found before (reading the layers), reported with the rest.
+    Raises:
+        ConfigError: with one line per problem.
+    """
+    def name(dotted: str) -> str:
+        return spelled.get(dotted, dotted)
+
+    problems = list(problems or [])
+    values: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+    for dotted, value in flat.items():
+        section, _, key = dotted.partition(".")
+        if section not in SECTIONS:
+            problems.append(_unknown(section, list(SECTIONS), "section"))
+            continue
+        cls = SECTIONS[section]
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if key not in fields:
+            known = list(fields) + (list(SYSTEM_ALIASES) if section == "system" else [])
+            problems.append(_unknown(name(dotted), known, "key"))
+            continue
+        value, problem = _type_problem(name(dotted), value, get_type_hints(cls)[key])
+        rule = fields[key].metadata
+        if problem is None and "check" in rule and value is not None and not rule["check"](value):
+            problem = f"{name(dotted)}: {value!r} {rule['rule']}"
+        if problem:
+            problems.append(problem)
+        else:
+            values[section][key] = value
+    sections = {section: cls(**values[section]) for section, cls in SECTIONS.items()}
+    if not problems:
+        for section, instance in sections.items():
+            if hasattr(instance, "cross_problems"):
+                problems += instance.cross_problems(lambda key, s=section: name(f"{s}.{key}"))
+    config = Config(**sections)
+    if not problems:
+        problems += config.cross_problems(name)
+    if problems:
+        raise ConfigError(sorted(set(problems), key=problems.index))
+    return config
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Build and validate a `Config` from a nested mapping (either spelling of a key).
+
+    Raises:
+        ConfigError: with one line per problem.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: expected a mapping with sections {', '.join(SECTIONS)}")
+    return build(*flatten(raw, "the config"))
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a nested mapping.
+
+    Raises:
+        ConfigError: the file is missing or not valid YAML/JSON.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config: {str(path)!r} does not exist or is not a file")
+    text = path.read_text()
+    try:
+        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        line = str(e).splitlines()[0]
+        raise ConfigError(f"--config: {str(path)!r} is not valid {path.suffix[1:].upper()}: {line}") from e
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config: {str(path)!r} must hold a mapping of sections, "
+                          f"got {type(raw).__name__}")
+    return raw
+
+
+def parse_set_expression(expression: str) -> tuple[str, Any]:
+    """Parse `section.key=value`; the value is read as YAML (so 128, 0.1, true, null work).
+
+    Raises:
+        ConfigError: the expression is not of the form section.key=value.
+    """
+    key, sep, text = expression.partition("=")
+    if not sep or key.count(".") != 1 or not all(key.split(".")):
+        raise ConfigError(f"--set: {expression!r} must look like section.key=value")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set: cannot read the value of {expression!r}") from e
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, flags: dict[str, Any] | None = None,
+                set_expressions: list[str] | None = None) -> Config:
+    """Resolve the config: defaults < file < CLI flags (dotted keys) < `--set` expressions.
+
+    Raises:
+        ConfigError: with one line per problem.
+    """
+    flat, spelled, problems = flatten(read_config_file(path) if path else {}, "the config file")
+    for dotted, value in (flags or {}).items():
+        flat[canonical_key(dotted)] = value
+        spelled[canonical_key(dotted)] = dotted
+    for expression in set_expressions or []:
+        dotted, value = parse_set_expression(expression)
+        flat[canonical_key(dotted)] = value
+        spelled[canonical_key(dotted)] = dotted
+    return build(flat, spelled, problems)

@@ -1,0 +1,202 @@
+"""The sections of the run configuration, one per component, with their rules.
+
+Each component reads its own section: `training` (data, model, optimizer, schedule),
+`system` (processes and output folders), `ps` (the parameter server), `ddp`,
+`compression` and `coordinator`. The seed's flat `system.*` spelling of the parameter
+server, compression and heartbeat keys stays valid (see `loading.SYSTEM_ALIASES`).
+
+A field's metadata holds its rule (`check`, `rule`) and, for keys that are validated but
+not acted on yet, `not_used_yet` with the reason, shown in `--help` and the README.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from disttrain.core.addresses import split_host_port
+
+DATASETS = ("mnist", "fashion_mnist", "cifar10", "digits", "synthetic")
+ARCHITECTURES = ("baseline", "parameter_server", "ddp")
+AGGREGATION_MODES = ("sync", "async", "ssp")
+COMPRESSION_TYPES = ("quantization", "topk")
+OPTIMIZERS = ("sgd", "adam")
+BACKENDS = ("auto", "gloo", "nccl")
+LR_SCALINGS = ("none", "linear")
+MIXED_PRECISIONS = ("none", "bf16", "fp16")
+# auto: shared memory between processes of one machine, gRPC bytes between machines.
+PAYLOAD_TRANSPORTS = ("auto", "grpc", "shared_memory")
+
+
+def _rule(check, text: str, **extra: Any) -> dict[str, Any]:
+    return {"check": check, "rule": text, **extra}
+
+
+def _choice(options: tuple[str, ...], **extra: Any) -> dict[str, Any]:
+    return _rule(lambda v: v in options, "must be one of " + ", ".join(options), **extra)
+
+
+POSITIVE = _rule(lambda v: v > 0, "must be > 0")
+NON_NEGATIVE = _rule(lambda v: v >= 0, "must be >= 0")
+NON_EMPTY = _rule(lambda v: bool(v.strip()), "must not be empty")
+OPTIONAL_POSITIVE = _rule(lambda v: v is None or v > 0, "must be a positive integer or null (all)")
+HEARTBEAT_LATER = "validated; heartbeats start with the coordinator (not yet)"
+COMPRESSION_LATER = "validated; training refuses compression until it is available"
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """What is trained and how: data, model, optimizer, schedule."""
+
+    batch_size: int = field(default=64, metadata=POSITIVE)
+    learning_rate: float = field(default=0.001, metadata=POSITIVE)
+    num_epochs: int = field(default=1, metadata=POSITIVE)
+    dataset: str = field(default="digits", metadata=_choice(DATASETS))
+    model_architecture: str = field(default="simplecnn", metadata=NON_EMPTY)
+    checkpoint_interval: int = field(default=200, metadata=POSITIVE)
+    optimizer: str = field(default="adam", metadata=_choice(OPTIMIZERS))
+    momentum: float = field(default=0.9, metadata=_rule(lambda v: 0 <= v < 1, "must be in [0, 1)"))
+    weight_decay: float = field(default=0.0, metadata=NON_NEGATIVE)
+    seed: int = field(default=42, metadata=NON_NEGATIVE)
+    data_dir: str = field(default="data", metadata=NON_EMPTY)
+    download: bool = True  # fetch missing data set files from the canonical mirrors
+    max_train_samples: int | None = field(default=None, metadata=OPTIONAL_POSITIVE)
+    max_test_samples: int | None = field(default=None, metadata=OPTIONAL_POSITIVE)
+    num_samples: int = field(default=2048, metadata=POSITIVE)
+    eval_batch_size: int = field(default=1000, metadata=POSITIVE)
+    log_interval: int = field(default=10, metadata=POSITIVE)
+    mlp_hidden_size: int = field(default=256, metadata=POSITIVE)
+    mlp_num_layers: int = field(default=2, metadata=POSITIVE)
+
+
+@dataclass(frozen=True)
+class SystemConfig:
+    """How many processes train, and where a run's outputs go."""
+
+    num_workers: int = field(default=2, metadata=POSITIVE)
+    # Which strategy the file was written for; the subcommand decides what runs.
+    architecture: str = field(default="baseline", metadata=_choice(ARCHITECTURES))
+    checkpoint_dir: str = field(default="checkpoints", metadata=NON_EMPTY)
+    log_dir: str = field(default="logs", metadata=NON_EMPTY)
+    checkpoint_keep: int = field(default=3, metadata=POSITIVE)
+    num_threads: int = field(default=0, metadata=_rule(lambda v: v >= 0, "must be >= 0 (0 = auto)"))
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    """The parameter server: aggregation rule, shards, deadlines, transport."""
+
+    aggregation_mode: str = field(default="sync", metadata=_choice(AGGREGATION_MODES))
+    staleness: int = field(default=2, metadata=NON_NEGATIVE)
+    num_servers: int = field(default=1, metadata=POSITIVE)
+    backup_workers: int = field(default=0, metadata=NON_NEGATIVE)
+    rpc_timeout_s: float = field(default=60.0, metadata=POSITIVE)
+    bind_host: str = field(default="127.0.0.1", metadata=NON_EMPTY)
+    payload_transport: str = field(default="auto", metadata=_choice(PAYLOAD_TRANSPORTS))
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """Gradient compression (the seed's `system.compression_*` keys)."""
+
+    enabled: bool = field(default=False, metadata={"not_used_yet": COMPRESSION_LATER})
+    type: str = field(default="quantization",
+                      metadata=_choice(COMPRESSION_TYPES, not_used_yet=COMPRESSION_LATER))
+    ratio: float = field(default=0.01, metadata=_rule(lambda v: 0 < v <= 1, "must be in (0, 1]",
+                                                      not_used_yet=COMPRESSION_LATER))
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Failure detection by heartbeat (the seed's `system.heartbeat_*` keys)."""
+
+    heartbeat_interval: float = field(default=1.0, metadata={**POSITIVE, "not_used_yet": HEARTBEAT_LATER})
+    heartbeat_timeout: float = field(default=5.0, metadata={**POSITIVE, "not_used_yet": HEARTBEAT_LATER})
+
+    def cross_problems(self, name: Callable[[str], str]) -> list[str]:
+        """Problems between keys; `name(key)` is the key as the user spelled it."""
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            return [f"{name('heartbeat_timeout')}: {self.heartbeat_timeout} must be greater than "
+                    f"{name('heartbeat_interval')} ({self.heartbeat_interval})"]
+        return []
+
+
+@dataclass(frozen=True)
+class DDPConfig:
+    """Knobs of the DDP strategy only."""
+
+    backend: str = field(default="auto", metadata=_choice(BACKENDS))
+    bucket_cap_mb: float = field(default=25.0, metadata=POSITIVE)
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    grad_accumulation_steps: int = field(default=1, metadata=POSITIVE)
+    lr_scaling: str = field(default="none", metadata=_choice(LR_SCALINGS))
+    mixed_precision: str = field(default="none", metadata=_choice(MIXED_PRECISIONS))
+    max_restarts: int = field(default=0, metadata=NON_NEGATIVE)
+    timeout_s: float = field(default=300.0, metadata=POSITIVE)
+    rdzv_endpoint: str = ""
+    num_nodes: int = field(default=1, metadata=POSITIVE)
+    rdzv_id: str = ""
+
+    def cross_problems(self, name: Callable[[str], str]) -> list[str]:
+        problems = []
+        if self.rdzv_endpoint:
+            try:
+                split_host_port(self.rdzv_endpoint)
+            except ValueError:
+                problems.append(f"{name('rdzv_endpoint')}: {self.rdzv_endpoint!r} must look like "
+                                "HOST:PORT (port 0-65535), e.g. node0.example.com:29400")
+        if self.num_nodes > 1 and not self.rdzv_endpoint:
+            problems.append(f"{name('rdzv_endpoint')}: ddp.num_nodes is {self.num_nodes}, so every "
+                            "node needs the HOST:PORT of the rendezvous (pass --rdzv-endpoint)")
+        return problems
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole run config, read-only once built. A component receives its own section."""
+
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **sections: dict[str, Any]) -> Config:
+        """A copy with some keys changed, e.g. `replace(system={"log_dir": "x"})`."""
+        changed = {name: dataclasses.replace(getattr(self, name), **values)
+                   for name, values in sections.items()}
+        return dataclasses.replace(self, **changed)
+
+    def save(self, path: str | Path) -> None:
+        """Write the resolved config as YAML (the run folder keeps what actually ran)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    def cross_problems(self, name: Callable[[str], str]) -> list[str]:
+        """Problems between sections; `name("section.key")` is the key as the user spelled it."""
+        if self.ps.backup_workers >= self.system.num_workers:
+            return [f"{name('ps.backup_workers')}: {self.ps.backup_workers} must be less than "
+                    f"system.num_workers ({self.system.num_workers})"]
+        return []
+
+
+SECTIONS: dict[str, type] = {f.name: f.type if isinstance(f.type, type) else globals()[f.type]
+                             for f in dataclasses.fields(Config)}
+
+
+def not_used_yet() -> dict[str, str]:
+    """`section.key` -> why, for every key that is validated but not acted on yet."""
+    return {f"{section}.{f.name}": f.metadata["not_used_yet"]
+            for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+            if "not_used_yet" in f.metadata}

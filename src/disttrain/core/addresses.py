@@ -1,0 +1,40 @@
+"""Network addresses as users type them: `HOST:PORT`, `[IPv6]:PORT`, and lists of them."""
+
+from __future__ import annotations
+
+from disttrain.core.errors import ConfigError
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    """Split "host:port" (port 0-65535; 0 means any free port when binding).
+
+    Raises:
+        ValueError: not of that form.
+    """
+    host, sep, port = text.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{text!r} must look like HOST:PORT (port 0-65535), e.g. 127.0.0.1:50051")
+    return host, int(port)
+
+
+def parse_address(text: str, what: str = "address") -> tuple[str, int]:
+    """`split_host_port` for user input: a bad address is a ConfigError naming `what`."""
+    try:
+        return split_host_port(text)
+    except ValueError as e:
+        raise ConfigError(f"{what}: {e}") from e
+
+
+def parse_address_list(text: str, what: str) -> list[str]:
+    """Split "h:p,h:p" into its addresses, in order, each checked.
+
+    Raises:
+        ConfigError: the list is empty, or an entry is not HOST:PORT.
+    """
+    addresses = [part.strip() for part in text.split(",") if part.strip()]
+    if not addresses:
+        raise ConfigError(f"{what}: give HOST:PORT[,HOST:PORT...]")
+    for address in addresses:
+        parse_address(address, what)
+    return addresses

@@ -1,0 +1,42 @@
+"""The project's exception hierarchy.
+
+Each class says whether the error is recoverable. The CLI maps them to exit codes:
+`ConfigError` exits with 2 (bad usage or config), every other `DisttrainError` with 1.
+"""
+
+
+class DisttrainError(Exception):
+    """Base class. Carries a one-line message meant for the user."""
+
+    exit_code = 1
+
+
+class ConfigError(DisttrainError, ValueError):
+    """The config or the command line is invalid. Not recoverable: fix the input.
+
+    `problems` holds one line per problem, each naming the field, the bad value and the rule.
+    """
+
+    exit_code = 2
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+class DataError(DisttrainError):
+    """A data set is missing, truncated or malformed. Not recoverable without user action."""
+
+
+class CheckpointError(DisttrainError):
+    """A checkpoint cannot be read or does not match the run. Not recoverable automatically:
+    the message names the file; delete it to fall back to an older one."""
+
+
+class DistributedError(DisttrainError):
+    """A peer process failed or could not be reached. Recoverable by a supervisor restart."""
+
+
+def error_lines(error: DisttrainError) -> list[str]:
+    """The lines to show a user for `error`: one per problem, each without a traceback."""
+    return list(getattr(error, "problems", None) or [str(error)])

@@ -1,0 +1,30 @@
+"""Logging set-up, done once at each process's entry point with its role and rank."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+FORMAT = "%(asctime)s %(levelname)s [{role}{rank}] %(message)s"
+# With debug logging, each line also names the module that wrote it.
+DEBUG_FORMAT = "%(asctime)s %(levelname)s [{role}{rank}] %(name)s: %(message)s"
+
+
+def setup_logging(role: str, rank: int | None = None, level: int | str = logging.INFO,
+                  log_file: str | Path | None = None) -> None:
+    """Configure the root logger: stderr, plus `log_file` when given.
+
+    Args:
+        role: the process's role (`baseline`, `server`, `worker`, `rank`, `launcher`, ...).
+        rank: its rank or index, shown after the role when not None.
+    """
+    template = DEBUG_FORMAT if level in (logging.DEBUG, "DEBUG") else FORMAT
+    fmt = template.format(role=role, rank="" if rank is None else f" {rank}")
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file is not None:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
+    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", handlers=handlers, force=True)
+    for noisy in ("urllib3", "matplotlib", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

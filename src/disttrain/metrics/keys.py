@@ -1,0 +1,100 @@
+"""The one metrics vocabulary: every key any strategy logs, with its unit and meaning.
+
+A key means the same thing in every strategy; where a figure means something else it
+gets a key of its own (`time/comm_blocked_s` against `time/comm_overlapped_s`). The
+logger refuses a key that is not here, and the README's metrics table is `markdown()`.
+
+Every time comes from one clock, the training clock: it runs while a process trains and
+stops during evaluation and checkpoint writes. A run's `train_time_s` is the longest
+training clock of its processes, and `throughput_samples_per_s` is the samples all its
+processes trained on divided by it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# How a logged value relates to the steps it covers.
+WINDOW = "window"          # over the steps since the previous record
+PER_STEP = "per step"      # the mean per step over the steps since the previous record
+CUMULATIVE = "cumulative"  # since the run started (a resumed run goes on counting)
+EPOCH_END = "epoch end"    # once per epoch, after its last step
+RUN = "run"                # once per run, in summary.json
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    unit: str
+    kind: str
+    meaning: str
+    logged_by: str  # which strategies write it
+
+
+ALL = "all"
+METRICS: dict[str, Metric] = {m.key: m for m in [
+    Metric("loss/train", "nats", WINDOW, "mean cross-entropy of the samples trained on", ALL),
+    Metric("accuracy/train", "fraction", WINDOW, "share of the samples trained on that the model "
+           "classified right, before its update", ALL),
+    Metric("throughput/samples_per_s", "samples/s", WINDOW, "samples this process trained on, "
+           "divided by the training-clock seconds they took", ALL),
+    Metric("time/step_s", "s", PER_STEP, "training-clock time of one step, from taking its batch "
+           "to holding the parameters the next step starts from", ALL),
+    Metric("time/compute_s", "s", PER_STEP, "the part of a step not blocked on communication: "
+           "`time/step_s` - `time/comm_blocked_s`", ALL),
+    Metric("time/comm_blocked_s", "s", PER_STEP, "time a step waited on communication with no "
+           "computation of its own running (PS: push and pull after the backward pass; DDP: "
+           "the all-reduce still in flight after the backward pass computed its last bucket)",
+           "ps, ddp"),
+    Metric("time/comm_overlapped_s", "s", PER_STEP, "time gradient communication was in flight "
+           "while the backward pass still computed (DDP buckets)", "ddp"),
+    Metric("comm/bytes_sent", "bytes", PER_STEP, "bytes this worker sent to the servers (payload "
+           "and message framing; bytes through shared memory included)", "ps"),
+    Metric("comm/bytes_received", "bytes", PER_STEP, "bytes this worker received from the "
+           "servers, counted like `comm/bytes_sent`", "ps"),
+    Metric("comm/bytes_allreduced", "bytes", PER_STEP, "gradient bytes this rank handed to "
+           "all-reduce", "ddp"),
+    Metric("ps/staleness", "versions", PER_STEP, "updates the servers had applied since the "
+           "parameters a pushed gradient was computed on (the largest over shards)", "ps"),
+    Metric("ps/rejected_pushes", "pushes", PER_STEP, "ssp: pushes a shard rejected as too stale "
+           "(the gradient was recomputed on fresh parameters)", "ps"),
+    Metric("progress/samples", "samples", CUMULATIVE, "samples this process trained on", ALL),
+    Metric("progress/train_time_s", "s", CUMULATIVE, "this process's training clock", ALL),
+    Metric("loss/test", "nats", EPOCH_END, "mean cross-entropy over the whole test set", ALL),
+    Metric("accuracy/test", "fraction", EPOCH_END, "share of the whole test set classified "
+           "right", ALL),
+    Metric("time/eval_s", "s", EPOCH_END, "wall time of the evaluation, off the training clock",
+           ALL),
+]}
+
+SUMMARY: dict[str, Metric] = {m.key: m for m in [
+    Metric("final_accuracy", "fraction", RUN, "test accuracy of the final model", ALL),
+    Metric("final_loss", "nats", RUN, "test loss of the final model", ALL),
+    Metric("train_time_s", "s", RUN, "the longest training clock of the run's processes "
+           "(evaluation and checkpoint writes left out)", ALL),
+    Metric("throughput_samples_per_s", "samples/s", RUN, "`samples_processed` / `train_time_s`",
+           ALL),
+    Metric("samples_processed", "samples", RUN, "samples trained on by all processes together",
+           ALL),
+    Metric("steps", "updates", RUN, "updates applied to the model (PS: shard 0's version)", ALL),
+    Metric("total_time_s", "s", RUN, "wall time from the start of the command to the summary, "
+           "set-up and evaluation included", ALL),
+]}
+
+
+def check_keys(keys) -> None:
+    """Raises ValueError naming any key that is not in the vocabulary (a programming error:
+    add the key to `METRICS` with its unit and meaning first)."""
+    unknown = sorted(set(keys) - set(METRICS))
+    if unknown:
+        raise ValueError(f"metric keys {unknown} are not in disttrain.metrics.keys.METRICS")
+
+
+def markdown() -> str:
+    """The README's metrics tables, made from this module."""
+    lines = ["| key | unit | kind | meaning | logged by |", "|---|---|---|---|---|"]
+    lines += [f"| `{m.key}` | {m.unit} | {m.kind} | {m.meaning} | {m.logged_by} |"
+              for m in METRICS.values()]
+    lines += ["", "| summary field | unit | meaning |", "|---|---|---|"]
+    lines += [f"| `{m.key}` | {m.unit} | {m.meaning} |" for m in SUMMARY.values()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,109 @@
+"""The baseline strategy: one process, a plain PyTorch step, the control group.
+
+    disttrain baseline --dataset mnist --num-epochs 2
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from disttrain.config import Config
+from disttrain.core import checkpoint as ckpt
+from disttrain.core.faults import FaultInjector
+from disttrain.data import ArrayDataset, ShardedSampler, load_datasets
+from disttrain.metrics.progress import Progress
+from disttrain.metrics.summary import RunSummary
+from disttrain.training.checkpoints import LocalCheckpoints
+from disttrain.training.engine import (
+    EvalResult,
+    StepResult,
+    build_optimizer,
+    configure_threads,
+    evaluate,
+    train_step,
+)
+from disttrain.training.loop import LoopSettings, TrainingLoop
+from disttrain.training.models import init_model
+from disttrain.training.seeding import seed_training
+from disttrain.training.strategy import RunOptions, StepInfo
+
+logger = logging.getLogger(__name__)
+
+FINAL_MODEL = "baseline_final.pt"
+
+
+class BaselineParticipant:
+    """A model and its optimizer in this process; nothing crosses a process boundary."""
+
+    strategy = "baseline"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 train_set: ArrayDataset, test_set: ArrayDataset, eval_batch_size: int):
+        self.model = model
+        self.optimizer = optimizer
+        self.train_set = train_set
+        self.test_set = test_set
+        self.eval_batch_size = eval_batch_size
+
+    def start(self) -> None:
+        """Nothing to wait for."""
+
+    def step(self, batches: list[torch.Tensor], info: StepInfo) -> StepResult:
+        (indices,) = batches
+        inputs, targets = self.train_set.batch(indices)
+        return train_step(self.model, self.optimizer, inputs, targets)
+
+    def evaluate(self, epoch: int) -> EvalResult:
+        return evaluate(self.model, self.test_set, self.eval_batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class Baseline:
+    name = "baseline"
+
+    def run(self, config: Config, options: RunOptions) -> RunSummary:
+        """Train in this process and return the run summary.
+
+        Raises:
+            DataError, CheckpointError, ConfigError: bad data, checkpoint or folder; nothing
+                on disk is overwritten.
+        """
+        training, system = config.training, config.system
+        started = time.perf_counter()
+        configure_threads(system.num_threads)
+        train_set, test_set = load_datasets(training)
+        model = init_model(training)
+        seed_training(training.seed, rank=0)
+        optimizer = build_optimizer(model.parameters(), training)
+        participant = BaselineParticipant(model, optimizer, train_set, test_set, training.eval_batch_size)
+        sampler = ShardedSampler(len(train_set), seed=training.seed)
+        checkpoint_dir, log_dir = Path(system.checkpoint_dir), Path(system.log_dir)
+        loop = TrainingLoop(config, LoopSettings.from_config(config), participant, sampler,
+                            LocalCheckpoints(checkpoint_dir, system.checkpoint_keep), log_dir / self.name,
+                            FaultInjector(options.faults),
+                            lambda total, done: Progress(total, "train", initial=done),
+                            config_path=log_dir / "config.yaml")
+        result = loop.run(options.resume)
+        ckpt.save_final_model(checkpoint_dir / FINAL_MODEL, model.state_dict(), config)
+        summary = RunSummary.create(
+            strategy=self.name, config=config, final_accuracy=result.evaluation.accuracy,
+            final_loss=result.evaluation.loss, total_time_s=time.perf_counter() - started,
+            train_time_s=result.position.train_time_s,
+            samples_processed=result.position.samples_processed, steps=result.position.step,
+            world_size=1, extra={"resumed_from_step": result.resumed_from_step})
+        summary.write(log_dir)
+        return summary
+
+
+STRATEGY = Baseline()

@@ -1,0 +1,209 @@
+"""`disttrain ddp` on one node or many: checks, then torch's elastic agent starts the ranks.
+
+The ranks are started by `torch.distributed.launcher.api.elastic_launch`, the engine
+behind torchrun: a c10d rendezvous (a private TCP store on a free port for a single node,
+or the `HOST:PORT` of `ddp.rdzv_endpoint` shared by all nodes), one process per rank
+running `python -m disttrain.ddp`, monitoring, and up to `ddp.max_restarts` restarts
+of the whole group when a rank dies. Each rank is then the same program torchrun would
+start, so one code path serves both.
+
+Everything that can be checked before any process starts is checked here, so a bad
+world size, backend or checkpoint folder fails at once with one line rather than after
+the ranks have started (and perhaps been restarted).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from disttrain.config import Config, DDPConfig
+from disttrain.core import checkpoint as ckpt
+from disttrain.core.errors import ConfigError, DistributedError
+from disttrain.core.faults import format_fault
+from disttrain.data import load_datasets
+from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
+from disttrain.strategies.ddp import runtime as rt
+from disttrain.strategies.ddp.endpoint import wait_for_endpoint
+from disttrain.strategies.ddp.precision import plan_precision
+from disttrain.training.models import init_model
+from disttrain.training.strategy import RunOptions
+
+logger = logging.getLogger(__name__)
+
+# With the agent's rendezvous store shared with the ranks (torch's default), a restarted
+# group reads the dead group's keys and cannot connect (pytorch/pytorch#135712); with
+# sharing off, each rendezvous round gets a fresh store hosted by its rank 0.
+FRESH_STORE_PER_ROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+STANDALONE_ENDPOINT = "localhost:0"  # this node hosts the rendezvous store on a free port
+MONITOR_INTERVAL_S = 0.1
+_NO_ERROR_FILE = "To enable traceback"  # torch's text when a rank left no error file
+_EXCEPTION_PREFIX = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): ")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What the checks decided: ranks on this node and the backend they will use."""
+
+    ranks_per_node: int
+    backend: str
+
+
+def preflight(config: Config, resume: bool) -> LaunchPlan:
+    """Check what can be checked before starting processes.
+
+    Raises:
+        ConfigError: world size not divisible by nodes or larger than the data, NCCL
+            without (enough) GPUs, mixed precision on CPU, or a fresh run over old checkpoints.
+        DataError: the data set cannot be loaded.
+    """
+    ddp, system, training = config.ddp, config.system, config.training
+    if system.num_workers % ddp.num_nodes:
+        raise ConfigError(f"system.num_workers: world size {system.num_workers} does not split evenly "
+                          f"over ddp.num_nodes={ddp.num_nodes}; use a multiple of {ddp.num_nodes}")
+    ranks_per_node = system.num_workers // ddp.num_nodes
+    backend = rt.select_backend(ddp.backend, torch.cuda.is_available())
+    rt.check_gpu_count(backend, ranks_per_node, torch.cuda.device_count())
+    device = rt.select_device(backend, 0)
+    # Asked only for bf16: the question starts a CUDA context in this (launcher) process.
+    plan_precision(ddp.mixed_precision, device.type, ddp.mixed_precision == "bf16"
+                   and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    init_model(training)  # an unknown model fails here, once
+    train_set, _ = load_datasets(training)
+    rt.check_world_size(len(train_set), system.num_workers)
+    del train_set  # the ranks load their own copies
+    if not resume:
+        ckpt.prepare_checkpoint_dir(Path(system.checkpoint_dir), resume=False)
+    return LaunchPlan(ranks_per_node, backend)
+
+
+def launch_config(ddp: DDPConfig, ranks_per_node: int, error_dir: Path) -> LaunchConfig:
+    """The elastic agent's settings: c10d rendezvous, restarts and timeouts from `ddp`.
+
+    Args:
+        error_dir: where the agent keeps the ranks' error files (read when a rank fails).
+    """
+    timeout_s = max(1, math.ceil(ddp.timeout_s))
+    endpoint = ddp.rdzv_endpoint or STANDALONE_ENDPOINT
+    run_id = ddp.rdzv_id or ("disttrain" if ddp.rdzv_endpoint else uuid.uuid4().hex)
+    rdzv_configs = {"join_timeout": timeout_s, "read_timeout": timeout_s, "timeout": timeout_s}
+    if not ddp.rdzv_endpoint:
+        rdzv_configs["is_host"] = True
+    return LaunchConfig(
+        min_nodes=ddp.num_nodes, max_nodes=ddp.num_nodes, nproc_per_node=ranks_per_node,
+        run_id=run_id, role="rank", rdzv_backend="c10d", rdzv_endpoint=endpoint,
+        rdzv_configs=rdzv_configs, max_restarts=ddp.max_restarts,
+        monitor_interval=MONITOR_INTERVAL_S, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(error_dir)),
+    )
+
+
+def rank_arguments(config_path: Path, summary_path: Path, options: RunOptions) -> list[str]:
+    """The command line after `python` for every rank (the torchrun entry point). Rank 0
+    also writes the summary at `summary_path`, where only the launcher of its node finds it."""
+    args = ["-u", "-m", "disttrain.ddp", "--config", str(config_path), "--summary-json",
+            str(summary_path), "--quiet-summary"]
+    args += ["--resume"] if options.resume else []
+    args += [f"--inject-fault={format_fault(fault)}" for fault in options.faults]
+    args += ["-v"] if options.verbose else []
+    return args
+
+
+def launch(config: Config, options: RunOptions) -> RunSummary | None:
+    """Start the ranks of this node and wait for them; return the summary (None on a node
+    without rank 0).
+
+    Raises:
+        ConfigError: bad input found before or by the ranks (exit code 2).
+        DistributedError: a rank failed after its restarts, or the rendezvous failed.
+    """
+    started = time.perf_counter()
+    plan = preflight(config, options.resume)
+    if config.ddp.rdzv_endpoint:
+        wait_for_endpoint(config.ddp.rdzv_endpoint, config.ddp.timeout_s)
+    log_dir = Path(config.system.log_dir)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.INFO if options.verbose
+                                                            else logging.WARNING)
+    logger.info("starting %d rank(s) on this node (%s), up to %d restart(s)", plan.ranks_per_node,
+                plan.backend, config.ddp.max_restarts)
+    with tempfile.TemporaryDirectory(prefix="disttrain-ddp-") as folder:
+        config_path, summary_path = Path(folder) / "config.yaml", Path(folder) / SUMMARY_FILE
+        config.save(config_path)
+        args = rank_arguments(config_path, summary_path, options)
+        try:
+            os.environ.update(FRESH_STORE_PER_ROUND)
+            agent_config = launch_config(config.ddp, plan.ranks_per_node, Path(folder) / "agent")
+            elastic_launch(agent_config, sys.executable)(*args)
+        except ChildFailedError as e:
+            raise child_failure(e, config.ddp.max_restarts) from None
+        except RendezvousError as e:
+            raise DistributedError(
+                f"ddp.rdzv_endpoint: no rendezvous at {config.ddp.rdzv_endpoint or STANDALONE_ENDPOINT} "
+                f"within {config.ddp.timeout_s:g}s ({_first_line(e.__cause__ or e)}); check the host "
+                "and port, that every node was started, and that they share ddp.rdzv_id") from None
+        except SignalException as e:
+            raise DistributedError(f"stopped by {e.sigval.name}; the ranks were stopped too") from None
+        if not summary_path.is_file():
+            logger.info("rank 0 ran on another node; its summary is in its log dir")
+            return None
+        summary = RunSummary.read(summary_path)
+    summary.total_time_s = time.perf_counter() - started  # the whole command, start-up included
+    summary.write(log_dir)
+    return summary
+
+
+def child_failure(error: ChildFailedError, max_restarts: int) -> ConfigError | DistributedError:
+    """One line naming every rank that failed in the last attempt, a killed one first
+    (the others usually only lost contact with it)."""
+    failures = sorted(error.failures.items(), key=lambda item: (item[1].exitcode >= 0, item[0]))
+    if all(failure.exitcode == ConfigError.exit_code for _, failure in failures):
+        rank, failure = failures[0]
+        return ConfigError(f"rank {rank}: {_failure_message(failure)}")
+    restarts = f" (after {max_restarts} restart(s))" if max_restarts else ""
+    parts = []
+    for rank, failure in failures:
+        if failure.exitcode < 0:
+            parts.append(f"rank {rank} was killed by {failure.signal_name()}")
+            continue
+        message = _failure_message(failure)
+        parts.append(f"rank {rank} failed with exit code {failure.exitcode}"
+                     + (f": {message}" if message else ""))
+    return DistributedError("; ".join(parts) + restarts)
+
+
+def _failure_message(failure) -> str:
+    """The one-line message a rank left in its error file ("" when it left none)."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    message = _EXCEPTION_PREFIX.sub("", _first_line(message)) if message else ""
+    return "" if message.startswith(_NO_ERROR_FILE) else message
+
+
+def _first_line(value: object) -> str:
+    text = str(value).strip()
+    return text.splitlines()[0] if text else type(value).__name__
+
+
+class DDP:
+    name = "ddp"
+
+    def run(self, config: Config, options: RunOptions) -> RunSummary | None:
+        return launch(config, options)
+
+
+STRATEGY = DDP()

@@ -1,0 +1,181 @@
+"""One DDP rank's run, as the elastic agent (or torchrun) starts it: join the process
+group, build data, model, optimizer and precision, wrap the model in DDP with the timing
+communication hook, then run the training loop; rank 0 writes the final model and the
+summary.
+
+A step takes `grad_accumulation_steps` micro-batches; all but the last run under
+`no_sync()`, so gradients cross the network once per step. An elastic restart
+(`restart_count > 0`) resumes from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from disttrain.config import Config, DDPConfig
+from disttrain.core import checkpoint as ckpt
+from disttrain.core.errors import ConfigError
+from disttrain.core.faults import FaultInjector
+from disttrain.data import ArrayDataset, ShardedSampler, load_datasets
+from disttrain.metrics.progress import Progress
+from disttrain.metrics.summary import RunSummary
+from disttrain.strategies.ddp import runtime as rt
+from disttrain.strategies.ddp.comm_hooks import CommStats, register_comm_hook
+from disttrain.strategies.ddp.precision import Precision, plan_precision
+from disttrain.strategies.ddp.reduce import all_reduce_values, evaluate_sharded
+from disttrain.strategies.ddp.store import RankZeroCheckpoints
+from disttrain.training.engine import EvalResult, StepResult, build_optimizer
+from disttrain.training.loop import LoopResult, LoopSettings, TrainingLoop
+from disttrain.training.models import init_model
+from disttrain.training.seeding import seed_training
+from disttrain.training.strategy import RunOptions, StepInfo
+
+logger = logging.getLogger(__name__)
+
+FINAL_MODEL = "ddp_final.pt"
+
+
+def scaled_learning_rate(learning_rate: float, scaling: str, world_size: int) -> float:
+    """`linear` multiplies the rate by the world size (the global batch grew that much)."""
+    if scaling == "linear":
+        return learning_rate * world_size
+    if scaling == "none":
+        return learning_rate
+    raise ConfigError(f"ddp.lr_scaling: unknown rule {scaling!r}; use none or linear")
+
+
+def wrap_model(module: torch.nn.Module, ddp: DDPConfig, runtime: rt.Runtime) -> DistributedDataParallel:
+    """DDP around `module` (which already sits on the rank's device); broadcasts rank 0's weights."""
+    device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=ddp.bucket_cap_mb,
+                                   gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+                                   static_graph=ddp.static_graph)
+
+
+class RankParticipant:
+    """One rank's part in the loop: a DDP step, a sharded evaluation, and the model,
+    optimizer and GradScaler as its checkpoint pieces."""
+
+    strategy = "ddp"
+
+    def __init__(self, config: Config, runtime: rt.Runtime, data: tuple[ArrayDataset, ArrayDataset]):
+        training, ddp, device = config.training, config.ddp, runtime.device
+        self.runtime = runtime
+        self.train_set, self.test_set = data
+        self.eval_batch_size = training.eval_batch_size
+        self.module = init_model(training).to(device)  # the plain model: checkpoints, evaluation
+        seed_training(training.seed, runtime.info.rank)
+        self.learning_rate = scaled_learning_rate(training.learning_rate, ddp.lr_scaling,
+                                                  runtime.info.world_size)
+        self.optimizer = build_optimizer(self.module.parameters(), training, self.learning_rate)
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        self.precision = Precision(plan_precision(ddp.mixed_precision, device.type, bf16), device)
+        self.model = wrap_model(self.module, ddp, runtime)
+        self.comm = CommStats()
+        register_comm_hook(self.model, self.comm)
+
+    def start(self) -> None:
+        rt.barrier(self.runtime)  # every rank's clock starts together
+
+    def step(self, batches: list[torch.Tensor], info: StepInfo) -> StepResult:
+        """One optimizer step over the micro-batches in `batches` (sample indices).
+
+        Each micro-batch's loss is weighted by its share of the step's samples, so the
+        gradient is that of one batch holding them all; only the last backward all-reduces.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        device = self.runtime.device
+        total = sum(len(indices) for indices in batches)
+        loss_sum, correct = 0.0, 0
+        for i, indices in enumerate(batches):
+            inputs, targets = self.train_set.batch(indices)
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            with nullcontext() if i == len(batches) - 1 else self.model.no_sync():
+                result = self.precision.forward_backward(self.model, inputs, targets, len(indices) / total)
+            loss_sum += result.loss * result.num_samples
+            correct += result.num_correct
+        self.precision.step(self.optimizer)
+        comm = self.comm.drain()
+        return StepResult(loss_sum / total, correct, total, {
+            "time/comm_blocked_s": comm.blocked_s, "time/comm_overlapped_s": comm.overlapped_s,
+            "comm/bytes_allreduced": comm.num_bytes})
+
+    def evaluate(self, epoch: int) -> EvalResult:
+        info = self.runtime.info
+        return evaluate_sharded(self.module, self.test_set, self.eval_batch_size, info.rank,
+                                info.world_size, self.runtime.device)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"world_size": self.runtime.info.world_size, "model": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "grad_scaler": self.precision.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state["grad_scaler"])
+
+
+def run_rank(config: Config, info: rt.RankInfo, options: RunOptions) -> RunSummary | None:
+    """Run this rank to the end; rank 0 returns the summary, the others None.
+
+    Raises:
+        ConfigError, DataError, CheckpointError, DistributedError: the rank exits with its
+        message; the agent then stops the other ranks (and restarts them if allowed).
+    """
+    started = time.perf_counter()
+    runtime = rt.start(config.ddp, info, config.system.num_threads)
+    try:
+        summary = _train(config, runtime, options, started)
+        rt.shutdown(runtime)
+    except (RuntimeError, dist.DistError) as e:
+        if rt.is_peer_loss(e):
+            raise rt.peer_loss_error(e) from e
+        raise
+    return summary
+
+
+def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: float) -> RunSummary | None:
+    training, system, info = config.training, config.system, runtime.info
+    train_set, test_set = load_datasets(training)
+    rt.check_world_size(len(train_set), info.world_size)
+    sampler = ShardedSampler(len(train_set), world_size=info.world_size, rank=info.rank, seed=training.seed)
+    participant = RankParticipant(config, runtime, (train_set, test_set))
+    log_dir = Path(system.log_dir)
+    loop = TrainingLoop(
+        config, LoopSettings.from_config(config, config.ddp.grad_accumulation_steps), participant,
+        sampler, RankZeroCheckpoints(system.checkpoint_dir, system.checkpoint_keep, runtime),
+        log_dir / f"rank{info.rank}", FaultInjector(options.faults, info.rank, info.restart_count),
+        lambda total, done: Progress(total, "train", initial=done, enabled=info.is_main),
+        announce=info.is_main, config_path=log_dir / "config.yaml" if info.is_main else None)
+    result = loop.run(options.resume or info.restart_count > 0)
+    return finish(config, runtime, participant, result, started)
+
+
+def finish(config: Config, runtime: rt.Runtime, participant: RankParticipant, result: LoopResult,
+           started: float) -> RunSummary | None:
+    """Totals over all ranks (a collective); then rank 0 writes the final model and summary."""
+    position, info = result.position, runtime.info
+    samples, = all_reduce_values([position.samples_processed], runtime.device)
+    train_time_s, = all_reduce_values([position.train_time_s], runtime.device, dist.ReduceOp.MAX)
+    if not info.is_main:
+        return None
+    ckpt.save_final_model(Path(config.system.checkpoint_dir) / FINAL_MODEL,
+                          participant.module.state_dict(), config)
+    summary = RunSummary.create(
+        strategy="ddp", config=config, final_accuracy=result.evaluation.accuracy,
+        final_loss=result.evaluation.loss, total_time_s=time.perf_counter() - started,
+        train_time_s=train_time_s, samples_processed=int(samples), steps=position.step,
+        world_size=info.world_size,
+        extra={"backend": runtime.backend, "device": str(runtime.device),
+               "learning_rate": participant.learning_rate, "restarts": info.restart_count,
+               "resumed_from_step": result.resumed_from_step})
+    summary.write(config.system.log_dir)
+    return summary

@@ -1,0 +1,36 @@
+"""Figures summed or maximised over ranks: test-set evaluation and run totals.
+
+Each rank evaluates its own slice of the test set; the sums of loss, correct answers and
+samples are all-reduced, so the accuracy is that of the whole test set, counted once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disttrain.data import ArrayDataset
+from disttrain.training.engine import EvalResult, eval_slice, evaluate
+
+
+def all_reduce_values(values: list[float], device: torch.device,
+                      op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
+    """All-reduce a few numbers (float64, exact for counts below 2**53). A collective."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def evaluate_sharded(model: nn.Module, dataset: ArrayDataset, batch_size: int, rank: int,
+                     world_size: int, device: torch.device) -> EvalResult:
+    """Loss and accuracy on the whole of `dataset`, each rank evaluating a slice. A collective.
+
+    Args:
+        model: the plain module (not the DDP wrapper, whose forward may communicate).
+    """
+    local = evaluate(model, dataset, batch_size, indices=eval_slice(len(dataset), world_size, rank),
+                     device=device)
+    loss_sum, correct, samples = all_reduce_values(
+        [local.loss_sum, local.num_correct, local.num_samples], device)
+    return EvalResult(loss_sum, int(correct), int(samples))

@@ -1,0 +1,80 @@
+"""Where a DDP run's checkpoints are, and how every rank agrees on them.
+
+Rank 0 writes them; all ranks read them. Model and optimizer are the same on every rank
+after each step, so rank 0's copy (the model without its DDP wrapper, so the file loads
+into a plain module) stands for all. The sampler position is the same on every rank
+too (equal shards, equal batches). The RNG states differ per rank and are all kept,
+gathered as tensors (never pickled over the network).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from disttrain.core import checkpoint as ckpt
+from disttrain.core.errors import CheckpointError
+from disttrain.strategies.ddp import runtime as rt
+from disttrain.strategies.ddp.rng import gather_rng_states
+
+NO_CHECKPOINT = -1
+
+
+class RankZeroCheckpoints:
+    """The checkpoint store of one rank; `choose` and `save` are collectives."""
+
+    def __init__(self, folder: str | Path, keep: int, runtime: rt.Runtime):
+        self.folder = Path(folder)
+        self.keep = keep
+        self.runtime = runtime
+
+    def choose(self, resume: bool) -> Path | None:
+        """Rank 0 picks the checkpoint and tells the others (one broadcast), so every rank
+        loads the same one.
+
+        Raises:
+            ConfigError: (rank 0) a fresh run found checkpoints of an earlier run.
+            CheckpointError: (other ranks) the chosen file is not visible from this node.
+        """
+        info = self.runtime.info
+        step = NO_CHECKPOINT
+        if info.is_main:
+            chosen = ckpt.prepare_checkpoint_dir(self.folder, resume)
+            step = NO_CHECKPOINT if chosen is None else ckpt.checkpoint_step(chosen)
+        tensor = torch.tensor([step], dtype=torch.int64, device=self.runtime.device)
+        dist.broadcast(tensor, src=0)
+        step = int(tensor.item())
+        if step == NO_CHECKPOINT:
+            return None
+        path = self.folder / ckpt.checkpoint_name(step)
+        if not path.is_file():
+            raise CheckpointError(f"rank 0 resumes from {path.name} but rank {info.rank} cannot see it "
+                                  f"in {self.folder}; put system.checkpoint_dir on storage every node "
+                                  "shares")
+        return path
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """The checkpoint, with `rng` holding this rank's state.
+
+        Raises:
+            CheckpointError: unreadable, or written by another number of ranks.
+        """
+        state = ckpt.load_checkpoint(path)
+        ckpt.require_keys(state, ("rng",), path)
+        world_size = self.runtime.info.world_size
+        if not isinstance(state["rng"], list) or len(state["rng"]) != world_size:
+            written = len(state["rng"]) if isinstance(state["rng"], list) else 1
+            raise CheckpointError(f"checkpoint {path} was written by {written} ranks and this run has "
+                                  f"{world_size}; resume with --world-size {written}")
+        return {**state, "rng": state["rng"][self.runtime.info.rank]}
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        """Gather every rank's RNG state; rank 0 writes; every rank waits for the write, so
+        no rank's training clock counts it while it waits in the next all-reduce."""
+        rng_states = gather_rng_states(self.runtime.info.world_size, self.runtime.device)
+        if self.runtime.info.is_main:
+            ckpt.save_checkpoint(self.folder, step, {**state, "rng": rng_states}, keep=self.keep)
+        rt.barrier(self.runtime)

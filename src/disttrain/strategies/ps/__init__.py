@@ -1,0 +1,12 @@
+"""The parameter-server strategy over gRPC: sharded servers, workers, sync/SSP/async rules.
+
+codec (tensors <-> wire bytes), wire (the service's methods), sharding (who owns which
+slices), aggregation (pure rules), barriers (pure), combine (the weighted sum),
+validation, shard (one shard's state), server (the servicer, the `ps-server` role),
+client (retries, fan-out), exchange (a worker's per-mode step), worker (the `ps-worker`
+role), finalize (end of run), launcher (the whole run on one machine: `STRATEGY`).
+"""
+
+from disttrain.strategies.ps.launcher import STRATEGY
+
+__all__ = ["STRATEGY"]

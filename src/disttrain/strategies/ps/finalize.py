@@ -1,0 +1,97 @@
+"""The end of a parameter-server run: the workers' last barrier, then, on worker rank 0
+once every worker is done, the final model (`parameter_server_final.pt`), the run
+summary, and the servers' shutdown."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from disttrain.config import Config
+from disttrain.core import checkpoint as ckpt
+from disttrain.core.errors import DistributedError
+from disttrain.metrics.summary import RunSummary
+from disttrain.proto import parameter_server_pb2 as pb
+from disttrain.strategies.ps.client import PSClient
+from disttrain.training.loop import LoopResult
+
+logger = logging.getLogger(__name__)
+
+FINAL_MODEL = "parameter_server_final.pt"
+# How long rank 0 waits for the other workers to finish after it has.
+WAIT_ALL_DONE_S = 3600.0
+
+
+def wait_all_done(client: PSClient, timeout_s: float) -> list[pb.ShardStatus]:
+    """Long-poll every shard until all workers reported done.
+
+    Raises:
+        DistributedError: they were not all done within `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        wait_s = min(max(remaining, 0.0), client.shards[0].policy.timeout_s)
+        statuses = client.call_all("GetStatus", pb.StatusRequest(wait_all_done=True), wait_s + 5.0)
+        if all(s.num_done >= s.world_size for s in statuses):
+            return statuses
+        if remaining <= 0:
+            done = min(s.num_done for s in statuses)
+            raise DistributedError(f"only {done} of {statuses[0].world_size} workers finished within "
+                                   f"{timeout_s:.0f}s")
+
+
+def shard_summary(statuses: list[pb.ShardStatus]) -> dict[str, Any]:
+    """Counters of all shards together (pushes are counted once per shard they reached)."""
+    histogram: Counter[int] = Counter()
+    for status in statuses:
+        histogram.update({int(k): int(v) for k, v in status.staleness_histogram.items()})
+    return {
+        "shard_versions": [s.version for s in statuses],
+        "staleness_histogram": {str(k): histogram[k] for k in sorted(histogram)},
+        "num_rejected_stale": sum(s.num_rejected_stale for s in statuses),
+        "num_dropped_late": sum(s.num_dropped_late for s in statuses),
+        "num_duplicates": sum(s.num_duplicates for s in statuses),
+        "num_invalid": sum(s.num_invalid for s in statuses),
+        "round_wait_s": max(s.round_wait_s for s in statuses),
+    }
+
+
+def finish(config: Config, client: PSClient, participant: Any, result: LoopResult,
+           flat: torch.Tensor, started: float) -> RunSummary | None:
+    """End a worker's run: every worker reports its totals at a last barrier and leaves;
+    then rank 0 waits for all, writes the final model and the summary, and stops the
+    servers. Returns the summary on rank 0, None elsewhere."""
+    position, worker_id, rank = result.position, participant.worker_id, participant.rank
+    rows = client.barrier(worker_id, "finished", [position.samples_processed, position.train_time_s,
+                                                  client.bytes_sent, client.bytes_received])
+    client.call_all("WorkerDone", pb.WorkerDoneRequest(worker_id=worker_id))
+    logger.info("worker %d done: %d steps, %d samples in %.1fs of training, %.1f MB sent, "
+                "%.1f MB received", rank, position.step, position.samples_processed,
+                position.train_time_s, client.bytes_sent / 1e6, client.bytes_received / 1e6)
+    if rank != 0:
+        return None
+    statuses = wait_all_done(client, WAIT_ALL_DONE_S)
+    versions = client.pull(worker_id, flat, [0] * len(client.shards))
+    final_path = Path(config.system.checkpoint_dir) / FINAL_MODEL
+    ckpt.save_final_model(final_path, participant.model.state_dict(), config)
+    logger.info("final model (versions %s) -> %s", versions, final_path)
+    client.call_all("Shutdown", pb.ShutdownRequest())
+    workers = [{"rank": r, "samples": int(row[0]), "train_time_s": row[1], "bytes_sent": int(row[2]),
+                "bytes_received": int(row[3])} for r, row in enumerate(rows)]
+    summary = RunSummary.create(
+        strategy=f"ps-{statuses[0].aggregation_mode}", config=config,
+        final_accuracy=result.evaluation.accuracy, final_loss=result.evaluation.loss,
+        total_time_s=time.perf_counter() - started, train_time_s=max(w["train_time_s"] for w in workers),
+        samples_processed=sum(w["samples"] for w in workers), steps=statuses[0].version,
+        world_size=statuses[0].world_size,
+        extra={"num_servers": len(statuses), "samples_applied": statuses[0].num_samples_applied,
+               "final_model": str(final_path), "resumed_from_step": result.resumed_from_step,
+               "workers": workers, **shard_summary(statuses)})
+    summary.write(config.system.log_dir)
+    return summary

@@ -1,0 +1,237 @@
+"""One parameter-server shard, served over gRPC (the `ps-server` role).
+
+A thin servicer: it decodes requests, calls `ShardState`, and maps failures to status
+codes (INVALID_ARGUMENT for malformed pushes, FAILED_PRECONDITION for protocol
+violations). The server binds `--bind HOST:PORT` (port 0 picks a free one), reports the
+address it bound on its log and, under the cluster launcher, as an event line on stdout,
+and stops on SIGTERM/SIGINT or on a Shutdown call once every worker is done, writing a
+final checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from torch.nn.utils import parameters_to_vector
+
+from disttrain.config import Config
+from disttrain.core import checkpoint as ckpt
+from disttrain.core.addresses import parse_address
+from disttrain.core.errors import ConfigError
+from disttrain.core.processes import bind_to_parent, emit_event
+from disttrain.proto import parameter_server_pb2 as pb
+from disttrain.strategies.ps import wire
+from disttrain.strategies.ps.aggregation import PushRefused
+from disttrain.strategies.ps.codec import Payload
+from disttrain.strategies.ps.model import check_supported
+from disttrain.strategies.ps.shard import ShardState
+from disttrain.strategies.ps.sharding import plan_shards
+from disttrain.training.engine import configure_threads
+from disttrain.training.models import init_model
+
+logger = logging.getLogger(__name__)
+
+# Long-polls that the client left without a deadline still wake up this often to re-check.
+MAX_WAIT_S = 3600.0
+
+
+class ParameterServicer:
+    """gRPC handlers of one shard; every method maps to one `ShardState` call."""
+
+    def __init__(self, state: ShardState, stopped: threading.Event):
+        self.state = state
+        self.stopped = stopped
+
+    def SendGradients(self, request_iterator, context):
+        try:
+            payload = wire.collect_payload(request_iterator, self.state.plan.nbytes)
+        except ValueError as e:  # a malformed frame, or too many bytes
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return self._push(payload, context)
+
+    def PushGradients(self, frame, context):
+        return self._push(Payload(frame.header, frame.meta, [frame.data]), context)
+
+    def _push(self, payload: Payload, context) -> pb.PushReply:
+        try:
+            decision = self.state.push(payload)
+        except PushRefused as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ValueError as e:  # InvalidPush
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.PushReply(outcome=decision.outcome.value, version=decision.version,
+                            staleness=decision.staleness)
+
+    def GetParameters(self, request, context):
+        yield from self._pull(request, context)
+
+    def FetchParameters(self, request, context):
+        if not request.shared_memory and not wire.fits_one_message(self.state.plan.nbytes):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"shard {self.state.plan.shard} holds {self.state.plan.nbytes} bytes, more "
+                          "than one message carries; use GetParameters")
+        (message,) = self._pull(request, context)
+        return message
+
+    def _pull(self, request, context) -> list[bytes]:
+        """The messages that answer a pull, once the version is there."""
+        if request.shard != self.state.plan.shard:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"pull for shard {request.shard} reached shard {self.state.plan.shard}")
+        timeout = _wait_s(context)
+        if request.shared_memory:
+            try:
+                version = self.state.write_parameters(request.worker_id, request.min_version, timeout)
+            except PushRefused as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            if version is not None:
+                return [wire.parameter_notice(self.state.plan, version)]
+        else:
+            snapshot = self.state.wait_for_version(request.min_version, timeout)
+            if snapshot is not None:
+                return snapshot.frames
+        code = grpc.StatusCode.UNAVAILABLE if self.state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
+        context.abort(code, f"shard {self.state.plan.shard} did not reach version "
+                            f"{request.min_version} in time (now {self.state.version})")
+
+    def RegisterWorker(self, request, context):
+        try:
+            rank, version = self.state.register(request.worker_id, request.requested_rank)
+        except PushRefused as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        plan, rules = self.state.plan, self.state.rules
+        logger.info("worker %s (%s pid %d) registered as rank %d", request.worker_id,
+                    request.hostname, request.pid, rank)
+        assignment = pb.WorkerAssignment(
+            rank=rank, world_size=rules.world_size, worker_id=request.worker_id, shard=plan.shard,
+            num_shards=plan.num_shards, aggregation_mode=rules.mode, staleness=rules.staleness_bound,
+            version=version, layout=wire.slice_specs(plan), dtype=plan.dtype)
+        pair = self.state.offer_shared_memory(request.worker_id) if request.shared_memory else None
+        if pair is not None:
+            assignment.shared_memory.gradient_path = str(pair.gradient.path)
+            assignment.shared_memory.parameter_path = str(pair.parameter.path)
+            assignment.shared_memory.nonce = pair.gradient.nonce
+        return assignment
+
+    def WorkerDone(self, request, context):
+        try:
+            self.state.worker_done(request.worker_id)
+        except PushRefused as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return pb.ShardStatus(**self.state.status())
+
+    def GetStatus(self, request, context):
+        if request.wait_all_done:
+            self.state.wait_all_done(_wait_s(context))
+        return pb.ShardStatus(**self.state.status())
+
+    def Barrier(self, request, context):
+        try:
+            rows = self.state.barrier(request.worker_id, request.name, list(request.values),
+                                      _wait_s(context))
+        except PushRefused as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        if rows is None:
+            code = grpc.StatusCode.UNAVAILABLE if self.state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
+            context.abort(code, f"not every worker reached barrier {request.name!r} in time")
+        return pb.BarrierReply(world_size=len(rows), values=[v for row in rows for v in row])
+
+    def Shutdown(self, request, context):
+        if not self.state.rules.all_done():
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "workers are still training; shut down after every worker is done")
+        self.stopped.set()
+        return pb.ShardStatus(**self.state.status())
+
+
+def _wait_s(context) -> float:
+    """How long a long-poll may wait: the call's remaining deadline, at most MAX_WAIT_S."""
+    remaining = context.time_remaining()
+    return MAX_WAIT_S if remaining is None else max(0.0, min(remaining, MAX_WAIT_S))
+
+
+def _handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
+    handlers = {}
+    for name, (kind, request_type, response_type) in wire.METHODS.items():
+        deserialize = wire.read_gradient if request_type is None else request_type.FromString
+        serialize = wire.identity if response_type is None else response_type.SerializeToString
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        handlers[name] = make(getattr(servicer, name), request_deserializer=deserialize,
+                              response_serializer=serialize)
+    return grpc.method_handlers_generic_handler(wire.SERVICE, handlers)
+
+
+class ShardServer:
+    """A started gRPC server for one shard. `address` is what it bound ("host:port")."""
+
+    def __init__(self, state: ShardState, bind: str, max_threads: int = 32):
+        self.state = state
+        self.stopped = threading.Event()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_threads, thread_name_prefix="rpc"),
+                                   options=wire.CHANNEL_OPTIONS, maximum_concurrent_rpcs=None)
+        self._server.add_generic_rpc_handlers((_handler(ParameterServicer(state, self.stopped)),))
+        host, port = parse_address(bind, "--bind")
+        try:
+            bound = self._server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as e:
+            raise ConfigError(f"--bind {bind}: cannot listen there ({e}); pick a free port or 0") from e
+        if bound == 0:
+            raise ConfigError(f"--bind {bind}: cannot listen there; pick a free port or 0")
+        self.address = f"{host}:{bound}"
+        self._server.start()
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Stop serving, wake waiters and write the final checkpoint."""
+        self.state.stop()
+        self._server.stop(grace_s).wait()
+
+
+def build_state(config: Config, shard: int, num_shards: int, resume: bool = False) -> ShardState:
+    """The state of shard `shard` of `num_shards`: the model's initial slice (from the
+    training seed), restored from this shard's newest checkpoint when resuming.
+
+    Raises:
+        ConfigError: the checkpoint dir holds an earlier run (and not resuming).
+        CheckpointError: the newest checkpoint cannot be used.
+    """
+    model = init_model(config.training)
+    plan = plan_shards(model, num_shards)[shard]
+    flat = parameters_to_vector(model.parameters())[plan.offset:plan.offset + plan.numel]
+    folder = Path(config.system.checkpoint_dir) / f"server{shard}"
+    resumed_from = ckpt.prepare_checkpoint_dir(folder, resume)
+    state = ShardState(plan, flat, config, folder)
+    if resumed_from is not None:
+        state.restore(resumed_from)
+    return state
+
+
+def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool = False) -> None:
+    """Run one shard until SIGTERM/SIGINT or a Shutdown call.
+
+    Raises:
+        ConfigError: the address cannot be bound, or the checkpoint dir holds an earlier run.
+        CheckpointError: the newest checkpoint cannot be used (with `resume`).
+    """
+    check_supported(config)
+    bind_to_parent()
+    wire.tune_allocator()
+    configure_threads(config.system.num_threads or 1)
+    state = build_state(config, shard, num_shards, resume)
+    # Long-polls hold a thread each: room for every worker's push, pull and status call.
+    server = ShardServer(state, bind, max_threads=max(32, 4 * config.system.num_workers + 8))
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: server.stopped.set())
+    logger.info("shard %d/%d (%d parameters, %.2f MB) listening on %s (%s)", shard, num_shards,
+                state.plan.numel, state.plan.nbytes / 1e6, server.address, socket.gethostname())
+    emit_event("listening", address=server.address, shard=shard)
+    try:
+        server.stopped.wait()
+    finally:
+        server.stop()
+        logger.info("shard %d stopped at version %d", shard, state.version)

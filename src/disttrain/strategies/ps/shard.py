@@ -1,0 +1,300 @@
+"""The state of one parameter-server shard: its slice of the parameters, the optimizer
+that updates it, the aggregation rules, versions, long-poll waits and checkpoints.
+
+Thread-safe: the gRPC servicer calls in from many threads. A push is decoded and
+validated outside the lock; only the decision and the update take it. A rejected push
+changes nothing. Readers wait on a condition variable for a version (no polling), and
+each version's parameter bytes are snapshotted once and shared by every reader.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from disttrain.config import Config
+from disttrain.core import checkpoint as ckpt
+from disttrain.core.errors import CheckpointError
+from disttrain.strategies.ps import wire
+from disttrain.strategies.ps.aggregation import AggregationRules, Decision, PushRefused
+from disttrain.strategies.ps.barriers import BarrierMismatch, Barriers
+from disttrain.strategies.ps.codec import Payload, tensor_bytes
+from disttrain.strategies.ps.combine import combine
+from disttrain.strategies.ps.sharding import ShardPlan
+from disttrain.strategies.ps.shared_memory import SegmentPair, WorkerSegments
+from disttrain.strategies.ps.validation import InvalidPush, check_header, decode_payload
+from disttrain.training.engine import build_optimizer
+
+logger = logging.getLogger(__name__)
+
+STRATEGY = "ps-server"
+
+
+@dataclass
+class Snapshot:
+    """The parameters at `version` as ready-made wire messages (immutable; every reader
+    of that version streams the same ones, so they are built once per version)."""
+
+    version: int
+    frames: list[bytes]
+
+
+class ShardState:
+    """One shard. Build it, optionally `restore()` it, then serve pushes and pulls.
+
+    Args:
+        plan: the slices this shard owns.
+        initial: the shard's initial flat parameters (1-D, plan.numel elements).
+        config: the run config (optimizer, aggregation, checkpointing).
+        checkpoint_dir: where this shard's checkpoints go (None: never saved).
+        clock: returns seconds; the aggregation rules measure synchronous waits with it.
+    """
+
+    def __init__(self, plan: ShardPlan, initial: torch.Tensor, config: Config,
+                 checkpoint_dir: str | Path | None = None, clock=time.monotonic):
+        if initial.numel() != plan.numel:
+            raise ValueError(f"shard {plan.shard} owns {plan.numel} elements, got {initial.numel()}")
+        self.plan = plan
+        self.config = config
+        self.param = nn.Parameter(initial.detach().clone().reshape(-1))
+        # One flat tensor per shard: the fused kernels update it in one pass.
+        self.optimizer = build_optimizer([self.param], config.training, fused=True)
+        ps = config.ps
+        self.rules = AggregationRules(ps.aggregation_mode, config.system.num_workers,
+                                      ps.staleness, ps.backup_workers)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_interval = config.training.checkpoint_interval
+        self.clock = clock
+        self.num_invalid = 0
+        self.stopping = False
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._snapshot: Snapshot | None = None
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._last_save: Future | None = None
+        self._segments = WorkerSegments(plan.nbytes, plan.dtype)
+        self._barriers = Barriers(config.system.num_workers)
+        # Reused by every update: a fresh buffer each time costs page faults on every page.
+        self._gradient_sum = torch.empty_like(self.param.detach())
+
+    # -- membership ---------------------------------------------------------------------
+
+    def register(self, worker_id: str, requested_rank: int) -> tuple[int, int]:
+        """(rank, version) for `worker_id`. Raises PushRefused when no rank fits."""
+        with self._changed:
+            rank = self.rules.register(worker_id, requested_rank)
+            self._changed.notify_all()
+            return rank, self.rules.version
+
+    def offer_shared_memory(self, worker_id: str) -> SegmentPair | None:
+        """Fresh shared-memory segments for `worker_id`, or None where there are none."""
+        return self._segments.offer(worker_id)
+
+    def _segments_of(self, worker_id: str) -> SegmentPair:
+        """Raises PushRefused when the worker has no segments here."""
+        pair = self._segments.of(worker_id)
+        if pair is None:
+            raise PushRefused(f"worker {worker_id!r} has no shared-memory segments on shard "
+                              f"{self.plan.shard}; register asking for them, or send the bytes")
+        return pair
+
+    def barrier(self, worker_id: str, name: str, values: list[float], timeout_s: float | None
+                ) -> list[list[float]] | None:
+        """Arrive at barrier `name`; every worker's values once all arrived, or None on
+        timeout or stop.
+
+        Raises:
+            PushRefused: unknown worker, or values of another length than the others'.
+        """
+        with self._changed:
+            rank = self.rules.rank_of(worker_id)
+            try:
+                self._barriers.arrive(name, rank, values)
+            except BarrierMismatch as e:
+                raise PushRefused(str(e)) from e
+            self._changed.notify_all()
+            self._changed.wait_for(lambda: self._barriers.result(name) is not None or self.stopping,
+                                   timeout_s)
+            return self._barriers.result(name)
+
+    def worker_done(self, worker_id: str) -> None:
+        """`worker_id` finished training. Raises PushRefused for an unknown worker."""
+        with self._changed:
+            decision = self.rules.mark_done(worker_id, self.clock())
+            self._apply(decision)
+            self._changed.notify_all()
+
+    # -- pushes and pulls -----------------------------------------------------------------
+
+    def push(self, payload: Payload) -> Decision:
+        """Validate and offer one push.
+
+        Raises:
+            InvalidPush: malformed payload (INVALID_ARGUMENT).
+            PushRefused: unknown worker or impossible version (FAILED_PRECONDITION).
+        """
+        try:
+            check_header(payload, self.plan)
+            if payload.header.shared_memory:
+                payload = self._payload_from_segment(payload)
+            elif self._segments:
+                self._segments.of(payload.header.worker_id)
+            gradient = decode_payload(payload, self.plan)
+        except InvalidPush:
+            with self._lock:
+                self.num_invalid += 1
+            raise
+        header = payload.header
+        with self._changed:
+            decision = self.rules.offer(header.worker_id, header.step, header.base_version,
+                                        float(header.num_samples), gradient, self.clock())
+            self._apply(decision)
+            if decision.apply:
+                self._changed.notify_all()
+        return decision
+
+    def _payload_from_segment(self, payload: Payload) -> Payload:
+        """The push's bytes, read in place from the worker's gradient segment.
+
+        No copy: a worker writes its segment only between the answer to one push and its
+        next push, and the server is done with a gradient before that (async and ssp
+        apply it within the push; a synchronous step applies it before the version the
+        worker waits for exists, and drops it if it comes late).
+        """
+        if payload.nbytes:
+            raise InvalidPush(f"a shared-memory push also carries {payload.nbytes} payload bytes")
+        pair = self._segments_of(payload.header.worker_id)
+        return Payload(payload.header, payload.meta, [tensor_bytes(pair.gradient_tensor)])
+
+    def _apply(self, decision: Decision) -> None:
+        """Apply a decision's gradients (lock held). The rules already advanced the version."""
+        if not decision.apply:
+            return
+        self.param.grad = combine(decision.apply, self._gradient_sum)
+        self.optimizer.step()
+        self.param.grad = None
+        if self.checkpoint_dir is not None and self.rules.version % self.checkpoint_interval == 0:
+            self._save_async(self._state())
+
+    def wait_for_version(self, min_version: int, timeout_s: float | None) -> Snapshot | None:
+        """The parameters once the version reaches `min_version`, or None on timeout or stop."""
+        with self._changed:
+            ready = self._changed.wait_for(
+                lambda: self.rules.version >= min_version or self.stopping, timeout_s)
+            if not ready or self.rules.version < min_version:
+                return None
+            if self._snapshot is None or self._snapshot.version != self.rules.version:
+                frames = wire.parameter_frames(self.plan, self.rules.version, tensor_bytes(self.param))
+                self._snapshot = Snapshot(self.rules.version, list(frames))
+            return self._snapshot
+
+    def write_parameters(self, worker_id: str, min_version: int, timeout_s: float | None) -> int | None:
+        """Once the version reaches `min_version`, copy the parameters into the worker's
+        parameter segment; return that version, or None on timeout or stop.
+
+        Raises:
+            PushRefused: the worker has no segments here.
+        """
+        pair = self._segments_of(worker_id)
+        with self._changed:
+            ready = self._changed.wait_for(
+                lambda: self.rules.version >= min_version or self.stopping, timeout_s)
+            if not ready or self.rules.version < min_version:
+                return None
+            pair.parameter_tensor.copy_(self.param.detach())
+            return self.rules.version
+
+    def wait_all_done(self, timeout_s: float | None) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self.rules.all_done() or self.stopping, timeout_s) \
+                and self.rules.all_done()
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            rules = self.rules
+            return {"shard": self.plan.shard, "num_shards": self.plan.num_shards,
+                    "version": rules.version, "world_size": rules.world_size,
+                    "num_registered": len(rules.ranks), "num_done": len(rules.done),
+                    "num_applied": rules.counts["applied"],
+                    "num_rejected_stale": rules.counts["rejected_stale"],
+                    "num_dropped_late": rules.counts["dropped_late"],
+                    "num_duplicates": rules.counts["duplicates"], "num_invalid": self.num_invalid,
+                    "staleness_histogram": dict(rules.staleness_histogram),
+                    "round_wait_s": rules.round_wait_s, "aggregation_mode": rules.mode,
+                    "num_samples_applied": rules.counts["samples"]}
+
+    @property
+    def version(self) -> int:
+        with self._lock:
+            return self.rules.version
+
+    def parameters(self) -> torch.Tensor:
+        """A copy of the current flat parameters."""
+        with self._lock:
+            return self.param.detach().clone()
+
+    # -- lifecycle and checkpoints -------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Wake every waiter, write a final checkpoint, wait for pending writes."""
+        with self._changed:
+            if self.stopping:
+                return
+            self.stopping = True
+            self._changed.notify_all()
+            state = self._state() if self.checkpoint_dir is not None else None
+        self._segments.unlink_all()
+        if state is not None:
+            self._save_async(state)
+        self._saver.shutdown(wait=True)
+
+    def _state(self) -> dict[str, Any]:
+        """A snapshot of everything a restart needs (lock held; tensors are copies)."""
+        optimizer_state = self.optimizer.state_dict()
+        optimizer_state["state"] = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()}
+                                    for k, s in optimizer_state["state"].items()}
+        return {"strategy": STRATEGY, "shard": self.plan.shard, "num_shards": self.plan.num_shards,
+                "numel": self.plan.numel, "version": self.rules.version,
+                "params": self.param.detach().clone(), "optimizer": optimizer_state,
+                "rules": self.rules.state_dict(), "config": self.config.to_dict()}
+
+    def _save_async(self, state: dict[str, Any]) -> None:
+        folder, keep = self.checkpoint_dir, self.config.system.checkpoint_keep
+        self._last_save = self._saver.submit(ckpt.save_checkpoint, folder, state["version"], state, keep)
+
+    def flush_checkpoints(self) -> None:
+        """Wait for the checkpoint being written, if any (raises what the write raised)."""
+        if self._last_save is not None:
+            self._last_save.result()
+
+    def restore(self, path: str | Path) -> None:
+        """Load parameters, optimizer state, version and counters from a checkpoint.
+
+        Raises:
+            CheckpointError: unreadable, or written by another shard layout or mode.
+        """
+        state = ckpt.load_checkpoint(path)
+        ckpt.require_keys(state, ("strategy", "shard", "numel", "params", "optimizer", "rules"), path)
+        if state["strategy"] != STRATEGY or state["shard"] != self.plan.shard \
+                or state["numel"] != self.plan.numel:
+            raise CheckpointError(f"checkpoint {path} belongs to another shard or model "
+                                  f"(shard {state['shard']}, {state['numel']} elements); use the "
+                                  "checkpoint dir of this shard")
+        with self._changed:
+            try:
+                self.rules.load_state_dict(state["rules"])
+                self.optimizer.load_state_dict(state["optimizer"])
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise CheckpointError(f"checkpoint {path} does not fit this run: {e}") from e
+            with torch.no_grad():
+                self.param.copy_(state["params"])
+            self._snapshot = None
+        logger.info("shard %d restored version %d from %s", self.plan.shard, self.rules.version, path)

@@ -1,0 +1,148 @@
+"""The parameter-server service on the wire: method paths, (de)serializers, channel options.
+
+Gradients and parameters use the hand framing of `codec` (valid protobuf, one copy out,
+zero copies in); every other method uses the generated protobuf classes. Server and
+client both build their method tables from here, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+from collections.abc import Iterator
+
+from disttrain.proto import parameter_server_pb2 as pb
+from disttrain.proto import tensor_pb2
+from disttrain.strategies.ps.codec import CHUNK_BYTES, Frame, Payload, decode_frame, encode_frames
+from disttrain.strategies.ps.sharding import ShardPlan, TensorSlice
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "disttrain.v1.ParameterServerService"
+GRADIENT_PAYLOAD_FIELD = pb.GradientMessage.DESCRIPTOR.fields_by_name["payload"].number
+PARAMETER_PAYLOAD_FIELD = pb.ParameterMessage.DESCRIPTOR.fields_by_name["payload"].number
+MAX_MESSAGE_BYTES = 64 << 20
+
+# Chunks of about 1 MB keep every message far below the size limits and let both ends
+# pipeline; the window options keep a stream's bytes flowing without waiting for acks.
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.lookahead_bytes", 64 << 20),
+    ("grpc.http2.bdp_probe", 0),
+]
+
+# Payloads up to this size travel in one message of a unary call (PushGradients,
+# FetchParameters): on loopback a streaming call costs several times a unary one's
+# latency, and one message of a few MB still moves at a stream's bandwidth. Larger
+# payloads are streamed in CHUNK_BYTES pieces (one message of tens of MB crawls).
+UNARY_MAX_BYTES = 4 << 20
+
+# method -> (kind, request type or None for framed, response type or None for framed)
+METHODS = {
+    "SendGradients": ("stream_unary", None, pb.PushReply),
+    "GetParameters": ("unary_stream", pb.ParameterRequest, None),
+    "PushGradients": ("unary_unary", None, pb.PushReply),
+    "FetchParameters": ("unary_unary", pb.ParameterRequest, None),
+    "RegisterWorker": ("unary_unary", pb.RegisterRequest, pb.WorkerAssignment),
+    "WorkerDone": ("unary_unary", pb.WorkerDoneRequest, pb.ShardStatus),
+    "GetStatus": ("unary_unary", pb.StatusRequest, pb.ShardStatus),
+    "Shutdown": ("unary_unary", pb.ShutdownRequest, pb.ShardStatus),
+    "Barrier": ("unary_unary", pb.BarrierRequest, pb.BarrierReply),
+}
+
+
+def method_path(name: str) -> str:
+    return f"/{SERVICE}/{name}"
+
+
+def identity(data: bytes) -> bytes:
+    return data
+
+
+def read_gradient(raw: bytes) -> Frame:
+    return decode_frame(raw, pb.GradientMessage, GRADIENT_PAYLOAD_FIELD, tensor_pb2.TensorProto)
+
+
+def read_parameters(raw: bytes) -> Frame:
+    return decode_frame(raw, pb.ParameterMessage, PARAMETER_PAYLOAD_FIELD, tensor_pb2.TensorProto)
+
+
+def slice_specs(plan: ShardPlan) -> list[tensor_pb2.SliceSpec]:
+    return [tensor_pb2.SliceSpec(name=s.name, shape=s.shape, start=s.start, length=s.length)
+            for s in plan.slices]
+
+
+def plan_layout(specs) -> tuple[TensorSlice, ...]:
+    return tuple(TensorSlice(s.name, tuple(s.shape), s.start, s.length) for s in specs)
+
+
+def fits_one_message(nbytes: int) -> bool:
+    """Whether a payload of `nbytes` travels in one message of a unary call."""
+    return nbytes <= UNARY_MAX_BYTES
+
+
+def _chunk_bytes(nbytes: int) -> int:
+    return max(nbytes, 1) if fits_one_message(nbytes) else CHUNK_BYTES
+
+
+def gradient_frames(header: pb.GradientMessage, plan: ShardPlan, data: memoryview) -> Iterator[bytes]:
+    """The wire messages of one push: `header` (layout and payload left unset) + `data`,
+    in one message when it fits one, else in `CHUNK_BYTES` pieces."""
+    header.layout.extend(slice_specs(plan))
+    meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
+    data = memoryview(data)
+    return encode_frames(header, GRADIENT_PAYLOAD_FIELD, meta, data, _chunk_bytes(data.nbytes))
+
+
+def parameter_frames(plan: ShardPlan, version: int, data: memoryview) -> Iterator[bytes]:
+    """The wire messages of one pull answer, cut like a push's."""
+    chunk_bytes = _chunk_bytes(plan.nbytes)
+    header = pb.ParameterMessage(version=version, shard=plan.shard, layout=slice_specs(plan))
+    meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
+    return encode_frames(header, PARAMETER_PAYLOAD_FIELD, meta, data, chunk_bytes)
+
+
+def parameter_notice(plan: ShardPlan, version: int) -> bytes:
+    """The one message of a pull answered through shared memory: no payload bytes."""
+    meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
+    return pb.ParameterMessage(version=version, shard=plan.shard, payload=meta,
+                               shared_memory=True).SerializeToString()
+
+
+def collect_payload(frames: Iterator[Frame], max_bytes: int) -> Payload:
+    """Gather a chunked stream into one payload, without copying its bytes.
+
+    Raises:
+        ValueError: an empty stream, or more than `max_bytes` of payload.
+    """
+    first = next(frames, None)
+    if first is None:
+        raise ValueError("empty stream: no message arrived")
+    chunks, total = [first.data], first.data.nbytes
+    for frame in frames:
+        total += frame.data.nbytes
+        if total > max_bytes:
+            raise ValueError(f"payload exceeds the {max_bytes} bytes this shard expects")
+        chunks.append(frame.data)
+    return Payload(first.header, first.meta, chunks)
+
+
+def tune_allocator() -> None:
+    """Keep large freed blocks in the heap instead of returning them to the kernel.
+
+    Every message allocates megabyte buffers; by default glibc maps and unmaps each, and
+    the page faults on fresh pages cost more than the copies. Called once at process
+    start by servers and workers; a no-op where glibc is absent.
+    """
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 32 << 20)  # the largest glibc allows
+        libc.mallopt(m_trim_threshold, 1 << 30)
+    except (OSError, AttributeError):
+        logger.debug("mallopt unavailable; using the allocator's defaults")

@@ -1,0 +1,169 @@
+"""A parameter-server worker (the `ps-worker` role): register, then run the training loop
+with a step that trades gradients for parameters with the servers.
+
+Each step takes the next batch of this worker's shard, computes gradients into the flat
+gradient buffer, and exchanges them as the aggregation mode says. At each epoch end all
+workers meet at a barrier, evaluate the servers' model on a slice of the test set each,
+and add their counts up, with their training clocks stopped. A worker checkpoints its
+own position (sampler, RNG, step) under `<checkpoint_dir>/worker<rank>/`; restarted with
+`--resume` it goes on from there, and the servers answer the steps they already applied
+as duplicates, so each step is applied once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from disttrain.config import Config
+from disttrain.core.errors import CheckpointError
+from disttrain.core.faults import FaultInjector
+from disttrain.core.processes import bind_to_parent, emit_event
+from disttrain.data import ArrayDataset, ShardedSampler, load_datasets
+from disttrain.metrics.summary import RunSummary
+from disttrain.metrics.window import StepTimer
+from disttrain.strategies.ps.client import PSClient, RetryPolicy
+from disttrain.strategies.ps.exchange import Exchange, make_exchange
+from disttrain.strategies.ps.finalize import finish
+from disttrain.strategies.ps.model import check_supported
+from disttrain.strategies.ps.sharding import flat_parameters, plan_shards
+from disttrain.strategies.ps.wire import tune_allocator
+from disttrain.training.checkpoints import LocalCheckpoints
+from disttrain.training.engine import (
+    EvalResult,
+    StepResult,
+    configure_threads,
+    eval_slice,
+    evaluate,
+    forward_backward,
+)
+from disttrain.training.loop import LoopSettings, TrainingLoop
+from disttrain.training.models import init_model
+from disttrain.training.seeding import seed_training
+from disttrain.training.strategy import RunOptions, StepInfo
+
+logger = logging.getLogger(__name__)
+
+
+class EventProgress:
+    """Progress told to the launcher as event lines (it shows one display for all)."""
+
+    def __init__(self, rank: int, total: int, done: int):
+        self.rank = rank
+        emit_event("plan", rank=rank, total_steps=total, done_steps=done)
+
+    def update(self, n: int = 1, **postfix: float) -> None:
+        emit_event("progress", rank=self.rank, steps=n, loss=round(postfix.get("loss", 0.0), 4))
+
+    def close(self) -> None:
+        """Nothing to close: the launcher's display ends with the run."""
+
+
+class WorkerParticipant:
+    """One worker's part in the loop; the model lives on the servers."""
+
+    strategy = "ps-worker"
+
+    def __init__(self, client: PSClient, exchange: Exchange, worker_id: str, rank: int,
+                 world_size: int, model: torch.nn.Module, grads: torch.Tensor,
+                 data: tuple[ArrayDataset, ArrayDataset], batch_size: int, eval_batch_size: int):
+        self.client = client
+        self.exchange = exchange
+        self.worker_id = worker_id
+        self.rank = rank
+        self.world_size = world_size
+        self.model = model
+        self.grads = grads
+        self.train_set, self.test_set = data
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size
+        self.batches_per_epoch = 0  # set once the sampler is known
+        self.timer = StepTimer()
+
+    def start(self) -> None:
+        self.client.barrier(self.worker_id, "start")
+
+    def step(self, batches: list[torch.Tensor], info: StepInfo) -> StepResult:
+        (indices,) = batches
+        inputs, targets = self.train_set.batch(indices)
+        block_id = (info.epoch * self.world_size + self.rank) * self.batches_per_epoch + info.index_in_epoch
+        client, exchange = self.client, self.exchange
+        sent, received, rejected = client.bytes_sent, client.bytes_received, exchange.num_rejected
+
+        def compute() -> StepResult:
+            self.grads.zero_()
+            return forward_backward(self.model, inputs, targets)
+
+        result, staleness = exchange.step(compute, info.step, block_id, len(indices), self.timer)
+        result.scalars = {**self.timer.drain(), "comm/bytes_sent": client.bytes_sent - sent,
+                          "comm/bytes_received": client.bytes_received - received,
+                          "ps/staleness": staleness, "ps/rejected_pushes": exchange.num_rejected - rejected}
+        return result
+
+    def evaluate(self, epoch: int) -> EvalResult:
+        """Every worker evaluates the servers' model, as it stands once all have finished
+        the epoch, on its slice of the test set; the counts are added up at a barrier."""
+        self.client.barrier(self.worker_id, f"epoch{epoch}:trained")
+        self.exchange.refresh()
+        mine = eval_slice(len(self.test_set), self.world_size, self.rank)
+        local = evaluate(self.model, self.test_set, self.eval_batch_size, indices=mine)
+        rows = self.client.barrier(self.worker_id, f"epoch{epoch}:evaluated",
+                                   [local.loss_sum, local.num_correct, local.num_samples])
+        loss_sum, correct, samples = (sum(column) for column in zip(*rows, strict=True))
+        return EvalResult(loss_sum, int(correct), int(samples))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "rank": self.rank, "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
+            raise CheckpointError(f"the checkpoint is of rank {state['rank']} of {state['world_size']} "
+                                  f"workers, and this worker is rank {self.rank} of {self.world_size}; "
+                                  "restart it with --rank and the run's config")
+
+
+def run_worker(config: Config, servers: list[str], worker_id: str, requested_rank: int,
+               options: RunOptions) -> RunSummary | None:
+    """Train as one worker of a parameter-server run; rank 0 returns the run summary.
+
+    Raises:
+        DistributedError: a server stayed unreachable through every retry, or disagrees
+            with this worker's config.
+        DataError, CheckpointError, ConfigError: bad data, checkpoint or checkpoint folder.
+    """
+    training, system = config.training, config.system
+    started = time.perf_counter()
+    check_supported(config)
+    bind_to_parent()
+    tune_allocator()
+    configure_threads(system.num_threads or 1)
+    data = load_datasets(training)
+    model = init_model(training)
+    flat, grads = flat_parameters(model)
+    client = PSClient(servers, plan_shards(model, len(servers)),
+                      RetryPolicy(timeout_s=config.ps.rpc_timeout_s), config.ps.payload_transport)
+    try:
+        assignment = client.register(worker_id, requested_rank)
+        rank, world_size = assignment.rank, assignment.world_size
+        logger.info("registered as rank %d of %d (%s mode, %d shard(s))", rank, world_size,
+                    assignment.aggregation_mode, len(servers))
+        seed_training(training.seed, rank)
+        exchange = make_exchange(assignment.aggregation_mode, client, worker_id, flat, grads,
+                                 assignment.staleness)
+        exchange.start()
+        participant = WorkerParticipant(client, exchange, worker_id, rank, world_size, model, grads,
+                                        data, training.batch_size, training.eval_batch_size)
+        sampler = ShardedSampler(len(data[0]), world_size=world_size, rank=rank, seed=training.seed)
+        participant.batches_per_epoch = sampler.num_batches(training.batch_size)
+        checkpoints = LocalCheckpoints(Path(system.checkpoint_dir) / f"worker{rank}", system.checkpoint_keep)
+        loop = TrainingLoop(config, LoopSettings.from_config(config), participant, sampler, checkpoints,
+                            Path(system.log_dir) / f"worker{rank}", FaultInjector(options.faults, rank),
+                            lambda total, done: EventProgress(rank, total, done), announce=rank == 0)
+        result = loop.run(options.resume)
+        return finish(config, client, participant, result, flat, started)
+    finally:
+        client.close()

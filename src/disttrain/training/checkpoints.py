@@ -1,0 +1,53 @@
+"""The position of a run and the checkpoint store of a process that writes its own."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from disttrain.core import checkpoint as ckpt
+
+
+@dataclass
+class Position:
+    """Where training stands; saved in every checkpoint.
+
+    `epoch` is the epoch in progress (after an epoch's evaluation it is the next one),
+    `train_time_s` the training clock.
+    """
+
+    epoch: int = 0
+    step: int = 0
+    samples_processed: int = 0
+    train_time_s: float = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self.step = int(state["step"])
+        self.samples_processed = int(state["samples_processed"])
+        self.train_time_s = float(state["train_time_s"])
+
+
+class LocalCheckpoints:
+    """Checkpoints of one process in a folder of its own (the baseline, a PS worker).
+
+    Args:
+        keep: how many of the newest checkpoints to keep.
+    """
+
+    def __init__(self, folder: str | Path, keep: int):
+        self.folder = Path(folder)
+        self.keep = keep
+
+    def choose(self, resume: bool) -> Path | None:
+        return ckpt.prepare_checkpoint_dir(self.folder, resume)
+
+    def load(self, path: Path) -> dict[str, Any]:
+        return ckpt.load_checkpoint(path)
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        ckpt.save_checkpoint(self.folder, step, state, keep=self.keep)

@@ -1,0 +1,126 @@
+"""The training step and evaluation every strategy shares, and their small helpers.
+
+Call order in a step: `forward_backward` (gradients land in `.grad`), then whatever the
+strategy does with gradients (nothing, all-reduce, push to servers), then the optimizer.
+`train_step` is that sequence for a single process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disttrain.config import TrainingConfig
+from disttrain.data import ArrayDataset
+
+
+def configure_threads(num_threads: int, processes_per_machine: int = 1) -> int:
+    """Set torch's intra-op threads for this process so N processes don't fight over cores.
+
+    Args:
+        num_threads: explicit count, or 0 for the machine's cores divided among processes.
+    Returns:
+        The thread count set.
+    """
+    if num_threads <= 0:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        num_threads = max(1, (cores or 1) // max(processes_per_machine, 1))
+    torch.set_num_threads(num_threads)
+    return num_threads
+
+
+def build_optimizer(params, training: TrainingConfig, learning_rate: float | None = None,
+                    fused: bool | None = None) -> torch.optim.Optimizer:
+    """SGD (with `momentum`) or Adam, per `training.optimizer`.
+
+    Args:
+        fused: use torch's fused kernels (several times faster on one large tensor).
+    """
+    lr = training.learning_rate if learning_rate is None else learning_rate
+    if training.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=training.momentum,
+                               weight_decay=training.weight_decay, fused=fused)
+    if training.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=training.weight_decay, fused=fused)
+    raise ValueError(f"training.optimizer: unknown optimizer {training.optimizer!r}")
+
+
+@dataclass
+class StepResult:
+    """One step as the training loop counts it: the mean loss over its samples, how many it
+    got right, and the step's own figures (metric keys, e.g. `time/comm_blocked_s`)."""
+
+    loss: float
+    num_correct: int
+    num_samples: int
+    scalars: dict[str, float] = field(default_factory=dict)
+
+
+def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                     loss_scale: float = 1.0) -> StepResult:
+    """Forward, loss (mean cross-entropy), backward: gradients accumulate into `.grad`.
+
+    Args:
+        loss_scale: multiplies the loss before backward (1/k for k accumulated micro-batches).
+    """
+    model.train()
+    logits = model(inputs)
+    loss = F.cross_entropy(logits, targets)
+    (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+    with torch.no_grad():
+        correct = int((logits.argmax(dim=1) == targets).sum())
+    return StepResult(float(loss.detach()), correct, len(targets))
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+               targets: torch.Tensor) -> StepResult:
+    """One single-process step: zero grads, forward/backward, optimizer step."""
+    optimizer.zero_grad(set_to_none=True)
+    result = forward_backward(model, inputs, targets)
+    optimizer.step()
+    return result
+
+
+@dataclass
+class EvalResult:
+    """Sums, so ranks can add theirs before dividing."""
+
+    loss_sum: float
+    num_correct: int
+    num_samples: int
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.num_samples, 1)
+
+    @property
+    def accuracy(self) -> float:
+        return self.num_correct / max(self.num_samples, 1)
+
+
+def eval_slice(num_samples: int, world_size: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s contiguous slice of the test indices, when `world_size` processes
+    evaluate together; the slices cover each index once."""
+    return torch.tensor_split(torch.arange(num_samples), world_size)[rank]
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset: ArrayDataset, batch_size: int = 1000,
+             indices: torch.Tensor | None = None, device: torch.device | str = "cpu") -> EvalResult:
+    """Loss and accuracy of `model` on `dataset` (or on `indices` of it), in eval mode."""
+    was_training = model.training
+    model.eval()
+    order = torch.arange(len(dataset)) if indices is None else indices
+    loss_sum, correct = 0.0, 0
+    for start in range(0, len(order), batch_size):
+        inputs, targets = dataset.batch(order[start:start + batch_size])
+        inputs, targets = inputs.to(device), targets.to(device)
+        logits = model(inputs)
+        loss_sum += float(F.cross_entropy(logits, targets, reduction="sum"))
+        correct += int((logits.argmax(dim=1) == targets).sum())
+    model.train(was_training)
+    return EvalResult(loss_sum, correct, len(order))

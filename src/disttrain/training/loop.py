@@ -1,0 +1,219 @@
+"""The training loop every strategy runs: epochs, position, one clock, the metrics
+window, log / checkpoint / fault cadence, and evaluation at each epoch end.
+
+What differs between strategies comes in through a `Participant` (the step, the
+evaluation, its own checkpoint pieces) and a `CheckpointStore` (who writes checkpoints).
+The training clock stops during evaluation and checkpoint writes, so every throughput
+figure leaves them out. A checkpoint due at an epoch's last step is written after that
+epoch's evaluation, so a resumed run never evaluates (or logs) an epoch twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from disttrain.config import Config
+from disttrain.core import checkpoint as ckpt
+from disttrain.core.errors import CheckpointError
+from disttrain.core.faults import FaultInjector
+from disttrain.data import ShardedSampler
+from disttrain.metrics.logger import MetricsLogger
+from disttrain.metrics.window import MetricsWindow, TrainClock
+from disttrain.training.checkpoints import Position
+from disttrain.training.engine import EvalResult
+from disttrain.training.strategy import CheckpointStore, Participant, StepInfo
+
+logger = logging.getLogger(__name__)
+
+LOOP_KEYS = ("strategy", "position", "sampler", "rng")
+
+
+class ProgressDisplay(Protocol):
+    def update(self, n: int = 1, **postfix: float) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """The loop's cadence, from the config's training section."""
+
+    num_epochs: int
+    batch_size: int
+    log_interval: int
+    checkpoint_interval: int
+    micro_batches: int = 1  # batches per step (gradient accumulation)
+
+    @classmethod
+    def from_config(cls, config: Config, micro_batches: int = 1) -> LoopSettings:
+        t = config.training
+        return cls(t.num_epochs, t.batch_size, t.log_interval, t.checkpoint_interval, micro_batches)
+
+
+@dataclass
+class LoopResult:
+    position: Position
+    evaluation: EvalResult
+    resumed_from_step: int | None
+
+
+def groups(batches: Iterator[torch.Tensor], size: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive batches grouped by `size`; the epoch's last group may be shorter."""
+    group: list[torch.Tensor] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+class TrainingLoop:
+    """Runs a participant from its checkpoint (or the start) to the last epoch.
+
+    Args:
+        config: the run's config (stamped into every checkpoint).
+        participant: the strategy's step, evaluation and checkpoint pieces.
+        sampler: this process's shard of the training set.
+        store: where this process's checkpoints are.
+        metrics_folder: this process's metrics folder (`<log_dir>/<process>`).
+        faults: the faults meant for this process.
+        progress: makes the progress display from (total steps, steps already done).
+        announce: log each epoch's test figures (the process that speaks for the run).
+        config_path: where to write the resolved config once the run is sure to start.
+    """
+
+    def __init__(self, config: Config, settings: LoopSettings, participant: Participant,
+                 sampler: ShardedSampler, store: CheckpointStore, metrics_folder: Path,
+                 faults: FaultInjector, progress: Callable[[int, int], ProgressDisplay],
+                 announce: bool = True, config_path: Path | None = None):
+        self.config = config
+        self.settings = settings
+        self.participant = participant
+        self.sampler = sampler
+        self.store = store
+        self.metrics_folder = metrics_folder
+        self.faults = faults
+        self.progress = progress
+        self.announce = announce
+        self.config_path = config_path
+        self.position = Position()
+        self.clock = TrainClock()
+
+    def run(self, resume: bool) -> LoopResult:
+        """Train to the end. Raises CheckpointError when the chosen checkpoint does not fit."""
+        s, position, sampler = self.settings, self.position, self.sampler
+        resumed_from = self.store.choose(resume)
+        if resumed_from is not None:
+            self._restore(resumed_from)
+        if self.config_path is not None:
+            self.config.save(self.config_path)
+        self.clock = TrainClock(position.train_time_s)
+        metrics = MetricsLogger(self.metrics_folder,
+                                resume_step=position.step if resumed_from is not None else None)
+        steps_per_epoch = math.ceil(sampler.num_batches(s.batch_size) / s.micro_batches)
+        display = self.progress(steps_per_epoch * s.num_epochs, position.step)
+        evaluation = None
+        self.participant.start()
+        self.clock.start()
+        window = MetricsWindow(self.clock.elapsed())
+        for epoch in range(position.epoch, s.num_epochs):
+            sampler.set_epoch(epoch)
+            position.epoch = epoch
+            first = sampler.position // (s.batch_size * s.micro_batches)
+            save_after_evaluation = False
+            for index, batches in enumerate(groups(sampler.batches(s.batch_size), s.micro_batches),
+                                            start=first):
+                result = self.participant.step(batches, StepInfo(position.step + 1, epoch, index))
+                position.step += 1
+                position.samples_processed += result.num_samples
+                window.add(result.loss, result.num_correct, result.num_samples, result.scalars)
+                display.update(1, loss=result.loss)
+                if position.step % s.log_interval == 0:
+                    self._log_window(metrics, window)
+                    window = MetricsWindow(self.clock.elapsed())
+                if position.step % s.checkpoint_interval == 0:
+                    if sampler.remaining().numel():
+                        self._save(metrics)
+                    else:
+                        save_after_evaluation = True
+                self.faults.at_step(position.step)
+            evaluation = self._evaluate(metrics, epoch)
+            position.epoch = epoch + 1
+            sampler.set_epoch(epoch + 1)
+            if save_after_evaluation:
+                self._save(metrics)
+        self.clock.stop()
+        display.close()
+        if window.num_steps:
+            self._log_window(metrics, window)
+        if evaluation is None:  # resumed a finished run: nothing left to train
+            evaluation = self.participant.evaluate(position.epoch - 1)
+        if position.step % s.checkpoint_interval != 0:
+            self._save(metrics)
+        position.train_time_s = self.clock.elapsed()
+        metrics.close()
+        resumed_step = None if resumed_from is None else ckpt.checkpoint_step(resumed_from)
+        return LoopResult(position, evaluation, resumed_step)
+
+    def _log_window(self, metrics: MetricsLogger, window: MetricsWindow) -> None:
+        now = self.clock.elapsed()
+        epoch = min(self.position.epoch, self.settings.num_epochs - 1)  # after the last epoch ended
+        metrics.log(self.position.step, epoch, {
+            **window.scalars(now),
+            "progress/samples": self.position.samples_processed,
+            "progress/train_time_s": now,
+        })
+
+    def _evaluate(self, metrics: MetricsLogger, epoch: int) -> EvalResult:
+        with self.clock.paused():
+            started = time.perf_counter()
+            self.faults.at_evaluation()
+            result = self.participant.evaluate(epoch)
+            seconds = time.perf_counter() - started
+        metrics.log(self.position.step, epoch, {"loss/test": result.loss, "accuracy/test": result.accuracy,
+                                                "time/eval_s": seconds})
+        metrics.flush()
+        if self.announce:
+            logger.info("epoch %d: test accuracy %.4f, test loss %.4f (%.2fs)", epoch, result.accuracy,
+                        result.loss, seconds)
+        return result
+
+    def _save(self, metrics: MetricsLogger) -> None:
+        with self.clock.paused():
+            self.position.train_time_s = self.clock.elapsed()
+            metrics.flush()  # the records a resume from this checkpoint keeps are on disk
+            state: dict[str, Any] = {
+                "strategy": self.participant.strategy,
+                "position": self.position.state_dict(),
+                "sampler": self.sampler.state_dict(),
+                "rng": ckpt.rng_state(),
+                "config": self.config.to_dict(),
+                **self.participant.state_dict(),
+            }
+            self.store.save(self.position.step, state)
+
+    def _restore(self, path: Path) -> None:
+        state = self.store.load(path)
+        ckpt.require_keys(state, ("strategy",), path)
+        if state["strategy"] != self.participant.strategy:
+            raise CheckpointError(f"checkpoint {path} was written by {state['strategy']!r}, not "
+                                  f"{self.participant.strategy!r}; use another --checkpoint-dir")
+        ckpt.require_keys(state, LOOP_KEYS, path)
+        try:
+            self.participant.load_state_dict(state)
+            self.sampler.load_state_dict(state["sampler"])
+            self.position.load_state_dict(state["position"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"checkpoint {path} does not fit this run: {first}") from e
+        ckpt.set_rng_state(state["rng"])
+        logger.info("resumed from %s (epoch %d, step %d)", path, self.position.epoch, self.position.step)
