@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 
 from disttrain.cli.flags import (
-    add_common_flags,
-    add_run_flags,
+    add_training_flags,
     config_from_args,
     not_used_yet_epilog,
     options_from_args,
@@ -25,8 +24,7 @@ EPILOG = not_used_yet_epilog()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_flags(parser)
-    add_run_flags(parser)
+    add_training_flags(parser)
 
 
 def run(args: argparse.Namespace) -> RunSummary:

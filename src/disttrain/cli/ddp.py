@@ -17,9 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from disttrain import cli
 from disttrain.cli.flags import (
-    add_common_flags,
-    add_config_flags,
-    add_run_flags,
+    add_training_flags,
     config_from_args,
     not_used_yet_epilog,
     options_from_args,
@@ -67,9 +65,7 @@ DDP_FLAGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_flags(parser)
-    add_run_flags(parser)
-    add_config_flags(parser, DDP_FLAGS)
+    add_training_flags(parser, DDP_FLAGS)
     parser.add_argument("--quiet-summary", action="store_true", help=argparse.SUPPRESS)
 
 

@@ -72,6 +72,14 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
                         type=_fault, help=argparse.SUPPRESS)
 
 
+def add_training_flags(parser: argparse.ArgumentParser,
+                       flags: dict[str, tuple[str, Any, str]] | None = None) -> None:
+    """Every flag of a command that trains: the common ones, the run's, and `flags`."""
+    add_common_flags(parser)
+    add_run_flags(parser)
+    add_config_flags(parser, flags or {})
+
+
 def not_used_yet_epilog() -> str:
     lines = [f"  {key}: {why}" for key, why in not_used_yet().items()]
     return "config keys accepted but not acted on yet:\n" + "\n".join(lines)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 
 from disttrain.cli.flags import (
-    add_common_flags,
-    add_config_flags,
-    add_run_flags,
+    add_training_flags,
     config_from_args,
     not_used_yet_epilog,
     options_from_args,
@@ -36,9 +34,7 @@ PS_FLAGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_flags(parser)
-    add_run_flags(parser)
-    add_config_flags(parser, {
+    add_training_flags(parser, {
         "--workers": ("system.num_workers", int, "worker processes"),
         "--servers": ("ps.num_servers", int, "parameter-server shards"),
         "--bind-host": ("ps.bind_host", str, "address the servers listen on"),

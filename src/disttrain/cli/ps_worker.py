@@ -7,9 +7,7 @@ import os
 import socket
 
 from disttrain.cli.flags import (
-    add_common_flags,
-    add_config_flags,
-    add_run_flags,
+    add_training_flags,
     config_from_args,
     options_from_args,
 )
@@ -30,9 +28,7 @@ its steps once.
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_flags(parser)
-    add_run_flags(parser)
-    add_config_flags(parser, PS_FLAGS)
+    add_training_flags(parser, PS_FLAGS)
     parser.add_argument("--servers", required=True, metavar="HOST:PORT[,HOST:PORT...]",
                         help="every shard's server, in shard order")
     parser.add_argument("--worker-id", default=None,

@@ -20,7 +20,7 @@ import yaml
 from disttrain.config.schema import SECTIONS, Config
 from disttrain.core.errors import ConfigError
 
-# The seed kept every run-wide key under `system`; those spellings stay valid and mean
+# Earlier configs kept every run-wide key under `system`; those spellings stay valid and mean
 # the key of the component that now owns it.
 SYSTEM_ALIASES: dict[str, str] = {
     **{key: f"ps.{key}" for key in ("aggregation_mode", "staleness", "num_servers", "backup_workers",

@@ -2,7 +2,7 @@
 
 Each component reads its own section: `training` (data, model, optimizer, schedule),
 `system` (processes and output folders), `ps` (the parameter server), `ddp`,
-`compression` and `coordinator`. The seed's flat `system.*` spelling of the parameter
+`compression` and `coordinator`. The flat `system.*` spelling of earlier configs for the parameter
 server, compression and heartbeat keys stays valid (see `loading.SYSTEM_ALIASES`).
 
 A field's metadata holds its rule (`check`, `rule`) and, for keys that are validated but
@@ -102,7 +102,7 @@ class PSConfig:
 
 @dataclass(frozen=True)
 class CompressionConfig:
-    """Gradient compression (the seed's `system.compression_*` keys)."""
+    """Gradient compression (earlier configs' `system.compression_*` keys)."""
 
     enabled: bool = field(default=False, metadata={"not_used_yet": COMPRESSION_LATER})
     type: str = field(default="quantization",
@@ -113,7 +113,7 @@ class CompressionConfig:
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    """Failure detection by heartbeat (the seed's `system.heartbeat_*` keys)."""
+    """Failure detection by heartbeat (earlier configs' `system.heartbeat_*` keys)."""
 
     heartbeat_interval: float = field(default=1.0, metadata={**POSITIVE, "not_used_yet": HEARTBEAT_LATER})
     heartbeat_timeout: float = field(default=5.0, metadata={**POSITIVE, "not_used_yet": HEARTBEAT_LATER})

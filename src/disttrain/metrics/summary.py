@@ -55,7 +55,7 @@ class RunSummary:
         return out
 
     def lines(self) -> list[str]:
-        """The seed's summary lines."""
+        """The summary as the command prints it."""
         return [
             f"Strategy: {self.strategy} (world size {self.world_size}, dataset {self.dataset})",
             f"Final Accuracy: {self.final_accuracy * 100:.2f}%",

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -76,6 +76,7 @@ def groups(batches: Iterator[torch.Tensor], size: int) -> Iterator[list[torch.Te
         yield group
 
 
+@dataclass
 class TrainingLoop:
     """Runs a participant from its checkpoint (or the start) to the last epoch.
 
@@ -91,22 +92,18 @@ class TrainingLoop:
         config_path: where to write the resolved config once the run is sure to start.
     """
 
-    def __init__(self, config: Config, settings: LoopSettings, participant: Participant,
-                 sampler: ShardedSampler, store: CheckpointStore, metrics_folder: Path,
-                 faults: FaultInjector, progress: Callable[[int, int], ProgressDisplay],
-                 announce: bool = True, config_path: Path | None = None):
-        self.config = config
-        self.settings = settings
-        self.participant = participant
-        self.sampler = sampler
-        self.store = store
-        self.metrics_folder = metrics_folder
-        self.faults = faults
-        self.progress = progress
-        self.announce = announce
-        self.config_path = config_path
-        self.position = Position()
-        self.clock = TrainClock()
+    config: Config
+    settings: LoopSettings
+    participant: Participant
+    sampler: ShardedSampler
+    store: CheckpointStore
+    metrics_folder: Path
+    faults: FaultInjector
+    progress: Callable[[int, int], ProgressDisplay]
+    announce: bool = True
+    config_path: Path | None = None
+    position: Position = field(default_factory=Position)
+    clock: TrainClock = field(default_factory=TrainClock)
 
     def run(self, resume: bool) -> LoopResult:
         """Train to the end. Raises CheckpointError when the chosen checkpoint does not fit."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,26 +64,23 @@ class EventProgress:
         """Nothing to close: the launcher's display ends with the run."""
 
 
+@dataclass
 class WorkerParticipant:
     """One worker's part in the loop; the model lives on the servers."""
 
-    strategy = "ps-worker"
-
-    def __init__(self, client: PSClient, exchange: Exchange, worker_id: str, rank: int,
-                 world_size: int, model: torch.nn.Module, grads: torch.Tensor,
-                 data: tuple[ArrayDataset, ArrayDataset], batch_size: int, eval_batch_size: int):
-        self.client = client
-        self.exchange = exchange
-        self.worker_id = worker_id
-        self.rank = rank
-        self.world_size = world_size
-        self.model = model
-        self.grads = grads
-        self.train_set, self.test_set = data
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size
-        self.batches_per_epoch = 0  # set once the sampler is known
-        self.timer = StepTimer()
+    client: PSClient
+    exchange: Exchange
+    worker_id: str
+    rank: int
+    world_size: int
+    model: torch.nn.Module
+    grads: torch.Tensor  # the flat gradient buffer the model's .grad views point into
+    train_set: ArrayDataset
+    test_set: ArrayDataset
+    eval_batch_size: int
+    batches_per_epoch: int
+    timer: StepTimer = field(default_factory=StepTimer)
+    strategy: str = "ps-worker"
 
     def start(self) -> None:
         self.client.barrier(self.worker_id, "start")
@@ -155,10 +153,10 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
         exchange = make_exchange(assignment.aggregation_mode, client, worker_id, flat, grads,
                                  assignment.staleness)
         exchange.start()
-        participant = WorkerParticipant(client, exchange, worker_id, rank, world_size, model, grads,
-                                        data, training.batch_size, training.eval_batch_size)
         sampler = ShardedSampler(len(data[0]), world_size=world_size, rank=rank, seed=training.seed)
-        participant.batches_per_epoch = sampler.num_batches(training.batch_size)
+        participant = WorkerParticipant(client, exchange, worker_id, rank, world_size, model, grads,
+                                        *data, training.eval_batch_size,
+                                        sampler.num_batches(training.batch_size))
         checkpoints = LocalCheckpoints(Path(system.checkpoint_dir) / f"worker{rank}", system.checkpoint_keep)
         loop = TrainingLoop(config, LoopSettings.from_config(config), participant, sampler, checkpoints,
                             Path(system.log_dir) / f"worker{rank}", FaultInjector(options.faults, rank),
