@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from disttrain.config import Config
+from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import CheckpointError
 from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import bind_to_parent, emit_event
@@ -115,13 +116,17 @@ class WorkerParticipant:
         return EvalResult(loss_sum, int(correct), int(samples))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "rank": self.rank, "world_size": self.world_size}
+        return {"worker_id": self.worker_id, "rank": self.rank, "world_size": self.world_size,
+                "bytes_sent": self.client.bytes_sent, "bytes_received": self.client.bytes_received}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
             raise CheckpointError(f"the checkpoint is of rank {state['rank']} of {state['world_size']} "
                                   f"workers, and this worker is rank {self.rank} of {self.world_size}; "
                                   "restart it with --rank and the run's config")
+        # The run's totals go on from the checkpoint, like its samples and training time.
+        self.client.bytes_sent = int(state["bytes_sent"])
+        self.client.bytes_received = int(state["bytes_received"])
 
 
 def run_worker(config: Config, servers: list[str], worker_id: str, requested_rank: int,
@@ -139,6 +144,8 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
     bind_to_parent()
     tune_allocator()
     configure_threads(system.num_threads or 1)
+    if requested_rank >= 0:  # refuse an earlier run's folder before taking a rank on the servers
+        ckpt.prepare_checkpoint_dir(Path(system.checkpoint_dir) / f"worker{requested_rank}", options.resume)
     data = load_datasets(training)
     model = init_model(training)
     flat, grads = flat_parameters(model)
