@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-slow bench lint proto clean
+.PHONY: install demo test test-fast test-slow bench lint proto metrics-table clean
 
 install: $(STAMP)
 
@@ -50,6 +50,11 @@ lint: install
 # tests/unit/test_proto_stubs.py fails while the committed stubs are stale).
 proto: install
 	$(PY) tools/proto.py
+
+# Rewrite the README's metrics tables from src/disttrain/metrics/keys.py (commit the result;
+# tests/unit/test_metrics.py fails while they differ).
+metrics-table: install
+	$(PY) tools/metrics_table.py
 
 clean:
 	rm -rf runs .pytest_cache build

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from common import parse_args, report
-from ps_helpers import file_store, make_config, one_thread, role_flags, run_roles, write_result
+from ps_helpers import exit_rank, file_store, make_config, one_thread, role_flags, run_roles, write_result
 
 from disttrain.config import load_config
 from disttrain.data import ShardedSampler, load_datasets
@@ -88,7 +88,8 @@ def main() -> None:
     args = parse_args(__doc__.split("\n\n")[0], role_flags)
     one_thread()
     if args.role == "ddp":
-        return ddp_rank(args)
+        ddp_rank(args)
+        exit_rank()
     logging.basicConfig(level=logging.WARNING)
     steps = 30 if args.quick else 200
     rates: dict[str, list[float]] = {"ps": [], "ddp": []}

@@ -18,7 +18,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from common import parse_args, report
-from ps_helpers import file_store, make_config, one_thread, role_flags, run_roles, servers, write_result
+from ps_helpers import (
+    exit_rank,
+    file_store,
+    make_config,
+    one_thread,
+    role_flags,
+    run_roles,
+    servers,
+    write_result,
+)
 
 from disttrain.config import load_config
 from disttrain.core.processes import Cluster
@@ -103,7 +112,8 @@ def main() -> None:
     if args.role == "ps-worker":
         return ps_worker(args)
     if args.role == "gloo":
-        return gloo_rank(args)
+        gloo_rank(args)
+        exit_rank()
     steps = 10 if args.quick else 50
     results = {}
     for name, model in (("simplecnn", "simplecnn"), ("10mb", "mlp")):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Mapping
 
@@ -118,7 +119,19 @@ def restarts_need_fresh_store(env: Mapping[str, str]) -> bool:
 
 
 def module_main(argv: list[str], env: Mapping[str, str]) -> int:
-    """`python -m disttrain.ddp`: a rank under an elastic agent, else the launcher."""
-    if started_by_elastic_agent(env):
-        return rank_main(argv, env)
-    return cli.main(["ddp", *argv])
+    """`python -m disttrain.ddp`: a rank under an elastic agent, else the launcher.
+
+    A rank leaves with `os._exit` once its work is flushed: gloo's worker threads (kept
+    alive by the DDP reducer's hold on the process group) may still drop a finished
+    collective's tensors, which needs the interpreter, and during interpreter shutdown
+    that aborts the process (SIGABRT, "terminate called without an active exception"),
+    about one run in ten on a busy machine (see pytorch/pytorch#179291, a fix proposed
+    upstream and not merged).
+    """
+    if not started_by_elastic_agent(env):
+        return cli.main(["ddp", *argv])
+    code = rank_main(argv, env)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

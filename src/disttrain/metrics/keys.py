@@ -48,10 +48,11 @@ METRICS: dict[str, Metric] = {m.key: m for m in [
            "ps, ddp"),
     Metric("time/comm_overlapped_s", "s", PER_STEP, "time gradient communication was in flight "
            "while the backward pass still computed (DDP buckets)", "ddp"),
-    Metric("comm/bytes_sent", "bytes", PER_STEP, "bytes this worker sent to the servers (payload "
-           "and message framing; bytes through shared memory included)", "ps"),
-    Metric("comm/bytes_received", "bytes", PER_STEP, "bytes this worker received from the "
-           "servers, counted like `comm/bytes_sent`", "ps"),
+    Metric("comm/bytes_sent", "bytes", PER_STEP, "gradient bytes this worker sent to the servers, "
+           "through gRPC or shared memory (a retried push counts again; message framing, some "
+           "hundred bytes, does not)", "ps"),
+    Metric("comm/bytes_received", "bytes", PER_STEP, "parameter bytes this worker received from "
+           "the servers, counted like `comm/bytes_sent`", "ps"),
     Metric("comm/bytes_allreduced", "bytes", PER_STEP, "gradient bytes this rank handed to "
            "all-reduce", "ddp"),
     Metric("ps/staleness", "versions", PER_STEP, "updates the servers had applied since the "

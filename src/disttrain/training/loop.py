@@ -135,8 +135,7 @@ class TrainingLoop:
                 window.add(result.loss, result.num_correct, result.num_samples, result.scalars)
                 display.update(1, loss=result.loss)
                 if position.step % s.log_interval == 0:
-                    self._log_window(metrics, window)
-                    window = MetricsWindow(self.clock.elapsed())
+                    window = MetricsWindow(self._log_window(metrics, window))
                 if position.step % s.checkpoint_interval == 0:
                     if sampler.remaining().numel():
                         self._save(metrics)
@@ -161,7 +160,8 @@ class TrainingLoop:
         resumed_step = None if resumed_from is None else ckpt.checkpoint_step(resumed_from)
         return LoopResult(position, evaluation, resumed_step)
 
-    def _log_window(self, metrics: MetricsLogger, window: MetricsWindow) -> None:
+    def _log_window(self, metrics: MetricsLogger, window: MetricsWindow) -> float:
+        """Log the window; returns the clock reading it closed at (the next one opens there)."""
         now = self.clock.elapsed()
         epoch = min(self.position.epoch, self.settings.num_epochs - 1)  # after the last epoch ended
         metrics.log(self.position.step, epoch, {
@@ -169,6 +169,7 @@ class TrainingLoop:
             "progress/samples": self.position.samples_processed,
             "progress/train_time_s": now,
         })
+        return now
 
     def _evaluate(self, metrics: MetricsLogger, epoch: int) -> EvalResult:
         with self.clock.paused():

@@ -3,7 +3,8 @@
 Decides the backend (NCCL when CUDA is there, gloo otherwise, unless forced) and the one
 device of each rank, sets the rank's thread count, starts the process group with a
 timeout, and tears it down with a barrier first: without that barrier a gloo rank that
-leaves while its peer still talks was seen to abort at exit about one run in twenty.
+leaves while its peer still talks was seen to abort at exit about one run in twenty. (A
+rank process then leaves without the interpreter's shutdown: see `cli.ddp.module_main`.)
 
 The selection functions are pure (the CUDA facts are passed in), so their rules are
 tested on machines without a GPU.

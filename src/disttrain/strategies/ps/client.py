@@ -96,7 +96,8 @@ class ShardClient:
         return self._retry(name, lambda: self._calls[name](request, timeout=timeout, wait_for_ready=True))
 
     def push(self, header: pb.GradientMessage, plan: ShardPlan, data: memoryview) -> tuple[pb.PushReply, int]:
-        """Send one gradient; returns the reply and the bytes sent (payload included)."""
+        """Send one gradient; returns the reply and the payload bytes sent (a retry sends
+        them again; the messages' framing, some hundred bytes, is not counted)."""
         sent = [0]
         if self.segments is not None:
             self.segments.gradient_tensor.copy_(decode_tensor(data, plan.dtype))
@@ -107,7 +108,7 @@ class ShardClient:
             header_copy.CopyFrom(header)
             header_copy.shared_memory = self.segments is not None
             frames = list(wire.gradient_frames(header_copy, plan, data))
-            sent[0] = sum(len(f) for f in frames) + (plan.nbytes if self.segments is not None else 0)
+            sent[0] += plan.nbytes
             if len(frames) == 1:
                 return self._calls["PushGradients"](frames[0], timeout=self.policy.timeout_s,
                                                     wait_for_ready=True)
@@ -121,7 +122,7 @@ class ShardClient:
         """Copy the shard's parameters, once at `min_version`, into `into` (its flat slice).
 
         Returns:
-            (version, bytes received).
+            (version, payload bytes received).
         """
         segments = self.segments
         request = pb.ParameterRequest(worker_id=worker_id, min_version=min_version, shard=plan.shard,

@@ -1,0 +1,31 @@
+"""Write the README's metrics tables from the metrics vocabulary (`make metrics-table`).
+
+The tables stand between the markers `<!-- metrics:begin -->` and `<!-- metrics:end -->`;
+tests/unit/test_metrics.py fails while they differ from `disttrain.metrics.keys.markdown()`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from disttrain.metrics.keys import markdown
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BEGIN, END = "<!-- metrics:begin -->\n", "<!-- metrics:end -->\n"
+
+
+def main() -> int:
+    text = README.read_text()
+    if BEGIN not in text or END not in text:
+        print(f"{README}: the markers {BEGIN.strip()} and {END.strip()} are missing", file=sys.stderr)
+        return 1
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    README.write_text(head + BEGIN + "\n" + markdown() + "\n" + END + tail)
+    print(f"wrote the metrics tables into {README}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
