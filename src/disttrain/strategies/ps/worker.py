@@ -89,6 +89,8 @@ class WorkerParticipant:
     def step(self, batches: list[torch.Tensor], info: StepInfo) -> StepResult:
         (indices,) = batches
         inputs, targets = self.train_set.batch(indices)
+        # The data block this step trains on. The servers do not read it yet: the data ledger
+        # of the coordinator will record applied blocks by it (nothing lost or applied twice).
         block_id = (info.epoch * self.world_size + self.rank) * self.batches_per_epoch + info.index_in_epoch
         client, exchange = self.client, self.exchange
         sent, received, rejected = client.bytes_sent, client.bytes_received, exchange.num_rejected
