@@ -46,7 +46,7 @@ NON_NEGATIVE = _rule(lambda v: v >= 0, "must be >= 0")
 NON_EMPTY = _rule(lambda v: bool(v.strip()), "must not be empty")
 OPTIONAL_POSITIVE = _rule(lambda v: v is None or v > 0, "must be a positive integer or null (all)")
 HEARTBEAT_LATER = "validated; heartbeats start with the coordinator (not yet)"
-COMPRESSION_LATER = "validated; training refuses compression until it is available"
+COMPRESSION_LATER = "validated; ps and ddp refuse compression.enabled until it is available"
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ def preflight(config: Config, resume: bool) -> LaunchPlan:
         DataError: the data set cannot be loaded.
     """
     ddp, system, training = config.ddp, config.system, config.training
+    rt.check_supported(config)
     if system.num_workers % ddp.num_nodes:
         raise ConfigError(f"system.num_workers: world size {system.num_workers} does not split evenly "
                           f"over ddp.num_nodes={ddp.num_nodes}; use a multiple of {ddp.num_nodes}")

@@ -131,6 +131,7 @@ def run_rank(config: Config, info: rt.RankInfo, options: RunOptions) -> RunSumma
         message; the agent then stops the other ranks (and restarts them if allowed).
     """
     started = time.perf_counter()
+    rt.check_supported(config)
     runtime = rt.start(config.ddp, info, config.system.num_threads)
     try:
         summary = _train(config, runtime, options, started)

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from disttrain.config import DDPConfig
+from disttrain.config import Config, DDPConfig
 from disttrain.core.errors import ConfigError, DistributedError
 from disttrain.training.engine import configure_threads
 
@@ -95,6 +95,13 @@ def check_gpu_count(backend: str, ranks_per_node: int, num_gpus: int) -> None:
         raise ConfigError(f"ddp.backend: nccl runs one rank per GPU, but {ranks_per_node} ranks per "
                           f"node were asked for and this node has {num_gpus} GPU(s); lower "
                           "--world-size or use --backend gloo")
+
+
+def check_supported(config: Config) -> None:
+    """Raises ConfigError for settings DDP does not offer yet."""
+    if config.compression.enabled:
+        raise ConfigError("compression.enabled: gradient compression is not available in DDP yet; "
+                          "set it to false")
 
 
 def check_world_size(num_samples: int, world_size: int) -> None:
