@@ -23,7 +23,8 @@ demo: install
 	$(VENV)/bin/disttrain baseline --dataset digits --num-epochs 10 \
 		--log-dir runs/demo/logs --checkpoint-dir runs/demo/checkpoints
 
-test: install
+# The import contracts and style first (make lint), then every test.
+test: lint
 	$(PY) -m pytest -q
 
 test-fast: install

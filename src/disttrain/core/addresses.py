@@ -12,8 +12,8 @@ def split_host_port(text: str) -> tuple[str, int]:
         ValueError: not of that form.
     """
     host, sep, port = text.strip().rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    # "[::]:50051" keeps its brackets: gRPC binds and dials IPv6 hosts written that way.
+    if not sep or not host.strip("[]") or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"{text!r} must look like HOST:PORT (port 0-65535), e.g. 127.0.0.1:50051")
     return host, int(port)
 

@@ -134,6 +134,7 @@ def load_datasets(training: TrainingConfig) -> tuple[ArrayDataset, ArrayDataset]
         DataError: files are missing (and cannot be downloaded), truncated or malformed.
     """
     name = training.dataset
+    expected_shape, _ = dataset_shape(name)  # an unknown name fails here, naming the known ones
     if name == "synthetic":
         train, test = synthetic(training.num_samples)
     elif name == "digits":
@@ -141,12 +142,10 @@ def load_datasets(training: TrainingConfig) -> tuple[ArrayDataset, ArrayDataset]
     elif name in ("mnist", "fashion_mnist"):
         arrays = sources.load_idx_dataset(name, Path(training.data_dir), training.download)
         train, test = _from_arrays(name, arrays)
-    elif name == "cifar10":
+    else:  # cifar10
         arrays = sources.load_cifar10(Path(training.data_dir), training.download)
         train, test = _from_arrays(name, arrays)
-    else:
-        dataset_shape(name)  # raises DataError naming the known data sets
     for split in (train, test):
-        if split.input_shape != INPUT_SHAPES[name]:
-            raise DataError(f"{name} images are {split.input_shape}, expected {INPUT_SHAPES[name]}")
+        if split.input_shape != expected_shape:
+            raise DataError(f"{name} images are {split.input_shape}, expected {expected_shape}")
     return train.subset(training.max_train_samples), test.subset(training.max_test_samples)

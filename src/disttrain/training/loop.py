@@ -137,7 +137,7 @@ class TrainingLoop:
                 if position.step % s.log_interval == 0:
                     window = MetricsWindow(self._log_window(metrics, window))
                 if position.step % s.checkpoint_interval == 0:
-                    if sampler.remaining().numel():
+                    if sampler.position < len(sampler):
                         self._save(metrics)
                     else:
                         save_after_evaluation = True

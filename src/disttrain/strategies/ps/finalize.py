@@ -77,6 +77,8 @@ def finish(config: Config, client: PSClient, participant: Any, result: LoopResul
     if rank != 0:
         return None
     statuses = wait_all_done(client, WAIT_ALL_DONE_S)
+    # Pulled again: a synchronous round still pending may have been applied when the last
+    # workers left the quorum, after this worker's final evaluation.
     versions = client.pull(worker_id, flat, [0] * len(client.shards))
     final_path = Path(config.system.checkpoint_dir) / FINAL_MODEL
     ckpt.save_final_model(final_path, participant.model.state_dict(), config)
