@@ -18,6 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from disttrain import cli
 from disttrain.cli.flags import (
+    COMPRESSION_FLAGS,
     add_training_flags,
     config_from_args,
     not_used_yet_epilog,
@@ -40,6 +41,7 @@ and checkpoint folder before starting anything; --max-restarts restarts the grou
 a failure, from the newest checkpoint. Rank 0 writes ddp_final.pt and summary.json.
 
     disttrain ddp --world-size 2 --dataset mnist --num-epochs 1
+    disttrain ddp --world-size 2 --compression-enabled --compression-type powersgd --powersgd-rank 2
     disttrain ddp --world-size 8 --nnodes 2 --rdzv-endpoint node0:29400 --config ddp.yaml
     torchrun --standalone --nproc-per-node 2 -m disttrain.ddp --config ddp.yaml"""
 EPILOG = not_used_yet_epilog()
@@ -62,6 +64,7 @@ DDP_FLAGS = {
     "--nnodes": ("ddp.num_nodes", int, "nodes taking part (each runs this command)"),
     "--rdzv-endpoint": ("ddp.rdzv_endpoint", str, "HOST:PORT of the rendezvous for several nodes"),
     "--rdzv-id": ("ddp.rdzv_id", str, "run id every node of one run shares"),
+    **COMPRESSION_FLAGS,
 }
 
 

@@ -37,12 +37,31 @@ COMMON_FLAGS: dict[str, tuple[str, Any, str]] = {
 }
 
 
+# Gradient compression, on the parameter-server wire and in DDP's all-reduce.
+COMPRESSION_FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--compression-enabled": ("compression.enabled", bool, "compress gradients before they travel"),
+    "--compression-type": ("compression.type", str, "quantization (int8), topk, fp16, bf16, or "
+                           "powersgd (DDP only)"),
+    "--compression-ratio": ("compression.ratio", float, "topk: share of each tensor's elements "
+                            "sent, in (0, 1]"),
+    "--no-error-feedback": ("compression.error_feedback", False, "do not carry what a compressed "
+                            "gradient left out over to the next step"),
+    "--stochastic-rounding": ("compression.stochastic_rounding", bool, "quantization: round "
+                              "randomly, so the quantized gradient is unbiased"),
+    "--powersgd-rank": ("compression.powersgd_rank", int, "powersgd: rank of each gradient "
+                        "matrix's approximation"),
+}
+
+
 def add_config_flag(parser: argparse.ArgumentParser, flag: str, key: str, type_: Any,
                     help_: str, **kwargs: Any) -> None:
-    """Add a flag whose value, when given, overrides config key `key` (section.key)."""
-    if type_ is bool:
-        parser.add_argument(flag, dest=CONFIG_PREFIX + key, action="store_const", const=True,
-                            default=None, help=f"{help_} [{key}]", **kwargs)
+    """Add a flag whose value, when given, overrides config key `key` (section.key).
+
+    A `type_` of `bool` makes a switch that sets the key true; `False`, one that sets it false.
+    """
+    if type_ is bool or type_ is False:
+        parser.add_argument(flag, dest=CONFIG_PREFIX + key, action="store_const",
+                            const=type_ is bool, default=None, help=f"{help_} [{key}]", **kwargs)
     else:
         kwargs.setdefault("metavar", flag.lstrip("-").upper().replace("-", "_"))
         parser.add_argument(flag, dest=CONFIG_PREFIX + key, type=type_, default=None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from disttrain.cli.flags import (
+    COMPRESSION_FLAGS,
     add_training_flags,
     config_from_args,
     not_used_yet_epilog,
@@ -20,7 +21,9 @@ soon as a process fails. Each process logs to <log_dir>/<name>.log; worker 0 wri
 final model (parameter_server_final.pt) and summary.json.
 
     disttrain ps --workers 2 --dataset mnist --num-epochs 2
-    disttrain ps --workers 4 --servers 2 --aggregation-mode ssp --staleness 2"""
+    disttrain ps --workers 4 --servers 2 --aggregation-mode ssp --staleness 2
+    disttrain ps --workers 2 --aggregation-mode async --compression-enabled \\
+        --compression-type topk --compression-ratio 0.01"""
 EPILOG = not_used_yet_epilog()
 
 # flag -> (config key, type, help): the parameter server's knobs (ps-server and
@@ -30,6 +33,7 @@ PS_FLAGS = {
     "--staleness": ("ps.staleness", int, "ssp: the staleness bound"),
     "--backup-workers": ("ps.backup_workers", int, "sync: apply each step without the last N gradients"),
     "--rpc-timeout": ("ps.rpc_timeout_s", float, "deadline of each RPC (s)"),
+    **COMPRESSION_FLAGS,
 }
 
 

@@ -24,7 +24,7 @@ from disttrain.core.addresses import split_host_port
 DATASETS = ("mnist", "fashion_mnist", "cifar10", "digits", "synthetic")
 ARCHITECTURES = ("baseline", "parameter_server", "ddp")
 AGGREGATION_MODES = ("sync", "async", "ssp")
-COMPRESSION_TYPES = ("quantization", "topk")
+COMPRESSION_TYPES = ("quantization", "topk", "fp16", "bf16", "powersgd")
 OPTIMIZERS = ("sgd", "adam")
 BACKENDS = ("auto", "gloo", "nccl")
 LR_SCALINGS = ("none", "linear")
@@ -46,7 +46,6 @@ NON_NEGATIVE = _rule(lambda v: v >= 0, "must be >= 0")
 NON_EMPTY = _rule(lambda v: bool(v.strip()), "must not be empty")
 OPTIONAL_POSITIVE = _rule(lambda v: v is None or v > 0, "must be a positive integer or null (all)")
 HEARTBEAT_LATER = "validated; heartbeats start with the coordinator (not yet)"
-COMPRESSION_LATER = "validated; ps and ddp refuse compression.enabled until it is available"
 
 
 @dataclass(frozen=True)
@@ -102,13 +101,19 @@ class PSConfig:
 
 @dataclass(frozen=True)
 class CompressionConfig:
-    """Gradient compression (earlier configs' `system.compression_*` keys)."""
+    """Gradient compression on the parameter-server wire and in DDP's all-reduce (earlier
+    configs' `system.compression_*` keys)."""
 
-    enabled: bool = field(default=False, metadata={"not_used_yet": COMPRESSION_LATER})
-    type: str = field(default="quantization",
-                      metadata=_choice(COMPRESSION_TYPES, not_used_yet=COMPRESSION_LATER))
-    ratio: float = field(default=0.01, metadata=_rule(lambda v: 0 < v <= 1, "must be in (0, 1]",
-                                                      not_used_yet=COMPRESSION_LATER))
+    enabled: bool = False
+    type: str = field(default="quantization", metadata=_choice(COMPRESSION_TYPES))
+    # topk: the share of each tensor's elements sent (k = ceil(numel * ratio)).
+    ratio: float = field(default=0.01, metadata=_rule(lambda v: 0 < v <= 1, "must be in (0, 1]"))
+    # Keep what a payload left out and add it to the next step's gradient.
+    error_feedback: bool = True
+    # quantization: round up with the fraction's probability, so the gradient stays unbiased.
+    stochastic_rounding: bool = False
+    # powersgd (DDP): rank of the low-rank approximation of each gradient matrix.
+    powersgd_rank: int = field(default=2, metadata=POSITIVE)
 
 
 @dataclass(frozen=True)

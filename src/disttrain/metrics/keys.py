@@ -55,6 +55,19 @@ METRICS: dict[str, Metric] = {m.key: m for m in [
            "the servers, counted like `comm/bytes_sent`", "ps"),
     Metric("comm/bytes_allreduced", "bytes", PER_STEP, "gradient bytes this rank handed to "
            "all-reduce", "ddp"),
+    Metric("compression/bytes_dense", "bytes", PER_STEP, "gradient bytes before compression: "
+           "what the same step sends uncompressed", "ps, ddp (compression on)"),
+    Metric("compression/bytes_sent", "bytes", PER_STEP, "gradient payload bytes after compression, "
+           "metadata and indices counted (DDP: what this rank contributes to each collective)",
+           "ps, ddp (compression on)"),
+    Metric("compression/ratio", "ratio", WINDOW, "`compression/bytes_dense` / `compression/bytes_sent` "
+           "over the window", "ps, ddp (compression on)"),
+    Metric("compression/dense_segments", "tensors", PER_STEP, "tensors sent uncompressed because "
+           "compressing them would not have saved bytes (tiny tensors, a ratio near 1)",
+           "ps, ddp (compression on)"),
+    Metric("time/compression_s", "s", PER_STEP, "time spent compressing gradients and decoding "
+           "payloads (PS: the worker's encoding, before its push; DDP: inside the communication "
+           "hooks, partly while the backward pass still computes)", "ps, ddp (compression on)"),
     Metric("ps/staleness", "versions", PER_STEP, "updates the servers had applied since the "
            "parameters a pushed gradient was computed on (the largest over shards)", "ps"),
     Metric("ps/rejected_pushes", "pushes", PER_STEP, "ssp: pushes a shard rejected as too stale "
@@ -78,6 +91,10 @@ SUMMARY: dict[str, Metric] = {m.key: m for m in [
     Metric("samples_processed", "samples", RUN, "samples trained on by all processes together",
            ALL),
     Metric("steps", "updates", RUN, "updates applied to the model (PS: shard 0's version)", ALL),
+    Metric("compression_ratio", "ratio", RUN, "gradient bytes before compression / bytes sent, "
+           "over the whole run and every process (present when compression is on)", "ps, ddp"),
+    Metric("compression_bytes_sent", "bytes", RUN, "gradient payload bytes all processes sent, "
+           "compressed (present when compression is on)", "ps, ddp"),
     Metric("total_time_s", "s", RUN, "wall time from the start of the command to the summary, "
            "set-up and evaluation included", ALL),
 ]}

@@ -106,6 +106,9 @@ class MetricsWindow:
         samples, steps = max(self.num_samples, 1), max(self.num_steps, 1)
         per_step = {key: total / steps for key, total in self.step_sums.items()}
         step_s = seconds / steps
+        if self.step_sums.get("compression/bytes_sent"):  # a ratio of the window's sums
+            per_step["compression/ratio"] = (self.step_sums["compression/bytes_dense"]
+                                             / self.step_sums["compression/bytes_sent"])
         return {
             "loss/train": self.loss_sum / samples,
             "accuracy/train": self.num_correct / samples,

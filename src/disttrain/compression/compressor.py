@@ -1,0 +1,160 @@
+"""A compressor with its state: error-feedback residuals, byte counters, a seeded RNG.
+
+`encode` turns a flat gradient, cut into named segments, into one payload. With error
+feedback, what a segment's payload leaves out is kept (the residual, per segment name)
+and added to that segment's next gradient, so over many steps everything is sent. The
+new residuals wait in the `Encoded` result until the caller `commit`s it, once the
+payload was taken (a parameter server may refuse a push as too stale: then the
+gradient is recomputed and the old residual must still hold). Residuals are keyed by
+segment name, not by position, so they survive buckets or shards being cut anew.
+
+`state_dict` holds tensors and numbers only, for a `weights_only` checkpoint; restored,
+a run goes on bit for bit as if it had not stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from disttrain.compression.schemes import (
+    SCHEMES,
+    InvalidPayload,
+    decode_segment,
+    encode_segment,
+    goes_dense,
+    segment_nbytes,
+)
+
+logger = logging.getLogger(__name__)
+
+Segment = tuple[str, int]  # (name, number of elements)
+
+
+@dataclass
+class Encoded:
+    """One payload, and what committing it changes."""
+
+    data: bytes
+    dense_bytes: int  # the same gradient uncompressed
+    residuals: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+@dataclass
+class Counters:
+    """Totals since the run started (a resumed run goes on counting)."""
+
+    bytes_dense: int = 0
+    bytes_sent: int = 0
+    dense_segments: int = 0  # segment payloads sent raw because compressing would not pay
+    seconds: float = 0.0
+
+
+class Compressor:
+    """One process's compressor. Not thread-safe: encode from one thread.
+
+    Args:
+        scheme: quantization, topk, fp16 or bf16.
+        ratio: topk's share of elements kept per segment, in (0, 1].
+        error_feedback: keep what was not sent and add it to the next gradient.
+        stochastic_rounding: quantization rounds up with the fraction's probability
+            (unbiased), drawing from a generator seeded with `seed`.
+    """
+
+    def __init__(self, scheme: str, ratio: float = 0.01, error_feedback: bool = True,
+                 stochastic_rounding: bool = False, seed: int = 0):
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown compression scheme {scheme!r}; use one of {', '.join(SCHEMES)}")
+        if not 0 < ratio <= 1:
+            raise ValueError(f"compression ratio {ratio} must be in (0, 1]")
+        self.scheme = scheme
+        self.ratio = ratio
+        self.error_feedback = error_feedback
+        self.generator = None
+        if stochastic_rounding and scheme == "quantization":
+            self.generator = torch.Generator().manual_seed(seed)
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.counters = Counters()
+        self._told_dense: set[str] = set()
+
+    def payload_nbytes(self, segments: Sequence[Segment], itemsize: int) -> int:
+        """Bytes of the payload of a gradient cut into `segments`."""
+        return sum(segment_nbytes(self.scheme, n, itemsize, self.ratio) for _, n in segments)
+
+    def encode(self, flat: torch.Tensor, segments: Sequence[Segment]) -> Encoded:
+        """The payload of `flat` (1-D, the segments' total length); `flat` is not changed."""
+        pieces: list[bytes] = []
+        residuals: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, n in segments:
+            x = flat[offset:offset + n]
+            offset += n
+            dense = goes_dense(self.scheme, n, x.element_size(), self.ratio)
+            if dense:
+                self._tell_dense(name, n)
+            elif self.error_feedback and name in self.residuals:
+                x = x + self.residuals[name]
+            parts, decoded = encode_segment(self.scheme, x, self.ratio, self.generator)
+            pieces.extend(parts)
+            if self.error_feedback and not dense:
+                residuals[name] = x - decoded
+        if offset != flat.numel():
+            raise ValueError(f"segments cover {offset} elements of a gradient of {flat.numel()}")
+        data = b"".join(pieces)
+        return Encoded(data, flat.numel() * flat.element_size(), residuals)
+
+    def commit(self, encoded: Encoded) -> None:
+        """The payload was taken: its residuals replace the old ones, its bytes count."""
+        self.residuals.update(encoded.residuals)
+        self.counters.bytes_dense += encoded.dense_bytes
+        self.counters.bytes_sent += encoded.nbytes
+
+    def decode(self, data: bytes | memoryview, segments: Sequence[Segment], out: torch.Tensor) -> None:
+        """Write the gradient of a payload into `out` (1-D, the segments' total length).
+
+        Raises:
+            InvalidPayload: the payload's length does not match the segments, or a segment
+                does not decode (`out` may then hold part of it: decode into scratch).
+        """
+        data = memoryview(data).cast("B")
+        expected = self.payload_nbytes(segments, out.element_size())
+        if data.nbytes != expected:
+            raise InvalidPayload(f"{self.scheme} payload has {data.nbytes} bytes, expected {expected} "
+                                 f"for {len(segments)} segment(s) of {out.numel()} elements")
+        offset, start = 0, 0
+        for name, n in segments:
+            offset = decode_segment(self.scheme, data, offset, out[start:start + n], self.ratio, name)
+            start += n
+
+    def _tell_dense(self, name: str, n: int) -> None:
+        self.counters.dense_segments += 1
+        if name not in self._told_dense:
+            self._told_dense.add(name)
+            logger.info("%s (%d elements) goes uncompressed: %s would not make it smaller",
+                        name, n, self.scheme)
+
+    def state_dict(self) -> dict[str, Any]:
+        c = self.counters
+        state = {"scheme": self.scheme, "residuals": {k: v.clone() for k, v in self.residuals.items()},
+                 "counters": [c.bytes_dense, c.bytes_sent, c.dense_segments, c.seconds]}
+        if self.generator is not None:
+            state["generator"] = self.generator.get_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["scheme"] != self.scheme:
+            raise ValueError(f"the checkpoint was written with {state['scheme']} compression and this "
+                             f"run uses {self.scheme}; resume with compression.type={state['scheme']}")
+        self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        dense, sent, segments, seconds = state["counters"]
+        self.counters = Counters(int(dense), int(sent), int(segments), float(seconds))
+        if self.generator is not None and "generator" in state:
+            self.generator.set_state(state["generator"])
