@@ -41,6 +41,7 @@ class Encoded:
 
     data: bytes
     dense_bytes: int  # the same gradient uncompressed
+    dense_segments: int = 0  # segments sent raw: compressing them would not have paid
     residuals: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -93,12 +94,13 @@ class Compressor:
         """The payload of `flat` (1-D, the segments' total length); `flat` is not changed."""
         pieces: list[bytes] = []
         residuals: dict[str, torch.Tensor] = {}
-        offset = 0
+        offset, num_dense = 0, 0
         for name, n in segments:
             x = flat[offset:offset + n]
             offset += n
             dense = goes_dense(self.scheme, n, x.element_size(), self.ratio)
             if dense:
+                num_dense += 1
                 self._tell_dense(name, n)
             elif self.error_feedback and name in self.residuals:
                 x = x + self.residuals[name]
@@ -109,13 +111,14 @@ class Compressor:
         if offset != flat.numel():
             raise ValueError(f"segments cover {offset} elements of a gradient of {flat.numel()}")
         data = b"".join(pieces)
-        return Encoded(data, flat.numel() * flat.element_size(), residuals)
+        return Encoded(data, flat.numel() * flat.element_size(), num_dense, residuals)
 
     def commit(self, encoded: Encoded) -> None:
         """The payload was taken: its residuals replace the old ones, its bytes count."""
         self.residuals.update(encoded.residuals)
         self.counters.bytes_dense += encoded.dense_bytes
         self.counters.bytes_sent += encoded.nbytes
+        self.counters.dense_segments += encoded.dense_segments
 
     def decode(self, data: bytes | memoryview, segments: Sequence[Segment], out: torch.Tensor) -> None:
         """Write the gradient of a payload into `out` (1-D, the segments' total length).
@@ -135,7 +138,6 @@ class Compressor:
             start += n
 
     def _tell_dense(self, name: str, n: int) -> None:
-        self.counters.dense_segments += 1
         if name not in self._told_dense:
             self._told_dense.add(name)
             logger.info("%s (%d elements) goes uncompressed: %s would not make it smaller",

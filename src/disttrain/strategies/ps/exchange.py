@@ -8,6 +8,10 @@
   parameters and sent again to the shards that rejected it. Prefetched parameters are
   used only when they are fresh enough that the next gradient should stay within the
   bound; otherwise the worker pulls anew after pushing.
+
+With compression on, each mode compresses the gradient before its push (off the
+communication phase, as `time/compression_s`) and keeps the error-feedback residuals of
+the payloads the servers took.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from disttrain.metrics.window import StepTimer
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.client import PSClient
+from disttrain.strategies.ps.payloads import GradientEncoder
 from disttrain.training.engine import StepResult
 
 STALE = pb.PushReply.Outcome.Value("STALE")
@@ -29,8 +34,9 @@ class Exchange:
     """Shared state of every mode: the versions this worker holds, per shard."""
 
     def __init__(self, client: PSClient, worker_id: str, flat: torch.Tensor, grads: torch.Tensor,
-                 staleness_bound: int):
+                 staleness_bound: int, encoder: GradientEncoder | None = None):
         self.client = client
+        self.encoder = encoder
         self.worker_id = worker_id
         self.flat = flat
         self.grads = grads
@@ -47,11 +53,26 @@ class Exchange:
         """Hold the servers' newest parameters (before an evaluation)."""
         self.versions = self.client.pull(self.worker_id, self.flat, self.versions)
 
-    def headers(self, step: int, block_id: int, num_samples: int, shards: list[int]
-                ) -> list[pb.GradientMessage]:
-        return [pb.GradientMessage(worker_id=self.worker_id, step=step, base_version=self.versions[s],
-                                   block_id=block_id, shard=s, num_samples=num_samples)
-                for s in shards]
+    def prepare(self, step: int, block_id: int, num_samples: int, shards: list[int], timer: StepTimer
+                ) -> Callable[[], list[pb.PushReply]]:
+        """The push of the gradient now in `grads` to `shards`, compressed first where the run
+        compresses; call the result to send it."""
+        headers = [pb.GradientMessage(worker_id=self.worker_id, step=step, base_version=self.versions[s],
+                                      block_id=block_id, shard=s, num_samples=num_samples)
+                   for s in shards]
+        if self.encoder is None:
+            return lambda: self.client.push(headers, self.grads, shards)
+        with timer.phase("compression"):
+            payloads = self.encoder.encode(self.grads, shards)
+        for header in headers:
+            header.compressed, header.compression_type = True, self.encoder.scheme
+
+        def push() -> list[pb.PushReply]:
+            replies = self.client.push(headers, self.grads, shards, payloads)
+            self.encoder.commit(payloads, replies)
+            return replies
+
+        return push
 
     def step(self, compute: Callable[[], StepResult], step: int, block_id: int, num_samples: int,
              timer: StepTimer) -> tuple[StepResult, int]:
@@ -63,12 +84,11 @@ class SyncExchange(Exchange):
     def step(self, compute, step, block_id, num_samples, timer):
         result = compute()
         shards = list(range(self.num_shards))
-        headers = self.headers(step, block_id, num_samples, shards)
+        push = self.prepare(step, block_id, num_samples, shards, timer)
         wanted = [v + 1 for v in self.versions]
         with timer.phase("comm_blocked"):
             replies, versions = self.client.gather([
-                lambda: self.client.push(headers, self.grads, shards),
-                lambda: self.client.pull(self.worker_id, self.flat, wanted)])
+                push, lambda: self.client.pull(self.worker_id, self.flat, wanted)])
         self.versions = versions
         return result, max(r.staleness for r in replies)
 
@@ -92,9 +112,9 @@ class AsyncExchange(Exchange):
     def step(self, compute, step, block_id, num_samples, timer):
         fetched = self.prefetch()
         result = compute()
-        shards = list(range(self.num_shards))
+        push = self.prepare(step, block_id, num_samples, list(range(self.num_shards)), timer)
         with timer.phase("comm_blocked"):
-            replies = self.client.push(self.headers(step, block_id, num_samples, shards), self.grads, shards)
+            replies = push()
             self.use_prefetched(fetched)
         return result, max(r.staleness for r in replies)
 
@@ -106,9 +126,9 @@ class SSPExchange(AsyncExchange):
         staleness = 0
         while True:
             result = compute()
+            push = self.prepare(step, block_id, num_samples, pending, timer)
             with timer.phase("comm_blocked"):
-                replies = self.client.push(self.headers(step, block_id, num_samples, pending),
-                                           self.grads, pending)
+                replies = push()
             staleness = max([staleness] + [r.staleness for r in replies if r.outcome != STALE])
             stale = [s for s, r in zip(pending, replies, strict=True) if r.outcome == STALE]
             if not stale:
@@ -136,9 +156,10 @@ class SSPExchange(AsyncExchange):
 
 
 def make_exchange(mode: str, client: PSClient, worker_id: str, flat: torch.Tensor, grads: torch.Tensor,
-                  staleness_bound: int) -> Exchange:
-    """The exchange of aggregation mode `mode` ("sync", "async" or "ssp")."""
+                  staleness_bound: int, encoder: GradientEncoder | None = None) -> Exchange:
+    """The exchange of aggregation mode `mode` ("sync", "async" or "ssp"); `encoder`
+    compresses each push (None: raw values)."""
     classes = {"sync": SyncExchange, "async": AsyncExchange, "ssp": SSPExchange}
     if mode not in classes:
         raise ValueError(f"unknown aggregation mode {mode!r}")
-    return classes[mode](client, worker_id, flat, grads, staleness_bound)
+    return classes[mode](client, worker_id, flat, grads, staleness_bound, encoder)

@@ -62,14 +62,25 @@ def shard_summary(statuses: list[pb.ShardStatus]) -> dict[str, Any]:
     }
 
 
+def compression_summary(rows: list[list[float]]) -> dict[str, Any]:
+    """The run's compression totals from every worker's "finished" row (none when off)."""
+    dense, sent = sum(row[4] for row in rows), sum(row[5] for row in rows)
+    if not sent:
+        return {}
+    return {"compression_ratio": dense / sent, "compression_bytes_sent": int(sent)}
+
+
 def finish(config: Config, client: PSClient, participant: Any, result: LoopResult,
            flat: torch.Tensor, started: float) -> RunSummary | None:
     """End a worker's run: every worker reports its totals at a last barrier and leaves;
     then rank 0 waits for all, writes the final model and the summary, and stops the
     servers. Returns the summary on rank 0, None elsewhere."""
     position, worker_id, rank = result.position, participant.worker_id, participant.rank
+    encoder = participant.exchange.encoder
+    counters = (encoder.compressor.counters.bytes_dense, encoder.compressor.counters.bytes_sent) \
+        if encoder is not None else (0, 0)
     rows = client.barrier(worker_id, "finished", [position.samples_processed, position.train_time_s,
-                                                  client.bytes_sent, client.bytes_received])
+                                                  client.bytes_sent, client.bytes_received, *counters])
     client.call_all("WorkerDone", pb.WorkerDoneRequest(worker_id=worker_id))
     logger.info("worker %d done: %d steps, %d samples in %.1fs of training, %.1f MB sent, "
                 "%.1f MB received", rank, position.step, position.samples_processed,
@@ -94,6 +105,6 @@ def finish(config: Config, client: PSClient, participant: Any, result: LoopResul
         world_size=statuses[0].world_size,
         extra={"num_servers": len(statuses), "samples_applied": statuses[0].num_samples_applied,
                "final_model": str(final_path), "resumed_from_step": result.resumed_from_step,
-               "workers": workers, **shard_summary(statuses)})
+               "workers": workers, **shard_summary(statuses), **compression_summary(rows)})
     summary.write(config.system.log_dir)
     return summary

@@ -7,7 +7,7 @@ from disttrain.core.errors import ConfigError
 
 
 def check_supported(config: Config) -> None:
-    """Raises ConfigError for settings the parameter server does not offer yet."""
-    if config.compression.enabled:
-        raise ConfigError("compression.enabled: gradient compression is not available in the "
-                          "parameter server yet; set it to false")
+    """Raises ConfigError for settings the parameter server does not offer."""
+    if config.compression.enabled and config.compression.type == "powersgd":
+        raise ConfigError("compression.type: powersgd compresses DDP's all-reduce and is not "
+                          "offered on the parameter server; use quantization, topk, fp16 or bf16")

@@ -30,7 +30,7 @@ from disttrain.strategies.ps.codec import Payload, tensor_bytes
 from disttrain.strategies.ps.combine import combine
 from disttrain.strategies.ps.sharding import ShardPlan
 from disttrain.strategies.ps.shared_memory import SegmentPair, WorkerSegments
-from disttrain.strategies.ps.validation import InvalidPush, check_header, decode_payload
+from disttrain.strategies.ps.validation import InvalidPush, PushDecoder
 from disttrain.training.engine import build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class ShardState:
             raise ValueError(f"shard {plan.shard} owns {plan.numel} elements, got {initial.numel()}")
         self.plan = plan
         self.config = config
+        self.decoder = PushDecoder(plan, config.compression)
         self.param = nn.Parameter(initial.detach().clone().reshape(-1))
         # One flat tensor per shard: the fused kernels update it in one pass.
         self.optimizer = build_optimizer([self.param], config.training, fused=True)
@@ -142,12 +143,12 @@ class ShardState:
             PushRefused: unknown worker or impossible version (FAILED_PRECONDITION).
         """
         try:
-            check_header(payload, self.plan)
+            self.decoder.check_header(payload)
             if payload.header.shared_memory:
                 payload = self._payload_from_segment(payload)
             elif self._segments:
                 self._segments.of(payload.header.worker_id)
-            gradient = decode_payload(payload, self.plan)
+            gradient = self.decoder.decode(payload)
         except InvalidPush:
             with self._lock:
                 self.num_invalid += 1
@@ -172,7 +173,8 @@ class ShardState:
         if payload.nbytes:
             raise InvalidPush(f"a shared-memory push also carries {payload.nbytes} payload bytes")
         pair = self._segments_of(payload.header.worker_id)
-        return Payload(payload.header, payload.meta, [tensor_bytes(pair.gradient_tensor)])
+        data = tensor_bytes(pair.gradient_tensor)[:self.decoder.payload_nbytes(payload)]
+        return Payload(payload.header, payload.meta, [data])
 
     def _apply(self, decision: Decision) -> None:
         """Apply a decision's gradients (lock held). The rules already advanced the version."""
@@ -219,17 +221,15 @@ class ShardState:
 
     def status(self) -> dict[str, Any]:
         with self._lock:
-            rules = self.rules
+            rules, counts = self.rules, self.rules.counts
             return {"shard": self.plan.shard, "num_shards": self.plan.num_shards,
                     "version": rules.version, "world_size": rules.world_size,
                     "num_registered": len(rules.ranks), "num_done": len(rules.done),
-                    "num_applied": rules.counts["applied"],
-                    "num_rejected_stale": rules.counts["rejected_stale"],
-                    "num_dropped_late": rules.counts["dropped_late"],
-                    "num_duplicates": rules.counts["duplicates"], "num_invalid": self.num_invalid,
-                    "staleness_histogram": dict(rules.staleness_histogram),
+                    **{f"num_{key}": counts[key] for key in ("applied", "rejected_stale",
+                                                             "dropped_late", "duplicates")},
+                    "num_invalid": self.num_invalid, "staleness_histogram": dict(rules.staleness_histogram),
                     "round_wait_s": rules.round_wait_s, "aggregation_mode": rules.mode,
-                    "num_samples_applied": rules.counts["samples"]}
+                    "num_samples_applied": counts["samples"]}
 
     @property
     def version(self) -> int:

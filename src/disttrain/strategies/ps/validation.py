@@ -1,4 +1,5 @@
-"""Checks every incoming push against the shard's layout before anything changes.
+"""Checks every incoming push against the shard's layout before anything changes, and
+turns its bytes into the gradient (decompressing a compressed payload).
 
 Each failed check raises `InvalidPush` with a one-line reason naming the field, what was
 expected and what arrived; the servicer answers INVALID_ARGUMENT with it. Checks that
@@ -9,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from disttrain.compression import Compressor, InvalidPayload
+from disttrain.config import CompressionConfig
 from disttrain.strategies.ps.codec import Payload, all_finite, decode_chunks, to_dtype
+from disttrain.strategies.ps.payloads import shard_segments
 from disttrain.strategies.ps.sharding import ShardPlan, TensorSlice
 from disttrain.strategies.ps.wire import plan_layout
 
@@ -18,9 +22,12 @@ class InvalidPush(ValueError):
     """A malformed push: wrong layout, shape, dtype, length or values. Nothing changed."""
 
 
-def check_header(payload: Payload, plan: ShardPlan) -> None:
+def check_header(payload: Payload, plan: ShardPlan, scheme: str | None = None) -> None:
     """Check a push's header and payload metadata (not yet its bytes).
 
+    Args:
+        scheme: the compression scheme of the run (None: the run sends raw values). A
+            payload may still come uncompressed in a compressing run.
     Raises:
         InvalidPush: naming the first problem found.
     """
@@ -32,14 +39,26 @@ def check_header(payload: Payload, plan: ShardPlan) -> None:
     if header.step < 1 or header.base_version < 0 or header.num_samples < 1:
         raise InvalidPush(f"step ({header.step}) and num_samples ({header.num_samples}) must be >= 1 "
                           f"and base_version ({header.base_version}) >= 0")
-    if header.compressed or header.compression_type:
-        raise InvalidPush(f"compressed payloads ({header.compression_type or 'unnamed'}) are not "
-                          "accepted by this server; send raw values")
+    _check_compression(header, scheme)
     _check_layout(plan_layout(header.layout), plan)
     if meta.dtype != plan.dtype:
         raise InvalidPush(f"payload dtype is {meta.dtype or 'unset'!r}, expected {plan.dtype!r}")
     if list(meta.shape) != [plan.numel]:
         raise InvalidPush(f"payload shape is {list(meta.shape)}, expected the flat [{plan.numel}]")
+
+
+def _check_compression(header, scheme: str | None) -> None:
+    if not header.compressed:
+        if header.compression_type:
+            raise InvalidPush(f"compression_type is {header.compression_type!r} on an uncompressed "
+                              "payload; set compressed, or leave the type empty")
+    elif scheme is None:
+        raise InvalidPush(f"the payload is compressed ({header.compression_type or 'unnamed'}) and "
+                          "this run sends raw values; start servers and workers with the same "
+                          "compression settings")
+    elif header.compression_type != scheme:
+        raise InvalidPush(f"the payload is compressed with {header.compression_type or 'no scheme'!r} "
+                          f"and this run uses {scheme!r}")
 
 
 def _check_layout(layout: tuple[TensorSlice, ...], plan: ShardPlan) -> None:
@@ -79,3 +98,45 @@ def decode_payload(payload: Payload, plan: ShardPlan) -> list[torch.Tensor]:
     if not all(all_finite(chunk) for chunk in chunks):
         raise InvalidPush("payload holds NaN or infinite values; the gradient is discarded")
     return chunks
+
+
+class PushDecoder:
+    """A shard's checks and decoding of pushes, for the run's compression settings."""
+
+    def __init__(self, plan: ShardPlan, compression: CompressionConfig):
+        self.plan = plan
+        self.compressor = None
+        if compression.enabled and compression.type != "powersgd":
+            self.compressor = Compressor(compression.type, compression.ratio, error_feedback=False)
+        self.segments = shard_segments(plan)
+        itemsize = torch.empty((), dtype=to_dtype(plan.dtype)).element_size()
+        self.compressed_nbytes = None if self.compressor is None else \
+            self.compressor.payload_nbytes(self.segments, itemsize)
+
+    @property
+    def scheme(self) -> str | None:
+        return None if self.compressor is None else self.compressor.scheme
+
+    def check_header(self, payload: Payload) -> None:
+        check_header(payload, self.plan, self.scheme)
+
+    def payload_nbytes(self, payload: Payload) -> int:
+        """How many bytes the push's payload has (of a shared-memory segment: how many to read)."""
+        return self.compressed_nbytes if payload.header.compressed else self.plan.nbytes
+
+    def decode(self, payload: Payload) -> list[torch.Tensor]:
+        """The flat gradient of a push whose header passed `check_header`, as 1-D chunks
+        (raw payloads: views of the received bytes; compressed ones: one new tensor).
+
+        Raises:
+            InvalidPush: the bytes do not decode (lengths, counts, indices, scales, values).
+        """
+        if not payload.header.compressed:
+            return decode_payload(payload, self.plan)
+        data = payload.chunks[0] if len(payload.chunks) == 1 else b"".join(payload.chunks)
+        out = torch.empty(self.plan.numel, dtype=to_dtype(self.plan.dtype))
+        try:
+            self.compressor.decode(data, self.segments, out)
+        except InvalidPayload as e:
+            raise InvalidPush(f"{self.scheme} payload: {e}") from e
+        return [out]

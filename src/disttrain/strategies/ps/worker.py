@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from disttrain import compression
 from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import CheckpointError
@@ -32,6 +33,7 @@ from disttrain.strategies.ps.client import PSClient, RetryPolicy
 from disttrain.strategies.ps.exchange import Exchange, make_exchange
 from disttrain.strategies.ps.finalize import finish
 from disttrain.strategies.ps.model import check_supported
+from disttrain.strategies.ps.payloads import GradientEncoder
 from disttrain.strategies.ps.sharding import flat_parameters, plan_shards
 from disttrain.strategies.ps.wire import tune_allocator
 from disttrain.training.checkpoints import LocalCheckpoints
@@ -45,7 +47,7 @@ from disttrain.training.engine import (
 )
 from disttrain.training.loop import LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
-from disttrain.training.seeding import seed_training
+from disttrain.training.seeding import seed_training, training_seed
 from disttrain.training.strategy import RunOptions, StepInfo
 
 logger = logging.getLogger(__name__)
@@ -103,6 +105,8 @@ class WorkerParticipant:
         result.scalars = {**self.timer.drain(), "comm/bytes_sent": client.bytes_sent - sent,
                           "comm/bytes_received": client.bytes_received - received,
                           "ps/staleness": staleness, "ps/rejected_pushes": exchange.num_rejected - rejected}
+        if exchange.encoder is not None:
+            result.scalars.update(exchange.encoder.scalars())
         return result
 
     def evaluate(self, epoch: int) -> EvalResult:
@@ -118,8 +122,10 @@ class WorkerParticipant:
         return EvalResult(loss_sum, int(correct), int(samples))
 
     def state_dict(self) -> dict[str, Any]:
+        encoder = self.exchange.encoder
         return {"worker_id": self.worker_id, "rank": self.rank, "world_size": self.world_size,
-                "bytes_sent": self.client.bytes_sent, "bytes_received": self.client.bytes_received}
+                "bytes_sent": self.client.bytes_sent, "bytes_received": self.client.bytes_received,
+                "compression": None if encoder is None else encoder.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
@@ -129,6 +135,16 @@ class WorkerParticipant:
         # The run's totals go on from the checkpoint, like its samples and training time.
         self.client.bytes_sent = int(state["bytes_sent"])
         self.client.bytes_received = int(state["bytes_received"])
+        encoder, saved = self.exchange.encoder, state.get("compression")
+        if (encoder is None) != (saved is None):
+            raise CheckpointError("the checkpoint was written with compression "
+                                  f"{'off' if saved is None else 'on'} and this run has it "
+                                  f"{'off' if encoder is None else 'on'}; resume with the run's config")
+        if encoder is not None:
+            try:
+                encoder.load_state_dict(saved)
+            except ValueError as e:
+                raise CheckpointError(str(e)) from e
 
 
 def run_worker(config: Config, servers: list[str], worker_id: str, requested_rank: int,
@@ -159,8 +175,12 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
         logger.info("registered as rank %d of %d (%s mode, %d shard(s))", rank, world_size,
                     assignment.aggregation_mode, len(servers))
         seed_training(training.seed, rank)
+        encoder = None
+        if config.compression.enabled:
+            compressor = compression.from_config(config.compression, training_seed(training.seed, rank))
+            encoder = GradientEncoder(compressor, client.plans)
         exchange = make_exchange(assignment.aggregation_mode, client, worker_id, flat, grads,
-                                 assignment.staleness)
+                                 assignment.staleness, encoder)
         exchange.start()
         sampler = ShardedSampler(len(data[0]), world_size=world_size, rank=rank, seed=training.seed)
         participant = WorkerParticipant(client, exchange, worker_id, rank, world_size, model, grads,

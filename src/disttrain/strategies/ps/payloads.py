@@ -1,0 +1,70 @@
+"""Compressed gradients on the parameter-server wire.
+
+A shard's gradient is compressed on its own, cut into one segment per tensor slice the
+shard holds (named `name[start:end]`), so each model tensor gets its own top-k or int8
+range and a tiny one goes dense. The worker keeps the error-feedback residuals; a push a
+server refuses as too stale keeps the old residual, since the gradient is recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from disttrain.compression import Compressor, Encoded, Segment
+from disttrain.proto import parameter_server_pb2 as pb
+from disttrain.strategies.ps.sharding import ShardPlan
+
+STALE = pb.PushReply.Outcome.Value("STALE")
+
+
+def shard_segments(plan: ShardPlan) -> list[Segment]:
+    """The segments of a shard's flat gradient: one per tensor slice, in order."""
+    return [(f"{s.name}[{s.start}:{s.start + s.length}]", s.length) for s in plan.slices]
+
+
+class GradientEncoder:
+    """A worker's compressor, applied shard by shard to its flat gradient."""
+
+    def __init__(self, compressor: Compressor, plans: Sequence[ShardPlan]):
+        self.compressor = compressor
+        self.plans = list(plans)
+        self.segments = [shard_segments(plan) for plan in self.plans]
+        self._reported = (0, 0, 0)
+
+    @property
+    def scheme(self) -> str:
+        return self.compressor.scheme
+
+    def encode(self, grads: torch.Tensor, shards: Sequence[int]) -> list[Encoded]:
+        """The payload of each shard in `shards`, from the flat gradient `grads`."""
+        out = []
+        for shard in shards:
+            plan = self.plans[shard]
+            out.append(self.compressor.encode(grads[plan.offset:plan.offset + plan.numel],
+                                              self.segments[shard]))
+        return out
+
+    def commit(self, encoded: Sequence[Encoded], replies: Sequence[pb.PushReply]) -> None:
+        """Keep the residuals of every payload a server took (not those refused as stale)."""
+        for payload, reply in zip(encoded, replies, strict=True):
+            if reply.outcome != STALE:
+                self.compressor.commit(payload)
+
+    def scalars(self) -> dict[str, float]:
+        """Bytes before and after compression, and dense segments, since the last call."""
+        c = self.compressor.counters
+        now = (c.bytes_dense, c.bytes_sent, c.dense_segments)
+        dense, sent, segments = (a - b for a, b in zip(now, self._reported, strict=True))
+        self._reported = now
+        return {"compression/bytes_dense": dense, "compression/bytes_sent": sent,
+                "compression/dense_segments": segments}
+
+    def state_dict(self) -> dict:
+        return self.compressor.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.compressor.load_state_dict(state)
+        c = self.compressor.counters
+        self._reported = (c.bytes_dense, c.bytes_sent, c.dense_segments)

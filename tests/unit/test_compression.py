@@ -1,0 +1,190 @@
+"""Each compressor on its own: round-trip bounds, top-k's choice, error feedback,
+unbiased stochastic rounding, edge tensors, dense fallback, state round trips, and the
+decoder's refusal of malformed payloads."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+from disttrain.compression import Compressor, InvalidPayload, topk_count
+from disttrain.compression.schemes import segment_nbytes
+
+torch.set_num_threads(1)
+
+SEGMENTS = [("conv.weight", 600), ("conv.bias", 4), ("fc.weight", 1200)]
+NUMEL = sum(n for _, n in SEGMENTS)
+
+
+def gradient(seed: int = 0, numel: int = NUMEL) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+
+
+def round_trip(compressor: Compressor, flat: torch.Tensor, segments=SEGMENTS) -> torch.Tensor:
+    encoded = compressor.encode(flat, segments)
+    out = torch.empty_like(flat)
+    compressor.decode(encoded.data, segments, out)
+    compressor.commit(encoded)
+    return out
+
+
+def segment_views(flat: torch.Tensor, segments=SEGMENTS):
+    start = 0
+    for name, n in segments:
+        yield name, flat[start:start + n]
+        start += n
+
+
+finite_floats = st.floats(-1e6, 1e6, allow_nan=False, width=32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(finite_floats, min_size=1, max_size=300), st.booleans())
+def test_quantization_error_is_within_half_a_step(values, stochastic):
+    flat = torch.tensor(values, dtype=torch.float32)
+    compressor = Compressor("quantization", error_feedback=False, stochastic_rounding=stochastic, seed=1)
+    out = round_trip(compressor, flat, [("t", flat.numel())])
+    if flat.numel() <= 2:  # too small to pay: sent dense, exactly
+        assert torch.equal(out, flat)
+        return
+    step = (flat.max() - flat.min()).item() / 255
+    bound = (1.0 if stochastic else 0.5) * step + 1e-6 * max(1.0, flat.abs().max().item())
+    assert (out - flat).abs().max().item() <= bound
+
+
+@pytest.mark.parametrize("scheme", ["quantization", "topk", "fp16", "bf16"])
+@pytest.mark.parametrize("fill", [0.0, 3.25, -7.5])
+def test_constant_and_zero_tensors_round_trip(scheme, fill):
+    flat = torch.full((NUMEL,), fill)
+    out = round_trip(Compressor(scheme, ratio=0.01, error_feedback=False), flat)
+    assert torch.isfinite(out).all()
+    if scheme == "topk":  # the k kept elements are exact, the others zero
+        for (_, sent), (_, true) in zip(segment_views(out), segment_views(flat), strict=True):
+            assert int((sent == fill).sum()) >= topk_count(true.numel(), 0.01)
+    else:
+        assert torch.equal(out, flat)
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.07, 0.3])
+def test_topk_keeps_exactly_the_k_largest_of_each_tensor(ratio):
+    flat = gradient(3)
+    out = round_trip(Compressor("topk", ratio=ratio, error_feedback=False), flat)
+    for (name, sent), (_, true) in zip(segment_views(out), segment_views(flat), strict=True):
+        k = topk_count(true.numel(), ratio)
+        if segment_nbytes("topk", true.numel(), 4, ratio) == true.numel() * 4:
+            assert torch.equal(sent, true), f"{name} went dense and must be exact"
+            continue
+        kept = sent.nonzero().flatten()
+        assert kept.numel() == k
+        assert set(kept.tolist()) == set(true.abs().topk(k).indices.tolist())
+        assert torch.equal(sent[kept], true[kept])
+
+
+def test_topk_count_uses_the_decimal_ratio():
+    assert topk_count(100, 0.07) == 7 and topk_count(100, 0.01) == 1
+    assert topk_count(5, 0.01) == 1 and topk_count(1_000_000, 0.001) == 1000
+
+
+def test_error_feedback_sends_everything_over_many_steps():
+    compressor = Compressor("topk", ratio=0.05)
+    true_sum, sent_sum = torch.zeros(NUMEL), torch.zeros(NUMEL)
+    for step in range(400):
+        flat = gradient(step)
+        true_sum += flat
+        sent_sum += round_trip(compressor, flat)
+    # What is still unsent is the residual, bounded, while the sums grow with the steps.
+    residual = torch.cat([compressor.residuals[name] for name, _ in SEGMENTS if name in compressor.residuals])
+    assert torch.allclose(true_sum - sent_sum, torch.cat(
+        [compressor.residuals.get(name, torch.zeros(n)) for name, n in SEGMENTS]), atol=1e-3)
+    assert (true_sum - sent_sum).norm() / true_sum.norm() < 0.25
+    without = Compressor("topk", ratio=0.05, error_feedback=False)
+    dropped = sum((gradient(s) - round_trip(without, gradient(s))) for s in range(400))
+    assert (true_sum - sent_sum).norm() < dropped.norm() / 5
+    assert residual.numel() > 0
+
+
+def test_stochastic_rounding_is_unbiased():
+    values = torch.linspace(-1.0, 1.0, 257)[1:-1] + 0.0013  # levels fall between the steps
+    flat = torch.cat([torch.tensor([-1.0, 1.0]), values])  # fixed min and max: fixed grid
+    compressor = Compressor("quantization", error_feedback=False, stochastic_rounding=True, seed=7)
+    trials = 4000
+    total = sum(round_trip(compressor, flat, [("t", flat.numel())]) for _ in range(trials))
+    mean = total / trials
+    step = 2.0 / 255
+    # Each value's mean error shrinks like step / sqrt(trials); 5 sigma over all of them.
+    assert (mean - flat).abs().max().item() < 5 * step / 2 / math.sqrt(trials)
+    nearest = round_trip(Compressor("quantization", error_feedback=False), flat, [("t", flat.numel())])
+    assert (nearest - flat).abs().mean() > 10 * (mean - flat).abs().mean()
+
+
+def test_a_payload_is_never_larger_than_dense():
+    tiny = [("bias", 2), ("scale", 1), ("w", 40)]
+    flat = gradient(1, 43)
+    for scheme, ratio in [("quantization", 1.0), ("topk", 0.9), ("topk", 1.0), ("fp16", 1.0)]:
+        compressor = Compressor(scheme, ratio=ratio)
+        encoded = compressor.encode(flat, tiny)
+        assert encoded.nbytes <= encoded.dense_bytes
+        compressor.commit(encoded)
+        assert compressor.counters.dense_segments == (0 if scheme == "fp16" else encoded.dense_segments)
+        assert scheme == "fp16" or encoded.dense_segments >= 1
+
+
+@pytest.mark.parametrize("scheme", ["quantization", "topk"])
+def test_state_survives_a_checkpoint_round_trip(scheme, tmp_path):
+    first = Compressor(scheme, ratio=0.05, stochastic_rounding=True, seed=3)
+    for step in range(5):
+        round_trip(first, gradient(step))
+    torch.save(first.state_dict(), tmp_path / "state.pt")
+    second = Compressor(scheme, ratio=0.05, stochastic_rounding=True, seed=99)
+    second.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    for step in range(5, 9):
+        assert torch.equal(round_trip(first, gradient(step)), round_trip(second, gradient(step)))
+    assert first.counters == second.counters
+    with pytest.raises(ValueError, match="resume with compression.type=topk"):
+        Compressor("quantization").load_state_dict(Compressor("topk").state_dict())
+
+
+def test_an_uncommitted_payload_leaves_the_residual_alone():
+    compressor = Compressor("topk", ratio=0.05)
+    round_trip(compressor, gradient(0))
+    before = {k: v.clone() for k, v in compressor.residuals.items()}
+    compressor.encode(gradient(1), SEGMENTS)  # refused by a server: never committed
+    assert all(torch.equal(before[k], compressor.residuals[k]) for k in before)
+
+
+# -- malformed payloads ----------------------------------------------------------------------
+
+def topk_payload(indices, values, count=None) -> bytes:
+    count = len(indices) if count is None else count
+    return (struct.pack("<I", count) + torch.tensor(indices, dtype=torch.int32).numpy().tobytes()
+            + torch.tensor(values, dtype=torch.float32).numpy().tobytes())
+
+
+@pytest.mark.parametrize(("payload", "message"), [
+    (topk_payload([1, 2, 100], [1.0, 2.0, 3.0]), "outside \\[0, 100\\)"),
+    (topk_payload([-1, 2, 3], [1.0, 2.0, 3.0]), "outside"),
+    (topk_payload([5, 2, 3], [1.0, 2.0, 3.0]), "strictly ascending"),
+    (topk_payload([2, 2, 3], [1.0, 2.0, 3.0]), "strictly ascending"),
+    (topk_payload([1, 2, 3], [1.0, 2.0, 3.0], count=4), "count is 4, expected 3"),
+    (topk_payload([1, 2, 3], [1.0, float("nan"), 3.0]), "NaN or infinite"),
+    (topk_payload([1, 2, 3], [1.0, 2.0, 3.0])[:-1], "bytes, expected"),
+    (topk_payload([1, 2, 3], [1.0, 2.0, 3.0]) + b"\0", "bytes, expected"),
+], ids=["index-too-large", "negative-index", "unsorted", "duplicate", "count", "nan-value",
+        "short", "long"])
+def test_malformed_topk_payloads_are_refused(payload, message):
+    with pytest.raises(InvalidPayload, match=message):
+        Compressor("topk", ratio=0.03).decode(payload, [("w", 100)], torch.empty(100))
+
+
+@pytest.mark.parametrize(("low", "scale", "message"), [
+    (0.0, float("nan"), "must be finite"), (float("inf"), 0.1, "must be finite"),
+    (0.0, -1.0, "scale >= 0"), (-1e38, 1e37, "NaN or infinite")])
+def test_malformed_quantization_headers_are_refused(low, scale, message):
+    payload = struct.pack("<ff", low, scale) + bytes(100)
+    with pytest.raises(InvalidPayload, match=message):
+        Compressor("quantization").decode(payload, [("w", 100)], torch.empty(100))
