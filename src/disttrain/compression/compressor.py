@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from disttrain.compression.schemes import (
@@ -81,7 +82,7 @@ class Compressor:
         self.error_feedback = error_feedback
         self.generator = None
         if stochastic_rounding and scheme == "quantization":
-            self.generator = torch.Generator().manual_seed(seed)
+            self.generator = np.random.Generator(np.random.PCG64(seed))
         self.residuals: dict[str, torch.Tensor] = {}
         self.counters = Counters()
         self._told_dense: set[str] = set()
@@ -147,8 +148,10 @@ class Compressor:
         c = self.counters
         state = {"scheme": self.scheme, "residuals": {k: v.clone() for k, v in self.residuals.items()},
                  "counters": [c.bytes_dense, c.bytes_sent, c.dense_segments, c.seconds]}
-        if self.generator is not None:
-            state["generator"] = self.generator.get_state()
+        if self.generator is not None:  # PCG64's state: two 128-bit integers and a cached word
+            bits = self.generator.bit_generator.state
+            state["generator"] = [bits["state"]["state"], bits["state"]["inc"], bits["has_uint32"],
+                                  bits["uinteger"]]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -159,4 +162,7 @@ class Compressor:
         dense, sent, segments, seconds = state["counters"]
         self.counters = Counters(int(dense), int(sent), int(segments), float(seconds))
         if self.generator is not None and "generator" in state:
-            self.generator.set_state(state["generator"])
+            value, inc, has_uint32, uinteger = state["generator"]
+            self.generator.bit_generator.state = {
+                "bit_generator": "PCG64", "state": {"state": int(value), "inc": int(inc)},
+                "has_uint32": int(has_uint32), "uinteger": int(uinteger)}

@@ -91,7 +91,14 @@ def _frombuffer(data: memoryview, dtype: torch.dtype, count: int, offset: int) -
 # -- encoding ------------------------------------------------------------------------------
 
 
-def encode_segment(scheme: str, x: torch.Tensor, ratio: float, generator: torch.Generator | None
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or infinity (numpy checks float32 some twenty times faster than torch on CPU)."""
+    if tensor.dtype in (torch.float32, torch.float64, torch.float16):
+        return bool(np.isfinite(tensor.numpy()).all())
+    return bool(torch.isfinite(tensor).all())
+
+
+def encode_segment(scheme: str, x: torch.Tensor, ratio: float, generator: np.random.Generator | None
                    ) -> tuple[list[bytes], torch.Tensor]:
     """Write one segment (1-D, floating point). Returns its byte pieces and what the
     receiver will decode from them (the worker keeps `x - decoded` as error feedback).
@@ -110,31 +117,56 @@ def encode_segment(scheme: str, x: torch.Tensor, ratio: float, generator: torch.
     return [little_endian(half)], half.to(x.dtype)
 
 
-def _encode_quantized(x: torch.Tensor, generator: torch.Generator | None) -> tuple[list[bytes], torch.Tensor]:
+def _encode_quantized(x: torch.Tensor, generator: np.random.Generator | None
+                      ) -> tuple[list[bytes], torch.Tensor]:
     low, high = torch.aminmax(x.float())
     low32 = np.float32(low.item())
     scale32 = np.float32((np.float32(high.item()) - low32) / np.float32(255.0))
     if scale32 > 0 and math.isfinite(scale32):
         levels = (x.float() - float(low32)) / float(scale32)
         if generator is not None:  # unbiased: round up with probability equal to the fraction
-            levels = torch.floor(levels + torch.rand(levels.shape, generator=generator))
+            # numpy's PCG64 draws float32 noise several times faster than torch.rand on CPU.
+            noise = torch.from_numpy(generator.random(levels.numel(), dtype=np.float32))
+            levels = torch.floor_(levels.add_(noise))
         else:
             levels = torch.round(levels)
         levels = levels.clamp_(0, 255)
     else:  # constant segment (or a non-finite one, which the receiver refuses)
         levels = torch.zeros(x.numel())
-    values = (levels - 128).to(torch.int8)
-    decoded = _dequantize(values, float(low32), float(scale32)).to(x.dtype)
+    values = levels.sub_(128).to(torch.int8)
+    decoded = _dequantize(values, float(low32), float(scale32), torch.empty_like(x))
     return [_QUANT_HEADER.pack(low32, scale32), little_endian(values)], decoded
 
 
-def _dequantize(values: torch.Tensor, low: float, scale: float) -> torch.Tensor:
-    return (values.float() + 128.0).mul_(scale).add_(low)
+def _dequantize(values: torch.Tensor, low: float, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """`(values + 128) * scale + low` into `out`; both ends call this, so they agree to the bit."""
+    return out.copy_(values).add_(128.0).mul_(scale).add_(low)
+
+
+def _top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the `k` largest magnitudes, ascending.
+
+    A threshold estimated from every 64th element (its top k/64, with 50% slack) picks
+    the candidates, and `torch.topk` runs on them alone: the answer is the same whenever
+    at least `k` elements pass the threshold (every one of the k largest does then), and
+    on SimpleCNN's 1.2M gradients it takes a quarter of `torch.topk` over all of them.
+    Otherwise, `torch.topk` over all.
+    """
+    magnitudes = x.abs()
+    stride = 64
+    if x.numel() >= 64 * stride and k * 4 < x.numel():
+        sample = magnitudes[::stride]
+        keep = min(sample.numel(), k * 3 // (2 * stride) + 1)
+        threshold = torch.topk(sample, keep, sorted=False).values.min()
+        candidates = torch.nonzero(magnitudes >= threshold).flatten()
+        if candidates.numel() >= k:
+            chosen = candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
+            return torch.sort(chosen).values
+    return torch.sort(torch.topk(magnitudes, k, sorted=False).indices).values
 
 
 def _encode_topk(x: torch.Tensor, k: int) -> tuple[list[bytes], torch.Tensor]:
-    _, indices = torch.topk(x.abs(), k, sorted=False)
-    indices, _ = torch.sort(indices)
+    indices = _top_indices(x, k)
     values = x[indices]
     decoded = torch.zeros_like(x)
     decoded[indices] = values
@@ -163,13 +195,16 @@ def decode_segment(scheme: str, data: memoryview, offset: int, out: torch.Tensor
         if not (math.isfinite(low) and math.isfinite(scale) and scale >= 0):
             raise InvalidPayload(f"{name}: quantization minimum {low} and scale {scale} must be finite, "
                                  "the scale >= 0")
-        values = _frombuffer(data, torch.int8, n, offset + _QUANT_HEADER.size)
-        out.copy_(_dequantize(values, low, scale))
+        if not math.isfinite(low + 255.0 * scale):
+            raise InvalidPayload(f"{name}: quantization minimum {low} and scale {scale} overflow")
+        _dequantize(_frombuffer(data, torch.int8, n, offset + _QUANT_HEADER.size), low, scale, out)
+        return end  # finite: its largest magnitude, min or min + 255 * scale, is
     elif scheme == "topk":
         _decode_topk(data, offset, out, topk_count(n, ratio), name)
+        return end  # its values were checked
     else:
         out.copy_(_frombuffer(data, _HALF_TYPES[scheme], n, offset))
-    if out.dtype.is_floating_point and not bool(torch.isfinite(out).all()):
+    if not all_finite(out):
         raise InvalidPayload(f"{name}: decodes to NaN or infinite values")
     return end
 
@@ -185,5 +220,7 @@ def _decode_topk(data: memoryview, offset: int, out: torch.Tensor, k: int, name:
                              f"outside [0, {out.numel()})")
     if k > 1 and not bool((indices[1:] > indices[:-1]).all()):
         raise InvalidPayload(f"{name}: top-k indices must be strictly ascending")
+    if not all_finite(values):
+        raise InvalidPayload(f"{name}: decodes to NaN or infinite values")
     out.zero_()
     out[indices] = values
