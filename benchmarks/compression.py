@@ -65,8 +65,8 @@ def train(name: str, strategy: str, mode: str | None, compression: dict | None, 
     config.save(run_dir / "config.yaml")
     extra = ["--world-size", "2"] if strategy == "ddp" else []
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "disttrain", strategy, "--config", str(run_dir / "config.yaml"),
-                             *extra], capture_output=True, text=True, timeout=1800)
+    command = [sys.executable, "-m", "disttrain", strategy, "--config", str(run_dir / "config.yaml"), *extra]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
         raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
     summary = RunSummary.read(run_dir / "logs")

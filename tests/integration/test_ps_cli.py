@@ -11,8 +11,8 @@ COMPRESSION = ["--compression-enabled", "--compression-type"]
     ("args", "words"),
     [
         (["ps", *COMPRESSION, "powersgd"], "powersgd compresses DDP's all-reduce"),
-        (["ps", *COMPRESSION, "topk", "--compression-ratio", "0"], "compression.ratio: 0.0 must be in (0, 1]"),
-        (["ps", *COMPRESSION, "topk", "--compression-ratio", "1.5"], "compression.ratio: 1.5 must be in (0, 1]"),
+        (["ps", *COMPRESSION, "topk", "--compression-ratio", "0"], "ratio: 0.0 must be in (0, 1]"),
+        (["ps", *COMPRESSION, "topk", "--compression-ratio", "1.5"], "ratio: 1.5 must be in (0, 1]"),
         (["ps", *COMPRESSION, "int4"], "compression.type: 'int4' must be one of quantization, topk"),
         (["ddp", *COMPRESSION, "topk", "--compression-ratio", "0"], "compression.ratio: 0.0 must be in"),
         (["ddp", "--set", "system.compression_type=zip"], "system.compression_type: 'zip' must be one of"),

@@ -195,10 +195,10 @@ def decode_segment(scheme: str, data: memoryview, offset: int, out: torch.Tensor
         if not (math.isfinite(low) and math.isfinite(scale) and scale >= 0):
             raise InvalidPayload(f"{name}: quantization minimum {low} and scale {scale} must be finite, "
                                  "the scale >= 0")
-        if not math.isfinite(low + 255.0 * scale):
+        if abs(low + 255.0 * scale) > torch.finfo(out.dtype).max:
             raise InvalidPayload(f"{name}: quantization minimum {low} and scale {scale} overflow")
         _dequantize(_frombuffer(data, torch.int8, n, offset + _QUANT_HEADER.size), low, scale, out)
-        return end  # finite: its largest magnitude, min or min + 255 * scale, is
+        return end  # finite: its largest magnitude, |min| or |min + 255 * scale|, fits the dtype
     elif scheme == "topk":
         _decode_topk(data, offset, out, topk_count(n, ratio), name)
         return end  # its values were checked
