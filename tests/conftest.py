@@ -34,6 +34,13 @@ def real_data_dir() -> Path:
     return found
 
 
+@pytest.fixture
+def mnist_or_digits() -> list:
+    """Flags that train on real MNIST when a copy is at hand, else on scikit-learn's digits."""
+    found = find_real_data_dir()
+    return ["--data-dir", found] if found else ["--dataset", "digits"]
+
+
 def run_cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None,
             cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run `python -m disttrain ARGS` in a fresh process; capture its output."""
