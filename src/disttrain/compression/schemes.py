@@ -1,17 +1,19 @@
-"""The compressed payload format: how each scheme writes one segment of a flat gradient.
+"""The compressed payload format: how each scheme writes one block of a flat gradient.
 
-A flat gradient is cut into segments (one per model tensor, or per slice of one); each
-segment is written on its own, in order, and the payload is their concatenation. All
-numbers are little-endian. With `n` elements of `itemsize` bytes in a segment:
+A flat gradient is cut into blocks, written in order; the payload is their
+concatenation. For `quantization`, `fp16` and `bf16` a block is one model tensor (or the
+slice of one a shard holds); for `topk` it is the whole payload, so k is chosen over all
+its tensors together (see `Compressor.blocks`). All numbers are little-endian. With `n`
+elements of `itemsize` bytes in a block:
 
 - `quantization`: float32 minimum, float32 scale `(max - min) / 255`, then `n` int8
   values `round((x - min) / scale) - 128` (a constant segment has scale 0 and every
   value -128). Decoded as `(q + 128) * scale + min`.
-- `topk`: uint32 count `k = ceil(n * ratio)`, then `k` int32 indices into the segment,
+- `topk`: uint32 count `k = ceil(n * ratio)`, then `k` int32 indices into the block,
   strictly ascending, then the `k` values in the gradient's dtype. Every other element
   decodes to zero.
 - `fp16`, `bf16`: `n` values of that type.
-- dense: the `n` raw values. A segment goes dense where the scheme's bytes would not be
+- dense: the `n` raw values. A block goes dense where the scheme's bytes would not be
   fewer than these (tiny tensors, a ratio near 1); both ends know which from `n`, the
   scheme and the ratio alone, so nothing in the payload says it.
 
