@@ -16,6 +16,11 @@ The runs' own `time/compression_s` over `time/compute_s` is reported beside it.
 Targets: PS topk 0.01 (sync and async): bytes <= 2.5% of dense and accuracy within 0.5
 points; PS quantization: >= 3.9x fewer bytes and accuracy within 0.2 points; compress +
 decompress <= 15% of compute for SimpleCNN.
+
+One epoch's final accuracy moves by a few tenths of a point with the seed alone (the
+same run with seeds 42, 1 and 2 ends 0.1-0.6 points apart), as large as the targets, so
+the parameter-server runs of the checks are repeated with `--seeds` and each check
+compares the mean accuracy over them; every run's figures are in the JSON.
 """
 
 from __future__ import annotations
@@ -55,10 +60,10 @@ CHECKS = {  # run -> (max share of dense bytes, max accuracy loss in points, aga
 
 
 def train(name: str, strategy: str, mode: str | None, compression: dict | None, folder: Path,
-          max_samples: int | None) -> dict:
-    run_dir = folder / name
+          max_samples: int | None, seed: int = 42) -> dict:
+    run_dir = folder / f"{name}-{seed}"
     config = make_config(run_dir, training={"num_epochs": 1, "max_train_samples": max_samples,
-                                            "log_interval": 20}, num_workers=2,
+                                            "log_interval": 20, "seed": seed}, num_workers=2,
                          aggregation_mode=mode or "sync")
     if compression:
         config = config.replace(compression={"enabled": True, **compression})
@@ -75,7 +80,7 @@ def train(name: str, strategy: str, mode: str | None, compression: dict | None, 
     steps = [r for r in metrics if "time/compute_s" in r]
     compression_s = statistics.mean(r.get("time/compression_s", 0.0) for r in steps)
     compute_s = statistics.mean(r["time/compute_s"] for r in steps)
-    return {"accuracy": summary.final_accuracy, "bytes_share_of_dense": 1 / ratio,
+    return {"seed": seed, "accuracy": summary.final_accuracy, "bytes_share_of_dense": 1 / ratio,
             "compression_ratio": ratio, "bytes_sent": summary.extra.get("compression_bytes_sent"),
             "steps": summary.steps, "logged_compression_share_of_compute": compression_s / compute_s,
             "wall_s": time.perf_counter() - started}
@@ -118,23 +123,38 @@ def coding_times(repeats: int) -> dict:
     return out
 
 
+def repeated(name: str, strategy: str, mode: str | None, compression: dict | None, folder: Path,
+             max_samples: int | None, seeds: list[int]) -> dict:
+    """The run once per seed (PS runs of the checks) or once (the rest), and their means."""
+    seeds = seeds if strategy == "ps" else seeds[:1]
+    runs = [train(name, strategy, mode, compression, folder, max_samples, seed) for seed in seeds]
+    return {"accuracy": statistics.mean(r["accuracy"] for r in runs),
+            "bytes_share_of_dense": statistics.mean(r["bytes_share_of_dense"] for r in runs),
+            "runs": runs}
+
+
+def seeds_flag(parser) -> None:
+    parser.add_argument("--seeds", default="42,1,2", help="seeds of the parameter-server runs")
+
+
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], seeds_flag)
     max_samples = 4096 if args.quick else None
+    seeds = [int(s) for s in args.seeds.split(",")][:1 if args.quick else None]
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {name: train(name, strategy, mode, compression, Path(tmp), max_samples)
+        runs = {name: repeated(name, strategy, mode, compression, Path(tmp), max_samples, seeds)
                 for name, strategy, mode, compression in RUNS}
     checks = {}
     for name, (max_share, max_drop, against) in CHECKS.items():
         drop = 100 * (runs[against]["accuracy"] - runs[name]["accuracy"])
         checks[name] = {"bytes_share_of_dense": runs[name]["bytes_share_of_dense"], "max_share": max_share,
-                        "accuracy_drop_points": drop, "max_drop_points": max_drop,
+                        "mean_accuracy_drop_points": drop, "max_drop_points": max_drop,
                         "met": runs[name]["bytes_share_of_dense"] <= max_share and drop <= max_drop}
     for name in ("ddp-quantization", "ddp-topk", "ddp-powersgd"):
         runs[name]["accuracy_drop_points"] = 100 * (runs["ddp"]["accuracy"] - runs[name]["accuracy"])
     times = coding_times(max(args.repeats, 20))
-    report("compression", {"dataset": "mnist" if data_dir() else "synthetic", "runs": runs,
-                           "checks": checks, "coding_time": times}, args.output,
+    report("compression", {"dataset": "mnist" if data_dir() else "synthetic", "seeds": seeds,
+                           "runs": runs, "checks": checks, "coding_time": times}, args.output,
            target="PS topk 0.01 <= 2.5% of dense bytes, accuracy within 0.5 points; quantization "
                   ">= 3.9x fewer bytes, within 0.2 points; encode + decode <= 15% of compute")
 
