@@ -62,7 +62,9 @@ class RunSummary:
             f"Final Loss: {self.final_loss:.4f}",
             f"Total Time: {self.total_time_s:.2f}s",
             f"Throughput: {self.throughput_samples_per_s:.1f} samples/s",
-        ]
+        ] + ([f"Gradient Compression: {self.extra['compression_ratio']:.1f}x fewer bytes "
+              f"({self.extra['compression_bytes_sent'] / 1e6:.1f} MB sent)"]
+             if "compression_ratio" in self.extra else [])
 
     def write(self, path: str | Path) -> Path:
         """Write the summary as JSON at `path` atomically (a folder gets `summary.json`)."""
