@@ -18,17 +18,22 @@ from disttrain.config import TrainingConfig
 from disttrain.data import ArrayDataset
 
 
-def configure_threads(num_threads: int, processes_per_machine: int = 1) -> int:
-    """Set torch's intra-op threads for this process so N processes don't fight over cores.
+def thread_count(num_threads: int, processes_per_machine: int = 1) -> int:
+    """The intra-op threads of each of `processes_per_machine` processes on this machine.
 
     Args:
         num_threads: explicit count, or 0 for the machine's cores divided among processes.
-    Returns:
-        The thread count set.
     """
-    if num_threads <= 0:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        num_threads = max(1, (cores or 1) // max(processes_per_machine, 1))
+    if num_threads > 0:
+        return num_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(processes_per_machine, 1))
+
+
+def configure_threads(num_threads: int, processes_per_machine: int = 1) -> int:
+    """Set torch's intra-op threads for this process so N processes don't fight over cores
+    (`thread_count`). Returns the thread count set."""
+    num_threads = thread_count(num_threads, processes_per_machine)
     torch.set_num_threads(num_threads)
     return num_threads
 

@@ -10,6 +10,12 @@ start, so one code path serves both.
 Everything that can be checked before any process starts is checked here, so a bad
 world size, backend or checkpoint folder fails at once with one line rather than after
 the ranks have started (and perhaps been restarted).
+
+The ranks inherit `OMP_NUM_THREADS` set to the thread count each rank gives torch. A
+rank's main thread sets its count, but the backend's threads, which run communication
+hooks' callbacks (PowerSGD's matrix products), start from this variable's default, and
+MKL follows the calling thread's: without it, a product's rounding depended on which
+thread ran it, and runs (a resumed one against an uninterrupted one) came apart.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
 from disttrain.strategies.ddp import runtime as rt
 from disttrain.strategies.ddp.endpoint import wait_for_endpoint
 from disttrain.strategies.ddp.precision import plan_precision
+from disttrain.training.engine import thread_count
 from disttrain.training.models import init_model
 from disttrain.training.strategy import RunOptions
 
@@ -147,6 +154,7 @@ def launch(config: Config, options: RunOptions) -> RunSummary | None:
         args = rank_arguments(config_path, summary_path, options)
         try:
             os.environ.update(FRESH_STORE_PER_ROUND)
+            os.environ["OMP_NUM_THREADS"] = str(thread_count(config.system.num_threads, plan.ranks_per_node))
             agent_config = launch_config(config.ddp, plan.ranks_per_node, Path(folder) / "agent")
             elastic_launch(agent_config, sys.executable)(*args)
         except ChildFailedError as e:
