@@ -3,6 +3,8 @@ micro-batch grouping, rank variables, config rules. GPU-only paths skip without 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -13,13 +15,14 @@ from disttrain.strategies.ddp.rank import scaled_learning_rate
 from disttrain.strategies.ddp.runtime import (
     RankInfo,
     check_gpu_count,
+    check_supported,
     check_world_size,
     is_peer_loss,
     select_backend,
     select_device,
     started_by_elastic_agent,
 )
-from disttrain.training.engine import forward_backward
+from disttrain.training.engine import forward_backward, thread_count
 from disttrain.training.loop import groups as accumulation_groups
 from disttrain.training.models import build_model
 
@@ -152,3 +155,23 @@ def test_ddp_config_rules():
         with pytest.raises(ConfigError, match="HOST:PORT"):
             config_from_dict({"ddp": {"rdzv_endpoint": bad}})
     assert config_from_dict({"ddp": {"rdzv_endpoint": "[::1]:29400"}}).ddp.rdzv_endpoint
+
+
+@pytest.mark.parametrize(("scheme", "refused"), [("topk", True), ("quantization", True), ("powersgd", True),
+                                                 ("fp16", False), ("bf16", False)])
+def test_stateful_compression_refuses_fp16_loss_scaling(scheme, refused):
+    config = config_from_dict({"compression": {"enabled": True, "type": scheme},
+                               "ddp": {"mixed_precision": "fp16"}})
+    if refused:
+        with pytest.raises(ConfigError, match=f"compression.type: {scheme} cannot take the overflowed"):
+            check_supported(config)
+    else:
+        check_supported(config)
+    check_supported(config.replace(ddp={"mixed_precision": "bf16"}))
+
+
+def test_thread_count_divides_the_cores_among_the_ranks():
+    assert thread_count(3, processes_per_machine=4) == 3
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert thread_count(0, processes_per_machine=1) == cores
+    assert thread_count(0, processes_per_machine=cores * 2) == 1

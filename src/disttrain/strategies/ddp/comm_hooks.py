@@ -2,12 +2,13 @@
 
 DDP hands each gradient bucket, once its gradients are ready, to a communication hook
 that must return a future of the averaged bucket. `register_comm_hook` wraps whichever
-hook the run uses (plain all-reduce today; a gradient-compression hook later, passed as
-`hook`/`hook_state`) in a timing layer that records, per step, how many bytes of
-gradients the buckets held and each bucket's [launch, done] interval. The backward pass
-has computed its last gradient when the last bucket is launched; communication after
-that point blocks the step (`blocked_s`), communication before it overlaps computation
-(`overlapped_s`, the rest of the intervals' union, overlaps counted once).
+hook the run uses (plain all-reduce, or a gradient-compression hook from
+`compression.ddp_hooks` passed as `hook`/`hook_state`) in a timing layer that records,
+per step, how many bytes of gradients the buckets held and each bucket's [launch, done]
+interval. The backward pass has computed its last gradient when the last bucket is
+launched; communication after that point blocks the step (`blocked_s`), communication
+before it overlaps computation (`overlapped_s`, the rest of the intervals' union,
+overlaps counted once).
 
 On CUDA the done time is when the backend completes the future on the host, so the
 figure there is the host-side view of the NCCL work.

@@ -1,7 +1,7 @@
 """One DDP rank's run, as the elastic agent (or torchrun) starts it: join the process
 group, build data, model, optimizer and precision, wrap the model in DDP with the timing
-communication hook, then run the training loop; rank 0 writes the final model and the
-summary.
+communication hook (around a gradient-compression hook when `compression.enabled`), then
+run the training loop; rank 0 writes the final model and the summary.
 
 A step takes `grad_accumulation_steps` micro-batches; all but the last run under
 `no_sync()`, so gradients cross the network once per step. An elastic restart
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from disttrain.compression.ddp_hooks import CompressionHook, build_ddp_hook, run_hook
 from disttrain.config import Config, DDPConfig
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import ConfigError
@@ -35,7 +36,7 @@ from disttrain.strategies.ddp.store import RankZeroCheckpoints
 from disttrain.training.engine import EvalResult, StepResult, build_optimizer
 from disttrain.training.loop import LoopResult, LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
-from disttrain.training.seeding import seed_training
+from disttrain.training.seeding import seed_training, training_seed
 from disttrain.training.strategy import RunOptions, StepInfo
 
 logger = logging.getLogger(__name__)
@@ -60,9 +61,17 @@ def wrap_model(module: torch.nn.Module, ddp: DDPConfig, runtime: rt.Runtime) -> 
                                    static_graph=ddp.static_graph)
 
 
+def compression_hook(config: Config, module: torch.nn.Module, rank: int) -> CompressionHook | None:
+    """The run's gradient-compression hook, or None when compression is off."""
+    if not config.compression.enabled:
+        return None
+    seed = config.training.seed
+    return build_ddp_hook(config.compression, module.named_parameters(), seed, training_seed(seed, rank))
+
+
 class RankParticipant:
     """One rank's part in the loop: a DDP step, a sharded evaluation, and the model,
-    optimizer and GradScaler as its checkpoint pieces."""
+    optimizer, GradScaler and compression state as its checkpoint pieces."""
 
     strategy = "ddp"
 
@@ -80,7 +89,11 @@ class RankParticipant:
         self.precision = Precision(plan_precision(ddp.mixed_precision, device.type, bf16), device)
         self.model = wrap_model(self.module, ddp, runtime)
         self.comm = CommStats()
-        register_comm_hook(self.model, self.comm)
+        self.compression = compression_hook(config, self.module, runtime.info.rank)
+        if self.compression is None:
+            register_comm_hook(self.model, self.comm)
+        else:
+            register_comm_hook(self.model, self.comm, run_hook, self.compression)
 
     def start(self) -> None:
         rt.barrier(self.runtime)  # every rank's clock starts together
@@ -104,9 +117,11 @@ class RankParticipant:
             correct += result.num_correct
         self.precision.step(self.optimizer)
         comm = self.comm.drain()
-        return StepResult(loss_sum / total, correct, total, {
-            "time/comm_blocked_s": comm.blocked_s, "time/comm_overlapped_s": comm.overlapped_s,
-            "comm/bytes_allreduced": comm.num_bytes})
+        scalars = {"time/comm_blocked_s": comm.blocked_s, "time/comm_overlapped_s": comm.overlapped_s,
+                   "comm/bytes_allreduced": comm.num_bytes}
+        if self.compression is not None:
+            scalars.update(self.compression.stats.drain().scalars())
+        return StepResult(loss_sum / total, correct, total, scalars)
 
     def evaluate(self, epoch: int) -> EvalResult:
         info = self.runtime.info
@@ -114,13 +129,22 @@ class RankParticipant:
                                 info.world_size, self.runtime.device)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"world_size": self.runtime.info.world_size, "model": self.module.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "grad_scaler": self.precision.state_dict()}
+        state = {"world_size": self.runtime.info.world_size, "model": self.module.state_dict(),
+                 "optimizer": self.optimizer.state_dict(), "grad_scaler": self.precision.state_dict()}
+        if self.compression is not None:  # this rank's; the store gathers every rank's
+            state["compression"] = self.compression.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Raises ValueError when the checkpoint's compression does not match the run's."""
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.precision.load_state_dict(state["grad_scaler"])
+        if self.compression is not None:
+            if "compression" not in state:
+                raise ValueError("it was written without gradient compression; resume with "
+                                 "compression.enabled=false")
+            self.compression.load_state_dict(state["compression"])
 
 
 def run_rank(config: Config, info: rt.RankInfo, options: RunOptions) -> RunSummary | None:
@@ -166,6 +190,7 @@ def finish(config: Config, runtime: rt.Runtime, participant: RankParticipant, re
     position, info = result.position, runtime.info
     samples, = all_reduce_values([position.samples_processed], runtime.device)
     train_time_s, = all_reduce_values([position.train_time_s], runtime.device, dist.ReduceOp.MAX)
+    extra = compression_totals(participant.compression, runtime.device)
     if not info.is_main:
         return None
     ckpt.save_final_model(Path(config.system.checkpoint_dir) / FINAL_MODEL,
@@ -177,6 +202,15 @@ def finish(config: Config, runtime: rt.Runtime, participant: RankParticipant, re
         world_size=info.world_size,
         extra={"backend": runtime.backend, "device": str(runtime.device),
                "learning_rate": participant.learning_rate, "restarts": info.restart_count,
-               "resumed_from_step": result.resumed_from_step})
+               "resumed_from_step": result.resumed_from_step, **extra})
     summary.write(config.system.log_dir)
     return summary
+
+
+def compression_totals(hook: CompressionHook | None, device: torch.device) -> dict[str, Any]:
+    """The run's compression summary fields, over every rank (a collective); {} without."""
+    if hook is None:
+        return {}
+    totals = hook.stats.totals()
+    dense, sent = all_reduce_values([totals.bytes_dense, totals.bytes_sent], device)
+    return {"compression_ratio": dense / sent if sent else None, "compression_bytes_sent": int(sent)}

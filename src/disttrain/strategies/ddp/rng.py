@@ -1,9 +1,11 @@
-"""The RNG states of every rank, gathered as plain tensors for rank 0's checkpoint.
+"""Per-rank state gathered as plain tensors for rank 0's checkpoint: RNG states, and any
+other state that differs between ranks (a compression hook's).
 
 Each rank draws its own dropout masks, so an exact resume needs every rank's RNG state,
-not only rank 0's. The states travel as fixed-shape tensors through `all_gather`, never
-as pickled objects: no rank unpickles bytes that came over the network. `encode` and
-`decode` translate between `checkpoint.rng_state()` and those tensors.
+not only rank 0's. The states travel as tensors through `all_gather`, never as pickled
+objects: no rank unpickles bytes that came over the network. `encode` and `decode`
+translate between `checkpoint.rng_state()` and such tensors; `gather_tensors` gathers
+any dict of tensors whose names and shapes are the same on every rank.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from disttrain.core import checkpoint as ckpt
+from disttrain.core.errors import DistributedError
 
 PYTHON_STATE_VERSION = 3  # random.getstate()[0] on every supported Python
 
@@ -54,16 +56,27 @@ def decode(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     return state
 
 
-def gather_rng_states(world_size: int, device: torch.device) -> list[dict[str, Any]]:
-    """Every rank's current RNG state, in rank order, on every rank. A collective: call
-    on all ranks at the same point (where the checkpoint is taken)."""
-    local = encode(ckpt.rng_state())
+def gather_tensors(local: dict[str, torch.Tensor], world_size: int,
+                   device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """Every rank's `local`, in rank order, on every rank. A collective: call on all ranks
+    at the same point, each with the same names and shapes (values differ).
+
+    Raises:
+        DistributedError: the ranks' names or sizes differ (checked before gathering, so
+            a mismatch fails here instead of hanging in a later collective).
+    """
+    layout = torch.tensor([len(local), sum(t.numel() for t in local.values())], dtype=torch.int64,
+                          device=device)
+    layouts = [torch.empty_like(layout) for _ in range(world_size)]
+    dist.all_gather(layouts, layout)
+    if any(not torch.equal(other, layout) for other in layouts):
+        raise DistributedError(f"ranks hold different per-rank state to checkpoint "
+                               f"(tensors, elements per rank: {[t.tolist() for t in layouts]})")
     gathered: list[dict[str, torch.Tensor]] = [{} for _ in range(world_size)]
     for name in sorted(local):
         tensor = local[name].to(device)
         parts = [torch.empty_like(tensor) for _ in range(world_size)]
         dist.all_gather(parts, tensor)
         for rank, part in enumerate(parts):
-            gathered[rank][name] = part
-    return [decode(tensors) for tensors in gathered]
-
+            gathered[rank][name] = part.cpu()
+    return gathered

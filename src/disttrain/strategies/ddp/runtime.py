@@ -97,11 +97,20 @@ def check_gpu_count(backend: str, ranks_per_node: int, num_gpus: int) -> None:
                           "--world-size or use --backend gloo")
 
 
+# Compression that keeps state from one step's gradient to the next (error feedback, P and
+# Q) or refuses non-finite payloads cannot take the overflowed gradients that fp16 loss
+# scaling lets through the all-reduce for the GradScaler to find and skip.
+STATEFUL_COMPRESSION = ("quantization", "topk", "powersgd")
+
+
 def check_supported(config: Config) -> None:
-    """Raises ConfigError for settings DDP does not offer yet."""
-    if config.compression.enabled:
-        raise ConfigError("compression.enabled: gradient compression is not available in DDP yet; "
-                          "set it to false")
+    """Raises ConfigError for combinations DDP does not offer."""
+    compression = config.compression
+    if (compression.enabled and compression.type in STATEFUL_COMPRESSION
+            and config.ddp.mixed_precision == "fp16"):
+        raise ConfigError(f"compression.type: {compression.type} cannot take the overflowed gradients "
+                          "of ddp.mixed_precision=fp16 (loss scaling); use bf16 mixed precision, or "
+                          "fp16 or bf16 compression")
 
 
 def check_world_size(num_samples: int, world_size: int) -> None:

@@ -3,12 +3,14 @@
 Rank 0 writes them; all ranks read them. Model and optimizer are the same on every rank
 after each step, so rank 0's copy (the model without its DDP wrapper, so the file loads
 into a plain module) stands for all. The sampler position is the same on every rank
-too (equal shards, equal batches). The RNG states differ per rank and are all kept,
-gathered as tensors (never pickled over the network).
+too (equal shards, equal batches). The entries of `PER_RANK` (RNG states, a compression
+hook's state) differ per rank: every rank's is kept, in rank order, gathered as tensors
+(never pickled over the network), and each rank loads its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,14 @@ import torch.distributed as dist
 
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import CheckpointError
+from disttrain.strategies.ddp import rng
 from disttrain.strategies.ddp import runtime as rt
-from disttrain.strategies.ddp.rng import gather_rng_states
 
 NO_CHECKPOINT = -1
+
+Codec = tuple[Callable[[Any], dict[str, torch.Tensor]], Callable[[dict[str, torch.Tensor]], Any]]
+# Checkpoint entries that differ per rank, with how each becomes tensors and back.
+PER_RANK: dict[str, Codec] = {"rng": (rng.encode, rng.decode), "compression": (dict, dict)}
 
 
 class RankZeroCheckpoints:
@@ -57,24 +63,29 @@ class RankZeroCheckpoints:
         return path
 
     def load(self, path: Path) -> dict[str, Any]:
-        """The checkpoint, with `rng` holding this rank's state.
+        """The checkpoint, with each `PER_RANK` entry holding this rank's own.
 
         Raises:
             CheckpointError: unreadable, or written by another number of ranks.
         """
         state = ckpt.load_checkpoint(path)
         ckpt.require_keys(state, ("rng",), path)
-        world_size = self.runtime.info.world_size
-        if not isinstance(state["rng"], list) or len(state["rng"]) != world_size:
-            written = len(state["rng"]) if isinstance(state["rng"], list) else 1
-            raise CheckpointError(f"checkpoint {path} was written by {written} ranks and this run has "
-                                  f"{world_size}; resume with --world-size {written}")
-        return {**state, "rng": state["rng"][self.runtime.info.rank]}
+        world_size, rank = self.runtime.info.world_size, self.runtime.info.rank
+        for key in PER_RANK.keys() & state.keys():
+            if not isinstance(state[key], list) or len(state[key]) != world_size:
+                written = len(state[key]) if isinstance(state[key], list) else 1
+                raise CheckpointError(f"checkpoint {path} was written by {written} ranks and this run "
+                                      f"has {world_size}; resume with --world-size {written}")
+            state[key] = state[key][rank]
+        return state
 
     def save(self, step: int, state: dict[str, Any]) -> None:
-        """Gather every rank's RNG state; rank 0 writes; every rank waits for the write, so
-        no rank's training clock counts it while it waits in the next all-reduce."""
-        rng_states = gather_rng_states(self.runtime.info.world_size, self.runtime.device)
-        if self.runtime.info.is_main:
-            ckpt.save_checkpoint(self.folder, step, {**state, "rng": rng_states}, keep=self.keep)
+        """Gather every rank's `PER_RANK` entries; rank 0 writes; every rank waits for the
+        write, so no rank's training clock counts it while it waits in the next all-reduce."""
+        info, device = self.runtime.info, self.runtime.device
+        gathered = {key: [decode(tensors) for tensors in rng.gather_tensors(encode(state[key]),
+                                                                            info.world_size, device)]
+                    for key, (encode, decode) in PER_RANK.items() if key in state}
+        if info.is_main:
+            ckpt.save_checkpoint(self.folder, step, {**state, **gathered}, keep=self.keep)
         rt.barrier(self.runtime)

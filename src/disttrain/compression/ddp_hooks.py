@@ -1,0 +1,294 @@
+"""Gradient compression as DDP communication hooks, one per `compression.type`.
+
+- `quantization`, `topk`: each rank encodes its bucket with a `Compressor`, one segment
+  per parameter named by the parameter, so error-feedback residuals follow parameters
+  whatever buckets DDP cuts (top-k picks its k over the whole bucket: see
+  `Compressor.blocks`), and all-gathers the payloads; every rank decodes every payload
+  and averages them in rank order, so all ranks hold the same bits. (A sum of compressed
+  payloads means nothing, hence all-gather rather than all-reduce.)
+- `fp16`, `bf16`: PyTorch's half-precision all-reduce hooks.
+- `powersgd`: PyTorch's `powerSGD_hook`, its state kept by parameter (`powersgd`).
+
+Each hook records per step the dense bytes, the payload bytes this rank hands to the
+collective, the tensors that went uncompressed and the seconds spent compressing, in a
+thread-safe `CompressionStats`. A hook's `state_dict` is tensors only, with the same names
+and shapes on every rank, for a `weights_only` checkpoint of every rank's state.
+
+Call order: `build_ddp_hook`, then register `run_hook` with the built hook as its state,
+before the first forward; `stats.drain()` after each step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import astuple, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, fp16_compress_hook
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
+
+from disttrain.compression.compressor import Compressor
+from disttrain.compression.powersgd import PowerSGDBuckets
+from disttrain.config import CompressionConfig
+
+Future = torch.futures.Future
+
+
+@dataclass
+class CompressionSample:
+    """What the hooks did over some steps."""
+
+    bytes_dense: int = 0
+    bytes_sent: int = 0
+    dense_segments: int = 0
+    seconds: float = 0.0
+
+    def scalars(self) -> dict[str, float]:
+        """The step's figures under their metric keys."""
+        return {"compression/bytes_dense": self.bytes_dense, "compression/bytes_sent": self.bytes_sent,
+                "compression/dense_segments": self.dense_segments, "time/compression_s": self.seconds}
+
+
+class CompressionStats:
+    """Counts of the hooks, per step and since the run started (a resumed run goes on
+    counting). Thread-safe: hooks encode on the autograd thread and decode on the
+    backend's."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._step = CompressionSample()
+        self._totals = CompressionSample()
+
+    def record(self, bytes_dense: int = 0, bytes_sent: int = 0, dense_segments: int = 0,
+               seconds: float = 0.0) -> None:
+        with self._lock:
+            for sample in (self._step, self._totals):
+                sample.bytes_dense += bytes_dense
+                sample.bytes_sent += bytes_sent
+                sample.dense_segments += dense_segments
+                sample.seconds += seconds
+
+    def drain(self) -> CompressionSample:
+        """What was recorded since the last drain; call after each step (all futures done)."""
+        with self._lock:
+            sample, self._step = self._step, CompressionSample()
+        return sample
+
+    def totals(self) -> CompressionSample:
+        with self._lock:
+            return CompressionSample(*astuple(self._totals))
+
+    def state_dict(self) -> torch.Tensor:
+        return torch.tensor(astuple(self.totals()), dtype=torch.float64)  # exact below 2**53 bytes
+
+    def load_state_dict(self, totals: torch.Tensor) -> None:
+        dense, sent, segments, seconds = totals.tolist()
+        with self._lock:
+            self._totals = CompressionSample(int(dense), int(sent), int(segments), seconds)
+
+
+class CompressionHook:
+    """A scheme's hook with its state; subclasses define `hook`, `_state` and `_load`."""
+
+    def __init__(self, scheme: str, names: Mapping[int, str]):
+        self.scheme = scheme
+        self.names = names  # id(parameter) -> its name in the model
+        self.stats = CompressionStats()
+
+    def hook(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+        raise NotImplementedError
+
+    def gradients(self, bucket: dist.GradBucket) -> list[tuple[str, torch.Tensor]]:
+        """The bucket's gradients (views into its buffer), in order, with their parameters' names."""
+        return [(self.names[id(parameter)], gradient)
+                for parameter, gradient in zip(bucket.parameters(), bucket.gradients(), strict=True)]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's state: tensors named `<scheme>/...`, the same on every rank but values."""
+        state = {"totals": self.stats.state_dict(), **self._state()}
+        return {f"{self.scheme}/{name}": value for name, value in state.items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore this rank's state.
+
+        Raises:
+            ValueError: the state was written with another scheme (or without compression).
+        """
+        prefix = f"{self.scheme}/"
+        if f"{prefix}totals" not in state:
+            written = next(iter(state), "none/").split("/")[0]
+            raise ValueError(f"the checkpoint was written with {written} compression and this run uses "
+                             f"{self.scheme}; resume with compression.type={written}")
+        own = {name[len(prefix):]: value for name, value in state.items() if name.startswith(prefix)}
+        self.stats.load_state_dict(own.pop("totals"))
+        self._load(own)
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def _load(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+
+def run_hook(state: CompressionHook, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """The DDP communication hook of every scheme: `state` is what `build_ddp_hook` built."""
+    return state.hook(bucket)
+
+
+class GatherHook(CompressionHook):
+    """quantization, topk: encode, all-gather the payloads, decode and average them all."""
+
+    def __init__(self, compressor: Compressor, names: Mapping[int, str]):
+        super().__init__(compressor.scheme, names)
+        self.compressor = compressor
+
+    def hook(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+        started = time.perf_counter()
+        buffer = bucket.buffer()
+        segments = [(name, gradient.numel()) for name, gradient in self.gradients(bucket)]
+        encoded = self.compressor.encode(buffer.detach().cpu(), segments)
+        # Committed at once: a payload handed to the collective is never refused in DDP, and
+        # a failed collective ends the run, which resumes from a checkpoint before this step.
+        self.compressor.commit(encoded)
+        payload = torch.frombuffer(bytearray(encoded.data), dtype=torch.uint8).to(buffer.device)
+        self.stats.record(encoded.dense_bytes, encoded.nbytes, encoded.dense_segments,
+                          time.perf_counter() - started)
+        parts = [torch.empty_like(payload) for _ in range(dist.get_world_size())]
+        gathered = dist.all_gather(parts, payload, async_op=True).get_future()
+
+        def average(_: Future) -> torch.Tensor:
+            started = time.perf_counter()
+            total = torch.zeros(buffer.numel(), dtype=buffer.dtype)
+            scratch = torch.empty_like(total)
+            for part in parts:  # in rank order: every rank adds the same numbers the same way
+                self.compressor.decode(memoryview(part.cpu().numpy()), segments, scratch)
+                total += scratch
+            buffer.copy_(total.div_(len(parts)))
+            self.stats.record(seconds=time.perf_counter() - started)
+            return buffer
+
+        return gathered.then(average)
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        state = self.compressor.state_dict()
+        tensors = {f"residual/{name}": value for name, value in state["residuals"].items()}
+        tensors["counters"] = torch.tensor(state["counters"], dtype=torch.float64)
+        if "generator" in state:
+            tensors["generator"] = words(state["generator"])
+        return tensors
+
+    def _load(self, state: dict[str, torch.Tensor]) -> None:
+        residuals = {name[len("residual/"):]: value for name, value in state.items()
+                     if name.startswith("residual/")}
+        loaded: dict[str, Any] = {"scheme": self.scheme, "residuals": residuals,
+                                  "counters": state["counters"].tolist()}
+        if "generator" in state:
+            loaded["generator"] = from_words(state["generator"])
+        self.compressor.load_state_dict(loaded)
+
+
+# A generator's state holds integers of up to 128 bits (PCG64's); a tensor holds 64.
+WORD_BITS, WORDS_PER_INT = 32, 4
+
+
+def words(values: list[int]) -> torch.Tensor:
+    """Non-negative integers below 2**128 as a tensor of 32-bit words, four per integer."""
+    if any(not 0 <= v < 2 ** (WORD_BITS * WORDS_PER_INT) for v in values):
+        raise ValueError(f"generator state {values} holds an integer outside [0, 2**128)")
+    mask = (1 << WORD_BITS) - 1
+    return torch.tensor([(v >> (WORD_BITS * i)) & mask for v in values for i in range(WORDS_PER_INT)],
+                        dtype=torch.int64)
+
+
+def from_words(tensor: torch.Tensor) -> list[int]:
+    """The inverse of `words`."""
+    flat = [int(w) for w in tensor.tolist()]
+    return [sum(w << (WORD_BITS * i) for i, w in enumerate(flat[start:start + WORDS_PER_INT]))
+            for start in range(0, len(flat), WORDS_PER_INT)]
+
+
+class HalfPrecisionHook(CompressionHook):
+    """fp16, bf16: PyTorch's hooks, which divide by the world size, cast, and all-reduce."""
+
+    HOOKS = {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook}
+
+    def hook(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+        started = time.perf_counter()
+        buffer = bucket.buffer()
+        future = self.HOOKS[self.scheme](None, bucket)
+        # The cast happens before the hook returns; the cast back, in its future, is not timed.
+        self.stats.record(buffer.numel() * buffer.element_size(), buffer.numel() * 2, 0,
+                          time.perf_counter() - started)
+        return future
+
+
+class PowerSGDHook(CompressionHook):
+    """powersgd: PyTorch's `powerSGD_hook` on state that follows DDP's buckets.
+
+    On gloo one bucket's PowerSGD is in flight at a time: the hook's callbacks run on
+    gloo's worker threads and wait there for the P and Q all-reduces they start, so two
+    buckets at once could take every worker thread and wait forever (and start their
+    collectives in a different order on different ranks). Each bucket waits for the one
+    before. NCCL runs the callbacks in line, in order, and needs no wait.
+    """
+
+    def __init__(self, section: CompressionConfig, seed: int, names: Mapping[int, str]):
+        super().__init__("powersgd", names)
+        self.buckets = PowerSGDBuckets(section, seed)
+        self.in_flight: Future[torch.Tensor] | None = None
+
+    def hook(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+        if self.in_flight is not None:
+            self.in_flight.wait()
+        started = time.perf_counter()
+        buffer = bucket.buffer()
+        layout = tuple((name, tuple(gradient.shape)) for name, gradient in self.gradients(bucket))
+        plan = self.buckets.fit(bucket.index(), layout, buffer)
+        compressing = self.buckets.compressing
+        future = powerSGD_hook(self.buckets.state, bucket)
+        # Bytes by the hook's own rule (`plan_bucket`): P and Q of each compressed matrix,
+        # the rest all-reduced as it is; the first iterations all-reduce the whole bucket.
+        # Counted once each, like comm/bytes_allreduced, though a ring sends about twice that.
+        # Dense tensors: those the rule leaves uncompressed as not worth it, at every step.
+        itemsize = buffer.element_size()
+        sent = sum(t.sent_numel for t in plan) if compressing else buffer.numel()
+        raw = sum(1 for t in plan if not t.rank)
+        # Timed: the error feedback, Q's start and P = MQ; the steps after each collective
+        # run in the hook's futures and are not.
+        self.stats.record(buffer.numel() * itemsize, sent * itemsize, raw, time.perf_counter() - started)
+        self.in_flight = None if dist.get_backend() == "nccl" else future
+        return future
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        return self.buckets.state_dict()
+
+    def _load(self, state: dict[str, torch.Tensor]) -> None:
+        self.buckets.load_state_dict(state)
+
+
+def build_ddp_hook(section: CompressionConfig, named_parameters: Iterable[tuple[str, nn.Parameter]],
+                   seed: int, rank_seed: int) -> CompressionHook:
+    """The hook and state of `section.type`.
+
+    Args:
+        named_parameters: the model's (the module DDP wraps); names key the state.
+        seed: the same on every rank (PowerSGD's random start of Q must agree).
+        rank_seed: this rank's own (quantization's stochastic rounding, drawn per rank).
+    Raises:
+        ValueError: an unknown compression type.
+    """
+    names = {id(parameter): name for name, parameter in named_parameters}
+    if section.type in ("quantization", "topk"):
+        return GatherHook(Compressor(section.type, section.ratio, section.error_feedback,
+                                     section.stochastic_rounding, rank_seed), names)
+    if section.type in HalfPrecisionHook.HOOKS:
+        return HalfPrecisionHook(section.type, names)
+    if section.type == "powersgd":
+        return PowerSGDHook(section, seed, names)
+    raise ValueError(f"compression.type: unknown type {section.type!r}; use quantization, topk, fp16, "
+                     "bf16 or powersgd")
