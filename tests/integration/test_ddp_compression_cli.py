@@ -1,8 +1,8 @@
 """`disttrain ddp --compression-enabled` from the command line: each scheme trains two
 ranks to the end, logs its bytes per step and sums them into the summary; a compressed
 run killed mid-epoch and resumed with `--resume` ends bit-identical to one never stopped
-(its compression state restored on every rank: top-k residuals, PowerSGD's error
-feedback and warm start, across DDP cutting its buckets anew)."""
+(its compression state restored on every rank: top-k residuals, stochastic rounding's
+draws, PowerSGD's error feedback and warm start, across DDP cutting its buckets anew)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,10 @@ def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
     # Buckets of 50 kB (SimpleCNN holds 212 kB): the resumed run's first step has DDP's
     # one initial bucket, the others DDP's rebuilt ones, and PowerSGD's state follows.
     ("powersgd", ["--set", "ddp.bucket_cap_mb=0.05"]),
+    # Each tensor draws its rounding noise from (seed, name, payloads taken): the order
+    # DDP's buckets come in does not matter.
+    pytest.param("quantization", ["--stochastic-rounding", "--set", "ddp.bucket_cap_mb=0.05"],
+                 marks=pytest.mark.slow),
 ])
 def test_killed_compressed_run_resumes_bit_identical(cli, tmp_path, scheme, buckets):
     args = [*RESUMABLE, *compress(scheme), "--compression-ratio", 0.05, *buckets]

@@ -178,8 +178,8 @@ class GatherHook(CompressionHook):
         state = self.compressor.state_dict()
         tensors = {f"residual/{name}": value for name, value in state["residuals"].items()}
         tensors["counters"] = torch.tensor(state["counters"], dtype=torch.float64)
-        if "generator" in state:
-            tensors["generator"] = words(state["generator"])
+        tensors.update({f"draws/{name}": torch.tensor(count, dtype=torch.int64)
+                        for name, count in state.get("draws", {}).items()})
         return tensors
 
     def _load(self, state: dict[str, torch.Tensor]) -> None:
@@ -187,29 +187,9 @@ class GatherHook(CompressionHook):
                      if name.startswith("residual/")}
         loaded: dict[str, Any] = {"scheme": self.scheme, "residuals": residuals,
                                   "counters": state["counters"].tolist()}
-        if "generator" in state:
-            loaded["generator"] = from_words(state["generator"])
+        loaded["draws"] = {name[len("draws/"):]: int(value) for name, value in state.items()
+                           if name.startswith("draws/")}
         self.compressor.load_state_dict(loaded)
-
-
-# A generator's state holds integers of up to 128 bits (PCG64's); a tensor holds 64.
-WORD_BITS, WORDS_PER_INT = 32, 4
-
-
-def words(values: list[int]) -> torch.Tensor:
-    """Non-negative integers below 2**128 as a tensor of 32-bit words, four per integer."""
-    if any(not 0 <= v < 2 ** (WORD_BITS * WORDS_PER_INT) for v in values):
-        raise ValueError(f"generator state {values} holds an integer outside [0, 2**128)")
-    mask = (1 << WORD_BITS) - 1
-    return torch.tensor([(v >> (WORD_BITS * i)) & mask for v in values for i in range(WORDS_PER_INT)],
-                        dtype=torch.int64)
-
-
-def from_words(tensor: torch.Tensor) -> list[int]:
-    """The inverse of `words`."""
-    flat = [int(w) for w in tensor.tolist()]
-    return [sum(w << (WORD_BITS * i) for i, w in enumerate(flat[start:start + WORDS_PER_INT]))
-            for start in range(0, len(flat), WORDS_PER_INT)]
 
 
 class HalfPrecisionHook(CompressionHook):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+COMPRESSED = "ps (compression on), ddp (compression on)"
+
 # How a logged value relates to the steps it covers.
 WINDOW = "window"          # over the steps since the previous record
 PER_STEP = "per step"      # the mean per step over the steps since the previous record
@@ -56,18 +58,18 @@ METRICS: dict[str, Metric] = {m.key: m for m in [
     Metric("comm/bytes_allreduced", "bytes", PER_STEP, "gradient bytes this rank handed to "
            "all-reduce", "ddp"),
     Metric("compression/bytes_dense", "bytes", PER_STEP, "gradient bytes before compression: "
-           "what the same step sends uncompressed", "ps, ddp (compression on)"),
+           "what the same step sends uncompressed", COMPRESSED),
     Metric("compression/bytes_sent", "bytes", PER_STEP, "gradient payload bytes after compression, "
            "metadata and indices counted (DDP: what this rank contributes to each collective)",
-           "ps, ddp (compression on)"),
+           COMPRESSED),
     Metric("compression/ratio", "ratio", WINDOW, "`compression/bytes_dense` / `compression/bytes_sent` "
-           "over the window", "ps, ddp (compression on)"),
+           "over the window", COMPRESSED),
     Metric("compression/dense_segments", "tensors", PER_STEP, "tensors sent uncompressed because "
            "compressing them would not have saved bytes (tiny tensors, a ratio near 1)",
-           "ps, ddp (compression on)"),
+           COMPRESSED),
     Metric("time/compression_s", "s", PER_STEP, "time spent compressing gradients and decoding "
            "payloads (PS: the worker's encoding, before its push; DDP: inside the communication "
-           "hooks, partly while the backward pass still computes)", "ps, ddp (compression on)"),
+           "hooks, partly while the backward pass still computes)", COMPRESSED),
     Metric("ps/staleness", "versions", PER_STEP, "updates the servers had applied since the "
            "parameters a pushed gradient was computed on (the largest over shards)", "ps"),
     Metric("ps/rejected_pushes", "pushes", PER_STEP, "ssp: pushes a shard rejected as too stale "
