@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -67,12 +67,22 @@ class Encoded:
 
 @dataclass
 class Counters:
-    """Totals since the run started (a resumed run goes on counting)."""
+    """Bytes before and after compression, tensors sent raw, seconds spent: a compressor's
+    totals since the run started (a resumed run goes on counting), or one step's."""
 
     bytes_dense: int = 0
     bytes_sent: int = 0
     dense_segments: int = 0  # segment payloads sent raw because compressing would not pay
     seconds: float = 0.0
+
+    def since(self, earlier: Counters) -> Counters:
+        """What was counted after `earlier` (an earlier copy of these totals)."""
+        return Counters(*(now - then for now, then in zip(astuple(self), astuple(earlier), strict=True)))
+
+    def scalars(self) -> dict[str, float]:
+        """The figures under their metric keys."""
+        return {"compression/bytes_dense": self.bytes_dense, "compression/bytes_sent": self.bytes_sent,
+                "compression/dense_segments": self.dense_segments, "time/compression_s": self.seconds}
 
 
 class Compressor:

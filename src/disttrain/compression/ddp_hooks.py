@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import astuple, dataclass
+from dataclasses import astuple
 from typing import Any
 
 import torch
@@ -32,26 +32,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, fp16_compress_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 
-from disttrain.compression.compressor import Compressor
+from disttrain.compression.compressor import Compressor, Counters
 from disttrain.compression.powersgd import PowerSGDBuckets
 from disttrain.config import CompressionConfig
 
 Future = torch.futures.Future
-
-
-@dataclass
-class CompressionSample:
-    """What the hooks did over some steps."""
-
-    bytes_dense: int = 0
-    bytes_sent: int = 0
-    dense_segments: int = 0
-    seconds: float = 0.0
-
-    def scalars(self) -> dict[str, float]:
-        """The step's figures under their metric keys."""
-        return {"compression/bytes_dense": self.bytes_dense, "compression/bytes_sent": self.bytes_sent,
-                "compression/dense_segments": self.dense_segments, "time/compression_s": self.seconds}
 
 
 class CompressionStats:
@@ -61,8 +46,8 @@ class CompressionStats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._step = CompressionSample()
-        self._totals = CompressionSample()
+        self._step = Counters()
+        self._totals = Counters()
 
     def record(self, bytes_dense: int = 0, bytes_sent: int = 0, dense_segments: int = 0,
                seconds: float = 0.0) -> None:
@@ -73,15 +58,15 @@ class CompressionStats:
                 sample.dense_segments += dense_segments
                 sample.seconds += seconds
 
-    def drain(self) -> CompressionSample:
+    def drain(self) -> Counters:
         """What was recorded since the last drain; call after each step (all futures done)."""
         with self._lock:
-            sample, self._step = self._step, CompressionSample()
+            sample, self._step = self._step, Counters()
         return sample
 
-    def totals(self) -> CompressionSample:
+    def totals(self) -> Counters:
         with self._lock:
-            return CompressionSample(*astuple(self._totals))
+            return Counters(*astuple(self._totals))
 
     def state_dict(self) -> torch.Tensor:
         return torch.tensor(astuple(self.totals()), dtype=torch.float64)  # exact below 2**53 bytes
@@ -89,7 +74,7 @@ class CompressionStats:
     def load_state_dict(self, totals: torch.Tensor) -> None:
         dense, sent, segments, seconds = totals.tolist()
         with self._lock:
-            self._totals = CompressionSample(int(dense), int(sent), int(segments), seconds)
+            self._totals = Counters(int(dense), int(sent), int(segments), seconds)
 
 
 class CompressionHook:

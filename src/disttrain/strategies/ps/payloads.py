@@ -9,10 +9,11 @@ server refuses as too stale keeps the old residual, since the gradient is recomp
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
-from disttrain.compression import Compressor, Encoded, Segment
+from disttrain.compression import Compressor, Counters, Encoded, Segment
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.sharding import ShardPlan
 
@@ -31,7 +32,7 @@ class GradientEncoder:
         self.compressor = compressor
         self.plans = list(plans)
         self.segments = [shard_segments(plan) for plan in self.plans]
-        self._reported = (0, 0, 0)
+        self._reported = Counters()
 
     @property
     def scheme(self) -> str:
@@ -53,18 +54,15 @@ class GradientEncoder:
                 self.compressor.commit(payload)
 
     def scalars(self) -> dict[str, float]:
-        """Bytes before and after compression, and dense segments, since the last call."""
-        c = self.compressor.counters
-        now = (c.bytes_dense, c.bytes_sent, c.dense_segments)
-        dense, sent, segments = (a - b for a, b in zip(now, self._reported, strict=True))
-        self._reported = now
-        return {"compression/bytes_dense": dense, "compression/bytes_sent": sent,
-                "compression/dense_segments": segments}
+        """Bytes before and after compression, and dense segments, since the last call
+        (the time is the step timer's: the exchange times encoding as a phase)."""
+        now = replace(self.compressor.counters)
+        step, self._reported = now.since(self._reported), now
+        return {key: value for key, value in step.scalars().items() if not key.startswith("time/")}
 
     def state_dict(self) -> dict:
         return self.compressor.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.compressor.load_state_dict(state)
-        c = self.compressor.counters
-        self._reported = (c.bytes_dense, c.bytes_sent, c.dense_segments)
+        self._reported = replace(self.compressor.counters)
