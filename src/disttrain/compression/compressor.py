@@ -118,9 +118,10 @@ class Compressor:
         """How a payload is written: (name, elements, segments) of each block, in order.
 
         `topk` picks its k over the whole payload, so each tensor's share follows the size
-        of its gradients: on MNIST (SimpleCNN, 2 workers, 1 epoch, ratio 0.01) that lost
-        0.3 points of test accuracy where k per tensor lost 0.9. The other schemes write
-        each tensor on its own (quantization: its own int8 range).
+        of its gradients (k per tensor gave SimpleCNN's first convolution 3 of its 288
+        values a step, however large; in a simulation of two synchronous workers on MNIST
+        it lost 0.9 points of test accuracy where k over the payload lost 0.3). The other
+        schemes write each tensor on its own (quantization: its own int8 range).
         """
         if self.scheme == "topk" and len(segments) > 1:
             name = f"{segments[0][0]}..{segments[-1][0]}"
