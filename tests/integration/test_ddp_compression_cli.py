@@ -38,7 +38,7 @@ def steps_of(run_dir: Path, rank: int) -> list[dict]:
     ("quantization", (3.9, 4.0)),  # one byte per value, plus 8 per tensor
     ("topk", (30, 100)),           # 1% of the values, each with its index, plus 4 bytes per tensor
     ("powersgd", (1.5, 3)),        # steps 1-2 uncompressed, then rank-2 P and Q
-    ("fp16", (2, 2)),
+    pytest.param("fp16", (2, 2), marks=pytest.mark.slow),
     pytest.param("bf16", (2, 2), marks=pytest.mark.slow),
 ])
 def test_each_scheme_trains_and_counts_its_bytes(cli, tmp_path, scheme, ratio_range):
@@ -83,7 +83,7 @@ def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
     ("topk", []),
     # Buckets of 50 kB (SimpleCNN holds 212 kB): the resumed run's first step has DDP's
     # one initial bucket, the others DDP's rebuilt ones, and PowerSGD's state follows.
-    ("powersgd", ["--set", "ddp.bucket_cap_mb=0.05"]),
+    pytest.param("powersgd", ["--set", "ddp.bucket_cap_mb=0.05"], marks=pytest.mark.slow),
     # Each tensor draws its rounding noise from (seed, name, payloads taken): the order
     # DDP's buckets come in does not matter.
     pytest.param("quantization", ["--stochastic-rounding", "--set", "ddp.bucket_cap_mb=0.05"],

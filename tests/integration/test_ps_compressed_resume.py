@@ -53,7 +53,7 @@ def final_model(config: Config) -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("compression", [
     {"type": "topk", "ratio": 0.05},
-    {"type": "quantization", "stochastic_rounding": True},
+    pytest.param({"type": "quantization", "stochastic_rounding": True}, marks=pytest.mark.slow),
 ], ids=["topk-error-feedback", "quantization-stochastic"])
 def test_a_resumed_compressed_worker_ends_bit_identical(cli, tmp_path, compression):
     reference = make_config(tmp_path / "reference", compression)
