@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 
 from disttrain.compression import Compressor, InvalidPayload, topk_count
+from disttrain.compression.schemes import all_finite
 
 torch.set_num_threads(1)
 
@@ -203,3 +204,11 @@ def test_malformed_quantization_headers_are_refused(low, scale, message):
     payload = struct.pack("<ff", low, scale) + bytes(100)
     with pytest.raises(InvalidPayload, match=message):
         Compressor("quantization").decode(payload, [("w", 100)], torch.empty(100))
+
+
+def test_all_finite():
+    assert all_finite(torch.ones(10))
+    assert not all_finite(torch.tensor([1.0, float("nan")]))
+    assert not all_finite(torch.tensor([float("-inf")], dtype=torch.float16))
+    assert not all_finite(torch.tensor([float("inf")], dtype=torch.bfloat16))
+    assert all_finite(torch.tensor([3], dtype=torch.int64))

@@ -38,14 +38,6 @@ def test_decode_rejects_lengths_that_do_not_fit():
         codec.decode_tensor(b"", "complex64")
 
 
-def test_all_finite():
-    assert codec.all_finite(torch.ones(10))
-    assert not codec.all_finite(torch.tensor([1.0, float("nan")]))
-    assert not codec.all_finite(torch.tensor([float("-inf")], dtype=torch.float16))
-    assert not codec.all_finite(torch.tensor([float("inf")], dtype=torch.bfloat16))
-    assert codec.all_finite(torch.tensor([3], dtype=torch.int64))
-
-
 @pytest.mark.parametrize("numel", [0, 10, 300_000, 700_000])
 def test_frames_are_valid_protobuf_and_decode_back(numel):
     values = torch.randn(numel)

@@ -35,6 +35,7 @@ from disttrain.compression.schemes import (
     goes_dense,
     segment_nbytes,
 )
+from disttrain.config import CompressionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,12 @@ class Compressor:
         self.residuals: dict[str, torch.Tensor] = {}
         self.counters = Counters()
         self._told_dense: set[str] = set()
+
+    @classmethod
+    def from_config(cls, section: CompressionConfig, seed: int) -> Compressor:
+        """The compressor a run's `compression` section asks for (a payload scheme, not
+        powersgd); `seed` seeds stochastic rounding: pass each process its own."""
+        return cls(section.type, section.ratio, section.error_feedback, section.stochastic_rounding, seed)
 
     def blocks(self, segments: Sequence[Segment]) -> list[tuple[str, int, list[Segment]]]:
         """How a payload is written: (name, elements, segments) of each block, in order.

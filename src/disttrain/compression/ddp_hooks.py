@@ -249,8 +249,7 @@ def build_ddp_hook(section: CompressionConfig, named_parameters: Iterable[tuple[
     """
     names = {id(parameter): name for name, parameter in named_parameters}
     if section.type in ("quantization", "topk"):
-        return GatherHook(Compressor(section.type, section.ratio, section.error_feedback,
-                                     section.stochastic_rounding, rank_seed), names)
+        return GatherHook(Compressor.from_config(section, rank_seed), names)
     if section.type in HalfPrecisionHook.HOOKS:
         return HalfPrecisionHook(section.type, names)
     if section.type == "powersgd":

@@ -94,7 +94,8 @@ def _frombuffer(data: memoryview, dtype: torch.dtype, count: int, offset: int) -
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN or infinity (numpy checks float32 some twenty times faster than torch on CPU)."""
+    """No NaN or infinity (integers always pass; numpy checks float32 some twenty times
+    faster than torch does on CPU)."""
     if tensor.dtype in (torch.float32, torch.float64, torch.float16):
         return bool(np.isfinite(tensor.numpy()).all())
     return bool(torch.isfinite(tensor).all())

@@ -33,8 +33,6 @@ DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8, "uint8": torch.uint8,
 }
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-# numpy can check these for NaN/inf much faster than torch.isfinite on CPU.
-_NUMPY_FLOATS = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
 
 _WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
 _TENSOR_DATA_FIELD = 1
@@ -99,15 +97,6 @@ def decode_tensor(data: Any, dtype: str | torch.dtype, shape: tuple[int, ...] | 
     if not _LITTLE_ENDIAN_HOST and itemsize > 1:
         flat = torch.from_numpy(flat.numpy().byteswap())
     return flat if shape is None else flat.view(shape)
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """True when no element is NaN or infinite (integers always are)."""
-    if not tensor.dtype.is_floating_point:
-        return True
-    if tensor.dtype in _NUMPY_FLOATS:
-        return bool(np.isfinite(tensor.numpy()).all())
-    return bool(torch.isfinite(tensor).all())
 
 
 # ----------------------------------------------------------------------------------------

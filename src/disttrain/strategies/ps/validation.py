@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from disttrain.compression import Compressor, InvalidPayload
+from disttrain.compression.schemes import all_finite
 from disttrain.config import CompressionConfig
-from disttrain.strategies.ps.codec import Payload, all_finite, decode_chunks, to_dtype
+from disttrain.strategies.ps.codec import Payload, decode_chunks, to_dtype
 from disttrain.strategies.ps.payloads import shard_segments
 from disttrain.strategies.ps.sharding import ShardPlan, TensorSlice
 from disttrain.strategies.ps.wire import plan_layout

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from disttrain import compression
+from disttrain.compression import Compressor
 from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import CheckpointError
@@ -177,7 +177,7 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
         seed_training(training.seed, rank)
         encoder = None
         if config.compression.enabled:
-            compressor = compression.from_config(config.compression, training_seed(training.seed, rank))
+            compressor = Compressor.from_config(config.compression, training_seed(training.seed, rank))
             encoder = GradientEncoder(compressor, client.plans)
         exchange = make_exchange(assignment.aggregation_mode, client, worker_id, flat, grads,
                                  assignment.staleness, encoder)
