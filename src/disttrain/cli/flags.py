@@ -99,9 +99,9 @@ def add_training_flags(parser: argparse.ArgumentParser,
     add_config_flags(parser, flags or {})
 
 
-def not_used_yet_epilog() -> str:
+def not_used_yet_epilog() -> str | None:
     lines = [f"  {key}: {why}" for key, why in not_used_yet().items()]
-    return "config keys accepted but not acted on yet:\n" + "\n".join(lines)
+    return "config keys accepted but not acted on yet:\n" + "\n".join(lines) if lines else None
 
 
 def _fault(text: str):

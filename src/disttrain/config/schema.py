@@ -45,7 +45,6 @@ POSITIVE = _rule(lambda v: v > 0, "must be > 0")
 NON_NEGATIVE = _rule(lambda v: v >= 0, "must be >= 0")
 NON_EMPTY = _rule(lambda v: bool(v.strip()), "must not be empty")
 OPTIONAL_POSITIVE = _rule(lambda v: v is None or v > 0, "must be a positive integer or null (all)")
-HEARTBEAT_LATER = "validated; heartbeats start with the coordinator (not yet)"
 
 
 @dataclass(frozen=True)
@@ -118,17 +117,33 @@ class CompressionConfig:
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    """Failure detection by heartbeat (earlier configs' `system.heartbeat_*` keys)."""
+    """Failure detection by heartbeat and recovery (earlier configs' `system.heartbeat_*` keys)."""
 
-    heartbeat_interval: float = field(default=1.0, metadata={**POSITIVE, "not_used_yet": HEARTBEAT_LATER})
-    heartbeat_timeout: float = field(default=5.0, metadata={**POSITIVE, "not_used_yet": HEARTBEAT_LATER})
+    # Seconds between two heartbeats of every process.
+    heartbeat_interval: float = field(default=1.0, metadata=POSITIVE)
+    # Seconds without a heartbeat after which a process is declared failed.
+    heartbeat_timeout: float = field(default=5.0, metadata=POSITIVE)
+    # How often one process is restarted after failures before the run stops.
+    max_restarts: int = field(default=3, metadata=NON_NEGATIVE)
+    # A node whose step time exceeds the median of its role by this factor is a straggler.
+    straggler_factor: float = field(default=2.0, metadata=_rule(lambda v: v > 1, "must be > 1"))
+    # HOST:PORT of a running coordinator (`disttrain coordinator`); empty: `disttrain ps`
+    # starts its own, and `ps-server` / `ps-worker` run without one.
+    address: str = ""
 
     def cross_problems(self, name: Callable[[str], str]) -> list[str]:
         """Problems between keys; `name(key)` is the key as the user spelled it."""
+        problems = []
         if self.heartbeat_timeout <= self.heartbeat_interval:
-            return [f"{name('heartbeat_timeout')}: {self.heartbeat_timeout} must be greater than "
-                    f"{name('heartbeat_interval')} ({self.heartbeat_interval})"]
-        return []
+            problems.append(f"{name('heartbeat_timeout')}: {self.heartbeat_timeout} must be greater "
+                            f"than {name('heartbeat_interval')} ({self.heartbeat_interval})")
+        if self.address:
+            try:
+                split_host_port(self.address)
+            except ValueError:
+                problems.append(f"{name('address')}: {self.address!r} must look like HOST:PORT, "
+                                "e.g. node0.example.com:50050")
+        return problems
 
 
 @dataclass(frozen=True)

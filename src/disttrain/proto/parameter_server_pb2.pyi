@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GradientMessage(_message.Message):
-    __slots__ = ("worker_id", "step", "compressed", "compression_type", "base_version", "block_id", "shard", "num_samples", "layout", "payload", "shared_memory")
+    __slots__ = ("worker_id", "step", "compressed", "compression_type", "base_version", "block_id", "shard", "num_samples", "layout", "payload", "shared_memory", "generation", "epoch", "last_in_epoch", "redo")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMPRESSED_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,10 @@ class GradientMessage(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAST_IN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REDO_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     step: int
     compressed: bool
@@ -32,10 +36,14 @@ class GradientMessage(_message.Message):
     layout: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.SliceSpec]
     payload: _tensor_pb2.TensorProto
     shared_memory: bool
-    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., base_version: _Optional[int] = ..., block_id: _Optional[int] = ..., shard: _Optional[int] = ..., num_samples: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+    generation: int
+    epoch: int
+    last_in_epoch: bool
+    redo: bool
+    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., base_version: _Optional[int] = ..., block_id: _Optional[int] = ..., shard: _Optional[int] = ..., num_samples: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., shared_memory: _Optional[bool] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ..., last_in_epoch: _Optional[bool] = ..., redo: _Optional[bool] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("outcome", "version", "staleness")
+    __slots__ = ("outcome", "version", "staleness", "incarnation")
     class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         APPLIED: _ClassVar[PushReply.Outcome]
@@ -43,33 +51,39 @@ class PushReply(_message.Message):
         STALE: _ClassVar[PushReply.Outcome]
         LATE: _ClassVar[PushReply.Outcome]
         DUPLICATE: _ClassVar[PushReply.Outcome]
+        ROLLED_BACK: _ClassVar[PushReply.Outcome]
     APPLIED: PushReply.Outcome
     BUFFERED: PushReply.Outcome
     STALE: PushReply.Outcome
     LATE: PushReply.Outcome
     DUPLICATE: PushReply.Outcome
+    ROLLED_BACK: PushReply.Outcome
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     outcome: PushReply.Outcome
     version: int
     staleness: int
-    def __init__(self, outcome: _Optional[_Union[PushReply.Outcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, outcome: _Optional[_Union[PushReply.Outcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class ParameterRequest(_message.Message):
-    __slots__ = ("worker_id", "min_version", "shard", "shared_memory")
+    __slots__ = ("worker_id", "min_version", "shard", "shared_memory", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     min_version: int
     shard: int
     shared_memory: bool
-    def __init__(self, worker_id: _Optional[str] = ..., min_version: _Optional[int] = ..., shard: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, worker_id: _Optional[str] = ..., min_version: _Optional[int] = ..., shard: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class ParameterMessage(_message.Message):
-    __slots__ = ("version", "shard", "layout", "payload", "compressed", "compression_type", "shared_memory")
+    __slots__ = ("version", "shard", "layout", "payload", "compressed", "compression_type", "shared_memory", "incarnation")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +91,7 @@ class ParameterMessage(_message.Message):
     COMPRESSED_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_TYPE_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     version: int
     shard: int
     layout: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.SliceSpec]
@@ -84,7 +99,8 @@ class ParameterMessage(_message.Message):
     compressed: bool
     compression_type: str
     shared_memory: bool
-    def __init__(self, version: _Optional[int] = ..., shard: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, version: _Optional[int] = ..., shard: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker_id", "requested_rank", "hostname", "pid", "shared_memory")
@@ -111,7 +127,7 @@ class SharedMemoryOffer(_message.Message):
     def __init__(self, gradient_path: _Optional[str] = ..., parameter_path: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class WorkerAssignment(_message.Message):
-    __slots__ = ("rank", "world_size", "worker_id", "shard", "num_shards", "aggregation_mode", "staleness", "version", "layout", "dtype", "shared_memory")
+    __slots__ = ("rank", "world_size", "worker_id", "shard", "num_shards", "aggregation_mode", "staleness", "version", "layout", "dtype", "shared_memory", "incarnation")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +139,7 @@ class WorkerAssignment(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     worker_id: str
@@ -134,7 +151,8 @@ class WorkerAssignment(_message.Message):
     layout: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.SliceSpec]
     dtype: str
     shared_memory: SharedMemoryOffer
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., aggregation_mode: _Optional[str] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., dtype: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., aggregation_mode: _Optional[str] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., dtype: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class WorkerDoneRequest(_message.Message):
     __slots__ = ("worker_id",)
@@ -171,7 +189,7 @@ class BarrierReply(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("shard", "num_shards", "version", "world_size", "num_registered", "num_done", "num_applied", "num_rejected_stale", "num_dropped_late", "num_duplicates", "num_invalid", "staleness_histogram", "round_wait_s", "aggregation_mode", "num_samples_applied")
+    __slots__ = ("shard", "num_shards", "version", "world_size", "num_registered", "num_done", "num_applied", "num_rejected_stale", "num_dropped_late", "num_duplicates", "num_invalid", "staleness_histogram", "round_wait_s", "aggregation_mode", "num_samples_applied", "num_samples_duplicate", "num_blocks_applied", "num_fenced", "incarnation", "generation")
     class StalenessHistogramEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +212,11 @@ class ShardStatus(_message.Message):
     ROUND_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    NUM_FENCED_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     version: int
@@ -209,4 +232,23 @@ class ShardStatus(_message.Message):
     round_wait_s: float
     aggregation_mode: str
     num_samples_applied: int
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., world_size: _Optional[int] = ..., num_registered: _Optional[int] = ..., num_done: _Optional[int] = ..., num_applied: _Optional[int] = ..., num_rejected_stale: _Optional[int] = ..., num_dropped_late: _Optional[int] = ..., num_duplicates: _Optional[int] = ..., num_invalid: _Optional[int] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., round_wait_s: _Optional[float] = ..., aggregation_mode: _Optional[str] = ..., num_samples_applied: _Optional[int] = ...) -> None: ...
+    num_samples_duplicate: int
+    num_blocks_applied: int
+    num_fenced: int
+    incarnation: int
+    generation: int
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., world_size: _Optional[int] = ..., num_registered: _Optional[int] = ..., num_done: _Optional[int] = ..., num_applied: _Optional[int] = ..., num_rejected_stale: _Optional[int] = ..., num_dropped_late: _Optional[int] = ..., num_duplicates: _Optional[int] = ..., num_invalid: _Optional[int] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., round_wait_s: _Optional[float] = ..., aggregation_mode: _Optional[str] = ..., num_samples_applied: _Optional[int] = ..., num_samples_duplicate: _Optional[int] = ..., num_blocks_applied: _Optional[int] = ..., num_fenced: _Optional[int] = ..., incarnation: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class LedgerRequest(_message.Message):
+    __slots__ = ("first_block", "end_block")
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    END_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    first_block: int
+    end_block: int
+    def __init__(self, first_block: _Optional[int] = ..., end_block: _Optional[int] = ...) -> None: ...
+
+class LedgerReply(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -50,6 +50,7 @@ METHODS = {
     "GetStatus": ("unary_unary", pb.StatusRequest, pb.ShardStatus),
     "Shutdown": ("unary_unary", pb.ShutdownRequest, pb.ShardStatus),
     "Barrier": ("unary_unary", pb.BarrierRequest, pb.BarrierReply),
+    "GetLedger": ("unary_unary", pb.LedgerRequest, pb.LedgerReply),
 }
 
 
