@@ -1,0 +1,284 @@
+"""Who is in the run and who is alive: the coordinator's decisions, with no I/O.
+
+Every method takes the time as `now` (monotonic seconds of the caller's clock), so tests
+step a fake clock by hand. The gRPC service, the registry and the monitor thread live
+elsewhere; they call in here and persist what changed (`take_events`, `to_rows`).
+
+Rules:
+- A node is declared failed once it has been silent for more than `heartbeat_timeout_s`
+  (`check`), or at once when its supervisor reports a non-zero exit (`exited`).
+- A node registering again after a failure, or after its old process went silent
+  (another pid, no heartbeat within the timeout), rejoins: `restarts` += 1. A live node's
+  id claimed by another process is refused (`DuplicateNode`).
+- Every membership change (join, rejoin, failure, done) starts a new `generation`.
+- A straggler is a live node whose step time exceeds `straggler_factor` times the median
+  step time of the other live nodes of its role.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from disttrain.core.errors import DisttrainError
+
+ROLES = ("worker", "server", "rank", "coordinator")
+ALIVE, FAILED, DONE = "alive", "failed", "done"
+EVENT_KINDS = ("joined", "failed", "restarted", "recovered", "done", "straggler")
+# Node fields holding times of the caller's monotonic clock; rows hold them as wall time.
+CLOCK_FIELDS = ("last_heartbeat", "last_seen", "failed_at", "last_heard")
+
+
+class DuplicateNode(DisttrainError):
+    """Another live process already holds this node id. Not recoverable by retrying:
+    stop the other process or pick another id."""
+
+
+class UnknownNode(DisttrainError):
+    """A heartbeat from a node id never registered (e.g. the coordinator restarted without
+    its registry). Recoverable: register again."""
+
+
+@dataclass
+class Node:
+    """One process of the run as the coordinator sees it."""
+
+    node_id: str
+    role: str
+    rank: int = -1
+    address: str = ""
+    hostname: str = ""
+    pid: int = 0
+    capabilities: dict[str, Any] = field(default_factory=dict)  # cpus, memory_bytes, gpu
+    state: str = ALIVE
+    joined_generation: int = 0
+    restarts: int = 0
+    last_heartbeat: float | None = None  # None: no heartbeat since it (re)registered
+    last_seen: float | None = None  # its latest registration or heartbeat
+    epoch: int = 0
+    step: int = 0
+    throughput: float = 0.0
+    step_time_s: float = 0.0
+    straggler: bool = False
+    # Failure bookkeeping, for the recovery figures.
+    failed_at: float | None = None  # when the failure was detected
+    last_heard: float | None = None  # its last heartbeat before that (None: exit reported)
+    failure_reason: str = ""
+    recovering: bool = False  # registered again after a failure; waiting for a heartbeat
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something that happened to a node. `time` is on the clock of the `now` it came from
+    until `take_events` shifts it (e.g. onto the wall clock)."""
+
+    node_id: str
+    kind: str
+    detail: str
+    generation: int
+    time: float = 0.0
+
+
+class Membership:
+    """The run's nodes, their liveness and the membership generation.
+
+    Args:
+        heartbeat_timeout_s: silence after which a live node is declared failed.
+        straggler_factor: how much slower than its role's median a straggler is (> 1).
+    """
+
+    def __init__(self, heartbeat_timeout_s: float, straggler_factor: float = 2.0):
+        if heartbeat_timeout_s <= 0 or straggler_factor <= 1:
+            raise ValueError("heartbeat_timeout_s must be > 0 and straggler_factor > 1")
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.straggler_factor = straggler_factor
+        self.generation = 0
+        self._nodes: dict[str, Node] = {}
+        self._pending: list[Event] = []
+        self._recoveries: list[dict[str, Any]] = []
+
+    # -- changes -------------------------------------------------------------------
+
+    def register(self, node_id: str, role: str, now: float, rank: int = -1, address: str = "",
+                 hostname: str = "", pid: int = 0, capabilities: dict[str, Any] | None = None) -> Node:
+        """Join, rejoin after a failure or restart, or repeat a registration (same pid: no change).
+
+        Raises:
+            ValueError: an empty id or an unknown role.
+            DuplicateNode: a live process with another pid, heard within the timeout, holds the id.
+        """
+        if not node_id:
+            raise ValueError("node id is empty; give every process a unique id, e.g. worker-0")
+        if role not in ROLES:
+            raise ValueError(f"role {role!r} is unknown; use one of {', '.join(ROLES)}")
+        node = self._nodes.get(node_id)
+        if node is not None and node.state == ALIVE and node.pid == pid:
+            node.last_seen = now
+            return node
+        if node is not None and node.state == ALIVE and not self._silent(node, now):
+            age = now - (node.last_seen or now)
+            raise DuplicateNode(
+                f"node id {node_id!r} is held by a live process (pid {node.pid}, heard "
+                f"{age:.1f}s ago); stop that process, or give this one another id")
+        details = dict(role=role, rank=rank, address=address, hostname=hostname, pid=pid,
+                       capabilities=dict(capabilities or {}))
+        if node is None:
+            node = self._nodes[node_id] = Node(node_id, **details)
+            self._change(node, ALIVE, "joined", f"{role} pid {pid} on {hostname or '?'}", now)
+        else:
+            self._rejoin(node, details, now)
+        node.joined_generation = self.generation
+        node.last_seen, node.last_heartbeat = now, None
+        return node
+
+    def _rejoin(self, node: Node, details: dict[str, Any], now: float) -> None:
+        if node.state == ALIVE:  # restarted before its silence was noticed
+            self._mark_failed(node, now, "restarted before its heartbeats were missed", node.last_seen)
+        was_failed = node.state == FAILED
+        for key, value in details.items():
+            setattr(node, key, value)
+        node.restarts += 1
+        node.recovering = was_failed
+        node.straggler, node.step_time_s, node.throughput = False, 0.0, 0.0
+        self._change(node, ALIVE, "restarted", f"restart {node.restarts}, pid {node.pid}", now)
+
+    def heartbeat(self, node_id: str, now: float, epoch: int = 0, step: int = 0,
+                  throughput: float = 0.0, step_time_s: float = 0.0, pid: int = 0) -> bool:
+        """Record a heartbeat. Returns False when the sender is considered dead (failed, or
+        an old process of a node that has since registered again): it must exit.
+
+        Raises:
+            UnknownNode: `node_id` never registered.
+        """
+        node = self._nodes.get(node_id)
+        if node is None:
+            raise UnknownNode(f"node {node_id!r} is not registered; register it first")
+        if node.state == FAILED or (pid and node.pid and pid != node.pid):
+            return False
+        node.epoch, node.step, node.throughput, node.step_time_s = epoch, step, throughput, step_time_s
+        node.last_heartbeat = node.last_seen = now
+        if node.recovering:
+            self._recovered(node, now)
+        return True
+
+    def _recovered(self, node: Node, now: float) -> None:
+        assert node.failed_at is not None
+        detect_s = 0.0 if node.last_heard is None else node.failed_at - node.last_heard
+        record = {"node_id": node.node_id, "detect_s": round(detect_s, 3),
+                  "recover_s": round(now - node.failed_at, 3), "reason": node.failure_reason}
+        self._recoveries.append(record)
+        node.recovering = False
+        detail = f"detect_s={record['detect_s']} recover_s={record['recover_s']} reason={node.failure_reason}"
+        self._emit(node, "recovered", detail, now)
+
+    def exited(self, node_id: str, code: int, reason: str, now: float) -> bool:
+        """A supervisor saw the node's process exit: code 0 -> done, else failed at once.
+        Returns False when the node is unknown. A node already failed or done is left as is."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return False
+        if node.state == ALIVE and code == 0:
+            self._change(node, DONE, "done", reason or "exit code 0", now)
+        elif node.state == ALIVE:
+            self._mark_failed(node, now, reason or f"exit code {code}", None)
+        return True
+
+    def check(self, now: float) -> list[Event]:
+        """Declare failed every live node silent for more than the timeout, and flag the
+        stragglers. Returns the events this produced (also queued for `take_events`)."""
+        found = []
+        for node in self._nodes.values():
+            if node.state == ALIVE and self._silent(node, now):
+                silent_s = now - (node.last_seen or now)
+                found.append(self._mark_failed(node, now, f"no heartbeat for {silent_s:.2f}s",
+                                               node.last_heartbeat or node.last_seen))
+        slow = self.stragglers()
+        for node in self._nodes.values():
+            if node.node_id in slow and not node.straggler:
+                detail = (f"step time {node.step_time_s:.3f}s, over {self.straggler_factor:g}x "
+                          "the median of its role")
+                found.append(self._emit(node, "straggler", detail, now))
+            node.straggler = node.node_id in slow
+        return found
+
+    def _silent(self, node: Node, now: float) -> bool:
+        return node.last_seen is not None and now - node.last_seen > self.heartbeat_timeout_s
+
+    def _mark_failed(self, node: Node, now: float, reason: str, last_heard: float | None) -> Event:
+        node.failed_at, node.last_heard, node.failure_reason = now, last_heard, reason
+        node.recovering = node.straggler = False
+        return self._change(node, FAILED, "failed", reason, now)
+
+    def _change(self, node: Node, state: str, kind: str, detail: str, now: float) -> Event:
+        node.state = state
+        self.generation += 1
+        return self._emit(node, kind, detail, now)
+
+    def _emit(self, node: Node, kind: str, detail: str, now: float) -> Event:
+        event = Event(node.node_id, kind, detail, self.generation, now)
+        self._pending.append(event)
+        return event
+
+    # -- views ---------------------------------------------------------------------
+
+    def get(self, node_id: str) -> Node | None:
+        return self._nodes.get(node_id)
+
+    def members(self) -> list[Node]:
+        """Every node ever registered, by role, rank and id."""
+        return sorted(self._nodes.values(), key=lambda n: (n.role, n.rank, n.node_id))
+
+    def stragglers(self) -> set[str]:
+        """Live nodes slower than `straggler_factor` x the median step time of the other
+        live nodes of their role (nodes with no step time yet left out; >= 2 needed)."""
+        slow = set()
+        for role in ROLES:
+            timed = [n for n in self._nodes.values()
+                     if n.role == role and n.state == ALIVE and n.step_time_s > 0]
+            for node in timed if len(timed) >= 2 else []:
+                others = statistics.median(n.step_time_s for n in timed if n is not node)
+                if node.step_time_s > self.straggler_factor * others:
+                    slow.add(node.node_id)
+        return slow
+
+    def recoveries(self) -> list[dict[str, Any]]:
+        """One record per recovery: node_id, detect_s, recover_s, reason."""
+        return [dict(r) for r in self._recoveries]
+
+    def take_events(self, clock_offset_s: float = 0.0) -> list[Event]:
+        """The events since the last call, oldest first, their times shifted by
+        `clock_offset_s` (wall clock - monotonic clock puts them on the wall clock)."""
+        events, self._pending = self._pending, []
+        return [Event(e.node_id, e.kind, e.detail, e.generation, e.time + clock_offset_s) for e in events]
+
+    # -- persistence ---------------------------------------------------------------
+
+    def to_rows(self, clock_offset_s: float = 0.0) -> list[dict[str, Any]]:
+        """Every node as a plain dict, its clock fields shifted by `clock_offset_s`."""
+        return [node_row(node, clock_offset_s) for node in self.members()]
+
+    def restore(self, rows: list[dict[str, Any]], generation: int, now: float,
+                clock_offset_s: float = 0.0) -> None:
+        """Load `to_rows` output (times shifted back by `clock_offset_s`). Every live node
+        gets a fresh timeout window from `now`: a restarted coordinator heard nobody yet."""
+        names = {f.name for f in fields(Node)}
+        self._nodes = {}
+        for row in rows:
+            node = Node(**{k: v for k, v in row.items() if k in names})
+            for name in CLOCK_FIELDS:
+                value = getattr(node, name)
+                setattr(node, name, None if value is None else value - clock_offset_s)
+            if node.state == ALIVE:
+                node.last_seen = now
+            self._nodes[node.node_id] = node
+        self.generation = generation
+
+
+def node_row(node: Node, clock_offset_s: float = 0.0) -> dict[str, Any]:
+    """`node` as a plain dict, its clock fields shifted by `clock_offset_s`."""
+    row = asdict(node)
+    for name in CLOCK_FIELDS:
+        if row[name] is not None:
+            row[name] += clock_offset_s
+    return row

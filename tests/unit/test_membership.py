@@ -1,0 +1,219 @@
+"""Membership rules with a fake clock: failure detection, exits, rejoins, duplicates,
+generations, stragglers, recovery figures and reloads."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from disttrain.coordinator.membership import DuplicateNode, Membership, UnknownNode
+
+TIMEOUT_S = 5.0
+
+
+@pytest.fixture
+def membership() -> Membership:
+    return Membership(heartbeat_timeout_s=TIMEOUT_S, straggler_factor=2.0)
+
+
+def kinds(membership: Membership) -> list[tuple[str, str]]:
+    return [(e.node_id, e.kind) for e in membership.take_events()]
+
+
+def test_a_silent_node_fails_exactly_after_the_timeout(membership):
+    membership.register("worker-0", "worker", now=0.0, pid=10)
+    membership.heartbeat("worker-0", now=1.0, pid=10)
+    assert membership.check(now=1.0 + TIMEOUT_S) == []
+    assert membership.get("worker-0").state == "alive"
+    failed = membership.check(now=1.0 + TIMEOUT_S + 0.001)
+    assert [(e.node_id, e.kind) for e in failed] == [("worker-0", "failed")]
+    assert membership.get("worker-0").state == "failed"
+    assert membership.check(now=100.0) == []  # declared once
+
+
+def test_a_node_that_never_heartbeats_fails_from_its_registration(membership):
+    membership.register("server-0", "server", now=10.0, pid=1)
+    assert membership.check(now=10.0 + TIMEOUT_S) == []
+    assert [e.kind for e in membership.check(now=10.0 + TIMEOUT_S + 0.1)] == ["failed"]
+
+
+def test_exit_code_zero_is_done_and_any_other_code_fails_at_once(membership):
+    membership.register("worker-0", "worker", now=0.0, pid=1)
+    membership.register("worker-1", "worker", now=0.0, pid=2)
+    assert membership.exited("worker-0", 0, "", now=1.0)
+    assert membership.exited("worker-1", -9, "killed by SIGKILL", now=1.0)
+    assert membership.get("worker-0").state == "done"
+    assert membership.get("worker-1").state == "failed"
+    assert membership.get("worker-1").failure_reason == "killed by SIGKILL"
+    assert not membership.exited("nobody", 1, "", now=1.0)
+    assert membership.check(now=100.0) == []  # done and failed nodes are not checked
+
+
+def test_a_failed_node_is_told_to_exit(membership):
+    membership.register("worker-0", "worker", now=0.0, pid=1)
+    membership.check(now=TIMEOUT_S + 1)
+    assert membership.heartbeat("worker-0", now=TIMEOUT_S + 2, pid=1) is False
+
+
+def test_rejoin_counts_restarts_and_starts_a_generation(membership):
+    membership.register("worker-0", "worker", now=0.0, pid=1)
+    membership.exited("worker-0", 1, "exit code 1", now=1.0)
+    generation = membership.generation
+    node = membership.register("worker-0", "worker", now=2.0, pid=2)
+    assert (node.state, node.restarts, node.pid) == ("alive", 1, 2)
+    assert membership.generation == generation + 1 == node.joined_generation
+    assert kinds(membership)[-1] == ("worker-0", "restarted")
+
+
+def test_a_new_process_replaces_a_silent_one_before_it_is_detected(membership):
+    membership.register("worker-0", "worker", now=0.0, pid=1)
+    node = membership.register("worker-0", "worker", now=TIMEOUT_S + 1, pid=2)
+    assert (node.restarts, node.pid) == (1, 2)
+    assert kinds(membership)[-2:] == [("worker-0", "failed"), ("worker-0", "restarted")]
+    assert membership.heartbeat("worker-0", now=TIMEOUT_S + 2, pid=1) is False  # the old process
+
+
+def test_a_live_id_claimed_by_another_process_is_refused(membership):
+    membership.register("worker-0", "worker", now=0.0, pid=1)
+    membership.heartbeat("worker-0", now=3.0, pid=1)
+    generation = membership.generation
+    with pytest.raises(DuplicateNode, match=r"worker-0.*pid 1.*another id"):
+        membership.register("worker-0", "worker", now=4.0, pid=2)
+    assert membership.generation == generation
+    assert membership.get("worker-0").pid == 1
+
+
+def test_registering_again_from_the_same_process_changes_nothing(membership):
+    first = membership.register("worker-0", "worker", now=0.0, pid=1)
+    generation = membership.generation
+    again = membership.register("worker-0", "worker", now=1.0, pid=1)
+    assert again is first and again.restarts == 0 and membership.generation == generation
+
+
+def test_heartbeat_from_an_unknown_node_says_register_first(membership):
+    with pytest.raises(UnknownNode, match="register"):
+        membership.heartbeat("ghost", now=0.0)
+
+
+def test_bad_ids_and_roles_are_refused(membership):
+    with pytest.raises(ValueError, match="empty"):
+        membership.register("", "worker", now=0.0)
+    with pytest.raises(ValueError, match="role 'boss'"):
+        membership.register("x", "boss", now=0.0)
+
+
+def test_every_membership_change_bumps_the_generation_and_heartbeats_do_not(membership):
+    assert membership.generation == 0
+    membership.register("a", "worker", now=0.0, pid=1)  # join
+    membership.register("b", "worker", now=0.0, pid=2)  # join
+    membership.heartbeat("a", now=1.0, pid=1, step=3)
+    assert membership.generation == 2
+    membership.exited("b", 0, "", now=2.0)  # done
+    membership.check(now=1.0 + TIMEOUT_S + 1)  # a fails
+    membership.register("a", "worker", now=20.0, pid=3)  # rejoin
+    assert membership.generation == 5
+    assert [e.generation for e in membership.take_events()] == [1, 2, 3, 4, 5]
+
+
+def step_times(membership: Membership, times: dict[str, float], role: str = "worker") -> None:
+    for pid, (node_id, step_time_s) in enumerate(times.items(), start=1):
+        membership.register(node_id, role, now=0.0, pid=pid)
+        membership.heartbeat(node_id, now=1.0, pid=pid, step_time_s=step_time_s)
+
+
+def test_stragglers_are_slower_than_the_factor_times_the_median(membership):
+    step_times(membership, {"w0": 0.10, "w1": 0.11, "w2": 0.12, "w3": 0.25})
+    assert membership.stragglers() == {"w3"}
+    events = [e for e in membership.check(now=2.0) if e.kind == "straggler"]
+    assert [e.node_id for e in events] == ["w3"] and membership.get("w3").straggler
+    assert membership.check(now=3.0) == []  # announced once
+
+
+def test_two_nodes_suffice_and_one_is_never_a_straggler(membership):
+    step_times(membership, {"w0": 0.1, "w1": 0.5})
+    assert membership.stragglers() == {"w1"}
+    lone = Membership(TIMEOUT_S, 2.0)
+    step_times(lone, {"w0": 5.0})
+    assert lone.stragglers() == set()
+
+
+def test_stragglers_compare_within_one_role(membership):
+    step_times(membership, {"w0": 0.1, "w1": 0.1})
+    step_times(membership, {"s0": 1.0, "s1": 1.1}, role="server")
+    assert membership.stragglers() == set()
+
+
+def test_recovery_figures_after_a_missed_heartbeat(membership):
+    membership.register("w0", "worker", now=0.0, pid=1)
+    membership.heartbeat("w0", now=2.0, pid=1)
+    membership.check(now=7.5)  # detected 5.5 s after the last heartbeat
+    membership.register("w0", "worker", now=9.0, pid=2)
+    assert membership.recoveries() == []  # not before its first heartbeat
+    membership.heartbeat("w0", now=10.0, pid=2)
+    assert membership.recoveries() == [{"node_id": "w0", "detect_s": 5.5, "recover_s": 2.5,
+                                        "reason": "no heartbeat for 5.50s"}]
+    recovered = [e for e in membership.take_events() if e.kind == "recovered"]
+    assert recovered[0].detail.startswith("detect_s=5.5 recover_s=2.5")
+
+
+def test_recovery_after_a_reported_exit_has_no_detection_delay(membership):
+    membership.register("w0", "worker", now=0.0, pid=1)
+    membership.exited("w0", -9, "killed by SIGKILL", now=3.0)
+    membership.register("w0", "worker", now=4.0, pid=2)
+    membership.heartbeat("w0", now=4.5, pid=2)
+    assert membership.recoveries() == [{"node_id": "w0", "detect_s": 0.0, "recover_s": 1.5,
+                                        "reason": "killed by SIGKILL"}]
+
+
+def test_a_finished_node_that_rejoins_is_no_recovery(membership):
+    membership.register("w0", "worker", now=0.0, pid=1)
+    membership.exited("w0", 0, "", now=1.0)
+    membership.register("w0", "worker", now=2.0, pid=2)
+    membership.heartbeat("w0", now=3.0, pid=2)
+    assert membership.recoveries() == []
+
+
+def test_a_reload_keeps_everything_and_gives_live_nodes_a_fresh_window(membership):
+    membership.register("w0", "worker", now=0.0, pid=1, capabilities={"cpus": 4})
+    membership.register("w1", "worker", now=0.0, pid=2)
+    membership.heartbeat("w0", now=1.0, pid=1, epoch=1, step=42, throughput=100.0)
+    membership.exited("w1", 1, "exit code 1", now=1.0)
+    rows = membership.to_rows(clock_offset_s=1000.0)
+    assert rows[0]["last_heartbeat"] == 1001.0  # on the wall clock
+
+    reloaded = Membership(TIMEOUT_S, 2.0)
+    reloaded.restore(rows, membership.generation, now=500.0, clock_offset_s=2000.0)
+    w0, w1 = reloaded.get("w0"), reloaded.get("w1")
+    assert (w0.state, w0.step, w0.epoch, w0.capabilities) == ("alive", 42, 1, {"cpus": 4})
+    assert w0.last_heartbeat == 1001.0 - 2000.0  # its true age is kept
+    assert w1.state == "failed" and reloaded.generation == membership.generation
+    assert reloaded.check(now=500.0 + TIMEOUT_S) == []  # a fresh window, not a mass failure
+    assert [e.node_id for e in reloaded.check(now=500.0 + TIMEOUT_S + 0.1)] == ["w0"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["register", "heartbeat", "exit", "check"]),
+                          st.integers(0, 2), st.integers(1, 3), st.floats(0.0, 4.0)), max_size=40))
+def test_generation_never_decreases_and_counts_every_state_change(actions):
+    membership = Membership(heartbeat_timeout_s=2.0)
+    now = 0.0
+    for action, index, pid, dt in actions:
+        now += dt
+        node_id = f"w{index}"
+        try:
+            if action == "register":
+                membership.register(node_id, "worker", now=now, pid=pid)
+            elif action == "heartbeat":
+                membership.heartbeat(node_id, now=now, pid=pid)
+            elif action == "exit":
+                membership.exited(node_id, pid - 1, "", now=now)
+            else:
+                membership.check(now)
+        except (DuplicateNode, UnknownNode):
+            pass
+    events = membership.take_events()
+    changes = [e for e in events if e.kind in ("joined", "failed", "restarted", "done")]
+    assert membership.generation == len(changes)
+    assert [e.generation for e in changes] == list(range(1, len(changes) + 1))
+    assert all(n.state in ("alive", "failed", "done") for n in membership.members())

@@ -1,0 +1,114 @@
+"""The SQLite registry on real files: round trip, WAL, refusal of corrupt or foreign
+files (left untouched), locks, and the read-only status read."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from disttrain.coordinator.membership import Membership
+from disttrain.coordinator.registry import Registry, RegistryError, read_status
+
+
+def cluster() -> Membership:
+    membership = Membership(heartbeat_timeout_s=5.0)
+    membership.register("server-0", "server", now=0.0, rank=0, address="127.0.0.1:5000", pid=10,
+                        hostname="node0", capabilities={"cpus": 8, "memory_bytes": 2**33, "gpu": ""})
+    membership.register("worker-0", "worker", now=0.0, rank=0, pid=11)
+    membership.heartbeat("worker-0", now=1.0, pid=11, epoch=2, step=40, throughput=512.5, step_time_s=0.1)
+    membership.exited("server-0", -9, "killed by SIGKILL", now=2.0)
+    return membership
+
+
+def save(registry: Registry, membership: Membership, offset: float = 1000.0) -> None:
+    events = [vars(e) for e in membership.take_events(offset)]
+    registry.save(membership.to_rows(offset), events, membership.generation)
+
+
+def test_nodes_events_and_generation_survive_a_reopen(tmp_path):
+    path = tmp_path / "cluster" / "registry.db"
+    membership = cluster()
+    registry = Registry(path)
+    save(registry, membership)
+    registry.close()
+
+    snapshot = Registry(path).load()
+    assert snapshot.generation == membership.generation == 3
+    assert snapshot.nodes == membership.to_rows(1000.0)
+    assert [(e["node_id"], e["kind"]) for e in snapshot.events] == [
+        ("server-0", "joined"), ("worker-0", "joined"), ("server-0", "failed")]
+    assert snapshot.events[0]["time"] == 1000.0
+
+
+def test_saving_again_updates_rows_in_place(tmp_path):
+    registry = Registry(tmp_path / "r.db")
+    membership = cluster()
+    save(registry, membership)
+    membership.heartbeat("worker-0", now=3.0, pid=11, step=41)
+    save(registry, membership)
+    nodes = {n["node_id"]: n for n in registry.load().nodes}
+    assert len(nodes) == 2 and nodes["worker-0"]["step"] == 41
+
+
+def test_the_file_is_in_wal_mode(tmp_path):
+    Registry(tmp_path / "r.db").close()
+    with sqlite3.connect(tmp_path / "r.db") as db:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+@pytest.mark.parametrize("content", [b"this is not a database at all " * 100,
+                                     b"SQLite format 3\x00" + b"\xff" * 2000])
+def test_a_corrupt_file_is_refused_and_left_untouched(tmp_path, content):
+    path = tmp_path / "r.db"
+    path.write_bytes(content)
+    with pytest.raises(RegistryError, match="not a disttrain cluster registry .*move it away"):
+        Registry(path)
+    with pytest.raises(RegistryError, match="not a disttrain cluster registry"):
+        read_status(path)
+    assert path.read_bytes() == content
+
+
+def test_another_sqlite_database_is_refused_and_left_untouched(tmp_path):
+    path = tmp_path / "other.db"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE users (name TEXT)")
+    before = path.read_bytes()
+    with pytest.raises(RegistryError, match="not a disttrain cluster registry"):
+        Registry(path)
+    assert path.read_bytes() == before
+
+
+def test_a_locked_file_says_who_may_hold_it(tmp_path):
+    path = tmp_path / "r.db"
+    Registry(path).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(RegistryError, match="locked by another process.*another coordinator"):
+            Registry(path, busy_timeout_ms=50)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
+def test_status_reads_without_writing(tmp_path):
+    path = tmp_path / "r.db"
+    registry = Registry(path)
+    membership = cluster()
+    save(registry, membership)
+    snapshot = read_status(path, max_events=2)
+    assert snapshot.generation == 3 and len(snapshot.nodes) == 2
+    assert [e["kind"] for e in snapshot.events] == ["joined", "failed"]  # the latest two
+    registry.close()
+    path.chmod(0o444)  # a read-only open must not need to write the database itself
+    try:
+        assert read_status(path).generation == 3
+    finally:
+        path.chmod(0o644)
+
+
+def test_status_of_a_missing_file_names_it(tmp_path):
+    with pytest.raises(RegistryError, match=r"no cluster registry at .*missing\.db"):
+        read_status(tmp_path / "missing.db")
+    assert not (tmp_path / "missing.db").exists()
