@@ -69,7 +69,8 @@ def main() -> None:
         def ps_round_trip() -> None:
             state["step"] += 1
             header = pb.GradientMessage(
-                worker_id="bench", step=state["step"], base_version=state["version"], shard=0, num_samples=64
+                worker_id="bench", step=state["step"], base_version=state["version"], shard=0, num_samples=64,
+                block_id=state["step"],
             )
             reply = client.push([header], grads, [0])[0]
             state["version"] = client.pull("bench", flat, [reply.version])[0]

@@ -50,7 +50,7 @@ class Shard:
 
     def push(self, data: bytes, step: int, scheme: str | None) -> pb.PushReply:
         header = pb.GradientMessage(worker_id="w0", step=step, base_version=self.state.version,
-                                    shard=0, num_samples=8, compressed=scheme is not None,
+                                    shard=0, num_samples=8, block_id=step, compressed=scheme is not None,
                                     compression_type=scheme or "")
         reply, _ = self.client.shards[0].push(header, self.plan, memoryview(data))
         return reply

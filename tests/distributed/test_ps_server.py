@@ -48,7 +48,7 @@ def shard(tmp_path):
 
 def frames(plan, values, *, worker_id="w0", step=1, dtype="float32", shape=None, layout=None, data=None):
     header = pb.GradientMessage(worker_id=worker_id, step=step, base_version=step - 1, shard=0,
-                                num_samples=8)
+                                num_samples=8, block_id=step)
     header.layout.extend(layout if layout is not None else wire.slice_specs(plan))
     meta = tensor_pb2.TensorProto(shape=shape or [plan.numel], dtype=dtype)
     payload = data if data is not None else codec.tensor_bytes(values)
@@ -181,7 +181,7 @@ def test_sync_shard_averages_two_workers_by_samples(tmp_path):
 
         def push(rank):
             header = pb.GradientMessage(worker_id=f"w{rank}", step=1, base_version=0, shard=0,
-                                        num_samples=weights[rank])
+                                        num_samples=weights[rank], block_id=rank)
             replies[rank] = clients[rank].push([header], grads[rank], [0])[0]
 
         threads = [threading.Thread(target=push, args=(r,)) for r in range(2)]
@@ -207,7 +207,7 @@ def test_initial_parameters_are_the_seeded_model(tmp_path):
 
 def test_ssp_worker_recomputes_a_rejected_gradient_on_fresh_parameters(tmp_path):
     from disttrain.metrics.window import StepTimer
-    from disttrain.strategies.ps.exchange import make_exchange
+    from disttrain.strategies.ps.exchange import Block, make_exchange
     from disttrain.training.engine import StepResult
 
     config = make_config(tmp_path, num_workers=2, aggregation_mode="ssp", staleness=0)
@@ -228,8 +228,9 @@ def test_ssp_worker_recomputes_a_rejected_gradient_on_fresh_parameters(tmp_path)
             computed.append((rank, exchanges[rank].versions[0]))
             return StepResult(0.0, 0, 8)
 
-        exchanges[0].step(lambda: compute(0), 1, 0, 8, StepTimer())  # version 0 -> 1
-        exchanges[1].step(lambda: compute(1), 1, 0, 8, StepTimer())  # on version 0: rejected, redone on 1
+        exchanges[0].step(lambda: compute(0), Block(1, 0, 0, 8), StepTimer())  # version 0 -> 1
+        # on version 0: rejected, redone on 1
+        exchanges[1].step(lambda: compute(1), Block(1, 1, 0, 8), StepTimer())
         assert computed == [(0, 0), (1, 0), (1, 1)]
         assert exchanges[1].num_rejected == 1 and state.version == 2
         assert state.status()["num_rejected_stale"] == 1

@@ -38,7 +38,8 @@ def cluster(tmp_path):
 
 
 def push(client, worker_id, plan, gradient, step, version):
-    header = pb.GradientMessage(worker_id=worker_id, step=step, base_version=version, shard=0, num_samples=8)
+    header = pb.GradientMessage(worker_id=worker_id, step=step, base_version=version, shard=0, num_samples=8,
+                                block_id=1000 * len(worker_id) + step)
     return client.push([header], gradient, [0])[0]
 
 

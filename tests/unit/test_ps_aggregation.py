@@ -2,11 +2,21 @@
 
 import pytest
 
-from disttrain.strategies.ps.aggregation import AggregationRules, Outcome, PushRefused
+from disttrain.strategies.ps.aggregation import AggregationRules, Outcome, Push, PushRefused
+from disttrain.strategies.ps.roster import FencedPush, UnknownGeneration
+
+
+class Rules(AggregationRules):
+    """The rules with the positional push form the tests read best in; each (worker,
+    step) gets its own data block unless one is given."""
+
+    def offer(self, worker_id, step, base_version, weight, payload, now, **fields):
+        fields.setdefault("block", 1000 * int(worker_id[1:]) + step if worker_id[1:].isdigit() else -1)
+        return super().offer(Push(worker_id, step, base_version, weight, **fields), payload, now)
 
 
 def rules(mode, world_size=2, **kwargs):
-    r = AggregationRules(mode, world_size, **kwargs)
+    r = Rules(mode, world_size, **kwargs)
     for rank in range(world_size):
         assert r.register(f"w{rank}") == rank
     return r
@@ -28,13 +38,13 @@ def test_sync_waits_for_every_worker_then_applies_by_weight_in_rank_order():
     assert r.counts["samples"] == 100 and r.staleness_histogram == {0: 3}
 
 
-def test_sync_refuses_a_second_gradient_for_the_same_step_and_future_versions():
+def test_sync_refuses_a_second_gradient_for_the_same_step_and_answers_future_versions():
     r = rules("sync")
     r.offer("w0", 1, 0, 1.0, "a", now=0.0)
     with pytest.raises(PushRefused, match="already pushed"):
         r.offer("w0", 2, 0, 1.0, "b", now=0.0)
-    with pytest.raises(PushRefused, match="ahead"):
-        r.offer("w1", 1, 5, 1.0, "c", now=0.0)
+    ahead = r.offer("w1", 1, 5, 1.0, "c", now=0.0)  # the shard restarted from an older checkpoint
+    assert ahead.outcome is Outcome.ROLLED_BACK and ahead.version == 0 and not ahead.advanced
     with pytest.raises(PushRefused, match="unknown worker"):
         r.offer("stranger", 1, 0, 1.0, "d", now=0.0)
     assert r.version == 0 and list(r.pending) == [0]
@@ -103,7 +113,7 @@ def test_registration_is_idempotent_and_bounded():
 def test_state_round_trip_keeps_versions_and_counters():
     r = rules("ssp", staleness_bound=1)
     r.offer("w0", 1, 0, 8.0, "a", now=0.0)
-    restored = AggregationRules("ssp", 2, staleness_bound=1)
+    restored = Rules("ssp", 2, staleness_bound=1)
     restored.load_state_dict(r.state_dict())
     assert restored.version == 1 and restored.ranks == r.ranks and restored.counts == r.counts
     assert restored.offer("w0", 1, 1, 1.0, "a", now=0.0).outcome is Outcome.DUPLICATE
@@ -116,3 +126,74 @@ def test_invalid_rules_are_refused():
         AggregationRules("gossip", 2)
     with pytest.raises(ValueError):
         AggregationRules("sync", 2, backup_workers=2)
+
+
+# -- the data ledger, membership and recovery ------------------------------------------
+
+
+def test_a_block_is_applied_once_whoever_sends_it_and_however_often():
+    r = rules("async")
+    assert r.offer("w0", 1, 0, 4.0, "a", now=0.0, block=7).advanced
+    # a restarted worker computes block 7 again under a new step number
+    again = r.offer("w0", 9, 1, 4.0, "a", now=0.0, block=7)
+    assert again.outcome is Outcome.DUPLICATE and not again.apply and r.version == 1
+    redo = r.offer("w1", 0, 1, 4.0, "a", now=0.0, block=7, redo=True)
+    assert redo.outcome is Outcome.DUPLICATE and r.ledger.blocks == {7}
+    assert r.counts["samples"] == 4 and r.ledger.samples_duplicate == 8
+
+
+def test_sync_counts_a_duplicate_block_as_a_contribution_of_no_samples():
+    r = rules("sync", 2)
+    r.offer("w0", 1, 0, 1.0, "a", now=0.0, block=1)
+    r.offer("w1", 1, 0, 1.0, "b", now=0.0, block=2)
+    # worker 1 restarted from an older checkpoint: its step-1 block again, with worker 0's next
+    assert r.offer("w0", 2, 1, 3.0, "c", now=1.0, block=3).outcome is Outcome.BUFFERED
+    decision = r.offer("w1", 1, 1, 1.0, "b", now=1.0, block=2)
+    assert decision.outcome is Outcome.DUPLICATE and decision.advanced and r.version == 2
+    assert [(c.rank, c.payload, c.weight) for c in decision.apply] == [(0, "c", 1.0)]
+    assert r.ledger.blocks == {1, 2, 3}
+
+
+def test_a_step_of_no_real_gradient_moves_the_version_and_applies_nothing():
+    r = rules("sync", 1)
+    r.offer("w0", 1, 0, 1.0, "a", now=0.0, block=1)
+    retry = r.offer("w0", 1, 0, 1.0, "a", now=0.0, block=1)  # its reply was lost: nothing changes
+    assert retry.outcome is Outcome.DUPLICATE and r.version == 1 and not retry.advanced
+    # restarted, the worker computes the block again on the current version: a step of nothing
+    decision = r.offer("w0", 1, 1, 1.0, "a", now=0.0, block=1)
+    assert decision.outcome is Outcome.DUPLICATE and r.version == 2 and not decision.apply
+
+
+def test_a_parked_worker_no_longer_holds_up_steps_of_its_epoch():
+    r = rules("sync", 2)
+    r.offer("w0", 1, 0, 1.0, "a", now=0.0, block=1, epoch=0, last_in_epoch=True)
+    assert r.offer("w1", 1, 0, 1.0, "b", now=0.0, block=2, epoch=0).advanced
+    # worker 1 fell behind: its remaining blocks of epoch 0 are applied alone
+    assert r.offer("w1", 2, 1, 1.0, "c", now=0.0, block=3, epoch=0).outcome is Outcome.APPLIED
+    # epoch 1 waits for both again
+    assert r.offer("w0", 2, 2, 1.0, "d", now=0.0, block=4, epoch=1).outcome is Outcome.BUFFERED
+
+
+def test_a_worker_declared_failed_leaves_the_quorum_and_its_late_pushes_are_fenced():
+    r = rules("sync", 2)
+    r.set_membership(1, {"w0": 1, "w1": 1}, now=0.0)
+    r.offer("w0", 1, 0, 1.0, "a", now=0.0, generation=1)
+    decision = r.set_membership(2, {"w0": 1}, now=3.0)  # w1 missed its heartbeats
+    assert decision.advanced and [c.rank for c in decision.apply] == [0] and r.version == 1
+    with pytest.raises(FencedPush, match="declared failed"):
+        r.offer("w1", 1, 1, 1.0, "late", now=4.0, generation=1)
+    with pytest.raises(UnknownGeneration):
+        r.offer("w1", 1, 1, 1.0, "b", now=4.0, generation=3)  # rejoined; news not here yet
+    r.set_membership(3, {"w0": 1, "w1": 3}, now=5.0)
+    assert r.offer("w1", 1, 1, 1.0, "b", now=5.0, generation=3).outcome is Outcome.BUFFERED
+    assert r.version == 1 and r.roster.num_fenced == 1
+
+
+def test_a_redo_is_applied_on_arrival_in_sync_mode_and_the_ledger_survives_a_restart():
+    r = rules("sync", 2)
+    decision = r.offer("w0", 0, 0, 2.0, "a", now=0.0, block=5, redo=True)
+    assert decision.outcome is Outcome.APPLIED and r.version == 1
+    restored = Rules("sync", 2)
+    restored.load_state_dict(r.state_dict())
+    assert restored.ledger.blocks == {5} and restored.ledger.between(0, 5) == []
+    assert restored.offer("w1", 3, 1, 2.0, "a", now=0.0, block=5).outcome is Outcome.DUPLICATE

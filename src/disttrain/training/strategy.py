@@ -30,11 +30,14 @@ class RunOptions:
         resume: continue from the newest checkpoint instead of refusing a folder holding one.
         faults: faults to inject, for tests and drills.
         verbose: debug logging in every process of the run.
+        attempt: how often this process was restarted before (faults fire on attempt 0
+            unless they name another).
     """
 
     resume: bool = False
     faults: tuple[Fault, ...] = ()
     verbose: bool = False
+    attempt: int = 0
 
 
 class Strategy(Protocol):

@@ -4,16 +4,22 @@ Pure decisions, apart from any transport or tensor math: the servicer calls `off
 under its lock with an opaque payload, and applies what the decision says. Time is
 passed in (`now`), so tests step a fake clock by hand.
 
-- `sync`: gradients computed on the current version are held until every worker still
-  training has pushed (or, with `backup_workers` b, the first of them minus b); then they
-  are applied together and the version goes up by one. A gradient for an older version
-  arrives late and is dropped (counted).
+- `sync`: gradients computed on the current version are held until every live worker
+  still training that epoch has pushed (or, with `backup_workers` b, all but b of them);
+  then they are applied together and the version goes up by one. A gradient for an
+  older version arrives late and is dropped (counted; the worker computes it again).
 - `ssp`: a gradient computed on version v is applied on arrival when
   `version - v <= staleness_bound`; otherwise it is rejected, and the worker refetches.
 - `async`: every gradient is applied on arrival.
 
-A push is named by (worker, step); one already taken is acknowledged as a duplicate and
-changes nothing, so clients can retry pushes safely.
+A push is named by (worker, step), and carries the data block it was computed from. A
+push already taken, or whose block is in the ledger or pending, is acknowledged as a
+duplicate and changes nothing, so clients retry safely and a restarted worker that
+recomputes blocks already applied changes nothing (in sync mode its duplicate still
+counts towards the step, as a contribution of no samples, so the step does not wait for
+it). A push marked `redo` (a block found missing after a failure) is applied on arrival
+in every mode. A push whose base version is ahead of the shard (the shard restarted from
+an older checkpoint) is answered ROLLED_BACK: the worker pulls again and recomputes.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from disttrain.strategies.ps.roster import Ledger, Roster
+
 MODES = ("sync", "async", "ssp")
 
 
@@ -31,40 +39,59 @@ class Outcome(Enum):
     BUFFERED = 1    # held for the rest of a synchronous step
     STALE = 2       # ssp: too stale; refetch and recompute
     LATE = 3        # sync: its step was applied without it; dropped
-    DUPLICATE = 4   # this (worker, step) was taken before; nothing changed
+    DUPLICATE = 4   # this push or its block was taken before; nothing changed
+    ROLLED_BACK = 5  # the shard is behind the push's base version (it restarted)
 
 
 class PushRefused(ValueError):
-    """A push that breaks the protocol (unknown worker, a version from the future, a
-    second gradient for one synchronous step). Nothing changes."""
+    """A push that breaks the protocol (unknown worker, a second gradient of one worker
+    for one synchronous step). Nothing changes."""
+
+
+@dataclass(frozen=True)
+class Push:
+    """What the rules read of a push (the payload travels beside it)."""
+
+    worker_id: str
+    step: int
+    base_version: int
+    weight: float
+    block: int = -1
+    epoch: int = 0
+    last_in_epoch: bool = False
+    generation: int = 0
+    redo: bool = False
 
 
 @dataclass
 class Contribution:
     rank: int
     weight: float
-    payload: Any
+    payload: Any  # None: a duplicate block that stands in for its worker in a sync step
+    block: int = -1
+    epoch: int = 0
 
 
 @dataclass
 class Decision:
     """What to do with a push. `apply` lists the gradients to combine now (by weight,
-    in rank order), or is empty; the version has already been advanced when it is not."""
+    in rank order); `advanced` says the version went up (possibly with nothing to apply)."""
 
     outcome: Outcome
     version: int
     staleness: int
     apply: list[Contribution] = field(default_factory=list)
+    advanced: bool = False
 
 
 class AggregationRules:
-    """Versions, membership and the aggregation decisions of one shard.
+    """Versions, membership, the data ledger and the aggregation decisions of one shard.
 
     Args:
         mode: "sync", "async" or "ssp".
         world_size: workers in the run.
         staleness_bound: the ssp bound tau.
-        backup_workers: sync only: a step is applied after `world_size - done - b` gradients.
+        backup_workers: sync only: a step is applied after all but b of its workers pushed.
     """
 
     def __init__(self, mode: str, world_size: int, staleness_bound: int = 0, backup_workers: int = 0):
@@ -82,6 +109,8 @@ class AggregationRules:
         self.done: set[int] = set()
         self.last_step: dict[int, int] = {}
         self.pending: dict[int, Contribution] = {}
+        self.ledger = Ledger()
+        self.roster = Roster()
         self.round_started: float | None = None
         self.round_wait_s = 0.0
         self.staleness_histogram: Counter[int] = Counter()
@@ -112,6 +141,7 @@ class AggregationRules:
         elif requested_rank in taken:
             raise PushRefused(f"rank {requested_rank} is held by another worker")
         self.ranks[worker_id] = requested_rank
+        self.roster.resolve(self.ranks)
         return requested_rank
 
     def rank_of(self, worker_id: str) -> int:
@@ -126,82 +156,126 @@ class AggregationRules:
         self.done.add(self.rank_of(worker_id))
         return self._maybe_complete_round(now, Decision(Outcome.BUFFERED, self.version, 0))
 
+    def set_membership(self, generation: int, live: dict[str, int], now: float) -> Decision:
+        """The coordinator's membership: live worker ids -> the generation each joined in.
+        A worker that left may complete the pending synchronous step."""
+        if self.roster.update(generation, live):
+            self.roster.resolve(self.ranks)
+        return self._maybe_complete_round(now, Decision(Outcome.BUFFERED, self.version, 0))
+
     def all_done(self) -> bool:
         return len(self.done) >= self.world_size
 
-    def quorum(self) -> int:
-        """Gradients a synchronous step needs."""
-        return max(1, self.world_size - len(self.done) - self.backup_workers)
+    def _waiting_for(self, epoch: int) -> set[int]:
+        """Ranks a synchronous step of `epoch` waits for."""
+        return {r for r in range(self.world_size) if r not in self.done and self.roster.waits_for(r, epoch)}
+
+    def quorum(self, epoch: int = 0) -> int:
+        """Gradients a synchronous step of `epoch` needs."""
+        return max(1, len(self._waiting_for(epoch)) - self.backup_workers)
 
     # -- pushes -------------------------------------------------------------------------
 
-    def offer(self, worker_id: str, step: int, base_version: int, weight: float, payload: Any,
-              now: float) -> Decision:
+    def offer(self, push: Push, payload: Any, now: float) -> Decision:
         """Decide what to do with one well-formed push.
 
         Raises:
-            PushRefused: unknown worker, base version ahead of the shard, or a second
-                gradient of one worker for the same synchronous step.
+            PushRefused: unknown worker, or a second gradient of one worker for the same
+                synchronous step.
+            FencedPush, UnknownGeneration: see `Roster.check`.
         """
-        rank = self.rank_of(worker_id)
-        if step <= self.last_step.get(rank, 0):
+        rank = self.rank_of(push.worker_id)
+        self.roster.check(rank, push.generation)
+        staleness = self.version - push.base_version
+        if self._is_duplicate(rank, push):
             self.counts["duplicates"] += 1
-            return Decision(Outcome.DUPLICATE, self.version, self.version - base_version)
-        if base_version > self.version:
-            raise PushRefused(f"base version {base_version} is ahead of this shard's version "
-                              f"{self.version}; pull parameters before pushing")
-        staleness = self.version - base_version
+            self.ledger.samples_duplicate += int(push.weight)
+            decision = Decision(Outcome.DUPLICATE, self.version, max(staleness, 0))
+            if self.mode == "sync" and not push.redo and rank not in self.pending and staleness == 0:
+                return self._enter_round(rank, push, None, now, decision)
+            return self._park(rank, push, now, decision)
+        if staleness < 0:
+            return Decision(Outcome.ROLLED_BACK, self.version, 0)
+        if push.redo:
+            return self._park(rank, push, now, self._apply_now(rank, push, payload, staleness))
         if self.mode == "ssp" and staleness > self.staleness_bound:
             self.counts["rejected_stale"] += 1
             return Decision(Outcome.STALE, self.version, staleness)
-        if self.mode == "sync":
-            return self._offer_sync(rank, step, staleness, weight, payload, now)
-        self.last_step[rank] = step
-        self.staleness_histogram[staleness] += 1
-        self.counts["applied"] += 1
-        self.counts["samples"] += int(weight)
-        self.version += 1
-        return Decision(Outcome.APPLIED, self.version, staleness, [Contribution(rank, 1.0, payload)])
-
-    def _offer_sync(self, rank: int, step: int, staleness: int, weight: float, payload: Any,
-                    now: float) -> Decision:
+        if self.mode != "sync":
+            return self._park(rank, push, now, self._apply_now(rank, push, payload, staleness))
         if staleness > 0:
-            self.last_step[rank] = step
             self.counts["dropped_late"] += 1
             return Decision(Outcome.LATE, self.version, staleness)
         if rank in self.pending:
             raise PushRefused(f"worker rank {rank} already pushed a gradient for version "
                               f"{self.version}; wait for the next version")
-        self.last_step[rank] = step
         self.staleness_histogram[0] += 1
+        return self._enter_round(rank, push, payload, now, Decision(Outcome.BUFFERED, self.version, 0))
+
+    def _is_duplicate(self, rank: int, push: Push) -> bool:
+        if push.step <= self.last_step.get(rank, 0) and not push.redo:
+            return True
+        return push.block >= 0 and (push.block in self.ledger
+                                    or any(c.block == push.block for c in self.pending.values()))
+
+    def _apply_now(self, rank: int, push: Push, payload: Any, staleness: int) -> Decision:
+        self.last_step[rank] = max(push.step, self.last_step.get(rank, 0))
+        self.staleness_histogram[staleness] += 1
+        self.counts["applied"] += 1
+        self.counts["samples"] += int(push.weight)
+        self._record(push.block)
+        self.version += 1
+        return Decision(Outcome.APPLIED, self.version, staleness, [Contribution(rank, 1.0, payload)], True)
+
+    def _record(self, block: int) -> None:
+        if block >= 0:
+            self.ledger.add(block)
+
+    def _enter_round(self, rank: int, push: Push, payload: Any, now: float, decision: Decision) -> Decision:
+        self.last_step[rank] = max(push.step, self.last_step.get(rank, 0))
         if not self.pending:
             self.round_started = now
-        self.pending[rank] = Contribution(rank, weight, payload)
-        return self._maybe_complete_round(now, Decision(Outcome.BUFFERED, self.version, 0))
+        weight = push.weight if payload is not None else 0.0
+        self.pending[rank] = Contribution(rank, weight, payload, push.block if payload is not None else -1,
+                                          push.epoch)
+        return self._park(rank, push, now, decision)
+
+    def _park(self, rank: int, push: Push, now: float, decision: Decision) -> Decision:
+        if push.last_in_epoch:
+            self.roster.park(rank, push.epoch)
+        return self._maybe_complete_round(now, decision)
 
     def _maybe_complete_round(self, now: float, decision: Decision) -> Decision:
-        if self.mode != "sync" or not self.pending or len(self.pending) < self.quorum():
+        if self.mode != "sync" or not self.pending:
+            return decision
+        epoch = min(c.epoch for c in self.pending.values())
+        waiting = self._waiting_for(epoch)
+        if waiting and len(waiting & set(self.pending)) < max(1, len(waiting) - self.backup_workers):
             return decision
         contributions = [self.pending[rank] for rank in sorted(self.pending)]
-        total = sum(c.weight for c in contributions)
+        real = [c for c in contributions if c.payload is not None]
+        total = sum(c.weight for c in real)
         self.counts["samples"] += int(total)
-        for c in contributions:
+        for c in real:
             c.weight /= total
+            self._record(c.block)
         self.pending.clear()
         self.round_wait_s += now - (self.round_started if self.round_started is not None else now)
         self.round_started = None
-        self.counts["applied"] += len(contributions)
+        self.counts["applied"] += len(real)
         self.counts["steps"] += 1
         self.version += 1
-        return Decision(Outcome.APPLIED, self.version, decision.staleness, contributions)
+        outcome = Outcome.APPLIED if decision.outcome is Outcome.BUFFERED else decision.outcome
+        return Decision(outcome, self.version, decision.staleness, real, True)
 
     # -- persistence ----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything but pending gradients (a restarted shard waits for them again)."""
+        """Everything but pending gradients (a restarted shard's workers push them again)."""
         return {"mode": self.mode, "version": self.version, "ranks": dict(self.ranks),
                 "done": sorted(self.done), "last_step": dict(self.last_step),
-                "round_wait_s": self.round_wait_s,
+                "round_wait_s": self.round_wait_s, "ledger": self.ledger.state_dict(),
+                "roster": self.roster.state_dict(),
                 "staleness_histogram": dict(self.staleness_histogram), "counts": dict(self.counts)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -213,6 +287,8 @@ class AggregationRules:
         self.done = {int(r) for r in state["done"]}
         self.last_step = {int(k): int(v) for k, v in state["last_step"].items()}
         self.round_wait_s = float(state["round_wait_s"])
+        self.ledger.load_state_dict(state["ledger"])
+        self.roster.load_state_dict(state["roster"])
         self.staleness_histogram = Counter({int(k): int(v) for k, v in state["staleness_histogram"].items()})
         self.counts = Counter({str(k): int(v) for k, v in state["counts"].items()})
         self.pending.clear()

@@ -47,3 +47,10 @@ class Barriers:
     def result(self, name: str) -> list[list[float]] | None:
         """Every rank's values in rank order once `name` is complete, else None."""
         return self._done.get(name)
+
+    def state_dict(self) -> dict[str, list[list[float]]]:
+        """The completed barriers (a restarted shard answers them again at once)."""
+        return {name: [list(row) for row in rows] for name, rows in self._done.items()}
+
+    def load_state_dict(self, state: dict[str, list[list[float]]]) -> None:
+        self._done = {str(name): [[float(v) for v in row] for row in rows] for name, rows in state.items()}

@@ -16,7 +16,7 @@ from disttrain.compression import Encoded
 from disttrain.config.schema import PAYLOAD_TRANSPORTS
 from disttrain.core.errors import DistributedError
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps import shared_memory, wire
+from disttrain.strategies.ps import shared_memory
 from disttrain.strategies.ps.codec import tensor_bytes
 from disttrain.strategies.ps.shard_client import RetryPolicy, ShardClient
 from disttrain.strategies.ps.sharding import ShardPlan
@@ -85,36 +85,34 @@ class PSClient:
         request = pb.RegisterRequest(worker_id=worker_id, requested_rank=requested_rank,
                                      hostname=socket.gethostname(), pid=os.getpid(),
                                      shared_memory=wants_memory)
-        first = self.shards[0].unary("RegisterWorker", request)
+        required = self.transport == "shared_memory"
+        first = self.shards[0].join(request, self.plans[0], len(self.shards), required)
         request.requested_rank = first.rank
-        rest = self.gather([lambda s=s: s.unary("RegisterWorker", request) for s in self.shards[1:]]) \
-            if len(self.shards) > 1 else []
-        for shard, assignment in zip(self.shards, [first, *rest], strict=True):
-            plan = self.plans[shard.shard]
-            if assignment.num_shards != len(self.shards) or assignment.shard != shard.shard:
-                raise DistributedError(f"server {shard.address} holds shard {assignment.shard}/"
-                                       f"{assignment.num_shards}, but it was given as shard "
-                                       f"{shard.shard}/{len(self.shards)}; list servers in shard order")
-            if wire.plan_layout(assignment.layout) != plan.slices or assignment.dtype != plan.dtype:
-                raise DistributedError(f"server {shard.address} holds a different model than this "
-                                       "worker; start servers and workers with the same config")
+        rest = self.gather([lambda s=s: s.join(request, self.plans[s.shard], len(self.shards), required)
+                            for s in self.shards[1:]]) if len(self.shards) > 1 else []
+        for assignment in rest:
             shape = (assignment.world_size, assignment.aggregation_mode, assignment.staleness)
             if shape != (first.world_size, first.aggregation_mode, first.staleness):
                 raise DistributedError("the servers were started with different configs")
-            if assignment.HasField("shared_memory"):
-                shard.attach(assignment.shared_memory, plan, self.transport == "shared_memory")
-            elif self.transport == "shared_memory":
-                raise DistributedError(f"server {shard.address} offered no shared memory; use "
-                                       "ps.payload_transport: auto or grpc")
         return first
 
-    def pull(self, worker_id: str, flat: torch.Tensor, min_versions: list[int]) -> list[int]:
-        """Copy every shard's parameters (each once at its min version) into `flat`."""
+    def pull(self, worker_id: str, flat: torch.Tensor, min_versions: list[int],
+             shards: list[int] | None = None) -> list[int]:
+        """Copy the parameters of `shards` (default: all; each once at its min version in
+        `min_versions`, which has one entry per shard of the run) into `flat`; returns
+        `min_versions` with the versions pulled in place. A shard that restarted answers
+        with the (lower) version it came back at."""
+        shards = list(range(len(self.shards))) if shards is None else shards
+        plans = self.plans
         results = self.gather([
-            lambda s=s, p=p, v=v: s.pull(worker_id, p, v, flat[p.offset:p.offset + p.numel])
-            for s, p, v in zip(self.shards, self.plans, min_versions, strict=True)])
+            lambda s=s: self.shards[s].pull(worker_id, plans[s], min_versions[s],
+                                            flat[plans[s].offset:plans[s].offset + plans[s].numel])
+            for s in shards])
         self._count(received=sum(r[1] for r in results))
-        return [r[0] for r in results]
+        versions = list(min_versions)
+        for s, (version, _) in zip(shards, results, strict=True):
+            versions[s] = version
+        return versions
 
     def push(self, headers: list[pb.GradientMessage], grads: torch.Tensor, shards: list[int],
              payloads: list[Encoded] | None = None) -> list[pb.PushReply]:
@@ -143,6 +141,16 @@ class PSClient:
                                                                   values=list(values)))
         width = len(reply.values) // max(reply.world_size, 1)
         return [list(reply.values[r * width:(r + 1) * width]) for r in range(reply.world_size)]
+
+    def lose_next_replies(self) -> None:
+        """Fault injection: the next push's replies never arrive (the pushes do)."""
+        for shard in self.shards:
+            shard.drop_replies += 1
+
+    def ledger(self, first: int, end: int) -> list[set[int]]:
+        """Each shard's applied blocks with ids in [first, end)."""
+        replies = self.call_all("GetLedger", pb.LedgerRequest(first_block=first, end_block=end))
+        return [set(reply.block_ids) for reply in replies]
 
     def call_all(self, name: str, request, timeout_s: float | None = None) -> list:
         return self.gather([lambda s=s: s.unary(name, request, timeout_s) for s in self.shards])

@@ -9,15 +9,19 @@
   used only when they are fresh enough that the next gradient should stay within the
   bound; otherwise the worker pulls anew after pushing.
 
-With compression on, each mode compresses the gradient before its push (off the
-communication phase, as `time/compression_s`) and keeps the error-feedback residuals of
-the payloads the servers took.
+In every mode, a shard that did not take the gradient (a synchronous step that went on
+without it, a server that restarted from an older checkpoint) gets it again, computed
+on that shard's current parameters, so every block is applied (the servers' ledgers
+keep it from being applied twice). With compression on, each mode compresses the
+gradient before its push (off the communication phase, as `time/compression_s`) and
+keeps the error-feedback residuals of the payloads the servers took.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -27,20 +31,42 @@ from disttrain.strategies.ps.client import PSClient
 from disttrain.strategies.ps.payloads import GradientEncoder
 from disttrain.training.engine import StepResult
 
-STALE = pb.PushReply.Outcome.Value("STALE")
+Outcome = pb.PushReply.Outcome
+STALE, LATE, ROLLED_BACK = Outcome.Value("STALE"), Outcome.Value("LATE"), Outcome.Value("ROLLED_BACK")
+
+
+@dataclass(frozen=True)
+class Block:
+    """The data a gradient was computed from, as the servers' ledgers know it."""
+
+    step: int
+    block_id: int
+    epoch: int
+    num_samples: int
+    last_in_epoch: bool = False
+    redo: bool = False
 
 
 class Exchange:
-    """Shared state of every mode: the versions this worker holds, per shard."""
+    """Shared state of every mode: the versions this worker holds, per shard.
+
+    Args:
+        generation: the membership generation this worker joined in (0: no coordinator).
+        retry_late: push a gradient a synchronous step went on without again (off with
+            backup workers, which drop the slowest gradients by design).
+    """
 
     def __init__(self, client: PSClient, worker_id: str, flat: torch.Tensor, grads: torch.Tensor,
-                 staleness_bound: int, encoder: GradientEncoder | None = None):
+                 staleness_bound: int, encoder: GradientEncoder | None = None, generation: int = 0,
+                 retry_late: bool = True):
         self.client = client
         self.encoder = encoder
         self.worker_id = worker_id
         self.flat = flat
         self.grads = grads
         self.staleness_bound = staleness_bound
+        self.generation = generation
+        self.retry_late = retry_late
         self.num_shards = len(client.shards)
         self.versions = [0] * self.num_shards
         self.num_rejected = 0
@@ -53,12 +79,21 @@ class Exchange:
         """Hold the servers' newest parameters (before an evaluation)."""
         self.versions = self.client.pull(self.worker_id, self.flat, self.versions)
 
-    def prepare(self, step: int, block_id: int, num_samples: int, shards: list[int], timer: StepTimer
+    def pull_current(self, shards: list[int]) -> None:
+        """Hold the current parameters of `shards` (whatever their version)."""
+        self.versions = self.client.pull(self.worker_id, self.flat,
+                                         [0 if s in shards else v for s, v in enumerate(self.versions)],
+                                         shards)
+
+    def prepare(self, block: Block, shards: list[int], timer: StepTimer
                 ) -> Callable[[], list[pb.PushReply]]:
         """The push of the gradient now in `grads` to `shards`, compressed first where the run
         compresses; call the result to send it."""
-        headers = [pb.GradientMessage(worker_id=self.worker_id, step=step, base_version=self.versions[s],
-                                      block_id=block_id, shard=s, num_samples=num_samples)
+        headers = [pb.GradientMessage(worker_id=self.worker_id, step=block.step, shard=s,
+                                      base_version=self.versions[s], block_id=block.block_id,
+                                      num_samples=block.num_samples,
+                                      generation=self.generation, epoch=block.epoch,
+                                      last_in_epoch=block.last_in_epoch, redo=block.redo)
                    for s in shards]
         if self.encoder is None:
             return lambda: self.client.push(headers, self.grads, shards)
@@ -74,23 +109,46 @@ class Exchange:
 
         return push
 
-    def step(self, compute: Callable[[], StepResult], step: int, block_id: int, num_samples: int,
-             timer: StepTimer) -> tuple[StepResult, int]:
+    def redo(self, compute: Callable[[], StepResult], block: Block, shards: list[int], timer: StepTimer
+             ) -> None:
+        """Apply a block missing from `shards` (found after a failure), on their current parameters."""
+        self.pull_current(list(range(self.num_shards)))
+        compute()
+        self.prepare(block, shards, timer)()
+        self.pull_current(shards)
+
+    @staticmethod
+    def _untaken(shards: list[int], replies: list[pb.PushReply], outcomes: tuple[int, ...]) -> list[int]:
+        return [s for s, r in zip(shards, replies, strict=True) if r.outcome in outcomes]
+
+    def step(self, compute: Callable[[], StepResult], block: Block, timer: StepTimer
+             ) -> tuple[StepResult, int]:
         """Compute one gradient and trade it. Returns the step's result and its staleness."""
         raise NotImplementedError
 
 
 class SyncExchange(Exchange):
-    def step(self, compute, step, block_id, num_samples, timer):
+    def step(self, compute, block, timer):
         result = compute()
-        shards = list(range(self.num_shards))
-        push = self.prepare(step, block_id, num_samples, shards, timer)
-        wanted = [v + 1 for v in self.versions]
-        with timer.phase("comm_blocked"):
-            replies, versions = self.client.gather([
-                push, lambda: self.client.pull(self.worker_id, self.flat, wanted)])
-        self.versions = versions
-        return result, max(r.staleness for r in replies)
+        shards, staleness = list(range(self.num_shards)), 0
+        while True:
+            push = self.prepare(block, shards, timer)
+            wanted = [v + 1 for v in self.versions]
+            with timer.phase("comm_blocked"):
+                replies, versions = self.client.gather([
+                    push, lambda w=wanted, s=shards: self.client.pull(self.worker_id, self.flat, w, s)])
+            self.versions = versions
+            staleness = max([staleness] + [r.staleness for r in replies])
+            outcomes = (LATE, ROLLED_BACK) if self.retry_late else (ROLLED_BACK,)
+            behind = {s for s in shards if versions[s] < wanted[s]}  # the server restarted
+            again = set(self._untaken(shards, replies, outcomes)) | behind
+            if not again:
+                return result, staleness
+            self.num_rejected += len(again)
+            shards = sorted(again)
+            with timer.phase("comm_blocked"):
+                self.pull_current(shards)
+            result = compute()
 
     def refresh(self) -> None:
         """The parameters pulled at the end of each step are already the servers' newest."""
@@ -109,40 +167,47 @@ class AsyncExchange(Exchange):
         self.versions = fetched.result()
         self.flat.copy_(self.staged)
 
-    def step(self, compute, step, block_id, num_samples, timer):
-        fetched = self.prefetch()
-        result = compute()
-        push = self.prepare(step, block_id, num_samples, list(range(self.num_shards)), timer)
-        with timer.phase("comm_blocked"):
-            replies = push()
-            self.use_prefetched(fetched)
-        return result, max(r.staleness for r in replies)
-
-
-class SSPExchange(AsyncExchange):
-    def step(self, compute, step, block_id, num_samples, timer):
-        fetched = self.prefetch()
-        pending = list(range(self.num_shards))
-        staleness = 0
+    def push_until_taken(self, compute, block, timer, fetched: Future | None
+                         ) -> tuple[StepResult, int, Future | None, list[int], list[pb.PushReply]]:
+        """Push to every shard, recomputing for shards that refused the gradient as too
+        stale or restarted, until all took it. Returns the result, the staleness, the
+        prefetch (None once pulls went over it), and the last shards pushed and replies."""
+        shards, staleness = list(range(self.num_shards)), 0
         while True:
             result = compute()
-            push = self.prepare(step, block_id, num_samples, pending, timer)
+            push = self.prepare(block, shards, timer)
             with timer.phase("comm_blocked"):
                 replies = push()
             staleness = max([staleness] + [r.staleness for r in replies if r.outcome != STALE])
-            stale = [s for s, r in zip(pending, replies, strict=True) if r.outcome == STALE]
-            if not stale:
-                break
-            self.num_rejected += len(stale)
+            again = self._untaken(shards, replies, (STALE, ROLLED_BACK))
+            if not again:
+                return result, staleness, fetched, shards, replies
+            self.num_rejected += len(again)
             with timer.phase("comm_blocked"):
                 if fetched is not None:
                     fetched.result()  # let the prefetch finish before pulling over it
-                self.versions = self.client.pull(self.worker_id, self.flat, self.versions)
-            fetched, pending = None, stale
+                self.pull_current(again)
+            fetched, shards = None, again
+
+    def step(self, compute, block, timer):
+        fetched = self.prefetch()
+        result, staleness, fetched, _, _ = self.push_until_taken(compute, block, timer, fetched)
         with timer.phase("comm_blocked"):
-            acked = {s: r.version for s, r in zip(pending, replies, strict=True)}
+            if fetched is not None:
+                self.use_prefetched(fetched)
+            else:
+                self.refresh()
+        return result, staleness
+
+
+class SSPExchange(AsyncExchange):
+    def step(self, compute, block, timer):
+        fetched = self.prefetch()
+        result, staleness, fetched, shards, replies = self.push_until_taken(compute, block, timer, fetched)
+        with timer.phase("comm_blocked"):
+            acked = {s: r.version for s, r in zip(shards, replies, strict=True)}
             if fetched is None:
-                self.versions = self.client.pull(self.worker_id, self.flat, self.versions)
+                self.refresh()
                 return result, staleness
             prefetched = fetched.result()
             # The next gradient is computed on these parameters; each later update adds one.
@@ -151,15 +216,16 @@ class SSPExchange(AsyncExchange):
                 self.versions = prefetched
                 self.flat.copy_(self.staged)
             else:
-                self.versions = self.client.pull(self.worker_id, self.flat, self.versions)
+                self.refresh()
         return result, staleness
 
 
 def make_exchange(mode: str, client: PSClient, worker_id: str, flat: torch.Tensor, grads: torch.Tensor,
-                  staleness_bound: int, encoder: GradientEncoder | None = None) -> Exchange:
+                  staleness_bound: int, encoder: GradientEncoder | None = None, generation: int = 0,
+                  retry_late: bool = True) -> Exchange:
     """The exchange of aggregation mode `mode` ("sync", "async" or "ssp"); `encoder`
     compresses each push (None: raw values)."""
     classes = {"sync": SyncExchange, "async": AsyncExchange, "ssp": SSPExchange}
     if mode not in classes:
         raise ValueError(f"unknown aggregation mode {mode!r}")
-    return classes[mode](client, worker_id, flat, grads, staleness_bound, encoder)
+    return classes[mode](client, worker_id, flat, grads, staleness_bound, encoder, generation, retry_late)

@@ -62,6 +62,26 @@ def shard_summary(statuses: list[pb.ShardStatus]) -> dict[str, Any]:
     }
 
 
+def data_ledger(num_epochs: int, client: PSClient, participant: Any, rows: list[list[float]],
+                statuses: list[pb.ShardStatus]) -> dict[str, Any]:
+    """What became of every sample of every epoch, from the shards' ledgers: applied
+    (shard 0's count), redone (computed again after a failure: duplicates the servers
+    turned away, and blocks redone because a shard lacked them) and lost (in a block
+    some shard never applied; 0 unless gradients were dropped by design)."""
+    epochs, world = num_epochs, participant.world_size
+    bpe, size, total = participant.batches_per_epoch, participant.batch_size, len(participant.sampler)
+    applied = client.ledger(0, epochs * world * bpe)
+    lost = 0
+    for block in range(epochs * world * bpe):
+        if any(block not in blocks for blocks in applied):
+            index = block % bpe
+            lost += min(size, total - index * size)
+    return {"samples_applied": statuses[0].num_samples_applied,
+            "samples_redone": max(s.num_samples_duplicate for s in statuses)
+            + int(sum(row[6] for row in rows)),
+            "samples_lost": lost, "num_fenced": sum(s.num_fenced for s in statuses)}
+
+
 def compression_summary(rows: list[list[float]]) -> dict[str, Any]:
     """The run's compression totals from every worker's "finished" row (none when off)."""
     dense, sent = sum(row[4] for row in rows), sum(row[5] for row in rows)
@@ -79,8 +99,10 @@ def finish(config: Config, client: PSClient, participant: Any, result: LoopResul
     encoder = participant.exchange.encoder
     counters = (encoder.compressor.counters.bytes_dense, encoder.compressor.counters.bytes_sent) \
         if encoder is not None else (0, 0)
+    participant.redo_missing(config.training.num_epochs - 1)
     rows = client.barrier(worker_id, "finished", [position.samples_processed, position.train_time_s,
-                                                  client.bytes_sent, client.bytes_received, *counters])
+                                                  client.bytes_sent, client.bytes_received, *counters,
+                                                  participant.samples_redone])
     client.call_all("WorkerDone", pb.WorkerDoneRequest(worker_id=worker_id))
     logger.info("worker %d done: %d steps, %d samples in %.1fs of training, %.1f MB sent, "
                 "%.1f MB received", rank, position.step, position.samples_processed,
@@ -103,7 +125,8 @@ def finish(config: Config, client: PSClient, participant: Any, result: LoopResul
         total_time_s=time.perf_counter() - started, train_time_s=max(w["train_time_s"] for w in workers),
         samples_processed=sum(w["samples"] for w in workers), steps=statuses[0].version,
         world_size=statuses[0].world_size,
-        extra={"num_servers": len(statuses), "samples_applied": statuses[0].num_samples_applied,
+        extra={"num_servers": len(statuses),
+               **data_ledger(config.training.num_epochs, client, participant, rows, statuses),
                "final_model": str(final_path), "resumed_from_step": result.resumed_from_step,
                "workers": workers, **shard_summary(statuses), **compression_summary(rows)})
     summary.write(config.system.log_dir)

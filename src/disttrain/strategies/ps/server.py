@@ -24,13 +24,16 @@ from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.addresses import parse_address
 from disttrain.core.errors import ConfigError
+from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import bind_to_parent, emit_event
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps import wire
 from disttrain.strategies.ps.aggregation import PushRefused
 from disttrain.strategies.ps.codec import Payload
+from disttrain.strategies.ps.link import join
 from disttrain.strategies.ps.model import check_supported
-from disttrain.strategies.ps.shard import ShardState
+from disttrain.strategies.ps.roster import FencedPush, UnknownGeneration
+from disttrain.strategies.ps.shard import ShardState, ShardStopping
 from disttrain.strategies.ps.sharding import plan_shards
 from disttrain.training.engine import configure_threads
 from disttrain.training.models import init_model
@@ -61,12 +64,14 @@ class ParameterServicer:
     def _push(self, payload: Payload, context) -> pb.PushReply:
         try:
             decision = self.state.push(payload)
-        except PushRefused as e:
+        except (PushRefused, FencedPush) as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except (UnknownGeneration, ShardStopping) as e:  # transient: the client retries
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except ValueError as e:  # InvalidPush
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.PushReply(outcome=decision.outcome.value, version=decision.version,
-                            staleness=decision.staleness)
+                            staleness=decision.staleness, incarnation=self.state.incarnation)
 
     def GetParameters(self, request, context):
         yield from self._pull(request, context)
@@ -85,15 +90,18 @@ class ParameterServicer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"pull for shard {request.shard} reached shard {self.state.plan.shard}")
         timeout = _wait_s(context)
+        if request.incarnation not in (0, self.state.incarnation):  # it must register again first
+            return [wire.parameter_notice(self.state.plan, self.state.version, self.state.incarnation)]
         if request.shared_memory:
             try:
-                version = self.state.write_parameters(request.worker_id, request.min_version, timeout)
+                version = self.state.write_parameters(request.worker_id, request.min_version, timeout,
+                                                      request.incarnation)
             except PushRefused as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             if version is not None:
-                return [wire.parameter_notice(self.state.plan, version)]
+                return [wire.parameter_notice(self.state.plan, version, self.state.incarnation)]
         else:
-            snapshot = self.state.wait_for_version(request.min_version, timeout)
+            snapshot = self.state.wait_for_version(request.min_version, timeout, request.incarnation)
             if snapshot is not None:
                 return snapshot.frames
         code = grpc.StatusCode.UNAVAILABLE if self.state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
@@ -111,7 +119,8 @@ class ParameterServicer:
         assignment = pb.WorkerAssignment(
             rank=rank, world_size=rules.world_size, worker_id=request.worker_id, shard=plan.shard,
             num_shards=plan.num_shards, aggregation_mode=rules.mode, staleness=rules.staleness_bound,
-            version=version, layout=wire.slice_specs(plan), dtype=plan.dtype)
+            version=version, layout=wire.slice_specs(plan), dtype=plan.dtype,
+            incarnation=self.state.incarnation)
         pair = self.state.offer_shared_memory(request.worker_id) if request.shared_memory else None
         if pair is not None:
             assignment.shared_memory.gradient_path = str(pair.gradient.path)
@@ -141,6 +150,9 @@ class ParameterServicer:
             code = grpc.StatusCode.UNAVAILABLE if self.state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
             context.abort(code, f"not every worker reached barrier {request.name!r} in time")
         return pb.BarrierReply(world_size=len(rows), values=[v for row in rows for v in row])
+
+    def GetLedger(self, request, context):
+        return pb.LedgerReply(block_ids=self.state.ledger(request.first_block, request.end_block))
 
     def Shutdown(self, request, context):
         if not self.state.rules.all_done():
@@ -211,8 +223,10 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
     return state
 
 
-def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool = False) -> None:
-    """Run one shard until SIGTERM/SIGINT or a Shutdown call.
+def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool = False,
+          faults: FaultInjector | None = None) -> None:
+    """Run one shard until SIGTERM/SIGINT or a Shutdown call; with a coordinator in the
+    config, registered with it, heartbeating, and following its membership.
 
     Raises:
         ConfigError: the address cannot be bound, or the checkpoint dir holds an earlier run.
@@ -229,9 +243,15 @@ def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool =
         signal.signal(signum, lambda *_: server.stopped.set())
     logger.info("shard %d/%d (%d parameters, %.2f MB) listening on %s (%s)", shard, num_shards,
                 state.plan.numel, state.plan.nbytes / 1e6, server.address, socket.gethostname())
+    if faults is not None:
+        state.on_version = faults.at_step
     emit_event("listening", address=server.address, shard=shard)
+    link = join(config.coordinator, f"server{shard}", "server", shard,
+                lambda: (0, state.version, 0), server.address, state.set_membership)
     try:
         server.stopped.wait()
     finally:
         server.stop()
+        if link is not None:
+            link.close()
         logger.info("shard %d stopped at version %d", shard, state.version)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +23,8 @@ from torch import nn
 
 from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
-from disttrain.core.errors import CheckpointError
-from disttrain.strategies.ps import wire
-from disttrain.strategies.ps.aggregation import AggregationRules, Decision, PushRefused
+from disttrain.strategies.ps import persistence, wire
+from disttrain.strategies.ps.aggregation import AggregationRules, Decision, Outcome, Push, PushRefused
 from disttrain.strategies.ps.barriers import BarrierMismatch, Barriers
 from disttrain.strategies.ps.codec import Payload, tensor_bytes
 from disttrain.strategies.ps.combine import combine
@@ -35,7 +35,9 @@ from disttrain.training.engine import build_optimizer
 
 logger = logging.getLogger(__name__)
 
-STRATEGY = "ps-server"
+
+class ShardStopping(RuntimeError):
+    """A push that arrived after the final checkpoint began: not taken (retry later)."""
 
 
 @dataclass
@@ -74,6 +76,8 @@ class ShardState:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_interval = config.training.checkpoint_interval
         self.clock = clock
+        self.on_version: Callable[[int], None] = lambda version: None  # called at each new version
+        self.incarnation = time.time_ns()  # tells workers this server restarted
         self.num_invalid = 0
         self.stopping = False
         self._lock = threading.Lock()
@@ -82,7 +86,7 @@ class ShardState:
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._last_save: Future | None = None
         self._segments = WorkerSegments(plan.nbytes, plan.dtype)
-        self._barriers = Barriers(config.system.num_workers)
+        self.barriers = Barriers(config.system.num_workers)
         # Reused by every update: a fresh buffer each time costs page faults on every page.
         self._gradient_sum = torch.empty_like(self.param.detach())
 
@@ -118,19 +122,18 @@ class ShardState:
         with self._changed:
             rank = self.rules.rank_of(worker_id)
             try:
-                self._barriers.arrive(name, rank, values)
+                self.barriers.arrive(name, rank, values)
             except BarrierMismatch as e:
                 raise PushRefused(str(e)) from e
             self._changed.notify_all()
-            self._changed.wait_for(lambda: self._barriers.result(name) is not None or self.stopping,
+            self._changed.wait_for(lambda: self.barriers.result(name) is not None or self.stopping,
                                    timeout_s)
-            return self._barriers.result(name)
+            return self.barriers.result(name)
 
     def worker_done(self, worker_id: str) -> None:
         """`worker_id` finished training. Raises PushRefused for an unknown worker."""
         with self._changed:
-            decision = self.rules.mark_done(worker_id, self.clock())
-            self._apply(decision)
+            self._apply(self.rules.mark_done(worker_id, self.clock()))
             self._changed.notify_all()
 
     # -- pushes and pulls -----------------------------------------------------------------
@@ -142,6 +145,8 @@ class ShardState:
             InvalidPush: malformed payload (INVALID_ARGUMENT).
             PushRefused: unknown worker or impossible version (FAILED_PRECONDITION).
         """
+        if payload.header.incarnation not in (0, self.incarnation):
+            return Decision(Outcome.ROLLED_BACK, self.version, 0)
         try:
             self.decoder.check_header(payload)
             if payload.header.shared_memory:
@@ -153,14 +158,26 @@ class ShardState:
             with self._lock:
                 self.num_invalid += 1
             raise
-        header = payload.header
+        h = payload.header
+        push = Push(h.worker_id, h.step, h.base_version, float(h.num_samples), h.block_id, h.epoch,
+                    h.last_in_epoch, h.generation, h.redo)
         with self._changed:
-            decision = self.rules.offer(header.worker_id, header.step, header.base_version,
-                                        float(header.num_samples), gradient, self.clock())
+            if self.stopping:  # its final checkpoint is being taken: this push would be lost
+                raise ShardStopping(f"shard {self.plan.shard} is stopping; push again once it is back")
+            decision = self.rules.offer(push, gradient, self.clock())
             self._apply(decision)
-            if decision.apply:
-                self._changed.notify_all()
         return decision
+
+    def set_membership(self, generation: int, members: dict[str, int]) -> None:
+        """The coordinator's membership (live worker ids -> the generation each joined in):
+        a worker that left no longer holds up a synchronous step."""
+        with self._changed:
+            self._apply(self.rules.set_membership(generation, members, self.clock()))
+
+    def ledger(self, first: int, end: int) -> list[int]:
+        """Applied blocks with ids in [first, end) (end 0: no bound)."""
+        with self._lock:
+            return self.rules.ledger.between(first, end)
 
     def _payload_from_segment(self, payload: Payload) -> Payload:
         """The push's bytes, read in place from the worker's gradient segment.
@@ -178,27 +195,40 @@ class ShardState:
 
     def _apply(self, decision: Decision) -> None:
         """Apply a decision's gradients (lock held). The rules already advanced the version."""
-        if not decision.apply:
+        if not decision.advanced:
             return
-        self.param.grad = combine(decision.apply, self._gradient_sum)
-        self.optimizer.step()
-        self.param.grad = None
+        if decision.apply:
+            self.param.grad = combine(decision.apply, self._gradient_sum)
+            self.optimizer.step()
+            self.param.grad = None
+        self._changed.notify_all()
         if self.checkpoint_dir is not None and self.rules.version % self.checkpoint_interval == 0:
             self._save_async(self._state())
+        self.on_version(self.rules.version)
 
-    def wait_for_version(self, min_version: int, timeout_s: float | None) -> Snapshot | None:
+    def _reached(self, min_version: int, incarnation: int, timeout_s: float | None) -> bool:
+        """Wait (lock held) until the version reaches `min_version`; a caller that knew
+        another incarnation of this server gets what there is at once (the shard may
+        have rolled back to its checkpoint). False on timeout or stop."""
+        restarted = incarnation != 0 and incarnation != self.incarnation
+        ready = self._changed.wait_for(
+            lambda: restarted or self.rules.version >= min_version or self.stopping, timeout_s)
+        return ready and not self.stopping and (restarted or self.rules.version >= min_version)
+
+    def wait_for_version(self, min_version: int, timeout_s: float | None, incarnation: int = 0
+                         ) -> Snapshot | None:
         """The parameters once the version reaches `min_version`, or None on timeout or stop."""
         with self._changed:
-            ready = self._changed.wait_for(
-                lambda: self.rules.version >= min_version or self.stopping, timeout_s)
-            if not ready or self.rules.version < min_version:
+            if not self._reached(min_version, incarnation, timeout_s):
                 return None
             if self._snapshot is None or self._snapshot.version != self.rules.version:
-                frames = wire.parameter_frames(self.plan, self.rules.version, tensor_bytes(self.param))
+                frames = wire.parameter_frames(self.plan, self.rules.version, tensor_bytes(self.param),
+                                               self.incarnation)
                 self._snapshot = Snapshot(self.rules.version, list(frames))
             return self._snapshot
 
-    def write_parameters(self, worker_id: str, min_version: int, timeout_s: float | None) -> int | None:
+    def write_parameters(self, worker_id: str, min_version: int, timeout_s: float | None,
+                         incarnation: int = 0) -> int | None:
         """Once the version reaches `min_version`, copy the parameters into the worker's
         parameter segment; return that version, or None on timeout or stop.
 
@@ -207,9 +237,7 @@ class ShardState:
         """
         pair = self._segments_of(worker_id)
         with self._changed:
-            ready = self._changed.wait_for(
-                lambda: self.rules.version >= min_version or self.stopping, timeout_s)
-            if not ready or self.rules.version < min_version:
+            if not self._reached(min_version, incarnation, timeout_s):
                 return None
             pair.parameter_tensor.copy_(self.param.detach())
             return self.rules.version
@@ -229,7 +257,10 @@ class ShardState:
                                                              "dropped_late", "duplicates")},
                     "num_invalid": self.num_invalid, "staleness_histogram": dict(rules.staleness_histogram),
                     "round_wait_s": rules.round_wait_s, "aggregation_mode": rules.mode,
-                    "num_samples_applied": counts["samples"]}
+                    "num_samples_applied": counts["samples"],
+                    "num_samples_duplicate": rules.ledger.samples_duplicate,
+                    "num_blocks_applied": len(rules.ledger.blocks), "num_fenced": rules.roster.num_fenced,
+                    "incarnation": self.incarnation, "generation": rules.roster.generation}
 
     @property
     def version(self) -> int:
@@ -258,13 +289,7 @@ class ShardState:
 
     def _state(self) -> dict[str, Any]:
         """A snapshot of everything a restart needs (lock held; tensors are copies)."""
-        optimizer_state = self.optimizer.state_dict()
-        optimizer_state["state"] = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()}
-                                    for k, s in optimizer_state["state"].items()}
-        return {"strategy": STRATEGY, "shard": self.plan.shard, "num_shards": self.plan.num_shards,
-                "numel": self.plan.numel, "version": self.rules.version,
-                "params": self.param.detach().clone(), "optimizer": optimizer_state,
-                "rules": self.rules.state_dict(), "config": self.config.to_dict()}
+        return persistence.snapshot(self)
 
     def _save_async(self, state: dict[str, Any]) -> None:
         folder, keep = self.checkpoint_dir, self.config.system.checkpoint_keep
@@ -276,25 +301,12 @@ class ShardState:
             self._last_save.result()
 
     def restore(self, path: str | Path) -> None:
-        """Load parameters, optimizer state, version and counters from a checkpoint.
+        """Load parameters, optimizer state, version, ledger and counters from a checkpoint.
 
         Raises:
             CheckpointError: unreadable, or written by another shard layout or mode.
         """
-        state = ckpt.load_checkpoint(path)
-        ckpt.require_keys(state, ("strategy", "shard", "numel", "params", "optimizer", "rules"), path)
-        if state["strategy"] != STRATEGY or state["shard"] != self.plan.shard \
-                or state["numel"] != self.plan.numel:
-            raise CheckpointError(f"checkpoint {path} belongs to another shard or model "
-                                  f"(shard {state['shard']}, {state['numel']} elements); use the "
-                                  "checkpoint dir of this shard")
         with self._changed:
-            try:
-                self.rules.load_state_dict(state["rules"])
-                self.optimizer.load_state_dict(state["optimizer"])
-            except (ValueError, KeyError, RuntimeError) as e:
-                raise CheckpointError(f"checkpoint {path} does not fit this run: {e}") from e
-            with torch.no_grad():
-                self.param.copy_(state["params"])
+            persistence.restore(self, path)
             self._snapshot = None
         logger.info("shard %d restored version %d from %s", self.plan.shard, self.rules.version, path)

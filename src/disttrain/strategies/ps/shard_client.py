@@ -10,6 +10,7 @@ duplicate.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,16 +33,21 @@ TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Deadline of each attempt, and how often and how patiently to retry."""
+    """Deadline of each attempt, and how often and how patiently to retry. The default
+    rides out a server's restart (tens of seconds of UNAVAILABLE)."""
 
     timeout_s: float = 60.0
-    max_attempts: int = 6
+    max_attempts: int = 30
     initial_backoff_s: float = 0.1
-    max_backoff_s: float = 5.0
+    max_backoff_s: float = 3.0
+
+
+class ReplyLost(ConnectionError):
+    """An injected fault: the server took the push but its reply never came back."""
 
 
 def is_transient(error: BaseException) -> bool:
-    return isinstance(error, grpc.RpcError) and error.code() in TRANSIENT
+    return isinstance(error, ReplyLost) or isinstance(error, grpc.RpcError) and error.code() in TRANSIENT
 
 
 def describe(error: BaseException) -> str:
@@ -59,6 +65,10 @@ class ShardClient:
         self.shard = shard
         self.policy = policy
         self.segments: SegmentPair | None = None
+        # The server's incarnation as last heard: another one means it restarted.
+        self.incarnation = 0
+        self.drop_replies = 0  # replies of pushes to lose on purpose (fault injection)
+        self._join_lock = threading.Lock()
         self.channel = grpc.insecure_channel(address, options=wire.CHANNEL_OPTIONS)
         self._calls = {}
         for name, (kind, request_type, response_type) in wire.METHODS.items():
@@ -104,15 +114,24 @@ class ShardClient:
             header_copy = pb.GradientMessage()
             header_copy.CopyFrom(header)
             header_copy.shared_memory = self.segments is not None
+            header_copy.incarnation = self.incarnation
             frames = list(wire.gradient_frames(header_copy, plan, data))
             sent[0] += nbytes
             if len(frames) == 1:
-                return self._calls["PushGradients"](frames[0], timeout=self.policy.timeout_s,
-                                                    wait_for_ready=True)
-            return self._calls["SendGradients"](iter(frames), timeout=self.policy.timeout_s,
-                                                wait_for_ready=True)
+                reply = self._calls["PushGradients"](frames[0], timeout=self.policy.timeout_s,
+                                                     wait_for_ready=True)
+            else:
+                reply = self._calls["SendGradients"](iter(frames), timeout=self.policy.timeout_s,
+                                                     wait_for_ready=True)
+            if self.drop_replies > 0:
+                self.drop_replies -= 1
+                raise ReplyLost(f"the reply of step {header.step}'s push was dropped (injected fault)")
+            return reply
 
-        return self._retry("SendGradients", attempt), sent[0]
+        reply = self._retry("SendGradients", attempt)
+        if reply.incarnation not in (0, self.incarnation):
+            self.rejoin(reply.incarnation)  # the server restarted: it has read nothing of this push
+        return reply, sent[0]
 
     def pull(self, worker_id: str, plan: ShardPlan, min_version: int, into: torch.Tensor
              ) -> tuple[int, int]:
@@ -123,7 +142,7 @@ class ShardClient:
         """
         segments = self.segments
         request = pb.ParameterRequest(worker_id=worker_id, min_version=min_version, shard=plan.shard,
-                                      shared_memory=segments is not None)
+                                      shared_memory=segments is not None, incarnation=self.incarnation)
 
         one_message = segments is not None or wire.fits_one_message(plan.nbytes)
 
@@ -138,6 +157,11 @@ class ShardClient:
 
         payload = self._retry("GetParameters", attempt)
         expected = 0 if segments is not None else plan.nbytes
+        if payload.header.incarnation not in (0, self.incarnation):
+            logger.warning("shard %d at %s restarted at version %d (this worker waited for %d)",
+                           plan.shard, self.address, payload.header.version, min_version)
+            self.rejoin(payload.header.incarnation)
+            return self.pull(worker_id, plan, 0, into)
         if payload.header.version < min_version or payload.nbytes != expected \
                 or payload.header.shared_memory != (segments is not None):
             raise DistributedError(f"shard {plan.shard} answered version {payload.header.version} "
@@ -148,6 +172,43 @@ class ShardClient:
         else:
             copy_chunks(decode_chunks(payload.chunks, plan.dtype), into)
         return payload.header.version, plan.nbytes
+
+    def join(self, request: pb.RegisterRequest, plan: ShardPlan, num_shards: int, memory_required: bool
+             ) -> pb.WorkerAssignment:
+        """Register with this shard and map its shared memory when offered; kept, so a
+        restarted server is joined again the same way (`rejoin`).
+
+        Raises:
+            DistributedError: the server holds another shard or model than `plan`.
+        """
+        assignment = self.unary("RegisterWorker", request)
+        if assignment.num_shards != num_shards or assignment.shard != self.shard:
+            raise DistributedError(f"server {self.address} holds shard {assignment.shard}/"
+                                   f"{assignment.num_shards}, but it was given as shard "
+                                   f"{self.shard}/{num_shards}; list servers in shard order")
+        if wire.plan_layout(assignment.layout) != plan.slices or assignment.dtype != plan.dtype:
+            raise DistributedError(f"server {self.address} holds a different model than this "
+                                   "worker; start servers and workers with the same config")
+        self.segments = None
+        if assignment.HasField("shared_memory"):
+            self.attach(assignment.shared_memory, plan, memory_required)
+        elif memory_required:
+            raise DistributedError(f"server {self.address} offered no shared memory; use "
+                                   "ps.payload_transport: auto or grpc")
+        self.incarnation = assignment.incarnation
+        self._joined = (pb.RegisterRequest(), plan, num_shards, memory_required)
+        self._joined[0].CopyFrom(request)
+        self._joined[0].requested_rank = assignment.rank
+        return assignment
+
+    def rejoin(self, incarnation: int) -> None:
+        """Register again with a server that restarted as `incarnation` (it makes new
+        shared-memory segments); once, however many calls noticed the restart."""
+        with self._join_lock:
+            if self.incarnation != incarnation:
+                logger.warning("shard %d at %s restarted; registering with it again", self.shard,
+                               self.address)
+                self.join(*self._joined)
 
     def attach(self, offer: pb.SharedMemoryOffer, plan: ShardPlan, required: bool) -> None:
         """Map the server's shared-memory segments, or stay with gRPC bytes when they

@@ -97,19 +97,21 @@ def gradient_frames(header: pb.GradientMessage, plan: ShardPlan, data: memoryvie
     return encode_frames(header, GRADIENT_PAYLOAD_FIELD, meta, data, _chunk_bytes(data.nbytes))
 
 
-def parameter_frames(plan: ShardPlan, version: int, data: memoryview) -> Iterator[bytes]:
+def parameter_frames(plan: ShardPlan, version: int, data: memoryview, incarnation: int = 0
+                     ) -> Iterator[bytes]:
     """The wire messages of one pull answer, cut like a push's."""
     chunk_bytes = _chunk_bytes(plan.nbytes)
-    header = pb.ParameterMessage(version=version, shard=plan.shard, layout=slice_specs(plan))
+    header = pb.ParameterMessage(version=version, shard=plan.shard, layout=slice_specs(plan),
+                                 incarnation=incarnation)
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
     return encode_frames(header, PARAMETER_PAYLOAD_FIELD, meta, data, chunk_bytes)
 
 
-def parameter_notice(plan: ShardPlan, version: int) -> bytes:
+def parameter_notice(plan: ShardPlan, version: int, incarnation: int = 0) -> bytes:
     """The one message of a pull answered through shared memory: no payload bytes."""
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
-    return pb.ParameterMessage(version=version, shard=plan.shard, payload=meta,
-                               shared_memory=True).SerializeToString()
+    return pb.ParameterMessage(version=version, shard=plan.shard, payload=meta, shared_memory=True,
+                               incarnation=incarnation).SerializeToString()
 
 
 def collect_payload(frames: Iterator[Frame], max_bytes: int) -> Payload:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,9 @@ from disttrain.data import ArrayDataset, ShardedSampler, load_datasets
 from disttrain.metrics.summary import RunSummary
 from disttrain.metrics.window import StepTimer
 from disttrain.strategies.ps.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.exchange import Exchange, make_exchange
+from disttrain.strategies.ps.exchange import Block, Exchange, make_exchange
 from disttrain.strategies.ps.finalize import finish
+from disttrain.strategies.ps.link import join
 from disttrain.strategies.ps.model import check_supported
 from disttrain.strategies.ps.payloads import GradientEncoder
 from disttrain.strategies.ps.sharding import flat_parameters, plan_shards
@@ -81,27 +83,31 @@ class WorkerParticipant:
     train_set: ArrayDataset
     test_set: ArrayDataset
     eval_batch_size: int
-    batches_per_epoch: int
+    sampler: ShardedSampler
+    batch_size: int
+    faults: FaultInjector
     timer: StepTimer = field(default_factory=StepTimer)
     strategy: str = "ps-worker"
+    progress: tuple[int, int, int] = (0, 0, 0)  # epoch, step, samples: what heartbeats tell
+    samples_redone: int = 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.sampler.num_batches(self.batch_size)
 
     def start(self) -> None:
         self.client.barrier(self.worker_id, "start")
 
     def step(self, batches: list[torch.Tensor], info: StepInfo) -> StepResult:
         (indices,) = batches
-        inputs, targets = self.train_set.batch(indices)
-        # The data block this step trains on. The servers do not read it yet: the data ledger
-        # of the coordinator will record applied blocks by it (nothing lost or applied twice).
-        block_id = (info.epoch * self.world_size + self.rank) * self.batches_per_epoch + info.index_in_epoch
+        block = Block(info.step, self.block_id(info.epoch, info.index_in_epoch), info.epoch, len(indices),
+                      last_in_epoch=info.index_in_epoch == self.batches_per_epoch - 1)
         client, exchange = self.client, self.exchange
         sent, received, rejected = client.bytes_sent, client.bytes_received, exchange.num_rejected
-
-        def compute() -> StepResult:
-            self.grads.zero_()
-            return forward_backward(self.model, inputs, targets)
-
-        result, staleness = exchange.step(compute, info.step, block_id, len(indices), self.timer)
+        if self.faults.drops_reply(info.step):
+            client.lose_next_replies()
+        result, staleness = exchange.step(self._compute(indices), block, self.timer)
+        self.progress = (info.epoch, info.step, self.progress[2] + len(indices))
         result.scalars = {**self.timer.drain(), "comm/bytes_sent": client.bytes_sent - sent,
                           "comm/bytes_received": client.bytes_received - received,
                           "ps/staleness": staleness, "ps/rejected_pushes": exchange.num_rejected - rejected}
@@ -109,9 +115,45 @@ class WorkerParticipant:
             result.scalars.update(exchange.encoder.scalars())
         return result
 
+    def block_id(self, epoch: int, index: int) -> int:
+        """The data block of this worker's batch `index` of `epoch`, unique in the run."""
+        return (epoch * self.world_size + self.rank) * self.batches_per_epoch + index
+
+    def _compute(self, indices: torch.Tensor) -> Callable[[], StepResult]:
+        inputs, targets = self.train_set.batch(indices)
+
+        def compute() -> StepResult:
+            self.grads.zero_()
+            return forward_backward(self.model, inputs, targets)
+
+        return compute
+
+    def redo_missing(self, last_epoch: int) -> int:
+        """Apply this worker's blocks of epochs up to `last_epoch` that a shard lacks (it
+        restarted from a checkpoint older than them); returns the samples redone."""
+        end = (last_epoch + 1) * self.world_size * self.batches_per_epoch
+        applied = self.client.ledger(0, end)
+        redone = 0
+        for epoch in range(last_epoch + 1):
+            shard = self.sampler.shard(epoch)
+            for index in range(self.batches_per_epoch):
+                block_id = self.block_id(epoch, index)
+                missing = [s for s, blocks in enumerate(applied) if block_id not in blocks]
+                if not missing:
+                    continue
+                indices = shard[index * self.batch_size:(index + 1) * self.batch_size]
+                logger.warning("block %d (epoch %d, batch %d) is missing on shard(s) %s: redoing it",
+                               block_id, epoch, index, missing)
+                self.exchange.redo(self._compute(indices), Block(0, block_id, epoch, len(indices), redo=True),
+                                   missing, self.timer)
+                redone += len(indices)
+        self.samples_redone += redone
+        return redone
+
     def evaluate(self, epoch: int) -> EvalResult:
         """Every worker evaluates the servers' model, as it stands once all have finished
         the epoch, on its slice of the test set; the counts are added up at a barrier."""
+        self.redo_missing(epoch)
         self.client.barrier(self.worker_id, f"epoch{epoch}:trained")
         self.exchange.refresh()
         mine = eval_slice(len(self.test_set), self.world_size, self.rank)
@@ -125,7 +167,8 @@ class WorkerParticipant:
         encoder = self.exchange.encoder
         return {"worker_id": self.worker_id, "rank": self.rank, "world_size": self.world_size,
                 "bytes_sent": self.client.bytes_sent, "bytes_received": self.client.bytes_received,
-                "compression": None if encoder is None else encoder.state_dict()}
+                "compression": None if encoder is None else encoder.state_dict(),
+                "samples_redone": self.samples_redone}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
@@ -135,6 +178,7 @@ class WorkerParticipant:
         # The run's totals go on from the checkpoint, like its samples and training time.
         self.client.bytes_sent = int(state["bytes_sent"])
         self.client.bytes_received = int(state["bytes_received"])
+        self.samples_redone = int(state.get("samples_redone", 0))
         encoder, saved = self.exchange.encoder, state.get("compression")
         if (encoder is None) != (saved is None):
             raise CheckpointError("the checkpoint was written with compression "
@@ -169,7 +213,10 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
     flat, grads = flat_parameters(model)
     client = PSClient(servers, plan_shards(model, len(servers)),
                       RetryPolicy(timeout_s=config.ps.rpc_timeout_s), config.ps.payload_transport)
+    progress: list[Callable[[], tuple[int, int, int]]] = [lambda: (0, 0, 0)]  # until the participant exists
+    link = None
     try:
+        link = join(config.coordinator, worker_id, "worker", requested_rank, lambda: progress[0]())
         assignment = client.register(worker_id, requested_rank)
         rank, world_size = assignment.rank, assignment.world_size
         logger.info("registered as rank %d of %d (%s mode, %d shard(s))", rank, world_size,
@@ -180,17 +227,21 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
             compressor = Compressor.from_config(config.compression, training_seed(training.seed, rank))
             encoder = GradientEncoder(compressor, client.plans)
         exchange = make_exchange(assignment.aggregation_mode, client, worker_id, flat, grads,
-                                 assignment.staleness, encoder)
+                                 assignment.staleness, encoder, link.generation if link else 0,
+                                 retry_late=config.ps.backup_workers == 0)
         exchange.start()
         sampler = ShardedSampler(len(data[0]), world_size=world_size, rank=rank, seed=training.seed)
+        faults = FaultInjector(options.faults, "worker", rank, options.attempt)
         participant = WorkerParticipant(client, exchange, worker_id, rank, world_size, model, grads,
-                                        *data, training.eval_batch_size,
-                                        sampler.num_batches(training.batch_size))
+                                        *data, training.eval_batch_size, sampler, training.batch_size, faults)
+        progress[0] = lambda: participant.progress
         checkpoints = LocalCheckpoints(Path(system.checkpoint_dir) / f"worker{rank}", system.checkpoint_keep)
         loop = TrainingLoop(config, LoopSettings.from_config(config), participant, sampler, checkpoints,
-                            Path(system.log_dir) / f"worker{rank}", FaultInjector(options.faults, rank),
+                            Path(system.log_dir) / f"worker{rank}", faults,
                             lambda total, done: EventProgress(rank, total, done), announce=rank == 0)
         result = loop.run(options.resume)
         return finish(config, client, participant, result, flat, started)
     finally:
+        if link is not None:
+            link.close()
         client.close()

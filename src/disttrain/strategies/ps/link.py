@@ -1,0 +1,79 @@
+"""A parameter-server process's tie to the run's coordinator, when the run has one:
+register (the generation the worker stamps its pushes with), heartbeat with progress,
+and, on a server, follow the membership so a synchronous step stops waiting for a
+worker the coordinator declared failed."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from disttrain.config.schema import CoordinatorConfig
+
+logger = logging.getLogger(__name__)
+
+# A process the coordinator declared failed exits with this code; its supervisor restarts it.
+EXIT_DECLARED_FAILED = 75
+
+
+@dataclass
+class Link:
+    client: Any
+    generation: int
+    heartbeats: Any
+    watcher: Any = None
+
+    def close(self) -> None:
+        self.heartbeats.stop()
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.client.close()
+
+
+def _declared_failed(node_id: str) -> Callable[[], None]:
+    def exit_now() -> None:
+        logger.error("the coordinator declared %s failed (it missed its heartbeats); exiting so it "
+                     "is restarted, and no gradient of it is applied any more", node_id)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_DECLARED_FAILED)
+
+    return exit_now
+
+
+def join(settings: CoordinatorConfig, node_id: str, role: str, rank: int,
+         progress: Callable[[], tuple[int, int, int]], address: str = "",
+         on_membership: Callable[[int, dict[str, int]], None] | None = None) -> Link | None:
+    """Register with the coordinator at `settings.address` and start heartbeats; None when
+    the run has no coordinator.
+
+    Args:
+        progress: (epoch, step, samples so far), read at every heartbeat.
+        on_membership: called with (generation, live worker ids -> the generation each
+            joined in) at every change of membership (servers).
+    Raises:
+        CoordinatorError: the coordinator refused (another live process holds `node_id`).
+    """
+    if not settings.address:
+        return None
+    from disttrain.coordinator.client import CoordinatorClient, HeartbeatSender, MembershipWatcher
+    client = CoordinatorClient(settings.address)
+    reply = client.register(node_id, role, rank=rank, address=address)
+    logger.info("joined the run's coordinator at %s as %s (generation %d, %d restart(s) before)",
+                settings.address, node_id, reply.generation, reply.restarts)
+    heartbeats = HeartbeatSender(client, node_id, role, settings.heartbeat_interval, progress,
+                                 _declared_failed(node_id), rank=rank, address=address)
+    heartbeats.start()
+    watcher = None
+    if on_membership is not None:
+        def changed(membership) -> None:
+            live = {m.node_id: m.joined_generation for m in membership.members
+                    if m.role == "worker" and m.state == "alive"}
+            on_membership(membership.generation, live)
+
+        watcher = MembershipWatcher(client, changed)
+        watcher.start()
+    return Link(client, reply.generation, heartbeats, watcher)
