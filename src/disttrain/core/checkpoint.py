@@ -1,64 +1,38 @@
-"""Atomic save and safe load of full training state.
+"""Atomic save, checked load and resume-point choice for full training state.
 
 A checkpoint is one `torch.save` file holding plain containers and tensors: model and
 optimizer state, epoch, step, sampler position, RNG states and the resolved config. It is
-written to a temporary file in the same folder, flushed, fsynced and renamed over the
-final name, so a crash mid-write never leaves a partial file under a checkpoint's name
-and never replaces a good one. Loading uses `weights_only=True`: no code runs on load.
+written to a temporary file in the same folder (`.NAME.XXXX.tmp`), flushed, fsynced and
+renamed over the final name, so a crash mid-write never leaves a partial file under a
+checkpoint's name and never replaces a good one. Beside it, `NAME.sha256` holds its
+SHA-256 (see `atomic_files`), which loading verifies before `torch.load(weights_only=True)`
+reads the file: no code runs on load, and a damaged file is named as such. Resuming takes
+the newest checkpoint that passes both and warns about each newer one it skips.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import random
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from disttrain.core.atomic_files import atomic_torch_save, sidecar_path, verify_sha256
 from disttrain.core.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint_step(\d+)\.pt$")
+# The temporary files `atomic_torch_save` creates (`.NAME.XXXX.tmp`), and nothing else.
+TEMPORARY_PATTERN = re.compile(r"^\..+\.tmp$")
 
 
 def checkpoint_name(step: int) -> str:
     return f"checkpoint_step{step:08d}.pt"
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a rename inside `folder` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_torch_save(obj: Any, path: str | Path) -> Path:
-    """Write `obj` with `torch.save` to `path` atomically (temp file, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-    return path
 
 
 def list_checkpoints(folder: str | Path) -> list[Path]:
@@ -83,31 +57,95 @@ def save_checkpoint(folder: str | Path, step: int, state: dict[str, Any], keep: 
     """
     path = atomic_torch_save(state, Path(folder) / checkpoint_name(step))
     for old in list_checkpoints(folder)[:-keep]:
-        old.unlink(missing_ok=True)
+        old.unlink(missing_ok=True)  # the file first: a checkpoint never stands without its sum
+        sidecar_path(old).unlink(missing_ok=True)
     logger.debug("saved checkpoint %s", path)
     return path
 
 
 def prepare_checkpoint_dir(folder: str | Path, resume: bool) -> Path | None:
-    """Decide where a run starts: the newest checkpoint when resuming, else nothing.
+    """Decide where a run starts: the newest good checkpoint when resuming, else nothing.
 
-    A fresh run refuses a folder that already holds checkpoints, so it never overwrites
-    or prunes an earlier run's good checkpoints.
+    Call once, before the run's first save into `folder`: it removes the temporary files
+    an interrupted save left there. When resuming it loads candidates newest first
+    (see `load_latest_good_checkpoint`), so a caller that loads the returned path reads a
+    file already verified. A fresh run refuses a folder that already holds checkpoints,
+    so it never overwrites or prunes an earlier run's good checkpoints.
 
     Raises:
         ConfigError: not resuming, and `folder` already holds checkpoints.
+        CheckpointError: resuming, and every checkpoint in `folder` is damaged.
+    """
+    chosen = open_checkpoint_dir(folder, resume)
+    return None if chosen is None else chosen[0]
+
+
+def open_checkpoint_dir(folder: str | Path, resume: bool) -> tuple[Path, dict[str, Any]] | None:
+    """`prepare_checkpoint_dir`, returning the chosen checkpoint's state as well, so the
+    caller does not read it a second time.
+
+    Raises:
+        ConfigError, CheckpointError: as `prepare_checkpoint_dir`.
     """
     found = list_checkpoints(folder)
-    if resume:
-        if not found:
-            logger.info("--resume: no checkpoint in %s yet, starting from the beginning", folder)
-            return None
-        return found[-1]
-    if found:
+    if found and not resume:  # refused before anything in `folder` changes
         raise ConfigError(f"system.checkpoint_dir: {str(folder)!r} already holds checkpoints "
                           f"(newest {found[-1].name}); pass --resume to continue that run, or "
                           "choose another --checkpoint-dir")
-    return None
+    clean_temporary_files(folder)
+    if not resume:
+        return None
+    chosen = load_latest_good_checkpoint(folder)
+    if chosen is None:
+        logger.info("--resume: no checkpoint in %s yet, starting from the beginning", folder)
+    return chosen
+
+
+def load_latest_good_checkpoint(folder: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """Load the newest checkpoint in `folder` that is intact, trying newest first.
+
+    A checkpoint that is truncated, corrupt, fails its checksum or cannot be read is
+    skipped with a WARNING naming it and the reason; it is left on disk for inspection.
+
+    Returns:
+        (path, state) of the first good one; None when `folder` holds no checkpoint.
+
+    Raises:
+        CheckpointError: `folder` holds checkpoints and none of them is good.
+    """
+    found = list_checkpoints(folder)
+    for path in reversed(found):
+        try:
+            return path, load_checkpoint(path)
+        except CheckpointError as e:
+            logger.warning("skipping checkpoint %s, trying an older one: %s", path.name, e)
+    if not found:
+        return None
+    raise CheckpointError(f"no usable checkpoint in {folder}: {', '.join(p.name for p in found)} are "
+                          "all truncated, corrupt or fail their checksum (reasons logged above); "
+                          "restore a good copy, or move them away to start the run over")
+
+
+def clean_temporary_files(folder: str | Path) -> list[Path]:
+    """Remove the temporary files (`.NAME.XXXX.tmp`) that interrupted saves left in `folder`.
+
+    Only plain files whose names match that pattern are removed, nothing else. Call only
+    while no process is saving into `folder`: a save in flight owns such a file.
+
+    Returns:
+        The files removed.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = [p for p in sorted(folder.iterdir())
+               if TEMPORARY_PATTERN.match(p.name) and p.is_file() and not p.is_symlink()]
+    for path in removed:
+        path.unlink(missing_ok=True)
+    if removed:
+        logger.info("removed %d temporary file(s) left by an interrupted save in %s: %s", len(removed),
+                    folder, ", ".join(p.name for p in removed))
+    return removed
 
 
 def save_final_model(path: str | Path, model_state: dict[str, Any], config: Any) -> Path:
@@ -116,12 +154,17 @@ def save_final_model(path: str | Path, model_state: dict[str, Any], config: Any)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint with `weights_only=True`.
+    """Verify a checkpoint's checksum, then load it with `weights_only=True`.
+
+    A checkpoint without a `.sha256` sidecar (written before sums existed) still loads;
+    only `torch.load`'s own checks apply to it.
 
     Raises:
-        CheckpointError: the file is missing, truncated, corrupt or not a checkpoint.
+        CheckpointError: the file is missing, truncated, corrupt, fails its checksum or is
+            not a checkpoint.
     """
     path = Path(path)
+    verify_sha256(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError as e:

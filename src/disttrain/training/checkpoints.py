@@ -42,11 +42,27 @@ class LocalCheckpoints:
     def __init__(self, folder: str | Path, keep: int):
         self.folder = Path(folder)
         self.keep = keep
+        self._chosen: tuple[Path, dict[str, Any]] | None = None
 
     def choose(self, resume: bool) -> Path | None:
-        return ckpt.prepare_checkpoint_dir(self.folder, resume)
+        """The checkpoint to resume from: the newest good one (`ckpt.prepare_checkpoint_dir`).
+
+        Raises:
+            ConfigError: not resuming, and the folder holds an earlier run's checkpoints.
+            CheckpointError: resuming, and every checkpoint in the folder is damaged.
+        """
+        self._chosen = ckpt.open_checkpoint_dir(self.folder, resume)
+        return None if self._chosen is None else self._chosen[0]
 
     def load(self, path: Path) -> dict[str, Any]:
+        """The state at `path`; the one `choose` already read and verified, if that file.
+
+        Raises:
+            CheckpointError: `path` is unreadable, damaged or fails its checksum.
+        """
+        chosen, self._chosen = self._chosen, None  # hand it over once; don't keep it alive
+        if chosen is not None and chosen[0] == Path(path):
+            return chosen[1]
         return ckpt.load_checkpoint(path)
 
     def save(self, step: int, state: dict[str, Any]) -> None:
