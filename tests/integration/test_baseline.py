@@ -126,21 +126,29 @@ def test_truncated_idx_file(tmp_path, cli, real_data_dir):
 
 
 @pytest.mark.timeout(120)
-def test_corrupt_checkpoint_is_named_and_never_overwritten(tmp_path, cli):
-    first = cli("baseline", *FAST, "--num-epochs", "1", *dirs(tmp_path, "run"))
+def test_a_corrupt_newest_checkpoint_is_named_skipped_and_never_overwritten(tmp_path, cli):
+    first = cli("baseline", *FAST, "--num-epochs", "1", "--checkpoint-interval", "5", *dirs(tmp_path, "run"))
     assert first.returncode == 0, first.stderr
     folder = tmp_path / "run" / "ckpt"
-    newest = ckpt.latest_checkpoint(folder)
-    damaged = newest.read_bytes()[:1000]
-    newest.write_bytes(damaged)
-    before = {p.name: p.read_bytes() for p in folder.iterdir()}
-    result = cli("baseline", *FAST, *dirs(tmp_path, "run"), "--resume")
-    one_line_error(result, f"{newest.name} is corrupt or truncated", 1)
-    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    found = ckpt.list_checkpoints(folder)
+    newest, previous = found[-1], found[-2]
+    newest.write_bytes(newest.read_bytes()[:1000])
+    damaged = newest.read_bytes()
 
-    fresh = cli("baseline", *FAST, *dirs(tmp_path, "run"))  # without --resume: refused
+    fresh = cli("baseline", *FAST, *dirs(tmp_path, "run"))  # without --resume: refused, nothing touched
     one_line_error(fresh, "already holds checkpoints", 2)
-    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert newest.read_bytes() == damaged
+
+    resumed = cli("baseline", *FAST, "--num-epochs", "1", *dirs(tmp_path, "run"), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"skipping checkpoint {newest.name}" in resumed.stderr
+    assert f"resumed from {previous}" in resumed.stderr
+
+    for path in ckpt.list_checkpoints(folder):
+        path.write_bytes(b"garbage")
+    broken = cli("baseline", *FAST, *dirs(tmp_path, "run"), "--resume")
+    one_line_error(broken, "no usable checkpoint", 1)
+    assert all(p.read_bytes() == b"garbage" for p in ckpt.list_checkpoints(folder))
 
 
 @pytest.mark.slow

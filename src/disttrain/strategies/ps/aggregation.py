@@ -25,63 +25,14 @@ an older checkpoint) is answered ROLLED_BACK: the worker pulls again and recompu
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
+from disttrain.strategies.ps.decisions import Contribution, Decision, Outcome, Push, PushRefused
 from disttrain.strategies.ps.roster import Ledger, Roster
 
+__all__ = ["MODES", "AggregationRules", "Contribution", "Decision", "Outcome", "Push", "PushRefused"]
+
 MODES = ("sync", "async", "ssp")
-
-
-class Outcome(Enum):
-    APPLIED = 0     # applied now (async, ssp), or completed a synchronous step
-    BUFFERED = 1    # held for the rest of a synchronous step
-    STALE = 2       # ssp: too stale; refetch and recompute
-    LATE = 3        # sync: its step was applied without it; dropped
-    DUPLICATE = 4   # this push or its block was taken before; nothing changed
-    ROLLED_BACK = 5  # the shard is behind the push's base version (it restarted)
-
-
-class PushRefused(ValueError):
-    """A push that breaks the protocol (unknown worker, a second gradient of one worker
-    for one synchronous step). Nothing changes."""
-
-
-@dataclass(frozen=True)
-class Push:
-    """What the rules read of a push (the payload travels beside it)."""
-
-    worker_id: str
-    step: int
-    base_version: int
-    weight: float
-    block: int = -1
-    epoch: int = 0
-    last_in_epoch: bool = False
-    generation: int = 0
-    redo: bool = False
-
-
-@dataclass
-class Contribution:
-    rank: int
-    weight: float
-    payload: Any  # None: a duplicate block that stands in for its worker in a sync step
-    block: int = -1
-    epoch: int = 0
-
-
-@dataclass
-class Decision:
-    """What to do with a push. `apply` lists the gradients to combine now (by weight,
-    in rank order); `advanced` says the version went up (possibly with nothing to apply)."""
-
-    outcome: Outcome
-    version: int
-    staleness: int
-    apply: list[Contribution] = field(default_factory=list)
-    advanced: bool = False
 
 
 class AggregationRules:
@@ -113,6 +64,7 @@ class AggregationRules:
         self.roster = Roster()
         self.round_started: float | None = None
         self.round_wait_s = 0.0
+        self.max_round_wait_s = 0.0
         self.staleness_histogram: Counter[int] = Counter()
         self.counts: Counter[str] = Counter()
 
@@ -260,13 +212,28 @@ class AggregationRules:
             c.weight /= total
             self._record(c.block)
         self.pending.clear()
-        self.round_wait_s += now - (self.round_started if self.round_started is not None else now)
+        waited = now - (self.round_started if self.round_started is not None else now)
+        self.round_wait_s += waited
+        self.max_round_wait_s = max(self.max_round_wait_s, waited)
         self.round_started = None
         self.counts["applied"] += len(real)
         self.counts["steps"] += 1
         self.version += 1
         outcome = Outcome.APPLIED if decision.outcome is Outcome.BUFFERED else decision.outcome
         return Decision(outcome, self.version, decision.staleness, real, True)
+
+    def status(self) -> dict[str, Any]:
+        """Versions, membership and counters, by their `ShardStatus` names."""
+        counts = self.counts
+        return {"version": self.version, "world_size": self.world_size, "num_registered": len(self.ranks),
+                "num_done": len(self.done), "aggregation_mode": self.mode,
+                **{f"num_{key}": counts[key] for key in ("applied", "rejected_stale", "dropped_late",
+                                                         "duplicates")},
+                "staleness_histogram": dict(self.staleness_histogram), "round_wait_s": self.round_wait_s,
+                "max_round_wait_s": self.max_round_wait_s, "num_samples_applied": counts["samples"],
+                "num_samples_duplicate": self.ledger.samples_duplicate,
+                "num_blocks_applied": len(self.ledger.blocks), "num_fenced": self.roster.num_fenced,
+                "generation": self.roster.generation}
 
     # -- persistence ----------------------------------------------------------------------
 

@@ -59,6 +59,7 @@ def shard_summary(statuses: list[pb.ShardStatus]) -> dict[str, Any]:
         "num_duplicates": sum(s.num_duplicates for s in statuses),
         "num_invalid": sum(s.num_invalid for s in statuses),
         "round_wait_s": max(s.round_wait_s for s in statuses),
+        "max_round_wait_s": max(s.max_round_wait_s for s in statuses),
     }
 
 

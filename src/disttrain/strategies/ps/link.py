@@ -9,9 +9,9 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from disttrain.config.schema import CoordinatorConfig
+from disttrain.coordinator.client import CoordinatorClient, HeartbeatSender, MembershipWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -21,10 +21,10 @@ EXIT_DECLARED_FAILED = 75
 
 @dataclass
 class Link:
-    client: Any
+    client: CoordinatorClient
     generation: int
-    heartbeats: Any
-    watcher: Any = None
+    heartbeats: HeartbeatSender
+    watcher: MembershipWatcher | None = None
 
     def close(self) -> None:
         self.heartbeats.stop()
@@ -59,13 +59,13 @@ def join(settings: CoordinatorConfig, node_id: str, role: str, rank: int,
     """
     if not settings.address:
         return None
-    from disttrain.coordinator.client import CoordinatorClient, HeartbeatSender, MembershipWatcher
     client = CoordinatorClient(settings.address)
     reply = client.register(node_id, role, rank=rank, address=address)
     logger.info("joined the run's coordinator at %s as %s (generation %d, %d restart(s) before)",
                 settings.address, node_id, reply.generation, reply.restarts)
     heartbeats = HeartbeatSender(client, node_id, role, settings.heartbeat_interval, progress,
-                                 _declared_failed(node_id), rank=rank, address=address)
+                                 _declared_failed(node_id), rank=rank, address=address,
+                                 generation=reply.generation)
     heartbeats.start()
     watcher = None
     if on_membership is not None:

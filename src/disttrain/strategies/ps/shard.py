@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import torch
 from torch import nn
 
 from disttrain.config import Config
-from disttrain.core import checkpoint as ckpt
+from disttrain.core.saver import CheckpointWriter
 from disttrain.strategies.ps import persistence, wire
 from disttrain.strategies.ps.aggregation import AggregationRules, Decision, Outcome, Push, PushRefused
 from disttrain.strategies.ps.barriers import BarrierMismatch, Barriers
@@ -83,8 +82,9 @@ class ShardState:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._snapshot: Snapshot | None = None
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
-        self._last_save: Future | None = None
+        # Bounded: a slow disk makes saves wait, never piles up copies of the state.
+        self._writer = None if self.checkpoint_dir is None else \
+            CheckpointWriter(self.checkpoint_dir, config.system.checkpoint_keep)
         self._segments = WorkerSegments(plan.nbytes, plan.dtype)
         self.barriers = Barriers(config.system.num_workers)
         # Reused by every update: a fresh buffer each time costs page faults on every page.
@@ -248,19 +248,10 @@ class ShardState:
                 and self.rules.all_done()
 
     def status(self) -> dict[str, Any]:
+        """This shard's counters (the fields of `ShardStatus`)."""
         with self._lock:
-            rules, counts = self.rules, self.rules.counts
             return {"shard": self.plan.shard, "num_shards": self.plan.num_shards,
-                    "version": rules.version, "world_size": rules.world_size,
-                    "num_registered": len(rules.ranks), "num_done": len(rules.done),
-                    **{f"num_{key}": counts[key] for key in ("applied", "rejected_stale",
-                                                             "dropped_late", "duplicates")},
-                    "num_invalid": self.num_invalid, "staleness_histogram": dict(rules.staleness_histogram),
-                    "round_wait_s": rules.round_wait_s, "aggregation_mode": rules.mode,
-                    "num_samples_applied": counts["samples"],
-                    "num_samples_duplicate": rules.ledger.samples_duplicate,
-                    "num_blocks_applied": len(rules.ledger.blocks), "num_fenced": rules.roster.num_fenced,
-                    "incarnation": self.incarnation, "generation": rules.roster.generation}
+                    "num_invalid": self.num_invalid, "incarnation": self.incarnation, **self.rules.status()}
 
     @property
     def version(self) -> int:
@@ -285,20 +276,22 @@ class ShardState:
         self._segments.unlink_all()
         if state is not None:
             self._save_async(state)
-        self._saver.shutdown(wait=True)
+        if self._writer is not None:
+            self._writer.close()
 
     def _state(self) -> dict[str, Any]:
         """A snapshot of everything a restart needs (lock held; tensors are copies)."""
         return persistence.snapshot(self)
 
     def _save_async(self, state: dict[str, Any]) -> None:
-        folder, keep = self.checkpoint_dir, self.config.system.checkpoint_keep
-        self._last_save = self._saver.submit(ckpt.save_checkpoint, folder, state["version"], state, keep)
+        """Queue a checkpoint (a newer one replaces one still waiting); raises CheckpointError
+        when an earlier write failed."""
+        self._writer.submit(state["version"], state)
 
     def flush_checkpoints(self) -> None:
-        """Wait for the checkpoint being written, if any (raises what the write raised)."""
-        if self._last_save is not None:
-            self._last_save.result()
+        """Wait for the checkpoints queued (raises CheckpointError if a write failed)."""
+        if self._writer is not None:
+            self._writer.flush()
 
     def restore(self, path: str | Path) -> None:
         """Load parameters, optimizer state, version, ledger and counters from a checkpoint.
