@@ -70,6 +70,7 @@ class Exchange:
         self.num_shards = len(client.shards)
         self.versions = [0] * self.num_shards
         self.num_rejected = 0
+        self.dropped: set[int] = set()  # blocks a synchronous step went on without (backup workers)
 
     def start(self) -> None:
         """Pull the initial parameters."""
@@ -140,6 +141,8 @@ class SyncExchange(Exchange):
             self.versions = versions
             staleness = max([staleness] + [r.staleness for r in replies])
             outcomes = (LATE, ROLLED_BACK) if self.retry_late else (ROLLED_BACK,)
+            if not self.retry_late and any(r.outcome == LATE for r in replies):
+                self.dropped.add(block.block_id)  # a backup worker's gradient, dropped by design
             behind = {s for s in shards if versions[s] < wanted[s]}  # the server restarted
             again = set(self._untaken(shards, replies, outcomes)) | behind
             if not again:

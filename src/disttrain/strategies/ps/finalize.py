@@ -67,20 +67,23 @@ def data_ledger(num_epochs: int, client: PSClient, participant: Any, rows: list[
                 statuses: list[pb.ShardStatus]) -> dict[str, Any]:
     """What became of every sample of every epoch, from the shards' ledgers: applied
     (shard 0's count), redone (computed again after a failure: duplicates the servers
-    turned away, and blocks redone because a shard lacked them) and lost (in a block
-    some shard never applied; 0 unless gradients were dropped by design)."""
+    turned away, and blocks redone because a shard lacked them), dropped late (backup
+    workers: the slowest gradients of a synchronous step, by design) and lost (in a
+    block some shard never applied, other than those dropped late)."""
     epochs, world = num_epochs, participant.world_size
     bpe, size, total = participant.batches_per_epoch, participant.batch_size, len(participant.sampler)
     applied = client.ledger(0, epochs * world * bpe)
-    lost = 0
+    missing = 0
     for block in range(epochs * world * bpe):
         if any(block not in blocks for blocks in applied):
             index = block % bpe
-            lost += min(size, total - index * size)
-    return {"samples_applied": statuses[0].num_samples_applied,
+            missing += min(size, total - index * size)
+    dropped = int(sum(row[7] for row in rows))
+    return {"samples_applied": statuses[0].num_samples_applied, "samples_dropped_late": dropped,
+            "samples_lost": missing - dropped,
             "samples_redone": max(s.num_samples_duplicate for s in statuses)
             + int(sum(row[6] for row in rows)),
-            "samples_lost": lost, "num_fenced": sum(s.num_fenced for s in statuses)}
+            "num_fenced": sum(s.num_fenced for s in statuses)}
 
 
 def compression_summary(rows: list[list[float]]) -> dict[str, Any]:
@@ -103,7 +106,7 @@ def finish(config: Config, client: PSClient, participant: Any, result: LoopResul
     participant.redo_missing(config.training.num_epochs - 1)
     rows = client.barrier(worker_id, "finished", [position.samples_processed, position.train_time_s,
                                                   client.bytes_sent, client.bytes_received, *counters,
-                                                  participant.samples_redone])
+                                                  participant.samples_redone, participant.samples_dropped])
     client.call_all("WorkerDone", pb.WorkerDoneRequest(worker_id=worker_id))
     logger.info("worker %d done: %d steps, %d samples in %.1fs of training, %.1f MB sent, "
                 "%.1f MB received", rank, position.step, position.samples_processed,

@@ -94,14 +94,13 @@ class ParameterServicer:
             return [wire.parameter_notice(self.state.plan, self.state.version, self.state.incarnation)]
         if request.shared_memory:
             try:
-                version = self.state.write_parameters(request.worker_id, request.min_version, timeout,
-                                                      request.incarnation)
+                version = self.state.write_parameters(request.worker_id, request.min_version, timeout)
             except PushRefused as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             if version is not None:
                 return [wire.parameter_notice(self.state.plan, version, self.state.incarnation)]
         else:
-            snapshot = self.state.wait_for_version(request.min_version, timeout, request.incarnation)
+            snapshot = self.state.wait_for_version(request.min_version, timeout)
             if snapshot is not None:
                 return snapshot.frames
         code = grpc.StatusCode.UNAVAILABLE if self.state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
@@ -121,7 +120,7 @@ class ParameterServicer:
             num_shards=plan.num_shards, aggregation_mode=rules.mode, staleness=rules.staleness_bound,
             version=version, layout=wire.slice_specs(plan), dtype=plan.dtype,
             incarnation=self.state.incarnation)
-        pair = self.state.offer_shared_memory(request.worker_id) if request.shared_memory else None
+        pair = self.state.segments.offer(request.worker_id) if request.shared_memory else None
         if pair is not None:
             assignment.shared_memory.gradient_path = str(pair.gradient.path)
             assignment.shared_memory.parameter_path = str(pair.parameter.path)

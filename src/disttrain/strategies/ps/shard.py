@@ -85,12 +85,10 @@ class ShardState:
         # Bounded: a slow disk makes saves wait, never piles up copies of the state.
         self._writer = None if self.checkpoint_dir is None else \
             CheckpointWriter(self.checkpoint_dir, config.system.checkpoint_keep)
-        self._segments = WorkerSegments(plan.nbytes, plan.dtype)
+        self.segments = WorkerSegments(plan.nbytes, plan.dtype)
         self.barriers = Barriers(config.system.num_workers)
         # Reused by every update: a fresh buffer each time costs page faults on every page.
         self._gradient_sum = torch.empty_like(self.param.detach())
-
-    # -- membership ---------------------------------------------------------------------
 
     def register(self, worker_id: str, requested_rank: int) -> tuple[int, int]:
         """(rank, version) for `worker_id`. Raises PushRefused when no rank fits."""
@@ -99,13 +97,9 @@ class ShardState:
             self._changed.notify_all()
             return rank, self.rules.version
 
-    def offer_shared_memory(self, worker_id: str) -> SegmentPair | None:
-        """Fresh shared-memory segments for `worker_id`, or None where there are none."""
-        return self._segments.offer(worker_id)
-
     def _segments_of(self, worker_id: str) -> SegmentPair:
         """Raises PushRefused when the worker has no segments here."""
-        pair = self._segments.of(worker_id)
+        pair = self.segments.of(worker_id)
         if pair is None:
             raise PushRefused(f"worker {worker_id!r} has no shared-memory segments on shard "
                               f"{self.plan.shard}; register asking for them, or send the bytes")
@@ -121,10 +115,14 @@ class ShardState:
         """
         with self._changed:
             rank = self.rules.rank_of(worker_id)
+            complete = self.barriers.result(name) is not None
             try:
                 self.barriers.arrive(name, rank, values)
             except BarrierMismatch as e:
                 raise PushRefused(str(e)) from e
+            if not complete and self.barriers.result(name) is not None and self._writer is not None:
+                # Kept, so a worker whose answer a crash lost is answered again after a restart.
+                self._save_async(self._state())
             self._changed.notify_all()
             self._changed.wait_for(lambda: self.barriers.result(name) is not None or self.stopping,
                                    timeout_s)
@@ -151,8 +149,8 @@ class ShardState:
             self.decoder.check_header(payload)
             if payload.header.shared_memory:
                 payload = self._payload_from_segment(payload)
-            elif self._segments:
-                self._segments.of(payload.header.worker_id)
+            elif self.segments:
+                self.segments.of(payload.header.worker_id)
             gradient = self.decoder.decode(payload)
         except InvalidPush:
             with self._lock:
@@ -206,20 +204,15 @@ class ShardState:
             self._save_async(self._state())
         self.on_version(self.rules.version)
 
-    def _reached(self, min_version: int, incarnation: int, timeout_s: float | None) -> bool:
-        """Wait (lock held) until the version reaches `min_version`; a caller that knew
-        another incarnation of this server gets what there is at once (the shard may
-        have rolled back to its checkpoint). False on timeout or stop."""
-        restarted = incarnation != 0 and incarnation != self.incarnation
-        ready = self._changed.wait_for(
-            lambda: restarted or self.rules.version >= min_version or self.stopping, timeout_s)
-        return ready and not self.stopping and (restarted or self.rules.version >= min_version)
+    def _reached(self, min_version: int, timeout_s: float | None) -> bool:
+        """Wait (lock held) until the version reaches `min_version`; False on timeout or stop."""
+        ready = self._changed.wait_for(lambda: self.rules.version >= min_version or self.stopping, timeout_s)
+        return ready and not self.stopping
 
-    def wait_for_version(self, min_version: int, timeout_s: float | None, incarnation: int = 0
-                         ) -> Snapshot | None:
+    def wait_for_version(self, min_version: int, timeout_s: float | None) -> Snapshot | None:
         """The parameters once the version reaches `min_version`, or None on timeout or stop."""
         with self._changed:
-            if not self._reached(min_version, incarnation, timeout_s):
+            if not self._reached(min_version, timeout_s):
                 return None
             if self._snapshot is None or self._snapshot.version != self.rules.version:
                 frames = wire.parameter_frames(self.plan, self.rules.version, tensor_bytes(self.param),
@@ -227,8 +220,7 @@ class ShardState:
                 self._snapshot = Snapshot(self.rules.version, list(frames))
             return self._snapshot
 
-    def write_parameters(self, worker_id: str, min_version: int, timeout_s: float | None,
-                         incarnation: int = 0) -> int | None:
+    def write_parameters(self, worker_id: str, min_version: int, timeout_s: float | None) -> int | None:
         """Once the version reaches `min_version`, copy the parameters into the worker's
         parameter segment; return that version, or None on timeout or stop.
 
@@ -237,7 +229,7 @@ class ShardState:
         """
         pair = self._segments_of(worker_id)
         with self._changed:
-            if not self._reached(min_version, incarnation, timeout_s):
+            if not self._reached(min_version, timeout_s):
                 return None
             pair.parameter_tensor.copy_(self.param.detach())
             return self.rules.version
@@ -263,8 +255,6 @@ class ShardState:
         with self._lock:
             return self.param.detach().clone()
 
-    # -- lifecycle and checkpoints -------------------------------------------------------------
-
     def stop(self) -> None:
         """Wake every waiter, write a final checkpoint, wait for pending writes."""
         with self._changed:
@@ -273,7 +263,7 @@ class ShardState:
             self.stopping = True
             self._changed.notify_all()
             state = self._state() if self.checkpoint_dir is not None else None
-        self._segments.unlink_all()
+        self.segments.unlink_all()
         if state is not None:
             self._save_async(state)
         if self._writer is not None:

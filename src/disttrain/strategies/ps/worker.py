@@ -95,6 +95,13 @@ class WorkerParticipant:
     def batches_per_epoch(self) -> int:
         return self.sampler.num_batches(self.batch_size)
 
+    @property
+    def samples_dropped(self) -> int:
+        """Samples of the blocks steps went on without (backup workers), by design."""
+        sizes = [min(self.batch_size, len(self.sampler) - (b % self.batches_per_epoch) * self.batch_size)
+                 for b in self.exchange.dropped]
+        return sum(sizes)
+
     def start(self) -> None:
         self.client.barrier(self.worker_id, "start")
 
@@ -139,7 +146,7 @@ class WorkerParticipant:
             for index in range(self.batches_per_epoch):
                 block_id = self.block_id(epoch, index)
                 missing = [s for s, blocks in enumerate(applied) if block_id not in blocks]
-                if not missing:
+                if not missing or block_id in self.exchange.dropped:
                     continue
                 indices = shard[index * self.batch_size:(index + 1) * self.batch_size]
                 logger.warning("block %d (epoch %d, batch %d) is missing on shard(s) %s: redoing it",
@@ -168,7 +175,7 @@ class WorkerParticipant:
         return {"worker_id": self.worker_id, "rank": self.rank, "world_size": self.world_size,
                 "bytes_sent": self.client.bytes_sent, "bytes_received": self.client.bytes_received,
                 "compression": None if encoder is None else encoder.state_dict(),
-                "samples_redone": self.samples_redone}
+                "samples_redone": self.samples_redone, "dropped_blocks": sorted(self.exchange.dropped)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
@@ -179,6 +186,7 @@ class WorkerParticipant:
         self.client.bytes_sent = int(state["bytes_sent"])
         self.client.bytes_received = int(state["bytes_received"])
         self.samples_redone = int(state.get("samples_redone", 0))
+        self.exchange.dropped = {int(b) for b in state.get("dropped_blocks", [])}
         encoder, saved = self.exchange.encoder, state.get("compression")
         if (encoder is None) != (saved is None):
             raise CheckpointError("the checkpoint was written with compression "
