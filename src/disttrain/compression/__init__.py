@@ -4,7 +4,7 @@ The parameter server sends their payloads over gRPC or shared memory; DDP all-ga
 them in communication hooks."""
 
 from disttrain.compression.compressor import Compressor, Counters, Encoded, Segment
-from disttrain.compression.schemes import SCHEMES, InvalidPayload, topk_count
+from disttrain.compression.schemes import SCHEMES, InvalidPayload, all_finite, topk_count
 
 __all__ = ["SCHEMES", "Compressor", "Counters", "Encoded", "InvalidPayload", "Segment",
-           "topk_count"]
+           "all_finite", "topk_count"]

@@ -33,6 +33,11 @@ class CheckpointError(DisttrainError):
     the message names the file; delete it to fall back to an older one."""
 
 
+class TrainingError(DisttrainError):
+    """Training cannot go on as configured (e.g. it diverged). Not recoverable by a
+    restart: change the config."""
+
+
 class DistributedError(DisttrainError):
     """A peer process failed or could not be reached. Recoverable by a supervisor restart."""
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from disttrain.compression import all_finite
+from disttrain.core.errors import TrainingError
 from disttrain.metrics.window import StepTimer
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.client import PSClient
@@ -89,7 +91,16 @@ class Exchange:
     def prepare(self, block: Block, shards: list[int], timer: StepTimer
                 ) -> Callable[[], list[pb.PushReply]]:
         """The push of the gradient now in `grads` to `shards`, compressed first where the run
-        compresses; call the result to send it."""
+        compresses; call the result to send it.
+
+        Raises:
+            TrainingError: the gradient holds NaN or infinity. It is checked whole before
+                any shard gets a byte, so a push is applied on every shard or on none.
+        """
+        if not all_finite(self.grads):
+            raise TrainingError(f"the gradient of step {block.step} holds NaN or infinity, so no shard "
+                                "was sent any of it: training diverged; lower the learning rate or "
+                                "check the data")
         headers = [pb.GradientMessage(worker_id=self.worker_id, step=block.step, shard=s,
                                       base_version=self.versions[s], block_id=block.block_id,
                                       num_samples=block.num_samples,

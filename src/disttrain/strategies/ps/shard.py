@@ -145,6 +145,7 @@ class ShardState:
         """
         if payload.header.incarnation not in (0, self.incarnation):
             return Decision(Outcome.ROLLED_BACK, self.version, 0)
+        self._check_running()
         try:
             self.decoder.check_header(payload)
             if payload.header.shared_memory:
@@ -160,11 +161,14 @@ class ShardState:
         push = Push(h.worker_id, h.step, h.base_version, float(h.num_samples), h.block_id, h.epoch,
                     h.last_in_epoch, h.generation, h.redo)
         with self._changed:
-            if self.stopping:  # its final checkpoint is being taken: this push would be lost
-                raise ShardStopping(f"shard {self.plan.shard} is stopping; push again once it is back")
+            self._check_running()  # again: the final checkpoint may have begun meanwhile
             decision = self.rules.offer(push, gradient, self.clock())
             self._apply(decision)
         return decision
+
+    def _check_running(self) -> None:  # a push after the final checkpoint began would be lost
+        if self.stopping:
+            raise ShardStopping(f"shard {self.plan.shard} is stopping; push again once it is back")
 
     def set_membership(self, generation: int, members: dict[str, int]) -> None:
         """The coordinator's membership (live worker ids -> the generation each joined in):

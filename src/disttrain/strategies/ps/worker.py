@@ -151,8 +151,9 @@ class WorkerParticipant:
                 indices = shard[index * self.batch_size:(index + 1) * self.batch_size]
                 logger.warning("block %d (epoch %d, batch %d) is missing on shard(s) %s: redoing it",
                                block_id, epoch, index, missing)
-                self.exchange.redo(self._compute(indices), Block(0, block_id, epoch, len(indices), redo=True),
-                                   missing, self.timer)
+                step = max(1, self.progress[1])  # a redo is named by its block, not its step
+                block = Block(step, block_id, epoch, len(indices), redo=True)
+                self.exchange.redo(self._compute(indices), block, missing, self.timer)
                 redone += len(indices)
         self.samples_redone += redone
         return redone
