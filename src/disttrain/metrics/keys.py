@@ -104,6 +104,19 @@ OPTIONAL_SUMMARY: dict[str, Metric] = {m.key: m for m in [
            "over the whole run and every process (present when compression is on)", "ps, ddp"),
     Metric("compression_bytes_sent", "bytes", RUN, "gradient payload bytes all processes sent, "
            "compressed (present when compression is on)", "ps, ddp"),
+    Metric("samples_applied", "samples", RUN, "samples whose gradients the servers applied, from "
+           "their data ledgers (every sample of every epoch once)", "ps"),
+    Metric("samples_redone", "samples", RUN, "samples computed again after a failure (turned "
+           "away as duplicates, or redone where a restarted shard lacked them)", "ps"),
+    Metric("samples_lost", "samples", RUN, "samples of blocks some shard never applied, other "
+           "than those dropped late (must be 0)", "ps"),
+    Metric("samples_dropped_late", "samples", RUN, "samples of the gradients synchronous steps "
+           "went on without, by design (backup workers)", "ps"),
+    Metric("max_round_wait_s", "s", RUN, "the longest a synchronous step waited between its "
+           "first and last gradient", "ps"),
+    Metric("num_failures", "count", RUN, "process failures the run recovered from; `failures` "
+           "lists each with `detect_s` (to detect it), `recover_s` (until the process was back "
+           "at work) and `restart_s`", "ps"),
 ]}
 
 

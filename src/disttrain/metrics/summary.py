@@ -64,7 +64,23 @@ class RunSummary:
             f"Throughput: {self.throughput_samples_per_s:.1f} samples/s",
         ] + ([f"Gradient Compression: {self.extra['compression_ratio']:.1f}x fewer bytes "
               f"({self.extra['compression_bytes_sent'] / 1e6:.1f} MB sent)"]
-             if "compression_ratio" in self.extra else [])
+             if "compression_ratio" in self.extra else []) + self._recovery_lines()
+
+    def _recovery_lines(self) -> list[str]:
+        """What the run's failures cost (parameter server runs)."""
+        extra = self.extra
+        if "samples_lost" not in extra:
+            return []
+        lines = [f"Data: {extra['samples_applied']} samples applied, {extra['samples_redone']} redone, "
+                 f"{extra['samples_lost']} lost"]
+        for failure in extra.get("failures", []):
+            figures = ", ".join(f"{name} {failure[key]:.2f}s" for name, key in (
+                ("detected in", "detect_s"), ("back at work in", "recover_s")) if key in failure)
+            lines.append(f"Failure: {failure['process']} {failure['reason']}"
+                         + (f" ({figures})" if figures else ""))
+        if extra.get("stragglers"):
+            lines.append(f"Stragglers: {', '.join(extra['stragglers'])}")
+        return lines
 
     def write(self, path: str | Path) -> Path:
         """Write the summary as JSON at `path` atomically (a folder gets `summary.json`)."""

@@ -88,7 +88,10 @@ class WorkerParticipant:
     faults: FaultInjector
     timer: StepTimer = field(default_factory=StepTimer)
     strategy: str = "ps-worker"
-    progress: tuple[int, int, int] = (0, 0, 0)  # epoch, step, samples: what heartbeats tell
+    # What heartbeats tell: epoch, step, samples, and seconds of work (waits for peers left
+    # out, so in sync mode a straggler shows as one even though everyone's steps are as slow).
+    progress: tuple[int, int, int, float] = (0, 0, 0, 0.0)
+    _last_exit: float | None = None
     samples_redone: int = 0
 
     @property
@@ -113,9 +116,16 @@ class WorkerParticipant:
         sent, received, rejected = client.bytes_sent, client.bytes_received, exchange.num_rejected
         if self.faults.drops_reply(info.step):
             client.lose_next_replies()
+        entered = time.perf_counter()
         result, staleness = exchange.step(self._compute(indices), block, self.timer)
-        self.progress = (info.epoch, info.step, self.progress[2] + len(indices))
-        result.scalars = {**self.timer.drain(), "comm/bytes_sent": client.bytes_sent - sent,
+        timings = self.timer.drain()
+        left = time.perf_counter()
+        busy = left - (entered if self._last_exit is None else self._last_exit) \
+            - timings.get("time/comm_blocked_s", 0.0)
+        self._last_exit = left
+        epoch, step, samples, work = self.progress
+        self.progress = (info.epoch, info.step, samples + len(indices), work + busy)
+        result.scalars = {**timings, "comm/bytes_sent": client.bytes_sent - sent,
                           "comm/bytes_received": client.bytes_received - received,
                           "ps/staleness": staleness, "ps/rejected_pushes": exchange.num_rejected - rejected}
         if exchange.encoder is not None:
@@ -169,6 +179,7 @@ class WorkerParticipant:
         rows = self.client.barrier(self.worker_id, f"epoch{epoch}:evaluated",
                                    [local.loss_sum, local.num_correct, local.num_samples])
         loss_sum, correct, samples = (sum(column) for column in zip(*rows, strict=True))
+        self._last_exit = None  # the time spent here is not work of the next step
         return EvalResult(loss_sum, int(correct), int(samples))
 
     def state_dict(self) -> dict[str, Any]:
@@ -222,7 +233,7 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
     flat, grads = flat_parameters(model)
     client = PSClient(servers, plan_shards(model, len(servers)),
                       RetryPolicy(timeout_s=config.ps.rpc_timeout_s), config.ps.payload_transport)
-    progress: list[Callable[[], tuple[int, int, int]]] = [lambda: (0, 0, 0)]  # until the participant exists
+    progress: list[Callable[[], tuple]] = [lambda: (0, 0, 0, 0.0)]  # until the participant exists
     link = None
     try:
         link = join(config.coordinator, worker_id, "worker", requested_rank, lambda: progress[0]())
