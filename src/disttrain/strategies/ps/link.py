@@ -45,13 +45,13 @@ def _declared_failed(node_id: str) -> Callable[[], None]:
 
 
 def join(settings: CoordinatorConfig, node_id: str, role: str, rank: int,
-         progress: Callable[[], tuple[int, int, int]], address: str = "",
+         progress: Callable[[], tuple], address: str = "",
          on_membership: Callable[[int, dict[str, int]], None] | None = None) -> Link | None:
     """Register with the coordinator at `settings.address` and start heartbeats; None when
     the run has no coordinator.
 
     Args:
-        progress: (epoch, step, samples so far), read at every heartbeat.
+        progress: (epoch, step, samples so far[, seconds of work]), read at every heartbeat.
         on_membership: called with (generation, live worker ids -> the generation each
             joined in) at every change of membership (servers).
     Raises:
