@@ -246,6 +246,11 @@ class Membership:
         """One record per recovery: node_id, detect_s, recover_s, reason."""
         return [dict(r) for r in self._recoveries]
 
+    @property
+    def has_events(self) -> bool:
+        """Whether events wait for `take_events`."""
+        return bool(self._pending)
+
     def take_events(self, clock_offset_s: float = 0.0) -> list[Event]:
         """The events since the last call, oldest first, their times shifted by
         `clock_offset_s` (wall clock - monotonic clock puts them on the wall clock)."""

@@ -1,0 +1,288 @@
+"""Calls to the coordinator, and the two background threads every node runs beside its work:
+`HeartbeatSender` (I am alive, and this is my progress) and `MembershipWatcher` (who is
+in the run now).
+
+Training never waits for the coordinator: both threads keep trying quietly while it is
+down (it may be restarting) and pick up where they were once it answers again. Every
+call carries a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import tenacity
+
+from disttrain.core.errors import DisttrainError
+from disttrain.proto import coordinator_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "disttrain.v1.CoordinatorService"
+# method -> (request type, response type); every method is unary-unary.
+METHODS = {
+    "RegisterNode": (pb.RegisterNodeRequest, pb.RegisterNodeReply),
+    "SendHeartbeat": (pb.HeartbeatMessage, pb.HeartbeatReply),
+    "ReportMetrics": (pb.MetricsReport, pb.MetricsReply),
+    "ReportExit": (pb.ExitReport, pb.ExitReply),
+    "WatchMembership": (pb.MembershipRequest, pb.Membership),
+    "GetClusterStatus": (pb.ClusterStatusRequest, pb.ClusterStatus),
+}
+UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def method_path(name: str) -> str:
+    return f"/{SERVICE}/{name}"
+
+
+class CoordinatorError(DisttrainError):
+    """A call to the coordinator failed. `code` is the gRPC status code. Recoverable when
+    the coordinator is unreachable (`unreachable`): it may be restarting."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def unreachable(self) -> bool:
+        return self.code in UNREACHABLE
+
+
+def capabilities() -> pb.Capabilities:
+    """This machine: CPU count, total memory, and the GPU's name when torch is loaded."""
+    try:
+        memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory_bytes = 0
+    gpu = ""
+    torch = sys.modules.get("torch")  # never import torch only to describe the machine
+    if torch is not None and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(0)
+    return pb.Capabilities(cpus=os.cpu_count() or 0, memory_bytes=memory_bytes, gpu=gpu)
+
+
+class CoordinatorClient:
+    """Calls to the coordinator at `address`, each with a deadline of `timeout_s`."""
+
+    def __init__(self, address: str, timeout_s: float = 5.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(address)
+        self._calls = {name: self.channel.unary_unary(method_path(name),
+                                                      request_serializer=request.SerializeToString,
+                                                      response_deserializer=reply.FromString)
+                       for name, (request, reply) in METHODS.items()}
+        self._watches: set[grpc.Future] = set()
+        self._lock = threading.Lock()
+
+    def _call(self, name: str, request, timeout_s: float | None = None):
+        try:
+            return self._calls[name](request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as e:
+            raise self._error(name, e) from e
+
+    def _error(self, name: str, error: grpc.RpcError) -> CoordinatorError:
+        code = error.code()
+        if code in UNREACHABLE:
+            return CoordinatorError(f"cannot reach the coordinator at {self.address} ({code.name}); is "
+                                    "`disttrain coordinator` running there?", code)
+        return CoordinatorError(f"the coordinator at {self.address} refused {name}: {error.details()}", code)
+
+    def register(self, node_id: str, role: str, rank: int = -1, address: str = "",
+                 retry_s: float = 60.0) -> pb.RegisterNodeReply:
+        """Register this process as `node_id`, retrying with backoff and jitter for up to
+        `retry_s` while the coordinator is unreachable (not started yet, restarting).
+
+        Raises:
+            CoordinatorError: the id is held by another live process (ALREADY_EXISTS), the
+                id or role is invalid, or the coordinator stayed unreachable.
+        """
+        request = pb.RegisterNodeRequest(node_id=node_id, role=role, rank=rank, address=address,
+                                         hostname=socket.gethostname(), pid=os.getpid(),
+                                         capabilities=capabilities())
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(lambda e: isinstance(e, CoordinatorError) and e.unreachable),
+            wait=tenacity.wait_exponential(multiplier=0.05, max=2.0) + tenacity.wait_random(0, 0.05),
+            stop=tenacity.stop_after_delay(retry_s), reraise=True)
+        return retrying(self._call, "RegisterNode", request)
+
+    def heartbeat(self, message: pb.HeartbeatMessage) -> pb.HeartbeatReply:
+        """One heartbeat. Raises CoordinatorError (NOT_FOUND: register first)."""
+        return self._call("SendHeartbeat", message)
+
+    def report_exit(self, node_id: str, code: int, reason: str) -> pb.ExitReply:
+        """Tell the coordinator a node's process exited (0: finished; else: failed)."""
+        return self._call("ReportExit", pb.ExitReport(node_id=node_id, exit_code=code, reason=reason))
+
+    def report_metrics(self, node_id: str, step: int, epoch: int, scalars: dict[str, float]) -> None:
+        report = pb.MetricsReport(worker_id=node_id, step=step, epoch=epoch, scalars=scalars)
+        self._call("ReportMetrics", report)
+
+    def watch_membership(self, after_generation: int, timeout_s: float,
+                         cancelled: threading.Event | None = None) -> pb.Membership | None:
+        """The membership once its generation differs from `after_generation`; None when
+        it did not change within `timeout_s`, or the watch was cancelled (`cancel_watches`,
+        `close`, or `cancelled` set before `cancel_watches` was called).
+
+        Raises:
+            CoordinatorError: the coordinator is unreachable or refused the call.
+        """
+        future = self._calls["WatchMembership"].future(
+            pb.MembershipRequest(after_generation=after_generation), timeout=timeout_s)
+        with self._lock:
+            self._watches.add(future)
+            if cancelled is not None and cancelled.is_set():  # cancel_watches ran before the add
+                future.cancel()
+        try:
+            membership = future.result()
+        except grpc.FutureCancelledError:
+            return None
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                return None
+            raise self._error("WatchMembership", e) from e
+        finally:
+            with self._lock:
+                self._watches.discard(future)
+        return None if membership.generation == after_generation else membership
+
+    def status(self) -> pb.ClusterStatus:
+        """Every node and the latest events. Raises CoordinatorError."""
+        return self._call("GetClusterStatus", pb.ClusterStatusRequest())
+
+    def cancel_watches(self) -> None:
+        """End every `watch_membership` in progress (each returns None)."""
+        with self._lock:
+            for future in list(self._watches):
+                future.cancel()
+
+    def close(self) -> None:
+        self.cancel_watches()
+        self.channel.close()
+
+
+class HeartbeatSender:
+    """A daemon thread heartbeating every `interval_s` with this node's progress.
+
+    Call `client.register` first, then `start()`. `progress()` returns (epoch, step,
+    samples so far[, seconds of work so far]); throughput and step time come from the
+    change since the previous heartbeat (step time from the seconds of work when given: a
+    node that waits for slower peers then does not look slow itself). While the coordinator
+    is unreachable the thread keeps trying (one warning, one info once it is back); when it
+    answers NOT_FOUND (restarted without its registry) the node registers again; when it
+    answers alive=False, `on_declared_dead()` is called once and the thread ends.
+    """
+
+    def __init__(self, client: CoordinatorClient, node_id: str, role: str, interval_s: float,
+                 progress: Callable[[], tuple], on_declared_dead: Callable[[], None],
+                 rank: int = -1, address: str = "", generation: int = 0):
+        self.client, self.node_id, self.role = client, node_id, role
+        self.interval_s, self.progress, self.on_declared_dead = interval_s, progress, on_declared_dead
+        self.rank, self.address, self.generation = rank, address, generation
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._previous: tuple[float, int, int, float] | None = None
+        self._unreachable = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.client.timeout_s + 1.0)
+
+    def _run(self) -> None:
+        while True:
+            if not self._beat() or self._stopped.wait(self.interval_s):
+                return
+
+    def _message(self) -> pb.HeartbeatMessage:
+        epoch, step, samples, *work = self.progress()
+        now = time.monotonic()
+        busy = work[0] if work else now  # seconds of work so far, when the node counts them
+        throughput = step_time_s = 0.0
+        if self._previous is not None:
+            then, last_step, last_samples, last_busy = self._previous
+            throughput = (samples - last_samples) / max(now - then, 1e-9)
+            step_time_s = (busy - last_busy) / (step - last_step) if step > last_step else 0.0
+        self._previous = (now, step, samples, busy)
+        return pb.HeartbeatMessage(worker_id=self.node_id, timestamp=time.time(), epoch=epoch, step=step,
+                                   role=self.role, throughput=throughput, step_time_s=step_time_s,
+                                   pid=os.getpid(), generation=self.generation)
+
+    def _beat(self) -> bool:
+        """One heartbeat; False once this node was declared dead."""
+        try:
+            reply = self.client.heartbeat(self._message())
+        except CoordinatorError as e:
+            self._on_error(e)
+            return True
+        if self._unreachable:
+            logger.info("the coordinator at %s answers again", self.client.address)
+            self._unreachable = False
+        if not reply.alive:
+            logger.error("the coordinator declared %s dead; stopping", self.node_id)
+            self.on_declared_dead()
+            return False
+        return True
+
+    def _on_error(self, error: CoordinatorError) -> None:
+        if error.code == grpc.StatusCode.NOT_FOUND:
+            logger.warning("the coordinator does not know %s (restarted without its registry?); "
+                           "registering again", self.node_id)
+            try:
+                reply = self.client.register(self.node_id, self.role, self.rank, self.address, retry_s=0)
+                self.generation = reply.generation
+            except CoordinatorError as e:
+                logger.warning("registering %s again failed: %s", self.node_id, e)
+        elif not self._unreachable:
+            logger.warning("%s; training goes on, heartbeats will resume once it is back", error)
+            self._unreachable = True
+
+
+class MembershipWatcher:
+    """A daemon thread long-polling the membership, calling `on_change(membership)` for every
+    new generation. Survives coordinator restarts (retries with backoff and jitter)."""
+
+    def __init__(self, client: CoordinatorClient, on_change: Callable[[pb.Membership], None],
+                 poll_s: float = 5.0, max_backoff_s: float = 2.0):
+        self.client, self.on_change = client, on_change
+        self.poll_s, self.max_backoff_s = poll_s, max_backoff_s
+        self.generation = 0
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="membership-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.client.cancel_watches()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.poll_s + 1.0)
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stopped.is_set():
+            try:
+                membership = self.client.watch_membership(self.generation, self.poll_s, self._stopped)
+            except CoordinatorError as e:
+                if failures == 0:
+                    logger.warning("watching the membership: %s; retrying", e)
+                failures += 1
+                backoff_s = min(self.max_backoff_s, 0.05 * 2 ** min(failures, 10))
+                self._stopped.wait(random.uniform(backoff_s / 2, backoff_s))
+                continue
+            failures = 0
+            if membership is not None and not self._stopped.is_set():
+                self.generation = membership.generation
+                self.on_change(membership)

@@ -1,0 +1,260 @@
+"""The coordinator on the wire: a thin gRPC shell around the membership rules.
+
+`CoordinatorState` holds the membership behind one lock, persists every membership
+change to the registry at once (progress from heartbeats at the next monitor tick), and
+wakes the WatchMembership long-polls. `CoordinatorServer` serves it and runs the monitor
+thread that declares silent nodes failed. The coordinator never calls out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from disttrain.config.schema import CoordinatorConfig
+from disttrain.coordinator.client import METHODS, SERVICE
+from disttrain.coordinator.membership import DuplicateNode, Event, Membership, Node, UnknownNode
+from disttrain.coordinator.registry import Registry, RegistryError
+from disttrain.core.addresses import parse_address
+from disttrain.core.errors import ConfigError
+from disttrain.proto import coordinator_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+MAX_WAIT_S = 60.0  # longest WatchMembership hold, whatever the call's deadline
+REPLY_MARGIN_S = 0.05  # a long-poll answers this long before its deadline, so the answer arrives
+RECENT_EVENTS = 50
+
+
+class CoordinatorState:
+    """The membership, its persistence and its watchers. Thread-safe.
+
+    Args:
+        config: the `coordinator` config section.
+        registry: where changes go; its content is loaded first (a restarted coordinator).
+        clock: monotonic seconds (tests may pass a fake); `wall_clock`: seconds since the epoch.
+    """
+
+    def __init__(self, config: CoordinatorConfig, registry: Registry,
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
+        self.config = config
+        self.registry = registry
+        self.membership = Membership(config.heartbeat_timeout, config.straggler_factor)
+        self.changed = threading.Condition()
+        self.events: deque[Event] = deque(maxlen=RECENT_EVENTS)
+        self.max_step = 0
+        self._clock, self._wall_clock = clock, wall_clock
+        self._progress_unsaved = False
+        self._closed = False
+        self._reload()
+
+    def _offset(self) -> float:
+        """Wall clock minus monotonic clock: turns one into the other."""
+        return self._wall_clock() - self._clock()
+
+    def _reload(self) -> None:
+        snapshot = self.registry.load(RECENT_EVENTS)
+        self.membership.restore(snapshot.nodes, snapshot.generation, self._clock(), self._offset())
+        self.events.extend(Event(**event) for event in snapshot.events)
+        self.max_step = max((node["step"] for node in snapshot.nodes), default=0)
+        if snapshot.nodes:
+            logger.info("reloaded %d nodes (generation %d) from %s", len(snapshot.nodes),
+                        snapshot.generation, self.registry.path)
+
+    def register(self, request: pb.RegisterNodeRequest) -> pb.RegisterNodeReply:
+        """Raises ValueError (bad id or role) or DuplicateNode, changing nothing."""
+        capabilities = {"cpus": request.capabilities.cpus, "gpu": request.capabilities.gpu,
+                        "memory_bytes": request.capabilities.memory_bytes}
+        with self.changed:
+            node = self.membership.register(request.node_id, request.role, self._clock(), request.rank,
+                                            request.address, request.hostname, request.pid, capabilities)
+            self._save()
+            return pb.RegisterNodeReply(generation=node.joined_generation, restarts=node.restarts,
+                                        heartbeat_interval_s=self.config.heartbeat_interval,
+                                        heartbeat_timeout_s=self.config.heartbeat_timeout)
+
+    def heartbeat(self, request: pb.HeartbeatMessage) -> pb.HeartbeatReply:
+        """Raises UnknownNode for a node never registered."""
+        with self.changed:
+            alive = self.membership.heartbeat(request.worker_id, self._clock(), request.epoch, request.step,
+                                              request.throughput, request.step_time_s, request.pid)
+            self.max_step = max(self.max_step, request.step)
+            self._progress_unsaved = True
+            if self.membership.has_events:  # a recovery: persist it now, progress can wait
+                self._save()
+            return pb.HeartbeatReply(alive=alive, generation=self.membership.generation)
+
+    def exited(self, request: pb.ExitReport) -> pb.ExitReply:
+        with self.changed:
+            known = self.membership.exited(request.node_id, request.exit_code, request.reason, self._clock())
+            self._save()
+            return pb.ExitReply(known=known, generation=self.membership.generation)
+
+    def check(self) -> list[Event]:
+        """Declare silent nodes failed, flag stragglers, persist. Returns the new events."""
+        with self.changed:
+            found = self.membership.check(self._clock())
+            if found or self._progress_unsaved:
+                self._save()
+            return found
+
+    def watch(self, after_generation: int, wait_s: float) -> pb.Membership:
+        """The membership once its generation differs from `after_generation` (a watcher
+        ahead of us saw a coordinator that lost its registry), or after `wait_s`."""
+        with self.changed:
+            self.changed.wait_for(lambda: self._closed or self.membership.generation != after_generation,
+                                  timeout=max(0.0, wait_s))
+            members = [pb.Member(node_id=n.node_id, role=n.role, rank=n.rank, state=n.state,
+                                 joined_generation=n.joined_generation, address=n.address)
+                       for n in self.membership.members()]
+            return pb.Membership(generation=self.membership.generation, members=members)
+
+    def status(self) -> pb.ClusterStatus:
+        with self.changed:
+            now = self._clock()
+            nodes = [_node_status(node, now) for node in self.membership.members()]
+            events = [pb.ClusterEvent(time=e.time, node_id=e.node_id, kind=e.kind, detail=e.detail,
+                                      generation=e.generation) for e in self.events]
+            return pb.ClusterStatus(generation=self.membership.generation, nodes=nodes, events=events)
+
+    def close(self) -> None:
+        """Persist what is left and release every long-poll."""
+        with self.changed:
+            self._closed = True
+            self._save()
+            self.changed.notify_all()
+
+    def _save(self) -> None:
+        """Write every node and the new events (call with the lock held); wake watchers."""
+        events = self.membership.take_events(self._offset())
+        for event in events:
+            log = logger.warning if event.kind == "failed" else logger.info
+            log("%s %s (generation %d): %s", event.node_id, event.kind, event.generation, event.detail)
+        self.events.extend(events)
+        self.changed.notify_all()
+        try:
+            self.registry.save(self.membership.to_rows(self._offset()), [vars(e) for e in events],
+                               self.membership.generation)
+            self._progress_unsaved = False
+        except RegistryError as e:
+            logger.error("the registry was not updated (%s); serving on from memory", e)
+
+
+def _node_status(node: Node, now: float) -> pb.NodeStatus:
+    capabilities = pb.Capabilities(**{k: v for k, v in node.capabilities.items()
+                                      if k in ("cpus", "memory_bytes", "gpu")})
+    age = -1.0 if node.last_heartbeat is None else max(0.0, now - node.last_heartbeat)
+    return pb.NodeStatus(node_id=node.node_id, role=node.role, rank=node.rank, address=node.address,
+                         hostname=node.hostname, pid=node.pid, capabilities=capabilities, state=node.state,
+                         heartbeat_age_s=age, restarts=node.restarts, epoch=node.epoch, step=node.step,
+                         throughput=node.throughput, step_time_s=node.step_time_s, straggler=node.straggler)
+
+
+class CoordinatorServicer:
+    """gRPC methods: translate messages and errors; the decisions are the membership's."""
+
+    def __init__(self, state: CoordinatorState, on_step: Callable[[int], None] | None = None):
+        self.state = state
+        self.on_step = on_step
+
+    def RegisterNode(self, request, context):
+        try:
+            return self.state.register(request)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except DuplicateNode as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+
+    def SendHeartbeat(self, request, context):
+        try:
+            reply = self.state.heartbeat(request)
+        except UnknownNode as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        if self.on_step is not None:
+            self.on_step(self.state.max_step)
+        return reply
+
+    def ReportMetrics(self, request, context):
+        logger.debug("metrics of %s at step %d: %s", request.worker_id, request.step, dict(request.scalars))
+        return pb.MetricsReply()
+
+    def ReportExit(self, request, context):
+        return self.state.exited(request)
+
+    def WatchMembership(self, request, context):
+        remaining = context.time_remaining()
+        wait_s = MAX_WAIT_S if remaining is None else min(MAX_WAIT_S, remaining - REPLY_MARGIN_S)
+        return self.state.watch(request.after_generation, wait_s)
+
+    def GetClusterStatus(self, request, context):
+        return self.state.status()
+
+
+def _handler(servicer: CoordinatorServicer) -> grpc.GenericRpcHandler:
+    handlers = {name: grpc.unary_unary_rpc_method_handler(getattr(servicer, name),
+                                                          request_deserializer=request.FromString,
+                                                          response_serializer=reply.SerializeToString)
+                for name, (request, reply) in METHODS.items()}
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+class CoordinatorServer:
+    """A started coordinator: gRPC on `bind` ("HOST:PORT", port 0: a free one; the bound
+    one is `.address`) and a monitor thread checking heartbeats every interval / 4.
+
+    Args:
+        config: the `coordinator` config section.
+        registry_path: the SQLite registry; loaded when it exists, created otherwise.
+        on_step: called after each heartbeat with the largest step any node reported.
+        on_failure: called with (node id, reason) for every node declared failed by timeout.
+
+    Raises:
+        ConfigError: `bind` is malformed or cannot be bound.
+        RegistryError: the registry cannot be used.
+    """
+
+    def __init__(self, config: CoordinatorConfig, bind: str, registry_path: str | Path,
+                 on_step: Callable[[int], None] | None = None,
+                 on_failure: Callable[[str, str], None] | None = None, max_threads: int = 128):
+        host, port = parse_address(bind, "--bind")
+        self.registry = Registry(registry_path)
+        self.state = CoordinatorState(config, self.registry)
+        self.on_failure = on_failure
+        # Each long-poll holds a thread: room for many watchers beside the heartbeats.
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_threads, thread_name_prefix="rpc"))
+        self._server.add_generic_rpc_handlers((_handler(CoordinatorServicer(self.state, on_step)),))
+        try:
+            bound = self._server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as e:
+            bound = 0
+            logger.debug("binding %s failed: %s", bind, e)
+        if bound == 0:
+            self.registry.close()
+            raise ConfigError(f"--bind {bind}: cannot listen there; pick a free port or 0")
+        self.address = f"{host}:{bound}"
+        self._stopped = threading.Event()
+        self._server.start()
+        self._monitor = threading.Thread(target=self._watch_heartbeats, args=(config.heartbeat_interval / 4,),
+                                         name="heartbeat-monitor", daemon=True)
+        self._monitor.start()
+
+    def _watch_heartbeats(self, period_s: float) -> None:
+        while not self._stopped.wait(period_s):
+            for event in self.state.check():
+                if event.kind == "failed" and self.on_failure is not None:
+                    self.on_failure(event.node_id, event.detail)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving, persist the last progress and close the registry."""
+        self._stopped.set()
+        self._monitor.join(timeout=5.0)
+        self.state.close()
+        self._server.stop(grace_s).wait(timeout=grace_s + 5.0)
+        self.registry.close()

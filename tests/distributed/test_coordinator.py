@@ -1,0 +1,213 @@
+"""A real coordinator on a socket (port 0) in this process, driven by the client, the
+heartbeat sender and the membership watcher: registration, failure detection, status
+codes, long-polls, re-registration and a restart on the same registry."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from disttrain.config.schema import CoordinatorConfig
+from disttrain.coordinator.client import (
+    CoordinatorClient,
+    CoordinatorError,
+    HeartbeatSender,
+    MembershipWatcher,
+)
+from disttrain.coordinator.service import CoordinatorServer
+from disttrain.proto import coordinator_pb2 as pb
+
+pytestmark = pytest.mark.timeout(60)
+
+INTERVAL_S, TIMEOUT_S = 0.1, 0.5
+CONFIG = CoordinatorConfig(heartbeat_interval=INTERVAL_S, heartbeat_timeout=TIMEOUT_S)
+
+
+class Recorder:
+    """Callbacks of the server, each setting an Event the test waits on."""
+
+    def __init__(self):
+        self.failures: list[tuple[str, str]] = []
+        self.failed = threading.Event()
+        self.max_step = 0
+        self.stepped = threading.Event()
+
+    def on_failure(self, node_id: str, reason: str) -> None:
+        self.failures.append((node_id, reason))
+        self.failed.set()
+
+    def on_step(self, step: int) -> None:
+        self.max_step = step
+        self.stepped.set()
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    recorder = Recorder()
+    server = CoordinatorServer(CONFIG, "127.0.0.1:0", tmp_path / "registry.db",
+                               on_step=recorder.on_step, on_failure=recorder.on_failure)
+    client = CoordinatorClient(server.address, timeout_s=5.0)
+    yield server, client, recorder
+    client.close()
+    server.stop(0)
+
+
+def wait_for_state(client: CoordinatorClient, node_id: str, state: str, timeout_s: float = 5.0) -> pb.Member:
+    """Long-poll the membership until `node_id` is in `state`."""
+    deadline, generation = time.monotonic() + timeout_s, -1
+    while time.monotonic() < deadline:
+        membership = client.watch_membership(generation, deadline - time.monotonic())
+        if membership is None:
+            break
+        generation = membership.generation
+        for member in membership.members:
+            if member.node_id == node_id and member.state == state:
+                return member
+    raise AssertionError(f"{node_id} not {state} within {timeout_s}s")
+
+
+def heartbeat(client: CoordinatorClient, node_id: str, step: int = 0) -> pb.HeartbeatReply:
+    return client.heartbeat(pb.HeartbeatMessage(worker_id=node_id, step=step, role="worker", pid=0))
+
+
+def test_register_then_heartbeat_shows_in_status(coordinator):
+    server, client, recorder = coordinator
+    reply = client.register("worker-0", "worker", rank=0, address="127.0.0.1:1234")
+    assert (reply.generation, reply.restarts, reply.heartbeat_timeout_s) == (1, 0, TIMEOUT_S)
+    assert heartbeat(client, "worker-0", step=7).alive
+    assert recorder.max_step == 7
+    (node,) = client.status().nodes
+    assert (node.node_id, node.role, node.rank, node.state) == ("worker-0", "worker", 0, "alive")
+    assert node.step == 7
+    assert node.capabilities.cpus > 0 and node.capabilities.memory_bytes > 0
+    assert 0 <= node.heartbeat_age_s < TIMEOUT_S
+
+
+def test_a_silent_node_is_failed_within_timeout_plus_interval(coordinator):
+    server, client, recorder = coordinator
+    client.register("worker-0", "worker")
+    registered = time.monotonic()
+    wait_for_state(client, "worker-0", "failed")
+    elapsed = time.monotonic() - registered
+    assert TIMEOUT_S <= elapsed <= TIMEOUT_S + INTERVAL_S + 0.5  # slack for a loaded machine
+    assert recorder.failed.wait(5.0)
+    assert recorder.failures[0][0] == "worker-0" and "no heartbeat" in recorder.failures[0][1]
+    assert not heartbeat(client, "worker-0").alive  # it is told to exit
+
+
+def test_heartbeat_from_an_unknown_node_is_not_found(coordinator):
+    _, client, _ = coordinator
+    with pytest.raises(CoordinatorError, match="register") as caught:
+        heartbeat(client, "ghost")
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_bad_role_is_invalid_argument(coordinator):
+    _, client, _ = coordinator
+    with pytest.raises(CoordinatorError) as caught:
+        client.register("x", "boss", retry_s=0)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_second_live_process_cannot_take_an_id(coordinator):
+    server, client, recorder = coordinator
+    client.register("worker-0", "worker")
+    sender = HeartbeatSender(client, "worker-0", "worker", INTERVAL_S, lambda: (0, 0, 0), lambda: None)
+    sender.start()
+    try:
+        code = ("import sys; from disttrain.coordinator.client import CoordinatorClient, CoordinatorError\n"
+                f"try: CoordinatorClient({server.address!r}).register('worker-0', 'worker', retry_s=5)\n"
+                "except CoordinatorError as e: print(e.code.name, e); sys.exit(3)\n")
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    finally:
+        sender.stop()
+    assert result.returncode == 3, result.stderr
+    assert result.stdout.startswith("ALREADY_EXISTS") and "worker-0" in result.stdout
+
+
+def test_watch_membership_wakes_on_change(coordinator):
+    _, client, _ = coordinator
+    changes: list[pb.Membership] = []
+    changed = threading.Event()
+    watcher = MembershipWatcher(client, lambda m: (changes.append(m), changed.set()), poll_s=10.0)
+    watcher.start()
+    try:
+        client.register("server-0", "server", rank=0, address="127.0.0.1:50051")
+        assert changed.wait(5.0)  # well before the 10 s poll ends
+    finally:
+        watcher.stop()
+    member = changes[-1].members[0]
+    assert (member.node_id, member.state, member.address) == ("server-0", "alive", "127.0.0.1:50051")
+
+
+def test_the_sender_reports_progress_and_hears_it_was_declared_dead(coordinator):
+    _, client, recorder = coordinator
+    client.register("worker-0", "worker")
+    position = {"step": 0}
+
+    def progress() -> tuple[int, int, int]:
+        position["step"] += 1
+        return 0, position["step"], 32 * position["step"]
+
+    dead = threading.Event()
+    sender = HeartbeatSender(client, "worker-0", "worker", INTERVAL_S, progress, dead.set)
+    sender.start()
+    try:
+        while recorder.max_step < 3:
+            assert recorder.stepped.wait(5.0)
+            recorder.stepped.clear()
+        node = client.status().nodes[0]
+        assert node.step_time_s > 0 and node.throughput == pytest.approx(32 / node.step_time_s, rel=1e-6)
+        client.report_exit("worker-0", 1, "killed by SIGKILL")
+        assert dead.wait(5.0)
+    finally:
+        sender.stop()
+
+
+def test_the_sender_registers_again_with_a_coordinator_that_lost_its_registry(tmp_path):
+    first = CoordinatorServer(CONFIG, "127.0.0.1:0", tmp_path / "one.db")
+    client = CoordinatorClient(first.address, timeout_s=1.0)
+    client.register("worker-0", "worker", rank=2)
+    sender = HeartbeatSender(client, "worker-0", "worker", INTERVAL_S, lambda: (0, 5, 0), lambda: None,
+                             rank=2)
+    sender.start()
+    first.stop(0)
+    second = CoordinatorServer(CONFIG, first.address, tmp_path / "two.db")  # same port, empty registry
+    try:
+        member = wait_for_state(client, "worker-0", "alive")
+        assert member.rank == 2
+    finally:
+        sender.stop()
+        client.close()
+        second.stop(0)
+
+
+def test_a_restarted_coordinator_shows_the_same_cluster(tmp_path):
+    path = tmp_path / "registry.db"
+    first = CoordinatorServer(CONFIG, "127.0.0.1:0", path)
+    client = CoordinatorClient(first.address)
+    client.register("server-0", "server", rank=0)
+    client.register("worker-0", "worker", rank=0)
+    client.report_exit("worker-0", 137, "killed by SIGKILL")
+    heartbeat(client, "server-0", step=12)
+    before = client.status()
+    first.stop(0)
+    client.close()
+
+    second = CoordinatorServer(CONFIG, "127.0.0.1:0", path)
+    client = CoordinatorClient(second.address)
+    try:
+        after = client.status()
+        assert after.generation == before.generation == 3
+        assert [(n.node_id, n.state, n.restarts, n.step) for n in after.nodes] == \
+               [(n.node_id, n.state, n.restarts, n.step) for n in before.nodes]
+        assert [(e.node_id, e.kind) for e in after.events] == [(e.node_id, e.kind) for e in before.events]
+        assert client.register("worker-0", "worker", rank=0).restarts == 1
+    finally:
+        client.close()
+        second.stop(0)
