@@ -169,6 +169,26 @@ def test_the_sender_reports_progress_and_hears_it_was_declared_dead(coordinator)
         sender.stop()
 
 
+def test_step_time_counts_seconds_of_work_when_given(coordinator):
+    _, client, recorder = coordinator
+    client.register("worker-0", "worker")
+    position = {"step": 0}
+
+    def progress() -> tuple[int, int, int, float]:
+        position["step"] += 2
+        return 0, position["step"], 0, 0.05 * position["step"]  # waits for peers left out
+
+    sender = HeartbeatSender(client, "worker-0", "worker", INTERVAL_S, progress, lambda: None)
+    sender.start()
+    try:
+        while recorder.max_step < 4:
+            assert recorder.stepped.wait(5.0)
+            recorder.stepped.clear()
+    finally:
+        sender.stop()
+    assert client.status().nodes[0].step_time_s == pytest.approx(0.05)
+
+
 def test_the_sender_registers_again_with_a_coordinator_that_lost_its_registry(tmp_path):
     first = CoordinatorServer(CONFIG, "127.0.0.1:0", tmp_path / "one.db")
     client = CoordinatorClient(first.address, timeout_s=1.0)

@@ -27,6 +27,8 @@ COMMANDS: dict[str, str] = {
     "ps-worker": "disttrain.cli.ps_worker",
     "ddp": "disttrain.cli.ddp",
     "evaluate": "disttrain.cli.evaluate",
+    "coordinator": "disttrain.cli.coordinator",
+    "status": "disttrain.cli.status",
 }
 
 

@@ -245,7 +245,7 @@ class HeartbeatSender:
             except CoordinatorError as e:
                 logger.warning("registering %s again failed: %s", self.node_id, e)
         elif not self._unreachable:
-            logger.warning("%s; training goes on, heartbeats will resume once it is back", error)
+            logger.warning("heartbeats of %s paused (training goes on): %s", self.node_id, error)
             self._unreachable = True
 
 

@@ -52,6 +52,7 @@ class CoordinatorState:
         self.max_step = 0
         self._clock, self._wall_clock = clock, wall_clock
         self._progress_unsaved = False
+        self._saved_at = float("-inf")
         self._closed = False
         self._reload()
 
@@ -100,8 +101,11 @@ class CoordinatorState:
     def check(self) -> list[Event]:
         """Declare silent nodes failed, flag stragglers, persist. Returns the new events."""
         with self.changed:
-            found = self.membership.check(self._clock())
-            if found or self._progress_unsaved:
+            now = self._clock()
+            found = self.membership.check(now)
+            # Progress alone is written at most once per heartbeat interval.
+            progress_due = self._progress_unsaved and now - self._saved_at >= self.config.heartbeat_interval
+            if found or progress_due:
                 self._save()
             return found
 
@@ -142,7 +146,7 @@ class CoordinatorState:
         try:
             self.registry.save(self.membership.to_rows(self._offset()), [vars(e) for e in events],
                                self.membership.generation)
-            self._progress_unsaved = False
+            self._progress_unsaved, self._saved_at = False, self._clock()
         except RegistryError as e:
             logger.error("the registry was not updated (%s); serving on from memory", e)
 

@@ -1,0 +1,84 @@
+"""`disttrain coordinator`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from disttrain.config import load_config
+from disttrain.coordinator.service import CoordinatorServer
+from disttrain.core.processes import bind_to_parent, emit_event
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BIND = "0.0.0.0:50050"
+REGISTRY_NAME = "cluster-registry.db"
+
+HELP = "track the processes of a run: membership, heartbeats, failures, stragglers"
+DESCRIPTION = f"""Track every process of a run: who joined, who is alive (heartbeats), who failed
+and was restarted, and how fast each one goes. Processes find it through
+coordinator.address in their config (--set coordinator.address=HOST:PORT). Its state is
+kept in a SQLite file (--registry): a coordinator restarted on the same file shows the
+cluster as it was, and `disttrain status --registry FILE` reads the file even while no
+coordinator runs. Stops on Ctrl-C or SIGTERM.
+
+    disttrain coordinator --bind 0.0.0.0:50050 --registry runs/{REGISTRY_NAME}
+    disttrain coordinator --registry runs/{REGISTRY_NAME} --set coordinator.heartbeat_timeout=10
+    disttrain status --coordinator node0:50050"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bind", default=None, metavar="HOST:PORT",
+                        help=f"address to listen on; port 0 picks a free one (default: "
+                             f"coordinator.address, else {DEFAULT_BIND})")
+    parser.add_argument("--registry", default=None, metavar="PATH",
+                        help=f"SQLite file holding the cluster's state, created when absent "
+                             f"(default: <system.log_dir>/{REGISTRY_NAME})")
+    parser.add_argument("--config", help="YAML or JSON config file (its coordinator section is used)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config key, e.g. coordinator.heartbeat_timeout=10 (repeatable)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    # Fault injection for tests and drills: die (SIGKILL) once any node reports this step.
+    parser.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> None:
+    bind_to_parent()
+    config = load_config(args.config, {}, args.set)
+    bind = args.bind or config.coordinator.address or DEFAULT_BIND
+    registry = args.registry or str(Path(config.system.log_dir) / REGISTRY_NAME)
+    server = CoordinatorServer(config.coordinator, bind, registry, on_step=_kill_at(args.kill_at_step),
+                               on_failure=_announce_failure)
+    stopped = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopped.set())
+    logger.info("coordinator listening on %s (registry %s)", server.address, registry)
+    emit_event("listening", address=server.address, registry=registry)
+    try:
+        stopped.wait()
+    finally:
+        server.stop()
+        logger.info("coordinator stopped")
+
+
+def _announce_failure(node_id: str, reason: str) -> None:
+    """Tell a launcher that a node missed its heartbeats, so it can restart it."""
+    emit_event("node-failed", node=node_id, reason=reason)
+
+
+def _kill_at(step: int | None) -> Callable[[int], None] | None:
+    """The fault of --kill-at-step: SIGKILL this process once a node reports `step`."""
+    if step is None:
+        return None
+
+    def on_step(max_step: int) -> None:
+        if max_step >= step:
+            logger.warning("injected fault: a node reported step %d; the coordinator dies now", max_step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return on_step

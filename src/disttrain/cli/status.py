@@ -1,0 +1,163 @@
+"""`disttrain status`: the cluster at a glance, from a running coordinator or its registry file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from disttrain.coordinator.client import CoordinatorClient
+from disttrain.coordinator.registry import read_status
+from disttrain.core.addresses import parse_address
+from disttrain.core.errors import DisttrainError, error_lines
+from disttrain.proto import coordinator_pb2 as pb
+
+HELP = "show the cluster: every node, its state, progress and speed, and the latest events"
+DESCRIPTION = """Show every process of a run as the coordinator sees it: role, rank, address,
+machine, state (alive, failed, done), time since its last heartbeat, restarts, epoch,
+step and throughput, with stragglers marked; then the latest events (joined, failed,
+restarted, recovered, done, straggler). Ask a running coordinator, or read its registry
+file (works while no coordinator runs; never writes to the file).
+
+    disttrain status --coordinator node0:50050
+    disttrain status --registry logs/cluster-registry.db
+    disttrain status --coordinator node0:50050 --watch      # redraw every 2 s until Ctrl-C
+    disttrain status --registry logs/cluster-registry.db --json"""
+
+NODE_KEYS = [f.name for f in pb.NodeStatus.DESCRIPTOR.fields]
+EVENT_KEYS = [f.name for f in pb.ClusterEvent.DESCRIPTOR.fields]
+COLUMNS = ("NODE", "ROLE", "RANK", "ADDRESS", "MACHINE", "STATE", "HEARTBEAT", "RESTARTS",
+           "EPOCH", "STEP", "SAMPLES/S")
+NUM_EVENTS = 10
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--coordinator", metavar="HOST:PORT", help="ask the coordinator running there")
+    source.add_argument("--registry", metavar="PATH", help="read a coordinator's registry file")
+    parser.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+                        help="redraw every SECONDS (default 2) until Ctrl-C")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (one per redraw)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.coordinator:
+        parse_address(args.coordinator, "--coordinator")
+    if args.watch is not None and args.watch <= 0:
+        raise DisttrainError("--watch SECONDS must be > 0, e.g. --watch 2")
+    if args.watch is None:
+        show(collect(args), args.json)
+        return
+    try:
+        while True:
+            _redraw(args)
+            time.sleep(args.watch)  # the refresh period of a display, not a synchronisation
+    except KeyboardInterrupt:
+        pass
+
+
+def _redraw(args: argparse.Namespace) -> None:
+    """One frame of --watch; an error is shown and the next frame tries again."""
+    if not args.json and sys.stdout.isatty():
+        print("\033[H\033[2J", end="")
+    try:
+        show(collect(args), args.json)
+    except DisttrainError as e:
+        for line in error_lines(e):
+            print(f"error: {line}", flush=True)
+
+
+def collect(args: argparse.Namespace) -> dict[str, Any]:
+    """The cluster as one dict: source, generation, nodes, stragglers, events.
+
+    Raises:
+        RegistryError: the registry file is missing, not a registry, or locked.
+        CoordinatorError: the coordinator cannot be reached.
+    """
+    if args.coordinator:
+        client = CoordinatorClient(args.coordinator, timeout_s=5.0)
+        try:
+            status = client.status()
+        finally:
+            client.close()
+        nodes = [_message_dict(node) for node in status.nodes]
+        events = [_message_dict(event) for event in status.events][-NUM_EVENTS:]
+        generation, source = status.generation, f"coordinator {args.coordinator}"
+    else:
+        snapshot = read_status(args.registry, NUM_EVENTS)
+        nodes = [_registry_node(row, time.time()) for row in snapshot.nodes]
+        events = [{key: event[key] for key in EVENT_KEYS} for event in snapshot.events]
+        generation, source = snapshot.generation, f"registry {args.registry}"
+    stragglers = [node["node_id"] for node in nodes if node["straggler"]]
+    return {"source": source, "generation": generation, "nodes": nodes, "stragglers": stragglers,
+            "events": events}
+
+
+def _message_dict(message) -> dict[str, Any]:
+    return {field.name: _message_dict(getattr(message, field.name)) if field.message_type
+            else getattr(message, field.name) for field in message.DESCRIPTOR.fields}
+
+
+def _registry_node(row: dict[str, Any], wall_now: float) -> dict[str, Any]:
+    """A registry row in the shape of the coordinator's answer (heartbeat age from now)."""
+    node = {key: row.get(key) for key in NODE_KEYS}
+    last = row.get("last_heartbeat")
+    node["heartbeat_age_s"] = -1.0 if last is None else max(0.0, wall_now - last)
+    return node
+
+
+def show(cluster: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(cluster), flush=True)
+        return
+    print("\n".join(render(cluster)), flush=True)
+
+
+def render(cluster: dict[str, Any]) -> list[str]:
+    """The human view: a header, the node table, stragglers, the latest events."""
+    nodes = cluster["nodes"]
+    counts = {state: sum(node["state"] == state for node in nodes) for state in ("alive", "failed", "done")}
+    lines = [f"cluster generation {cluster['generation']}: {len(nodes)} nodes "
+             f"({', '.join(f'{n} {state}' for state, n in counts.items())}), from {cluster['source']}"]
+    if cluster["source"].startswith("registry"):
+        lines.append("(as the coordinator last recorded it; alive nodes may have stopped since)")
+    lines += [""] + _table([COLUMNS] + [_row(node) for node in nodes]) if nodes else ["", "no nodes yet"]
+    if cluster["stragglers"]:
+        slow = {node["node_id"]: node["step_time_s"] for node in nodes}
+        lines.append("* straggler: " + ", ".join(f"{n} ({slow[n]:.3f}s/step)" for n in cluster["stragglers"]))
+    if cluster["events"]:
+        lines += ["", "latest events:"]
+        lines += [f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))}  {e['node_id']}  {e['kind']}: "
+                  f"{e['detail']}" for e in cluster["events"]]
+    return lines
+
+
+def _row(node: dict[str, Any]) -> tuple[str, ...]:
+    mark = "*" if node["straggler"] else ""
+    return (node["node_id"] + mark, node["role"], str(node["rank"]) if node["rank"] >= 0 else "-",
+            node["address"] or "-", describe_machine(node), node["state"],
+            describe_age(node["heartbeat_age_s"]), str(node["restarts"]), str(node["epoch"]),
+            str(node["step"]), f"{node['throughput']:.1f}")
+
+
+def describe_machine(node: dict[str, Any]) -> str:
+    """E.g. "vm: 8 CPU, 31.2 GB, no GPU"."""
+    caps = node.get("capabilities") or {}
+    memory = f"{caps['memory_bytes'] / 1e9:.1f} GB" if caps.get("memory_bytes") else "? GB"
+    text = f"{caps.get('cpus') or '?'} CPU, {memory}, {caps.get('gpu') or 'no GPU'}"
+    return f"{node['hostname']}: {text}" if node.get("hostname") else text
+
+
+def describe_age(age_s: float) -> str:
+    if age_s < 0:
+        return "never"
+    return f"{age_s:.1f}s ago" if age_s < 60 else f"{age_s / 60:.0f}m ago"
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+            for row in rows]
