@@ -15,12 +15,16 @@ from disttrain.metrics.summary import RunSummary
 from disttrain.strategies.ps import STRATEGY
 
 HELP = "parameter server: servers and workers on this machine"
-DESCRIPTION = """Train with a parameter server on this machine: start the shard servers on free
-ports and the workers, show one progress display, and stop everything on Ctrl-C or as
-soon as a process fails. Each process logs to <log_dir>/<name>.log; worker 0 writes the
-final model (parameter_server_final.pt) and summary.json.
+DESCRIPTION = """Train with a parameter server on this machine: start a coordinator, the shard
+servers on free ports and the workers, and show one progress display. Every process
+heartbeats to the coordinator; one that dies or hangs is restarted where it left off
+(up to --max-restarts times) while the others train on, and no sample is lost or
+applied twice. Watch it with `disttrain status --registry <log_dir>/cluster.db`. Each
+process logs to <log_dir>/<name>.log; worker 0 writes the final model
+(parameter_server_final.pt) and summary.json, with every failure and its recovery.
 
     disttrain ps --workers 2 --dataset mnist --num-epochs 2
+    disttrain ps --workers 2 --inject kill:worker=1:step=30 --inject kill:server=0:step=40
     disttrain ps --workers 4 --servers 2 --aggregation-mode ssp --staleness 2
     disttrain ps --workers 2 --aggregation-mode async --compression-enabled \\
         --compression-type topk --compression-ratio 0.01"""
@@ -33,8 +37,14 @@ PS_FLAGS = {
     "--staleness": ("ps.staleness", int, "ssp: the staleness bound"),
     "--backup-workers": ("ps.backup_workers", int, "sync: apply each step without the last N gradients"),
     "--rpc-timeout": ("ps.rpc_timeout_s", float, "deadline of each RPC (s)"),
+    "--heartbeat-interval": ("coordinator.heartbeat_interval", float, "seconds between heartbeats"),
+    "--heartbeat-timeout": ("coordinator.heartbeat_timeout", float,
+                            "seconds without a heartbeat before a process is declared failed"),
     **COMPRESSION_FLAGS,
 }
+# The coordinator of a run across machines (`disttrain coordinator`).
+COORDINATOR_FLAG = {"--coordinator": ("coordinator.address", str, "HOST:PORT of the run's coordinator: "
+                                      "register there, heartbeat, follow its membership")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workers": ("system.num_workers", int, "worker processes"),
         "--servers": ("ps.num_servers", int, "parameter-server shards"),
         "--bind-host": ("ps.bind_host", str, "address the servers listen on"),
+        "--max-restarts": ("coordinator.max_restarts", int, "restarts of one failed process before "
+                           "the run stops"),
         **PS_FLAGS,
     })
 

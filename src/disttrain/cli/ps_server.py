@@ -4,31 +4,43 @@ from __future__ import annotations
 
 import argparse
 
-from disttrain.cli.flags import add_common_flags, add_config_flags, config_from_args
-from disttrain.cli.ps import PS_FLAGS
+from disttrain.cli.flags import (
+    add_attempt_flag,
+    add_common_flags,
+    add_config_flags,
+    add_fault_flags,
+    config_from_args,
+    options_from_args,
+)
+from disttrain.cli.ps import COORDINATOR_FLAG, PS_FLAGS
 from disttrain.core.errors import ConfigError
+from disttrain.core.faults import FaultInjector
 from disttrain.strategies.ps.server import serve
 
 HELP = "serve one parameter-server shard over gRPC"
 DESCRIPTION = """Serve one shard of the model's parameters over gRPC, for runs across machines.
 Start one per shard, all with the same config, then start the workers with their
-addresses. Stops on Ctrl-C, or once every worker is done, after a final checkpoint
-under <checkpoint_dir>/server<I>/.
+addresses. With --coordinator it registers and heartbeats there, and a synchronous step
+stops waiting for a worker the coordinator declared failed. Stops on Ctrl-C, or once
+every worker is done, after a final checkpoint under <checkpoint_dir>/server<I>/.
 
     disttrain ps-server --bind 0.0.0.0:50051 --shard 0/2 --config ps.yaml
-    disttrain ps-server --bind 0.0.0.0:50051 --shard 0/2 --config ps.yaml --resume"""
+    disttrain ps-server --bind 0.0.0.0:50051 --shard 0/2 --config ps.yaml --resume
+    disttrain ps-server --bind 0.0.0.0:50051 --shard 0/1 --coordinator hostC:50050"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_flags(parser)
     add_config_flags(parser, {"--workers": ("system.num_workers", int, "workers of the run"),
-                              **PS_FLAGS})
+                              **PS_FLAGS, **COORDINATOR_FLAG})
     parser.add_argument("--bind", default=None, metavar="HOST:PORT",
                         help="address to listen on (default: ps.bind_host with a free port)")
     parser.add_argument("--shard", default="0/1", metavar="I/S",
                         help="which shard this server holds, of how many (default 0/1)")
     parser.add_argument("--resume", action="store_true",
                         help="start from this shard's newest checkpoint")
+    add_fault_flags(parser)
+    add_attempt_flag(parser)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -46,4 +58,6 @@ def parse_shard(text: str) -> tuple[int, int]:
 def run(args: argparse.Namespace) -> None:
     config = config_from_args(args)
     shard, num_shards = parse_shard(args.shard)
-    serve(config, args.bind or f"{config.ps.bind_host}:0", shard, num_shards, resume=args.resume)
+    options = options_from_args(args)
+    faults = FaultInjector(options.faults, "server", shard, options.attempt)
+    serve(config, args.bind or f"{config.ps.bind_host}:0", shard, num_shards, args.resume, faults)

@@ -11,7 +11,7 @@ from disttrain.cli.flags import (
     config_from_args,
     options_from_args,
 )
-from disttrain.cli.ps import PS_FLAGS
+from disttrain.cli.ps import COORDINATOR_FLAG, PS_FLAGS
 from disttrain.core.addresses import parse_address_list
 from disttrain.metrics.summary import RunSummary
 from disttrain.strategies.ps.worker import run_worker
@@ -24,11 +24,12 @@ own checkpoint with --resume (same --worker-id and --rank); the servers apply ea
 its steps once.
 
     disttrain ps-worker --servers hostA:50051,hostA:50052 --config ps.yaml
-    disttrain ps-worker --servers hostA:50051 --rank 1 --worker-id worker1 --resume"""
+    disttrain ps-worker --servers hostA:50051 --rank 1 --worker-id worker1 --resume
+    disttrain ps-worker --servers hostA:50051 --coordinator hostC:50050 --worker-id worker0"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_training_flags(parser, PS_FLAGS)
+    add_training_flags(parser, {**PS_FLAGS, **COORDINATOR_FLAG})
     parser.add_argument("--servers", required=True, metavar="HOST:PORT[,HOST:PORT...]",
                         help="every shard's server, in shard order")
     parser.add_argument("--worker-id", default=None,

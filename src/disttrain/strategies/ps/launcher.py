@@ -1,26 +1,37 @@
-"""The `ps` strategy: a whole parameter-server run on this machine.
+"""The `ps` strategy: a whole parameter-server run on this machine, supervised.
 
-Starts `ps.num_servers` shard servers on free ports (each reports the port it bound),
-then `system.num_workers` workers pointed at them; shows one progress display for the
-cluster; streams every process's output to `<log_dir>/<name>.log`; stops everything on
-Ctrl-C or as soon as any process fails. Worker 0 writes `parameter_server_final.pt` and
-`summary.json` (strategy ps-sync, ps-ssp or ps-async) when every worker is done.
+Starts a coordinator (unless `coordinator.address` names a running one), then
+`ps.num_servers` shard servers on free ports (each reports the port it bound), then
+`system.num_workers` workers pointed at them; shows one progress display for the
+cluster; streams every process's output to `<log_dir>/<name>.log`. Every process
+registers with the coordinator and heartbeats. A process that fails (exits with an
+error, or stops heartbeating) is restarted where it was, up to
+`coordinator.max_restarts` times, while the others train on; a coordinator that dies is
+restarted on its registry (`<log_dir>/cluster.db`). Worker 0 writes
+`parameter_server_final.pt` and `summary.json` (strategy ps-sync, ps-ssp or ps-async)
+when every worker is done; the launcher adds each failure and its recovery.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import tenacity
+
 from disttrain.config import Config
+from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
+from disttrain.coordinator.supervisor import Managed, Supervisor
 from disttrain.core import checkpoint as ckpt
-from disttrain.core.errors import ConfigError, DistributedError
+from disttrain.core.errors import DistributedError
 from disttrain.core.faults import format_fault
-from disttrain.core.processes import Cluster, raise_on_sigterm
+from disttrain.core.processes import Cluster, Event, raise_on_sigterm
 from disttrain.metrics.progress import Progress
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
 from disttrain.strategies.ps.model import check_supported
+from disttrain.strategies.ps.recovery import recovery_summary
 from disttrain.training.models import init_model
 from disttrain.training.strategy import RunOptions
 
@@ -28,39 +39,38 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 120.0
 SHUTDOWN_TIMEOUT_S = 60.0
+REGISTRY_FILE = "cluster.db"
 
 
 def run_cluster(config: Config, options: RunOptions) -> RunSummary:
-    """Run servers and workers as child processes until the run ends.
+    """Run the coordinator, servers and workers as child processes until the run ends.
 
     Raises:
-        ConfigError: bad input found before any process starts (compression asked for,
-            an unknown model, `--resume`, checkpoints of an earlier run in the folder).
-        DistributedError: a process failed (its name, exit code and log are named).
+        ConfigError: bad input found before any process starts (an unknown model,
+            checkpoints of an earlier run in the folder without `--resume`).
+        DistributedError: a process failed more often than `coordinator.max_restarts`
+            (its name, exit code and log are named), or did not start.
     """
     started = time.perf_counter()
     preflight(config, options)
-    system, ps = config.system, config.ps
-    log_dir = Path(system.log_dir)
+    log_dir = Path(config.system.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / SUMMARY_FILE).unlink(missing_ok=True)
-    config_path = log_dir / "config.yaml"
-    config.save(config_path)
-    common = ["--config", str(config_path)] + (["-v"] if options.verbose else [])
-    faults = [f"--inject-fault={format_fault(fault)}" for fault in options.faults]
+    registry = log_dir / REGISTRY_FILE
+    if not options.resume:
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{registry}{suffix}").unlink(missing_ok=True)
     raise_on_sigterm()
     with Cluster(log_dir) as cluster:
-        addresses = start_servers(cluster, common, ps.bind_host, ps.num_servers)
-        logger.info("servers listening on %s", ", ".join(addresses))
-        for rank in range(system.num_workers):
-            cluster.spawn(f"worker{rank}", ["ps-worker", *common, "--servers", ",".join(addresses),
-                                            "--rank", str(rank), "--worker-id", f"worker{rank}", *faults])
-        _supervise(cluster, system.num_workers, f"ps-{ps.aggregation_mode}")
+        run = ClusterRun(cluster, config, options, log_dir / "config.yaml")
+        run.start(registry)
+        run.supervise()
     try:
         summary = RunSummary.read(log_dir / SUMMARY_FILE)
     except (OSError, ValueError) as e:
         raise DistributedError(f"worker 0 did not write the run summary in {log_dir}: {e}") from e
     summary.total_time_s = time.perf_counter() - started  # the whole command, start-up included
+    summary.extra.update(recovery_summary(run.supervisor.failures, registry))
     summary.write(log_dir)
     return summary
 
@@ -73,13 +83,10 @@ def preflight(config: Config, options: RunOptions) -> None:
     """
     check_supported(config)
     init_model(config.training)  # an unknown model or data set fails here, once
-    if options.resume:
-        raise ConfigError("--resume: the ps launcher cannot resume a run yet; restart a server with "
-                          "`disttrain ps-server --resume` and a worker with `disttrain ps-worker --resume`")
     folder = Path(config.system.checkpoint_dir)
     for name in [f"server{s}" for s in range(config.ps.num_servers)] + \
             [f"worker{r}" for r in range(config.system.num_workers)]:
-        ckpt.prepare_checkpoint_dir(folder / name, resume=False)
+        ckpt.prepare_checkpoint_dir(folder / name, resume=options.resume)
 
 
 class ParameterServer:
@@ -92,68 +99,177 @@ class ParameterServer:
 STRATEGY = ParameterServer()
 
 
-def start_servers(cluster: Cluster, args: list[str], bind_host: str, num_servers: int) -> list[str]:
-    """Start `num_servers` shard servers on free ports; return their addresses in shard order.
+@dataclass
+class ClusterRun:
+    """The processes of one run and the supervisor that keeps them going."""
 
-    Args:
-        args: extra arguments of every server (`--config PATH`, ...).
-    Raises:
-        DistributedError: a server exited, or none reported its address in time.
-    """
-    for shard in range(num_servers):
-        cluster.spawn(f"server{shard}", ["ps-server", *args, "--bind", f"{bind_host}:0",
-                                         "--shard", f"{shard}/{num_servers}"])
-    addresses: dict[int, str] = {}
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while len(addresses) < num_servers:
-        event = cluster.next_event(max(0.0, deadline - time.monotonic()))
-        if event is None:
-            raise DistributedError(f"servers did not start within {STARTUP_TIMEOUT_S:.0f}s; see "
-                                   f"{cluster.log_dir}/server*.log")
-        if event.kind == "listening":
-            addresses[int(event.fields["shard"])] = str(event.fields["address"])
-        elif event.kind == "exit":
-            _fail(cluster, event.child, event.fields["code"])
-    return [addresses[s] for s in range(num_servers)]
+    cluster: Cluster
+    config: Config
+    options: RunOptions
+    config_path: Path
+
+    def __post_init__(self) -> None:
+        self.supervisor = Supervisor(self.cluster, self.config.coordinator.max_restarts, self._report_exit)
+        self.coordinator: CoordinatorClient | None = None
+        self._binds: dict[str, list[str]] = {}  # server -> [the address it binds]
+        self._listening: dict[str, str] = {}
+        self._early: list[Event] = []  # events that came while waiting for addresses
+        self._unreported: list[tuple[str, int, str]] = []  # exits the coordinator has not heard of
+
+    def _common(self, attempt: int) -> list[str]:
+        """Arguments of every server and worker start (attempt > 0: a restart, resuming)."""
+        faults = [f"--inject={format_fault(fault)}" for fault in self.options.faults]
+        resume = ["--resume"] if attempt > 0 or self.options.resume else []
+        return ["--config", str(self.config_path), *(["-v"] if self.options.verbose else []), *faults,
+                *resume, "--attempt", str(attempt)]
+
+    def start(self, registry: Path) -> None:
+        """Start the coordinator (unless one runs already), the servers, then the workers."""
+        config = self.config
+        config.save(self.config_path)
+        address = config.coordinator.address or self._start_coordinator(registry)
+        self.config = config.replace(coordinator={"address": address})
+        self.config.save(self.config_path)  # every process finds the coordinator here
+        self.coordinator = CoordinatorClient(address)
+        servers = [self._start_server(shard) for shard in range(config.ps.num_servers)]
+        addresses = [self._wait_listening(name) for name in servers]
+        logger.info("servers listening on %s", ", ".join(addresses))
+        for rank in range(config.system.num_workers):
+            self.supervisor.start(Managed(f"worker{rank}", f"worker{rank}", lambda attempt, r=rank: [
+                "ps-worker", *self._common(attempt), "--servers", ",".join(addresses), "--rank", str(r),
+                "--worker-id", f"worker{r}"]))
+
+    def _start_coordinator(self, registry: Path) -> str:
+        bind = [f"{self.config.ps.bind_host}:0"]
+        kill_at = [f.step for f in self.options.faults
+                   if f.action == "kill" and f.role == "coordinator" and f.attempt == 0]
+
+        def args(attempt: int) -> list[str]:
+            fault = ["--kill-at-step", str(kill_at[0])] if kill_at and attempt == 0 else []
+            return ["coordinator", "--bind", bind[0], "--registry", str(registry),
+                    "--config", str(self.config_path), *fault]
+
+        self.supervisor.start(Managed("coordinator", "coordinator", args))
+        bind[0] = self._wait_listening("coordinator")  # a restart binds the same port
+        logger.info("coordinator listening on %s (registry %s)", bind[0], registry)
+        return bind[0]
+
+    def _start_server(self, shard: int) -> str:
+        name, bind = f"server{shard}", [f"{self.config.ps.bind_host}:0"]
+        self.supervisor.start(Managed(name, name, lambda attempt: [
+            "ps-server", *self._common(attempt), "--bind", bind[0],
+            "--shard", f"{shard}/{self.config.ps.num_servers}"]))
+        self._binds[name] = bind
+        return name
+
+    def _wait_listening(self, name: str) -> str:
+        """The address `name` reports it listens on (a restart binds the same).
+
+        Raises:
+            DistributedError: it exited, or did not report in time.
+        """
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while name not in self._listening:
+            event = self.cluster.next_event(max(0.0, deadline - time.monotonic()))
+            if event is None:
+                raise DistributedError(f"{name} did not start within {STARTUP_TIMEOUT_S:.0f}s; see "
+                                       f"{self.cluster.log_dir}/{name}.log")
+            if event.kind == "listening":
+                self._listening[event.child] = str(event.fields["address"])
+            elif event.kind == "exit":
+                self.supervisor.exited(event.child, int(event.fields["code"]))
+            else:
+                self._early.append(event)
+        address = self._listening[name]
+        if name in self._binds:
+            self._binds[name][0] = address
+        return address
+
+    def _report_exit(self, node_id: str, code: int, reason: str) -> None:
+        """Tell the coordinator at once; while it is down (it is being restarted), keep the
+        news for when it is back."""
+        if self.coordinator is None or node_id == "coordinator":
+            return
+        self._unreported.append((node_id, code, reason))
+        try:
+            self._deliver_reports()
+        except CoordinatorError as e:
+            logger.info("the coordinator will hear that %s %s once it is back (%s)", node_id, reason, e)
+
+    def _deliver_reports(self) -> None:
+        while self._unreported:
+            self.coordinator.report_exit(*self._unreported[0])
+            self._unreported.pop(0)
+
+    def _deliver_reports_patiently(self) -> None:
+        """Make sure the coordinator's registry ends with every exit (it may be restarting)."""
+        if not self._unreported or self.coordinator is None:
+            return
+        try:
+            tenacity.Retrying(retry=tenacity.retry_if_exception_type(CoordinatorError),
+                              wait=tenacity.wait_exponential_jitter(initial=0.1, max=2.0),
+                              stop=tenacity.stop_after_delay(STARTUP_TIMEOUT_S), reraise=True)(
+                self._deliver_reports)
+        except CoordinatorError as e:
+            logger.warning("the coordinator's registry misses how %d process(es) ended: %s",
+                           len(self._unreported), e)
+
+    def supervise(self) -> None:
+        """Show progress until every worker is done and the servers stopped; restart what fails."""
+        watch = _Watch(self.config.system.num_workers, f"ps-{self.config.ps.aggregation_mode}")
+        running = {name for name in self.supervisor.processes if name != "coordinator"}
+        events = list(self._early)
+        deadline = None
+        while running:
+            event = events.pop(0) if events else self.cluster.next_event(
+                None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if event is None:
+                raise DistributedError(f"servers still running {SHUTDOWN_TIMEOUT_S:.0f}s after the "
+                                       f"workers finished: {', '.join(sorted(running))}")
+            if event.kind == "node-failed":
+                self.supervisor.declared_failed(str(event.fields["node"]), str(event.fields.get("reason")))
+            elif event.kind == "exit":
+                code = int(event.fields["code"])
+                if self.supervisor.exited(event.child, code) or event.child == "coordinator":
+                    continue
+                running.discard(event.child)
+                if event.child.startswith("worker") and watch.worker_done():
+                    deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+            else:
+                watch.saw(event)
+        watch.close()
+        self._deliver_reports_patiently()
+        if self.coordinator is not None:
+            self.coordinator.close()
 
 
-def _supervise(cluster: Cluster, num_workers: int, description: str) -> None:
-    """Show progress until every child has exited cleanly; fail on the first that does not."""
-    plans: dict[str, int] = {}
-    steps = 0
-    progress: Progress | None = None
-    running = set(cluster.children)
-    workers_left = num_workers
-    shutdown_deadline = None
-    while running:
-        timeout = None if shutdown_deadline is None else max(0.0, shutdown_deadline - time.monotonic())
-        event = cluster.next_event(timeout)
-        if event is None:
-            raise DistributedError(f"servers still running {SHUTDOWN_TIMEOUT_S:.0f}s after the workers "
-                                   f"finished: {', '.join(sorted(running))}")
-        if event.kind == "plan":
-            plans[event.child] = int(event.fields["total_steps"])
-            steps += int(event.fields.get("done_steps", 0))
-            if len(plans) == num_workers:
-                progress = Progress(sum(plans.values()), description, initial=steps)
-        elif event.kind == "progress":
-            steps += int(event.fields.get("steps", 1))
-            if progress is not None:
-                progress.update(1, loss=float(event.fields.get("loss", 0.0)))
-        elif event.kind == "exit":
-            running.discard(event.child)
-            if event.fields["code"] != 0:
-                _fail(cluster, event.child, event.fields["code"])
-            if event.child.startswith("worker"):
-                workers_left -= 1
-                if workers_left == 0:
-                    shutdown_deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
-    if progress is not None:
-        progress.close()
+@dataclass
+class _Watch:
+    """The progress display of the whole cluster, fed by the workers' event lines."""
 
+    num_workers: int
+    description: str
 
-def _fail(cluster: Cluster, name: str, code: int) -> None:
-    child = cluster.children[name]
-    tail = child.tail(3).replace("\n", " | ")
-    raise DistributedError(f"{name} exited with code {code}; the cluster was stopped. Its log "
-                           f"{child.log_path} ends: {tail}")
+    def __post_init__(self) -> None:
+        self.plans: dict[str, int] = {}
+        self.steps = 0
+        self.workers_left = self.num_workers
+        self.progress: Progress | None = None
+
+    def saw(self, event: Event) -> None:
+        if event.kind == "plan" and event.child not in self.plans:  # a restarted worker plans again
+            self.plans[event.child] = int(event.fields["total_steps"])
+            self.steps += int(event.fields.get("done_steps", 0))
+            if len(self.plans) == self.num_workers:
+                self.progress = Progress(sum(self.plans.values()), self.description, initial=self.steps)
+        elif event.kind == "progress" and self.progress is not None:
+            self.progress.update(1, loss=float(event.fields.get("loss", 0.0)))
+
+    def worker_done(self) -> bool:
+        """Count a worker done; True when it was the last."""
+        self.workers_left -= 1
+        return self.workers_left == 0
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()

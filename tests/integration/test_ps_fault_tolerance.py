@@ -1,0 +1,100 @@
+"""Whole parameter-server runs that survive failures: real processes, faults injected by
+the harness at exact points, and each test ends by checking state (the servers' data
+ledgers through the summary, the coordinator's registry), not logs.
+
+The run is small (digits, an MLP, 2 workers x 10 steps per epoch, 2 epochs) with short
+heartbeats, so a failure is detected within about a second.
+"""
+
+import json
+
+import pytest
+
+from disttrain.coordinator.registry import read_status
+
+TRAIN, TEST, BATCH, EPOCHS, WORKERS = 640, 200, 32, 2, 2
+INTERVAL, TIMEOUT = 0.2, 1.5
+ARGS = ["--dataset", "digits", "--model", "mlp", "--workers", str(WORKERS), "--batch-size", str(BATCH),
+        "--max-train-samples", str(TRAIN), "--max-test-samples", str(TEST), "--num-epochs", str(EPOCHS),
+        "--checkpoint-interval", "5", "--heartbeat-interval", str(INTERVAL),
+        "--heartbeat-timeout", str(TIMEOUT), "--seed", "3"]
+
+
+def run_ps(cli, folder, *extra):
+    result = cli("ps", *ARGS, "--log-dir", folder / "logs", "--checkpoint-dir", folder / "ckpt", *extra,
+                 timeout=170)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((folder / "logs" / "summary.json").read_text())
+
+
+def assert_every_sample_applied_once(summary):
+    """From the servers' ledgers: no block missing on any shard, and the samples applied
+    are exactly those of every epoch (a block applied twice would add its samples again)."""
+    assert summary["samples_lost"] == 0
+    assert summary["samples_applied"] == EPOCHS * TRAIN
+
+
+def registry_nodes(folder):
+    snapshot = read_status(folder / "logs" / "cluster.db")
+    return {node["node_id"]: node for node in snapshot.nodes}
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
+def test_a_killed_worker_is_restarted_and_every_sample_is_applied_once(tmp_path, cli, mode):
+    summary = run_ps(cli, tmp_path, "--aggregation-mode", mode, "--inject", "kill:worker=1:step=7")
+    assert_every_sample_applied_once(summary)
+    (failure,) = summary["failures"]
+    assert failure["process"] == "worker1" and "SIGKILL" in failure["reason"]
+    assert failure["recover_s"] > 0
+    if mode == "sync":
+        # the survivor waited at most a heartbeat timeout and interval for the dead worker
+        assert summary["max_round_wait_s"] <= TIMEOUT + INTERVAL + 1.0
+    nodes = registry_nodes(tmp_path)
+    assert nodes["worker1"]["restarts"] == 1 and nodes["worker1"]["state"] == "done"
+    assert summary["samples_redone"] >= BATCH  # it resumed from its step-5 checkpoint
+
+
+@pytest.mark.timeout(360)
+def test_on_mnist_a_killed_worker_ends_within_a_point_of_the_fault_free_run(tmp_path, cli, real_data_dir):
+    mnist = ["--dataset", "mnist", "--model", "simplecnn", "--data-dir", real_data_dir,
+             "--max-train-samples", "20000", "--max-test-samples", "10000", "--num-epochs", "1", "--batch-size", "64",
+             "--checkpoint-interval", "50"]
+    fault_free = run_ps(cli, tmp_path / "fault_free", *mnist)
+    summary = run_ps(cli, tmp_path / "killed", *mnist, "--inject", "kill:worker=1:step=70")
+    assert summary["samples_lost"] == 0 and summary["samples_applied"] == fault_free["samples_applied"]
+    assert summary["samples_redone"] == 20 * 64  # from its step-50 checkpoint
+    assert abs(summary["final_accuracy"] - fault_free["final_accuracy"]) <= 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_a_hung_worker_is_declared_failed_restarted_and_its_late_gradients_are_not_applied(tmp_path, cli):
+    summary = run_ps(cli, tmp_path, "--inject", "stop:worker=1:step=7:for=60s")
+    assert_every_sample_applied_once(summary)
+    (failure,) = summary["failures"]
+    assert failure["process"] == "worker1" and "SIGKILL" in failure["reason"]  # killed while stopped
+    assert summary["max_round_wait_s"] <= TIMEOUT + INTERVAL + 1.0
+    assert registry_nodes(tmp_path)["worker1"]["restarts"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_a_killed_server_comes_back_from_its_checkpoint_and_nothing_is_lost(tmp_path, cli):
+    summary = run_ps(cli, tmp_path, "--inject", "kill:server=0:step=12")
+    assert_every_sample_applied_once(summary)
+    (failure,) = summary["failures"]
+    assert failure["process"] == "server0"
+    # the server came back at version 10: at most checkpoint_interval steps were redone
+    assert 0 < summary["samples_redone"] <= 5 * WORKERS * BATCH
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_training_goes_on_without_the_coordinator_and_its_restart_shows_the_run(tmp_path, cli):
+    summary = run_ps(cli, tmp_path, "--inject", "kill:coordinator:step=2")
+    assert_every_sample_applied_once(summary)
+    assert [f["process"] for f in summary["failures"]] == ["coordinator"]
+    nodes = registry_nodes(tmp_path)
+    assert {"worker0", "worker1", "server0"} <= set(nodes)
+    assert all(nodes[n]["state"] == "done" and nodes[n]["restarts"] == 0 for n in ("worker0", "worker1"))
