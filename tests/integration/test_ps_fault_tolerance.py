@@ -58,8 +58,8 @@ def test_a_killed_worker_is_restarted_and_every_sample_is_applied_once(tmp_path,
 @pytest.mark.timeout(360)
 def test_on_mnist_a_killed_worker_ends_within_a_point_of_the_fault_free_run(tmp_path, cli, real_data_dir):
     mnist = ["--dataset", "mnist", "--model", "simplecnn", "--data-dir", real_data_dir,
-             "--max-train-samples", "20000", "--max-test-samples", "10000", "--num-epochs", "1", "--batch-size", "64",
-             "--checkpoint-interval", "50"]
+             "--max-train-samples", "20000", "--max-test-samples", "10000", "--num-epochs", "1",
+             "--batch-size", "64", "--checkpoint-interval", "50"]
     fault_free = run_ps(cli, tmp_path / "fault_free", *mnist)
     summary = run_ps(cli, tmp_path / "killed", *mnist, "--inject", "kill:worker=1:step=70")
     assert summary["samples_lost"] == 0 and summary["samples_applied"] == fault_free["samples_applied"]
