@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> None:
     config = load_config(args.config, {}, args.set)
     bind = args.bind or config.coordinator.address or DEFAULT_BIND
     registry = args.registry or str(Path(config.system.log_dir) / REGISTRY_NAME)
-    server = CoordinatorServer(config.coordinator, bind, registry, on_step=_kill_at(args.kill_at_step),
-                               on_failure=_announce_failure)
+    server = CoordinatorServer(config.coordinator, bind, registry, on_step=_kill_at(args.kill_at_step))
+    server.on_failure = lambda node_id, reason: _announce_failure(server, node_id, reason)
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopped.set())
@@ -66,9 +66,11 @@ def run(args: argparse.Namespace) -> None:
         logger.info("coordinator stopped")
 
 
-def _announce_failure(node_id: str, reason: str) -> None:
-    """Tell a launcher that a node missed its heartbeats, so it can restart it."""
-    emit_event("node-failed", node=node_id, reason=reason)
+def _announce_failure(server: CoordinatorServer, node_id: str, reason: str) -> None:
+    """Tell a launcher that a node missed its heartbeats, so it can restart it (the pid
+    names the process: a launcher leaves a newer process of the same node alone)."""
+    node = server.state.membership.get(node_id)
+    emit_event("node-failed", node=node_id, reason=reason, pid=node.pid if node is not None else 0)
 
 
 def _kill_at(step: int | None) -> Callable[[int], None] | None:

@@ -73,14 +73,15 @@ class Supervisor:
     def by_node(self, node_id: str) -> Managed | None:
         return next((p for p in self.processes.values() if p.node_id == node_id), None)
 
-    def declared_failed(self, node_id: str, reason: str) -> None:
+    def declared_failed(self, node_id: str, reason: str, pid: int = 0) -> None:
         """The coordinator declared `node_id` failed (silent past its heartbeat timeout):
-        kill its process if it still runs (it hangs); its exit then restarts it."""
+        kill its process if it still runs (it hangs); its exit then restarts it. `pid`, when
+        given, is the process the coordinator last heard of: a newer one is left alone."""
         process = self.by_node(node_id)
         if process is None or process.finished:
             return
         child = self.cluster.children.get(process.name)
-        if child is not None and child.process.poll() is None:
+        if child is not None and child.process.poll() is None and pid in (0, child.process.pid):
             logger.warning("%s stopped heartbeating (%s); killing it to restart it", process.name, reason)
             try:
                 os.killpg(child.process.pid, signal.SIGKILL)

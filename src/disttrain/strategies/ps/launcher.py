@@ -227,7 +227,9 @@ class ClusterRun:
                 raise DistributedError(f"servers still running {SHUTDOWN_TIMEOUT_S:.0f}s after the "
                                        f"workers finished: {', '.join(sorted(running))}")
             if event.kind == "node-failed":
-                self.supervisor.declared_failed(str(event.fields["node"]), str(event.fields.get("reason")))
+                fields = event.fields
+                self.supervisor.declared_failed(str(fields["node"]), str(fields.get("reason")),
+                                                int(fields.get("pid", 0)))
             elif event.kind == "exit":
                 code = int(event.fields["code"])
                 if self.supervisor.exited(event.child, code) or event.child == "coordinator":

@@ -11,7 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from disttrain.config.schema import CoordinatorConfig
-from disttrain.coordinator.client import CoordinatorClient, HeartbeatSender, MembershipWatcher
+from disttrain.coordinator.client import (
+    CoordinatorClient,
+    CoordinatorError,
+    HeartbeatSender,
+    MembershipWatcher,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +30,15 @@ class Link:
     generation: int
     heartbeats: HeartbeatSender
     watcher: MembershipWatcher | None = None
+
+    def leave(self) -> None:
+        """Tell the coordinator this process finished (before its heartbeats stop, so the
+        silence of a process on its way out is not taken for a failure), then close."""
+        try:
+            self.client.report_exit(self.heartbeats.node_id, 0, "finished")
+        except CoordinatorError as e:
+            logger.warning("could not tell the coordinator this process finished: %s", e)
+        self.close()
 
     def close(self) -> None:
         self.heartbeats.stop()

@@ -252,5 +252,5 @@ def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool =
     finally:
         server.stop()
         if link is not None:
-            link.close()
+            link.leave()
         logger.info("shard %d stopped at version %d", shard, state.version)

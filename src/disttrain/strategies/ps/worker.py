@@ -260,7 +260,11 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                             Path(system.log_dir) / f"worker{rank}", faults,
                             lambda total, done: EventProgress(rank, total, done), announce=rank == 0)
         result = loop.run(options.resume)
-        return finish(config, client, participant, result, flat, started)
+        summary = finish(config, client, participant, result, flat, started)
+        if link is not None:
+            link, leaving = None, link
+            leaving.leave()
+        return summary
     finally:
         if link is not None:
             link.close()
