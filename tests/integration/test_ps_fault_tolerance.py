@@ -98,3 +98,29 @@ def test_training_goes_on_without_the_coordinator_and_its_restart_shows_the_run(
     nodes = registry_nodes(tmp_path)
     assert {"worker0", "worker1", "server0"} <= set(nodes)
     assert all(nodes[n]["state"] == "done" and nodes[n]["restarts"] == 0 for n in ("worker0", "worker1"))
+
+
+@pytest.mark.timeout(360)
+def test_a_lost_reply_is_retried_and_its_push_applied_once(tmp_path, cli):
+    summary = run_ps(cli, tmp_path, "--inject", "drop-rpc:worker=1:step=5")
+    assert_every_sample_applied_once(summary)
+    assert summary["num_duplicates"] == 1 and summary["failures"] == []
+
+
+@pytest.mark.timeout(360)
+def test_a_slow_worker_is_named_a_straggler(tmp_path, cli):
+    summary = run_ps(cli, tmp_path, "--inject", "slow:worker=1:factor=4")
+    assert summary["stragglers"] == ["worker1"]
+    assert any(e["kind"] == "straggler" and e["node_id"] == "worker1"
+               for e in read_status(tmp_path / "logs" / "cluster.db", max_events=100).events)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_a_stopped_run_resumes_as_a_whole_and_nothing_is_lost(tmp_path, cli):
+    folders = ["--log-dir", tmp_path / "logs", "--checkpoint-dir", tmp_path / "ckpt"]
+    stopped = cli("ps", *ARGS, *folders, "--inject", "kill:worker=1:step=12", "--max-restarts", "0",
+                  timeout=170)
+    assert stopped.returncode == 1 and "max_restarts=0" in stopped.stderr
+    summary = run_ps(cli, tmp_path, "--resume")
+    assert_every_sample_applied_once(summary)
