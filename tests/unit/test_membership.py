@@ -125,9 +125,14 @@ def step_times(membership: Membership, times: dict[str, float], role: str = "wor
 def test_stragglers_are_slower_than_the_factor_times_the_median(membership):
     step_times(membership, {"w0": 0.10, "w1": 0.11, "w2": 0.12, "w3": 0.25})
     assert membership.stragglers() == {"w3"}
-    events = [e for e in membership.check(now=2.0) if e.kind == "straggler"]
+    # flagged once it has been slow for longer than the heartbeat timeout, not at once
+    assert not [e for e in membership.check(now=1.5) if e.kind == "straggler"]
+    for node_id in ("w0", "w1", "w2", "w3"):
+        membership.heartbeat(node_id, now=1.0 + TIMEOUT_S, pid=int(node_id[1]) + 1,
+                             step_time_s={"w3": 0.25}.get(node_id, 0.1))
+    events = [e for e in membership.check(now=1.5 + TIMEOUT_S) if e.kind == "straggler"]
     assert [e.node_id for e in events] == ["w3"] and membership.get("w3").straggler
-    assert membership.check(now=3.0) == []  # announced once
+    assert membership.check(now=2.0 + TIMEOUT_S) == []  # announced once
 
 
 def test_two_nodes_suffice_and_one_is_never_a_straggler(membership):

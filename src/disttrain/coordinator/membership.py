@@ -97,6 +97,7 @@ class Membership:
         self._nodes: dict[str, Node] = {}
         self._pending: list[Event] = []
         self._recoveries: list[dict[str, Any]] = []
+        self._slow_since: dict[str, float] = {}  # node -> when it was first seen slow, while it is
 
     # -- changes -------------------------------------------------------------------
 
@@ -193,7 +194,7 @@ class Membership:
                 silent_s = now - (node.last_seen or now)
                 found.append(self._mark_failed(node, now, f"no heartbeat for {silent_s:.2f}s",
                                                node.last_heartbeat or node.last_seen))
-        slow = self.stragglers()
+        slow = self._held(self.stragglers(), now)
         for node in self._nodes.values():
             if node.node_id in slow and not node.straggler:
                 detail = (f"step time {node.step_time_s:.3f}s, over {self.straggler_factor:g}x "
@@ -201,6 +202,12 @@ class Membership:
                 found.append(self._emit(node, "straggler", detail, now))
             node.straggler = node.node_id in slow
         return found
+
+    def _held(self, slow: set[str], now: float) -> set[str]:
+        """Those of `slow` that have been slow for longer than the heartbeat timeout (a
+        one-off slow step, e.g. while a restarted peer catches up, flags nobody)."""
+        self._slow_since = {n: self._slow_since.get(n, now) for n in slow}
+        return {n for n, since in self._slow_since.items() if now - since >= self.heartbeat_timeout_s}
 
     def _silent(self, node: Node, now: float) -> bool:
         return node.last_seen is not None and now - node.last_seen > self.heartbeat_timeout_s
