@@ -7,11 +7,12 @@ Precedence, lowest first: defaults < `--config` file < flags < `--set section.ke
 from __future__ import annotations
 
 import argparse
+from itertools import chain
 from typing import Any
 
 from disttrain.config import Config, load_config, not_used_yet
 from disttrain.core.errors import ConfigError
-from disttrain.core.faults import parse_fault
+from disttrain.core.faults import Fault, load_fault_plan, parse_fault
 from disttrain.training.models import registered_models
 from disttrain.training.strategy import RunOptions
 
@@ -87,8 +88,37 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest checkpoint in the checkpoint dir")
     parser.add_argument("--summary-json", metavar="PATH", help="also write summary.json here")
-    parser.add_argument("--inject-fault", dest="faults", action="append", default=[],
-                        type=_fault, help=argparse.SUPPRESS)
+    add_fault_flags(parser)
+
+
+INJECT_HELP = (
+    "inject a fault, for tests and drills (repeatable): ACTION:TARGET[:KEY=VALUE...]. "
+    "kill:worker=1:step=30 - worker 1 SIGKILLs itself right after its step 30; "
+    "stop:worker=0:step=10:for=5s - worker 0 hangs (SIGSTOP) after step 10 and goes on "
+    "(SIGCONT) 5 s later; kill:server=0:step=40 - the server of shard 0 dies once its "
+    "version reaches 40; kill:coordinator:step=20 - the coordinator dies once a node reports "
+    "step 20; drop-rpc:worker=1:step=15 - the reply to worker 1's push of step 15 is lost, "
+    "so it retries; slow:worker=1:factor=3 - worker 1 is a straggler, each step 3 times as "
+    "long; slow-eval:worker=0:for=2s - each evaluation 2 s longer. Targets: worker=N, "
+    "server=N, rank=N (DDP), coordinator. Durations: 5s, 500ms, 5. Add :attempt=A to fire on "
+    "the A-th restart only (default 0: the first start; a restarted process does not fire)")
+
+
+def add_fault_flags(parser: argparse.ArgumentParser) -> None:
+    """`--inject SPEC` and `--fault-plan FILE`, both feeding the run's faults.
+
+    `--inject-fault` is a hidden alias of `--inject` that also reads the older
+    `kill@step=N,rank=R` form, which the launchers hand to their children.
+    """
+    parser.add_argument("--inject", dest="faults", action="append", default=[], type=_fault,
+                        metavar="SPEC", help=INJECT_HELP)
+    parser.add_argument("--inject-fault", dest="faults", action="append", type=_fault,
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--fault-plan", dest="fault_plans", action="append", default=[],
+                        type=_fault_plan, metavar="FILE",
+                        help="YAML file of faults to inject (repeatable): a list under `faults:` "
+                             "of --inject specs or mappings such as {action: kill, target: "
+                             "worker, index: 1, step: 30}")
 
 
 def add_training_flags(parser: argparse.ArgumentParser,
@@ -104,9 +134,16 @@ def not_used_yet_epilog() -> str | None:
     return "config keys accepted but not acted on yet:\n" + "\n".join(lines) if lines else None
 
 
-def _fault(text: str):
+def _fault(text: str) -> Fault:
     try:
         return parse_fault(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _fault_plan(path: str) -> list[Fault]:
+    try:
+        return load_fault_plan(path)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
 
@@ -127,4 +164,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
-    return RunOptions(resume=args.resume, faults=tuple(args.faults), verbose=args.verbose)
+    """The run options of a parsed command line: `--inject` faults, then those of each
+    `--fault-plan` file."""
+    faults = (*args.faults, *chain.from_iterable(args.fault_plans))
+    return RunOptions(resume=args.resume, faults=faults, verbose=args.verbose)

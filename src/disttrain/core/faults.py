@@ -1,12 +1,21 @@
-"""Fault injection at exact points, for tests and drills: `--inject-fault kill@step=30`.
+"""Fault injection at exact points, for tests and drills: `--inject kill:worker=1:step=30`.
 
-A fault fires in the process whose rank matches (any rank when none is given), on the
-given restart attempt only (0 = the first run).
+Each process builds a `FaultInjector` from the run's faults, its role (worker, server,
+rank or coordinator), its index and its start attempt; the injector keeps the faults meant
+for it and fires them where the process calls it:
 
-- `kill@step=N`: at step N the process sends itself SIGKILL: no cleanup, no atexit,
-  exactly as a machine loss looks to everyone else.
-- `slow-eval@seconds=S`: every evaluation takes S seconds longer, so a test can show
-  that evaluation stays off the training clock.
+- `at_step(step)`: after each training step (a server: after each version; the
+  coordinator: with the highest step any node has reported). Fires kill (SIGKILL: no
+  cleanup, no atexit, exactly as a machine loss looks to everyone else), stop (SIGSTOP,
+  then SIGCONT from a detached helper once the duration is over: a hang) and slow (sleeps
+  factor - 1 times the step's own duration: a straggler).
+- `at_evaluation()`: inside each evaluation. Fires slow-eval.
+- `drops_reply(step)`: before each gradient push. True when the push's reply is to be
+  lost; the client then sends it and raises a transient error, so the retry meets the
+  server's deduplication.
+
+The grammar, the fault plan files and `Fault` itself live in `fault_spec` and are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -14,79 +23,165 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+
+from disttrain.core.fault_spec import (
+    ROLES,
+    TRAINING_ROLES,
+    Fault,
+    format_fault,
+    load_fault_plan,
+    parse_fault,
+)
+
+__all__ = ["ROLES", "Fault", "FaultInjector", "format_fault", "load_fault_plan", "parse_fault"]
 
 logger = logging.getLogger(__name__)
 
-# action -> (required field, its type)
-ACTIONS = {"kill": ("step", int), "slow-eval": ("seconds", float)}
-FIELDS = {"step": int, "seconds": float, "rank": int, "attempt": int}
-
-
-@dataclass(frozen=True)
-class Fault:
-    action: str
-    step: int = 0
-    seconds: float = 0.0
-    rank: int | None = None
-    attempt: int = 0
-
-
-def parse_fault(text: str) -> Fault:
-    """Parse `ACTION@FIELD=VALUE[,rank=R][,attempt=A]`.
-
-    Raises:
-        ValueError: the text does not follow that form.
-    """
-    action, sep, rest = text.partition("@")
-    forms = ", ".join(f"{name}@{field}=N" for name, (field, _) in ACTIONS.items())
-    if action not in ACTIONS or not sep:
-        raise ValueError(f"--inject-fault {text!r}: expected one of {forms} "
-                         "(optionally followed by ,rank=R,attempt=A)")
-    values: dict[str, int | float] = {}
-    for part in rest.split(","):
-        key, eq, value = part.partition("=")
-        try:
-            values[key] = FIELDS[key](value) if eq else None
-        except (KeyError, ValueError):
-            values[key] = None
-        if values[key] is None or values[key] < 0:
-            raise ValueError(f"--inject-fault {text!r}: bad part {part!r}")
-    required, _ = ACTIONS[action]
-    if required not in values:
-        raise ValueError(f"--inject-fault {text!r}: {required}=N is required for {action}")
-    return Fault(action, **values)
-
-
-def format_fault(fault: Fault) -> str:
-    """The text `parse_fault` reads back as `fault` (to hand faults to child processes)."""
-    field, _ = ACTIONS[fault.action]
-    parts = [f"{field}={getattr(fault, field)}"]
-    if fault.rank is not None:
-        parts.append(f"rank={fault.rank}")
-    parts.append(f"attempt={fault.attempt}")
-    return f"{fault.action}@{','.join(parts)}"
+# Run by a detached helper: a stopped process cannot wake itself. The helper first waits
+# until the target is really stopped (Linux /proc; elsewhere it goes straight on), so the
+# hang lasts its full duration however late the helper starts.
+CONTINUE_SCRIPT = """
+import os, signal, sys, time
+pid, seconds = int(sys.argv[1]), float(sys.argv[2])
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                break
+    except OSError:
+        break
+    time.sleep(0.001)
+time.sleep(seconds)
+try:
+    os.kill(pid, signal.SIGCONT)
+except ProcessLookupError:
+    pass
+"""
 
 
 class FaultInjector:
-    """Holds the faults meant for this process; the training loop calls `at_step(step)`
-    after each step and `at_evaluation()` inside each evaluation."""
+    """The faults meant for one process, fired where the process calls the injector.
 
-    def __init__(self, faults: list[Fault] | tuple[Fault, ...] = (), rank: int = 0, attempt: int = 0):
-        self._faults = [f for f in faults
-                        if (f.rank is None or f.rank == rank) and f.attempt == attempt]
+    Args:
+        faults: every fault of the run; those for other processes or attempts are dropped.
+        role: worker, server, rank or coordinator.
+        index: the process's worker, shard or rank number.
+        attempt: how many times this process has been restarted (0 = the first start).
+        clock: the time source measuring steps for `slow` (tests pass a fake one).
 
-    def at_step(self, step: int) -> None:
-        for fault in self._faults:
-            if fault.action == "kill" and fault.step == step:
-                logger.warning("injected fault: kill at step %d", step)
-                for handler in logging.getLogger().handlers:
-                    handler.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
+    The older call form `FaultInjector(faults, rank, attempt)` (or `rank=` by keyword)
+    still works: it makes a training process that takes both worker and rank faults.
+
+    Raises:
+        ValueError: an unknown role.
+    """
+
+    def __init__(self, faults: Iterable[Fault] = (), role: str | int = "worker",
+                 index: int | None = None, attempt: int = 0, *, rank: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        roles, index, attempt = _process(role, index, attempt, rank)
+        self._faults = [f for f in faults if any(f.applies_to(r, index, attempt) for r in roles)]
+        self._fired: set[int] = set()
+        self._clock = clock
+        self._last_step_end: float | None = None
+        self._slow_announced = False
+
+    @property
+    def faults(self) -> list[Fault]:
+        """The faults meant for this process."""
+        return list(self._faults)
+
+    def at_step(self, step: int, train_time_s: float | None = None) -> None:
+        """Call after each step: fires slow, then kill and stop once `step` reaches theirs.
+
+        Args:
+            step: the step just done (a server: its version; the coordinator: the highest
+                step reported to it).
+            train_time_s: the training clock's reading now. When given, `slow` measures
+                each step on it (evaluation and checkpoint writes left out); otherwise on
+                the wall clock between calls. The first step is only measured, not slowed.
+        """
+        entered = self._clock()
+        now = entered if train_time_s is None else train_time_s
+        self._straggle(now)
+        for fault in self._due(step, ("kill", "stop")):
+            if fault.action == "kill":
+                self._kill(step)
+            else:
+                self._stop(step, fault.seconds)
+        # Time spent in here (slowed, stopped) belongs to this step, not the next one.
+        self._last_step_end = now + (self._clock() - entered)
 
     def at_evaluation(self) -> None:
+        """Call inside each evaluation: slow-eval sleeps its seconds, every time."""
         for fault in self._faults:
             if fault.action == "slow-eval":
                 logger.warning("injected fault: evaluation slowed by %gs", fault.seconds)
                 time.sleep(fault.seconds)
+
+    def drops_reply(self, step: int) -> bool:
+        """Call before sending the gradient push of `step`: True (once per drop-rpc fault)
+        when the reply to this push is to be lost."""
+        dropped = bool(self._due(step, ("drop-rpc",)))
+        if dropped:
+            logger.warning("injected fault: the reply to the push of step %d is lost", step)
+        return dropped
+
+    def _due(self, step: int, actions: tuple[str, ...]) -> list[Fault]:
+        """The faults of `actions` that `step` reaches for the first time; marked fired."""
+        due = []
+        for number, fault in enumerate(self._faults):
+            if fault.action in actions and number not in self._fired and step >= fault.step:
+                self._fired.add(number)
+                due.append(fault)
+        return due
+
+    def _straggle(self, now: float) -> None:
+        factor = max((f.factor for f in self._faults if f.action == "slow"), default=1.0)
+        if factor <= 1 or self._last_step_end is None:
+            return
+        if not self._slow_announced:
+            logger.warning("injected fault: every step takes %g times as long", factor)
+            self._slow_announced = True
+        time.sleep((factor - 1) * max(0.0, now - self._last_step_end))
+
+    def _kill(self, step: int) -> None:
+        logger.warning("injected fault: kill at step %d", step)
+        _flush_logs()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _stop(self, step: int, seconds: float) -> None:
+        logger.warning("injected fault: stopped at step %d for %gs", step, seconds)
+        _flush_logs()
+        helper = subprocess.Popen([sys.executable, "-c", CONTINUE_SCRIPT, str(os.getpid()), repr(seconds)],
+                                  start_new_session=True, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        logger.warning("injected fault: continued after the stop at step %d", step)
+        try:
+            helper.wait(timeout=5.0)  # it exits right after sending SIGCONT; reap it
+        except subprocess.TimeoutExpired:
+            logger.debug("the continue helper %d has not exited yet", helper.pid)
+
+
+def _process(role: str | int, index: int | None, attempt: int,
+             rank: int | None) -> tuple[tuple[str, ...], int, int]:
+    """(roles, index, attempt) of the process an injector serves, from either call form."""
+    if isinstance(role, int):  # the old positional form (faults, rank, attempt)
+        return TRAINING_ROLES, role, attempt if index is None else index
+    if rank is not None:  # the old keyword form (faults, rank=R, attempt=A)
+        return TRAINING_ROLES, rank, attempt
+    if role not in ROLES:
+        raise ValueError(f"fault injector: unknown role {role!r}; use one of {', '.join(ROLES)}")
+    return (role,), 0 if index is None else index, attempt
+
+
+def _flush_logs() -> None:
+    """What was logged so far reaches its files before the process dies or stops."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()

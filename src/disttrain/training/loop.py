@@ -141,7 +141,7 @@ class TrainingLoop:
                         self._save(metrics)
                     else:
                         save_after_evaluation = True
-                self.faults.at_step(position.step)
+                self.faults.at_step(position.step, train_time_s=self.clock.elapsed())
             evaluation = self._evaluate(metrics, epoch)
             position.epoch = epoch + 1
             sampler.set_epoch(epoch + 1)

@@ -1,0 +1,262 @@
+"""What a fault is and how it is written: the `--inject` grammar and `--fault-plan` files.
+
+The grammar is `ACTION:TARGET[:KEY=VALUE...]`:
+
+- `kill:worker=1:step=30`: worker 1 sends itself SIGKILL right after its step 30.
+- `stop:worker=0:step=10:for=5s`: worker 0 stops (SIGSTOP) after step 10 and is continued
+  (SIGCONT) 5 s later: a hang, not a death.
+- `kill:server=0:step=40`: the server of shard 0 dies once its version reaches 40.
+- `kill:coordinator:step=20`: the coordinator dies once any node has reported step 20.
+- `drop-rpc:worker=1:step=15`: the reply to worker 1's gradient push of step 15 is lost,
+  so the worker retries a push the server already applied.
+- `slow:worker=1:factor=3`: worker 1 is a straggler; each of its steps takes 3 times as long.
+- `slow-eval:worker=0:for=2s`: each evaluation of worker 0 takes 2 s longer.
+
+Targets: `worker=N`, `server=N`, `rank=N` (a DDP rank), `coordinator`; `worker`, `server`
+or `rank` alone means every one of them. Durations: `5s`, `500ms` or `5` (seconds).
+Every fault takes `attempt=A`: it fires only on that start of the process (0, the
+default, is the first start, so a restarted process does not fire again).
+
+A step-triggered fault fires once, the first time its process reaches that step or beyond.
+
+The older form `ACTION@FIELD=VALUE[,rank=R][,attempt=A]` (`kill@step=N`,
+`slow-eval@seconds=S`) still parses; it targets a worker or a DDP rank with index R, any
+index when R is absent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROLES = ("worker", "server", "rank", "coordinator")
+TRAINING_ROLES = ("worker", "rank")  # the roles an old-form fault targets
+STEP_ACTIONS = ("kill", "stop", "drop-rpc")
+
+# action -> (keys it requires, roles it applies to)
+ACTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "kill": (("step",), ROLES),
+    "stop": (("step", "for"), ROLES),
+    "drop-rpc": (("step",), ("worker",)),
+    "slow": (("factor",), TRAINING_ROLES),
+    "slow-eval": (("for",), TRAINING_ROLES),
+}
+KEY_FIELDS = {"step": "step", "for": "seconds", "factor": "factor", "attempt": "attempt"}
+FORMS = ("kill:worker=1:step=30, stop:worker=0:step=10:for=5s, kill:server=0:step=40, "
+         "kill:coordinator:step=20, drop-rpc:worker=1:step=15, slow:worker=1:factor=3, "
+         "slow-eval:rank=0:for=2s (each may end with :attempt=A)")
+
+# old grammar: action -> its one required field
+OLD_ACTIONS = {"kill": "step", "slow-eval": "seconds"}
+OLD_FORMS = "kill@step=N or slow-eval@seconds=S, optionally followed by ,rank=R,attempt=A"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault to inject.
+
+    Attributes:
+        action: kill, stop, drop-rpc, slow or slow-eval.
+        step: the step (a server's version) at which kill, stop and drop-rpc fire.
+        seconds: how long stop lasts; how much slow-eval adds to each evaluation.
+        index: the target's index (worker, server or rank number); None = every one.
+        attempt: the start of the process it fires on (0 = the first).
+        role: worker, server, rank or coordinator; None for the old form (a worker or a rank).
+        factor: slow: how many times its normal duration each step takes.
+    """
+
+    action: str
+    step: int = 0
+    seconds: float = 0.0
+    index: int | None = None
+    attempt: int = 0
+    role: str | None = None
+    factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        known = ACTIONS if self.role is not None else OLD_ACTIONS
+        if self.action not in known or (self.role is not None and self.role not in ROLES):
+            raise ValueError(f"{self!r}: no such fault; accepted forms: {FORMS}")
+
+    @property
+    def rank(self) -> int | None:
+        """The index, by its old-form name."""
+        return self.index
+
+    def applies_to(self, role: str, index: int, attempt: int) -> bool:
+        """Whether this fault is meant for process `index` of `role` on start `attempt`."""
+        roles = TRAINING_ROLES if self.role is None else (self.role,)
+        return (role in roles and (self.index is None or self.index == index)
+                and self.attempt == attempt)
+
+
+def parse_fault(text: str) -> Fault:
+    """Parse a fault in either grammar (see the module docstring).
+
+    Raises:
+        ValueError: names the bad part and shows the accepted forms.
+    """
+    if "@" in text.partition(":")[0]:
+        return _parse_old(text)
+    action, _, rest = text.partition(":")
+    if action not in ACTIONS:
+        raise ValueError(f"fault {text!r}: unknown action {action!r}; accepted forms: {FORMS}")
+    target, *pairs = rest.split(":")
+    role, index = _parse_target(text, action, target)
+    values: dict[str, int | float] = {}
+    for part in pairs:
+        key, value = _parse_pair(text, part)
+        if key in values:
+            raise ValueError(f"fault {text!r}: {key}= is given twice")
+        values[key] = value
+    required, _ = ACTIONS[action]
+    missing = [f"{key}=..." for key in required if key not in values]
+    extra = [f"{key}=" for key in values if key not in required and key != "attempt"]
+    if missing or extra:
+        wrong = f"needs {' and '.join(missing)}" if missing else f"does not take {extra[0]}"
+        raise ValueError(f"fault {text!r}: {action} {wrong}; accepted forms: {FORMS}")
+    return Fault(action, role=role, index=index, **{KEY_FIELDS[k]: v for k, v in values.items()})
+
+
+def format_fault(fault: Fault) -> str:
+    """The text `parse_fault` reads back as `fault` (to hand faults to child processes)."""
+    if fault.role is None:
+        return _format_old(fault)
+    target = fault.role if fault.index is None else f"{fault.role}={fault.index}"
+    required, _ = ACTIONS[fault.action]
+    written = {"step": str(fault.step), "for": f"{fault.seconds!r}s", "factor": repr(fault.factor)}
+    parts = [f"{key}={written[key]}" for key in required] + [f"attempt={fault.attempt}"]
+    return ":".join([fault.action, target, *parts])
+
+
+def load_fault_plan(path: str | Path) -> list[Fault]:
+    """Read a YAML fault plan: a list under `faults:` whose entries are either strings in
+    the `--inject` grammar or mappings such as
+    `{action: kill, target: worker, index: 1, step: 30}` (keys: action, target, index,
+    step, for, factor, attempt).
+
+    Raises:
+        ValueError: the file cannot be read, or an entry is wrong (the file and the
+            entry's position are named).
+    """
+    try:
+        document = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"fault plan {path}: cannot read it: {e}") from e
+    entries = document.get("faults") if isinstance(document, dict) else None
+    if not isinstance(entries, list) or set(document) != {"faults"}:
+        raise ValueError(f"fault plan {path}: expected a mapping with one key, `faults:`, "
+                         "holding a list of faults")
+    faults = []
+    for number, entry in enumerate(entries, start=1):
+        try:
+            faults.append(parse_fault(_plan_entry_text(entry)))
+        except ValueError as e:
+            raise ValueError(f"fault plan {path}: entry {number} ({entry!r}): {e}") from e
+    return faults
+
+
+PLAN_KEYS = ("action", "target", "index", "step", "for", "factor", "attempt")
+
+
+def _plan_entry_text(entry: Any) -> str:
+    """A plan entry as `--inject` text, so both go through one parser."""
+    if isinstance(entry, str):
+        return entry
+    if not isinstance(entry, dict):
+        raise ValueError("expected a string such as kill:worker=1:step=30 or a mapping "
+                         "such as {action: kill, target: worker, index: 1, step: 30}")
+    unknown = sorted(set(map(str, entry)) - set(PLAN_KEYS))
+    if unknown or "action" not in entry or "target" not in entry:
+        raise ValueError(f"a mapping needs action and target and may have {', '.join(PLAN_KEYS[2:])}"
+                         + (f"; unknown key {unknown[0]!r}" if unknown else ""))
+    target = str(entry["target"]) + (f"={entry['index']}" if entry.get("index") is not None else "")
+    pairs = [f"{key}={entry[key]}" for key in PLAN_KEYS[3:] if key in entry]
+    return ":".join([str(entry["action"]), target, *pairs])
+
+
+def _parse_target(text: str, action: str, target: str) -> tuple[str, int | None]:
+    role, eq, value = target.partition("=")
+    if role not in ROLES or (eq and role == "coordinator"):
+        raise ValueError(f"fault {text!r}: bad target {target!r}; use worker=N, server=N, "
+                         "rank=N or coordinator")
+    _, roles = ACTIONS[action]
+    if role not in roles:
+        raise ValueError(f"fault {text!r}: {action} applies to {' or '.join(roles)}, not {role}")
+    return role, _number(text, target, value, int) if eq else None
+
+
+def _parse_pair(text: str, part: str) -> tuple[str, int | float]:
+    key, eq, value = part.partition("=")
+    parsers: dict[str, Callable[[str, str, str], int | float]] = {
+        "step": lambda t, p, v: _number(t, p, v, int),
+        "attempt": lambda t, p, v: _number(t, p, v, int),
+        "factor": _factor,
+        "for": _duration,
+    }
+    if key not in parsers or not eq:
+        raise ValueError(f"fault {text!r}: bad part {part!r}; keys are step=N, for=DURATION, "
+                         "factor=F, attempt=A")
+    return key, parsers[key](text, part, value)
+
+
+def _number(text: str, part: str, value: str, type_: type[int] | type[float]) -> int | float:
+    try:
+        number = type_(value)
+        if number >= 0 and math.isfinite(number):
+            return number
+    except ValueError:
+        pass
+    raise ValueError(f"fault {text!r}: bad part {part!r}: expected a number >= 0")
+
+
+def _factor(text: str, part: str, value: str) -> float:
+    factor = _number(text, part, value, float)
+    if factor < 1:
+        raise ValueError(f"fault {text!r}: bad part {part!r}: the factor must be >= 1 "
+                         "(3 = each step takes three times as long)")
+    return float(factor)
+
+
+def _duration(text: str, part: str, value: str) -> float:
+    """`5s`, `500ms` or `5` (seconds), > 0."""
+    scale = 1e-3 if value.endswith("ms") else 1.0
+    seconds = _number(text, part, value.removesuffix("ms").removesuffix("s"), float) * scale
+    if seconds <= 0:
+        raise ValueError(f"fault {text!r}: bad part {part!r}: expected a duration > 0 "
+                         "such as 5s, 500ms or 5")
+    return seconds
+
+
+def _parse_old(text: str) -> Fault:
+    """`ACTION@FIELD=VALUE[,rank=R][,attempt=A]`."""
+    action, _, rest = text.partition("@")
+    if action not in OLD_ACTIONS:
+        raise ValueError(f"fault {text!r}: expected {OLD_FORMS}; or the form {FORMS}")
+    fields = {"step": int, "seconds": float, "rank": int, "attempt": int}
+    values: dict[str, int | float] = {}
+    for part in rest.split(","):
+        key, eq, value = part.partition("=")
+        if key not in fields or not eq:
+            raise ValueError(f"fault {text!r}: bad part {part!r}; expected {OLD_FORMS}")
+        values[key] = _number(text, part, value, fields[key])
+    required = OLD_ACTIONS[action]
+    if required not in values:
+        raise ValueError(f"fault {text!r}: {required}=... is required for {action}")
+    rank = values.get("rank")
+    return Fault(action, step=int(values.get("step", 0)), seconds=float(values.get("seconds", 0.0)),
+                 index=None if rank is None else int(rank), attempt=int(values.get("attempt", 0)))
+
+
+def _format_old(fault: Fault) -> str:
+    field = OLD_ACTIONS[fault.action]
+    parts = [f"{field}={getattr(fault, field)}"]
+    if fault.index is not None:
+        parts.append(f"rank={fault.index}")
+    parts.append(f"attempt={fault.attempt}")
+    return f"{fault.action}@{','.join(parts)}"
