@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from disttrain import cli
 from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
+    add_config_flag,
     add_training_flags,
     config_from_args,
     not_used_yet_epilog,
@@ -40,9 +41,17 @@ averaged by ring all-reduce (gloo on CPU, NCCL on GPU). Checks the world size, b
 and checkpoint folder before starting anything; --max-restarts restarts the group after
 a failure, from the newest checkpoint. Rank 0 writes ddp_final.pt and summary.json.
 
+A coordinator watches the ranks: each registers as rank<R> and heartbeats its progress.
+On one node, disttrain ddp starts its own, with its registry at <log-dir>/cluster.db
+(--resume keeps it); several nodes share one started with `disttrain coordinator`
+(--coordinator HOST:PORT on every node). `disttrain status` shows every rank's state,
+heartbeat age, restarts, step and throughput, during the run or after it.
+
     disttrain ddp --world-size 2 --dataset mnist --num-epochs 1
+    disttrain status --registry logs/cluster.db
     disttrain ddp --world-size 2 --compression-enabled --compression-type powersgd --powersgd-rank 2
-    disttrain ddp --world-size 8 --nnodes 2 --rdzv-endpoint node0:29400 --config ddp.yaml
+    disttrain ddp --world-size 8 --nnodes 2 --rdzv-endpoint node0:29400 --config ddp.yaml \
+        --coordinator node0:50050
     torchrun --standalone --nproc-per-node 2 -m disttrain.ddp --config ddp.yaml"""
 EPILOG = not_used_yet_epilog()
 
@@ -70,6 +79,9 @@ DDP_FLAGS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_training_flags(parser, DDP_FLAGS)
+    add_config_flag(parser, "--coordinator", "coordinator.address", str,
+                    "a running `disttrain coordinator` the ranks report to, instead of one started "
+                    "for this run (how a run of several nodes is watched)", metavar="HOST:PORT")
     parser.add_argument("--quiet-summary", action="store_true", help=argparse.SUPPRESS)
 
 

@@ -5,7 +5,8 @@ behind torchrun: a c10d rendezvous (a private TCP store on a free port for a sin
 or the `HOST:PORT` of `ddp.rdzv_endpoint` shared by all nodes), one process per rank
 running `python -m disttrain.ddp`, monitoring, and up to `ddp.max_restarts` restarts
 of the whole group when a rank dies. Each rank is then the same program torchrun would
-start, so one code path serves both.
+start, so one code path serves both. A coordinator watches the ranks (`coordination`):
+each registers and heartbeats, so `disttrain status` shows the run and its restarts.
 
 Everything that can be checked before any process starts is checked here, so a bad
 world size, backend or checkpoint folder fails at once with one line rather than after
@@ -44,6 +45,7 @@ from disttrain.core.faults import format_fault
 from disttrain.data import load_datasets
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
 from disttrain.strategies.ddp import runtime as rt
+from disttrain.strategies.ddp.coordination import RunCoordinator, run_coordinator
 from disttrain.strategies.ddp.endpoint import wait_for_endpoint
 from disttrain.strategies.ddp.precision import plan_precision
 from disttrain.training.engine import thread_count
@@ -151,21 +153,13 @@ def launch(config: Config, options: RunOptions) -> RunSummary | None:
     with tempfile.TemporaryDirectory(prefix="disttrain-ddp-") as folder:
         config_path, summary_path = Path(folder) / "config.yaml", Path(folder) / SUMMARY_FILE
         config.save(config_path)
-        args = rank_arguments(config_path, summary_path, options)
-        try:
-            os.environ.update(FRESH_STORE_PER_ROUND)
-            os.environ["OMP_NUM_THREADS"] = str(thread_count(config.system.num_threads, plan.ranks_per_node))
-            agent_config = launch_config(config.ddp, plan.ranks_per_node, Path(folder) / "agent")
-            elastic_launch(agent_config, sys.executable)(*args)
-        except ChildFailedError as e:
-            raise child_failure(e, config.ddp.max_restarts) from None
-        except RendezvousError as e:
-            raise DistributedError(
-                f"ddp.rdzv_endpoint: no rendezvous at {config.ddp.rdzv_endpoint or STANDALONE_ENDPOINT} "
-                f"within {config.ddp.timeout_s:g}s ({_first_line(e.__cause__ or e)}); check the host "
-                "and port, that every node was started, and that they share ddp.rdzv_id") from None
-        except SignalException as e:
-            raise DistributedError(f"stopped by {e.sigval.name}; the ranks were stopped too") from None
+        with run_coordinator(config, config_path, options.resume) as coordinator:
+            coordinator.config.save(config_path)  # the ranks find the coordinator here
+            args = rank_arguments(config_path, summary_path, options)
+            run_ranks(coordinator, plan, Path(folder) / "agent", args)
+        if coordinator.registry is not None:
+            logger.info("every rank's state, restarts and progress: disttrain status --registry %s",
+                        coordinator.registry)
         if not summary_path.is_file():
             logger.info("rank 0 ran on another node; its summary is in its log dir")
             return None
@@ -173,6 +167,44 @@ def launch(config: Config, options: RunOptions) -> RunSummary | None:
     summary.total_time_s = time.perf_counter() - started  # the whole command, start-up included
     summary.write(log_dir)
     return summary
+
+
+def run_ranks(coordinator: RunCoordinator, plan: LaunchPlan, error_dir: Path, args: list[str]) -> None:
+    """Run the elastic agent until the ranks end; then report to the coordinator how they
+    ended (the ranks report it themselves, but a killed or stopped rank cannot).
+
+    Raises:
+        ConfigError, DistributedError: see `launch`.
+    """
+    config = coordinator.config
+    try:
+        os.environ.update(FRESH_STORE_PER_ROUND)
+        os.environ["OMP_NUM_THREADS"] = str(thread_count(config.system.num_threads, plan.ranks_per_node))
+        elastic_launch(launch_config(config.ddp, plan.ranks_per_node, error_dir), sys.executable)(*args)
+    except ChildFailedError as e:
+        error = child_failure(e, config.ddp.max_restarts)
+        coordinator.stopped("stopped by the elastic agent after another rank failed",
+                            {rank: (failure.exitcode or 1, _exit_reason(failure))
+                             for rank, failure in e.failures.items()})
+        raise error from None
+    except RendezvousError as e:
+        coordinator.stopped("the rendezvous failed")
+        raise DistributedError(
+            f"ddp.rdzv_endpoint: no rendezvous at {config.ddp.rdzv_endpoint or STANDALONE_ENDPOINT} "
+            f"within {config.ddp.timeout_s:g}s ({_first_line(e.__cause__ or e)}); check the host "
+            "and port, that every node was started, and that they share ddp.rdzv_id") from None
+    except SignalException as e:
+        coordinator.stopped(f"the launcher was stopped by {e.sigval.name}")
+        raise DistributedError(f"stopped by {e.sigval.name}; the ranks were stopped too") from None
+    coordinator.finished()
+
+
+def _exit_reason(failure) -> str:
+    """How a rank's process ended, for the coordinator's registry."""
+    if failure.exitcode < 0:
+        return f"killed by {failure.signal_name()}"
+    message = _failure_message(failure)
+    return f"exit code {failure.exitcode}" + (f": {message}" if message else "")
 
 
 def child_failure(error: ChildFailedError, max_restarts: int) -> ConfigError | DistributedError:

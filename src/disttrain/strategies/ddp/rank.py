@@ -1,7 +1,9 @@
 """One DDP rank's run, as the elastic agent (or torchrun) starts it: join the process
 group, build data, model, optimizer and precision, wrap the model in DDP with the timing
 communication hook (around a gradient-compression hook when `compression.enabled`), then
-run the training loop; rank 0 writes the final model and the summary.
+run the training loop; rank 0 writes the final model and the summary. With a coordinator
+in the run (`coordinator.address`), the rank registers as `rank{R}` and heartbeats its
+progress meanwhile (`heartbeats`).
 
 A step takes `grad_accumulation_steps` micro-batches; all but the last run under
 `no_sync()`, so gradients cross the network once per step. An elastic restart
@@ -30,9 +32,11 @@ from disttrain.metrics.progress import Progress
 from disttrain.metrics.summary import RunSummary
 from disttrain.strategies.ddp import runtime as rt
 from disttrain.strategies.ddp.comm_hooks import CommStats, register_comm_hook
+from disttrain.strategies.ddp.heartbeats import LoopProgress, coordinator_link
 from disttrain.strategies.ddp.precision import Precision, plan_precision
 from disttrain.strategies.ddp.reduce import all_reduce_values, evaluate_sharded
 from disttrain.strategies.ddp.store import RankZeroCheckpoints
+from disttrain.training.checkpoints import Position
 from disttrain.training.engine import EvalResult, StepResult, build_optimizer
 from disttrain.training.loop import LoopResult, LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
@@ -156,18 +160,21 @@ def run_rank(config: Config, info: rt.RankInfo, options: RunOptions) -> RunSumma
     """
     started = time.perf_counter()
     rt.check_supported(config)
-    runtime = rt.start(config.ddp, info, config.system.num_threads)
-    try:
-        summary = _train(config, runtime, options, started)
-        rt.shutdown(runtime)
-    except (RuntimeError, dist.DistError) as e:
-        if rt.is_peer_loss(e):
-            raise rt.peer_loss_error(e) from e
-        raise
+    progress = LoopProgress(Position(), config.training.num_epochs)
+    with coordinator_link(config.coordinator, info.rank, info.restart_count, progress):
+        runtime = rt.start(config.ddp, info, config.system.num_threads)
+        try:
+            summary = _train(config, runtime, options, started, progress.position)
+            rt.shutdown(runtime)
+        except (RuntimeError, dist.DistError) as e:
+            if rt.is_peer_loss(e):
+                raise rt.peer_loss_error(e) from e
+            raise
     return summary
 
 
-def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: float) -> RunSummary | None:
+def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: float,
+           position: Position) -> RunSummary | None:
     training, system, info = config.training, config.system, runtime.info
     train_set, test_set = load_datasets(training)
     rt.check_world_size(len(train_set), info.world_size)
@@ -179,7 +186,8 @@ def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: fl
         sampler, RankZeroCheckpoints(system.checkpoint_dir, system.checkpoint_keep, runtime),
         log_dir / f"rank{info.rank}", FaultInjector(options.faults, info.rank, info.restart_count),
         lambda total, done: Progress(total, "train", initial=done, enabled=info.is_main),
-        announce=info.is_main, config_path=log_dir / "config.yaml" if info.is_main else None)
+        announce=info.is_main, config_path=log_dir / "config.yaml" if info.is_main else None,
+        position=position)
     result = loop.run(options.resume or info.restart_count > 0)
     return finish(config, runtime, participant, result, started)
 

@@ -1,0 +1,152 @@
+"""The coordinator of a DDP run, seen from the launcher: start one beside the ranks, and
+tell it how the ranks ended.
+
+A single-node run starts `disttrain coordinator` as a child process (bound to a free
+port on 127.0.0.1, its registry at `<log_dir>/cluster.db`) unless `coordinator.address`
+names a running one. A fresh run starts a fresh registry; `--resume` keeps it, less the
+ranks a killed launcher left alive in it. The ranks find the coordinator through
+`coordinator.address` in the config they read, register and heartbeat (`heartbeats`),
+and report their own end. The launcher reports the ends the ranks could not (a rank
+killed in the last attempt, the ranks the agent stopped, a stopped launcher), then
+stops the coordinator; `disttrain status --registry <log_dir>/cluster.db` shows the run
+afterwards.
+
+A multi-node run shares one coordinator (`--coordinator HOST:PORT`); without one its
+ranks run unwatched, since a coordinator per node would only see part of the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from disttrain.config import Config
+from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
+from disttrain.core.errors import DistributedError
+from disttrain.core.processes import Cluster
+from disttrain.strategies.ddp.heartbeats import ROLE, node_id
+
+logger = logging.getLogger(__name__)
+
+REGISTRY_FILE = "cluster.db"
+BIND = "127.0.0.1:0"
+STARTUP_TIMEOUT_S = 60.0
+CALL_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class RunCoordinator:
+    """The coordinator the ranks of this launch report to.
+
+    Args:
+        config: the run's config with `coordinator.address` set ("" when the run has none).
+        local_ranks: the global ranks this launcher runs, when it knows them (one node).
+        registry: the registry of the coordinator this launcher started, else None.
+    """
+
+    config: Config
+    local_ranks: tuple[int, ...]
+    registry: Path | None = None
+
+    @property
+    def address(self) -> str:
+        return self.config.coordinator.address
+
+    def finished(self) -> None:
+        """Every local rank ended well (a rank that reported itself already is left as is)."""
+        self.report({rank: (0, "finished") for rank in self.local_ranks})
+
+    def stopped(self, reason: str, exits: Mapping[int, tuple[int, str]] | None = None) -> None:
+        """The ranks ended badly: `exits` holds the (exit code, reason) of those whose end is
+        known (global rank -> ...); the other local ranks were stopped for `reason`."""
+        known = dict(exits or {})
+        self.report({**{rank: (1, reason) for rank in self.local_ranks if rank not in known}, **known})
+
+    def retire_earlier_ranks(self) -> None:
+        """Mark failed every rank an earlier run left alive in a kept registry (its launcher
+        was killed): none of this run's ranks has started, so no live process holds those
+        ids, and this run's ranks can register at once."""
+        client = CoordinatorClient(self.address, timeout_s=CALL_TIMEOUT_S)
+        try:
+            left = [node.node_id for node in client.status().nodes
+                    if node.role == ROLE and node.state == "alive"]
+            for node in left:
+                client.report_exit(node, 1, "its run ended without reporting it (the launcher was stopped)")
+        except CoordinatorError as e:
+            logger.warning("could not check the coordinator for ranks of an earlier run: %s", e)
+        finally:
+            client.close()
+
+    def report(self, exits: Mapping[int, tuple[int, str]]) -> None:
+        """Tell the coordinator each rank's (exit code, reason); best effort, one try each."""
+        if not self.address or not exits:
+            return
+        client = CoordinatorClient(self.address, timeout_s=CALL_TIMEOUT_S)
+        try:
+            for rank, (code, reason) in sorted(exits.items()):
+                client.report_exit(node_id(rank), code, reason)
+        except CoordinatorError as e:
+            logger.warning("could not tell the coordinator how the ranks ended: %s", e)
+        finally:
+            client.close()
+
+
+@contextmanager
+def run_coordinator(config: Config, config_path: Path, resume: bool) -> Iterator[RunCoordinator]:
+    """Have a coordinator for the run while the block runs; yields where the ranks find it.
+
+    Starts one as a child process for a single-node run without `coordinator.address`
+    (stopped when the block ends), reading its settings from `config_path`.
+
+    Raises:
+        DistributedError: the coordinator did not start (its log is named).
+    """
+    world_size, num_nodes = config.system.num_workers, config.ddp.num_nodes
+    local_ranks = tuple(range(world_size)) if num_nodes == 1 else ()
+    if config.coordinator.address:
+        yield RunCoordinator(config, local_ranks)
+        return
+    if num_nodes > 1:
+        logger.info("no coordinator watches this multi-node run; start `disttrain coordinator` on one "
+                    "machine and pass --coordinator HOST:PORT to every node to see it in `disttrain status`")
+        yield RunCoordinator(config, local_ranks)
+        return
+    log_dir = Path(config.system.log_dir)
+    registry = log_dir / REGISTRY_FILE
+    if not resume:
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{registry}{suffix}").unlink(missing_ok=True)
+    with Cluster(log_dir) as cluster:
+        cluster.spawn("coordinator", ["coordinator", "--bind", BIND, "--registry", str(registry),
+                                      "--config", str(config_path)])
+        address = wait_listening(cluster, "coordinator")
+        logger.info("coordinator listening on %s (registry %s)", address, registry)
+        coordinator = RunCoordinator(config.replace(coordinator={"address": address}), local_ranks, registry)
+        if resume:
+            coordinator.retire_earlier_ranks()
+        yield coordinator
+
+
+def wait_listening(cluster: Cluster, name: str, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
+    """The address child `name` reports it listens on.
+
+    Raises:
+        DistributedError: it exited, or did not report within `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        event = cluster.next_event(max(0.0, deadline - time.monotonic()))
+        if event is None:
+            raise DistributedError(f"the {name} did not start within {timeout_s:.0f}s; see "
+                                   f"{cluster.log_dir}/{name}.log")
+        if event.child != name:
+            continue
+        if event.kind == "listening":
+            return str(event.fields["address"])
+        if event.kind == "exit":
+            raise DistributedError(f"the {name} exited with code {event.fields['code']} before it "
+                                   f"listened; see {cluster.log_dir}/{name}.log")
