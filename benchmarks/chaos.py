@@ -7,8 +7,8 @@ Under chaos, once every worker has joined, a fault comes every `--fault-every` s
 coordinator's registry (<log_dir>/cluster.db, read-only), is SIGKILLed or SIGSTOPped (it
 should be declared failed after `heartbeat_timeout` and restarted; one still stopped 3
 timeouts later is sent SIGCONT and reported). No fault once a worker is done or past 90%
-of the fault-free run's steps (from the workers' metrics.jsonl, which a dead coordinator
-does not stall), so the run can end; never the launcher.
+of the fault-free run's steps (registry heartbeats, or the workers' metrics.jsonl while
+the coordinator is down), so the run can end; never the launcher.
 
 Data: MNIST: `--data-dir FOLDER`, FOLDER holding `mnist/` with the four IDX `.gz` files
 (e.g. `--data-dir ../shared/data`), else $DISTTRAIN_DATA_DIR, ./data, ../shared/data.
@@ -107,7 +107,7 @@ def ps_command(args, run_dir: Path) -> list[str]:
 
 
 def worker_step(log_dir: Path) -> int:
-    """The furthest step any worker has logged (the last record of its metrics.jsonl)."""
+    """The furthest step any worker has logged (metrics.jsonl, flushed at checkpoints)."""
     lines = [ln for p in log_dir.glob("worker*/metrics.jsonl") for ln in p.read_text().splitlines()[-2:]]
     return max((json.loads(ln).get("step", 0) for ln in lines if ln.endswith("}")), default=0)
 
@@ -163,7 +163,8 @@ class Chaos:
                 nodes = read_status(log_dir / "cluster.db").nodes
             except RegistryError:
                 continue  # being created, or busy: next tick
-            workers, steps = [n for n in nodes if n["role"] == "worker"], worker_step(log_dir)
+            workers = [n for n in nodes if n["role"] == "worker"]
+            steps = max([worker_step(log_dir), *(n["step"] or 0 for n in workers)])  # either may lag
             finishing = finishing or any(n["state"] == "done" for n in workers) \
                 or steps >= STOP_PAST_PROGRESS * self.total_steps \
                 or (self.max_faults is not None and len(self.faults) >= self.max_faults)
