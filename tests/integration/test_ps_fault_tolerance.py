@@ -109,8 +109,10 @@ def test_a_lost_reply_is_retried_and_its_push_applied_once(tmp_path, cli):
 
 @pytest.mark.timeout(360)
 def test_a_slow_worker_is_named_a_straggler(tmp_path, cli):
-    summary = run_ps(cli, tmp_path, "--inject", "slow:worker=1:factor=4")
-    assert summary["stragglers"] == ["worker1"]
+    # the whole digits set for 3 epochs, and a timeout short enough to hold the flag within it
+    summary = run_ps(cli, tmp_path, "--inject", "slow:worker=1:factor=6", "--max-train-samples", "1400",
+                     "--num-epochs", "3", "--heartbeat-interval", "0.1", "--heartbeat-timeout", "0.5")
+    assert summary["stragglers"] == ["worker1"] and summary["samples_applied"] == 3 * 1400
     assert any(e["kind"] == "straggler" and e["node_id"] == "worker1"
                for e in read_status(tmp_path / "logs" / "cluster.db", max_events=100).events)
 

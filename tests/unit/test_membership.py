@@ -222,3 +222,15 @@ def test_generation_never_decreases_and_counts_every_state_change(actions):
     assert membership.generation == len(changes)
     assert [e.generation for e in changes] == list(range(1, len(changes) + 1))
     assert all(n.state in ("alive", "failed", "done") for n in membership.members())
+
+
+def test_after_a_reload_a_restarted_process_is_not_taken_for_a_duplicate():
+    first = Membership(TIMEOUT_S, 2.0)
+    first.register("w0", "worker", now=0.0, pid=1)
+    reloaded = Membership(TIMEOUT_S, 2.0)
+    reloaded.restore(first.to_rows(), first.generation, now=100.0)
+    # pid 1 died while the coordinator was down; its restart registers before any heartbeat
+    node = reloaded.register("w0", "worker", now=100.5, pid=2)
+    assert node.pid == 2 and node.restarts == 1
+    with pytest.raises(DuplicateNode):  # heard from now: a second live process is refused
+        reloaded.register("w0", "worker", now=101.0, pid=3)

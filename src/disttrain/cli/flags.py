@@ -89,6 +89,12 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
                         help="continue from the newest checkpoint in the checkpoint dir")
     parser.add_argument("--summary-json", metavar="PATH", help="also write summary.json here")
     add_fault_flags(parser)
+    add_attempt_flag(parser)
+
+
+def add_attempt_flag(parser: argparse.ArgumentParser) -> None:
+    """`--attempt N`: which restart of this process this is (set by a supervisor)."""
+    parser.add_argument("--attempt", type=int, default=0, help=argparse.SUPPRESS)
 
 
 INJECT_HELP = (
@@ -167,4 +173,5 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
     """The run options of a parsed command line: `--inject` faults, then those of each
     `--fault-plan` file."""
     faults = (*args.faults, *chain.from_iterable(args.fault_plans))
-    return RunOptions(resume=args.resume, faults=faults, verbose=args.verbose)
+    return RunOptions(resume=args.resume, faults=faults, verbose=args.verbose,
+                      attempt=getattr(args, "attempt", 0))

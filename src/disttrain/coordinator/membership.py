@@ -97,9 +97,8 @@ class Membership:
         self._nodes: dict[str, Node] = {}
         self._pending: list[Event] = []
         self._recoveries: list[dict[str, Any]] = []
+        self._unconfirmed: set[str] = set()  # reloaded as alive, not heard from since
         self._slow_since: dict[str, float] = {}  # node -> when it was first seen slow, while it is
-
-    # -- changes -------------------------------------------------------------------
 
     def register(self, node_id: str, role: str, now: float, rank: int = -1, address: str = "",
                  hostname: str = "", pid: int = 0, capabilities: dict[str, Any] | None = None) -> Node:
@@ -117,7 +116,9 @@ class Membership:
         if node is not None and node.state == ALIVE and node.pid == pid:
             node.last_seen = now
             return node
-        if node is not None and node.state == ALIVE and not self._silent(node, now):
+        # Reloaded but not heard since: another pid is its restart (the old one died meanwhile).
+        if node is not None and node.state == ALIVE and not self._silent(node, now) \
+                and node_id not in self._unconfirmed:
             age = now - (node.last_seen or now)
             raise DuplicateNode(
                 f"node id {node_id!r} is held by a live process (pid {node.pid}, heard "
@@ -131,6 +132,7 @@ class Membership:
             self._rejoin(node, details, now)
         node.joined_generation = self.generation
         node.last_seen, node.last_heartbeat = now, None
+        self._unconfirmed.discard(node_id)
         return node
 
     def _rejoin(self, node: Node, details: dict[str, Any], now: float) -> None:
@@ -157,7 +159,10 @@ class Membership:
             raise UnknownNode(f"node {node_id!r} is not registered; register it first")
         if node.state == FAILED or (pid and node.pid and pid != node.pid):
             return False
-        node.epoch, node.step, node.throughput, node.step_time_s = epoch, step, throughput, step_time_s
+        self._unconfirmed.discard(node_id)
+        node.epoch, node.step, node.throughput = epoch, step, throughput
+        if step_time_s > 0:  # no step since the last heartbeat (an evaluation): the last one holds
+            node.step_time_s = step_time_s
         node.last_heartbeat = node.last_seen = now
         if node.recovering:
             self._recovered(node, now)
@@ -227,8 +232,6 @@ class Membership:
         self._pending.append(event)
         return event
 
-    # -- views ---------------------------------------------------------------------
-
     def get(self, node_id: str) -> Node | None:
         return self._nodes.get(node_id)
 
@@ -264,8 +267,6 @@ class Membership:
         events, self._pending = self._pending, []
         return [Event(e.node_id, e.kind, e.detail, e.generation, e.time + clock_offset_s) for e in events]
 
-    # -- persistence ---------------------------------------------------------------
-
     def to_rows(self, clock_offset_s: float = 0.0) -> list[dict[str, Any]]:
         """Every node as a plain dict, its clock fields shifted by `clock_offset_s`."""
         return [node_row(node, clock_offset_s) for node in self.members()]
@@ -283,6 +284,7 @@ class Membership:
                 setattr(node, name, None if value is None else value - clock_offset_s)
             if node.state == ALIVE:
                 node.last_seen = now
+                self._unconfirmed.add(node.node_id)
             self._nodes[node.node_id] = node
         self.generation = generation
 

@@ -99,6 +99,28 @@ class ParameterServer:
 STRATEGY = ParameterServer()
 
 
+def start_servers(cluster: Cluster, args: list[str], bind_host: str, num_servers: int) -> list[str]:
+    """Start `num_servers` shard servers on free ports, unsupervised (for runs whose workers
+    are started by hand); return their addresses in shard order.
+
+    Raises:
+        DistributedError: a server exited, or none reported its address in time.
+    """
+    for shard in range(num_servers):
+        cluster.spawn(f"server{shard}", ["ps-server", *args, "--bind", f"{bind_host}:0",
+                                         "--shard", f"{shard}/{num_servers}"])
+    addresses: dict[int, str] = {}
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while len(addresses) < num_servers:
+        event = cluster.next_event(max(0.0, deadline - time.monotonic()))
+        if event is None or event.kind == "exit":
+            raise DistributedError(f"servers did not start within {STARTUP_TIMEOUT_S:.0f}s; see "
+                                   f"{cluster.log_dir}/server*.log")
+        if event.kind == "listening":
+            addresses[int(event.fields["shard"])] = str(event.fields["address"])
+    return [addresses[s] for s in range(num_servers)]
+
+
 @dataclass
 class ClusterRun:
     """The processes of one run and the supervisor that keeps them going."""
