@@ -75,7 +75,10 @@ class CoordinatorClient:
     def __init__(self, address: str, timeout_s: float = 5.0):
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(address)
+        # Back within about a second of a restarted coordinator (gRPC's default backoff grows
+        # to two minutes after a few failed attempts, and heartbeats would stay paused).
+        self.channel = grpc.insecure_channel(address, options=[("grpc.initial_reconnect_backoff_ms", 100),
+                                                               ("grpc.max_reconnect_backoff_ms", 1000)])
         self._calls = {name: self.channel.unary_unary(method_path(name),
                                                       request_serializer=request.SerializeToString,
                                                       response_deserializer=reply.FromString)

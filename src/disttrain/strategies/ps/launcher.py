@@ -101,11 +101,8 @@ STRATEGY = ParameterServer()
 
 def start_servers(cluster: Cluster, args: list[str], bind_host: str, num_servers: int) -> list[str]:
     """Start `num_servers` shard servers on free ports, unsupervised (for runs whose workers
-    are started by hand); return their addresses in shard order.
-
-    Raises:
-        DistributedError: a server exited, or none reported its address in time.
-    """
+    are started by hand); their addresses in shard order. Raises DistributedError when one
+    exits or does not report its address in time."""
     for shard in range(num_servers):
         cluster.spawn(f"server{shard}", ["ps-server", *args, "--bind", f"{bind_host}:0",
                                          "--shard", f"{shard}/{num_servers}"])
@@ -245,16 +242,19 @@ class ClusterRun:
         while running:
             event = events.pop(0) if events else self.cluster.next_event(
                 None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if event is None:
-                raise DistributedError(f"servers still running {SHUTDOWN_TIMEOUT_S:.0f}s after the "
-                                       f"workers finished: {', '.join(sorted(running))}")
+            if event is None:  # the work is done (worker 0 wrote the model): stop what is left
+                logger.warning("%s still running %.0fs after the workers finished; stopping them",
+                               ", ".join(sorted(running)), SHUTDOWN_TIMEOUT_S)
+                break
             if event.kind == "node-failed":
                 fields = event.fields
                 self.supervisor.declared_failed(str(fields["node"]), str(fields.get("reason")),
                                                 int(fields.get("pid", 0)))
             elif event.kind == "exit":
                 code = int(event.fields["code"])
-                if self.supervisor.exited(event.child, code) or event.child == "coordinator":
+                if deadline is not None and event.child != "coordinator":  # nothing left to restart for
+                    running.discard(event.child)
+                elif self.supervisor.exited(event.child, code) or event.child == "coordinator":
                     continue
                 running.discard(event.child)
                 if event.child.startswith("worker") and watch.worker_done():

@@ -31,6 +31,10 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.http2.lookahead_bytes", 64 << 20),
     ("grpc.http2.bdp_probe", 0),
+    # Reconnect to a restarted server within about a second, not gRPC's default of up to
+    # two minutes of backoff after a few failed attempts.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 # Payloads up to this size travel in one message of a unary call (PushGradients,
