@@ -8,6 +8,7 @@ import torch
 
 from disttrain.core import checkpoint as ckpt
 from disttrain.data import ShardedSampler
+from disttrain.metrics.hparams import read_hparams
 from disttrain.metrics.logger import read_metrics
 
 FAST = ["--dataset", "digits", "--batch-size", "64", "--num-epochs", "2", "--num-threads", "1",
@@ -159,3 +160,32 @@ def test_mnist_one_epoch_reaches_98_percent(tmp_path, cli, real_data_dir):
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "mnist" / "logs" / "summary.json").read_text())
     assert summary["final_accuracy"] >= 0.98, summary["final_accuracy"]
+
+
+@pytest.mark.timeout(120)
+def test_summary_times_to_accuracy_and_tensorboard_hparams(tmp_path, cli):
+    result = cli("baseline", *FAST, "--num-epochs", "3", *dirs(tmp_path, "run"))
+    assert result.returncode == 0, result.stderr
+    assert "Time to accuracy: 90% " in result.stdout
+    logs = tmp_path / "run" / "logs"
+    summary = json.loads((logs / "summary.json").read_text())
+    evaluations = [(r["progress/train_time_s"], r["accuracy/test"])
+                   for r in read_metrics(logs / "baseline" / "metrics.jsonl") if "accuracy/test" in r]
+    assert len(evaluations) == 3 and evaluations[-1][1] == summary["final_accuracy"]
+    assert [t for t, _ in evaluations] == sorted(t for t, _ in evaluations)
+    assert 0 < evaluations[-1][0] <= summary["train_time_s"]
+    # Each threshold's time is the clock of the first evaluation that reached it, else null.
+    expected = {f"{t:.2f}": next((s for s, accuracy in evaluations if accuracy >= t), None)
+                for t in (0.90, 0.95, 0.97, 0.98)}
+    assert summary["time_to_accuracy_s"] == expected
+    assert expected["0.90"] is not None  # digits passes 90% within 3 epochs; else nothing was tested
+
+    values, metrics = read_hparams(logs / "hparams")
+    assert {"strategy", "dataset", "model", "batch_size", "learning_rate", "optimizer", "world_size",
+            "seed", "num_epochs"} <= set(values)
+    assert (values["strategy"], values["batch_size"], values["optimizer"]) == ("baseline", 64, "sgd")
+    assert metrics["hparam/final_accuracy"] == pytest.approx(summary["final_accuracy"])
+    # Only the thresholds reached: TensorBoard takes no null.
+    assert {k for k in metrics if k.startswith("hparam/time_to_accuracy_")} == {
+        f"hparam/time_to_accuracy_{key}_s" for key, seconds in expected.items() if seconds is not None}
+    assert metrics["hparam/time_to_accuracy_0.90_s"] == pytest.approx(expected["0.90"])

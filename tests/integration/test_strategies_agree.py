@@ -23,7 +23,7 @@ from conftest import run_cli
 
 from disttrain.config.loading import config_from_dict
 from disttrain.core.checkpoint import load_checkpoint
-from disttrain.metrics.keys import ALL, METRICS, SUMMARY
+from disttrain.metrics.keys import ACCURACY_THRESHOLDS, ALL, METRICS, SUMMARY
 from disttrain.metrics.logger import read_metrics
 from disttrain.training.models import init_model
 
@@ -128,6 +128,14 @@ def test_training_clock_leaves_evaluation_out(slow_eval_run):
                 assert after["progress/train_time_s"] - before["progress/train_time_s"] < SLOW_EVAL_S
             assert after["throughput/samples_per_s"] > LOG_INTERVAL * BATCH_SIZE / SLOW_EVAL_S
 
+    # Time to accuracy: the training clock (no evaluation in it) of the process writing the
+    # summary, at its first evaluation reaching each threshold.
+    first = [(r["progress/train_time_s"], r["accuracy/test"])
+             for r in run.evaluations(run.strategy.processes[0])]
+    assert all(clock_s < SLOW_EVAL_S for clock_s, _ in first)
+    assert s["time_to_accuracy_s"] == {f"{t:.2f}": next((c for c, a in first if a >= t), None)
+                                       for t in ACCURACY_THRESHOLDS}
+
 
 # -- one vocabulary --------------------------------------------------------------------------
 
@@ -141,7 +149,7 @@ def logged_by(key: str, family: str) -> bool:
 def test_every_key_is_in_the_vocabulary_and_means_the_same(slow_eval_run):
     run, family = slow_eval_run, slow_eval_run.strategy.family
     assert set(SUMMARY) <= set(run.summary), set(SUMMARY) - set(run.summary)
-    assert all(isinstance(run.summary[k], int | float) for k in SUMMARY)
+    assert all(isinstance(run.summary[k], int | float) for k in SUMMARY if k != "time_to_accuracy_s")
     assert run.summary["steps"] == run.strategy.updates
 
     expected_keys = {k for k in METRICS if logged_by(k, family)}

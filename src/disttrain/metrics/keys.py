@@ -23,6 +23,9 @@ CUMULATIVE = "cumulative"  # since the run started (a resumed run goes on counti
 EPOCH_END = "epoch end"    # once per epoch, after its last step
 RUN = "run"                # once per run, in summary.json
 
+# Test accuracies whose time to reach every summary records (`time_to_accuracy_s`).
+ACCURACY_THRESHOLDS = (0.90, 0.95, 0.97, 0.98)
+
 
 @dataclass(frozen=True)
 class Metric:
@@ -75,7 +78,8 @@ METRICS: dict[str, Metric] = {m.key: m for m in [
     Metric("ps/rejected_pushes", "pushes", PER_STEP, "ssp: pushes a shard rejected as too stale "
            "(the gradient was recomputed on fresh parameters)", "ps"),
     Metric("progress/samples", "samples", CUMULATIVE, "samples this process trained on", ALL),
-    Metric("progress/train_time_s", "s", CUMULATIVE, "this process's training clock", ALL),
+    Metric("progress/train_time_s", "s", CUMULATIVE, "this process's training clock (both progress "
+           "keys are on the evaluation records too: test accuracy against training time)", ALL),
     Metric("loss/test", "nats", EPOCH_END, "mean cross-entropy over the whole test set", ALL),
     Metric("accuracy/test", "fraction", EPOCH_END, "share of the whole test set classified "
            "right", ALL),
@@ -95,6 +99,10 @@ SUMMARY: dict[str, Metric] = {m.key: m for m in [
     Metric("steps", "updates", RUN, "updates applied to the model (PS: shard 0's version)", ALL),
     Metric("total_time_s", "s", RUN, "wall time from the start of the command to the summary, "
            "set-up and evaluation included", ALL),
+    Metric("time_to_accuracy_s", "s", RUN, "for each test accuracy of `ACCURACY_THRESHOLDS`, "
+           "keyed with two decimals (`\"0.90\"`, `\"0.95\"`, `\"0.97\"`, `\"0.98\"`): the training "
+           "clock of the process that writes the summary (PS: worker 0, DDP: rank 0) at the first "
+           "epoch-end evaluation that reached it; null where none did", ALL),
 ]}
 
 

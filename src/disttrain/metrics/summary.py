@@ -6,9 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from disttrain.metrics.time_to_accuracy import Evaluation, time_to_accuracy
 
 SUMMARY_FILE = "summary.json"
 
@@ -16,7 +19,10 @@ SUMMARY_FILE = "summary.json"
 @dataclass
 class RunSummary:
     """The fields of `keys.SUMMARY`, plus strategy-specific figures in `extra` (written at
-    the top level of summary.json beside the others)."""
+    the top level of summary.json beside the others).
+
+    `time_to_accuracy_s` is empty in a summary read from a file written before it existed
+    (not known, unlike None: not reached)."""
 
     strategy: str
     dataset: str
@@ -30,24 +36,30 @@ class RunSummary:
     epochs: int
     world_size: int
     config: dict[str, Any]
+    time_to_accuracy_s: dict[str, float | None] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def create(cls, *, strategy: str, config: Any, final_accuracy: float, final_loss: float,
                total_time_s: float, train_time_s: float, samples_processed: int, steps: int,
-               world_size: int, extra: dict[str, Any] | None = None) -> RunSummary:
+               world_size: int, evaluations: Iterable[Evaluation] = (),
+               extra: dict[str, Any] | None = None) -> RunSummary:
         """The summary of a finished run; the throughput is samples over the training clock.
 
         Args:
             config: the run's `Config`.
             train_time_s: the longest training clock of the run's processes.
+            evaluations: `(train_time_s, accuracy)` of every evaluation of the run by the
+                process writing the summary (`LoopResult.evaluations`), for
+                `time_to_accuracy_s`; none means no threshold reached.
         """
         return cls(strategy=strategy, dataset=config.training.dataset, final_accuracy=final_accuracy,
                    final_loss=final_loss, total_time_s=total_time_s, train_time_s=train_time_s,
                    throughput_samples_per_s=samples_processed / max(train_time_s, 1e-9),
                    samples_processed=int(samples_processed), steps=int(steps),
                    epochs=config.training.num_epochs, world_size=world_size,
-                   config=config.to_dict(), extra=dict(extra or {}))
+                   config=config.to_dict(), time_to_accuracy_s=time_to_accuracy(evaluations),
+                   extra=dict(extra or {}))
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -62,9 +74,18 @@ class RunSummary:
             f"Final Loss: {self.final_loss:.4f}",
             f"Total Time: {self.total_time_s:.2f}s",
             f"Throughput: {self.throughput_samples_per_s:.1f} samples/s",
-        ] + ([f"Gradient Compression: {self.extra['compression_ratio']:.1f}x fewer bytes "
-              f"({self.extra['compression_bytes_sent'] / 1e6:.1f} MB sent)"]
-             if "compression_ratio" in self.extra else []) + self._recovery_lines()
+        ] + self._time_to_accuracy_lines() + (
+            [f"Gradient Compression: {self.extra['compression_ratio']:.1f}x fewer bytes "
+             f"({self.extra['compression_bytes_sent'] / 1e6:.1f} MB sent)"]
+            if "compression_ratio" in self.extra else []) + self._recovery_lines()
+
+    def _time_to_accuracy_lines(self) -> list[str]:
+        """`Time to accuracy: 90% 1.2s, 95% 3.4s, 97% -, 98% -` (none when not recorded)."""
+        if not self.time_to_accuracy_s:
+            return []
+        return ["Time to accuracy: " + ", ".join(
+            f"{float(key) * 100:g}% " + ("-" if seconds is None else f"{seconds:.1f}s")
+            for key, seconds in self.time_to_accuracy_s.items())]
 
     def _recovery_lines(self) -> list[str]:
         """What the run's failures cost (parameter server runs)."""
@@ -104,7 +125,9 @@ class RunSummary:
         if path.is_dir():
             path = path / SUMMARY_FILE
         data = json.loads(path.read_text(encoding="utf-8"))
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        if not isinstance(data, dict) or not names <= set(data):
+        fields = [f for f in dataclasses.fields(cls) if f.name != "extra"]
+        # Fields with a default came later; a file written before them still reads.
+        required = {f.name for f in fields if f.default is MISSING and f.default_factory is MISSING}
+        if not isinstance(data, dict) or not required <= set(data):
             raise ValueError(f"{path} is not a run summary")
-        return cls(**{k: data.pop(k) for k in names}, extra=data)
+        return cls(**{f.name: data.pop(f.name) for f in fields if f.name in data}, extra=data)

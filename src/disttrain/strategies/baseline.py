@@ -16,6 +16,7 @@ from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.faults import FaultInjector
 from disttrain.data import ArrayDataset, ShardedSampler, load_datasets
+from disttrain.metrics.hparams import write_hparams
 from disttrain.metrics.progress import Progress
 from disttrain.metrics.summary import RunSummary
 from disttrain.training.checkpoints import LocalCheckpoints
@@ -101,8 +102,10 @@ class Baseline:
             final_loss=result.evaluation.loss, total_time_s=time.perf_counter() - started,
             train_time_s=result.position.train_time_s,
             samples_processed=result.position.samples_processed, steps=result.position.step,
-            world_size=1, extra={"resumed_from_step": result.resumed_from_step})
+            world_size=1, evaluations=result.evaluations,
+            extra={"resumed_from_step": result.resumed_from_step})
         summary.write(log_dir)
+        write_hparams(summary, log_dir)
         return summary
 
 

@@ -25,7 +25,8 @@ from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import CheckpointError
 from disttrain.core.faults import FaultInjector
 from disttrain.data import ShardedSampler
-from disttrain.metrics.logger import MetricsLogger
+from disttrain.metrics.logger import MetricsLogger, read_metrics
+from disttrain.metrics.time_to_accuracy import Evaluation, evaluations_from_records
 from disttrain.metrics.window import MetricsWindow, TrainClock
 from disttrain.training.checkpoints import Position
 from disttrain.training.engine import EvalResult
@@ -59,9 +60,17 @@ class LoopSettings:
 
 @dataclass
 class LoopResult:
+    """Where the run ended and its final evaluation.
+
+    `evaluations` holds `(train_time_s, accuracy)` of every epoch-end evaluation of the
+    run in order, those made before a resume included (read back from `metrics.jsonl`):
+    what the summary's time to accuracy is computed from.
+    """
+
     position: Position
     evaluation: EvalResult
     resumed_from_step: int | None
+    evaluations: list[Evaluation] = field(default_factory=list)
 
 
 def groups(batches: Iterator[torch.Tensor], size: int) -> Iterator[list[torch.Tensor]]:
@@ -116,6 +125,8 @@ class TrainingLoop:
         self.clock = TrainClock(position.train_time_s)
         metrics = MetricsLogger(self.metrics_folder,
                                 resume_step=position.step if resumed_from is not None else None)
+        # The evaluations a resume keeps are the records the logger kept: those up to its step.
+        evaluations = [] if resumed_from is None else evaluations_from_records(read_metrics(metrics.path))
         steps_per_epoch = math.ceil(sampler.num_batches(s.batch_size) / s.micro_batches)
         display = self.progress(steps_per_epoch * s.num_epochs, position.step)
         evaluation = None
@@ -142,7 +153,7 @@ class TrainingLoop:
                     else:
                         save_after_evaluation = True
                 self.faults.at_step(position.step, train_time_s=self.clock.elapsed())
-            evaluation = self._evaluate(metrics, epoch)
+            evaluation = self._evaluate(metrics, epoch, evaluations)
             position.epoch = epoch + 1
             sampler.set_epoch(epoch + 1)
             if save_after_evaluation:
@@ -158,7 +169,7 @@ class TrainingLoop:
         position.train_time_s = self.clock.elapsed()
         metrics.close()
         resumed_step = None if resumed_from is None else ckpt.checkpoint_step(resumed_from)
-        return LoopResult(position, evaluation, resumed_step)
+        return LoopResult(position, evaluation, resumed_step, evaluations)
 
     def _log_window(self, metrics: MetricsLogger, window: MetricsWindow) -> float:
         """Log the window; returns the clock reading it closed at (the next one opens there)."""
@@ -171,14 +182,21 @@ class TrainingLoop:
         })
         return now
 
-    def _evaluate(self, metrics: MetricsLogger, epoch: int) -> EvalResult:
+    def _evaluate(self, metrics: MetricsLogger, epoch: int, evaluations: list[Evaluation]) -> EvalResult:
+        """Evaluate off the training clock; log the figures with the clock's reading (so a
+        report plots accuracy against training time from the JSONL alone) and append
+        `(train_time_s, accuracy)` to `evaluations`."""
         with self.clock.paused():
             started = time.perf_counter()
             self.faults.at_evaluation()
             result = self.participant.evaluate(epoch)
             seconds = time.perf_counter() - started
+            train_time_s = self.clock.elapsed()
+        evaluations.append((train_time_s, result.accuracy))
         metrics.log(self.position.step, epoch, {"loss/test": result.loss, "accuracy/test": result.accuracy,
-                                                "time/eval_s": seconds})
+                                                "time/eval_s": seconds,
+                                                "progress/samples": self.position.samples_processed,
+                                                "progress/train_time_s": train_time_s})
         metrics.flush()
         if self.announce:
             logger.info("epoch %d: test accuracy %.4f, test loss %.4f (%.2fs)", epoch, result.accuracy,

@@ -28,6 +28,7 @@ from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import ConfigError
 from disttrain.core.faults import FaultInjector
 from disttrain.data import ArrayDataset, ShardedSampler, load_datasets
+from disttrain.metrics.hparams import write_hparams
 from disttrain.metrics.progress import Progress
 from disttrain.metrics.summary import RunSummary
 from disttrain.strategies.ddp import runtime as rt
@@ -207,11 +208,12 @@ def finish(config: Config, runtime: rt.Runtime, participant: RankParticipant, re
         strategy="ddp", config=config, final_accuracy=result.evaluation.accuracy,
         final_loss=result.evaluation.loss, total_time_s=time.perf_counter() - started,
         train_time_s=train_time_s, samples_processed=int(samples), steps=position.step,
-        world_size=info.world_size,
+        world_size=info.world_size, evaluations=result.evaluations,
         extra={"backend": runtime.backend, "device": str(runtime.device),
                "learning_rate": participant.learning_rate, "restarts": info.restart_count,
                "resumed_from_step": result.resumed_from_step, **extra})
     summary.write(config.system.log_dir)
+    write_hparams(summary, config.system.log_dir)
     return summary
 
 

@@ -15,6 +15,7 @@ import torch
 from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import DistributedError
+from disttrain.metrics.hparams import write_hparams
 from disttrain.metrics.summary import RunSummary
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.client import PSClient
@@ -128,10 +129,11 @@ def finish(config: Config, client: PSClient, participant: Any, result: LoopResul
         final_accuracy=result.evaluation.accuracy, final_loss=result.evaluation.loss,
         total_time_s=time.perf_counter() - started, train_time_s=max(w["train_time_s"] for w in workers),
         samples_processed=sum(w["samples"] for w in workers), steps=statuses[0].version,
-        world_size=statuses[0].world_size,
+        world_size=statuses[0].world_size, evaluations=result.evaluations,
         extra={"num_servers": len(statuses),
                **data_ledger(config.training.num_epochs, client, participant, rows, statuses),
                "final_model": str(final_path), "resumed_from_step": result.resumed_from_step,
                "workers": workers, **shard_summary(statuses), **compression_summary(rows)})
     summary.write(config.system.log_dir)
+    write_hparams(summary, config.system.log_dir)
     return summary

@@ -1,0 +1,83 @@
+"""The run summary's time to accuracy (written, read back, printed; older files without
+it still read) and the hyper-parameters written for TensorBoard's HPARAMS tab."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from disttrain.config import config_from_dict
+from disttrain.metrics import hparams
+from disttrain.metrics.hparams import hparam_values, metric_values, read_hparams, write_hparams
+from disttrain.metrics.summary import RunSummary
+
+
+def make_summary(evaluations=(), strategy="baseline", extra=None, **config) -> RunSummary:
+    return RunSummary.create(strategy=strategy, config=config_from_dict(config), final_accuracy=0.96,
+                             final_loss=0.2, total_time_s=9.0, train_time_s=4.0, samples_processed=4000,
+                             steps=60, world_size=1, evaluations=evaluations,
+                             extra=extra or {"resumed_from_step": None})
+
+
+def test_time_to_accuracy_is_written_and_read_back(tmp_path):
+    summary = make_summary([(1.25, 0.93), (2.5, 0.955), (3.75, 0.96)])
+    assert summary.time_to_accuracy_s == {"0.90": 1.25, "0.95": 2.5, "0.97": None, "0.98": None}
+    summary.write(tmp_path)
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert data["time_to_accuracy_s"] == {"0.90": 1.25, "0.95": 2.5, "0.97": None, "0.98": None}
+    assert "time_to_accuracy_s" not in RunSummary.read(tmp_path).extra
+    assert RunSummary.read(tmp_path) == summary
+    assert "Time to accuracy: 90% 1.2s, 95% 2.5s, 97% -, 98% -" in summary.lines()
+
+
+def test_a_summary_written_before_time_to_accuracy_still_reads(tmp_path):
+    data = make_summary([(1.0, 0.99)]).to_dict()
+    del data["time_to_accuracy_s"]
+    (tmp_path / "summary.json").write_text(json.dumps(data))
+    old = RunSummary.read(tmp_path)
+    assert old.time_to_accuracy_s == {} and old.final_accuracy == 0.96
+    assert "time_to_accuracy_s" not in old.extra
+    assert not any(line.startswith("Time to accuracy") for line in old.lines())  # not known: no line
+    del data["final_loss"]  # a field that every summary has is still required
+    (tmp_path / "summary.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="not a run summary"):
+        RunSummary.read(tmp_path)
+
+
+def test_hparams_are_flat_scalars_from_the_config():
+    summary = make_summary(training={"batch_size": 32, "learning_rate": 0.05, "optimizer": "sgd"})
+    assert hparam_values(summary) == {
+        "strategy": "baseline", "dataset": "digits", "model": "simplecnn", "batch_size": 32,
+        "learning_rate": 0.05, "optimizer": "sgd", "world_size": 1, "seed": 42, "num_epochs": 1,
+        "compression": "none"}
+    ps = make_summary(strategy="ps-ssp", ps={"aggregation_mode": "ssp", "staleness": 3},
+                      compression={"enabled": True, "type": "topk", "ratio": 0.05},
+                      extra={"compression_ratio": 12.0, "compression_bytes_sent": 1000})
+    assert {k: v for k, v in hparam_values(ps).items() if k in (
+        "aggregation_mode", "staleness", "compression", "compression_topk_ratio")} == {
+        "aggregation_mode": "ssp", "staleness": 3, "compression": "topk", "compression_topk_ratio": 0.05}
+
+
+def test_metrics_leave_out_thresholds_never_reached():
+    summary = make_summary([(1.5, 0.91)])
+    assert metric_values(summary) == {
+        "hparam/final_accuracy": 0.96, "hparam/final_loss": 0.2, "hparam/train_time_s": 4.0,
+        "hparam/throughput_samples_per_s": 1000.0, "hparam/time_to_accuracy_0.90_s": 1.5}
+
+
+def test_write_hparams_round_trip_and_a_rerun_replaces_the_earlier_session(tmp_path):
+    write_hparams(make_summary([(1.5, 0.91)], training={"batch_size": 16}), tmp_path)
+    folder = write_hparams(make_summary([(1.5, 0.91)], training={"batch_size": 32}), tmp_path)
+    assert folder == tmp_path / "hparams"
+    values, metrics = read_hparams(folder)
+    assert values["batch_size"] == 32 and values["strategy"] == "baseline"
+    assert set(metrics) == set(metric_values(make_summary([(1.5, 0.91)])))
+    assert metrics["hparam/final_accuracy"] == pytest.approx(0.96)
+
+
+def test_a_failure_to_write_hparams_is_a_warning_not_an_error(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(hparams, "HPARAMS_FOLDER", "blocked")
+    (tmp_path / "blocked").write_text("a file where the folder goes")
+    assert write_hparams(make_summary(), tmp_path) is None
+    assert "could not write the hyper-parameters" in caplog.text

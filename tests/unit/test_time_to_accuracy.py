@@ -1,0 +1,132 @@
+"""Time to accuracy: the thresholds rule over a run's evaluations, the evaluations the
+training loop records (in metrics.jsonl and its result), and a resume keeping those made
+before it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from disttrain.config import config_from_dict
+from disttrain.core.faults import FaultInjector
+from disttrain.data import ShardedSampler
+from disttrain.metrics.keys import ACCURACY_THRESHOLDS
+from disttrain.metrics.logger import read_metrics
+from disttrain.metrics.time_to_accuracy import evaluations_from_records, threshold_key, time_to_accuracy
+from disttrain.training.checkpoints import LocalCheckpoints
+from disttrain.training.engine import EvalResult, StepResult
+from disttrain.training.loop import LoopResult, LoopSettings, TrainingLoop
+from disttrain.training.strategy import StepInfo
+
+
+def test_keys_are_the_thresholds_with_two_decimals():
+    assert ACCURACY_THRESHOLDS == (0.90, 0.95, 0.97, 0.98)
+    assert list(time_to_accuracy([])) == ["0.90", "0.95", "0.97", "0.98"]
+    assert threshold_key(0.9) == "0.90"
+
+
+def test_never_reached_is_none():
+    assert time_to_accuracy([(1.0, 0.5), (2.0, 0.89999)]) == dict.fromkeys(["0.90", "0.95", "0.97", "0.98"])
+
+
+def test_reached_at_the_first_evaluation():
+    assert time_to_accuracy([(1.5, 0.97), (3.0, 0.99)]) == {"0.90": 1.5, "0.95": 1.5, "0.97": 1.5,
+                                                           "0.98": 3.0}
+
+
+def test_the_first_evaluation_reaching_a_threshold_counts_even_if_accuracy_drops_after():
+    found = time_to_accuracy([(1.0, 0.91), (2.0, 0.85), (3.0, 0.96), (4.0, 0.93)])
+    assert found == {"0.90": 1.0, "0.95": 3.0, "0.97": None, "0.98": None}
+    assert time_to_accuracy([(1.0, 0.90)], thresholds=(0.90,)) == {"0.90": 1.0}  # reached means >=
+
+
+def test_evaluations_from_records_take_those_with_accuracy_and_clock():
+    records = [
+        {"step": 5, "loss/train": 1.0, "progress/train_time_s": 0.5},  # a window, not an evaluation
+        {"step": 10, "accuracy/test": 0.8},  # written before evaluations carried the clock
+        {"step": 10, "accuracy/test": 0.9, "progress/train_time_s": 1.25},
+        {"step": 20, "accuracy/test": None, "progress/train_time_s": 2.5},  # non-finite, as null
+    ]
+    assert evaluations_from_records(records) == [(1.25, 0.9)]
+
+
+# -- the loop ------------------------------------------------------------------------------
+
+ACCURACY_BY_EPOCH = {0: 0.50, 1: 0.92, 2: 0.96, 3: 0.94}
+
+
+class Crash(Exception):
+    pass
+
+
+class ScriptedParticipant:
+    """Steps that compute nothing; evaluations with a scripted accuracy per epoch; a crash
+    at step `crash_at` (a killed process, seen from the loop)."""
+
+    strategy = "baseline"
+
+    def __init__(self, crash_at: int | None = None):
+        self.crash_at = crash_at
+
+    def start(self) -> None:
+        pass
+
+    def step(self, batches, info: StepInfo) -> StepResult:
+        if info.step == self.crash_at:
+            raise Crash(f"crash at step {info.step}")
+        return StepResult(loss=1.0, num_correct=1, num_samples=len(batches[0]))
+
+    def evaluate(self, epoch: int) -> EvalResult:
+        return EvalResult(loss_sum=10.0, num_correct=round(ACCURACY_BY_EPOCH[epoch] * 100), num_samples=100)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class NoDisplay:
+    def update(self, n: int = 1, **postfix: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def run_loop(tmp_path: Path, participant: ScriptedParticipant, resume: bool) -> LoopResult:
+    # 8 samples in batches of 4: 2 steps an epoch; the checkpoint at step 4 ends epoch 1.
+    config = config_from_dict({"training": {"num_epochs": 4, "batch_size": 4, "log_interval": 1,
+                                            "checkpoint_interval": 4}})
+    loop = TrainingLoop(config, LoopSettings.from_config(config), participant, ShardedSampler(8, seed=0),
+                        LocalCheckpoints(tmp_path / "ckpt", keep=2), tmp_path / "logs" / "baseline",
+                        FaultInjector(()), lambda total, done: NoDisplay())
+    return loop.run(resume)
+
+
+def test_the_loop_records_each_evaluation_with_the_training_clock(tmp_path):
+    result = run_loop(tmp_path, ScriptedParticipant(), resume=False)
+    records = read_metrics(tmp_path / "logs" / "baseline" / "metrics.jsonl")
+    logged = [r for r in records if "accuracy/test" in r]
+    assert [r["progress/samples"] for r in logged] == [8, 16, 24, 32]
+    assert result.evaluations == [(r["progress/train_time_s"], r["accuracy/test"]) for r in logged]
+    assert [accuracy for _, accuracy in result.evaluations] == [ACCURACY_BY_EPOCH[e] for e in range(4)]
+    times = [t for t, _ in result.evaluations]
+    assert times == sorted(times) and times[-1] <= result.position.train_time_s
+
+
+def test_a_resume_keeps_the_evaluations_made_before_it(tmp_path):
+    with pytest.raises(Crash):
+        run_loop(tmp_path, ScriptedParticipant(crash_at=6), resume=False)  # in epoch 2
+    before = evaluations_from_records(read_metrics(tmp_path / "logs" / "baseline" / "metrics.jsonl"))
+    assert [accuracy for _, accuracy in before] == [0.50, 0.92]
+
+    result = run_loop(tmp_path, ScriptedParticipant(), resume=True)
+    assert result.resumed_from_step == 4
+    assert result.evaluations[:2] == before
+    assert [accuracy for _, accuracy in result.evaluations] == [0.50, 0.92, 0.96, 0.94]
+    times = [t for t, _ in result.evaluations]
+    assert times == sorted(times)  # the resumed clock goes on from the checkpoint's
+    found = time_to_accuracy(result.evaluations)
+    assert found == {"0.90": before[1][0], "0.95": times[2], "0.97": None, "0.98": None}
