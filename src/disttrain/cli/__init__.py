@@ -15,6 +15,7 @@ from disttrain import __version__
 from disttrain.core.errors import DisttrainError, error_lines
 from disttrain.core.logs import setup_logging
 from disttrain.metrics.summary import RunSummary
+from disttrain.report.artifacts import write_run_artifacts
 
 DESCRIPTION = ("Train one PyTorch model several ways from one config (a single process, a "
                "parameter server over gRPC, DDP all-reduce) and measure what each costs.")
@@ -29,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "evaluate": "disttrain.cli.evaluate",
     "coordinator": "disttrain.cli.coordinator",
     "status": "disttrain.cli.status",
+    "report": "disttrain.cli.report",
 }
 
 
@@ -46,6 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def write_artifacts(summary: RunSummary, folder: str) -> str:
+    """Write the run's artifacts into `folder` (`--artifacts-dir`); the line to print.
+
+    Raises:
+        DisttrainError: the folder cannot be written, or a process's metrics cannot be read.
+    """
+    try:
+        written = write_run_artifacts(summary.to_dict(), folder)
+    except OSError as e:
+        raise DisttrainError(f"--artifacts-dir {folder}: cannot write the artifacts "
+                             f"({e.strerror or e})") from e
+    return f"Artifacts: {', '.join(path.name for path in written)} in {folder}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.command, level=logging.DEBUG if args.verbose else logging.INFO)
@@ -55,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, "summary_json", None):
                 result.write(args.summary_json)
             print("\n".join(result.lines()))
+            if getattr(args, "artifacts_dir", None):
+                print(write_artifacts(result, args.artifacts_dir))
     except DisttrainError as e:
         for line in error_lines(e):
             print(f"error: {line}", file=sys.stderr)

@@ -88,6 +88,10 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest checkpoint in the checkpoint dir")
     parser.add_argument("--summary-json", metavar="PATH", help="also write summary.json here")
+    parser.add_argument("--artifacts-dir", metavar="DIR",
+                        help="also write the run's artifacts here, for `disttrain report`: "
+                             "baseline.json; ps.json and worker_metrics.json; ddp.json and "
+                             "ddp_rank_<R>.json")
     add_fault_flags(parser)
     add_attempt_flag(parser)
 

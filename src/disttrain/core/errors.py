@@ -1,7 +1,8 @@
 """The project's exception hierarchy.
 
 Each class says whether the error is recoverable. The CLI maps them to exit codes:
-`ConfigError` exits with 2 (bad usage or config), every other `DisttrainError` with 1.
+`ConfigError` and `InputFileError` exit with 2 (bad usage, config or input file), every
+other `DisttrainError` with 1.
 """
 
 
@@ -22,6 +23,15 @@ class ConfigError(DisttrainError, ValueError):
     def __init__(self, problems: list[str] | str):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("; ".join(self.problems))
+
+
+class InputFileError(DisttrainError):
+    """A file given to read (a run's summary.json or metrics, a report artifact, a
+    comparison's comparison.json) is missing, unreadable, not JSON or of the wrong shape.
+    Not recoverable: the one-line message names the file and what is wrong with it; fix
+    the path or write the file again."""
+
+    exit_code = 2
 
 
 class DataError(DisttrainError):

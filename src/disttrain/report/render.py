@@ -1,0 +1,143 @@
+"""Rendering a comparison folder: from its comparison.json and the run folders it names
+to report.json, report.md, report.html and plots/*.png in the same folder.
+
+comparison.json (written by `disttrain compare`) lists the runs: name, strategy,
+compression, workers, status (ok, failed, pending), error, log_dir (relative to the
+folder), wall_time_s, command; and the accuracy thresholds to time. A finished run is
+read from its log_dir; one that failed or is still pending appears in the table with its
+status and error, and in no plot. Rendering again replaces every file it writes.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from disttrain.core.errors import InputFileError
+from disttrain.report.figures import (
+    DEFAULT_THRESHOLDS,
+    OK,
+    STATUSES,
+    add_speedups,
+    rankings,
+    run_row,
+)
+from disttrain.report.files import read_json_file, write_file_atomic, write_json_atomic
+from disttrain.report.html import html_page
+from disttrain.report.plots import Plot, draw_plots
+from disttrain.report.runs import is_number, load_run
+from disttrain.report.table import LEGEND, markdown_table, ranking_lines, text_table
+
+COMPARISON_FILE = "comparison.json"
+REPORT_JSON, REPORT_MARKDOWN, REPORT_HTML = "report.json", "report.md", "report.html"
+PLOTS_FOLDER = "plots"
+REPORT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RenderedReport:
+    """What `render_comparison` wrote, and the table to print."""
+
+    table: str
+    html_path: Path
+    json_path: Path
+    markdown_path: Path
+    plots: list[Path]
+
+
+def render_comparison(folder: str | Path) -> RenderedReport:
+    """Render the comparison in `folder` (or the folder of a comparison.json given).
+
+    Call once its runs have finished, or at any time for a partial report (pending runs
+    are shown as pending).
+
+    Raises:
+        InputFileError: the folder or its comparison.json is missing or malformed, or the
+            run folder of a finished run has no readable summary.json.
+        OSError: the folder cannot be written.
+    """
+    folder = Path(folder)
+    if folder.name == COMPARISON_FILE and folder.is_file():
+        folder = folder.parent
+    comparison = read_comparison(folder)
+    thresholds = comparison["thresholds"]
+    rows = [run_row(entry, load_run(folder / entry["log_dir"]) if entry["status"] == OK else None,
+                    thresholds) for entry in comparison["runs"]]
+    base = add_speedups(rows)
+    ranked = rankings(rows, thresholds)
+    plots = draw_plots(rows, folder / PLOTS_FOLDER)
+    meta = {key: comparison.get(key) for key in ("created", "command", "dataset")}
+    report = {
+        "version": REPORT_VERSION, **meta,
+        "rendered": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "thresholds": list(thresholds), "baseline": base["name"] if base else None,
+        "runs": rows, "ranking": ranked,
+        "plots": [plot.path.relative_to(folder).as_posix() for plot in plots],
+    }
+    json_path = write_json_atomic(folder / REPORT_JSON, report)
+    markdown_path = write_file_atomic(folder / REPORT_MARKDOWN,
+                                      markdown_page(meta, rows, thresholds, plots, ranked, folder))
+    html_path = write_file_atomic(folder / REPORT_HTML, html_page(meta, rows, thresholds, plots, ranked))
+    return RenderedReport(table=text_table(rows, thresholds), html_path=html_path, json_path=json_path,
+                          markdown_path=markdown_path, plots=[plot.path for plot in plots])
+
+
+def read_comparison(folder: Path) -> dict[str, Any]:
+    """comparison.json of `folder`, checked, with thresholds defaulted.
+
+    Raises:
+        InputFileError: one line naming the file (or folder) and what is wrong.
+    """
+    if not folder.is_dir():
+        raise InputFileError(f"{folder}: no such folder (expected a comparison folder made by "
+                             "disttrain compare)")
+    path = folder / COMPARISON_FILE
+    if not path.exists():
+        raise InputFileError(f"{folder}: has no {COMPARISON_FILE}, so it is not a comparison folder "
+                             "(made by disttrain compare)")
+    data = read_json_file(path, "comparison file")
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise InputFileError(f"{path}: is not a comparison file (expected an object with a \"runs\" list)")
+    thresholds = data.get("thresholds", list(DEFAULT_THRESHOLDS))
+    if not isinstance(thresholds, list) or not all(is_number(t) and 0 < t <= 1 for t in thresholds):
+        raise InputFileError(f"{path}: thresholds should be a list of accuracies in (0, 1], "
+                             f"not {thresholds!r}")
+    names = set()
+    for i, entry in enumerate(data["runs"]):
+        _check_entry(entry, f"{path}: runs[{i}]")
+        if entry["name"] in names:
+            raise InputFileError(f"{path}: runs[{i}]: the name {entry['name']!r} is used twice")
+        names.add(entry["name"])
+    return {**data, "thresholds": [float(t) for t in thresholds]}
+
+
+def _check_entry(entry: Any, where: str) -> None:
+    if not isinstance(entry, dict):
+        raise InputFileError(f"{where}: should be an object, not {entry!r}")
+    if not isinstance(entry.get("name"), str) or not entry["name"]:
+        raise InputFileError(f"{where}: has no name")
+    if entry.get("status") not in STATUSES:
+        raise InputFileError(f"{where} ({entry['name']}): status should be one of {', '.join(STATUSES)}, "
+                             f"not {entry.get('status')!r}")
+    if entry["status"] == OK and not isinstance(entry.get("log_dir"), str):
+        raise InputFileError(f"{where} ({entry['name']}): a finished run needs its log_dir")
+    if entry.get("workers") is not None and not (isinstance(entry["workers"], int) and entry["workers"] > 0):
+        raise InputFileError(f"{where} ({entry['name']}): workers should be a positive integer, "
+                             f"not {entry['workers']!r}")
+
+
+def markdown_page(meta: dict[str, Any], rows: Sequence[dict[str, Any]], thresholds: Sequence[float],
+                  plots: Sequence[Plot], ranked: dict[str, Any], folder: Path) -> str:
+    """report.md: the table, the rankings and the plots linked (relative to the folder)."""
+    command = " ".join(meta.get("command") or [])
+    lines = [f"# disttrain comparison on {meta.get('dataset') or '?'}", "",
+             f"created {meta.get('created') or '?'}" + (f": `{command}`" if command else ""), "",
+             markdown_table(rows, thresholds), LEGEND, "", "## Rankings", ""]
+    lines += [f"- {line}" for line in ranking_lines(rows, ranked)]
+    for plot in plots:
+        lines += ["", f"## {plot.title}", "", f"![{plot.title}]({plot.path.relative_to(folder).as_posix()})",
+                  "", plot.caption]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,125 @@
+"""The comparison table as text (for the terminal), Markdown and cells for HTML, with the
+number formats every report shares (seconds, bytes, percentages)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from disttrain.metrics.time_to_accuracy import threshold_key
+from disttrain.report.figures import OK
+
+# Legend of the abbreviated headers, printed under the table.
+LEGEND = ("tNN%: training-clock time to NN% test accuracy (- not reached); total: wall time; "
+          "speed-up: samples/s over the baseline's; eff: speed-up per worker; "
+          "B/step: bytes on the wire per step per worker (PS: gradients sent + parameters received; DDP: "
+          "gradients all-reduced); compr: compression ratio; "
+          "fail: failures recovered from")
+
+
+def headers(thresholds: Sequence[float]) -> list[str]:
+    return ["run", "status", "acc", *(f"t{threshold * 100:g}%" for threshold in thresholds),
+            "total", "samples/s", "speed-up", "eff", "B/step", "compr", "fail"]
+
+
+def cells(row: dict[str, Any], thresholds: Sequence[float]) -> list[str]:
+    """The cells of one row; a run that did not finish has two: its name and its status
+    with the error ("failed: <error>")."""
+    if row["status"] != OK:
+        return [row["name"], f"{row['status']}: {row['error']}" if row.get("error") else row["status"]]
+    times = row["time_to_accuracy_s"]
+    return [row["name"], OK, percent(row["final_accuracy"]),
+            *(seconds(times.get(threshold_key(threshold))) for threshold in thresholds),
+            seconds(row["total_time_s"]), number(row["samples_per_s"], ".0f"),
+            number(row["speedup"], ".2f", "x"), percent(row["scaling_efficiency"], ".0f"),
+            human_bytes(row["bytes_per_step"]), number(row["compression_ratio"], ".1f", "x"),
+            str(row["recovery_events"])]
+
+
+def text_table(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> str:
+    """The table for a terminal: aligned columns, numbers to the right, a run that did not
+    finish on one line with its error; the legend below."""
+    head = headers(thresholds)
+    body = [cells(row, thresholds) for row in rows]
+    full = [line for line in [head, *body] if len(line) == len(head)]
+    widths = [max(len(line[i]) for line in full) for i in range(len(head))]
+    lines = []
+    for line in [head, *body]:
+        if len(line) != len(head):
+            lines.append(f"{line[0].ljust(widths[0])}  {line[1]}")
+            continue
+        padded = [cell.ljust(width) if i < 2 else cell.rjust(width)
+                  for i, (cell, width) in enumerate(zip(line, widths, strict=True))]
+        lines.append("  ".join(padded).rstrip())
+    return "\n".join(lines + ["", *wrap(LEGEND, 110)])
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> str:
+    """The table in Markdown; a run that did not finish has its status and error in the
+    status column and dashes elsewhere."""
+    head = headers(thresholds)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
+    for row in rows:
+        line = cells(row, thresholds)
+        line += ["-"] * (len(head) - len(line))
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in line) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def ranking_lines(rows: Sequence[dict[str, Any]], rankings: dict[str, Any]) -> list[str]:
+    """The rankings in words: "time to 90%: ddp 0.41s, ps-sync 0.52s; not reached: ..."."""
+    by_name = {row["name"]: row for row in rows}
+    lines = []
+    for key, names in rankings["time_to_accuracy"].items():
+        times = [(name, by_name[name]["time_to_accuracy_s"].get(key)) for name in names]
+        reached = ", ".join(f"{name} {seconds(time)}" for name, time in times if time is not None)
+        missed = ", ".join(name for name, time in times if time is None)
+        lines.append(f"time to {float(key) * 100:g}%: {reached or 'none reached it'}"
+                     + (f"; not reached: {missed}" if missed and reached else ""))
+    lines.append("samples/s: " + (", ".join(
+        f"{name} {number(by_name[name]['samples_per_s'], '.0f')}" for name in rankings["samples_per_s"])
+        or "-"))
+    return lines
+
+
+def wrap(text: str, width: int) -> list[str]:
+    lines, line = [], ""
+    for word in text.split(" "):
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return lines + [line]
+
+
+def seconds(value: float | None) -> str:
+    """12.3s, 2m05s; "-" for None."""
+    if value is None:
+        return "-"
+    if value < 10:
+        return f"{value:.2f}s"
+    if value < 60:
+        return f"{value:.1f}s"
+    minutes, rest = divmod(round(value), 60)
+    return f"{minutes}m{rest:02d}s"
+
+
+def human_bytes(value: float | None) -> str:
+    """Bytes in decimal units: 0, 512 B, 212.0 KB, 1.7 MB; "-" for None."""
+    if value is None:
+        return "-"
+    if value == 0:
+        return "0"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def percent(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else f"{value * 100:{spec}}%"
+
+
+def number(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"

@@ -1,0 +1,101 @@
+"""Rendering a comparison folder: report.json with each run's series, PNG plots that
+open, one self-contained HTML page with every plot inline, report.md, the text table."""
+
+import base64
+import dataclasses
+import json
+import re
+
+import pytest
+from matplotlib.image import imread
+from run_folders import BASELINE, DDP, PS_SYNC, RUNS, STEPS_PER_EPOCH, write_comparison
+
+from disttrain.core.errors import InputFileError
+from disttrain.report.render import render_comparison
+
+pytestmark = pytest.mark.timeout(120)
+
+ERROR = "exit code 1: worker 1 was killed"
+
+
+def test_a_comparison_renders_json_plots_html_and_markdown(tmp_path):
+    folder = write_comparison(tmp_path / "cmp", failed={"ps-async+topk": ERROR})
+    rendered = render_comparison(folder)
+
+    report = json.loads(rendered.json_path.read_text())
+    runs = {run["name"]: run for run in report["runs"]}
+    assert list(runs) == [*RUNS, "ps-async+topk"] and report["baseline"] == "baseline"
+    for name, run in RUNS.items():
+        series = runs[name]["series"]
+        assert [point["accuracy"] for point in series["test"]] == run.accuracies
+        assert [point["step"] for point in series["test"]] == [
+            STEPS_PER_EPOCH * (epoch + 1) for epoch in range(len(run.accuracies))]
+        assert [point["train_time_s"] for point in series["test"]] == pytest.approx(
+            [run.clock_at(point["step"]) for point in series["test"]])
+        assert len(series["train"]) == run.num_steps // 5 and series["process"] == run.processes[0]
+    failed = runs["ps-async+topk"]
+    assert failed["status"] == "failed" and failed["error"] == ERROR and failed["series"]["test"] == []
+    assert "ps-async+topk" not in report["ranking"]["samples_per_s"]
+
+    names = {path.name for path in rendered.plots}
+    assert names == {"accuracy_vs_time.png", "loss_vs_step.png", "throughput.png", "step_time.png",
+                     "bytes_per_step.png", "staleness.png"}
+    assert report["plots"] == [f"plots/{path.name}" for path in rendered.plots]
+    for path in rendered.plots:
+        image = imread(path)
+        assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+    html = rendered.html_path.read_text()
+    inline = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
+    assert len(inline) == len(rendered.plots) == html.count("data:image/png;base64")
+    assert sorted(base64.b64decode(data) for data in inline) == sorted(p.read_bytes() for p in rendered.plots)
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", html, re.IGNORECASE)
+    assert "<script" not in html and "<link" not in html and "@import" not in html and "url(" not in html
+    assert f"failed: {ERROR}" in html
+
+    markdown = rendered.markdown_path.read_text()
+    assert all(f"](plots/{path.name})" in markdown for path in rendered.plots)
+    assert "| baseline | ok |" in markdown
+
+    lines = rendered.table.splitlines()
+    assert lines[0].split()[:3] == ["run", "status", "acc"]
+    assert any(line.startswith("ps-async+topk") and f"failed: {ERROR}" in line for line in lines)
+    assert max(len(line) for line in lines) <= 120
+    baseline_line = next(line for line in lines if line.startswith("baseline "))
+    assert f"{BASELINE.accuracies[-1] * 100:.2f}%" in baseline_line and "1.00x" in baseline_line
+
+
+def test_rendering_again_drops_plots_with_nothing_to_show(tmp_path):
+    folder = write_comparison(tmp_path / "cmp", runs={"baseline": BASELINE, "ps-sync": PS_SYNC})
+    assert (folder / "plots" / "staleness.png") in render_comparison(folder).plots
+    comparison = json.loads((folder / "comparison.json").read_text())
+    comparison["runs"][1].update(status="failed", error="killed")
+    (folder / "comparison.json").write_text(json.dumps(comparison))
+    rendered = render_comparison(folder)
+    assert not (folder / "plots" / "staleness.png").exists()
+    assert len(rendered.plots) == 5
+
+
+def test_a_run_of_one_epoch_still_has_a_curve(tmp_path):
+    one_epoch = dataclasses.replace(DDP, accuracies=[0.8])
+    rendered = render_comparison(write_comparison(tmp_path / "cmp", runs={"ddp": one_epoch}))
+    run = json.loads(rendered.json_path.read_text())["runs"][0]
+    assert len(run["series"]["test"]) == 1 and len(run["series"]["train"]) == STEPS_PER_EPOCH // 5
+    assert run["speedup"] is None  # no baseline run
+
+
+@pytest.mark.parametrize("setup, fragment", [
+    (lambda folder: None, "no such folder"),
+    (lambda folder: folder.mkdir(), "has no comparison.json"),
+    (lambda folder: (folder.mkdir(), (folder / "comparison.json").write_text("{")), "is not valid JSON"),
+    (lambda folder: (folder.mkdir(), (folder / "comparison.json").write_text('{"runs": [{"name": "a"}]}')),
+     "status should be one of"),
+    (lambda folder: (folder.mkdir(), (folder / "comparison.json").write_text(
+        '{"runs": [{"name": "a", "status": "ok", "log_dir": "a/logs"}]}')), "summary.json: does not exist"),
+])
+def test_a_bad_comparison_folder_names_what_is_wrong(tmp_path, setup, fragment):
+    folder = tmp_path / "cmp"
+    setup(folder)
+    with pytest.raises(InputFileError, match=fragment) as caught:
+        render_comparison(folder)
+    assert str(folder) in str(caught.value) and "\n" not in str(caught.value)
