@@ -17,11 +17,13 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# Trains the baseline on scikit-learn's bundled digits (real data, no download).
+# Compares the strategies on scikit-learn's bundled digits (real data, no download):
+# the table at the end, and runs/demo/report.html with the plots.
+DEMO_STRATEGIES := baseline,ps-sync,ps-async,ddp,ps-sync+topk
 demo: install
 	rm -rf runs/demo
-	$(VENV)/bin/disttrain baseline --dataset digits --num-epochs 10 \
-		--log-dir runs/demo/logs --checkpoint-dir runs/demo/checkpoints
+	$(VENV)/bin/disttrain compare --dataset digits --workers 2 --num-epochs 10 \
+		--strategies $(DEMO_STRATEGIES) --output-dir runs/demo
 
 # The import contracts and style first (make lint), then every test.
 test: lint

@@ -30,6 +30,8 @@ COMMANDS: dict[str, str] = {
     "evaluate": "disttrain.cli.evaluate",
     "coordinator": "disttrain.cli.coordinator",
     "status": "disttrain.cli.status",
+    "compare": "disttrain.cli.compare",
+    "validate": "disttrain.cli.validate",
     "report": "disttrain.cli.report",
 }
 

@@ -1,0 +1,74 @@
+"""`disttrain compare`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from disttrain.cli.flags import COMMON_FLAGS, add_config_flags, config_from_args
+from disttrain.comparison.plan import DEFAULT_STRATEGIES, KNOWN, equal_threads, parse_strategies
+from disttrain.comparison.runner import MANIFEST, Comparison, LogDisplay
+from disttrain.core.errors import ConfigError, DisttrainError
+
+HELP = "train every strategy on one config and report them side by side"
+DESCRIPTION = f"""Train the same model on the same data, seed and budget with each strategy in
+turn, then write one report comparing them: report.html (one page, plots inline),
+report.md, report.json and PNG plots, in --output-dir (default runs/compare-<time>/).
+Prints the table at the end: accuracy, time to 90/95/97/98% test accuracy, samples/s,
+speed-up over the baseline, scaling efficiency, bytes on the wire per step, compression,
+recovery events. Every process of every run computes with the same torch threads
+(--num-threads; by default this machine's cores divided by --workers). Each run keeps
+its own logs, checkpoints and summary in <output-dir>/<strategy>/; a run that fails is
+reported as failed and the others still run (the exit code is then 1).
+
+Strategies: {KNOWN}.
+
+    disttrain compare --dataset mnist --data-dir DIR --workers 2 --num-epochs 1
+    disttrain compare --config configs/example_config.yaml \\
+        --strategies baseline,ps-sync,ps-ssp,ps-async,ddp,ps-sync+topk,ddp+powersgd
+    disttrain report runs/compare-<time>/        # render a finished comparison again"""
+
+OWN_FOLDERS = ("--log-dir", "--checkpoint-dir")  # each run gets its own under --output-dir
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML or JSON config file every run trains")
+    add_config_flags(parser, {flag: spec for flag, spec in COMMON_FLAGS.items() if flag not in OWN_FOLDERS})
+    add_config_flags(parser, {"--workers": ("system.num_workers", int,
+                                            "workers (parameter server) and ranks (DDP) of each "
+                                            "parallel run; the baseline has one process")})
+    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES, metavar="LIST",
+                        help=f"comma-separated runs, in order (default: {DEFAULT_STRATEGIES})")
+    parser.add_argument("--output-dir", metavar="DIR", help="where the runs and the report go "
+                        "(default: runs/compare-<date>-<time>/; must not hold a comparison already)")
+    parser.add_argument("--timeout-per-run", type=float, default=3600.0, metavar="SECONDS",
+                        help="stop a run still going after this long and count it as failed "
+                             "(default: 3600)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override any config key of every run (repeatable)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def run(args: argparse.Namespace) -> None:
+    config = config_from_args(args)
+    runs = parse_strategies(args.strategies, config.system.num_workers)
+    config = equal_threads(config, runs)
+    if args.timeout_per_run <= 0:
+        raise ConfigError(f"--timeout-per-run: {args.timeout_per_run} must be > 0")
+    folder = Path(args.output_dir or f"runs/compare-{datetime.now():%Y%m%d-%H%M%S}")
+    if (folder / MANIFEST).exists():
+        raise ConfigError(f"--output-dir: {folder} already holds a comparison; choose another "
+                          f"folder, or render it again with `disttrain report {folder}`")
+    comparison = Comparison(folder, config, runs, ["disttrain", *sys.argv[1:]], args.timeout_per_run)
+    from disttrain.report import render_comparison  # loads plotting only when a report is due
+
+    records = comparison.run(LogDisplay(len(runs)))
+    report = render_comparison(folder)
+    print(report.table)
+    print(f"Report: {report.html_path}")
+    failed = [r.name for r in records if r.status != "ok"]
+    if failed:
+        raise DisttrainError(f"{len(failed)} of {len(records)} runs failed ({', '.join(failed)}); "
+                             f"their errors are in the table, their logs in {folder}/<strategy>/output.log")

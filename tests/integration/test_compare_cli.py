@@ -1,0 +1,47 @@
+"""`disttrain compare` and `disttrain validate` from the command line: real runs of each
+strategy as their own processes, one report over all of them, and bad input."""
+
+import json
+
+import pytest
+import torch
+
+FAST = ["--dataset", "digits", "--num-epochs", "1", "--num-threads", "1"]
+
+
+@pytest.mark.timeout(60)
+def test_an_unknown_strategy_is_refused_before_anything_runs(tmp_path, cli):
+    result = cli("compare", *FAST, "--strategies", "baseline,ps-foo", "--output-dir", tmp_path / "c")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown strategy 'ps-foo'" in lines[0]
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs DDP over NCCL to fail (no CUDA device)")
+def test_a_failing_strategy_is_reported_as_failed_and_the_others_still_run(tmp_path, cli):
+    folder = tmp_path / "c"
+    result = cli("compare", *FAST, "--workers", "2", "--strategies", "ddp,baseline",
+                 "--set", "ddp.backend=nccl", "--output-dir", folder)
+    assert result.returncode == 1
+    assert "1 of 2 runs failed (ddp)" in result.stderr
+    manifest = json.loads((folder / "comparison.json").read_text())
+    ddp, baseline = manifest["runs"]
+    assert ddp["status"] == "failed" and "nccl" in ddp["error"].lower()
+    assert baseline["status"] == "ok" and (folder / "baseline" / "logs" / "summary.json").is_file()
+    report = json.loads((folder / "report.json").read_text())
+    by_name = {run["name"]: run for run in report["runs"]}
+    assert by_name["ddp"]["status"] == "failed" and by_name["ddp"]["error"] == ddp["error"]
+    assert by_name["baseline"]["final_accuracy"] > 0.5
+    assert "failed" in result.stdout and str(folder / "report.html") in result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_a_folder_holding_a_comparison_is_not_overwritten(tmp_path, cli):
+    folder = tmp_path / "c"
+    folder.mkdir()
+    (folder / "comparison.json").write_text("{}")
+    result = cli("compare", *FAST, "--strategies", "baseline", "--output-dir", folder)
+    assert result.returncode == 2 and "already holds a comparison" in result.stderr
+    assert (folder / "comparison.json").read_text() == "{}"
