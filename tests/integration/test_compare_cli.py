@@ -2,9 +2,12 @@
 strategy as their own processes, one report over all of them, and bad input."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
+from test_ps_cluster import cluster_processes, wait_until
 
 FAST = ["--dataset", "digits", "--num-epochs", "1", "--num-threads", "1"]
 
@@ -45,3 +48,23 @@ def test_a_folder_holding_a_comparison_is_not_overwritten(tmp_path, cli):
     result = cli("compare", *FAST, "--strategies", "baseline", "--output-dir", folder)
     assert result.returncode == 2 and "already holds a comparison" in result.stderr
     assert (folder / "comparison.json").read_text() == "{}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.timeout(120)
+def test_killing_the_comparison_leaves_no_process_of_its_runs_behind(tmp_path):
+    folder = tmp_path / "c"
+    compare = subprocess.Popen(
+        [sys.executable, "-m", "disttrain", "compare", "--dataset", "digits", "--num-epochs", "500",
+         "--workers", "2", "--strategies", "ps-sync,baseline", "--output-dir", str(folder)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        metrics = [folder / "ps-sync" / "logs" / f"worker{r}" / "metrics.jsonl" for r in range(2)]
+        wait_until(lambda: all(m.is_file() and m.stat().st_size for m in metrics), 90, "workers training")
+        assert len(cluster_processes(tmp_path)) >= 5  # compare, ps launcher, coordinator, server, workers
+        compare.kill()
+        compare.wait(timeout=30)
+        wait_until(lambda: cluster_processes(tmp_path) == [], 30, "every process of the runs to exit")
+    finally:
+        compare.kill()
+        compare.wait()

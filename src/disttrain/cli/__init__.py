@@ -14,6 +14,7 @@ import sys
 from disttrain import __version__
 from disttrain.core.errors import DisttrainError, error_lines
 from disttrain.core.logs import setup_logging
+from disttrain.core.processes import bind_to_parent
 from disttrain.metrics.summary import RunSummary
 from disttrain.report.artifacts import write_run_artifacts
 
@@ -66,6 +67,7 @@ def write_artifacts(summary: RunSummary, folder: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    bind_to_parent()  # started by a launcher (`compare`, `ps`): die with it, however it dies
     setup_logging(args.command, level=logging.DEBUG if args.verbose else logging.INFO)
     try:
         result = args.command_module.run(args)

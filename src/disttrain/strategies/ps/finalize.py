@@ -121,6 +121,7 @@ def finish(config: Config, client: PSClient, participant: Any, result: LoopResul
     final_path = Path(config.system.checkpoint_dir) / FINAL_MODEL
     ckpt.save_final_model(final_path, participant.model.state_dict(), config)
     logger.info("final model (versions %s) -> %s", versions, final_path)
+    ledger = data_ledger(config.training.num_epochs, client, participant, rows, statuses)  # servers still up
     client.call_all("Shutdown", pb.ShutdownRequest())
     workers = [{"rank": r, "samples": int(row[0]), "train_time_s": row[1], "bytes_sent": int(row[2]),
                 "bytes_received": int(row[3])} for r, row in enumerate(rows)]
@@ -131,7 +132,7 @@ def finish(config: Config, client: PSClient, participant: Any, result: LoopResul
         samples_processed=sum(w["samples"] for w in workers), steps=statuses[0].version,
         world_size=statuses[0].world_size, evaluations=result.evaluations,
         extra={"num_servers": len(statuses),
-               **data_ledger(config.training.num_epochs, client, participant, rows, statuses),
+               **ledger,
                "final_model": str(final_path), "resumed_from_step": result.resumed_from_step,
                "workers": workers, **shard_summary(statuses), **compression_summary(rows)})
     summary.write(config.system.log_dir)

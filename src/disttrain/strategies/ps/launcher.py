@@ -252,6 +252,8 @@ class ClusterRun:
                                                 int(fields.get("pid", 0)))
             elif event.kind == "exit":
                 code = int(event.fields["code"])
+                if deadline is None and event.child.startswith("server") and code == 0:
+                    deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S  # worker 0 stopped the servers
                 if deadline is not None and event.child != "coordinator":  # nothing left to restart for
                     running.discard(event.child)
                 elif self.supervisor.exited(event.child, code) or event.child == "coordinator":
@@ -276,9 +278,7 @@ class _Watch:
 
     def __post_init__(self) -> None:
         self.plans: dict[str, int] = {}
-        self.steps = 0
-        self.workers_left = self.num_workers
-        self.progress: Progress | None = None
+        self.steps, self.workers_left, self.progress = 0, self.num_workers, None
 
     def saw(self, event: Event) -> None:
         if event.kind == "plan" and event.child not in self.plans:  # a restarted worker plans again
