@@ -68,3 +68,24 @@ def test_killing_the_comparison_leaves_no_process_of_its_runs_behind(tmp_path):
     finally:
         compare.kill()
         compare.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_validate_checks_each_final_model_file_against_its_summary(tmp_path, cli):
+    folder, output = tmp_path / "v", tmp_path / "properties.json"
+    result = cli("validate", *FAST, "--workers", "2", "--epochs", "2", "--tolerance", "1",
+                 "--output-dir", folder, "--output", output)
+    assert result.returncode == 0, result.stderr[-2000:]
+    properties = json.loads(output.read_text())["properties"]
+    assert json.loads((folder / "validation.json").read_text())["properties"] == properties
+    for run in ("baseline", "ps_sync", "ddp"):
+        assert properties[f"{run}_finished"]["holds"]
+        matches = properties[f"{run}_checkpoint_matches_summary"]
+        assert matches["holds"] and matches["figures"]["evaluated_accuracy"] == pytest.approx(
+            matches["figures"]["summary_accuracy"])
+    assert properties["ps_sync_no_samples_lost"]["figures"]["samples_lost"] == 0
+    assert properties["accuracies_agree"]["figures"]["baseline_batch_size"] == 2 * 64
+    speedup = properties["ddp_speedup_over_baseline"]
+    assert not speedup["applies"] and "--workers 4" in speedup["reason"] and speedup["figures"]["speedup"] > 0
+    assert "n/a   ddp_speedup_over_baseline" in result.stdout
