@@ -84,13 +84,8 @@ def accuracy_vs_time(rows: Sequence[Row], colors: dict[str, str]) -> Figure | No
         if test:
             axes.plot(*zip(*test, strict=True), color=colors[row["name"]], marker="o", label=row["name"])
         drawn = drawn or bool(test or train)
-    if not drawn:
-        return None
-    axes.set_xlabel("training time (s, training clock of the evaluating process)")
-    axes.set_ylabel("accuracy (solid: test; faint: train windows)")
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize="small")
-    return figure
+    return _line_plot(figure, axes, drawn, "training time (s, training clock of the evaluating process)",
+                      "accuracy (solid: test; faint: train windows)")
 
 
 def loss_vs_step(rows: Sequence[Row], colors: dict[str, str]) -> Figure | None:
@@ -101,10 +96,15 @@ def loss_vs_step(rows: Sequence[Row], colors: dict[str, str]) -> Figure | None:
         if points:
             axes.plot(*zip(*points, strict=True), color=colors[row["name"]], label=row["name"])
             drawn = True
+    return _line_plot(figure, axes, drawn, "step", "training loss (nats, window mean)")
+
+
+def _line_plot(figure: Figure, axes, drawn: bool, xlabel: str, ylabel: str) -> Figure | None:
+    """Label a plot of lines, or None when no line was drawn."""
     if not drawn:
         return None
-    axes.set_xlabel("step")
-    axes.set_ylabel("training loss (nats, window mean)")
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
     return figure
@@ -122,12 +122,18 @@ def _bars(rows: Sequence[Row], colors: dict[str, str], values: list[float], labe
     return figure
 
 
-def throughput(rows: Sequence[Row], colors: dict[str, str]) -> Figure | None:
-    rows = [row for row in rows if row["samples_per_s"] is not None]
+def _value_bars(rows: Sequence[Row], colors: dict[str, str], key: str, label, ylabel: str) -> Figure | None:
+    """One bar per run that has `key`, labelled with `label(value)`; None when no run has it."""
+    rows = [row for row in rows if row[key] is not None]
     if not rows:
         return None
-    values = [row["samples_per_s"] for row in rows]
-    return _bars(rows, colors, values, [f"{value:.0f}" for value in values], "samples/s (training clock)")
+    values = [row[key] for row in rows]
+    return _bars(rows, colors, values, [label(value) for value in values], ylabel)
+
+
+def throughput(rows: Sequence[Row], colors: dict[str, str]) -> Figure | None:
+    return _value_bars(rows, colors, "samples_per_s", lambda value: f"{value:.0f}",
+                       "samples/s (training clock)")
 
 
 def step_time_split(rows: Sequence[Row], colors: dict[str, str]) -> Figure | None:
@@ -153,12 +159,10 @@ def step_time_split(rows: Sequence[Row], colors: dict[str, str]) -> Figure | Non
 
 
 def bytes_per_step(rows: Sequence[Row], colors: dict[str, str]) -> Figure | None:
-    rows = [row for row in rows if row["bytes_per_step"] is not None]
-    if not rows:
+    figure = _value_bars(rows, colors, "bytes_per_step", human_bytes, "bytes on the wire per step per worker")
+    if figure is None:
         return None
-    values = [row["bytes_per_step"] for row in rows]
-    figure = _bars(rows, colors, values, [human_bytes(value) for value in values],
-                   "bytes on the wire per step per worker")
+    values = [row["bytes_per_step"] for row in rows if row["bytes_per_step"] is not None]
     from matplotlib.ticker import EngFormatter
 
     figure.axes[0].yaxis.set_major_formatter(EngFormatter(unit="B"))
