@@ -13,7 +13,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -24,6 +23,7 @@ from disttrain.coordinator.membership import DuplicateNode, Event, Membership, N
 from disttrain.coordinator.registry import Registry, RegistryError
 from disttrain.core.addresses import parse_address
 from disttrain.core.errors import ConfigError
+from disttrain.core.rpc_server import RpcServer
 from disttrain.proto import coordinator_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -227,24 +227,19 @@ class CoordinatorServer:
     def __init__(self, config: CoordinatorConfig, bind: str, registry_path: str | Path,
                  on_step: Callable[[int], None] | None = None,
                  on_failure: Callable[[str, str], None] | None = None, max_threads: int = 128):
-        host, port = parse_address(bind, "--bind")
+        parse_address(bind, "--bind")  # a malformed address is refused before the registry opens
         self.registry = Registry(registry_path)
         self.state = CoordinatorState(config, self.registry)
         self.on_failure = on_failure
         # Each long-poll holds a thread: room for many watchers beside the heartbeats.
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_threads, thread_name_prefix="rpc"))
-        self._server.add_generic_rpc_handlers((_handler(CoordinatorServicer(self.state, on_step)),))
         try:
-            bound = self._server.add_insecure_port(f"{host}:{port}")
-        except RuntimeError as e:
-            bound = 0
-            logger.debug("binding %s failed: %s", bind, e)
-        if bound == 0:
+            self._server = RpcServer(_handler(CoordinatorServicer(self.state, on_step)), SERVICE, bind,
+                                     max_threads)
+        except ConfigError:
             self.registry.close()
-            raise ConfigError(f"--bind {bind}: cannot listen there; pick a free port or 0")
-        self.address = f"{host}:{bound}"
+            raise
+        self.address = self._server.address
         self._stopped = threading.Event()
-        self._server.start()
         self._monitor = threading.Thread(target=self._watch_heartbeats, args=(config.heartbeat_interval / 4,),
                                          name="heartbeat-monitor", daemon=True)
         self._monitor.start()
@@ -260,5 +255,5 @@ class CoordinatorServer:
         self._stopped.set()
         self._monitor.join(timeout=5.0)
         self.state.close()
-        self._server.stop(grace_s).wait(timeout=grace_s + 5.0)
+        self._server.stop(grace_s)
         self.registry.close()

@@ -14,7 +14,6 @@ import logging
 import signal
 import socket
 import threading
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -22,10 +21,9 @@ from torch.nn.utils import parameters_to_vector
 
 from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
-from disttrain.core.addresses import parse_address
-from disttrain.core.errors import ConfigError
 from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import bind_to_parent, emit_event
+from disttrain.core.rpc_server import RpcServer
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps import wire
 from disttrain.strategies.ps.aggregation import PushRefused
@@ -184,23 +182,14 @@ class ShardServer:
     def __init__(self, state: ShardState, bind: str, max_threads: int = 32):
         self.state = state
         self.stopped = threading.Event()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_threads, thread_name_prefix="rpc"),
-                                   options=wire.CHANNEL_OPTIONS, maximum_concurrent_rpcs=None)
-        self._server.add_generic_rpc_handlers((_handler(ParameterServicer(state, self.stopped)),))
-        host, port = parse_address(bind, "--bind")
-        try:
-            bound = self._server.add_insecure_port(f"{host}:{port}")
-        except RuntimeError as e:
-            raise ConfigError(f"--bind {bind}: cannot listen there ({e}); pick a free port or 0") from e
-        if bound == 0:
-            raise ConfigError(f"--bind {bind}: cannot listen there; pick a free port or 0")
-        self.address = f"{host}:{bound}"
-        self._server.start()
+        self._server = RpcServer(_handler(ParameterServicer(state, self.stopped)), wire.SERVICE, bind,
+                                 max_threads, options=wire.CHANNEL_OPTIONS)
+        self.address = self._server.address
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Stop serving, wake waiters and write the final checkpoint."""
         self.state.stop()
-        self._server.stop(grace_s).wait()
+        self._server.stop(grace_s)
 
 
 def build_state(config: Config, shard: int, num_shards: int, resume: bool = False) -> ShardState:

@@ -1,0 +1,78 @@
+"""Every gRPC server of the project started one way: its port bound exclusively, the
+standard health service (`grpc.health.v1.Health`) beside its own for orchestrators'
+probes, and a warning when it listens beyond this machine.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from disttrain.core.addresses import parse_address
+from disttrain.core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# A second server on a port already taken must fail, not share it silently (gRPC turns
+# SO_REUSEPORT on by default on Linux).
+SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
+
+
+class RpcServer:
+    """A started gRPC server with the health service.
+
+    Args:
+        handler: the service's generic handler.
+        service: its full name, reported SERVING by the health service while it serves.
+        bind: HOST:PORT to listen on (port 0: a free one; `address` says which).
+        max_threads: the handler threads (each long-poll holds one).
+        options: further gRPC server options.
+
+    Raises:
+        ConfigError: the address is malformed or cannot be listened on.
+    """
+
+    def __init__(self, handler: grpc.GenericRpcHandler, service: str, bind: str, max_threads: int,
+                 options: list[tuple[str, Any]] | None = None):
+        host, port = parse_address(bind, "--bind")
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_threads, thread_name_prefix="rpc"),
+                                  options=[*(options or []), *SERVER_OPTIONS])
+        self.server.add_generic_rpc_handlers((handler,))
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        try:
+            bound = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as e:
+            logger.debug("binding %s failed: %s", bind, e)
+            bound = 0
+        if bound == 0:
+            raise ConfigError(f"--bind {bind}: cannot listen there (the port is taken, or the address "
+                              f"is not this machine's); pick a free port, or 0 for any")
+        self.address = f"{host}:{bound}"
+        for name in ("", service):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.server.start()
+        if not is_loopback(host):
+            logger.warning("listening on %s, reachable from other machines, without authentication: "
+                           "anyone who reaches this port can use the service; bind 127.0.0.1 unless "
+                           "other machines must connect, and keep the port behind a firewall", self.address)
+
+    def stop(self, grace_s: float) -> None:
+        """Report NOT_SERVING to health probes, then stop within `grace_s`."""
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only ("localhost", 127.x, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
