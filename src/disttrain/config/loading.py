@@ -169,7 +169,13 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config: {str(path)!r} does not exist or is not a file")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config: {str(path)!r} is not UTF-8 text (byte {e.start}); save it as "
+                          f"UTF-8 YAML or JSON") from e
+    except OSError as e:
+        raise ConfigError(f"--config: {str(path)!r} cannot be read ({e.strerror or e})") from e
     try:
         raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
