@@ -1,0 +1,91 @@
+"""The wire codec under random and mutated bytes: every input decodes to a frame or is
+refused with ValueError (which the server turns into INVALID_ARGUMENT); nothing else
+escapes, and what was encoded decodes back exactly."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from disttrain.proto import parameter_server_pb2 as pb
+from disttrain.proto import tensor_pb2
+from disttrain.strategies.ps import codec, wire
+
+FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MANY = settings(max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def valid_frames(values: list[float], chunk_bytes: int) -> list[bytes]:
+    header = pb.GradientMessage(worker_id="w0", step=3, base_version=2, shard=0, num_samples=8, block_id=3)
+    meta = tensor_pb2.TensorProto(shape=[len(values)], dtype="float32")
+    data = codec.tensor_bytes(torch.tensor(values, dtype=torch.float32))
+    return list(codec.encode_frames(header, wire.GRADIENT_PAYLOAD_FIELD, meta, data, chunk_bytes))
+
+
+def decode_or_refuse(raw: bytes) -> None:
+    try:
+        frame = wire.read_gradient(raw)
+    except ValueError:
+        return
+    try:
+        codec.decode_tensor(frame.data, frame.meta.dtype or "float32",
+                            tuple(frame.meta.shape) if frame.meta.shape else None)
+    except ValueError:
+        pass
+
+
+floats = st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=64)
+
+
+@FUZZ
+@given(floats, st.integers(min_value=4, max_value=64))
+def test_what_is_encoded_decodes_back_exactly(values, chunk_bytes):
+    raws = valid_frames(values, chunk_bytes)
+    frames = [wire.read_gradient(raw) for raw in raws]
+    assert frames[0].header.worker_id == "w0" and frames[0].header.step == 3
+    assert list(frames[0].meta.shape) == [len(values)] and frames[0].meta.dtype == "float32"
+    data = b"".join(bytes(frame.data) for frame in frames)
+    assert codec.decode_tensor(data, "float32", (len(values),)).tolist() == \
+        torch.tensor(values, dtype=torch.float32).tolist()
+
+
+@FUZZ
+@given(st.binary(max_size=512))
+@example(b"\x0a\xff\xff\xff\xff\x0f")  # a length running far past the end
+@example(b"\xff" * 11)  # a varint longer than 10 bytes
+@example(b"\x0b")  # a group start (unsupported wire type)
+def test_random_bytes_decode_or_are_refused_with_value_error(raw):
+    decode_or_refuse(raw)
+
+
+def mutations():
+    return st.tuples(floats, st.lists(st.tuples(st.integers(min_value=0), st.integers(0, 255)), max_size=6),
+                     st.integers(min_value=0), st.sampled_from(["flip", "truncate", "insert"]))
+
+
+def mutate(raw: bytes, edits, cut: int, how: str) -> bytes:
+    buf = bytearray(raw)
+    if how == "truncate":
+        return bytes(buf[:cut % (len(buf) + 1)])
+    for position, value in edits:
+        if how == "flip":
+            buf[position % len(buf)] = value
+        else:
+            buf.insert(position % (len(buf) + 1), value)
+    return bytes(buf)
+
+
+@FUZZ
+@given(mutations())
+def test_mutated_frames_decode_or_are_refused_with_value_error(case):
+    values, edits, cut, how = case
+    decode_or_refuse(mutate(valid_frames(values, 32)[0], edits, cut, how))
+
+
+@pytest.mark.slow
+@MANY
+@given(mutations(), st.binary(max_size=2048))
+def test_thousands_of_mutated_and_random_frames(case, raw):
+    values, edits, cut, how = case
+    decode_or_refuse(mutate(valid_frames(values, 32)[0], edits, cut, how))
+    decode_or_refuse(raw)
