@@ -230,21 +230,30 @@ def encode_frames(header: Any, payload_field: int, meta: Any, data: memoryview,
         yield b"".join((_len_field(payload_field, len(inner) + part.nbytes), inner, part))
 
 
-def decode_frame(raw: bytes, header_type: Any, payload_field: int, meta_type: Any) -> Frame:
+def decode_frame(raw: bytes, header_type: Any, payload_field: int, meta_type: Any,
+                 max_fields: int | None = None) -> Frame:
     """Split a received message into header, payload metadata and a view of the payload bytes.
 
+    Args:
+        max_fields: the most fields (top-level and in the payload) the message may have;
+            each costs a view and a parsed object, so a message of many tiny fields would
+            cost far more memory than its bytes (None: no bound).
     Raises:
-        ValueError: the bytes are not a well-formed message of that shape.
+        ValueError: the bytes are not a well-formed message of that shape, or have more
+            than `max_fields` fields.
     """
     buf = memoryview(raw)
     header_parts, meta_parts = [], []
     data = memoryview(b"")
+    count = _counter(max_fields)
     for number, wire_type, start, value_start, end in _fields(buf):
+        count()
         if number != payload_field or wire_type != _WIRE_LEN:
             header_parts.append(buf[start:end])
             continue
         inner = buf[value_start:end]
         for sub_number, sub_type, sub_start, sub_value, sub_end in _fields(inner):
+            count()
             if sub_number == _TENSOR_DATA_FIELD and sub_type == _WIRE_LEN:
                 data = inner[sub_value:sub_end]  # the last occurrence wins, as in protobuf
             else:
@@ -255,3 +264,14 @@ def decode_frame(raw: bytes, header_type: Any, payload_field: int, meta_type: An
     except Exception as e:  # protobuf's DecodeError, or any parser error
         raise ValueError(f"malformed message: {e}") from e
     return Frame(header, meta, data)
+
+
+def _counter(limit: int | None):
+    """A function that raises ValueError once it has been called more than `limit` times."""
+    seen = [0]
+
+    def count() -> None:
+        seen[0] += 1
+        if limit is not None and seen[0] > limit:
+            raise ValueError(f"message has more than {limit} fields; a well-formed one has far fewer")
+    return count

@@ -28,6 +28,13 @@ from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps import wire
 from disttrain.strategies.ps.aggregation import PushRefused
 from disttrain.strategies.ps.codec import Payload
+from disttrain.strategies.ps.limits import (
+    LONG_POLL_CAP_S,
+    PollLimitExceeded,
+    PollSlots,
+    long_poll_wait_s,
+    push_limits,
+)
 from disttrain.strategies.ps.link import join
 from disttrain.strategies.ps.model import check_supported
 from disttrain.strategies.ps.roster import FencedPush, UnknownGeneration
@@ -38,26 +45,48 @@ from disttrain.training.models import init_model
 
 logger = logging.getLogger(__name__)
 
-# Long-polls that the client left without a deadline still wake up this often to re-check.
-MAX_WAIT_S = 3600.0
-
 
 class ParameterServicer:
-    """gRPC handlers of one shard; every method maps to one `ShardState` call."""
+    """gRPC handlers of one shard; every method maps to one `ShardState` call.
 
-    def __init__(self, state: ShardState, stopped: threading.Event):
+    Every long-poll takes one of `polls` before it waits (RESOURCE_EXHAUSTED when none is
+    left) and waits at most `wait_cap_s`, whatever its client's deadline.
+    """
+
+    def __init__(self, state: ShardState, stopped: threading.Event, polls: PollSlots,
+                 wait_cap_s: float = LONG_POLL_CAP_S):
         self.state = state
         self.stopped = stopped
+        self.polls = polls
+        self.wait_cap_s = wait_cap_s
+        self.push_limits = push_limits(state.plan.nbytes, state.decoder.compressed_nbytes,
+                                       len(state.plan.slices))
+
+    def _long_poll(self, key: str, context):
+        """The slot one long-poll of `key` holds while it waits; aborts when none is left."""
+        try:
+            return self.polls.take(key)
+        except PollLimitExceeded as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+
+    def _wait_s(self, context) -> float:
+        return long_poll_wait_s(context.time_remaining(), self.wait_cap_s)
 
     def SendGradients(self, request_iterator, context):
-        try:
-            payload = wire.collect_payload(request_iterator, self.state.plan.nbytes)
-        except ValueError as e:  # a malformed frame, or too many bytes
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return self._push(payload, context)
+        return self._push(self._collect(request_iterator, context), context)
 
-    def PushGradients(self, frame, context):
-        return self._push(Payload(frame.header, frame.meta, [frame.data]), context)
+    def PushGradients(self, raw, context):
+        return self._push(self._collect(iter([raw]), context), context)
+
+    def _collect(self, raws, context) -> Payload:
+        """The push's frames, decoded here (not on gRPC's polling thread) within the
+        shard's bounds; the stream stops being read at the first frame over one."""
+        limits = self.push_limits
+        frames = (wire.read_gradient(raw, limits.max_fields) for raw in raws)
+        try:
+            return wire.collect_payload(frames, limits.max_bytes, limits.max_frames, require_data=True)
+        except ValueError as e:  # a malformed frame, or over a bound
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def _push(self, payload: Payload, context) -> pb.PushReply:
         try:
@@ -72,14 +101,17 @@ class ParameterServicer:
                             staleness=decision.staleness, incarnation=self.state.incarnation)
 
     def GetParameters(self, request, context):
-        yield from self._pull(request, context)
+        with self._long_poll(request.worker_id, context):
+            messages = self._pull(request, context)
+        yield from messages
 
     def FetchParameters(self, request, context):
         if not request.shared_memory and not wire.fits_one_message(self.state.plan.nbytes):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"shard {self.state.plan.shard} holds {self.state.plan.nbytes} bytes, more "
                           "than one message carries; use GetParameters")
-        (message,) = self._pull(request, context)
+        with self._long_poll(request.worker_id, context):
+            (message,) = self._pull(request, context)
         return message
 
     def _pull(self, request, context) -> list[bytes]:
@@ -87,7 +119,7 @@ class ParameterServicer:
         if request.shard != self.state.plan.shard:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"pull for shard {request.shard} reached shard {self.state.plan.shard}")
-        timeout = _wait_s(context)
+        timeout = self._wait_s(context)
         if request.incarnation not in (0, self.state.incarnation):  # it must register again first
             return [wire.parameter_notice(self.state.plan, self.state.version, self.state.incarnation)]
         if request.shared_memory:
@@ -134,13 +166,15 @@ class ParameterServicer:
 
     def GetStatus(self, request, context):
         if request.wait_all_done:
-            self.state.wait_all_done(_wait_s(context))
+            with self._long_poll("GetStatus(wait_all_done)", context):
+                self.state.wait_all_done(self._wait_s(context))
         return pb.ShardStatus(**self.state.status())
 
     def Barrier(self, request, context):
         try:
-            rows = self.state.barrier(request.worker_id, request.name, list(request.values),
-                                      _wait_s(context))
+            with self._long_poll(request.worker_id, context):
+                rows = self.state.barrier(request.worker_id, request.name, list(request.values),
+                                          self._wait_s(context))
         except PushRefused as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         if rows is None:
@@ -159,16 +193,11 @@ class ParameterServicer:
         return pb.ShardStatus(**self.state.status())
 
 
-def _wait_s(context) -> float:
-    """How long a long-poll may wait: the call's remaining deadline, at most MAX_WAIT_S."""
-    remaining = context.time_remaining()
-    return MAX_WAIT_S if remaining is None else max(0.0, min(remaining, MAX_WAIT_S))
-
-
 def _handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
     handlers = {}
     for name, (kind, request_type, response_type) in wire.METHODS.items():
-        deserialize = wire.read_gradient if request_type is None else request_type.FromString
+        # Framed requests are decoded by the handler: gRPC runs deserializers on its polling thread.
+        deserialize = wire.identity if request_type is None else request_type.FromString
         serialize = wire.identity if response_type is None else response_type.SerializeToString
         make = getattr(grpc, f"{kind}_rpc_method_handler")
         handlers[name] = make(getattr(servicer, name), request_deserializer=deserialize,
@@ -177,12 +206,19 @@ def _handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
 
 
 class ShardServer:
-    """A started gRPC server for one shard. `address` is what it bound ("host:port")."""
+    """A started gRPC server for one shard. `address` is what it bound ("host:port").
 
-    def __init__(self, state: ShardState, bind: str, max_threads: int = 32):
+    Long-polls wait at most `long_poll_cap_s` each and never hold more than the pool's
+    `max_threads` less a reserve (see `limits`), so calls that answer at once always run.
+    """
+
+    def __init__(self, state: ShardState, bind: str, max_threads: int = 32,
+                 long_poll_cap_s: float = LONG_POLL_CAP_S):
         self.state = state
         self.stopped = threading.Event()
-        self._server = RpcServer(_handler(ParameterServicer(state, self.stopped)), wire.SERVICE, bind,
+        self.polls = PollSlots.for_pool(max_threads)
+        servicer = ParameterServicer(state, self.stopped, self.polls, long_poll_cap_s)
+        self._server = RpcServer(_handler(servicer), wire.SERVICE, bind,
                                  max_threads, options=wire.CHANNEL_OPTIONS)
         self.address = self._server.address
 

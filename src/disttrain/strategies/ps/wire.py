@@ -66,8 +66,9 @@ def identity(data: bytes) -> bytes:
     return data
 
 
-def read_gradient(raw: bytes) -> Frame:
-    return decode_frame(raw, pb.GradientMessage, GRADIENT_PAYLOAD_FIELD, tensor_pb2.TensorProto)
+def read_gradient(raw: bytes, max_fields: int | None = None) -> Frame:
+    return decode_frame(raw, pb.GradientMessage, GRADIENT_PAYLOAD_FIELD, tensor_pb2.TensorProto,
+                        max_fields)
 
 
 def read_parameters(raw: bytes) -> Frame:
@@ -118,21 +119,39 @@ def parameter_notice(plan: ShardPlan, version: int, incarnation: int = 0) -> byt
                                incarnation=incarnation).SerializeToString()
 
 
-def collect_payload(frames: Iterator[Frame], max_bytes: int) -> Payload:
-    """Gather a chunked stream into one payload, without copying its bytes.
+def collect_payload(frames: Iterator[Frame], max_bytes: int, max_frames: int | None = None,
+                    require_data: bool = False) -> Payload:
+    """Gather a chunked stream into one payload, without copying its bytes. Stops reading
+    at the first frame over a bound.
 
+    Args:
+        max_bytes: the most payload bytes the stream may carry.
+        max_frames: the most frames it may have (None: no bound).
+        require_data: every frame must carry payload bytes (a push's first frame may go
+            without when its header says the bytes are in shared memory): frames of no
+            bytes would otherwise never bring the stream nearer its byte bound.
     Raises:
-        ValueError: an empty stream, or more than `max_bytes` of payload.
+        ValueError: an empty stream, a frame without bytes, or more than `max_frames`
+            frames or `max_bytes` bytes.
     """
     first = next(frames, None)
     if first is None:
         raise ValueError("empty stream: no message arrived")
     chunks, total = [first.data], first.data.nbytes
+    if require_data and not total and not first.header.shared_memory:
+        raise ValueError("frame 1 carries no payload bytes; every frame of a push carries some")
     for frame in frames:
         total += frame.data.nbytes
         if total > max_bytes:
-            raise ValueError(f"payload exceeds the {max_bytes} bytes this shard expects")
+            break
+        if require_data and not frame.data.nbytes:
+            raise ValueError(f"frame {len(chunks) + 1} carries no payload bytes; every frame of a "
+                             "push carries some")
+        if max_frames is not None and len(chunks) >= max_frames:
+            raise ValueError(f"more than {max_frames} frames; this shard's largest push needs fewer")
         chunks.append(frame.data)
+    if total > max_bytes:
+        raise ValueError(f"payload exceeds the {max_bytes} bytes this shard expects")
     return Payload(first.header, first.meta, chunks)
 
 

@@ -1,0 +1,147 @@
+"""How much of a shard server one client may hold: long-poll time and slots.
+
+A long-poll (a pull waiting for a version, a barrier, a wait for every worker to be
+done) holds one of the server's handler threads for as long as it waits. Without
+bounds, a few dozen pulls for a version that never comes take every thread, and a
+status call, a heartbeat or a push then waits behind them. So each long-poll waits at
+most `LONG_POLL_CAP_S` whatever deadline its client set (then the client retries), a
+worker holds at most `POLLS_PER_WORKER` at once, and all long-polls together leave
+`reserved_threads` of the pool free for calls that answer at once. A long-poll over a
+cap is refused before it waits (RESOURCE_EXHAUSTED) and changes nothing.
+
+A push is bounded by the shard it goes to (`push_limits`): its bytes, its frames and the
+fields of each frame, so that no stream costs a server much more memory than the
+largest legal push of that shard. A push over a bound is refused (INVALID_ARGUMENT: the
+same bytes would be refused again) and the rest of its stream is not read.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+from disttrain.strategies.ps.codec import CHUNK_BYTES
+
+# Long enough that a synchronous step's slowest worker rarely makes a pull retry, short
+# enough that a thread is never held for long by a call whose client went away.
+LONG_POLL_CAP_S = 30.0
+# A worker's pull, plus one prefetch or a retry whose abandoned attempt still waits.
+POLLS_PER_WORKER = 2
+
+
+# A frame of a push holds ~16 header fields, one per tensor slice of the layout and a few
+# of payload metadata; this leaves ample room without letting tiny fields pile up.
+FIELDS_PER_FRAME = 64
+# Payload bytes per push, as a multiple of the largest legal payload: a push of a wider
+# dtype than the shard's (twice as wide) still reaches the header check, which names it.
+BYTES_SLACK = 2
+# Frames per push, as a multiple of what the shard's largest push needs in CHUNK_BYTES
+# pieces: room for a client that cuts smaller chunks, but not one of a byte a frame.
+FRAME_SLACK = 4
+
+
+@dataclass(frozen=True)
+class PushLimits:
+    """Bounds on one push to a shard: payload bytes, frames, fields of each frame."""
+
+    max_bytes: int
+    max_frames: int
+    max_fields: int
+
+
+def push_limits(dense_nbytes: int, compressed_nbytes: int | None, num_slices: int) -> PushLimits:
+    """The bounds on a push to a shard whose raw gradient has `dense_nbytes`, whose
+    compressed one (if the run compresses) `compressed_nbytes`, and which holds
+    `num_slices` tensor slices. Either payload is framed in CHUNK_BYTES pieces."""
+    max_bytes = BYTES_SLACK * max(dense_nbytes, compressed_nbytes or 0)
+    frames_needed = max(1, -(-max_bytes // CHUNK_BYTES))
+    return PushLimits(max_bytes, FRAME_SLACK * frames_needed + FRAME_SLACK,
+                      FIELDS_PER_FRAME + 2 * num_slices)
+
+
+def long_poll_wait_s(remaining_s: float | None, cap_s: float = LONG_POLL_CAP_S) -> float:
+    """How long a long-poll may wait: the client's remaining deadline, at most `cap_s`
+    (gRPC reports a call without deadline as one with a huge remaining time; None too)."""
+    if remaining_s is None:
+        return cap_s
+    return max(0.0, min(remaining_s, cap_s))
+
+
+def reserved_threads(max_threads: int) -> int:
+    """Handler threads kept free of long-polls: a quarter of the pool, at least 2."""
+    return max(2, max_threads // 4)
+
+
+class PollLimitExceeded(RuntimeError):
+    """A long-poll over a cap: refused before it waited (recoverable: retry later)."""
+
+
+class PollSlots:
+    """Counts the long-polls in progress, per key (a worker id) and in total.
+
+    Args:
+        max_total: long-polls at once, over all keys.
+        per_key: long-polls at once with one key.
+    """
+
+    def __init__(self, max_total: int, per_key: int = POLLS_PER_WORKER):
+        if max_total < 1 or per_key < 1:
+            raise ValueError(f"max_total ({max_total}) and per_key ({per_key}) must be >= 1")
+        self.max_total = max_total
+        self.per_key = per_key
+        self._lock = threading.Condition()
+        self._held: Counter[str] = Counter()
+        self._total = 0
+
+    @classmethod
+    def for_pool(cls, max_threads: int, per_key: int = POLLS_PER_WORKER) -> PollSlots:
+        """Slots for a server of `max_threads` handler threads, `reserved_threads` kept free."""
+        return cls(max(1, max_threads - reserved_threads(max_threads)), per_key)
+
+    def take(self, key: str) -> _Slot:
+        """A slot for one long-poll of `key`, released when its `with` block ends.
+
+        Raises:
+            PollLimitExceeded: `key` or the server already holds as many as allowed.
+        """
+        with self._lock:
+            if self._held[key] >= self.per_key:
+                raise PollLimitExceeded(f"{key!r} already has {self._held[key]} long-polls waiting on "
+                                        f"this server (at most {self.per_key}); retry once one ended")
+            if self._total >= self.max_total:
+                raise PollLimitExceeded(f"this server already holds {self._total} long-polls (at most "
+                                        f"{self.max_total}); retry later")
+            self._held[key] += 1
+            self._total += 1
+            self._lock.notify_all()
+        return _Slot(self, key)
+
+    def _release(self, key: str) -> None:
+        with self._lock:
+            self._held[key] -= 1
+            if not self._held[key]:
+                del self._held[key]
+            self._total -= 1
+            self._lock.notify_all()
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return self._total
+
+    def wait_for_total(self, num: int, timeout_s: float) -> bool:
+        """Wait until exactly `num` long-polls are in progress; False on timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._total == num, timeout_s)
+
+
+class _Slot:
+    def __init__(self, slots: PollSlots, key: str):
+        self._slots, self._key = slots, key
+
+    def __enter__(self) -> _Slot:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._slots._release(self._key)

@@ -1,0 +1,211 @@
+"""A shard server's resource limits on a real socket (port 0): hostile or broken clients
+get a status code, and the server keeps its model, version, optimizer state and ledger
+and goes on answering everyone else.
+"""
+
+import itertools
+import threading
+
+import grpc
+import pytest
+import torch
+
+from disttrain.proto import parameter_server_pb2 as pb
+from disttrain.proto import tensor_pb2
+from disttrain.strategies.ps import codec, wire
+from disttrain.strategies.ps.client import PSClient, RetryPolicy
+from disttrain.strategies.ps.limits import PollSlots, push_limits
+from disttrain.strategies.ps.server import ShardServer, build_state
+from disttrain.strategies.ps.sharding import plan_shards
+from disttrain.training.models import init_model
+from tests.distributed.test_ps_server import frames, make_config
+
+pytestmark = pytest.mark.timeout(60)
+
+WAIT_CAP_S = 4.0  # the server's long-poll cap in these tests
+
+
+@pytest.fixture
+def shard(tmp_path):
+    config = make_config(tmp_path)
+    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", max_threads=32,
+                         long_poll_cap_s=WAIT_CAP_S)
+    plan = plan_shards(init_model(config.training), 1)[0]
+    client = PSClient([server.address], [plan], RetryPolicy(timeout_s=10.0, max_attempts=1))
+    client.register("w0")
+    yield server, client, plan
+    client.close()
+    server.stop(0)
+
+
+def call(client, name):
+    request_type = wire.METHODS[name][1]
+    deserialize = pb.ShardStatus.FromString if name == "GetStatus" else wire.read_parameters
+    return client.shards[0].channel.unary_unary(wire.method_path(name),
+                                                request_serializer=request_type.SerializeToString,
+                                                response_deserializer=deserialize)
+
+
+def snapshot(server):
+    state = server.state
+    return (state.parameters(), state.version, {k: v.clone() for k, v in state.optimizer.state.get(
+        state.param, {}).items()}, state.ledger(0, 0))
+
+
+def assert_unchanged(server, before):
+    params, version, optimizer, ledger = snapshot(server)
+    assert torch.equal(params, before[0]) and version == before[1] and ledger == before[3]
+    assert optimizer.keys() == before[2].keys()
+    assert all(torch.equal(optimizer[k], before[2][k]) for k in optimizer)
+    status = call_status(server)
+    assert status.version == before[1]
+
+
+def call_status(server):
+    with grpc.insecure_channel(server.address) as channel:
+        get = channel.unary_unary(wire.method_path("GetStatus"),
+                                  request_serializer=pb.StatusRequest.SerializeToString,
+                                  response_deserializer=pb.ShardStatus.FromString)
+        return get(pb.StatusRequest(), timeout=2)
+
+
+def test_pending_long_polls_leave_threads_for_status_calls(shard):
+    server, client, plan = shard
+    before = snapshot(server)
+    fetch = call(client, "FetchParameters")
+    num_calls, num_workers = 64, 16
+    admitted = min(num_workers * server.polls.per_key, server.polls.max_total)
+    assert admitted < num_calls and server.polls.max_total < 32  # both caps are exercised
+    ended, lock, refused_all = [], threading.Lock(), threading.Event()
+
+    def on_done(future):
+        with lock:
+            ended.append(future.code())
+            if len(ended) == num_calls - admitted:
+                refused_all.set()
+
+    futures = []
+    for i in range(num_calls):  # no client deadline: the server's cap ends them
+        future = fetch.future(pb.ParameterRequest(worker_id=f"w{i % num_workers}", min_version=2**62))
+        future.add_done_callback(on_done)
+        futures.append(future)
+    assert refused_all.wait(10)  # the calls over a cap are refused at once
+    with lock:
+        assert set(ended) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert server.polls.total == admitted
+    status = call(client, "GetStatus")(pb.StatusRequest(), timeout=2)  # a free thread answers
+    assert status.version == 0
+    for future in futures:
+        assert future.exception(timeout=WAIT_CAP_S + 10) is not None
+    codes = [future.code() for future in futures]
+    assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) == admitted
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == num_calls - admitted
+    assert server.polls.wait_for_total(0, 10)
+    assert_unchanged(server, before)
+
+
+def test_a_worker_over_its_long_poll_cap_is_refused_at_once(shard):
+    server, client, plan = shard
+    fetch = call(client, "FetchParameters")
+    pending = [fetch.future(pb.ParameterRequest(worker_id="w0", min_version=5), timeout=30)
+               for _ in range(server.polls.per_key)]
+    assert server.polls.wait_for_total(server.polls.per_key, 10)
+    with pytest.raises(grpc.RpcError) as raised:  # long before its own deadline
+        fetch(pb.ParameterRequest(worker_id="w0", min_version=5), timeout=WAIT_CAP_S / 2)
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "long-polls" in raised.value.details()
+    # another worker still gets a slot, and a version that exists answers every waiter
+    send = client.shards[0].channel.stream_unary(wire.method_path("SendGradients"),
+                                                request_serializer=wire.identity,
+                                                response_deserializer=pb.PushReply.FromString)
+    for step in range(1, 6):
+        send(frames(plan, torch.zeros(plan.numel), step=step), timeout=10)
+    assert [f.result(timeout=10).header.version for f in pending] == [5] * len(pending)
+    assert server.polls.wait_for_total(0, 10)
+
+
+def test_poll_slots_count_per_key_and_in_total():
+    slots = PollSlots(max_total=3, per_key=2)
+    with slots.take("a"), slots.take("a"):
+        with pytest.raises(RuntimeError, match="'a' already has 2"):
+            slots.take("a")
+        with slots.take("b"):
+            with pytest.raises(RuntimeError, match="at most 3"):
+                slots.take("c")
+    assert slots.total == 0
+    assert PollSlots.for_pool(32).max_total == 24
+
+
+def stream(client):
+    return client.shards[0].channel.stream_unary(wire.method_path("SendGradients"),
+                                                request_serializer=wire.identity,
+                                                response_deserializer=pb.PushReply.FromString)
+
+
+def push_frames(plan, chunk_bytes):
+    """The frames of a well-formed push of ones, cut in `chunk_bytes` pieces."""
+    header = pb.GradientMessage(worker_id="w0", step=1, base_version=0, shard=0, num_samples=8, block_id=1)
+    header.layout.extend(wire.slice_specs(plan))
+    meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype="float32")
+    data = codec.tensor_bytes(torch.ones(plan.numel))
+    return codec.encode_frames(header, wire.GRADIENT_PAYLOAD_FIELD, meta, data, chunk_bytes)
+
+
+def endless(first, then, consumed):
+    """`first`, then `then` forever, counting what gRPC read."""
+    yield first
+    for frame in itertools.repeat(then):
+        consumed[0] += 1
+        yield frame
+
+
+def empty_frame():
+    return bytes(next(iter(codec.encode_frames(pb.GradientMessage(), wire.GRADIENT_PAYLOAD_FIELD,
+                                               tensor_pb2.TensorProto(), memoryview(b"")))))
+
+
+def empty_header_frame(plan):
+    """A push's first frame, whole header, no payload bytes (and not through shared memory)."""
+    header = pb.GradientMessage(worker_id="w0", step=1, base_version=0, shard=0, num_samples=8, block_id=1)
+    header.layout.extend(wire.slice_specs(plan))
+    meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype="float32")
+    return next(iter(codec.encode_frames(header, wire.GRADIENT_PAYLOAD_FIELD, meta, memoryview(b""))))
+
+
+def bad_streams(plan):
+    one_byte = list(itertools.islice(push_frames(plan, 1), 2))
+    first_frame = next(iter(push_frames(plan, codec.CHUNK_BYTES)))
+    return {
+        # endless streams: before these limits, the server read them until the deadline
+        "empty frames": ("no payload bytes", lambda c: endless(one_byte[0], empty_frame(), c)),
+        "one-byte frames": ("more than", lambda c: endless(one_byte[0], one_byte[1], c)),
+        "too many bytes": ("exceeds", lambda c: endless(first_frame, first_frame, c)),
+        "empty first frame": ("frame 1 carries no payload bytes", lambda c: iter([empty_header_frame(plan)])),
+        # a 2-byte field repeated: one view and one parsed field each
+        "tiny fields": ("fields", lambda c: iter([b"\x78\x00" * 200_000 + first_frame])),
+    }
+
+
+@pytest.mark.parametrize("case", ["empty frames", "one-byte frames", "too many bytes", "empty first frame",
+                                  "tiny fields"])
+def test_a_push_over_a_bound_is_refused_and_the_stream_not_read_on(shard, case):
+    server, client, plan = shard
+    words, build = bad_streams(plan)[case]
+    before = snapshot(server)
+    consumed = [0]
+    with pytest.raises(grpc.RpcError) as raised:
+        stream(client)(build(consumed), timeout=20)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in raised.value.details()
+    assert consumed[0] < 1_000_000  # the call ended although the stream never does
+    assert_unchanged(server, before)
+    assert server.state.status()["num_invalid"] == 0  # refused before it reached the shard
+    # the next well-formed push goes through
+    assert stream(client)(frames(plan, torch.ones(plan.numel)), timeout=10).outcome == pb.PushReply.APPLIED
+
+
+def test_push_limits_leave_room_for_every_legal_push():
+    limits = push_limits(dense_nbytes=40 << 20, compressed_nbytes=None, num_slices=3)
+    assert 40 << 20 <= limits.max_bytes <= 4 * (40 << 20)
+    assert 40 <= limits.max_frames <= 4 * 80 + 4 and limits.max_fields >= 16 + 3
+    assert push_limits(100, 180, 1).max_bytes >= 180  # a compressed layout larger than dense
+    assert push_limits(10, None, 1).max_frames < 10  # not one frame per byte
