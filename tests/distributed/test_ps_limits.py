@@ -142,9 +142,10 @@ def stream(client):
                                                 response_deserializer=pb.PushReply.FromString)
 
 
-def push_frames(plan, chunk_bytes):
-    """The frames of a well-formed push of ones, cut in `chunk_bytes` pieces."""
-    header = pb.GradientMessage(worker_id="w0", step=1, base_version=0, shard=0, num_samples=8, block_id=1)
+def push_frames(plan, chunk_bytes, num_samples=8):
+    """The frames of a push of ones, cut in `chunk_bytes` pieces."""
+    header = pb.GradientMessage(worker_id="w0", step=1, base_version=0, shard=0, num_samples=num_samples,
+                                block_id=1)
     header.layout.extend(wire.slice_specs(plan))
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype="float32")
     data = codec.tensor_bytes(torch.ones(plan.numel))
@@ -209,3 +210,20 @@ def test_push_limits_leave_room_for_every_legal_push():
     assert 40 <= limits.max_frames <= 4 * 80 + 4 and limits.max_fields >= 16 + 3
     assert push_limits(100, 180, 1).max_bytes >= 180  # a compressed layout larger than dense
     assert push_limits(10, None, 1).max_frames < 10  # not one frame per byte
+
+
+@pytest.mark.parametrize("num_samples", [65, 2**62])
+def test_a_push_standing_for_more_than_a_batch_is_refused(shard, num_samples):
+    server, client, plan = shard
+    batch_size = server.state.config.training.batch_size
+    assert batch_size == 64
+    before = snapshot(server)
+    with pytest.raises(grpc.RpcError) as raised:
+        stream(client)(push_frames(plan, codec.CHUNK_BYTES, num_samples), timeout=10)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"num_samples ({num_samples}) exceeds the run's batch size (64)" in raised.value.details()
+    assert_unchanged(server, before)
+    assert server.state.status()["num_samples_applied"] == 0
+    # a full batch is taken
+    reply = stream(client)(push_frames(plan, codec.CHUNK_BYTES, batch_size), timeout=10)
+    assert reply.outcome == pb.PushReply.APPLIED and server.state.status()["num_samples_applied"] == 64

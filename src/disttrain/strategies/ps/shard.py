@@ -65,7 +65,7 @@ class ShardState:
             raise ValueError(f"shard {plan.shard} owns {plan.numel} elements, got {initial.numel()}")
         self.plan = plan
         self.config = config
-        self.decoder = PushDecoder(plan, config.compression)
+        self.decoder = PushDecoder(plan, config.compression, config.training.batch_size)
         self.param = nn.Parameter(initial.detach().clone().reshape(-1))
         # One flat tensor per shard: the fused kernels update it in one pass.
         self.optimizer = build_optimizer([self.param], config.training, fused=True)

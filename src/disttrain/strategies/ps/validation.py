@@ -23,12 +23,15 @@ class InvalidPush(ValueError):
     """A malformed push: wrong layout, shape, dtype, length or values. Nothing changed."""
 
 
-def check_header(payload: Payload, plan: ShardPlan, scheme: str | None = None) -> None:
+def check_header(payload: Payload, plan: ShardPlan, scheme: str | None = None,
+                 max_samples: int | None = None) -> None:
     """Check a push's header and payload metadata (not yet its bytes).
 
     Args:
         scheme: the compression scheme of the run (None: the run sends raw values). A
             payload may still come uncompressed in a compressing run.
+        max_samples: the most samples one push may stand for (the run's batch size): a
+            larger count would outweigh every other worker's gradient in the average.
     Raises:
         InvalidPush: naming the first problem found.
     """
@@ -40,6 +43,9 @@ def check_header(payload: Payload, plan: ShardPlan, scheme: str | None = None) -
     if header.step < 1 or header.base_version < 0 or header.num_samples < 1:
         raise InvalidPush(f"step ({header.step}) and num_samples ({header.num_samples}) must be >= 1 "
                           f"and base_version ({header.base_version}) >= 0")
+    if max_samples is not None and header.num_samples > max_samples:
+        raise InvalidPush(f"num_samples ({header.num_samples}) exceeds the run's batch size "
+                          f"({max_samples}); one push stands for one batch at most")
     _check_compression(header, scheme)
     _check_layout(plan_layout(header.layout), plan)
     if meta.dtype != plan.dtype:
@@ -102,10 +108,12 @@ def decode_payload(payload: Payload, plan: ShardPlan) -> list[torch.Tensor]:
 
 
 class PushDecoder:
-    """A shard's checks and decoding of pushes, for the run's compression settings."""
+    """A shard's checks and decoding of pushes, for the run's compression settings and
+    batch size (`max_samples`: the most samples one push may stand for; None: no bound)."""
 
-    def __init__(self, plan: ShardPlan, compression: CompressionConfig):
+    def __init__(self, plan: ShardPlan, compression: CompressionConfig, max_samples: int | None = None):
         self.plan = plan
+        self.max_samples = max_samples
         self.compressor = None
         if compression.enabled and compression.type != "powersgd":
             self.compressor = Compressor(compression.type, compression.ratio, error_feedback=False)
@@ -119,7 +127,7 @@ class PushDecoder:
         return None if self.compressor is None else self.compressor.scheme
 
     def check_header(self, payload: Payload) -> None:
-        check_header(payload, self.plan, self.scheme)
+        check_header(payload, self.plan, self.scheme, self.max_samples)
 
     def payload_nbytes(self, payload: Payload) -> int:
         """How many bytes the push's payload has (of a shared-memory segment: how many to read)."""
