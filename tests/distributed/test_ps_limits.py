@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from disttrain.config import config_from_dict
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.proto import tensor_pb2
 from disttrain.strategies.ps import codec, wire
@@ -227,3 +228,39 @@ def test_a_push_standing_for_more_than_a_batch_is_refused(shard, num_samples):
     # a full batch is taken
     reply = stream(client)(push_frames(plan, codec.CHUNK_BYTES, batch_size), timeout=10)
     assert reply.outcome == pb.PushReply.APPLIED and server.state.status()["num_samples_applied"] == 64
+
+
+@pytest.fixture
+def momentum_shard(tmp_path):
+    config = config_from_dict({
+        "training": {"dataset": "digits", "model_architecture": "mlp", "optimizer": "sgd", "momentum": 0.9,
+                     "learning_rate": 4.0, "checkpoint_interval": 2},
+        "system": {"num_workers": 1, "checkpoint_dir": str(tmp_path / "ckpt")}})
+    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0")
+    plan = plan_shards(init_model(config.training), 1)[0]
+    client = PSClient([server.address], [plan], RetryPolicy(timeout_s=10.0, max_attempts=1))
+    client.register("w0")
+    yield server, client, plan
+    client.close()
+    server.stop(0)
+
+
+def test_an_update_that_would_overflow_the_parameters_is_refused(momentum_shard):
+    server, client, plan = momentum_shard
+    send = stream(client)
+    small = torch.full((plan.numel,), 0.01)
+    assert send(frames(plan, small, step=1), timeout=10).outcome == pb.PushReply.APPLIED
+    before = snapshot(server)
+    assert "momentum_buffer" in before[2] and before[1] == 1 and before[3] == [1]
+    huge = torch.full((plan.numel,), 1e38)  # finite, but 4.0 x 1e38 is not
+    with pytest.raises(grpc.RpcError) as raised:
+        send(frames(plan, huge, step=2), timeout=10)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "NaN or infinite" in raised.value.details()
+    assert_unchanged(server, before)
+    status = call_status(server)
+    assert status.num_refused_nonfinite == 1 and status.num_applied == 1
+    # the same step with a sane gradient is taken afterwards: nothing of the refused one stayed
+    reply = send(frames(plan, small, step=2), timeout=10)
+    assert (reply.outcome, reply.version) == (pb.PushReply.APPLIED, 2)
+    assert torch.isfinite(server.state.parameters()).all() and server.state.ledger(0, 0) == [1, 2]

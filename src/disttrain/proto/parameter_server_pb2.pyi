@@ -191,7 +191,7 @@ class BarrierReply(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("shard", "num_shards", "version", "world_size", "num_registered", "num_done", "num_applied", "num_rejected_stale", "num_dropped_late", "num_duplicates", "num_invalid", "staleness_histogram", "round_wait_s", "aggregation_mode", "num_samples_applied", "num_samples_duplicate", "num_blocks_applied", "num_fenced", "incarnation", "generation", "max_round_wait_s")
+    __slots__ = ("shard", "num_shards", "version", "world_size", "num_registered", "num_done", "num_applied", "num_rejected_stale", "num_dropped_late", "num_duplicates", "num_invalid", "staleness_histogram", "round_wait_s", "aggregation_mode", "num_samples_applied", "num_samples_duplicate", "num_blocks_applied", "num_fenced", "incarnation", "generation", "max_round_wait_s", "num_refused_nonfinite")
     class StalenessHistogramEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,7 @@ class ShardStatus(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MAX_ROUND_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_REFUSED_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     version: int
@@ -241,7 +242,8 @@ class ShardStatus(_message.Message):
     incarnation: int
     generation: int
     max_round_wait_s: float
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., world_size: _Optional[int] = ..., num_registered: _Optional[int] = ..., num_done: _Optional[int] = ..., num_applied: _Optional[int] = ..., num_rejected_stale: _Optional[int] = ..., num_dropped_late: _Optional[int] = ..., num_duplicates: _Optional[int] = ..., num_invalid: _Optional[int] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., round_wait_s: _Optional[float] = ..., aggregation_mode: _Optional[str] = ..., num_samples_applied: _Optional[int] = ..., num_samples_duplicate: _Optional[int] = ..., num_blocks_applied: _Optional[int] = ..., num_fenced: _Optional[int] = ..., incarnation: _Optional[int] = ..., generation: _Optional[int] = ..., max_round_wait_s: _Optional[float] = ...) -> None: ...
+    num_refused_nonfinite: int
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., world_size: _Optional[int] = ..., num_registered: _Optional[int] = ..., num_done: _Optional[int] = ..., num_applied: _Optional[int] = ..., num_rejected_stale: _Optional[int] = ..., num_dropped_late: _Optional[int] = ..., num_duplicates: _Optional[int] = ..., num_invalid: _Optional[int] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., round_wait_s: _Optional[float] = ..., aggregation_mode: _Optional[str] = ..., num_samples_applied: _Optional[int] = ..., num_samples_duplicate: _Optional[int] = ..., num_blocks_applied: _Optional[int] = ..., num_fenced: _Optional[int] = ..., incarnation: _Optional[int] = ..., generation: _Optional[int] = ..., max_round_wait_s: _Optional[float] = ..., num_refused_nonfinite: _Optional[int] = ...) -> None: ...
 
 class LedgerRequest(_message.Message):
     __slots__ = ("first_block", "end_block")

@@ -25,6 +25,7 @@ an older checkpoint) is answered ROLLED_BACK: the worker pulls again and recompu
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 from disttrain.strategies.ps.decisions import Contribution, Decision, Outcome, Push, PushRefused
@@ -234,6 +235,18 @@ class AggregationRules:
                 "num_samples_duplicate": self.ledger.samples_duplicate,
                 "num_blocks_applied": len(self.ledger.blocks), "num_fenced": self.roster.num_fenced,
                 "generation": self.roster.generation}
+
+    def mark(self) -> tuple:
+        """What `rollback` needs to undo the decisions that follow (no gradient is copied)."""
+        return (self.state_dict(), {rank: replace(c) for rank, c in self.pending.items()},
+                self.round_started, self.max_round_wait_s)
+
+    def rollback(self, mark: tuple) -> None:
+        """Undo every decision since `mark()`: version, ledger, counters, pending gradients."""
+        state, pending = mark[0], mark[1]
+        self.load_state_dict(state)
+        self.pending.update(pending)
+        self.round_started, self.max_round_wait_s = mark[2], mark[3]
 
     # -- persistence ----------------------------------------------------------------------
 

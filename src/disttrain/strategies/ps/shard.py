@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +25,11 @@ from disttrain.strategies.ps import persistence, wire
 from disttrain.strategies.ps.aggregation import AggregationRules, Decision, Outcome, Push, PushRefused
 from disttrain.strategies.ps.barriers import BarrierMismatch, Barriers
 from disttrain.strategies.ps.codec import Payload, tensor_bytes
-from disttrain.strategies.ps.combine import combine
 from disttrain.strategies.ps.sharding import ShardPlan
 from disttrain.strategies.ps.shared_memory import SegmentPair, WorkerSegments
+from disttrain.strategies.ps.update import GuardedUpdate, NonFiniteUpdate
 from disttrain.strategies.ps.validation import InvalidPush, PushDecoder
+from disttrain.strategies.ps.wire import Snapshot
 from disttrain.training.engine import build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -37,15 +37,6 @@ logger = logging.getLogger(__name__)
 
 class ShardStopping(RuntimeError):
     """A push that arrived after the final checkpoint began: not taken (retry later)."""
-
-
-@dataclass
-class Snapshot:
-    """The parameters at `version` as ready-made wire messages (immutable; every reader
-    of that version streams the same ones, so they are built once per version)."""
-
-    version: int
-    frames: list[bytes]
 
 
 class ShardState:
@@ -77,7 +68,7 @@ class ShardState:
         self.clock = clock
         self.on_version: Callable[[int], None] = lambda version: None  # called at each new version
         self.incarnation = time.time_ns()  # tells workers this server restarted
-        self.num_invalid = 0
+        self.num_invalid = self.num_refused_nonfinite = 0
         self.stopping = False
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -87,8 +78,7 @@ class ShardState:
             CheckpointWriter(self.checkpoint_dir, config.system.checkpoint_keep)
         self.segments = WorkerSegments(plan.nbytes, plan.dtype)
         self.barriers = Barriers(config.system.num_workers)
-        # Reused by every update: a fresh buffer each time costs page faults on every page.
-        self._gradient_sum = torch.empty_like(self.param.detach())
+        self.update = GuardedUpdate(self.param, self.optimizer)
 
     def register(self, worker_id: str, requested_rank: int) -> tuple[int, int]:
         """(rank, version) for `worker_id`. Raises PushRefused when no rank fits."""
@@ -162,8 +152,12 @@ class ShardState:
                     h.last_in_epoch, h.generation, h.redo)
         with self._changed:
             self._check_running()  # again: the final checkpoint may have begun meanwhile
+            mark = self.rules.mark()
             decision = self.rules.offer(push, gradient, self.clock())
-            self._apply(decision)
+            if not self._apply(decision):
+                self.rules.rollback(mark)
+                raise NonFiniteUpdate(f"applying this push would leave shard {self.plan.shard}'s parameters "
+                                      "NaN or infinite; refused, nothing changed")
         return decision
 
     def _check_running(self) -> None:  # a push after the final checkpoint began would be lost
@@ -195,18 +189,22 @@ class ShardState:
         data = tensor_bytes(pair.gradient_tensor)[:self.decoder.payload_nbytes(payload)]
         return Payload(payload.header, payload.meta, [data])
 
-    def _apply(self, decision: Decision) -> None:
-        """Apply a decision's gradients (lock held). The rules already advanced the version."""
+    def _apply(self, decision: Decision) -> bool:
+        """Apply a decision's gradients (lock held; the rules already advanced the version).
+        False (counted; parameters and optimizer as they were) when the step would leave a
+        parameter non-finite: a push rolls the rules back, other callers skip the step."""
         if not decision.advanced:
-            return
-        if decision.apply:
-            self.param.grad = combine(decision.apply, self._gradient_sum)
-            self.optimizer.step()
-            self.param.grad = None
+            return True
+        if decision.apply and not self.update.apply(decision.apply):
+            self.num_refused_nonfinite += 1
+            logger.warning("shard %d refused an update leaving NaN or infinite parameters", self.plan.shard)
+            self._changed.notify_all()
+            return False
         self._changed.notify_all()
         if self.checkpoint_dir is not None and self.rules.version % self.checkpoint_interval == 0:
             self._save_async(self._state())
         self.on_version(self.rules.version)
+        return True
 
     def _reached(self, min_version: int, timeout_s: float | None) -> bool:
         """Wait (lock held) until the version reaches `min_version`; False on timeout or stop."""
@@ -247,7 +245,8 @@ class ShardState:
         """This shard's counters (the fields of `ShardStatus`)."""
         with self._lock:
             return {"shard": self.plan.shard, "num_shards": self.plan.num_shards,
-                    "num_invalid": self.num_invalid, "incarnation": self.incarnation, **self.rules.status()}
+                    "num_invalid": self.num_invalid, "num_refused_nonfinite": self.num_refused_nonfinite,
+                    "incarnation": self.incarnation, **self.rules.status()}
 
     @property
     def version(self) -> int:

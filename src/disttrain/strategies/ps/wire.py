@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.proto import tensor_pb2
@@ -56,6 +57,15 @@ METHODS = {
     "Barrier": ("unary_unary", pb.BarrierRequest, pb.BarrierReply),
     "GetLedger": ("unary_unary", pb.LedgerRequest, pb.LedgerReply),
 }
+
+
+@dataclass
+class Snapshot:
+    """A shard's parameters at `version` as ready-made wire messages (immutable; every
+    reader of that version streams the same ones, so they are built once per version)."""
+
+    version: int
+    frames: list[bytes]
 
 
 def method_path(name: str) -> str:
