@@ -2,8 +2,9 @@
 
 codec (tensors <-> wire bytes), wire (the service's methods), sharding (who owns which
 slices), aggregation (pure rules), barriers (pure), combine (the weighted sum),
-validation, shard (one shard's state), server (the servicer, the `ps-server` role),
-client (retries, fan-out), exchange (a worker's per-mode step), worker (the `ps-worker`
+validation, limits (what one client may cost a server), update (the optimizer step,
+refused when non-finite), shard (one shard's state), server (the servicer, the
+`ps-server` role), client (retries, fan-out), exchange (a worker's per-mode step), worker (the `ps-worker`
 role), finalize (end of run), launcher (the whole run on one machine: `STRATEGY`).
 """
 
