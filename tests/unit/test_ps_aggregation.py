@@ -3,7 +3,7 @@
 import pytest
 
 from disttrain.strategies.ps.aggregation import AggregationRules, Outcome, Push, PushRefused
-from disttrain.strategies.ps.roster import FencedPush, UnknownGeneration
+from disttrain.strategies.ps.roster import FencedPush, Ledger, UnknownGeneration
 
 
 class Rules(AggregationRules):
@@ -197,3 +197,16 @@ def test_a_redo_is_applied_on_arrival_in_sync_mode_and_the_ledger_survives_a_res
     restored.load_state_dict(r.state_dict())
     assert restored.ledger.blocks == {5} and restored.ledger.between(0, 5) == []
     assert restored.offer("w1", 3, 1, 2.0, "a", now=0.0, block=5).outcome is Outcome.DUPLICATE
+
+
+def test_rollback_forgets_only_the_blocks_added_since_the_mark():
+    ledger = Ledger(blocks={1, 2, 3}, samples_duplicate=5)
+    duplicate = ledger.mark()
+    ledger.add(3)  # already there: stays after the rollback
+    ledger.add(4)
+    ledger.add(9)
+    ledger.samples_duplicate += 64
+    ledger.rollback(duplicate)
+    assert ledger.blocks == {1, 2, 3} and ledger.samples_duplicate == 5
+    ledger.add(4)  # no journal open: nothing to undo later
+    assert ledger.state_dict() == {"blocks": [1, 2, 3, 4], "samples_duplicate": 5}

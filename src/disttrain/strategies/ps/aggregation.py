@@ -237,37 +237,44 @@ class AggregationRules:
                 "generation": self.roster.generation}
 
     def mark(self) -> tuple:
-        """What `rollback` needs to undo the decisions that follow (no gradient is copied)."""
-        return (self.state_dict(), {rank: replace(c) for rank, c in self.pending.items()},
-                self.round_started, self.max_round_wait_s)
+        """What `rollback` needs to undo the decisions that follow (no gradient is copied,
+        nor the ledger: it journals what it adds)."""
+        pending = {rank: replace(c) for rank, c in self.pending.items()}
+        return self._core_state(), self.ledger.mark(), pending, self.round_started, self.max_round_wait_s
 
     def rollback(self, mark: tuple) -> None:
         """Undo every decision since `mark()`: version, ledger, counters, pending gradients."""
-        state, pending = mark[0], mark[1]
-        self.load_state_dict(state)
+        state, ledger, pending, round_started, max_round_wait_s = mark
+        self._load_core_state(state)
+        self.ledger.rollback(ledger)
         self.pending.update(pending)
-        self.round_started, self.max_round_wait_s = mark[2], mark[3]
+        self.round_started, self.max_round_wait_s = round_started, max_round_wait_s
 
     # -- persistence ----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Everything but pending gradients (a restarted shard's workers push them again)."""
-        return {"mode": self.mode, "version": self.version, "ranks": dict(self.ranks),
-                "done": sorted(self.done), "last_step": dict(self.last_step),
-                "round_wait_s": self.round_wait_s, "ledger": self.ledger.state_dict(),
-                "roster": self.roster.state_dict(),
-                "staleness_histogram": dict(self.staleness_histogram), "counts": dict(self.counts)}
+        return {**self._core_state(), "ledger": self.ledger.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Raises ValueError when the state was written in another mode."""
         if state["mode"] != self.mode:
             raise ValueError(f"the checkpoint was written in {state['mode']} mode, not {self.mode}")
+        self._load_core_state(state)
+        self.ledger.load_state_dict(state["ledger"])
+
+    def _core_state(self) -> dict[str, Any]:
+        return {"mode": self.mode, "version": self.version, "ranks": dict(self.ranks),
+                "done": sorted(self.done), "last_step": dict(self.last_step),
+                "round_wait_s": self.round_wait_s, "roster": self.roster.state_dict(),
+                "staleness_histogram": dict(self.staleness_histogram), "counts": dict(self.counts)}
+
+    def _load_core_state(self, state: dict[str, Any]) -> None:
         self.version = int(state["version"])
         self.ranks = {str(k): int(v) for k, v in state["ranks"].items()}
         self.done = {int(r) for r in state["done"]}
         self.last_step = {int(k): int(v) for k, v in state["last_step"].items()}
         self.round_wait_s = float(state["round_wait_s"])
-        self.ledger.load_state_dict(state["ledger"])
         self.roster.load_state_dict(state["roster"])
         self.staleness_histogram = Counter({int(k): int(v) for k, v in state["staleness_histogram"].items()})
         self.counts = Counter({str(k): int(v) for k, v in state["counts"].items()})

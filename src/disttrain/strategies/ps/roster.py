@@ -33,12 +33,29 @@ class Ledger:
 
     blocks: set[int] = field(default_factory=set)
     samples_duplicate: int = 0
+    _journal: list[int] | None = field(default=None, repr=False)  # blocks added since `mark`
 
     def __contains__(self, block: int) -> bool:
         return block in self.blocks
 
     def add(self, block: int) -> None:
-        self.blocks.add(block)
+        if block not in self.blocks:
+            self.blocks.add(block)
+            if self._journal is not None:
+                self._journal.append(block)
+
+    def mark(self) -> int:
+        """Start journaling what is added, so `rollback` can undo it: a copy of the blocks
+        would cost a pass over every applied block on every push."""
+        self._journal = []
+        return self.samples_duplicate
+
+    def rollback(self, samples_duplicate: int) -> None:
+        """Forget the blocks added since `mark` (which returned `samples_duplicate`)."""
+        for block in self._journal or ():
+            self.blocks.discard(block)
+        self._journal = None
+        self.samples_duplicate = samples_duplicate
 
     def between(self, first: int, end: int) -> list[int]:
         """Applied blocks with ids in [first, end) (end 0: no bound), ascending."""
