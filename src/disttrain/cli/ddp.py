@@ -20,6 +20,7 @@ from disttrain import cli
 from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
     add_config_flag,
+    add_token_flag,
     add_training_flags,
     config_from_args,
     not_used_yet_epilog,
@@ -83,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "a running `disttrain coordinator` the ranks report to, instead of one started "
                     "for this run (how a run of several nodes is watched)", metavar="HOST:PORT")
     parser.add_argument("--quiet-summary", action="store_true", help=argparse.SUPPRESS)
+    add_token_flag(parser)
 
 
 def run(args: argparse.Namespace) -> RunSummary | None:
@@ -111,7 +113,7 @@ def rank_main(argv: list[str], env: Mapping[str, str]) -> int:
                        "reads the dead group's addresses and cannot connect (pytorch/pytorch#135712); "
                        "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun --max-restarts")
     try:
-        summary = run_rank(config_from_args(args), info, options_from_args(args))
+        summary = run_rank(config_from_args(args), info, options_from_args(args, env))
         if summary is not None and args.summary_json:
             summary.write(args.summary_json)
     except DisttrainError as e:

@@ -7,10 +7,13 @@ Precedence, lowest first: defaults < `--config` file < flags < `--set section.ke
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Mapping
 from itertools import chain
 from typing import Any
 
 from disttrain.config import Config, load_config, not_used_yet
+from disttrain.core.auth import TOKEN_ENV, resolve_token
 from disttrain.core.errors import ConfigError
 from disttrain.core.faults import Fault, load_fault_plan, parse_fault
 from disttrain.training.models import registered_models
@@ -96,6 +99,27 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     add_attempt_flag(parser)
 
 
+def add_token_flag(parser: argparse.ArgumentParser) -> None:
+    """`--token-file PATH`: the run's shared token, read from a file (never a flag's value:
+    any user of the machine can read a command line)."""
+    parser.add_argument("--token-file", metavar="PATH", default=None,
+                        help=f"file holding the run's shared token (private: chmod 600); every "
+                             f"server refuses calls without it. Or set {TOKEN_ENV}. Without "
+                             f"either, servers accept anyone who reaches their port")
+
+
+def token_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> str | None:
+    """The token of a parsed command line: `--token-file`, else `env`'s (default: this
+    process's environment) `DISTTRAIN_TOKEN`; None when neither is given.
+
+    Raises:
+        ConfigError: the file is unreadable, empty or readable by other users, or the
+            token is malformed.
+    """
+    env = os.environ if env is None else env
+    return resolve_token(args.token_file, env.get(TOKEN_ENV))
+
+
 def add_attempt_flag(parser: argparse.ArgumentParser) -> None:
     """`--attempt N`: which restart of this process this is (set by a supervisor)."""
     parser.add_argument("--attempt", type=int, default=0, help=argparse.SUPPRESS)
@@ -173,9 +197,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return config
 
 
-def options_from_args(args: argparse.Namespace) -> RunOptions:
+def options_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> RunOptions:
     """The run options of a parsed command line: `--inject` faults, then those of each
-    `--fault-plan` file."""
+    `--fault-plan` file; the token (see `token_from_args`) of a command with `--token-file`.
+
+    Raises:
+        ConfigError: see `token_from_args`.
+    """
     faults = (*args.faults, *chain.from_iterable(args.fault_plans))
+    token = token_from_args(args, env) if hasattr(args, "token_file") else None
     return RunOptions(resume=args.resume, faults=faults, verbose=args.verbose,
-                      attempt=getattr(args, "attempt", 0))
+                      attempt=getattr(args, "attempt", 0), token=token)

@@ -6,6 +6,7 @@ import argparse
 
 from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
+    add_token_flag,
     add_training_flags,
     config_from_args,
     not_used_yet_epilog,
@@ -56,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "the run stops"),
         **PS_FLAGS,
     })
+    add_token_flag(parser)
 
 
 def run(args: argparse.Namespace) -> RunSummary:

@@ -9,6 +9,7 @@ from disttrain.cli.flags import (
     add_common_flags,
     add_config_flags,
     add_fault_flags,
+    add_token_flag,
     config_from_args,
     options_from_args,
 )
@@ -41,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from this shard's newest checkpoint")
     add_fault_flags(parser)
     add_attempt_flag(parser)
+    add_token_flag(parser)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -60,4 +62,5 @@ def run(args: argparse.Namespace) -> None:
     shard, num_shards = parse_shard(args.shard)
     options = options_from_args(args)
     faults = FaultInjector(options.faults, "server", shard, options.attempt)
-    serve(config, args.bind or f"{config.ps.bind_host}:0", shard, num_shards, args.resume, faults)
+    serve(config, args.bind or f"{config.ps.bind_host}:0", shard, num_shards, args.resume, faults,
+          token=options.token)

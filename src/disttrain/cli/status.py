@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any
 
+from disttrain.cli.flags import add_token_flag, token_from_args
 from disttrain.coordinator.client import CoordinatorClient
 from disttrain.coordinator.registry import read_status
 from disttrain.core.addresses import parse_address
@@ -41,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="redraw every SECONDS (default 2) until Ctrl-C")
     parser.add_argument("--json", action="store_true", help="print one JSON object (one per redraw)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_token_flag(parser)  # --coordinator only: --registry reads the file, no token needed
 
 
 def run(args: argparse.Namespace) -> None:
@@ -78,7 +80,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         CoordinatorError: the coordinator cannot be reached.
     """
     if args.coordinator:
-        client = CoordinatorClient(args.coordinator, timeout_s=5.0)
+        client = CoordinatorClient(args.coordinator, timeout_s=5.0, token=token_from_args(args))
         try:
             status = client.status()
         finally:

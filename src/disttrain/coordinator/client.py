@@ -21,6 +21,7 @@ from collections.abc import Callable
 import grpc
 import tenacity
 
+from disttrain.core.auth import with_token
 from disttrain.core.errors import DisttrainError
 from disttrain.proto import coordinator_pb2 as pb
 
@@ -70,15 +71,16 @@ def capabilities() -> pb.Capabilities:
 
 
 class CoordinatorClient:
-    """Calls to the coordinator at `address`, each with a deadline of `timeout_s`."""
+    """Calls to the coordinator at `address`, each with a deadline of `timeout_s`, each
+    carrying `token` when given (a coordinator started with one refuses calls without it)."""
 
-    def __init__(self, address: str, timeout_s: float = 5.0):
+    def __init__(self, address: str, timeout_s: float = 5.0, token: str | None = None):
         self.address = address
         self.timeout_s = timeout_s
         # Back within about a second of a restarted coordinator (gRPC's default backoff grows
         # to two minutes after a few failed attempts, and heartbeats would stay paused).
-        self.channel = grpc.insecure_channel(address, options=[("grpc.initial_reconnect_backoff_ms", 100),
-                                                               ("grpc.max_reconnect_backoff_ms", 1000)])
+        self.channel = with_token(grpc.insecure_channel(address, options=[
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]), token)
         self._calls = {name: self.channel.unary_unary(method_path(name),
                                                       request_serializer=request.SerializeToString,
                                                       response_deserializer=reply.FromString)

@@ -218,6 +218,7 @@ class CoordinatorServer:
         registry_path: the SQLite registry; loaded when it exists, created otherwise.
         on_step: called after each heartbeat with the largest step any node reported.
         on_failure: called with (node id, reason) for every node declared failed by timeout.
+        token: when given, every call but health checks must carry it (`core.auth`).
 
     Raises:
         ConfigError: `bind` is malformed or cannot be bound.
@@ -226,7 +227,8 @@ class CoordinatorServer:
 
     def __init__(self, config: CoordinatorConfig, bind: str, registry_path: str | Path,
                  on_step: Callable[[int], None] | None = None,
-                 on_failure: Callable[[str, str], None] | None = None, max_threads: int = 128):
+                 on_failure: Callable[[str, str], None] | None = None, max_threads: int = 128,
+                 token: str | None = None):
         parse_address(bind, "--bind")  # a malformed address is refused before the registry opens
         self.registry = Registry(registry_path)
         self.state = CoordinatorState(config, self.registry)
@@ -234,7 +236,7 @@ class CoordinatorServer:
         # Each long-poll holds a thread: room for many watchers beside the heartbeats.
         try:
             self._server = RpcServer(_handler(CoordinatorServicer(self.state, on_step)), SERVICE, bind,
-                                     max_threads)
+                                     max_threads, token=token)
         except ConfigError:
             self.registry.close()
             raise

@@ -92,10 +92,14 @@ class Cluster:
 
     Args:
         log_dir: where each child's `<name>.log` goes.
+        env: variables set in every child's environment beside this process's own (how a
+            launcher hands its children a secret, which a command line would show to
+            every user); a restarted child gets them again.
     """
 
-    def __init__(self, log_dir: str | Path):
+    def __init__(self, log_dir: str | Path, env: dict[str, str] | None = None):
         self.log_dir = Path(log_dir)
+        self.env = dict(env or {})
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: dict[str, Child] = {}
         self.events: queue.Queue[Event] = queue.Queue()
@@ -105,7 +109,8 @@ class Cluster:
         the kernel ties a child's death signal to the thread that forked it)."""
         log_path = self.log_dir / f"{name}.log"
         log_file = log_path.open("ab", buffering=0)
-        child_env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+        child_env = {**os.environ, **self.env, **(env or {}), PARENT_ENV: str(os.getpid()),
+                     "PYTHONUNBUFFERED": "1"}
         process = subprocess.Popen([sys.executable, "-m", "disttrain", *args], stdout=subprocess.PIPE,
                                    stderr=log_file, stdin=subprocess.DEVNULL, env=child_env,
                                    start_new_session=True)

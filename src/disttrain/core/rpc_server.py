@@ -1,6 +1,7 @@
 """Every gRPC server of the project started one way: its port bound exclusively, the
 standard health service (`grpc.health.v1.Health`) beside its own for orchestrators'
-probes, and a warning when it listens beyond this machine.
+probes, every other call checked for the run's token when it has one (`auth`), and a
+warning when it listens beyond this machine without one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from disttrain.core.addresses import parse_address
+from disttrain.core.auth import TokenInterceptor
 from disttrain.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -32,16 +34,21 @@ class RpcServer:
         bind: HOST:PORT to listen on (port 0: a free one; `address` says which).
         max_threads: the handler threads (each long-poll holds one).
         options: further gRPC server options.
+        token: when given, every call but the health service's must carry it (else it is
+            refused UNAUTHENTICATED before its handler runs); None: open to anyone.
 
     Raises:
         ConfigError: the address is malformed or cannot be listened on.
     """
 
     def __init__(self, handler: grpc.GenericRpcHandler, service: str, bind: str, max_threads: int,
-                 options: list[tuple[str, Any]] | None = None):
+                 options: list[tuple[str, Any]] | None = None, token: str | None = None):
         host, port = parse_address(bind, "--bind")
+        # The health service stays open without the token (the interceptor lets it through),
+        # so orchestrators' probes work.
+        interceptors = [TokenInterceptor(token)] if token is not None else []
         self.server = grpc.server(futures.ThreadPoolExecutor(max_threads, thread_name_prefix="rpc"),
-                                  options=[*(options or []), *SERVER_OPTIONS])
+                                  interceptors=interceptors, options=[*(options or []), *SERVER_OPTIONS])
         self.server.add_generic_rpc_handlers((handler,))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -57,10 +64,14 @@ class RpcServer:
         for name in ("", service):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.server.start()
-        if not is_loopback(host):
+        if token is not None:
+            logger.info("calls to %s without the run's token are refused (health checks excepted)",
+                        self.address)
+        elif not is_loopback(host):
             logger.warning("listening on %s, reachable from other machines, without authentication: "
-                           "anyone who reaches this port can use the service; bind 127.0.0.1 unless "
-                           "other machines must connect, and keep the port behind a firewall", self.address)
+                           "anyone who reaches this port can use the service; set DISTTRAIN_TOKEN (or "
+                           "--token-file) on every process of the run, bind 127.0.0.1 unless other "
+                           "machines must connect, and keep the port behind a firewall", self.address)
 
     def stop(self, grace_s: float) -> None:
         """Report NOT_SERVING to health probes, then stop within `grace_s`."""

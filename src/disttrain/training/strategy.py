@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,12 +32,15 @@ class RunOptions:
         verbose: debug logging in every process of the run.
         attempt: how often this process was restarted before (faults fire on attempt 0
             unless they name another).
+        token: the run's shared token (`core.auth`): servers refuse calls without it,
+            clients send it; None: servers run open. Kept out of reprs, so out of logs.
     """
 
     resume: bool = False
     faults: tuple[Fault, ...] = ()
     verbose: bool = False
     attempt: int = 0
+    token: str | None = field(default=None, repr=False)
 
 
 class Strategy(Protocol):

@@ -9,7 +9,8 @@ ranks a killed launcher left alive in it. The ranks find the coordinator through
 and report their own end. The launcher reports the ends the ranks could not (a rank
 killed in the last attempt, the ranks the agent stopped, a stopped launcher), then
 stops the coordinator; `disttrain status --registry <log_dir>/cluster.db` shows the run
-afterwards.
+afterwards. The coordinator refuses calls without the run's token (the user's, else a
+random one per launch), which it and the ranks get through their environment.
 
 A multi-node run shares one coordinator (`--coordinator HOST:PORT`); without one its
 ranks run unwatched, since a coordinator per node would only see part of the run.
@@ -21,11 +22,12 @@ import logging
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from disttrain.config import Config
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
+from disttrain.core.auth import TOKEN_ENV, new_token
 from disttrain.core.errors import DistributedError
 from disttrain.core.processes import Cluster
 from disttrain.strategies.ddp.heartbeats import ROLE, node_id
@@ -46,11 +48,13 @@ class RunCoordinator:
         config: the run's config with `coordinator.address` set ("" when the run has none).
         local_ranks: the global ranks this launcher runs, when it knows them (one node).
         registry: the registry of the coordinator this launcher started, else None.
+        token: the token every call to the coordinator carries (None: it runs open).
     """
 
     config: Config
     local_ranks: tuple[int, ...]
     registry: Path | None = None
+    token: str | None = field(default=None, repr=False)
 
     @property
     def address(self) -> str:
@@ -70,7 +74,7 @@ class RunCoordinator:
         """Mark failed every rank an earlier run left alive in a kept registry (its launcher
         was killed): none of this run's ranks has started, so no live process holds those
         ids, and this run's ranks can register at once."""
-        client = CoordinatorClient(self.address, timeout_s=CALL_TIMEOUT_S)
+        client = CoordinatorClient(self.address, timeout_s=CALL_TIMEOUT_S, token=self.token)
         try:
             left = [node.node_id for node in client.status().nodes
                     if node.role == ROLE and node.state == "alive"]
@@ -85,7 +89,7 @@ class RunCoordinator:
         """Tell the coordinator each rank's (exit code, reason); best effort, one try each."""
         if not self.address or not exits:
             return
-        client = CoordinatorClient(self.address, timeout_s=CALL_TIMEOUT_S)
+        client = CoordinatorClient(self.address, timeout_s=CALL_TIMEOUT_S, token=self.token)
         try:
             for rank, (code, reason) in sorted(exits.items()):
                 client.report_exit(node_id(rank), code, reason)
@@ -96,11 +100,13 @@ class RunCoordinator:
 
 
 @contextmanager
-def run_coordinator(config: Config, config_path: Path, resume: bool) -> Iterator[RunCoordinator]:
+def run_coordinator(config: Config, config_path: Path, resume: bool,
+                    token: str | None = None) -> Iterator[RunCoordinator]:
     """Have a coordinator for the run while the block runs; yields where the ranks find it.
 
     Starts one as a child process for a single-node run without `coordinator.address`
-    (stopped when the block ends), reading its settings from `config_path`.
+    (stopped when the block ends), reading its settings from `config_path`; it requires
+    `token`, or a fresh random one when None (the yielded `token`).
 
     Raises:
         DistributedError: the coordinator did not start (its log is named).
@@ -108,24 +114,26 @@ def run_coordinator(config: Config, config_path: Path, resume: bool) -> Iterator
     world_size, num_nodes = config.system.num_workers, config.ddp.num_nodes
     local_ranks = tuple(range(world_size)) if num_nodes == 1 else ()
     if config.coordinator.address:
-        yield RunCoordinator(config, local_ranks)
+        yield RunCoordinator(config, local_ranks, token=token)
         return
     if num_nodes > 1:
         logger.info("no coordinator watches this multi-node run; start `disttrain coordinator` on one "
                     "machine and pass --coordinator HOST:PORT to every node to see it in `disttrain status`")
-        yield RunCoordinator(config, local_ranks)
+        yield RunCoordinator(config, local_ranks, token=token)
         return
+    token = token or new_token()
     log_dir = Path(config.system.log_dir)
     registry = log_dir / REGISTRY_FILE
     if not resume:
         for suffix in ("", "-wal", "-shm"):
             Path(f"{registry}{suffix}").unlink(missing_ok=True)
-    with Cluster(log_dir) as cluster:
+    with Cluster(log_dir, env={TOKEN_ENV: token}) as cluster:
         cluster.spawn("coordinator", ["coordinator", "--bind", BIND, "--registry", str(registry),
                                       "--config", str(config_path)])
         address = wait_listening(cluster, "coordinator")
         logger.info("coordinator listening on %s (registry %s)", address, registry)
-        coordinator = RunCoordinator(config.replace(coordinator={"address": address}), local_ranks, registry)
+        coordinator = RunCoordinator(config.replace(coordinator={"address": address}), local_ranks, registry,
+                                     token)
         if resume:
             coordinator.retire_earlier_ranks()
         yield coordinator

@@ -188,8 +188,9 @@ class RankLink:
 
 @contextmanager
 def coordinator_link(settings: CoordinatorConfig, rank: int, restart_count: int,
-                     progress: LoopProgress) -> Iterator[RankLink | None]:
-    """Be registered with the run's coordinator while the block runs (nothing without one).
+                     progress: LoopProgress, token: str | None = None) -> Iterator[RankLink | None]:
+    """Be registered with the run's coordinator while the block runs (nothing without one);
+    every call to it carries `token` when given.
 
     Leaving the block normally reports the rank done; by an exception, failed with the
     exception's exit code and first line (the exception goes on). A rank killed outright
@@ -198,8 +199,8 @@ def coordinator_link(settings: CoordinatorConfig, rank: int, restart_count: int,
     if not settings.address:
         yield None
         return
-    link = RankLink(CoordinatorClient(settings.address, timeout_s=CALL_TIMEOUT_S), settings, rank,
-                    restart_count, progress)
+    client = CoordinatorClient(settings.address, timeout_s=CALL_TIMEOUT_S, token=token)
+    link = RankLink(client, settings, rank, restart_count, progress)
     link.start()
     try:
         yield link

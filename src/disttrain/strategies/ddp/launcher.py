@@ -40,6 +40,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from disttrain.config import Config, DDPConfig
 from disttrain.core import checkpoint as ckpt
+from disttrain.core.auth import TOKEN_ENV
 from disttrain.core.errors import ConfigError, DistributedError
 from disttrain.core.faults import format_fault
 from disttrain.data import load_datasets
@@ -153,7 +154,7 @@ def launch(config: Config, options: RunOptions) -> RunSummary | None:
     with tempfile.TemporaryDirectory(prefix="disttrain-ddp-") as folder:
         config_path, summary_path = Path(folder) / "config.yaml", Path(folder) / SUMMARY_FILE
         config.save(config_path)
-        with run_coordinator(config, config_path, options.resume) as coordinator:
+        with run_coordinator(config, config_path, options.resume, options.token) as coordinator:
             coordinator.config.save(config_path)  # the ranks find the coordinator here
             args = rank_arguments(config_path, summary_path, options)
             run_ranks(coordinator, plan, Path(folder) / "agent", args)
@@ -177,9 +178,12 @@ def run_ranks(coordinator: RunCoordinator, plan: LaunchPlan, error_dir: Path, ar
         ConfigError, DistributedError: see `launch`.
     """
     config = coordinator.config
+    given_token = os.environ.get(TOKEN_ENV)
     try:
         os.environ.update(FRESH_STORE_PER_ROUND)
         os.environ["OMP_NUM_THREADS"] = str(thread_count(config.system.num_threads, plan.ranks_per_node))
+        if coordinator.token is not None:  # the agent hands its environment to the ranks (never argv)
+            os.environ[TOKEN_ENV] = coordinator.token
         elastic_launch(launch_config(config.ddp, plan.ranks_per_node, error_dir), sys.executable)(*args)
     except ChildFailedError as e:
         error = child_failure(e, config.ddp.max_restarts)
@@ -196,6 +200,10 @@ def run_ranks(coordinator: RunCoordinator, plan: LaunchPlan, error_dir: Path, ar
     except SignalException as e:
         coordinator.stopped(f"the launcher was stopped by {e.sigval.name}")
         raise DistributedError(f"stopped by {e.sigval.name}; the ranks were stopped too") from None
+    finally:  # this launch's token stays out of later commands run in this process
+        os.environ.pop(TOKEN_ENV, None)
+        if given_token is not None:
+            os.environ[TOKEN_ENV] = given_token
     coordinator.finished()
 
 

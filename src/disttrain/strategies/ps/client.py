@@ -32,17 +32,18 @@ class PSClient:
     Args:
         addresses: "host:port" of each shard's server, in shard order.
         plans: the worker's own shard plans (checked against the servers' at register).
+        token: the run's token, sent with every call (None: the servers run open).
     """
 
     def __init__(self, addresses: list[str], plans: list[ShardPlan], policy: RetryPolicy,
-                 transport: str = "auto"):
+                 transport: str = "auto", token: str | None = None):
         if len(addresses) != len(plans):
             raise ValueError(f"{len(addresses)} server addresses for {len(plans)} shards")
         if transport not in PAYLOAD_TRANSPORTS:
             raise ValueError(f"payload transport {transport!r} is not one of {', '.join(PAYLOAD_TRANSPORTS)}")
         self.plans = plans
         self.transport = transport
-        self.shards = [ShardClient(a, i, policy) for i, a in enumerate(addresses)]
+        self.shards = [ShardClient(a, i, policy, token) for i, a in enumerate(addresses)]
         self._pool = ThreadPoolExecutor(max(2 * len(addresses), 2), thread_name_prefix="ps-client")
         self._lock = threading.Lock()
         self.bytes_sent = 0

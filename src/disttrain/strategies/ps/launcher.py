@@ -9,14 +9,16 @@ error, or stops heartbeating) is restarted where it was, up to
 `coordinator.max_restarts` times, while the others train on; a coordinator that dies is
 restarted on its registry (`<log_dir>/cluster.db`). Worker 0 writes
 `parameter_server_final.pt` and `summary.json` (strategy ps-sync, ps-ssp or ps-async)
-when every worker is done; the launcher adds each failure and its recovery.
+when every worker is done; the launcher adds each failure and its recovery. Every
+server refuses calls without the run's token (the user's, else a random one per run),
+which the children get through their environment.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import tenacity
@@ -25,13 +27,14 @@ from disttrain.config import Config
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.supervisor import Managed, Supervisor
 from disttrain.core import checkpoint as ckpt
+from disttrain.core.auth import TOKEN_ENV, new_token
 from disttrain.core.errors import DistributedError
 from disttrain.core.faults import format_fault
 from disttrain.core.processes import Cluster, Event, raise_on_sigterm
-from disttrain.metrics.progress import Progress
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
 from disttrain.strategies.ps.model import check_supported
 from disttrain.strategies.ps.recovery import recovery_summary
+from disttrain.strategies.ps.watch import ClusterWatch
 from disttrain.training.models import init_model
 from disttrain.training.strategy import RunOptions
 
@@ -61,7 +64,10 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
         for suffix in ("", "-wal", "-shm"):
             Path(f"{registry}{suffix}").unlink(missing_ok=True)
     raise_on_sigterm()
-    with Cluster(log_dir) as cluster:
+    # One token per run unless the user gave one; children get it through their
+    # environment (a command line is readable by every user), restarted ones too.
+    options = replace(options, token=options.token or new_token())
+    with Cluster(log_dir, env={TOKEN_ENV: options.token}) as cluster:
         run = ClusterRun(cluster, config, options, log_dir / "config.yaml")
         run.start(registry)
         run.supervise()
@@ -149,7 +155,7 @@ class ClusterRun:
         address = config.coordinator.address or self._start_coordinator(registry)
         self.config = config.replace(coordinator={"address": address})
         self.config.save(self.config_path)  # every process finds the coordinator here
-        self.coordinator = CoordinatorClient(address)
+        self.coordinator = CoordinatorClient(address, token=self.options.token)
         servers = [self._start_server(shard) for shard in range(config.ps.num_servers)]
         addresses = [self._wait_listening(name) for name in servers]
         logger.info("servers listening on %s", ", ".join(addresses))
@@ -235,7 +241,7 @@ class ClusterRun:
 
     def supervise(self) -> None:
         """Show progress until every worker is done and the servers stopped; restart what fails."""
-        watch = _Watch(self.config.system.num_workers, f"ps-{self.config.ps.aggregation_mode}")
+        watch = ClusterWatch(self.config.system.num_workers, f"ps-{self.config.ps.aggregation_mode}")
         running = {name for name in self.supervisor.processes if name != "coordinator"}
         events = list(self._early)
         deadline = None
@@ -267,33 +273,3 @@ class ClusterRun:
         self._deliver_reports_patiently()
         if self.coordinator is not None:
             self.coordinator.close()
-
-
-@dataclass
-class _Watch:
-    """The progress display of the whole cluster, fed by the workers' event lines."""
-
-    num_workers: int
-    description: str
-
-    def __post_init__(self) -> None:
-        self.plans: dict[str, int] = {}
-        self.steps, self.workers_left, self.progress = 0, self.num_workers, None
-
-    def saw(self, event: Event) -> None:
-        if event.kind == "plan" and event.child not in self.plans:  # a restarted worker plans again
-            self.plans[event.child] = int(event.fields["total_steps"])
-            self.steps += int(event.fields.get("done_steps", 0))
-            if len(self.plans) == self.num_workers:
-                self.progress = Progress(sum(self.plans.values()), self.description, initial=self.steps)
-        elif event.kind == "progress" and self.progress is not None:
-            self.progress.update(1, loss=float(event.fields.get("loss", 0.0)))
-
-    def worker_done(self) -> bool:
-        """Count a worker done; True when it was the last."""
-        self.workers_left -= 1
-        return self.workers_left == 0
-
-    def close(self) -> None:
-        if self.progress is not None:
-            self.progress.close()

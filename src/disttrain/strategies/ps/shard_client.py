@@ -18,6 +18,7 @@ import grpc
 import tenacity
 import torch
 
+from disttrain.core.auth import with_token
 from disttrain.core.errors import DistributedError
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps import wire
@@ -58,9 +59,10 @@ def describe(error: BaseException) -> str:
 
 class ShardClient:
     """Calls to one shard's server at `address`. Payload bytes travel in the gRPC
-    messages, or through shared memory once `segments` are attached (same machine)."""
+    messages, or through shared memory once `segments` are attached (same machine). Every
+    call carries `token` when given (a server started with one refuses calls without it)."""
 
-    def __init__(self, address: str, shard: int, policy: RetryPolicy):
+    def __init__(self, address: str, shard: int, policy: RetryPolicy, token: str | None = None):
         self.address = address
         self.shard = shard
         self.policy = policy
@@ -69,7 +71,7 @@ class ShardClient:
         self.incarnation = 0
         self.drop_replies = 0  # replies of pushes to lose on purpose (fault injection)
         self._join_lock = threading.Lock()
-        self.channel = grpc.insecure_channel(address, options=wire.CHANNEL_OPTIONS)
+        self.channel = with_token(grpc.insecure_channel(address, options=wire.CHANNEL_OPTIONS), token)
         self._calls = {}
         for name, (kind, request_type, response_type) in wire.METHODS.items():
             serialize = wire.identity if request_type is None else request_type.SerializeToString

@@ -1,0 +1,172 @@
+"""A shared token that every RPC of every service must carry: the server interceptor that
+checks it, the channel interceptor that sends it, and where a token comes from.
+
+The token travels as gRPC metadata (`authorization: Bearer <token>`) and is compared in
+constant time. It is never logged, never put on a command line (any user can read
+another's argv) and never written into a config, checkpoint or summary. Without TLS it
+crosses the network in clear: it keeps out whoever reaches a port by chance, not an
+eavesdropper on the network.
+
+Environment variables are read by the CLI only; it hands `TOKEN_ENV`'s value here.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+import secrets
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from disttrain.core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+TOKEN_ENV = "DISTTRAIN_TOKEN"
+METADATA_KEY = "authorization"
+SCHEME = "Bearer "
+# Probes of orchestrators (Kubernetes, load balancers) carry no token; health says only
+# whether a server serves, so it stays open.
+OPEN_SERVICES = ("/grpc.health.v1.Health/",)
+REFUSED = (f"missing or wrong token: give this run's token in the {TOKEN_ENV} environment variable "
+           f"or with --token-file PATH (a file holding it)")
+
+
+def new_token() -> str:
+    """A fresh random token (256 bits), for one run."""
+    return secrets.token_urlsafe(32)
+
+
+def check_token(token: str, origin: str) -> str:
+    """`token` stripped of surrounding whitespace.
+
+    Raises:
+        ConfigError: it is empty, or holds characters gRPC metadata cannot carry (only
+            printable ASCII without spaces is allowed); `origin` names where it came from.
+    """
+    token = token.strip()
+    if not token:
+        raise ConfigError(f"{origin}: the token is empty; put the run's token there")
+    if not all("!" <= c <= "~" for c in token):
+        raise ConfigError(f"{origin}: the token must be printable ASCII without spaces "
+                          f"(e.g. from python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    return token
+
+
+def read_token_file(path: str | Path) -> str:
+    """The token held in file `path`, stripped of surrounding whitespace.
+
+    Raises:
+        ConfigError: the file cannot be read, is empty, holds a malformed token, or can be
+            read by other users (group or others), which would leak the token.
+    """
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--token-file {path}: cannot read it ({e})") from e
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"--token-file {path}: other users may read it (mode {stat.filemode(mode)}); "
+                          f"make it private with chmod 600 {path}")
+    return check_token(text, f"--token-file {path}")
+
+
+def resolve_token(token_file: str | None, env_token: str | None) -> str | None:
+    """The token a command was given: `--token-file` wins over the environment's value
+    (`env_token`, that of `TOKEN_ENV`); None when neither was given (servers run open).
+
+    Raises:
+        ConfigError: see `read_token_file`; an empty or malformed environment value.
+    """
+    if token_file is not None:
+        return read_token_file(token_file)
+    if env_token is None:
+        return None
+    return check_token(env_token, f"environment variable {TOKEN_ENV}")
+
+
+def _is_authorized(metadata: Any, expected: bytes) -> bool:
+    for key, value in metadata or ():
+        if key == METADATA_KEY:
+            given = value.encode() if isinstance(value, str) else bytes(value)
+            return hmac.compare_digest(given, expected)
+    return False
+
+
+def _refuse(request: Any, context: grpc.ServicerContext) -> None:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+
+
+def _refuse_stream(request: Any, context: grpc.ServicerContext):
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+    yield  # a generator, as a stream-response handler must be; abort raises first
+
+
+def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s kind that refuses the call without reading its request."""
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(_refuse_stream)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(_refuse)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(_refuse_stream)
+    return grpc.unary_unary_rpc_method_handler(_refuse)
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses, with UNAUTHENTICATED, every call that does not carry `token`, before its
+    handler runs; the health service (`OPEN_SERVICES`) stays open."""
+
+    def __init__(self, token: str):
+        self._expected = (SCHEME + token).encode()
+
+    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(OPEN_SERVICES):
+            return handler
+        if _is_authorized(handler_call_details.invocation_metadata, self._expected):
+            return handler
+        logger.warning("refused %s: missing or wrong token", handler_call_details.method)
+        return _refusal(handler)
+
+
+class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                           "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
+
+
+class _TokenSender(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the token to the metadata of every call, of all four kinds."""
+
+    def __init__(self, token: str):
+        self._entry = (METADATA_KEY, SCHEME + token)
+
+    def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        return _CallDetails(details.method, details.timeout, [*(details.metadata or ()), self._entry],
+                            details.credentials, getattr(details, "wait_for_ready", None),
+                            getattr(details, "compression", None))
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+def with_token(channel: grpc.Channel, token: str | None) -> grpc.Channel:
+    """`channel` sending `token` on every call (`channel` itself when token is None)."""
+    return channel if token is None else grpc.intercept_channel(channel, _TokenSender(token))

@@ -1,0 +1,38 @@
+"""The progress display of a whole parameter-server run, fed by its workers' event lines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disttrain.core.processes import Event
+from disttrain.metrics.progress import Progress
+
+
+@dataclass
+class ClusterWatch:
+    """The progress display of the whole cluster, fed by the workers' event lines."""
+
+    num_workers: int
+    description: str
+
+    def __post_init__(self) -> None:
+        self.plans: dict[str, int] = {}
+        self.steps, self.workers_left, self.progress = 0, self.num_workers, None
+
+    def saw(self, event: Event) -> None:
+        if event.kind == "plan" and event.child not in self.plans:  # a restarted worker plans again
+            self.plans[event.child] = int(event.fields["total_steps"])
+            self.steps += int(event.fields.get("done_steps", 0))
+            if len(self.plans) == self.num_workers:
+                self.progress = Progress(sum(self.plans.values()), self.description, initial=self.steps)
+        elif event.kind == "progress" and self.progress is not None:
+            self.progress.update(1, loss=float(event.fields.get("loss", 0.0)))
+
+    def worker_done(self) -> bool:
+        """Count a worker done; True when it was the last."""
+        self.workers_left -= 1
+        return self.workers_left == 0
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()

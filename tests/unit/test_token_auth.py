@@ -1,0 +1,134 @@
+"""Token loading and the server interceptor's decision, without sockets."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from disttrain.cli.flags import token_from_args
+from disttrain.core.auth import (
+    REFUSED,
+    TOKEN_ENV,
+    TokenInterceptor,
+    check_token,
+    new_token,
+    read_token_file,
+    resolve_token,
+)
+from disttrain.core.errors import ConfigError
+from disttrain.training.strategy import RunOptions
+
+TOKEN = "the-token"
+
+
+def private_file(path, text: str):
+    path.write_text(text)
+    os.chmod(path, 0o600)
+    return path
+
+
+def test_a_token_file_is_read_and_stripped(tmp_path):
+    assert read_token_file(private_file(tmp_path / "token", f"  {TOKEN}\n")) == TOKEN
+
+
+@pytest.mark.parametrize("text", ["", " \n\t"])
+def test_an_empty_token_file_is_an_error_naming_it(tmp_path, text):
+    path = private_file(tmp_path / "token", text)
+    with pytest.raises(ConfigError, match=f"--token-file {path}: the token is empty"):
+        read_token_file(path)
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604])
+def test_a_token_file_others_may_read_is_refused(tmp_path, mode):
+    path = private_file(tmp_path / "token", TOKEN)
+    os.chmod(path, mode)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        read_token_file(path)
+
+
+def test_a_missing_token_file_is_an_error_naming_it(tmp_path):
+    with pytest.raises(ConfigError, match=f"--token-file {tmp_path / 'absent'}: cannot read it"):
+        read_token_file(tmp_path / "absent")
+
+
+def test_a_token_with_spaces_or_non_ascii_is_refused():
+    for bad in ("two words", "tökén"):
+        with pytest.raises(ConfigError, match="printable ASCII"):
+            check_token(bad, TOKEN_ENV)
+
+
+def test_the_file_wins_over_the_environment_and_neither_means_open(tmp_path):
+    path = private_file(tmp_path / "token", "from-file")
+    assert resolve_token(str(path), "from-env") == "from-file"
+    assert resolve_token(None, " from-env ") == "from-env"
+    assert resolve_token(None, None) is None
+    with pytest.raises(ConfigError, match=TOKEN_ENV):
+        resolve_token(None, "")
+    assert token_from_args(SimpleNamespace(token_file=None), {TOKEN_ENV: "from-env"}) == "from-env"
+    assert token_from_args(SimpleNamespace(token_file=None), {}) is None
+
+
+def test_new_tokens_are_long_and_differ():
+    first, second = new_token(), new_token()
+    assert first != second and len(first) >= 43 and check_token(first, "new") == first
+
+
+def test_the_token_stays_out_of_the_run_options_repr():
+    assert TOKEN not in repr(RunOptions(token=TOKEN))
+
+
+class Aborted(Exception):
+    pass
+
+
+class FakeContext:
+    def abort(self, code, details):
+        self.code, self.details = code, details
+        raise Aborted
+
+
+def intercept(method: str, metadata, handler=None):
+    handler = handler or grpc.unary_unary_rpc_method_handler(lambda request, context: "ran")
+    details = SimpleNamespace(method=method, invocation_metadata=metadata)
+    return handler, TokenInterceptor(TOKEN).intercept_service(lambda _: handler, details)
+
+
+def test_the_interceptor_passes_the_right_token_on():
+    handler, chosen = intercept("/svc/Push", (("authorization", f"Bearer {TOKEN}"),))
+    assert chosen is handler
+
+
+@pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer wrong"),), (("authorization", TOKEN),),
+                                      (("other", f"Bearer {TOKEN}"),)])
+def test_the_interceptor_refuses_without_running_the_handler(metadata):
+    ran = []
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: ran.append(request))
+    _, chosen = intercept("/svc/Push", metadata, handler)
+    assert chosen is not handler
+    context = FakeContext()
+    with pytest.raises(Aborted):
+        chosen.unary_unary(b"request", context)
+    assert context.code == grpc.StatusCode.UNAUTHENTICATED and context.details == REFUSED and not ran
+
+
+@pytest.mark.parametrize("make", [grpc.unary_stream_rpc_method_handler, grpc.stream_unary_rpc_method_handler,
+                                  grpc.stream_stream_rpc_method_handler])
+def test_a_refusal_has_the_kind_of_the_refused_call(make):
+    handler = make(lambda request, context: None)
+    _, chosen = intercept("/svc/Call", (), handler)
+    assert (chosen.request_streaming, chosen.response_streaming) == (handler.request_streaming,
+                                                                    handler.response_streaming)
+    behaviour = chosen.unary_stream or chosen.stream_unary or chosen.stream_stream
+    context = FakeContext()
+    with pytest.raises(Aborted):
+        result = behaviour(iter(()), context)
+        list(result) if chosen.response_streaming else None
+    assert context.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_health_checks_need_no_token():
+    handler, chosen = intercept("/grpc.health.v1.Health/Check", ())
+    assert chosen is handler
