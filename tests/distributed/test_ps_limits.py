@@ -26,17 +26,20 @@ pytestmark = pytest.mark.timeout(60)
 WAIT_CAP_S = 4.0  # the server's long-poll cap in these tests
 
 
-@pytest.fixture
-def shard(tmp_path):
-    config = make_config(tmp_path)
-    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", max_threads=32,
-                         long_poll_cap_s=WAIT_CAP_S)
+def started(config, **server_options):
+    """A shard server of `config` and a client registered as w0 (a fixture's body)."""
+    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", **server_options)
     plan = plan_shards(init_model(config.training), 1)[0]
     client = PSClient([server.address], [plan], RetryPolicy(timeout_s=10.0, max_attempts=1))
     client.register("w0")
     yield server, client, plan
     client.close()
     server.stop(0)
+
+
+@pytest.fixture
+def shard(tmp_path):
+    yield from started(make_config(tmp_path), max_threads=32, long_poll_cap_s=WAIT_CAP_S)
 
 
 def call(client, name):
@@ -236,13 +239,7 @@ def momentum_shard(tmp_path):
         "training": {"dataset": "digits", "model_architecture": "mlp", "optimizer": "sgd", "momentum": 0.9,
                      "learning_rate": 4.0, "checkpoint_interval": 2},
         "system": {"num_workers": 1, "checkpoint_dir": str(tmp_path / "ckpt")}})
-    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0")
-    plan = plan_shards(init_model(config.training), 1)[0]
-    client = PSClient([server.address], [plan], RetryPolicy(timeout_s=10.0, max_attempts=1))
-    client.register("w0")
-    yield server, client, plan
-    client.close()
-    server.stop(0)
+    yield from started(config)
 
 
 def test_an_update_that_would_overflow_the_parameters_is_refused(momentum_shard):
