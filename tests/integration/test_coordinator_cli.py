@@ -96,7 +96,9 @@ def test_a_coordinator_killed_and_restarted_on_its_registry_shows_the_same_clust
     client.close()
     first.kill()
 
-    second = started(registry)
+    # The nodes above heartbeat no more: a long timeout keeps the restarted coordinator from
+    # declaring them failed while the three `status` processes start (seconds each on a busy machine).
+    second = started(registry, "--set", "coordinator.heartbeat_timeout=120")
     from_coordinator = status_json(cli, "--coordinator", second.address)
     from_registry = status_json(cli, "--registry", str(registry))
     for cluster in (from_coordinator, from_registry):

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from disttrain.cli.flags import add_token_flag, token_from_args
+from disttrain.cli.flags import add_tls_flags, add_token_flag, tls_from_args, token_from_args
 from disttrain.config import load_config
 from disttrain.coordinator.service import CoordinatorServer
 from disttrain.core.processes import bind_to_parent, emit_event
@@ -47,16 +47,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Fault injection for tests and drills: die (SIGKILL) once any node reports this step.
     parser.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
     add_token_flag(parser)
+    add_tls_flags(parser)
 
 
 def run(args: argparse.Namespace) -> None:
     bind_to_parent()
     token = token_from_args(args)
+    tls = tls_from_args(args)
     config = load_config(args.config, {}, args.set)
     bind = args.bind or config.coordinator.address or DEFAULT_BIND
     registry = args.registry or str(Path(config.system.log_dir) / REGISTRY_NAME)
     server = CoordinatorServer(config.coordinator, bind, registry, on_step=_kill_at(args.kill_at_step),
-                               token=token)
+                               token=token, tls=tls)
     server.on_failure = lambda node_id, reason: _announce_failure(server, node_id, reason)
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -20,6 +20,7 @@ from disttrain import cli
 from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
     add_config_flag,
+    add_tls_flags,
     add_token_flag,
     add_training_flags,
     config_from_args,
@@ -85,6 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "for this run (how a run of several nodes is watched)", metavar="HOST:PORT")
     parser.add_argument("--quiet-summary", action="store_true", help=argparse.SUPPRESS)
     add_token_flag(parser)
+    add_tls_flags(parser)
 
 
 def run(args: argparse.Namespace) -> RunSummary | None:

@@ -16,6 +16,7 @@ from disttrain.config import Config, load_config, not_used_yet
 from disttrain.core.auth import TOKEN_ENV, resolve_token
 from disttrain.core.errors import ConfigError
 from disttrain.core.faults import Fault, load_fault_plan, parse_fault
+from disttrain.core.tls import TlsFiles
 from disttrain.training.models import registered_models
 from disttrain.training.strategy import RunOptions
 
@@ -120,6 +121,31 @@ def token_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = No
     return resolve_token(args.token_file, env.get(TOKEN_ENV))
 
 
+def add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    """`--tls-cert`, `--tls-key`, `--tls-ca`: TLS on every connection of the process (the
+    same files are its identity as a server and as a client)."""
+    group = parser.add_argument_group("TLS (every server and client of the run)")
+    group.add_argument("--tls-cert", metavar="FILE", default=None,
+                       help="this process's certificate (PEM); with --tls-key, servers listen with TLS")
+    group.add_argument("--tls-key", metavar="FILE", default=None,
+                       help="the private key of --tls-cert (PEM)")
+    group.add_argument("--tls-ca", metavar="FILE", default=None,
+                       help="the CA (PEM) the peers' certificates must be signed by; servers then "
+                            "also require client certificates (mutual TLS)")
+
+
+def tls_from_args(args: argparse.Namespace) -> TlsFiles:
+    """The TLS files of a parsed command line (empty when no `--tls-*` flag was given).
+
+    Raises:
+        ConfigError: a certificate without its key or the reverse, or a file that cannot be
+            read or is not PEM (the flag and file are named).
+    """
+    tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
+    tls.check()
+    return tls
+
+
 def add_attempt_flag(parser: argparse.ArgumentParser) -> None:
     """`--attempt N`: which restart of this process this is (set by a supervisor)."""
     parser.add_argument("--attempt", type=int, default=0, help=argparse.SUPPRESS)
@@ -199,12 +225,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 def options_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> RunOptions:
     """The run options of a parsed command line: `--inject` faults, then those of each
-    `--fault-plan` file; the token (see `token_from_args`) of a command with `--token-file`.
+    `--fault-plan` file; the token (see `token_from_args`) of a command with `--token-file`;
+    the TLS files (see `tls_from_args`) of a command with `--tls-*`.
 
     Raises:
-        ConfigError: see `token_from_args`.
+        ConfigError: see `token_from_args` and `tls_from_args`.
     """
     faults = (*args.faults, *chain.from_iterable(args.fault_plans))
     token = token_from_args(args, env) if hasattr(args, "token_file") else None
+    tls = tls_from_args(args) if hasattr(args, "tls_cert") else TlsFiles()
     return RunOptions(resume=args.resume, faults=faults, verbose=args.verbose,
-                      attempt=getattr(args, "attempt", 0), token=token)
+                      attempt=getattr(args, "attempt", 0), token=token, tls=tls)

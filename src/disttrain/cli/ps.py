@@ -6,6 +6,7 @@ import argparse
 
 from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
+    add_tls_flags,
     add_token_flag,
     add_training_flags,
     config_from_args,
@@ -58,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         **PS_FLAGS,
     })
     add_token_flag(parser)
+    add_tls_flags(parser)
 
 
 def run(args: argparse.Namespace) -> RunSummary:

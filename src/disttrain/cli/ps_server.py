@@ -9,6 +9,7 @@ from disttrain.cli.flags import (
     add_common_flags,
     add_config_flags,
     add_fault_flags,
+    add_tls_flags,
     add_token_flag,
     config_from_args,
     options_from_args,
@@ -43,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_fault_flags(parser)
     add_attempt_flag(parser)
     add_token_flag(parser)
+    add_tls_flags(parser)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -63,4 +65,4 @@ def run(args: argparse.Namespace) -> None:
     options = options_from_args(args)
     faults = FaultInjector(options.faults, "server", shard, options.attempt)
     serve(config, args.bind or f"{config.ps.bind_host}:0", shard, num_shards, args.resume, faults,
-          token=options.token)
+          token=options.token, tls=options.tls)

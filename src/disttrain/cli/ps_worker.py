@@ -7,6 +7,7 @@ import os
 import socket
 
 from disttrain.cli.flags import (
+    add_tls_flags,
     add_token_flag,
     add_training_flags,
     config_from_args,
@@ -32,6 +33,7 @@ its steps once.
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_training_flags(parser, {**PS_FLAGS, **COORDINATOR_FLAG})
     add_token_flag(parser)
+    add_tls_flags(parser)
     parser.add_argument("--servers", required=True, metavar="HOST:PORT[,HOST:PORT...]",
                         help="every shard's server, in shard order")
     parser.add_argument("--worker-id", default=None,

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from disttrain.cli.flags import add_token_flag, token_from_args
+from disttrain.cli.flags import add_tls_flags, add_token_flag, tls_from_args, token_from_args
 from disttrain.coordinator.client import CoordinatorClient
 from disttrain.coordinator.registry import read_status
 from disttrain.core.addresses import parse_address
@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object (one per redraw)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     add_token_flag(parser)  # --coordinator only: --registry reads the file, no token needed
+    add_tls_flags(parser)  # likewise
 
 
 def run(args: argparse.Namespace) -> None:
@@ -80,7 +81,8 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         CoordinatorError: the coordinator cannot be reached.
     """
     if args.coordinator:
-        client = CoordinatorClient(args.coordinator, timeout_s=5.0, token=token_from_args(args))
+        client = CoordinatorClient(args.coordinator, timeout_s=5.0, token=token_from_args(args),
+                                   tls=tls_from_args(args))
         try:
             status = client.status()
         finally:

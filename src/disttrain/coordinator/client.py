@@ -23,6 +23,7 @@ import tenacity
 
 from disttrain.core.auth import with_token
 from disttrain.core.errors import DisttrainError
+from disttrain.core.tls import TlsFiles
 from disttrain.proto import coordinator_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -72,14 +73,16 @@ def capabilities() -> pb.Capabilities:
 
 class CoordinatorClient:
     """Calls to the coordinator at `address`, each with a deadline of `timeout_s`, each
-    carrying `token` when given (a coordinator started with one refuses calls without it)."""
+    carrying `token` when given (a coordinator started with one refuses calls without it),
+    over TLS when `tls` is enabled."""
 
-    def __init__(self, address: str, timeout_s: float = 5.0, token: str | None = None):
+    def __init__(self, address: str, timeout_s: float = 5.0, token: str | None = None,
+                 tls: TlsFiles | None = None):
         self.address = address
         self.timeout_s = timeout_s
         # Back within about a second of a restarted coordinator (gRPC's default backoff grows
         # to two minutes after a few failed attempts, and heartbeats would stay paused).
-        self.channel = with_token(grpc.insecure_channel(address, options=[
+        self.channel = with_token((tls or TlsFiles()).channel(address, options=[
             ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]), token)
         self._calls = {name: self.channel.unary_unary(method_path(name),
                                                       request_serializer=request.SerializeToString,

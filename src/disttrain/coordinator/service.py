@@ -24,6 +24,7 @@ from disttrain.coordinator.registry import Registry, RegistryError
 from disttrain.core.addresses import parse_address
 from disttrain.core.errors import ConfigError
 from disttrain.core.rpc_server import RpcServer
+from disttrain.core.tls import TlsFiles
 from disttrain.proto import coordinator_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -219,6 +220,7 @@ class CoordinatorServer:
         on_step: called after each heartbeat with the largest step any node reported.
         on_failure: called with (node id, reason) for every node declared failed by timeout.
         token: when given, every call but health checks must carry it (`core.auth`).
+        tls: when enabled, it listens with TLS (`core.tls`; mutual with a CA).
 
     Raises:
         ConfigError: `bind` is malformed or cannot be bound.
@@ -228,7 +230,7 @@ class CoordinatorServer:
     def __init__(self, config: CoordinatorConfig, bind: str, registry_path: str | Path,
                  on_step: Callable[[int], None] | None = None,
                  on_failure: Callable[[str, str], None] | None = None, max_threads: int = 128,
-                 token: str | None = None):
+                 token: str | None = None, tls: TlsFiles | None = None):
         parse_address(bind, "--bind")  # a malformed address is refused before the registry opens
         self.registry = Registry(registry_path)
         self.state = CoordinatorState(config, self.registry)
@@ -236,7 +238,7 @@ class CoordinatorServer:
         # Each long-poll holds a thread: room for many watchers beside the heartbeats.
         try:
             self._server = RpcServer(_handler(CoordinatorServicer(self.state, on_step)), SERVICE, bind,
-                                     max_threads, token=token)
+                                     max_threads, token=token, tls=tls)
         except ConfigError:
             self.registry.close()
             raise

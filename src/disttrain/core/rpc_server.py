@@ -1,7 +1,8 @@
 """Every gRPC server of the project started one way: its port bound exclusively, the
 standard health service (`grpc.health.v1.Health`) beside its own for orchestrators'
-probes, every other call checked for the run's token when it has one (`auth`), and a
-warning when it listens beyond this machine without one.
+probes, every other call checked for the run's token when it has one (`auth`), TLS when
+given certificates (`tls`; mutual with a CA), and a warning when it listens beyond this
+machine without a token or client certificates.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from disttrain.core.addresses import parse_address
 from disttrain.core.auth import TokenInterceptor
 from disttrain.core.errors import ConfigError
+from disttrain.core.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +38,20 @@ class RpcServer:
         options: further gRPC server options.
         token: when given, every call but the health service's must carry it (else it is
             refused UNAUTHENTICATED before its handler runs); None: open to anyone.
+        tls: when enabled, listen with TLS (its certificate and key; with its CA, every
+            client must present a certificate that CA signed); None or empty: plain TCP.
 
     Raises:
-        ConfigError: the address is malformed or cannot be listened on.
+        ConfigError: the address is malformed or cannot be listened on, or a TLS file
+            cannot be read.
     """
 
     def __init__(self, handler: grpc.GenericRpcHandler, service: str, bind: str, max_threads: int,
-                 options: list[tuple[str, Any]] | None = None, token: str | None = None):
+                 options: list[tuple[str, Any]] | None = None, token: str | None = None,
+                 tls: TlsFiles | None = None):
         host, port = parse_address(bind, "--bind")
+        tls = tls or TlsFiles()
+        credentials = tls.server_credentials() if tls.enabled else None  # a bad file fails before binding
         # The health service stays open without the token (the interceptor lets it through),
         # so orchestrators' probes work.
         interceptors = [TokenInterceptor(token)] if token is not None else []
@@ -53,7 +61,8 @@ class RpcServer:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         try:
-            bound = self.server.add_insecure_port(f"{host}:{port}")
+            bound = (self.server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
+                     else self.server.add_insecure_port(f"{host}:{port}"))
         except RuntimeError as e:
             logger.debug("binding %s failed: %s", bind, e)
             bound = 0
@@ -64,19 +73,34 @@ class RpcServer:
         for name in ("", service):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.server.start()
-        if token is not None:
-            logger.info("calls to %s without the run's token are refused (health checks excepted)",
-                        self.address)
-        elif not is_loopback(host):
-            logger.warning("listening on %s, reachable from other machines, without authentication: "
-                           "anyone who reaches this port can use the service; set DISTTRAIN_TOKEN (or "
-                           "--token-file) on every process of the run, bind 127.0.0.1 unless other "
-                           "machines must connect, and keep the port behind a firewall", self.address)
+        _log_protection(self.address, host, token is not None, tls)
 
     def stop(self, grace_s: float) -> None:
         """Report NOT_SERVING to health probes, then stop within `grace_s`."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
+
+
+def _log_protection(address: str, host: str, has_token: bool, tls: TlsFiles) -> None:
+    """Say how the server is protected; warn when other machines can reach it and call it
+    without a token or a client certificate."""
+    if tls.enabled:
+        logger.info("TLS on for %s (%s)", address, "mutual: clients need a certificate signed by "
+                    "--tls-ca" if tls.mutual else "clients are not asked for a certificate")
+    if has_token:
+        logger.info("calls to %s without the run's token are refused (health checks excepted)", address)
+    elif is_loopback(host) or tls.mutual:
+        return  # only this machine, or only clients holding a certificate of the run's CA, get in
+    elif tls.enabled:
+        logger.warning("listening on %s with TLS but without a token or client certificates: any "
+                       "client that reaches this port can still call it; set DISTTRAIN_TOKEN (or "
+                       "--token-file), or give --tls-ca to require client certificates", address)
+    else:
+        logger.warning("listening on %s, reachable from other machines, without authentication: "
+                       "anyone who reaches this port can use the service; set DISTTRAIN_TOKEN (or "
+                       "--token-file) on every process of the run (and --tls-* for encryption), bind "
+                       "127.0.0.1 unless other machines must connect, and keep the port behind a "
+                       "firewall", address)
 
 
 def is_loopback(host: str) -> bool:

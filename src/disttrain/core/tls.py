@@ -9,6 +9,7 @@ well, it presents them. Errors name the file and the flag.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,28 @@ class TlsFiles:
     @property
     def enabled(self) -> bool:
         return any((self.cert, self.key, self.ca))
+
+    @property
+    def mutual(self) -> bool:
+        """Whether a server with these files asks every client for a certificate."""
+        return bool(self.cert and self.ca)
+
+    def args(self) -> list[str]:
+        """The flags that give a child process the same files (absolute paths: paths are not
+        secrets, so a command line may carry them)."""
+        return [item for flag, path in (("--tls-cert", self.cert), ("--tls-key", self.key),
+                                        ("--tls-ca", self.ca)) if path
+                for item in (flag, os.path.abspath(path))]
+
+    def channel(self, address: str, options: list | None = None) -> grpc.Channel:
+        """A channel to `address`: TLS with these files when enabled, else plain TCP.
+
+        Raises:
+            ConfigError: a file cannot be read.
+        """
+        if self.enabled:
+            return grpc.secure_channel(address, self.channel_credentials(), options=options)
+        return grpc.insecure_channel(address, options=options)
 
     def check(self) -> None:
         """Raises ConfigError when a certificate comes without its key or the reverse, or a

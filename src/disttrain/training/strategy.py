@@ -18,6 +18,7 @@ import torch
 
 from disttrain.config import Config
 from disttrain.core.faults import Fault
+from disttrain.core.tls import TlsFiles
 from disttrain.metrics.summary import RunSummary
 from disttrain.training.engine import EvalResult, StepResult
 
@@ -34,6 +35,8 @@ class RunOptions:
             unless they name another).
         token: the run's shared token (`core.auth`): servers refuse calls without it,
             clients send it; None: servers run open. Kept out of reprs, so out of logs.
+        tls: the process's TLS files (`core.tls`), its identity both as a server and as a
+            client; empty: plain TCP.
     """
 
     resume: bool = False
@@ -41,6 +44,7 @@ class RunOptions:
     verbose: bool = False
     attempt: int = 0
     token: str | None = field(default=None, repr=False)
+    tls: TlsFiles = TlsFiles()
 
 
 class Strategy(Protocol):

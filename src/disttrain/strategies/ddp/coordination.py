@@ -30,6 +30,7 @@ from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.core.auth import TOKEN_ENV, new_token
 from disttrain.core.errors import DistributedError
 from disttrain.core.processes import Cluster
+from disttrain.core.tls import TlsFiles
 from disttrain.strategies.ddp.heartbeats import ROLE, node_id
 
 logger = logging.getLogger(__name__)
@@ -49,12 +50,14 @@ class RunCoordinator:
         local_ranks: the global ranks this launcher runs, when it knows them (one node).
         registry: the registry of the coordinator this launcher started, else None.
         token: the token every call to the coordinator carries (None: it runs open).
+        tls: the TLS files the coordinator serves and is reached with (empty: plain TCP).
     """
 
     config: Config
     local_ranks: tuple[int, ...]
     registry: Path | None = None
     token: str | None = field(default=None, repr=False)
+    tls: TlsFiles = TlsFiles()
 
     @property
     def address(self) -> str:
@@ -74,7 +77,7 @@ class RunCoordinator:
         """Mark failed every rank an earlier run left alive in a kept registry (its launcher
         was killed): none of this run's ranks has started, so no live process holds those
         ids, and this run's ranks can register at once."""
-        client = CoordinatorClient(self.address, timeout_s=CALL_TIMEOUT_S, token=self.token)
+        client = CoordinatorClient(self.address, timeout_s=CALL_TIMEOUT_S, token=self.token, tls=self.tls)
         try:
             left = [node.node_id for node in client.status().nodes
                     if node.role == ROLE and node.state == "alive"]
@@ -89,7 +92,7 @@ class RunCoordinator:
         """Tell the coordinator each rank's (exit code, reason); best effort, one try each."""
         if not self.address or not exits:
             return
-        client = CoordinatorClient(self.address, timeout_s=CALL_TIMEOUT_S, token=self.token)
+        client = CoordinatorClient(self.address, timeout_s=CALL_TIMEOUT_S, token=self.token, tls=self.tls)
         try:
             for rank, (code, reason) in sorted(exits.items()):
                 client.report_exit(node_id(rank), code, reason)
@@ -101,25 +104,27 @@ class RunCoordinator:
 
 @contextmanager
 def run_coordinator(config: Config, config_path: Path, resume: bool,
-                    token: str | None = None) -> Iterator[RunCoordinator]:
+                    token: str | None = None, tls: TlsFiles | None = None) -> Iterator[RunCoordinator]:
     """Have a coordinator for the run while the block runs; yields where the ranks find it.
 
     Starts one as a child process for a single-node run without `coordinator.address`
     (stopped when the block ends), reading its settings from `config_path`; it requires
-    `token`, or a fresh random one when None (the yielded `token`).
+    `token`, or a fresh random one when None (the yielded `token`), and serves with `tls`
+    when it is enabled (its files passed as `--tls-*` flags).
 
     Raises:
         DistributedError: the coordinator did not start (its log is named).
     """
+    tls = tls or TlsFiles()
     world_size, num_nodes = config.system.num_workers, config.ddp.num_nodes
     local_ranks = tuple(range(world_size)) if num_nodes == 1 else ()
     if config.coordinator.address:
-        yield RunCoordinator(config, local_ranks, token=token)
+        yield RunCoordinator(config, local_ranks, token=token, tls=tls)
         return
     if num_nodes > 1:
         logger.info("no coordinator watches this multi-node run; start `disttrain coordinator` on one "
                     "machine and pass --coordinator HOST:PORT to every node to see it in `disttrain status`")
-        yield RunCoordinator(config, local_ranks, token=token)
+        yield RunCoordinator(config, local_ranks, token=token, tls=tls)
         return
     token = token or new_token()
     log_dir = Path(config.system.log_dir)
@@ -129,11 +134,11 @@ def run_coordinator(config: Config, config_path: Path, resume: bool,
             Path(f"{registry}{suffix}").unlink(missing_ok=True)
     with Cluster(log_dir, env={TOKEN_ENV: token}) as cluster:
         cluster.spawn("coordinator", ["coordinator", "--bind", BIND, "--registry", str(registry),
-                                      "--config", str(config_path)])
+                                      "--config", str(config_path), *tls.args()])
         address = wait_listening(cluster, "coordinator")
         logger.info("coordinator listening on %s (registry %s)", address, registry)
         coordinator = RunCoordinator(config.replace(coordinator={"address": address}), local_ranks, registry,
-                                     token)
+                                     token, tls)
         if resume:
             coordinator.retire_earlier_ranks()
         yield coordinator

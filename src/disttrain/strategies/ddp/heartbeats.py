@@ -29,6 +29,7 @@ import grpc
 from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError, HeartbeatSender
 from disttrain.core.errors import DisttrainError, error_lines
+from disttrain.core.tls import TlsFiles
 from disttrain.proto import coordinator_pb2 as pb
 from disttrain.training.checkpoints import Position
 
@@ -188,9 +189,10 @@ class RankLink:
 
 @contextmanager
 def coordinator_link(settings: CoordinatorConfig, rank: int, restart_count: int,
-                     progress: LoopProgress, token: str | None = None) -> Iterator[RankLink | None]:
+                     progress: LoopProgress, token: str | None = None,
+                     tls: TlsFiles | None = None) -> Iterator[RankLink | None]:
     """Be registered with the run's coordinator while the block runs (nothing without one);
-    every call to it carries `token` when given.
+    every call to it carries `token` when given, over TLS when `tls` is enabled.
 
     Leaving the block normally reports the rank done; by an exception, failed with the
     exception's exit code and first line (the exception goes on). A rank killed outright
@@ -199,7 +201,7 @@ def coordinator_link(settings: CoordinatorConfig, rank: int, restart_count: int,
     if not settings.address:
         yield None
         return
-    client = CoordinatorClient(settings.address, timeout_s=CALL_TIMEOUT_S, token=token)
+    client = CoordinatorClient(settings.address, timeout_s=CALL_TIMEOUT_S, token=token, tls=tls)
     link = RankLink(client, settings, rank, restart_count, progress)
     link.start()
     try:

@@ -131,7 +131,7 @@ def rank_arguments(config_path: Path, summary_path: Path, options: RunOptions) -
     args += ["--resume"] if options.resume else []
     args += [f"--inject-fault={format_fault(fault)}" for fault in options.faults]
     args += ["-v"] if options.verbose else []
-    return args
+    return args + options.tls.args()
 
 
 def launch(config: Config, options: RunOptions) -> RunSummary | None:
@@ -154,7 +154,8 @@ def launch(config: Config, options: RunOptions) -> RunSummary | None:
     with tempfile.TemporaryDirectory(prefix="disttrain-ddp-") as folder:
         config_path, summary_path = Path(folder) / "config.yaml", Path(folder) / SUMMARY_FILE
         config.save(config_path)
-        with run_coordinator(config, config_path, options.resume, options.token) as coordinator:
+        with run_coordinator(config, config_path, options.resume, options.token,
+                             options.tls) as coordinator:
             coordinator.config.save(config_path)  # the ranks find the coordinator here
             args = rank_arguments(config_path, summary_path, options)
             run_ranks(coordinator, plan, Path(folder) / "agent", args)

@@ -162,7 +162,8 @@ def run_rank(config: Config, info: rt.RankInfo, options: RunOptions) -> RunSumma
     started = time.perf_counter()
     rt.check_supported(config)
     progress = LoopProgress(Position(), config.training.num_epochs)
-    with coordinator_link(config.coordinator, info.rank, info.restart_count, progress, options.token):
+    with coordinator_link(config.coordinator, info.rank, info.restart_count, progress, options.token,
+                          options.tls):
         runtime = rt.start(config.ddp, info, config.system.num_threads)
         try:
             summary = _train(config, runtime, options, started, progress.position)

@@ -15,6 +15,7 @@ import torch
 from disttrain.compression import Encoded
 from disttrain.config.schema import PAYLOAD_TRANSPORTS
 from disttrain.core.errors import DistributedError
+from disttrain.core.tls import TlsFiles
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps import shared_memory
 from disttrain.strategies.ps.codec import tensor_bytes
@@ -33,17 +34,19 @@ class PSClient:
         addresses: "host:port" of each shard's server, in shard order.
         plans: the worker's own shard plans (checked against the servers' at register).
         token: the run's token, sent with every call (None: the servers run open).
+        tls: the TLS files to reach the servers with (None or empty: plain TCP).
     """
 
     def __init__(self, addresses: list[str], plans: list[ShardPlan], policy: RetryPolicy,
-                 transport: str = "auto", token: str | None = None):
+                 transport: str = "auto", token: str | None = None,
+                 tls: TlsFiles | None = None):
         if len(addresses) != len(plans):
             raise ValueError(f"{len(addresses)} server addresses for {len(plans)} shards")
         if transport not in PAYLOAD_TRANSPORTS:
             raise ValueError(f"payload transport {transport!r} is not one of {', '.join(PAYLOAD_TRANSPORTS)}")
         self.plans = plans
         self.transport = transport
-        self.shards = [ShardClient(a, i, policy, token) for i, a in enumerate(addresses)]
+        self.shards = [ShardClient(a, i, policy, token, tls) for i, a in enumerate(addresses)]
         self._pool = ThreadPoolExecutor(max(2 * len(addresses), 2), thread_name_prefix="ps-client")
         self._lock = threading.Lock()
         self.bytes_sent = 0

@@ -11,7 +11,8 @@ restarted on its registry (`<log_dir>/cluster.db`). Worker 0 writes
 `parameter_server_final.pt` and `summary.json` (strategy ps-sync, ps-ssp or ps-async)
 when every worker is done; the launcher adds each failure and its recovery. Every
 server refuses calls without the run's token (the user's, else a random one per run),
-which the children get through their environment.
+which the children get through their environment; with TLS files, every process gets
+the same `--tls-*` flags and serves and connects with TLS.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ class ClusterRun:
         faults = [f"--inject={format_fault(fault)}" for fault in self.options.faults]
         resume = ["--resume"] if attempt > 0 or self.options.resume else []
         return ["--config", str(self.config_path), *(["-v"] if self.options.verbose else []), *faults,
-                *resume, "--attempt", str(attempt)]
+                *resume, "--attempt", str(attempt), *self.options.tls.args()]
 
     def start(self, registry: Path) -> None:
         """Start the coordinator (unless one runs already), the servers, then the workers."""
@@ -155,7 +156,7 @@ class ClusterRun:
         address = config.coordinator.address or self._start_coordinator(registry)
         self.config = config.replace(coordinator={"address": address})
         self.config.save(self.config_path)  # every process finds the coordinator here
-        self.coordinator = CoordinatorClient(address, token=self.options.token)
+        self.coordinator = CoordinatorClient(address, token=self.options.token, tls=self.options.tls)
         servers = [self._start_server(shard) for shard in range(config.ps.num_servers)]
         addresses = [self._wait_listening(name) for name in servers]
         logger.info("servers listening on %s", ", ".join(addresses))
@@ -172,7 +173,7 @@ class ClusterRun:
         def args(attempt: int) -> list[str]:
             fault = ["--kill-at-step", str(kill_at[0])] if kill_at and attempt == 0 else []
             return ["coordinator", "--bind", bind[0], "--registry", str(registry),
-                    "--config", str(self.config_path), *fault]
+                    "--config", str(self.config_path), *fault, *self.options.tls.args()]
 
         self.supervisor.start(Managed("coordinator", "coordinator", args))
         bind[0] = self._wait_listening("coordinator")  # a restart binds the same port

@@ -17,6 +17,7 @@ from disttrain.coordinator.client import (
     HeartbeatSender,
     MembershipWatcher,
 )
+from disttrain.core.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def _declared_failed(node_id: str) -> Callable[[], None]:
 def join(settings: CoordinatorConfig, node_id: str, role: str, rank: int,
          progress: Callable[[], tuple], address: str = "",
          on_membership: Callable[[int, dict[str, int]], None] | None = None,
-         token: str | None = None) -> Link | None:
+         token: str | None = None, tls: TlsFiles | None = None) -> Link | None:
     """Register with the coordinator at `settings.address` and start heartbeats; None when
     the run has no coordinator.
 
@@ -70,12 +71,13 @@ def join(settings: CoordinatorConfig, node_id: str, role: str, rank: int,
         on_membership: called with (generation, live worker ids -> the generation each
             joined in) at every change of membership (servers).
         token: the run's token, sent with every call to the coordinator.
+        tls: the TLS files to reach it with (None or empty: plain TCP).
     Raises:
         CoordinatorError: the coordinator refused (another live process holds `node_id`).
     """
     if not settings.address:
         return None
-    client = CoordinatorClient(settings.address, token=token)
+    client = CoordinatorClient(settings.address, token=token, tls=tls)
     reply = client.register(node_id, role, rank=rank, address=address)
     logger.info("joined the run's coordinator at %s as %s (generation %d, %d restart(s) before)",
                 settings.address, node_id, reply.generation, reply.restarts)

@@ -24,6 +24,7 @@ from disttrain.core import checkpoint as ckpt
 from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import bind_to_parent, emit_event
 from disttrain.core.rpc_server import RpcServer
+from disttrain.core.tls import TlsFiles
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps import wire
 from disttrain.strategies.ps.aggregation import PushRefused
@@ -213,13 +214,13 @@ class ShardServer:
     """
 
     def __init__(self, state: ShardState, bind: str, max_threads: int = 32, token: str | None = None,
-                 long_poll_cap_s: float = LONG_POLL_CAP_S):
+                 long_poll_cap_s: float = LONG_POLL_CAP_S, tls: TlsFiles | None = None):
         self.state = state
         self.stopped = threading.Event()
         self.polls = PollSlots.for_pool(max_threads)
         servicer = ParameterServicer(state, self.stopped, self.polls, long_poll_cap_s)
         self._server = RpcServer(_handler(servicer), wire.SERVICE, bind,
-                                 max_threads, options=wire.CHANNEL_OPTIONS, token=token)
+                                 max_threads, options=wire.CHANNEL_OPTIONS, token=token, tls=tls)
         self.address = self._server.address
 
     def stop(self, grace_s: float = 2.0) -> None:
@@ -248,10 +249,12 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
 
 
 def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool = False,
-          faults: FaultInjector | None = None, token: str | None = None) -> None:
+          faults: FaultInjector | None = None, token: str | None = None,
+          tls: TlsFiles | None = None) -> None:
     """Run one shard until SIGTERM/SIGINT or a Shutdown call; with a coordinator in the
     config, registered with it, heartbeating, and following its membership. With a
     `token`, calls without it are refused (but health checks), and it is sent to the coordinator.
+    With `tls`, it listens with TLS and reaches the coordinator with the same files.
 
     Raises:
         ConfigError: the address cannot be bound, or the checkpoint dir holds an earlier run.
@@ -263,7 +266,8 @@ def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool =
     configure_threads(config.system.num_threads or 1)
     state = build_state(config, shard, num_shards, resume)
     # Long-polls hold a thread each: room for every worker's push, pull and status call.
-    server = ShardServer(state, bind, max_threads=max(32, 4 * config.system.num_workers + 8), token=token)
+    server = ShardServer(state, bind, max_threads=max(32, 4 * config.system.num_workers + 8), token=token,
+                         tls=tls)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.stopped.set())
     logger.info("shard %d/%d (%d parameters, %.2f MB) listening on %s (%s)", shard, num_shards,
@@ -272,7 +276,7 @@ def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool =
         state.on_version = faults.at_step
     emit_event("listening", address=server.address, shard=shard)
     link = join(config.coordinator, f"server{shard}", "server", shard,
-                lambda: (0, state.version, 0), server.address, state.set_membership, token=token)
+                lambda: (0, state.version, 0), server.address, state.set_membership, token=token, tls=tls)
     try:
         server.stopped.wait()
     finally:

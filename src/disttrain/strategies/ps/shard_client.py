@@ -20,6 +20,7 @@ import torch
 
 from disttrain.core.auth import with_token
 from disttrain.core.errors import DistributedError
+from disttrain.core.tls import TlsFiles
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps import wire
 from disttrain.strategies.ps.codec import Payload, copy_chunks, decode_chunks, decode_tensor
@@ -60,9 +61,11 @@ def describe(error: BaseException) -> str:
 class ShardClient:
     """Calls to one shard's server at `address`. Payload bytes travel in the gRPC
     messages, or through shared memory once `segments` are attached (same machine). Every
-    call carries `token` when given (a server started with one refuses calls without it)."""
+    call carries `token` when given (a server started with one refuses calls without it),
+    over TLS when `tls` is enabled."""
 
-    def __init__(self, address: str, shard: int, policy: RetryPolicy, token: str | None = None):
+    def __init__(self, address: str, shard: int, policy: RetryPolicy, token: str | None = None,
+                 tls: TlsFiles | None = None):
         self.address = address
         self.shard = shard
         self.policy = policy
@@ -71,7 +74,7 @@ class ShardClient:
         self.incarnation = 0
         self.drop_replies = 0  # replies of pushes to lose on purpose (fault injection)
         self._join_lock = threading.Lock()
-        self.channel = with_token(grpc.insecure_channel(address, options=wire.CHANNEL_OPTIONS), token)
+        self.channel = with_token((tls or TlsFiles()).channel(address, options=wire.CHANNEL_OPTIONS), token)
         self._calls = {}
         for name, (kind, request_type, response_type) in wire.METHODS.items():
             serialize = wire.identity if request_type is None else request_type.SerializeToString

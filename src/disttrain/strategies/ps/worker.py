@@ -233,12 +233,12 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
     flat, grads = flat_parameters(model)
     client = PSClient(servers, plan_shards(model, len(servers)),
                       RetryPolicy(timeout_s=config.ps.rpc_timeout_s), config.ps.payload_transport,
-                      token=options.token)
+                      token=options.token, tls=options.tls)
     progress: list[Callable[[], tuple]] = [lambda: (0, 0, 0, 0.0)]  # until the participant exists
     link = None
     try:
         link = join(config.coordinator, worker_id, "worker", requested_rank, lambda: progress[0](),
-                    token=options.token)
+                    token=options.token, tls=options.tls)
         assignment = client.register(worker_id, requested_rank)
         rank, world_size = assignment.rank, assignment.world_size
         logger.info("registered as rank %d of %d (%s mode, %d shard(s))", rank, world_size,
