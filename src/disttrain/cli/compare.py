@@ -33,22 +33,29 @@ Strategies: {KNOWN}.
 OWN_FOLDERS = ("--log-dir", "--checkpoint-dir")  # each run gets its own under --output-dir
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_runs_flags(parser: argparse.ArgumentParser, default_folder: str) -> None:
+    """The flags of a command that trains several runs on one config: the config and its
+    training flags (each run gets its own folders), --workers, --output-dir,
+    --timeout-per-run, --set and -v."""
     parser.add_argument("--config", help="YAML or JSON config file every run trains")
     add_config_flags(parser, {flag: spec for flag, spec in COMMON_FLAGS.items() if flag not in OWN_FOLDERS})
     add_config_flags(parser, {"--workers": ("system.num_workers", int,
                                             "workers (parameter server) and ranks (DDP) of each "
                                             "parallel run; the baseline has one process")})
-    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES, metavar="LIST",
-                        help=f"comma-separated runs, in order (default: {DEFAULT_STRATEGIES})")
-    parser.add_argument("--output-dir", metavar="DIR", help="where the runs and the report go "
-                        "(default: runs/compare-<date>-<time>/; must not hold a comparison already)")
+    parser.add_argument("--output-dir", metavar="DIR", help=f"where the runs go (default: {default_folder}; "
+                        "must not hold runs already)")
     parser.add_argument("--timeout-per-run", type=float, default=3600.0, metavar="SECONDS",
                         help="stop a run still going after this long and count it as failed "
                              "(default: 3600)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any config key of every run (repeatable)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_runs_flags(parser, "runs/compare-<date>-<time>/, with the report")
+    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES, metavar="LIST",
+                        help=f"comma-separated runs, in order (default: {DEFAULT_STRATEGIES})")
 
 
 def run(args: argparse.Namespace) -> None:

@@ -7,8 +7,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from disttrain.cli.compare import OWN_FOLDERS
-from disttrain.cli.flags import COMMON_FLAGS, add_config_flag, add_config_flags, config_from_args
+from disttrain.cli.compare import add_runs_flags
+from disttrain.cli.flags import add_config_flag, config_from_args
 from disttrain.comparison.runner import MANIFEST, LogDisplay
 from disttrain.comparison.validate import RESULT_FILE, SPEEDUP_WORKERS, validate
 from disttrain.core.errors import ConfigError, DisttrainError
@@ -36,22 +36,12 @@ Exit code 0 only when every property that applies holds.
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML or JSON config file (the budget)")
-    add_config_flags(parser, {flag: spec for flag, spec in COMMON_FLAGS.items() if flag not in OWN_FOLDERS})
+    add_runs_flags(parser, "runs/validate-<date>-<time>/")
     add_config_flag(parser, "--epochs", "training.num_epochs", int, "epochs to train (as --num-epochs)")
-    add_config_flag(parser, "--workers", "system.num_workers", int,
-                    "workers of the parameter server and ranks of DDP")
     parser.add_argument("--tolerance", type=float, default=0.03, metavar="FRACTION",
                         help="the most two strategies' final test accuracies may differ by "
                              "(default 0.03: 3 points)")
     parser.add_argument("--output", metavar="PATH", help="also write the properties JSON here")
-    parser.add_argument("--output-dir", metavar="DIR",
-                        help="where the runs go (default: runs/validate-<date>-<time>/)")
-    parser.add_argument("--timeout-per-run", type=float, default=3600.0, metavar="SECONDS",
-                        help="stop a run still going after this long (it then fails)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override any config key (repeatable)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
 def run(args: argparse.Namespace) -> None:

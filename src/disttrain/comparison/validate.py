@@ -98,8 +98,7 @@ def validate(config: Config, folder: Path, tolerance: float, timeout_s: float, c
             "final_accuracy": accuracies, "spread": spread, "tolerance": tolerance,
             "baseline_batch_size": batch_size * workers, "batch_size_per_worker": batch_size}))
     properties += _speedups(speeds, config.system.num_workers)
-    validation = Validation(str(folder), properties)
-    return validation
+    return Validation(str(folder), properties)
 
 
 def _key(name: str) -> str:

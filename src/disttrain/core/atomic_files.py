@@ -86,6 +86,18 @@ def atomic_torch_save(obj: Any, path: str | Path) -> Path:
     return path
 
 
+def write_bytes_atomic(path: str | Path, data: bytes, mode: int = 0o644) -> Path:
+    """Write `data` at `path` atomically, without a sidecar (reports, manifests): the
+    folder is created; the file gets `mode` (the temporary file's 0600 would otherwise
+    survive the rename and hide a report from everyone but its owner)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary, _ = _write_temporary(path, lambda handle: handle.write(data))
+    temporary.chmod(mode)
+    _rename_into_place(temporary, path)
+    return path
+
+
 def _write_temporary(path: Path, write: Callable[[HashingWriter], Any]) -> tuple[Path, str]:
     """Let `write` fill a fresh temporary file beside `path`; flush and fsync it.
 

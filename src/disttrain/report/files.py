@@ -8,11 +8,10 @@ exit code 2); a file written here appears whole under its final name or not at a
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from pathlib import Path
 from typing import Any
 
+from disttrain.core.atomic_files import write_bytes_atomic
 from disttrain.core.errors import InputFileError
 
 
@@ -43,28 +42,13 @@ def read_json_file(path: str | Path, what: str = "file") -> Any:
 
 
 def write_file_atomic(path: str | Path, data: str | bytes) -> Path:
-    """Write `data` (text as UTF-8) to `path` through a temporary file beside it and a rename (the folder
-    is created); a crash leaves the old file or none, never a partial one.
+    """Write `data` (text as UTF-8) to `path` atomically (`core.atomic_files`): a crash
+    leaves the old file or none, never a partial one.
 
     Raises:
         OSError: the folder cannot be created or written; `path` is left as it was.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = data.encode("utf-8") if isinstance(data, str) else data
-    # A unique name opened exclusively (not mkstemp, whose 0600 would outlive the rename:
-    # a report is for others to read too).
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with temporary.open("xb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    return path
+    return write_bytes_atomic(path, data.encode("utf-8") if isinstance(data, str) else data)
 
 
 def write_json_atomic(path: str | Path, data: Any) -> Path:
