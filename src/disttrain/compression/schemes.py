@@ -93,6 +93,25 @@ def _frombuffer(data: memoryview, dtype: torch.dtype, count: int, offset: int) -
 # -- encoding ------------------------------------------------------------------------------
 
 
+def magnitude_bound(tensor: torch.Tensor) -> float:
+    """An upper bound on the magnitudes in `tensor` (0 when empty): NaN or infinity when
+    it holds such a value, so one pass both bounds the values and checks them.
+
+    The bound is the Euclidean norm, one pass of a dot product (half the time of a
+    finiteness check, a third of that of max and min); where the squares overflow, the
+    largest magnitude itself is found instead."""
+    if tensor.numel() == 0:
+        return 0.0
+    if tensor.dtype in (torch.float32, torch.float64):
+        squares = torch.dot(tensor, tensor).item()
+        if math.isfinite(squares):
+            return math.sqrt(squares)
+    if tensor.dtype in (torch.float32, torch.float64, torch.float16):
+        values = tensor.numpy()
+        return float(max(values.max(), -values.min()))
+    return float(max(tensor.amax().item(), -tensor.amin().item()))
+
+
 def all_finite(tensor: torch.Tensor) -> bool:
     """No NaN or infinity (integers always pass; numpy checks float32 some twenty times
     faster than torch does on CPU)."""

@@ -1,36 +1,43 @@
-"""A shard's optimizer step, undone when it would leave a non-finite parameter.
+"""A shard's optimizer step, refused when it would leave a non-finite parameter.
 
 Every pushed gradient is checked finite, but finite gradients can still overflow: a
 huge value times the learning rate, a momentum buffer that grows past the dtype's
 range. Such a step would poison the shard for every worker from then on, so it is
-refused: before each step the parameters and the optimizer state are copied into
-buffers kept from step to step (no allocation, no page faults: one memory copy each),
-and restored when the step leaves a non-finite value.
+refused, with parameters and optimizer state left as they were.
+
+Copying the parameters and the optimizer state before every step to undo it costs more
+than the step itself once they outgrow the cache (1.1 ms of a 10 MB shard's push here,
+and 0.6 ms more for the checks after it). So the update keeps an upper bound on every
+magnitude instead: the decoder bounds each gradient in the pass that checks it finite,
+and for SGD the bounds after a step follow from those before it
+(|p'| <= |p| + lr * |step direction|). While every bound stays far below the dtype's
+largest value, no step can overflow and none is copied or checked. Otherwise (or for
+another optimizer, whose bounds are not worked out) the step is guarded: copied before,
+measured after, and undone when a value is not finite; the measured magnitudes become
+the new bounds. (The update's own magnitudes come from `magnitude_bound`: an upper
+bound, the Euclidean norm, in one pass.)
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from disttrain.compression.schemes import all_finite
+from disttrain.compression.schemes import magnitude_bound
 from disttrain.strategies.ps.combine import combine
 from disttrain.strategies.ps.decisions import Contribution
 from disttrain.strategies.ps.validation import InvalidPush
 
+# A bound this far below the dtype's largest value leaves room for rounding in every sum.
+HEADROOM = 16.0
+
 
 class NonFiniteUpdate(InvalidPush):
     """A push whose update would leave a parameter non-finite: refused, nothing changed."""
-
-
-def _finite(tensor: torch.Tensor) -> bool:
-    if not tensor.is_floating_point():
-        return True
-    # One reduction usually settles it: a finite sum means every element is finite.
-    return bool(torch.isfinite(tensor.sum())) or all_finite(tensor)
 
 
 class GuardedUpdate:
@@ -44,30 +51,78 @@ class GuardedUpdate:
     def __init__(self, param: nn.Parameter, optimizer: torch.optim.Optimizer):
         self.param = param
         self.optimizer = optimizer
+        self.limit = torch.finfo(param.dtype).max / HEADROOM
         # Reused by every update: a fresh buffer each time costs page faults on every page.
         self._gradient_sum = torch.empty_like(param.detach())
         self._buffers: dict[str, torch.Tensor] = {}
         self._saved: dict[str, Any] = {}
+        self.bounds: dict[str, float] | None = None  # magnitude bounds by state name; None: unknown
+        self.num_guarded = 0  # steps that were copied and checked
+
+    def forget_bounds(self) -> None:
+        """The parameters or the optimizer state changed outside `apply` (a restore)."""
+        self.bounds = None
 
     def apply(self, contributions: list[Contribution]) -> bool:
-        """One optimizer step on the weighted sum of `contributions`' gradients.
+        """One optimizer step on the weighted sum of `contributions`' gradients (each a
+        `Gradient`, or chunks without a bound, which guard the step).
 
         Returns:
             True when applied; False when the step would have left a parameter (or a
             floating optimizer state) non-finite: then parameters and optimizer state
             are as they were before the call.
         """
+        gradient = sum(abs(c.weight) * getattr(c.payload, "bound", math.inf) for c in contributions)
+        predicted = self._predict(gradient)
+        if predicted is not None and max(predicted.values()) <= self.limit:
+            self._step(contributions)
+            self.bounds = predicted
+            return True
+        self.num_guarded += 1
         self._save()
+        self._step(contributions)
+        measured = self._measure()
+        if all(math.isfinite(v) for v in measured.values()):
+            self.bounds = measured
+            return True
+        self._restore()
+        return False
+
+    def _step(self, contributions: list[Contribution]) -> None:
         self.param.grad = combine(contributions, self._gradient_sum)
         try:
             self.optimizer.step()
         finally:
             self.param.grad = None
-        state = self.optimizer.state.get(self.param, {})
-        if _finite(self.param.detach()) and all(_finite(v) for v in state.values() if torch.is_tensor(v)):
-            return True
-        self._restore()
-        return False
+
+    def _predict(self, gradient: float) -> dict[str, float] | None:
+        """Bounds after an SGD step on a gradient bounded by `gradient`; None when they
+        cannot be told (unknown bounds, another optimizer, an unbounded gradient)."""
+        if self.bounds is None or not math.isfinite(gradient) \
+                or not isinstance(self.optimizer, torch.optim.SGD):
+            return None
+        (group,) = self.optimizer.param_groups
+        lr, momentum = abs(float(group["lr"])), float(group["momentum"])
+        param = self.bounds["param"]
+        direction = gradient + abs(group["weight_decay"]) * param
+        predicted = {}
+        if momentum:
+            # buf' = momentum * buf + (1 - dampening) * d, and buf' = d on the first step.
+            damped = max(1.0, abs(1.0 - float(group["dampening"]))) * direction
+            buffer = abs(momentum) * self.bounds.get("momentum_buffer", 0.0) + damped
+            predicted["momentum_buffer"] = buffer
+            direction = direction + abs(momentum) * buffer if group["nesterov"] else buffer
+        predicted["param"] = param + lr * direction
+        return predicted
+
+    def _measure(self) -> dict[str, float]:
+        """A bound on the magnitudes of the parameters and of each floating optimizer
+        state (NaN or infinity when one holds such a value)."""
+        measured = {"param": magnitude_bound(self.param.detach())}
+        for key, value in self.optimizer.state.get(self.param, {}).items():
+            if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0:
+                measured[key] = magnitude_bound(value)
+        return measured
 
     def _save(self) -> None:
         self._saved = {"param": self.param.detach()}

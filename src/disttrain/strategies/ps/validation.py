@@ -8,10 +8,12 @@ need the shard's membership (registered worker, versions) live in the aggregatio
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from disttrain.compression import Compressor, InvalidPayload
-from disttrain.compression.schemes import all_finite
+from disttrain.compression.schemes import magnitude_bound
 from disttrain.config import CompressionConfig
 from disttrain.strategies.ps.codec import Payload, decode_chunks, to_dtype
 from disttrain.strategies.ps.payloads import shard_segments
@@ -21,6 +23,23 @@ from disttrain.strategies.ps.wire import plan_layout
 
 class InvalidPush(ValueError):
     """A malformed push: wrong layout, shape, dtype, length or values. Nothing changed."""
+
+
+class Gradient(list):
+    """A decoded gradient: its 1-D chunks in order, and `bound`, the largest magnitude
+    in them (the update uses it to tell whether a step could overflow)."""
+
+    def __init__(self, chunks: list[torch.Tensor], bound: float):
+        super().__init__(chunks)
+        self.bound = bound
+
+
+def bounded(chunks: list[torch.Tensor]) -> Gradient:
+    """`chunks` with their bound. Raises InvalidPush when a value is NaN or infinite."""
+    bound = max((magnitude_bound(chunk) for chunk in chunks), default=0.0)
+    if not math.isfinite(bound):
+        raise InvalidPush("payload holds NaN or infinite values; the gradient is discarded")
+    return Gradient(chunks, bound)
 
 
 def check_header(payload: Payload, plan: ShardPlan, scheme: str | None = None,
@@ -86,7 +105,7 @@ def _check_layout(layout: tuple[TensorSlice, ...], plan: ShardPlan) -> None:
                           f"{[s.name for s in plan.slices]}")
 
 
-def decode_payload(payload: Payload, plan: ShardPlan) -> list[torch.Tensor]:
+def decode_payload(payload: Payload, plan: ShardPlan) -> Gradient:
     """The flat gradient of a push whose header passed `check_header`, as 1-D chunks
     (views of the received bytes, in order).
 
@@ -102,9 +121,7 @@ def decode_payload(payload: Payload, plan: ShardPlan) -> list[torch.Tensor]:
         chunks = decode_chunks(payload.chunks, plan.dtype)
     except ValueError as e:
         raise InvalidPush(f"payload chunks split an element: {e}") from e
-    if not all(all_finite(chunk) for chunk in chunks):
-        raise InvalidPush("payload holds NaN or infinite values; the gradient is discarded")
-    return chunks
+    return bounded(chunks)
 
 
 class PushDecoder:
@@ -133,7 +150,7 @@ class PushDecoder:
         """How many bytes the push's payload has (of a shared-memory segment: how many to read)."""
         return self.compressed_nbytes if payload.header.compressed else self.plan.nbytes
 
-    def decode(self, payload: Payload) -> list[torch.Tensor]:
+    def decode(self, payload: Payload) -> Gradient:
         """The flat gradient of a push whose header passed `check_header`, as 1-D chunks
         (raw payloads: views of the received bytes; compressed ones: one new tensor).
 
@@ -148,4 +165,4 @@ class PushDecoder:
             self.compressor.decode(data, self.segments, out)
         except InvalidPayload as e:
             raise InvalidPush(f"{self.scheme} payload: {e}") from e
-        return [out]
+        return bounded([out])
