@@ -50,6 +50,15 @@ def call(client, name):
                                                 response_deserializer=deserialize)
 
 
+def register(client, worker_id):
+    """Register `worker_id` through `client`'s channel; its session."""
+    call = client.shards[0].channel.unary_unary(wire.method_path("RegisterWorker"),
+                                                request_serializer=pb.RegisterRequest.SerializeToString,
+                                                response_deserializer=pb.WorkerAssignment.FromString)
+    request = pb.RegisterRequest(worker_id=worker_id, requested_rank=-1, key=worker_id.encode() * 16)
+    return call(request, timeout=10).session
+
+
 def snapshot(server):
     state = server.state
     return (state.parameters(), state.version, {k: v.clone() for k, v in state.optimizer.state.get(
@@ -73,11 +82,17 @@ def call_status(server):
         return get(pb.StatusRequest(), timeout=2)
 
 
-def test_pending_long_polls_leave_threads_for_status_calls(shard):
-    server, client, plan = shard
+@pytest.fixture
+def crowded_shard(tmp_path):
+    yield from started(make_config(tmp_path, num_workers=16), max_threads=32, long_poll_cap_s=WAIT_CAP_S)
+
+
+def test_pending_long_polls_leave_threads_for_status_calls(crowded_shard):
+    server, client, plan = crowded_shard
+    num_calls, num_workers = 64, 16
+    sessions = [client.shards[0].session] + [register(client, f"w{i}") for i in range(1, num_workers)]
     before = snapshot(server)
     fetch = call(client, "FetchParameters")
-    num_calls, num_workers = 64, 16
     admitted = min(num_workers * server.polls.per_key, server.polls.max_total)
     assert admitted < num_calls and server.polls.max_total < 32  # both caps are exercised
     ended, lock, refused_all = [], threading.Lock(), threading.Event()
@@ -90,7 +105,8 @@ def test_pending_long_polls_leave_threads_for_status_calls(shard):
 
     futures = []
     for i in range(num_calls):  # no client deadline: the server's cap ends them
-        future = fetch.future(pb.ParameterRequest(worker_id=f"w{i % num_workers}", min_version=2**62))
+        future = fetch.future(pb.ParameterRequest(worker_id=f"w{i % num_workers}", min_version=2**62,
+                                                  session=sessions[i % num_workers]))
         future.add_done_callback(on_done)
         futures.append(future)
     assert refused_all.wait(10)  # the calls over a cap are refused at once
@@ -111,11 +127,11 @@ def test_pending_long_polls_leave_threads_for_status_calls(shard):
 def test_a_worker_over_its_long_poll_cap_is_refused_at_once(shard):
     server, client, plan = shard
     fetch = call(client, "FetchParameters")
-    pending = [fetch.future(pb.ParameterRequest(worker_id="w0", min_version=5), timeout=30)
-               for _ in range(server.polls.per_key)]
+    request = pb.ParameterRequest(worker_id="w0", min_version=5, session=client.shards[0].session)
+    pending = [fetch.future(request, timeout=30) for _ in range(server.polls.per_key)]
     assert server.polls.wait_for_total(server.polls.per_key, 10)
     with pytest.raises(grpc.RpcError) as raised:  # long before its own deadline
-        fetch(pb.ParameterRequest(worker_id="w0", min_version=5), timeout=WAIT_CAP_S / 2)
+        fetch(request, timeout=WAIT_CAP_S / 2)
     assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "long-polls" in raised.value.details()
     # another worker still gets a slot, and a version that exists answers every waiter
@@ -123,7 +139,7 @@ def test_a_worker_over_its_long_poll_cap_is_refused_at_once(shard):
                                                 request_serializer=wire.identity,
                                                 response_deserializer=pb.PushReply.FromString)
     for step in range(1, 6):
-        send(frames(plan, torch.zeros(plan.numel), step=step), timeout=10)
+        send(frames(plan, torch.zeros(plan.numel), step=step, session=request.session), timeout=10)
     assert [f.result(timeout=10).header.version for f in pending] == [5] * len(pending)
     assert server.polls.wait_for_total(0, 10)
 
@@ -146,10 +162,10 @@ def stream(client):
                                                 response_deserializer=pb.PushReply.FromString)
 
 
-def push_frames(plan, chunk_bytes, num_samples=8):
-    """The frames of a push of ones, cut in `chunk_bytes` pieces."""
+def push_frames(plan, chunk_bytes, session, num_samples=8):
+    """The frames of a push of ones by w0, cut in `chunk_bytes` pieces."""
     header = pb.GradientMessage(worker_id="w0", step=1, base_version=0, shard=0, num_samples=num_samples,
-                                block_id=1)
+                                block_id=1, session=session)
     header.layout.extend(wire.slice_specs(plan))
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype="float32")
     data = codec.tensor_bytes(torch.ones(plan.numel))
@@ -169,23 +185,25 @@ def empty_frame():
                                                tensor_pb2.TensorProto(), memoryview(b"")))))
 
 
-def empty_header_frame(plan):
+def empty_header_frame(plan, session):
     """A push's first frame, whole header, no payload bytes (and not through shared memory)."""
-    header = pb.GradientMessage(worker_id="w0", step=1, base_version=0, shard=0, num_samples=8, block_id=1)
+    header = pb.GradientMessage(worker_id="w0", step=1, base_version=0, shard=0, num_samples=8, block_id=1,
+                                session=session)
     header.layout.extend(wire.slice_specs(plan))
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype="float32")
     return next(iter(codec.encode_frames(header, wire.GRADIENT_PAYLOAD_FIELD, meta, memoryview(b""))))
 
 
-def bad_streams(plan):
-    one_byte = list(itertools.islice(push_frames(plan, 1), 2))
-    first_frame = next(iter(push_frames(plan, codec.CHUNK_BYTES)))
+def bad_streams(plan, session):
+    one_byte = list(itertools.islice(push_frames(plan, 1, session), 2))
+    first_frame = next(iter(push_frames(plan, codec.CHUNK_BYTES, session)))
     return {
         # endless streams: before these limits, the server read them until the deadline
         "empty frames": ("no payload bytes", lambda c: endless(one_byte[0], empty_frame(), c)),
         "one-byte frames": ("more than", lambda c: endless(one_byte[0], one_byte[1], c)),
         "too many bytes": ("exceeds", lambda c: endless(first_frame, first_frame, c)),
-        "empty first frame": ("frame 1 carries no payload bytes", lambda c: iter([empty_header_frame(plan)])),
+        "empty first frame": ("frame 1 carries no payload bytes",
+                              lambda c: iter([empty_header_frame(plan, session)])),
         # a 2-byte field repeated: one view and one parsed field each
         "tiny fields": ("fields", lambda c: iter([b"\x78\x00" * 200_000 + first_frame])),
     }
@@ -195,7 +213,8 @@ def bad_streams(plan):
                                   "tiny fields"])
 def test_a_push_over_a_bound_is_refused_and_the_stream_not_read_on(shard, case):
     server, client, plan = shard
-    words, build = bad_streams(plan)[case]
+    session = client.shards[0].session
+    words, build = bad_streams(plan, session)[case]
     before = snapshot(server)
     consumed = [0]
     with pytest.raises(grpc.RpcError) as raised:
@@ -205,7 +224,8 @@ def test_a_push_over_a_bound_is_refused_and_the_stream_not_read_on(shard, case):
     assert_unchanged(server, before)
     assert server.state.status()["num_invalid"] == 0  # refused before it reached the shard
     # the next well-formed push goes through
-    assert stream(client)(frames(plan, torch.ones(plan.numel)), timeout=10).outcome == pb.PushReply.APPLIED
+    reply = stream(client)(frames(plan, torch.ones(plan.numel), session=session), timeout=10)
+    assert reply.outcome == pb.PushReply.APPLIED
 
 
 def test_push_limits_leave_room_for_every_legal_push():
@@ -219,17 +239,17 @@ def test_push_limits_leave_room_for_every_legal_push():
 @pytest.mark.parametrize("num_samples", [65, 2**62])
 def test_a_push_standing_for_more_than_a_batch_is_refused(shard, num_samples):
     server, client, plan = shard
-    batch_size = server.state.config.training.batch_size
+    batch_size, session = server.state.config.training.batch_size, client.shards[0].session
     assert batch_size == 64
     before = snapshot(server)
     with pytest.raises(grpc.RpcError) as raised:
-        stream(client)(push_frames(plan, codec.CHUNK_BYTES, num_samples), timeout=10)
+        stream(client)(push_frames(plan, codec.CHUNK_BYTES, session, num_samples), timeout=10)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"num_samples ({num_samples}) exceeds the run's batch size (64)" in raised.value.details()
     assert_unchanged(server, before)
     assert server.state.status()["num_samples_applied"] == 0
     # a full batch is taken
-    reply = stream(client)(push_frames(plan, codec.CHUNK_BYTES, batch_size), timeout=10)
+    reply = stream(client)(push_frames(plan, codec.CHUNK_BYTES, session, batch_size), timeout=10)
     assert reply.outcome == pb.PushReply.APPLIED and server.state.status()["num_samples_applied"] == 64
 
 
@@ -244,20 +264,20 @@ def momentum_shard(tmp_path):
 
 def test_an_update_that_would_overflow_the_parameters_is_refused(momentum_shard):
     server, client, plan = momentum_shard
-    send = stream(client)
+    send, session = stream(client), client.shards[0].session
     small = torch.full((plan.numel,), 0.01)
-    assert send(frames(plan, small, step=1), timeout=10).outcome == pb.PushReply.APPLIED
+    assert send(frames(plan, small, step=1, session=session), timeout=10).outcome == pb.PushReply.APPLIED
     before = snapshot(server)
     assert "momentum_buffer" in before[2] and before[1] == 1 and before[3] == [1]
     huge = torch.full((plan.numel,), 1e38)  # finite, but 4.0 x 1e38 is not
     with pytest.raises(grpc.RpcError) as raised:
-        send(frames(plan, huge, step=2), timeout=10)
+        send(frames(plan, huge, step=2, session=session), timeout=10)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "NaN or infinite" in raised.value.details()
     assert_unchanged(server, before)
     status = call_status(server)
     assert status.num_refused_nonfinite == 1 and status.num_applied == 1
     # the same step with a sane gradient is taken afterwards: nothing of the refused one stayed
-    reply = send(frames(plan, small, step=2), timeout=10)
+    reply = send(frames(plan, small, step=2, session=session), timeout=10)
     assert (reply.outcome, reply.version) == (pb.PushReply.APPLIED, 2)
     assert torch.isfinite(server.state.parameters()).all() and server.state.ledger(0, 0) == [1, 2]

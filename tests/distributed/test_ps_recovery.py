@@ -94,7 +94,7 @@ def test_a_worker_redoes_what_a_restarted_shard_lost(tmp_path):
         for block in sorted(missing):
             exchange.redo(result, Block(4, block, 0, 8, redo=True), [0], StepTimer())
         assert server.state.ledger(0, 0) == [1, 2, 3, 4] and server.state.version == 4
-        again = exchange.client.push([pb.GradientMessage(worker_id="w0", step=9, block_id=3, shard=0,
+        again = exchange.client.push([pb.GradientMessage(worker_id="w0", step=5, block_id=3, shard=0,
                                                          num_samples=8, base_version=4)],
                                      exchange.grads, [0])[0]
         assert again.outcome == pb.PushReply.DUPLICATE and server.state.version == 4

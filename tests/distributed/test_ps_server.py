@@ -22,6 +22,8 @@ from disttrain.training.models import init_model
 
 pytestmark = pytest.mark.timeout(60)
 
+KEY = b"k" * 32  # worker w0's key in the shard fixture
+
 
 def make_config(tmp_path, **system):
     return config_from_dict({
@@ -37,22 +39,36 @@ def shard(tmp_path):
     model = init_model(config.training)
     plan = plan_shards(model, 1)[0]
     client = PSClient([server.address], [plan], RetryPolicy(timeout_s=10.0, max_attempts=2))
-    client.register("w0")
-    send = client.shards[0].channel.stream_unary(wire.method_path("SendGradients"),
-                                                request_serializer=wire.identity,
-                                                response_deserializer=pb.PushReply.FromString)
+    client.register("w0", key=KEY)
+    raw_send = client.shards[0].channel.stream_unary(wire.method_path("SendGradients"),
+                                                    request_serializer=wire.identity,
+                                                    response_deserializer=pb.PushReply.FromString)
+
+    def send(pieces, **kwargs):  # as the registered worker w0 would
+        return raw_send(signed(pieces, client.shards[0].session), **kwargs)
+
     yield server, client, plan, send
     client.close()
     server.stop(0)
 
 
-def frames(plan, values, *, worker_id="w0", step=1, dtype="float32", shape=None, layout=None, data=None):
+def frames(plan, values, *, worker_id="w0", step=1, dtype="float32", shape=None, layout=None, data=None,
+           session=b""):
     header = pb.GradientMessage(worker_id=worker_id, step=step, base_version=step - 1, shard=0,
-                                num_samples=8, block_id=step)
+                                num_samples=8, block_id=step, session=session)
     header.layout.extend(layout if layout is not None else wire.slice_specs(plan))
     meta = tensor_pb2.TensorProto(shape=shape or [plan.numel], dtype=dtype)
     payload = data if data is not None else codec.tensor_bytes(values)
     return iter(list(codec.encode_frames(header, wire.GRADIENT_PAYLOAD_FIELD, meta, payload)))
+
+
+def signed(pieces, session):
+    """The frames of a push, with `session` in their header unless it carries one."""
+    first, *rest = list(pieces)
+    header = pb.GradientMessage.FromString(first)
+    if not header.session:
+        header.session = session
+    return iter([header.SerializeToString(), *rest])
 
 
 def wrong_shape_layout(plan):
@@ -131,7 +147,8 @@ def test_long_poll_ends_with_deadline_exceeded(shard):
                                                 request_serializer=pb.ParameterRequest.SerializeToString,
                                                 response_deserializer=wire.read_parameters)
     with pytest.raises(grpc.RpcError) as raised:
-        list(call(pb.ParameterRequest(worker_id="w0", min_version=5), timeout=0.5))
+        list(call(pb.ParameterRequest(worker_id="w0", min_version=5, session=client.shards[0].session),
+                  timeout=0.5))
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
@@ -161,7 +178,7 @@ def test_worker_with_another_model_is_refused_at_registration(tmp_path, shard):
     other = plan_shards(torch.nn.Linear(3, 2), 1)
     stranger = PSClient([server.address], other, RetryPolicy(timeout_s=5.0, max_attempts=1))
     with pytest.raises(Exception, match="different model"):
-        stranger.register("w0")
+        stranger.register("w0", key=KEY)  # the same worker, restarted with another model
     stranger.close()
 
 

@@ -78,9 +78,9 @@ def unary_push(client, header):
     return call(header.SerializeToString(), timeout=10)
 
 
-def memory_header(plan, worker_id, **payload):
+def memory_header(plan, worker_id, session, **payload):
     header = pb.GradientMessage(worker_id=worker_id, step=1, base_version=0, shard=0, num_samples=8,
-                                shared_memory=True, layout=wire.slice_specs(plan))
+                                shared_memory=True, layout=wire.slice_specs(plan), session=session)
     header.payload.CopyFrom(tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype, **payload))
     return header
 
@@ -92,9 +92,9 @@ def memory_header(plan, worker_id, **payload):
 def test_protocol_breaks_on_the_memory_path_are_refused(cluster, case, code, words):
     server, clients, plan = cluster
     if case == "no segments":  # a worker that never asked for segments claims to use them
-        header = memory_header(plan, "wire")
+        header = memory_header(plan, "wire", clients["grpc"].shards[0].session)
     else:
-        header = memory_header(plan, "memory", data=b"\0" * 8)
+        header = memory_header(plan, "memory", clients["shared_memory"].shards[0].session, data=b"\0" * 8)
     with pytest.raises(grpc.RpcError) as raised:
         unary_push(clients["grpc"], header)
     assert raised.value.code() == code and words in raised.value.details()

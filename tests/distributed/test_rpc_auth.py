@@ -92,9 +92,10 @@ def test_shard_serves_the_right_token(shard):
     server, client, plan = shard
     channel = with_token(grpc.insecure_channel(server.address), TOKEN)
     try:
-        reply = pb.PushReply.FromString(call(channel, "SendGradients", frames(plan, torch.ones(plan.numel))))
-        assert reply.outcome == pb.PushReply.APPLIED and server.state.version == 1
-        assert call(channel, "WorkerDone", pb.WorkerDoneRequest(worker_id="w0"))
+        session = client.shards[0].session  # the worker's own, from its registration
+        pushed = call(channel, "SendGradients", frames(plan, torch.ones(plan.numel), session=session))
+        assert pb.PushReply.FromString(pushed).outcome == pb.PushReply.APPLIED and server.state.version == 1
+        assert call(channel, "WorkerDone", pb.WorkerDoneRequest(worker_id="w0", session=session))
         call(channel, "Shutdown", pb.ShutdownRequest())
         assert server.stopped.is_set()
     finally:

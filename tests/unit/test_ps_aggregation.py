@@ -134,12 +134,41 @@ def test_invalid_rules_are_refused():
 def test_a_block_is_applied_once_whoever_sends_it_and_however_often():
     r = rules("async")
     assert r.offer("w0", 1, 0, 4.0, "a", now=0.0, block=7).advanced
-    # a restarted worker computes block 7 again under a new step number
+    # a restarted worker registers again and computes block 7 again under a new step number
+    r.register("w0")
     again = r.offer("w0", 9, 1, 4.0, "a", now=0.0, block=7)
     assert again.outcome is Outcome.DUPLICATE and not again.apply and r.version == 1
     redo = r.offer("w1", 0, 1, 4.0, "a", now=0.0, block=7, redo=True)
     assert redo.outcome is Outcome.DUPLICATE and r.ledger.blocks == {7}
     assert r.counts["samples"] == 4 and r.ledger.samples_duplicate == 8
+
+
+def test_a_step_from_far_ahead_is_refused_and_not_recorded():
+    r = rules("async")
+    r.offer("w0", 1, 0, 4.0, "a", now=0.0)
+    before = r.state_dict()
+    with pytest.raises(PushRefused, match="ahead of its last step 1"):
+        r.offer("w0", 2**62, 1, 4.0, "a", now=0.0)
+    assert r.state_dict() == before
+    assert r.offer("w0", 1, 1, 4.0, "a", now=0.0).outcome is Outcome.DUPLICATE  # a retry of the last
+    assert r.offer("w0", 2, 1, 4.0, "a", now=0.0).outcome is Outcome.APPLIED  # the next step
+
+
+def test_a_step_answered_without_being_applied_still_counts_as_the_last_one():
+    r = rules("ssp", staleness_bound=0)
+    r.offer("w0", 1, 0, 4.0, "a", now=0.0)
+    assert r.offer("w1", 1, 0, 4.0, "b", now=0.0).outcome is Outcome.STALE
+    assert r.offer("w1", 1, 1, 4.0, "b", now=0.0).outcome is Outcome.APPLIED  # recomputed: the same step
+    assert r.offer("w1", 2, 2, 4.0, "c", now=0.0).outcome is Outcome.APPLIED
+
+
+def test_a_worker_registered_again_may_go_on_from_any_step():
+    r = rules("async")
+    r.offer("w0", 1, 0, 4.0, "a", now=0.0)
+    r.register("w0")  # resumed from a checkpoint ahead of this shard's (restarted from an older one)
+    assert r.offer("w0", 40, 1, 4.0, "a", now=0.0).outcome is Outcome.APPLIED
+    with pytest.raises(PushRefused, match="ahead"):
+        r.offer("w0", 42, 2, 4.0, "a", now=0.0)
 
 
 def test_sync_counts_a_duplicate_block_as_a_contribution_of_no_samples():

@@ -61,3 +61,21 @@ def test_a_full_shared_memory_is_refused_up_front_and_leaves_nothing(monkeypatch
     with pytest.raises(SharedMemoryUnavailable, match="No space left"):
         SegmentPair.create(1 << 20, "float32")
     assert set(shared_memory.SEGMENT_DIR.iterdir()) == before
+
+
+def test_segments_of_dead_servers_are_swept_and_live_ones_kept():
+    import secrets
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    left = shared_memory.SEGMENT_DIR / f"disttrain-{int(dead.stdout)}-{secrets.token_hex(16)}-gradient"
+    left.write_bytes(b"\0" * 64)  # what a server killed before its worker attached leaves
+    live = SegmentPair.create(64, "float32")  # this process's own
+    try:
+        assert shared_memory.sweep_stale() >= 1
+        assert not left.exists() and live.gradient.path.exists() and live.parameter.path.exists()
+    finally:
+        left.unlink(missing_ok=True)
+        live.unlink()

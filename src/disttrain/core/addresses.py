@@ -1,6 +1,10 @@
-"""Network addresses as users type them: `HOST:PORT`, `[IPv6]:PORT`, and lists of them."""
+"""Network addresses as users type them (`HOST:PORT`, `[IPv6]:PORT`, and lists of them),
+and whether a peer is on this host."""
 
 from __future__ import annotations
+
+import ipaddress
+import socket
 
 from disttrain.core.errors import ConfigError
 
@@ -38,3 +42,30 @@ def parse_address_list(text: str, what: str) -> list[str]:
     for address in addresses:
         parse_address(address, what)
     return addresses
+
+
+def peer_is_local(peer: str) -> bool:
+    """Whether a gRPC peer ("ipv4:10.0.0.2:5123", "ipv6:[::1]:5123", "unix:/path") is on
+    this host: a loopback or Unix-socket peer, or an address of one of this host's (this
+    network namespace's) interfaces, which a socket can bind to and a remote one cannot."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("unix", "unix-abstract"):
+        return True
+    if kind not in ("ipv4", "ipv6"):
+        return False
+    host = rest.rpartition(":")[0].strip("[]")
+    try:
+        address = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback:
+        return True
+    family = socket.AF_INET if address.version == 4 else socket.AF_INET6
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((str(address), 0))
+        except OSError:  # EADDRNOTAVAIL: no interface here holds it
+            return False
+    return True

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GradientMessage(_message.Message):
-    __slots__ = ("worker_id", "step", "compressed", "compression_type", "base_version", "block_id", "shard", "num_samples", "layout", "payload", "shared_memory", "generation", "epoch", "last_in_epoch", "redo", "incarnation")
+    __slots__ = ("worker_id", "step", "compressed", "compression_type", "base_version", "block_id", "shard", "num_samples", "layout", "payload", "shared_memory", "generation", "epoch", "last_in_epoch", "redo", "incarnation", "session")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMPRESSED_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class GradientMessage(_message.Message):
     LAST_IN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     REDO_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     step: int
     compressed: bool
@@ -42,7 +43,8 @@ class GradientMessage(_message.Message):
     last_in_epoch: bool
     redo: bool
     incarnation: int
-    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., base_version: _Optional[int] = ..., block_id: _Optional[int] = ..., shard: _Optional[int] = ..., num_samples: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., shared_memory: _Optional[bool] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ..., last_in_epoch: _Optional[bool] = ..., redo: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    session: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., base_version: _Optional[int] = ..., block_id: _Optional[int] = ..., shard: _Optional[int] = ..., num_samples: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., shared_memory: _Optional[bool] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ..., last_in_epoch: _Optional[bool] = ..., redo: _Optional[bool] = ..., incarnation: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("outcome", "version", "staleness", "incarnation")
@@ -71,18 +73,20 @@ class PushReply(_message.Message):
     def __init__(self, outcome: _Optional[_Union[PushReply.Outcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class ParameterRequest(_message.Message):
-    __slots__ = ("worker_id", "min_version", "shard", "shared_memory", "incarnation")
+    __slots__ = ("worker_id", "min_version", "shard", "shared_memory", "incarnation", "session")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     min_version: int
     shard: int
     shared_memory: bool
     incarnation: int
-    def __init__(self, worker_id: _Optional[str] = ..., min_version: _Optional[int] = ..., shard: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    session: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., min_version: _Optional[int] = ..., shard: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., incarnation: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class ParameterMessage(_message.Message):
     __slots__ = ("version", "shard", "layout", "payload", "compressed", "compression_type", "shared_memory", "incarnation")
@@ -105,18 +109,22 @@ class ParameterMessage(_message.Message):
     def __init__(self, version: _Optional[int] = ..., shard: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "requested_rank", "hostname", "pid", "shared_memory")
+    __slots__ = ("worker_id", "requested_rank", "hostname", "pid", "shared_memory", "generation", "key")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_RANK_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     requested_rank: int
     hostname: str
     pid: int
     shared_memory: bool
-    def __init__(self, worker_id: _Optional[str] = ..., requested_rank: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+    generation: int
+    key: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., requested_rank: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., generation: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
 
 class SharedMemoryOffer(_message.Message):
     __slots__ = ("gradient_path", "parameter_path", "nonce")
@@ -129,7 +137,7 @@ class SharedMemoryOffer(_message.Message):
     def __init__(self, gradient_path: _Optional[str] = ..., parameter_path: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class WorkerAssignment(_message.Message):
-    __slots__ = ("rank", "world_size", "worker_id", "shard", "num_shards", "aggregation_mode", "staleness", "version", "layout", "dtype", "shared_memory", "incarnation")
+    __slots__ = ("rank", "world_size", "worker_id", "shard", "num_shards", "aggregation_mode", "staleness", "version", "layout", "dtype", "shared_memory", "incarnation", "session")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +150,7 @@ class WorkerAssignment(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     worker_id: str
@@ -154,13 +163,16 @@ class WorkerAssignment(_message.Message):
     dtype: str
     shared_memory: SharedMemoryOffer
     incarnation: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., aggregation_mode: _Optional[str] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., dtype: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    session: bytes
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., aggregation_mode: _Optional[str] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., dtype: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ..., incarnation: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class WorkerDoneRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "session")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+    session: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("wait_all_done",)
@@ -173,14 +185,16 @@ class ShutdownRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BarrierRequest(_message.Message):
-    __slots__ = ("worker_id", "name", "values")
+    __slots__ = ("worker_id", "name", "values", "session")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     name: str
     values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+    session: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class BarrierReply(_message.Message):
     __slots__ = ("world_size", "values")

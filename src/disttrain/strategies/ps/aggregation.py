@@ -12,8 +12,9 @@ passed in (`now`), so tests step a fake clock by hand.
   `version - v <= staleness_bound`; otherwise it is rejected, and the worker refetches.
 - `async`: every gradient is applied on arrival.
 
-A push is named by (worker, step), and carries the data block it was computed from. A
-push already taken, or whose block is in the ledger or pending, is acknowledged as a
+A push is named by (worker, step), and carries the data block it was computed from.
+Steps go one at a time (see `StepOrder`): a step from far ahead is refused. A push
+already taken, or whose block is in the ledger or pending, is acknowledged as a
 duplicate and changes nothing, so clients retry safely and a restarted worker that
 recomputes blocks already applied changes nothing (in sync mode its duplicate still
 counts towards the step, as a contribution of no samples, so the step does not wait for
@@ -28,7 +29,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
-from disttrain.strategies.ps.decisions import Contribution, Decision, Outcome, Push, PushRefused
+from disttrain.strategies.ps.decisions import Contribution, Decision, Outcome, Push, PushRefused, StepOrder
 from disttrain.strategies.ps.roster import Ledger, Roster
 
 __all__ = ["MODES", "AggregationRules", "Contribution", "Decision", "Outcome", "Push", "PushRefused"]
@@ -60,6 +61,7 @@ class AggregationRules:
         self.ranks: dict[str, int] = {}
         self.done: set[int] = set()
         self.last_step: dict[int, int] = {}
+        self.order = StepOrder()
         self.pending: dict[int, Contribution] = {}
         self.ledger = Ledger()
         self.roster = Roster()
@@ -81,6 +83,7 @@ class AggregationRules:
             rank = self.ranks[worker_id]
             if requested_rank not in (-1, rank):
                 raise PushRefused(f"worker {worker_id!r} already holds rank {rank}, not {requested_rank}")
+            self.order.forget(rank)
             return rank
         taken = set(self.ranks.values())
         if requested_rank == -1:
@@ -95,6 +98,7 @@ class AggregationRules:
             raise PushRefused(f"rank {requested_rank} is held by another worker")
         self.ranks[worker_id] = requested_rank
         self.roster.resolve(self.ranks)
+        self.order.forget(requested_rank)
         return requested_rank
 
     def rank_of(self, worker_id: str) -> int:
@@ -133,12 +137,20 @@ class AggregationRules:
         """Decide what to do with one well-formed push.
 
         Raises:
-            PushRefused: unknown worker, or a second gradient of one worker for the same
-                synchronous step.
+            PushRefused: unknown worker, a step from far ahead, or a second gradient of one
+                worker for the same synchronous step.
             FencedPush, UnknownGeneration: see `Roster.check`.
         """
         rank = self.rank_of(push.worker_id)
         self.roster.check(rank, push.generation)
+        if push.redo:  # named by its block, not its step
+            return self._offer(rank, push, payload, now)
+        self.order.check(rank, push.step, self.last_step.get(rank, 0))
+        decision = self._offer(rank, push, payload, now)
+        self.order.record(rank, push.step)
+        return decision
+
+    def _offer(self, rank: int, push: Push, payload: Any, now: float) -> Decision:
         staleness = self.version - push.base_version
         if self._is_duplicate(rank, push):
             self.counts["duplicates"] += 1
@@ -240,11 +252,12 @@ class AggregationRules:
         """What `rollback` needs to undo the decisions that follow (no gradient is copied,
         nor the ledger: it journals what it adds)."""
         pending = {rank: replace(c) for rank, c in self.pending.items()}
-        return self._core_state(), self.ledger.mark(), pending, self.round_started, self.max_round_wait_s
+        return (self._core_state(), self.ledger.mark(), pending, self.round_started, self.max_round_wait_s,
+                dict(self.order.seen))
 
     def rollback(self, mark: tuple) -> None:
         """Undo every decision since `mark()`: version, ledger, counters, pending gradients."""
-        state, ledger, pending, round_started, max_round_wait_s = mark
+        state, ledger, pending, round_started, max_round_wait_s, self.order.seen = mark
         self._load_core_state(state)
         self.ledger.rollback(ledger)
         self.pending.update(pending)

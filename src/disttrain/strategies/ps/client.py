@@ -19,6 +19,7 @@ from disttrain.core.tls import TlsFiles
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps import shared_memory
 from disttrain.strategies.ps.codec import tensor_bytes
+from disttrain.strategies.ps.identity import worker_key
 from disttrain.strategies.ps.shard_client import RetryPolicy, ShardClient
 from disttrain.strategies.ps.sharding import ShardPlan
 
@@ -75,12 +76,16 @@ class PSClient:
     def submit(self, call: Callable[[], object]):
         return self._pool.submit(call)
 
-    def register(self, worker_id: str, requested_rank: int = -1) -> pb.WorkerAssignment:
+    def register(self, worker_id: str, requested_rank: int = -1, generation: int = 0,
+                 key: bytes | None = None) -> pb.WorkerAssignment:
         """Register with shard 0 (which assigns the rank), then with the others under it.
 
+        Args:
+            generation: the membership generation the worker joined the coordinator in.
+            key: the worker's key (see `identity.worker_key`); None: a new random one.
         Raises:
-            DistributedError: a server's layout differs from this worker's model, or the
-                servers disagree on the run's shape.
+            DistributedError: a server's layout differs from this worker's model, the
+                servers disagree on the run's shape, or another worker holds the id.
         """
         wants_memory = self.transport != "grpc" and shared_memory.available()
         if self.transport == "shared_memory" and not wants_memory:
@@ -88,7 +93,8 @@ class PSClient:
                                    f"no writable {shared_memory.SEGMENT_DIR}; use auto or grpc")
         request = pb.RegisterRequest(worker_id=worker_id, requested_rank=requested_rank,
                                      hostname=socket.gethostname(), pid=os.getpid(),
-                                     shared_memory=wants_memory)
+                                     shared_memory=wants_memory, generation=generation,
+                                     key=key if key is not None else worker_key(None, resume=False))
         required = self.transport == "shared_memory"
         first = self.shards[0].join(request, self.plans[0], len(self.shards), required)
         request.requested_rank = first.rank
@@ -145,6 +151,10 @@ class PSClient:
                                                                   values=list(values)))
         width = len(reply.values) // max(reply.world_size, 1)
         return [list(reply.values[r * width:(r + 1) * width]) for r in range(reply.world_size)]
+
+    def worker_done(self, worker_id: str) -> list[pb.ShardStatus]:
+        """Tell every shard this worker finished training; their statuses."""
+        return self.call_all("WorkerDone", pb.WorkerDoneRequest(worker_id=worker_id))
 
     def lose_next_replies(self) -> None:
         """Fault injection: the next push's replies never arrive (the pushes do)."""

@@ -108,7 +108,7 @@ def finish(config: Config, client: PSClient, participant: Any, result: LoopResul
     rows = client.barrier(worker_id, "finished", [position.samples_processed, position.train_time_s,
                                                   client.bytes_sent, client.bytes_received, *counters,
                                                   participant.samples_redone, participant.samples_dropped])
-    client.call_all("WorkerDone", pb.WorkerDoneRequest(worker_id=worker_id))
+    client.worker_done(worker_id)
     logger.info("worker %d done: %d steps, %d samples in %.1fs of training, %.1f MB sent, "
                 "%.1f MB received", rank, position.step, position.samples_processed,
                 position.train_time_s, client.bytes_sent / 1e6, client.bytes_received / 1e6)

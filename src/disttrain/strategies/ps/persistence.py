@@ -1,6 +1,6 @@
 """What a shard's checkpoint holds, and how it comes back: parameters, optimizer state,
-version, the data ledger, the rules' counters and the completed barriers, together, so
-they never disagree."""
+version, the data ledger, the rules' counters, the completed barriers and who holds each
+worker id, together, so they never disagree."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def snapshot(shard: ShardState) -> dict[str, Any]:
             "numel": shard.plan.numel, "version": shard.rules.version,
             "params": shard.param.detach().clone(), "optimizer": optimizer_state,
             "rules": shard.rules.state_dict(), "barriers": shard.barriers.state_dict(),
+            "identities": shard.identities.state_dict(),
             "config": shard.config.to_dict()}
 
 
@@ -48,6 +49,7 @@ def restore(shard: ShardState, path: str | Path) -> None:
         shard.rules.load_state_dict(state["rules"])
         shard.optimizer.load_state_dict(state["optimizer"])
         shard.barriers.load_state_dict(state.get("barriers", {}))
+        shard.identities.load_state_dict(state.get("identities", {}))
     except (ValueError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {path} does not fit this run: {e}") from e
     with torch.no_grad():

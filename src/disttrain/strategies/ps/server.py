@@ -26,8 +26,7 @@ from disttrain.core.processes import bind_to_parent, emit_event
 from disttrain.core.rpc_server import RpcServer
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps import wire
-from disttrain.strategies.ps.aggregation import PushRefused
+from disttrain.strategies.ps import registration, wire
 from disttrain.strategies.ps.codec import Payload
 from disttrain.strategies.ps.limits import (
     LONG_POLL_CAP_S,
@@ -38,8 +37,8 @@ from disttrain.strategies.ps.limits import (
 )
 from disttrain.strategies.ps.link import join
 from disttrain.strategies.ps.model import check_supported
-from disttrain.strategies.ps.roster import FencedPush, UnknownGeneration
-from disttrain.strategies.ps.shard import ShardState, ShardStopping
+from disttrain.strategies.ps.refusals import refusals
+from disttrain.strategies.ps.shard import ShardState
 from disttrain.strategies.ps.sharding import plan_shards
 from disttrain.training.engine import configure_threads
 from disttrain.training.models import init_model
@@ -90,79 +89,54 @@ class ParameterServicer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def _push(self, payload: Payload, context) -> pb.PushReply:
-        try:
+        with refusals(context):
             decision = self.state.push(payload)
-        except (PushRefused, FencedPush) as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except (UnknownGeneration, ShardStopping) as e:  # transient: the client retries
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except ValueError as e:  # InvalidPush
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.PushReply(outcome=decision.outcome.value, version=decision.version,
                             staleness=decision.staleness, incarnation=self.state.incarnation)
 
     def GetParameters(self, request, context):
-        with self._long_poll(request.worker_id, context):
-            messages = self._pull(request, context)
-        yield from messages
+        yield from self._pull(request, context)
 
     def FetchParameters(self, request, context):
         if not request.shared_memory and not wire.fits_one_message(self.state.plan.nbytes):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"shard {self.state.plan.shard} holds {self.state.plan.nbytes} bytes, more "
                           "than one message carries; use GetParameters")
-        with self._long_poll(request.worker_id, context):
-            (message,) = self._pull(request, context)
+        (message,) = self._pull(request, context)
         return message
 
     def _pull(self, request, context) -> list[bytes]:
-        """The messages that answer a pull, once the version is there."""
+        """The messages that answer a pull, once the version is there: only the worker's
+        own session may wait, on one of its long-poll slots."""
         if request.shard != self.state.plan.shard:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"pull for shard {request.shard} reached shard {self.state.plan.shard}")
-        timeout = self._wait_s(context)
         if request.incarnation not in (0, self.state.incarnation):  # it must register again first
             return [wire.parameter_notice(self.state.plan, self.state.version, self.state.incarnation)]
-        if request.shared_memory:
-            try:
-                version = self.state.write_parameters(request.worker_id, request.min_version, timeout)
-            except PushRefused as e:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-            if version is not None:
-                return [wire.parameter_notice(self.state.plan, version, self.state.incarnation)]
-        else:
-            snapshot = self.state.wait_for_version(request.min_version, timeout)
-            if snapshot is not None:
-                return snapshot.frames
+        with refusals(context):
+            self.state.identities.check(request.worker_id, request.session)
+        with self._long_poll(request.worker_id, context):
+            timeout = self._wait_s(context)
+            if request.shared_memory:
+                with refusals(context):
+                    version = self.state.write_parameters(request.worker_id, request.min_version, timeout)
+                if version is not None:
+                    return [wire.parameter_notice(self.state.plan, version, self.state.incarnation)]
+            else:
+                snapshot = self.state.wait_for_version(request.min_version, timeout)
+                if snapshot is not None:
+                    return snapshot.frames
         code = grpc.StatusCode.UNAVAILABLE if self.state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
         context.abort(code, f"shard {self.state.plan.shard} did not reach version "
                             f"{request.min_version} in time (now {self.state.version})")
 
     def RegisterWorker(self, request, context):
-        try:
-            rank, version = self.state.register(request.worker_id, request.requested_rank)
-        except PushRefused as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        plan, rules = self.state.plan, self.state.rules
-        logger.info("worker %s (%s pid %d) registered as rank %d", request.worker_id,
-                    request.hostname, request.pid, rank)
-        assignment = pb.WorkerAssignment(
-            rank=rank, world_size=rules.world_size, worker_id=request.worker_id, shard=plan.shard,
-            num_shards=plan.num_shards, aggregation_mode=rules.mode, staleness=rules.staleness_bound,
-            version=version, layout=wire.slice_specs(plan), dtype=plan.dtype,
-            incarnation=self.state.incarnation)
-        pair = self.state.segments.offer(request.worker_id) if request.shared_memory else None
-        if pair is not None:
-            assignment.shared_memory.gradient_path = str(pair.gradient.path)
-            assignment.shared_memory.parameter_path = str(pair.parameter.path)
-            assignment.shared_memory.nonce = pair.gradient.nonce
-        return assignment
+        with refusals(context):
+            return registration.admit(self.state, request, context.peer())
 
     def WorkerDone(self, request, context):
-        try:
-            self.state.worker_done(request.worker_id)
-        except PushRefused as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        with refusals(context):
+            self.state.worker_done(request.worker_id, request.session)
         return pb.ShardStatus(**self.state.status())
 
     def GetStatus(self, request, context):
@@ -172,12 +146,9 @@ class ParameterServicer:
         return pb.ShardStatus(**self.state.status())
 
     def Barrier(self, request, context):
-        try:
-            with self._long_poll(request.worker_id, context):
-                rows = self.state.barrier(request.worker_id, request.name, list(request.values),
-                                          self._wait_s(context))
-        except PushRefused as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        with refusals(context), self._long_poll(request.worker_id, context):
+            rows = self.state.barrier(request.worker_id, request.session, request.name, list(request.values),
+                                      self._wait_s(context))
         if rows is None:
             code = grpc.StatusCode.UNAVAILABLE if self.state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
             context.abort(code, f"not every worker reached barrier {request.name!r} in time")

@@ -25,18 +25,16 @@ from disttrain.strategies.ps import persistence, wire
 from disttrain.strategies.ps.aggregation import AggregationRules, Decision, Outcome, Push, PushRefused
 from disttrain.strategies.ps.barriers import BarrierMismatch, Barriers
 from disttrain.strategies.ps.codec import Payload, tensor_bytes
+from disttrain.strategies.ps.identity import Identities
+from disttrain.strategies.ps.refusals import ShardStopping
 from disttrain.strategies.ps.sharding import ShardPlan
-from disttrain.strategies.ps.shared_memory import SegmentPair, WorkerSegments
+from disttrain.strategies.ps.shared_memory import WorkerSegments
 from disttrain.strategies.ps.update import GuardedUpdate, NonFiniteUpdate
 from disttrain.strategies.ps.validation import InvalidPush, PushDecoder
 from disttrain.strategies.ps.wire import Snapshot
 from disttrain.training.engine import build_optimizer
 
 logger = logging.getLogger(__name__)
-
-
-class ShardStopping(RuntimeError):
-    """A push that arrived after the final checkpoint began: not taken (retry later)."""
 
 
 class ShardState:
@@ -79,31 +77,34 @@ class ShardState:
         self.segments = WorkerSegments(plan.nbytes, plan.dtype)
         self.barriers = Barriers(config.system.num_workers)
         self.update = GuardedUpdate(self.param, self.optimizer)
+        self.identities = Identities()
 
-    def register(self, worker_id: str, requested_rank: int) -> tuple[int, int]:
-        """(rank, version) for `worker_id`. Raises PushRefused when no rank fits."""
+    def register(self, worker_id: str, requested_rank: int, key: bytes, generation: int
+                 ) -> tuple[int, int, bytes]:
+        """(rank, version, session) for `worker_id`, holding `key`, joined in `generation`.
+
+        Raises:
+            InvalidIdentity, IdentityTaken, UnknownGeneration: see `Identities.check_claim`.
+            PushRefused: no rank fits.
+        """
         with self._changed:
+            self.identities.check_claim(worker_id, key, generation, self.rules.roster)
             rank = self.rules.register(worker_id, requested_rank)
+            session = self.identities.bind(worker_id, key, generation)
             self._changed.notify_all()
-            return rank, self.rules.version
+            return rank, self.rules.version, session
 
-    def _segments_of(self, worker_id: str) -> SegmentPair:
-        """Raises PushRefused when the worker has no segments here."""
-        pair = self.segments.of(worker_id)
-        if pair is None:
-            raise PushRefused(f"worker {worker_id!r} has no shared-memory segments on shard "
-                              f"{self.plan.shard}; register asking for them, or send the bytes")
-        return pair
-
-    def barrier(self, worker_id: str, name: str, values: list[float], timeout_s: float | None
-                ) -> list[list[float]] | None:
+    def barrier(self, worker_id: str, session: bytes, name: str, values: list[float],
+                timeout_s: float | None) -> list[list[float]] | None:
         """Arrive at barrier `name`; every worker's values once all arrived, or None on
         timeout or stop.
 
         Raises:
-            PushRefused: unknown worker, or values of another length than the others'.
+            SessionRefused, UnknownWorker: not the worker's session.
+            PushRefused: values of another length than the others'.
         """
         with self._changed:
+            self.identities.check(worker_id, session)
             rank = self.rules.rank_of(worker_id)
             complete = self.barriers.result(name) is not None
             try:
@@ -118,9 +119,10 @@ class ShardState:
                                    timeout_s)
             return self.barriers.result(name)
 
-    def worker_done(self, worker_id: str) -> None:
-        """`worker_id` finished training. Raises PushRefused for an unknown worker."""
+    def worker_done(self, worker_id: str, session: bytes) -> None:
+        """`worker_id` finished training. Raises SessionRefused or UnknownWorker."""
         with self._changed:
+            self.identities.check(worker_id, session)
             self._apply(self.rules.mark_done(worker_id, self.clock()))
             self._changed.notify_all()
 
@@ -130,16 +132,18 @@ class ShardState:
         """Validate and offer one push.
 
         Raises:
+            SessionRefused, UnknownWorker: not the worker's session.
             InvalidPush: malformed payload (INVALID_ARGUMENT).
-            PushRefused: unknown worker or impossible version (FAILED_PRECONDITION).
+            PushRefused: a step from far ahead, or impossible version (FAILED_PRECONDITION).
         """
         if payload.header.incarnation not in (0, self.incarnation):
             return Decision(Outcome.ROLLED_BACK, self.version, 0)
         self._check_running()
+        self.identities.check(payload.header.worker_id, payload.header.session)
         try:
             self.decoder.check_header(payload)
             if payload.header.shared_memory:
-                payload = self._payload_from_segment(payload)
+                payload = self.segments.read_push(payload, self.decoder.payload_nbytes(payload))
             elif self.segments:
                 self.segments.of(payload.header.worker_id)
             gradient = self.decoder.decode(payload)
@@ -174,20 +178,6 @@ class ShardState:
         """Applied blocks with ids in [first, end) (end 0: no bound)."""
         with self._lock:
             return self.rules.ledger.between(first, end)
-
-    def _payload_from_segment(self, payload: Payload) -> Payload:
-        """The push's bytes, read in place from the worker's gradient segment.
-
-        No copy: a worker writes its segment only between the answer to one push and its
-        next push, and the server is done with a gradient before that (async and ssp
-        apply it within the push; a synchronous step applies it before the version the
-        worker waits for exists, and drops it if it comes late).
-        """
-        if payload.nbytes:
-            raise InvalidPush(f"a shared-memory push also carries {payload.nbytes} payload bytes")
-        pair = self._segments_of(payload.header.worker_id)
-        data = tensor_bytes(pair.gradient_tensor)[:self.decoder.payload_nbytes(payload)]
-        return Payload(payload.header, payload.meta, [data])
 
     def _apply(self, decision: Decision) -> bool:
         """Apply a decision's gradients (lock held; the rules already advanced the version).
@@ -229,7 +219,7 @@ class ShardState:
         Raises:
             PushRefused: the worker has no segments here.
         """
-        pair = self._segments_of(worker_id)
+        pair = self.segments.require(worker_id)
         with self._changed:
             if not self._reached(min_version, timeout_s):
                 return None
@@ -294,5 +284,6 @@ class ShardState:
         """
         with self._changed:
             persistence.restore(self, path)
+            self.update.forget_bounds()
             self._snapshot = None
         logger.info("shard %d restored version %d from %s", self.plan.shard, self.rules.version, path)

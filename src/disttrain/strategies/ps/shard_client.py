@@ -72,6 +72,8 @@ class ShardClient:
         self.segments: SegmentPair | None = None
         # The server's incarnation as last heard: another one means it restarted.
         self.incarnation = 0
+        self.session = b""  # this worker's session on the shard, from its registration
+        self._joined: tuple | None = None
         self.drop_replies = 0  # replies of pushes to lose on purpose (fault injection)
         self._join_lock = threading.Lock()
         self.channel = with_token((tls or TlsFiles()).channel(address, options=wire.CHANNEL_OPTIONS), token)
@@ -82,7 +84,10 @@ class ShardClient:
             self._calls[name] = getattr(self.channel, kind)(
                 wire.method_path(name), request_serializer=serialize, response_deserializer=deserialize)
 
-    def _retry(self, what: str, fn: Callable[[], object]):
+    def _retry(self, what: str, fn: Callable[[], object], renew: bool = True):
+        """`fn` until it answers, retried while it fails transiently. A call refused for
+        its session, by a server that restarted since this worker registered, is made
+        again once after registering anew."""
         policy = self.policy
 
         def log_retry(state: tenacity.RetryCallState) -> None:
@@ -95,15 +100,44 @@ class ShardClient:
             wait=tenacity.wait_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s)
             + tenacity.wait_random(0, policy.initial_backoff_s),  # jitter: retries of many workers spread out
             stop=tenacity.stop_after_attempt(policy.max_attempts), before_sleep=log_retry, reraise=True)
+        session = self.session
         try:
             return retrying(fn)
         except grpc.RpcError as e:
+            if renew and e.code() == grpc.StatusCode.PERMISSION_DENIED and self._renew(session):
+                return self._retry(what, fn, renew=False)
             raise DistributedError(f"{what} on shard {self.shard} at {self.address} failed: "
                                    f"{describe(e)}") from e
 
+    def _renew(self, refused: bytes) -> bool:
+        """After a call was refused for carrying session `refused`: whether registering
+        again may help (the session changed meanwhile, or the server restarted), having
+        registered again; False when another process has taken this worker's id."""
+        if self._joined is None:
+            return False
+        if self.session != refused:
+            return True
+        status = self._retry("GetStatus", lambda: self._calls["GetStatus"](
+            pb.StatusRequest(), timeout=self.policy.timeout_s, wait_for_ready=True), renew=False)
+        if status.incarnation == self.incarnation:
+            return False
+        self.rejoin(status.incarnation)
+        return True
+
+    def _stamped(self, request):
+        """`request` with this worker's session, when its kind carries one (a copy: one
+        request may go to every shard at once)."""
+        if "session" not in request.DESCRIPTOR.fields_by_name:
+            return request
+        stamped = type(request)()
+        stamped.CopyFrom(request)
+        stamped.session = self.session
+        return stamped
+
     def unary(self, name: str, request, timeout_s: float | None = None):
         timeout = self.policy.timeout_s if timeout_s is None else timeout_s
-        return self._retry(name, lambda: self._calls[name](request, timeout=timeout, wait_for_ready=True))
+        return self._retry(name, lambda: self._calls[name](self._stamped(request), timeout=timeout,
+                                                           wait_for_ready=True))
 
     def push(self, header: pb.GradientMessage, plan: ShardPlan, data: memoryview) -> tuple[pb.PushReply, int]:
         """Send one gradient (raw values, or a compressed payload when `header.compressed`);
@@ -119,7 +153,7 @@ class ShardClient:
             header_copy = pb.GradientMessage()
             header_copy.CopyFrom(header)
             header_copy.shared_memory = self.segments is not None
-            header_copy.incarnation = self.incarnation
+            header_copy.incarnation, header_copy.session = self.incarnation, self.session
             frames = list(wire.gradient_frames(header_copy, plan, data))
             sent[0] += nbytes
             if len(frames) == 1:
@@ -147,11 +181,12 @@ class ShardClient:
         """
         segments = self.segments
         request = pb.ParameterRequest(worker_id=worker_id, min_version=min_version, shard=plan.shard,
-                                      shared_memory=segments is not None, incarnation=self.incarnation)
+                                      shared_memory=segments is not None)
 
         one_message = segments is not None or wire.fits_one_message(plan.nbytes)
 
         def attempt():
+            request.incarnation, request.session = self.incarnation, self.session
             if one_message:
                 frame = self._calls["FetchParameters"](request, timeout=self.policy.timeout_s,
                                                        wait_for_ready=True)
@@ -200,7 +235,7 @@ class ShardClient:
         elif memory_required:
             raise DistributedError(f"server {self.address} offered no shared memory; use "
                                    "ps.payload_transport: auto or grpc")
-        self.incarnation = assignment.incarnation
+        self.incarnation, self.session = assignment.incarnation, assignment.session
         self._joined = (pb.RegisterRequest(), plan, num_shards, memory_required)
         self._joined[0].CopyFrom(request)
         self._joined[0].requested_rank = assignment.rank

@@ -12,7 +12,9 @@ nonce written at the start): one the worker writes gradients into, one the serve
 writes parameters into. The worker maps both, checks the nonce (a worker on another
 machine, or in another IPC namespace, finds no file or another nonce, and falls back to
 gRPC bytes), then removes the names: the mappings live on, and nothing is left in
-/dev/shm whatever happens to either process later.
+/dev/shm whatever happens to either process later. Segments are made only for a worker
+whose connection comes from this host; a server removes its segments when it stops,
+and those of its user's dead servers (their pid is in the name) when it starts.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-from disttrain.strategies.ps.codec import decode_tensor
+from disttrain.strategies.ps.codec import Payload, decode_tensor, tensor_bytes
+from disttrain.strategies.ps.decisions import PushRefused
+from disttrain.strategies.ps.validation import InvalidPush
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +39,8 @@ SEGMENT_DIR = Path("/dev/shm")
 NONCE_BYTES = 16
 # The payload starts on a cache line, after the nonce.
 HEADER_BYTES = 64
-_NAME = re.compile(r"^disttrain-[0-9a-f]{32}-(gradient|parameter)$")
+# disttrain-<pid of the creating server>-<random>-<role>
+_NAME = re.compile(r"^disttrain-([0-9]+)-[0-9a-f]{32}-(gradient|parameter)$")
 
 
 class SharedMemoryUnavailable(OSError):
@@ -46,6 +51,39 @@ class SharedMemoryUnavailable(OSError):
 def available() -> bool:
     """Whether this machine offers POSIX shared memory where segments are made."""
     return SEGMENT_DIR.is_dir() and os.access(SEGMENT_DIR, os.W_OK)
+
+
+def sweep_stale() -> int:
+    """Remove the segments this user's servers left behind when they died before their
+    workers attached (a server that stops removes its own); returns how many."""
+    removed = 0
+    try:
+        entries = list(os.scandir(SEGMENT_DIR))
+    except OSError:
+        return 0
+    for entry in entries:
+        match = _NAME.match(entry.name)
+        try:
+            if match is None or entry.stat(follow_symlinks=False).st_uid != os.getuid() \
+                    or _alive(int(match.group(1))):
+                continue
+            os.unlink(entry.path)
+            removed += 1
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+    if removed:
+        logger.info("removed %d shared-memory segment(s) left by stopped servers", removed)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process holds the pid
+        return True
+    return True
 
 
 class Segment:
@@ -66,7 +104,7 @@ class Segment:
         Raises:
             SharedMemoryUnavailable: no shared memory here, or it is full.
         """
-        path = SEGMENT_DIR / f"disttrain-{secrets.token_hex(16)}-{role}"
+        path = SEGMENT_DIR / f"disttrain-{os.getpid()}-{secrets.token_hex(16)}-{role}"
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except OSError as e:
@@ -170,6 +208,8 @@ class WorkerSegments:
         self.dtype = dtype
         self._lock = threading.Lock()
         self._pairs: dict[str, SegmentPair] = {}
+        if available():
+            sweep_stale()
 
     def __bool__(self) -> bool:
         with self._lock:
@@ -200,6 +240,39 @@ class WorkerSegments:
         if pair is not None:
             pair.unlink()
         return pair
+
+    def require(self, worker_id: str) -> SegmentPair:
+        """The worker's segments. Raises PushRefused when it has none here."""
+        pair = self.of(worker_id)
+        if pair is None:
+            raise PushRefused(f"worker {worker_id!r} has no shared-memory segments here; register "
+                              "asking for them (from this host), or send the bytes")
+        return pair
+
+    def read_push(self, payload: Payload, nbytes: int) -> Payload:
+        """A shared-memory push with its `nbytes` payload bytes, read in place from the
+        worker's gradient segment.
+
+        No copy: a worker writes its segment only between the answer to one push and its
+        next push, and the server is done with a gradient before that (async and ssp
+        apply it within the push; a synchronous step applies it before the version the
+        worker waits for exists, and drops it if it comes late).
+
+        Raises:
+            InvalidPush: the message carries payload bytes too.
+            PushRefused: the worker has no segments here.
+        """
+        if payload.nbytes:
+            raise InvalidPush(f"a shared-memory push also carries {payload.nbytes} payload bytes")
+        pair = self.require(payload.header.worker_id)
+        return Payload(payload.header, payload.meta, [tensor_bytes(pair.gradient_tensor)[:nbytes]])
+
+    def drop(self, worker_id: str) -> None:
+        """Forget the worker's segments (it registered again without asking for them)."""
+        with self._lock:
+            pair = self._pairs.pop(worker_id, None)
+        if pair is not None:
+            pair.unlink()
 
     def unlink_all(self) -> None:
         with self._lock:

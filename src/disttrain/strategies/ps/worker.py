@@ -33,6 +33,7 @@ from disttrain.metrics.window import StepTimer
 from disttrain.strategies.ps.client import PSClient, RetryPolicy
 from disttrain.strategies.ps.exchange import Block, Exchange, make_exchange
 from disttrain.strategies.ps.finalize import finish
+from disttrain.strategies.ps.identity import keep_key, worker_key
 from disttrain.strategies.ps.link import join
 from disttrain.strategies.ps.model import check_supported
 from disttrain.strategies.ps.payloads import GradientEncoder
@@ -226,8 +227,10 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
     bind_to_parent()
     tune_allocator()
     configure_threads(system.num_threads or 1)
-    if requested_rank >= 0:  # refuse an earlier run's folder before taking a rank on the servers
-        ckpt.prepare_checkpoint_dir(Path(system.checkpoint_dir) / f"worker{requested_rank}", options.resume)
+    own = Path(system.checkpoint_dir) / f"worker{requested_rank}" if requested_rank >= 0 else None
+    if own is not None:  # refuse an earlier run's folder before taking a rank on the servers
+        ckpt.prepare_checkpoint_dir(own, options.resume)
+    key = worker_key(own, options.resume)  # the same worker again when resuming
     data = load_datasets(training)
     model = init_model(training)
     flat, grads = flat_parameters(model)
@@ -239,8 +242,9 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
     try:
         link = join(config.coordinator, worker_id, "worker", requested_rank, lambda: progress[0](),
                     token=options.token, tls=options.tls)
-        assignment = client.register(worker_id, requested_rank)
+        assignment = client.register(worker_id, requested_rank, link.generation if link else 0, key)
         rank, world_size = assignment.rank, assignment.world_size
+        keep_key(Path(system.checkpoint_dir) / f"worker{rank}", key)
         logger.info("registered as rank %d of %d (%s mode, %d shard(s))", rank, world_size,
                     assignment.aggregation_mode, len(servers))
         seed_training(training.seed, rank)

@@ -1,0 +1,21 @@
+"""A worker's key: kept private in its checkpoint folder, the same again on --resume."""
+
+import stat
+
+from disttrain.strategies.ps.identity import KEY_FILE, MIN_KEY_BYTES, keep_key, worker_key
+
+
+def test_a_resumed_worker_presents_its_key_again_and_a_fresh_one_another(tmp_path):
+    folder = tmp_path / "worker1"
+    key = worker_key(folder, resume=False)
+    assert len(key) >= MIN_KEY_BYTES
+    keep_key(folder, key)
+    assert stat.S_IMODE((folder / KEY_FILE).stat().st_mode) == 0o600
+    assert worker_key(folder, resume=True) == key
+    assert worker_key(folder, resume=False) != key
+    assert worker_key(tmp_path / "nothing-here", resume=True) != key  # no key kept: a new one
+
+
+def test_a_damaged_key_file_gives_a_new_key(tmp_path):
+    (tmp_path / KEY_FILE).write_bytes(b"short")
+    assert len(worker_key(tmp_path, resume=True)) >= MIN_KEY_BYTES
