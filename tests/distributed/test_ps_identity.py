@@ -200,3 +200,20 @@ def test_shared_memory_is_offered_to_workers_on_this_host_only(tmp_path):
         assert admit(state, request, "ipv4:127.0.0.1:41000").HasField("shared_memory")
     finally:
         state.stop()
+
+
+def test_a_round_completed_by_a_leaving_worker_that_would_overflow_is_voided(tmp_path):
+    config = momentum_config(tmp_path).replace(ps={"aggregation_mode": "sync"},
+                                               training={"learning_rate": 4.0})
+    state = build_state(config, 0, 1)
+    sessions = [state.register(f"w{r}", r, bytes([65 + r]) * 32, 0)[2] for r in range(2)]
+    before = state.parameters()
+    huge = frames(state.plan, torch.full((state.plan.numel,), 1e38), session=sessions[0])
+    payload = wire.collect_payload((wire.read_gradient(raw) for raw in huge), 2 * state.plan.nbytes)
+    assert state.push(payload).outcome.name == "BUFFERED"
+    state.worker_done("w1", sessions[1])  # the round completes without w1: its update overflows
+    status = state.status()
+    assert status["version"] == 1  # the waiting worker goes on
+    assert status["num_refused_nonfinite"] == 1 and status["num_samples_applied"] == 0
+    assert state.ledger(0, 0) == [] and torch.equal(state.parameters(), before)  # its block is redone later
+    state.stop()

@@ -3,6 +3,7 @@ get a status code, and the server keeps its model, version, optimizer state and 
 and goes on answering everyone else.
 """
 
+import dataclasses
 import itertools
 import threading
 
@@ -281,3 +282,32 @@ def test_an_update_that_would_overflow_the_parameters_is_refused(momentum_shard)
     reply = send(frames(plan, small, step=2, session=session), timeout=10)
     assert (reply.outcome, reply.version) == (pb.PushReply.APPLIED, 2)
     assert torch.isfinite(server.state.parameters()).all() and server.state.ledger(0, 0) == [1, 2]
+
+
+def test_a_trickling_push_is_cancelled_at_the_servers_deadline(shard):
+    server, client, plan = shard
+    server.servicer.push_limits = dataclasses.replace(server.servicer.push_limits, max_read_s=1.0)
+    session, before = client.shards[0].session, snapshot(server)
+    pieces = list(itertools.islice(push_frames(plan, 1024, session), 2))
+    never = threading.Event()
+
+    def trickle():  # the first frames, then silence (the client's own deadline is far off)
+        yield from pieces
+        never.wait(30)
+
+    with pytest.raises(grpc.RpcError) as raised:
+        stream(client)(trickle(), timeout=30)
+    never.set()
+    assert raised.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert server.servicer.deadlines.num_cancelled == 1 and server.polls.wait_for_total(0, 10)
+    assert_unchanged(server, before)
+
+
+def test_a_stream_without_the_workers_session_is_not_read_past_its_first_frame(shard):
+    server, client, plan = shard
+    consumed = [0]
+    frames_of_a_stranger = list(itertools.islice(push_frames(plan, 1024, b"guess" * 4), 2))
+    with pytest.raises(grpc.RpcError) as raised:
+        stream(client)(endless(frames_of_a_stranger[0], frames_of_a_stranger[1], consumed), timeout=20)
+    assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert consumed[0] < 1000 and server.state.version == 0

@@ -26,18 +26,18 @@ an older checkpoint) is answered ROLLED_BACK: the worker pulls again and recompu
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 from typing import Any
 
 from disttrain.strategies.ps.decisions import Contribution, Decision, Outcome, Push, PushRefused, StepOrder
 from disttrain.strategies.ps.roster import Ledger, Roster
+from disttrain.strategies.ps.rules_state import RulesState
 
 __all__ = ["MODES", "AggregationRules", "Contribution", "Decision", "Outcome", "Push", "PushRefused"]
 
 MODES = ("sync", "async", "ssp")
 
 
-class AggregationRules:
+class AggregationRules(RulesState):
     """Versions, membership, the data ledger and the aggregation decisions of one shard.
 
     Args:
@@ -233,7 +233,7 @@ class AggregationRules:
         self.counts["steps"] += 1
         self.version += 1
         outcome = Outcome.APPLIED if decision.outcome is Outcome.BUFFERED else decision.outcome
-        return Decision(outcome, self.version, decision.staleness, real, True)
+        return Decision(outcome, self.version, decision.staleness, real, True, int(total))
 
     def status(self) -> dict[str, Any]:
         """Versions, membership and counters, by their `ShardStatus` names."""
@@ -247,49 +247,3 @@ class AggregationRules:
                 "num_samples_duplicate": self.ledger.samples_duplicate,
                 "num_blocks_applied": len(self.ledger.blocks), "num_fenced": self.roster.num_fenced,
                 "generation": self.roster.generation}
-
-    def mark(self) -> tuple:
-        """What `rollback` needs to undo the decisions that follow (no gradient is copied,
-        nor the ledger: it journals what it adds)."""
-        pending = {rank: replace(c) for rank, c in self.pending.items()}
-        return (self._core_state(), self.ledger.mark(), pending, self.round_started, self.max_round_wait_s,
-                dict(self.order.seen))
-
-    def rollback(self, mark: tuple) -> None:
-        """Undo every decision since `mark()`: version, ledger, counters, pending gradients."""
-        state, ledger, pending, round_started, max_round_wait_s, self.order.seen = mark
-        self._load_core_state(state)
-        self.ledger.rollback(ledger)
-        self.pending.update(pending)
-        self.round_started, self.max_round_wait_s = round_started, max_round_wait_s
-
-    # -- persistence ----------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything but pending gradients (a restarted shard's workers push them again)."""
-        return {**self._core_state(), "ledger": self.ledger.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Raises ValueError when the state was written in another mode."""
-        if state["mode"] != self.mode:
-            raise ValueError(f"the checkpoint was written in {state['mode']} mode, not {self.mode}")
-        self._load_core_state(state)
-        self.ledger.load_state_dict(state["ledger"])
-
-    def _core_state(self) -> dict[str, Any]:
-        return {"mode": self.mode, "version": self.version, "ranks": dict(self.ranks),
-                "done": sorted(self.done), "last_step": dict(self.last_step),
-                "round_wait_s": self.round_wait_s, "roster": self.roster.state_dict(),
-                "staleness_histogram": dict(self.staleness_histogram), "counts": dict(self.counts)}
-
-    def _load_core_state(self, state: dict[str, Any]) -> None:
-        self.version = int(state["version"])
-        self.ranks = {str(k): int(v) for k, v in state["ranks"].items()}
-        self.done = {int(r) for r in state["done"]}
-        self.last_step = {int(k): int(v) for k, v in state["last_step"].items()}
-        self.round_wait_s = float(state["round_wait_s"])
-        self.roster.load_state_dict(state["roster"])
-        self.staleness_histogram = Counter({int(k): int(v) for k, v in state["staleness_histogram"].items()})
-        self.counts = Counter({str(k): int(v) for k, v in state["counts"].items()})
-        self.pending.clear()
-        self.round_started = None

@@ -55,6 +55,7 @@ class Decision:
     staleness: int
     apply: list[Contribution] = field(default_factory=list)
     advanced: bool = False
+    samples: int = 0  # the samples `apply` stands for, as counted applied
 
 
 @dataclass

@@ -12,7 +12,11 @@ cap is refused before it waits (RESOURCE_EXHAUSTED) and changes nothing.
 A push is bounded by the shard it goes to (`push_limits`): its bytes, its frames and the
 fields of each frame, so that no stream costs a server much more memory than the
 largest legal push of that shard. A push over a bound is refused (INVALID_ARGUMENT: the
-same bytes would be refused again) and the rest of its stream is not read.
+same bytes would be refused again) and the rest of its stream is not read. A streamed
+push must also arrive whole within `max_read_s` (at least `READ_BYTES_PER_S` of its
+largest size a second), or it is cancelled; it is read only once its first frame shows
+the session of a registered worker, and each worker streams at most `POLLS_PER_WORKER`
+pushes at once, on the same slots as long-polls.
 """
 
 from __future__ import annotations
@@ -39,15 +43,21 @@ BYTES_SLACK = 2
 # Frames per push, as a multiple of what the shard's largest push needs in CHUNK_BYTES
 # pieces: room for a client that cuts smaller chunks, but not one of a byte a frame.
 FRAME_SLACK = 4
+# A streamed push arrives at this rate or faster (a slow link's), and within at least
+# MIN_READ_S: a client that trickles bytes holds a handler thread no longer than that.
+READ_BYTES_PER_S = 1 << 20
+MIN_READ_S = 30.0
 
 
 @dataclass(frozen=True)
 class PushLimits:
-    """Bounds on one push to a shard: payload bytes, frames, fields of each frame."""
+    """Bounds on one push to a shard: payload bytes, frames, fields of each frame, and
+    seconds to read a streamed one."""
 
     max_bytes: int
     max_frames: int
     max_fields: int
+    max_read_s: float
 
 
 def push_limits(dense_nbytes: int, compressed_nbytes: int | None, num_slices: int) -> PushLimits:
@@ -57,7 +67,7 @@ def push_limits(dense_nbytes: int, compressed_nbytes: int | None, num_slices: in
     max_bytes = BYTES_SLACK * max(dense_nbytes, compressed_nbytes or 0)
     frames_needed = max(1, -(-max_bytes // CHUNK_BYTES))
     return PushLimits(max_bytes, FRAME_SLACK * frames_needed + FRAME_SLACK,
-                      FIELDS_PER_FRAME + 2 * num_slices)
+                      FIELDS_PER_FRAME + 2 * num_slices, max(MIN_READ_S, max_bytes / READ_BYTES_PER_S))
 
 
 def long_poll_wait_s(remaining_s: float | None, cap_s: float = LONG_POLL_CAP_S) -> float:

@@ -10,10 +10,12 @@ final checkpoint.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import signal
 import socket
 import threading
+from contextlib import nullcontext
 from pathlib import Path
 
 import grpc
@@ -21,6 +23,7 @@ from torch.nn.utils import parameters_to_vector
 
 from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
+from disttrain.core.deadlines import Deadlines
 from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import bind_to_parent, emit_event
 from disttrain.core.rpc_server import RpcServer
@@ -61,6 +64,7 @@ class ParameterServicer:
         self.wait_cap_s = wait_cap_s
         self.push_limits = push_limits(state.plan.nbytes, state.decoder.compressed_nbytes,
                                        len(state.plan.slices))
+        self.deadlines = Deadlines()
 
     def _long_poll(self, key: str, context):
         """The slot one long-poll of `key` holds while it waits; aborts when none is left."""
@@ -73,20 +77,35 @@ class ParameterServicer:
         return long_poll_wait_s(context.time_remaining(), self.wait_cap_s)
 
     def SendGradients(self, request_iterator, context):
-        return self._push(self._collect(request_iterator, context), context)
+        with self.deadlines.limit(context, self.push_limits.max_read_s):
+            payload = self._collect(request_iterator, context, stream=True)
+        return self._push(payload, context)
 
     def PushGradients(self, raw, context):
         return self._push(self._collect(iter([raw]), context), context)
 
-    def _collect(self, raws, context) -> Payload:
+    def _collect(self, raws, context, stream: bool = False) -> Payload:
         """The push's frames, decoded here (not on gRPC's polling thread) within the
-        shard's bounds; the stream stops being read at the first frame over one."""
+        shard's bounds; the stream stops being read at the first frame over one, and is
+        read on only for a worker's own session, on one of its slots."""
         limits = self.push_limits
         frames = (wire.read_gradient(raw, limits.max_fields) for raw in raws)
         try:
-            return wire.collect_payload(frames, limits.max_bytes, limits.max_frames, require_data=True)
+            first = next(frames, None)
+            if first is None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty stream: no message arrived")
+            header = first.header
+            if header.incarnation in (0, self.state.incarnation):  # else: answered ROLLED_BACK unread
+                with refusals(context):
+                    self.state.identities.check(header.worker_id, header.session)
+            with self._long_poll(f"{header.worker_id} (push)", context) if stream else nullcontext():
+                return wire.collect_payload(itertools.chain([first], frames), limits.max_bytes,
+                                            limits.max_frames, require_data=True)
         except ValueError as e:  # a malformed frame, or over a bound
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except grpc.RpcError:  # cancelled: the client went away, or the push took too long
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"the push did not arrive whole within {limits.max_read_s:.0f}s")
 
     def _push(self, payload: Payload, context) -> pb.PushReply:
         with refusals(context):
@@ -189,7 +208,7 @@ class ShardServer:
         self.state = state
         self.stopped = threading.Event()
         self.polls = PollSlots.for_pool(max_threads)
-        servicer = ParameterServicer(state, self.stopped, self.polls, long_poll_cap_s)
+        self.servicer = servicer = ParameterServicer(state, self.stopped, self.polls, long_poll_cap_s)
         self._server = RpcServer(_handler(servicer), wire.SERVICE, bind,
                                  max_threads, options=wire.CHANNEL_OPTIONS, token=token, tls=tls)
         self.address = self._server.address

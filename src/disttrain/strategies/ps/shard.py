@@ -123,7 +123,7 @@ class ShardState:
         """`worker_id` finished training. Raises SessionRefused or UnknownWorker."""
         with self._changed:
             self.identities.check(worker_id, session)
-            self._apply(self.rules.mark_done(worker_id, self.clock()))
+            self._apply_or_void(self.rules.mark_done(worker_id, self.clock()))
             self._changed.notify_all()
 
     # -- pushes and pulls -----------------------------------------------------------------
@@ -172,7 +172,7 @@ class ShardState:
         """The coordinator's membership (live worker ids -> the generation each joined in):
         a worker that left no longer holds up a synchronous step."""
         with self._changed:
-            self._apply(self.rules.set_membership(generation, members, self.clock()))
+            self._apply_or_void(self.rules.set_membership(generation, members, self.clock()))
 
     def ledger(self, first: int, end: int) -> list[int]:
         """Applied blocks with ids in [first, end) (end 0: no bound)."""
@@ -182,7 +182,7 @@ class ShardState:
     def _apply(self, decision: Decision) -> bool:
         """Apply a decision's gradients (lock held; the rules already advanced the version).
         False (counted; parameters and optimizer as they were) when the step would leave a
-        parameter non-finite: a push rolls the rules back, other callers skip the step."""
+        parameter non-finite: a push rolls the rules back, other callers void the step."""
         if not decision.advanced:
             return True
         if decision.apply and not self.update.apply(decision.apply):
@@ -195,6 +195,11 @@ class ShardState:
             self._save_async(self._state())
         self.on_version(self.rules.version)
         return True
+
+    def _apply_or_void(self, decision: Decision) -> None:
+        """Apply a step no push is waiting on the answer of; void it when refused."""
+        if not self._apply(decision):
+            self.rules.void(decision)
 
     def _reached(self, min_version: int, timeout_s: float | None) -> bool:
         """Wait (lock held) until the version reaches `min_version`; False on timeout or stop."""
