@@ -33,7 +33,7 @@ from disttrain.config import load_config
 from disttrain.core.processes import Cluster
 from disttrain.metrics.window import StepTimer
 from disttrain.strategies.ps.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.exchange import SyncExchange
+from disttrain.strategies.ps.exchange import Block, SyncExchange
 from disttrain.strategies.ps.sharding import flat_parameters, plan_shards
 from disttrain.strategies.ps.wire import tune_allocator
 from disttrain.training.engine import StepResult
@@ -55,7 +55,8 @@ def ps_worker(args: argparse.Namespace) -> None:
     timer, times = StepTimer(), []
     for step in range(1, WARMUP_STEPS + args.steps + 1):
         start = time.perf_counter()
-        exchange.step(lambda: StepResult(0.0, 0, 64), step, step, 64, timer)
+        block = Block(step, block_id=step * 2 + args.rank, epoch=0, num_samples=64)
+        exchange.step(lambda: StepResult(0.0, 0, 64), block, timer)
         times.append(time.perf_counter() - start)
     client.close()
     write_result(
