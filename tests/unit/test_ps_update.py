@@ -53,14 +53,34 @@ def test_an_overflowing_step_is_refused_after_unguarded_ones(optimizer_class, se
     assert update.apply([Contribution(0, 1.0, bounded([torch.ones(1000)]))])  # and it goes on
 
 
-def test_adam_and_unbounded_gradients_are_always_guarded():
-    param, update = update_of(torch.optim.Adam, lr=0.1)
-    for gradient in gradients(3):
+@pytest.mark.parametrize("settings", [{}, dict(weight_decay=0.1), dict(betas=(0.5, 0.9)),
+                                      dict(weight_decay=0.01, decoupled_weight_decay=True)])
+def test_adam_steps_are_not_guarded_and_equal_the_optimizers(settings):
+    param, update = update_of(torch.optim.Adam, lr=0.1, **settings)
+    reference = nn.Parameter(param.detach().clone())
+    optimizer = torch.optim.Adam([reference], lr=0.1, **settings)
+    scales = [1e-6, 1e3, 1.0, 1e-3, 1e6]  # the step stays bounded whatever the gradients' scale
+    for i, gradient in enumerate(gradients(50)):
+        gradient = gradient * scales[i % len(scales)]
         assert update.apply([Contribution(0, 1.0, bounded([gradient]))])
-    assert update.num_guarded == 3
+        reference.grad = gradient.clone()
+        optimizer.step()
+        state = update.optimizer.state[param]
+        assert update.bounds["param"] >= param.detach().abs().max().item()
+        assert update.bounds["exp_avg"] >= state["exp_avg"].abs().max().item()
+        assert update.bounds["exp_avg_sq"] >= state["exp_avg_sq"].abs().max().item()
+    assert update.num_guarded == 1
+    torch.testing.assert_close(param.detach(), reference.detach(), rtol=0, atol=0)
+
+
+def test_unbounded_gradients_and_other_optimizers_are_always_guarded():
     param, update = update_of(torch.optim.SGD, lr=0.1)
     for gradient in gradients(3):
         assert update.apply([Contribution(0, 1.0, [gradient])])  # chunks without a bound
+    assert update.num_guarded == 3
+    param, update = update_of(torch.optim.Adam, lr=0.1, amsgrad=True)
+    for gradient in gradients(3):
+        assert update.apply([Contribution(0, 1.0, bounded([gradient]))])
     assert update.num_guarded == 3
 
 

@@ -8,14 +8,14 @@ refused, with parameters and optimizer state left as they were.
 Copying the parameters and the optimizer state before every step to undo it costs more
 than the step itself once they outgrow the cache (1.1 ms of a 10 MB shard's push here,
 and 0.6 ms more for the checks after it). So the update keeps an upper bound on every
-magnitude instead: the decoder bounds each gradient in the pass that checks it finite,
-and for SGD the bounds after a step follow from those before it
-(|p'| <= |p| + lr * |step direction|). While every bound stays far below the dtype's
-largest value, no step can overflow and none is copied or checked. Otherwise (or for
-another optimizer, whose bounds are not worked out) the step is guarded: copied before,
-measured after, and undone when a value is not finite; the measured magnitudes become
-the new bounds. (The update's own magnitudes come from `magnitude_bound`: an upper
-bound, the Euclidean norm, in one pass.)
+magnitude instead: the decoder bounds each gradient in the pass that checks it finite
+(`magnitude_bound`: the Euclidean norm, one pass), and the bounds after a step follow
+from those before it (SGD: |p'| <= |p| + lr |step direction|; Adam, whose step is
+bounded whatever the gradients: its moments' bounds follow from the gradient's). While
+every bound stays far below the dtype's largest value, no step can overflow and none is
+copied or checked. Otherwise (or for an optimizer whose bounds are not worked out) the
+step is guarded: copied before, measured after, and undone when a value is not finite;
+the measured magnitudes become the new bounds.
 """
 
 from __future__ import annotations
@@ -96,24 +96,16 @@ class GuardedUpdate:
             self.param.grad = None
 
     def _predict(self, gradient: float) -> dict[str, float] | None:
-        """Bounds after an SGD step on a gradient bounded by `gradient`; None when they
-        cannot be told (unknown bounds, another optimizer, an unbounded gradient)."""
-        if self.bounds is None or not math.isfinite(gradient) \
-                or not isinstance(self.optimizer, torch.optim.SGD):
+        """Bounds after a step on a gradient bounded by `gradient`; None when they cannot
+        be told (unknown bounds, an unbounded gradient, an optimizer not worked out)."""
+        if self.bounds is None or not math.isfinite(gradient):
             return None
         (group,) = self.optimizer.param_groups
-        lr, momentum = abs(float(group["lr"])), float(group["momentum"])
-        param = self.bounds["param"]
-        direction = gradient + abs(group["weight_decay"]) * param
-        predicted = {}
-        if momentum:
-            # buf' = momentum * buf + (1 - dampening) * d, and buf' = d on the first step.
-            damped = max(1.0, abs(1.0 - float(group["dampening"]))) * direction
-            buffer = abs(momentum) * self.bounds.get("momentum_buffer", 0.0) + damped
-            predicted["momentum_buffer"] = buffer
-            direction = direction + abs(momentum) * buffer if group["nesterov"] else buffer
-        predicted["param"] = param + lr * direction
-        return predicted
+        if isinstance(self.optimizer, torch.optim.SGD):
+            return _sgd_bounds(group, self.bounds, gradient)
+        if isinstance(self.optimizer, torch.optim.Adam):
+            return _adam_bounds(group, self.bounds, gradient)
+        return None
 
     def _measure(self) -> dict[str, float]:
         """A bound on the magnitudes of the parameters and of each floating optimizer
@@ -148,3 +140,38 @@ class GuardedUpdate:
             state[key] = value
         if not state:
             del self.optimizer.state[self.param]
+
+
+def _sgd_bounds(group: dict[str, Any], bounds: dict[str, float], gradient: float) -> dict[str, float]:
+    """|p'| <= |p| + lr |d| with d = g + wd p, or with momentum buf' = momentum buf +
+    (1 - dampening) d (buf' = d on the first step) and d = buf' (nesterov: d + momentum buf')."""
+    lr, momentum, param = abs(float(group["lr"])), abs(float(group["momentum"])), bounds["param"]
+    direction = gradient + abs(group["weight_decay"]) * param
+    predicted = {}
+    if momentum:
+        damped = max(1.0, abs(1.0 - float(group["dampening"]))) * direction
+        buffer = predicted["momentum_buffer"] = momentum * bounds.get("momentum_buffer", 0.0) + damped
+        direction = direction + momentum * buffer if group["nesterov"] else buffer
+    predicted["param"] = param + lr * direction
+    return predicted
+
+
+def _adam_bounds(group: dict[str, Any], bounds: dict[str, float], gradient: float) -> dict[str, float] | None:
+    """Adam's moments follow their averages: |m'| <= b1 |m| + (1 - b1) |g|, v' <= b2 v +
+    (1 - b2) g^2. Its step is bounded whatever the gradients: each coordinate's
+    |m| / sqrt(v) <= (1 - b1) / sqrt(1 - b2) / (1 - b1 / sqrt(b2)) (every gradient in m is
+    also in v, with weights that fall slower when b1 < sqrt(b2)), and bias correction
+    multiplies that by at most 1 / (1 - b1), so |p'| <= |p| + lr / (sqrt(1 - b2) (1 - b1 /
+    sqrt(b2)))."""
+    beta1, beta2 = (float(b) for b in group["betas"])
+    if group["amsgrad"] or not 0 <= beta1 < math.sqrt(beta2) < 1:
+        return None
+    lr, decay, param = abs(float(group["lr"])), abs(float(group["weight_decay"])), bounds["param"]
+    if group.get("decoupled_weight_decay"):
+        param *= max(1.0, abs(1.0 - lr * decay))
+    else:
+        gradient += decay * param
+    step = 1.0 / (math.sqrt(1.0 - beta2) * (1.0 - beta1 / math.sqrt(beta2)))
+    return {"param": param + lr * step,
+            "exp_avg": beta1 * bounds.get("exp_avg", 0.0) + (1.0 - beta1) * gradient,
+            "exp_avg_sq": beta2 * bounds.get("exp_avg_sq", 0.0) + (1.0 - beta2) * gradient * gradient}
