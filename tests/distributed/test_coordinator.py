@@ -231,3 +231,37 @@ def test_a_restarted_coordinator_shows_the_same_cluster(tmp_path):
     finally:
         client.close()
         second.stop(0)
+
+
+def test_a_flood_of_membership_watches_leaves_threads_for_heartbeats(tmp_path):
+    server = CoordinatorServer(CONFIG, "127.0.0.1:0", tmp_path / "registry.db", max_threads=16)
+    client = CoordinatorClient(server.address, timeout_s=5.0)
+    try:
+        client.register("worker-0", "worker")
+        watch = client.channel.unary_unary("/disttrain.v1.CoordinatorService/WatchMembership",
+                                           request_serializer=pb.MembershipRequest.SerializeToString,
+                                           response_deserializer=pb.Membership.FromString)
+        generation = client.status().generation
+        ended, lock, refused_all = [], threading.Lock(), threading.Event()
+        admitted = server.servicer.watches.max_total
+
+        def on_done(future):
+            with lock:
+                ended.append(future.code())
+                if len(ended) == 40 - admitted:
+                    refused_all.set()
+
+        request = pb.MembershipRequest(after_generation=generation)
+        floods = [watch.future(request, timeout=30) for _ in range(40)]
+        for future in floods:
+            future.add_done_callback(on_done)
+        assert refused_all.wait(10)  # the watches over the cap are turned away at once
+        with lock:
+            assert set(ended) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert server.servicer.watches.total == admitted
+        assert heartbeat(client, "worker-0").alive  # a free thread answers at once
+        for future in floods:
+            future.cancel()
+    finally:
+        client.close()
+        server.stop(0)

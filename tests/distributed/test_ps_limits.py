@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from disttrain.config import config_from_dict
+from disttrain.core.poll_slots import PollSlots
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.proto import tensor_pb2
 from disttrain.strategies.ps import codec, wire
 from disttrain.strategies.ps.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.limits import PollSlots, push_limits
+from disttrain.strategies.ps.limits import push_limits
 from disttrain.strategies.ps.server import ShardServer, build_state
 from disttrain.strategies.ps.sharding import plan_shards
 from disttrain.training.models import init_model

@@ -23,6 +23,7 @@ from disttrain.coordinator.membership import DuplicateNode, Event, Membership, N
 from disttrain.coordinator.registry import Registry, RegistryError
 from disttrain.core.addresses import parse_address
 from disttrain.core.errors import ConfigError
+from disttrain.core.poll_slots import PollLimitExceeded, PollSlots
 from disttrain.core.rpc_server import RpcServer
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import coordinator_pb2 as pb
@@ -165,9 +166,11 @@ def _node_status(node: Node, now: float) -> pb.NodeStatus:
 class CoordinatorServicer:
     """gRPC methods: translate messages and errors; the decisions are the membership's."""
 
-    def __init__(self, state: CoordinatorState, on_step: Callable[[int], None] | None = None):
+    def __init__(self, state: CoordinatorState, on_step: Callable[[int], None] | None = None,
+                 watches: PollSlots | None = None):
         self.state = state
         self.on_step = on_step
+        self.watches = watches or PollSlots.for_pool(128, per_key=128)  # slots of membership watches
 
     def RegisterNode(self, request, context):
         try:
@@ -196,7 +199,12 @@ class CoordinatorServicer:
     def WatchMembership(self, request, context):
         remaining = context.time_remaining()
         wait_s = MAX_WAIT_S if remaining is None else min(MAX_WAIT_S, remaining - REPLY_MARGIN_S)
-        return self.state.watch(request.after_generation, wait_s)
+        try:
+            slot = self.watches.take("watch")
+        except PollLimitExceeded as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        with slot:
+            return self.state.watch(request.after_generation, wait_s)
 
     def GetClusterStatus(self, request, context):
         return self.state.status()
@@ -235,10 +243,12 @@ class CoordinatorServer:
         self.registry = Registry(registry_path)
         self.state = CoordinatorState(config, self.registry)
         self.on_failure = on_failure
-        # Each long-poll holds a thread: room for many watchers beside the heartbeats.
+        # Each watch holds a thread: many may wait, and a quarter of the pool stays free for heartbeats.
+        watches = PollSlots.for_pool(max_threads, per_key=max_threads)
+        self.servicer = CoordinatorServicer(self.state, on_step, watches)
         try:
-            self._server = RpcServer(_handler(CoordinatorServicer(self.state, on_step)), SERVICE, bind,
-                                     max_threads, token=token, tls=tls)
+            self._server = RpcServer(_handler(self.servicer), SERVICE, bind, max_threads, token=token,
+                                     tls=tls)
         except ConfigError:
             self.registry.close()
             raise

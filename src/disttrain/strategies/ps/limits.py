@@ -4,10 +4,11 @@ A long-poll (a pull waiting for a version, a barrier, a wait for every worker to
 done) holds one of the server's handler threads for as long as it waits. Without
 bounds, a few dozen pulls for a version that never comes take every thread, and a
 status call, a heartbeat or a push then waits behind them. So each long-poll waits at
-most `LONG_POLL_CAP_S` whatever deadline its client set (then the client retries), a
-worker holds at most `POLLS_PER_WORKER` at once, and all long-polls together leave
-`reserved_threads` of the pool free for calls that answer at once. A long-poll over a
-cap is refused before it waits (RESOURCE_EXHAUSTED) and changes nothing.
+most `LONG_POLL_CAP_S` whatever deadline its client set (then the client retries), and
+takes a slot first (`core.poll_slots`): a worker holds at most `POLLS_PER_WORKER` at
+once, and all long-polls together leave a quarter of the pool free for calls that answer
+at once. A long-poll over a cap is refused before it waits (RESOURCE_EXHAUSTED) and
+changes nothing.
 
 A push is bounded by the shard it goes to (`push_limits`): its bytes, its frames and the
 fields of each frame, so that no stream costs a server much more memory than the
@@ -21,8 +22,6 @@ pushes at once, on the same slots as long-polls.
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
 from dataclasses import dataclass
 
 from disttrain.strategies.ps.codec import CHUNK_BYTES
@@ -76,82 +75,3 @@ def long_poll_wait_s(remaining_s: float | None, cap_s: float = LONG_POLL_CAP_S) 
     if remaining_s is None:
         return cap_s
     return max(0.0, min(remaining_s, cap_s))
-
-
-def reserved_threads(max_threads: int) -> int:
-    """Handler threads kept free of long-polls: a quarter of the pool, at least 2."""
-    return max(2, max_threads // 4)
-
-
-class PollLimitExceeded(RuntimeError):
-    """A long-poll over a cap: refused before it waited (recoverable: retry later)."""
-
-
-class PollSlots:
-    """Counts the long-polls in progress, per key (a worker id) and in total.
-
-    Args:
-        max_total: long-polls at once, over all keys.
-        per_key: long-polls at once with one key.
-    """
-
-    def __init__(self, max_total: int, per_key: int = POLLS_PER_WORKER):
-        if max_total < 1 or per_key < 1:
-            raise ValueError(f"max_total ({max_total}) and per_key ({per_key}) must be >= 1")
-        self.max_total = max_total
-        self.per_key = per_key
-        self._lock = threading.Condition()
-        self._held: Counter[str] = Counter()
-        self._total = 0
-
-    @classmethod
-    def for_pool(cls, max_threads: int, per_key: int = POLLS_PER_WORKER) -> PollSlots:
-        """Slots for a server of `max_threads` handler threads, `reserved_threads` kept free."""
-        return cls(max(1, max_threads - reserved_threads(max_threads)), per_key)
-
-    def take(self, key: str) -> _Slot:
-        """A slot for one long-poll of `key`, released when its `with` block ends.
-
-        Raises:
-            PollLimitExceeded: `key` or the server already holds as many as allowed.
-        """
-        with self._lock:
-            if self._held[key] >= self.per_key:
-                raise PollLimitExceeded(f"{key!r} already has {self._held[key]} long-polls waiting on "
-                                        f"this server (at most {self.per_key}); retry once one ended")
-            if self._total >= self.max_total:
-                raise PollLimitExceeded(f"this server already holds {self._total} long-polls (at most "
-                                        f"{self.max_total}); retry later")
-            self._held[key] += 1
-            self._total += 1
-            self._lock.notify_all()
-        return _Slot(self, key)
-
-    def _release(self, key: str) -> None:
-        with self._lock:
-            self._held[key] -= 1
-            if not self._held[key]:
-                del self._held[key]
-            self._total -= 1
-            self._lock.notify_all()
-
-    @property
-    def total(self) -> int:
-        with self._lock:
-            return self._total
-
-    def wait_for_total(self, num: int, timeout_s: float) -> bool:
-        """Wait until exactly `num` long-polls are in progress; False on timeout."""
-        with self._lock:
-            return self._lock.wait_for(lambda: self._total == num, timeout_s)
-
-
-class _Slot:
-    def __init__(self, slots: PollSlots, key: str):
-        self._slots, self._key = slots, key
-
-    def __enter__(self) -> _Slot:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._slots._release(self._key)

@@ -25,6 +25,7 @@ from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.deadlines import Deadlines
 from disttrain.core.faults import FaultInjector
+from disttrain.core.poll_slots import PollLimitExceeded, PollSlots
 from disttrain.core.processes import bind_to_parent, emit_event
 from disttrain.core.rpc_server import RpcServer
 from disttrain.core.tls import TlsFiles
@@ -33,8 +34,7 @@ from disttrain.strategies.ps import registration, wire
 from disttrain.strategies.ps.codec import Payload
 from disttrain.strategies.ps.limits import (
     LONG_POLL_CAP_S,
-    PollLimitExceeded,
-    PollSlots,
+    POLLS_PER_WORKER,
     long_poll_wait_s,
     push_limits,
 )
@@ -207,7 +207,7 @@ class ShardServer:
                  long_poll_cap_s: float = LONG_POLL_CAP_S, tls: TlsFiles | None = None):
         self.state = state
         self.stopped = threading.Event()
-        self.polls = PollSlots.for_pool(max_threads)
+        self.polls = PollSlots.for_pool(max_threads, POLLS_PER_WORKER)
         self.servicer = servicer = ParameterServicer(state, self.stopped, self.polls, long_poll_cap_s)
         self._server = RpcServer(_handler(servicer), wire.SERVICE, bind,
                                  max_threads, options=wire.CHANNEL_OPTIONS, token=token, tls=tls)
