@@ -7,8 +7,12 @@ in this machine's own network namespace: deleting the namespaces removes every v
 the bridge with them. Names start with `dtmh<pid>` so that parallel runs do not collide,
 and leftovers of runs whose process is gone are removed before a new network is made.
 
-Processes run in a host through `ip netns exec`, which execs the command itself: the
-test process stays their parent (a launched disttrain process dies with it).
+Each host also has its own host name (`host-<name>`, in a UTS namespace of the process)
+and a hosts file naming every host (`/etc/netns/<namespace>/hosts`, which `ip netns exec`
+mounts over /etc/hosts), as machines on one network have: torch's rendezvous and gloo
+find a node's address from its host name. Processes run through `ip netns exec` and
+`unshare`, each of which execs the command itself: the test process stays their parent
+(a launched disttrain process dies with it).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from disttrain.core.processes import EVENT_PREFIX
 PREFIX = "dtmh"
 _counter = itertools.count()
 SUBNET_PREFIX = "192.0.2."
+NETNS_ETC = Path("/etc/netns")
+# Run as the host: its own host name, then the command (exec'd, so the pid stays).
+_AS_HOST = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"']
 _COMMAND_TIMEOUT_S = 20
 
 
@@ -71,6 +78,10 @@ def remove_leftovers() -> list[str]:
         if match and not _pid_alive(int(match.group(1))):
             ip("netns", "delete", name, check=False)
             removed.append(name)
+    for folder in NETNS_ETC.glob(f"{PREFIX}*") if NETNS_ETC.is_dir() else []:
+        match = re.fullmatch(rf"{PREFIX}(\d+)\D.*", folder.name)
+        if match and not _pid_alive(int(match.group(1))):
+            shutil.rmtree(folder, ignore_errors=True)
     return removed
 
 
@@ -93,11 +104,12 @@ class Host:
     address: str
     switch_port: str
     switch: str
+    hostname: str
     processes: list[subprocess.Popen] = field(default_factory=list)
 
     def run(self, *args: str) -> subprocess.CompletedProcess:
         """A short command in this host (`ip netns exec`), checked."""
-        result = subprocess.run(["ip", "netns", "exec", self.namespace, *args], capture_output=True,
+        result = subprocess.run(self.command(list(args)), capture_output=True,
                                 text=True, timeout=_COMMAND_TIMEOUT_S)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(args)} in {self.name}: {result.stderr.strip()}")
@@ -107,10 +119,14 @@ class Host:
         """Start a long-running process in this host, its stdout and stderr to `log`."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(log, "w") as out:
-            process = subprocess.Popen(["ip", "netns", "exec", self.namespace, *args], stdout=out,
+            process = subprocess.Popen(self.command(args), stdout=out,
                                        stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
         self.processes.append(process)
         return process
+
+    def command(self, args: list[str]) -> list[str]:
+        """`args` as a command line that runs in this host, under its host name."""
+        return ["ip", "netns", "exec", self.namespace, *_AS_HOST, self.hostname, *args]
 
     def set_link(self, up: bool) -> None:
         """Cut this host's cable (both ends down) or plug it back in."""
@@ -168,6 +184,10 @@ class Network:
             ip("-n", self.switch, "link", "set", "br0", "up")
             for index, name in enumerate(self._names, start=1):
                 self.hosts[name] = self._add_host(name, index)
+            names = "".join(f"{h.address} {h.hostname}\n" for h in self.hosts.values())
+            for host in self.hosts.values():
+                (NETNS_ETC / host.namespace).mkdir(parents=True, exist_ok=True)
+                (NETNS_ETC / host.namespace / "hosts").write_text(f"127.0.0.1 localhost\n{names}")
         except BaseException:
             self.close()
             raise
@@ -176,7 +196,7 @@ class Network:
     def _add_host(self, name: str, index: int) -> Host:
         namespace, port = f"{self.tag}{name}", f"p{index}"
         ip("netns", "add", namespace)
-        host = Host(name, namespace, f"{SUBNET_PREFIX}{index}", port, self.switch)
+        host = Host(name, namespace, f"{SUBNET_PREFIX}{index}", port, self.switch, f"host-{name}")
         # Made inside the switch, the host end then moved: no name touches this machine's namespace.
         ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns",
            namespace)
@@ -197,6 +217,7 @@ class Network:
             host.stop_processes()
         for namespace in [h.namespace for h in self.hosts.values()] + [self.switch]:
             ip("netns", "delete", namespace, check=False)
+            shutil.rmtree(NETNS_ETC / namespace, ignore_errors=True)
 
     def namespaces(self) -> list[str]:
         return [h.namespace for h in self.hosts.values()] + [self.switch]
