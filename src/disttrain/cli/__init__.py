@@ -12,6 +12,7 @@ import logging
 import sys
 
 from disttrain import __version__
+from disttrain.cli.check import dry_run, wants_check
 from disttrain.core.errors import DisttrainError, error_lines
 from disttrain.core.logs import setup_logging
 from disttrain.core.processes import bind_to_parent
@@ -21,7 +22,8 @@ from disttrain.report.artifacts import write_run_artifacts
 DESCRIPTION = ("Train one PyTorch model several ways from one config (a single process, a "
                "parameter server over gRPC, DDP all-reduce) and measure what each costs.")
 
-# name -> module; each defines HELP, DESCRIPTION, add_arguments(parser) and run(args).
+# name -> module; each defines HELP, DESCRIPTION, add_arguments(parser) and run(args), and
+# check(args) when it offers --check-config.
 COMMANDS: dict[str, str] = {
     "baseline": "disttrain.cli.baseline",
     "ps": "disttrain.cli.ps",
@@ -34,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "compare": "disttrain.cli.compare",
     "validate": "disttrain.cli.validate",
     "report": "disttrain.cli.report",
+    "configs": "disttrain.cli.configs",
 }
 
 
@@ -70,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     bind_to_parent()  # started by a launcher (`compare`, `ps`): die with it, however it dies
     setup_logging(args.command, level=logging.DEBUG if args.verbose else logging.INFO)
     try:
+        if wants_check(args):
+            print(dry_run(args))
+            return 0
         result = args.command_module.run(args)
         if isinstance(result, RunSummary):
             if getattr(args, "summary_json", None):

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 
+from disttrain.cli.check import describe_folders, describe_training
 from disttrain.cli.flags import (
     add_training_flags,
     config_from_args,
     not_used_yet_epilog,
     options_from_args,
 )
+from disttrain.config import Config
 from disttrain.metrics.summary import RunSummary
 from disttrain.strategies.baseline import STRATEGY
+from disttrain.training.models import init_model
+from disttrain.training.strategy import RunOptions
 
 HELP = "train in one process (the control group)"
 DESCRIPTION = """Train the model in this one process: the control group every other strategy is
@@ -19,7 +23,8 @@ compared with. Writes metrics, TensorBoard events, checkpoints, the final model
 (baseline_final.pt) and summary.json.
 
     disttrain baseline --dataset mnist --data-dir DIR --num-epochs 2
-    disttrain baseline --config configs/example_config.yaml --resume"""
+    disttrain baseline --config example --resume
+    disttrain baseline --config configs/example_config.yaml --check-config"""
 EPILOG = not_used_yet_epilog()
 
 
@@ -27,5 +32,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_training_flags(parser)
 
 
+def prepare(args: argparse.Namespace) -> tuple[Config, RunOptions]:
+    """The run's config and options, checked (a ConfigError otherwise)."""
+    return config_from_args(args), options_from_args(args)
+
+
+def check(args: argparse.Namespace) -> str:
+    config, options = prepare(args)
+    init_model(config.training)  # as the run builds it: a model that cannot take the data fails
+    return f"train {describe_training(config)} in one process; {describe_folders(config, options)}"
+
+
 def run(args: argparse.Namespace) -> RunSummary:
-    return STRATEGY.run(config_from_args(args), options_from_args(args))
+    return STRATEGY.run(*prepare(args))

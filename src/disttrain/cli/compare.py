@@ -7,9 +7,11 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from disttrain.cli.flags import COMMON_FLAGS, add_config_flags, config_from_args
-from disttrain.comparison.plan import DEFAULT_STRATEGIES, KNOWN, equal_threads, parse_strategies
+from disttrain.cli.check import add_check_flag, count, describe_training
+from disttrain.cli.flags import COMMON_FLAGS, CONFIG_HELP, add_config_flags, config_from_args
+from disttrain.comparison.plan import DEFAULT_STRATEGIES, KNOWN, PlannedRun, equal_threads, parse_strategies
 from disttrain.comparison.runner import MANIFEST, Comparison, LogDisplay
+from disttrain.config import Config
 from disttrain.core.errors import ConfigError, DisttrainError
 
 HELP = "train every strategy on one config and report them side by side"
@@ -37,7 +39,7 @@ def add_runs_flags(parser: argparse.ArgumentParser, default_folder: str) -> None
     """The flags of a command that trains several runs on one config: the config and its
     training flags (each run gets its own folders), --workers, --output-dir,
     --timeout-per-run, --set and -v."""
-    parser.add_argument("--config", help="YAML or JSON config file every run trains")
+    parser.add_argument("--config", help=f"{CONFIG_HELP}; every run trains it")
     add_config_flags(parser, {flag: spec for flag, spec in COMMON_FLAGS.items() if flag not in OWN_FOLDERS})
     add_config_flags(parser, {"--workers": ("system.num_workers", int,
                                             "workers (parameter server) and ranks (DDP) of each "
@@ -50,6 +52,20 @@ def add_runs_flags(parser: argparse.ArgumentParser, default_folder: str) -> None
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any config key of every run (repeatable)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_check_flag(parser)
+
+
+def runs_folder(args: argparse.Namespace, default_name: str, holds: str) -> Path:
+    """--output-dir, or runs/<default_name>-<date>-<time>; refused when it holds runs already.
+
+    Raises:
+        ConfigError: the folder holds a manifest; `holds` says what the user finds there
+            and what to do (`{folder}` in it names the folder).
+    """
+    folder = Path(args.output_dir or f"runs/{default_name}-{datetime.now():%Y%m%d-%H%M%S}")
+    if (folder / MANIFEST).exists():
+        raise ConfigError(f"--output-dir: {folder} already holds {holds.format(folder=folder)}")
+    return folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,16 +74,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated runs, in order (default: {DEFAULT_STRATEGIES})")
 
 
-def run(args: argparse.Namespace) -> None:
+def prepare(args: argparse.Namespace) -> tuple[Config, list[PlannedRun], Path]:
+    """The config every run trains, the runs and their folder, checked (a ConfigError otherwise)."""
     config = config_from_args(args)
     runs = parse_strategies(args.strategies, config.system.num_workers)
     config = equal_threads(config, runs)
     if args.timeout_per_run <= 0:
         raise ConfigError(f"--timeout-per-run: {args.timeout_per_run} must be > 0")
-    folder = Path(args.output_dir or f"runs/compare-{datetime.now():%Y%m%d-%H%M%S}")
-    if (folder / MANIFEST).exists():
-        raise ConfigError(f"--output-dir: {folder} already holds a comparison; choose another "
-                          f"folder, or render it again with `disttrain report {folder}`")
+    folder = runs_folder(args, "compare", "a comparison; choose another folder, or render it "
+                         "again with `disttrain report {folder}`")
+    return config, runs, folder
+
+
+def check(args: argparse.Namespace) -> str:
+    config, runs, folder = prepare(args)
+    return (f"{count(len(runs), 'run')} in turn ({', '.join(run.name for run in runs)}), "
+            f"{count(config.system.num_workers, 'worker')} each, "
+            f"{count(config.system.num_threads, 'torch thread')} per process; "
+            f"{describe_training(config)}; into {folder}")
+
+
+def run(args: argparse.Namespace) -> None:
+    config, runs, folder = prepare(args)
     comparison = Comparison(folder, config, runs, ["disttrain", *sys.argv[1:]], args.timeout_per_run)
     from disttrain.report import render_comparison  # loads plotting only when a report is due
 

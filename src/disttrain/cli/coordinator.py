@@ -8,12 +8,16 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from disttrain.cli.flags import add_tls_flags, add_token_flag, tls_from_args, token_from_args
-from disttrain.config import load_config
+from disttrain.cli.check import add_check_flag, describe_security
+from disttrain.cli.flags import CONFIG_HELP, add_tls_flags, add_token_flag, tls_from_args, token_from_args
+from disttrain.config import Config, load_config
 from disttrain.coordinator.service import CoordinatorServer
+from disttrain.core.addresses import parse_address
 from disttrain.core.processes import bind_to_parent, emit_event
+from disttrain.training.strategy import RunOptions
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--registry", default=None, metavar="PATH",
                         help=f"SQLite file holding the cluster's state, created when absent "
                              f"(default: <system.log_dir>/{REGISTRY_NAME})")
-    parser.add_argument("--config", help="YAML or JSON config file (its coordinator section is used)")
+    parser.add_argument("--config", help=f"{CONFIG_HELP} (its coordinator section is used)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a config key, e.g. coordinator.heartbeat_timeout=10 (repeatable)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -48,17 +52,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
     add_token_flag(parser)
     add_tls_flags(parser)
+    add_check_flag(parser)
+
+
+@dataclass(frozen=True)
+class CoordinatorPlan:
+    """What `coordinator` serves, checked."""
+
+    config: Config
+    options: RunOptions
+    bind: str
+    registry: str
+
+
+def prepare(args: argparse.Namespace) -> CoordinatorPlan:
+    """Raises ConfigError for a bad config, --bind, token or TLS file."""
+    options = RunOptions(token=token_from_args(args), tls=tls_from_args(args))
+    config = load_config(args.config, {}, args.set)
+    bind = args.bind or config.coordinator.address or DEFAULT_BIND
+    parse_address(bind, "--bind")
+    registry = args.registry or str(Path(config.system.log_dir) / REGISTRY_NAME)
+    return CoordinatorPlan(config, options, bind, registry)
+
+
+def check(args: argparse.Namespace) -> str:
+    plan = prepare(args)
+    settings = plan.config.coordinator
+    return (f"listening on {plan.bind}{describe_security(plan.options)}, registry {plan.registry}, "
+            f"heartbeats every {settings.heartbeat_interval:g}s, a process failed after "
+            f"{settings.heartbeat_timeout:g}s without one")
 
 
 def run(args: argparse.Namespace) -> None:
     bind_to_parent()
-    token = token_from_args(args)
-    tls = tls_from_args(args)
-    config = load_config(args.config, {}, args.set)
-    bind = args.bind or config.coordinator.address or DEFAULT_BIND
-    registry = args.registry or str(Path(config.system.log_dir) / REGISTRY_NAME)
-    server = CoordinatorServer(config.coordinator, bind, registry, on_step=_kill_at(args.kill_at_step),
-                               token=token, tls=tls)
+    plan = prepare(args)
+    bind, registry = plan.bind, plan.registry
+    server = CoordinatorServer(plan.config.coordinator, bind, registry,
+                               on_step=_kill_at(args.kill_at_step), token=plan.options.token,
+                               tls=plan.options.tls)
     server.on_failure = lambda node_id, reason: _announce_failure(server, node_id, reason)
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

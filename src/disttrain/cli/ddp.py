@@ -14,9 +14,19 @@ import os
 import sys
 from collections.abc import Mapping
 
+import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from disttrain import cli
+from disttrain.cli.check import (
+    count,
+    describe_compression,
+    describe_coordinator,
+    describe_folders,
+    describe_security,
+    describe_training,
+    wants_check,
+)
 from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
     add_config_flag,
@@ -27,12 +37,17 @@ from disttrain.cli.flags import (
     not_used_yet_epilog,
     options_from_args,
 )
-from disttrain.core.errors import DisttrainError, error_lines
+from disttrain.config import Config
+from disttrain.core.errors import ConfigError, DisttrainError, error_lines
 from disttrain.core.logs import setup_logging
 from disttrain.metrics.summary import RunSummary
 from disttrain.strategies.ddp import STRATEGY
+from disttrain.strategies.ddp import runtime as rt
+from disttrain.strategies.ddp.precision import plan_precision
 from disttrain.strategies.ddp.rank import run_rank
 from disttrain.strategies.ddp.runtime import RankInfo, started_by_elastic_agent
+from disttrain.training.models import init_model
+from disttrain.training.strategy import RunOptions
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +104,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tls_flags(parser)
 
 
+def prepare(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> tuple[Config, RunOptions]:
+    """The run's config and options, checked (a ConfigError otherwise)."""
+    return config_from_args(args), options_from_args(args, env)
+
+
+def check(args: argparse.Namespace) -> str:
+    """The launcher's checks that need neither data nor checkpoints, on this machine's GPUs."""
+    config, options = prepare(args)
+    ddp, world_size = config.ddp, config.system.num_workers
+    rt.check_supported(config)
+    if world_size % ddp.num_nodes:
+        raise ConfigError(f"system.num_workers: world size {world_size} does not split evenly "
+                          f"over ddp.num_nodes={ddp.num_nodes}; use a multiple of {ddp.num_nodes}")
+    backend = rt.select_backend(ddp.backend, torch.cuda.is_available())
+    rt.check_gpu_count(backend, world_size // ddp.num_nodes, torch.cuda.device_count())
+    plan_precision(ddp.mixed_precision, rt.select_device(backend, 0).type,
+                   ddp.mixed_precision == "bf16" and backend == "nccl" and torch.cuda.is_bf16_supported())
+    init_model(config.training)
+    nodes = (f"{count(ddp.num_nodes, 'node')}, rendezvous at {ddp.rdzv_endpoint}" if ddp.rdzv_endpoint
+             else "this node only")
+    return (f"{count(world_size // ddp.num_nodes, 'rank')} on this node of {world_size} ({nodes}; "
+            f"{backend}), up to {count(ddp.max_restarts, 'restart')}, "
+            f"{describe_coordinator(config, 'with its own coordinator')}{describe_security(options)}; "
+            f"{describe_training(config)}{describe_compression(config)}; {describe_folders(config, options)}")
+
+
 def run(args: argparse.Namespace) -> RunSummary | None:
     """`disttrain ddp`: start this node's ranks through the elastic agent and wait."""
-    return STRATEGY.run(config_from_args(args), options_from_args(args))
+    return STRATEGY.run(*prepare(args))
 
 
 def rank_parser() -> argparse.ArgumentParser:
@@ -108,6 +149,8 @@ def rank_main(argv: list[str], env: Mapping[str, str]) -> int:
     the launcher (or torchrun) reads it.
     """
     args = rank_parser().parse_args(argv)
+    if wants_check(args):  # a dry run under torchrun: the same check as `disttrain ddp`
+        return cli.main(["ddp", *argv])
     info = RankInfo.from_env(env)
     setup_logging("rank", info.rank, level=logging.DEBUG if args.verbose else logging.INFO)
     if info.is_main and restarts_need_fresh_store(env):

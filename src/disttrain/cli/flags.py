@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from itertools import chain
 from typing import Any
 
+from disttrain.cli.check import add_check_flag
 from disttrain.config import Config, load_config, not_used_yet
 from disttrain.core.auth import TOKEN_ENV, resolve_token
 from disttrain.core.errors import ConfigError
@@ -21,6 +22,8 @@ from disttrain.training.models import registered_models
 from disttrain.training.strategy import RunOptions
 
 CONFIG_PREFIX = "config:"
+CONFIG_HELP = ("YAML or JSON config file, or the name of a shipped config (`disttrain configs` "
+               "lists them), e.g. example")
 
 # flag -> (config key, type, help)
 COMMON_FLAGS: dict[str, tuple[str, Any, str]] = {
@@ -80,7 +83,7 @@ def add_config_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of every command that reads a config."""
-    parser.add_argument("--config", help="YAML or JSON config file")
+    parser.add_argument("--config", help=CONFIG_HELP)
     add_config_flags(parser, COMMON_FLAGS)
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any config key (repeatable; wins over everything)")
@@ -89,6 +92,7 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of every command that trains."""
+    add_check_flag(parser)
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest checkpoint in the checkpoint dir")
     parser.add_argument("--summary-json", metavar="PATH", help="also write summary.json here")

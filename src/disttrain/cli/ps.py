@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from disttrain.cli.check import (
+    count,
+    describe_aggregation,
+    describe_compression,
+    describe_coordinator,
+    describe_folders,
+    describe_security,
+    describe_training,
+)
 from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
     add_tls_flags,
@@ -13,8 +22,12 @@ from disttrain.cli.flags import (
     not_used_yet_epilog,
     options_from_args,
 )
+from disttrain.config import Config
 from disttrain.metrics.summary import RunSummary
 from disttrain.strategies.ps import STRATEGY
+from disttrain.strategies.ps.model import check_supported
+from disttrain.training.models import init_model
+from disttrain.training.strategy import RunOptions
 
 HELP = "parameter server: servers and workers on this machine"
 DESCRIPTION = """Train with a parameter server on this machine: start a coordinator, the shard
@@ -62,5 +75,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tls_flags(parser)
 
 
+def prepare(args: argparse.Namespace) -> tuple[Config, RunOptions]:
+    """The run's config and options, checked (a ConfigError otherwise)."""
+    return config_from_args(args), options_from_args(args)
+
+
+def describe_ps_run(config: Config) -> str:
+    """E.g. "a sync run for 2 workers"."""
+    return f"a {describe_aggregation(config)} run for {count(config.system.num_workers, 'worker')}"
+
+
+def check(args: argparse.Namespace) -> str:
+    config, options = prepare(args)
+    check_supported(config)
+    init_model(config.training)
+    coordinator = describe_coordinator(config, "with its own coordinator")
+    return (f"{describe_ps_run(config)} with {count(config.ps.num_servers, 'server shard')} on "
+            f"{config.ps.bind_host}, {coordinator}{describe_security(options)}; "
+            f"{describe_training(config)}{describe_compression(config)}; {describe_folders(config, options)}")
+
+
 def run(args: argparse.Namespace) -> RunSummary:
-    return STRATEGY.run(config_from_args(args), options_from_args(args))
+    return STRATEGY.run(*prepare(args))

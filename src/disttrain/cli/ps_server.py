@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
+from disttrain.cli.check import add_check_flag, describe_coordinator, describe_security
 from disttrain.cli.flags import (
     add_attempt_flag,
     add_common_flags,
@@ -14,10 +16,14 @@ from disttrain.cli.flags import (
     config_from_args,
     options_from_args,
 )
-from disttrain.cli.ps import COORDINATOR_FLAG, PS_FLAGS
+from disttrain.cli.ps import COORDINATOR_FLAG, PS_FLAGS, describe_ps_run
+from disttrain.config import Config
+from disttrain.core.addresses import parse_address
 from disttrain.core.errors import ConfigError
 from disttrain.core.faults import FaultInjector
+from disttrain.strategies.ps.model import check_supported
 from disttrain.strategies.ps.server import serve
+from disttrain.training.strategy import RunOptions
 
 HELP = "serve one parameter-server shard over gRPC"
 DESCRIPTION = """Serve one shard of the model's parameters over gRPC, for runs across machines.
@@ -33,6 +39,7 @@ every worker is done, after a final checkpoint under <checkpoint_dir>/server<I>/
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_flags(parser)
+    add_check_flag(parser)
     add_config_flags(parser, {"--workers": ("system.num_workers", int, "workers of the run"),
                               **PS_FLAGS, **COORDINATOR_FLAG})
     parser.add_argument("--bind", default=None, metavar="HOST:PORT",
@@ -59,10 +66,37 @@ def parse_shard(text: str) -> tuple[int, int]:
     return int(index), int(count)
 
 
-def run(args: argparse.Namespace) -> None:
+@dataclass(frozen=True)
+class ServerPlan:
+    """What `ps-server` serves, checked."""
+
+    config: Config
+    options: RunOptions
+    bind: str
+    shard: int
+    num_shards: int
+
+
+def prepare(args: argparse.Namespace) -> ServerPlan:
+    """Raises ConfigError for a bad config, --shard, --bind, token or TLS file."""
     config = config_from_args(args)
     shard, num_shards = parse_shard(args.shard)
-    options = options_from_args(args)
-    faults = FaultInjector(options.faults, "server", shard, options.attempt)
-    serve(config, args.bind or f"{config.ps.bind_host}:0", shard, num_shards, args.resume, faults,
-          token=options.token, tls=options.tls)
+    bind = args.bind or f"{config.ps.bind_host}:0"
+    parse_address(bind, "--bind")
+    return ServerPlan(config, options_from_args(args), bind, shard, num_shards)
+
+
+def check(args: argparse.Namespace) -> str:
+    plan = prepare(args)
+    check_supported(plan.config)
+    resume = ", resuming" if plan.options.resume else ""
+    return (f"shard {plan.shard}/{plan.num_shards} of {describe_ps_run(plan.config)}, listening on "
+            f"{plan.bind}, {describe_coordinator(plan.config)}{describe_security(plan.options)}; "
+            f"checkpoints in {plan.config.system.checkpoint_dir}/server{plan.shard}{resume}")
+
+
+def run(args: argparse.Namespace) -> None:
+    plan = prepare(args)
+    faults = FaultInjector(plan.options.faults, "server", plan.shard, plan.options.attempt)
+    serve(plan.config, plan.bind, plan.shard, plan.num_shards, plan.options.resume, faults,
+          token=plan.options.token, tls=plan.options.tls)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from dataclasses import dataclass
 
+from disttrain.cli.check import (
+    describe_compression,
+    describe_coordinator,
+    describe_security,
+    describe_training,
+)
 from disttrain.cli.flags import (
     add_tls_flags,
     add_token_flag,
@@ -13,10 +20,14 @@ from disttrain.cli.flags import (
     config_from_args,
     options_from_args,
 )
-from disttrain.cli.ps import COORDINATOR_FLAG, PS_FLAGS
+from disttrain.cli.ps import COORDINATOR_FLAG, PS_FLAGS, describe_ps_run
+from disttrain.config import Config
 from disttrain.core.addresses import parse_address_list
 from disttrain.metrics.summary import RunSummary
+from disttrain.strategies.ps.model import check_supported
 from disttrain.strategies.ps.worker import run_worker
+from disttrain.training.models import init_model
+from disttrain.training.strategy import RunOptions
 
 HELP = "train as one parameter-server worker"
 DESCRIPTION = """Train as one worker of a parameter-server run whose servers are already up (on
@@ -42,8 +53,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ask for this rank (default: the servers assign the lowest free one)")
 
 
-def run(args: argparse.Namespace) -> RunSummary | None:
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What `ps-worker` trains as, checked."""
+
+    config: Config
+    options: RunOptions
+    servers: list[str]
+    worker_id: str
+
+
+def prepare(args: argparse.Namespace) -> WorkerPlan:
+    """Raises ConfigError for a bad config, --servers, token or TLS file."""
     config = config_from_args(args)
     servers = parse_address_list(args.servers, "--servers")
     worker_id = args.worker_id or f"{socket.gethostname()}:{os.getpid()}"
-    return run_worker(config, servers, worker_id, args.rank, options_from_args(args))
+    return WorkerPlan(config, options_from_args(args), servers, worker_id)
+
+
+def check(args: argparse.Namespace) -> str:
+    plan = prepare(args)
+    check_supported(plan.config)
+    init_model(plan.config.training)
+    rank = f"rank {args.rank}" if args.rank >= 0 else "the rank the servers assign"
+    named = f"worker {args.worker_id}" if args.worker_id else "a worker named host:pid"
+    return (f"{named}, {rank}, of {describe_ps_run(plan.config)}, pushing to "
+            f"{','.join(plan.servers)}, {describe_coordinator(plan.config)}"
+            f"{describe_security(plan.options)}; {describe_training(plan.config)}"
+            f"{describe_compression(plan.config)}")
+
+
+def run(args: argparse.Namespace) -> RunSummary | None:
+    plan = prepare(args)
+    return run_worker(plan.config, plan.servers, plan.worker_id, args.rank, plan.options)

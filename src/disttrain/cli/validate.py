@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from datetime import datetime
 from pathlib import Path
 
-from disttrain.cli.compare import add_runs_flags
+from disttrain.cli.check import count, describe_training
+from disttrain.cli.compare import add_runs_flags, runs_folder
 from disttrain.cli.flags import add_config_flag, config_from_args
-from disttrain.comparison.runner import MANIFEST, LogDisplay
+from disttrain.comparison.runner import LogDisplay
 from disttrain.comparison.validate import RESULT_FILE, SPEEDUP_WORKERS, validate
+from disttrain.config import Config
 from disttrain.core.errors import ConfigError, DisttrainError
 from disttrain.report.files import write_json_atomic
 
@@ -44,13 +45,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", metavar="PATH", help="also write the properties JSON here")
 
 
-def run(args: argparse.Namespace) -> None:
+def prepare(args: argparse.Namespace) -> tuple[Config, Path]:
+    """The config and the runs' folder, checked (a ConfigError otherwise)."""
     config = config_from_args(args)
     if not 0 <= args.tolerance <= 1:
         raise ConfigError(f"--tolerance: {args.tolerance} must be a fraction in [0, 1]")
-    folder = Path(args.output_dir or f"runs/validate-{datetime.now():%Y%m%d-%H%M%S}")
-    if (folder / MANIFEST).exists():
-        raise ConfigError(f"--output-dir: {folder} already holds runs; choose another folder")
+    return config, runs_folder(args, "validate", "runs; choose another folder")
+
+
+def check(args: argparse.Namespace) -> str:
+    config, folder = prepare(args)
+    return (f"baseline, ps-sync and ddp with {count(config.system.num_workers, 'worker')}, final "
+            f"accuracies within {args.tolerance:g}; {describe_training(config)}; into {folder}")
+
+
+def run(args: argparse.Namespace) -> None:
+    config, folder = prepare(args)
     from disttrain.report import render_comparison  # loads plotting only when a report is due
 
     result = validate(config, folder, args.tolerance, args.timeout_per_run, ["disttrain", *sys.argv[1:]],

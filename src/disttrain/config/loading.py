@@ -18,6 +18,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from disttrain.config.schema import SECTIONS, Config
+from disttrain.config.shipped import find_shipped, shipped_configs
 from disttrain.core.errors import ConfigError
 
 # Earlier configs kept every run-wide key under `system`; those spellings stay valid and mean
@@ -160,15 +161,30 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     return build(*flatten(raw, "the config"))
 
 
+def resolve_config_path(path: str | Path) -> Path:
+    """The file `--config` names: `path` when it exists, else the shipped config of that
+    bare name (`example`, `ps_sync_mnist`; see `disttrain configs`).
+
+    Raises:
+        ConfigError: neither a file nor a shipped config's name.
+    """
+    if Path(path).is_file():
+        return Path(path)
+    shipped = find_shipped(str(path))
+    if shipped is not None:
+        return shipped
+    names = ", ".join(config.name for config in shipped_configs())
+    raise ConfigError(f"--config: {str(path)!r} does not exist or is not a file, nor the name of a "
+                      f"shipped config ({names}; `disttrain configs` lists them)")
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON config file into a nested mapping.
+    """Read a YAML or JSON config file (or a shipped config, by name) into a nested mapping.
 
     Raises:
         ConfigError: the file is missing or not valid YAML/JSON.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--config: {str(path)!r} does not exist or is not a file")
+    path = resolve_config_path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -1,0 +1,89 @@
+"""`--check-config`: the dry run of every command that starts processes or training.
+
+A command that offers it defines `check(args) -> str`: it parses and validates what the
+real run parses and validates (the config with its flags and `--set` overrides, the
+token file, the TLS files, addresses, the shard), through the same functions its `run`
+uses, and returns what would run in a few words. `main` then prints
+`<command>: <what would run>; config OK` and exits 0, or the real run's error and exit
+code 2. Nothing is bound, started, read from the data sets or written: checkpoint folders
+are not looked at either, so a run that would resume or refuse them is not judged here.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from disttrain.config import Config
+from disttrain.training.strategy import RunOptions
+
+HELP = ("check the flags and the config as the run would (addresses, token and TLS files "
+        "included), print what would run and exit: 0 when all is well, 2 with the error "
+        "otherwise. Binds no port, reads no data or checkpoint, starts nothing")
+
+
+def add_check_flag(parser: argparse.ArgumentParser) -> None:
+    """`--check-config` on a command that defines `check(args)`."""
+    parser.add_argument("--check-config", action="store_true", help=HELP)
+
+
+def wants_check(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "check_config", False))
+
+
+def dry_run(args: argparse.Namespace) -> str:
+    """The line `--check-config` prints for a parsed command line.
+
+    Raises:
+        DisttrainError: whatever the real run raises for the same flags before it starts
+            (ConfigError, exit code 2, for bad flags, config, files or addresses).
+    """
+    return f"{args.command}: {args.command_module.check(args)}; config OK"
+
+
+def count(number: int, noun: str) -> str:
+    """E.g. "1 worker", "2 workers"."""
+    return f"{number} {noun}" + ("" if number == 1 else "s")
+
+
+def describe_training(config: Config) -> str:
+    """E.g. "simplecnn on mnist, 2 epochs of batch 64 (adam, lr 0.001)"."""
+    training = config.training
+    return (f"{training.model_architecture} on {training.dataset}, {training.num_epochs} epochs of batch "
+            f"{training.batch_size} ({training.optimizer}, lr {training.learning_rate:g})")
+
+
+def describe_compression(config: Config) -> str:
+    """", int8-quantized gradients"-style suffix; empty when compression is off."""
+    compression = config.compression
+    if not compression.enabled:
+        return ""
+    detail = f" {compression.ratio:g}" if compression.type == "topk" else ""
+    return f", {compression.type}{detail} compression"
+
+
+def describe_aggregation(config: Config) -> str:
+    """E.g. "sync", "ssp (staleness 2)", "sync (1 backup worker)"."""
+    ps = config.ps
+    if ps.aggregation_mode == "ssp":
+        return f"ssp (staleness {ps.staleness})"
+    if ps.aggregation_mode == "sync" and ps.backup_workers:
+        return f"sync ({ps.backup_workers} backup workers)"
+    return ps.aggregation_mode
+
+
+def describe_coordinator(config: Config, without: str = "without a coordinator") -> str:
+    """Where the processes report; `without` when `coordinator.address` is not set."""
+    address = config.coordinator.address
+    return f"reporting to the coordinator at {address}" if address else without
+
+
+def describe_folders(config: Config, options: RunOptions | None = None) -> str:
+    """Where checkpoints and logs go, and whether the run resumes."""
+    resume = ", resuming" if options is not None and options.resume else ""
+    return f"checkpoints in {config.system.checkpoint_dir}, logs in {config.system.log_dir}{resume}"
+
+
+def describe_security(options: RunOptions) -> str:
+    """", token, TLS"-style suffix: how the run's connections are protected."""
+    parts = (["token"] if options.token else []) + (["TLS"] if options.tls.enabled else [])
+    return f", with {' and '.join(parts)}" if parts else ""
