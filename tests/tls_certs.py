@@ -45,11 +45,14 @@ def make_authority(folder: Path, name: str = "test-ca") -> Authority:
     return Authority(name, key, certificate, path)
 
 
-def issue(authority: Authority, folder: Path, name: str) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 and localhost signed by `authority`; (cert, key) paths."""
+def issue(authority: Authority, folder: Path, name: str, addresses: tuple[str, ...] = ()
+          ) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1, localhost and `addresses` signed by `authority`; (cert,
+    key) paths."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
-    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    names = [x509.DNSName("localhost"), *(x509.IPAddress(ipaddress.ip_address(a))
+                                          for a in ("127.0.0.1", *addresses))]
     certificate = (x509.CertificateBuilder().subject_name(_name(name))
                    .issuer_name(authority.certificate.subject).public_key(key.public_key())
                    .serial_number(x509.random_serial_number())
