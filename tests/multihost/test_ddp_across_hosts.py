@@ -8,6 +8,7 @@ import json
 import sys
 
 import pytest
+from hosts import namespaces_reason, network, run_env  # noqa: F401  (fixtures)
 from netns import read_event
 
 from disttrain.coordinator.registry import read_status

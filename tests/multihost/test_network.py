@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+from hosts import namespaces_reason, network  # noqa: F401  (fixtures)
 from netns import PREFIX, Network, ip, remove_leftovers, wait_for
 
 LISTEN = """

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hosts import host_tls, namespaces_reason, network, run_env  # noqa: F401  (fixtures)
 from netns import Host, read_event
 
 DISTTRAIN = [sys.executable, "-m", "disttrain"]
