@@ -1,0 +1,267 @@
+"""The deployment files (docker/Dockerfile, docker-compose.yml, deploy/kubernetes/*.yaml,
+deploy/torchx/, docs/deploy.md) checked without Docker, a cluster or torchx: their
+structure, and every container, pod, component and guide command dry-run through
+`disttrain ... --check-config` here, with test values for what only exists there."""
+
+import importlib.util
+import json
+import re
+import shlex
+import string
+import subprocess
+import sys
+import tomllib
+
+import pytest
+import yaml
+from conftest import REPO_ROOT
+from tls_certs import issue, make_authority
+
+pytestmark = pytest.mark.timeout(240)
+
+TOKEN = "deploy-test-token-0123456789"
+COMPOSE = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
+MANIFESTS = {path.name: [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+             for path in sorted((REPO_ROOT / "deploy" / "kubernetes").glob("*.yaml"))}
+GUIDE = (REPO_ROOT / "docs" / "deploy.md").read_text()
+
+
+def dry_run(cli, args, cwd, token=TOKEN):
+    """`disttrain ARGS --check-config` with the token in the environment; the result."""
+    return cli(*args, "--check-config", cwd=cwd, timeout=200, env={"DISTTRAIN_TOKEN": token})
+
+
+def manifest(kind, name):
+    found = [doc for docs in MANIFESTS.values() for doc in docs
+             if doc["kind"] == kind and doc["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def containers():
+    """(manifest, container, pod spec, replicas) for every container of every workload."""
+    for docs in MANIFESTS.values():
+        for doc in docs:
+            if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
+                spec = doc["spec"]["template"]["spec"]
+                replicas = doc["spec"].get("replicas", doc["spec"].get("completions", 1))
+                for container in spec["containers"]:
+                    yield doc, container, spec, replicas
+
+
+def flag(args, name):
+    return args[args.index(name) + 1]
+
+
+def expand(args, values):
+    """Kubernetes' $(VAR) expansion of a container's args."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], arg) for arg in args]
+
+
+# --- Dockerfile -------------------------------------------------------------------------
+
+def dockerfile_instructions():
+    text = (REPO_ROOT / "docker" / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [tuple(line.split(None, 1)) for line in lines]
+
+
+def test_dockerfile_parses_into_the_expected_instructions():
+    instructions = dockerfile_instructions()
+    assert all(name.isupper() for name, _ in instructions), instructions
+    by_name = {}
+    for name, value in instructions:
+        by_name.setdefault(name, []).append(value)
+    assert instructions[0] == ("ARG", "BASE_IMAGE=python:3.11-slim") and by_name["FROM"] == ["${BASE_IMAGE}"]
+    args = dict(value.split("=", 1) for value in by_name["ARG"])
+    assert args["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
+    pin = next(d for d in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+               if d.startswith("torch"))
+    assert pin == f"torch=={args['TORCH_VERSION']}"  # the image installs the project's own pin
+    runs = " ".join(by_name["RUN"])
+    assert '"torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"' in runs and "pip install ." in runs
+    assert by_name["WORKDIR"] == ["/app"] and by_name["COPY"] == ["pyproject.toml README.md ./", "src ./src"]
+    assert len(by_name["USER"]) == 1 and by_name["USER"][0] not in ("root", "0")
+    assert [name for name, _ in instructions].index("USER") > max(
+        i for i, (name, _) in enumerate(instructions) if name == "RUN")  # nothing runs as root after
+    assert json.loads(by_name["ENTRYPOINT"][0]) == ["disttrain"]
+    ignore = (REPO_ROOT / ".dockerignore").read_text().split()
+    assert ignore[ignore.index("*"):][:4] == ["*", "!pyproject.toml", "!README.md", "!src/"]
+
+
+# --- Compose ----------------------------------------------------------------------------
+
+def test_compose_services_network_volumes_and_token():
+    services = COMPOSE["services"]
+    assert {"parameter_server", "worker_0", "worker_1", "coordinator"} <= set(services)
+    assert "training_net" in COMPOSE["networks"]
+    for name, service in services.items():
+        assert service["networks"] == ["training_net"], name
+        assert service["volumes"] == ["./checkpoints:/app/checkpoints", "./logs:/app/logs"], name
+        assert service["shm_size"], name
+        assert service["env_file"] == "disttrain.env", name  # the token never inline
+        assert "DISTTRAIN_TOKEN" not in service.get("environment", {}), name
+        assert not any(arg.startswith("--token") for arg in service["command"]), name
+    server = services["parameter_server"]["command"]
+    assert server[0] == "ps-server" and flag(server, "--bind") == "0.0.0.0:50051"
+    for rank in (0, 1):
+        worker = services[f"worker_{rank}"]["command"]
+        assert worker[0] == "ps-worker" and flag(worker, "--servers") == "parameter_server:50051"
+        assert flag(worker, "--rank") == str(rank) and "--resume" in worker
+        assert services[f"worker_{rank}"]["depends_on"]["parameter_server"]["condition"] == "service_healthy"
+
+
+def test_compose_health_checks_answer_from_a_real_server_and_fail_once_it_stops():
+    import grpc
+
+    from disttrain.core.rpc_server import RpcServer
+
+    for name, port in (("parameter_server", "50051"), ("coordinator", "50050")):
+        test = COMPOSE["services"][name]["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "python3", "-c"] and "grpc_health.v1" in test[3]
+        server = RpcServer(grpc.method_handlers_generic_handler("test.Nothing", {}), "test.Nothing",
+                           "127.0.0.1:0", 4, token=TOKEN)  # the health service needs no token
+        probe = [sys.executable, "-c", test[3].replace(f"localhost:{port}", server.address)]
+        try:
+            assert subprocess.run(probe, timeout=60).returncode == 0
+        finally:
+            server.stop(0)
+        assert subprocess.run(probe, timeout=60, capture_output=True).returncode != 0
+
+
+@pytest.mark.parametrize("service", sorted(COMPOSE["services"]))
+def test_compose_command_passes_check_config(cli, tmp_path, service):
+    command = COMPOSE["services"][service]["command"]
+    result = dry_run(cli, command, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"{command[0]}: ") and "with token" in result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- Kubernetes -------------------------------------------------------------------------
+
+def test_kubernetes_ps_job_structure():
+    secret = manifest("Secret", "disttrain-token")
+    assert secret["stringData"] == {"token": ""}  # shipped empty: nothing runs until it is set
+    servers, service = manifest("StatefulSet", "ps-server"), manifest("Service", "ps-server")
+    assert servers["spec"]["serviceName"] == "ps-server" and service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == servers["spec"]["template"]["metadata"]["labels"]
+    replicas = servers["spec"]["replicas"]
+    server_args = servers["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert flag(server_args, "--shard") == f"$(SHARD_INDEX)/{replicas}"
+    workers = manifest("Job", "ps-worker")
+    assert workers["spec"]["completionMode"] == "Indexed"
+    worker_args = workers["spec"]["template"]["spec"]["containers"][0]["args"]
+    names = [f"ps-server-{i}.ps-server:50051" for i in range(replicas)]
+    assert flag(worker_args, "--servers") == ",".join(names)
+    coordinator = manifest("Deployment", "coordinator")["spec"]["selector"]["matchLabels"]
+    assert manifest("Service", "coordinator")["spec"]["selector"] == coordinator
+    assert flag(worker_args, "--coordinator") == flag(server_args, "--coordinator") == "coordinator:50050"
+
+
+def test_kubernetes_ddp_job_rendezvous_at_the_first_pod():
+    job, service = manifest("Job", "ddp"), manifest("Service", "ddp")
+    pod = job["spec"]["template"]
+    assert job["spec"]["completionMode"] == "Indexed" and pod["spec"]["subdomain"] == "ddp"
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"] == pod["metadata"]["labels"]
+    args = pod["spec"]["containers"][0]["args"]
+    assert flag(args, "--rdzv-endpoint") == "ddp-0.ddp:29400"  # pod 0's name under the headless Service
+    assert int(flag(args, "--nnodes")) == job["spec"]["completions"] == job["spec"]["parallelism"]
+
+
+def test_every_container_takes_the_token_from_the_secret():
+    for doc, container, _, _ in containers():
+        env = {item["name"]: item for item in container["env"]}
+        reference = {"secretKeyRef": {"name": "disttrain-token", "key": "token"}}
+        assert env["DISTTRAIN_TOKEN"]["valueFrom"] == reference, doc["metadata"]["name"]
+        assert doc["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def kubernetes_commands():
+    """Every distinct pod command, expanded for each pod index."""
+    commands = {}
+    for doc, container, _, replicas in containers():
+        for index in range(replicas):
+            args = expand(container["args"], {"SHARD_INDEX": str(index), "RANK": str(index)})
+            commands[" ".join(args)] = (f"{doc['kind']}/{doc['metadata']['name']}", args)
+    return sorted(commands.values())
+
+
+@pytest.mark.parametrize("name,args", kubernetes_commands())
+def test_kubernetes_command_passes_check_config(cli, tmp_path, name, args):
+    result = dry_run(cli, args, tmp_path)
+    assert result.returncode == 0, f"{name}: {result.stderr}"
+    assert "with token" in result.stdout and list(tmp_path.iterdir()) == []
+
+
+def test_the_shipped_empty_secret_is_refused(cli, tmp_path):
+    token = manifest("Secret", "disttrain-token")["stringData"]["token"]
+    args = manifest("Deployment", "coordinator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    result = dry_run(cli, args, tmp_path, token=token)
+    assert result.returncode == 2 and "DISTTRAIN_TOKEN" in result.stderr
+
+
+# --- torchx -----------------------------------------------------------------------------
+
+def load_component():
+    path = REPO_ROOT / "deploy" / "torchx" / "disttrain_ddp.py"
+    spec = importlib.util.spec_from_file_location("disttrain_ddp", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("rank0_host", [None, "node-a"])
+def test_torchx_command_through_bash_passes_check_config(tmp_path, rank0_host):
+    component = load_component()
+    args = component.ddp_args(2, 1, "ddp_mnist", component.RANK0_HOST, "${app_id}", 3, None,
+                              ["--check-config"])
+    # torchx fills its macros (`$$` becomes `$`), then bash runs the line on each replica.
+    line = string.Template(component.shell_line(args)).substitute(app_id="disttrain-ddp-x1")
+    line = line.replace("exec disttrain ", f"exec {shlex.quote(sys.executable)} -m disttrain ", 1)
+    env = {"PATH": "/usr/bin:/bin", "DISTTRAIN_TOKEN": TOKEN}
+    if rank0_host:
+        env["TORCHX_RANK0_HOST"] = rank0_host
+    result = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=200, env=env,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"rendezvous at {rank0_host or 'localhost'}:29400" in result.stdout
+    assert "up to 3 restarts" in result.stdout and "ddp: 1 rank on this node of 2" in result.stdout
+
+
+def test_torchx_component_builds_its_app():
+    pytest.importorskip("torchx", reason="torchx is not installed: the AppDef is not built here")
+    component = load_component()
+    app = component.ddp(nnodes=2)
+    (role,) = app.roles
+    assert role.num_replicas == 2 and role.entrypoint == "bash"
+    assert role.args[1].startswith("exec disttrain ddp --config ddp_mnist --world-size 2")
+
+
+# --- the guide --------------------------------------------------------------------------
+
+def guide_commands(program):
+    """The `program ...` lines of the guide's bash blocks, continuations joined."""
+    blocks = re.findall(r"```bash\n(.*?)```", GUIDE, re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    return [shlex.split(line, comments=True) for line in lines if line.startswith(program + " ")]
+
+
+def test_every_disttrain_command_of_the_guide_passes_check_config(cli, tmp_path):
+    commands = guide_commands("disttrain")
+    assert len(commands) >= 6
+    authority = make_authority(tmp_path, "ca")
+    issue(authority, tmp_path, "hostA")
+    (tmp_path / "disttrain.token").write_text(TOKEN)
+    (tmp_path / "disttrain.token").chmod(0o600)
+    for args in commands:
+        result = dry_run(cli, args[1:], tmp_path)
+        assert result.returncode == 0, f"{shlex.join(args)}: {result.stderr}"
+
+
+def test_every_file_the_guide_names_exists():
+    named = set(re.findall(r"\b((?:docker|deploy|docs)/[\w./-]+\.(?:yaml|py|md)|docker/Dockerfile)", GUIDE))
+    assert named and all((REPO_ROOT / path).is_file() for path in named), named
+    for args in guide_commands("kubectl"):
+        files = [args[i + 1] for i, arg in enumerate(args) if arg == "-f" and args[i + 1] != "-"]
+        assert all((REPO_ROOT / path).is_file() for path in files), args
