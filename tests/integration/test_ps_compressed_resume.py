@@ -36,13 +36,15 @@ def make_config(folder: Path, compression: dict) -> Config:
 
 
 def wait_exit(cluster: Cluster, name: str) -> int:
+    """`name`'s exit code once it exited (also when its exit event went by while the test
+    waited for another child: the server may stop before the worker that stopped it)."""
     deadline = time.monotonic() + TIMEOUT_S
-    while True:
-        event = cluster.next_event(max(0.0, deadline - time.monotonic()))
-        if event is None:
+    while (code := cluster.children[name].process.poll()) is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
             pytest.fail(f"{name} still running after {TIMEOUT_S:.0f}s:\n{cluster.children[name].tail(20)}")
-        if event.kind == "exit" and event.child == name:
-            return event.fields["code"]
+        cluster.next_event(remaining)  # wakes on any child's event, its exit among them
+    return code
 
 
 def final_model(config: Config) -> dict[str, torch.Tensor]:
