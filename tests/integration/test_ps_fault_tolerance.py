@@ -92,7 +92,8 @@ def test_a_killed_server_comes_back_from_its_checkpoint_and_nothing_is_lost(tmp_
 @pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_training_goes_on_without_the_coordinator_and_its_restart_shows_the_run(tmp_path, cli):
-    summary = run_ps(cli, tmp_path, "--inject", "kill:coordinator:step=2")
+    # heartbeats often enough that one reports step 2 before the short run is over
+    summary = run_ps(cli, tmp_path, "--inject", "kill:coordinator:step=2", "--heartbeat-interval", "0.05")
     assert_every_sample_applied_once(summary)
     assert [f["process"] for f in summary["failures"]] == ["coordinator"]
     nodes = registry_nodes(tmp_path)
