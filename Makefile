@@ -5,19 +5,43 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-slow bench lint proto metrics-table clean
+.PHONY: install lock demo test test-fast test-slow bench lint proto metrics-table clean
 
 install: $(STAMP)
 
-# torch is pinned and installed first, so no resolver ever pulls a CUDA build of several GB.
-$(STAMP): pyproject.toml
+# Exact versions of every package, tested together; pyproject.toml keeps ranges, so that
+# `pip install .` fits into a user's environment. `make lock` writes it again.
+LOCK := requirements.lock
+TORCH_VERSION := $(shell sed -n 's/^torch==//p' $(LOCK))
+# torch comes first, from TORCH_INDEX: the CPU build unless asked otherwise, so nobody gets
+# the several GB of CUDA libraries they did not ask for. For a CUDA build:
+#   make install TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# With the default, a torch wheel already in pip's find-links is used without a download
+# (its own dependencies come with the project's, from the lock).
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(TORCH_CPU_INDEX)
+
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[test]'
+	if [ "$(TORCH_INDEX)" = "$(TORCH_CPU_INDEX)" ] \
+		&& $(PIP) install --quiet --no-index --no-deps torch==$(TORCH_VERSION) 2>/dev/null; then :; \
+	else $(PIP) install --quiet --index-url $(TORCH_INDEX) torch==$(TORCH_VERSION); fi
+	$(PIP) install --quiet -c $(LOCK) -e '.[test]'
 	touch $(STAMP)
 
-# Compares the strategies on scikit-learn's bundled digits (real data, no download):
+# Resolve pyproject.toml's ranges again in a fresh environment and pin the result.
+lock:
+	rm -rf build/lock-venv
+	$(PYTHON) -m venv build/lock-venv
+	build/lock-venv/bin/pip install --quiet torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX) \
+		--extra-index-url https://pypi.org/simple
+	build/lock-venv/bin/pip install --quiet '.[test]'
+	( echo "# Exact versions installed by make (pip install -c $(LOCK)); regenerate with make lock."; \
+	  build/lock-venv/bin/pip freeze --exclude disttrain | sed -E 's/^(torch==[^+]*)\+.*/\1/' ) > $(LOCK)
+	rm -rf build/lock-venv
+
+# Compares the strategies on the digits data set shipped with disttrain (real data, no download):
 # the table at the end, and runs/demo/report.html with the plots.
 DEMO_STRATEGIES := baseline,ps-sync,ps-async,ddp,ps-sync+topk
 demo: install

@@ -18,7 +18,7 @@ from disttrain.config import config_from_dict
 from disttrain.data import load_datasets
 from disttrain.strategies.baseline import STRATEGY
 from disttrain.training.models import build_model
-from disttrain.training.strategy import RunOptions
+from disttrain.training.options import RunOptions
 
 TARGET = 0.95
 

@@ -28,7 +28,7 @@ from disttrain.metrics.logger import read_metrics
 from disttrain.strategies.ps import STRATEGY
 from disttrain.training.engine import build_optimizer, forward_backward
 from disttrain.training.models import init_model
-from disttrain.training.strategy import RunOptions
+from disttrain.training.options import RunOptions
 
 WARMUP_STEPS = 10
 LOG_INTERVAL = 10

@@ -36,7 +36,7 @@ def real_data_dir() -> Path:
 
 @pytest.fixture
 def mnist_or_digits() -> list:
-    """Flags that train on real MNIST when a copy is at hand, else on scikit-learn's digits."""
+    """Flags that train on real MNIST when a copy is at hand, else on the shipped digits."""
     found = find_real_data_dir()
     return ["--data-dir", found] if found else ["--dataset", "digits"]
 

@@ -1,7 +1,7 @@
 """Every config under configs/ runs to the end, as shipped, on a tiny sample budget.
 
 Each runs with the command its `system.architecture` names, on real MNIST when it is at
-hand (scikit-learn's digits otherwise: the configs ask for MNIST, which CI machines
+hand (the shipped digits otherwise: the configs ask for MNIST, which CI machines
 cannot download), into a temporary folder.
 """
 

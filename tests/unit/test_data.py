@@ -10,7 +10,7 @@ import torch
 
 from disttrain.config import TrainingConfig
 from disttrain.core.errors import DataError
-from disttrain.data import load_datasets, sources
+from disttrain.data import datasets, load_datasets, sources
 
 
 def write_idx(path, array: np.ndarray, compress=True, cut=0):
@@ -35,6 +35,18 @@ def test_digits_is_real_and_split():
     train, test = load_datasets(TrainingConfig(dataset="digits"))
     assert train.input_shape == (1, 8, 8) and len(train) + len(test) == 1797
     assert abs(float(train.images.mean())) < 1e-4  # normalised by the train split
+    # UCI's optdigits test set: these many images of each digit, 0 to 9
+    counts = torch.bincount(torch.cat([train.labels, test.labels]), minlength=10)
+    assert counts.tolist() == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
+
+
+@pytest.mark.parametrize("content", [b"", gzip.compress(b"1,2,3\n"), gzip.compress(b"99," * 64 + b"1\n")])
+def test_a_damaged_digits_file_is_a_clear_error(tmp_path, monkeypatch, content):
+    damaged = tmp_path / "digits.csv.gz"
+    damaged.write_bytes(content)
+    monkeypatch.setattr(datasets, "DIGITS_FILE", damaged)
+    with pytest.raises(DataError, match="digits data set shipped with disttrain .*reinstall disttrain"):
+        load_datasets(TrainingConfig(dataset="digits"))
 
 
 def test_synthetic_is_deterministic_and_sized():

@@ -23,7 +23,7 @@ from disttrain.strategies.ddp.comm_hooks import CommStats, split_intervals, unio
 from disttrain.strategies.ddp.endpoint import wait_for_endpoint
 from disttrain.strategies.ddp.launcher import child_failure, launch_config, preflight, rank_arguments
 from disttrain.training.engine import eval_slice
-from disttrain.training.strategy import RunOptions
+from disttrain.training.options import RunOptions
 
 
 def test_union_counts_overlapping_buckets_once():

@@ -5,7 +5,8 @@ import inspect
 import pytest
 
 from disttrain.strategies import baseline, ddp, ps
-from disttrain.training.strategy import Participant, RunOptions
+from disttrain.training.options import RunOptions
+from disttrain.training.strategy import Participant
 
 
 @pytest.mark.parametrize("module, name", [(baseline, "baseline"), (ps, "ps"), (ddp, "ddp")])

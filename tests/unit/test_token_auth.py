@@ -19,7 +19,7 @@ from disttrain.core.auth import (
     resolve_token,
 )
 from disttrain.core.errors import ConfigError
-from disttrain.training.strategy import RunOptions
+from disttrain.training.options import RunOptions
 
 TOKEN = "the-token"
 

@@ -1,6 +1,10 @@
 """The `disttrain` command line: the only module that knows every strategy, parses flags,
 reads the environment or prints. Nothing imports it.
 
+Building the parser imports every command's module, so those modules import torch and
+the strategies inside `run` and `check`, never at the top: `--help` and `disttrain
+completion` answer without loading torch.
+
 Exit codes: 0 done, 2 bad usage or config, 1 failure while running.
 """
 
@@ -17,7 +21,6 @@ from disttrain.core.errors import DisttrainError, error_lines
 from disttrain.core.logs import setup_logging
 from disttrain.core.processes import bind_to_parent
 from disttrain.metrics.summary import RunSummary
-from disttrain.report.artifacts import write_run_artifacts
 
 DESCRIPTION = ("Train one PyTorch model several ways from one config (a single process, a "
                "parameter server over gRPC, DDP all-reduce) and measure what each costs.")
@@ -37,7 +40,21 @@ COMMANDS: dict[str, str] = {
     "validate": "disttrain.cli.validate",
     "report": "disttrain.cli.report",
     "configs": "disttrain.cli.configs",
+    "completion": "disttrain.cli.completion",
 }
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; each option's default after its help, where it has one
+    worth showing (config flags show the config key's own default instead: theirs is None,
+    so that an absent flag never overrides the config file)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.option_strings and action.default not in (None, False, [], argparse.SUPPRESS)
+                and "default" not in text):
+            text += " (default: %(default)s)"
+        return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         sub = subparsers.add_parser(name, help=module.HELP, description=module.DESCRIPTION,
                                     epilog=getattr(module, "EPILOG", None),
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+                                    formatter_class=HelpFormatter)
         module.add_arguments(sub)
         sub.set_defaults(command_module=module)
     return parser
@@ -60,6 +77,7 @@ def write_artifacts(summary: RunSummary, folder: str) -> str:
     Raises:
         DisttrainError: the folder cannot be written, or a process's metrics cannot be read.
     """
+    from disttrain.report.artifacts import write_run_artifacts
     try:
         written = write_run_artifacts(summary.to_dict(), folder)
     except OSError as e:

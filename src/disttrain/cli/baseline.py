@@ -13,9 +13,7 @@ from disttrain.cli.flags import (
 )
 from disttrain.config import Config
 from disttrain.metrics.summary import RunSummary
-from disttrain.strategies.baseline import STRATEGY
-from disttrain.training.models import init_model
-from disttrain.training.strategy import RunOptions
+from disttrain.training.options import RunOptions
 
 HELP = "train in one process (the control group)"
 DESCRIPTION = """Train the model in this one process: the control group every other strategy is
@@ -38,10 +36,12 @@ def prepare(args: argparse.Namespace) -> tuple[Config, RunOptions]:
 
 
 def check(args: argparse.Namespace) -> str:
+    from disttrain.training.models import init_model
     config, options = prepare(args)
     init_model(config.training)  # as the run builds it: a model that cannot take the data fails
     return f"train {describe_training(config)} in one process; {describe_folders(config, options)}"
 
 
 def run(args: argparse.Namespace) -> RunSummary:
+    from disttrain.strategies.baseline import STRATEGY
     return STRATEGY.run(*prepare(args))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from disttrain.config import Config
-from disttrain.training.strategy import RunOptions
+from disttrain.training.options import RunOptions
 
 HELP = ("check the flags and the config as the run would (addresses, token and TLS files "
         "included), print what would run and exit: 0 when all is well, 2 with the error "

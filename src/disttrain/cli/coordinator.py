@@ -17,7 +17,7 @@ from disttrain.config import Config, load_config
 from disttrain.coordinator.service import CoordinatorServer
 from disttrain.core.addresses import parse_address
 from disttrain.core.processes import bind_to_parent, emit_event
-from disttrain.training.strategy import RunOptions
+from disttrain.training.options import RunOptions
 
 logger = logging.getLogger(__name__)
 

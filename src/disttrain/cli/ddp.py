@@ -14,9 +14,6 @@ import os
 import sys
 from collections.abc import Mapping
 
-import torch
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
 from disttrain import cli
 from disttrain.cli.check import (
     count,
@@ -41,13 +38,7 @@ from disttrain.config import Config
 from disttrain.core.errors import ConfigError, DisttrainError, error_lines
 from disttrain.core.logs import setup_logging
 from disttrain.metrics.summary import RunSummary
-from disttrain.strategies.ddp import STRATEGY
-from disttrain.strategies.ddp import runtime as rt
-from disttrain.strategies.ddp.precision import plan_precision
-from disttrain.strategies.ddp.rank import run_rank
-from disttrain.strategies.ddp.runtime import RankInfo, started_by_elastic_agent
-from disttrain.training.models import init_model
-from disttrain.training.strategy import RunOptions
+from disttrain.training.options import RunOptions
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +102,11 @@ def prepare(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> t
 
 def check(args: argparse.Namespace) -> str:
     """The launcher's checks that need neither data nor checkpoints, on this machine's GPUs."""
+    import torch
+
+    from disttrain.strategies.ddp import runtime as rt
+    from disttrain.strategies.ddp.precision import plan_precision
+    from disttrain.training.models import init_model
     config, options = prepare(args)
     ddp, world_size = config.ddp, config.system.num_workers
     rt.check_supported(config)
@@ -132,12 +128,13 @@ def check(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> RunSummary | None:
     """`disttrain ddp`: start this node's ranks through the elastic agent and wait."""
+    from disttrain.strategies.ddp import STRATEGY
     return STRATEGY.run(*prepare(args))
 
 
 def rank_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m disttrain.ddp", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=cli.HelpFormatter)
     add_arguments(parser)
     return parser
 
@@ -148,6 +145,10 @@ def rank_main(argv: list[str], env: Mapping[str, str]) -> int:
     A failure's one-line message goes to stderr and to the agent's error file, where
     the launcher (or torchrun) reads it.
     """
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    from disttrain.strategies.ddp.rank import run_rank
+    from disttrain.strategies.ddp.runtime import RankInfo
     args = rank_parser().parse_args(argv)
     if wants_check(args):  # a dry run under torchrun: the same check as `disttrain ddp`
         return cli.main(["ddp", *argv])
@@ -190,6 +191,7 @@ def module_main(argv: list[str], env: Mapping[str, str]) -> int:
     about one run in ten on a busy machine (see pytorch/pytorch#179291, a fix proposed
     upstream and not merged).
     """
+    from disttrain.strategies.ddp.runtime import started_by_elastic_agent
     if not started_by_elastic_agent(env):
         return cli.main(["ddp", *argv])
     code = rank_main(argv, env)

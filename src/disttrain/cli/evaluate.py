@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from disttrain.cli.flags import add_common_flags, config_from_args
-from disttrain.training.engine import EvalResult
-from disttrain.training.evaluation import evaluate_model_file
+
+if TYPE_CHECKING:
+    from disttrain.training.engine import EvalResult
 
 HELP = "test accuracy of a saved model file"
 DESCRIPTION = """Print the test accuracy and loss of a saved model: a *_final.pt file of any
@@ -16,11 +18,14 @@ strategy, or a training checkpoint. Give the data set (and model) it was trained
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_flags(parser)
+    # What the model and the test split depend on; nothing about training or its outputs.
+    add_common_flags(parser, only=("--dataset", "--data-dir", "--model", "--max-test-samples",
+                                   "--num-samples"))
     parser.add_argument("model_file", help="a *_final.pt model file or a training checkpoint")
 
 
 def run(args: argparse.Namespace) -> EvalResult:
+    from disttrain.training.evaluation import evaluate_model_file
     result = evaluate_model_file(args.model_file, config_from_args(args).training)
     print(f"Test Accuracy: {result.accuracy * 100:.2f}%")
     print(f"Test Loss: {result.loss:.4f}")

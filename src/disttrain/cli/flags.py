@@ -18,10 +18,10 @@ from disttrain.core.auth import TOKEN_ENV, resolve_token
 from disttrain.core.errors import ConfigError
 from disttrain.core.faults import Fault, load_fault_plan, parse_fault
 from disttrain.core.tls import TlsFiles
-from disttrain.training.models import registered_models
-from disttrain.training.strategy import RunOptions
+from disttrain.training.options import RunOptions
 
 CONFIG_PREFIX = "config:"
+_DEFAULTS = Config()
 CONFIG_HELP = ("YAML or JSON config file, or the name of a shipped config (`disttrain configs` "
                "lists them), e.g. example")
 
@@ -73,7 +73,15 @@ def add_config_flag(parser: argparse.ArgumentParser, flag: str, key: str, type_:
     else:
         kwargs.setdefault("metavar", flag.lstrip("-").upper().replace("-", "_"))
         parser.add_argument(flag, dest=CONFIG_PREFIX + key, type=type_, default=None,
-                            help=f"{help_} [{key}]", **kwargs)
+                            help=f"{help_} [{key}{_default_of(key)}]", **kwargs)
+
+
+def _default_of(key: str) -> str:
+    """" = 64"-style: the key's built-in default, as help shows it (empty when it has none).
+    The flag's own default stays None, so an absent flag never overrides the config file."""
+    section, name = key.split(".")
+    value = getattr(getattr(_DEFAULTS, section), name)
+    return "" if value in (None, "") else f" = {value}"
 
 
 def add_config_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, Any, str]]) -> None:
@@ -81,10 +89,12 @@ def add_config_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str
         add_config_flag(parser, flag, key, type_, help_)
 
 
-def add_common_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags of every command that reads a config."""
+def add_common_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    """The flags of every command that reads a config (`only` those of `COMMON_FLAGS`
+    named, for a command that uses no more)."""
     parser.add_argument("--config", help=CONFIG_HELP)
-    add_config_flags(parser, COMMON_FLAGS)
+    add_config_flags(parser, {flag: spec for flag, spec in COMMON_FLAGS.items()
+                              if only is None or flag in only})
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any config key (repeatable; wins over everything)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -218,6 +228,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     Raises:
         ConfigError: one line per problem (an unknown model among them).
     """
+    from disttrain.training.models import registered_models
     flags = {name[len(CONFIG_PREFIX):]: value for name, value in vars(args).items()
              if name.startswith(CONFIG_PREFIX) and value is not None}
     config = load_config(args.config, flags, args.set)

@@ -24,10 +24,7 @@ from disttrain.cli.flags import (
 )
 from disttrain.config import Config
 from disttrain.metrics.summary import RunSummary
-from disttrain.strategies.ps import STRATEGY
-from disttrain.strategies.ps.model import check_supported
-from disttrain.training.models import init_model
-from disttrain.training.strategy import RunOptions
+from disttrain.training.options import RunOptions
 
 HELP = "parameter server: servers and workers on this machine"
 DESCRIPTION = """Train with a parameter server on this machine: start a coordinator, the shard
@@ -86,6 +83,8 @@ def describe_ps_run(config: Config) -> str:
 
 
 def check(args: argparse.Namespace) -> str:
+    from disttrain.strategies.ps.model import check_supported
+    from disttrain.training.models import init_model
     config, options = prepare(args)
     check_supported(config)
     init_model(config.training)
@@ -96,4 +95,5 @@ def check(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> RunSummary:
+    from disttrain.strategies.ps import STRATEGY
     return STRATEGY.run(*prepare(args))

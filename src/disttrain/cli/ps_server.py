@@ -21,9 +21,7 @@ from disttrain.config import Config
 from disttrain.core.addresses import parse_address
 from disttrain.core.errors import ConfigError
 from disttrain.core.faults import FaultInjector
-from disttrain.strategies.ps.model import check_supported
-from disttrain.strategies.ps.server import serve
-from disttrain.training.strategy import RunOptions
+from disttrain.training.options import RunOptions
 
 HELP = "serve one parameter-server shard over gRPC"
 DESCRIPTION = """Serve one shard of the model's parameters over gRPC, for runs across machines.
@@ -87,6 +85,7 @@ def prepare(args: argparse.Namespace) -> ServerPlan:
 
 
 def check(args: argparse.Namespace) -> str:
+    from disttrain.strategies.ps.model import check_supported
     plan = prepare(args)
     check_supported(plan.config)
     resume = ", resuming" if plan.options.resume else ""
@@ -96,6 +95,7 @@ def check(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> None:
+    from disttrain.strategies.ps.server import serve
     plan = prepare(args)
     faults = FaultInjector(plan.options.faults, "server", plan.shard, plan.options.attempt)
     serve(plan.config, plan.bind, plan.shard, plan.num_shards, plan.options.resume, faults,

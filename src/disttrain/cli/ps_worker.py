@@ -24,10 +24,7 @@ from disttrain.cli.ps import COORDINATOR_FLAG, PS_FLAGS, describe_ps_run
 from disttrain.config import Config
 from disttrain.core.addresses import parse_address_list
 from disttrain.metrics.summary import RunSummary
-from disttrain.strategies.ps.model import check_supported
-from disttrain.strategies.ps.worker import run_worker
-from disttrain.training.models import init_model
-from disttrain.training.strategy import RunOptions
+from disttrain.training.options import RunOptions
 
 HELP = "train as one parameter-server worker"
 DESCRIPTION = """Train as one worker of a parameter-server run whose servers are already up (on
@@ -72,6 +69,8 @@ def prepare(args: argparse.Namespace) -> WorkerPlan:
 
 
 def check(args: argparse.Namespace) -> str:
+    from disttrain.strategies.ps.model import check_supported
+    from disttrain.training.models import init_model
     plan = prepare(args)
     check_supported(plan.config)
     init_model(plan.config.training)
@@ -84,5 +83,6 @@ def check(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> RunSummary | None:
+    from disttrain.strategies.ps.worker import run_worker
     plan = prepare(args)
     return run_worker(plan.config, plan.servers, plan.worker_id, args.rank, plan.options)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from disttrain.config import Config
 from disttrain.core.errors import ConfigError
-from disttrain.training.engine import thread_count
+from disttrain.core.processes import thread_count
 
 # strategy -> (subcommand, config keys it sets)
 STRATEGIES: dict[str, tuple[str, dict[str, str]]] = {

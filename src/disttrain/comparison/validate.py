@@ -22,7 +22,6 @@ from disttrain.comparison.plan import equal_threads, parse_strategies
 from disttrain.comparison.runner import Comparison, Display, RunRecord
 from disttrain.config import Config
 from disttrain.metrics.summary import RunSummary
-from disttrain.training.evaluation import evaluate_model_file
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +106,7 @@ def _key(name: str) -> str:
 
 def _checkpoint_matches(record: RunRecord, summary: RunSummary, folder: Path, config: Config) -> Property:
     """The final model file, loaded with weights only, scores what the summary says."""
+    from disttrain.training.evaluation import evaluate_model_file
     name = f"{_key(record.name)}_checkpoint_matches_summary"
     files = sorted((folder / record.name / "checkpoints").glob("*_final.pt"))
     if len(files) != 1:

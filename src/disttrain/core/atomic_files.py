@@ -20,8 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import torch
-
 from disttrain.core.errors import CheckpointError
 
 SIDECAR_SUFFIX = ".sha256"
@@ -74,6 +72,8 @@ def atomic_torch_save(obj: Any, path: str | Path) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    import torch  # here, not above: `disttrain report --help` and the like never load torch
+
     temporary, digest = _write_temporary(path, lambda handle: torch.save(obj, handle))
     try:
         text = sidecar_text(path.name, digest).encode("ascii")

@@ -188,3 +188,15 @@ def raise_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def thread_count(num_threads: int, processes_per_machine: int = 1) -> int:
+    """The intra-op threads of each of `processes_per_machine` processes on this machine.
+
+    Args:
+        num_threads: explicit count, or 0 for the machine's cores divided among processes.
+    """
+    if num_threads > 0:
+        return num_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(processes_per_machine, 1))

@@ -6,6 +6,7 @@ gather (`images[indices]`), with no loader processes to start or to shut down.
 
 from __future__ import annotations
 
+import gzip
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,8 @@ NORMALISATION = {
 SUBSET_SEED = 0  # the subsets of max_*_samples are the same whatever the training seed
 SYNTHETIC_SEED = 1234
 DIGITS_TEST_FRACTION = 0.2
+DIGITS_FILE = Path(__file__).with_name("digits.csv.gz")
+DIGITS_SAMPLES = 1797
 NUM_CLASSES = 10  # every supported data set has ten classes
 # (channels, height, width) of each data set's images: the one table of shapes, so a
 # model can be built from the config alone, without loading any data.
@@ -111,13 +114,28 @@ def synthetic(num_samples: int) -> tuple[ArrayDataset, ArrayDataset]:
 
 
 def digits() -> tuple[ArrayDataset, ArrayDataset]:
-    """scikit-learn's bundled 8x8 handwritten digits (1,797 real samples, no download);
-    a fixed 80/20 split, normalised by the training split's mean and std."""
-    from sklearn.datasets import load_digits
+    """The 8x8 handwritten digits shipped with disttrain (1,797 real samples, no download);
+    a fixed 80/20 split, normalised by the training split's mean and std.
 
-    bunch = load_digits()
-    images = torch.from_numpy(bunch.images).float().div_(16.0).unsqueeze(1)
-    labels = torch.from_numpy(bunch.target.astype(np.int64))
+    The file is the test set of UCI's "Optical Recognition of Handwritten Digits" (E.
+    Alpaydin, C. Kaynak, 1998; CC BY 4.0), one row per image: 64 pixel counts in 0..16,
+    then the label; the same rows, in the same order, as scikit-learn's `load_digits`.
+
+    Raises:
+        DataError: the shipped file is missing or damaged (reinstall disttrain).
+    """
+    try:
+        with gzip.open(DIGITS_FILE, "rt") as handle:
+            rows = np.loadtxt(handle, delimiter=",", dtype=np.float32)
+    except (OSError, ValueError, EOFError) as e:
+        raise DataError(f"the digits data set shipped with disttrain cannot be read ({DIGITS_FILE}: "
+                        f"{e}); reinstall disttrain") from e
+    if rows.shape != (DIGITS_SAMPLES, 65) or not (0 <= rows.min() and rows.max() <= 16):
+        raise DataError(f"the digits data set shipped with disttrain is damaged ({DIGITS_FILE}: "
+                        f"{rows.shape} values, expected ({DIGITS_SAMPLES}, 65) in 0..16); "
+                        "reinstall disttrain")
+    images = torch.from_numpy(rows[:, :64].reshape(-1, 1, 8, 8)).div_(16.0)
+    labels = torch.from_numpy(rows[:, 64].astype(np.int64))
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(SUBSET_SEED))
     num_test = int(len(labels) * DIGITS_TEST_FRACTION)
     train_idx, test_idx = order[num_test:], order[:num_test]

@@ -30,8 +30,9 @@ from disttrain.training.engine import (
 )
 from disttrain.training.loop import LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
+from disttrain.training.options import RunOptions
 from disttrain.training.seeding import seed_training
-from disttrain.training.strategy import RunOptions, StepInfo
+from disttrain.training.strategy import StepInfo
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,6 @@ strategy does with gradients (nothing, all-reduce, push to servers), then the op
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -15,19 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrain.config import TrainingConfig
+from disttrain.core.processes import thread_count
 from disttrain.data import ArrayDataset
-
-
-def thread_count(num_threads: int, processes_per_machine: int = 1) -> int:
-    """The intra-op threads of each of `processes_per_machine` processes on this machine.
-
-    Args:
-        num_threads: explicit count, or 0 for the machine's cores divided among processes.
-    """
-    if num_threads > 0:
-        return num_threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(processes_per_machine, 1))
 
 
 def configure_threads(num_threads: int, processes_per_machine: int = 1) -> int:

@@ -1,5 +1,7 @@
 """The contracts between the strategies and the rest.
 
+- `RunOptions` (`options`, importable without torch: the command line builds it):
+  how to run, beside what to train.
 - `Strategy`: what the CLI (and later `compare`) knows of a strategy: run a config with
   run options, return the summary. Each strategy package offers one as `STRATEGY`.
 - `Participant`: what a strategy gives the training loop, the parts that differ between
@@ -10,41 +12,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from disttrain.config import Config
-from disttrain.core.faults import Fault
-from disttrain.core.tls import TlsFiles
 from disttrain.metrics.summary import RunSummary
 from disttrain.training.engine import EvalResult, StepResult
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """How to run, beside what to train (the config).
-
-    Args:
-        resume: continue from the newest checkpoint instead of refusing a folder holding one.
-        faults: faults to inject, for tests and drills.
-        verbose: debug logging in every process of the run.
-        attempt: how often this process was restarted before (faults fire on attempt 0
-            unless they name another).
-        token: the run's shared token (`core.auth`): servers refuse calls without it,
-            clients send it; None: servers run open. Kept out of reprs, so out of logs.
-        tls: the process's TLS files (`core.tls`), its identity both as a server and as a
-            client; empty: plain TCP.
-    """
-
-    resume: bool = False
-    faults: tuple[Fault, ...] = ()
-    verbose: bool = False
-    attempt: int = 0
-    token: str | None = field(default=None, repr=False)
-    tls: TlsFiles = TlsFiles()
+from disttrain.training.options import RunOptions
 
 
 class Strategy(Protocol):

@@ -43,15 +43,15 @@ from disttrain.core import checkpoint as ckpt
 from disttrain.core.auth import TOKEN_ENV
 from disttrain.core.errors import ConfigError, DistributedError
 from disttrain.core.faults import format_fault
+from disttrain.core.processes import thread_count
 from disttrain.data import load_datasets
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
 from disttrain.strategies.ddp import runtime as rt
 from disttrain.strategies.ddp.coordination import RunCoordinator, run_coordinator
 from disttrain.strategies.ddp.endpoint import wait_for_endpoint
 from disttrain.strategies.ddp.precision import plan_precision
-from disttrain.training.engine import thread_count
 from disttrain.training.models import init_model
-from disttrain.training.strategy import RunOptions
+from disttrain.training.options import RunOptions
 
 logger = logging.getLogger(__name__)
 

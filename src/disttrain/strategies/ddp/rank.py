@@ -41,8 +41,9 @@ from disttrain.training.checkpoints import Position
 from disttrain.training.engine import EvalResult, StepResult, build_optimizer
 from disttrain.training.loop import LoopResult, LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
+from disttrain.training.options import RunOptions
 from disttrain.training.seeding import seed_training, training_seed
-from disttrain.training.strategy import RunOptions, StepInfo
+from disttrain.training.strategy import StepInfo
 
 logger = logging.getLogger(__name__)
 

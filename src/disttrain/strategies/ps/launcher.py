@@ -37,7 +37,7 @@ from disttrain.strategies.ps.model import check_supported
 from disttrain.strategies.ps.recovery import recovery_summary
 from disttrain.strategies.ps.watch import ClusterWatch
 from disttrain.training.models import init_model
-from disttrain.training.strategy import RunOptions
+from disttrain.training.options import RunOptions
 
 logger = logging.getLogger(__name__)
 
