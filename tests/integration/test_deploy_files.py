@@ -10,7 +10,6 @@ import shlex
 import string
 import subprocess
 import sys
-import tomllib
 
 import pytest
 import yaml
@@ -75,18 +74,20 @@ def test_dockerfile_parses_into_the_expected_instructions():
     assert instructions[0] == ("ARG", "BASE_IMAGE=python:3.11-slim") and by_name["FROM"] == ["${BASE_IMAGE}"]
     args = dict(value.split("=", 1) for value in by_name["ARG"])
     assert args["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
-    pin = next(d for d in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-               if d.startswith("torch"))
-    assert pin == f"torch=={args['TORCH_VERSION']}"  # the image installs the project's own pin
+    lock = (REPO_ROOT / "requirements.lock").read_text()
+    assert f"\ntorch=={args['TORCH_VERSION']}\n" in lock  # the image installs the tested torch
     runs = " ".join(by_name["RUN"])
-    assert '"torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"' in runs and "pip install ." in runs
-    assert by_name["WORKDIR"] == ["/app"] and by_name["COPY"] == ["pyproject.toml README.md ./", "src ./src"]
+    assert '"torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"' in runs
+    assert "pip install -c requirements.lock ." in runs  # and the tested versions of the rest
+    assert by_name["WORKDIR"] == ["/app"]
+    assert by_name["COPY"] == ["pyproject.toml README.md requirements.lock ./", "src ./src"]
     assert len(by_name["USER"]) == 1 and by_name["USER"][0] not in ("root", "0")
     assert [name for name, _ in instructions].index("USER") > max(
         i for i, (name, _) in enumerate(instructions) if name == "RUN")  # nothing runs as root after
     assert json.loads(by_name["ENTRYPOINT"][0]) == ["disttrain"]
     ignore = (REPO_ROOT / ".dockerignore").read_text().split()
-    assert ignore[ignore.index("*"):][:4] == ["*", "!pyproject.toml", "!README.md", "!src/"]
+    assert ignore[ignore.index("*"):][:5] == ["*", "!pyproject.toml", "!README.md", "!requirements.lock",
+                                             "!src/"]
 
 
 # --- Compose ----------------------------------------------------------------------------

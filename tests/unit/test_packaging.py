@@ -1,4 +1,5 @@
-"""The lock file `make` installs from agrees with pyproject.toml and the Dockerfile."""
+"""The lock file `make` installs from agrees with pyproject.toml (the Dockerfile's use of it:
+tests/integration/test_deploy_files.py)."""
 
 from __future__ import annotations
 
@@ -32,9 +33,3 @@ def test_pyproject_gives_torch_a_range_and_the_lock_a_plain_version():
     assert ">=" in torch and "==" not in torch, "pyproject.toml: a range, so pip install . fits in"
     assert re.fullmatch(r"\d+\.\d+\.\d+", pins()["torch"]), "no local tag (+cpu): any index's build matches"
 
-
-def test_dockerfile_installs_the_locked_torch_and_the_lock():
-    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
-    assert f"ARG TORCH_VERSION={pins()['torch']}" in dockerfile
-    assert "-c requirements.lock" in dockerfile
-    assert "!requirements.lock" in (REPO / ".dockerignore").read_text()
