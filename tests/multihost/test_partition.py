@@ -154,6 +154,9 @@ def test_a_worker_cut_off_past_the_heartbeat_timeout_rejoins_and_nothing_is_lost
     assert summary["max_round_wait_s"] <= HEARTBEAT_TIMEOUT_S + HEARTBEAT_INTERVAL_S + 2.0
     if exit_code == DistributedError.exit_code:
         assert summary["num_fenced"] >= 1
+    print(f"partition figures: samples_applied {summary['samples_applied']} of {EPOCHS * TRAIN}, "
+          f"samples_lost {summary['samples_lost']}, samples_redone {summary.get('samples_redone')}, "
+          f"max_round_wait_s {summary['max_round_wait_s']:.2f}, worker 1 exit {exit_code}")
 
     # Nothing is left running: the coordinator stops on SIGTERM, and no host holds a process.
     run.coordinator_process.terminate()
