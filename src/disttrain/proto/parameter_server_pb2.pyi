@@ -89,7 +89,7 @@ class ParameterRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., min_version: _Optional[int] = ..., shard: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., incarnation: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class ParameterMessage(_message.Message):
-    __slots__ = ("version", "shard", "layout", "payload", "compressed", "compression_type", "shared_memory", "incarnation")
+    __slots__ = ("version", "shard", "layout", "payload", "compressed", "compression_type", "shared_memory", "incarnation", "push")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class ParameterMessage(_message.Message):
     COMPRESSION_TYPE_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
     version: int
     shard: int
     layout: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.SliceSpec]
@@ -106,7 +107,8 @@ class ParameterMessage(_message.Message):
     compression_type: str
     shared_memory: bool
     incarnation: int
-    def __init__(self, version: _Optional[int] = ..., shard: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    push: PushReply
+    def __init__(self, version: _Optional[int] = ..., shard: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., incarnation: _Optional[int] = ..., push: _Optional[_Union[PushReply, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker_id", "requested_rank", "hostname", "pid", "shared_memory", "generation", "key")

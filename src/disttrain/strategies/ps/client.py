@@ -17,10 +17,10 @@ from disttrain.config.schema import PAYLOAD_TRANSPORTS
 from disttrain.core.errors import DistributedError
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps import shared_memory
+from disttrain.strategies.ps import shared_memory, wire
 from disttrain.strategies.ps.codec import tensor_bytes
 from disttrain.strategies.ps.identity import worker_key
-from disttrain.strategies.ps.shard_client import RetryPolicy, ShardClient
+from disttrain.strategies.ps.shard_client import ROLLED_BACK, RetryPolicy, ShardClient, StepUnsupported
 from disttrain.strategies.ps.sharding import ShardPlan
 
 logger = logging.getLogger(__name__)
@@ -36,17 +36,20 @@ class PSClient:
         plans: the worker's own shard plans (checked against the servers' at register).
         token: the run's token, sent with every call (None: the servers run open).
         tls: the TLS files to reach the servers with (None or empty: plain TCP).
+        one_round_trip: trade a gradient for parameters in one call per shard (`step`)
+            where the server and the payload allow; False: a push and a pull each time.
     """
 
     def __init__(self, addresses: list[str], plans: list[ShardPlan], policy: RetryPolicy,
                  transport: str = "auto", token: str | None = None,
-                 tls: TlsFiles | None = None):
+                 tls: TlsFiles | None = None, one_round_trip: bool = True):
         if len(addresses) != len(plans):
             raise ValueError(f"{len(addresses)} server addresses for {len(plans)} shards")
         if transport not in PAYLOAD_TRANSPORTS:
             raise ValueError(f"payload transport {transport!r} is not one of {', '.join(PAYLOAD_TRANSPORTS)}")
         self.plans = plans
         self.transport = transport
+        self.one_round_trip = one_round_trip
         self.shards = [ShardClient(a, i, policy, token, tls) for i, a in enumerate(addresses)]
         self._pool = ThreadPoolExecutor(max(2 * len(addresses), 2), thread_name_prefix="ps-client")
         self._lock = threading.Lock()
@@ -124,25 +127,62 @@ class PSClient:
             versions[s] = version
         return versions
 
+    def _body(self, grads: torch.Tensor, shard: int, payload: Encoded | None) -> memoryview:
+        """What a push to `shard` carries: its compressed payload, or its slice of `grads`."""
+        if payload is not None:
+            return memoryview(payload.data)
+        plan, size = self.plans[shard], grads.element_size()
+        return tensor_bytes(grads)[plan.offset * size:(plan.offset + plan.numel) * size]
+
     def push(self, headers: list[pb.GradientMessage], grads: torch.Tensor, shards: list[int],
              payloads: list[Encoded] | None = None) -> list[pb.PushReply]:
         """Push `grads` (the flat gradient) to `shards`, each with its header; or, when
         `payloads` are given, those compressed payloads (one per shard in `shards`)."""
-        data = tensor_bytes(grads)
-        size = grads.element_size()
-
-        def send(header: pb.GradientMessage, shard: int, payload: Encoded | None) -> tuple[pb.PushReply, int]:
-            plan = self.plans[shard]
-            if payload is not None:
-                return self.shards[shard].push(header, plan, memoryview(payload.data))
-            start, end = plan.offset * size, (plan.offset + plan.numel) * size
-            return self.shards[shard].push(header, plan, data[start:end])
-
         payloads = payloads or [None] * len(shards)
-        results = self.gather([lambda h=h, s=s, p=p: send(h, s, p)
-                               for h, s, p in zip(headers, shards, payloads, strict=True)])
+        results = self.gather([
+            lambda h=h, s=s, p=p: self.shards[s].push(h, self.plans[s], self._body(grads, s, p))
+            for h, s, p in zip(headers, shards, payloads, strict=True)])
         self._count(sent=sum(r[1] for r in results))
         return [r[0] for r in results]
+
+    def step(self, headers: list[pb.GradientMessage], grads: torch.Tensor, shards: list[int],
+             flat: torch.Tensor, min_versions: list[int], payloads: list[Encoded] | None = None
+             ) -> tuple[list[pb.PushReply], list[int | None]]:
+        """Push to `shards` as `push` does and copy the parameters each push leads to into
+        `flat`: in one round trip per shard (Step) where the server and the payload allow,
+        else a push, then a pull at `min_versions[s]`. Returns the replies and, per shard
+        of the run, the version now in `flat` (None: untouched, as for a ROLLED_BACK push
+        or a shard not in `shards`)."""
+        payloads = payloads or [None] * len(shards)
+
+        def trade(header: pb.GradientMessage, s: int, payload: Encoded | None):
+            plan, shard = self.plans[s], self.shards[s]
+            into, body = flat[plan.offset:plan.offset + plan.numel], self._body(grads, s, payload)
+            if self.can_step(s):
+                try:
+                    reply, version, sent = shard.step(header, plan, body, into)
+                    return reply, version, sent, 0 if version is None else plan.nbytes
+                except StepUnsupported as e:
+                    logger.info("shard %d at %s has no Step (%s): pushing and pulling", s, shard.address, e)
+            reply, sent = shard.push(header, plan, body)
+            if reply.outcome == ROLLED_BACK:
+                return reply, None, sent, 0
+            version, received = shard.pull(header.worker_id, plan, min_versions[s], into)
+            return reply, version, sent, received
+
+        results = self.gather([lambda h=h, s=s, p=p: trade(h, s, p)
+                               for h, s, p in zip(headers, shards, payloads, strict=True)])
+        self._count(sent=sum(r[2] for r in results), received=sum(r[3] for r in results))
+        versions: list[int | None] = [None] * len(self.shards)
+        for s, result in zip(shards, results, strict=True):
+            versions[s] = result[1]
+        return [r[0] for r in results], versions
+
+    def can_step(self, shard: int) -> bool:
+        """Whether a step on `shard` goes in one round trip."""
+        client = self.shards[shard]
+        return self.one_round_trip and client.step_supported and (
+            client.segments is not None or wire.fits_one_message(self.plans[shard].nbytes))
 
     def barrier(self, worker_id: str, name: str, values: list[float] = ()) -> list[list[float]]:
         """Meet every worker at barrier `name` (on shard 0); every worker's values, in rank

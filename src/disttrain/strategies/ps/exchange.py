@@ -1,13 +1,18 @@
 """How a worker trades gradients for parameters in each aggregation mode.
 
-- `sync`: push to every shard and, at the same time, long-poll each shard for the next
-  version; the step ends when the servers have applied it and the worker holds it.
-- `async`: pull the newest parameters into a staging buffer while computing (prefetch),
-  push, then switch to the prefetched parameters.
-- `ssp`: like async, but a push the server rejects as too stale is recomputed on fresh
-  parameters and sent again to the shards that rejected it. Prefetched parameters are
-  used only when they are fresh enough that the next gradient should stay within the
-  bound; otherwise the worker pulls anew after pushing.
+- `sync`: push to every shard and take back the parameters of the step the push joined;
+  the step ends when the servers have applied it and the worker holds it.
+- `async`: push, and take back the parameters as they are once the push is applied.
+- `ssp`: like async, but a push the server rejects as too stale is recomputed on the
+  parameters its reply brought and sent again to the shards that rejected it.
+
+Each push and the parameters it leads to travel in one round trip per shard where the
+server and the payload allow (`PSClient.step`). Otherwise (`one_round_trip` off, or a
+shard too large for one message across machines), sync pushes and, at the same time,
+long-polls for the step's version; async and ssp pull the newest parameters into a
+staging buffer while computing (prefetch), push, then switch to them; ssp uses them only
+when they are fresh enough that the next gradient should stay within the bound, and
+pulls anew otherwise.
 
 In every mode, a shard that did not take the gradient (a synchronous step that went on
 without it, a server that restarted from an older checkpoint) gets it again, computed
@@ -88,10 +93,12 @@ class Exchange:
                                          [0 if s in shards else v for s, v in enumerate(self.versions)],
                                          shards)
 
-    def prepare(self, block: Block, shards: list[int], timer: StepTimer
-                ) -> Callable[[], list[pb.PushReply]]:
+    def prepare(self, block: Block, shards: list[int], timer: StepTimer, then_pull: list[int] | None = None
+                ) -> Callable[[], list[pb.PushReply]] | Callable[[], tuple[list[pb.PushReply], list]]:
         """The push of the gradient now in `grads` to `shards`, compressed first where the run
-        compresses; call the result to send it.
+        compresses; call the result to send it. With `then_pull` (a min version per shard
+        of the run), the call also brings the parameters each push leads to into `flat`
+        (`PSClient.step`) and returns the replies with the versions.
 
         Raises:
             TrainingError: the gradient holds NaN or infinity. It is checked whole before
@@ -107,19 +114,26 @@ class Exchange:
                                       generation=self.generation, epoch=block.epoch,
                                       last_in_epoch=block.last_in_epoch, redo=block.redo)
                    for s in shards]
-        if self.encoder is None:
-            return lambda: self.client.push(headers, self.grads, shards)
-        with timer.phase("compression"):
-            payloads = self.encoder.encode(self.grads, shards)
-        for header in headers:
-            header.compressed, header.compression_type = True, self.encoder.scheme
+        payloads = None
+        if self.encoder is not None:
+            with timer.phase("compression"):
+                payloads = self.encoder.encode(self.grads, shards)
+            for header in headers:
+                header.compressed, header.compression_type = True, self.encoder.scheme
 
-        def push() -> list[pb.PushReply]:
-            replies = self.client.push(headers, self.grads, shards, payloads)
-            self.encoder.commit(payloads, replies)
-            return replies
+        def send():
+            if then_pull is None:
+                replies = self.client.push(headers, self.grads, shards, payloads)
+            else:
+                replies, versions = self.client.step(headers, self.grads, shards, self.flat, then_pull,
+                                                     payloads)
+                self.versions = [held if got is None else got
+                                 for held, got in zip(self.versions, versions, strict=True)]
+            if payloads is not None:
+                self.encoder.commit(payloads, replies)
+            return replies if then_pull is None else (replies, versions)
 
-        return push
+        return send
 
     def redo(self, compute: Callable[[], StepResult], block: Block, shards: list[int], timer: StepTimer
              ) -> None:
@@ -144,12 +158,18 @@ class SyncExchange(Exchange):
         result = compute()
         shards, staleness = list(range(self.num_shards)), 0
         while True:
-            push = self.prepare(block, shards, timer)
             wanted = [v + 1 for v in self.versions]
-            with timer.phase("comm_blocked"):
-                replies, versions = self.client.gather([
-                    push, lambda w=wanted, s=shards: self.client.pull(self.worker_id, self.flat, w, s)])
-            self.versions = versions
+            if self.client.one_round_trip:
+                trade = self.prepare(block, shards, timer, then_pull=wanted)
+                with timer.phase("comm_blocked"):
+                    replies, _ = trade()
+                versions = self.versions
+            else:  # a push and, at the same time, a pull waiting for the step
+                push = self.prepare(block, shards, timer)
+                with timer.phase("comm_blocked"):
+                    replies, versions = self.client.gather([
+                        push, lambda w=wanted, s=shards: self.client.pull(self.worker_id, self.flat, w, s)])
+                self.versions = versions
             staleness = max([staleness] + [r.staleness for r in replies])
             outcomes = (LATE, ROLLED_BACK) if self.retry_late else (ROLLED_BACK,)
             if not self.retry_late and any(r.outcome == LATE for r in replies):
@@ -204,6 +224,33 @@ class AsyncExchange(Exchange):
             fetched, shards = None, again
 
     def step(self, compute, block, timer):
+        if self.client.one_round_trip:
+            return self.trade_until_taken(compute, block, timer)
+        return self.prefetching_step(compute, block, timer)
+
+    def trade_until_taken(self, compute, block, timer) -> tuple[StepResult, int]:
+        """Compute, then push and take the parameters back in one call per shard; again for
+        the shards that refused the gradient as too stale (their reply brought the
+        parameters to recompute on) or restarted, until all took it."""
+        shards, staleness = list(range(self.num_shards)), 0
+        while True:
+            result = compute()
+            trade = self.prepare(block, shards, timer, then_pull=[0] * self.num_shards)
+            with timer.phase("comm_blocked"):
+                replies, versions = trade()
+            staleness = max([staleness] + [r.staleness for r in replies if r.outcome != STALE])
+            again = self._untaken(shards, replies, (STALE, ROLLED_BACK))
+            if not again:
+                return result, staleness
+            self.num_rejected += len(again)
+            missing = [s for s in again if versions[s] is None]  # restarted: no parameters came
+            if missing:
+                with timer.phase("comm_blocked"):
+                    self.pull_current(missing)
+            shards = again
+
+    def prefetching_step(self, compute, block, timer) -> tuple[StepResult, int]:
+        """Pull while computing, push, then switch to the prefetched parameters."""
         fetched = self.prefetch()
         result, staleness, fetched, _, _ = self.push_until_taken(compute, block, timer, fetched)
         with timer.phase("comm_blocked"):
@@ -215,7 +262,7 @@ class AsyncExchange(Exchange):
 
 
 class SSPExchange(AsyncExchange):
-    def step(self, compute, block, timer):
+    def prefetching_step(self, compute, block, timer):
         fetched = self.prefetch()
         result, staleness, fetched, shards, replies = self.push_until_taken(compute, block, timer, fetched)
         with timer.phase("comm_blocked"):

@@ -30,7 +30,7 @@ from disttrain.core.processes import bind_to_parent, emit_event
 from disttrain.core.rpc_server import RpcServer
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps import registration, wire
+from disttrain.strategies.ps import registration, steps, wire
 from disttrain.strategies.ps.codec import Payload
 from disttrain.strategies.ps.limits import (
     LONG_POLL_CAP_S,
@@ -66,25 +66,25 @@ class ParameterServicer:
                                        len(state.plan.slices))
         self.deadlines = Deadlines()
 
-    def _long_poll(self, key: str, context):
+    def long_poll(self, key: str, context):
         """The slot one long-poll of `key` holds while it waits; aborts when none is left."""
         try:
             return self.polls.take(key)
         except PollLimitExceeded as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
-    def _wait_s(self, context) -> float:
+    def wait_s(self, context) -> float:
         return long_poll_wait_s(context.time_remaining(), self.wait_cap_s)
 
     def SendGradients(self, request_iterator, context):
         with self.deadlines.limit(context, self.push_limits.max_read_s):
-            payload = self._collect(request_iterator, context, stream=True)
-        return self._push(payload, context)
+            payload = self.collect(request_iterator, context, stream=True)
+        return self.push(payload, context)
 
     def PushGradients(self, raw, context):
-        return self._push(self._collect(iter([raw]), context), context)
+        return self.push(self.collect(iter([raw]), context), context)
 
-    def _collect(self, raws, context, stream: bool = False) -> Payload:
+    def collect(self, raws, context, stream: bool = False) -> Payload:
         """The push's frames, decoded here (not on gRPC's polling thread) within the
         shard's bounds; the stream stops being read at the first frame over one, and is
         read on only for a worker's own session, on one of its slots."""
@@ -98,7 +98,7 @@ class ParameterServicer:
             if header.incarnation in (0, self.state.incarnation):  # else: answered ROLLED_BACK unread
                 with refusals(context):
                     self.state.identities.check(header.worker_id, header.session)
-            with self._long_poll(f"{header.worker_id} (push)", context) if stream else nullcontext():
+            with self.long_poll(f"{header.worker_id} (push)", context) if stream else nullcontext():
                 return wire.collect_payload(itertools.chain([first], frames), limits.max_bytes,
                                             limits.max_frames, require_data=True)
         except ValueError as e:  # a malformed frame, or over a bound
@@ -107,11 +107,14 @@ class ParameterServicer:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                           f"the push did not arrive whole within {limits.max_read_s:.0f}s")
 
-    def _push(self, payload: Payload, context) -> pb.PushReply:
+    def push(self, payload: Payload, context) -> pb.PushReply:
         with refusals(context):
             decision = self.state.push(payload)
         return pb.PushReply(outcome=decision.outcome.value, version=decision.version,
                             staleness=decision.staleness, incarnation=self.state.incarnation)
+
+    def Step(self, request_iterator, context):
+        yield from steps.answer(self, request_iterator, context)
 
     def GetParameters(self, request, context):
         yield from self._pull(request, context)
@@ -134,8 +137,8 @@ class ParameterServicer:
             return [wire.parameter_notice(self.state.plan, self.state.version, self.state.incarnation)]
         with refusals(context):
             self.state.identities.check(request.worker_id, request.session)
-        with self._long_poll(request.worker_id, context):
-            timeout = self._wait_s(context)
+        with self.long_poll(request.worker_id, context):
+            timeout = self.wait_s(context)
             if request.shared_memory:
                 with refusals(context):
                     version = self.state.write_parameters(request.worker_id, request.min_version, timeout)
@@ -145,9 +148,13 @@ class ParameterServicer:
                 snapshot = self.state.wait_for_version(request.min_version, timeout)
                 if snapshot is not None:
                     return snapshot.frames
+        self.not_reached(context, request.min_version)
+
+    def not_reached(self, context, version: int) -> None:
+        """End a call whose wait for `version` timed out (or was cut short by a stop)."""
         code = grpc.StatusCode.UNAVAILABLE if self.state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
-        context.abort(code, f"shard {self.state.plan.shard} did not reach version "
-                            f"{request.min_version} in time (now {self.state.version})")
+        context.abort(code, f"shard {self.state.plan.shard} did not reach version {version} in time "
+                            f"(now {self.state.version})")
 
     def RegisterWorker(self, request, context):
         with refusals(context):
@@ -160,14 +167,14 @@ class ParameterServicer:
 
     def GetStatus(self, request, context):
         if request.wait_all_done:
-            with self._long_poll("GetStatus(wait_all_done)", context):
-                self.state.wait_all_done(self._wait_s(context))
+            with self.long_poll("GetStatus(wait_all_done)", context):
+                self.state.wait_all_done(self.wait_s(context))
         return pb.ShardStatus(**self.state.status())
 
     def Barrier(self, request, context):
-        with refusals(context), self._long_poll(request.worker_id, context):
+        with refusals(context), self.long_poll(request.worker_id, context):
             rows = self.state.barrier(request.worker_id, request.session, request.name, list(request.values),
-                                      self._wait_s(context))
+                                      self.wait_s(context))
         if rows is None:
             code = grpc.StatusCode.UNAVAILABLE if self.state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
             context.abort(code, f"not every worker reached barrier {request.name!r} in time")

@@ -50,6 +50,7 @@ METHODS = {
     "GetParameters": ("unary_stream", pb.ParameterRequest, None),
     "PushGradients": ("unary_unary", None, pb.PushReply),
     "FetchParameters": ("unary_unary", pb.ParameterRequest, None),
+    "Step": ("stream_stream", None, None),
     "RegisterWorker": ("unary_unary", pb.RegisterRequest, pb.WorkerAssignment),
     "WorkerDone": ("unary_unary", pb.WorkerDoneRequest, pb.ShardStatus),
     "GetStatus": ("unary_unary", pb.StatusRequest, pb.ShardStatus),
@@ -127,6 +128,13 @@ def parameter_notice(plan: ShardPlan, version: int, incarnation: int = 0) -> byt
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
     return pb.ParameterMessage(version=version, shard=plan.shard, payload=meta, shared_memory=True,
                                incarnation=incarnation).SerializeToString()
+
+
+def step_answer(push: pb.PushReply, parameters: bytes = b"") -> bytes:
+    """A reply of Step: `parameters` (one ParameterMessage, or none) with the push's
+    outcome added. Two serialized messages of one type concatenated are one message with
+    the fields of both, so the ready-made parameter frame is reused as it is."""
+    return pb.ParameterMessage(push=push).SerializeToString() + parameters
 
 
 def collect_payload(frames: Iterator[Frame], max_bytes: int, max_frames: int | None = None,

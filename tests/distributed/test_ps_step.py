@@ -1,0 +1,186 @@
+"""Step: a push and the parameters it leads to in one round trip, on a real shard server.
+
+Sync answers with the step the push joined, async at once; a refused push ends the
+stream, changes nothing, and the next step opens a new one; a server without Step is
+pushed to and pulled from instead; clients of the contract before Step still work.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.utils import parameters_to_vector
+
+from disttrain.config import config_from_dict
+from disttrain.proto import parameter_server_pb2 as pb
+from disttrain.strategies.ps import wire
+from disttrain.strategies.ps.client import PSClient, RetryPolicy
+from disttrain.strategies.ps.server import ShardServer, build_state
+from disttrain.strategies.ps.sharding import plan_shards
+from disttrain.training.models import init_model
+
+pytestmark = pytest.mark.timeout(120)
+
+Outcome = pb.PushReply.Outcome
+LR = 0.5
+OLD_CONTRACT = Path(__file__).resolve().parents[1] / "fixtures" / "contract_before_step"
+
+
+def start(tmp_path, mode="sync", workers=2, transport="auto", methods=None, clients=None):
+    config = config_from_dict({
+        "training": {"dataset": "digits", "model_architecture": "mlp", "optimizer": "sgd", "momentum": 0.0,
+                     "learning_rate": LR, "mlp_hidden_size": 32},
+        "ps": {"aggregation_mode": mode},
+        "system": {"num_workers": workers, "checkpoint_dir": str(tmp_path / "ckpt")}})
+    state = build_state(config, 0, 1)
+    saved = dict(wire.METHODS)
+    if methods is not None:  # a server built from an older method table
+        wire.METHODS.clear()
+        wire.METHODS.update(methods)
+    try:
+        server = ShardServer(state, "127.0.0.1:0")
+    finally:
+        wire.METHODS.clear()
+        wire.METHODS.update(saved)
+    plan = plan_shards(init_model(config.training), 1)[0]
+    initial = parameters_to_vector(init_model(config.training).parameters()).detach()
+    made = []
+    for rank in range(workers if clients is None else clients):
+        client = PSClient([server.address], [plan], RetryPolicy(timeout_s=10.0, max_attempts=3), transport)
+        client.register(f"w{rank}", rank, key=bytes([65 + rank]) * 32)
+        made.append(client)
+    return server, made, plan, initial
+
+
+def header(rank, step=1, base_version=0):
+    return pb.GradientMessage(worker_id=f"w{rank}", step=step, shard=0, base_version=base_version,
+                              block_id=step * 10 + rank, num_samples=8)
+
+
+def trade(client, rank, grads, flat, step=1, base_version=0, min_version=1):
+    return client.step([header(rank, step, base_version)], grads, [0], flat, [min_version])
+
+
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_sync_step_answers_with_the_step_the_push_joined(tmp_path, transport):
+    server, clients, plan, initial = start(tmp_path, transport=transport)
+    try:
+        assert all(c.can_step(0) for c in clients)
+        grads = [torch.full((plan.numel,), float(rank + 1)) for rank in range(2)]
+        flats = [torch.zeros(plan.numel) for _ in range(2)]
+        results = [None, None]
+        threads = [threading.Thread(target=lambda r=r: results.__setitem__(
+            r, trade(clients[r], r, grads[r], flats[r]))) for r in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        expected = initial - LR * (grads[0] + grads[1]) / 2  # equal samples: the plain mean
+        for (replies, versions), flat in zip(results, flats, strict=True):
+            assert {replies[0].outcome} <= {Outcome.Value("APPLIED"), Outcome.Value("BUFFERED")}
+            assert versions == [1]
+            torch.testing.assert_close(flat, expected)
+        torch.testing.assert_close(server.state.parameters(), expected)
+        assert server.state.version == 1
+    finally:
+        for client in clients:
+            client.close()
+        server.stop(0)
+
+
+def test_async_step_answers_at_once_with_the_push_applied(tmp_path):
+    server, (client,), plan, initial = start(tmp_path, mode="async", workers=1)
+    try:
+        flat, grads = torch.zeros(plan.numel), torch.ones(plan.numel)
+        for step in (1, 2):
+            replies, versions = trade(client, 0, grads, flat, step, step - 1, 0)
+            assert replies[0].outcome == Outcome.Value("APPLIED") and versions == [step]
+        torch.testing.assert_close(flat, initial - 2 * LR * grads)
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def test_a_refused_push_ends_the_stream_changes_nothing_and_the_next_step_goes_on(tmp_path):
+    server, (client,), plan, initial = start(tmp_path, mode="async", workers=1, transport="grpc")
+    try:
+        shard = client.shards[0]
+        bad = pb.GradientMessage()
+        bad.CopyFrom(header(0))
+        bad.session = shard.session
+        (message,) = wire.gradient_frames(bad, plan, memoryview(b"\x00" * (plan.nbytes - 4)))  # short
+        with pytest.raises(Exception) as refused:
+            shard.stream.exchange(message, 10.0)
+        assert refused.value.code().name == "INVALID_ARGUMENT"
+        assert server.state.version == 0
+        torch.testing.assert_close(server.state.parameters(), initial)
+        flat = torch.zeros(plan.numel)
+        replies, versions = trade(client, 0, torch.ones(plan.numel), flat, 1, 0, 0)
+        assert replies[0].outcome == Outcome.Value("APPLIED") and versions == [1]
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def test_a_server_without_step_is_pushed_to_and_pulled_from(tmp_path):
+    older = {name: spec for name, spec in wire.METHODS.items() if name != "Step"}
+    server, clients, plan, initial = start(tmp_path, methods=older, workers=1, mode="async")
+    (client,) = clients
+    try:
+        flat = torch.zeros(plan.numel)
+        replies, versions = trade(client, 0, torch.ones(plan.numel), flat, 1, 0, 1)
+        assert replies[0].outcome == Outcome.Value("APPLIED") and versions == [1]
+        torch.testing.assert_close(flat, initial - LR * torch.ones(plan.numel))
+        assert not client.can_step(0)  # asked once, then never again
+    finally:
+        client.close()
+        server.stop(0)
+
+
+OLD_CLIENT = r"""
+import sys, grpc
+sys.path.insert(0, sys.argv[1])
+import parameter_server_pb2 as pb, tensor_pb2
+address, numel = sys.argv[2], int(sys.argv[3])
+channel = grpc.insecure_channel(address)
+def call(name, request, reply_type):
+    method = channel.unary_unary("/disttrain.v1.ParameterServerService/" + name,
+                                 request_serializer=lambda m: m.SerializeToString(),
+                                 response_deserializer=reply_type.FromString)
+    return method(request, timeout=30, wait_for_ready=True)
+assignment = call("RegisterWorker", pb.RegisterRequest(worker_id="old", key=b"o" * 32), pb.WorkerAssignment)
+grad = pb.GradientMessage(worker_id="old", step=1, shard=0, base_version=0, block_id=1, num_samples=8,
+                          session=assignment.session, layout=assignment.layout,
+                          payload=tensor_pb2.TensorProto(shape=[numel], dtype="float32",
+                                                         data=b"\x00\x00\x80\x3f" * numel))
+reply = call("PushGradients", grad, pb.PushReply)
+params = call("FetchParameters", pb.ParameterRequest(worker_id="old", shard=0, min_version=1,
+                                                     session=assignment.session), pb.ParameterMessage)
+print(reply.outcome, reply.version, params.version, len(params.payload.data))
+"""
+
+
+def test_a_client_of_the_contract_before_step_still_trains(tmp_path):
+    grpc_tools = pytest.importorskip("grpc_tools.protoc")
+    out = tmp_path / "old_stubs"
+    out.mkdir()
+    assert grpc_tools.main(["protoc", f"-I{OLD_CONTRACT}", f"--python_out={out}",
+                            "disttrain/v1/tensor.proto", "disttrain/v1/parameter_server.proto"]) == 0
+    for stub in (out / "disttrain" / "v1").glob("*_pb2.py"):  # flat, so they never meet this package
+        text = stub.read_text().replace("from disttrain.v1 import ", "import ")
+        (out / stub.name).write_text(text)
+    server, _, plan, initial = start(tmp_path, mode="async", workers=1, clients=0)
+    try:
+        done = subprocess.run([sys.executable, "-c", OLD_CLIENT, str(out), server.address, str(plan.numel)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        outcome, version, pulled, nbytes = map(int, done.stdout.split())
+        assert (outcome, version, pulled, nbytes) == (Outcome.Value("APPLIED"), 1, 1, plan.nbytes)
+        torch.testing.assert_close(server.state.parameters(), initial - LR * torch.ones(plan.numel))
+    finally:
+        server.stop(0)
