@@ -71,8 +71,12 @@ def main() -> None:
             return pb.GradientMessage(worker_id="bench", step=state["step"], base_version=state["version"],
                                       shard=0, num_samples=64, block_id=state["step"])
 
+        # As a worker does, the model lives in the shard's segments (the two calls below
+        # copy from and to memory of their own, as before Step).
+        shared_flat, shared_grads = client.shared_buffers() or (flat.clone(), grads.clone())
+
         def ps_round_trip() -> None:
-            client.step([next_header()], grads, [0], flat, [0])
+            client.step([next_header()], shared_grads, [0], shared_flat, [0])
             state["version"] = state["step"]  # async, one worker: each push is one version
 
         def ps_two_calls() -> None:  # as steps went before Step: a push, then a pull

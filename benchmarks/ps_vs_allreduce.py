@@ -65,6 +65,10 @@ def ps_worker(args: argparse.Namespace) -> None:
     client = PSClient(args.servers.split(","), plan_shards(model, 1), RetryPolicy(),
                       one_round_trip=args.variant == "one_round_trip")
     client.register(f"worker{args.rank}", args.rank)
+    shared = client.shared_buffers()
+    if shared is not None:  # as a worker does: the model lives in the shard's segments
+        flat, grads = flat_parameters(model, *shared)
+        grads.normal_()
     exchange = SyncExchange(client, f"worker{args.rank}", flat, grads, 0)
     exchange.start()
     timer, times = StepTimer(), []

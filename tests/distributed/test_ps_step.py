@@ -21,7 +21,7 @@ from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps import wire
 from disttrain.strategies.ps.client import PSClient, RetryPolicy
 from disttrain.strategies.ps.server import ShardServer, build_state
-from disttrain.strategies.ps.sharding import plan_shards
+from disttrain.strategies.ps.sharding import flat_parameters, plan_shards
 from disttrain.training.models import init_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -183,4 +183,34 @@ def test_a_client_of_the_contract_before_step_still_trains(tmp_path):
         assert (outcome, version, pulled, nbytes) == (Outcome.Value("APPLIED"), 1, 1, plan.nbytes)
         torch.testing.assert_close(server.state.parameters(), initial - LR * torch.ones(plan.numel))
     finally:
+        server.stop(0)
+
+
+def test_a_single_shard_model_lives_in_the_shared_segments(tmp_path):
+    server, (client,), plan, initial = start(tmp_path, mode="async", workers=1)
+    try:
+        buffers = client.shared_buffers()
+        assert buffers is not None
+        model = init_model(server.state.config.training)
+        flat, grads = flat_parameters(model, *buffers)
+        assert flat.data_ptr() == buffers[0].data_ptr() and grads.data_ptr() == buffers[1].data_ptr()
+        torch.testing.assert_close(flat, initial)
+        next(model.parameters()).grad.fill_(1.0)  # a backward pass writes here: the segment
+        _, versions = trade(client, 0, grads, flat, 1, 0, 0)
+        assert versions == [1]
+        expected = initial.clone()
+        expected[:next(model.parameters()).numel()] -= LR
+        torch.testing.assert_close(flat, expected)  # landed in the model's own memory
+        torch.testing.assert_close(server.state.parameters(), expected)
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def test_over_grpc_the_model_keeps_its_own_memory(tmp_path):
+    server, (client,), _, _ = start(tmp_path, mode="async", workers=1, transport="grpc")
+    try:
+        assert client.shared_buffers() is None
+    finally:
+        client.close()
         server.stop(0)

@@ -178,6 +178,18 @@ class PSClient:
             versions[s] = result[1]
         return [r[0] for r in results], versions
 
+    def shared_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The single shard's parameter and gradient segments, for the worker's model to
+        live in, when it trades every step in one round trip through shared memory: its
+        gradients then reach the server and its parameters come back without a copy on
+        the worker. None with several shards (their segments are separate mappings), over
+        gRPC, or without one round trip (the prefetching exchange would be written to
+        while it computes)."""
+        if len(self.shards) != 1 or not self.can_step(0) or self.shards[0].segments is None:
+            return None
+        segments = self.shards[0].segments
+        return segments.parameter_tensor, segments.gradient_tensor
+
     def can_step(self, shard: int) -> bool:
         """Whether a step on `shard` goes in one round trip."""
         client = self.shards[shard]

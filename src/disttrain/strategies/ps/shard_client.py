@@ -43,7 +43,9 @@ class ShardClient(ShardChannel):
         data = memoryview(data).cast("B")
         if self.segments is None:
             return data, data.nbytes
-        self.segments.gradient_tensor.view(torch.uint8)[:data.nbytes].copy_(decode_tensor(data, torch.uint8))
+        source, target = decode_tensor(data, torch.uint8), self.segments.gradient_tensor.view(torch.uint8)
+        if source.data_ptr() != target.data_ptr():  # else: computed in the segment already
+            target[:data.nbytes].copy_(source)
         return memoryview(b""), data.nbytes
 
     def _frames(self, header: pb.GradientMessage, plan: ShardPlan, data: memoryview) -> list[bytes]:
@@ -166,7 +168,8 @@ class ShardClient(ShardChannel):
                                    f"with {nbytes} bytes; expected version >= {min_version} "
                                    f"and {expected} bytes")
         if segments is not None:
-            into.copy_(segments.parameter_tensor)
+            if into.data_ptr() != segments.parameter_tensor.data_ptr():  # else: landed in place
+                into.copy_(segments.parameter_tensor)
         else:
             copy_chunks(decode_chunks(chunks, plan.dtype), into)
         return answer.header.version

@@ -89,7 +89,8 @@ def plan_shards(model: nn.Module, num_shards: int) -> list[ShardPlan]:
     return plans
 
 
-def flat_parameters(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def flat_parameters(model: nn.Module, flat: torch.Tensor | None = None, grads: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Move `model`'s parameters and gradients into two flat buffers and return them.
 
     Afterwards each parameter is a view of the parameter buffer and its `.grad` a view of
@@ -97,12 +98,16 @@ def flat_parameters(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     and received parameters land with one copy per shard. Zero the gradient buffer
     in place (never set `.grad` to None) before each backward.
 
+    Args:
+        flat, grads: 1-D buffers of the model's size to use (shared memory, say), the
+            parameters' current values copied in and the gradients zeroed; None: new ones.
     Returns:
         (flat parameters, flat gradients), 1-D, in `named_parameters()` order.
     """
     params = list(model.parameters())
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    grads = torch.zeros_like(flat)
+    values = torch.cat([p.detach().reshape(-1) for p in params])
+    flat = values if flat is None else flat.copy_(values)
+    grads = torch.zeros_like(flat) if grads is None else grads.zero_()
     offset = 0
     for p in params:
         n = p.numel()

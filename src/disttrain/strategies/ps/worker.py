@@ -249,6 +249,11 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
         logger.info("registered as rank %d of %d (%s mode, %d shard(s))", rank, world_size,
                     assignment.aggregation_mode, len(servers))
         seed_training(training.seed, rank)
+        shared = client.shared_buffers()
+        if shared is not None:  # a compressed push is copied into the gradient segment: keep it apart
+            flat, grads = flat_parameters(model, shared[0], None if config.compression.enabled else shared[1])
+            logger.info("the model lives in the shard's shared memory: no copy of gradients or "
+                        "parameters on this worker")
         encoder = None
         if config.compression.enabled:
             compressor = Compressor.from_config(config.compression, training_seed(training.seed, rank))
