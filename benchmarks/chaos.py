@@ -12,8 +12,9 @@ the coordinator is down), so the run can end; never the launcher.
 
 Data: MNIST: `--data-dir FOLDER`, FOLDER holding `mnist/` with the four IDX `.gz` files
 (e.g. `--data-dir ../shared/data`), else $DISTTRAIN_DATA_DIR, ./data, ../shared/data.
-Without MNIST it says so and runs `--quick`: digits, 2 epochs, batch 1 (digits trains in
-seconds), short heartbeats, a fault every ~2 s, at most 4 faults: about half a minute.
+Without MNIST it says so and runs `--quick`: digits, 4 epochs, batch 1 (digits trains in
+seconds: long enough for the faults to come while it trains), short heartbeats, a fault
+every ~2 s, at most 4 faults: about half a minute.
 
 Target: accuracy within 1 point of the fault-free run, no sample lost. Reported too: the
 time ratio chaos / fault-free, the faults, each failure's detection and recovery seconds
@@ -48,13 +49,13 @@ MAX_ACCURACY_DROP_POINTS = 1.0
 SUMMARY_KEYS = ("final_accuracy", "total_time_s", "samples_applied", "samples_redone", "samples_lost",
                 "num_failures", "failures", "max_round_wait_s")
 # Flags passed to `disttrain ps` as they are: (type, default; None: the mode's or the config's).
-PASSED = {"--num-epochs": (int, 2), "--workers": (int, 2), "--servers": (int, 1),
+PASSED = {"--num-epochs": (int, None), "--workers": (int, 2), "--servers": (int, 1),
           "--aggregation-mode": (str, "sync"), "--batch-size": (int, None), "--seed": (int, 42),
           "--max-restarts": (int, 10), "--heartbeat-interval": (float, None),
           "--heartbeat-timeout": (float, None)}
-QUICK = {"batch_size": 1, "fault_every": 2.0, "max_faults": 4, "heartbeat_interval": 0.5,
+QUICK = {"num_epochs": 4, "batch_size": 1, "fault_every": 2.0, "max_faults": 4, "heartbeat_interval": 0.5,
          "heartbeat_timeout": 2.0}
-FULL = {"batch_size": 64, "fault_every": 20.0, "max_faults": None}
+FULL = {"num_epochs": 2, "batch_size": 64, "fault_every": 20.0, "max_faults": None}
 
 
 def has_mnist(folder: Path | str | None) -> bool:
