@@ -31,6 +31,9 @@ LR_SCALINGS = ("none", "linear")
 MIXED_PRECISIONS = ("none", "bf16", "fp16")
 # auto: shared memory between processes of one machine, gRPC bytes between machines.
 PAYLOAD_TRANSPORTS = ("auto", "grpc", "shared_memory")
+# none: equal batches; proportional: batches in proportion to each process's measured
+# speed; auto: proportional once the slowest is more than system.balance_margin behind.
+BALANCES = ("none", "proportional", "auto")
 
 
 def _rule(check, text: str, **extra: Any) -> dict[str, Any]:
@@ -83,6 +86,12 @@ class SystemConfig:
     log_dir: str = field(default="logs", metadata=NON_EMPTY)
     checkpoint_keep: int = field(default=3, metadata=POSITIVE)
     num_threads: int = field(default=0, metadata=_rule(lambda v: v >= 0, "must be >= 0 (0 = auto)"))
+    balance: str = field(default="none", metadata=_choice(BALANCES))
+    balance_margin: float = field(default=0.2, metadata=_rule(lambda v: 0 < v < 1, "must be in (0, 1)"))
+    # A fixed plan instead of a measured one: each rank's batch, e.g. "48,16".
+    balance_batches: str = field(default="", metadata=_rule(
+        lambda v: not v or all(p.strip().isdigit() and int(p) > 0 for p in v.split(",")),
+        "must be empty or comma-separated positive integers, one batch per rank, e.g. 48,16"))
 
 
 @dataclass(frozen=True)
@@ -205,6 +214,9 @@ class Config:
 
     def cross_problems(self, name: Callable[[str], str]) -> list[str]:
         """Problems between sections; `name("section.key")` is the key as the user spelled it."""
+        if self.system.balance_batches and self.system.balance == "none":
+            return [f"{name('system.balance_batches')}: a fixed plan needs system.balance: proportional "
+                    "(or auto)"]
         if self.ps.backup_workers >= self.system.num_workers:
             return [f"{name('ps.backup_workers')}: {self.ps.backup_workers} must be less than "
                     f"system.num_workers ({self.system.num_workers})"]

@@ -141,6 +141,15 @@ class FaultInjector:
                 due.append(fault)
         return due
 
+    def straggle_for(self, seconds: float) -> float:
+        """As a `slow` fault slows a step of `seconds`: sleep the extra time; return it
+        (0 without one). For work timed outside the loop, a warm-up measuring speed."""
+        factor = max((f.factor for f in self._faults if f.action == "slow"), default=1.0)
+        extra = max(0.0, (factor - 1) * seconds)
+        if extra:
+            time.sleep(extra)
+        return extra
+
     def _straggle(self, now: float) -> None:
         factor = max((f.factor for f in self._faults if f.action == "slow"), default=1.0)
         if factor <= 1 or self._last_step_end is None:

@@ -136,7 +136,7 @@ class TrainingLoop:
         for epoch in range(position.epoch, s.num_epochs):
             sampler.set_epoch(epoch)
             position.epoch = epoch
-            first = sampler.position // (s.batch_size * s.micro_batches)
+            first = sampler.position // (sampler.batch_size(s.batch_size) * s.micro_batches)
             save_after_evaluation = False
             for index, batches in enumerate(groups(sampler.batches(s.batch_size), s.micro_batches),
                                             start=first):

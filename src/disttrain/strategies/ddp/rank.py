@@ -32,6 +32,7 @@ from disttrain.metrics.hparams import write_hparams
 from disttrain.metrics.progress import Progress
 from disttrain.metrics.summary import RunSummary
 from disttrain.strategies.ddp import runtime as rt
+from disttrain.strategies.ddp.balance import balance_shares
 from disttrain.strategies.ddp.comm_hooks import CommStats, register_comm_hook
 from disttrain.strategies.ddp.heartbeats import LoopProgress, coordinator_link
 from disttrain.strategies.ddp.precision import Precision, plan_precision
@@ -81,9 +82,11 @@ class RankParticipant:
 
     strategy = "ddp"
 
-    def __init__(self, config: Config, runtime: rt.Runtime, data: tuple[ArrayDataset, ArrayDataset]):
+    def __init__(self, config: Config, runtime: rt.Runtime, data: tuple[ArrayDataset, ArrayDataset],
+                 sampler: ShardedSampler | None = None):
         training, ddp, device = config.training, config.ddp, runtime.device
         self.runtime = runtime
+        self.sampler = sampler  # its balance plan, if any, weights this rank's loss
         self.train_set, self.test_set = data
         self.eval_batch_size = training.eval_batch_size
         self.module = init_model(training).to(device)  # the plain model: checkpoints, evaluation
@@ -109,16 +112,22 @@ class RankParticipant:
 
         Each micro-batch's loss is weighted by its share of the step's samples, so the
         gradient is that of one batch holding them all; only the last backward all-reduces.
+        Under a balance plan the rank's batch is weighted by its share of the global
+        batch too (times the world size, which the all-reduce's average divides out).
         """
         self.optimizer.zero_grad(set_to_none=True)
         device = self.runtime.device
         total = sum(len(indices) for indices in batches)
+        shares = None if self.sampler is None else self.sampler.shares
+        weight = 1.0 if shares is None else \
+            self.runtime.info.world_size * total / (sum(shares) * len(batches))
         loss_sum, correct = 0.0, 0
         for i, indices in enumerate(batches):
             inputs, targets = self.train_set.batch(indices)
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             with nullcontext() if i == len(batches) - 1 else self.model.no_sync():
-                result = self.precision.forward_backward(self.model, inputs, targets, len(indices) / total)
+                result = self.precision.forward_backward(self.model, inputs, targets,
+                                                         weight * len(indices) / total)
             loss_sum += result.loss * result.num_samples
             correct += result.num_correct
         self.precision.step(self.optimizer)
@@ -181,13 +190,15 @@ def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: fl
     training, system, info = config.training, config.system, runtime.info
     train_set, test_set = load_datasets(training)
     rt.check_world_size(len(train_set), info.world_size)
-    sampler = ShardedSampler(len(train_set), world_size=info.world_size, rank=info.rank, seed=training.seed)
-    participant = RankParticipant(config, runtime, (train_set, test_set))
+    faults = FaultInjector(options.faults, info.rank, info.restart_count)
+    sampler = ShardedSampler(len(train_set), world_size=info.world_size, rank=info.rank, seed=training.seed,
+                             shares=balance_shares(config, runtime, train_set, faults))
+    participant = RankParticipant(config, runtime, (train_set, test_set), sampler)
     log_dir = Path(system.log_dir)
     loop = TrainingLoop(
         config, LoopSettings.from_config(config, config.ddp.grad_accumulation_steps), participant,
         sampler, RankZeroCheckpoints(system.checkpoint_dir, system.checkpoint_keep, runtime),
-        log_dir / f"rank{info.rank}", FaultInjector(options.faults, info.rank, info.restart_count),
+        log_dir / f"rank{info.rank}", faults,
         lambda total, done: Progress(total, "train", initial=done, enabled=info.is_main),
         announce=info.is_main, config_path=log_dir / "config.yaml" if info.is_main else None,
         position=position)

@@ -1,0 +1,85 @@
+"""DDP with unequal ranks: 2 ranks with batches 48 and 16 end with the parameters of one
+process stepping on the concatenated 64 (real rank processes on gloo); a measured plan
+gives a slowed rank the smaller batch; a resumed run keeps the plan it started with."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from disttrain.config import config_from_dict
+from disttrain.data import ShardedSampler, load_datasets
+from disttrain.metrics.logger import read_metrics
+from disttrain.training.engine import train_step
+from disttrain.training.models import init_model
+
+SEED = 11
+NUM_SAMPLES = 256
+LEARNING_RATE = 0.05
+SHARES = (48, 16)
+TRAINING = {"dataset": "synthetic", "num_samples": NUM_SAMPLES, "model_architecture": "mlp",
+            "mlp_hidden_size": 32, "mlp_num_layers": 1, "seed": SEED}
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def ddp_args(tmp_path, *extra):
+    return ["ddp", "--world-size", 2, "--dataset", "synthetic", "--num-samples", NUM_SAMPLES,
+            "--model", "mlp", "--set", "training.mlp_hidden_size=32", "--set", "training.mlp_num_layers=1",
+            "--optimizer", "sgd", "--set", "training.momentum=0", "--learning-rate", LEARNING_RATE,
+            "--batch-size", 32, "--seed", SEED, "--set", "training.log_interval=1",
+            "--log-dir", tmp_path / "logs", "--checkpoint-dir", tmp_path / "ckpt", "--num-threads", 1, *extra]
+
+
+def reference_model(epochs: int = 1):
+    """One process stepping on rank 0's batch of 48 and rank 1's of 16, concatenated."""
+    training = config_from_dict({"training": TRAINING}).training
+    train_set, _ = load_datasets(training)
+    model = init_model(training)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=0.0)
+    samplers = [ShardedSampler(len(train_set), world_size=2, rank=r, seed=SEED, shares=SHARES)
+                for r in (0, 1)]
+    for epoch in range(epochs):
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        for pair in zip(*(s.batches(32) for s in samplers), strict=True):
+            assert [len(b) for b in pair] == list(SHARES)
+            train_step(model, optimizer, *train_set.batch(torch.cat(pair)))
+    return model
+
+
+def test_ranks_of_48_and_16_match_one_process_on_the_concatenated_64(cli, tmp_path):
+    result = cli(*ddp_args(tmp_path, "--balance", "proportional", "--set", "system.balance_batches=48,16"),
+                 timeout=200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trained = torch.load(tmp_path / "ckpt" / "ddp_final.pt", weights_only=True)["model"]
+    for name, value in reference_model().state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-5, msg=name)
+    logs = [read_metrics(tmp_path / "logs" / f"rank{rank}" / "metrics.jsonl") for rank in (0, 1)]
+    steps = [[r for r in log if "loss/train" in r] for log in logs]
+    assert len(steps[0]) == len(steps[1]) == NUM_SAMPLES // 64  # equal steps: no rank waits at the end
+    assert json.loads((tmp_path / "logs" / "summary.json").read_text())["samples_processed"] == NUM_SAMPLES
+
+
+def test_a_measured_plan_gives_the_slowed_rank_the_smaller_batch(cli, tmp_path):
+    result = cli(*ddp_args(tmp_path, "--balance", "proportional", "--inject", "slow:rank=1:factor=4"),
+                 timeout=200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(ln for ln in result.stderr.splitlines() + result.stdout.splitlines() if "rank speeds" in ln)
+    batches = json.loads(line.split("batches ")[1].split(" (")[0])
+    assert sum(batches) == 64 and batches[1] < batches[0], line
+
+
+def test_a_resumed_run_keeps_the_plan_it_started_with(cli, tmp_path):
+    first = cli(*ddp_args(tmp_path, "--balance", "proportional", "--set", "system.balance_batches=48,16",
+                          "--set", "training.checkpoint_interval=2", "--inject", "kill:rank=1:step=3"),
+                timeout=200)
+    assert first.returncode != 0
+    again = cli(*ddp_args(tmp_path, "--balance", "proportional", "--set", "system.balance_batches=32,32",
+                          "--set", "training.checkpoint_interval=2", "--resume"), timeout=200)
+    assert again.returncode == 0, again.stderr[-3000:]
+    trained = torch.load(tmp_path / "ckpt" / "ddp_final.pt", weights_only=True)["model"]
+    for name, value in reference_model().state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-5, msg=name)
