@@ -14,8 +14,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["codec", "ps_roundtrip", "ps_vs_allreduce", "ps_training", "grpc_overhead", "heterogeneous",
-                                  "baseline_overhead", "ddp_scaling"])
+@pytest.mark.parametrize("name", ["codec", "ps_roundtrip", "ps_vs_allreduce", "ps_training", "grpc_overhead",
+                                  "heterogeneous", "baseline_overhead", "ddp_scaling"])
 def test_the_benchmark_runs_in_quick_mode(tmp_path, name):
     output = tmp_path / f"{name}.json"
     result = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--repeats", "1",
