@@ -45,6 +45,39 @@ EXACT_ARGS = [
 
 
 @pytest.mark.timeout(120)
+def test_sync_workers_of_24_and_8_match_one_process_on_the_concatenated_32(tmp_path, cli):
+    """A balance plan: unequal batches, each gradient weighted by its samples."""
+    result = cli("ps", "--workers", "2", *EXACT_ARGS, "--balance", "proportional",
+                 "--set", "system.balance_batches=24,8", "--log-dir", tmp_path / "logs",
+                 "--checkpoint-dir", tmp_path / "ckpt", timeout=110)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["samples_processed"] == 96 and summary["samples_lost"] == 0
+    assert_matches_one_process(tmp_path, shares=(24, 8))
+
+
+def assert_matches_one_process(tmp_path, shares=None):
+    """The run's final model equals one process's stepping with plain SGD on both
+    workers' batches of each step, concatenated (of sizes `shares`, when given)."""
+    config = load_config(tmp_path / "logs" / "config.yaml")
+    train_set, _ = load_datasets(config.training)
+    model = init_model(config.training)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    samplers = [ShardedSampler(len(train_set), world_size=2, rank=r, seed=config.training.seed, shares=shares)
+                for r in range(2)]
+    for batches in zip(*(s.batches(16) for s in samplers), strict=True):
+        assert shares is None or tuple(len(b) for b in batches) == shares
+        inputs, targets = train_set.batch(torch.cat(batches))
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+    final = load_checkpoint(tmp_path / "ckpt" / "parameter_server_final.pt")["model"]
+    for name, expected in model.state_dict().items():
+        torch.testing.assert_close(final[name], expected, rtol=0, atol=1e-5, msg=name)
+    return config
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["grpc", "shared_memory"])
 def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path, cli, transport):
     result = cli(
@@ -68,21 +101,7 @@ def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path
     assert summary["strategy"] == "ps-sync" and summary["steps"] == 3 and summary["samples_processed"] == 96
     assert summary["shard_versions"] == [3, 3] and summary["staleness_histogram"] == {"0": 12}
 
-    config = load_config(tmp_path / "logs" / "config.yaml")
-    train_set, _ = load_datasets(config.training)
-    model = init_model(config.training)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    samplers = [
-        ShardedSampler(len(train_set), world_size=2, rank=r, seed=config.training.seed) for r in range(2)
-    ]
-    for batches in zip(*(s.batches(16) for s in samplers), strict=True):
-        inputs, targets = train_set.batch(torch.cat(batches))
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
-        optimizer.step()
-    final = load_checkpoint(tmp_path / "ckpt" / "parameter_server_final.pt")["model"]
-    for name, expected in model.state_dict().items():
-        torch.testing.assert_close(final[name], expected, rtol=0, atol=1e-5, msg=name)
+    config = assert_matches_one_process(tmp_path)
     assert (
         evaluate_model_file(tmp_path / "ckpt" / "parameter_server_final.pt", config.training).num_samples
         == 60

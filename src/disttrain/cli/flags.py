@@ -172,7 +172,7 @@ INJECT_HELP = (
     "(SIGCONT) 5 s later; kill:server=0:step=40 - the server of shard 0 dies once its "
     "version reaches 40; kill:coordinator:step=20 - the coordinator dies once a node reports "
     "step 20; drop-rpc:worker=1:step=15 - the reply to worker 1's push of step 15 is lost, "
-    "so it retries; slow:worker=1:factor=3 - worker 1 is a straggler, each step 3 times as "
+    "so it retries; slow:worker=1:factor=3 - worker 1 is a straggler, each step's work 3 times as "
     "long; slow-eval:worker=0:for=2s - each evaluation 2 s longer. Targets: worker=N, "
     "server=N, rank=N (DDP), coordinator. Durations: 5s, 500ms, 5. Add :attempt=A to fire on "
     "the A-th restart only (default 0: the first start; a restarted process does not fire)")

@@ -96,7 +96,7 @@ class FaultInjector:
         """The faults meant for this process."""
         return list(self._faults)
 
-    def at_step(self, step: int, train_time_s: float | None = None) -> None:
+    def at_step(self, step: int, train_time_s: float | None = None, waited_s: float = 0.0) -> None:
         """Call after each step: fires slow, then kill and stop once `step` reaches theirs.
 
         Args:
@@ -105,10 +105,13 @@ class FaultInjector:
             train_time_s: the training clock's reading now. When given, `slow` measures
                 each step on it (evaluation and checkpoint writes left out); otherwise on
                 the wall clock between calls. The first step is only measured, not slowed.
+            waited_s: how much of the step went to waiting for peers (its blocked
+                communication): `slow` slows the rest, the process's own work, as a slower
+                machine would, and not its waits.
         """
         entered = self._clock()
         now = entered if train_time_s is None else train_time_s
-        self._straggle(now)
+        self._straggle(now, waited_s)
         for fault in self._due(step, ("kill", "stop")):
             if fault.action == "kill":
                 self._kill(step)
@@ -150,14 +153,14 @@ class FaultInjector:
             time.sleep(extra)
         return extra
 
-    def _straggle(self, now: float) -> None:
+    def _straggle(self, now: float, waited_s: float = 0.0) -> None:
         factor = max((f.factor for f in self._faults if f.action == "slow"), default=1.0)
         if factor <= 1 or self._last_step_end is None:
             return
         if not self._slow_announced:
-            logger.warning("injected fault: every step takes %g times as long", factor)
+            logger.warning("injected fault: every step's work takes %g times as long", factor)
             self._slow_announced = True
-        time.sleep((factor - 1) * max(0.0, now - self._last_step_end))
+        time.sleep((factor - 1) * max(0.0, now - self._last_step_end - waited_s))
 
     def _kill(self, step: int) -> None:
         logger.warning("injected fault: kill at step %d", step)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from disttrain.core.errors import ConfigError
 from disttrain.core.faults import FaultInjector
 
 WARMUP_PASSES = 3
@@ -60,3 +61,51 @@ def plan_batches(speeds: Sequence[float], global_batch: int, mode: str, margin: 
     for i in by_remainder[:global_batch - sum(batches)]:
         batches[i] += 1
     return batches
+
+
+def warmup_speed(training, device, train_set, faults: FaultInjector | None = None) -> float:
+    """This process's samples/s on one batch of the config's size, timed on a fresh copy
+    of the model (`measure_speed`), on `device`."""
+    import torch
+
+    from disttrain.training.engine import forward_backward
+    from disttrain.training.models import init_model
+
+    model = init_model(training).to(device)
+    inputs, targets = train_set.batch(torch.arange(min(training.batch_size, len(train_set))))
+    inputs, targets = inputs.to(device), targets.to(device)
+
+    def one_pass() -> int:
+        forward_backward(model, inputs, targets)
+        model.zero_grad(set_to_none=True)
+        return len(targets)
+
+    return measure_speed(one_pass, faults)
+
+
+def fixed_shares(text: str, global_batch: int, world_size: int) -> tuple[int, ...]:
+    """The plan of `system.balance_batches` ("48,16").
+
+    Raises:
+        ConfigError: not one batch per process, or not summing to the global batch.
+    """
+    shares = tuple(int(part) for part in text.split(","))
+    if len(shares) != world_size or sum(shares) != global_batch:
+        raise ConfigError(f"system.balance_batches: {text} gives {len(shares)} batches of {sum(shares)} "
+                          f"samples in all; give {world_size}, summing to the global batch "
+                          f"{global_batch} (training.batch_size x the processes)")
+    return shares
+
+
+def plan_shares(system, global_batch: int, world_size: int, gather: Callable[[float], list[float]],
+                speed: Callable[[], float]) -> tuple[tuple[int, ...] | None, list[float]]:
+    """The run's plan under `system.balance`: (each process's batch, or None for the
+    config's equal batches; the speeds it came from). `speed()` measures this process,
+    `gather(speed)` returns every process's, in rank order (a collective)."""
+    if system.balance == "none":
+        return None, []
+    if system.balance_batches:
+        return fixed_shares(system.balance_batches, global_batch, world_size), []
+    speeds = gather(speed())
+    shares = plan_batches(speeds, global_batch, system.balance, system.balance_margin)
+    return (None if len(set(shares)) == 1 else tuple(shares)), speeds

@@ -152,7 +152,8 @@ class TrainingLoop:
                         self._save(metrics)
                     else:
                         save_after_evaluation = True
-                self.faults.at_step(position.step, train_time_s=self.clock.elapsed())
+                self.faults.at_step(position.step, train_time_s=self.clock.elapsed(),
+                                    waited_s=result.scalars.get("time/comm_blocked_s", 0.0))
             evaluation = self._evaluate(metrics, epoch, evaluations)
             position.epoch = epoch + 1
             sampler.set_epoch(epoch + 1)

@@ -1,6 +1,5 @@
-"""The ranks' balance plan: each rank's speed, measured before training on a copy of the
-model, shared by an all-gather of tensors, and the same batches computed on every rank
-(`training.balance`). None when every rank keeps the config's batch."""
+"""The ranks' balance plan (`system.balance`): each rank's speed, measured before training
+on a copy of the model (DDP's hooks are not on it), shared by an all-gather of tensors."""
 
 from __future__ import annotations
 
@@ -10,56 +9,30 @@ import torch
 import torch.distributed as dist
 
 from disttrain.config import Config
-from disttrain.core.errors import ConfigError
 from disttrain.core.faults import FaultInjector
 from disttrain.data import ArrayDataset
 from disttrain.strategies.ddp import runtime as rt
-from disttrain.training.balance import measure_speed, plan_batches
-from disttrain.training.engine import forward_backward
-from disttrain.training.models import init_model
+from disttrain.training.balance import plan_shares, warmup_speed
 
 logger = logging.getLogger(__name__)
 
 
 def balance_shares(config: Config, runtime: rt.Runtime, train_set: ArrayDataset,
                    faults: FaultInjector) -> tuple[int, ...] | None:
-    """Every rank's batch under `system.balance` (a collective: every rank calls it), or
-    None when the plan is the config's equal batches."""
-    system, training, info = config.system, config.training, runtime.info
-    if system.balance == "none":
-        return None
-    if system.balance_batches:
-        return fixed_shares(system.balance_batches, training.batch_size * info.world_size, info.world_size)
-    model = init_model(training).to(runtime.device)  # a copy: DDP's hooks are not on it
-    inputs, targets = train_set.batch(torch.arange(min(training.batch_size, len(train_set))))
-    inputs, targets = inputs.to(runtime.device), targets.to(runtime.device)
+    """Every rank's batch (a collective: every rank calls it), or None for equal batches."""
+    info = runtime.info
 
-    def one_pass() -> int:
-        forward_backward(model, inputs, targets)
-        model.zero_grad(set_to_none=True)
-        return len(targets)
+    def gather(speed: float) -> list[float]:
+        mine = torch.tensor([speed], dtype=torch.float64, device=runtime.device)
+        gathered = [torch.zeros_like(mine) for _ in range(info.world_size)]
+        dist.all_gather(gathered, mine)
+        return [float(t.item()) for t in gathered]
 
-    mine = torch.tensor([measure_speed(one_pass, faults)], dtype=torch.float64, device=runtime.device)
-    gathered = [torch.zeros_like(mine) for _ in range(info.world_size)]
-    dist.all_gather(gathered, mine)
-    speeds = [float(t.item()) for t in gathered]
-    shares = plan_batches(speeds, training.batch_size * info.world_size, system.balance,
-                          system.balance_margin)
-    if info.is_main:
+    training, system = config.training, config.system
+    shares, speeds = plan_shares(system, training.batch_size * info.world_size, info.world_size, gather,
+                                 lambda: warmup_speed(training, runtime.device, train_set, faults))
+    if info.is_main and speeds:
+        planned = list(shares or [training.batch_size] * info.world_size)
         logger.info("rank speeds %s samples/s: batches %s (balance %s)",
-                    ", ".join(f"{s:.0f}" for s in speeds), shares, system.balance)
-    return None if len(set(shares)) == 1 else tuple(shares)
-
-
-def fixed_shares(text: str, global_batch: int, world_size: int) -> tuple[int, ...]:
-    """The plan of `system.balance_batches` ("48,16").
-
-    Raises:
-        ConfigError: not one batch per rank, or not summing to the global batch.
-    """
-    shares = tuple(int(part) for part in text.split(","))
-    if len(shares) != world_size or sum(shares) != global_batch:
-        raise ConfigError(f"system.balance_batches: {text} gives {len(shares)} batches of {sum(shares)} "
-                          f"samples in all; give {world_size}, summing to the global batch "
-                          f"{global_batch} (training.batch_size x the world size)")
+                    ", ".join(f"{s:.0f}" for s in speeds), planned, system.balance)
     return shares

@@ -8,9 +8,6 @@ from disttrain.core.errors import ConfigError
 
 def check_supported(config: Config) -> None:
     """Raises ConfigError for settings the parameter server does not offer."""
-    if config.system.balance != "none":
-        raise ConfigError(f"system.balance: {config.system.balance} work is built for ddp so far; the "
-                          "parameter server gives every worker an equal share (use system.balance: none)")
     if config.compression.enabled and config.compression.type == "powersgd":
         raise ConfigError("compression.type: powersgd compresses DDP's all-reduce and is not "
                           "offered on the parameter server; use quantization, topk, fp16 or bf16")

@@ -54,7 +54,10 @@ class ShardState:
             raise ValueError(f"shard {plan.shard} owns {plan.numel} elements, got {initial.numel()}")
         self.plan = plan
         self.config = config
-        self.decoder = PushDecoder(plan, config.compression, config.training.batch_size)
+        # Under a balance plan one worker's batch may be up to the whole global batch.
+        max_samples = config.training.batch_size * (1 if config.system.balance == "none"
+                                                    else config.system.num_workers)
+        self.decoder = PushDecoder(plan, config.compression, max_samples)
         self.param = nn.Parameter(initial.detach().clone().reshape(-1))
         # One flat tensor per shard: the fused kernels update it in one pass.
         self.optimizer = build_optimizer([self.param], config.training, fused=True)

@@ -30,6 +30,7 @@ from disttrain.core.processes import bind_to_parent, emit_event
 from disttrain.data import ArrayDataset, ShardedSampler, load_datasets
 from disttrain.metrics.summary import RunSummary
 from disttrain.metrics.window import StepTimer
+from disttrain.strategies.ps.balance import balance_shares
 from disttrain.strategies.ps.client import PSClient, RetryPolicy
 from disttrain.strategies.ps.exchange import Block, Exchange, make_exchange
 from disttrain.strategies.ps.finalize import finish
@@ -101,11 +102,16 @@ class WorkerParticipant:
         return self.sampler.num_batches(self.batch_size)
 
     @property
+    def rank_batch(self) -> int:
+        """This worker's batch: its share of the balance plan, else the config's."""
+        return self.sampler.batch_size(self.batch_size)
+
+    @property
     def samples_dropped(self) -> int:
         """Samples of the blocks steps went on without (backup workers), by design."""
-        sizes = [min(self.batch_size, len(self.sampler) - (b % self.batches_per_epoch) * self.batch_size)
-                 for b in self.exchange.dropped]
-        return sum(sizes)
+        size = self.rank_batch
+        return sum(min(size, len(self.sampler) - (b % self.batches_per_epoch) * size)
+                   for b in self.exchange.dropped)
 
     def start(self) -> None:
         self.client.barrier(self.worker_id, "start")
@@ -160,7 +166,7 @@ class WorkerParticipant:
                 missing = [s for s, blocks in enumerate(applied) if block_id not in blocks]
                 if not missing or block_id in self.exchange.dropped:
                     continue
-                indices = shard[index * self.batch_size:(index + 1) * self.batch_size]
+                indices = shard[index * self.rank_batch:(index + 1) * self.rank_batch]
                 logger.warning("block %d (epoch %d, batch %d) is missing on shard(s) %s: redoing it",
                                block_id, epoch, index, missing)
                 step = max(1, self.progress[1])  # a redo is named by its block, not its step
@@ -262,8 +268,10 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                                  assignment.staleness, encoder, link.generation if link else 0,
                                  retry_late=config.ps.backup_workers == 0)
         exchange.start()
-        sampler = ShardedSampler(len(data[0]), world_size=world_size, rank=rank, seed=training.seed)
         faults = FaultInjector(options.faults, "worker", rank, options.attempt)
+        shares = balance_shares(config, client, worker_id, world_size, rank, data[0], faults)
+        sampler = ShardedSampler(len(data[0]), world_size=world_size, rank=rank, seed=training.seed,
+                                 shares=shares)
         participant = WorkerParticipant(client, exchange, worker_id, rank, world_size, model, grads,
                                         *data, training.eval_batch_size, sampler, training.batch_size, faults)
         progress[0] = lambda: participant.progress
