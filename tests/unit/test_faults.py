@@ -218,6 +218,16 @@ def test_slow_stretches_each_step_by_its_factor(monkeypatch):
     assert fake.slept == [2.0, 1.0]
 
 
+def test_slow_stretches_a_steps_own_work_not_its_waits_for_peers(monkeypatch):
+    fake = FakeTime()
+    monkeypatch.setattr(faults_module.time, "sleep", fake.sleep)
+    injector = FaultInjector([parse_fault("slow:worker=1:factor=3")], "worker", 1, clock=lambda: fake.now)
+    for step in (1, 2):
+        fake.now += 1.0  # a step of 1 s, 0.75 s of it waiting for the other workers
+        injector.at_step(step, waited_s=0.75)
+    assert fake.slept == [0.5]  # (3 - 1) x the 0.25 s of work
+
+
 def test_slow_measures_on_the_training_clock_when_given(monkeypatch):
     slept = []
     monkeypatch.setattr(faults_module.time, "sleep", slept.append)
