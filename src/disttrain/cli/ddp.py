@@ -150,8 +150,7 @@ def rank_main(argv: list[str], env: Mapping[str, str]) -> int:
     A failure's one-line message goes to stderr and to the agent's error file, where
     the launcher (or torchrun) reads it.
     """
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
+    from disttrain.strategies.ddp.error_file import AtomicErrorHandler
     from disttrain.strategies.ddp.rank import run_rank
     from disttrain.strategies.ddp.runtime import RankInfo
     args = rank_parser().parse_args(argv)
@@ -170,10 +169,10 @@ def rank_main(argv: list[str], env: Mapping[str, str]) -> int:
     except DisttrainError as e:
         for line in error_lines(e):
             print(f"error: rank {info.rank}: {line}", file=sys.stderr)
-        ErrorHandler().record_exception(e)
+        AtomicErrorHandler().record_exception(e)
         return e.exit_code
     except BaseException as e:
-        ErrorHandler().record_exception(e)
+        AtomicErrorHandler().record_exception(e)
         raise
     if summary is not None and not args.quiet_summary:
         print("\n".join(summary.lines()), flush=True)
