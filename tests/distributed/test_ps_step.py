@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,9 @@ LR = 0.5
 OLD_CONTRACT = Path(__file__).resolve().parents[1] / "fixtures" / "contract_before_step"
 
 
-def start(tmp_path, mode="sync", workers=2, transport="auto", methods=None, clients=None):
+@contextmanager
+def running(tmp_path, mode="sync", workers=2, transport="auto", methods=None, clients=None):
+    """A shard server and its registered clients, closed and stopped on the way out."""
     config = config_from_dict({
         "training": {"dataset": "digits", "model_architecture": "mlp", "optimizer": "sgd", "momentum": 0.0,
                      "learning_rate": LR, "mlp_hidden_size": 32},
@@ -50,11 +53,16 @@ def start(tmp_path, mode="sync", workers=2, transport="auto", methods=None, clie
     plan = plan_shards(init_model(config.training), 1)[0]
     initial = parameters_to_vector(init_model(config.training).parameters()).detach()
     made = []
-    for rank in range(workers if clients is None else clients):
-        client = PSClient([server.address], [plan], RetryPolicy(timeout_s=10.0, max_attempts=3), transport)
-        client.register(f"w{rank}", rank, key=bytes([65 + rank]) * 32)
-        made.append(client)
-    return server, made, plan, initial
+    try:
+        for rank in range(workers if clients is None else clients):
+            made.append(PSClient([server.address], [plan], RetryPolicy(timeout_s=10.0, max_attempts=3),
+                                 transport))
+            made[-1].register(f"w{rank}", rank, key=bytes([65 + rank]) * 32)
+        yield server, made, plan, initial
+    finally:
+        for client in made:
+            client.close()
+        server.stop(0)
 
 
 def header(rank, step=1, base_version=0):
@@ -68,8 +76,7 @@ def trade(client, rank, grads, flat, step=1, base_version=0, min_version=1):
 
 @pytest.mark.parametrize("transport", ["auto", "grpc"])
 def test_sync_step_answers_with_the_step_the_push_joined(tmp_path, transport):
-    server, clients, plan, initial = start(tmp_path, transport=transport)
-    try:
+    with running(tmp_path, transport=transport) as (server, clients, plan, initial):
         assert all(c.can_step(0) for c in clients)
         grads = [torch.full((plan.numel,), float(rank + 1)) for rank in range(2)]
         flats = [torch.zeros(plan.numel) for _ in range(2)]
@@ -87,28 +94,19 @@ def test_sync_step_answers_with_the_step_the_push_joined(tmp_path, transport):
             torch.testing.assert_close(flat, expected)
         torch.testing.assert_close(server.state.parameters(), expected)
         assert server.state.version == 1
-    finally:
-        for client in clients:
-            client.close()
-        server.stop(0)
 
 
 def test_async_step_answers_at_once_with_the_push_applied(tmp_path):
-    server, (client,), plan, initial = start(tmp_path, mode="async", workers=1)
-    try:
+    with running(tmp_path, mode="async", workers=1) as (server, (client,), plan, initial):
         flat, grads = torch.zeros(plan.numel), torch.ones(plan.numel)
         for step in (1, 2):
             replies, versions = trade(client, 0, grads, flat, step, step - 1, 0)
             assert replies[0].outcome == Outcome.Value("APPLIED") and versions == [step]
         torch.testing.assert_close(flat, initial - 2 * LR * grads)
-    finally:
-        client.close()
-        server.stop(0)
 
 
 def test_a_refused_push_ends_the_stream_changes_nothing_and_the_next_step_goes_on(tmp_path):
-    server, (client,), plan, initial = start(tmp_path, mode="async", workers=1, transport="grpc")
-    try:
+    with running(tmp_path, mode="async", workers=1, transport="grpc") as (server, (client,), plan, initial):
         shard = client.shards[0]
         bad = pb.GradientMessage()
         bad.CopyFrom(header(0))
@@ -122,24 +120,17 @@ def test_a_refused_push_ends_the_stream_changes_nothing_and_the_next_step_goes_o
         flat = torch.zeros(plan.numel)
         replies, versions = trade(client, 0, torch.ones(plan.numel), flat, 1, 0, 0)
         assert replies[0].outcome == Outcome.Value("APPLIED") and versions == [1]
-    finally:
-        client.close()
-        server.stop(0)
 
 
 def test_a_server_without_step_is_pushed_to_and_pulled_from(tmp_path):
     older = {name: spec for name, spec in wire.METHODS.items() if name != "Step"}
-    server, clients, plan, initial = start(tmp_path, methods=older, workers=1, mode="async")
-    (client,) = clients
-    try:
+    with running(tmp_path, methods=older, workers=1, mode="async") as (server, clients, plan, initial):
+        (client,) = clients
         flat = torch.zeros(plan.numel)
         replies, versions = trade(client, 0, torch.ones(plan.numel), flat, 1, 0, 1)
         assert replies[0].outcome == Outcome.Value("APPLIED") and versions == [1]
         torch.testing.assert_close(flat, initial - LR * torch.ones(plan.numel))
         assert not client.can_step(0)  # asked once, then never again
-    finally:
-        client.close()
-        server.stop(0)
 
 
 OLD_CLIENT = r"""
@@ -174,21 +165,17 @@ def test_a_client_of_the_contract_before_step_still_trains(tmp_path):
     for stub in (out / "disttrain" / "v1").glob("*_pb2.py"):  # flat, so they never meet this package
         text = stub.read_text().replace("from disttrain.v1 import ", "import ")
         (out / stub.name).write_text(text)
-    server, _, plan, initial = start(tmp_path, mode="async", workers=1, clients=0)
-    try:
+    with running(tmp_path, mode="async", workers=1, clients=0) as (server, _, plan, initial):
         done = subprocess.run([sys.executable, "-c", OLD_CLIENT, str(out), server.address, str(plan.numel)],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         outcome, version, pulled, nbytes = map(int, done.stdout.split())
         assert (outcome, version, pulled, nbytes) == (Outcome.Value("APPLIED"), 1, 1, plan.nbytes)
         torch.testing.assert_close(server.state.parameters(), initial - LR * torch.ones(plan.numel))
-    finally:
-        server.stop(0)
 
 
 def test_a_single_shard_model_lives_in_the_shared_segments(tmp_path):
-    server, (client,), plan, initial = start(tmp_path, mode="async", workers=1)
-    try:
+    with running(tmp_path, mode="async", workers=1) as (server, (client,), plan, initial):
         buffers = client.shared_buffers()
         assert buffers is not None
         model = init_model(server.state.config.training)
@@ -202,15 +189,8 @@ def test_a_single_shard_model_lives_in_the_shared_segments(tmp_path):
         expected[:next(model.parameters()).numel()] -= LR
         torch.testing.assert_close(flat, expected)  # landed in the model's own memory
         torch.testing.assert_close(server.state.parameters(), expected)
-    finally:
-        client.close()
-        server.stop(0)
 
 
 def test_over_grpc_the_model_keeps_its_own_memory(tmp_path):
-    server, (client,), _, _ = start(tmp_path, mode="async", workers=1, transport="grpc")
-    try:
+    with running(tmp_path, mode="async", workers=1, transport="grpc") as (server, (client,), _, _):
         assert client.shared_buffers() is None
-    finally:
-        client.close()
-        server.stop(0)

@@ -12,11 +12,20 @@ averaged gradient is the gradient of the whole global batch.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
+from disttrain.config import SystemConfig, TrainingConfig
 from disttrain.core.errors import ConfigError
 from disttrain.core.faults import FaultInjector
+from disttrain.data import ArrayDataset
+from disttrain.training.engine import forward_backward
+from disttrain.training.models import init_model
+
+logger = logging.getLogger(__name__)
 
 WARMUP_PASSES = 3
 
@@ -63,14 +72,10 @@ def plan_batches(speeds: Sequence[float], global_batch: int, mode: str, margin: 
     return batches
 
 
-def warmup_speed(training, device, train_set, faults: FaultInjector | None = None) -> float:
+def warmup_speed(training: TrainingConfig, device: torch.device, train_set: ArrayDataset,
+                 faults: FaultInjector | None = None) -> float:
     """This process's samples/s on one batch of the config's size, timed on a fresh copy
     of the model (`measure_speed`), on `device`."""
-    import torch
-
-    from disttrain.training.engine import forward_backward
-    from disttrain.training.models import init_model
-
     model = init_model(training).to(device)
     inputs, targets = train_set.batch(torch.arange(min(training.batch_size, len(train_set))))
     inputs, targets = inputs.to(device), targets.to(device)
@@ -97,15 +102,21 @@ def fixed_shares(text: str, global_batch: int, world_size: int) -> tuple[int, ..
     return shares
 
 
-def plan_shares(system, global_batch: int, world_size: int, gather: Callable[[float], list[float]],
-                speed: Callable[[], float]) -> tuple[tuple[int, ...] | None, list[float]]:
-    """The run's plan under `system.balance`: (each process's batch, or None for the
-    config's equal batches; the speeds it came from). `speed()` measures this process,
-    `gather(speed)` returns every process's, in rank order (a collective)."""
+def plan_shares(system: SystemConfig, batch_size: int, world_size: int,
+                gather: Callable[[float], list[float]], speed: Callable[[], float],
+                announce: str | None = None) -> tuple[int, ...] | None:
+    """The run's plan under `system.balance`: each process's batch, or None for the
+    config's equal batches of `batch_size`. `speed()` measures this process, `gather(speed)`
+    returns every process's, in rank order (a collective). `announce` ("rank", "worker"):
+    log the speeds and the plan under that name (the process that speaks for the run)."""
+    global_batch = batch_size * world_size
     if system.balance == "none":
-        return None, []
+        return None
     if system.balance_batches:
-        return fixed_shares(system.balance_batches, global_batch, world_size), []
+        return fixed_shares(system.balance_batches, global_batch, world_size)
     speeds = gather(speed())
     shares = plan_batches(speeds, global_batch, system.balance, system.balance_margin)
-    return (None if len(set(shares)) == 1 else tuple(shares)), speeds
+    if announce:
+        logger.info("%s speeds %s samples/s: batches %s (balance %s)", announce,
+                    ", ".join(f"{s:.0f}" for s in speeds), shares, system.balance)
+    return None if len(set(shares)) == 1 else tuple(shares)

@@ -3,8 +3,6 @@ on a copy of the model (DDP's hooks are not on it), shared by an all-gather of t
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
 
@@ -13,8 +11,6 @@ from disttrain.core.faults import FaultInjector
 from disttrain.data import ArrayDataset
 from disttrain.strategies.ddp import runtime as rt
 from disttrain.training.balance import plan_shares, warmup_speed
-
-logger = logging.getLogger(__name__)
 
 
 def balance_shares(config: Config, runtime: rt.Runtime, train_set: ArrayDataset,
@@ -28,11 +24,6 @@ def balance_shares(config: Config, runtime: rt.Runtime, train_set: ArrayDataset,
         dist.all_gather(gathered, mine)
         return [float(t.item()) for t in gathered]
 
-    training, system = config.training, config.system
-    shares, speeds = plan_shares(system, training.batch_size * info.world_size, info.world_size, gather,
-                                 lambda: warmup_speed(training, runtime.device, train_set, faults))
-    if info.is_main and speeds:
-        planned = list(shares or [training.batch_size] * info.world_size)
-        logger.info("rank speeds %s samples/s: batches %s (balance %s)",
-                    ", ".join(f"{s:.0f}" for s in speeds), planned, system.balance)
-    return shares
+    return plan_shares(config.system, config.training.batch_size, info.world_size, gather,
+                       lambda: warmup_speed(config.training, runtime.device, train_set, faults),
+                       announce="rank" if info.is_main else None)

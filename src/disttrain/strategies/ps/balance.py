@@ -4,8 +4,6 @@ servers keep, so a restarted worker gets the same plan)."""
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from disttrain.config import Config
@@ -13,8 +11,6 @@ from disttrain.core.faults import FaultInjector
 from disttrain.data import ArrayDataset
 from disttrain.strategies.ps.client import PSClient
 from disttrain.training.balance import plan_shares, warmup_speed
-
-logger = logging.getLogger(__name__)
 
 
 def balance_shares(config: Config, client: PSClient, worker_id: str, world_size: int, rank: int,
@@ -24,11 +20,6 @@ def balance_shares(config: Config, client: PSClient, worker_id: str, world_size:
     def gather(speed: float) -> list[float]:
         return [row[0] for row in client.barrier(worker_id, "speeds", [speed])]
 
-    training, system = config.training, config.system
-    shares, speeds = plan_shares(system, training.batch_size * world_size, world_size, gather,
-                                 lambda: warmup_speed(training, torch.device("cpu"), train_set, faults))
-    if rank == 0 and speeds:
-        planned = list(shares or [training.batch_size] * world_size)
-        logger.info("worker speeds %s samples/s: batches %s (balance %s)",
-                    ", ".join(f"{s:.0f}" for s in speeds), planned, system.balance)
-    return shares
+    return plan_shares(config.system, config.training.batch_size, world_size, gather,
+                       lambda: warmup_speed(config.training, torch.device("cpu"), train_set, faults),
+                       announce="worker" if rank == 0 else None)
