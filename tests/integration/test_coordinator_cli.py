@@ -93,6 +93,9 @@ def test_a_coordinator_killed_and_restarted_on_its_registry_shows_the_same_clust
     client.heartbeat(pb.HeartbeatMessage(worker_id="worker-0", step=25, role="worker"))
     client.report_exit("worker-0", 137, "killed by SIGKILL")
     client.register("worker-0", "worker", rank=0)  # its restart
+    for batch_size, plans in ((24, 1), (40, 2)):  # its balance plan, then a re-plan (written at once)
+        client.heartbeat(pb.HeartbeatMessage(worker_id="worker-0", step=25, role="worker",
+                                             batch_size=batch_size, warmup_speed=900.0, plans=plans))
     client.close()
     first.kill()
 
@@ -107,10 +110,18 @@ def test_a_coordinator_killed_and_restarted_on_its_registry_shows_the_same_clust
         assert nodes["worker-0"]["restarts"] == 1 and nodes["worker-0"]["step"] == 25
         assert nodes["server-0"]["address"] == "127.0.0.1:50051"
         assert nodes["server-0"]["capabilities"]["cpus"] > 0
-        assert [e["kind"] for e in cluster["events"]] == ["joined", "joined", "failed", "restarted"]
+        assert "gpu_count" in nodes["server-0"]["capabilities"]
+        worker = nodes["worker-0"]
+        assert (worker["batch_size"], worker["warmup_speed"], worker["plans"]) == (40, 900.0, 2)
+        assert [e["kind"] for e in cluster["events"]] == ["joined", "joined", "failed", "restarted",
+                                                          "recovered", "rebalanced"]
 
     table = cli("status", "--coordinator", second.address, timeout=60)
     assert table.returncode == 0 and "worker-0" in table.stdout and "generation 4" in table.stdout
+    assert "BATCH" in table.stdout and "WARM-UP/S" in table.stdout, table.stdout
+    row = next(line for line in table.stdout.splitlines() if line.startswith("worker-0"))
+    assert "40 (plan 2)" in row and row.endswith("900.0"), row
+    assert "worker-0  rebalanced: batch 24 -> 40 (plan 2)" in table.stdout, table.stdout
 
 
 def test_failures_by_timeout_are_announced_and_the_injected_kill_fires(tmp_path, started):

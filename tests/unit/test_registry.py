@@ -8,7 +8,15 @@ import sqlite3
 import pytest
 
 from disttrain.coordinator.membership import Membership
-from disttrain.coordinator.registry import Registry, RegistryError, read_status
+from disttrain.coordinator.registry import (
+    ADDED_COLUMNS,
+    NODE_COLUMNS,
+    REGISTRY_KIND,
+    SCHEMA,
+    Registry,
+    RegistryError,
+    read_status,
+)
 
 
 def cluster() -> Membership:
@@ -112,3 +120,43 @@ def test_status_of_a_missing_file_names_it(tmp_path):
     with pytest.raises(RegistryError, match=r"no cluster registry at .*missing\.db"):
         read_status(tmp_path / "missing.db")
     assert not (tmp_path / "missing.db").exists()
+
+
+def old_registry(path) -> None:
+    """A registry as a disttrain before the balance columns wrote it: one worker at step 40."""
+    columns = {name: kind for name, kind in NODE_COLUMNS.items() if name not in ADDED_COLUMNS}
+    with sqlite3.connect(path) as db:
+        db.executescript(SCHEMA.replace(", ".join(f"{k} {t}" for k, t in NODE_COLUMNS.items()),
+                                        ", ".join(f"{k} {t}" for k, t in columns.items())))
+        db.executemany("INSERT INTO meta VALUES (?, ?)", [("kind", REGISTRY_KIND), ("schema_version", "1"),
+                                                          ("generation", "1")])
+        db.execute("INSERT INTO nodes (node_id, role, rank, capabilities, state, step) VALUES "
+                   "('worker-0', 'worker', 0, '{\"cpus\": 4}', 'alive', 40)")
+    with sqlite3.connect(path) as db:
+        assert "plans" not in {row[1] for row in db.execute("PRAGMA table_info(nodes)")}
+
+
+def test_an_older_registry_reads_with_the_balance_columns_at_zero(tmp_path):
+    path = tmp_path / "old.db"
+    old_registry(path)
+    path.chmod(0o444)  # the status read adds nothing to the file
+    try:
+        (node,) = read_status(path).nodes
+    finally:
+        path.chmod(0o644)
+    assert (node["step"], node["batch_size"], node["warmup_speed"], node["plans"]) == (40, 0, 0.0, 0)
+
+
+def test_a_coordinator_opening_an_older_registry_adds_the_balance_columns(tmp_path):
+    path = tmp_path / "old.db"
+    old_registry(path)
+    registry = Registry(path)
+    (node,) = registry.load().nodes
+    assert (node["step"], node["capabilities"], node["plans"]) == (40, {"cpus": 4}, 0)
+    membership = Membership(heartbeat_timeout_s=5.0)
+    membership.restore(registry.load().nodes, 1, now=0.0)
+    membership.heartbeat("worker-0", now=1.0, batch_size=24, warmup_speed=90.5, plans=2)
+    save(registry, membership)
+    registry.close()
+    (node,) = read_status(path).nodes
+    assert (node["batch_size"], node["warmup_speed"], node["plans"]) == (24, 90.5, 2)

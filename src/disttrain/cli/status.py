@@ -17,10 +17,12 @@ from disttrain.proto import coordinator_pb2 as pb
 
 HELP = "show the cluster: every node, its state, progress and speed, and the latest events"
 DESCRIPTION = """Show every process of a run as the coordinator sees it: role, rank, address,
-machine, state (alive, failed, done), time since its last heartbeat, restarts, epoch,
-step and throughput, with stragglers marked; then the latest events (joined, failed,
-restarted, recovered, done, straggler). Ask a running coordinator, or read its registry
-file (works while no coordinator runs; never writes to the file).
+machine (CPUs, memory, GPUs), state (alive, failed, done), time since its last
+heartbeat, restarts, epoch, step, and under proportional work (--balance) its current
+batch and the speed it measured in its warm-up, beside the throughput it has now, with
+stragglers marked; then the latest events (joined, failed, restarted, recovered, done,
+straggler, rebalanced). Ask a running coordinator, or read its registry file (works
+while no coordinator runs; never writes to the file).
 
     disttrain status --coordinator node0:50050
     disttrain status --registry logs/cluster-registry.db
@@ -30,7 +32,9 @@ file (works while no coordinator runs; never writes to the file).
 NODE_KEYS = [f.name for f in pb.NodeStatus.DESCRIPTOR.fields]
 EVENT_KEYS = [f.name for f in pb.ClusterEvent.DESCRIPTOR.fields]
 COLUMNS = ("NODE", "ROLE", "RANK", "ADDRESS", "MACHINE", "STATE", "HEARTBEAT", "RESTARTS",
-           "EPOCH", "STEP", "SAMPLES/S")
+           "EPOCH", "STEP", "BATCH", "SAMPLES/S", "WARM-UP/S")
+BALANCE_LEGEND = ("BATCH: its batch now (plan N: after N-1 re-plans); SAMPLES/S: since its last "
+                  "heartbeat; WARM-UP/S: before training")
 NUM_EVENTS = 10
 
 
@@ -108,6 +112,8 @@ def _message_dict(message) -> dict[str, Any]:
 def _registry_node(row: dict[str, Any], wall_now: float) -> dict[str, Any]:
     """A registry row in the shape of the coordinator's answer (heartbeat age from now)."""
     node = {key: row.get(key) for key in NODE_KEYS}
+    # A node registered by an older disttrain has fewer capabilities: the others read 0.
+    node["capabilities"] = {**_message_dict(pb.Capabilities()), **(row.get("capabilities") or {})}
     last = row.get("last_heartbeat")
     node["heartbeat_age_s"] = -1.0 if last is None else max(0.0, wall_now - last)
     return node
@@ -129,6 +135,8 @@ def render(cluster: dict[str, Any]) -> list[str]:
     if cluster["source"].startswith("registry"):
         lines.append("(as the coordinator last recorded it; alive nodes may have stopped since)")
     lines += [""] + _table([COLUMNS] + [_row(node) for node in nodes]) if nodes else ["", "no nodes yet"]
+    if any(node["batch_size"] or node["warmup_speed"] for node in nodes):
+        lines.append(BALANCE_LEGEND)
     if cluster["stragglers"]:
         slow = {node["node_id"]: node["step_time_s"] for node in nodes}
         lines.append("* straggler: " + ", ".join(f"{n} ({slow[n]:.3f}s/step)" for n in cluster["stragglers"]))
@@ -144,15 +152,31 @@ def _row(node: dict[str, Any]) -> tuple[str, ...]:
     return (node["node_id"] + mark, node["role"], str(node["rank"]) if node["rank"] >= 0 else "-",
             node["address"] or "-", describe_machine(node), node["state"],
             describe_age(node["heartbeat_age_s"]), str(node["restarts"]), str(node["epoch"]),
-            str(node["step"]), f"{node['throughput']:.1f}")
+            str(node["step"]), describe_batch(node), f"{node['throughput']:.1f}",
+            f"{node['warmup_speed']:.1f}" if node["warmup_speed"] else "-")
 
 
 def describe_machine(node: dict[str, Any]) -> str:
-    """E.g. "vm: 8 CPU, 31.2 GB, no GPU"."""
+    """E.g. "vm: 8 CPU, 31.2 GB, no GPU" or "gpu1: 32 CPU, 270.1 GB, 2x NVIDIA H100"."""
     caps = node.get("capabilities") or {}
     memory = f"{caps['memory_bytes'] / 1e9:.1f} GB" if caps.get("memory_bytes") else "? GB"
-    text = f"{caps.get('cpus') or '?'} CPU, {memory}, {caps.get('gpu') or 'no GPU'}"
+    text = f"{caps.get('cpus') or '?'} CPU, {memory}, {describe_gpus(caps)}"
     return f"{node['hostname']}: {text}" if node.get("hostname") else text
+
+
+def describe_gpus(caps: dict[str, Any]) -> str:
+    """E.g. "2x NVIDIA H100", "no GPU"; the name alone when the count is unknown (0)."""
+    name, count = caps.get("gpu") or "", caps.get("gpu_count") or 0
+    if count and name:
+        return f"{count}x {name}"
+    return name or (f"{count} GPU" if count else "no GPU")
+
+
+def describe_batch(node: dict[str, Any]) -> str:
+    """E.g. "96 (plan 2)" after a re-plan, "64" on the plan it started with, "-" unknown."""
+    if not node["batch_size"]:
+        return "-"
+    return f"{node['batch_size']} (plan {node['plans']})" if node["plans"] > 1 else str(node["batch_size"])
 
 
 def describe_age(age_s: float) -> str:

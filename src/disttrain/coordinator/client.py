@@ -13,7 +13,6 @@ import logging
 import os
 import random
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from collections.abc import Callable
 import grpc
 import tenacity
 
+from disttrain.coordinator.node_info import balance_fields, capabilities
 from disttrain.core.auth import with_token
 from disttrain.core.errors import DisttrainError
 from disttrain.core.tls import TlsFiles
@@ -56,19 +56,6 @@ class CoordinatorError(DisttrainError):
     @property
     def unreachable(self) -> bool:
         return self.code in UNREACHABLE
-
-
-def capabilities() -> pb.Capabilities:
-    """This machine: CPU count, total memory, and the GPU's name when torch is loaded."""
-    try:
-        memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        memory_bytes = 0
-    gpu = ""
-    torch = sys.modules.get("torch")  # never import torch only to describe the machine
-    if torch is not None and torch.cuda.is_available():
-        gpu = torch.cuda.get_device_name(0)
-    return pb.Capabilities(cpus=os.cpu_count() or 0, memory_bytes=memory_bytes, gpu=gpu)
 
 
 class CoordinatorClient:
@@ -181,9 +168,11 @@ class HeartbeatSender:
     """A daemon thread heartbeating every `interval_s` with this node's progress.
 
     Call `client.register` first, then `start()`. `progress()` returns (epoch, step,
-    samples so far[, seconds of work so far]); throughput and step time come from the
-    change since the previous heartbeat (step time from the seconds of work when given: a
-    node that waits for slower peers then does not look slow itself). While the coordinator
+    samples so far[, seconds of work so far[, balance state]]); throughput and step time
+    come from the change since the previous heartbeat (step time from the seconds of work
+    when given and not None: a node that waits for slower peers then does not look slow
+    itself). The balance state is a dict with optional keys batch, speed and plans
+    (`node_info.balance_fields`); the heartbeat carries it as it is. While the coordinator
     is unreachable the thread keeps trying (one warning, one info once it is back); when it
     answers NOT_FOUND (restarted without its registry) the node registers again; when it
     answers alive=False, `on_declared_dead()` is called once and the thread ends.
@@ -214,9 +203,10 @@ class HeartbeatSender:
                 return
 
     def _message(self) -> pb.HeartbeatMessage:
-        epoch, step, samples, *work = self.progress()
+        epoch, step, samples, *rest = self.progress()
         now = time.monotonic()
-        busy = work[0] if work else now  # seconds of work so far, when the node counts them
+        busy = rest[0] if rest and rest[0] is not None else now  # seconds of work, when counted
+        balance = balance_fields(rest[1] if len(rest) > 1 else None)
         throughput = step_time_s = 0.0
         if self._previous is not None:
             then, last_step, last_samples, last_busy = self._previous
@@ -225,7 +215,7 @@ class HeartbeatSender:
         self._previous = (now, step, samples, busy)
         return pb.HeartbeatMessage(worker_id=self.node_id, timestamp=time.time(), epoch=epoch, step=step,
                                    role=self.role, throughput=throughput, step_time_s=step_time_s,
-                                   pid=os.getpid(), generation=self.generation)
+                                   pid=os.getpid(), generation=self.generation, **balance)
 
     def _beat(self) -> bool:
         """One heartbeat; False once this node was declared dead."""

@@ -13,21 +13,20 @@ Rules:
 - Every membership change (join, rejoin, failure, done) starts a new `generation`.
 - A straggler is a live node whose step time exceeds `straggler_factor` times the median
   step time of the other live nodes of its role.
+- A node's balance plans rising above a known count is a "rebalanced" event (no new
+  generation: the membership is the same); see `nodes.py`.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import fields
 from typing import Any
 
+from disttrain.coordinator.nodes import ALIVE, CLOCK_FIELDS, DONE, FAILED, Event, Node, node_row
 from disttrain.core.errors import DisttrainError
 
 ROLES = ("worker", "server", "rank", "coordinator")
-ALIVE, FAILED, DONE = "alive", "failed", "done"
-EVENT_KINDS = ("joined", "failed", "restarted", "recovered", "done", "straggler")
-# Node fields holding times of the caller's monotonic clock; rows hold them as wall time.
-CLOCK_FIELDS = ("last_heartbeat", "last_seen", "failed_at", "last_heard")
 
 
 class DuplicateNode(DisttrainError):
@@ -38,46 +37,6 @@ class DuplicateNode(DisttrainError):
 class UnknownNode(DisttrainError):
     """A heartbeat from a node id never registered (e.g. the coordinator restarted without
     its registry). Recoverable: register again."""
-
-
-@dataclass
-class Node:
-    """One process of the run as the coordinator sees it."""
-
-    node_id: str
-    role: str
-    rank: int = -1
-    address: str = ""
-    hostname: str = ""
-    pid: int = 0
-    capabilities: dict[str, Any] = field(default_factory=dict)  # cpus, memory_bytes, gpu
-    state: str = ALIVE
-    joined_generation: int = 0
-    restarts: int = 0
-    last_heartbeat: float | None = None  # None: no heartbeat since it (re)registered
-    last_seen: float | None = None  # its latest registration or heartbeat
-    epoch: int = 0
-    step: int = 0
-    throughput: float = 0.0
-    step_time_s: float = 0.0
-    straggler: bool = False
-    # Failure bookkeeping, for the recovery figures.
-    failed_at: float | None = None  # when the failure was detected
-    last_heard: float | None = None  # its last heartbeat before that (None: exit reported)
-    failure_reason: str = ""
-    recovering: bool = False  # registered again after a failure; waiting for a heartbeat
-
-
-@dataclass(frozen=True)
-class Event:
-    """Something that happened to a node. `time` is on the clock of the `now` it came from
-    until `take_events` shifts it (e.g. onto the wall clock)."""
-
-    node_id: str
-    kind: str
-    detail: str
-    generation: int
-    time: float = 0.0
 
 
 class Membership:
@@ -143,13 +102,15 @@ class Membership:
             setattr(node, key, value)
         node.restarts += 1
         node.recovering = was_failed
-        node.straggler, node.step_time_s, node.throughput = False, 0.0, 0.0
+        node.restart()
         self._change(node, ALIVE, "restarted", f"restart {node.restarts}, pid {node.pid}", now)
 
     def heartbeat(self, node_id: str, now: float, epoch: int = 0, step: int = 0,
-                  throughput: float = 0.0, step_time_s: float = 0.0, pid: int = 0) -> bool:
-        """Record a heartbeat. Returns False when the sender is considered dead (failed, or
-        an old process of a node that has since registered again): it must exit.
+                  throughput: float = 0.0, step_time_s: float = 0.0, pid: int = 0,
+                  batch_size: int = 0, warmup_speed: float = 0.0, plans: int = 0) -> bool:
+        """Record a heartbeat and the sender's balance state (0: unknown, the value held
+        stays). Returns False when the sender is considered dead (failed, or an old process
+        of a node that has since registered again): it must exit.
 
         Raises:
             UnknownNode: `node_id` never registered.
@@ -164,6 +125,9 @@ class Membership:
         if step_time_s > 0:  # no step since the last heartbeat (an evaluation): the last one holds
             node.step_time_s = step_time_s
         node.last_heartbeat = node.last_seen = now
+        rebalanced = node.update_balance(batch_size, warmup_speed, plans)
+        if rebalanced is not None:
+            self._emit(node, "rebalanced", rebalanced, now)
         if node.recovering:
             self._recovered(node, now)
         return True
@@ -288,11 +252,3 @@ class Membership:
             self._nodes[node.node_id] = node
         self.generation = generation
 
-
-def node_row(node: Node, clock_offset_s: float = 0.0) -> dict[str, Any]:
-    """`node` as a plain dict, its clock fields shifted by `clock_offset_s`."""
-    row = asdict(node)
-    for name in CLOCK_FIELDS:
-        if row[name] is not None:
-            row[name] += clock_offset_s
-    return row

@@ -4,6 +4,8 @@ restarted coordinator (or `disttrain status --registry`) sees the cluster as it 
 Only the coordinator writes it. The file is opened in WAL mode (a reader never blocks
 the writer) with a busy timeout; times in it are wall-clock seconds since the epoch.
 A file that is not a registry is never written to: the user decides what to do with it.
+Node columns added since a file was written are added to it when a coordinator opens it
+(old rows get the column's default); the read-only status read fills in the default.
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ NODE_COLUMNS = {
     "last_seen": "REAL", "epoch": "INTEGER", "step": "INTEGER", "throughput": "REAL",
     "step_time_s": "REAL", "straggler": "INTEGER", "failed_at": "REAL", "last_heard": "REAL",
     "failure_reason": "TEXT", "recovering": "INTEGER",
+    "batch_size": "INTEGER NOT NULL DEFAULT 0", "warmup_speed": "REAL NOT NULL DEFAULT 0",
+    "plans": "INTEGER NOT NULL DEFAULT 0",
 }
+# Columns added after schema version 1 was first written -> what an older row holds.
+ADDED_COLUMNS = {"batch_size": 0, "warmup_speed": 0.0, "plans": 0}
 EVENT_COLUMNS = ("time", "node_id", "kind", "detail", "generation")
 _BOOL_COLUMNS = ("straggler", "recovering")
 
@@ -91,6 +97,9 @@ class Registry:
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     self._db.execute(statement)
+            present = _node_columns(self._db)
+            for column in (c for c in ADDED_COLUMNS if c not in present):  # written by an older disttrain
+                self._db.execute(f"ALTER TABLE nodes ADD COLUMN {column} {NODE_COLUMNS[column]}")
             for key, value in (("kind", REGISTRY_KIND), ("schema_version", SCHEMA_VERSION)):
                 self._db.execute("INSERT OR IGNORE INTO meta VALUES (?, ?)", (key, str(value)))
             self._db.execute("INSERT OR IGNORE INTO meta VALUES ('generation', '0')")
@@ -164,10 +173,15 @@ def _not_a_registry(path: Path) -> str:
             "pass another --registry")
 
 
+def _node_columns(db: sqlite3.Connection) -> set[str]:
+    return {row[1] for row in db.execute("PRAGMA table_info(nodes)")}
+
+
 def _snapshot(db: sqlite3.Connection, max_events: int) -> Snapshot:
     generation = db.execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()
-    columns = list(NODE_COLUMNS)
-    nodes = [_node_dict(dict(zip(columns, row, strict=True)))
+    present = _node_columns(db)
+    columns = [c for c in NODE_COLUMNS if c in present]  # an older file read-only lacks the added ones
+    nodes = [_node_dict({**ADDED_COLUMNS, **dict(zip(columns, row, strict=True))})
              for row in db.execute(f"SELECT {', '.join(columns)} FROM nodes ORDER BY role, rank, node_id")]
     rows = db.execute(f"SELECT {', '.join(EVENT_COLUMNS)} FROM events ORDER BY id DESC LIMIT ?",
                       (max_events,)).fetchall()

@@ -19,7 +19,8 @@ import grpc
 
 from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.client import METHODS, SERVICE
-from disttrain.coordinator.membership import DuplicateNode, Event, Membership, Node, UnknownNode
+from disttrain.coordinator.membership import DuplicateNode, Membership, UnknownNode
+from disttrain.coordinator.nodes import Event, Node
 from disttrain.coordinator.registry import Registry, RegistryError
 from disttrain.core.addresses import parse_address
 from disttrain.core.errors import ConfigError
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 MAX_WAIT_S = 60.0  # longest WatchMembership hold, whatever the call's deadline
 REPLY_MARGIN_S = 0.05  # a long-poll answers this long before its deadline, so the answer arrives
 RECENT_EVENTS = 50
+CAPABILITIES = [f.name for f in pb.Capabilities.DESCRIPTOR.fields]  # cpus, memory_bytes, gpu, gpu_count
 
 
 class CoordinatorState:
@@ -73,8 +75,7 @@ class CoordinatorState:
 
     def register(self, request: pb.RegisterNodeRequest) -> pb.RegisterNodeReply:
         """Raises ValueError (bad id or role) or DuplicateNode, changing nothing."""
-        capabilities = {"cpus": request.capabilities.cpus, "gpu": request.capabilities.gpu,
-                        "memory_bytes": request.capabilities.memory_bytes}
+        capabilities = {name: getattr(request.capabilities, name) for name in CAPABILITIES}
         with self.changed:
             node = self.membership.register(request.node_id, request.role, self._clock(), request.rank,
                                             request.address, request.hostname, request.pid, capabilities)
@@ -87,10 +88,11 @@ class CoordinatorState:
         """Raises UnknownNode for a node never registered."""
         with self.changed:
             alive = self.membership.heartbeat(request.worker_id, self._clock(), request.epoch, request.step,
-                                              request.throughput, request.step_time_s, request.pid)
+                                              request.throughput, request.step_time_s, request.pid,
+                                              request.batch_size, request.warmup_speed, request.plans)
             self.max_step = max(self.max_step, request.step)
             self._progress_unsaved = True
-            if self.membership.has_events:  # a recovery: persist it now, progress can wait
+            if self.membership.has_events:  # a recovery or a re-plan: persist it now, progress can wait
                 self._save()
             return pb.HeartbeatReply(alive=alive, generation=self.membership.generation)
 
@@ -154,13 +156,14 @@ class CoordinatorState:
 
 
 def _node_status(node: Node, now: float) -> pb.NodeStatus:
-    capabilities = pb.Capabilities(**{k: v for k, v in node.capabilities.items()
-                                      if k in ("cpus", "memory_bytes", "gpu")})
+    # A node registered by an older disttrain has fewer keys: the others read 0.
+    capabilities = pb.Capabilities(**{k: v for k, v in node.capabilities.items() if k in CAPABILITIES})
     age = -1.0 if node.last_heartbeat is None else max(0.0, now - node.last_heartbeat)
     return pb.NodeStatus(node_id=node.node_id, role=node.role, rank=node.rank, address=node.address,
                          hostname=node.hostname, pid=node.pid, capabilities=capabilities, state=node.state,
                          heartbeat_age_s=age, restarts=node.restarts, epoch=node.epoch, step=node.step,
-                         throughput=node.throughput, step_time_s=node.step_time_s, straggler=node.straggler)
+                         throughput=node.throughput, step_time_s=node.step_time_s, straggler=node.straggler,
+                         batch_size=node.batch_size, warmup_speed=node.warmup_speed, plans=node.plans)
 
 
 class CoordinatorServicer:

@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Capabilities(_message.Message):
-    __slots__ = ("cpus", "memory_bytes", "gpu")
+    __slots__ = ("cpus", "memory_bytes", "gpu", "gpu_count")
     CPUS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
+    GPU_COUNT_FIELD_NUMBER: _ClassVar[int]
     cpus: int
     memory_bytes: int
     gpu: str
-    def __init__(self, cpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., gpu: _Optional[str] = ...) -> None: ...
+    gpu_count: int
+    def __init__(self, cpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., gpu: _Optional[str] = ..., gpu_count: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("node_id", "role", "rank", "address", "hostname", "pid", "capabilities")
@@ -47,7 +49,7 @@ class RegisterNodeReply(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., restarts: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatMessage(_message.Message):
-    __slots__ = ("worker_id", "timestamp", "epoch", "step", "role", "throughput", "step_time_s", "pid", "generation")
+    __slots__ = ("worker_id", "timestamp", "epoch", "step", "role", "throughput", "step_time_s", "pid", "generation", "batch_size", "warmup_speed", "plans")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +59,9 @@ class HeartbeatMessage(_message.Message):
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_SPEED_FIELD_NUMBER: _ClassVar[int]
+    PLANS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     timestamp: float
     epoch: int
@@ -66,7 +71,10 @@ class HeartbeatMessage(_message.Message):
     step_time_s: float
     pid: int
     generation: int
-    def __init__(self, worker_id: _Optional[str] = ..., timestamp: _Optional[float] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., role: _Optional[str] = ..., throughput: _Optional[float] = ..., step_time_s: _Optional[float] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    batch_size: int
+    warmup_speed: float
+    plans: int
+    def __init__(self, worker_id: _Optional[str] = ..., timestamp: _Optional[float] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., role: _Optional[str] = ..., throughput: _Optional[float] = ..., step_time_s: _Optional[float] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ..., batch_size: _Optional[int] = ..., warmup_speed: _Optional[float] = ..., plans: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("alive", "generation")
@@ -152,7 +160,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "role", "rank", "address", "hostname", "pid", "capabilities", "state", "heartbeat_age_s", "restarts", "epoch", "step", "throughput", "step_time_s", "straggler")
+    __slots__ = ("node_id", "role", "rank", "address", "hostname", "pid", "capabilities", "state", "heartbeat_age_s", "restarts", "epoch", "step", "throughput", "step_time_s", "straggler", "batch_size", "warmup_speed", "plans")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +176,9 @@ class NodeStatus(_message.Message):
     THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_SPEED_FIELD_NUMBER: _ClassVar[int]
+    PLANS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     rank: int
@@ -183,7 +194,10 @@ class NodeStatus(_message.Message):
     throughput: float
     step_time_s: float
     straggler: bool
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., state: _Optional[str] = ..., heartbeat_age_s: _Optional[float] = ..., restarts: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., step_time_s: _Optional[float] = ..., straggler: _Optional[bool] = ...) -> None: ...
+    batch_size: int
+    warmup_speed: float
+    plans: int
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., state: _Optional[str] = ..., heartbeat_age_s: _Optional[float] = ..., restarts: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., step_time_s: _Optional[float] = ..., straggler: _Optional[bool] = ..., batch_size: _Optional[int] = ..., warmup_speed: _Optional[float] = ..., plans: _Optional[int] = ...) -> None: ...
 
 class ClusterEvent(_message.Message):
     __slots__ = ("time", "node_id", "kind", "detail", "generation")

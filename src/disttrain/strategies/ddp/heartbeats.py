@@ -22,12 +22,14 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
 from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError, HeartbeatSender
+from disttrain.coordinator.node_info import balance_fields
 from disttrain.core.errors import DisttrainError, error_lines
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import coordinator_pb2 as pb
@@ -47,16 +49,23 @@ def node_id(rank: int) -> str:
 
 @dataclass
 class LoopProgress:
-    """The training loop's position as a heartbeat reads it. The loop updates `position` in
-    place (a resume loads the checkpoint's into it), so a heartbeat thread reads it live."""
+    """The training loop's position and the rank's balance state as a heartbeat reads them.
+    The loop updates `position` in place (a resume loads the checkpoint's into it), so a
+    heartbeat thread reads it live. `balance` (optional keys `batch`: the rank's current
+    batch size, `speed`: its warm-up samples/s, `plans`: balance plans so far, 1 = the one
+    it started with) is updated in place too, best in one `balance.update(...)` call so a
+    heartbeat never reads half of a re-plan."""
 
     position: Position
     num_epochs: int
+    balance: dict[str, Any] = field(default_factory=dict)
 
-    def __call__(self) -> tuple[int, int, int]:
-        """(epoch, step, samples so far); after the last epoch, that epoch."""
+    def __call__(self) -> tuple[int, int, int, None, dict[str, Any]]:
+        """(epoch, step, samples so far, None, balance state); after the last epoch, that
+        epoch. No seconds of work: the heartbeat times steps by the wall clock."""
         position = self.position
-        return min(position.epoch, self.num_epochs - 1), position.step, position.samples_processed
+        return (min(position.epoch, self.num_epochs - 1), position.step, position.samples_processed, None,
+                self.balance)
 
     def averages(self) -> tuple[float, float]:
         """(samples per second, seconds per step) over the training clock so far; valid
@@ -180,11 +189,11 @@ class RankLink:
         self.client.close()
 
     def _final_heartbeat(self, generation: int) -> pb.HeartbeatMessage:
-        epoch, step, _ = self.progress()
+        epoch, step, _, _, balance = self.progress()
         throughput, step_time_s = self.progress.averages()
         return pb.HeartbeatMessage(worker_id=self.node_id, timestamp=time.time(), epoch=epoch, step=step,
                                    role=ROLE, throughput=throughput, step_time_s=step_time_s,
-                                   pid=os.getpid(), generation=generation)
+                                   pid=os.getpid(), generation=generation, **balance_fields(balance))
 
 
 @contextmanager
