@@ -5,11 +5,13 @@ Each rank draws its own dropout masks, so an exact resume needs every rank's RNG
 not only rank 0's. The states travel as tensors through `all_gather`, never as pickled
 objects: no rank unpickles bytes that came over the network. `encode` and `decode`
 translate between `checkpoint.rng_state()` and such tensors; `gather_tensors` gathers
-any dict of tensors whose names and shapes are the same on every rank.
+any dict of tensors, whose names and shapes may differ between ranks.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 import torch
@@ -58,25 +60,56 @@ def decode(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 def gather_tensors(local: dict[str, torch.Tensor], world_size: int,
                    device: torch.device) -> list[dict[str, torch.Tensor]]:
-    """Every rank's `local`, in rank order, on every rank. A collective: call on all ranks
-    at the same point, each with the same names and shapes (values differ).
+    """Every rank's `local`, in rank order, on every rank (on the CPU). A collective: call
+    on all ranks at the same point.
+
+    Ranks may hold different names and sizes: a rank without a GPU beside ranks with one
+    has no CUDA RNG state, and nodes may differ in their number of GPUs. Each rank's
+    manifest (name: dtype and shape, as JSON text) is gathered first, then each name's
+    tensors padded to the largest, since every rank hands `all_gather` equal sizes.
 
     Raises:
-        DistributedError: the ranks' names or sizes differ (checked before gathering, so
-            a mismatch fails here instead of hanging in a later collective).
+        DistributedError: two ranks hold a name with different dtypes (checked before
+            gathering tensors, so a mismatch fails here instead of in a later collective).
     """
-    layout = torch.tensor([len(local), sum(t.numel() for t in local.values())], dtype=torch.int64,
-                          device=device)
-    layouts = [torch.empty_like(layout) for _ in range(world_size)]
-    dist.all_gather(layouts, layout)
-    if any(not torch.equal(other, layout) for other in layouts):
-        raise DistributedError(f"ranks hold different per-rank state to checkpoint "
-                               f"(tensors, elements per rank: {[t.tolist() for t in layouts]})")
+    manifest = {name: [str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in local.items()}
+    manifests = [json.loads(text) for text in _gather_bytes(json.dumps(manifest).encode(), world_size,
+                                                           device)]
+    names = sorted(set().union(*manifests))
+    dtypes = {name: {m[name][0] for m in manifests if name in m} for name in names}
+    for name, found in dtypes.items():
+        if len(found) > 1 or not isinstance(getattr(torch, next(iter(found)), None), torch.dtype):
+            raise DistributedError(f"ranks hold per-rank state {name!r} in different or unknown dtypes "
+                                   f"({sorted(found)}); every rank must run the same code")
     gathered: list[dict[str, torch.Tensor]] = [{} for _ in range(world_size)]
-    for name in sorted(local):
-        tensor = local[name].to(device)
-        parts = [torch.empty_like(tensor) for _ in range(world_size)]
-        dist.all_gather(parts, tensor)
-        for rank, part in enumerate(parts):
-            gathered[rank][name] = part.cpu()
+    for name in names:
+        dtype = getattr(torch, dtypes[name].pop())
+        sizes = [math.prod(m[name][1]) if name in m else 0 for m in manifests]
+        parts = _gather_padded(local[name].reshape(-1) if name in local else torch.empty(0, dtype=dtype),
+                               max(sizes), world_size, device)
+        for rank, (part, size) in enumerate(zip(parts, sizes, strict=True)):
+            if name in manifests[rank]:
+                gathered[rank][name] = part[:size].cpu().reshape(manifests[rank][name][1])
     return gathered
+
+
+def _gather_padded(flat: torch.Tensor, size: int, world_size: int,
+                   device: torch.device) -> list[torch.Tensor]:
+    """Every rank's 1-D `flat`, each padded with zeros to `size` (the largest)."""
+    padded = torch.zeros(size, dtype=flat.dtype, device=device)
+    padded[:flat.numel()] = flat.to(device)
+    parts = [torch.empty_like(padded) for _ in range(world_size)]
+    if size:
+        dist.all_gather(parts, padded)
+    return parts
+
+
+def _gather_bytes(data: bytes, world_size: int, device: torch.device) -> list[bytes]:
+    """Every rank's `data`, in rank order."""
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world_size)]
+    dist.all_gather(lengths, length)
+    sizes = [int(t.item()) for t in lengths]
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    parts = _gather_padded(flat, max(sizes), world_size, device)
+    return [part[:size].cpu().numpy().tobytes() for part, size in zip(parts, sizes, strict=True)]

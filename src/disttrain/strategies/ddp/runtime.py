@@ -1,10 +1,11 @@
 """A rank's place in the run and its process group.
 
-Decides the backend (NCCL when CUDA is there, gloo otherwise, unless forced) and the one
-device of each rank, sets the rank's thread count, starts the process group with a
-timeout, and tears it down with a barrier first: without that barrier a gloo rank that
-leaves while its peer still talks was seen to abort at exit about one run in twenty. (A
-rank process then leaves without the interpreter's shutdown: see `cli.ddp.module_main`.)
+Decides the backend (with `auto`, the one the ranks agree on through the rendezvous store:
+NCCL when every rank has a GPU, gloo otherwise; see `agreement`) and the one device of
+each rank, sets the rank's thread count, starts the process group with a timeout, and
+tears it down with a barrier first: without that barrier a gloo rank that leaves while its
+peer still talks was seen to abort at exit about one run in twenty. (A rank process then
+leaves without the interpreter's shutdown: see `cli.ddp.module_main`.)
 
 The selection functions are pure (the CUDA facts are passed in), so their rules are
 tested on machines without a GPU.
@@ -13,18 +14,22 @@ tested on machines without a GPU.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from disttrain.config import Config, DDPConfig
 from disttrain.core.errors import ConfigError, DistributedError
+from disttrain.strategies.ddp.agreement import decide_backend, exchange_flags, has_own_gpu, store_prefix
 from disttrain.training.engine import configure_threads
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 # Variables the elastic agent (torchrun or `disttrain ddp`) sets for every rank.
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -70,7 +75,8 @@ def started_by_elastic_agent(env: Mapping[str, str]) -> bool:
 
 
 def select_backend(requested: str, cuda_available: bool) -> str:
-    """The process-group backend: `auto` is NCCL with CUDA, gloo without.
+    """The process-group backend as this machine alone sees it: `auto` is NCCL with CUDA,
+    gloo without (a rank's `start` then agrees on it with the other ranks).
 
     Raises:
         ConfigError: NCCL was asked for on a machine without CUDA.
@@ -125,15 +131,18 @@ def check_world_size(num_samples: int, world_size: int) -> None:
                           "fewer, or more data")
 
 
-def select_device(backend: str, local_rank: int) -> torch.device:
-    """One device per rank: GPU `local_rank` with NCCL, the CPU with gloo."""
-    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+def select_device(backend: str, local_rank: int, gpu_under_gloo: bool = False) -> torch.device:
+    """One device per rank: GPU `local_rank` with NCCL, the CPU with gloo, unless
+    `gpu_under_gloo` (a GPU rank of an `auto` run that has ranks without one)."""
+    on_gpu = backend == "nccl" or gpu_under_gloo
+    return torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
 
 
 @dataclass
 class Runtime:
     """A started process group and what this rank runs on. Collectives take tensors on
-    `device` (NCCL reduces GPU tensors only)."""
+    `device`: NCCL reduces GPU tensors only; gloo reduces CPU tensors, and GPU tensors
+    (a GPU rank beside ranks without one) by staging them through the host."""
 
     info: RankInfo
     backend: str
@@ -144,29 +153,63 @@ class Runtime:
 def start(ddp: DDPConfig, info: RankInfo, num_threads: int) -> Runtime:
     """Set threads and device, then join the process group (rendezvous through the agent's store).
 
+    With `ddp.backend: auto` the ranks first agree on the backend through the same store
+    (`agreement`); rank 0 logs the choice and its reason.
+
     Args:
         num_threads: torch threads for this rank; 0 shares the node's cores among its ranks.
     Raises:
         ConfigError: the backend cannot run here (NCCL without enough GPUs).
         DistributedError: the peers did not all join within `ddp.timeout_s`.
     """
-    backend = select_backend(ddp.backend, torch.cuda.is_available())
-    check_gpu_count(backend, info.local_world_size, torch.cuda.device_count())
-    device = select_device(backend, info.local_rank)
+    cuda_available, num_gpus = torch.cuda.is_available(), torch.cuda.device_count()
+    forced = None if ddp.backend == "auto" else select_backend(ddp.backend, cuda_available)
+    if forced is not None:
+        check_gpu_count(forced, info.local_world_size, num_gpus)
+    timeout = timedelta(seconds=ddp.timeout_s)
+    store = _join(lambda: _rendezvous_store(info, timeout), ddp.timeout_s)
+    own_gpu = has_own_gpu(cuda_available, num_gpus, info.local_rank)
+    backend = forced or _agree(store, info, own_gpu, ddp.timeout_s)
+    device = select_device(backend, info.local_rank, gpu_under_gloo=forced is None and own_gpu)
     threads = configure_threads(num_threads, processes_per_machine=info.local_world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    try:
-        dist.init_process_group(backend=backend, init_method="env://", rank=info.rank,
-                                world_size=info.world_size, timeout=timedelta(seconds=ddp.timeout_s),
-                                device_id=device if device.type == "cuda" else None)
-    except (RuntimeError, ValueError, TimeoutError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DistributedError(f"could not join the process group within "
-                               f"{ddp.timeout_s:g}s ({first})") from e
+    # The "default_pg" prefix is what `init_method="env://"` would put on the same store.
+    _join(lambda: dist.init_process_group(
+        backend=backend, store=dist.PrefixStore("default_pg", store), rank=info.rank,
+        world_size=info.world_size, timeout=timeout,
+        device_id=device if backend == "nccl" else None), ddp.timeout_s)
     logger.info("rank %d/%d joined (%s on %s, %d threads)", info.rank, info.world_size, backend,
                 device, threads)
     return Runtime(info, backend, device, threads)
+
+
+def _agree(store: dist.Store, info: RankInfo, own_gpu: bool, timeout_s: float) -> str:
+    """The backend of `auto`, agreed with every rank through `store`; rank 0 logs why."""
+    flags = exchange_flags(dist.PrefixStore(store_prefix(info.restart_count), store), info.rank,
+                           info.world_size, own_gpu, timeout_s)
+    choice = decide_backend(flags)
+    if info.is_main:
+        logger.info("backend %s: %s", choice.backend, choice.reason)
+    return choice.backend
+
+
+def _rendezvous_store(info: RankInfo, timeout: timedelta) -> dist.Store:
+    """The store `init_process_group(init_method="env://")` would open: a client of the
+    agent's store (`TORCHELASTIC_USE_AGENT_STORE`), or one that rank 0 hosts, at
+    MASTER_ADDR:MASTER_PORT."""
+    store, _, _ = next(dist.rendezvous("env://", info.rank, info.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    return store
+
+
+def _join(action: Callable[[], _T], timeout_s: float) -> _T:
+    """Run a step of joining the group; a failure is one line naming the timeout."""
+    try:
+        return action()
+    except (RuntimeError, ValueError, TimeoutError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DistributedError(f"could not join the process group within {timeout_s:g}s ({first})") from e
 
 
 # How a lost peer shows in a collective's error when the backend does not raise a DistError.
