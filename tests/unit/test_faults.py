@@ -29,6 +29,8 @@ def test_parse_old_form():
     ("kill:coordinator:step=20", Fault("kill", 20, role="coordinator")),
     ("drop-rpc:worker=1:step=15", Fault("drop-rpc", 15, role="worker", index=1)),
     ("slow:worker=1:factor=3", Fault("slow", role="worker", index=1, factor=3.0)),
+    ("slow:rank=1:factor=3:step=100:until=300",
+     Fault("slow", 100, role="rank", index=1, factor=3.0, until=300)),
     ("kill:rank=1:step=5:attempt=1", Fault("kill", 5, role="rank", index=1, attempt=1)),
     ("slow-eval:worker:for=2", Fault("slow-eval", seconds=2.0, role="worker")),
 ])
@@ -49,6 +51,7 @@ def test_parse_new_form(text, fault):
     ("kill:worker=1:step=-3", "'step=-3'"), ("kill:worker=1:step=3:colour=2", "'colour=2'"),
     ("drop-rpc:server=0:step=3", "applies to worker, not server"),
     ("slow:coordinator:factor=2", "not coordinator"),
+    ("kill:worker=1:step=3:until=5", "does not take until="),
 ])
 def test_bad_specs_name_the_bad_part(text, named):
     with pytest.raises(ValueError, match="fault") as raised:
@@ -64,7 +67,8 @@ def fault_strategy():
             Fault, st.just(action), role=st.just(r),
             index=st.none() if r == "coordinator" else st.none() | st.integers(0, 64),
             attempt=st.integers(0, 5),
-            step=st.integers(0, 10**9) if "step" in required else st.just(0),
+            step=st.integers(0, 10**9) if "step" in required or action == "slow" else st.just(0),
+            until=st.integers(0, 10**9) if action == "slow" else st.just(0),
             seconds=st.floats(1e-6, 1e6) if "for" in required else st.just(0.0),
             factor=st.floats(1.0, 1e3) if "factor" in required else st.just(1.0)))
 
@@ -216,6 +220,18 @@ def test_slow_stretches_each_step_by_its_factor(monkeypatch):
     assert fake.slept == [2.0, 1.0]  # the first step is only measured
     FaultInjector([parse_fault("slow:worker=1:factor=3")], "worker", 0).at_step(1, train_time_s=9.0)
     assert fake.slept == [2.0, 1.0]
+
+
+def test_a_slow_fault_with_steps_slows_only_from_its_step_until_its_end(monkeypatch):
+    fake = FakeTime()
+    monkeypatch.setattr(faults_module.time, "sleep", fake.sleep)
+    fault = parse_fault("slow:worker=0:factor=2:step=3:until=5")
+    injector = FaultInjector([fault], "worker", 0, clock=lambda: fake.now)
+    for step in range(1, 7):
+        fake.now += 1.0
+        injector.at_step(step)
+    assert fake.slept == [1.0, 1.0]  # steps 3 and 4
+    assert injector.straggle_for(1.0) == 0.0  # a warm-up before training is not slowed
 
 
 def test_slow_stretches_a_steps_own_work_not_its_waits_for_peers(monkeypatch):

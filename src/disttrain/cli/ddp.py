@@ -30,6 +30,7 @@ from disttrain.cli.flags import (
     add_tls_flags,
     add_token_flag,
     add_training_flags,
+    balance_flags,
     config_from_args,
     not_used_yet_epilog,
     options_from_args,
@@ -81,11 +82,7 @@ DDP_FLAGS = {
     "--nnodes": ("ddp.num_nodes", int, "nodes taking part (each runs this command)"),
     "--rdzv-endpoint": ("ddp.rdzv_endpoint", str, "HOST:PORT of the rendezvous for several nodes"),
     "--rdzv-id": ("ddp.rdzv_id", str, "run id every node of one run shares"),
-    "--balance": ("system.balance", str, "none (equal batches), proportional (each rank's batch in "
-                  "proportion to its measured speed, the global batch unchanged) or auto "
-                  "(proportional once ranks differ by more than --balance-margin)"),
-    "--balance-margin": ("system.balance_margin", float, "auto: the slowest rank's speed below "
-                         "(1 - margin) of the fastest's turns proportional batches on"),
+    **balance_flags("rank"),
     **COMPRESSION_FLAGS,
 }
 

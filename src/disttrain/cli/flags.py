@@ -46,6 +46,21 @@ COMMON_FLAGS: dict[str, tuple[str, Any, str]] = {
 
 
 # Gradient compression, on the parameter-server wire and in DDP's all-reduce.
+def balance_flags(who: str) -> dict[str, tuple[str, Any, str]]:
+    """The flags of work in proportion to speed, `who` naming a process ("rank", "worker")."""
+    return {
+        "--balance": ("system.balance", str, f"none (equal batches), proportional (each {who}'s batch "
+                      "in proportion to its measured speed, the global batch unchanged) or auto "
+                      f"(proportional once {who}s differ by more than --balance-margin)"),
+        "--balance-margin": ("system.balance_margin", float, f"auto: the slowest {who}'s speed below "
+                             "(1 - margin) of the fastest's turns proportional batches on; a re-plan "
+                             "must shorten a step by more than this fraction"),
+        "--balance-interval": ("system.balance_interval", int, f"steps between checks of each {who}'s "
+                               "speed, re-planning the batches when one drifts (0: plan once, at "
+                               "the start)"),
+    }
+
+
 COMPRESSION_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--compression-enabled": ("compression.enabled", bool, "compress gradients before they travel"),
     "--compression-type": ("compression.type", str, "quantization (int8), topk, fp16, bf16, or "

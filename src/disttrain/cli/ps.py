@@ -18,6 +18,7 @@ from disttrain.cli.flags import (
     add_tls_flags,
     add_token_flag,
     add_training_flags,
+    balance_flags,
     config_from_args,
     not_used_yet_epilog,
     options_from_args,
@@ -49,11 +50,7 @@ PS_FLAGS = {
     "--staleness": ("ps.staleness", int, "ssp: the staleness bound"),
     "--backup-workers": ("ps.backup_workers", int, "sync: apply each step without the last N gradients"),
     "--rpc-timeout": ("ps.rpc_timeout_s", float, "deadline of each RPC (s)"),
-    "--balance": ("system.balance", str, "none (equal batches), proportional (each worker's batch in "
-                  "proportion to its measured speed, the global batch unchanged) or auto "
-                  "(proportional once workers differ by more than --balance-margin)"),
-    "--balance-margin": ("system.balance_margin", float, "auto: the slowest worker's speed below "
-                         "(1 - margin) of the fastest's turns proportional batches on"),
+    **balance_flags("worker"),
     "--heartbeat-interval": ("coordinator.heartbeat_interval", float, "seconds between heartbeats"),
     "--heartbeat-timeout": ("coordinator.heartbeat_timeout", float,
                             "seconds without a heartbeat before a process is declared failed"),

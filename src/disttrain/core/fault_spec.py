@@ -10,6 +10,8 @@ The grammar is `ACTION:TARGET[:KEY=VALUE...]`:
 - `drop-rpc:worker=1:step=15`: the reply to worker 1's gradient push of step 15 is lost,
   so the worker retries a push the server already applied.
 - `slow:worker=1:factor=3`: worker 1 is a straggler; each of its steps takes 3 times as long.
+  `slow:worker=1:factor=3:step=100:until=300` makes it one from its step 100 to its step
+  300 (a straggler that appears mid-run, and recovers).
 - `slow-eval:worker=0:for=2s`: each evaluation of worker 0 takes 2 s longer.
 
 Targets: `worker=N`, `server=N`, `rank=N` (a DDP rank), `coordinator`; `worker`, `server`
@@ -46,9 +48,11 @@ ACTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "slow": (("factor",), TRAINING_ROLES),
     "slow-eval": (("for",), TRAINING_ROLES),
 }
-KEY_FIELDS = {"step": "step", "for": "seconds", "factor": "factor", "attempt": "attempt"}
+# action -> (keys it may take besides `attempt`)
+OPTIONAL: dict[str, tuple[str, ...]] = {"slow": ("step", "until")}
+KEY_FIELDS = {"step": "step", "for": "seconds", "factor": "factor", "attempt": "attempt", "until": "until"}
 FORMS = ("kill:worker=1:step=30, stop:worker=0:step=10:for=5s, kill:server=0:step=40, "
-         "kill:coordinator:step=20, drop-rpc:worker=1:step=15, slow:worker=1:factor=3, "
+         "kill:coordinator:step=20, drop-rpc:worker=1:step=15, slow:worker=1:factor=3[:step=N][:until=M], "
          "slow-eval:rank=0:for=2s (each may end with :attempt=A)")
 
 # old grammar: action -> its one required field
@@ -62,12 +66,14 @@ class Fault:
 
     Attributes:
         action: kill, stop, drop-rpc, slow or slow-eval.
-        step: the step (a server's version) at which kill, stop and drop-rpc fire.
+        step: the step (a server's version) at which kill, stop and drop-rpc fire; the
+            step from which slow slows (0: from the start).
         seconds: how long stop lasts; how much slow-eval adds to each evaluation.
         index: the target's index (worker, server or rank number); None = every one.
         attempt: the start of the process it fires on (0 = the first).
         role: worker, server, rank or coordinator; None for the old form (a worker or a rank).
         factor: slow: how many times its normal duration each step takes.
+        until: slow: the step from which it no longer slows (0: never).
     """
 
     action: str
@@ -77,6 +83,7 @@ class Fault:
     attempt: int = 0
     role: str | None = None
     factor: float = 1.0
+    until: int = 0
 
     def __post_init__(self) -> None:
         known = ACTIONS if self.role is not None else OLD_ACTIONS
@@ -87,6 +94,10 @@ class Fault:
     def rank(self) -> int | None:
         """The index, by its old-form name."""
         return self.index
+
+    def slows(self, step: int) -> bool:
+        """Whether this is a slow fault in force at `step`."""
+        return self.action == "slow" and self.step <= step and (not self.until or step < self.until)
 
     def applies_to(self, role: str, index: int, attempt: int) -> bool:
         """Whether this fault is meant for process `index` of `role` on start `attempt`."""
@@ -116,7 +127,8 @@ def parse_fault(text: str) -> Fault:
         values[key] = value
     required, _ = ACTIONS[action]
     missing = [f"{key}=..." for key in required if key not in values]
-    extra = [f"{key}=" for key in values if key not in required and key != "attempt"]
+    extra = [f"{key}=" for key in values
+             if key not in required and key != "attempt" and key not in OPTIONAL.get(action, ())]
     if missing or extra:
         wrong = f"needs {' and '.join(missing)}" if missing else f"does not take {extra[0]}"
         raise ValueError(f"fault {text!r}: {action} {wrong}; accepted forms: {FORMS}")
@@ -129,8 +141,10 @@ def format_fault(fault: Fault) -> str:
         return _format_old(fault)
     target = fault.role if fault.index is None else f"{fault.role}={fault.index}"
     required, _ = ACTIONS[fault.action]
-    written = {"step": str(fault.step), "for": f"{fault.seconds!r}s", "factor": repr(fault.factor)}
-    parts = [f"{key}={written[key]}" for key in required] + [f"attempt={fault.attempt}"]
+    written = {"step": str(fault.step), "for": f"{fault.seconds!r}s", "factor": repr(fault.factor),
+               "until": str(fault.until)}
+    optional = [key for key in OPTIONAL.get(fault.action, ()) if getattr(fault, KEY_FIELDS[key])]
+    parts = [f"{key}={written[key]}" for key in (*required, *optional)] + [f"attempt={fault.attempt}"]
     return ":".join([fault.action, target, *parts])
 
 
@@ -138,7 +152,7 @@ def load_fault_plan(path: str | Path) -> list[Fault]:
     """Read a YAML fault plan: a list under `faults:` whose entries are either strings in
     the `--inject` grammar or mappings such as
     `{action: kill, target: worker, index: 1, step: 30}` (keys: action, target, index,
-    step, for, factor, attempt).
+    step, for, factor, attempt, until).
 
     Raises:
         ValueError: the file cannot be read, or an entry is wrong (the file and the
@@ -161,7 +175,7 @@ def load_fault_plan(path: str | Path) -> list[Fault]:
     return faults
 
 
-PLAN_KEYS = ("action", "target", "index", "step", "for", "factor", "attempt")
+PLAN_KEYS = ("action", "target", "index", "step", "for", "factor", "attempt", "until")
 
 
 def _plan_entry_text(entry: Any) -> str:
@@ -195,13 +209,14 @@ def _parse_pair(text: str, part: str) -> tuple[str, int | float]:
     key, eq, value = part.partition("=")
     parsers: dict[str, Callable[[str, str, str], int | float]] = {
         "step": lambda t, p, v: _number(t, p, v, int),
+        "until": lambda t, p, v: _number(t, p, v, int),
         "attempt": lambda t, p, v: _number(t, p, v, int),
         "factor": _factor,
         "for": _duration,
     }
     if key not in parsers or not eq:
         raise ValueError(f"fault {text!r}: bad part {part!r}; keys are step=N, for=DURATION, "
-                         "factor=F, attempt=A")
+                         "factor=F, until=N, attempt=A")
     return key, parsers[key](text, part, value)
 
 

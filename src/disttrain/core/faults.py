@@ -89,7 +89,7 @@ class FaultInjector:
         self._fired: set[int] = set()
         self._clock = clock
         self._last_step_end: float | None = None
-        self._slow_announced = False
+        self._slow_announced = 1.0  # the slow factor last announced
 
     @property
     def faults(self) -> list[Fault]:
@@ -111,7 +111,7 @@ class FaultInjector:
         """
         entered = self._clock()
         now = entered if train_time_s is None else train_time_s
-        self._straggle(now, waited_s)
+        self._straggle(step, now, waited_s)
         for fault in self._due(step, ("kill", "stop")):
             if fault.action == "kill":
                 self._kill(step)
@@ -147,19 +147,23 @@ class FaultInjector:
     def straggle_for(self, seconds: float) -> float:
         """As a `slow` fault slows a step of `seconds`: sleep the extra time; return it
         (0 without one). For work timed outside the loop, a warm-up measuring speed."""
-        factor = max((f.factor for f in self._faults if f.action == "slow"), default=1.0)
+        factor = max((f.factor for f in self._faults if f.slows(0)), default=1.0)
         extra = max(0.0, (factor - 1) * seconds)
         if extra:
             time.sleep(extra)
         return extra
 
-    def _straggle(self, now: float, waited_s: float = 0.0) -> None:
-        factor = max((f.factor for f in self._faults if f.action == "slow"), default=1.0)
+    def _straggle(self, step: int, now: float, waited_s: float = 0.0) -> None:
+        factor = max((f.factor for f in self._faults if f.slows(step)), default=1.0)
+        if factor != self._slow_announced:
+            if factor > 1:
+                logger.warning("injected fault: from step %d every step's work takes %g times as long",
+                               step, factor)
+            else:
+                logger.warning("injected fault: from step %d steps take their normal time again", step)
+            self._slow_announced = factor
         if factor <= 1 or self._last_step_end is None:
             return
-        if not self._slow_announced:
-            logger.warning("injected fault: every step's work takes %g times as long", factor)
-            self._slow_announced = True
         time.sleep((factor - 1) * max(0.0, now - self._last_step_end - waited_s))
 
     def _kill(self, step: int) -> None:

@@ -6,15 +6,13 @@ evenly is left out of that epoch; the next permutation puts other samples there)
 sampler remembers how far into its shard it has gone, so a run resumed from its
 `state_dict()` continues at the next sample: none repeated, none skipped.
 
-With `shares` (each rank's batch, as a balance plan makes them: `training.balance`), the
-shards are cut in proportion instead: an epoch is `num_samples // sum(shares)` full
-global batches, and rank r's shard holds that many batches of `shares[r]`, so every rank
-takes the same number of steps. A resumed run keeps the plan it started with.
+A run that splits its batches by speed (`system.balance`) draws from `PlannedSampler`
+(`data.planned`) instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 
@@ -36,7 +34,7 @@ class ShardedSampler:
     """
 
     def __init__(self, num_samples: int, *, world_size: int = 1, rank: int = 0, seed: int = 0,
-                 shuffle: bool = True, shares: Sequence[int] | None = None):
+                 shuffle: bool = True):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if num_samples < world_size:
@@ -47,28 +45,25 @@ class ShardedSampler:
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
-        self.shares: tuple[int, ...] | None = None
-        self._set_shares(shares)
         self.epoch = 0
         self.position = 0
 
-    def _set_shares(self, shares: Sequence[int] | None) -> None:
-        if shares is not None:
-            shares = tuple(int(s) for s in shares)
-            if len(shares) != self.world_size or min(shares) < 1 or sum(shares) > self.num_samples:
-                raise ValueError(f"shares {list(shares)} do not split {self.num_samples} samples over "
-                                 f"{self.world_size} ranks")
-        self.shares = shares
-
     def __len__(self) -> int:
         """Samples in this rank's shard per epoch."""
-        if self.shares is not None:
-            return self.num_samples // sum(self.shares) * self.shares[self.rank]
         return self.num_samples // self.world_size
 
     def batch_size(self, default: int) -> int:
-        """This rank's batch: its share of the plan, else `default`."""
-        return default if self.shares is None else self.shares[self.rank]
+        """This rank's batch: `default` (a balanced run's sampler decides it by its plan)."""
+        return default
+
+    def next_index(self, batch_size: int) -> int:
+        """The index in the epoch of the next batch of `batch_size`."""
+        return self.position // batch_size
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether this epoch's shard has all been handed out."""
+        return self.position >= len(self)
 
     def set_epoch(self, epoch: int) -> None:
         """Move to `epoch`. Entering a new epoch starts at its beginning; setting the epoch
@@ -85,9 +80,7 @@ class ShardedSampler:
         else:
             order = torch.arange(self.num_samples)
         length = len(self)
-        start = self.rank * length if self.shares is None else \
-            self.num_samples // sum(self.shares) * sum(self.shares[:self.rank])
-        return order[start:start + length]
+        return order[self.rank * length:(self.rank + 1) * length]
 
     def consumed(self) -> torch.Tensor:
         """Indices of this epoch already handed out."""
@@ -98,13 +91,11 @@ class ShardedSampler:
         return self.shard()[self.position:]
 
     def num_batches(self, batch_size: int, drop_last: bool = False) -> int:
-        full, rest = divmod(len(self), self.batch_size(batch_size))
+        full, rest = divmod(len(self), batch_size)
         return full if drop_last or not rest else full + 1
 
     def batches(self, batch_size: int, drop_last: bool = False) -> Iterator[torch.Tensor]:
-        """Yield the remaining batches of the epoch, advancing the position with each (of
-        this rank's share of the plan, when there is one, whatever `batch_size`)."""
-        batch_size = self.batch_size(batch_size)
+        """Yield the remaining batches of the epoch, advancing the position with each."""
         shard = self.shard()
         while self.position < len(shard):
             batch = shard[self.position:self.position + batch_size]
@@ -114,16 +105,12 @@ class ShardedSampler:
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        state = {"num_samples": self.num_samples, "world_size": self.world_size, "rank": self.rank,
-                 "seed": self.seed, "epoch": self.epoch, "position": self.position}
-        if self.shares is not None:
-            state["shares"] = list(self.shares)
-        return state
+        return {"num_samples": self.num_samples, "world_size": self.world_size, "rank": self.rank,
+                "seed": self.seed, "epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restore a position (another rank's too: DDP saves rank 0's). The data set size,
-        world size and seed must match, or the saved position would name other samples; a
-        balance plan in the state replaces this sampler's.
+        world size and seed must match, or the saved position would name other samples.
 
         Raises:
             ValueError: the state belongs to a different data set, layout or seed.
@@ -132,13 +119,10 @@ class ShardedSampler:
             if int(state[key]) != getattr(self, key):
                 raise ValueError(f"sampler state has {key}={int(state[key])} but this run has "
                                  f"{getattr(self, key)}; resume with the same data, workers and seed")
+        if "plans" in state or "shares" in state:
+            raise ValueError("sampler state has a balance plan but this run has none; resume with "
+                             "the run's system.balance")
         position = int(state["position"])
-        if state.get("shares") is not None:  # the plan the run started with, and another rank's
-            self._set_shares(state["shares"])  # position in batches of its own share
-            position = position // self.shares[int(state["rank"])] * self.shares[self.rank]
-        elif self.shares is not None:
-            raise ValueError("sampler state has no balance plan but this run has one; resume with "
-                             "system.balance: none")
         if not 0 <= position <= len(self):
             raise ValueError(f"sampler position {position} is outside [0, {len(self)}]")
         self.epoch = int(state["epoch"])

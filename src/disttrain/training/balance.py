@@ -104,19 +104,21 @@ def fixed_shares(text: str, global_batch: int, world_size: int) -> tuple[int, ..
 
 def plan_shares(system: SystemConfig, batch_size: int, world_size: int,
                 gather: Callable[[float], list[float]], speed: Callable[[], float],
-                announce: str | None = None) -> tuple[int, ...] | None:
-    """The run's plan under `system.balance`: each process's batch, or None for the
-    config's equal batches of `batch_size`. `speed()` measures this process, `gather(speed)`
-    returns every process's, in rank order (a collective). `announce` ("rank", "worker"):
-    log the speeds and the plan under that name (the process that speaks for the run)."""
+                announce: str | None = None) -> tuple[tuple[int, ...] | None, float]:
+    """The run's first plan under `system.balance`, and this process's warm-up speed (0
+    when not measured): each process's batch, or None for the config's equal batches of
+    `batch_size` (balance none). `speed()` measures this process, `gather(speed)` returns
+    every process's, in rank order (a collective). `announce` ("rank", "worker"): log the
+    speeds and the plan under that name (the process that speaks for the run)."""
     global_batch = batch_size * world_size
     if system.balance == "none":
-        return None
+        return None, 0.0
     if system.balance_batches:
-        return fixed_shares(system.balance_batches, global_batch, world_size)
-    speeds = gather(speed())
+        return fixed_shares(system.balance_batches, global_batch, world_size), 0.0
+    mine = speed()
+    speeds = gather(mine)
     shares = plan_batches(speeds, global_batch, system.balance, system.balance_margin)
     if announce:
         logger.info("%s speeds %s samples/s: batches %s (balance %s)", announce,
                     ", ".join(f"{s:.0f}" for s in speeds), shares, system.balance)
-    return None if len(set(shares)) == 1 else tuple(shares)
+    return tuple(shares), mine

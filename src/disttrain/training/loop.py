@@ -24,12 +24,13 @@ from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import CheckpointError
 from disttrain.core.faults import FaultInjector
-from disttrain.data import ShardedSampler
+from disttrain.data import PlannedSampler, ShardedSampler
 from disttrain.metrics.logger import MetricsLogger, read_metrics
 from disttrain.metrics.time_to_accuracy import Evaluation, evaluations_from_records
 from disttrain.metrics.window import MetricsWindow, TrainClock
 from disttrain.training.checkpoints import Position
 from disttrain.training.engine import EvalResult
+from disttrain.training.rebalance import Rebalancer
 from disttrain.training.strategy import CheckpointStore, Participant, StepInfo
 
 logger = logging.getLogger(__name__)
@@ -99,18 +100,21 @@ class TrainingLoop:
         progress: makes the progress display from (total steps, steps already done).
         announce: log each epoch's test figures (the process that speaks for the run).
         config_path: where to write the resolved config once the run is sure to start.
+        rebalancer: re-plans the split of the global batches as speeds drift (a balanced
+            run; a collective every `system.balance_interval` steps).
     """
 
     config: Config
     settings: LoopSettings
     participant: Participant
-    sampler: ShardedSampler
+    sampler: ShardedSampler | PlannedSampler
     store: CheckpointStore
     metrics_folder: Path
     faults: FaultInjector
     progress: Callable[[int, int], ProgressDisplay]
     announce: bool = True
     config_path: Path | None = None
+    rebalancer: Rebalancer | None = None
     position: Position = field(default_factory=Position)
     clock: TrainClock = field(default_factory=TrainClock)
 
@@ -136,8 +140,10 @@ class TrainingLoop:
         for epoch in range(position.epoch, s.num_epochs):
             sampler.set_epoch(epoch)
             position.epoch = epoch
-            first = sampler.position // (sampler.batch_size(s.batch_size) * s.micro_batches)
+            first = sampler.next_index(s.batch_size) // s.micro_batches
             save_after_evaluation = False
+            if self.rebalancer is not None:
+                self.rebalancer.restart()
             for index, batches in enumerate(groups(sampler.batches(s.batch_size), s.micro_batches),
                                             start=first):
                 result = self.participant.step(batches, StepInfo(position.step + 1, epoch, index))
@@ -145,15 +151,17 @@ class TrainingLoop:
                 position.samples_processed += result.num_samples
                 window.add(result.loss, result.num_correct, result.num_samples, result.scalars)
                 display.update(1, loss=result.loss)
+                blocked_s = result.scalars.get("time/comm_blocked_s", 0.0)
+                if self.rebalancer is not None:  # before a checkpoint, which then holds its plan
+                    self.rebalancer.after_step(position.step, epoch, result.num_samples, blocked_s)
                 if position.step % s.log_interval == 0:
                     window = MetricsWindow(self._log_window(metrics, window))
                 if position.step % s.checkpoint_interval == 0:
-                    if sampler.position < len(sampler):
+                    if not sampler.exhausted:
                         self._save(metrics)
                     else:
                         save_after_evaluation = True
-                self.faults.at_step(position.step, train_time_s=self.clock.elapsed(),
-                                    waited_s=result.scalars.get("time/comm_blocked_s", 0.0))
+                self.faults.at_step(position.step, train_time_s=self.clock.elapsed(), waited_s=blocked_s)
             evaluation = self._evaluate(metrics, epoch, evaluations)
             position.epoch = epoch + 1
             sampler.set_epoch(epoch + 1)

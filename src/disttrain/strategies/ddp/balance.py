@@ -1,5 +1,6 @@
 """The ranks' balance plan (`system.balance`): each rank's speed, measured before training
-on a copy of the model (DDP's hooks are not on it), shared by an all-gather of tensors."""
+on a copy of the model (DDP's hooks are not on it) and every `system.balance_interval`
+steps after, shared by an all-gather of tensors."""
 
 from __future__ import annotations
 
@@ -8,22 +9,25 @@ import torch.distributed as dist
 
 from disttrain.config import Config
 from disttrain.core.faults import FaultInjector
-from disttrain.data import ArrayDataset
+from disttrain.data import ArrayDataset, PlannedSampler, ShardedSampler
 from disttrain.strategies.ddp import runtime as rt
-from disttrain.training.balance import plan_shares, warmup_speed
+from disttrain.training.balance import warmup_speed
+from disttrain.training.rebalance import Rebalancer, start_balance
 
 
-def balance_shares(config: Config, runtime: rt.Runtime, train_set: ArrayDataset,
-                   faults: FaultInjector) -> tuple[int, ...] | None:
-    """Every rank's batch (a collective: every rank calls it), or None for equal batches."""
+def balance_sampler(config: Config, runtime: rt.Runtime, train_set: ArrayDataset, faults: FaultInjector,
+                    state: dict) -> tuple[ShardedSampler | PlannedSampler, Rebalancer | None]:
+    """This rank's sampler, and what re-plans it (a collective: every rank calls it)."""
     info = runtime.info
+    # gloo gathers host tensors; NCCL needs them on the rank's GPU
+    device = runtime.device if runtime.backend == "nccl" else torch.device("cpu")
 
-    def gather(speed: float) -> list[float]:
-        mine = torch.tensor([speed], dtype=torch.float64, device=runtime.device)
+    def gather(name: str, speed: float) -> list[float]:
+        mine = torch.tensor([speed], dtype=torch.float64, device=device)
         gathered = [torch.zeros_like(mine) for _ in range(info.world_size)]
         dist.all_gather(gathered, mine)
         return [float(t.item()) for t in gathered]
 
-    return plan_shares(config.system, config.training.batch_size, info.world_size, gather,
-                       lambda: warmup_speed(config.training, runtime.device, train_set, faults),
-                       announce="rank" if info.is_main else None)
+    return start_balance(config.system, config.training, len(train_set), info.world_size, info.rank,
+                         gather, lambda: warmup_speed(config.training, runtime.device, train_set, faults),
+                         announce="rank" if info.is_main else None, state=state)

@@ -27,12 +27,12 @@ from disttrain.config import Config, DDPConfig
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import ConfigError
 from disttrain.core.faults import FaultInjector
-from disttrain.data import ArrayDataset, ShardedSampler, load_datasets
+from disttrain.data import ArrayDataset, PlannedSampler, ShardedSampler, load_datasets
 from disttrain.metrics.hparams import write_hparams
 from disttrain.metrics.progress import Progress
 from disttrain.metrics.summary import RunSummary
 from disttrain.strategies.ddp import runtime as rt
-from disttrain.strategies.ddp.balance import balance_shares
+from disttrain.strategies.ddp.balance import balance_sampler
 from disttrain.strategies.ddp.comm_hooks import CommStats, register_comm_hook
 from disttrain.strategies.ddp.heartbeats import LoopProgress, coordinator_link
 from disttrain.strategies.ddp.precision import Precision, plan_precision
@@ -43,6 +43,7 @@ from disttrain.training.engine import EvalResult, StepResult, build_optimizer
 from disttrain.training.loop import LoopResult, LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
+from disttrain.training.rebalance import plan_summary
 from disttrain.training.seeding import seed_training, training_seed
 from disttrain.training.strategy import StepInfo
 
@@ -83,7 +84,7 @@ class RankParticipant:
     strategy = "ddp"
 
     def __init__(self, config: Config, runtime: rt.Runtime, data: tuple[ArrayDataset, ArrayDataset],
-                 sampler: ShardedSampler | None = None):
+                 sampler: ShardedSampler | PlannedSampler | None = None):
         training, ddp, device = config.training, config.ddp, runtime.device
         self.runtime = runtime
         self.sampler = sampler  # its balance plan, if any, weights this rank's loss
@@ -118,9 +119,8 @@ class RankParticipant:
         self.optimizer.zero_grad(set_to_none=True)
         device = self.runtime.device
         total = sum(len(indices) for indices in batches)
-        shares = None if self.sampler is None else self.sampler.shares
-        weight = 1.0 if shares is None else \
-            self.runtime.info.world_size * total / (sum(shares) * len(batches))
+        weight = 1.0 if not isinstance(self.sampler, PlannedSampler) else \
+            self.runtime.info.world_size * total / (self.sampler.global_batch * len(batches))
         loss_sum, correct = 0.0, 0
         for i, indices in enumerate(batches):
             inputs, targets = self.train_set.batch(indices)
@@ -176,7 +176,7 @@ def run_rank(config: Config, info: rt.RankInfo, options: RunOptions) -> RunSumma
                           options.tls):
         runtime = rt.start(config.ddp, info, config.system.num_threads)
         try:
-            summary = _train(config, runtime, options, started, progress.position)
+            summary = _train(config, runtime, options, started, progress)
             rt.shutdown(runtime)
         except (RuntimeError, dist.DistError) as e:
             if rt.is_peer_loss(e):
@@ -186,13 +186,12 @@ def run_rank(config: Config, info: rt.RankInfo, options: RunOptions) -> RunSumma
 
 
 def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: float,
-           position: Position) -> RunSummary | None:
+           progress: LoopProgress) -> RunSummary | None:
     training, system, info = config.training, config.system, runtime.info
     train_set, test_set = load_datasets(training)
     rt.check_world_size(len(train_set), info.world_size)
     faults = FaultInjector(options.faults, info.rank, info.restart_count)
-    sampler = ShardedSampler(len(train_set), world_size=info.world_size, rank=info.rank, seed=training.seed,
-                             shares=balance_shares(config, runtime, train_set, faults))
+    sampler, rebalancer = balance_sampler(config, runtime, train_set, faults, progress.balance)
     participant = RankParticipant(config, runtime, (train_set, test_set), sampler)
     log_dir = Path(system.log_dir)
     loop = TrainingLoop(
@@ -201,7 +200,7 @@ def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: fl
         log_dir / f"rank{info.rank}", faults,
         lambda total, done: Progress(total, "train", initial=done, enabled=info.is_main),
         announce=info.is_main, config_path=log_dir / "config.yaml" if info.is_main else None,
-        position=position)
+        rebalancer=rebalancer, position=progress.position)
     result = loop.run(options.resume or info.restart_count > 0)
     return finish(config, runtime, participant, result, started)
 
@@ -224,7 +223,8 @@ def finish(config: Config, runtime: rt.Runtime, participant: RankParticipant, re
         world_size=info.world_size, evaluations=result.evaluations,
         extra={"backend": runtime.backend, "device": str(runtime.device),
                "learning_rate": participant.learning_rate, "restarts": info.restart_count,
-               "resumed_from_step": result.resumed_from_step, **extra})
+               "resumed_from_step": result.resumed_from_step, **plan_summary(participant.sampler),
+               **extra})
     summary.write(config.system.log_dir)
     write_hparams(summary, config.system.log_dir)
     return summary

@@ -1,6 +1,7 @@
 """The workers' balance plan (`system.balance`): each worker's speed, measured before
-training on a copy of the model, shared at a barrier on shard 0 (whose answer the
-servers keep, so a restarted worker gets the same plan)."""
+training on a copy of the model and every `system.balance_interval` steps after, shared
+at a barrier on shard 0 (whose answers the servers keep, so a restarted worker that
+passes the same step again gets the same plan)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,20 @@ import torch
 
 from disttrain.config import Config
 from disttrain.core.faults import FaultInjector
-from disttrain.data import ArrayDataset
+from disttrain.data import ArrayDataset, PlannedSampler, ShardedSampler
 from disttrain.strategies.ps.client import PSClient
-from disttrain.training.balance import plan_shares, warmup_speed
+from disttrain.training.balance import warmup_speed
+from disttrain.training.rebalance import Rebalancer, start_balance
 
 
-def balance_shares(config: Config, client: PSClient, worker_id: str, world_size: int, rank: int,
-                   train_set: ArrayDataset, faults: FaultInjector) -> tuple[int, ...] | None:
-    """Every worker's batch (every worker calls it), or None for equal batches."""
+def balance_sampler(config: Config, client: PSClient, worker_id: str, world_size: int, rank: int,
+                    train_set: ArrayDataset, faults: FaultInjector, state: dict,
+                    ) -> tuple[ShardedSampler | PlannedSampler, Rebalancer | None]:
+    """This worker's sampler, and what re-plans it (every worker calls it)."""
 
-    def gather(speed: float) -> list[float]:
-        return [row[0] for row in client.barrier(worker_id, "speeds", [speed])]
+    def gather(name: str, speed: float) -> list[float]:
+        return [row[0] for row in client.barrier(worker_id, name, [speed])]
 
-    return plan_shares(config.system, config.training.batch_size, world_size, gather,
-                       lambda: warmup_speed(config.training, torch.device("cpu"), train_set, faults),
-                       announce="worker" if rank == 0 else None)
+    return start_balance(config.system, config.training, len(train_set), world_size, rank, gather,
+                         lambda: warmup_speed(config.training, torch.device("cpu"), train_set, faults),
+                         announce="worker" if rank == 0 else None, state=state)

@@ -18,8 +18,10 @@ from disttrain.core.errors import DistributedError
 from disttrain.metrics.hparams import write_hparams
 from disttrain.metrics.summary import RunSummary
 from disttrain.proto import parameter_server_pb2 as pb
+from disttrain.strategies.ps.blocks import block_length
 from disttrain.strategies.ps.client import PSClient
 from disttrain.training.loop import LoopResult
+from disttrain.training.rebalance import plan_summary
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +73,12 @@ def data_ledger(num_epochs: int, client: PSClient, participant: Any, rows: list[
     turned away, and blocks redone because a shard lacked them), dropped late (backup
     workers: the slowest gradients of a synchronous step, by design) and lost (in a
     block some shard never applied, other than those dropped late)."""
-    epochs, world = num_epochs, participant.world_size
-    bpe, size, total = participant.batches_per_epoch, participant.batch_size, len(participant.sampler)
+    epochs, world, bpe = num_epochs, participant.world_size, participant.batches_per_epoch
     applied = client.ledger(0, epochs * world * bpe)
     missing = 0
     for block in range(epochs * world * bpe):
         if any(block not in blocks for blocks in applied):
-            index = block % bpe
-            missing += min(size, total - index * size)
+            missing += block_length(participant.sampler, participant.batch_size, block)
     dropped = int(sum(row[7] for row in rows))
     return {"samples_applied": statuses[0].num_samples_applied, "samples_dropped_late": dropped,
             "samples_lost": missing - dropped,
@@ -133,6 +133,7 @@ def finish(config: Config, client: PSClient, participant: Any, result: LoopResul
         world_size=statuses[0].world_size, evaluations=result.evaluations,
         extra={"num_servers": len(statuses),
                **ledger,
+               **plan_summary(participant.sampler),
                "final_model": str(final_path), "resumed_from_step": result.resumed_from_step,
                "workers": workers, **shard_summary(statuses), **compression_summary(rows)})
     summary.write(config.system.log_dir)

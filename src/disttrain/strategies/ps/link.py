@@ -67,7 +67,8 @@ def join(settings: CoordinatorConfig, node_id: str, role: str, rank: int,
     the run has no coordinator.
 
     Args:
-        progress: (epoch, step, samples so far[, seconds of work]), read at every heartbeat.
+        progress: (epoch, step, samples so far[, seconds of work[, balance state]]), read at
+            every heartbeat (the balance state: this worker's batch, warm-up speed and plans).
         on_membership: called with (generation, live worker ids -> the generation each
             joined in) at every change of membership (servers).
         token: the run's token, sent with every call to the coordinator.

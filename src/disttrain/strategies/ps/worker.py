@@ -27,10 +27,11 @@ from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import CheckpointError
 from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import bind_to_parent, emit_event
-from disttrain.data import ArrayDataset, ShardedSampler, load_datasets
+from disttrain.data import ArrayDataset, load_datasets
 from disttrain.metrics.summary import RunSummary
 from disttrain.metrics.window import StepTimer
-from disttrain.strategies.ps.balance import balance_shares
+from disttrain.strategies.ps.balance import balance_sampler
+from disttrain.strategies.ps.blocks import Sampler, block_id, block_indices, block_length
 from disttrain.strategies.ps.client import PSClient, RetryPolicy
 from disttrain.strategies.ps.exchange import Block, Exchange, make_exchange
 from disttrain.strategies.ps.finalize import finish
@@ -86,7 +87,7 @@ class WorkerParticipant:
     train_set: ArrayDataset
     test_set: ArrayDataset
     eval_batch_size: int
-    sampler: ShardedSampler
+    sampler: Sampler
     batch_size: int
     faults: FaultInjector
     timer: StepTimer = field(default_factory=StepTimer)
@@ -109,9 +110,7 @@ class WorkerParticipant:
     @property
     def samples_dropped(self) -> int:
         """Samples of the blocks steps went on without (backup workers), by design."""
-        size = self.rank_batch
-        return sum(min(size, len(self.sampler) - (b % self.batches_per_epoch) * size)
-                   for b in self.exchange.dropped)
+        return sum(block_length(self.sampler, self.batch_size, b) for b in self.exchange.dropped)
 
     def start(self) -> None:
         self.client.barrier(self.worker_id, "start")
@@ -142,7 +141,7 @@ class WorkerParticipant:
 
     def block_id(self, epoch: int, index: int) -> int:
         """The data block of this worker's batch `index` of `epoch`, unique in the run."""
-        return (epoch * self.world_size + self.rank) * self.batches_per_epoch + index
+        return block_id(epoch, self.rank, index, self.world_size, self.batches_per_epoch)
 
     def _compute(self, indices: torch.Tensor) -> Callable[[], StepResult]:
         inputs, targets = self.train_set.batch(indices)
@@ -160,13 +159,12 @@ class WorkerParticipant:
         applied = self.client.ledger(0, end)
         redone = 0
         for epoch in range(last_epoch + 1):
-            shard = self.sampler.shard(epoch)
             for index in range(self.batches_per_epoch):
                 block_id = self.block_id(epoch, index)
                 missing = [s for s, blocks in enumerate(applied) if block_id not in blocks]
                 if not missing or block_id in self.exchange.dropped:
                     continue
-                indices = shard[index * self.rank_batch:(index + 1) * self.rank_batch]
+                indices = block_indices(self.sampler, self.batch_size, epoch, index)
                 logger.warning("block %d (epoch %d, batch %d) is missing on shard(s) %s: redoing it",
                                block_id, epoch, index, missing)
                 step = max(1, self.progress[1])  # a redo is named by its block, not its step
@@ -244,7 +242,8 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
     client = PSClient(servers, plan_shards(model, len(servers)),
                       RetryPolicy(timeout_s=config.ps.rpc_timeout_s), config.ps.payload_transport,
                       token=options.token, tls=options.tls)
-    progress: list[Callable[[], tuple]] = [lambda: (0, 0, 0, 0.0)]  # until the participant exists
+    balance: dict = {}  # this worker's batch, speed and plans, for its heartbeats
+    progress: list[Callable[[], tuple]] = [lambda: (0, 0, 0, 0.0, balance)]  # until the participant exists
     link = None
     try:
         link = join(config.coordinator, worker_id, "worker", requested_rank, lambda: progress[0](),
@@ -269,16 +268,16 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                                  retry_late=config.ps.backup_workers == 0)
         exchange.start()
         faults = FaultInjector(options.faults, "worker", rank, options.attempt)
-        shares = balance_shares(config, client, worker_id, world_size, rank, data[0], faults)
-        sampler = ShardedSampler(len(data[0]), world_size=world_size, rank=rank, seed=training.seed,
-                                 shares=shares)
+        sampler, rebalancer = balance_sampler(config, client, worker_id, world_size, rank, data[0], faults,
+                                              balance)
         participant = WorkerParticipant(client, exchange, worker_id, rank, world_size, model, grads,
                                         *data, training.eval_batch_size, sampler, training.batch_size, faults)
-        progress[0] = lambda: participant.progress
+        progress[0] = lambda: (*participant.progress, balance)
         checkpoints = LocalCheckpoints(Path(system.checkpoint_dir) / f"worker{rank}", system.checkpoint_keep)
         loop = TrainingLoop(config, LoopSettings.from_config(config), participant, sampler, checkpoints,
                             Path(system.log_dir) / f"worker{rank}", faults,
-                            lambda total, done: EventProgress(rank, total, done), announce=rank == 0)
+                            lambda total, done: EventProgress(rank, total, done), announce=rank == 0,
+                            rebalancer=rebalancer)
         result = loop.run(options.resume)
         summary = finish(config, client, participant, result, flat, started)
         if link is not None:

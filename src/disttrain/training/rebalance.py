@@ -1,0 +1,129 @@
+"""Re-planning mid-run: when a process's speed drifts from its share of the global batch (a
+straggler appears, or recovers), split the next global batches by the new speeds.
+
+Every `interval` steps each process shares its speed over the steps since the last check
+(samples over its own work: its waits for peers left out, so a process kept waiting by a
+straggler does not look slow), through a collective every process makes at the same
+step. From the same speeds each computes the same new plan, and adopts it from the next
+batch when it would shorten a step by more than the margin; the sampler keeps the plans'
+history, so which samples each block holds stays known (nothing lost, nothing twice).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from disttrain.config import SystemConfig, TrainingConfig
+from disttrain.data import PlannedSampler, ShardedSampler
+from disttrain.training.balance import plan_batches, plan_shares
+
+logger = logging.getLogger(__name__)
+
+
+def step_time(shares: Sequence[int], speeds: Sequence[float]) -> float:
+    """Seconds of a step split by `shares` at `speeds`: the slowest process's."""
+    return max(b / s for b, s in zip(shares, speeds, strict=True))
+
+
+def drifted(current: Sequence[int], planned: Sequence[int], speeds: Sequence[float], margin: float) -> bool:
+    """Whether `planned` beats `current` at `speeds` by more than `margin` of a step."""
+    return tuple(planned) != tuple(current) and \
+        step_time(current, speeds) > (1 + margin) * step_time(planned, speeds)
+
+
+class Rebalancer:
+    """The speed checks of one process of a balanced run; the loop calls `restart()` at each
+    epoch's start and `after_step()` after every step.
+
+    Args:
+        sampler: this process's sampler; a new plan goes there.
+        mode: `proportional` or `auto` (see `plan_batches`).
+        margin: re-plan when it shortens a step by more than this fraction.
+        interval: steps between checks.
+        gather: `(name, my speed) -> every process's speed` in rank order; a collective,
+            `name` unique to the step (a barrier's name, for the parameter server).
+        announce: log each re-plan (the process that speaks for the run).
+        state: updated in place with this process's batch and how many plans it has been
+            through (its heartbeats read it).
+    """
+
+    def __init__(self, sampler: PlannedSampler, mode: str, margin: float, interval: int,
+                 gather: Callable[[str, float], list[float]], announce: bool = False,
+                 state: dict | None = None, clock: Callable[[], float] = time.perf_counter):
+        self.sampler, self.mode, self.margin, self.interval = sampler, mode, margin, interval
+        self.gather, self.announce, self.clock = gather, announce, clock
+        self.state = {} if state is None else state
+        self.replans = 0
+        self._since: float | None = None
+        self._samples, self._work = 0, 0.0
+        self._publish()
+
+    def _publish(self) -> None:
+        self.state.update(batch=self.sampler.batch_size(), plans=len(self.sampler.plans))
+
+    def restart(self) -> None:
+        """Start measuring afresh from now (what came before was not steps)."""
+        self._since, self._samples, self._work = self.clock(), 0, 0.0
+
+    def after_step(self, step: int, epoch: int, samples: int, blocked_s: float) -> bool:
+        """Count a step of `samples` that spent `blocked_s` waiting for peers; at a check,
+        gather the speeds and re-plan if they call for it. Returns whether it re-planned."""
+        now = self.clock()
+        if self._since is not None:
+            self._work += max(0.0, now - self._since - blocked_s)
+            self._samples += samples
+        self._since = now
+        if self.interval <= 0 or step % self.interval or self.sampler.exhausted:
+            return False
+        mine = self._samples / self._work if self._work > 0 else 0.0
+        speeds = self.gather(f"speeds@{step}", mine)
+        self.restart()  # the collective's wait is not work
+        current = self.sampler.shares
+        if min(speeds) <= 0:
+            return False
+        planned = plan_batches(speeds, self.sampler.global_batch, self.mode, self.margin)
+        if not drifted(current, planned, speeds, self.margin):
+            return False
+        self.sampler.replan(planned)
+        self.replans += 1
+        self._publish()
+        message = "re-planned after step %d (epoch %d): speeds %s samples/s, batches %s -> %s"
+        args = (step, epoch, ", ".join(f"{s:.0f}" for s in speeds), list(current), planned)
+        if self.announce:
+            logger.info(message, *args)
+        else:
+            logger.debug(message, *args)
+        return True
+
+
+def start_balance(system: SystemConfig, training: TrainingConfig, num_samples: int, world_size: int,
+                  rank: int, gather: Callable[[str, float], list[float]], speed: Callable[[], float],
+                  announce: str | None = None, state: dict | None = None,
+                  ) -> tuple[ShardedSampler | PlannedSampler, Rebalancer | None]:
+    """This process's sampler under `system.balance`, and what re-plans it mid-run (None
+    with balance none or `balance_interval` 0; a plan fixed by `balance_batches` is the
+    first one, re-planned like a measured one). A collective: every
+    process calls it. `gather(name, value)` returns every process's value in rank order;
+    `speed()` measures this one; `state` gets its warm-up speed, batch and plans."""
+    shares, mine = plan_shares(system, training.batch_size, world_size, lambda v: gather("speeds", v),
+                               speed, announce)
+    if shares is None:
+        return ShardedSampler(num_samples, world_size=world_size, rank=rank, seed=training.seed), None
+    sampler = PlannedSampler(num_samples, world_size=world_size, rank=rank, seed=training.seed,
+                             shares=shares)
+    state = {} if state is None else state
+    state["speed"] = mine
+    rebalancer = Rebalancer(sampler, system.balance, system.balance_margin, system.balance_interval,
+                            gather, announce is not None, state)
+    return sampler, rebalancer if system.balance_interval > 0 else None
+
+
+def plan_summary(sampler: ShardedSampler | PlannedSampler | None) -> dict[str, Any]:
+    """A run's balance plans as summary fields: `balance_plans` ([epoch, batch, batches]
+    of each, the first at [0, 0]) and `balance_replans`; {} with equal batches."""
+    if not isinstance(sampler, PlannedSampler):
+        return {}
+    return {"balance_plans": sampler.state_dict()["plans"], "balance_replans": len(sampler.plans) - 1}

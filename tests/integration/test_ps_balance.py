@@ -1,0 +1,83 @@
+"""Parameter-server workers of unequal speed (`--balance`), whole runs from the CLI.
+
+Under a plan the global batches are fixed and only split differently, so a synchronous
+run still equals one process stepping on the global batches, whatever the plans were; a
+straggler that appears mid-run is re-planned around, and the servers' ledgers show every
+sample applied once.
+"""
+
+import json
+
+import pytest
+import torch
+
+from disttrain.config import load_config
+from disttrain.core.checkpoint import load_checkpoint
+from disttrain.data import PlannedSampler, load_datasets
+from disttrain.training.models import init_model
+
+ARGS = ["--dataset", "digits", "--model", "mlp", "--optimizer", "sgd", "--set", "training.momentum=0",
+        "--learning-rate", "0.1", "--batch-size", "16", "--max-test-samples", "60"]
+
+
+def run(cli, tmp_path, *extra):
+    result = cli("ps", "--workers", "2", *ARGS, "--log-dir", tmp_path / "logs",
+                 "--checkpoint-dir", tmp_path / "ckpt", *extra, timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((tmp_path / "logs" / "summary.json").read_text())
+
+
+def assert_matches_the_global_batches(tmp_path, global_batch: int):
+    """The final model equals one process's stepping with plain SGD on each global batch."""
+    config = load_config(tmp_path / "logs" / "config.yaml")
+    train_set, _ = load_datasets(config.training)
+    model = init_model(config.training)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    whole = PlannedSampler(len(train_set), world_size=1, rank=0, seed=config.training.seed,
+                           shares=(global_batch,))
+    for epoch in range(config.training.num_epochs):
+        whole.set_epoch(epoch)
+        for batch in whole.batches():
+            inputs, targets = train_set.batch(batch)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+            optimizer.step()
+    final = load_checkpoint(tmp_path / "ckpt" / "parameter_server_final.pt")["model"]
+    for name, expected in model.state_dict().items():
+        torch.testing.assert_close(final[name], expected, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.timeout(160)
+def test_sync_workers_of_24_and_8_match_one_process_on_the_global_batches_of_32(tmp_path, cli):
+    summary = run(cli, tmp_path, "--max-train-samples", "96", "--num-epochs", "1", "--balance",
+                     "proportional", "--set", "system.balance_batches=24,8")
+    assert summary["steps"] == 3 and summary["samples_processed"] == 96 and summary["samples_lost"] == 0
+    assert summary["balance_plans"] == [[0, 0, [24, 8]]]
+    assert [w["samples"] for w in summary["workers"]] == [72, 24]
+    assert_matches_the_global_batches(tmp_path, 32)
+
+
+@pytest.mark.timeout(160)
+def test_a_straggler_appearing_mid_run_is_re_planned_around_with_every_sample_applied_once(tmp_path, cli):
+    summary = run(cli, tmp_path, "--max-train-samples", "640", "--num-epochs", "2",
+                     "--balance", "auto", "--balance-interval", "4", "--set", "system.balance_batches=16,16",
+                     "--inject", "slow:worker=1:factor=20:step=10")
+    plans = summary["balance_plans"]
+    assert plans[0] == [0, 0, [16, 16]] and summary["balance_replans"] >= 1, plans
+    first_after = next(p for p in plans if (p[0], p[1]) > (0, 8))
+    assert (first_after[0], first_after[1]) <= (0, 16), plans  # within two checks of the slowdown
+    assert first_after[2][1] < first_after[2][0] and plans[-1][2][1] < plans[-1][2][0], plans
+    assert "re-planned after step" in (tmp_path / "logs" / "worker0.log").read_text()
+    assert summary["samples_lost"] == 0 and summary["samples_applied"] == 2 * 20 * 32
+    assert summary["samples_processed"] == 2 * 20 * 32
+    assert_matches_the_global_batches(tmp_path, 32)
+
+
+@pytest.mark.timeout(160)
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_asynchronous_workers_take_their_shares_of_every_epoch_once(tmp_path, cli, mode):
+    summary = run(cli, tmp_path, "--max-train-samples", "320", "--num-epochs", "2",
+                     "--aggregation-mode", mode, "--staleness", "2", "--balance", "proportional",
+                     "--set", "system.balance_batches=24,8")
+    assert summary["samples_lost"] == 0 and summary["samples_applied"] == 2 * 10 * 32
+    assert [w["samples"] for w in summary["workers"]] == [2 * 10 * 24, 2 * 10 * 8]
