@@ -81,3 +81,17 @@ def test_asynchronous_workers_take_their_shares_of_every_epoch_once(tmp_path, cl
                      "--set", "system.balance_batches=24,8")
     assert summary["samples_lost"] == 0 and summary["samples_applied"] == 2 * 10 * 32
     assert [w["samples"] for w in summary["workers"]] == [2 * 10 * 24, 2 * 10 * 8]
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_killed_after_a_re_plan_resumes_into_the_same_plans_and_nothing_is_lost(tmp_path, cli):
+    summary = run(cli, tmp_path, "--max-train-samples", "640", "--num-epochs", "2",
+                  "--balance", "auto", "--balance-interval", "4", "--set", "system.balance_batches=16,16",
+                  "--checkpoint-interval", "5", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5",
+                  "--inject", "slow:worker=1:factor=20:step=4", "--inject", "kill:worker=1:step=14")
+    assert summary["balance_replans"] >= 1 and summary["failures"][0]["process"] == "worker1"
+    assert summary["samples_lost"] == 0 and summary["samples_applied"] == 2 * 20 * 32
+    # the restarted worker took the plans its barriers' kept answers gave: the same as worker 0's
+    assert "resumed from" in (tmp_path / "logs" / "worker1.log").read_text()
+    newest = max((tmp_path / "ckpt" / "worker1").glob("checkpoint_step*.pt"))
+    assert load_checkpoint(newest)["sampler"]["plans"] == summary["balance_plans"]

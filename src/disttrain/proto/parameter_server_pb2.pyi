@@ -187,24 +187,28 @@ class ShutdownRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BarrierRequest(_message.Message):
-    __slots__ = ("worker_id", "name", "values", "session")
+    __slots__ = ("worker_id", "name", "values", "session", "step")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     name: str
     values: _containers.RepeatedScalarFieldContainer[float]
     session: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ..., session: _Optional[bytes] = ...) -> None: ...
+    step: int
+    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ..., session: _Optional[bytes] = ..., step: _Optional[int] = ...) -> None: ...
 
 class BarrierReply(_message.Message):
-    __slots__ = ("world_size", "values")
+    __slots__ = ("world_size", "values", "given_up")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    GIVEN_UP_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, world_size: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+    given_up: bool
+    def __init__(self, world_size: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ..., given_up: _Optional[bool] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
     __slots__ = ("shard", "num_shards", "version", "world_size", "num_registered", "num_done", "num_applied", "num_rejected_stale", "num_dropped_late", "num_duplicates", "num_invalid", "staleness_histogram", "round_wait_s", "aggregation_mode", "num_samples_applied", "num_samples_duplicate", "num_blocks_applied", "num_fenced", "incarnation", "generation", "max_round_wait_s", "num_refused_nonfinite")

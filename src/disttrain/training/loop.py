@@ -143,7 +143,7 @@ class TrainingLoop:
             first = sampler.next_index(s.batch_size) // s.micro_batches
             save_after_evaluation = False
             if self.rebalancer is not None:
-                self.rebalancer.restart()
+                self.rebalancer.at_epoch_start(position.step, epoch)
             for index, batches in enumerate(groups(sampler.batches(s.batch_size), s.micro_batches),
                                             start=first):
                 result = self.participant.step(batches, StepInfo(position.step + 1, epoch, index))

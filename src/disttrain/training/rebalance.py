@@ -5,8 +5,8 @@ Every `interval` steps each process shares its speed over the steps since the la
 (samples over its own work: its waits for peers left out, so a process kept waiting by a
 straggler does not look slow), through a collective every process makes at the same
 step. From the same speeds each computes the same new plan, and adopts it from the next
-batch when it would shorten a step by more than the margin; the sampler keeps the plans'
-history, so which samples each block holds stays known (nothing lost, nothing twice).
+batch when it would shorten a step by more than `REPLAN_GAIN`; the sampler keeps the
+plans' history, so which samples each block holds stays known (nothing lost, nothing twice).
 """
 
 from __future__ import annotations
@@ -22,16 +22,21 @@ from disttrain.training.balance import plan_batches, plan_shares
 
 logger = logging.getLogger(__name__)
 
+# A re-plan moves no data and costs nothing but a log line, so it is taken once it
+# shortens a step by more than the noise of a speed measured over a few dozen steps.
+REPLAN_GAIN = 0.1
+
 
 def step_time(shares: Sequence[int], speeds: Sequence[float]) -> float:
     """Seconds of a step split by `shares` at `speeds`: the slowest process's."""
     return max(b / s for b, s in zip(shares, speeds, strict=True))
 
 
-def drifted(current: Sequence[int], planned: Sequence[int], speeds: Sequence[float], margin: float) -> bool:
-    """Whether `planned` beats `current` at `speeds` by more than `margin` of a step."""
+def drifted(current: Sequence[int], planned: Sequence[int], speeds: Sequence[float],
+            gain: float = REPLAN_GAIN) -> bool:
+    """Whether `planned` beats `current` at `speeds` by more than `gain` of a step."""
     return tuple(planned) != tuple(current) and \
-        step_time(current, speeds) > (1 + margin) * step_time(planned, speeds)
+        step_time(current, speeds) > (1 + gain) * step_time(planned, speeds)
 
 
 class Rebalancer:
@@ -41,17 +46,18 @@ class Rebalancer:
     Args:
         sampler: this process's sampler; a new plan goes there.
         mode: `proportional` or `auto` (see `plan_batches`).
-        margin: re-plan when it shortens a step by more than this fraction.
+        margin: `auto`: the gap in speed that turns proportional batches on.
         interval: steps between checks.
-        gather: `(name, my speed) -> every process's speed` in rank order; a collective,
-            `name` unique to the step (a barrier's name, for the parameter server).
+        gather: `(name, my speed, step) -> every process's speed` in rank order, or None
+            when the check is given up (a process is behind); a collective, `name` unique
+            to the step (a barrier's, for the parameter server).
         announce: log each re-plan (the process that speaks for the run).
         state: updated in place with this process's batch and how many plans it has been
             through (its heartbeats read it).
     """
 
     def __init__(self, sampler: PlannedSampler, mode: str, margin: float, interval: int,
-                 gather: Callable[[str, float], list[float]], announce: bool = False,
+                 gather: Callable[[str, float, int], list[float] | None], announce: bool = False,
                  state: dict | None = None, clock: Callable[[], float] = time.perf_counter):
         self.sampler, self.mode, self.margin, self.interval = sampler, mode, margin, interval
         self.gather, self.announce, self.clock = gather, announce, clock
@@ -68,6 +74,16 @@ class Rebalancer:
         """Start measuring afresh from now (what came before was not steps)."""
         self._since, self._samples, self._work = self.clock(), 0, 0.0
 
+    def at_epoch_start(self, step: int, epoch: int) -> bool:
+        """At an epoch's start: check, if steps were measured since the last check (the
+        processes meet at the epoch's end, so asynchronous ones re-plan here too); then
+        measure afresh. Returns whether it re-planned."""
+        replanned = False
+        if self.interval > 0 and self._samples and self.sampler.index == 0:
+            replanned = self._check(step, epoch)
+        self.restart()
+        return replanned
+
     def after_step(self, step: int, epoch: int, samples: int, blocked_s: float) -> bool:
         """Count a step of `samples` that spent `blocked_s` waiting for peers; at a check,
         gather the speeds and re-plan if they call for it. Returns whether it re-planned."""
@@ -78,14 +94,17 @@ class Rebalancer:
         self._since = now
         if self.interval <= 0 or step % self.interval or self.sampler.exhausted:
             return False
+        return self._check(step, epoch)
+
+    def _check(self, step: int, epoch: int) -> bool:
         mine = self._samples / self._work if self._work > 0 else 0.0
-        speeds = self.gather(f"speeds@{step}", mine)
+        speeds = self.gather(f"speeds@{step}", mine, step)
         self.restart()  # the collective's wait is not work
         current = self.sampler.shares
-        if min(speeds) <= 0:
+        if not speeds or min(speeds) <= 0:  # given up (a process is behind), or one not measured
             return False
         planned = plan_batches(speeds, self.sampler.global_batch, self.mode, self.margin)
-        if not drifted(current, planned, speeds, self.margin):
+        if not drifted(current, planned, speeds):
             return False
         self.sampler.replan(planned)
         self.replans += 1
@@ -100,16 +119,17 @@ class Rebalancer:
 
 
 def start_balance(system: SystemConfig, training: TrainingConfig, num_samples: int, world_size: int,
-                  rank: int, gather: Callable[[str, float], list[float]], speed: Callable[[], float],
+                  rank: int, gather: Callable[[str, float, int], list[float] | None],
+                  speed: Callable[[], float],
                   announce: str | None = None, state: dict | None = None,
                   ) -> tuple[ShardedSampler | PlannedSampler, Rebalancer | None]:
     """This process's sampler under `system.balance`, and what re-plans it mid-run (None
     with balance none or `balance_interval` 0; a plan fixed by `balance_batches` is the
     first one, re-planned like a measured one). A collective: every
-    process calls it. `gather(name, value)` returns every process's value in rank order;
-    `speed()` measures this one; `state` gets its warm-up speed, batch and plans."""
-    shares, mine = plan_shares(system, training.batch_size, world_size, lambda v: gather("speeds", v),
-                               speed, announce)
+    process calls it. `gather(name, value, step)` returns every process's value in rank
+    order; `speed()` measures this one; `state` gets its warm-up speed, batch and plans."""
+    shares, mine = plan_shares(system, training.batch_size, world_size,
+                               lambda v: gather("speeds", v, 0) or [], speed, announce)
     if shares is None:
         return ShardedSampler(num_samples, world_size=world_size, rank=rank, seed=training.seed), None
     sampler = PlannedSampler(num_samples, world_size=world_size, rank=rank, seed=training.seed,

@@ -22,7 +22,7 @@ def balance_sampler(config: Config, runtime: rt.Runtime, train_set: ArrayDataset
     # gloo gathers host tensors; NCCL needs them on the rank's GPU
     device = runtime.device if runtime.backend == "nccl" else torch.device("cpu")
 
-    def gather(name: str, speed: float) -> list[float]:
+    def gather(name: str, speed: float, step: int) -> list[float]:
         mine = torch.tensor([speed], dtype=torch.float64, device=device)
         gathered = [torch.zeros_like(mine) for _ in range(info.world_size)]
         dist.all_gather(gathered, mine)

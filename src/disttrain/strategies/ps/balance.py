@@ -1,7 +1,9 @@
 """The workers' balance plan (`system.balance`): each worker's speed, measured before
 training on a copy of the model and every `system.balance_interval` steps after, shared
 at a barrier on shard 0 (whose answers the servers keep, so a restarted worker that
-passes the same step again gets the same plan)."""
+passes the same step again gets the same plan). A check is given up, for every worker,
+when one is behind: a restarted worker redoing steps needs the others' steps to catch up,
+and an asynchronous one further back would hold the others."""
 
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ def balance_sampler(config: Config, client: PSClient, worker_id: str, world_size
                     ) -> tuple[ShardedSampler | PlannedSampler, Rebalancer | None]:
     """This worker's sampler, and what re-plans it (every worker calls it)."""
 
-    def gather(name: str, speed: float) -> list[float]:
-        return [row[0] for row in client.barrier(worker_id, name, [speed])]
+    def gather(name: str, speed: float, step: int) -> list[float] | None:
+        rows = client.barrier(worker_id, name, [speed], step)  # a check gives up for a worker behind
+        return [row[0] for row in rows] if rows else None
 
     return start_balance(config.system, config.training, len(train_set), world_size, rank, gather,
                          lambda: warmup_speed(config.training, torch.device("cpu"), train_set, faults),

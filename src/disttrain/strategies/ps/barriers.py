@@ -5,27 +5,42 @@ Pure bookkeeping, apart from any lock or transport: the servicer calls `arrive` 
 its lock and waits on its condition variable until `result` is not None. A barrier is
 complete once every rank of the run has arrived; its result is kept, so a worker that
 arrives again (it was restarted) gets the same answer at once.
+
+A barrier of a step (`arrive(..., step=k)`: the speed checks of a balanced run) is one
+nobody must wait long for: it is given up, and every worker told so, once a worker that
+has not arrived is behind (its last gradient is of an earlier step: it was restarted and
+is redoing steps, or it is an asynchronous worker further back), or when any worker
+re-registers or leaves. Waiting would then hold the others for no purpose, or for ever (a
+synchronous worker behind needs their steps to catch up). A given-up result is kept too,
+so every worker leaves with the same answer.
 """
 
 from __future__ import annotations
+
+from disttrain.strategies.ps.decisions import PushRefused
 
 # A run meets at a few barriers per epoch; completed ones are kept for late arrivals,
 # bounded so a long run's memory stays flat (the oldest are dropped first).
 MAX_KEPT = 256
 
 
-class BarrierMismatch(ValueError):
-    """A worker brought values of another length than those already there."""
+class BarrierMismatch(PushRefused):
+    """A worker brought values of another length than those already there (refused as a
+    push is: the call fails, nothing changes)."""
 
 
 class Barriers:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self._arrived: dict[str, dict[int, list[float]]] = {}
-        self._done: dict[str, list[list[float]]] = {}
+        self._done: dict[str, list[list[float]]] = {}  # a given-up barrier: []
+        self._of_step: set[str] = set()  # pending barriers that may be given up
 
-    def arrive(self, name: str, rank: int, values: list[float]) -> None:
-        """Record `rank` at barrier `name` (again: its values are replaced).
+    def arrive(self, name: str, rank: int, values: list[float], step: int = 0,
+               last_steps: dict[int, int] | None = None) -> None:
+        """Record `rank` at barrier `name` (again: its values are replaced). With `step`,
+        the barrier is given up at once if a rank that has not arrived has a last step
+        (`last_steps`) before it.
 
         Raises:
             BarrierMismatch: `values` differ in length from the others'.
@@ -39,13 +54,31 @@ class Barriers:
                                   f"others {lengths.pop()}")
         arrived[rank] = list(values)
         if len(arrived) == self.world_size:
-            self._done[name] = [arrived[r] for r in range(self.world_size)]
-            del self._arrived[name]
-            while len(self._done) > MAX_KEPT:
-                self._done.pop(next(iter(self._done)))
+            self._finish(name, [arrived[r] for r in range(self.world_size)])
+        elif step > 0:
+            self._of_step.add(name)
+            last = last_steps or {}
+            if any(last.get(r, 0) < step for r in range(self.world_size) if r not in arrived):
+                self._finish(name, [])
+
+    def _finish(self, name: str, rows: list[list[float]]) -> None:
+        self._done[name] = rows
+        del self._arrived[name]
+        self._of_step.discard(name)
+        while len(self._done) > MAX_KEPT:
+            self._done.pop(next(iter(self._done)))
+
+    def give_up_pending(self) -> bool:
+        """Give up every pending barrier of a step (a worker re-registered or left);
+        whether there was one."""
+        names = sorted(self._of_step)
+        for name in names:
+            self._finish(name, [])
+        return bool(names)
 
     def result(self, name: str) -> list[list[float]] | None:
-        """Every rank's values in rank order once `name` is complete, else None."""
+        """Every rank's values in rank order once `name` is complete, [] once it was given
+        up, else None."""
         return self._done.get(name)
 
     def state_dict(self) -> dict[str, list[list[float]]]:

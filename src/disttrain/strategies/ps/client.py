@@ -196,11 +196,13 @@ class PSClient:
         return self.one_round_trip and client.step_supported and (
             client.segments is not None or wire.fits_one_message(self.plans[shard].nbytes))
 
-    def barrier(self, worker_id: str, name: str, values: list[float] = ()) -> list[list[float]]:
+    def barrier(self, worker_id: str, name: str, values: list[float] = (), step: int = 0
+                ) -> list[list[float]]:
         """Meet every worker at barrier `name` (on shard 0); every worker's values, in rank
-        order. Waits as long as the slowest worker takes, retrying each deadline."""
+        order. Waits as long as the slowest worker takes, retrying each deadline; a
+        barrier of a `step` is given up instead when a worker is behind: then []."""
         reply = self.shards[0].unary("Barrier", pb.BarrierRequest(worker_id=worker_id, name=name,
-                                                                  values=list(values)))
+                                                                  values=list(values), step=step))
         width = len(reply.values) // max(reply.world_size, 1)
         return [list(reply.values[r * width:(r + 1) * width]) for r in range(reply.world_size)]
 

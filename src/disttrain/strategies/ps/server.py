@@ -174,7 +174,9 @@ class ParameterServicer:
     def Barrier(self, request, context):
         with refusals(context), self.long_poll(request.worker_id, context):
             rows = self.state.barrier(request.worker_id, request.session, request.name, list(request.values),
-                                      self.wait_s(context))
+                                      self.wait_s(context), request.step)
+        if rows == []:
+            return pb.BarrierReply(world_size=0, given_up=True)
         if rows is None:
             code = grpc.StatusCode.UNAVAILABLE if self.state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
             context.abort(code, f"not every worker reached barrier {request.name!r} in time")

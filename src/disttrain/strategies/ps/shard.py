@@ -22,8 +22,8 @@ from torch import nn
 from disttrain.config import Config
 from disttrain.core.saver import CheckpointWriter
 from disttrain.strategies.ps import persistence, wire
-from disttrain.strategies.ps.aggregation import AggregationRules, Decision, Outcome, Push, PushRefused
-from disttrain.strategies.ps.barriers import BarrierMismatch, Barriers
+from disttrain.strategies.ps.aggregation import AggregationRules, Decision, Outcome, Push
+from disttrain.strategies.ps.barriers import Barriers
 from disttrain.strategies.ps.codec import Payload, tensor_bytes
 from disttrain.strategies.ps.identity import Identities
 from disttrain.strategies.ps.refusals import ShardStopping
@@ -94,13 +94,14 @@ class ShardState:
             self.identities.check_claim(worker_id, key, generation, self.rules.roster)
             rank = self.rules.register(worker_id, requested_rank)
             session = self.identities.bind(worker_id, key, generation)
+            self.barriers.give_up_pending()  # a restarted worker is behind: no check waits for it
             self._changed.notify_all()
             return rank, self.rules.version, session
 
     def barrier(self, worker_id: str, session: bytes, name: str, values: list[float],
-                timeout_s: float | None) -> list[list[float]] | None:
-        """Arrive at barrier `name`; every worker's values once all arrived, or None on
-        timeout or stop.
+                timeout_s: float | None, step: int = 0) -> list[list[float]] | None:
+        """Arrive at barrier `name` (of `step`: see `Barriers`); every worker's values once
+        all arrived, [] if it was given up, or None on timeout or stop.
 
         Raises:
             SessionRefused, UnknownWorker: not the worker's session.
@@ -110,10 +111,7 @@ class ShardState:
             self.identities.check(worker_id, session)
             rank = self.rules.rank_of(worker_id)
             complete = self.barriers.result(name) is not None
-            try:
-                self.barriers.arrive(name, rank, values)
-            except BarrierMismatch as e:
-                raise PushRefused(str(e)) from e
+            self.barriers.arrive(name, rank, values, step, self.rules.last_step)
             if not complete and self.barriers.result(name) is not None and self._writer is not None:
                 # Kept, so a worker whose answer a crash lost is answered again after a restart.
                 self._save_async(self._state())
@@ -176,6 +174,8 @@ class ShardState:
         a worker that left no longer holds up a synchronous step."""
         with self._changed:
             self._apply_or_void(self.rules.set_membership(generation, members, self.clock()))
+            self.barriers.give_up_pending()  # who left will not come; who stayed may be behind
+            self._changed.notify_all()
 
     def ledger(self, first: int, end: int) -> list[int]:
         """Applied blocks with ids in [first, end) (end 0: no bound)."""

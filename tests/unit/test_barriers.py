@@ -1,0 +1,47 @@
+"""Named barriers of the parameter server: complete once every rank arrived, kept for a
+restarted worker; a barrier of a step is given up, for everyone, rather than waited for
+when a rank is behind, re-registers or leaves."""
+
+from __future__ import annotations
+
+import pytest
+
+from disttrain.strategies.ps.barriers import BarrierMismatch, Barriers
+from disttrain.strategies.ps.decisions import PushRefused
+
+
+def test_a_barrier_completes_once_every_rank_arrived_and_keeps_its_answer():
+    barriers = Barriers(2)
+    barriers.arrive("start", 1, [2.0])
+    assert barriers.result("start") is None
+    barriers.arrive("start", 0, [1.0])
+    assert barriers.result("start") == [[1.0], [2.0]]
+    barriers.arrive("start", 1, [9.0])  # a restarted worker gets the same answer
+    assert barriers.result("start") == [[1.0], [2.0]]
+    with pytest.raises(BarrierMismatch) as refused:
+        barriers.arrive("other", 0, [1.0]) or barriers.arrive("other", 1, [1.0, 2.0])
+    assert isinstance(refused.value, PushRefused)  # refused as a bad push is: nothing changes
+
+
+def test_a_check_is_given_up_at_once_when_a_rank_is_behind():
+    barriers = Barriers(2)
+    barriers.arrive("speeds@16", 0, [100.0], step=16, last_steps={0: 16, 1: 16})
+    assert barriers.result("speeds@16") is None  # in step: worth the wait of a few milliseconds
+    barriers.arrive("speeds@16", 1, [50.0], step=16, last_steps={0: 16, 1: 16})
+    assert barriers.result("speeds@16") == [[100.0], [50.0]]
+    barriers.arrive("speeds@24", 0, [100.0], step=24, last_steps={0: 24, 1: 20})
+    assert barriers.result("speeds@24") == []  # rank 1 is redoing steps: it needs rank 0's
+    barriers.arrive("speeds@24", 1, [50.0], step=24, last_steps={0: 24, 1: 24})
+    assert barriers.result("speeds@24") == []  # the late rank gets the same answer
+
+
+def test_a_re_registration_or_a_departure_gives_up_the_pending_checks_only():
+    barriers = Barriers(2)
+    barriers.arrive("speeds@8", 0, [1.0], step=8, last_steps={0: 8, 1: 8})
+    barriers.arrive("epoch0:trained", 0, [])
+    assert barriers.give_up_pending() and not barriers.give_up_pending()
+    assert barriers.result("speeds@8") == [] and barriers.result("epoch0:trained") is None
+    state = barriers.state_dict()
+    restored = Barriers(2)
+    restored.load_state_dict(state)
+    assert restored.result("speeds@8") == []  # a restarted shard answers it the same
