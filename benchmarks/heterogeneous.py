@@ -8,6 +8,12 @@ and in proportion to measured speed (`--balance proportional`). Reported for eac
 ideal, the epoch time, the final accuracy, and the samples trained (each exactly once).
 Target: proportional reaches at least 0.85 of the ideal, where equal batches reach about
 0.5. Data: MNIST, 1 epoch, when at hand; otherwise (and with --quick) digits, 4 epochs.
+
+Then a straggler that appears mid-run: process 1 is slowed 3x from a third of the run to
+two thirds (`slow:...:step=S:until=U`), with equal batches and with `--balance auto`
+(re-planned every `--balance-interval` steps). From the metrics of process 0: the run's
+samples/s before, during (and during, once re-planned) and after the slowdown, and the
+steps from the slowdown (and from the recovery) to the re-plan.
 """
 
 from __future__ import annotations
@@ -22,6 +28,13 @@ from common import parse_args, report
 from ps_helpers import data_dir
 
 FACTOR = 3
+GLOBAL_BATCH = 128  # the default batch of 64, times two processes
+MIDRUN = {  # process 1 slowed between steps S and U (set from the run's length)
+    "ps_sync_midrun_none": ["ps", "--workers", "2"],
+    "ps_sync_midrun_auto": ["ps", "--workers", "2", "--balance", "auto"],
+    "ddp_midrun_none": ["ddp", "--world-size", "2"],
+    "ddp_midrun_auto": ["ddp", "--world-size", "2", "--balance", "auto"],
+}
 RUNS = {
     "solo_fast": ["baseline"],
     "solo_slow": ["baseline", "--inject", f"slow:worker=0:factor={FACTOR}"],
@@ -34,8 +47,8 @@ RUNS = {
 }
 
 
-def run(name: str, data: list[str], epochs: int, folder: Path) -> dict:
-    command = [sys.executable, "-m", "disttrain", *RUNS[name], *data, "--num-epochs", str(epochs),
+def run(name: str, data: list[str], epochs: int, folder: Path, args: list[str] | None = None) -> dict:
+    command = [sys.executable, "-m", "disttrain", *(args or RUNS[name]), *data, "--num-epochs", str(epochs),
                "--num-threads", "1", "--log-dir", str(folder / "logs"),
                "--checkpoint-dir", str(folder / "ckpt")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
@@ -52,7 +65,33 @@ def run(name: str, data: list[str], epochs: int, folder: Path) -> dict:
     plan = [ln for text in logs for ln in text.splitlines() if " speeds " in ln and "batches" in ln]
     if plan:
         figures["plan"] = plan[-1][plan[-1].index("speeds"):]
+    if "balance_plans" in summary:
+        figures["plans"] = summary["balance_plans"]
     return figures
+
+
+def phases(folder: Path, first: int, last: int, plans: list, steps_per_epoch: int) -> dict:
+    """Samples/s of the run (global batches per second, from process 0's metrics windows)
+    before step `first`, from it to `last`, from the first re-plan after `first` to `last`,
+    and after `last`; and the steps from `first` and from `last` to the re-plans after them."""
+    metrics = next(folder.glob("logs/*0/metrics.jsonl"))
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    points = [(r["step"], r["progress/train_time_s"]) for r in rows if "loss/train" in r]
+    starts = [e * steps_per_epoch + i for e, i, _ in plans[1:]]
+    replanned = next((s for s in starts if s >= first), None)
+    recovered = next((s for s in starts if s >= last), None)
+
+    def rate(lo: float, hi: float) -> float | None:
+        inside = [(s, t) for s, t in points if lo <= s <= hi]
+        if len(inside) < 2 or inside[-1][1] <= inside[0][1]:
+            return None
+        return round((inside[-1][0] - inside[0][0]) * GLOBAL_BATCH / (inside[-1][1] - inside[0][1]), 1)
+
+    return {"before": rate(0, first), "during": rate(first, last),
+            "during_replanned": rate(replanned, last) if replanned is not None else None,
+            "after": rate(last, points[-1][0]), "slowed_from_step": first, "recovered_at_step": last,
+            "replan_steps_after_slowdown": None if replanned is None else replanned - first,
+            "replan_steps_after_recovery": None if recovered is None else recovered - last}
 
 
 def main() -> None:
@@ -66,9 +105,29 @@ def main() -> None:
             folder = Path(tmp) / name
             results[name] = run(name, data, epochs, folder)
             print(f"{name:<18} {results[name]}", file=sys.stderr, flush=True)
+        steps = results["ddp_none"]["samples_trained"] // GLOBAL_BATCH  # of the whole run
+        first, last = steps // 3, 2 * steps // 3
+        for name, command in MIDRUN.items():
+            role = "worker" if command[0] == "ps" else "rank"
+            folder = Path(tmp) / name
+            results[name] = run(name, data, epochs, folder, [
+                *command, "--inject", f"slow:{role}=1:factor={FACTOR}:step={first}:until={last}"])
+            results[name]["phases"] = phases(folder, first, last, results[name].get("plans", [[0, 0]]),
+                                             steps // epochs)
+            results[name].pop("plans", None)  # the phases say what the plans did
+            print(f"{name:<18} {results[name]['phases']}", file=sys.stderr, flush=True)
     ideal = results["solo_fast"]["samples_per_s"] + results["solo_slow"]["samples_per_s"]
-    for name in ("ddp_none", "ddp_proportional", "ps_sync_none", "ps_sync_proportional"):
-        results[name]["vs_ideal"] = round(results[name]["samples_per_s"] / ideal, 3)
+    # What two equal, unslowed processes reach of twice one's solo speed on this machine
+    # (the mid-run runs' first third): the most any split of the work can give here.
+    for kind in ("ddp", "ps_sync"):
+        before = results[f"{kind}_midrun_none"]["phases"]["before"]
+        efficiency = round(before / (2 * results["solo_fast"]["samples_per_s"]), 3) if before else None
+        for plan in ("none", "proportional"):
+            figures = results[f"{kind}_{plan}"]
+            figures["vs_ideal"] = round(figures["samples_per_s"] / ideal, 3)
+            figures["equal_processes_vs_twice_solo"] = efficiency
+            if efficiency:
+                figures["vs_ideal_at_that_efficiency"] = round(figures["vs_ideal"] / efficiency, 3)
     report("heterogeneous", {"data": " ".join(data), "epochs": epochs, "slow_factor": FACTOR,
                              "ideal_samples_per_s": round(ideal, 1), "runs": results,
                              "ratio": max(results["ddp_proportional"]["vs_ideal"],

@@ -67,7 +67,7 @@ EPILOG = not_used_yet_epilog()
 # flag -> (config key, type, help): the DDP knobs on top of the common training flags.
 DDP_FLAGS = {
     "--world-size": ("system.num_workers", int, "ranks in all, over every node"),
-    "--backend": ("ddp.backend", str, "auto (NCCL with CUDA, else gloo), gloo or nccl"),
+    "--backend": ("ddp.backend", str, "auto (NCCL when every rank has a GPU, else gloo), gloo or nccl"),
     "--max-restarts": ("ddp.max_restarts", int, "restarts of the rank group after a failure; "
                        "each resumes from the newest checkpoint"),
     "--bucket-cap-mb": ("ddp.bucket_cap_mb", float, "gradient bucket size for all-reduce"),
@@ -122,6 +122,8 @@ def check(args: argparse.Namespace) -> str:
     init_model(config.training)
     nodes = (f"{count(ddp.num_nodes, 'node')}, rendezvous at {ddp.rdzv_endpoint}" if ddp.rdzv_endpoint
              else "this node only")
+    if ddp.backend == "auto" and backend == "nccl" and ddp.num_nodes > 1:
+        backend = "nccl if every node has GPUs, else gloo"
     return (f"{count(world_size // ddp.num_nodes, 'rank')} on this node of {world_size} ({nodes}; "
             f"{backend}), up to {count(ddp.max_restarts, 'restart')}, "
             f"{describe_coordinator(config, 'with its own coordinator')}{describe_security(options)}; "

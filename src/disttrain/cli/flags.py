@@ -53,8 +53,7 @@ def balance_flags(who: str) -> dict[str, tuple[str, Any, str]]:
                       "in proportion to its measured speed, the global batch unchanged) or auto "
                       f"(proportional once {who}s differ by more than --balance-margin)"),
         "--balance-margin": ("system.balance_margin", float, f"auto: the slowest {who}'s speed below "
-                             "(1 - margin) of the fastest's turns proportional batches on; a re-plan "
-                             "must shorten a step by more than this fraction"),
+                             "(1 - margin) of the fastest's turns proportional batches on"),
         "--balance-interval": ("system.balance_interval", int, f"steps between checks of each {who}'s "
                                "speed, re-planning the batches when one drifts (0: plan once, at "
                                "the start)"),

@@ -89,7 +89,7 @@ class SystemConfig:
     balance: str = field(default="none", metadata=_choice(BALANCES))
     balance_margin: float = field(default=0.2, metadata=_rule(lambda v: 0 < v < 1, "must be in (0, 1)"))
     # Steps between speed checks that may re-plan the batches mid-run (0: plan once).
-    balance_interval: int = field(default=50, metadata=_rule(lambda v: v >= 0,
+    balance_interval: int = field(default=25, metadata=_rule(lambda v: v >= 0,
                                                              "must be >= 0 (0 = plan once)"))
     # The first plan instead of a measured one: each rank's batch, e.g. "48,16".
     balance_batches: str = field(default="", metadata=_rule(
