@@ -9,12 +9,11 @@ sample applied once.
 import json
 
 import pytest
-import torch
+from ps_reference import assert_matches_one_process
 
-from disttrain.config import load_config
+from disttrain.coordinator.registry import read_status
 from disttrain.core.checkpoint import load_checkpoint
-from disttrain.data import PlannedSampler, load_datasets
-from disttrain.training.models import init_model
+from disttrain.data import PlannedSampler
 
 ARGS = ["--dataset", "digits", "--model", "mlp", "--optimizer", "sgd", "--set", "training.momentum=0",
         "--learning-rate", "0.1", "--batch-size", "16", "--max-test-samples", "60"]
@@ -29,22 +28,15 @@ def run(cli, tmp_path, *extra):
 
 def assert_matches_the_global_batches(tmp_path, global_batch: int):
     """The final model equals one process's stepping with plain SGD on each global batch."""
-    config = load_config(tmp_path / "logs" / "config.yaml")
-    train_set, _ = load_datasets(config.training)
-    model = init_model(config.training)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    whole = PlannedSampler(len(train_set), world_size=1, rank=0, seed=config.training.seed,
-                           shares=(global_batch,))
-    for epoch in range(config.training.num_epochs):
-        whole.set_epoch(epoch)
-        for batch in whole.batches():
-            inputs, targets = train_set.batch(batch)
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
-            optimizer.step()
-    final = load_checkpoint(tmp_path / "ckpt" / "parameter_server_final.pt")["model"]
-    for name, expected in model.state_dict().items():
-        torch.testing.assert_close(final[name], expected, rtol=0, atol=1e-5, msg=name)
+
+    def global_batches(config, train_set):
+        whole = PlannedSampler(len(train_set), world_size=1, rank=0, seed=config.training.seed,
+                               shares=(global_batch,))
+        for epoch in range(config.training.num_epochs):
+            whole.set_epoch(epoch)
+            yield from whole.batches()
+
+    assert_matches_one_process(tmp_path, global_batches)
 
 
 @pytest.mark.timeout(160)
@@ -61,13 +53,15 @@ def test_sync_workers_of_24_and_8_match_one_process_on_the_global_batches_of_32(
 def test_a_straggler_appearing_mid_run_is_re_planned_around_with_every_sample_applied_once(tmp_path, cli):
     summary = run(cli, tmp_path, "--max-train-samples", "640", "--num-epochs", "2",
                      "--balance", "auto", "--balance-interval", "4", "--set", "system.balance_batches=16,16",
-                     "--inject", "slow:worker=1:factor=20:step=10")
+                     "--heartbeat-interval", "0.2", "--inject", "slow:worker=1:factor=20:step=10")
     plans = summary["balance_plans"]
     assert plans[0] == [0, 0, [16, 16]] and summary["balance_replans"] >= 1, plans
     first_after = next(p for p in plans if (p[0], p[1]) > (0, 8))
     assert (first_after[0], first_after[1]) <= (0, 16), plans  # within two checks of the slowdown
     assert first_after[2][1] < first_after[2][0] and plans[-1][2][1] < plans[-1][2][0], plans
     assert "re-planned after step" in (tmp_path / "logs" / "worker0.log").read_text()
+    events = read_status(tmp_path / "logs" / "cluster.db", max_events=200).events
+    assert any(e["kind"] == "rebalanced" and e["node_id"] == "worker1" for e in events), events
     assert summary["samples_lost"] == 0 and summary["samples_applied"] == 2 * 20 * 32
     assert summary["samples_processed"] == 2 * 20 * 32
     assert_matches_the_global_batches(tmp_path, 32)
@@ -78,7 +72,7 @@ def test_a_straggler_appearing_mid_run_is_re_planned_around_with_every_sample_ap
 def test_asynchronous_workers_take_their_shares_of_every_epoch_once(tmp_path, cli, mode):
     summary = run(cli, tmp_path, "--max-train-samples", "320", "--num-epochs", "2",
                      "--aggregation-mode", mode, "--staleness", "2", "--balance", "proportional",
-                     "--set", "system.balance_batches=24,8")
+                     "--set", "system.balance_batches=24,8", "--balance-interval", "0")  # this plan only
     assert summary["samples_lost"] == 0 and summary["samples_applied"] == 2 * 10 * 32
     assert [w["samples"] for w in summary["workers"]] == [2 * 10 * 24, 2 * 10 * 8]
 

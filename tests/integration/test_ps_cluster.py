@@ -15,12 +15,10 @@ import time
 
 import pytest
 import torch
+from ps_reference import assert_matches_one_process
 
-from disttrain.config import load_config
-from disttrain.core.checkpoint import load_checkpoint
-from disttrain.data import ShardedSampler, load_datasets
+from disttrain.data import ShardedSampler
 from disttrain.training.evaluation import evaluate_model_file
-from disttrain.training.models import init_model
 
 EXACT_ARGS = [
     "--dataset",
@@ -44,24 +42,12 @@ EXACT_ARGS = [
 ]
 
 
-def assert_matches_one_process(tmp_path):
-    """The run's final model equals one process's stepping with plain SGD on both
-    workers' batches of each step, concatenated."""
-    config = load_config(tmp_path / "logs" / "config.yaml")
-    train_set, _ = load_datasets(config.training)
-    model = init_model(config.training)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+def concatenated(config, train_set):
+    """Both workers' batches of each step, concatenated."""
     samplers = [ShardedSampler(len(train_set), world_size=2, rank=r, seed=config.training.seed)
                 for r in range(2)]
     for batches in zip(*(s.batches(16) for s in samplers), strict=True):
-        inputs, targets = train_set.batch(torch.cat(batches))
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
-        optimizer.step()
-    final = load_checkpoint(tmp_path / "ckpt" / "parameter_server_final.pt")["model"]
-    for name, expected in model.state_dict().items():
-        torch.testing.assert_close(final[name], expected, rtol=0, atol=1e-5, msg=name)
-    return config
+        yield torch.cat(batches)
 
 
 @pytest.mark.timeout(120)
@@ -88,7 +74,7 @@ def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path
     assert summary["strategy"] == "ps-sync" and summary["steps"] == 3 and summary["samples_processed"] == 96
     assert summary["shard_versions"] == [3, 3] and summary["staleness_histogram"] == {"0": 12}
 
-    config = assert_matches_one_process(tmp_path)
+    config = assert_matches_one_process(tmp_path, concatenated)
     assert (
         evaluate_model_file(tmp_path / "ckpt" / "parameter_server_final.pt", config.training).num_samples
         == 60
