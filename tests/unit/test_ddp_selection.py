@@ -18,6 +18,7 @@ from disttrain.strategies.ddp.runtime import (
     check_supported,
     check_world_size,
     is_peer_loss,
+    node_backend,
     select_backend,
     select_device,
     started_by_elastic_agent,
@@ -47,6 +48,11 @@ def test_nccl_without_gpu_is_a_one_line_config_error():
 
 
 def test_nccl_needs_one_gpu_per_rank_of_the_node():
+    assert node_backend("auto", ranks_per_node=4, num_gpus=2) == "gloo"  # 2 ranks without a GPU
+    assert node_backend("auto", ranks_per_node=2, num_gpus=2) == "nccl"
+    assert node_backend("auto", ranks_per_node=2, num_gpus=0) == "gloo"
+    with pytest.raises(ConfigError, match="one rank per GPU"):
+        node_backend("nccl", ranks_per_node=4, num_gpus=2)
     check_gpu_count("nccl", ranks_per_node=2, num_gpus=2)
     check_gpu_count("gloo", ranks_per_node=8, num_gpus=0)
     with pytest.raises(ConfigError, match="4 ranks per node"):

@@ -115,8 +115,8 @@ def check(args: argparse.Namespace) -> str:
     if world_size % ddp.num_nodes:
         raise ConfigError(f"system.num_workers: world size {world_size} does not split evenly "
                           f"over ddp.num_nodes={ddp.num_nodes}; use a multiple of {ddp.num_nodes}")
-    backend = rt.select_backend(ddp.backend, torch.cuda.is_available())
-    rt.check_gpu_count(backend, world_size // ddp.num_nodes, torch.cuda.device_count())
+    backend = rt.node_backend(ddp.backend, world_size // ddp.num_nodes,
+                              torch.cuda.device_count() if torch.cuda.is_available() else 0)
     plan_precision(ddp.mixed_precision, rt.select_device(backend, 0).type,
                    ddp.mixed_precision == "bf16" and backend == "nccl" and torch.cuda.is_bf16_supported())
     init_model(config.training)

@@ -87,8 +87,8 @@ def preflight(config: Config, resume: bool) -> LaunchPlan:
         raise ConfigError(f"system.num_workers: world size {system.num_workers} does not split evenly "
                           f"over ddp.num_nodes={ddp.num_nodes}; use a multiple of {ddp.num_nodes}")
     ranks_per_node = system.num_workers // ddp.num_nodes
-    backend = rt.select_backend(ddp.backend, torch.cuda.is_available())
-    rt.check_gpu_count(backend, ranks_per_node, torch.cuda.device_count())
+    backend = rt.node_backend(ddp.backend, ranks_per_node,
+                              torch.cuda.device_count() if torch.cuda.is_available() else 0)
     device = rt.select_device(backend, 0)
     # Asked only for bf16: the question starts a CUDA context in this (launcher) process.
     plan_precision(ddp.mixed_precision, device.type, ddp.mixed_precision == "bf16"

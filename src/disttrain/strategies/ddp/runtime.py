@@ -91,6 +91,20 @@ def select_backend(requested: str, cuda_available: bool) -> str:
     return requested
 
 
+def node_backend(requested: str, ranks_per_node: int, num_gpus: int) -> str:
+    """This node's backend as its launcher sees it: `auto` is NCCL only when each of the
+    node's ranks has a GPU (otherwise the ranks will agree on gloo).
+
+    Raises:
+        ConfigError: NCCL asked for without CUDA, or with fewer GPUs than ranks.
+    """
+    backend = select_backend(requested, num_gpus > 0)
+    if requested == "auto" and num_gpus < ranks_per_node:
+        return "gloo"
+    check_gpu_count(backend, ranks_per_node, num_gpus)
+    return backend
+
+
 def check_gpu_count(backend: str, ranks_per_node: int, num_gpus: int) -> None:
     """NCCL gives each rank of a node its own GPU.
 
