@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from disttrain.strategies.ps.barriers import BarrierMismatch, Barriers
+from disttrain.strategies.ps.barriers import MAX_KEPT, BarrierMismatch, Barriers
 from disttrain.strategies.ps.decisions import PushRefused
 
 
@@ -45,3 +45,13 @@ def test_a_re_registration_or_a_departure_gives_up_the_pending_checks_only():
     restored = Barriers(2)
     restored.load_state_dict(state)
     assert restored.result("speeds@8") == []  # a restarted shard answers it the same
+
+
+def test_the_oldest_checks_make_room_before_the_barriers_a_restarted_worker_meets_again():
+    barriers = Barriers(1)
+    barriers.arrive("speeds", 0, [1.0])
+    barriers.arrive("epoch0:trained", 0, [])
+    for step in range(1, MAX_KEPT + 10):
+        barriers.arrive(f"speeds@{step}", 0, [1.0], step=step, last_steps={0: step})
+    assert barriers.result("speeds") == [[1.0]] and barriers.result("epoch0:trained") == [[]]
+    assert barriers.result("speeds@1") is None and barriers.result(f"speeds@{MAX_KEPT + 9}") == [[1.0]]

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 from disttrain.strategies.ps.decisions import PushRefused
 
-# A run meets at a few barriers per epoch; completed ones are kept for late arrivals,
-# bounded so a long run's memory stays flat (the oldest are dropped first).
+# Completed barriers are kept for late arrivals, bounded so a long run's memory stays
+# flat. The speed checks come every few dozen steps and only a worker redoing the steps
+# since its last checkpoint meets one again, so the oldest check goes first; then the
+# oldest of the others (a few per epoch: the start, each epoch's end), which a restarted
+# worker meets again whenever it starts.
 MAX_KEPT = 256
 
 
@@ -34,7 +37,7 @@ class Barriers:
         self.world_size = world_size
         self._arrived: dict[str, dict[int, list[float]]] = {}
         self._done: dict[str, list[list[float]]] = {}  # a given-up barrier: []
-        self._of_step: set[str] = set()  # pending barriers that may be given up
+        self._checks: set[str] = set()  # the barriers of a step, pending or done
 
     def arrive(self, name: str, rank: int, values: list[float], step: int = 0,
                last_steps: dict[int, int] | None = None) -> None:
@@ -53,10 +56,11 @@ class Barriers:
             raise BarrierMismatch(f"barrier {name!r}: rank {rank} brought {len(values)} values, the "
                                   f"others {lengths.pop()}")
         arrived[rank] = list(values)
+        if step > 0:
+            self._checks.add(name)
         if len(arrived) == self.world_size:
             self._finish(name, [arrived[r] for r in range(self.world_size)])
         elif step > 0:
-            self._of_step.add(name)
             last = last_steps or {}
             if any(last.get(r, 0) < step for r in range(self.world_size) if r not in arrived):
                 self._finish(name, [])
@@ -64,14 +68,15 @@ class Barriers:
     def _finish(self, name: str, rows: list[list[float]]) -> None:
         self._done[name] = rows
         del self._arrived[name]
-        self._of_step.discard(name)
         while len(self._done) > MAX_KEPT:
-            self._done.pop(next(iter(self._done)))
+            oldest = next((n for n in self._done if n in self._checks), next(iter(self._done)))
+            del self._done[oldest]
+            self._checks.discard(oldest)
 
     def give_up_pending(self) -> bool:
         """Give up every pending barrier of a step (a worker re-registered or left);
         whether there was one."""
-        names = sorted(self._of_step)
+        names = sorted(n for n in self._checks if n in self._arrived)
         for name in names:
             self._finish(name, [])
         return bool(names)
