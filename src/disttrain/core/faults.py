@@ -89,7 +89,7 @@ class FaultInjector:
         self._fired: set[int] = set()
         self._clock = clock
         self._last_step_end: float | None = None
-        self._slow_announced = 1.0  # the slow factor last announced
+        self._announced_factor = 1.0  # the slow factor the log last told of
 
     @property
     def faults(self) -> list[Fault]:
@@ -155,13 +155,13 @@ class FaultInjector:
 
     def _straggle(self, step: int, now: float, waited_s: float = 0.0) -> None:
         factor = max((f.factor for f in self._faults if f.slows(step)), default=1.0)
-        if factor != self._slow_announced:
+        if factor != self._announced_factor:
             if factor > 1:
                 logger.warning("injected fault: from step %d every step's work takes %g times as long",
                                step, factor)
             else:
                 logger.warning("injected fault: from step %d steps take their normal time again", step)
-            self._slow_announced = factor
+            self._announced_factor = factor
         if factor <= 1 or self._last_step_end is None:
             return
         time.sleep((factor - 1) * max(0.0, now - self._last_step_end - waited_s))

@@ -40,8 +40,8 @@ def drifted(current: Sequence[int], planned: Sequence[int], speeds: Sequence[flo
 
 
 class Rebalancer:
-    """The speed checks of one process of a balanced run; the loop calls `restart()` at each
-    epoch's start and `after_step()` after every step.
+    """The speed checks of one process of a balanced run; the loop calls `at_epoch_start()`
+    at each epoch's start and `after_step()` after every step.
 
     Args:
         sampler: this process's sampler; a new plan goes there.
@@ -62,7 +62,6 @@ class Rebalancer:
         self.sampler, self.mode, self.margin, self.interval = sampler, mode, margin, interval
         self.gather, self.announce, self.clock = gather, announce, clock
         self.state = {} if state is None else state
-        self.replans = 0
         self._since: float | None = None
         self._samples, self._work = 0, 0.0
         self._publish()
@@ -107,7 +106,6 @@ class Rebalancer:
         if not drifted(current, planned, speeds):
             return False
         self.sampler.replan(planned)
-        self.replans += 1
         self._publish()
         message = "re-planned after step %d (epoch %d): speeds %s samples/s, batches %s -> %s"
         args = (step, epoch, ", ".join(f"{s:.0f}" for s in speeds), list(current), planned)

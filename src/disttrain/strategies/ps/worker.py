@@ -103,11 +103,6 @@ class WorkerParticipant:
         return self.sampler.num_batches(self.batch_size)
 
     @property
-    def rank_batch(self) -> int:
-        """This worker's batch: its share of the balance plan, else the config's."""
-        return self.sampler.batch_size(self.batch_size)
-
-    @property
     def samples_dropped(self) -> int:
         """Samples of the blocks steps went on without (backup workers), by design."""
         return sum(block_length(self.sampler, self.batch_size, b) for b in self.exchange.dropped)
