@@ -28,9 +28,9 @@ from disttrain.config import Config, config_from_dict
 from disttrain.core.errors import DistributedError
 from disttrain.core.processes import Cluster
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.launcher import start_servers
-from disttrain.strategies.ps.sharding import flat_parameters, plan_shards
+from disttrain.strategies.ps.run.launcher import start_servers
+from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
+from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
 from disttrain.training.models import init_model
 
 NUM_CLIENTS = 32

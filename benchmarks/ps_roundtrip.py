@@ -22,9 +22,9 @@ from ps_helpers import make_config, role_flags, servers
 
 from disttrain.core.processes import Cluster
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.sharding import flat_parameters, plan_shards
-from disttrain.strategies.ps.wire import tune_allocator
+from disttrain.strategies.ps.wire.service import tune_allocator
+from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
+from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
 from disttrain.training.models import init_model
 
 

@@ -36,10 +36,10 @@ from ps_helpers import (
 from disttrain.config import load_config
 from disttrain.core.processes import Cluster
 from disttrain.metrics.window import StepTimer
-from disttrain.strategies.ps.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.exchange import Block, SyncExchange
-from disttrain.strategies.ps.sharding import flat_parameters, plan_shards
-from disttrain.strategies.ps.wire import tune_allocator
+from disttrain.strategies.ps.wire.service import tune_allocator
+from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
+from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
+from disttrain.strategies.ps.worker.exchange import Block, SyncExchange
 from disttrain.training.engine import StepResult
 from disttrain.training.models import init_model
 

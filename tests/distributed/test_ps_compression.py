@@ -14,11 +14,12 @@ from disttrain.compression import Compressor, topk_count
 from disttrain.config import config_from_dict
 from disttrain.core.errors import DistributedError
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps import shared_memory
-from disttrain.strategies.ps.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.payloads import GradientEncoder, shard_segments
-from disttrain.strategies.ps.server import ShardServer, build_state
-from disttrain.strategies.ps.sharding import plan_shards
+from disttrain.strategies.ps.run.server import build_state
+from disttrain.strategies.ps.server.servicer import ShardServer
+from disttrain.strategies.ps.wire import shared_memory
+from disttrain.strategies.ps.wire.payloads import GradientEncoder, shard_segments
+from disttrain.strategies.ps.wire.sharding import plan_shards
+from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
 from disttrain.training.models import init_model
 
 pytestmark = pytest.mark.timeout(60)

@@ -3,16 +3,19 @@ to the key it registered with, and its calls carry the session its registration
 returned. Each attack ends with the model, version, optimizer state and ledger as they
 were, the server answering, and the victim training on."""
 
+import threading
+
 import grpc
 import pytest
 import torch
 
 from disttrain.config import config_from_dict
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps import wire
-from disttrain.strategies.ps.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.server import ShardServer, build_state
-from disttrain.strategies.ps.sharding import plan_shards
+from disttrain.strategies.ps.run.server import build_state
+from disttrain.strategies.ps.server.servicer import ShardServer
+from disttrain.strategies.ps.wire import service as wire
+from disttrain.strategies.ps.wire.sharding import plan_shards
+from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
 from disttrain.training.models import init_model
 from tests.distributed.test_ps_limits import assert_unchanged, call, snapshot, started
 from tests.distributed.test_ps_server import frames
@@ -185,19 +188,32 @@ def test_a_restarted_shard_still_knows_who_holds_each_id(keyed):
         server.stop(0)
 
 
+class PeerContext:
+    """The one thing RegisterWorker reads of its gRPC context: where the call came from."""
+
+    def __init__(self, peer: str):
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
+
+
 def test_shared_memory_is_offered_to_workers_on_this_host_only(tmp_path):
-    from disttrain.strategies.ps.registration import admit
-    from disttrain.strategies.ps.shared_memory import available
+    from disttrain.core.poll_slots import PollSlots
+    from disttrain.strategies.ps.server.servicer import ParameterServicer
+    from disttrain.strategies.ps.wire.shared_memory import available
 
     if not available():
         pytest.skip("no /dev/shm here")
     state = build_state(momentum_config(tmp_path), 0, 1)
+    servicer = ParameterServicer(state, threading.Event(), PollSlots.for_pool(32, 2))
     try:
         request = pb.RegisterRequest(worker_id="far", requested_rank=-1, key=b"f" * 32, shared_memory=True)
-        assert not admit(state, request, "ipv4:192.0.2.7:41000").HasField("shared_memory")
+        far = servicer.RegisterWorker(request, PeerContext("ipv4:192.0.2.7:41000"))
+        assert not far.HasField("shared_memory")
         assert state.segments.of("far") is None
         request = pb.RegisterRequest(worker_id="near", requested_rank=-1, key=b"n" * 32, shared_memory=True)
-        assert admit(state, request, "ipv4:127.0.0.1:41000").HasField("shared_memory")
+        assert servicer.RegisterWorker(request, PeerContext("ipv4:127.0.0.1:41000")).HasField("shared_memory")
     finally:
         state.stop()
 
@@ -206,7 +222,7 @@ def test_a_round_completed_by_a_leaving_worker_that_would_overflow_is_voided(tmp
     config = momentum_config(tmp_path).replace(ps={"aggregation_mode": "sync"},
                                                training={"learning_rate": 4.0})
     state = build_state(config, 0, 1)
-    sessions = [state.register(f"w{r}", r, bytes([65 + r]) * 32, 0)[2] for r in range(2)]
+    sessions = [state.register(f"w{r}", r, bytes([65 + r]) * 32, 0).session for r in range(2)]
     before = state.parameters()
     huge = frames(state.plan, torch.full((state.plan.numel,), 1e38), session=sessions[0])
     payload = wire.collect_payload((wire.read_gradient(raw) for raw in huge), 2 * state.plan.nbytes)

@@ -15,11 +15,13 @@ from disttrain.config import config_from_dict
 from disttrain.core.poll_slots import PollSlots
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.proto import tensor_pb2
-from disttrain.strategies.ps import codec, wire
-from disttrain.strategies.ps.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.limits import push_limits
-from disttrain.strategies.ps.server import ShardServer, build_state
-from disttrain.strategies.ps.sharding import plan_shards
+from disttrain.strategies.ps.run.server import build_state
+from disttrain.strategies.ps.server.limits import push_limits
+from disttrain.strategies.ps.server.servicer import ShardServer
+from disttrain.strategies.ps.wire import codec
+from disttrain.strategies.ps.wire import service as wire
+from disttrain.strategies.ps.wire.sharding import plan_shards
+from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
 from disttrain.training.models import init_model
 from tests.distributed.test_ps_server import frames, make_config
 
@@ -241,7 +243,7 @@ def test_push_limits_leave_room_for_every_legal_push():
 @pytest.mark.parametrize("num_samples", [65, 2**62])
 def test_a_push_standing_for_more_than_a_batch_is_refused(shard, num_samples):
     server, client, plan = shard
-    batch_size, session = server.state.config.training.batch_size, client.shards[0].session
+    batch_size, session = server.state.decoder.max_samples, client.shards[0].session
     assert batch_size == 64
     before = snapshot(server)
     with pytest.raises(grpc.RpcError) as raised:

@@ -10,10 +10,11 @@ import torch
 from disttrain.core.errors import TrainingError
 from disttrain.metrics.window import StepTimer
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.exchange import Block, make_exchange
-from disttrain.strategies.ps.server import ShardServer, build_state
-from disttrain.strategies.ps.sharding import plan_shards
+from disttrain.strategies.ps.run.server import build_state
+from disttrain.strategies.ps.server.servicer import ShardServer
+from disttrain.strategies.ps.wire.sharding import plan_shards
+from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
+from disttrain.strategies.ps.worker.exchange import Block, make_exchange
 from disttrain.training.engine import StepResult
 from disttrain.training.models import init_model
 from tests.distributed.test_ps_server import make_config

@@ -10,11 +10,12 @@ from hypothesis import strategies as st
 from test_ps_server import frames, make_config
 
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps import wire
-from disttrain.strategies.ps.client import PSClient
-from disttrain.strategies.ps.server import ShardServer, build_state
-from disttrain.strategies.ps.shard_client import RetryPolicy
-from disttrain.strategies.ps.sharding import plan_shards
+from disttrain.strategies.ps.run.server import build_state
+from disttrain.strategies.ps.server.servicer import ShardServer
+from disttrain.strategies.ps.wire import service as wire
+from disttrain.strategies.ps.wire.sharding import plan_shards
+from disttrain.strategies.ps.worker.client import PSClient
+from disttrain.strategies.ps.worker.shard_client import RetryPolicy
 from disttrain.training.models import init_model
 
 pytestmark = pytest.mark.timeout(300)

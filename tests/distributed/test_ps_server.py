@@ -14,10 +14,12 @@ from torch.nn.utils import parameters_to_vector
 from disttrain.config import config_from_dict
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.proto import tensor_pb2
-from disttrain.strategies.ps import codec, wire
-from disttrain.strategies.ps.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.server import ShardServer, build_state
-from disttrain.strategies.ps.sharding import plan_shards
+from disttrain.strategies.ps.run.server import build_state
+from disttrain.strategies.ps.server.servicer import ShardServer
+from disttrain.strategies.ps.wire import codec
+from disttrain.strategies.ps.wire import service as wire
+from disttrain.strategies.ps.wire.sharding import plan_shards
+from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
 from disttrain.training.models import init_model
 
 pytestmark = pytest.mark.timeout(60)
@@ -224,7 +226,7 @@ def test_initial_parameters_are_the_seeded_model(tmp_path):
 
 def test_ssp_worker_recomputes_a_rejected_gradient_on_fresh_parameters(tmp_path):
     from disttrain.metrics.window import StepTimer
-    from disttrain.strategies.ps.exchange import Block, make_exchange
+    from disttrain.strategies.ps.worker.exchange import Block, make_exchange
     from disttrain.training.engine import StepResult
 
     config = make_config(tmp_path, num_workers=2, aggregation_mode="ssp", staleness=0)

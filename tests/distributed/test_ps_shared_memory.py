@@ -8,10 +8,12 @@ import torch
 from disttrain.config import config_from_dict
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.proto import tensor_pb2
-from disttrain.strategies.ps import shared_memory, wire
-from disttrain.strategies.ps.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.server import ShardServer, build_state
-from disttrain.strategies.ps.sharding import plan_shards
+from disttrain.strategies.ps.run.server import build_state
+from disttrain.strategies.ps.server.servicer import ShardServer
+from disttrain.strategies.ps.wire import service as wire
+from disttrain.strategies.ps.wire import shared_memory
+from disttrain.strategies.ps.wire.sharding import plan_shards
+from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
 from disttrain.training.models import init_model
 
 pytestmark = [pytest.mark.timeout(60),

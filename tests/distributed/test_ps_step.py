@@ -1,8 +1,7 @@
 """Step: a push and the parameters it leads to in one round trip, on a real shard server.
 
 Sync answers with the step the push joined, async at once; a refused push ends the
-stream, changes nothing, and the next step opens a new one; a server without Step is
-pushed to and pulled from instead; clients of the contract before Step still work.
+stream, changes nothing, and the next step opens a new one.
 """
 
 from __future__ import annotations
@@ -19,10 +18,11 @@ from torch.nn.utils import parameters_to_vector
 
 from disttrain.config import config_from_dict
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps import wire
-from disttrain.strategies.ps.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.server import ShardServer, build_state
-from disttrain.strategies.ps.sharding import flat_parameters, plan_shards
+from disttrain.strategies.ps.run.server import build_state
+from disttrain.strategies.ps.server.servicer import ShardServer
+from disttrain.strategies.ps.wire import service as wire
+from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
+from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
 from disttrain.training.models import init_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,24 +32,19 @@ LR = 0.5
 OLD_CONTRACT = Path(__file__).resolve().parents[1] / "fixtures" / "contract_before_step"
 
 
-@contextmanager
-def running(tmp_path, mode="sync", workers=2, transport="auto", methods=None, clients=None):
-    """A shard server and its registered clients, closed and stopped on the way out."""
-    config = config_from_dict({
+def make_config(tmp_path, mode="sync", workers=2):
+    return config_from_dict({
         "training": {"dataset": "digits", "model_architecture": "mlp", "optimizer": "sgd", "momentum": 0.0,
                      "learning_rate": LR, "mlp_hidden_size": 32},
         "ps": {"aggregation_mode": mode},
         "system": {"num_workers": workers, "checkpoint_dir": str(tmp_path / "ckpt")}})
-    state = build_state(config, 0, 1)
-    saved = dict(wire.METHODS)
-    if methods is not None:  # a server built from an older method table
-        wire.METHODS.clear()
-        wire.METHODS.update(methods)
-    try:
-        server = ShardServer(state, "127.0.0.1:0")
-    finally:
-        wire.METHODS.clear()
-        wire.METHODS.update(saved)
+
+
+@contextmanager
+def running(tmp_path, mode="sync", workers=2, transport="auto", clients=None):
+    """A shard server and its registered clients, closed and stopped on the way out."""
+    config = make_config(tmp_path, mode, workers)
+    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0")
     plan = plan_shards(init_model(config.training), 1)[0]
     initial = parameters_to_vector(init_model(config.training).parameters()).detach()
     made = []
@@ -122,17 +117,6 @@ def test_a_refused_push_ends_the_stream_changes_nothing_and_the_next_step_goes_o
         assert replies[0].outcome == Outcome.Value("APPLIED") and versions == [1]
 
 
-def test_a_server_without_step_is_pushed_to_and_pulled_from(tmp_path):
-    older = {name: spec for name, spec in wire.METHODS.items() if name != "Step"}
-    with running(tmp_path, methods=older, workers=1, mode="async") as (server, clients, plan, initial):
-        (client,) = clients
-        flat = torch.zeros(plan.numel)
-        replies, versions = trade(client, 0, torch.ones(plan.numel), flat, 1, 0, 1)
-        assert replies[0].outcome == Outcome.Value("APPLIED") and versions == [1]
-        torch.testing.assert_close(flat, initial - LR * torch.ones(plan.numel))
-        assert not client.can_step(0)  # asked once, then never again
-
-
 OLD_CLIENT = r"""
 import sys, grpc
 sys.path.insert(0, sys.argv[1])
@@ -178,7 +162,7 @@ def test_a_single_shard_model_lives_in_the_shared_segments(tmp_path):
     with running(tmp_path, mode="async", workers=1) as (server, (client,), plan, initial):
         buffers = client.shared_buffers()
         assert buffers is not None
-        model = init_model(server.state.config.training)
+        model = init_model(make_config(tmp_path, "async", 1).training)
         flat, grads = flat_parameters(model, *buffers)
         assert flat.data_ptr() == buffers[0].data_ptr() and grads.data_ptr() == buffers[1].data_ptr()
         torch.testing.assert_close(flat, initial)

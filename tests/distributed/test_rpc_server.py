@@ -14,8 +14,9 @@ from disttrain.coordinator.client import SERVICE as COORDINATOR_SERVICE
 from disttrain.coordinator.service import CoordinatorServer
 from disttrain.core.errors import ConfigError
 from disttrain.core.rpc_server import is_loopback
-from disttrain.strategies.ps import wire
-from disttrain.strategies.ps.server import ShardServer, build_state
+from disttrain.strategies.ps.run.server import build_state
+from disttrain.strategies.ps.server.servicer import ShardServer
+from disttrain.strategies.ps.wire import service as wire
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,9 +22,10 @@ from disttrain.core.rpc_server import RpcServer
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import coordinator_pb2 as cpb
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.server import ShardServer, build_state
-from disttrain.strategies.ps.sharding import plan_shards
+from disttrain.strategies.ps.run.server import build_state
+from disttrain.strategies.ps.server.servicer import ShardServer
+from disttrain.strategies.ps.wire.sharding import plan_shards
+from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
 from disttrain.training.models import init_model
 from tests.distributed.test_ps_server import make_config
 from tests.distributed.test_rpc_auth import call

@@ -17,7 +17,7 @@ import torch
 
 from disttrain.config import Config, config_from_dict
 from disttrain.core.processes import Cluster
-from disttrain.strategies.ps.launcher import start_servers
+from disttrain.strategies.ps.run.launcher import start_servers
 
 KILL_STEP = 10
 TIMEOUT_S = 120.0

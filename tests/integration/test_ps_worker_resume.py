@@ -22,8 +22,8 @@ from disttrain.core.processes import Cluster, Event
 from disttrain.data import ShardedSampler, load_datasets
 from disttrain.metrics.logger import read_metrics
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps.launcher import start_servers
-from disttrain.strategies.ps.shard_client import RetryPolicy, ShardClient
+from disttrain.strategies.ps.run.launcher import start_servers
+from disttrain.strategies.ps.worker.shard_client import RetryPolicy, ShardClient
 
 NUM_WORKERS = 2
 KILLED_RANK = 1

@@ -29,7 +29,7 @@ from netns import Host, ip, read_event, wait_for
 from disttrain.coordinator.registry import read_status
 from disttrain.core.errors import DistributedError
 from disttrain.core.processes import EVENT_PREFIX
-from disttrain.strategies.ps.link import EXIT_DECLARED_FAILED
+from disttrain.strategies.ps.run.link import EXIT_DECLARED_FAILED
 
 DISTTRAIN = [sys.executable, "-m", "disttrain"]
 TRAIN, BATCH, EPOCHS, WORKERS = 1024, 8, 4, 2

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from disttrain.strategies.ps.barriers import MAX_KEPT, BarrierMismatch, Barriers
-from disttrain.strategies.ps.decisions import PushRefused
+from disttrain.strategies.ps.server.barriers import MAX_KEPT, BarrierMismatch, Barriers
+from disttrain.strategies.ps.server.decisions import PushRefused
 
 
 def test_a_barrier_completes_once_every_rank_arrived_and_keeps_its_answer():

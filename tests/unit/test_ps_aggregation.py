@@ -2,8 +2,8 @@
 
 import pytest
 
-from disttrain.strategies.ps.aggregation import AggregationRules, Outcome, Push, PushRefused
-from disttrain.strategies.ps.roster import FencedPush, Ledger, UnknownGeneration
+from disttrain.strategies.ps.server.aggregation import AggregationRules, Outcome, Push, PushRefused
+from disttrain.strategies.ps.server.roster import FencedPush, Ledger, UnknownGeneration
 
 
 class Rules(AggregationRules):

@@ -5,7 +5,8 @@ import torch
 
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.proto import tensor_pb2
-from disttrain.strategies.ps import codec, wire
+from disttrain.strategies.ps.wire import codec
+from disttrain.strategies.ps.wire import service as wire
 
 
 @pytest.mark.parametrize("dtype", list(codec.DTYPES.values()))

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.proto import tensor_pb2
-from disttrain.strategies.ps import codec, wire
+from disttrain.strategies.ps.wire import codec
+from disttrain.strategies.ps.wire import service as wire
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MANY = settings(max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow])

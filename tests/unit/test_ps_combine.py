@@ -4,8 +4,8 @@ chunk boundaries of each gradient (one piece from shared memory, 1 MB pieces off
 import pytest
 import torch
 
-from disttrain.strategies.ps.aggregation import Contribution
-from disttrain.strategies.ps.combine import combine
+from disttrain.strategies.ps.server.aggregation import Contribution
+from disttrain.strategies.ps.server.combine import combine
 
 
 @pytest.mark.parametrize("weights", [[1.0], [0.25, 0.75], [0.2, 0.3, 0.5], [0.5, 0.25]])

@@ -7,8 +7,8 @@ import torch
 
 from disttrain.compression import Compressor
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps.payloads import GradientEncoder, shard_segments
-from disttrain.strategies.ps.sharding import plan_shards
+from disttrain.strategies.ps.wire.payloads import GradientEncoder, shard_segments
+from disttrain.strategies.ps.wire.sharding import plan_shards
 
 torch.set_num_threads(1)
 

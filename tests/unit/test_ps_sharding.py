@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from disttrain.strategies.ps.sharding import flat_parameters, plan_shards, state_dict_from_flat
+from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards, state_dict_from_flat
 from disttrain.training.models import SimpleCNN, build_model
 
 

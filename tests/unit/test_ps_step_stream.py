@@ -8,7 +8,7 @@ import threading
 import grpc
 import pytest
 
-from disttrain.strategies.ps.step_stream import StepStream, StreamBroken
+from disttrain.strategies.ps.worker.step_stream import StepStream, StreamBroken
 
 pytestmark = pytest.mark.timeout(30)
 

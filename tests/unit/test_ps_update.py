@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from disttrain.strategies.ps.decisions import Contribution
-from disttrain.strategies.ps.update import GuardedUpdate
-from disttrain.strategies.ps.validation import bounded
+from disttrain.strategies.ps.server.decisions import Contribution
+from disttrain.strategies.ps.server.update import GuardedUpdate
+from disttrain.strategies.ps.server.validation import bounded
 
 SGD_SETTINGS = [dict(momentum=0.0), dict(momentum=0.9), dict(momentum=0.9, nesterov=True, weight_decay=0.01),
                 dict(momentum=0.5, dampening=0.3, weight_decay=0.1, maximize=True)]

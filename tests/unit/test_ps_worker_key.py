@@ -2,7 +2,8 @@
 
 import stat
 
-from disttrain.strategies.ps.identity import KEY_FILE, MIN_KEY_BYTES, keep_key, worker_key
+from disttrain.strategies.ps.run.worker import KEY_FILE, keep_key, worker_key
+from disttrain.strategies.ps.server.identity import MIN_KEY_BYTES
 
 
 def test_a_resumed_worker_presents_its_key_again_and_a_fresh_one_another(tmp_path):

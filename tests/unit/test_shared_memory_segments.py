@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps import shared_memory
-from disttrain.strategies.ps.shared_memory import Segment, SegmentPair, SharedMemoryUnavailable
+from disttrain.strategies.ps.wire import shared_memory
+from disttrain.strategies.ps.wire.shared_memory import Segment, SegmentPair, SharedMemoryUnavailable
 
 pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="no /dev/shm here")
 

@@ -23,7 +23,7 @@ def test_run_options_default_to_a_fresh_quiet_run():
 def test_participants_offer_every_piece_the_loop_calls():
     from disttrain.strategies.baseline import BaselineParticipant
     from disttrain.strategies.ddp.rank import RankParticipant
-    from disttrain.strategies.ps.worker import WorkerParticipant
+    from disttrain.strategies.ps.worker.participant import WorkerParticipant
 
     wanted = {name for name, _ in inspect.getmembers(Participant, inspect.isfunction)
               if not name.startswith("_")}

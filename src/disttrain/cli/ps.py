@@ -85,7 +85,7 @@ def describe_ps_run(config: Config) -> str:
 
 
 def check(args: argparse.Namespace) -> str:
-    from disttrain.strategies.ps.model import check_supported
+    from disttrain.strategies.ps.run.launcher import check_supported
     from disttrain.training.models import init_model
     config, options = prepare(args)
     check_supported(config)

@@ -85,7 +85,7 @@ def prepare(args: argparse.Namespace) -> ServerPlan:
 
 
 def check(args: argparse.Namespace) -> str:
-    from disttrain.strategies.ps.model import check_supported
+    from disttrain.strategies.ps.run.launcher import check_supported
     plan = prepare(args)
     check_supported(plan.config)
     resume = ", resuming" if plan.options.resume else ""
@@ -95,7 +95,7 @@ def check(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> None:
-    from disttrain.strategies.ps.server import serve
+    from disttrain.strategies.ps.run.server import serve
     plan = prepare(args)
     faults = FaultInjector(plan.options.faults, "server", plan.shard, plan.options.attempt)
     serve(plan.config, plan.bind, plan.shard, plan.num_shards, plan.options.resume, faults,

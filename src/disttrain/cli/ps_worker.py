@@ -69,7 +69,7 @@ def prepare(args: argparse.Namespace) -> WorkerPlan:
 
 
 def check(args: argparse.Namespace) -> str:
-    from disttrain.strategies.ps.model import check_supported
+    from disttrain.strategies.ps.run.launcher import check_supported
     from disttrain.training.models import init_model
     plan = prepare(args)
     check_supported(plan.config)
@@ -83,6 +83,6 @@ def check(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> RunSummary | None:
-    from disttrain.strategies.ps.worker import run_worker
+    from disttrain.strategies.ps.run.worker import run_worker
     plan = prepare(args)
     return run_worker(plan.config, plan.servers, plan.worker_id, args.rank, plan.options)

@@ -1,15 +1,28 @@
 """The parameter-server strategy over gRPC: sharded servers, workers, sync/SSP/async rules.
 
-codec (tensors <-> wire bytes), wire (the service's methods), sharding (who owns which
-slices), aggregation and rules_state (pure rules, what they save and undo), barriers
-(pure), combine (the weighted sum), validation, limits (what one client may cost a
-server), identity (worker keys and sessions), registration, refusals (status codes),
-update (the optimizer step, refused when non-finite), shard (one shard's state), server
-(the servicer, the `ps-server` role), client (retries, fan-out), exchange (a worker's
-per-mode step), worker (the `ps-worker` role), finalize (end of run), launcher (the
-whole run on one machine: `STRATEGY`).
+Four parts, each a folder, each depending only on the ones after it:
+
+- `run/`: the processes of a run. `launcher` (the whole run on one machine: `STRATEGY`,
+  `disttrain ps`), `server` (the `ps-server` process), `worker` (the `ps-worker`
+  process), `finalize` (the end of a run on worker 0), `recovery` (failures for the
+  summary), `progress` (one display for the cluster), `link` (a process's tie to the
+  coordinator).
+- `worker/`: a worker's side. `client` (every shard at once), `shard_client` (one shard:
+  registration, session, pushes, pulls, steps), `retry` (deadlines, back-off), `step_stream`
+  (one kept-open Step call), `exchange` (each mode's step), `participant` (the worker's
+  part in the training loop), `blocks` (which samples a data block holds).
+- `server/`: a shard's side. `shard` (one shard's state, composing the pure rules),
+  `servicer` (the thin gRPC servicer and its server), the pure rules `aggregation` (sync,
+  SSP, async; what they save and undo), `decisions` (what they read and decide), `roster`
+  (ledger and membership), `barriers`, `combine` (the weighted sum); and `validation`,
+  `update` (the optimizer step, refused when non-finite), `identity` (worker keys and
+  sessions), `limits` (what one client may cost a server), `segments` (shared memory per
+  worker).
+- `wire/`: what both sides share. `codec` (tensors <-> bytes), `service` (the service's
+  methods and messages), `sharding` (who owns which slices), `payloads` (compressed
+  gradients), `shared_memory` (same-machine payload segments).
 """
 
-from disttrain.strategies.ps.launcher import STRATEGY
+from disttrain.strategies.ps.run.launcher import STRATEGY
 
 __all__ = ["STRATEGY"]

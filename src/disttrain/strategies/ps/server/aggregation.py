@@ -7,7 +7,8 @@ passed in (`now`), so tests step a fake clock by hand.
 - `sync`: gradients computed on the current version are held until every live worker
   still training that epoch has pushed (or, with `backup_workers` b, all but b of them);
   then they are applied together and the version goes up by one. A gradient for an
-  older version arrives late and is dropped (counted; the worker computes it again).
+  older version arrives late and is dropped (counted; the worker computes it again, but
+  with backup workers, whose slowest gradients are dropped by design).
 - `ssp`: a gradient computed on version v is applied on arrival when
   `version - v <= staleness_bound`; otherwise it is rejected, and the worker refetches.
 - `async`: every gradient is applied on arrival.
@@ -21,23 +22,35 @@ counts towards the step, as a contribution of no samples, so the step does not w
 it). A push marked `redo` (a block found missing after a failure) is applied on arrival
 in every mode. A push whose base version is ahead of the shard (the shard restarted from
 an older checkpoint) is answered ROLLED_BACK: the worker pulls again and recomputes.
+
+The rules save themselves with their shard's checkpoint (`state_dict`: everything but
+pending gradients, which a restarted shard's workers push again), and undo the decisions
+of an update the shard refused because it would have left a parameter non-finite
+(`mark` and `rollback` around a push; `void` for a step completed without one).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
-from disttrain.strategies.ps.decisions import Contribution, Decision, Outcome, Push, PushRefused, StepOrder
-from disttrain.strategies.ps.roster import Ledger, Roster
-from disttrain.strategies.ps.rules_state import RulesState
+from disttrain.strategies.ps.server.decisions import (
+    Contribution,
+    Decision,
+    Outcome,
+    Push,
+    PushRefused,
+    StepOrder,
+)
+from disttrain.strategies.ps.server.roster import Ledger, Roster
 
 __all__ = ["MODES", "AggregationRules", "Contribution", "Decision", "Outcome", "Push", "PushRefused"]
 
 MODES = ("sync", "async", "ssp")
 
 
-class AggregationRules(RulesState):
+class AggregationRules:
     """Versions, membership, the data ledger and the aggregation decisions of one shard.
 
     Args:
@@ -247,3 +260,60 @@ class AggregationRules(RulesState):
                 "num_samples_duplicate": self.ledger.samples_duplicate,
                 "num_blocks_applied": len(self.ledger.blocks), "num_fenced": self.roster.num_fenced,
                 "generation": self.roster.generation}
+
+    # -- undoing a refused update ---------------------------------------------------------
+
+    def void(self, decision: Decision) -> None:
+        """A step completed without a push (a worker left) whose update was refused: the
+        version stays, so the workers waiting for it go on, but its blocks leave the
+        ledger (each worker redoes them at its epoch's end) and its counts are taken back."""
+        for c in decision.apply:
+            self.ledger.blocks.discard(c.block)
+        self.counts["applied"] -= len(decision.apply)
+        self.counts["samples"] -= decision.samples
+
+    def mark(self) -> tuple:
+        """What `rollback` needs to undo the decisions that follow (no gradient is copied,
+        nor the ledger: it journals what it adds)."""
+        pending = {rank: replace(c) for rank, c in self.pending.items()}
+        return (self._core_state(), self.ledger.mark(), pending, self.round_started, self.max_round_wait_s,
+                dict(self.order.seen))
+
+    def rollback(self, mark: tuple) -> None:
+        """Undo every decision since `mark()`: version, ledger, counters, pending gradients."""
+        state, ledger, pending, round_started, max_round_wait_s, self.order.seen = mark
+        self._load_core_state(state)
+        self.ledger.rollback(ledger)
+        self.pending.update(pending)
+        self.round_started, self.max_round_wait_s = round_started, max_round_wait_s
+
+    # -- persistence ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but pending gradients (a restarted shard's workers push them again)."""
+        return {**self._core_state(), "ledger": self.ledger.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Raises ValueError when the state was written in another mode."""
+        if state["mode"] != self.mode:
+            raise ValueError(f"the checkpoint was written in {state['mode']} mode, not {self.mode}")
+        self._load_core_state(state)
+        self.ledger.load_state_dict(state["ledger"])
+
+    def _core_state(self) -> dict[str, Any]:
+        return {"mode": self.mode, "version": self.version, "ranks": dict(self.ranks),
+                "done": sorted(self.done), "last_step": dict(self.last_step),
+                "round_wait_s": self.round_wait_s, "roster": self.roster.state_dict(),
+                "staleness_histogram": dict(self.staleness_histogram), "counts": dict(self.counts)}
+
+    def _load_core_state(self, state: dict[str, Any]) -> None:
+        self.version = int(state["version"])
+        self.ranks = {str(k): int(v) for k, v in state["ranks"].items()}
+        self.done = {int(r) for r in state["done"]}
+        self.last_step = {int(k): int(v) for k, v in state["last_step"].items()}
+        self.round_wait_s = float(state["round_wait_s"])
+        self.roster.load_state_dict(state["roster"])
+        self.staleness_histogram = Counter({int(k): int(v) for k, v in state["staleness_histogram"].items()})
+        self.counts = Counter({str(k): int(v) for k, v in state["counts"].items()})
+        self.pending.clear()
+        self.round_started = None

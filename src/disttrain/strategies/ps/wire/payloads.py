@@ -15,7 +15,7 @@ import torch
 
 from disttrain.compression import Compressor, Counters, Encoded, Segment
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps.sharding import ShardPlan
+from disttrain.strategies.ps.wire.sharding import ShardPlan
 
 STALE = pb.PushReply.Outcome.Value("STALE")
 

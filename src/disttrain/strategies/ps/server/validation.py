@@ -15,10 +15,10 @@ import torch
 from disttrain.compression import Compressor, InvalidPayload
 from disttrain.compression.schemes import magnitude_bound
 from disttrain.config import CompressionConfig
-from disttrain.strategies.ps.codec import Payload, decode_chunks, to_dtype
-from disttrain.strategies.ps.payloads import shard_segments
-from disttrain.strategies.ps.sharding import ShardPlan, TensorSlice
-from disttrain.strategies.ps.wire import plan_layout
+from disttrain.strategies.ps.wire.codec import Payload, decode_chunks, to_dtype
+from disttrain.strategies.ps.wire.payloads import shard_segments
+from disttrain.strategies.ps.wire.service import plan_layout
+from disttrain.strategies.ps.wire.sharding import ShardPlan, TensorSlice
 
 
 class InvalidPush(ValueError):

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from disttrain.compression.schemes import magnitude_bound
-from disttrain.strategies.ps.combine import combine
-from disttrain.strategies.ps.decisions import Contribution
-from disttrain.strategies.ps.validation import InvalidPush
+from disttrain.strategies.ps.server.combine import combine
+from disttrain.strategies.ps.server.decisions import Contribution
+from disttrain.strategies.ps.server.validation import InvalidPush
 
 # A bound this far below the dtype's largest value leaves room for rounding in every sum.
 HEADROOM = 16.0

@@ -29,13 +29,12 @@ from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.supervisor import Managed, Supervisor
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.auth import TOKEN_ENV, new_token
-from disttrain.core.errors import DistributedError
+from disttrain.core.errors import ConfigError, DistributedError
 from disttrain.core.faults import format_fault
 from disttrain.core.processes import Cluster, Event, raise_on_sigterm
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
-from disttrain.strategies.ps.model import check_supported
-from disttrain.strategies.ps.recovery import recovery_summary
-from disttrain.strategies.ps.watch import ClusterWatch
+from disttrain.strategies.ps.run.progress import ClusterWatch
+from disttrain.strategies.ps.run.recovery import recovery_summary
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
 
@@ -80,6 +79,13 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
     summary.extra.update(recovery_summary(run.supervisor.failures, registry))
     summary.write(log_dir)
     return summary
+
+
+def check_supported(config: Config) -> None:
+    """Raises ConfigError for settings the parameter server does not offer."""
+    if config.compression.enabled and config.compression.type == "powersgd":
+        raise ConfigError("compression.type: powersgd compresses DDP's all-reduce and is not "
+                          "offered on the parameter server; use quantization, topk, fp16 or bf16")
 
 
 def preflight(config: Config, options: RunOptions) -> None:

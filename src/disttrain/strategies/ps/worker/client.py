@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 from collections.abc import Callable
@@ -17,11 +18,11 @@ from disttrain.config.schema import PAYLOAD_TRANSPORTS
 from disttrain.core.errors import DistributedError
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps import shared_memory, wire
-from disttrain.strategies.ps.codec import tensor_bytes
-from disttrain.strategies.ps.identity import worker_key
-from disttrain.strategies.ps.shard_client import ROLLED_BACK, RetryPolicy, ShardClient, StepUnsupported
-from disttrain.strategies.ps.sharding import ShardPlan
+from disttrain.strategies.ps.wire import service, shared_memory
+from disttrain.strategies.ps.wire.codec import tensor_bytes
+from disttrain.strategies.ps.wire.sharding import ShardPlan
+from disttrain.strategies.ps.worker.retry import RetryPolicy
+from disttrain.strategies.ps.worker.shard_client import ROLLED_BACK, ShardClient
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class PSClient:
 
         Args:
             generation: the membership generation the worker joined the coordinator in.
-            key: the worker's key (see `identity.worker_key`); None: a new random one.
+            key: the worker's key (see `run.worker.worker_key`); None: a new random one.
         Raises:
             DistributedError: a server's layout differs from this worker's model, the
                 servers disagree on the run's shape, or another worker holds the id.
@@ -97,7 +98,7 @@ class PSClient:
         request = pb.RegisterRequest(worker_id=worker_id, requested_rank=requested_rank,
                                      hostname=socket.gethostname(), pid=os.getpid(),
                                      shared_memory=wants_memory, generation=generation,
-                                     key=key if key is not None else worker_key(None, resume=False))
+                                     key=key if key is not None else secrets.token_bytes(32))
         required = self.transport == "shared_memory"
         first = self.shards[0].join(request, self.plans[0], len(self.shards), required)
         request.requested_rank = first.rank
@@ -159,11 +160,8 @@ class PSClient:
             plan, shard = self.plans[s], self.shards[s]
             into, body = flat[plan.offset:plan.offset + plan.numel], self._body(grads, s, payload)
             if self.can_step(s):
-                try:
-                    reply, version, sent = shard.step(header, plan, body, into)
-                    return reply, version, sent, 0 if version is None else plan.nbytes
-                except StepUnsupported as e:
-                    logger.info("shard %d at %s has no Step (%s): pushing and pulling", s, shard.address, e)
+                reply, version, sent = shard.step(header, plan, body, into)
+                return reply, version, sent, 0 if version is None else plan.nbytes
             reply, sent = shard.push(header, plan, body)
             if reply.outcome == ROLLED_BACK:
                 return reply, None, sent, 0
@@ -193,8 +191,8 @@ class PSClient:
     def can_step(self, shard: int) -> bool:
         """Whether a step on `shard` goes in one round trip."""
         client = self.shards[shard]
-        return self.one_round_trip and client.step_supported and (
-            client.segments is not None or wire.fits_one_message(self.plans[shard].nbytes))
+        return self.one_round_trip and (
+            client.segments is not None or service.fits_one_message(self.plans[shard].nbytes))
 
     def barrier(self, worker_id: str, name: str, values: list[float] = (), step: int = 0
                 ) -> list[list[float]]:

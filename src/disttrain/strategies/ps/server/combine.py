@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from disttrain.strategies.ps.aggregation import Contribution
+from disttrain.strategies.ps.server.aggregation import Contribution
 
 
 def combine(contributions: list[Contribution], out: torch.Tensor) -> torch.Tensor:

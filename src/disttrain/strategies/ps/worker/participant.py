@@ -1,13 +1,11 @@
-"""A parameter-server worker (the `ps-worker` role): register, then run the training loop
-with a step that trades gradients for parameters with the servers.
+"""One parameter-server worker's part in the training loop: its step trades gradients for
+parameters with the servers, its evaluation reads the servers' model.
 
 Each step takes the next batch of this worker's shard, computes gradients into the flat
 gradient buffer, and exchanges them as the aggregation mode says. At each epoch end all
 workers meet at a barrier, evaluate the servers' model on a slice of the test set each,
-and add their counts up, with their training clocks stopped. A worker checkpoints its
-own position (sampler, RNG, step) under `<checkpoint_dir>/worker<rank>/`; restarted with
-`--resume` it goes on from there, and the servers answer the steps they already applied
-as duplicates, so each step is applied once.
+and add their counts up, with their training clocks stopped. A block some shard lacks
+after a failure is redone (`redo_missing`), so every block is applied exactly once.
 """
 
 from __future__ import annotations
@@ -16,61 +14,21 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from disttrain.compression import Compressor
-from disttrain.config import Config
-from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import CheckpointError
 from disttrain.core.faults import FaultInjector
-from disttrain.core.processes import bind_to_parent, emit_event
-from disttrain.data import ArrayDataset, load_datasets
-from disttrain.metrics.summary import RunSummary
+from disttrain.data import ArrayDataset
 from disttrain.metrics.window import StepTimer
-from disttrain.strategies.ps.balance import balance_sampler
-from disttrain.strategies.ps.blocks import Sampler, block_id, block_indices, block_length
-from disttrain.strategies.ps.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.exchange import Block, Exchange, make_exchange
-from disttrain.strategies.ps.finalize import finish
-from disttrain.strategies.ps.identity import keep_key, worker_key
-from disttrain.strategies.ps.link import join
-from disttrain.strategies.ps.model import check_supported
-from disttrain.strategies.ps.payloads import GradientEncoder
-from disttrain.strategies.ps.sharding import flat_parameters, plan_shards
-from disttrain.strategies.ps.wire import tune_allocator
-from disttrain.training.checkpoints import LocalCheckpoints
-from disttrain.training.engine import (
-    EvalResult,
-    StepResult,
-    configure_threads,
-    eval_slice,
-    evaluate,
-    forward_backward,
-)
-from disttrain.training.loop import LoopSettings, TrainingLoop
-from disttrain.training.models import init_model
-from disttrain.training.options import RunOptions
-from disttrain.training.seeding import seed_training, training_seed
+from disttrain.strategies.ps.worker.blocks import Sampler, block_id, block_indices, block_length
+from disttrain.strategies.ps.worker.client import PSClient
+from disttrain.strategies.ps.worker.exchange import Block, Exchange
+from disttrain.training.engine import EvalResult, StepResult, eval_slice, evaluate, forward_backward
 from disttrain.training.strategy import StepInfo
 
 logger = logging.getLogger(__name__)
-
-
-class EventProgress:
-    """Progress told to the launcher as event lines (it shows one display for all)."""
-
-    def __init__(self, rank: int, total: int, done: int):
-        self.rank = rank
-        emit_event("plan", rank=rank, total_steps=total, done_steps=done)
-
-    def update(self, n: int = 1, **postfix: float) -> None:
-        emit_event("progress", rank=self.rank, steps=n, loss=round(postfix.get("loss", 0.0), 4))
-
-    def close(self) -> None:
-        """Nothing to close: the launcher's display ends with the run."""
 
 
 @dataclass
@@ -210,76 +168,3 @@ class WorkerParticipant:
                 encoder.load_state_dict(saved)
             except ValueError as e:
                 raise CheckpointError(str(e)) from e
-
-
-def run_worker(config: Config, servers: list[str], worker_id: str, requested_rank: int,
-               options: RunOptions) -> RunSummary | None:
-    """Train as one worker of a parameter-server run; rank 0 returns the run summary.
-
-    Raises:
-        DistributedError: a server stayed unreachable through every retry, or disagrees
-            with this worker's config.
-        DataError, CheckpointError, ConfigError: bad data, checkpoint or checkpoint folder.
-    """
-    training, system = config.training, config.system
-    started = time.perf_counter()
-    check_supported(config)
-    bind_to_parent()
-    tune_allocator()
-    configure_threads(system.num_threads or 1)
-    own = Path(system.checkpoint_dir) / f"worker{requested_rank}" if requested_rank >= 0 else None
-    if own is not None:  # refuse an earlier run's folder before taking a rank on the servers
-        ckpt.prepare_checkpoint_dir(own, options.resume)
-    key = worker_key(own, options.resume)  # the same worker again when resuming
-    data = load_datasets(training)
-    model = init_model(training)
-    flat, grads = flat_parameters(model)
-    client = PSClient(servers, plan_shards(model, len(servers)),
-                      RetryPolicy(timeout_s=config.ps.rpc_timeout_s), config.ps.payload_transport,
-                      token=options.token, tls=options.tls)
-    balance: dict = {}  # this worker's batch, speed and plans, for its heartbeats
-    progress: list[Callable[[], tuple]] = [lambda: (0, 0, 0, 0.0, balance)]  # until the participant exists
-    link = None
-    try:
-        link = join(config.coordinator, worker_id, "worker", requested_rank, lambda: progress[0](),
-                    token=options.token, tls=options.tls)
-        assignment = client.register(worker_id, requested_rank, link.generation if link else 0, key)
-        rank, world_size = assignment.rank, assignment.world_size
-        keep_key(Path(system.checkpoint_dir) / f"worker{rank}", key)
-        logger.info("registered as rank %d of %d (%s mode, %d shard(s))", rank, world_size,
-                    assignment.aggregation_mode, len(servers))
-        seed_training(training.seed, rank)
-        shared = client.shared_buffers()
-        if shared is not None:  # a compressed push is copied into the gradient segment: keep it apart
-            flat, grads = flat_parameters(model, shared[0], None if config.compression.enabled else shared[1])
-            logger.info("the model lives in the shard's shared memory: no copy of gradients or "
-                        "parameters on this worker")
-        encoder = None
-        if config.compression.enabled:
-            compressor = Compressor.from_config(config.compression, training_seed(training.seed, rank))
-            encoder = GradientEncoder(compressor, client.plans)
-        exchange = make_exchange(assignment.aggregation_mode, client, worker_id, flat, grads,
-                                 assignment.staleness, encoder, link.generation if link else 0,
-                                 retry_late=config.ps.backup_workers == 0)
-        exchange.start()
-        faults = FaultInjector(options.faults, "worker", rank, options.attempt)
-        sampler, rebalancer = balance_sampler(config, client, worker_id, world_size, rank, data[0], faults,
-                                              balance)
-        participant = WorkerParticipant(client, exchange, worker_id, rank, world_size, model, grads,
-                                        *data, training.eval_batch_size, sampler, training.batch_size, faults)
-        progress[0] = lambda: (*participant.progress, balance)
-        checkpoints = LocalCheckpoints(Path(system.checkpoint_dir) / f"worker{rank}", system.checkpoint_keep)
-        loop = TrainingLoop(config, LoopSettings.from_config(config), participant, sampler, checkpoints,
-                            Path(system.log_dir) / f"worker{rank}", faults,
-                            lambda total, done: EventProgress(rank, total, done), announce=rank == 0,
-                            rebalancer=rebalancer)
-        result = loop.run(options.resume)
-        summary = finish(config, client, participant, result, flat, started)
-        if link is not None:
-            link, leaving = None, link
-            leaving.leave()
-        return summary
-    finally:
-        if link is not None:
-            link.close()
-        client.close()

@@ -17,7 +17,7 @@ so every worker leaves with the same answer.
 
 from __future__ import annotations
 
-from disttrain.strategies.ps.decisions import PushRefused
+from disttrain.strategies.ps.server.decisions import PushRefused
 
 # Completed barriers are kept for late arrivals, bounded so a long run's memory stays
 # flat. The speed checks come every few dozen steps and only a worker redoing the steps

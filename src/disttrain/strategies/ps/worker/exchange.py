@@ -34,8 +34,8 @@ from disttrain.compression import all_finite
 from disttrain.core.errors import TrainingError
 from disttrain.metrics.window import StepTimer
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps.client import PSClient
-from disttrain.strategies.ps.payloads import GradientEncoder
+from disttrain.strategies.ps.wire.payloads import GradientEncoder
+from disttrain.strategies.ps.worker.client import PSClient
 from disttrain.training.engine import StepResult
 
 Outcome = pb.PushReply.Outcome

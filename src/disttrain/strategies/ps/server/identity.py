@@ -22,11 +22,9 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from disttrain.core.atomic_files import write_bytes_atomic
-from disttrain.strategies.ps.roster import Roster, UnknownGeneration
+from disttrain.strategies.ps.server.roster import Roster, UnknownGeneration
 
 MIN_KEY_BYTES = 16
 MAX_ID_CHARS = 128
@@ -53,27 +51,6 @@ class UnknownWorker(ValueError):
 class Binding:
     digest: bytes
     generation: int
-
-
-KEY_FILE = "worker.key"
-
-
-def worker_key(folder: Path | None, resume: bool) -> bytes:
-    """A worker's key: the one kept in its checkpoint `folder` when resuming, else a new
-    random one (kept there, private, when `folder` is known: see `keep_key`)."""
-    if resume and folder is not None:
-        try:
-            key = (folder / KEY_FILE).read_bytes()
-        except OSError:
-            key = b""
-        if len(key) >= MIN_KEY_BYTES:
-            return key
-    return secrets.token_bytes(32)
-
-
-def keep_key(folder: Path, key: bytes) -> None:
-    """Keep `key` in `folder`, readable by its owner only, for a restart with --resume."""
-    write_bytes_atomic(folder / KEY_FILE, key, mode=0o600)
 
 
 def check_worker_id(worker_id: str) -> None:

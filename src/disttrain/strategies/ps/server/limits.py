@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disttrain.strategies.ps.codec import CHUNK_BYTES
+from disttrain.strategies.ps.wire.codec import CHUNK_BYTES
 
 # Long enough that a synchronous step's slowest worker rarely makes a pull retry, short
 # enough that a thread is never held for long by a call whose client went away.

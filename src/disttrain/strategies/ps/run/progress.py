@@ -1,11 +1,28 @@
-"""The progress display of a whole parameter-server run, fed by its workers' event lines."""
+"""The progress of a whole parameter-server run: each worker tells it as event lines
+(`EventProgress`: its plan of steps, then one line per step), and the launcher shows one
+display for the cluster (`ClusterWatch`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disttrain.core.processes import Event
+from disttrain.core.processes import Event, emit_event
 from disttrain.metrics.progress import Progress
+
+
+class EventProgress:
+    """Progress told to the launcher as event lines (it shows one display for all)."""
+
+    def __init__(self, rank: int, total: int, done: int):
+        self.rank = rank
+        emit_event("plan", rank=rank, total_steps=total, done_steps=done)
+
+    def update(self, n: int = 1, **postfix: float) -> None:
+        emit_event("progress", rank=self.rank, steps=n, loss=round(postfix.get("loss", 0.0), 4))
+
+    def close(self) -> None:
+        """Nothing to close: the launcher's display ends with the run."""
+
 
 
 @dataclass

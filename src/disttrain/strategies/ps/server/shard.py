@@ -1,10 +1,16 @@
 """The state of one parameter-server shard: its slice of the parameters, the optimizer
-that updates it, the aggregation rules, versions, long-poll waits and checkpoints.
+that updates it, and the pure rules it composes (aggregation, barriers, identities), with
+versions, long-poll waits and checkpoints.
 
 Thread-safe: the gRPC servicer calls in from many threads. A push is decoded and
 validated outside the lock; only the decision and the update take it. A rejected push
 changes nothing. Readers wait on a condition variable for a version (no polling), and
 each version's parameter bytes are snapshotted once and shared by every reader.
+
+Like every stateful part of the project, a shard saves itself with `state_dict()` and
+comes back with `load_state_dict()`: parameters, optimizer state, version, the data
+ledger, the rules' counters, the completed barriers and who holds each worker id,
+together, so they never disagree.
 """
 
 from __future__ import annotations
@@ -13,28 +19,66 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from disttrain.config import Config
+from disttrain.config import TrainingConfig
+from disttrain.core import checkpoint as ckpt
+from disttrain.core.errors import CheckpointError
 from disttrain.core.saver import CheckpointWriter
-from disttrain.strategies.ps import persistence, wire
-from disttrain.strategies.ps.aggregation import AggregationRules, Decision, Outcome, Push
-from disttrain.strategies.ps.barriers import Barriers
-from disttrain.strategies.ps.codec import Payload, tensor_bytes
-from disttrain.strategies.ps.identity import Identities
-from disttrain.strategies.ps.refusals import ShardStopping
-from disttrain.strategies.ps.sharding import ShardPlan
-from disttrain.strategies.ps.shared_memory import WorkerSegments
-from disttrain.strategies.ps.update import GuardedUpdate, NonFiniteUpdate
-from disttrain.strategies.ps.validation import InvalidPush, PushDecoder
-from disttrain.strategies.ps.wire import Snapshot
+from disttrain.strategies.ps.server.aggregation import AggregationRules, Decision, Outcome, Push
+from disttrain.strategies.ps.server.barriers import Barriers
+from disttrain.strategies.ps.server.identity import Identities
+from disttrain.strategies.ps.server.segments import WorkerSegments
+from disttrain.strategies.ps.server.update import GuardedUpdate, NonFiniteUpdate
+from disttrain.strategies.ps.server.validation import InvalidPush, PushDecoder
+from disttrain.strategies.ps.wire import service
+from disttrain.strategies.ps.wire.codec import Payload, tensor_bytes
+from disttrain.strategies.ps.wire.service import Snapshot
+from disttrain.strategies.ps.wire.sharding import ShardPlan
+from disttrain.strategies.ps.wire.shared_memory import SegmentPair
 from disttrain.training.engine import build_optimizer
 
 logger = logging.getLogger(__name__)
+
+STRATEGY = "ps-server"  # the tag of a shard's checkpoints
+REQUIRED_KEYS = ("strategy", "shard", "numel", "params", "optimizer", "rules")
+
+
+class ShardStopping(RuntimeError):
+    """A call that arrived after the final checkpoint began: not taken (retry later)."""
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where and how often a shard saves itself.
+
+    Args:
+        folder: this shard's checkpoint folder.
+        every_versions: a checkpoint each time the version reaches a multiple of this.
+        keep: how many of the newest checkpoints stay in `folder`.
+        run_config: the run's resolved config, saved in every checkpoint.
+    """
+
+    folder: Path
+    every_versions: int
+    keep: int
+    run_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a worker's registration with a shard gave it: its rank, the shard's version,
+    its session, and its shared-memory segments (None unless offered and made)."""
+
+    rank: int
+    version: int
+    session: bytes
+    segments: SegmentPair | None
 
 
 class ShardState:
@@ -43,29 +87,24 @@ class ShardState:
     Args:
         plan: the slices this shard owns.
         initial: the shard's initial flat parameters (1-D, plan.numel elements).
-        config: the run config (optimizer, aggregation, checkpointing).
-        checkpoint_dir: where this shard's checkpoints go (None: never saved).
+        rules: the aggregation rules of the run (sync, ssp or async; its world size).
+        decoder: checks and decodes pushes (the run's compression and batch bound).
+        training: the optimizer's settings (`training.optimizer`, learning rate, ...).
+        checkpoints: where and how often the shard saves itself (None: never).
         clock: returns seconds; the aggregation rules measure synchronous waits with it.
     """
 
-    def __init__(self, plan: ShardPlan, initial: torch.Tensor, config: Config,
-                 checkpoint_dir: str | Path | None = None, clock=time.monotonic):
+    def __init__(self, plan: ShardPlan, initial: torch.Tensor, rules: AggregationRules, decoder: PushDecoder,
+                 training: TrainingConfig, checkpoints: CheckpointPolicy | None = None, clock=time.monotonic):
         if initial.numel() != plan.numel:
             raise ValueError(f"shard {plan.shard} owns {plan.numel} elements, got {initial.numel()}")
         self.plan = plan
-        self.config = config
-        # Under a balance plan one worker's batch may be up to the whole global batch.
-        max_samples = config.training.batch_size * (1 if config.system.balance == "none"
-                                                    else config.system.num_workers)
-        self.decoder = PushDecoder(plan, config.compression, max_samples)
+        self.rules = rules
+        self.decoder = decoder
         self.param = nn.Parameter(initial.detach().clone().reshape(-1))
         # One flat tensor per shard: the fused kernels update it in one pass.
-        self.optimizer = build_optimizer([self.param], config.training, fused=True)
-        ps = config.ps
-        self.rules = AggregationRules(ps.aggregation_mode, config.system.num_workers,
-                                      ps.staleness, ps.backup_workers)
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.checkpoint_interval = config.training.checkpoint_interval
+        self.optimizer = build_optimizer([self.param], training, fused=True)
+        self.checkpoints = checkpoints
         self.clock = clock
         self.on_version: Callable[[int], None] = lambda version: None  # called at each new version
         self.incarnation = time.time_ns()  # tells workers this server restarted
@@ -75,16 +114,17 @@ class ShardState:
         self._changed = threading.Condition(self._lock)
         self._snapshot: Snapshot | None = None
         # Bounded: a slow disk makes saves wait, never piles up copies of the state.
-        self._writer = None if self.checkpoint_dir is None else \
-            CheckpointWriter(self.checkpoint_dir, config.system.checkpoint_keep)
+        self._writer = None if checkpoints is None else CheckpointWriter(checkpoints.folder, checkpoints.keep)
         self.segments = WorkerSegments(plan.nbytes, plan.dtype)
-        self.barriers = Barriers(config.system.num_workers)
+        self.barriers = Barriers(rules.world_size)
         self.update = GuardedUpdate(self.param, self.optimizer)
         self.identities = Identities()
 
-    def register(self, worker_id: str, requested_rank: int, key: bytes, generation: int
-                 ) -> tuple[int, int, bytes]:
-        """(rank, version, session) for `worker_id`, holding `key`, joined in `generation`.
+    def register(self, worker_id: str, requested_rank: int, key: bytes, generation: int,
+                 shared_memory: bool = False) -> Registration:
+        """Register `worker_id`, holding `key`, joined in `generation`; with
+        `shared_memory` (the worker asked, from this host) fresh segments are made for
+        it, else any it had are dropped.
 
         Raises:
             InvalidIdentity, IdentityTaken, UnknownGeneration: see `Identities.check_claim`.
@@ -96,7 +136,13 @@ class ShardState:
             session = self.identities.bind(worker_id, key, generation)
             self.barriers.give_up_pending()  # a restarted worker is behind: no check waits for it
             self._changed.notify_all()
-            return rank, self.rules.version, session
+            version = self.rules.version
+        if shared_memory:
+            segments = self.segments.offer(worker_id)
+        else:
+            segments = None
+            self.segments.drop(worker_id)
+        return Registration(rank, version, session, segments)
 
     def barrier(self, worker_id: str, session: bytes, name: str, values: list[float],
                 timeout_s: float | None, step: int = 0) -> list[list[float]] | None:
@@ -194,7 +240,7 @@ class ShardState:
             self._changed.notify_all()
             return False
         self._changed.notify_all()
-        if self.checkpoint_dir is not None and self.rules.version % self.checkpoint_interval == 0:
+        if self.checkpoints is not None and self.rules.version % self.checkpoints.every_versions == 0:
             self._save_async(self._state())
         self.on_version(self.rules.version)
         return True
@@ -215,7 +261,7 @@ class ShardState:
             if not self._reached(min_version, timeout_s):
                 return None
             if self._snapshot is None or self._snapshot.version != self.rules.version:
-                frames = wire.parameter_frames(self.plan, self.rules.version, tensor_bytes(self.param),
+                frames = service.parameter_frames(self.plan, self.rules.version, tensor_bytes(self.param),
                                                self.incarnation)
                 self._snapshot = Snapshot(self.rules.version, list(frames))
             return self._snapshot
@@ -263,16 +309,74 @@ class ShardState:
                 return
             self.stopping = True
             self._changed.notify_all()
-            state = self._state() if self.checkpoint_dir is not None else None
+            state = self._state() if self.checkpoints is not None else None
         self.segments.unlink_all()
         if state is not None:
             self._save_async(state)
         if self._writer is not None:
             self._writer.close()
 
+    # -- persistence ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a restart needs (tensors are copies): see the module's docstring."""
+        with self._lock:
+            return self._state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back what `state_dict` returned.
+
+        Raises:
+            CheckpointError: the state is of another shard, model or aggregation mode, or
+                does not fit this shard's optimizer.
+        """
+        with self._changed:
+            self._load(state)
+            self._snapshot = None
+            self._changed.notify_all()
+
+    def restore(self, path: str | Path) -> None:
+        """Load a checkpoint file written by this shard (a restart of it).
+
+        Raises:
+            CheckpointError: unreadable, or written by another shard layout or mode.
+        """
+        state = ckpt.load_checkpoint(path)
+        ckpt.require_keys(state, REQUIRED_KEYS, path)
+        try:
+            self.load_state_dict(state)
+        except CheckpointError as e:
+            raise CheckpointError(f"checkpoint {path}: {e}") from e
+        logger.info("shard %d restored version %d from %s", self.plan.shard, self.version, path)
+
     def _state(self) -> dict[str, Any]:
-        """A snapshot of everything a restart needs (lock held; tensors are copies)."""
-        return persistence.snapshot(self)
+        """Everything a restart needs (lock held; tensors are copies)."""
+        optimizer_state = self.optimizer.state_dict()
+        optimizer_state["state"] = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()}
+                                    for k, s in optimizer_state["state"].items()}
+        return {"strategy": STRATEGY, "shard": self.plan.shard, "num_shards": self.plan.num_shards,
+                "numel": self.plan.numel, "version": self.rules.version,
+                "params": self.param.detach().clone(), "optimizer": optimizer_state,
+                "rules": self.rules.state_dict(), "barriers": self.barriers.state_dict(),
+                "identities": self.identities.state_dict(),
+                "config": self.checkpoints.run_config if self.checkpoints is not None else {}}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        """`load_state_dict` with the lock held."""
+        if state["strategy"] != STRATEGY or state["shard"] != self.plan.shard \
+                or state["numel"] != self.plan.numel:
+            raise CheckpointError(f"it belongs to another shard or model (shard {state['shard']}, "
+                                  f"{state['numel']} elements); use the checkpoint dir of this shard")
+        try:
+            self.rules.load_state_dict(state["rules"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.barriers.load_state_dict(state.get("barriers", {}))
+            self.identities.load_state_dict(state.get("identities", {}))
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise CheckpointError(f"it does not fit this run: {e}") from e
+        with torch.no_grad():
+            self.param.copy_(state["params"])
+        self.update.forget_bounds()
 
     def _save_async(self, state: dict[str, Any]) -> None:
         """Queue a checkpoint (a newer one replaces one still waiting); raises CheckpointError
@@ -283,15 +387,3 @@ class ShardState:
         """Wait for the checkpoints queued (raises CheckpointError if a write failed)."""
         if self._writer is not None:
             self._writer.flush()
-
-    def restore(self, path: str | Path) -> None:
-        """Load parameters, optimizer state, version, ledger and counters from a checkpoint.
-
-        Raises:
-            CheckpointError: unreadable, or written by another shard layout or mode.
-        """
-        with self._changed:
-            persistence.restore(self, path)
-            self.update.forget_bounds()
-            self._snapshot = None
-        logger.info("shard %d restored version %d from %s", self.plan.shard, self.rules.version, path)

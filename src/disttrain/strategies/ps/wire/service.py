@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.proto import tensor_pb2
-from disttrain.strategies.ps.codec import CHUNK_BYTES, Frame, Payload, decode_frame, encode_frames
-from disttrain.strategies.ps.sharding import ShardPlan, TensorSlice
+from disttrain.strategies.ps.wire.codec import CHUNK_BYTES, Frame, Payload, decode_frame, encode_frames
+from disttrain.strategies.ps.wire.sharding import ShardPlan, TensorSlice
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from disttrain.strategies.ps.codec import dtype_name, to_dtype
+from disttrain.strategies.ps.wire.codec import dtype_name, to_dtype
 
 
 @dataclass(frozen=True)

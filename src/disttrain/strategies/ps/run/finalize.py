@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,9 @@ from disttrain.core.errors import DistributedError
 from disttrain.metrics.hparams import write_hparams
 from disttrain.metrics.summary import RunSummary
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps.blocks import block_length
-from disttrain.strategies.ps.client import PSClient
+from disttrain.strategies.ps.worker.blocks import block_length
+from disttrain.strategies.ps.worker.client import PSClient
+from disttrain.strategies.ps.worker.participant import WorkerParticipant
 from disttrain.training.loop import LoopResult
 from disttrain.training.rebalance import plan_summary
 
@@ -28,6 +30,29 @@ logger = logging.getLogger(__name__)
 FINAL_MODEL = "parameter_server_final.pt"
 # How long rank 0 waits for the other workers to finish after it has.
 WAIT_ALL_DONE_S = 3600.0
+
+
+@dataclass(frozen=True)
+class WorkerTotals:
+    """What each worker reports at the run's last barrier ("finished"), in its order there."""
+
+    samples: int
+    train_time_s: float
+    bytes_sent: int
+    bytes_received: int
+    bytes_dense: int  # compression: gradient bytes before compression (0 when off)
+    bytes_compressed: int  # compression: bytes sent after it (0 when off)
+    samples_redone: int
+    samples_dropped: int
+
+    def values(self) -> list[float]:
+        return [float(v) for v in astuple(self)]
+
+    @classmethod
+    def of(cls, values: list[float]) -> WorkerTotals:
+        samples, train_time_s, sent, received, dense, compressed, redone, dropped = values
+        return cls(int(samples), train_time_s, int(sent), int(received), int(dense), int(compressed),
+                   int(redone), int(dropped))
 
 
 def wait_all_done(client: PSClient, timeout_s: float) -> list[pb.ShardStatus]:
@@ -66,8 +91,8 @@ def shard_summary(statuses: list[pb.ShardStatus]) -> dict[str, Any]:
     }
 
 
-def data_ledger(num_epochs: int, client: PSClient, participant: Any, rows: list[list[float]],
-                statuses: list[pb.ShardStatus]) -> dict[str, Any]:
+def data_ledger(num_epochs: int, client: PSClient, participant: WorkerParticipant,
+                totals: list[WorkerTotals], statuses: list[pb.ShardStatus]) -> dict[str, Any]:
     """What became of every sample of every epoch, from the shards' ledgers: applied
     (shard 0's count), redone (computed again after a failure: duplicates the servers
     turned away, and blocks redone because a shard lacked them), dropped late (backup
@@ -79,23 +104,23 @@ def data_ledger(num_epochs: int, client: PSClient, participant: Any, rows: list[
     for block in range(epochs * world * bpe):
         if any(block not in blocks for blocks in applied):
             missing += block_length(participant.sampler, participant.batch_size, block)
-    dropped = int(sum(row[7] for row in rows))
+    dropped = sum(t.samples_dropped for t in totals)
     return {"samples_applied": statuses[0].num_samples_applied, "samples_dropped_late": dropped,
             "samples_lost": missing - dropped,
             "samples_redone": max(s.num_samples_duplicate for s in statuses)
-            + int(sum(row[6] for row in rows)),
+            + sum(t.samples_redone for t in totals),
             "num_fenced": sum(s.num_fenced for s in statuses)}
 
 
-def compression_summary(rows: list[list[float]]) -> dict[str, Any]:
-    """The run's compression totals from every worker's "finished" row (none when off)."""
-    dense, sent = sum(row[4] for row in rows), sum(row[5] for row in rows)
+def compression_summary(totals: list[WorkerTotals]) -> dict[str, Any]:
+    """The run's compression totals from every worker's (none when off)."""
+    dense, sent = sum(t.bytes_dense for t in totals), sum(t.bytes_compressed for t in totals)
     if not sent:
         return {}
     return {"compression_ratio": dense / sent, "compression_bytes_sent": int(sent)}
 
 
-def finish(config: Config, client: PSClient, participant: Any, result: LoopResult,
+def finish(config: Config, client: PSClient, participant: WorkerParticipant, result: LoopResult,
            flat: torch.Tensor, started: float) -> RunSummary | None:
     """End a worker's run: every worker reports its totals at a last barrier and leaves;
     then rank 0 waits for all, writes the final model and the summary, and stops the
@@ -105,9 +130,10 @@ def finish(config: Config, client: PSClient, participant: Any, result: LoopResul
     counters = (encoder.compressor.counters.bytes_dense, encoder.compressor.counters.bytes_sent) \
         if encoder is not None else (0, 0)
     participant.redo_missing(config.training.num_epochs - 1)
-    rows = client.barrier(worker_id, "finished", [position.samples_processed, position.train_time_s,
-                                                  client.bytes_sent, client.bytes_received, *counters,
-                                                  participant.samples_redone, participant.samples_dropped])
+    mine = WorkerTotals(position.samples_processed, position.train_time_s, client.bytes_sent,
+                        client.bytes_received, *counters, participant.samples_redone,
+                        participant.samples_dropped)
+    totals = [WorkerTotals.of(row) for row in client.barrier(worker_id, "finished", mine.values())]
     client.worker_done(worker_id)
     logger.info("worker %d done: %d steps, %d samples in %.1fs of training, %.1f MB sent, "
                 "%.1f MB received", rank, position.step, position.samples_processed,
@@ -121,10 +147,11 @@ def finish(config: Config, client: PSClient, participant: Any, result: LoopResul
     final_path = Path(config.system.checkpoint_dir) / FINAL_MODEL
     ckpt.save_final_model(final_path, participant.model.state_dict(), config)
     logger.info("final model (versions %s) -> %s", versions, final_path)
-    ledger = data_ledger(config.training.num_epochs, client, participant, rows, statuses)  # servers still up
+    # Read while the servers are still up.
+    ledger = data_ledger(config.training.num_epochs, client, participant, totals, statuses)
     client.call_all("Shutdown", pb.ShutdownRequest())
-    workers = [{"rank": r, "samples": int(row[0]), "train_time_s": row[1], "bytes_sent": int(row[2]),
-                "bytes_received": int(row[3])} for r, row in enumerate(rows)]
+    workers = [{"rank": r, "samples": t.samples, "train_time_s": t.train_time_s, "bytes_sent": t.bytes_sent,
+                "bytes_received": t.bytes_received} for r, t in enumerate(totals)]
     summary = RunSummary.create(
         strategy=f"ps-{statuses[0].aggregation_mode}", config=config,
         final_accuracy=result.evaluation.accuracy, final_loss=result.evaluation.loss,
@@ -135,7 +162,7 @@ def finish(config: Config, client: PSClient, participant: Any, result: LoopResul
                **ledger,
                **plan_summary(participant.sampler),
                "final_model": str(final_path), "resumed_from_step": result.resumed_from_step,
-               "workers": workers, **shard_summary(statuses), **compression_summary(rows)})
+               "workers": workers, **shard_summary(statuses), **compression_summary(totals)})
     summary.write(config.system.log_dir)
     write_hparams(summary, config.system.log_dir)
     return summary

@@ -1,0 +1,101 @@
+"""The `ps-server` process: one shard, built from the run's config and served over gRPC.
+
+`build_state` is where the config meets the shard: it hands each part its own settings
+(the aggregation rules their `ps` keys, the decoder the `compression` section, the
+optimizer the `training` section, the checkpoints their folder and cadence). `serve`
+binds `--bind HOST:PORT` (port 0 picks a free one), reports the address it bound on its
+log and, under the cluster launcher, as an event line on stdout, and stops on
+SIGTERM/SIGINT or on a Shutdown call once every worker is done, writing a final
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+from pathlib import Path
+
+from torch.nn.utils import parameters_to_vector
+
+from disttrain.config import Config
+from disttrain.core import checkpoint as ckpt
+from disttrain.core.faults import FaultInjector
+from disttrain.core.processes import bind_to_parent, emit_event
+from disttrain.core.tls import TlsFiles
+from disttrain.strategies.ps.run.launcher import check_supported
+from disttrain.strategies.ps.run.link import join
+from disttrain.strategies.ps.server.aggregation import AggregationRules
+from disttrain.strategies.ps.server.servicer import ShardServer
+from disttrain.strategies.ps.server.shard import CheckpointPolicy, ShardState
+from disttrain.strategies.ps.server.validation import PushDecoder
+from disttrain.strategies.ps.wire.service import tune_allocator
+from disttrain.strategies.ps.wire.sharding import plan_shards
+from disttrain.training.engine import configure_threads
+from disttrain.training.models import init_model
+
+logger = logging.getLogger(__name__)
+
+
+def build_state(config: Config, shard: int, num_shards: int, resume: bool = False) -> ShardState:
+    """The state of shard `shard` of `num_shards`: the model's initial slice (from the
+    training seed), restored from this shard's newest checkpoint when resuming.
+
+    Raises:
+        ConfigError: the checkpoint dir holds an earlier run (and not resuming).
+        CheckpointError: the newest checkpoint cannot be used.
+    """
+    training, system, ps = config.training, config.system, config.ps
+    model = init_model(training)
+    plan = plan_shards(model, num_shards)[shard]
+    flat = parameters_to_vector(model.parameters())[plan.offset:plan.offset + plan.numel]
+    folder = Path(system.checkpoint_dir) / f"server{shard}"
+    resumed_from = ckpt.prepare_checkpoint_dir(folder, resume)
+    rules = AggregationRules(ps.aggregation_mode, system.num_workers, ps.staleness, ps.backup_workers)
+    # Under a balance plan one worker's batch may be up to the whole global batch.
+    max_samples = training.batch_size * (1 if system.balance == "none" else system.num_workers)
+    decoder = PushDecoder(plan, config.compression, max_samples)
+    checkpoints = CheckpointPolicy(folder, training.checkpoint_interval, system.checkpoint_keep,
+                                   config.to_dict())
+    state = ShardState(plan, flat, rules, decoder, training, checkpoints)
+    if resumed_from is not None:
+        state.restore(resumed_from)
+    return state
+
+
+def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool = False,
+          faults: FaultInjector | None = None, token: str | None = None,
+          tls: TlsFiles | None = None) -> None:
+    """Run one shard until SIGTERM/SIGINT or a Shutdown call; with a coordinator in the
+    config, registered with it, heartbeating, and following its membership. With a
+    `token`, calls without it are refused (but health checks), and it is sent to the coordinator.
+    With `tls`, it listens with TLS and reaches the coordinator with the same files.
+
+    Raises:
+        ConfigError: the address cannot be bound, or the checkpoint dir holds an earlier run.
+        CheckpointError: the newest checkpoint cannot be used (with `resume`).
+    """
+    check_supported(config)
+    bind_to_parent()
+    tune_allocator()
+    configure_threads(config.system.num_threads or 1)
+    state = build_state(config, shard, num_shards, resume)
+    # Long-polls hold a thread each: room for every worker's push, pull and status call.
+    server = ShardServer(state, bind, max_threads=max(32, 4 * config.system.num_workers + 8), token=token,
+                         tls=tls)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: server.stopped.set())
+    logger.info("shard %d/%d (%d parameters, %.2f MB) listening on %s (%s)", shard, num_shards,
+                state.plan.numel, state.plan.nbytes / 1e6, server.address, socket.gethostname())
+    if faults is not None:
+        state.on_version = faults.at_step
+    emit_event("listening", address=server.address, shard=shard)
+    link = join(config.coordinator, f"server{shard}", "server", shard,
+                lambda: (0, state.version, 0), server.address, state.set_membership, token=token, tls=tls)
+    try:
+        server.stopped.wait()
+    finally:
+        server.stop()
+        if link is not None:
+            link.leave()
+        logger.info("shard %d stopped at version %d", shard, state.version)

@@ -1,0 +1,165 @@
+"""The `ps-worker` process: register with every shard (and the coordinator), then run the
+training loop as one worker, and end the run on rank 0.
+
+A worker checkpoints its own position (sampler, RNG, step) under
+`<checkpoint_dir>/worker<rank>/`; restarted with `--resume` it goes on from there, and
+the servers answer the steps they already applied as duplicates, so each step is applied
+once. Its key (see `server.identity`) is kept in that folder too, so a restart presents
+it again and takes its worker id back.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from disttrain.compression import Compressor
+from disttrain.config import Config
+from disttrain.core import checkpoint as ckpt
+from disttrain.core.atomic_files import write_bytes_atomic
+from disttrain.core.faults import FaultInjector
+from disttrain.core.processes import bind_to_parent
+from disttrain.data import ArrayDataset, PlannedSampler, ShardedSampler, load_datasets
+from disttrain.metrics.summary import RunSummary
+from disttrain.strategies.ps.run.finalize import finish
+from disttrain.strategies.ps.run.launcher import check_supported
+from disttrain.strategies.ps.run.link import join
+from disttrain.strategies.ps.run.progress import EventProgress
+from disttrain.strategies.ps.server.identity import MIN_KEY_BYTES
+from disttrain.strategies.ps.wire.payloads import GradientEncoder
+from disttrain.strategies.ps.wire.service import tune_allocator
+from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
+from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
+from disttrain.strategies.ps.worker.exchange import make_exchange
+from disttrain.strategies.ps.worker.participant import WorkerParticipant
+from disttrain.training.balance import warmup_speed
+from disttrain.training.checkpoints import LocalCheckpoints
+from disttrain.training.engine import configure_threads
+from disttrain.training.loop import LoopSettings, TrainingLoop
+from disttrain.training.models import init_model
+from disttrain.training.options import RunOptions
+from disttrain.training.rebalance import Rebalancer, start_balance
+from disttrain.training.seeding import seed_training, training_seed
+
+logger = logging.getLogger(__name__)
+
+KEY_FILE = "worker.key"
+
+
+def worker_key(folder: Path | None, resume: bool) -> bytes:
+    """A worker's key: the one kept in its checkpoint `folder` when resuming, else a new
+    random one (kept there, private, when `folder` is known: see `keep_key`)."""
+    if resume and folder is not None:
+        try:
+            key = (folder / KEY_FILE).read_bytes()
+        except OSError:
+            key = b""
+        if len(key) >= MIN_KEY_BYTES:
+            return key
+    return secrets.token_bytes(32)
+
+
+def keep_key(folder: Path, key: bytes) -> None:
+    """Keep `key` in `folder`, readable by its owner only, for a restart with --resume."""
+    write_bytes_atomic(folder / KEY_FILE, key, mode=0o600)
+
+
+
+def run_worker(config: Config, servers: list[str], worker_id: str, requested_rank: int,
+               options: RunOptions) -> RunSummary | None:
+    """Train as one worker of a parameter-server run; rank 0 returns the run summary.
+
+    Raises:
+        DistributedError: a server stayed unreachable through every retry, or disagrees
+            with this worker's config.
+        DataError, CheckpointError, ConfigError: bad data, checkpoint or checkpoint folder.
+    """
+    training, system = config.training, config.system
+    started = time.perf_counter()
+    check_supported(config)
+    bind_to_parent()
+    tune_allocator()
+    configure_threads(system.num_threads or 1)
+    own = Path(system.checkpoint_dir) / f"worker{requested_rank}" if requested_rank >= 0 else None
+    if own is not None:  # refuse an earlier run's folder before taking a rank on the servers
+        ckpt.prepare_checkpoint_dir(own, options.resume)
+    key = worker_key(own, options.resume)  # the same worker again when resuming
+    data = load_datasets(training)
+    model = init_model(training)
+    flat, grads = flat_parameters(model)
+    client = PSClient(servers, plan_shards(model, len(servers)),
+                      RetryPolicy(timeout_s=config.ps.rpc_timeout_s), config.ps.payload_transport,
+                      token=options.token, tls=options.tls)
+    balance: dict = {}  # this worker's batch, speed and plans, for its heartbeats
+    progress: list[Callable[[], tuple]] = [lambda: (0, 0, 0, 0.0, balance)]  # until the participant exists
+    link = None
+    try:
+        link = join(config.coordinator, worker_id, "worker", requested_rank, lambda: progress[0](),
+                    token=options.token, tls=options.tls)
+        assignment = client.register(worker_id, requested_rank, link.generation if link else 0, key)
+        rank, world_size = assignment.rank, assignment.world_size
+        keep_key(Path(system.checkpoint_dir) / f"worker{rank}", key)
+        logger.info("registered as rank %d of %d (%s mode, %d shard(s))", rank, world_size,
+                    assignment.aggregation_mode, len(servers))
+        seed_training(training.seed, rank)
+        shared = client.shared_buffers()
+        if shared is not None:  # a compressed push is copied into the gradient segment: keep it apart
+            flat, grads = flat_parameters(model, shared[0], None if config.compression.enabled else shared[1])
+            logger.info("the model lives in the shard's shared memory: no copy of gradients or "
+                        "parameters on this worker")
+        encoder = None
+        if config.compression.enabled:
+            compressor = Compressor.from_config(config.compression, training_seed(training.seed, rank))
+            encoder = GradientEncoder(compressor, client.plans)
+        exchange = make_exchange(assignment.aggregation_mode, client, worker_id, flat, grads,
+                                 assignment.staleness, encoder, link.generation if link else 0,
+                                 retry_late=config.ps.backup_workers == 0)
+        exchange.start()
+        faults = FaultInjector(options.faults, "worker", rank, options.attempt)
+        sampler, rebalancer = balance_sampler(config, client, worker_id, world_size, rank, data[0], faults,
+                                              balance)
+        participant = WorkerParticipant(client, exchange, worker_id, rank, world_size, model, grads,
+                                        *data, training.eval_batch_size, sampler, training.batch_size, faults)
+        progress[0] = lambda: (*participant.progress, balance)
+        checkpoints = LocalCheckpoints(Path(system.checkpoint_dir) / f"worker{rank}", system.checkpoint_keep)
+        loop = TrainingLoop(config, LoopSettings.from_config(config), participant, sampler, checkpoints,
+                            Path(system.log_dir) / f"worker{rank}", faults,
+                            lambda total, done: EventProgress(rank, total, done), announce=rank == 0,
+                            rebalancer=rebalancer)
+        result = loop.run(options.resume)
+        summary = finish(config, client, participant, result, flat, started)
+        if link is not None:
+            link, leaving = None, link
+            leaving.leave()
+        return summary
+    finally:
+        if link is not None:
+            link.close()
+        client.close()
+
+
+def balance_sampler(config: Config, client: PSClient, worker_id: str, world_size: int, rank: int,
+                    train_set: ArrayDataset, faults: FaultInjector, state: dict,
+                    ) -> tuple[ShardedSampler | PlannedSampler, Rebalancer | None]:
+    """This worker's sampler, and what re-plans it (every worker calls it).
+
+    The workers' balance plan (`system.balance`): each worker's speed, measured before
+    training on a copy of the model and every `system.balance_interval` steps after, is
+    shared at a barrier on shard 0, whose answers the servers keep, so a restarted worker
+    that passes the same step again gets the same plan. A check is given up, for every
+    worker, when one is behind: a restarted worker redoing steps needs the others' steps
+    to catch up, and an asynchronous one further back would hold the others.
+    """
+
+    def gather(name: str, speed: float, step: int) -> list[float] | None:
+        rows = client.barrier(worker_id, name, [speed], step)  # a check gives up for a worker behind
+        return [row[0] for row in rows] if rows else None
+
+    return start_balance(config.system, config.training, len(train_set), world_size, rank, gather,
+                         lambda: warmup_speed(config.training, torch.device("cpu"), train_set, faults),
+                         announce="worker" if rank == 0 else None, state=state)

@@ -1,0 +1,308 @@
+"""One parameter-server shard on the wire: a thin gRPC servicer over `ShardState`, and the
+server that serves it.
+
+The servicer decodes requests, calls the shard, and answers each refusal with its status
+code (`CODES`): retry later (UNAVAILABLE), register again or stop (PERMISSION_DENIED,
+ALREADY_EXISTS), fix the call (INVALID_ARGUMENT), or follow the protocol
+(FAILED_PRECONDITION). A refused call changes nothing on the shard.
+
+Step trades a push for the parameters it leads to in one round trip, on a stream the
+worker keeps open for the run: each request is handled as PushGradients handles it (the
+same decoding, bounds, session check and rules); its reply then waits, as a pull would,
+for the version the push leads to: in sync mode the step the push joined
+(`base_version + 1`), otherwise none (the parameters as they are, this push included).
+The stream holds one of the worker's long-poll slots while it is open, taken once its
+first push passed the session check.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
+
+import grpc
+
+from disttrain.core.addresses import peer_is_local
+from disttrain.core.deadlines import Deadlines
+from disttrain.core.poll_slots import PollLimitExceeded, PollSlots
+from disttrain.core.rpc_server import RpcServer
+from disttrain.core.tls import TlsFiles
+from disttrain.proto import parameter_server_pb2 as pb
+from disttrain.strategies.ps.server.decisions import PushRefused
+from disttrain.strategies.ps.server.identity import IdentityTaken, SessionRefused, UnknownWorker
+from disttrain.strategies.ps.server.limits import (
+    LONG_POLL_CAP_S,
+    POLLS_PER_WORKER,
+    long_poll_wait_s,
+    push_limits,
+)
+from disttrain.strategies.ps.server.roster import FencedPush, UnknownGeneration
+from disttrain.strategies.ps.server.shard import ShardState, ShardStopping
+from disttrain.strategies.ps.wire import service
+from disttrain.strategies.ps.wire.codec import Payload
+
+logger = logging.getLogger(__name__)
+
+# The first matching class decides: subclasses before the ValueError they derive from.
+CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (SessionRefused, grpc.StatusCode.PERMISSION_DENIED),
+    (IdentityTaken, grpc.StatusCode.ALREADY_EXISTS),
+    (UnknownGeneration, grpc.StatusCode.UNAVAILABLE),  # the membership is on its way: retry
+    (ShardStopping, grpc.StatusCode.UNAVAILABLE),
+    (UnknownWorker, grpc.StatusCode.FAILED_PRECONDITION),
+    (FencedPush, grpc.StatusCode.FAILED_PRECONDITION),
+    (PushRefused, grpc.StatusCode.FAILED_PRECONDITION),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # a malformed message (InvalidPush, InvalidIdentity)
+)
+REFUSALS = tuple(kind for kind, _ in CODES)
+
+Outcome = pb.PushReply.Outcome
+# Sync outcomes after which the worker's step is the version its push joined.
+_JOINED = {Outcome.Value("APPLIED"), Outcome.Value("BUFFERED"), Outcome.Value("DUPLICATE")}
+_ROLLED_BACK = Outcome.Value("ROLLED_BACK")
+
+
+def status_of(error: Exception) -> grpc.StatusCode:
+    """The status code of a refusal (one of `REFUSALS`)."""
+    return next(code for kind, code in CODES if isinstance(error, kind))
+
+
+@contextmanager
+def refusals(context: grpc.ServicerContext) -> Iterator[None]:
+    """Answer a refusal raised in the block with its status code and message."""
+    try:
+        yield
+    except REFUSALS as e:
+        context.abort(status_of(e), str(e))
+
+
+class ParameterServicer:
+    """gRPC handlers of one shard; every method maps to one `ShardState` call.
+
+    Every long-poll takes one of `polls` before it waits (RESOURCE_EXHAUSTED when none is
+    left) and waits at most `wait_cap_s`, whatever its client's deadline.
+    """
+
+    def __init__(self, state: ShardState, stopped: threading.Event, polls: PollSlots,
+                 wait_cap_s: float = LONG_POLL_CAP_S):
+        self.state = state
+        self.stopped = stopped
+        self.polls = polls
+        self.wait_cap_s = wait_cap_s
+        self.push_limits = push_limits(state.plan.nbytes, state.decoder.compressed_nbytes,
+                                       len(state.plan.slices))
+        self.deadlines = Deadlines()
+
+    def long_poll(self, key: str, context):
+        """The slot one long-poll of `key` holds while it waits; aborts when none is left."""
+        try:
+            return self.polls.take(key)
+        except PollLimitExceeded as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+
+    def wait_s(self, context) -> float:
+        return long_poll_wait_s(context.time_remaining(), self.wait_cap_s)
+
+    # -- pushes ---------------------------------------------------------------------------
+
+    def SendGradients(self, request_iterator, context):
+        with self.deadlines.limit(context, self.push_limits.max_read_s):
+            payload = self.collect(request_iterator, context, stream=True)
+        return self.push(payload, context)
+
+    def PushGradients(self, raw, context):
+        return self.push(self.collect(iter([raw]), context), context)
+
+    def collect(self, raws, context, stream: bool = False) -> Payload:
+        """The push's frames, decoded here (not on gRPC's polling thread) within the
+        shard's bounds; the stream stops being read at the first frame over one, and is
+        read on only for a worker's own session, on one of its slots."""
+        limits = self.push_limits
+        frames = (service.read_gradient(raw, limits.max_fields) for raw in raws)
+        try:
+            first = next(frames, None)
+            if first is None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty stream: no message arrived")
+            header = first.header
+            if header.incarnation in (0, self.state.incarnation):  # else: answered ROLLED_BACK unread
+                with refusals(context):
+                    self.state.identities.check(header.worker_id, header.session)
+            with self.long_poll(f"{header.worker_id} (push)", context) if stream else nullcontext():
+                return service.collect_payload(itertools.chain([first], frames), limits.max_bytes,
+                                               limits.max_frames, require_data=True)
+        except ValueError as e:  # a malformed frame, or over a bound
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except grpc.RpcError:  # cancelled: the client went away, or the push took too long
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"the push did not arrive whole within {limits.max_read_s:.0f}s")
+
+    def push(self, payload: Payload, context) -> pb.PushReply:
+        with refusals(context):
+            decision = self.state.push(payload)
+        return pb.PushReply(outcome=decision.outcome.value, version=decision.version,
+                            staleness=decision.staleness, incarnation=self.state.incarnation)
+
+    def Step(self, request_iterator, context):
+        """The replies of one Step stream, one per push, until the worker closes it."""
+        state = self.state
+        if not service.fits_one_message(state.plan.nbytes) and not state.segments:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"shard {state.plan.shard} holds {state.plan.nbytes} bytes, more than one "
+                          "message carries; push with SendGradients and pull with GetParameters")
+        with ExitStack() as slot:
+            holding = False
+            for raw in request_iterator:
+                payload = self.collect(iter([raw]), context)
+                reply = self.push(payload, context)
+                if reply.outcome == _ROLLED_BACK:  # read nothing: the worker registers again first
+                    yield service.step_answer(reply)
+                    continue
+                if not holding:  # the first push that passed the session check
+                    slot.enter_context(self.long_poll(f"{payload.header.worker_id} (step)", context))
+                    holding = True
+                yield service.step_answer(reply, self._parameters_after(payload.header, reply, context))
+
+    def _parameters_after(self, header: pb.GradientMessage, reply: pb.PushReply, context) -> bytes:
+        """The parameter message that follows `reply` to the push of `header`."""
+        joined = self.state.rules.mode == "sync" and reply.outcome in _JOINED
+        wanted = header.base_version + 1 if joined else 0
+        return self._parameters(header.worker_id, wanted, header.shared_memory, context)[0]
+
+    # -- pulls ----------------------------------------------------------------------------
+
+    def GetParameters(self, request, context):
+        yield from self._pull(request, context)
+
+    def FetchParameters(self, request, context):
+        if not request.shared_memory and not service.fits_one_message(self.state.plan.nbytes):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"shard {self.state.plan.shard} holds {self.state.plan.nbytes} bytes, more "
+                          "than one message carries; use GetParameters")
+        (message,) = self._pull(request, context)
+        return message
+
+    def _pull(self, request, context) -> list[bytes]:
+        """The messages that answer a pull, once the version is there: only the worker's
+        own session may wait, on one of its long-poll slots."""
+        state = self.state
+        if request.shard != state.plan.shard:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"pull for shard {request.shard} reached shard {state.plan.shard}")
+        if request.incarnation not in (0, state.incarnation):  # it must register again first
+            return [service.parameter_notice(state.plan, state.version, state.incarnation)]
+        with refusals(context):
+            state.identities.check(request.worker_id, request.session)
+        with self.long_poll(request.worker_id, context):
+            return self._parameters(request.worker_id, request.min_version, request.shared_memory, context)
+
+    def _parameters(self, worker_id: str, version: int, shared_memory: bool, context) -> list[bytes]:
+        """The messages of the parameters once at `version`: through the worker's segment
+        (one notice) or as frames; the call ends when the version does not come in time."""
+        state, timeout = self.state, self.wait_s(context)
+        if shared_memory:
+            with refusals(context):
+                reached = state.write_parameters(worker_id, version, timeout)
+            if reached is not None:
+                return [service.parameter_notice(state.plan, reached, state.incarnation)]
+        else:
+            snapshot = state.wait_for_version(version, timeout)
+            if snapshot is not None:
+                return snapshot.frames
+        code = grpc.StatusCode.UNAVAILABLE if state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
+        context.abort(code, f"shard {state.plan.shard} did not reach version {version} in time "
+                            f"(now {state.version})")
+
+    # -- membership and control -----------------------------------------------------------
+
+    def RegisterWorker(self, request, context):
+        """Register the worker; shared-memory segments only for a peer on this host: a
+        remote worker could never map them, and would leave them in /dev/shm until the
+        shard stops."""
+        state, peer = self.state, context.peer()
+        local = request.shared_memory and peer_is_local(peer)
+        with refusals(context):
+            joined = state.register(request.worker_id, request.requested_rank, request.key,
+                                    request.generation, shared_memory=local)
+        plan, rules = state.plan, state.rules
+        logger.info("worker %s (%s pid %d, from %s) registered as rank %d", request.worker_id,
+                    request.hostname[:64], request.pid, peer, joined.rank)
+        assignment = pb.WorkerAssignment(
+            rank=joined.rank, world_size=rules.world_size, worker_id=request.worker_id, shard=plan.shard,
+            num_shards=plan.num_shards, aggregation_mode=rules.mode, staleness=rules.staleness_bound,
+            version=joined.version, layout=service.slice_specs(plan), dtype=plan.dtype,
+            incarnation=state.incarnation, session=joined.session)
+        if joined.segments is not None:
+            assignment.shared_memory.gradient_path = str(joined.segments.gradient.path)
+            assignment.shared_memory.parameter_path = str(joined.segments.parameter.path)
+            assignment.shared_memory.nonce = joined.segments.gradient.nonce
+        return assignment
+
+    def WorkerDone(self, request, context):
+        with refusals(context):
+            self.state.worker_done(request.worker_id, request.session)
+        return pb.ShardStatus(**self.state.status())
+
+    def GetStatus(self, request, context):
+        if request.wait_all_done:
+            with self.long_poll("GetStatus(wait_all_done)", context):
+                self.state.wait_all_done(self.wait_s(context))
+        return pb.ShardStatus(**self.state.status())
+
+    def Barrier(self, request, context):
+        with refusals(context), self.long_poll(request.worker_id, context):
+            rows = self.state.barrier(request.worker_id, request.session, request.name, list(request.values),
+                                      self.wait_s(context), request.step)
+        if rows == []:
+            return pb.BarrierReply(world_size=0, given_up=True)
+        if rows is None:
+            code = grpc.StatusCode.UNAVAILABLE if self.state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
+            context.abort(code, f"not every worker reached barrier {request.name!r} in time")
+        return pb.BarrierReply(world_size=len(rows), values=[v for row in rows for v in row])
+
+    def GetLedger(self, request, context):
+        return pb.LedgerReply(block_ids=self.state.ledger(request.first_block, request.end_block))
+
+    def Shutdown(self, request, context):
+        if not self.state.rules.all_done():
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "workers are still training; shut down after every worker is done")
+        self.stopped.set()
+        return pb.ShardStatus(**self.state.status())
+
+
+def _handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
+    handlers = {}
+    for name, (kind, request_type, response_type) in service.METHODS.items():
+        # Framed requests are decoded by the handler: gRPC runs deserializers on its polling thread.
+        deserialize = service.identity if request_type is None else request_type.FromString
+        serialize = service.identity if response_type is None else response_type.SerializeToString
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        handlers[name] = make(getattr(servicer, name), request_deserializer=deserialize,
+                              response_serializer=serialize)
+    return grpc.method_handlers_generic_handler(service.SERVICE, handlers)
+
+
+class ShardServer:
+    """A started gRPC server for one shard. `address` is what it bound ("host:port").
+
+    Long-polls wait at most `long_poll_cap_s` each and never hold more than the pool's
+    `max_threads` less a reserve (see `limits`), so calls that answer at once always run.
+    """
+
+    def __init__(self, state: ShardState, bind: str, max_threads: int = 32, token: str | None = None,
+                 long_poll_cap_s: float = LONG_POLL_CAP_S, tls: TlsFiles | None = None):
+        self.state = state
+        self.stopped = threading.Event()
+        self.polls = PollSlots.for_pool(max_threads, POLLS_PER_WORKER)
+        self.servicer = servicer = ParameterServicer(state, self.stopped, self.polls, long_poll_cap_s)
+        self._server = RpcServer(_handler(servicer), service.SERVICE, bind,
+                                 max_threads, options=service.CHANNEL_OPTIONS, token=token, tls=tls)
+        self.address = self._server.address
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Stop serving, wake waiters and write the final checkpoint."""
+        self.state.stop()
+        self._server.stop(grace_s)
