@@ -107,5 +107,6 @@ def test_gradient_as_bucket_view_makes_gradients_views_of_the_buckets(facts):
 
 def test_static_graph_reaches_the_reducer(facts):
     for rank_facts in facts:
-        assert not rank_facts["defaults"]["static_graph"] and rank_facts["defaults"]["logged_static_graph"] == 0
-        assert rank_facts["set"]["static_graph"] and rank_facts["set"]["logged_static_graph"] == 1
+        defaults, static = rank_facts["defaults"], rank_facts["set"]
+        assert not defaults["static_graph"] and defaults["logged_static_graph"] == 0
+        assert static["static_graph"] and static["logged_static_graph"] == 1

@@ -31,8 +31,9 @@ class Restarting:
 
     def __init__(self, service: str, method: str, request_type, reply, failures: int):
         self.failures, self.reply, self.num_calls = failures, reply, 0
-        handler = grpc.unary_unary_rpc_method_handler(self._answer, request_deserializer=request_type.FromString,
-                                                      response_serializer=type(reply).SerializeToString)
+        handler = grpc.unary_unary_rpc_method_handler(
+            self._answer, request_deserializer=request_type.FromString,
+            response_serializer=type(reply).SerializeToString)
         self.server = RpcServer(grpc.method_handlers_generic_handler(service, {method: handler}), service,
                                 "127.0.0.1:0", max_threads=4)
         self.address = self.server.address
