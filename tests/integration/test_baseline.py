@@ -5,6 +5,7 @@ import signal
 
 import pytest
 import torch
+from event_files import assert_tensorboard_mirrors_jsonl
 
 from disttrain.core import checkpoint as ckpt
 from disttrain.data import ShardedSampler
@@ -76,6 +77,8 @@ def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, cli):
     steps = [r["step"] for r in read_metrics(tmp_path / "cut" / "logs" / "baseline" / "metrics.jsonl")
              if "loss/train" in r]
     assert steps == sorted(set(steps))  # no step logged twice across the kill
+    # TensorBoard shows the same records: the redone steps' once, the resume step's kept.
+    assert_tensorboard_mirrors_jsonl(tmp_path / "cut" / "logs" / "baseline")
 
 
 def one_line_error(result, fragment, code):

@@ -12,6 +12,8 @@ import re
 import pytest
 
 from disttrain.coordinator.registry import read_status
+from disttrain.core.checkpoint import latest_checkpoint, load_checkpoint
+from disttrain.metrics.logger import read_metrics
 
 TRAIN, TEST, BATCH, EPOCHS, WORKERS = 640, 200, 32, 2, 2
 INTERVAL, TIMEOUT = 0.2, 1.5
@@ -134,3 +136,39 @@ def test_a_stopped_run_resumes_as_a_whole_and_nothing_is_lost(tmp_path, cli):
     assert stopped.returncode == 1 and "max_restarts=0" in stopped.stderr
     summary = run_ps(cli, tmp_path, "--resume")
     assert_every_sample_applied_once(summary)
+
+
+BACKUP_WORKERS, BACKUP_TRAIN = 3, 960  # 320 samples a worker: 10 full batches an epoch
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_backup_workers_drop_late_gradients_for_good_and_account_for_every_sample(tmp_path, cli):
+    # Sync steps go on after 2 of the 3 gradients; worker 2, slowed, is often the late one
+    # (the others, too, now and then). A late gradient is not pushed again (by design,
+    # unlike a sync run without backup workers): its worker goes on to its next batch, and
+    # the block stays dropped, not redone at the epoch's end.
+    args = [*ARGS[:ARGS.index("--workers")], *ARGS[ARGS.index("--workers") + 2:]]
+    summary = run_ps(cli, tmp_path, *args, "--workers", str(BACKUP_WORKERS), "--backup-workers", "1",
+                     "--aggregation-mode", "sync", "--max-train-samples", str(BACKUP_TRAIN),
+                     "--inject", "slow:worker=2:factor=20")
+    total = EPOCHS * BACKUP_TRAIN
+    assert summary["samples_dropped_late"] > 0 and summary["samples_lost"] == 0
+    assert summary["samples_applied"] + summary["samples_dropped_late"] == total
+    assert summary["samples_redone"] == 0 and summary["num_duplicates"] == 0
+    # Every worker trained on each of its batches once, however late its gradients came.
+    assert [w["samples"] for w in summary["workers"]] == [total // BACKUP_WORKERS] * BACKUP_WORKERS
+    bpe = BACKUP_TRAIN // BACKUP_WORKERS // BATCH
+    num_dropped = 0
+    for rank in range(BACKUP_WORKERS):
+        # The worker's checkpoint names the blocks of its own that steps went on without ...
+        state = load_checkpoint(latest_checkpoint(tmp_path / "ckpt" / f"worker{rank}"))
+        assert all(b // bpe % BACKUP_WORKERS == rank for b in state["dropped_blocks"])  # (epoch*N+rank)*bpe+i
+        num_dropped += len(state["dropped_blocks"])
+        # ... and none of its pushes was sent again.
+        records = read_metrics(tmp_path / "logs" / f"worker{rank}" / "metrics.jsonl")
+        rejected = [r["ps/rejected_pushes"] for r in records if "ps/rejected_pushes" in r]
+        assert rejected and not any(rejected), (rank, rejected)
+    # One late push each (one shard), and the dropped samples are theirs, full batches.
+    assert summary["num_dropped_late"] == num_dropped
+    assert summary["samples_dropped_late"] == num_dropped * BATCH

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import run_cli
+from event_files import RECORD_FIELDS, assert_tensorboard_mirrors_jsonl
 
 from disttrain.config.loading import config_from_dict
 from disttrain.core.checkpoint import load_checkpoint
@@ -37,7 +38,6 @@ LOG_INTERVAL = 2
 SMALL = ["--dataset", "digits", "--max-train-samples", TRAIN_SAMPLES, "--max-test-samples", 128,
          "--batch-size", BATCH_SIZE, "--num-epochs", NUM_EPOCHS, "--num-threads", 1,
          "--set", f"training.log_interval={LOG_INTERVAL}"]
-RECORD_FIELDS = {"step", "epoch", "time"}  # every record's own fields, not metrics
 
 
 @dataclass(frozen=True)
@@ -201,6 +201,15 @@ def test_every_key_is_in_the_vocabulary_and_means_the_same(slow_eval_run):
         run.summary["samples_processed"]
     assert max(run.windows(p)[-1]["progress/train_time_s"] for p in run.strategy.processes) <= \
         run.summary["train_time_s"] + 1e-9
+
+
+@pytest.mark.timeout(240)
+def test_tensorboard_reads_back_every_logged_key(slow_eval_run):
+    run, family = slow_eval_run, slow_eval_run.strategy.family
+    for process in run.strategy.processes:
+        # TensorBoard's own reader finds every key of the JSONL, at its steps, with its values.
+        keys = assert_tensorboard_mirrors_jsonl(run.log_dir / process)
+        assert keys == {k for k in METRICS if logged_by(k, family)}, process
 
 
 @pytest.mark.timeout(240)

@@ -2,9 +2,12 @@
 training clock, windows, summary files."""
 
 import json
+import math
 
 import pytest
+import torch
 from conftest import REPO_ROOT
+from event_files import assert_tensorboard_mirrors_jsonl, tensorboard_scalars
 
 from disttrain.metrics import keys
 from disttrain.metrics.logger import MetricsLogger, read_metrics
@@ -31,6 +34,24 @@ def test_jsonl_and_tensorboard(tmp_path):
     assert list((tmp_path / "worker0").glob("events.out.tfevents.*"))
 
 
+def test_tensorboard_reads_back_every_key_of_the_vocabulary(tmp_path):
+    def value(index: int, step: int) -> float:
+        return index + step / 7  # a different value for every key and step, not exact in float32
+
+    with MetricsLogger(tmp_path) as metrics:
+        for step in (5, 10, 15):
+            metrics.log(step, step // 10, {key: value(i, step) for i, key in enumerate(keys.METRICS)})
+        metrics.log(20, 2, {"loss/train": float("nan")})
+    scalars = tensorboard_scalars(tmp_path)  # TensorBoard's own reader
+    assert set(scalars) == set(keys.METRICS)
+    for index, key in enumerate(keys.METRICS):
+        points = scalars[key] if key != "loss/train" else scalars[key][:-1]
+        assert points == [(step, torch.tensor(value(index, step), dtype=torch.float32).item())
+                          for step in (5, 10, 15)], key
+    assert scalars["loss/train"][-1][0] == 20 and math.isnan(scalars["loss/train"][-1][1])
+    assert assert_tensorboard_mirrors_jsonl(tmp_path) == set(keys.METRICS)
+
+
 def test_a_key_outside_the_vocabulary_is_refused(tmp_path):
     with MetricsLogger(tmp_path, tensorboard=False) as metrics:
         with pytest.raises(ValueError, match=r"\['samples'\] are not in"):
@@ -55,10 +76,13 @@ def test_resume_drops_records_of_redone_steps(tmp_path):
             metrics.log(step, 0, {"loss/train": step})
     with open(tmp_path / "metrics.jsonl", "a") as handle:
         handle.write('{"step": 40, "loss/tr')  # a torn line from a killed process
-    with MetricsLogger(tmp_path, resume_step=20, tensorboard=False) as metrics:
+    with MetricsLogger(tmp_path, resume_step=20) as metrics:
         metrics.log(30, 0, {"loss/train": 3.0})
     assert [(r["step"], r["loss/train"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
         (10, 10.0), (20, 20.0), (30, 3.0)]
+    # TensorBoard drops the same records: the resume step's own record stays.
+    assert tensorboard_scalars(tmp_path) == {"loss/train": [(10, 10.0), (20, 20.0), (30, 3.0)]}
+    assert_tensorboard_mirrors_jsonl(tmp_path)
 
 
 def test_clock_stops_while_paused():

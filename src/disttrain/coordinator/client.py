@@ -92,9 +92,11 @@ class CoordinatorClient:
         return CoordinatorError(f"the coordinator at {self.address} refused {name}: {error.details()}", code)
 
     def register(self, node_id: str, role: str, rank: int = -1, address: str = "",
-                 retry_s: float = 60.0) -> pb.RegisterNodeReply:
+                 retry_s: float = 60.0, sleep: Callable[[float], None] = tenacity.nap.sleep
+                 ) -> pb.RegisterNodeReply:
         """Register this process as `node_id`, retrying with backoff and jitter for up to
-        `retry_s` while the coordinator is unreachable (not started yet, restarting).
+        `retry_s` while the coordinator is unreachable (not started yet, restarting);
+        `sleep` waits out each backoff (a test passes a recorder, to read the waits).
 
         Raises:
             CoordinatorError: the id is held by another live process (ALREADY_EXISTS), the
@@ -106,7 +108,7 @@ class CoordinatorClient:
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(lambda e: isinstance(e, CoordinatorError) and e.unreachable),
             wait=tenacity.wait_exponential(multiplier=0.05, max=2.0) + tenacity.wait_random(0, 0.05),
-            stop=tenacity.stop_after_delay(retry_s), reraise=True)
+            stop=tenacity.stop_after_delay(retry_s), sleep=sleep, reraise=True)
         return retrying(self._call, "RegisterNode", request)
 
     def heartbeat(self, message: pb.HeartbeatMessage) -> pb.HeartbeatReply:

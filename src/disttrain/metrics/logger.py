@@ -46,7 +46,10 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(str(self.folder), purge_step=resume_step)
+            # TensorBoard hides the events from purge_step on: the resume step's own
+            # records stay, as they stay in the JSONL.
+            purge_step = None if resume_step is None else resume_step + 1
+            self._writer = SummaryWriter(str(self.folder), purge_step=purge_step)
 
     def _truncate_after(self, step: int) -> None:
         if not self.path.exists():
