@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from disttrain.strategies.ps.server.aggregation import Contribution
-from disttrain.strategies.ps.server.combine import combine
+from disttrain.strategies.ps.server.update import combine
 
 
 @pytest.mark.parametrize("weights", [[1.0], [0.25, 0.75], [0.2, 0.3, 0.5], [0.5, 0.25]])
