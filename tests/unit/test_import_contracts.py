@@ -1,8 +1,11 @@
-"""The layering is a checked contract: `lint-imports` keeps it on this tree and fails on
-a copy of the tree where a strategy imports another or the core imports the CLI."""
+"""The import contracts are checked: `lint-imports` keeps every one on this tree, and on a
+copy of the tree where one import breaks a contract, it names that contract as broken:
+a strategy importing another, the core importing the CLI, a pure core reaching gRPC, a
+socket or a servicer, gRPC outside the transport modules, torch.distributed outside DDP."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -16,16 +19,33 @@ from conftest import REPO_ROOT
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
+def _load_contract_types():
+    """tools/import_contracts.py, loaded from its file (tools/ is no package of the tests)."""
+    path = REPO_ROOT / "tools" / "import_contracts.py"
+    spec = importlib.util.spec_from_file_location("import_contracts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def lint_imports(source_root: Path, config: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(source_root)}
-    return subprocess.run([str(LINT_IMPORTS), "--config", str(config), "--no-cache"], cwd=config.parent,
+    # run from the config's folder: the contract types of tools/ are imported from there
+    return subprocess.run([str(LINT_IMPORTS), str(config), "--no-cache"], cwd=config.parent,
                           env=env, capture_output=True, text=True, timeout=120)
+
+
+def broken_section(output: str) -> str:
+    """The part of lint-imports' report that details the broken contracts ('' if none)."""
+    return output.split("Broken contracts", 1)[1] if "Broken contracts" in output else ""
 
 
 @pytest.fixture
 def tree_copy(tmp_path) -> Path:
     shutil.copytree(REPO_ROOT / "src" / "disttrain", tmp_path / "src" / "disttrain",
                     ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "tools").mkdir()
+    shutil.copy(REPO_ROOT / "tools" / "import_contracts.py", tmp_path / "tools" / "import_contracts.py")
     shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     return tmp_path
 
@@ -33,22 +53,78 @@ def tree_copy(tmp_path) -> Path:
 @pytest.mark.timeout(120)
 def test_the_tree_keeps_every_contract():
     result = lint_imports(REPO_ROOT / "src", REPO_ROOT / "pyproject.toml")
-    assert result.returncode == 0, result.stdout[-3000:]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     contracts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     assert f"{len(contracts)} kept, 0 broken" in result.stdout
 
 
+# The start of each contract's name in pyproject.toml.
+PEERS, LAYERS, PS_PARTS = "Strategies are peers", "Layers", "The parameter server's parts"
+PURE = "Pure cores import no transport"
+GRPC, DISTRIBUTED = "gRPC only in the transport modules", "torch.distributed only in the DDP strategy"
+
+# (module, the line appended to it, the contract it breaks)
+BREAKAGES = [
+    ("strategies/baseline.py", "import disttrain.strategies.ps.worker.client", PEERS),
+    ("training/loop.py", "import disttrain.cli.flags", LAYERS),
+    ("core/checkpoint.py", "from disttrain.metrics import keys", LAYERS),
+    ("strategies/ps/worker/exchange.py", "import disttrain.strategies.ps.server.shard", PS_PARTS),
+    ("strategies/ps/wire/codec.py", "import disttrain.strategies.ps.worker.client", PS_PARTS),
+    # a pure core importing gRPC, a wire message or a servicer, itself or through a helper
+    ("strategies/ps/server/roster.py", "import grpc", PURE),
+    ("coordinator/membership.py", "from disttrain.proto import coordinator_pb2", PURE),
+    ("strategies/ps/server/barriers.py", "import disttrain.strategies.ps.server.servicer", PURE),
+    ("training/rebalance.py", "from disttrain.core import deadlines", PURE),
+    ("data/planned.py", "import socket", PURE),
+    # gRPC in a module that is not a transport module
+    ("metrics/summary.py", "import grpc", GRPC),
+    ("training/loop.py", "from grpc_health.v1 import health", GRPC),
+    # torch.distributed outside DDP, however it is spelled
+    ("metrics/window.py", "import torch.distributed", DISTRIBUTED),
+    ("strategies/ps/worker/exchange.py", "from torch import distributed", DISTRIBUTED),
+    ("training/engine.py", "WORLD = torch.distributed.is_available()", DISTRIBUTED),
+]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("module, line, broken", [
-    ("strategies/baseline.py", "import disttrain.strategies.ps.worker.client", "Strategies are peers"),
-    ("training/loop.py", "import disttrain.cli.flags", "Layers"),
-    ("core/checkpoint.py", "from disttrain.metrics import keys", "Layers"),
-    ("strategies/ps/worker/exchange.py", "import disttrain.strategies.ps.server.shard", "server.s parts"),
-    ("strategies/ps/wire/codec.py", "import disttrain.strategies.ps.worker.client", "server.s parts"),
-])
+@pytest.mark.parametrize("module, line, broken", BREAKAGES, ids=[f"{m}: {line}" for m, line, _ in BREAKAGES])
 def test_breaking_a_contract_fails_the_check(tree_copy, module, line, broken):
     path = tree_copy / "src" / "disttrain" / module
     path.write_text(path.read_text() + f"\n{line}  # noqa: E402\n")
     result = lint_imports(tree_copy / "src", tree_copy / "pyproject.toml")
     assert result.returncode != 0
-    assert f"{broken}" in result.stdout and "BROKEN" in result.stdout, result.stdout[-3000:]
+    assert broken in broken_section(result.stdout), result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_every_contract_has_a_breakage():
+    contracts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    broken = {prefix for _, _, prefix in BREAKAGES}
+    assert [c["name"] for c in contracts if not any(c["name"].startswith(p) for p in broken)] == []
+
+
+@pytest.mark.timeout(120)
+def test_an_allowed_module_that_no_longer_uses_torch_distributed_breaks_the_contract(tree_copy):
+    powersgd = tree_copy / "src" / "disttrain" / "compression" / "powersgd.py"
+    text = powersgd.read_text()
+    line = next(line for line in text.splitlines() if line.startswith("from torch.distributed"))
+    powersgd.write_text(text.replace(line, "PowerSGDState = _should_compress = None"))
+    result = lint_imports(tree_copy / "src", tree_copy / "pyproject.toml")
+    assert result.returncode != 0
+    assert "disttrain.compression.powersgd is allowed to use torch.distributed but does not" in result.stdout
+
+
+def test_uses_of_finds_every_spelling_and_nothing_else():
+    source = '''"""Mentions torch.distributed in a docstring only."""
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic import rendezvous
+from torch import distributed, nn
+from torch.distributions import Normal
+
+x = torch.distributed.is_available()
+y = torch.nn.Linear(1, 1)
+z = "torch.distributed"
+'''
+    uses = _load_contract_types().uses_of(source, "torch.distributed")
+    assert [line for line, _ in uses] == [3, 4, 5, 8]
+    assert uses[0][1] == "import torch.distributed as dist"
