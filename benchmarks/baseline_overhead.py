@@ -17,8 +17,7 @@ from common import median, parse_args, report, time_interleaved
 from disttrain.config import config_from_dict
 from disttrain.data import load_datasets
 from disttrain.strategies.baseline import STRATEGY
-from disttrain.training.models import build_model
-from disttrain.training.options import RunOptions
+from disttrain.training import RunOptions, build_model
 
 TARGET = 0.95
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from common import parse_args, report
 
-from disttrain.coordinator.registry import RegistryError, read_status
+from disttrain.coordinator import RegistryError, read_status
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("kill-worker", "stop-worker", "kill-server", "stop-server", "kill-coordinator", "stop-coordinator")

@@ -13,9 +13,9 @@ import torch
 from common import median, parse_args, report, time_interleaved
 
 from disttrain.proto import parameter_server_pb2 as pb
+from disttrain.strategies.ps import ShardPlan, TensorSlice
 from disttrain.strategies.ps.wire import codec
 from disttrain.strategies.ps.wire import service as wire
-from disttrain.strategies.ps.wire.sharding import ShardPlan, TensorSlice
 
 
 def main() -> None:

@@ -38,10 +38,8 @@ from ps_helpers import data_dir, make_config
 
 from disttrain.compression import Compressor
 from disttrain.data import ShardedSampler, load_datasets
-from disttrain.metrics.logger import read_metrics
-from disttrain.metrics.summary import RunSummary
-from disttrain.training.engine import forward_backward
-from disttrain.training.models import init_model
+from disttrain.metrics import RunSummary, read_metrics
+from disttrain.training import forward_backward, init_model
 
 TOPK = {"type": "topk", "ratio": 0.01}
 QUANT = {"type": "quantization"}

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.config import config_from_dict
 from disttrain.data import load_datasets
-from disttrain.training.models import build_model
+from disttrain.training import build_model
 
 WORLD_SIZE = 2
 BATCH_SIZE = 64

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from common import median, parse_args, report, time_interleaved
 
-from disttrain.core.auth import TokenInterceptor, with_token
+from disttrain.core import TokenInterceptor, with_token
 
 SERVICE = "bench.Echo"
 MESSAGE = b"x" * 200

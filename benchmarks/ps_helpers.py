@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from disttrain.config import Config, config_from_dict
-from disttrain.core.processes import Cluster
-from disttrain.strategies.ps.run.launcher import start_servers
+from disttrain.core import Cluster
+from disttrain.strategies.ps import start_servers
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # An MLP whose parameters take 10.5 MB: 784*1270 + 1270*1270 + 1270*10 weights, plus biases.

@@ -25,13 +25,10 @@ import torch
 from common import parse_args, report
 
 from disttrain.config import Config, config_from_dict
-from disttrain.core.errors import DistributedError
-from disttrain.core.processes import Cluster
+from disttrain.core import Cluster, DistributedError
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps.run.launcher import start_servers
-from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
-from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
-from disttrain.training.models import init_model
+from disttrain.strategies.ps import PSClient, RetryPolicy, flat_parameters, plan_shards, start_servers
+from disttrain.training import init_model
 
 NUM_CLIENTS = 32
 LEARNING_RATE = 0.01

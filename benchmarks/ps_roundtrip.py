@@ -20,12 +20,10 @@ import torch
 from common import median, parse_args, report, time_interleaved
 from ps_helpers import make_config, role_flags, servers
 
-from disttrain.core.processes import Cluster
+from disttrain.core import Cluster
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps.wire.service import tune_allocator
-from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
-from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
-from disttrain.training.models import init_model
+from disttrain.strategies.ps import PSClient, RetryPolicy, flat_parameters, plan_shards, tune_allocator
+from disttrain.training import init_model
 
 
 def echo_server(nbytes: int) -> None:

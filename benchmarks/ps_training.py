@@ -25,11 +25,9 @@ from ps_helpers import exit_rank, file_store, make_config, one_thread, role_flag
 
 from disttrain.config import load_config
 from disttrain.data import ShardedSampler, load_datasets
-from disttrain.metrics.logger import read_metrics
+from disttrain.metrics import read_metrics
 from disttrain.strategies.ps import STRATEGY
-from disttrain.training.engine import build_optimizer, forward_backward
-from disttrain.training.models import init_model
-from disttrain.training.options import RunOptions
+from disttrain.training import RunOptions, build_optimizer, forward_backward, init_model
 
 WARMUP_STEPS = 10
 LOG_INTERVAL = 10

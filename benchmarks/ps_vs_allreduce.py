@@ -34,14 +34,18 @@ from ps_helpers import (
 )
 
 from disttrain.config import load_config
-from disttrain.core.processes import Cluster
-from disttrain.metrics.window import StepTimer
-from disttrain.strategies.ps.wire.service import tune_allocator
-from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
-from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.worker.exchange import Block, SyncExchange
-from disttrain.training.engine import StepResult
-from disttrain.training.models import init_model
+from disttrain.core import Cluster
+from disttrain.metrics import StepTimer
+from disttrain.strategies.ps import (
+    Block,
+    PSClient,
+    RetryPolicy,
+    SyncExchange,
+    flat_parameters,
+    plan_shards,
+    tune_allocator,
+)
+from disttrain.training import StepResult, init_model
 
 WARMUP_STEPS = 3
 TARGET_SIZES = {"simplecnn": None, "10mb": 10_495_320}

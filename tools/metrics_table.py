@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from disttrain.metrics.keys import markdown
+from disttrain.metrics import keys
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BEGIN, END = "<!-- metrics:begin -->\n", "<!-- metrics:end -->\n"
@@ -22,7 +22,7 @@ def main() -> int:
         return 1
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    README.write_text(head + BEGIN + "\n" + markdown() + "\n" + END + tail)
+    README.write_text(head + BEGIN + "\n" + keys.markdown() + "\n" + END + tail)
     print(f"wrote the metrics tables into {README}")
     return 0
 

@@ -23,7 +23,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PROTO_ROOT = REPO_ROOT / "proto"
 PROTO_PACKAGE = "disttrain/v1"
 OUTPUT_DIR = REPO_ROOT / "src" / "disttrain" / "proto"
-INIT_TEXT = '"""Generated protobuf message classes of proto/disttrain/v1 (regenerate with `make proto`)."""\n'
+# The package's face: the stub modules, public as the wire contract; each loads when imported.
+INIT_DOCSTRING = (
+    '"""Generated protobuf message classes of proto/disttrain/v1 (regenerate with `make proto`).\n\n'
+    "The wire contract, public as modules (`from disttrain.proto import parameter_server_pb2`),\n"
+    'each loaded when first imported."""\n'
+)
 ABSOLUTE_IMPORT = re.compile(r"^from disttrain\.v1 import ", re.MULTILINE)
 
 
@@ -46,11 +51,12 @@ def generate(proto_root: Path = PROTO_ROOT) -> dict[str, str]:
                 *(str(s.relative_to(proto_root)) for s in sources)]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {', '.join(s.name for s in sources)}")
-        out = {"__init__.py": INIT_TEXT}
+        out = {}
         for path in sorted((Path(tmp) / PROTO_PACKAGE).iterdir()):
             text = path.read_text()
             out[path.name] = ABSOLUTE_IMPORT.sub("from . import ", text)
-    return out
+    modules = ", ".join(f'"{Path(name).stem}"' for name in out if name.endswith(".py"))
+    return {"__init__.py": f"{INIT_DOCSTRING}\n__all__ = [{modules}]\n", **out}
 
 
 def stale_files(expected: dict[str, str], folder: Path = OUTPUT_DIR) -> list[str]:

@@ -1,2 +1,23 @@
 """The shared core every layer stands on: errors, logging, fault injection, addresses,
-child processes and checkpoint files. It imports nothing else of the project."""
+child processes, checkpoint files, and what every gRPC service shares (server setup, the
+shared token, TLS, deadlines). It imports nothing else of the project.
+
+Its face, for scripts and users (the project's own modules import the submodules): the
+error hierarchy, `Cluster` (child processes that never outlive their parent) and the
+shared-token helpers of gRPC.
+"""
+
+from disttrain.core.auth import TokenInterceptor, with_token
+from disttrain.core.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    DistributedError,
+    DisttrainError,
+    InputFileError,
+    TrainingError,
+)
+from disttrain.core.processes import Cluster
+
+__all__ = ["CheckpointError", "Cluster", "ConfigError", "DataError", "DistributedError", "DisttrainError",
+           "InputFileError", "TokenInterceptor", "TrainingError", "with_token"]

@@ -1,4 +1,15 @@
 """What runs measure: the metrics vocabulary (`keys`), the training clock and window
 (`window`), the JSONL + TensorBoard stream (`logger`), the progress display, the run
 summary, its time to accuracy (`time_to_accuracy`) and the run's hyper-parameters for
-TensorBoard's HPARAMS tab (`hparams`)."""
+TensorBoard's HPARAMS tab (`hparams`).
+
+Its face, for scripts and users: the vocabulary, the stream and how to read it back, the
+run summary, and the step timer.
+"""
+
+from disttrain.metrics import keys
+from disttrain.metrics.logger import MetricsLogger, read_metrics
+from disttrain.metrics.summary import RunSummary
+from disttrain.metrics.window import StepTimer
+
+__all__ = ["MetricsLogger", "RunSummary", "StepTimer", "keys", "read_metrics"]

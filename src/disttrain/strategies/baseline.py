@@ -34,6 +34,9 @@ from disttrain.training.options import RunOptions
 from disttrain.training.seeding import seed_training
 from disttrain.training.strategy import StepInfo
 
+# The face of a strategy of one module, as a package's __init__ is the face of the others.
+__all__ = ["STRATEGY"]
+
 logger = logging.getLogger(__name__)
 
 FINAL_MODEL = "baseline_final.pt"

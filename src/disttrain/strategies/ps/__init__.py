@@ -14,15 +14,30 @@ Four parts, each a folder, each depending only on the ones after it:
 - `server/`: a shard's side. `shard` (one shard's state, composing the pure rules),
   `servicer` (the thin gRPC servicer and its server), the pure rules `aggregation` (sync,
   SSP, async; what they save and undo), `decisions` (what they read and decide), `roster`
-  (ledger and membership), `barriers`, `combine` (the weighted sum); and `validation`,
-  `update` (the optimizer step, refused when non-finite), `identity` (worker keys and
-  sessions), `limits` (what one client may cost a server), `segments` (shared memory per
-  worker).
+  (ledger and membership), `barriers`; and `validation`, `update` (the weighted sum of
+  the gradients and the optimizer step, refused when non-finite), `identity` (worker
+  keys and sessions), `limits` (what one client may cost a server), `segments` (shared
+  memory per worker).
 - `wire/`: what both sides share. `codec` (tensors <-> bytes), `service` (the service's
   methods and messages), `sharding` (who owns which slices), `payloads` (compressed
   gradients), `shared_memory` (same-machine payload segments).
+
+Its face, for scripts and users (the parts import each other's modules, not this face):
+the strategy; the processes (`start_servers`) or a shard in this process (`build_state`,
+`ShardServer`); a worker's clients (`PSClient`, `RetryPolicy`) and its synchronous step
+(`SyncExchange`, `Block`); the slicing of parameters across shards (`plan_shards`,
+`ShardPlan`, `TensorSlice`, `flat_parameters`); `tune_allocator` for processes that move
+large payloads. The wire format itself is `wire`'s face.
 """
 
-from disttrain.strategies.ps.run.launcher import STRATEGY
+from disttrain.strategies.ps.run.launcher import STRATEGY, start_servers
+from disttrain.strategies.ps.run.server import build_state
+from disttrain.strategies.ps.server.servicer import ShardServer
+from disttrain.strategies.ps.wire.service import tune_allocator
+from disttrain.strategies.ps.wire.sharding import ShardPlan, TensorSlice, flat_parameters, plan_shards
+from disttrain.strategies.ps.worker.client import PSClient
+from disttrain.strategies.ps.worker.exchange import Block, SyncExchange
+from disttrain.strategies.ps.worker.retry import RetryPolicy
 
-__all__ = ["STRATEGY"]
+__all__ = ["STRATEGY", "Block", "PSClient", "RetryPolicy", "ShardPlan", "ShardServer", "SyncExchange",
+           "TensorSlice", "build_state", "flat_parameters", "plan_shards", "start_servers", "tune_allocator"]
