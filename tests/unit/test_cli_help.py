@@ -91,6 +91,12 @@ def test_every_role_takes_faults_with_the_one_flag(command):
     assert "--inject SPEC" in text and "--fault-plan FILE" in text, command
 
 
+def test_train_says_it_passes_the_other_flags_on():
+    text = " ".join(help_of("train").split())
+    assert "Every other flag is passed on, unchanged, to that command" in text
+    assert "parameter_server `disttrain ps`" in text and "[FLAGS OF THAT COMMAND...]" in text
+
+
 def test_every_command_has_help_and_a_completion_entry():
     script = subprocess.run([sys.executable, "-m", "disttrain", "completion", "bash"], capture_output=True,
                             text=True, timeout=120, check=True).stdout

@@ -188,7 +188,8 @@ INJECT_HELP = (
     "step 20; drop-rpc:worker=1:step=15 - the reply to worker 1's push of step 15 is lost, "
     "so it retries; slow:worker=1:factor=3 - worker 1 is a straggler, each step's work 3 times as "
     "long; slow-eval:worker=0:for=2s - each evaluation 2 s longer. Targets: worker=N, "
-    "server=N, rank=N (DDP), coordinator. Durations: 5s, 500ms, 5. Add :attempt=A to fire on "
+    "server=N, rank=N (DDP), coordinator; worker, server or rank alone: every one; the "
+    "baseline's one process is worker=0. Durations: 5s, 500ms, 5. Add :attempt=A to fire on "
     "the A-th restart only (default 0: the first start; a restarted process does not fire)")
 
 
