@@ -119,4 +119,3 @@ def _announce_failure(server: CoordinatorServer, node_id: str, reason: str) -> N
     names the process: a launcher leaves a newer process of the same node alone)."""
     node = server.state.membership.get(node_id)
     emit_event("node-failed", node=node_id, reason=reason, pid=node.pid if node is not None else 0)
-

@@ -35,7 +35,6 @@ import yaml
 
 ROLES = ("worker", "server", "rank", "coordinator")
 TRAINING_ROLES = ("worker", "rank")
-STEP_ACTIONS = ("kill", "stop", "drop-rpc")
 
 # action -> (keys it requires, roles it applies to)
 ACTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -228,4 +227,3 @@ def _duration(text: str, part: str, value: str) -> float:
         raise ValueError(f"fault {text!r}: bad part {part!r}: expected a duration > 0 "
                          "such as 5s, 500ms or 5")
     return seconds
-
