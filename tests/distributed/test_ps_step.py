@@ -6,11 +6,8 @@ stream, changes nothing, and the next step opens a new one.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +26,6 @@ pytestmark = pytest.mark.timeout(120)
 
 Outcome = pb.PushReply.Outcome
 LR = 0.5
-OLD_CONTRACT = Path(__file__).resolve().parents[1] / "fixtures" / "contract_before_step"
 
 
 def make_config(tmp_path, mode="sync", workers=2):
@@ -41,7 +37,7 @@ def make_config(tmp_path, mode="sync", workers=2):
 
 
 @contextmanager
-def running(tmp_path, mode="sync", workers=2, transport="auto", clients=None):
+def running(tmp_path, mode="sync", workers=2, transport="auto"):
     """A shard server and its registered clients, closed and stopped on the way out."""
     config = make_config(tmp_path, mode, workers)
     server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0")
@@ -49,7 +45,7 @@ def running(tmp_path, mode="sync", workers=2, transport="auto", clients=None):
     initial = parameters_to_vector(init_model(config.training).parameters()).detach()
     made = []
     try:
-        for rank in range(workers if clients is None else clients):
+        for rank in range(workers):
             made.append(PSClient([server.address], [plan], RetryPolicy(timeout_s=10.0, max_attempts=3),
                                  transport))
             made[-1].register(f"w{rank}", rank, key=bytes([65 + rank]) * 32)
@@ -115,47 +111,6 @@ def test_a_refused_push_ends_the_stream_changes_nothing_and_the_next_step_goes_o
         flat = torch.zeros(plan.numel)
         replies, versions = trade(client, 0, torch.ones(plan.numel), flat, 1, 0, 0)
         assert replies[0].outcome == Outcome.Value("APPLIED") and versions == [1]
-
-
-OLD_CLIENT = r"""
-import sys, grpc
-sys.path.insert(0, sys.argv[1])
-import parameter_server_pb2 as pb, tensor_pb2
-address, numel = sys.argv[2], int(sys.argv[3])
-channel = grpc.insecure_channel(address)
-def call(name, request, reply_type):
-    method = channel.unary_unary("/disttrain.v1.ParameterServerService/" + name,
-                                 request_serializer=lambda m: m.SerializeToString(),
-                                 response_deserializer=reply_type.FromString)
-    return method(request, timeout=30, wait_for_ready=True)
-assignment = call("RegisterWorker", pb.RegisterRequest(worker_id="old", key=b"o" * 32), pb.WorkerAssignment)
-grad = pb.GradientMessage(worker_id="old", step=1, shard=0, base_version=0, block_id=1, num_samples=8,
-                          session=assignment.session, layout=assignment.layout,
-                          payload=tensor_pb2.TensorProto(shape=[numel], dtype="float32",
-                                                         data=b"\x00\x00\x80\x3f" * numel))
-reply = call("PushGradients", grad, pb.PushReply)
-params = call("FetchParameters", pb.ParameterRequest(worker_id="old", shard=0, min_version=1,
-                                                     session=assignment.session), pb.ParameterMessage)
-print(reply.outcome, reply.version, params.version, len(params.payload.data))
-"""
-
-
-def test_a_client_of_the_contract_before_step_still_trains(tmp_path):
-    grpc_tools = pytest.importorskip("grpc_tools.protoc")
-    out = tmp_path / "old_stubs"
-    out.mkdir()
-    assert grpc_tools.main(["protoc", f"-I{OLD_CONTRACT}", f"--python_out={out}",
-                            "disttrain/v1/tensor.proto", "disttrain/v1/parameter_server.proto"]) == 0
-    for stub in (out / "disttrain" / "v1").glob("*_pb2.py"):  # flat, so they never meet this package
-        text = stub.read_text().replace("from disttrain.v1 import ", "import ")
-        (out / stub.name).write_text(text)
-    with running(tmp_path, mode="async", workers=1, clients=0) as (server, _, plan, initial):
-        done = subprocess.run([sys.executable, "-c", OLD_CLIENT, str(out), server.address, str(plan.numel)],
-                              capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
-        outcome, version, pulled, nbytes = map(int, done.stdout.split())
-        assert (outcome, version, pulled, nbytes) == (Outcome.Value("APPLIED"), 1, 1, plan.nbytes)
-        torch.testing.assert_close(server.state.parameters(), initial - LR * torch.ones(plan.numel))
 
 
 def test_a_single_shard_model_lives_in_the_shared_segments(tmp_path):

@@ -50,7 +50,7 @@ def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, cli):
     whole = cli("baseline", *FAST, *dirs(tmp_path, "whole"))
     assert whole.returncode == 0, whole.stderr
 
-    killed = cli("baseline", *FAST, *dirs(tmp_path, "cut"), "--inject-fault", "kill@step=13")
+    killed = cli("baseline", *FAST, *dirs(tmp_path, "cut"), "--inject", "kill:worker=0:step=13")
     assert killed.returncode == -signal.SIGKILL
     newest = ckpt.latest_checkpoint(tmp_path / "cut" / "ckpt")
     assert newest.name == "checkpoint_step00000010.pt"

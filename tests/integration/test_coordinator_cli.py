@@ -125,7 +125,7 @@ def test_a_coordinator_killed_and_restarted_on_its_registry_shows_the_same_clust
 
 
 def test_failures_by_timeout_are_announced_and_the_injected_kill_fires(tmp_path, started):
-    coordinator = started(tmp_path / "cluster.db", *FAST, "--kill-at-step", "10")
+    coordinator = started(tmp_path / "cluster.db", *FAST, "--inject", "kill:coordinator:step=10")
     client = CoordinatorClient(coordinator.address)
     client.register("worker-1", "worker", rank=1)  # and never a heartbeat
     failed = coordinator.next_event("node-failed", timeout_s=10.0)

@@ -61,7 +61,7 @@ def test_killed_rank_is_restarted_and_the_run_ends_bit_identical(cli, tmp_path, 
     reference, reference_dir = torchrun_run
     assert reference.returncode == 0, reference.stderr[-3000:]
     result = cli("ddp", "--world-size", 2, *TRAINING, "--max-restarts", 1,
-                 "--inject-fault", "kill@step=7,rank=1,attempt=0",
+                 "--inject", "kill:rank=1:step=7:attempt=0",
                  "--log-dir", tmp_path / "logs", "--checkpoint-dir", tmp_path / "ckpt", timeout=200)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "injected fault: kill at step 7" in result.stderr

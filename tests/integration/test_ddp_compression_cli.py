@@ -93,7 +93,7 @@ def test_killed_compressed_run_resumes_bit_identical(cli, tmp_path, scheme, buck
     args = [*RESUMABLE, *compress(scheme), "--compression-ratio", 0.05, *buckets]
     reference = cli("ddp", *args, *dirs(tmp_path / "whole"), timeout=100)
     assert reference.returncode == 0, reference.stderr[-3000:]
-    killed = cli("ddp", *args, *dirs(tmp_path / "cut"), "--inject-fault", "kill@step=5,rank=1", timeout=100)
+    killed = cli("ddp", *args, *dirs(tmp_path / "cut"), "--inject", "kill:rank=1:step=5", timeout=100)
     assert killed.returncode != 0 and "injected fault: kill at step 5" in killed.stderr, killed.stderr[-3000:]
     resumed = cli("ddp", *args, *dirs(tmp_path / "cut"), "--resume", timeout=100)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -86,7 +86,7 @@ def test_killed_rank_is_counted_restarted_and_the_run_ends_bit_identical(cli, tm
     assert reference.returncode == 0, reference.stderr[-3000:]
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "cluster.db").write_text("an earlier run's registry")  # a fresh run replaces it
-    result = cli("ddp", *ARGS, "--max-restarts", 1, "--inject-fault", "kill@step=7,rank=1,attempt=0",
+    result = cli("ddp", *ARGS, "--max-restarts", 1, "--inject", "kill:rank=1:step=7:attempt=0",
                  *dirs(tmp_path), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "injected fault: kill at step 7" in result.stderr

@@ -70,7 +70,7 @@ def test_a_resumed_compressed_worker_ends_bit_identical(cli, tmp_path, compressi
         (address,) = start_servers(cluster, ["--config", str(config_path)], "127.0.0.1", 1)
         worker = ["ps-worker", "--config", str(config_path), "--servers", address, "--rank", "0",
                   "--worker-id", "worker0"]
-        cluster.spawn("worker0", [*worker, f"--inject-fault=kill@step={KILL_STEP},rank=0"])
+        cluster.spawn("worker0", [*worker, f"--inject=kill:worker=0:step={KILL_STEP}"])
         assert wait_exit(cluster, "worker0") != 0
         cluster.spawn("worker0-resumed", [*worker, "--resume"])
         assert wait_exit(cluster, "worker0-resumed") == 0, cluster.children["worker0-resumed"].tail(20)

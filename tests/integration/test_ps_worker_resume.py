@@ -114,7 +114,7 @@ def test_sigkilled_async_worker_resumes_and_each_step_is_applied_once(tmp_path):
             final = pool.submit(server.unary, "GetStatus", pb.StatusRequest(wait_all_done=True))
             watcher = Watcher(cluster)
             cluster.spawn("worker0", worker_args(config_path, address, 0))
-            fault = f"--inject-fault=kill@step={kill_step},rank={KILLED_RANK}"
+            fault = f"--inject=kill:worker={KILLED_RANK}:step={kill_step}"
             cluster.spawn(f"worker{KILLED_RANK}", worker_args(config_path, address, KILLED_RANK, fault))
 
             killed = watcher.until_exited({f"worker{KILLED_RANK}"}, RUN_TIMEOUT_S)

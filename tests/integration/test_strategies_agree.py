@@ -49,6 +49,11 @@ class Strategy:
     final_model: str
     updates: int  # summary "steps": updates applied to the model
 
+    @property
+    def fault_target(self) -> str:
+        """Every training process of the strategy, as `--inject` names them."""
+        return "rank" if self.family == "ddp" else "worker"
+
 
 STRATEGIES = [
     Strategy("baseline", ("baseline",), "baseline", ("baseline",), "baseline_final.pt",
@@ -85,7 +90,8 @@ def slow_eval_run(request, tmp_path_factory) -> Run:
     strategy: Strategy = request.param
     root = tmp_path_factory.mktemp(strategy.name)
     log_dir, checkpoint_dir = root / "logs", root / "ckpt"
-    result = run_cli(*strategy.args, *SMALL, "--inject-fault", f"slow-eval@seconds={SLOW_EVAL_S}",
+    result = run_cli(*strategy.args, *SMALL, "--inject",
+                     f"slow-eval:{strategy.fault_target}:for={SLOW_EVAL_S}s",
                      "--log-dir", log_dir, "--checkpoint-dir", checkpoint_dir, timeout=200)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((log_dir / "summary.json").read_text())

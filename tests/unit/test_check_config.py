@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from disttrain import cli
+from disttrain.core.processes import PARENT_ENV
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -116,3 +117,49 @@ def test_token_and_tls_files_are_checked(tmp_path, capsys):
     assert cli.main([*argv, "--tls-cert", str(tmp_path / "absent.pem")]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 3 and "--token-file" in errors[1] and "--tls" in errors[2]
+
+
+@pytest.fixture
+def user_started(monkeypatch):
+    """As a process the user typed: no launcher named in the environment."""
+    monkeypatch.delenv(PARENT_ENV, raising=False)
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_key_the_run_ignores_is_named_once_and_defaults_say_nothing(tmp_path, capsys, caplog, user_started):
+    assert cli.main(["ps", *folders(tmp_path), "--set", "ps.staleness=5", "--check-config"]) == 0
+    assert warnings_of(caplog) == ["ps.staleness = 5 is ignored by this run: only ssp bounds staleness "
+                                   "(ps.aggregation_mode is sync)"]
+    assert capsys.readouterr().out.startswith("ps: a sync run")
+    caplog.clear()
+    for argv in (["ps"], ["ps", "--aggregation-mode", "ssp", "--staleness", "5"], ["baseline"], ["ddp"],
+                 ["train", "--config", "ps_sync_mnist"]):
+        assert cli.main([*argv, *folders(tmp_path), "--check-config"]) == 0
+        assert warnings_of(caplog) == [], argv
+
+
+def test_train_runs_the_command_the_config_names_with_its_flags(tmp_path, capsys, caplog, user_started):
+    for config, command in (("ps_sync_topk", "ps"), ("ddp_mnist", "ddp"), ("example", "baseline")):
+        assert cli.main(["train", "--config", config, *folders(tmp_path), "--check-config"]) == 0
+        assert capsys.readouterr().out.startswith(f"{command}: "), config
+    argv = ["train", "--config", "ps_sync_topk", "--set", "system.architecture=ddp", "--world-size", "3",
+            "--backend", "gloo", *folders(tmp_path), "--check-config"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.startswith("ddp: 3 ranks on this node")
+    with pytest.raises(SystemExit) as usage:  # the baseline's flags: a usage error, as typed to it
+        cli.main(["train", "--config", "example", "--servers", "2", "--check-config"])
+    assert usage.value.code == 2 and "unrecognized arguments: --servers 2" in capsys.readouterr().err
+    assert warnings_of(caplog) == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_command_running_a_config_written_for_another_strategy_says_train_would(tmp_path, caplog,
+                                                                                 user_started):
+    assert cli.main(["ddp", "--config", "ps_sync_mnist", "--backend", "gloo", *folders(tmp_path),
+                     "--check-config"]) == 0
+    (line,) = warnings_of(caplog)
+    assert line.startswith("system.architecture is parameter_server, but `disttrain ddp` runs ddp")
+    assert "`disttrain train --config FILE`" in line

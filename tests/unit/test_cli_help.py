@@ -76,11 +76,25 @@ def test_help_formatter_adds_a_default_the_help_does_not_give():
     ("ddp", ["--aggregation-mode", "--staleness", "--servers"]),
     ("status", ["--resume", "--batch-size"]),
     ("configs", ["--batch-size", "--resume"]),
+    ("coordinator", ["--kill-at-step", "--inject-fault", "--batch-size"]),
+    ("ps", ["--inject-fault"]),
 ])
 def test_help_lists_only_the_flags_a_command_uses(command, absent):
     text = help_of(command)
     for flag in absent:
         assert f"{flag} " not in text and f"{flag}\n" not in text, f"{command} --help lists {flag}"
+
+
+@pytest.mark.parametrize("command", ["baseline", "ps", "ps-server", "ps-worker", "ddp", "coordinator"])
+def test_every_role_takes_faults_with_the_one_flag(command):
+    text = help_of(command)
+    assert "--inject SPEC" in text and "--fault-plan FILE" in text, command
+
+
+def test_train_says_it_passes_the_other_flags_on():
+    text = " ".join(help_of("train").split())
+    assert "Every other flag is passed on, unchanged, to that command" in text
+    assert "parameter_server `disttrain ps`" in text and "[FLAGS OF THAT COMMAND...]" in text
 
 
 def test_every_command_has_help_and_a_completion_entry():

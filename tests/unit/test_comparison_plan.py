@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from disttrain.comparison.plan import parse_strategies
-from disttrain.config import load_config
+from disttrain.config import STRATEGY_OF_ARCHITECTURE, load_config
 from disttrain.core.errors import ConfigError
 
 
@@ -19,12 +19,25 @@ def test_names_become_runs_in_order_with_their_workers():
 
 
 def test_each_run_sets_only_its_own_keys_and_turns_compression_off_unless_named():
-    sync, topk, powersgd, int8 = parse_strategies("ps-sync,ps-sync+topk,ddp+powersgd,ps-async+int8", 2)
-    assert sync.settings() == {"ps.aggregation_mode": "sync", "compression.enabled": "false"}
-    assert topk.settings() == {"ps.aggregation_mode": "sync", "compression.enabled": "true",
-                               "compression.type": "topk"}
-    assert powersgd.settings() == {"compression.enabled": "true", "compression.type": "powersgd"}
+    baseline, sync, topk, powersgd, int8 = parse_strategies(
+        "baseline,ps-sync,ps-sync+topk,ddp+powersgd,ps-async+int8", 2)
+    assert baseline.settings() == {"system.architecture": "baseline", "compression.enabled": "false"}
+    assert sync.settings() == {"system.architecture": "parameter_server", "ps.aggregation_mode": "sync",
+                               "compression.enabled": "false"}
+    assert topk.settings() == {"system.architecture": "parameter_server", "ps.aggregation_mode": "sync",
+                               "compression.enabled": "true", "compression.type": "topk"}
+    assert powersgd.settings() == {"system.architecture": "ddp", "compression.enabled": "true",
+                                   "compression.type": "powersgd"}
     assert int8.settings()["compression.type"] == "quantization"
+
+
+def test_each_run_names_its_own_architecture_so_its_command_never_warns():
+    base = load_config(None, {}, ["system.architecture=ddp", "compression.enabled=true"])
+    for run in parse_strategies("baseline,ps-ssp,ddp+fp16", 2):
+        config = run.config(base)
+        assert STRATEGY_OF_ARCHITECTURE[config.system.architecture] == run.subcommand
+        assert config.compression.enabled == (run.compression is not None)
+    assert parse_strategies("ps-ssp", 2)[0].config(base).ps.aggregation_mode == "ssp"
 
 
 def test_arguments_resolve_to_a_valid_config_with_the_run_folders(tmp_path):

@@ -13,6 +13,8 @@ import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from disttrain.cli.ddp import rank_parser
+from disttrain.cli.flags import options_from_args
 from disttrain.config import config_from_dict
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import ConfigError, DistributedError
@@ -74,13 +76,16 @@ def test_eval_slices_cover_every_test_sample_once():
 
 
 def test_faults_pass_to_the_ranks_unchanged():
-    for text in ("kill@step=7,rank=1,attempt=0", "kill@step=3,attempt=2", "slow-eval@seconds=1.5"):
-        fault = parse_fault(text)
+    faults = tuple(parse_fault(text) for text in (
+        "kill:rank=1:step=7:attempt=0", "kill:rank:step=3:attempt=2", "slow-eval:rank=0:for=1.5s",
+        "slow:rank=1:factor=2:step=4:until=9"))
+    for fault in faults:
         assert parse_fault(format_fault(fault)) == fault
-    options = RunOptions(resume=True, faults=(parse_fault("kill@step=7,rank=1"),))
+    options = RunOptions(resume=True, faults=faults)
     args = rank_arguments(Path("c.yaml"), Path("s.json"), options)
     assert args[:3] == ["-u", "-m", "disttrain.ddp"]
-    assert "--resume" in args and "--inject-fault=kill@step=7,rank=1,attempt=0" in args
+    assert "--resume" in args and "--inject=kill:rank=1:step=7:attempt=0" in args
+    assert options_from_args(rank_parser().parse_args(args[3:]), env={}).faults == faults
 
 
 def test_launch_config_uses_c10d_restarts_and_timeouts(tmp_path):

@@ -1,4 +1,4 @@
-"""Fault specs parse strictly in both grammars, round-trip, load from plan files, and fire
+"""Fault specs parse strictly, round-trip, load from plan files, and fire
 only where and when they are meant to (signals and sleeps replaced by recorders)."""
 
 import argparse
@@ -10,15 +10,8 @@ from hypothesis import strategies as st
 
 from disttrain.cli.flags import add_fault_flags, options_from_args
 from disttrain.core import faults as faults_module
-from disttrain.core.fault_spec import ACTIONS, OLD_ACTIONS
+from disttrain.core.fault_spec import ACTIONS
 from disttrain.core.faults import Fault, FaultInjector, format_fault, load_fault_plan, parse_fault
-
-
-def test_parse_old_form():
-    assert parse_fault("kill@step=30") == Fault("kill", 30)
-    assert parse_fault("kill@step=5,rank=1,attempt=2") == Fault("kill", 5, index=1, attempt=2)
-    assert parse_fault("kill@step=5,rank=1").rank == 1
-    assert parse_fault("slow-eval@seconds=1.5") == Fault("slow-eval", seconds=1.5)
 
 
 @pytest.mark.parametrize(("text", "fault"), [
@@ -34,14 +27,14 @@ def test_parse_old_form():
     ("kill:rank=1:step=5:attempt=1", Fault("kill", 5, role="rank", index=1, attempt=1)),
     ("slow-eval:worker:for=2", Fault("slow-eval", seconds=2.0, role="worker")),
 ])
-def test_parse_new_form(text, fault):
+def test_parse(text, fault):
     assert parse_fault(text) == fault
 
 
 @pytest.mark.parametrize(("text", "named"), [
-    ("kill", "'kill'"), ("explode@step=3", "kill@step=N"), ("kill@rank=1", "step="),
-    ("kill@step=x", "'step=x'"), ("slow-eval@step=3", "seconds="), ("slow-eval@seconds=-1", "'seconds=-1'"),
-    ("kill@step=3,color=2", "'color=2'"),
+    ("kill", "'kill'"), ("kill@step=3", "unknown action 'kill@step=3'"),
+    ("kill:worker=1:step=x", "'step=x'"), ("slow-eval:worker=0:step=3", "needs for="),
+    ("slow-eval:worker=0:for=-1", "'for=-1'"), ("kill:worker:step=3,rank=1", "'step=3,rank=1'"),
     ("explode:worker=1:step=3", "unknown action 'explode'"), ("kill:wrker=1:step=3", "'wrker=1'"),
     ("kill:coordinator=0:step=3", "'coordinator=0'"), ("kill:worker=x:step=3", "'worker=x'"),
     ("kill:worker=1", "needs step="), ("stop:worker=1:step=3", "needs for="),
@@ -60,7 +53,7 @@ def test_bad_specs_name_the_bad_part(text, named):
 
 
 def fault_strategy():
-    def new_form(action):
+    def of_action(action):
         required, roles = ACTIONS[action]
         role = st.sampled_from(roles)
         return role.flatmap(lambda r: st.builds(
@@ -72,11 +65,7 @@ def fault_strategy():
             seconds=st.floats(1e-6, 1e6) if "for" in required else st.just(0.0),
             factor=st.floats(1.0, 1e3) if "factor" in required else st.just(1.0)))
 
-    old = st.builds(lambda action, step, seconds, index, attempt: Fault(
-        action, step if action == "kill" else 0, seconds if action == "slow-eval" else 0.0,
-        index, attempt), st.sampled_from(sorted(OLD_ACTIONS)), st.integers(0, 10**6),
-        st.floats(0, 1e6), st.none() | st.integers(0, 64), st.integers(0, 5))
-    return st.sampled_from(sorted(ACTIONS)).flatmap(new_form) | old
+    return st.sampled_from(sorted(ACTIONS)).flatmap(of_action)
 
 
 @given(fault_strategy())
@@ -84,8 +73,9 @@ def test_format_round_trips(fault):
     assert parse_fault(format_fault(fault)) == fault
 
 
-def test_old_faults_keep_the_old_form():
-    assert format_fault(parse_fault("kill@step=7,rank=1")) == "kill@step=7,rank=1,attempt=0"
+def test_format_writes_the_one_grammar():
+    assert format_fault(parse_fault("kill:rank=1:step=7")) == "kill:rank=1:step=7:attempt=0"
+    assert format_fault(parse_fault("slow-eval:worker:for=500ms")) == "slow-eval:worker:for=0.5s:attempt=0"
 
 
 def test_fault_plan_mixes_strings_and_mappings(tmp_path):
@@ -131,35 +121,40 @@ def test_flags_feed_one_list(tmp_path):
     parser.add_argument("--verbose", action="store_true")
     add_fault_flags(parser)
     args = parser.parse_args(["--inject", "kill:worker=1:step=30", "--fault-plan", str(plan),
-                              "--inject-fault", "kill@step=3,rank=1",
-                              "--inject-fault", "slow:rank=0:factor=2"])
+                              "--inject=slow:rank=0:factor=2"])
     assert options_from_args(args).faults == (
-        parse_fault("kill:worker=1:step=30"), parse_fault("kill@step=3,rank=1"),
-        parse_fault("slow:rank=0:factor=2"), parse_fault("kill:server=0:step=40"))
+        parse_fault("kill:worker=1:step=30"), parse_fault("slow:rank=0:factor=2"),
+        parse_fault("kill:server=0:step=40"))
     assert options_from_args(parser.parse_args([])).faults == ()
 
 
+@pytest.mark.parametrize("argv", [["--inject-fault", "kill:worker=1:step=3"],
+                                  ["--inject", "kill@step=3,rank=1"]])
+def test_only_the_one_flag_and_grammar_are_read(argv, capsys):
+    parser = argparse.ArgumentParser()
+    add_fault_flags(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv)
+    assert argv[0] in capsys.readouterr().err
+
+
 def test_selection_by_role_index_and_attempt():
-    worker1, old1, server0 = (parse_fault("kill:worker=1:step=3"), parse_fault("kill@step=3,rank=1"),
-                              parse_fault("kill:server=0:step=3"))
-    everything = [worker1, old1, server0]
-    assert FaultInjector(everything, "worker", 1).faults == [worker1, old1]
-    assert FaultInjector(everything, "rank", 1).faults == [old1]
+    worker1, rank1, server0, coordinator = (
+        parse_fault("kill:worker=1:step=3"), parse_fault("kill:rank=1:step=3"),
+        parse_fault("kill:server=0:step=3"), parse_fault("kill:coordinator:step=3:attempt=1"))
+    everything = [worker1, rank1, server0, coordinator]
+    assert FaultInjector(everything, "worker", 1).faults == [worker1]
+    assert FaultInjector(everything, "rank", 1).faults == [rank1]
+    assert FaultInjector(everything, "rank", 1, attempt=1).faults == []
     assert FaultInjector(everything, "server", 0).faults == [server0]
     assert FaultInjector(everything, "worker", 1, attempt=1).faults == []
     assert FaultInjector(everything, "coordinator").faults == []
+    assert FaultInjector(everything, "coordinator", attempt=1).faults == [coordinator]
     assert FaultInjector([parse_fault("kill:worker:step=3")], "worker", 7).faults
-
-
-def test_old_call_forms_serve_a_worker_or_a_rank():
-    faults = [Fault("kill", 3, index=1, attempt=0), parse_fault("kill:rank=1:step=5:attempt=1")]
-    assert FaultInjector(faults, rank=0).faults == []
-    assert FaultInjector(faults, rank=1).faults == faults[:1]
-    assert FaultInjector(faults, rank=1, attempt=1).faults == faults[1:]
-    assert FaultInjector(faults, 1, 1).faults == faults[1:]  # (faults, rank, restart_count)
-    assert FaultInjector(faults, 1).faults == faults[:1]
     with pytest.raises(ValueError, match="unknown role 'ranks'"):
-        FaultInjector(faults, "ranks", 1)
+        FaultInjector(everything, "ranks", 1)
+    with pytest.raises(ValueError, match="no such fault"):
+        Fault("slow", role="coordinator", factor=2.0)
 
 
 @pytest.fixture
@@ -262,8 +257,10 @@ def test_drops_reply_once_for_its_worker_and_step():
 def test_slow_evaluation_waits_where_it_is_meant_to(monkeypatch):
     slept = []
     monkeypatch.setattr("disttrain.core.faults.time.sleep", slept.append)
-    FaultInjector([Fault("slow-eval", seconds=2.0, index=1)], rank=0).at_evaluation()
-    FaultInjector([Fault("slow-eval", seconds=2.0, index=1)], rank=1).at_evaluation()
-    FaultInjector([Fault("kill", 3)], rank=1).at_evaluation()
+    slow_worker1 = parse_fault("slow-eval:worker=1:for=2s")
+    FaultInjector([slow_worker1], "worker", 0).at_evaluation()
+    FaultInjector([slow_worker1], "rank", 1).at_evaluation()
+    FaultInjector([slow_worker1], "worker", 1).at_evaluation()
+    FaultInjector([parse_fault("kill:worker=1:step=3")], "worker", 1).at_evaluation()
     FaultInjector([parse_fault("slow-eval:rank=0:for=1.5s")], "rank", 0).at_evaluation()
     assert slept == [2.0, 1.5]

@@ -101,7 +101,7 @@ def run_loop(tmp_path: Path, participant: ScriptedParticipant, resume: bool) -> 
                                             "checkpoint_interval": 4}})
     loop = TrainingLoop(config, LoopSettings.from_config(config), participant, ShardedSampler(8, seed=0),
                         LocalCheckpoints(tmp_path / "ckpt", keep=2), tmp_path / "logs" / "baseline",
-                        FaultInjector(()), lambda total, done: NoDisplay())
+                        FaultInjector((), "worker"), lambda total, done: NoDisplay())
     return loop.run(resume)
 
 

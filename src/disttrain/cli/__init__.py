@@ -26,8 +26,11 @@ DESCRIPTION = ("Train one PyTorch model several ways from one config (a single p
                "parameter server over gRPC, DDP all-reduce) and measure what each costs.")
 
 # name -> module; each defines HELP, DESCRIPTION, add_arguments(parser) and run(args), and
-# check(args) when it offers --check-config.
+# check(args) when it offers --check-config. `run` may return a summary to print, or an exit
+# code; a module with PASSES_FLAGS_ON = True gets the flags it does not know in
+# `args.passed_on` instead of a usage error.
 COMMANDS: dict[str, str] = {
+    "train": "disttrain.cli.train",
     "baseline": "disttrain.cli.baseline",
     "ps": "disttrain.cli.ps",
     "ps-server": "disttrain.cli.ps_server",
@@ -87,7 +90,11 @@ def write_artifacts(summary: RunSummary, folder: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args.command_module, "PASSES_FLAGS_ON", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.passed_on = unknown
     bind_to_parent()  # started by a launcher (`compare`, `ps`): die with it, however it dies
     setup_logging(args.command, level=logging.DEBUG if args.verbose else logging.INFO)
     try:
@@ -95,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             print(dry_run(args))
             return 0
         result = args.command_module.run(args)
+        if isinstance(result, int):
+            return result
         if isinstance(result, RunSummary):
             if getattr(args, "summary_json", None):
                 result.write(args.summary_json)

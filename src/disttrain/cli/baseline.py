@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from disttrain.cli.check import describe_folders, describe_training
+from disttrain.cli.config_warnings import warn_about_run_config
 from disttrain.cli.flags import (
     add_training_flags,
     config_from_args,
@@ -31,8 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def prepare(args: argparse.Namespace) -> tuple[Config, RunOptions]:
-    """The run's config and options, checked (a ConfigError otherwise)."""
-    return config_from_args(args), options_from_args(args)
+    """The run's config and options, checked (a ConfigError otherwise); warns about keys
+    the run ignores."""
+    config = config_from_args(args)
+    warn_about_run_config(config, "baseline")
+    return config, options_from_args(args)
 
 
 def check(args: argparse.Namespace) -> str:

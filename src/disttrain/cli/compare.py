@@ -8,6 +8,7 @@ from datetime import datetime
 from pathlib import Path
 
 from disttrain.cli.check import add_check_flag, count, describe_training
+from disttrain.cli.config_warnings import warn_about_comparison_config
 from disttrain.cli.flags import COMMON_FLAGS, CONFIG_HELP, add_config_flags, config_from_args
 from disttrain.comparison.plan import DEFAULT_STRATEGIES, KNOWN, PlannedRun, equal_threads, parse_strategies
 from disttrain.comparison.runner import MANIFEST, Comparison, LogDisplay
@@ -75,9 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def prepare(args: argparse.Namespace) -> tuple[Config, list[PlannedRun], Path]:
-    """The config every run trains, the runs and their folder, checked (a ConfigError otherwise)."""
+    """The config every run trains, the runs and their folder, checked (a ConfigError
+    otherwise); warns about keys that no run acts on."""
     config = config_from_args(args)
     runs = parse_strategies(args.strategies, config.system.num_workers)
+    warn_about_comparison_config((run.config(config), run.subcommand) for run in runs)
     config = equal_threads(config, runs)
     if args.timeout_per_run <= 0:
         raise ConfigError(f"--timeout-per-run: {args.timeout_per_run} must be > 0")

@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from disttrain.cli.check import add_check_flag, describe_security
-from disttrain.cli.flags import CONFIG_HELP, add_tls_flags, add_token_flag, tls_from_args, token_from_args
+from disttrain.cli.flags import (
+    CONFIG_HELP,
+    add_attempt_flag,
+    add_fault_flags,
+    add_tls_flags,
+    add_token_flag,
+    faults_from_args,
+    tls_from_args,
+    token_from_args,
+)
 from disttrain.config import Config, load_config
 from disttrain.coordinator.service import CoordinatorServer
 from disttrain.core.addresses import parse_address
+from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import bind_to_parent, emit_event
 from disttrain.training.options import RunOptions
 
@@ -34,6 +42,7 @@ coordinator runs. Stops on Ctrl-C or SIGTERM.
 
     disttrain coordinator --bind 0.0.0.0:50050 --registry runs/{REGISTRY_NAME}
     disttrain coordinator --registry runs/{REGISTRY_NAME} --set coordinator.heartbeat_timeout=10
+    disttrain coordinator --registry runs/{REGISTRY_NAME} --inject kill:coordinator:step=20
     disttrain status --coordinator node0:50050"""
 
 
@@ -48,8 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a config key, e.g. coordinator.heartbeat_timeout=10 (repeatable)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    # Fault injection for tests and drills: die (SIGKILL) once any node reports this step.
-    parser.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    add_fault_flags(parser)  # its faults fire at the highest step any node reported
+    add_attempt_flag(parser)
     add_token_flag(parser)
     add_tls_flags(parser)
     add_check_flag(parser)
@@ -67,7 +76,8 @@ class CoordinatorPlan:
 
 def prepare(args: argparse.Namespace) -> CoordinatorPlan:
     """Raises ConfigError for a bad config, --bind, token or TLS file."""
-    options = RunOptions(token=token_from_args(args), tls=tls_from_args(args))
+    options = RunOptions(faults=faults_from_args(args), attempt=args.attempt, token=token_from_args(args),
+                         tls=tls_from_args(args))
     config = load_config(args.config, {}, args.set)
     bind = args.bind or config.coordinator.address or DEFAULT_BIND
     parse_address(bind, "--bind")
@@ -87,9 +97,10 @@ def run(args: argparse.Namespace) -> None:
     bind_to_parent()
     plan = prepare(args)
     bind, registry = plan.bind, plan.registry
+    faults = FaultInjector(plan.options.faults, "coordinator", 0, plan.options.attempt)
     server = CoordinatorServer(plan.config.coordinator, bind, registry,
-                               on_step=_kill_at(args.kill_at_step), token=plan.options.token,
-                               tls=plan.options.tls)
+                               on_step=faults.at_step if faults.faults else None,
+                               token=plan.options.token, tls=plan.options.tls)
     server.on_failure = lambda node_id, reason: _announce_failure(server, node_id, reason)
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -108,16 +119,3 @@ def _announce_failure(server: CoordinatorServer, node_id: str, reason: str) -> N
     names the process: a launcher leaves a newer process of the same node alone)."""
     node = server.state.membership.get(node_id)
     emit_event("node-failed", node=node_id, reason=reason, pid=node.pid if node is not None else 0)
-
-
-def _kill_at(step: int | None) -> Callable[[int], None] | None:
-    """The fault of --kill-at-step: SIGKILL this process once a node reports `step`."""
-    if step is None:
-        return None
-
-    def on_step(max_step: int) -> None:
-        if max_step >= step:
-            logger.warning("injected fault: a node reported step %d; the coordinator dies now", max_step)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return on_step

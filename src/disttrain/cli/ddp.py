@@ -24,6 +24,7 @@ from disttrain.cli.check import (
     describe_training,
     wants_check,
 )
+from disttrain.cli.config_warnings import warn_about_run_config
 from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
     add_config_flag,
@@ -98,8 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def prepare(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> tuple[Config, RunOptions]:
-    """The run's config and options, checked (a ConfigError otherwise)."""
-    return config_from_args(args), options_from_args(args, env)
+    """The run's config and options, checked (a ConfigError otherwise); warns about keys
+    the run ignores."""
+    config = config_from_args(args)
+    warn_about_run_config(config, "ddp", env)
+    return config, options_from_args(args, env)
 
 
 def check(args: argparse.Namespace) -> str:

@@ -188,25 +188,26 @@ INJECT_HELP = (
     "step 20; drop-rpc:worker=1:step=15 - the reply to worker 1's push of step 15 is lost, "
     "so it retries; slow:worker=1:factor=3 - worker 1 is a straggler, each step's work 3 times as "
     "long; slow-eval:worker=0:for=2s - each evaluation 2 s longer. Targets: worker=N, "
-    "server=N, rank=N (DDP), coordinator. Durations: 5s, 500ms, 5. Add :attempt=A to fire on "
+    "server=N, rank=N (DDP), coordinator; worker, server or rank alone: every one; the "
+    "baseline's one process is worker=0. Durations: 5s, 500ms, 5. Add :attempt=A to fire on "
     "the A-th restart only (default 0: the first start; a restarted process does not fire)")
 
 
 def add_fault_flags(parser: argparse.ArgumentParser) -> None:
-    """`--inject SPEC` and `--fault-plan FILE`, both feeding the run's faults.
-
-    `--inject-fault` is a hidden alias of `--inject` that also reads the older
-    `kill@step=N,rank=R` form, which the launchers hand to their children.
-    """
+    """`--inject SPEC` and `--fault-plan FILE`, both feeding the run's faults (the
+    launchers hand each child its faults as `--inject=SPEC`)."""
     parser.add_argument("--inject", dest="faults", action="append", default=[], type=_fault,
                         metavar="SPEC", help=INJECT_HELP)
-    parser.add_argument("--inject-fault", dest="faults", action="append", type=_fault,
-                        help=argparse.SUPPRESS)
     parser.add_argument("--fault-plan", dest="fault_plans", action="append", default=[],
                         type=_fault_plan, metavar="FILE",
                         help="YAML file of faults to inject (repeatable): a list under `faults:` "
                              "of --inject specs or mappings such as {action: kill, target: "
                              "worker, index: 1, step: 30}")
+
+
+def faults_from_args(args: argparse.Namespace) -> tuple[Fault, ...]:
+    """The faults of a parsed command line: `--inject` ones, then each `--fault-plan` file's."""
+    return (*args.faults, *chain.from_iterable(args.fault_plans))
 
 
 def add_training_flags(parser: argparse.ArgumentParser,
@@ -260,7 +261,7 @@ def options_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = 
     Raises:
         ConfigError: see `token_from_args` and `tls_from_args`.
     """
-    faults = (*args.faults, *chain.from_iterable(args.fault_plans))
+    faults = faults_from_args(args)
     token = token_from_args(args, env) if hasattr(args, "token_file") else None
     tls = tls_from_args(args) if hasattr(args, "tls_cert") else TlsFiles()
     return RunOptions(resume=args.resume, faults=faults, verbose=args.verbose,

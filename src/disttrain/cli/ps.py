@@ -13,6 +13,7 @@ from disttrain.cli.check import (
     describe_security,
     describe_training,
 )
+from disttrain.cli.config_warnings import warn_about_run_config
 from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
     add_tls_flags,
@@ -75,8 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def prepare(args: argparse.Namespace) -> tuple[Config, RunOptions]:
-    """The run's config and options, checked (a ConfigError otherwise)."""
-    return config_from_args(args), options_from_args(args)
+    """The run's config and options, checked (a ConfigError otherwise); warns about keys
+    the run ignores."""
+    config = config_from_args(args)
+    warn_about_run_config(config, "ps")
+    return config, options_from_args(args)
 
 
 def describe_ps_run(config: Config) -> str:

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from disttrain.cli.check import add_check_flag, describe_coordinator, describe_security
+from disttrain.cli.config_warnings import warn_about_run_config
 from disttrain.cli.flags import (
     add_attempt_flag,
     add_common_flags,
@@ -76,8 +77,10 @@ class ServerPlan:
 
 
 def prepare(args: argparse.Namespace) -> ServerPlan:
-    """Raises ConfigError for a bad config, --shard, --bind, token or TLS file."""
+    """Raises ConfigError for a bad config, --shard, --bind, token or TLS file; warns
+    about keys the run ignores (started by hand)."""
     config = config_from_args(args)
+    warn_about_run_config(config, "ps-server")
     shard, num_shards = parse_shard(args.shard)
     bind = args.bind or f"{config.ps.bind_host}:0"
     parse_address(bind, "--bind")

@@ -13,6 +13,7 @@ from disttrain.cli.check import (
     describe_security,
     describe_training,
 )
+from disttrain.cli.config_warnings import warn_about_run_config
 from disttrain.cli.flags import (
     add_tls_flags,
     add_token_flag,
@@ -61,8 +62,10 @@ class WorkerPlan:
 
 
 def prepare(args: argparse.Namespace) -> WorkerPlan:
-    """Raises ConfigError for a bad config, --servers, token or TLS file."""
+    """Raises ConfigError for a bad config, --servers, token or TLS file; warns about
+    keys the run ignores (started by hand)."""
     config = config_from_args(args)
+    warn_about_run_config(config, "ps-worker")
     servers = parse_address_list(args.servers, "--servers")
     worker_id = args.worker_id or f"{socket.gethostname()}:{os.getpid()}"
     return WorkerPlan(config, options_from_args(args), servers, worker_id)

@@ -5,7 +5,7 @@ A name is a strategy (`baseline`, `ps-sync`, `ps-ssp`, `ps-async`, `ddp`) option
 followed by `+` and a gradient compression (`topk`, `int8`, `fp16`, `bf16`, and
 `powersgd` for DDP). Every run gets the same config file (data, seed, budget, model);
 the name only sets the strategy's own keys, so `ps-sync` means uncompressed even when
-the config enables compression.
+the config enables compression, and `system.architecture` says what each run is.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from disttrain.config import Config
+from disttrain.config import STRATEGY_OF_ARCHITECTURE, Config, config_from_dict, parse_set_expression
 from disttrain.core.errors import ConfigError
 from disttrain.core.processes import thread_count
 
@@ -29,6 +29,7 @@ STRATEGIES: dict[str, tuple[str, dict[str, str]]] = {
 COMPRESSIONS: dict[str, str] = {"topk": "topk", "int8": "quantization", "quantization": "quantization",
                                 "fp16": "fp16", "bf16": "bf16", "powersgd": "powersgd"}
 DDP_ONLY = {"powersgd"}
+ARCHITECTURE_OF_COMMAND = {command: name for name, command in STRATEGY_OF_ARCHITECTURE.items()}
 
 DEFAULT_STRATEGIES = "baseline,ps-sync,ps-ssp,ps-async,ddp"
 KNOWN = (f"{', '.join(STRATEGIES)}; each but baseline optionally +{', +'.join(sorted(set(COMPRESSIONS)))} "
@@ -58,13 +59,28 @@ class PlannedRun:
         return STRATEGIES[self.strategy][0]
 
     def settings(self) -> dict[str, str]:
-        """The config keys this run sets on top of the comparison's config."""
-        keys = dict(STRATEGIES[self.strategy][1])
+        """The config keys this run sets on top of the comparison's config (its
+        `system.architecture` among them, so the command it runs finds the config its own)."""
+        keys = {"system.architecture": ARCHITECTURE_OF_COMMAND[self.subcommand],
+                **STRATEGIES[self.strategy][1]}
         keys["compression.enabled"] = "true" if self.compression else "false"
         if self.compression:
             keys["compression.type"] = COMPRESSIONS[self.compression]
         keys.update(self.overrides)
         return keys
+
+    def config(self, config: Config) -> Config:
+        """The config this run trains: the comparison's `config` with `settings()`.
+
+        Raises:
+            ConfigError: a setting the config cannot take.
+        """
+        raw = config.to_dict()
+        for key, text in self.settings().items():
+            dotted, value = parse_set_expression(f"{key}={text}")
+            section, name = dotted.split(".")
+            raw[section][name] = value
+        return config_from_dict(raw)
 
     def arguments(self, config_path: Path, folder: Path) -> list[str]:
         """The `disttrain` arguments of this run: its config, its folders, its keys."""

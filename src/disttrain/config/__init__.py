@@ -3,6 +3,7 @@
 
 from disttrain.config.loading import SYSTEM_ALIASES, config_from_dict, load_config, parse_set_expression
 from disttrain.config.schema import (
+    STRATEGY_OF_ARCHITECTURE,
     CompressionConfig,
     Config,
     CoordinatorConfig,
@@ -13,6 +14,6 @@ from disttrain.config.schema import (
     not_used_yet,
 )
 
-__all__ = ["SYSTEM_ALIASES", "CompressionConfig", "Config", "CoordinatorConfig", "DDPConfig",
-           "PSConfig", "SystemConfig", "TrainingConfig", "config_from_dict", "load_config",
-           "not_used_yet", "parse_set_expression"]
+__all__ = ["STRATEGY_OF_ARCHITECTURE", "SYSTEM_ALIASES", "CompressionConfig", "Config",
+           "CoordinatorConfig", "DDPConfig", "PSConfig", "SystemConfig", "TrainingConfig",
+           "config_from_dict", "load_config", "not_used_yet", "parse_set_expression"]

@@ -22,7 +22,9 @@ import yaml
 from disttrain.core.addresses import split_host_port
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10", "digits", "synthetic")
-ARCHITECTURES = ("baseline", "parameter_server", "ddp")
+# system.architecture -> the strategy it names, which is also its `disttrain` command.
+STRATEGY_OF_ARCHITECTURE = {"baseline": "baseline", "parameter_server": "ps", "ddp": "ddp"}
+ARCHITECTURES = tuple(STRATEGY_OF_ARCHITECTURE)
 AGGREGATION_MODES = ("sync", "async", "ssp")
 COMPRESSION_TYPES = ("quantization", "topk", "fp16", "bf16", "powersgd")
 OPTIMIZERS = ("sgd", "adam")
@@ -80,7 +82,8 @@ class SystemConfig:
     """How many processes train, and where a run's outputs go."""
 
     num_workers: int = field(default=2, metadata=POSITIVE)
-    # Which strategy the file was written for; the subcommand decides what runs.
+    # The strategy the file was written for: `disttrain train` runs it; a strategy's own
+    # command runs itself whatever this says (and warns when it names another).
     architecture: str = field(default="baseline", metadata=_choice(ARCHITECTURES))
     checkpoint_dir: str = field(default="checkpoints", metadata=NON_EMPTY)
     log_dir: str = field(default="logs", metadata=NON_EMPTY)

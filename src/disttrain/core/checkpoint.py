@@ -186,21 +186,6 @@ def require_keys(state: dict[str, Any], keys: tuple[str, ...], path: str | Path)
                                   "strategy or is from an incompatible version")
 
 
-def load_strategy_checkpoint(path: str | Path, strategy: str, keys: tuple[str, ...]) -> dict[str, Any]:
-    """Load a training checkpoint written by `strategy` holding `keys`.
-
-    Raises:
-        CheckpointError: unreadable, a key missing, or written by another strategy.
-    """
-    state = load_checkpoint(path)
-    require_keys(state, ("strategy",), path)
-    if state["strategy"] != strategy:
-        raise CheckpointError(f"checkpoint {path} was written by strategy {state['strategy']!r}, "
-                              f"not {strategy!r}; use another --checkpoint-dir")
-    require_keys(state, keys, path)
-    return state
-
-
 def checkpoint_step(path: str | Path) -> int:
     """The step in a checkpoint's file name (-1 when the name is not a checkpoint's)."""
     match = CHECKPOINT_PATTERN.match(Path(path).name)

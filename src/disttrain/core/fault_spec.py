@@ -20,25 +20,21 @@ Every fault takes `attempt=A`: it fires only on that start of the process (0, th
 default, is the first start, so a restarted process does not fire again).
 
 A step-triggered fault fires once, the first time its process reaches that step or beyond.
-
-The older form `ACTION@FIELD=VALUE[,rank=R][,attempt=A]` (`kill@step=N`,
-`slow-eval@seconds=S`) still parses; it targets a worker or a DDP rank with index R, any
-index when R is absent.
+The baseline's one process is worker 0.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 ROLES = ("worker", "server", "rank", "coordinator")
-TRAINING_ROLES = ("worker", "rank")  # the roles an old-form fault targets
-STEP_ACTIONS = ("kill", "stop", "drop-rpc")
+TRAINING_ROLES = ("worker", "rank")
 
 # action -> (keys it requires, roles it applies to)
 ACTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -55,10 +51,6 @@ FORMS = ("kill:worker=1:step=30, stop:worker=0:step=10:for=5s, kill:server=0:ste
          "kill:coordinator:step=20, drop-rpc:worker=1:step=15, slow:worker=1:factor=3[:step=N][:until=M], "
          "slow-eval:rank=0:for=2s (each may end with :attempt=A)")
 
-# old grammar: action -> its one required field
-OLD_ACTIONS = {"kill": "step", "slow-eval": "seconds"}
-OLD_FORMS = "kill@step=N or slow-eval@seconds=S, optionally followed by ,rank=R,attempt=A"
-
 
 @dataclass(frozen=True)
 class Fault:
@@ -71,7 +63,7 @@ class Fault:
         seconds: how long stop lasts; how much slow-eval adds to each evaluation.
         index: the target's index (worker, server or rank number); None = every one.
         attempt: the start of the process it fires on (0 = the first).
-        role: worker, server, rank or coordinator; None for the old form (a worker or a rank).
+        role: worker, server, rank or coordinator (keyword only, required).
         factor: slow: how many times its normal duration each step takes.
         until: slow: the step from which it no longer slows (0: never).
     """
@@ -81,19 +73,13 @@ class Fault:
     seconds: float = 0.0
     index: int | None = None
     attempt: int = 0
-    role: str | None = None
+    role: str = field(kw_only=True)
     factor: float = 1.0
     until: int = 0
 
     def __post_init__(self) -> None:
-        known = ACTIONS if self.role is not None else OLD_ACTIONS
-        if self.action not in known or (self.role is not None and self.role not in ROLES):
+        if self.action not in ACTIONS or self.role not in ACTIONS[self.action][1]:
             raise ValueError(f"{self!r}: no such fault; accepted forms: {FORMS}")
-
-    @property
-    def rank(self) -> int | None:
-        """The index, by its old-form name."""
-        return self.index
 
     def slows(self, step: int) -> bool:
         """Whether this is a slow fault in force at `step`."""
@@ -101,19 +87,16 @@ class Fault:
 
     def applies_to(self, role: str, index: int, attempt: int) -> bool:
         """Whether this fault is meant for process `index` of `role` on start `attempt`."""
-        roles = TRAINING_ROLES if self.role is None else (self.role,)
-        return (role in roles and (self.index is None or self.index == index)
+        return (role == self.role and (self.index is None or self.index == index)
                 and self.attempt == attempt)
 
 
 def parse_fault(text: str) -> Fault:
-    """Parse a fault in either grammar (see the module docstring).
+    """Parse a fault written `ACTION:TARGET[:KEY=VALUE...]` (see the module docstring).
 
     Raises:
         ValueError: names the bad part and shows the accepted forms.
     """
-    if "@" in text.partition(":")[0]:
-        return _parse_old(text)
     action, _, rest = text.partition(":")
     if action not in ACTIONS:
         raise ValueError(f"fault {text!r}: unknown action {action!r}; accepted forms: {FORMS}")
@@ -137,8 +120,6 @@ def parse_fault(text: str) -> Fault:
 
 def format_fault(fault: Fault) -> str:
     """The text `parse_fault` reads back as `fault` (to hand faults to child processes)."""
-    if fault.role is None:
-        return _format_old(fault)
     target = fault.role if fault.index is None else f"{fault.role}={fault.index}"
     required, _ = ACTIONS[fault.action]
     written = {"step": str(fault.step), "for": f"{fault.seconds!r}s", "factor": repr(fault.factor),
@@ -246,32 +227,3 @@ def _duration(text: str, part: str, value: str) -> float:
         raise ValueError(f"fault {text!r}: bad part {part!r}: expected a duration > 0 "
                          "such as 5s, 500ms or 5")
     return seconds
-
-
-def _parse_old(text: str) -> Fault:
-    """`ACTION@FIELD=VALUE[,rank=R][,attempt=A]`."""
-    action, _, rest = text.partition("@")
-    if action not in OLD_ACTIONS:
-        raise ValueError(f"fault {text!r}: expected {OLD_FORMS}; or the form {FORMS}")
-    fields = {"step": int, "seconds": float, "rank": int, "attempt": int}
-    values: dict[str, int | float] = {}
-    for part in rest.split(","):
-        key, eq, value = part.partition("=")
-        if key not in fields or not eq:
-            raise ValueError(f"fault {text!r}: bad part {part!r}; expected {OLD_FORMS}")
-        values[key] = _number(text, part, value, fields[key])
-    required = OLD_ACTIONS[action]
-    if required not in values:
-        raise ValueError(f"fault {text!r}: {required}=... is required for {action}")
-    rank = values.get("rank")
-    return Fault(action, step=int(values.get("step", 0)), seconds=float(values.get("seconds", 0.0)),
-                 index=None if rank is None else int(rank), attempt=int(values.get("attempt", 0)))
-
-
-def _format_old(fault: Fault) -> str:
-    field = OLD_ACTIONS[fault.action]
-    parts = [f"{field}={getattr(fault, field)}"]
-    if fault.index is not None:
-        parts.append(f"rank={fault.index}")
-    parts.append(f"attempt={fault.attempt}")
-    return f"{fault.action}@{','.join(parts)}"

@@ -5,7 +5,8 @@ rank or coordinator), its index and its start attempt; the injector keeps the fa
 for it and fires them where the process calls it:
 
 - `at_step(step)`: after each training step (a server: after each version; the
-  coordinator: with the highest step any node has reported). Fires kill (SIGKILL: no
+  coordinator: with the highest step any node has reported, from whichever thread
+  answered the heartbeat). Fires kill (SIGKILL: no
   cleanup, no atexit, exactly as a machine loss looks to everyone else), stop (SIGSTOP,
   then SIGCONT from a detached helper once the duration is over: a hang) and slow (sleeps
   factor - 1 times the step's own duration: a straggler).
@@ -25,12 +26,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 
 from disttrain.core.fault_spec import (
     ROLES,
-    TRAINING_ROLES,
     Fault,
     format_fault,
     load_fault_plan,
@@ -69,24 +70,22 @@ class FaultInjector:
 
     Args:
         faults: every fault of the run; those for other processes or attempts are dropped.
-        role: worker, server, rank or coordinator.
-        index: the process's worker, shard or rank number.
+        role: worker, server, rank or coordinator (the baseline's one process is worker 0).
+        index: the process's worker, shard or rank number (the coordinator: 0).
         attempt: how many times this process has been restarted (0 = the first start).
         clock: the time source measuring steps for `slow` (tests pass a fake one).
-
-    The older call form `FaultInjector(faults, rank, attempt)` (or `rank=` by keyword)
-    still works: it makes a training process that takes both worker and rank faults.
 
     Raises:
         ValueError: an unknown role.
     """
 
-    def __init__(self, faults: Iterable[Fault] = (), role: str | int = "worker",
-                 index: int | None = None, attempt: int = 0, *, rank: int | None = None,
+    def __init__(self, faults: Iterable[Fault], role: str, index: int = 0, attempt: int = 0, *,
                  clock: Callable[[], float] = time.perf_counter):
-        roles, index, attempt = _process(role, index, attempt, rank)
-        self._faults = [f for f in faults if any(f.applies_to(r, index, attempt) for r in roles)]
+        if role not in ROLES:
+            raise ValueError(f"fault injector: unknown role {role!r}; use one of {', '.join(ROLES)}")
+        self._faults = [f for f in faults if f.applies_to(role, index, attempt)]
         self._fired: set[int] = set()
+        self._fired_lock = threading.Lock()  # the coordinator calls at_step from several threads
         self._clock = clock
         self._last_step_end: float | None = None
         self._announced_factor = 1.0  # the slow factor the log last told of
@@ -138,10 +137,11 @@ class FaultInjector:
     def _due(self, step: int, actions: tuple[str, ...]) -> list[Fault]:
         """The faults of `actions` that `step` reaches for the first time; marked fired."""
         due = []
-        for number, fault in enumerate(self._faults):
-            if fault.action in actions and number not in self._fired and step >= fault.step:
-                self._fired.add(number)
-                due.append(fault)
+        with self._fired_lock:
+            for number, fault in enumerate(self._faults):
+                if fault.action in actions and number not in self._fired and step >= fault.step:
+                    self._fired.add(number)
+                    due.append(fault)
         return due
 
     def straggle_for(self, seconds: float) -> float:
@@ -183,18 +183,6 @@ class FaultInjector:
             helper.wait(timeout=5.0)  # it exits right after sending SIGCONT; reap it
         except subprocess.TimeoutExpired:
             logger.debug("the continue helper %d has not exited yet", helper.pid)
-
-
-def _process(role: str | int, index: int | None, attempt: int,
-             rank: int | None) -> tuple[tuple[str, ...], int, int]:
-    """(roles, index, attempt) of the process an injector serves, from either call form."""
-    if isinstance(role, int):  # the old positional form (faults, rank, attempt)
-        return TRAINING_ROLES, role, attempt if index is None else index
-    if rank is not None:  # the old keyword form (faults, rank=R, attempt=A)
-        return TRAINING_ROLES, rank, attempt
-    if role not in ROLES:
-        raise ValueError(f"fault injector: unknown role {role!r}; use one of {', '.join(ROLES)}")
-    return (role,), 0 if index is None else index, attempt
 
 
 def _flush_logs() -> None:

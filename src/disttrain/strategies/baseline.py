@@ -96,7 +96,7 @@ class Baseline:
         checkpoint_dir, log_dir = Path(system.checkpoint_dir), Path(system.log_dir)
         loop = TrainingLoop(config, LoopSettings.from_config(config), participant, sampler,
                             LocalCheckpoints(checkpoint_dir, system.checkpoint_keep), log_dir / self.name,
-                            FaultInjector(options.faults),
+                            FaultInjector(options.faults, "worker", 0),
                             lambda total, done: Progress(total, "train", initial=done),
                             config_path=log_dir / "config.yaml")
         result = loop.run(options.resume)

@@ -129,7 +129,7 @@ def rank_arguments(config_path: Path, summary_path: Path, options: RunOptions) -
     args = ["-u", "-m", "disttrain.ddp", "--config", str(config_path), "--summary-json",
             str(summary_path), "--quiet-summary"]
     args += ["--resume"] if options.resume else []
-    args += [f"--inject-fault={format_fault(fault)}" for fault in options.faults]
+    args += [f"--inject={format_fault(fault)}" for fault in options.faults]
     args += ["-v"] if options.verbose else []
     return args + options.tls.args()
 

@@ -190,7 +190,7 @@ def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: fl
     training, system, info = config.training, config.system, runtime.info
     train_set, test_set = load_datasets(training)
     rt.check_world_size(len(train_set), info.world_size)
-    faults = FaultInjector(options.faults, info.rank, info.restart_count)
+    faults = FaultInjector(options.faults, "rank", info.rank, info.restart_count)
     sampler, rebalancer = balance_sampler(config, runtime, train_set, faults, progress.balance)
     participant = RankParticipant(config, runtime, (train_set, test_set), sampler)
     log_dir = Path(system.log_dir)

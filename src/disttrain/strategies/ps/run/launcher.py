@@ -173,13 +173,13 @@ class ClusterRun:
 
     def _start_coordinator(self, registry: Path) -> str:
         bind = [f"{self.config.ps.bind_host}:0"]
-        kill_at = [f.step for f in self.options.faults
-                   if f.action == "kill" and f.role == "coordinator" and f.attempt == 0]
+        faults = [f"--inject={format_fault(fault)}" for fault in self.options.faults
+                  if fault.role == "coordinator"]
 
         def args(attempt: int) -> list[str]:
-            fault = ["--kill-at-step", str(kill_at[0])] if kill_at and attempt == 0 else []
             return ["coordinator", "--bind", bind[0], "--registry", str(registry),
-                    "--config", str(self.config_path), *fault, *self.options.tls.args()]
+                    "--config", str(self.config_path), *faults, "--attempt", str(attempt),
+                    *self.options.tls.args()]
 
         self.supervisor.start(Managed("coordinator", "coordinator", args))
         bind[0] = self._wait_listening("coordinator")  # a restart binds the same port

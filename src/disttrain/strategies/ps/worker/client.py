@@ -38,7 +38,7 @@ class PSClient:
         token: the run's token, sent with every call (None: the servers run open).
         tls: the TLS files to reach the servers with (None or empty: plain TCP).
         one_round_trip: trade a gradient for parameters in one call per shard (`step`)
-            where the server and the payload allow; False: a push and a pull each time.
+            where the payload allows; False: a push and a pull each time.
     """
 
     def __init__(self, addresses: list[str], plans: list[ShardPlan], policy: RetryPolicy,
@@ -150,8 +150,8 @@ class PSClient:
              flat: torch.Tensor, min_versions: list[int], payloads: list[Encoded] | None = None
              ) -> tuple[list[pb.PushReply], list[int | None]]:
         """Push to `shards` as `push` does and copy the parameters each push leads to into
-        `flat`: in one round trip per shard (Step) where the server and the payload allow,
-        else a push, then a pull at `min_versions[s]`. Returns the replies and, per shard
+        `flat`: in one round trip per shard (Step) where the payload allows (see
+        `can_step`), else a push, then a pull at `min_versions[s]`. Returns the replies and, per shard
         of the run, the version now in `flat` (None: untouched, as for a ROLLED_BACK push
         or a shard not in `shards`)."""
         payloads = payloads or [None] * len(shards)

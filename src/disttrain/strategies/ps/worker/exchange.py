@@ -7,12 +7,11 @@
   parameters its reply brought and sent again to the shards that rejected it.
 
 Each push and the parameters it leads to travel in one round trip per shard where the
-server and the payload allow (`PSClient.step`). Otherwise (`one_round_trip` off, or a
-shard too large for one message across machines), sync pushes and, at the same time,
-long-polls for the step's version; async and ssp pull the newest parameters into a
-staging buffer while computing (prefetch), push, then switch to them; ssp uses them only
-when they are fresh enough that the next gradient should stay within the bound, and
-pulls anew otherwise.
+payload allows (`PSClient.step`). Otherwise (`one_round_trip` off, or a shard too large
+for one message across machines), sync pushes and, at the same time, long-polls for the
+step's version; async and ssp pull the newest parameters into a staging buffer while
+computing (prefetch), push, then switch to them; ssp uses them only when they are fresh
+enough that the next gradient should stay within the bound, and pulls anew otherwise.
 
 In every mode, a shard that did not take the gradient (a synchronous step that went on
 without it, a server that restarted from an older checkpoint) gets it again, computed

@@ -1,0 +1,175 @@
+"""Which config keys a run acts on: the keys set away from their defaults that a run of
+one strategy ignores, each with the reason, so that the command line can say so instead
+of letting a setting pass silently.
+
+Pure: a resolved `Config` and a strategy ("baseline", "ps" or "ddp") in, a list out. Each
+rule states what the strategies really read (the section a strategy never opens, the
+mode a key belongs to, the model or data set it sizes); a key no rule names is acted on
+by every strategy. `system.architecture` is not judged here: a strategy's own command
+decides what runs, and `disttrain train` runs what the key names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from disttrain.config.schema import SECTIONS, Config
+
+STRATEGIES = ("baseline", "ps", "ddp")
+NOT_JUDGED = ("system.architecture",)
+
+
+@dataclass(frozen=True)
+class IgnoredKey:
+    """A key set away from its default that the run does not act on."""
+
+    key: str  # section.key
+    value: Any
+    reason: str
+
+    def line(self, by: str = "this run") -> str:
+        """The one line the command line logs for it (the value as YAML writes it)."""
+        return f"{self.key} = {_shown(self.value)} is ignored by {by}: {self.reason}"
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else repr(value) if value == "" else str(value)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The keys `pattern` names (`section.key`, or a prefix ending in `*` such as `ddp.*`)
+    are ignored when `reason(config, strategy)` gives a reason (None: acted on)."""
+
+    pattern: str
+    reason: Callable[[Config, str], str | None]
+
+    def covers(self, key: str) -> bool:
+        if self.pattern.endswith("*"):
+            return key.startswith(self.pattern[:-1])
+        return key == self.pattern
+
+
+def _when(condition: Callable[[Config, str], bool], reason: str | Callable[[Config], str]
+          ) -> Callable[[Config, str], str | None]:
+    def judge(config: Config, strategy: str) -> str | None:
+        if not condition(config, strategy):
+            return None
+        return reason if isinstance(reason, str) else reason(config)
+    return judge
+
+
+BASELINE = "baseline"
+HALF_PRECISION = ("fp16", "bf16")
+
+# The first rule that holds gives a key's reason: whole sections come before the keys within one.
+RULES: tuple[Rule, ...] = (
+    Rule("ddp.*", _when(lambda c, s: s != "ddp", "only DDP reads the ddp section")),
+    Rule("ps.*", _when(lambda c, s: s != "ps", "only the parameter server reads the ps section")),
+    Rule("coordinator.*", _when(lambda c, s: s == BASELINE, "the baseline runs without a coordinator")),
+    Rule("compression.*", _when(lambda c, s: s == BASELINE, "the baseline sends no gradients to compress")),
+    Rule("system.num_workers", _when(lambda c, s: s == BASELINE, "the baseline trains in one process")),
+    Rule("system.balance*", _when(lambda c, s: s == BASELINE,
+                                  "the baseline's one process takes every batch")),
+    Rule("compression.*", _when(lambda c, s: not c.compression.enabled, "compression.enabled is false")),
+    Rule("compression.ratio", _when(
+        lambda c, s: c.compression.type != "topk",
+        lambda c: f"only topk sends a share of each tensor (compression.type is {c.compression.type})")),
+    Rule("compression.stochastic_rounding", _when(
+        lambda c, s: c.compression.type != "quantization",
+        lambda c: f"only quantization rounds (compression.type is {c.compression.type})")),
+    Rule("compression.powersgd_rank", _when(
+        lambda c, s: c.compression.type != "powersgd",
+        lambda c: f"only powersgd approximates by rank (compression.type is {c.compression.type})")),
+    Rule("compression.error_feedback", _when(
+        lambda c, s: s == "ddp" and c.compression.type in HALF_PRECISION,
+        lambda c: f"DDP's {c.compression.type} hook casts and all-reduces, and keeps no residual")),
+    Rule("ps.staleness", _when(
+        lambda c, s: c.ps.aggregation_mode != "ssp",
+        lambda c: f"only ssp bounds staleness (ps.aggregation_mode is {c.ps.aggregation_mode})")),
+    Rule("ps.backup_workers", _when(
+        lambda c, s: c.ps.aggregation_mode != "sync",
+        lambda c: f"only a synchronous step has backup workers (ps.aggregation_mode is "
+                  f"{c.ps.aggregation_mode})")),
+    Rule("system.balance_margin", _when(
+        lambda c, s: c.system.balance != "auto",
+        lambda c: f"only balance auto compares speeds with a margin (system.balance is {c.system.balance})")),
+    Rule("system.balance_interval", _when(
+        lambda c, s: c.system.balance == "none",
+        "equal batches are never re-planned (system.balance is none)")),
+    Rule("coordinator.*", _when(
+        lambda c, s: s == "ddp" and c.ddp.num_nodes > 1 and not c.coordinator.address,
+        "a DDP run of several nodes without coordinator.address has no coordinator")),
+    Rule("coordinator.max_restarts", _when(
+        lambda c, s: s == "ddp", "DDP restarts its rank group ddp.max_restarts times")),
+    Rule("coordinator.heartbeat_timeout", _when(
+        lambda c, s: bool(c.coordinator.address),
+        lambda c: f"the coordinator at {c.coordinator.address} declares failures by its own config")),
+    Rule("coordinator.straggler_factor", _when(
+        lambda c, s: bool(c.coordinator.address),
+        lambda c: f"the coordinator at {c.coordinator.address} flags stragglers by its own config")),
+    Rule("training.momentum", _when(
+        lambda c, s: c.training.optimizer != "sgd",
+        lambda c: f"only sgd takes momentum (training.optimizer is {c.training.optimizer})")),
+    Rule("training.mlp_*", _when(
+        lambda c, s: c.training.model_architecture != "mlp",
+        lambda c: f"only the mlp model reads it (training.model_architecture is "
+                  f"{c.training.model_architecture})")),
+    Rule("training.num_samples", _when(
+        lambda c, s: c.training.dataset != "synthetic",
+        lambda c: f"it sizes the synthetic data set (training.dataset is {c.training.dataset})")),
+    Rule("training.data_dir", _when(
+        lambda c, s: c.training.dataset in ("digits", "synthetic"),
+        lambda c: f"{c.training.dataset} is read from no folder (training.dataset is {c.training.dataset})")),
+    Rule("training.download", _when(
+        lambda c, s: c.training.dataset in ("digits", "synthetic"),
+        lambda c: f"{c.training.dataset} is never downloaded (training.dataset is {c.training.dataset})")),
+)
+
+
+def changed_keys(config: Config) -> dict[str, Any]:
+    """`section.key` -> value, for every key whose value differs from its default."""
+    defaults = Config()
+    changed = {}
+    for section in SECTIONS:
+        mine, default = getattr(config, section), getattr(defaults, section)
+        for field in dataclasses.fields(mine):
+            value = getattr(mine, field.name)
+            if value != getattr(default, field.name):
+                changed[f"{section}.{field.name}"] = value
+    return changed
+
+
+def ignored_keys(config: Config, strategy: str) -> list[IgnoredKey]:
+    """The keys set away from their defaults that a run of `strategy` does not act on, in
+    the config's order, each with the first reason that holds.
+
+    Raises:
+        ValueError: an unknown strategy.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+    ignored = []
+    for key, value in changed_keys(config).items():
+        if key in NOT_JUDGED:
+            continue
+        reason = next((r for rule in RULES if rule.covers(key) and (r := rule.reason(config, strategy))),
+                      None)
+        if reason is not None:
+            ignored.append(IgnoredKey(key, value, reason))
+    return ignored
+
+
+def ignored_by_every_run(runs: Iterable[tuple[Config, str]]) -> list[IgnoredKey]:
+    """The keys that every run of a comparison ignores (each run: its config and strategy),
+    with the first run's value and reason: a key one run acts on is not ignored."""
+    per_run = [ignored_keys(config, strategy) for config, strategy in runs]
+    if not per_run:
+        return []
+    common = set.intersection(*({k.key for k in keys} for keys in per_run))
+    return [k for k in per_run[0] if k.key in common]
