@@ -62,7 +62,7 @@ def servers(cluster: Cluster, config: Config, folder: Path) -> list[str]:
     """Start the config's shard servers; return their addresses."""
     path = folder / "config.yaml"
     config.save(path)
-    return start_servers(cluster, ["--config", str(path)], "127.0.0.1", config.ps.num_servers)
+    return start_servers(cluster, path, config.ps.num_servers)
 
 
 def run_roles(script: str, role: str, count: int, args: list[str], timeout_s: float = 600) -> list[dict]:

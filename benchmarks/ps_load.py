@@ -126,7 +126,7 @@ def phase(mode: str, steps: int) -> dict:
         config = make_config(Path(tmp), mode)
         path = Path(tmp) / "config.yaml"
         config.save(path)
-        address = start_servers(cluster, ["--config", str(path)], "127.0.0.1", 1)[0]
+        address = start_servers(cluster, path, 1)[0]
         model = init_model(config.training)
         initial, _ = flat_parameters(model)
         initial = initial.clone()

@@ -16,7 +16,7 @@ from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.service import SERVICE as COORDINATOR_SERVICE
 from disttrain.coordinator.service import CoordinatorServer
-from disttrain.core.auth import with_token
+from disttrain.core.channels import open_channel
 from disttrain.core.errors import DistributedError
 from disttrain.core.rpc_server import RpcServer
 from disttrain.core.tls import TlsFiles
@@ -83,7 +83,7 @@ def test_a_client_with_the_ca_and_token_registers_pushes_and_pulls(tmp_path, pki
 def test_a_client_trusting_another_ca_gets_nothing_through(tmp_path, pki):
     server, plan = start_shard(tmp_path, pki["server"])
     before = server.state.parameters().clone()
-    channel = with_token(pki["stranger"].channel(server.address), TOKEN)
+    channel = open_channel(server.address, pki["stranger"], TOKEN)
     stranger = ps_client(server, plan, pki["stranger"])
     try:
         with pytest.raises(grpc.RpcError) as raised:
@@ -101,7 +101,7 @@ def test_a_client_trusting_another_ca_gets_nothing_through(tmp_path, pki):
 
 def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path, pki):
     server, plan = start_shard(tmp_path, pki["mutual_server"])
-    anonymous = with_token(pki["ca_only"].channel(server.address), TOKEN)
+    anonymous = open_channel(server.address, pki["ca_only"], TOKEN)
     member = ps_client(server, plan, pki["client"], RetryPolicy(timeout_s=10.0, max_attempts=2))
     try:
         with pytest.raises(grpc.RpcError) as raised:

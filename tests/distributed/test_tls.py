@@ -9,7 +9,9 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tls_certs import issue, make_authority
 
+from disttrain.core.channels import channel_credentials
 from disttrain.core.errors import ConfigError
+from disttrain.core.rpc_server import server_credentials
 from disttrain.core.tls import TlsFiles
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,13 +27,13 @@ def pki(tmp_path):
 def serve(files: TlsFiles):
     server = grpc.server(futures.ThreadPoolExecutor(2))
     health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
-    port = server.add_secure_port("127.0.0.1:0", files.server_credentials())
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(files))
     server.start()
     return server, f"127.0.0.1:{port}"
 
 
 def check(address: str, files: TlsFiles) -> int:
-    with grpc.secure_channel(address, files.channel_credentials()) as channel:
+    with grpc.secure_channel(address, channel_credentials(files)) as channel:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
 
@@ -69,12 +71,12 @@ def test_mutual_tls_refuses_clients_without_a_certificate_of_the_ca(pki):
 def test_bad_files_name_the_flag_and_the_file(tmp_path, pki):
     cert, key = pki["server"]
     with pytest.raises(ConfigError, match="--tls-cert and --tls-key go together"):
-        TlsFiles(cert=str(cert)).server_credentials()
+        server_credentials(TlsFiles(cert=str(cert)))
     with pytest.raises(ConfigError, match=r"--tls-ca .*missing.pem: cannot be read"):
-        TlsFiles(ca=str(tmp_path / "missing.pem")).channel_credentials()
+        channel_credentials(TlsFiles(ca=str(tmp_path / "missing.pem")))
     (tmp_path / "junk.pem").write_text("not a certificate")
     with pytest.raises(ConfigError, match=r"--tls-key .*junk.pem: is not a PEM file"):
-        TlsFiles(cert=str(cert), key=str(tmp_path / "junk.pem")).server_credentials()
+        server_credentials(TlsFiles(cert=str(cert), key=str(tmp_path / "junk.pem")))
     with pytest.raises(ConfigError, match="needs --tls-cert and --tls-key"):
-        TlsFiles(ca=str(pki["ca"].pem_path)).server_credentials()
+        server_credentials(TlsFiles(ca=str(pki["ca"].pem_path)))
     assert not TlsFiles().enabled and TlsFiles(ca="x").enabled

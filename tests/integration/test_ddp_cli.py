@@ -1,4 +1,4 @@
-"""`disttrain ddp` and `torchrun -m disttrain.ddp` as a user runs them: the torchrun entry,
+"""`disttrain ddp` and `torchrun -m disttrain.torchrun` as a user runs them: the torchrun entry,
 exact resume after a rank is SIGKILLed mid-epoch and restarted by the elastic agent, and
 bad input refused with one line and no hang."""
 
@@ -34,7 +34,7 @@ def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
 def torchrun_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """An uninterrupted run started by torchrun itself (also the reference for resume)."""
     run_dir = tmp_path_factory.mktemp("torchrun")
-    command = [*torchrun_command(), "--standalone", "--nproc-per-node", "2", "-m", "disttrain.ddp",
+    command = [*torchrun_command(), "--standalone", "--nproc-per-node", "2", "-m", "disttrain.torchrun",
                *map(str, TRAINING), "--log-dir", str(run_dir / "logs"),
                "--checkpoint-dir", str(run_dir / "ckpt")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=150,
@@ -88,9 +88,9 @@ def test_killed_rank_is_restarted_and_the_run_ends_bit_identical(cli, tmp_path, 
 def test_bad_input_gives_one_line_and_no_hang(tmp_path, args, exit_code, message):
     if "nccl" in args and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    # `python -m disttrain.ddp` outside an elastic agent is the launcher, as `disttrain ddp` is.
+    # `python -m disttrain.torchrun` outside an elastic agent is the launcher, as `disttrain ddp` is.
     result = subprocess.run(
-        [sys.executable, "-m", "disttrain.ddp", "--dataset", "digits", *map(str, args),
+        [sys.executable, "-m", "disttrain.torchrun", "--dataset", "digits", *map(str, args),
          "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt")],
         capture_output=True, text=True, timeout=60)
     assert result.returncode == exit_code, result.stderr[-3000:]

@@ -10,12 +10,15 @@ applies the same updates, bit for bit."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from disttrain.config import Config, config_from_dict
+from disttrain.core.faults import parse_fault
+from disttrain.core.process_spec import ProcessSpec
 from disttrain.core.processes import Cluster
 from disttrain.strategies.ps.run.launcher import start_servers
 
@@ -67,12 +70,11 @@ def test_a_resumed_compressed_worker_ends_bit_identical(cli, tmp_path, compressi
     config_path = tmp_path / "resumed.yaml"
     config.save(config_path)
     with Cluster(tmp_path / "cluster") as cluster:
-        (address,) = start_servers(cluster, ["--config", str(config_path)], "127.0.0.1", 1)
-        worker = ["ps-worker", "--config", str(config_path), "--servers", address, "--rank", "0",
-                  "--worker-id", "worker0"]
-        cluster.spawn("worker0", [*worker, f"--inject=kill:worker=0:step={KILL_STEP}"])
+        (address,) = start_servers(cluster, config_path, 1)
+        worker = ProcessSpec("ps-worker", config=config_path, servers=(address,), rank=0, worker_id="worker0")
+        cluster.spawn("worker0", replace(worker, faults=(parse_fault(f"kill:worker=0:step={KILL_STEP}"),)))
         assert wait_exit(cluster, "worker0") != 0
-        cluster.spawn("worker0-resumed", [*worker, "--resume"])
+        cluster.spawn("worker0-resumed", replace(worker, resume=True))
         assert wait_exit(cluster, "worker0-resumed") == 0, cluster.children["worker0-resumed"].tail(20)
         assert wait_exit(cluster, "server0") == 0
         log = cluster.children["worker0-resumed"].tail(200)

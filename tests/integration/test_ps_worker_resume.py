@@ -18,6 +18,8 @@ import pytest
 
 from disttrain.config import Config, config_from_dict
 from disttrain.core import checkpoint as ckpt
+from disttrain.core.faults import parse_fault
+from disttrain.core.process_spec import ProcessSpec, arguments
 from disttrain.core.processes import Cluster, Event
 from disttrain.data import ShardedSampler, load_datasets
 from disttrain.metrics.logger import read_metrics
@@ -42,9 +44,9 @@ def make_config(tmp_path: Path) -> Config:
     })
 
 
-def worker_args(config_path: Path, address: str, rank: int, *extra: str) -> list[str]:
-    return ["ps-worker", "--config", str(config_path), "--servers", address, "--rank", str(rank),
-            "--worker-id", f"worker{rank}", *extra]
+def worker_spec(config_path: Path, address: str, rank: int, **fields) -> ProcessSpec:
+    return ProcessSpec("ps-worker", config=config_path, servers=(address,), rank=rank,
+                       worker_id=f"worker{rank}", **fields)
 
 
 class Watcher:
@@ -106,16 +108,17 @@ def test_sigkilled_async_worker_resumes_and_each_step_is_applied_once(tmp_path):
     killed_dir = Path(config.system.checkpoint_dir) / f"worker{KILLED_RANK}"
     resumed_name = f"worker{KILLED_RANK}-resumed"
     with ThreadPoolExecutor(1) as pool, Cluster(tmp_path / "cluster") as cluster:
-        (address,) = start_servers(cluster, ["--config", str(config_path)], "127.0.0.1", 1)
+        (address,) = start_servers(cluster, config_path, 1)
         server = ShardClient(address, 0, RetryPolicy(timeout_s=RUN_TIMEOUT_S, max_attempts=1))
         try:
             # Held open until every worker has reported done: the server answers it with
             # its final counters, before worker 0 shuts it down.
             final = pool.submit(server.unary, "GetStatus", pb.StatusRequest(wait_all_done=True))
             watcher = Watcher(cluster)
-            cluster.spawn("worker0", worker_args(config_path, address, 0))
-            fault = f"--inject=kill:worker={KILLED_RANK}:step={kill_step}"
-            cluster.spawn(f"worker{KILLED_RANK}", worker_args(config_path, address, KILLED_RANK, fault))
+            cluster.spawn("worker0", worker_spec(config_path, address, 0))
+            fault = parse_fault(f"kill:worker={KILLED_RANK}:step={kill_step}")
+            killed_spec = worker_spec(config_path, address, KILLED_RANK, faults=(fault,))
+            cluster.spawn(f"worker{KILLED_RANK}", killed_spec)
 
             killed = watcher.until_exited({f"worker{KILLED_RANK}"}, RUN_TIMEOUT_S)
             assert killed[f"worker{KILLED_RANK}"] == -signal.SIGKILL, watcher.tails([f"worker{KILLED_RANK}"])
@@ -134,7 +137,7 @@ def test_sigkilled_async_worker_resumes_and_each_step_is_applied_once(tmp_path):
             assert before.num_duplicates == 0 and before.num_done == 0
             assert before.num_applied >= kill_step and before.version == before.num_applied
 
-            cluster.spawn(resumed_name, worker_args(config_path, address, KILLED_RANK, "--resume"))
+            cluster.spawn(resumed_name, worker_spec(config_path, address, KILLED_RANK, resume=True))
             codes = watcher.until_exited({"worker0", resumed_name, "server0"}, RUN_TIMEOUT_S)
             assert codes == {"worker0": 0, resumed_name: 0, "server0": 0}, \
                 watcher.tails(["worker0", resumed_name, "server0"])
@@ -188,8 +191,8 @@ def test_restart_without_resume_is_refused_and_pushes_nothing(tmp_path, cli):
     ckpt.save_checkpoint(folder, 5, {"strategy": "ps-worker"})
 
     with Cluster(tmp_path / "cluster") as cluster:
-        (address,) = start_servers(cluster, ["--config", str(config_path)], "127.0.0.1", 1)
-        result = cli(*worker_args(config_path, address, KILLED_RANK), timeout=90)
+        (address,) = start_servers(cluster, config_path, 1)
+        result = cli(*arguments(worker_spec(config_path, address, KILLED_RANK)), timeout=90)
         server = ShardClient(address, 0, RetryPolicy(timeout_s=10.0, max_attempts=1))
         try:
             status = server.unary("GetStatus", pb.StatusRequest())

@@ -7,6 +7,7 @@ import pytest
 from disttrain.comparison.plan import parse_strategies
 from disttrain.config import STRATEGY_OF_ARCHITECTURE, load_config
 from disttrain.core.errors import ConfigError
+from disttrain.core.process_spec import arguments
 
 
 def test_names_become_runs_in_order_with_their_workers():
@@ -42,7 +43,7 @@ def test_each_run_names_its_own_architecture_so_its_command_never_warns():
 
 def test_arguments_resolve_to_a_valid_config_with_the_run_folders(tmp_path):
     run = parse_strategies("ps-ssp+fp16", 3)[0]
-    args = run.arguments(tmp_path / "config.yaml", tmp_path / "ps-ssp+fp16")
+    args = arguments(run.spec(tmp_path / "config.yaml", tmp_path / "ps-ssp+fp16"))
     assert args[:3] == ["ps", "--config", str(tmp_path / "config.yaml")]
     sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
     config = load_config(None, {"system.log_dir": args[args.index("--log-dir") + 1]}, sets)

@@ -19,11 +19,12 @@ from disttrain.config import config_from_dict
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import ConfigError, DistributedError
 from disttrain.core.faults import format_fault, parse_fault
+from disttrain.core.process_spec import command_line
 from disttrain.metrics.summary import RunSummary
 from disttrain.strategies.ddp import rng
 from disttrain.strategies.ddp.comm_hooks import CommStats, split_intervals, union_length
 from disttrain.strategies.ddp.endpoint import wait_for_endpoint
-from disttrain.strategies.ddp.launcher import child_failure, launch_config, preflight, rank_arguments
+from disttrain.strategies.ddp.launcher import child_failure, launch_config, preflight, rank_spec
 from disttrain.training.engine import eval_slice
 from disttrain.training.options import RunOptions
 
@@ -82,8 +83,8 @@ def test_faults_pass_to_the_ranks_unchanged():
     for fault in faults:
         assert parse_fault(format_fault(fault)) == fault
     options = RunOptions(resume=True, faults=faults)
-    args = rank_arguments(Path("c.yaml"), Path("s.json"), options)
-    assert args[:3] == ["-u", "-m", "disttrain.ddp"]
+    args = command_line(rank_spec(Path("c.yaml"), Path("s.json"), options))
+    assert args[:3] == ["-u", "-m", "disttrain.torchrun"]
     assert "--resume" in args and "--inject=kill:rank=1:step=7:attempt=0" in args
     assert options_from_args(rank_parser().parse_args(args[3:]), env={}).faults == faults
 
@@ -109,7 +110,7 @@ def _failure(tmp_path: Path, rank: int, exitcode: int, message: str | None) -> P
 
 
 def test_child_failure_is_one_line_with_the_killed_rank_first(tmp_path):
-    error = ChildFailedError("disttrain.ddp", {
+    error = ChildFailedError("disttrain.torchrun", {
         0: _failure(tmp_path, 0, 1, "DistributedError: lost contact with another rank"),
         1: _failure(tmp_path, 1, -9, None),
     })
@@ -119,7 +120,7 @@ def test_child_failure_is_one_line_with_the_killed_rank_first(tmp_path):
 
 
 def test_child_config_error_keeps_exit_code_two(tmp_path):
-    error = ChildFailedError("disttrain.ddp", {1: _failure(tmp_path, 1, 2, "ConfigError: bad value")})
+    error = ChildFailedError("disttrain.torchrun", {1: _failure(tmp_path, 1, 2, "ConfigError: bad value")})
     result = child_failure(error, max_restarts=0)
     assert isinstance(result, ConfigError) and str(result) == "rank 1: bad value"
 

@@ -21,16 +21,17 @@ from disttrain.cli.flags import (
     token_from_args,
 )
 from disttrain.config import Config, load_config
+from disttrain.coordinator.launch import REGISTRY_FILE
 from disttrain.coordinator.service import CoordinatorServer
 from disttrain.core.addresses import parse_address
 from disttrain.core.faults import FaultInjector
+from disttrain.core.process_spec import FLAGS
 from disttrain.core.processes import bind_to_parent, emit_event
 from disttrain.training.options import RunOptions
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BIND = "0.0.0.0:50050"
-REGISTRY_NAME = "cluster-registry.db"
 
 HELP = "track the processes of a run: membership, heartbeats, failures, stragglers"
 DESCRIPTION = f"""Track every process of a run: who joined, who is alive (heartbeats), who failed
@@ -40,23 +41,23 @@ kept in a SQLite file (--registry): a coordinator restarted on the same file sho
 cluster as it was, and `disttrain status --registry FILE` reads the file even while no
 coordinator runs. Stops on Ctrl-C or SIGTERM.
 
-    disttrain coordinator --bind 0.0.0.0:50050 --registry runs/{REGISTRY_NAME}
-    disttrain coordinator --registry runs/{REGISTRY_NAME} --set coordinator.heartbeat_timeout=10
-    disttrain coordinator --registry runs/{REGISTRY_NAME} --inject kill:coordinator:step=20
+    disttrain coordinator --bind 0.0.0.0:50050 --registry runs/{REGISTRY_FILE}
+    disttrain coordinator --registry runs/{REGISTRY_FILE} --set coordinator.heartbeat_timeout=10
+    disttrain coordinator --registry runs/{REGISTRY_FILE} --inject kill:coordinator:step=20
     disttrain status --coordinator node0:50050"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bind", default=None, metavar="HOST:PORT",
+    parser.add_argument(FLAGS.bind, default=None, metavar="HOST:PORT",
                         help=f"address to listen on; port 0 picks a free one (default: "
                              f"coordinator.address, else {DEFAULT_BIND})")
-    parser.add_argument("--registry", default=None, metavar="PATH",
+    parser.add_argument(FLAGS.registry, default=None, metavar="PATH",
                         help=f"SQLite file holding the cluster's state, created when absent "
-                             f"(default: <system.log_dir>/{REGISTRY_NAME})")
-    parser.add_argument("--config", help=f"{CONFIG_HELP} (its coordinator section is used)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                             f"(default: <system.log_dir>/{REGISTRY_FILE})")
+    parser.add_argument(FLAGS.config, help=f"{CONFIG_HELP} (its coordinator section is used)")
+    parser.add_argument(FLAGS.setting, action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a config key, e.g. coordinator.heartbeat_timeout=10 (repeatable)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(FLAGS.verbose, "--verbose", action="store_true", help="debug logging")
     add_fault_flags(parser)  # its faults fire at the highest step any node reported
     add_attempt_flag(parser)
     add_token_flag(parser)
@@ -81,7 +82,7 @@ def prepare(args: argparse.Namespace) -> CoordinatorPlan:
     config = load_config(args.config, {}, args.set)
     bind = args.bind or config.coordinator.address or DEFAULT_BIND
     parse_address(bind, "--bind")
-    registry = args.registry or str(Path(config.system.log_dir) / REGISTRY_NAME)
+    registry = args.registry or str(Path(config.system.log_dir) / REGISTRY_FILE)
     return CoordinatorPlan(config, options, bind, registry)
 
 

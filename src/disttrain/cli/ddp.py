@@ -1,7 +1,7 @@
-"""`disttrain ddp` (the launcher) and `python -m disttrain.ddp` (one rank, as torchrun or
+"""`disttrain ddp` (the launcher) and `python -m disttrain.torchrun` (one rank, as torchrun or
 the launcher starts it).
 
-`python -m disttrain.ddp` decides by its environment: started by an elastic agent (the
+`python -m disttrain.torchrun` decides by its environment: started by an elastic agent (the
 rank variables are set) it is one rank; typed by hand it is the same as `disttrain ddp`.
 Environment variables are read here and nowhere deeper.
 """
@@ -39,6 +39,7 @@ from disttrain.cli.flags import (
 from disttrain.config import Config
 from disttrain.core.errors import ConfigError, DisttrainError, error_lines
 from disttrain.core.logs import setup_logging
+from disttrain.core.process_spec import FLAGS
 from disttrain.metrics.summary import RunSummary
 from disttrain.training.options import RunOptions
 
@@ -62,7 +63,7 @@ heartbeat age, restarts, step and throughput, during the run or after it.
     disttrain ddp --world-size 2 --compression-enabled --compression-type powersgd --powersgd-rank 2
     disttrain ddp --world-size 8 --nnodes 2 --rdzv-endpoint node0:29400 --config ddp.yaml \
         --coordinator node0:50050
-    torchrun --standalone --nproc-per-node 2 -m disttrain.ddp --config ddp.yaml"""
+    torchrun --standalone --nproc-per-node 2 -m disttrain.torchrun --config ddp.yaml"""
 EPILOG = not_used_yet_epilog()
 
 # flag -> (config key, type, help): the DDP knobs on top of the common training flags.
@@ -93,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_flag(parser, "--coordinator", "coordinator.address", str,
                     "a running `disttrain coordinator` the ranks report to, instead of one started "
                     "for this run (how a run of several nodes is watched)", metavar="HOST:PORT")
-    parser.add_argument("--quiet-summary", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(FLAGS.quiet_summary, action="store_true", help=argparse.SUPPRESS)
     add_token_flag(parser)
     add_tls_flags(parser)
 
@@ -141,7 +142,7 @@ def run(args: argparse.Namespace) -> RunSummary | None:
 
 
 def rank_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m disttrain.ddp", description=DESCRIPTION,
+    parser = argparse.ArgumentParser(prog="python -m disttrain.torchrun", description=DESCRIPTION,
                                      formatter_class=cli.HelpFormatter)
     add_arguments(parser)
     return parser
@@ -189,7 +190,7 @@ def restarts_need_fresh_store(env: Mapping[str, str]) -> bool:
 
 
 def module_main(argv: list[str], env: Mapping[str, str]) -> int:
-    """`python -m disttrain.ddp`: a rank under an elastic agent, else the launcher.
+    """`python -m disttrain.torchrun`: a rank under an elastic agent, else the launcher.
 
     A rank leaves with `os._exit` once its work is flushed: gloo's worker threads (kept
     alive by the DDP reducer's hold on the process group) may still drop a finished

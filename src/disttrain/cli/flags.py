@@ -17,6 +17,7 @@ from disttrain.config import Config, load_config, not_used_yet
 from disttrain.core.auth import TOKEN_ENV, resolve_token
 from disttrain.core.errors import ConfigError
 from disttrain.core.faults import Fault, load_fault_plan, parse_fault
+from disttrain.core.process_spec import FLAGS
 from disttrain.core.tls import TlsFiles
 from disttrain.training.options import RunOptions
 
@@ -38,8 +39,8 @@ COMMON_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--max-train-samples": ("training.max_train_samples", int, "train on a fixed subset"),
     "--max-test-samples": ("training.max_test_samples", int, "evaluate on a fixed subset"),
     "--num-samples": ("training.num_samples", int, "size of the synthetic data set"),
-    "--checkpoint-dir": ("system.checkpoint_dir", str, "where checkpoints go"),
-    "--log-dir": ("system.log_dir", str, "where metrics, TensorBoard events, summary go"),
+    FLAGS.checkpoint_dir: ("system.checkpoint_dir", str, "where checkpoints go"),
+    FLAGS.log_dir: ("system.log_dir", str, "where metrics, TensorBoard events, summary go"),
     "--checkpoint-interval": ("training.checkpoint_interval", int, "checkpoint every N steps"),
     "--num-threads": ("system.num_threads", int, "torch threads per process (0 = auto)"),
 }
@@ -106,20 +107,20 @@ def add_config_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str
 def add_common_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
     """The flags of every command that reads a config (`only` those of `COMMON_FLAGS`
     named, for a command that uses no more)."""
-    parser.add_argument("--config", help=CONFIG_HELP)
+    parser.add_argument(FLAGS.config, help=CONFIG_HELP)
     add_config_flags(parser, {flag: spec for flag, spec in COMMON_FLAGS.items()
                               if only is None or flag in only})
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+    parser.add_argument(FLAGS.setting, action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any config key (repeatable; wins over everything)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(FLAGS.verbose, "--verbose", action="store_true", help="debug logging")
 
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of every command that trains."""
     add_check_flag(parser)
-    parser.add_argument("--resume", action="store_true",
+    parser.add_argument(FLAGS.resume, action="store_true",
                         help="continue from the newest checkpoint in the checkpoint dir")
-    parser.add_argument("--summary-json", metavar="PATH", help="also write summary.json here")
+    parser.add_argument(FLAGS.summary_json, metavar="PATH", help="also write summary.json here")
     parser.add_argument("--artifacts-dir", metavar="DIR",
                         help="also write the run's artifacts here, for `disttrain report`: "
                              "baseline.json; ps.json and worker_metrics.json; ddp.json and "
@@ -153,11 +154,11 @@ def add_tls_flags(parser: argparse.ArgumentParser) -> None:
     """`--tls-cert`, `--tls-key`, `--tls-ca`: TLS on every connection of the process (the
     same files are its identity as a server and as a client)."""
     group = parser.add_argument_group("TLS (every server and client of the run)")
-    group.add_argument("--tls-cert", metavar="FILE", default=None,
+    group.add_argument(FLAGS.tls_cert, metavar="FILE", default=None,
                        help="this process's certificate (PEM); with --tls-key, servers listen with TLS")
-    group.add_argument("--tls-key", metavar="FILE", default=None,
+    group.add_argument(FLAGS.tls_key, metavar="FILE", default=None,
                        help="the private key of --tls-cert (PEM)")
-    group.add_argument("--tls-ca", metavar="FILE", default=None,
+    group.add_argument(FLAGS.tls_ca, metavar="FILE", default=None,
                        help="the CA (PEM) the peers' certificates must be signed by; servers then "
                             "also require client certificates (mutual TLS)")
 
@@ -176,7 +177,7 @@ def tls_from_args(args: argparse.Namespace) -> TlsFiles:
 
 def add_attempt_flag(parser: argparse.ArgumentParser) -> None:
     """`--attempt N`: which restart of this process this is (set by a supervisor)."""
-    parser.add_argument("--attempt", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument(FLAGS.attempt, type=int, default=0, help=argparse.SUPPRESS)
 
 
 INJECT_HELP = (
@@ -196,7 +197,7 @@ INJECT_HELP = (
 def add_fault_flags(parser: argparse.ArgumentParser) -> None:
     """`--inject SPEC` and `--fault-plan FILE`, both feeding the run's faults (the
     launchers hand each child its faults as `--inject=SPEC`)."""
-    parser.add_argument("--inject", dest="faults", action="append", default=[], type=_fault,
+    parser.add_argument(FLAGS.inject, dest="faults", action="append", default=[], type=_fault,
                         metavar="SPEC", help=INJECT_HELP)
     parser.add_argument("--fault-plan", dest="fault_plans", action="append", default=[],
                         type=_fault_plan, metavar="FILE",

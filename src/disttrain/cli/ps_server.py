@@ -22,6 +22,7 @@ from disttrain.config import Config
 from disttrain.core.addresses import parse_address
 from disttrain.core.errors import ConfigError
 from disttrain.core.faults import FaultInjector
+from disttrain.core.process_spec import FLAGS
 from disttrain.training.options import RunOptions
 
 HELP = "serve one parameter-server shard over gRPC"
@@ -41,11 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_check_flag(parser)
     add_config_flags(parser, {"--workers": ("system.num_workers", int, "workers of the run"),
                               **PS_FLAGS, **COORDINATOR_FLAG})
-    parser.add_argument("--bind", default=None, metavar="HOST:PORT",
+    parser.add_argument(FLAGS.bind, default=None, metavar="HOST:PORT",
                         help="address to listen on (default: ps.bind_host with a free port)")
-    parser.add_argument("--shard", default="0/1", metavar="I/S",
+    parser.add_argument(FLAGS.shard, default="0/1", metavar="I/S",
                         help="which shard this server holds, of how many (default 0/1)")
-    parser.add_argument("--resume", action="store_true",
+    parser.add_argument(FLAGS.resume, action="store_true",
                         help="start from this shard's newest checkpoint")
     add_fault_flags(parser)
     add_attempt_flag(parser)

@@ -24,6 +24,7 @@ from disttrain.cli.flags import (
 from disttrain.cli.ps import COORDINATOR_FLAG, PS_FLAGS, describe_ps_run
 from disttrain.config import Config
 from disttrain.core.addresses import parse_address_list
+from disttrain.core.process_spec import FLAGS
 from disttrain.metrics.summary import RunSummary
 from disttrain.training.options import RunOptions
 
@@ -43,11 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_training_flags(parser, {**PS_FLAGS, **COORDINATOR_FLAG})
     add_token_flag(parser)
     add_tls_flags(parser)
-    parser.add_argument("--servers", required=True, metavar="HOST:PORT[,HOST:PORT...]",
+    parser.add_argument(FLAGS.servers, required=True, metavar="HOST:PORT[,HOST:PORT...]",
                         help="every shard's server, in shard order")
-    parser.add_argument("--worker-id", default=None,
+    parser.add_argument(FLAGS.worker_id, default=None,
                         help="this worker's name (default: host:pid); a restarted worker reuses its name")
-    parser.add_argument("--rank", type=int, default=-1,
+    parser.add_argument(FLAGS.rank, type=int, default=-1,
                         help="ask for this rank (default: the servers assign the lowest free one)")
 
 

@@ -25,9 +25,9 @@ straggler, rebalanced). Ask a running coordinator, or read its registry file (wo
 while no coordinator runs; never writes to the file).
 
     disttrain status --coordinator node0:50050
-    disttrain status --registry logs/cluster-registry.db
+    disttrain status --registry logs/cluster.db
     disttrain status --coordinator node0:50050 --watch      # redraw every 2 s until Ctrl-C
-    disttrain status --registry logs/cluster-registry.db --json"""
+    disttrain status --registry logs/cluster.db --json"""
 
 NODE_KEYS = [f.name for f in pb.NodeStatus.DESCRIPTOR.fields]
 EVENT_KEYS = [f.name for f in pb.ClusterEvent.DESCRIPTOR.fields]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from disttrain.config import STRATEGY_OF_ARCHITECTURE, Config, config_from_dict, parse_set_expression
 from disttrain.core.errors import ConfigError
+from disttrain.core.process_spec import ProcessSpec
 from disttrain.core.processes import thread_count
 
 # strategy -> (subcommand, config keys it sets)
@@ -82,14 +83,11 @@ class PlannedRun:
             raw[section][name] = value
         return config_from_dict(raw)
 
-    def arguments(self, config_path: Path, folder: Path) -> list[str]:
-        """The `disttrain` arguments of this run: its config, its folders, its keys."""
-        args = [self.subcommand, "--config", str(config_path),
-                "--log-dir", str(folder / "logs"), "--checkpoint-dir", str(folder / "checkpoints"),
-                "--set", f"system.num_workers={self.workers}"]
-        for key, value in self.settings().items():
-            args += ["--set", f"{key}={value}"]
-        return args
+    def spec(self, config_path: Path, folder: Path) -> ProcessSpec:
+        """The `disttrain` command of this run: its config, its folders, its keys."""
+        settings = (("system.num_workers", str(self.workers)), *self.settings().items())
+        return ProcessSpec(self.subcommand, config=config_path, log_dir=folder / "logs",
+                           checkpoint_dir=folder / "checkpoints", settings=settings)
 
 
 def parse_strategies(text: str, workers: int) -> list[PlannedRun]:

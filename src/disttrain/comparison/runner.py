@@ -18,6 +18,7 @@ from typing import Protocol
 
 from disttrain.comparison.plan import PlannedRun
 from disttrain.config import Config
+from disttrain.core.process_spec import user_command
 from disttrain.core.processes import Cluster
 from disttrain.metrics.keys import ACCURACY_THRESHOLDS
 from disttrain.report.files import write_json_atomic
@@ -92,11 +93,11 @@ class Comparison:
 
     def _run_one(self, run: PlannedRun, record: RunRecord, config_path: Path, display: Display) -> None:
         folder = self.folder / run.name
-        args = run.arguments(config_path.resolve(), folder.resolve())
-        record.command = ["disttrain", *args]
+        spec = run.spec(config_path.resolve(), folder.resolve())
+        record.command = user_command(spec)
         started = time.monotonic()
         with Cluster(folder) as cluster:
-            child = cluster.spawn(OUTPUT_LOG, args)
+            child = cluster.spawn(OUTPUT_LOG, spec)
             code = None
             while code is None:
                 elapsed = time.monotonic() - started

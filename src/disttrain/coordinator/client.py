@@ -21,7 +21,7 @@ import grpc
 import tenacity
 
 from disttrain.coordinator.node_info import balance_fields, capabilities
-from disttrain.core.auth import with_token
+from disttrain.core.channels import open_channel
 from disttrain.core.errors import DisttrainError
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import coordinator_pb2 as pb
@@ -69,8 +69,8 @@ class CoordinatorClient:
         self.timeout_s = timeout_s
         # Back within about a second of a restarted coordinator (gRPC's default backoff grows
         # to two minutes after a few failed attempts, and heartbeats would stay paused).
-        self.channel = with_token((tls or TlsFiles()).channel(address, options=[
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]), token)
+        self.channel = open_channel(address, tls, token, options=[
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)])
         self._calls = {name: self.channel.unary_unary(method_path(name),
                                                       request_serializer=request.SerializeToString,
                                                       response_deserializer=reply.FromString)

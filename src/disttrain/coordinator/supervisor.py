@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from disttrain.core.errors import DistributedError
+from disttrain.core.process_spec import ProcessSpec
 from disttrain.core.processes import Cluster
 
 logger = logging.getLogger(__name__)
@@ -29,12 +30,12 @@ class Managed:
     Args:
         name: its name in the cluster (and its log file's).
         node_id: its id at the coordinator.
-        args: the command line of attempt N (0: the first start; later ones resume).
+        spec: the process of attempt N (0: the first start; later ones resume).
     """
 
     name: str
     node_id: str
-    args: Callable[[int], list[str]]
+    spec: Callable[[int], ProcessSpec]
     attempts: int = 0
     finished: bool = False
 
@@ -68,7 +69,7 @@ class Supervisor:
 
     def start(self, process: Managed) -> None:
         self.processes[process.name] = process
-        self.cluster.spawn(process.name, process.args(process.attempts))
+        self.cluster.spawn(process.name, process.spec(process.attempts))
 
     def by_node(self, node_id: str) -> Managed | None:
         return next((p for p in self.processes.values() if p.node_id == node_id), None)
@@ -114,6 +115,6 @@ class Supervisor:
         process.attempts += 1
         logger.warning("%s %s; restarting it (restart %d of at most %d)", name, reason, process.attempts,
                        self.max_restarts)
-        self.cluster.spawn(name, process.args(process.attempts))
+        self.cluster.spawn(name, process.spec(process.attempts))
         failure.restarted_at = time.monotonic()
         return True

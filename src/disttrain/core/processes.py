@@ -1,11 +1,12 @@
 """Start a local cluster of processes, stream their logs, and never leave one behind.
 
-Each child runs `python -m disttrain ...` in its own session (so a Ctrl-C reaches only
-the launcher, which then stops the children in order), with its stdout and stderr in
-`<log_dir>/<name>.log`. Children report to the launcher with event lines on stdout
-(`emit_event`): the address a server bound, progress. A child calls `bind_to_parent()`
-first thing: on Linux the kernel then kills it when the launcher dies, however the
-launcher dies (SIGKILL included); elsewhere a watchdog thread does the same.
+Each child is described by a `ProcessSpec` (`core.process_spec`) and runs in its own
+session (so a Ctrl-C reaches only the launcher, which then stops the children in order),
+with its stdout and stderr in `<log_dir>/<name>.log`. Children report to the launcher
+with event lines on stdout (`emit_event`): the address a server bound, progress. A child
+calls `bind_to_parent()` first thing: on Linux the kernel then kills it when the launcher
+dies, however the launcher dies (SIGKILL included); elsewhere a watchdog thread does the
+same.
 """
 
 from __future__ import annotations
@@ -21,9 +22,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from disttrain.core.errors import DistributedError
+from disttrain.core.process_spec import ProcessSpec, command_line
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +37,9 @@ EVENT_PREFIX = "@disttrain-event "
 PARENT_ENV = "DISTTRAIN_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
 _QUIET_EVENTS = {"progress"}  # frequent events stay out of the log files
+# How long a child may take to report the address it listens on (importing torch, loading
+# a model and data on a loaded machine can take tens of seconds).
+STARTUP_TIMEOUT_S = 120.0
 
 
 def emit_event(kind: str, **fields: Any) -> None:
@@ -103,15 +112,18 @@ class Cluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: dict[str, Child] = {}
         self.events: queue.Queue[Event] = queue.Queue()
+        self.addresses: dict[str, str] = {}  # child -> the address it reported it listens on
+        self._held: deque[Event] = deque()  # events that came while waiting for an address
 
-    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
-        """Start `python -m disttrain ARGS` as child `name` (call from the main thread:
+    def spawn(self, name: str, spec: ProcessSpec, env: dict[str, str] | None = None) -> Child:
+        """Start the process `spec` describes as child `name` (call from the main thread:
         the kernel ties a child's death signal to the thread that forked it)."""
         log_path = self.log_dir / f"{name}.log"
         log_file = log_path.open("ab", buffering=0)
         child_env = {**os.environ, **self.env, **(env or {}), PARENT_ENV: str(os.getpid()),
                      "PYTHONUNBUFFERED": "1"}
-        process = subprocess.Popen([sys.executable, "-m", "disttrain", *args], stdout=subprocess.PIPE,
+        args = command_line(spec)
+        process = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
                                    stderr=log_file, stdin=subprocess.DEVNULL, env=child_env,
                                    start_new_session=True)
         log_file.close()
@@ -147,10 +159,52 @@ class Cluster:
         self.events.put(Event(child.name, "exit", {"code": code}))
 
     def next_event(self, timeout_s: float | None) -> Event | None:
+        """The next event (one held back by `wait_listening` first), or None after `timeout_s`."""
+        if self._held:
+            return self._held.popleft()
         try:
-            return self.events.get(timeout=timeout_s)
+            event = self.events.get(timeout=timeout_s)
         except queue.Empty:
             return None
+        if event.kind == "listening":
+            self.addresses[event.child] = str(event.fields["address"])
+        return event
+
+    def wait_listening(self, name: str, timeout_s: float = STARTUP_TIMEOUT_S,
+                       restarted: Callable[[str, int], bool] | None = None) -> str:
+        """The address child `name` reports it listens on (a restarted child binds the
+        same). Other events stay queued for `next_event`, in order.
+
+        Args:
+            restarted: called with (child, exit code) when `name` exits before it
+                listens; True when it was started again (then the wait goes on).
+        Raises:
+            DistributedError: `name` exited (and was not restarted), or did not report
+                within `timeout_s`; its log is named.
+        """
+        deadline = time.monotonic() + timeout_s
+        while name not in self.addresses:
+            # An exit of `name` held back while waiting for another child comes first.
+            held = next((e for e in self._held if e.child == name and e.kind == "exit"), None)
+            if held is not None:
+                self._held.remove(held)
+                event = held
+            else:
+                try:
+                    event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise DistributedError(f"{name} did not start within {timeout_s:.0f}s; see "
+                                           f"{self.log_dir}/{name}.log") from None
+            if event.kind == "listening":
+                self.addresses[event.child] = str(event.fields["address"])
+            if event.child == name and event.kind == "exit":
+                code = int(event.fields["code"])
+                if restarted is None or not restarted(name, code):
+                    raise DistributedError(f"{name} exited with code {code} before it listened; see "
+                                           f"{self.log_dir}/{name}.log")
+            elif event.kind != "listening":
+                self._held.append(event)
+        return self.addresses[name]
 
     def alive(self) -> list[Child]:
         return [c for c in self.children.values() if c.process.poll() is None]

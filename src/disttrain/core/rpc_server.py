@@ -27,6 +27,23 @@ logger = logging.getLogger(__name__)
 SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
 
 
+
+def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
+    """The credentials a server listens with (mutual TLS when a CA is given).
+
+    Raises:
+        ConfigError: no certificate and key, or a file cannot be read.
+    """
+    tls.check()
+    if not tls.cert:
+        raise ConfigError("a server with TLS needs --tls-cert and --tls-key (and --tls-ca to "
+                          "require client certificates)")
+    pair = [(tls.read("key"), tls.read("cert"))]
+    if tls.ca:
+        return grpc.ssl_server_credentials(pair, root_certificates=tls.read("ca"), require_client_auth=True)
+    return grpc.ssl_server_credentials(pair)
+
+
 class RpcServer:
     """A started gRPC server with the health service.
 
@@ -51,7 +68,7 @@ class RpcServer:
                  tls: TlsFiles | None = None):
         host, port = parse_address(bind, "--bind")
         tls = tls or TlsFiles()
-        credentials = tls.server_credentials() if tls.enabled else None  # a bad file fails before binding
+        credentials = server_credentials(tls) if tls.enabled else None  # a bad file fails before binding
         # The health service stays open without the token (the interceptor lets it through),
         # so orchestrators' probes work.
         interceptors = [TokenInterceptor(token)] if token is not None else []

@@ -1,5 +1,6 @@
 """TLS for the project's gRPC services: the PEM files a user names with `--tls-cert`,
-`--tls-key` and `--tls-ca`, read once and turned into gRPC credentials.
+`--tls-key` and `--tls-ca`, checked and read here; `core.channels` and
+`core.rpc_server` turn them into gRPC credentials.
 
 A server needs its certificate and key; given a CA as well, it also asks every client for
 a certificate signed by that CA (mutual TLS) and refuses those without one. A client
@@ -9,13 +10,13 @@ well, it presents them. Errors name the file and the flag.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from disttrain.core.errors import ConfigError
+
+# field -> the flag a user names it with (in errors)
+FLAG_OF = {"cert": "--tls-cert", "key": "--tls-key", "ca": "--tls-ca"}
 
 
 @dataclass(frozen=True)
@@ -41,68 +42,28 @@ class TlsFiles:
         """Whether a server with these files asks every client for a certificate."""
         return bool(self.cert and self.ca)
 
-    def args(self) -> list[str]:
-        """The flags that give a child process the same files (absolute paths: paths are not
-        secrets, so a command line may carry them)."""
-        return [item for flag, path in (("--tls-cert", self.cert), ("--tls-key", self.key),
-                                        ("--tls-ca", self.ca)) if path
-                for item in (flag, os.path.abspath(path))]
-
-    def channel(self, address: str, options: list | None = None) -> grpc.Channel:
-        """A channel to `address`: TLS with these files when enabled, else plain TCP.
-
-        Raises:
-            ConfigError: a file cannot be read.
-        """
-        if self.enabled:
-            return grpc.secure_channel(address, self.channel_credentials(), options=options)
-        return grpc.insecure_channel(address, options=options)
-
     def check(self) -> None:
         """Raises ConfigError when a certificate comes without its key or the reverse, or a
         named file cannot be read."""
         if bool(self.cert) != bool(self.key):
             raise ConfigError("--tls-cert and --tls-key go together: give both (the certificate "
                               "and its private key) or neither")
-        for flag, path in (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-ca", self.ca)):
-            if path:
-                _read(path, flag)
+        for name in FLAG_OF:
+            self.read(name)
 
-    def server_credentials(self) -> grpc.ServerCredentials:
-        """The credentials a server listens with (mutual TLS when a CA is given).
-
-        Raises:
-            ConfigError: no certificate and key, or a file cannot be read.
-        """
-        self.check()
-        if not self.cert:
-            raise ConfigError("a server with TLS needs --tls-cert and --tls-key (and --tls-ca to "
-                              "require client certificates)")
-        pair = [(_read(self.key, "--tls-key"), _read(self.cert, "--tls-cert"))]
-        if self.ca:
-            return grpc.ssl_server_credentials(pair, root_certificates=_read(self.ca, "--tls-ca"),
-                                               require_client_auth=True)
-        return grpc.ssl_server_credentials(pair)
-
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        """The credentials a client connects with: the CA to check the server against
-        (the system's CAs when none is given), and its own certificate when it has one.
+    def read(self, name: str) -> bytes | None:
+        """The PEM bytes of file `name` ("cert", "key" or "ca"); None when not given.
 
         Raises:
-            ConfigError: a file cannot be read.
+            ConfigError: the file cannot be read, or is not PEM (the flag and file named).
         """
-        self.check()
-        return grpc.ssl_channel_credentials(
-            root_certificates=_read(self.ca, "--tls-ca") if self.ca else None,
-            private_key=_read(self.key, "--tls-key") if self.key else None,
-            certificate_chain=_read(self.cert, "--tls-cert") if self.cert else None)
-
-
-def _read(path: str, flag: str) -> bytes:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{flag} {path}: cannot be read ({e.strerror or e})") from e
-    if b"-----BEGIN" not in data:
-        raise ConfigError(f"{flag} {path}: is not a PEM file (no -----BEGIN line)")
-    return data
+        path, flag = getattr(self, name), FLAG_OF[name]
+        if not path:
+            return None
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise ConfigError(f"{flag} {path}: cannot be read ({e.strerror or e})") from e
+        if b"-----BEGIN" not in data:
+            raise ConfigError(f"{flag} {path}: is not a PEM file (no -----BEGIN line)")
+        return data

@@ -19,7 +19,6 @@ ranks run unwatched, since a coordinator per node would only see part of the run
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,17 +26,16 @@ from pathlib import Path
 
 from disttrain.config import Config
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
+from disttrain.coordinator.launch import ExitReports, coordinator_spec, run_registry
 from disttrain.core.auth import TOKEN_ENV, new_token
-from disttrain.core.errors import DistributedError
+from disttrain.core.faults import Fault
 from disttrain.core.processes import Cluster
 from disttrain.core.tls import TlsFiles
 from disttrain.strategies.ddp.heartbeats import ROLE, node_id
 
 logger = logging.getLogger(__name__)
 
-REGISTRY_FILE = "cluster.db"
 BIND = "127.0.0.1:0"
-STARTUP_TIMEOUT_S = 60.0
 CALL_TIMEOUT_S = 2.0
 
 
@@ -92,25 +90,21 @@ class RunCoordinator:
         """Tell the coordinator each rank's (exit code, reason); best effort, one try each."""
         if not self.address or not exits:
             return
-        client = CoordinatorClient(self.address, timeout_s=CALL_TIMEOUT_S, token=self.token, tls=self.tls)
-        try:
-            for rank, (code, reason) in sorted(exits.items()):
-                client.report_exit(node_id(rank), code, reason)
-        except CoordinatorError as e:
-            logger.warning("could not tell the coordinator how the ranks ended: %s", e)
-        finally:
-            client.close()
+        reports = ExitReports(self.address, self.token, self.tls, timeout_s=CALL_TIMEOUT_S)
+        for rank, (code, reason) in sorted(exits.items()):
+            reports.report(node_id(rank), code, reason)
+        reports.close(patience_s=0.0)
 
 
 @contextmanager
-def run_coordinator(config: Config, config_path: Path, resume: bool,
-                    token: str | None = None, tls: TlsFiles | None = None) -> Iterator[RunCoordinator]:
+def run_coordinator(config: Config, config_path: Path, resume: bool, token: str | None = None,
+                    tls: TlsFiles | None = None, faults: tuple[Fault, ...] = ()) -> Iterator[RunCoordinator]:
     """Have a coordinator for the run while the block runs; yields where the ranks find it.
 
     Starts one as a child process for a single-node run without `coordinator.address`
     (stopped when the block ends), reading its settings from `config_path`; it requires
-    `token`, or a fresh random one when None (the yielded `token`), and serves with `tls`
-    when it is enabled (its files passed as `--tls-*` flags).
+    `token`, or a fresh random one when None (the yielded `token`), serves with `tls` when
+    it is enabled, and fires those of `faults` meant for the coordinator.
 
     Raises:
         DistributedError: the coordinator did not start (its log is named).
@@ -128,38 +122,13 @@ def run_coordinator(config: Config, config_path: Path, resume: bool,
         return
     token = token or new_token()
     log_dir = Path(config.system.log_dir)
-    registry = log_dir / REGISTRY_FILE
-    if not resume:
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{registry}{suffix}").unlink(missing_ok=True)
+    registry = run_registry(log_dir, resume)
     with Cluster(log_dir, env={TOKEN_ENV: token}) as cluster:
-        cluster.spawn("coordinator", ["coordinator", "--bind", BIND, "--registry", str(registry),
-                                      "--config", str(config_path), *tls.args()])
-        address = wait_listening(cluster, "coordinator")
+        cluster.spawn("coordinator", coordinator_spec(config_path, registry, BIND, faults, tls=tls))
+        address = cluster.wait_listening("coordinator")
         logger.info("coordinator listening on %s (registry %s)", address, registry)
         coordinator = RunCoordinator(config.replace(coordinator={"address": address}), local_ranks, registry,
                                      token, tls)
         if resume:
             coordinator.retire_earlier_ranks()
         yield coordinator
-
-
-def wait_listening(cluster: Cluster, name: str, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
-    """The address child `name` reports it listens on.
-
-    Raises:
-        DistributedError: it exited, or did not report within `timeout_s`.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        event = cluster.next_event(max(0.0, deadline - time.monotonic()))
-        if event is None:
-            raise DistributedError(f"the {name} did not start within {timeout_s:.0f}s; see "
-                                   f"{cluster.log_dir}/{name}.log")
-        if event.child != name:
-            continue
-        if event.kind == "listening":
-            return str(event.fields["address"])
-        if event.kind == "exit":
-            raise DistributedError(f"the {name} exited with code {event.fields['code']} before it "
-                                   f"listened; see {cluster.log_dir}/{name}.log")

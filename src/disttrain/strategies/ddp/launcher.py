@@ -3,7 +3,7 @@
 The ranks are started by `torch.distributed.launcher.api.elastic_launch`, the engine
 behind torchrun: a c10d rendezvous (a private TCP store on a free port for a single node,
 or the `HOST:PORT` of `ddp.rdzv_endpoint` shared by all nodes), one process per rank
-running `python -m disttrain.ddp`, monitoring, and up to `ddp.max_restarts` restarts
+running `python -m disttrain.torchrun`, monitoring, and up to `ddp.max_restarts` restarts
 of the whole group when a rank dies. Each rank is then the same program torchrun would
 start, so one code path serves both. A coordinator watches the ranks (`coordination`):
 each registers and heartbeats, so `disttrain status` shows the run and its restarts.
@@ -42,7 +42,7 @@ from disttrain.config import Config, DDPConfig
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.auth import TOKEN_ENV
 from disttrain.core.errors import ConfigError, DistributedError
-from disttrain.core.faults import format_fault
+from disttrain.core.process_spec import RANK_ENTRY, ProcessSpec, command_line
 from disttrain.core.processes import thread_count
 from disttrain.data import load_datasets
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
@@ -123,15 +123,12 @@ def launch_config(ddp: DDPConfig, ranks_per_node: int, error_dir: Path) -> Launc
     )
 
 
-def rank_arguments(config_path: Path, summary_path: Path, options: RunOptions) -> list[str]:
-    """The command line after `python` for every rank (the torchrun entry point). Rank 0
-    also writes the summary at `summary_path`, where only the launcher of its node finds it."""
-    args = ["-u", "-m", "disttrain.ddp", "--config", str(config_path), "--summary-json",
-            str(summary_path), "--quiet-summary"]
-    args += ["--resume"] if options.resume else []
-    args += [f"--inject={format_fault(fault)}" for fault in options.faults]
-    args += ["-v"] if options.verbose else []
-    return args + options.tls.args()
+def rank_spec(config_path: Path, summary_path: Path, options: RunOptions) -> ProcessSpec:
+    """Every rank's process (the torchrun entry point). Rank 0 also writes the summary at
+    `summary_path`, where only the launcher of its node finds it."""
+    return ProcessSpec("", entry=RANK_ENTRY, config=config_path, summary_json=summary_path,
+                       quiet_summary=True, resume=options.resume, faults=options.faults,
+                       verbose=options.verbose, tls=options.tls)
 
 
 def launch(config: Config, options: RunOptions) -> RunSummary | None:
@@ -154,10 +151,10 @@ def launch(config: Config, options: RunOptions) -> RunSummary | None:
     with tempfile.TemporaryDirectory(prefix="disttrain-ddp-") as folder:
         config_path, summary_path = Path(folder) / "config.yaml", Path(folder) / SUMMARY_FILE
         config.save(config_path)
-        with run_coordinator(config, config_path, options.resume, options.token,
-                             options.tls) as coordinator:
+        with run_coordinator(config, config_path, options.resume, options.token, options.tls,
+                             options.faults) as coordinator:
             coordinator.config.save(config_path)  # the ranks find the coordinator here
-            args = rank_arguments(config_path, summary_path, options)
+            args = command_line(rank_spec(config_path, summary_path, options))
             run_ranks(coordinator, plan, Path(folder) / "agent", args)
         if coordinator.registry is not None:
             logger.info("every rank's state, restarts and progress: disttrain status --registry %s",

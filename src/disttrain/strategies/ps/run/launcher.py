@@ -11,27 +11,26 @@ restarted on its registry (`<log_dir>/cluster.db`). Worker 0 writes
 `parameter_server_final.pt` and `summary.json` (strategy ps-sync, ps-ssp or ps-async)
 when every worker is done; the launcher adds each failure and its recovery. Every
 server refuses calls without the run's token (the user's, else a random one per run),
-which the children get through their environment; with TLS files, every process gets
-the same `--tls-*` flags and serves and connects with TLS.
+which the children get through their environment; with TLS files, every process serves
+and connects with the same ones. Each child is described by a `ProcessSpec`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import tenacity
-
 from disttrain.config import Config
-from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
+from disttrain.coordinator.launch import ExitReports, coordinator_spec, run_registry
 from disttrain.coordinator.supervisor import Managed, Supervisor
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.auth import TOKEN_ENV, new_token
 from disttrain.core.errors import ConfigError, DistributedError
-from disttrain.core.faults import format_fault
-from disttrain.core.processes import Cluster, Event, raise_on_sigterm
+from disttrain.core.process_spec import ProcessSpec
+from disttrain.core.processes import Cluster, raise_on_sigterm
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
 from disttrain.strategies.ps.run.progress import ClusterWatch
 from disttrain.strategies.ps.run.recovery import recovery_summary
@@ -40,9 +39,7 @@ from disttrain.training.options import RunOptions
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = 120.0
 SHUTDOWN_TIMEOUT_S = 60.0
-REGISTRY_FILE = "cluster.db"
 
 
 def run_cluster(config: Config, options: RunOptions) -> RunSummary:
@@ -59,10 +56,7 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
     log_dir = Path(config.system.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / SUMMARY_FILE).unlink(missing_ok=True)
-    registry = log_dir / REGISTRY_FILE
-    if not options.resume:
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{registry}{suffix}").unlink(missing_ok=True)
+    registry = run_registry(log_dir, options.resume)
     raise_on_sigterm()
     # One token per run unless the user gave one; children get it through their
     # environment (a command line is readable by every user), restarted ones too.
@@ -112,23 +106,15 @@ class ParameterServer:
 STRATEGY = ParameterServer()
 
 
-def start_servers(cluster: Cluster, args: list[str], bind_host: str, num_servers: int) -> list[str]:
-    """Start `num_servers` shard servers on free ports, unsupervised (for runs whose workers
-    are started by hand); their addresses in shard order. Raises DistributedError when one
-    exits or does not report its address in time."""
+def start_servers(cluster: Cluster, config_path: Path, num_servers: int, bind_host: str = "127.0.0.1"
+                  ) -> list[str]:
+    """Start `num_servers` shard servers of the config at `config_path` on free ports,
+    unsupervised (for runs whose workers are started by hand); their addresses in shard
+    order. Raises DistributedError when one exits or does not report its address in time."""
     for shard in range(num_servers):
-        cluster.spawn(f"server{shard}", ["ps-server", *args, "--bind", f"{bind_host}:0",
-                                         "--shard", f"{shard}/{num_servers}"])
-    addresses: dict[int, str] = {}
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while len(addresses) < num_servers:
-        event = cluster.next_event(max(0.0, deadline - time.monotonic()))
-        if event is None or event.kind == "exit":
-            raise DistributedError(f"servers did not start within {STARTUP_TIMEOUT_S:.0f}s; see "
-                                   f"{cluster.log_dir}/server*.log")
-        if event.kind == "listening":
-            addresses[int(event.fields["shard"])] = str(event.fields["address"])
-    return [addresses[s] for s in range(num_servers)]
+        cluster.spawn(f"server{shard}", ProcessSpec("ps-server", config=config_path, bind=f"{bind_host}:0",
+                                                    shard=(shard, num_servers)))
+    return [cluster.wait_listening(f"server{shard}") for shard in range(num_servers)]
 
 
 @dataclass
@@ -142,18 +128,14 @@ class ClusterRun:
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(self.cluster, self.config.coordinator.max_restarts, self._report_exit)
-        self.coordinator: CoordinatorClient | None = None
-        self._binds: dict[str, list[str]] = {}  # server -> [the address it binds]
-        self._listening: dict[str, str] = {}
-        self._early: list[Event] = []  # events that came while waiting for addresses
-        self._unreported: list[tuple[str, int, str]] = []  # exits the coordinator has not heard of
+        self.exits: ExitReports | None = None
 
-    def _common(self, attempt: int) -> list[str]:
-        """Arguments of every server and worker start (attempt > 0: a restart, resuming)."""
-        faults = [f"--inject={format_fault(fault)}" for fault in self.options.faults]
-        resume = ["--resume"] if attempt > 0 or self.options.resume else []
-        return ["--config", str(self.config_path), *(["-v"] if self.options.verbose else []), *faults,
-                *resume, "--attempt", str(attempt), *self.options.tls.args()]
+    def _spec(self, command: str, attempt: int, **fields) -> ProcessSpec:
+        """A server or worker of this run (attempt > 0: a restart, resuming)."""
+        options = self.options
+        return ProcessSpec(command, config=self.config_path, faults=options.faults, attempt=attempt,
+                           resume=attempt > 0 or options.resume, verbose=options.verbose, tls=options.tls,
+                           **fields)
 
     def start(self, registry: Path) -> None:
         """Start the coordinator (unless one runs already), the servers, then the workers."""
@@ -162,99 +144,55 @@ class ClusterRun:
         address = config.coordinator.address or self._start_coordinator(registry)
         self.config = config.replace(coordinator={"address": address})
         self.config.save(self.config_path)  # every process finds the coordinator here
-        self.coordinator = CoordinatorClient(address, token=self.options.token, tls=self.options.tls)
-        servers = [self._start_server(shard) for shard in range(config.ps.num_servers)]
-        addresses = [self._wait_listening(name) for name in servers]
+        self.exits = ExitReports(address, self.options.token, self.options.tls)
+        num_servers = config.ps.num_servers
+        binds = {f"server{s}": self._start_server(f"server{s}", lambda attempt, bind, s=s: self._spec(
+            "ps-server", attempt, bind=bind, shard=(s, num_servers))) for s in range(num_servers)}
+        addresses = [self._listening(name, bind) for name, bind in binds.items()]  # started together
         logger.info("servers listening on %s", ", ".join(addresses))
         for rank in range(config.system.num_workers):
-            self.supervisor.start(Managed(f"worker{rank}", f"worker{rank}", lambda attempt, r=rank: [
-                "ps-worker", *self._common(attempt), "--servers", ",".join(addresses), "--rank", str(r),
-                "--worker-id", f"worker{r}"]))
+            name = f"worker{rank}"
+            self.supervisor.start(Managed(name, name, lambda attempt, r=rank, n=name: self._spec(
+                "ps-worker", attempt, servers=tuple(addresses), rank=r, worker_id=n)))
 
     def _start_coordinator(self, registry: Path) -> str:
-        bind = [f"{self.config.ps.bind_host}:0"]
-        faults = [f"--inject={format_fault(fault)}" for fault in self.options.faults
-                  if fault.role == "coordinator"]
-
-        def args(attempt: int) -> list[str]:
-            return ["coordinator", "--bind", bind[0], "--registry", str(registry),
-                    "--config", str(self.config_path), *faults, "--attempt", str(attempt),
-                    *self.options.tls.args()]
-
-        self.supervisor.start(Managed("coordinator", "coordinator", args))
-        bind[0] = self._wait_listening("coordinator")  # a restart binds the same port
-        logger.info("coordinator listening on %s (registry %s)", bind[0], registry)
-        return bind[0]
-
-    def _start_server(self, shard: int) -> str:
-        name, bind = f"server{shard}", [f"{self.config.ps.bind_host}:0"]
-        self.supervisor.start(Managed(name, name, lambda attempt: [
-            "ps-server", *self._common(attempt), "--bind", bind[0],
-            "--shard", f"{shard}/{self.config.ps.num_servers}"]))
-        self._binds[name] = bind
-        return name
-
-    def _wait_listening(self, name: str) -> str:
-        """The address `name` reports it listens on (a restart binds the same).
-
-        Raises:
-            DistributedError: it exited, or did not report in time.
-        """
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while name not in self._listening:
-            event = self.cluster.next_event(max(0.0, deadline - time.monotonic()))
-            if event is None:
-                raise DistributedError(f"{name} did not start within {STARTUP_TIMEOUT_S:.0f}s; see "
-                                       f"{self.cluster.log_dir}/{name}.log")
-            if event.kind == "listening":
-                self._listening[event.child] = str(event.fields["address"])
-            elif event.kind == "exit":
-                self.supervisor.exited(event.child, int(event.fields["code"]))
-            else:
-                self._early.append(event)
-        address = self._listening[name]
-        if name in self._binds:
-            self._binds[name][0] = address
+        options = self.options
+        bind = self._start_server("coordinator", lambda attempt, bind: coordinator_spec(
+            self.config_path, registry, bind, options.faults, attempt, options.tls, options.verbose))
+        address = self._listening("coordinator", bind)
+        logger.info("coordinator listening on %s (registry %s)", address, registry)
         return address
 
+    def _start_server(self, name: str, spec: Callable[[int, str], ProcessSpec]) -> list[str]:
+        """Start server `name` under the supervisor on a free port, `spec(attempt, bind)`
+        describing it; the address it binds, as a list `_listening` fills in."""
+        bind = [f"{self.config.ps.bind_host}:0"]
+        self.supervisor.start(Managed(name, name, lambda attempt: spec(attempt, bind[0])))
+        return bind
+
+    def _listening(self, name: str, bind: list[str]) -> str:
+        """The address server `name` listens on, once it does; its restarts bind the same.
+
+        Raises:
+            DistributedError: it failed more often than allowed before it listened, or did
+                not report in time.
+        """
+        bind[0] = self.cluster.wait_listening(name, restarted=self.supervisor.exited)
+        return bind[0]
+
     def _report_exit(self, node_id: str, code: int, reason: str) -> None:
-        """Tell the coordinator at once; while it is down (it is being restarted), keep the
-        news for when it is back."""
-        if self.coordinator is None or node_id == "coordinator":
-            return
-        self._unreported.append((node_id, code, reason))
-        try:
-            self._deliver_reports()
-        except CoordinatorError as e:
-            logger.info("the coordinator will hear that %s %s once it is back (%s)", node_id, reason, e)
-
-    def _deliver_reports(self) -> None:
-        while self._unreported:
-            self.coordinator.report_exit(*self._unreported[0])
-            self._unreported.pop(0)
-
-    def _deliver_reports_patiently(self) -> None:
-        """Make sure the coordinator's registry ends with every exit (it may be restarting)."""
-        if not self._unreported or self.coordinator is None:
-            return
-        try:
-            tenacity.Retrying(retry=tenacity.retry_if_exception_type(CoordinatorError),
-                              wait=tenacity.wait_exponential_jitter(initial=0.1, max=2.0),
-                              stop=tenacity.stop_after_delay(STARTUP_TIMEOUT_S), reraise=True)(
-                self._deliver_reports)
-        except CoordinatorError as e:
-            logger.warning("the coordinator's registry misses how %d process(es) ended: %s",
-                           len(self._unreported), e)
+        """Tell the coordinator (once it runs), which keeps the news while it is down."""
+        if self.exits is not None and node_id != "coordinator":
+            self.exits.report(node_id, code, reason)
 
     def supervise(self) -> None:
         """Show progress until every worker is done and the servers stopped; restart what fails."""
         watch = ClusterWatch(self.config.system.num_workers, f"ps-{self.config.ps.aggregation_mode}")
         running = {name for name in self.supervisor.processes if name != "coordinator"}
-        events = list(self._early)
         deadline = None
         while running:
-            event = events.pop(0) if events else self.cluster.next_event(
-                None if deadline is None else max(0.0, deadline - time.monotonic()))
+            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+            event = self.cluster.next_event(wait_s)
             if event is None:  # the work is done (worker 0 wrote the model): stop what is left
                 logger.warning("%s still running %.0fs after the workers finished; stopping them",
                                ", ".join(sorted(running)), SHUTDOWN_TIMEOUT_S)
@@ -277,6 +215,5 @@ class ClusterRun:
             else:
                 watch.saw(event)
         watch.close()
-        self._deliver_reports_patiently()
-        if self.coordinator is not None:
-            self.coordinator.close()
+        if self.exits is not None:
+            self.exits.close()  # the registry ends with every exit (the coordinator may be restarting)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from disttrain.core.auth import with_token
+from disttrain.core.channels import open_channel
 from disttrain.core.errors import DistributedError
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import parameter_server_pb2 as pb
@@ -52,8 +52,7 @@ class ShardClient:
         self._joined: tuple | None = None
         self.drop_replies = 0  # replies of pushes to lose on purpose (fault injection)
         self._join_lock = threading.Lock()
-        channel = (tls or TlsFiles()).channel(address, options=service.CHANNEL_OPTIONS)
-        self.channel = with_token(channel, token)
+        self.channel = open_channel(address, tls, token, options=service.CHANNEL_OPTIONS)
         self._calls = {}
         for name, (kind, request_type, response_type) in service.METHODS.items():
             serialize = service.identity if request_type is None else request_type.SerializeToString

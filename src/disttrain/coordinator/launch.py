@@ -1,0 +1,82 @@
+"""A run's coordinator as its launchers see it, the same for every strategy: where its
+registry lives, the process that serves it, and the exits the launcher tells it of.
+
+The parameter-server launcher starts the coordinator under its supervisor (restarted on
+its registry when it dies); the DDP launcher starts it beside the ranks. Both describe
+it with `coordinator_spec`, keep its registry at `<log_dir>/cluster.db` (emptied for a
+fresh run, kept with `--resume`), and report the ends of the processes that could not
+report their own (`ExitReports`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import tenacity
+
+from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
+from disttrain.core.faults import Fault
+from disttrain.core.process_spec import ProcessSpec
+from disttrain.core.tls import TlsFiles
+
+logger = logging.getLogger(__name__)
+
+REGISTRY_FILE = "cluster.db"  # in the run's log dir
+PATIENCE_S = 120.0  # how long the last exits wait for a coordinator that is being restarted
+
+
+def run_registry(log_dir: Path, resume: bool) -> Path:
+    """The run's registry in `log_dir`; a fresh run starts with none (its WAL files gone too)."""
+    registry = Path(log_dir) / REGISTRY_FILE
+    if not resume:
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{registry}{suffix}").unlink(missing_ok=True)
+    return registry
+
+
+def coordinator_spec(config_path: Path, registry: Path, bind: str, faults: tuple[Fault, ...] = (),
+                     attempt: int = 0, tls: TlsFiles | None = None, verbose: bool = False) -> ProcessSpec:
+    """The `disttrain coordinator` process of a run: its settings from `config_path`,
+    listening on `bind` (port 0: a free one, which it reports), its state in `registry`.
+    Of `faults`, it fires those meant for the coordinator (on its `attempt`-th start)."""
+    return ProcessSpec("coordinator", config=config_path, bind=bind, registry=registry, faults=faults,
+                       attempt=attempt, tls=tls or TlsFiles(), verbose=verbose)
+
+
+class ExitReports:
+    """The exits of a run's processes, told to its coordinator at `address`: at once, or,
+    while it cannot be reached (it is being restarted), kept for when it is back."""
+
+    def __init__(self, address: str, token: str | None = None, tls: TlsFiles | None = None,
+                 timeout_s: float = 5.0):
+        self.client = CoordinatorClient(address, timeout_s=timeout_s, token=token, tls=tls)
+        self._unreported: list[tuple[str, int, str]] = []
+
+    def report(self, node_id: str, code: int, reason: str) -> None:
+        """Tell the coordinator that `node_id` exited with `code` (0: finished) for `reason`."""
+        self._unreported.append((node_id, code, reason))
+        try:
+            self.deliver()
+        except CoordinatorError as e:
+            logger.info("the coordinator will hear that %s %s once it is back (%s)", node_id, reason, e)
+
+    def deliver(self) -> None:
+        """Send what is kept, oldest first. Raises CoordinatorError (what is left stays kept)."""
+        while self._unreported:
+            self.client.report_exit(*self._unreported[0])
+            self._unreported.pop(0)
+
+    def close(self, patience_s: float = PATIENCE_S) -> None:
+        """Deliver what is kept, retrying with backoff for up to `patience_s` (the
+        coordinator may be restarting), then close."""
+        try:
+            if self._unreported:
+                tenacity.Retrying(retry=tenacity.retry_if_exception_type(CoordinatorError),
+                                  wait=tenacity.wait_exponential_jitter(initial=0.1, max=2.0),
+                                  stop=tenacity.stop_after_delay(patience_s), reraise=True)(self.deliver)
+        except CoordinatorError as e:
+            logger.warning("the coordinator's registry misses how %d process(es) ended: %s",
+                           len(self._unreported), e)
+        finally:
+            self.client.close()

@@ -1,1 +1,0 @@
-"""`python -m disttrain.ddp`: the entry point torchrun starts as a DDP rank."""
