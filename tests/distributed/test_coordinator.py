@@ -21,7 +21,7 @@ from disttrain.coordinator.client import (
     MembershipWatcher,
 )
 from disttrain.coordinator.registry import read_status
-from disttrain.coordinator.reports import LatestMetrics, NodeProgress
+from disttrain.coordinator.reports import LatestMetrics, NodeMetrics, NodeProgress
 from disttrain.coordinator.service import CoordinatorServer
 from disttrain.proto import coordinator_pb2 as pb
 
@@ -108,6 +108,16 @@ def test_heartbeat_from_an_unknown_node_is_not_found(coordinator):
     with pytest.raises(CoordinatorError, match="register") as caught:
         heartbeat(client, "ghost")
     assert caught.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_heartbeat_with_a_negative_balance_figure_is_refused_and_changes_nothing(coordinator):
+    _, client, _ = coordinator
+    client.register("worker-0", "worker")
+    with pytest.raises(CoordinatorError, match="balance state") as caught:
+        client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=9, batch_size=-4))
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    (node,) = client.status().nodes
+    assert (node.step, node.batch_size, node.heartbeat_age_s) == (0, 0, -1.0)
 
 
 def test_bad_role_is_invalid_argument(coordinator):
@@ -306,7 +316,7 @@ def test_the_sender_reports_new_metrics_once_and_status_and_registry_keep_the_la
     assert (row["metrics"], row["metrics_step"]) == (dict(node.metrics), 20)
 
 
-def test_metrics_of_an_unknown_node_are_not_found_and_the_sender_tries_again(coordinator):
+def test_metrics_of_an_unknown_node_or_not_finite_are_refused_and_the_sender_tries_again(coordinator):
     _, client, _ = coordinator
     metrics = LatestMetrics()
     metrics.publish(5, 0, {"loss/train": 1.5})
@@ -318,4 +328,8 @@ def test_metrics_of_an_unknown_node_are_not_found_and_the_sender_tries_again(coo
     assert not sender.send_metrics()  # best effort: refused, and due again
     client.register("ghost", "worker")
     assert sender.send_metrics()
+    assert dict(client.status().nodes[0].metrics) == {"loss/train": 1.5}
+    with pytest.raises(CoordinatorError, match="loss/train not finite") as caught:
+        client.report_metrics("ghost", NodeMetrics(6, 0, {"loss/train": float("inf")}))
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert dict(client.status().nodes[0].metrics) == {"loss/train": 1.5}

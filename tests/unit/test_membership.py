@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disttrain.coordinator.membership import DuplicateNode, Membership, UnknownNode
+from disttrain.coordinator.membership import MAX_METRICS, DuplicateNode, Membership, UnknownNode
 from disttrain.coordinator.nodes import Recovery
 
 TIMEOUT_S = 5.0
@@ -200,6 +200,17 @@ def test_metrics_keep_the_latest_value_of_each_key_across_a_restart(membership):
     assert membership.generation == 3 and all(e.kind != "metrics" for e in membership.take_events())
     with pytest.raises(UnknownNode, match="register"):
         membership.report_metrics("ghost", 1, {"loss/train": 1.0})
+
+
+def test_metrics_that_are_not_finite_or_too_many_are_refused_and_change_nothing(membership):
+    membership.register("w0", "worker", now=0.0, pid=1)
+    membership.report_metrics("w0", 10, {"loss/train": 0.9})
+    with pytest.raises(ValueError, match="loss/train not finite"):
+        membership.report_metrics("w0", 11, {"loss/train": float("nan"), "accuracy/train": 0.5})
+    too_many = {f"custom/{i}": 1.0 for i in range(MAX_METRICS)}  # with loss/train, one too many
+    with pytest.raises(ValueError, match=f"more than {MAX_METRICS} keys"):
+        membership.report_metrics("w0", 12, too_many)
+    assert (membership.get("w0").metrics, membership.get("w0").metrics_step) == ({"loss/train": 0.9}, 10)
 
 
 def test_a_reload_keeps_everything_and_gives_live_nodes_a_fresh_window(membership):

@@ -22,6 +22,7 @@ Rules:
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import fields, replace
 from typing import Any
@@ -31,6 +32,7 @@ from disttrain.coordinator.reports import BalanceState
 from disttrain.core.errors import DisttrainError
 
 ROLES = ("worker", "server", "rank", "coordinator")
+MAX_METRICS = 256  # metric keys kept per node: its registry row stays small
 
 
 class DuplicateNode(DisttrainError):
@@ -153,10 +155,17 @@ class Membership:
 
         Raises:
             UnknownNode: `node_id` never registered.
+            ValueError: a value is not finite, or the node would hold more than
+                `MAX_METRICS` keys (nothing is kept of the report).
         """
         node = self._nodes.get(node_id)
         if node is None:
             raise UnknownNode(f"node {node_id!r} is not registered; register it first")
+        bad = sorted(key for key, value in scalars.items() if not math.isfinite(value))
+        if bad:
+            raise ValueError(f"metrics of {node_id!r}: {', '.join(bad)} not finite; report finite values")
+        if len(node.metrics.keys() | scalars.keys()) > MAX_METRICS:
+            raise ValueError(f"metrics of {node_id!r}: more than {MAX_METRICS} keys; report fewer metrics")
         node.update_metrics(step, scalars)
 
     def exited(self, node_id: str, code: int, reason: str, now: float) -> bool:

@@ -90,9 +90,10 @@ class CoordinatorState:
                                         heartbeat_timeout_s=self.config.heartbeat_timeout)
 
     def heartbeat(self, request: pb.HeartbeatMessage) -> pb.HeartbeatReply:
-        """Raises UnknownNode for a node never registered."""
+        """Raises UnknownNode (a node never registered) or ValueError (a negative balance
+        figure), changing nothing."""
+        balance = BalanceState(request.batch_size, request.warmup_speed, request.plans)
         with self.changed:
-            balance = BalanceState(request.batch_size, request.warmup_speed, request.plans)
             alive = self.membership.heartbeat(request.node_id, self._clock(), request.epoch, request.step,
                                               request.throughput, request.step_time_s, request.pid, balance)
             self.max_step = max(self.max_step, request.step)
@@ -103,7 +104,7 @@ class CoordinatorState:
 
     def report_metrics(self, request: pb.MetricsReport) -> pb.MetricsReply:
         """Keep the node's latest metrics (written with the next progress save). Raises
-        UnknownNode for a node never registered."""
+        UnknownNode (a node never registered) or ValueError (bad values), changing nothing."""
         with self.changed:
             self.membership.report_metrics(request.node_id, request.step, dict(request.scalars))
             self._progress_unsaved = True
@@ -207,6 +208,8 @@ class CoordinatorServicer:
             reply = self.state.heartbeat(request)
         except UnknownNode as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self.on_step is not None:
             self.on_step(self.state.max_step)
         return reply
@@ -216,6 +219,8 @@ class CoordinatorServicer:
             return self.state.report_metrics(request)
         except UnknownNode as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def ReportExit(self, request, context):
         return self.state.exited(request)
