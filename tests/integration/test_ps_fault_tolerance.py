@@ -56,7 +56,8 @@ def test_a_killed_worker_is_restarted_and_every_sample_is_applied_once(tmp_path,
     (recovery,) = read_status(tmp_path / "logs" / "cluster.db").recoveries
     assert (recovery.node_id, failure["detect_s"], failure["recover_s"]) == (
         "worker1", recovery.detect_s, recovery.recover_s)
-    assert "SIGKILL" in recovery.reason and recovery.detect_s == 0.0  # its exit was reported at once
+    # its exit reported by the supervisor (no detection delay), or its heartbeats missed first
+    assert (recovery.detect_s == 0.0) == ("SIGKILL" in recovery.reason), recovery
     if mode == "sync":
         # the survivor waited at most a heartbeat timeout and interval for the dead worker
         assert summary["max_round_wait_s"] <= TIMEOUT + INTERVAL + 1.0

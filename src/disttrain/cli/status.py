@@ -158,8 +158,8 @@ def render(cluster: dict[str, Any]) -> list[str]:
         slow = {node["node_id"]: node["step_time_s"] for node in nodes}
         lines.append("* straggler: " + ", ".join(f"{n} ({slow[n]:.3f}s/step)" for n in cluster["stragglers"]))
     if cluster["recoveries"]:
-        lines += ["", "recoveries (detected in: from its last heartbeat; back in: from then to its first "
-                      "heartbeat after):"]
+        lines += ["", "recoveries (DETECTED IN: from its last heartbeat, 0 when its exit was reported; "
+                      "BACK IN: from then to its first heartbeat after):"]
         lines += ["  " + line for line in _table([RECOVERY_COLUMNS] + [_recovery_row(r)
                                                                         for r in cluster["recoveries"]])]
     if cluster["events"]:

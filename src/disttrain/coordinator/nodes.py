@@ -4,7 +4,7 @@ of its own: the membership rules across nodes live in `membership.py`.
 
 Balance state (proportional work): each node reports its current batch size, the speed
 it measured in its warm-up (samples/s) and how many balance plans it has been through
-(1: the plan it started with). 0 means unknown, so a heartbeat of an older sender, or
+(1: the plan it started with). 0 means unknown, so a heartbeat of an unbalanced node, or
 one sent before the node has a plan, leaves what the coordinator holds. A rise in plans
 above a known count is a re-plan: worth an event. A restarted process starts over.
 
