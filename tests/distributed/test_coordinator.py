@@ -1,6 +1,7 @@
 """A real coordinator on a socket (port 0) in this process, driven by the client, the
 heartbeat sender and the membership watcher: registration, failure detection, status
-codes, long-polls, re-registration and a restart on the same registry."""
+codes, long-polls, re-registration, metrics reports, recovery records and a restart on
+the same registry."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from disttrain.coordinator.client import (
     HeartbeatSender,
     MembershipWatcher,
 )
+from disttrain.coordinator.registry import read_status
+from disttrain.coordinator.reports import LatestMetrics, NodeMetrics, NodeProgress
 from disttrain.coordinator.service import CoordinatorServer
 from disttrain.proto import coordinator_pb2 as pb
 
@@ -72,7 +75,7 @@ def wait_for_state(client: CoordinatorClient, node_id: str, state: str, timeout_
 
 
 def heartbeat(client: CoordinatorClient, node_id: str, step: int = 0) -> pb.HeartbeatReply:
-    return client.heartbeat(pb.HeartbeatMessage(worker_id=node_id, step=step, role="worker", pid=0))
+    return client.heartbeat(pb.HeartbeatMessage(node_id=node_id, step=step, role="worker", pid=0))
 
 
 def test_register_then_heartbeat_shows_in_status(coordinator):
@@ -107,6 +110,16 @@ def test_heartbeat_from_an_unknown_node_is_not_found(coordinator):
     assert caught.value.code == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_heartbeat_with_a_negative_balance_figure_is_refused_and_changes_nothing(coordinator):
+    _, client, _ = coordinator
+    client.register("worker-0", "worker")
+    with pytest.raises(CoordinatorError, match="balance state") as caught:
+        client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=9, batch_size=-4))
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    (node,) = client.status().nodes
+    assert (node.step, node.batch_size, node.heartbeat_age_s) == (0, 0, -1.0)
+
+
 def test_bad_role_is_invalid_argument(coordinator):
     _, client, _ = coordinator
     with pytest.raises(CoordinatorError) as caught:
@@ -117,7 +130,8 @@ def test_bad_role_is_invalid_argument(coordinator):
 def test_a_second_live_process_cannot_take_an_id(coordinator):
     server, client, recorder = coordinator
     client.register("worker-0", "worker")
-    sender = HeartbeatSender(client, "worker-0", "worker", INTERVAL_S, lambda: (0, 0, 0), lambda: None)
+    sender = HeartbeatSender(client, "worker-0", "worker", INTERVAL_S, lambda: NodeProgress(0, 0, 0),
+                             lambda: None)
     sender.start()
     try:
         code = ("import sys; from disttrain.coordinator.client import CoordinatorClient, CoordinatorError\n"
@@ -150,9 +164,9 @@ def test_the_sender_reports_progress_and_hears_it_was_declared_dead(coordinator)
     client.register("worker-0", "worker")
     position = {"step": 0}
 
-    def progress() -> tuple[int, int, int]:
+    def progress() -> NodeProgress:
         position["step"] += 1
-        return 0, position["step"], 32 * position["step"]
+        return NodeProgress(0, position["step"], 32 * position["step"])
 
     dead = threading.Event()
     sender = HeartbeatSender(client, "worker-0", "worker", INTERVAL_S, progress, dead.set)
@@ -174,9 +188,9 @@ def test_step_time_counts_seconds_of_work_when_given(coordinator):
     client.register("worker-0", "worker")
     position = {"step": 0}
 
-    def progress() -> tuple[int, int, int, float]:
+    def progress() -> NodeProgress:
         position["step"] += 2
-        return 0, position["step"], 0, 0.05 * position["step"]  # waits for peers left out
+        return NodeProgress(0, position["step"], 0, work_s=0.05 * position["step"])  # waits left out
 
     sender = HeartbeatSender(client, "worker-0", "worker", INTERVAL_S, progress, lambda: None)
     sender.start()
@@ -193,8 +207,8 @@ def test_the_sender_registers_again_with_a_coordinator_that_lost_its_registry(tm
     first = CoordinatorServer(CONFIG, "127.0.0.1:0", tmp_path / "one.db")
     client = CoordinatorClient(first.address, timeout_s=1.0)
     client.register("worker-0", "worker", rank=2)
-    sender = HeartbeatSender(client, "worker-0", "worker", INTERVAL_S, lambda: (0, 5, 0), lambda: None,
-                             rank=2)
+    sender = HeartbeatSender(client, "worker-0", "worker", INTERVAL_S, lambda: NodeProgress(0, 5, 0),
+                             lambda: None, rank=2)
     sender.start()
     first.stop(0)
     second = CoordinatorServer(CONFIG, first.address, tmp_path / "two.db")  # same port, empty registry
@@ -216,6 +230,13 @@ def test_a_restarted_coordinator_shows_the_same_cluster(tmp_path):
     client.report_exit("worker-0", 137, "killed by SIGKILL")
     heartbeat(client, "server-0", step=12)
     before = client.status()
+    assert len(before.recoveries) == 0
+    client.register("worker-0", "worker", rank=0)  # its restart: back at work at its first heartbeat
+    heartbeat(client, "worker-0", step=3)
+    before = client.status()
+    (recovery,) = before.recoveries
+    assert (recovery.node_id, recovery.reason, recovery.detect_s) == ("worker-0", "killed by SIGKILL", 0.0)
+    assert recovery.recover_s > 0 and recovery.generation == before.generation == 4
     first.stop(0)
     client.close()
 
@@ -223,11 +244,13 @@ def test_a_restarted_coordinator_shows_the_same_cluster(tmp_path):
     client = CoordinatorClient(second.address)
     try:
         after = client.status()
-        assert after.generation == before.generation == 3
+        assert after.generation == before.generation == 4
         assert [(n.node_id, n.state, n.restarts, n.step) for n in after.nodes] == \
                [(n.node_id, n.state, n.restarts, n.step) for n in before.nodes]
         assert [(e.node_id, e.kind) for e in after.events] == [(e.node_id, e.kind) for e in before.events]
-        assert client.register("worker-0", "worker", rank=0).restarts == 1
+        assert list(after.recoveries) == list(before.recoveries)
+        client.report_exit("worker-0", 1, "exit code 1")
+        assert client.register("worker-0", "worker", rank=0).restarts == 2
     finally:
         client.close()
         second.stop(0)
@@ -265,3 +288,48 @@ def test_a_flood_of_membership_watches_leaves_threads_for_heartbeats(tmp_path):
     finally:
         client.close()
         server.stop(0)
+
+
+def test_the_sender_reports_new_metrics_once_and_status_and_registry_keep_the_latest(coordinator):
+    server, client, recorder = coordinator
+    client.register("worker-0", "worker")
+    metrics = LatestMetrics()
+    reported: list[int] = []
+    report = client.report_metrics
+    client.report_metrics = lambda node_id, latest: (reported.append(latest.step), report(node_id, latest))[1]
+    sender = HeartbeatSender(client, "worker-0", "worker", INTERVAL_S, lambda: NodeProgress(0, 0, 0),
+                             lambda: None, metrics=metrics.latest)
+    assert sender._beat() and reported == []  # noqa: SLF001 - one heartbeat; nothing logged yet
+    metrics.publish(10, 0, {"loss/train": 0.9, "throughput/samples_per_s": 512.0})
+    metrics.publish(12, 0, {"loss/test": 0.8, "accuracy/test": 0.75})
+    assert sender._beat() and sender._beat()  # noqa: SLF001 - the second has nothing new to report
+    assert reported == [12]
+    metrics.publish(20, 1, {"loss/train": 0.5})
+    assert sender.send_metrics() and sender.send_metrics()  # as a node leaves: once, too
+    assert reported == [12, 20]
+    (node,) = client.status().nodes
+    assert dict(node.metrics) == {"loss/train": 0.5, "throughput/samples_per_s": 512.0, "loss/test": 0.8,
+                                  "accuracy/test": 0.75}
+    assert node.metrics_step == 20
+    client.register("worker-1", "worker")  # a membership change writes every node at once
+    row = next(n for n in read_status(server.registry.path).nodes if n["node_id"] == "worker-0")
+    assert (row["metrics"], row["metrics_step"]) == (dict(node.metrics), 20)
+
+
+def test_metrics_of_an_unknown_node_or_not_finite_are_refused_and_the_sender_tries_again(coordinator):
+    _, client, _ = coordinator
+    metrics = LatestMetrics()
+    metrics.publish(5, 0, {"loss/train": 1.5})
+    sender = HeartbeatSender(client, "ghost", "worker", INTERVAL_S, lambda: NodeProgress(0, 5, 0),
+                             lambda: None, metrics=metrics.latest)
+    with pytest.raises(CoordinatorError, match="register") as caught:
+        client.report_metrics("ghost", metrics.latest())
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND
+    assert not sender.send_metrics()  # best effort: refused, and due again
+    client.register("ghost", "worker")
+    assert sender.send_metrics()
+    assert dict(client.status().nodes[0].metrics) == {"loss/train": 1.5}
+    with pytest.raises(CoordinatorError, match="loss/train not finite") as caught:
+        client.report_metrics("ghost", NodeMetrics(6, 0, {"loss/train": float("inf")}))
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(client.status().nodes[0].metrics) == {"loss/train": 1.5}

@@ -1,9 +1,10 @@
 """Balance state through a real coordinator on a socket (port 0): a real HeartbeatSender
-whose progress carries the node's batch, warm-up speed and plans; the coordinator keeps
-them in its status and registry, records one "rebalanced" event per re-plan, still takes
-the older 3- and 4-tuple progress, and `disttrain status` shows it all, from the
-coordinator and from the registry file. Each heartbeat is sent by calling the sender's
-beat directly: the reply means the coordinator has taken it."""
+whose progress carries the node's BalanceState (batch, warm-up speed and plans); the
+coordinator keeps them in its status and registry, records one "rebalanced" event per
+re-plan, takes progress without a balance state (or without seconds of work), and
+`disttrain status` shows it all, from the coordinator and from the registry file. A DDP
+rank's state comes from its real Rebalancer. Each heartbeat is sent by calling the
+sender's beat directly: the reply means the coordinator has taken it."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from disttrain.cli import status
 from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.client import CoordinatorClient, HeartbeatSender
 from disttrain.coordinator.registry import read_status
+from disttrain.coordinator.reports import BalanceState, NodeProgress
 from disttrain.coordinator.service import CoordinatorServer
+from disttrain.data import PlannedSampler
 from disttrain.strategies.ddp.heartbeats import LoopProgress, RankLink
 from disttrain.training.checkpoints import Position
+from disttrain.training.rebalance import Rebalancer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,16 +42,16 @@ def coordinator(tmp_path):
 class Node:
     """A registered node whose progress the test moves by hand."""
 
-    def __init__(self, client: CoordinatorClient, node_id: str, shape: int):
+    def __init__(self, client: CoordinatorClient, node_id: str, timed: bool = True):
         client.register(node_id, "worker", rank=0)
-        self.step, self.shape = 0, shape
-        self.balance: dict = {}
+        self.step, self.timed = 0, timed
+        self.balance: BalanceState | None = None
         self.sender = HeartbeatSender(client, node_id, "worker", CONFIG.heartbeat_interval, self.progress,
                                       lambda: None)
 
-    def progress(self) -> tuple:
-        full = (0, self.step, 32 * self.step, 0.01 * self.step, self.balance)
-        return full[:self.shape]
+    def progress(self) -> NodeProgress:
+        work_s = 0.01 * self.step if self.timed else None
+        return NodeProgress(0, self.step, 32 * self.step, work_s, self.balance)
 
     def beat(self, steps: int = 1) -> None:
         self.step += steps
@@ -65,14 +69,14 @@ def rebalanced(events) -> list[tuple[str, str]]:
 
 def test_balance_state_and_one_event_per_replan_reach_status_and_registry(coordinator):
     server, client = coordinator
-    node = Node(client, "worker-0", shape=5)
-    node.balance.update(batch=64, speed=812.5, plans=1)
+    node = Node(client, "worker-0")
+    node.balance = BalanceState(64, 812.5, 1)
     node.beat()
     shown = node_status(client, "worker-0")
     assert (shown.batch_size, shown.warmup_speed, shown.plans, shown.step) == (64, 812.5, 1, 1)
     assert rebalanced(client.status().events) == []  # a first report is no re-plan
 
-    node.balance.update(batch=96, plans=2)
+    node.balance = BalanceState(96, 0.0, 2)  # the speed unknown: the coordinator keeps its own
     node.beat()
     node.beat()  # the same plan again: no second event
     shown = node_status(client, "worker-0")
@@ -87,25 +91,28 @@ def test_balance_state_and_one_event_per_replan_reach_status_and_registry(coordi
         ("worker-0", "batch 64 -> 96 (plan 2)")]
 
 
-@pytest.mark.parametrize("shape", [3, 4])
-def test_progress_without_balance_still_heartbeats(coordinator, shape):
+@pytest.mark.parametrize("timed", [False, True])
+def test_progress_without_balance_still_heartbeats(coordinator, timed):
     _, client = coordinator
-    node = Node(client, "worker-0", shape=shape)
+    node = Node(client, "worker-0", timed)
     node.beat(2)
     node.beat(3)
     shown = node_status(client, "worker-0")
     assert shown.step == 5 and shown.throughput > 0
     assert (shown.batch_size, shown.warmup_speed, shown.plans) == (0, 0.0, 0)
-    if shape == 4:  # step time from the seconds of work: 0.01 s a step
+    if timed:  # step time from the seconds of work: 0.01 s a step
         assert shown.step_time_s == pytest.approx(0.01)
 
 
-def test_a_ddp_rank_sends_its_balance_state_in_its_heartbeats_and_its_final_one(tmp_path):
+def test_a_ddp_rank_sends_its_balance_state_and_its_final_heartbeat_its_metrics(tmp_path):
     heard = threading.Event()
     server = CoordinatorServer(CONFIG, "127.0.0.1:0", tmp_path / "registry.db", on_step=lambda _: heard.set())
     client = CoordinatorClient(server.address, timeout_s=5.0)
     progress = LoopProgress(Position(), num_epochs=2)
-    progress.balance.update(batch=40, speed=640.0, plans=1)
+    sampler = PlannedSampler(640, world_size=2, rank=0, seed=1, shares=(40, 24))
+    speeds: list[float] = []  # what the re-plan's gather answers
+    progress.rebalancer = Rebalancer(sampler, "proportional", 0.2, 1, lambda name, mine, step: speeds,
+                                     warmup_speed=640.0)
     # One heartbeat at its start, then none for 30 s: the next one is the final one.
     settings = CoordinatorConfig(heartbeat_interval=30.0, heartbeat_timeout=60.0)
     link = RankLink(CoordinatorClient(server.address, timeout_s=5.0), settings, 1, 0, progress)
@@ -116,12 +123,17 @@ def test_a_ddp_rank_sends_its_balance_state_in_its_heartbeats_and_its_final_one(
         assert (shown.batch_size, shown.warmup_speed, shown.plans) == (40, 640.0, 1)
         position = progress.position
         position.step, position.samples_processed, position.train_time_s = 12, 480, 1.5
-        progress.balance.update(batch=56, plans=2)
+        next(iter(sampler.batches()))  # its first step, on the first plan
+        speeds[:] = [1200.0, 400.0]  # rank 0 three times faster: batches of 48 and 16 from the next
+        assert progress.rebalancer.after_step(1, 0, 40, 0.0)
+        progress.metrics.publish(12, 1, {"loss/train": 0.42, "accuracy/test": 0.9})
         link.leave(0, "finished", final=True)
         shown = node_status(client, "rank1")
         assert (shown.state, shown.step, shown.throughput) == ("done", 12, 320.0)  # the final heartbeat
-        assert (shown.batch_size, shown.warmup_speed, shown.plans) == (56, 640.0, 2)
-        assert rebalanced(client.status().events) == [("rank1", "batch 40 -> 56 (plan 2)")]
+        assert (shown.batch_size, shown.warmup_speed, shown.plans) == (48, 640.0, 2)
+        assert rebalanced(client.status().events) == [("rank1", "batch 40 -> 48 (plan 2)")]
+        # its latest metrics go with the final heartbeat (no heartbeat came since they were logged)
+        assert (dict(shown.metrics), shown.metrics_step) == ({"loss/train": 0.42, "accuracy/test": 0.9}, 12)
     finally:
         client.close()
         server.stop(0)
@@ -144,10 +156,10 @@ def show(capsys, *source: str) -> tuple[list[str], dict[str, dict[str, str]]]:
 
 def test_status_shows_gpus_batch_warmup_speed_and_rebalanced_events(coordinator, capsys):
     server, client = coordinator
-    fast, plain = Node(client, "worker-0", shape=5), Node(client, "worker-1", shape=3)
-    fast.balance.update(batch=64, speed=812.5, plans=1)
+    fast, plain = Node(client, "worker-0"), Node(client, "worker-1", timed=False)
+    fast.balance = BalanceState(64, 812.5, 1)
     fast.beat()
-    fast.balance.update(batch=96, plans=2)
+    fast.balance = BalanceState(96, 812.5, 2)
     fast.beat()
     plain.beat()
     capabilities = server.state.membership.get("worker-0").capabilities  # this machine's, as registered

@@ -126,14 +126,14 @@ def test_coordinator_refuses_register_and_heartbeat_without_the_token(tmp_path, 
     member = CoordinatorClient(server.address, timeout_s=5.0, token=TOKEN)
     try:
         for attempt in (lambda: intruder.register("worker0", "worker", retry_s=0),
-                        lambda: intruder.heartbeat(cpb.HeartbeatMessage(worker_id="worker0", step=3)),
+                        lambda: intruder.heartbeat(cpb.HeartbeatMessage(node_id="worker0", step=3)),
                         intruder.status):
             with pytest.raises(CoordinatorError) as raised:
                 attempt()
             assert raised.value.code == grpc.StatusCode.UNAUTHENTICATED and REFUSED in str(raised.value)
         assert list(member.status().nodes) == []  # nothing was registered
         assert member.register("worker0", "worker").generation >= 1
-        member.heartbeat(cpb.HeartbeatMessage(worker_id="worker0", step=3))
+        member.heartbeat(cpb.HeartbeatMessage(node_id="worker0", step=3))
         assert [node.node_id for node in member.status().nodes] == ["worker0"]
     finally:
         intruder.close()

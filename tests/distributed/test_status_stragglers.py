@@ -12,6 +12,7 @@ import pytest
 
 from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.client import CoordinatorClient, HeartbeatSender
+from disttrain.coordinator.reports import NodeProgress
 from disttrain.coordinator.service import CoordinatorServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -31,9 +32,9 @@ class Worker:
         self.sender = HeartbeatSender(self.client, node_id, "worker", CONFIG.heartbeat_interval,
                                       self.progress, on_declared_dead=lambda: None, rank=rank)
 
-    def progress(self) -> tuple[int, int, int, float]:
+    def progress(self) -> NodeProgress:
         self.step += 1
-        return 0, self.step, 32 * self.step, self.step * self.step_time_s  # epoch, step, samples, busy s
+        return NodeProgress(0, self.step, 32 * self.step, work_s=self.step * self.step_time_s)
 
     def stop(self) -> None:
         self.sender.stop()

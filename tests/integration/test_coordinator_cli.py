@@ -1,7 +1,7 @@
 """`disttrain coordinator` and `disttrain status` as real processes: a coordinator killed
-with SIGKILL and started again on its registry shows the same cluster; failures and the
-injected kill are announced; corrupt registries and unreachable coordinators give clear
-errors and leave files as they were."""
+with SIGKILL and started again on its registry shows the same cluster (nodes, their
+latest loss, recoveries, events); failures and the injected kill are announced; corrupt
+registries and unreachable coordinators give clear errors and leave files as they were."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 
 from disttrain.coordinator.client import CoordinatorClient
 from disttrain.coordinator.registry import Registry
+from disttrain.coordinator.reports import NodeMetrics
 from disttrain.core.processes import EVENT_PREFIX, PARENT_ENV
 from disttrain.proto import coordinator_pb2 as pb
 
@@ -90,11 +91,12 @@ def test_a_coordinator_killed_and_restarted_on_its_registry_shows_the_same_clust
     client = CoordinatorClient(first.address)
     client.register("server-0", "server", rank=0, address="127.0.0.1:50051")
     client.register("worker-0", "worker", rank=0)
-    client.heartbeat(pb.HeartbeatMessage(worker_id="worker-0", step=25, role="worker"))
+    client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=25, role="worker"))
     client.report_exit("worker-0", 137, "killed by SIGKILL")
     client.register("worker-0", "worker", rank=0)  # its restart
+    client.report_metrics("worker-0", NodeMetrics(25, 0, {"loss/train": 0.4321, "accuracy/test": 0.875}))
     for batch_size, plans in ((24, 1), (40, 2)):  # its balance plan, then a re-plan (written at once)
-        client.heartbeat(pb.HeartbeatMessage(worker_id="worker-0", step=25, role="worker",
+        client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=25, role="worker",
                                              batch_size=batch_size, warmup_speed=900.0, plans=plans))
     client.close()
     first.kill()
@@ -115,12 +117,29 @@ def test_a_coordinator_killed_and_restarted_on_its_registry_shows_the_same_clust
         assert (worker["batch_size"], worker["warmup_speed"], worker["plans"]) == (40, 900.0, 2)
         assert [e["kind"] for e in cluster["events"]] == ["joined", "joined", "failed", "restarted",
                                                           "recovered", "rebalanced"]
+        assert worker["metrics"] == {"loss/train": 0.4321, "accuracy/test": 0.875}
+        assert worker["metrics_step"] == 25
+        assert nodes["server-0"]["metrics"] == {}
+        (recovery,) = cluster["recoveries"]
+        assert (recovery["node_id"], recovery["reason"], recovery["detect_s"], recovery["generation"]) == (
+            "worker-0", "killed by SIGKILL", 0.0, 4)
+        assert recovery["recover_s"] > 0 and recovery["time"] > 0
 
     table = cli("status", "--coordinator", second.address, timeout=60)
     assert table.returncode == 0 and "worker-0" in table.stdout and "generation 4" in table.stdout
     assert "BATCH" in table.stdout and "WARM-UP/S" in table.stdout, table.stdout
-    row = next(line for line in table.stdout.splitlines() if line.startswith("worker-0"))
+    lines = table.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("NODE"))
+    loss_at = header.index("LOSS")
+    row = next(line for line in lines if line.startswith("worker-0"))
     assert "40 (plan 2)" in row and row.endswith("900.0"), row
+    assert row[loss_at:].split()[0] == "0.4321", table.stdout  # its latest training loss
+    server_row = next(line for line in lines if line.startswith("server-0"))
+    assert server_row[loss_at:].split()[0] == "-", table.stdout  # a server reports none
+    recoveries = lines.index(next(line for line in lines if line.startswith("recoveries")))
+    assert lines[recoveries + 1].split() == ["TIME", "NODE", "DETECTED", "IN", "BACK", "IN", "REASON"]
+    assert lines[recoveries + 2].split()[1:3] == ["worker-0", "0.00s"], table.stdout
+    assert lines[recoveries + 2].endswith("killed by SIGKILL"), table.stdout
     assert "worker-0  rebalanced: batch 24 -> 40 (plan 2)" in table.stdout, table.stdout
 
 
@@ -132,10 +151,10 @@ def test_failures_by_timeout_are_announced_and_the_injected_kill_fires(tmp_path,
     assert failed["node"] == "worker-1" and "no heartbeat" in failed["reason"]
 
     client.register("worker-0", "worker", rank=0)
-    client.heartbeat(pb.HeartbeatMessage(worker_id="worker-0", step=9, role="worker"))
+    client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=9, role="worker"))
     assert coordinator.process.poll() is None
     with pytest.raises(Exception):  # noqa: B017 - the coordinator dies while answering
-        client.heartbeat(pb.HeartbeatMessage(worker_id="worker-0", step=10, role="worker"))
+        client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=10, role="worker"))
     assert coordinator.process.wait(timeout=10) == -signal.SIGKILL
     client.close()
 

@@ -1,13 +1,15 @@
-"""`disttrain ddp` under a coordinator: every rank registers as rank<R>, heartbeats and
-reports its end; a rank killed mid-run and restarted by the elastic agent registers
-again and is counted as restarted, while the run still ends bit-identical to one never
-interrupted, and `--resume` keeps the registry; `disttrain status` shows the ranks from
-the registry; a coordinator given with --coordinator is used instead of one of the
-run's own, and one that cannot be reached does not stop training."""
+"""`disttrain ddp` under a coordinator: every rank registers as rank<R>, heartbeats,
+reports its latest metrics and its end; a rank killed mid-run and restarted by the
+elastic agent registers again and is counted as restarted (with a recovery record),
+while the run still ends bit-identical to one never interrupted, and `--resume` keeps
+the registry; `disttrain status` shows the ranks and their latest loss from the
+registry; a coordinator given with --coordinator is used instead of one of the run's
+own, and one that cannot be reached does not stop training."""
 
 from __future__ import annotations
 
 import json
+import math
 import socket
 from pathlib import Path
 
@@ -63,12 +65,18 @@ def test_every_rank_registers_heartbeats_and_ends_done(cli, whole_run):
     registry = run_dir / "logs" / "cluster.db"
     nodes = nodes_by_id(registry)
     assert sorted(nodes) == RANKS
+    final_accuracy = json.loads((run_dir / "logs" / "summary.json").read_text())["final_accuracy"]
     for rank, name in enumerate(RANKS):
         node = nodes[name]
         assert (node["role"], node["rank"], node["state"], node["restarts"]) == ("rank", rank, "done", 0)
         assert node["step"] == STEPS and node["epoch"] == 1 and node["throughput"] > 0
         assert node["last_heartbeat"] is not None
         assert event_kinds(registry, name) == ["joined", "done"]
+        # its latest metrics, sent with its final heartbeat: the last window's and evaluation's
+        metrics = node["metrics"]
+        assert math.isfinite(metrics["loss/train"]) and metrics["accuracy/test"] == final_accuracy, metrics
+        assert node["metrics_step"] == STEPS
+    assert read_status(registry).recoveries == []
 
     shown = cli("status", "--registry", registry, "--json", timeout=30)
     assert shown.returncode == 0, shown.stderr[-3000:]
@@ -76,8 +84,12 @@ def test_every_rank_registers_heartbeats_and_ends_done(cli, whole_run):
     assert [(n["node_id"], n["state"], n["restarts"], n["step"]) for n in status["nodes"]] == \
         [(name, "done", 0, STEPS) for name in RANKS]
     assert all(n["heartbeat_age_s"] >= 0 and n["throughput"] > 0 for n in status["nodes"])
+    assert [n["metrics"] for n in status["nodes"]] == [nodes[name]["metrics"] for name in RANKS]
+    assert status["recoveries"] == []
     table = cli("status", "--registry", registry, timeout=30)
     assert table.returncode == 0 and "rank1  rank  1" in table.stdout, table.stdout
+    loss = f"{nodes['rank1']['metrics']['loss/train']:.4f}"
+    assert loss in next(line for line in table.stdout.splitlines() if line.startswith("rank1")), table.stdout
 
 
 @pytest.mark.timeout(150)
@@ -104,6 +116,13 @@ def test_killed_rank_is_counted_restarted_and_the_run_ends_bit_identical(cli, tm
         assert kinds[0] == "joined" and kinds[-1] == "done"
         assert kinds.count("failed") == 1 and kinds.count("restarted") == 1
         assert kinds.index("failed") < kinds.index("restarted")
+    # each rank's restart is one recovery record: its end reported (by the rank as it failed,
+    # or by its next process: no detection delay) or, when that took longer, its heartbeats missed
+    recoveries = read_status(registry).recoveries
+    assert sorted(r.node_id for r in recoveries) == RANKS, recoveries
+    for recovery in recoveries:
+        assert recovery.recover_s > 0, recoveries
+        assert (recovery.detect_s > 0) == recovery.reason.startswith("no heartbeat for"), recoveries
 
     # --resume keeps the registry: the ranks come back as restarts of the same nodes.
     resumed = cli("ddp", *ARGS, "--resume", *dirs(tmp_path), timeout=100)

@@ -1,12 +1,14 @@
 """Whole parameter-server runs that survive failures: real processes, faults injected by
 the harness at exact points, and each test ends by checking state (the servers' data
-ledgers through the summary, the coordinator's registry), not logs.
+ledgers through the summary, the coordinator's registry: its nodes, their latest metrics
+and its recovery records), not logs.
 
 The run is small (digits, an MLP, 2 workers x 10 steps per epoch, 2 epochs) with short
 heartbeats, so a failure is detected within about a second.
 """
 
 import json
+import math
 import re
 
 import pytest
@@ -50,12 +52,25 @@ def test_a_killed_worker_is_restarted_and_every_sample_is_applied_once(tmp_path,
     (failure,) = summary["failures"]
     assert failure["process"] == "worker1" and "SIGKILL" in failure["reason"]
     assert failure["recover_s"] > 0
+    # the summary's figures are the coordinator's structured recovery record of the process
+    (recovery,) = read_status(tmp_path / "logs" / "cluster.db").recoveries
+    assert (recovery.node_id, failure["detect_s"], failure["recover_s"]) == (
+        "worker1", recovery.detect_s, recovery.recover_s)
+    # its exit reported by the supervisor (no detection delay), or its heartbeats missed first
+    assert (recovery.detect_s == 0.0) == ("SIGKILL" in recovery.reason), recovery
     if mode == "sync":
         # the survivor waited at most a heartbeat timeout and interval for the dead worker
         assert summary["max_round_wait_s"] <= TIMEOUT + INTERVAL + 1.0
     nodes = registry_nodes(tmp_path)
     assert nodes["worker1"]["restarts"] == 1 and nodes["worker1"]["state"] == "done"
     assert summary["samples_redone"] >= BATCH  # it resumed from its step-5 checkpoint
+    # every worker's latest metrics reached the coordinator, its last evaluation's included
+    for worker in ("worker0", "worker1"):
+        metrics = nodes[worker]["metrics"]
+        assert math.isfinite(metrics["loss/train"]) and metrics["throughput/samples_per_s"] > 0, metrics
+        assert metrics["accuracy/test"] == summary["final_accuracy"], metrics
+        assert nodes[worker]["metrics_step"] == EPOCHS * TRAIN // WORKERS // BATCH  # its last step
+    assert nodes["server0"]["metrics"] == {}
 
 
 @pytest.mark.timeout(360)
@@ -79,6 +94,11 @@ def test_a_hung_worker_is_declared_failed_restarted_and_its_late_gradients_are_n
     assert failure["process"] == "worker1" and "SIGKILL" in failure["reason"]  # killed while stopped
     assert summary["max_round_wait_s"] <= TIMEOUT + INTERVAL + 1.0
     assert registry_nodes(tmp_path)["worker1"]["restarts"] == 1
+    # detected by its missed heartbeats: the record says how long that took, and the summary has it
+    (recovery,) = read_status(tmp_path / "logs" / "cluster.db").recoveries
+    assert recovery.node_id == "worker1" and recovery.reason.startswith("no heartbeat for")
+    assert TIMEOUT <= recovery.detect_s <= TIMEOUT + INTERVAL + 1.0
+    assert (failure["detect_s"], failure["recover_s"]) == (recovery.detect_s, recovery.recover_s)
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from disttrain.coordinator.reports import BalanceState
 from disttrain.core.faults import FaultInjector, parse_fault
 from disttrain.data import PlannedSampler
 from disttrain.training.balance import measure_speed, plan_batches
@@ -66,7 +67,8 @@ class FakeRun:
         self.now, self.slow = 0.0, 1.0
         self.samplers = [PlannedSampler(2000, world_size=2, rank=r, seed=1, shares=(32, 32)) for r in (0, 1)]
         self.reported: list[list[float]] = [[], []]
-        self.rebalancers = [Rebalancer(s, "auto", 0.2, interval, self.gather_for(r), clock=lambda: self.now)
+        self.rebalancers = [Rebalancer(s, "auto", 0.2, interval, self.gather_for(r), warmup_speed=900.0 + r,
+                                       clock=lambda: self.now)
                             for r, s in enumerate(self.samplers)]
 
     def gather_for(self, rank: int):
@@ -85,6 +87,8 @@ class FakeRun:
 
 def test_a_straggler_mid_run_is_re_planned_around_and_no_sample_is_lost_or_repeated():
     run = FakeRun()
+    before = run.rebalancers[1].balance
+    assert before == BalanceState(batch_size=32, warmup_speed=901.0, plans=1)
     for rebalancer in run.rebalancers:
         rebalancer.restart()
     seen, sizes = [], []
@@ -98,7 +102,9 @@ def test_a_straggler_mid_run_is_re_planned_around_and_no_sample_is_lost_or_repea
     assert run.samplers[0].plans == run.samplers[1].plans == [(0, 0, (32, 32)), (0, 8, (48, 16))]
     assert run.reported[0][0] == pytest.approx(1000.0) and run.reported[1][0] == pytest.approx(1000.0)
     assert run.reported[1][-1] == pytest.approx(1000.0 / 3)  # its own work, not the others' waits
-    assert run.rebalancers[1].state == {"batch": 16, "plans": 2}
+    # its balance state, a new value (a heartbeat thread holding the old one sees it whole)
+    assert run.rebalancers[1].balance == BalanceState(batch_size=16, warmup_speed=901.0, plans=2)
+    assert before == BalanceState(32, 901.0, 1)
     whole = PlannedSampler(2000, world_size=1, rank=0, seed=1, shares=(64,))
     assert torch.equal(torch.cat(seen), torch.cat([whole.block(0, i) for i in range(20)]))
 

@@ -1,5 +1,5 @@
 """Membership rules with a fake clock: failure detection, exits, rejoins, duplicates,
-generations, stragglers, recovery figures and reloads."""
+generations, stragglers, recovery records, metrics and reloads."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disttrain.coordinator.membership import DuplicateNode, Membership, UnknownNode
+from disttrain.coordinator.membership import MAX_METRICS, DuplicateNode, Membership, UnknownNode
+from disttrain.coordinator.nodes import Recovery
 
 TIMEOUT_S = 5.0
 
@@ -149,17 +150,20 @@ def test_stragglers_compare_within_one_role(membership):
     assert membership.stragglers() == set()
 
 
-def test_recovery_figures_after_a_missed_heartbeat(membership):
+def test_recovery_record_after_a_missed_heartbeat(membership):
     membership.register("w0", "worker", now=0.0, pid=1)
     membership.heartbeat("w0", now=2.0, pid=1)
     membership.check(now=7.5)  # detected 5.5 s after the last heartbeat
     membership.register("w0", "worker", now=9.0, pid=2)
-    assert membership.recoveries() == []  # not before its first heartbeat
+    assert membership.take_recoveries() == []  # not before its first heartbeat
     membership.heartbeat("w0", now=10.0, pid=2)
-    assert membership.recoveries() == [{"node_id": "w0", "detect_s": 5.5, "recover_s": 2.5,
-                                        "reason": "no heartbeat for 5.50s"}]
+    assert membership.take_recoveries(clock_offset_s=1000.0) == [
+        Recovery("w0", "no heartbeat for 5.50s", detect_s=5.5, recover_s=2.5, time=1010.0,
+                 generation=membership.generation)]
+    assert membership.take_recoveries() == []  # taken once
     recovered = [e for e in membership.take_events() if e.kind == "recovered"]
-    assert recovered[0].detail.startswith("detect_s=5.5 recover_s=2.5")
+    assert recovered[0].detail == ("back at work 2.500s after it failed (no heartbeat for 5.50s; "
+                                   "declared 5.500s after its last heartbeat)")
 
 
 def test_recovery_after_a_reported_exit_has_no_detection_delay(membership):
@@ -167,8 +171,11 @@ def test_recovery_after_a_reported_exit_has_no_detection_delay(membership):
     membership.exited("w0", -9, "killed by SIGKILL", now=3.0)
     membership.register("w0", "worker", now=4.0, pid=2)
     membership.heartbeat("w0", now=4.5, pid=2)
-    assert membership.recoveries() == [{"node_id": "w0", "detect_s": 0.0, "recover_s": 1.5,
-                                        "reason": "killed by SIGKILL"}]
+    (recovery,) = membership.take_recoveries()
+    assert (recovery.node_id, recovery.reason, recovery.detect_s, recovery.recover_s, recovery.time) == (
+        "w0", "killed by SIGKILL", 0.0, 1.5, 4.5)
+    assert [e.detail for e in membership.take_events() if e.kind == "recovered"] == [
+        "back at work 1.500s after it failed (killed by SIGKILL; its exit was reported)"]
 
 
 def test_a_finished_node_that_rejoins_is_no_recovery(membership):
@@ -176,13 +183,41 @@ def test_a_finished_node_that_rejoins_is_no_recovery(membership):
     membership.exited("w0", 0, "", now=1.0)
     membership.register("w0", "worker", now=2.0, pid=2)
     membership.heartbeat("w0", now=3.0, pid=2)
-    assert membership.recoveries() == []
+    assert membership.take_recoveries() == []
+
+
+def test_metrics_keep_the_latest_value_of_each_key_across_a_restart(membership):
+    membership.register("w0", "worker", now=0.0, pid=1)
+    membership.report_metrics("w0", 10, {"loss/train": 0.9, "accuracy/test": 0.7})
+    membership.report_metrics("w0", 20, {"loss/train": 0.5})
+    node = membership.get("w0")
+    assert (node.metrics, node.metrics_step) == ({"loss/train": 0.5, "accuracy/test": 0.7}, 20)
+    membership.exited("w0", -9, "killed by SIGKILL", now=1.0)
+    membership.register("w0", "worker", now=2.0, pid=2)  # its latest known figures stay
+    assert membership.get("w0").metrics == {"loss/train": 0.5, "accuracy/test": 0.7}
+    membership.report_metrics("w0", 12, {"loss/train": 0.6})  # the new process, resumed earlier
+    assert (membership.get("w0").metrics["loss/train"], membership.get("w0").metrics_step) == (0.6, 12)
+    assert membership.generation == 3 and all(e.kind != "metrics" for e in membership.take_events())
+    with pytest.raises(UnknownNode, match="register"):
+        membership.report_metrics("ghost", 1, {"loss/train": 1.0})
+
+
+def test_metrics_that_are_not_finite_or_too_many_are_refused_and_change_nothing(membership):
+    membership.register("w0", "worker", now=0.0, pid=1)
+    membership.report_metrics("w0", 10, {"loss/train": 0.9})
+    with pytest.raises(ValueError, match="loss/train not finite"):
+        membership.report_metrics("w0", 11, {"loss/train": float("nan"), "accuracy/train": 0.5})
+    too_many = {f"custom/{i}": 1.0 for i in range(MAX_METRICS)}  # with loss/train, one too many
+    with pytest.raises(ValueError, match=f"more than {MAX_METRICS} keys"):
+        membership.report_metrics("w0", 12, too_many)
+    assert (membership.get("w0").metrics, membership.get("w0").metrics_step) == ({"loss/train": 0.9}, 10)
 
 
 def test_a_reload_keeps_everything_and_gives_live_nodes_a_fresh_window(membership):
     membership.register("w0", "worker", now=0.0, pid=1, capabilities={"cpus": 4})
     membership.register("w1", "worker", now=0.0, pid=2)
     membership.heartbeat("w0", now=1.0, pid=1, epoch=1, step=42, throughput=100.0)
+    membership.report_metrics("w0", 40, {"loss/train": 0.25})
     membership.exited("w1", 1, "exit code 1", now=1.0)
     rows = membership.to_rows(clock_offset_s=1000.0)
     assert rows[0]["last_heartbeat"] == 1001.0  # on the wall clock
@@ -191,6 +226,7 @@ def test_a_reload_keeps_everything_and_gives_live_nodes_a_fresh_window(membershi
     reloaded.restore(rows, membership.generation, now=500.0, clock_offset_s=2000.0)
     w0, w1 = reloaded.get("w0"), reloaded.get("w1")
     assert (w0.state, w0.step, w0.epoch, w0.capabilities) == ("alive", 42, 1, {"cpus": 4})
+    assert (w0.metrics, w0.metrics_step) == ({"loss/train": 0.25}, 40)
     assert w0.last_heartbeat == 1001.0 - 2000.0  # its true age is kept
     assert w1.state == "failed" and reloaded.generation == membership.generation
     assert reloaded.check(now=500.0 + TIMEOUT_S) == []  # a fresh window, not a mass failure

@@ -1,14 +1,16 @@
 """What a node tells the coordinator about itself: its machine (GPU count and model from
-torch when it is loaded, never importing it) and its balance state as heartbeat fields."""
+torch when it is loaded, never importing it) and its heartbeat, built from its typed
+progress and balance state."""
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from types import SimpleNamespace
 
-import pytest
-
-from disttrain.coordinator.node_info import balance_fields, capabilities
+from disttrain.coordinator.node_info import capabilities, heartbeat_message
+from disttrain.coordinator.reports import BalanceState, NodeProgress
 
 
 def fake_torch(count: int, name: str = "NVIDIA H100 80GB HBM3") -> SimpleNamespace:
@@ -44,10 +46,18 @@ def test_capabilities_without_cuda_or_without_torch_have_no_gpu(monkeypatch):
     assert "torch" not in sys.modules  # not imported only to describe the machine
 
 
-def test_balance_fields_name_the_heartbeat_fields_and_default_to_unknown():
-    assert balance_fields({"batch": 96, "speed": 812.5, "plans": 2}) == {
-        "batch_size": 96, "warmup_speed": 812.5, "plans": 2}
-    assert balance_fields({"speed": 300}) == {"batch_size": 0, "warmup_speed": 300.0, "plans": 0}
-    assert balance_fields({}) == balance_fields(None) == {"batch_size": 0, "warmup_speed": 0.0, "plans": 0}
-    with pytest.raises(TypeError, match="dict"):
-        balance_fields([96, 812.5, 2])
+def test_the_heartbeat_carries_the_progress_and_the_balance_state():
+    progress = NodeProgress(epoch=2, step=40, samples=1280, work_s=3.5, balance=BalanceState(96, 812.5, 2))
+    before = time.time()
+    message = heartbeat_message("rank1", "rank", progress, generation=7, throughput=320.0, step_time_s=0.1)
+    assert (message.node_id, message.role, message.epoch, message.step, message.generation) == (
+        "rank1", "rank", 2, 40, 7)
+    assert (message.throughput, message.step_time_s, message.pid) == (320.0, 0.1, os.getpid())
+    assert (message.batch_size, message.warmup_speed, message.plans) == (96, 812.5, 2)
+    assert before <= message.timestamp <= time.time()
+
+
+def test_a_heartbeat_without_a_balance_state_says_unknown():
+    message = heartbeat_message("server0", "server", NodeProgress(0, 12, 0), generation=1)
+    assert message.step == 12 and (message.throughput, message.step_time_s) == (0.0, 0.0)
+    assert (message.batch_size, message.warmup_speed, message.plans) == (0, 0.0, 0)

@@ -1,5 +1,6 @@
-"""The SQLite registry on real files: round trip, WAL, refusal of corrupt or foreign
-files (left untouched), locks, and the read-only status read."""
+"""The SQLite registry on real files: round trip of nodes (metrics included), events and
+recovery records, WAL, refusal of corrupt, foreign or older-schema files (left
+untouched), locks, and the read-only status read."""
 
 from __future__ import annotations
 
@@ -8,11 +9,10 @@ import sqlite3
 import pytest
 
 from disttrain.coordinator.membership import Membership
+from disttrain.coordinator.nodes import Recovery
 from disttrain.coordinator.registry import (
-    ADDED_COLUMNS,
-    NODE_COLUMNS,
     REGISTRY_KIND,
-    SCHEMA,
+    SCHEMA_VERSION,
     Registry,
     RegistryError,
     read_status,
@@ -25,13 +25,23 @@ def cluster() -> Membership:
                         hostname="node0", capabilities={"cpus": 8, "memory_bytes": 2**33, "gpu": ""})
     membership.register("worker-0", "worker", now=0.0, rank=0, pid=11)
     membership.heartbeat("worker-0", now=1.0, pid=11, epoch=2, step=40, throughput=512.5, step_time_s=0.1)
+    membership.report_metrics("worker-0", 40, {"loss/train": 0.31, "accuracy/test": 0.88})
     membership.exited("server-0", -9, "killed by SIGKILL", now=2.0)
     return membership
 
 
+def recover(membership: Membership, node_id: str, now: float) -> None:
+    """`node_id` (failed) registers again and heartbeats: one recovery."""
+    node = membership.get(node_id)
+    pid = node.pid + 100  # its restarted process
+    membership.register(node_id, node.role, now=now, rank=node.rank, pid=pid)
+    assert membership.heartbeat(node_id, now=now + 0.5, pid=pid)
+
+
 def save(registry: Registry, membership: Membership, offset: float = 1000.0) -> None:
     events = [vars(e) for e in membership.take_events(offset)]
-    registry.save(membership.to_rows(offset), events, membership.generation)
+    registry.save(membership.to_rows(offset), events, membership.generation,
+                  membership.take_recoveries(offset))
 
 
 def test_nodes_events_and_generation_survive_a_reopen(tmp_path):
@@ -47,6 +57,26 @@ def test_nodes_events_and_generation_survive_a_reopen(tmp_path):
     assert [(e["node_id"], e["kind"]) for e in snapshot.events] == [
         ("server-0", "joined"), ("worker-0", "joined"), ("server-0", "failed")]
     assert snapshot.events[0]["time"] == 1000.0
+    worker = next(n for n in snapshot.nodes if n["node_id"] == "worker-0")
+    assert (worker["metrics"], worker["metrics_step"]) == ({"loss/train": 0.31, "accuracy/test": 0.88}, 40)
+
+
+def test_recovery_records_are_kept_as_records_and_read_back_oldest_first(tmp_path):
+    path = tmp_path / "r.db"
+    membership = cluster()
+    recover(membership, "server-0", now=3.0)
+    registry = Registry(path)
+    save(registry, membership)
+    membership.exited("worker-0", 1, "exit code 1", now=5.0)
+    recover(membership, "worker-0", now=6.0)
+    save(registry, membership)
+    expected = [Recovery("server-0", "killed by SIGKILL", 0.0, 1.5, 1003.5, 4),
+                Recovery("worker-0", "exit code 1", 0.0, 1.5, 1006.5, 6)]
+    assert registry.load().recoveries == expected
+    registry.close()
+    assert Registry(path).load().recoveries == expected  # across a reopen
+    assert read_status(path).recoveries == expected
+    assert read_status(path, max_recoveries=1).recoveries == expected[1:]  # the latest
 
 
 def test_saving_again_updates_rows_in_place(tmp_path):
@@ -122,41 +152,17 @@ def test_status_of_a_missing_file_names_it(tmp_path):
     assert not (tmp_path / "missing.db").exists()
 
 
-def old_registry(path) -> None:
-    """A registry as a disttrain before the balance columns wrote it: one worker at step 40."""
-    columns = {name: kind for name, kind in NODE_COLUMNS.items() if name not in ADDED_COLUMNS}
-    with sqlite3.connect(path) as db:
-        db.executescript(SCHEMA.replace(", ".join(f"{k} {t}" for k, t in NODE_COLUMNS.items()),
-                                        ", ".join(f"{k} {t}" for k, t in columns.items())))
+def test_a_registry_of_another_schema_version_is_refused_and_left_untouched(tmp_path):
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as db:  # as the first schema wrote it: no recoveries table
+        db.executescript("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+                         "CREATE TABLE nodes (node_id TEXT PRIMARY KEY, role TEXT NOT NULL);"
+                         "CREATE TABLE events (id INTEGER PRIMARY KEY, detail TEXT);")
         db.executemany("INSERT INTO meta VALUES (?, ?)", [("kind", REGISTRY_KIND), ("schema_version", "1"),
                                                           ("generation", "1")])
-        db.execute("INSERT INTO nodes (node_id, role, rank, capabilities, state, step) VALUES "
-                   "('worker-0', 'worker', 0, '{\"cpus\": 4}', 'alive', 40)")
-    with sqlite3.connect(path) as db:
-        assert "plans" not in {row[1] for row in db.execute("PRAGMA table_info(nodes)")}
-
-
-def test_an_older_registry_reads_with_the_balance_columns_at_zero(tmp_path):
-    path = tmp_path / "old.db"
-    old_registry(path)
-    path.chmod(0o444)  # the status read adds nothing to the file
-    try:
-        (node,) = read_status(path).nodes
-    finally:
-        path.chmod(0o644)
-    assert (node["step"], node["batch_size"], node["warmup_speed"], node["plans"]) == (40, 0, 0.0, 0)
-
-
-def test_a_coordinator_opening_an_older_registry_adds_the_balance_columns(tmp_path):
-    path = tmp_path / "old.db"
-    old_registry(path)
-    registry = Registry(path)
-    (node,) = registry.load().nodes
-    assert (node["step"], node["capabilities"], node["plans"]) == (40, {"cpus": 4}, 0)
-    membership = Membership(heartbeat_timeout_s=5.0)
-    membership.restore(registry.load().nodes, 1, now=0.0)
-    membership.heartbeat("worker-0", now=1.0, batch_size=24, warmup_speed=90.5, plans=2)
-    save(registry, membership)
-    registry.close()
-    (node,) = read_status(path).nodes
-    assert (node["batch_size"], node["warmup_speed"], node["plans"]) == (24, 90.5, 2)
+    before = path.read_bytes()
+    for open_it in (Registry, read_status):
+        with pytest.raises(RegistryError, match=rf"schema version 1, this disttrain reads version "
+                                                rf"{SCHEMA_VERSION}; use the disttrain that wrote it"):
+            open_it(path)
+    assert path.read_bytes() == before

@@ -1,6 +1,7 @@
 """Time to accuracy: the thresholds rule over a run's evaluations, the evaluations the
 training loop records (in metrics.jsonl and its result), and a resume keeping those made
-before it."""
+before it; every record the loop logs also goes to its metrics listener (what a node
+reports to the coordinator)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from disttrain.config import config_from_dict
+from disttrain.coordinator.reports import LatestMetrics
 from disttrain.core.faults import FaultInjector
 from disttrain.data import ShardedSampler
 from disttrain.metrics.keys import ACCURACY_THRESHOLDS
@@ -95,13 +97,13 @@ class NoDisplay:
         pass
 
 
-def run_loop(tmp_path: Path, participant: ScriptedParticipant, resume: bool) -> LoopResult:
+def run_loop(tmp_path: Path, participant: ScriptedParticipant, resume: bool, on_metrics=None) -> LoopResult:
     # 8 samples in batches of 4: 2 steps an epoch; the checkpoint at step 4 ends epoch 1.
     config = config_from_dict({"training": {"num_epochs": 4, "batch_size": 4, "log_interval": 1,
                                             "checkpoint_interval": 4}})
     loop = TrainingLoop(config, LoopSettings.from_config(config), participant, ShardedSampler(8, seed=0),
                         LocalCheckpoints(tmp_path / "ckpt", keep=2), tmp_path / "logs" / "baseline",
-                        FaultInjector((), "worker"), lambda total, done: NoDisplay())
+                        FaultInjector((), "worker"), lambda total, done: NoDisplay(), on_metrics=on_metrics)
     return loop.run(resume)
 
 
@@ -130,3 +132,20 @@ def test_a_resume_keeps_the_evaluations_made_before_it(tmp_path):
     assert times == sorted(times)  # the resumed clock goes on from the checkpoint's
     found = time_to_accuracy(result.evaluations)
     assert found == {"0.90": before[1][0], "0.95": times[2], "0.97": None, "0.98": None}
+
+
+def test_every_record_the_loop_logs_goes_to_its_metrics_listener(tmp_path):
+    heard: list[tuple[int, int, dict]] = []
+    latest = LatestMetrics()
+
+    def on_metrics(step: int, epoch: int, scalars) -> None:
+        heard.append((step, epoch, dict(scalars)))
+        latest.publish(step, epoch, scalars)
+
+    run_loop(tmp_path, ScriptedParticipant(), resume=False, on_metrics=on_metrics)
+    records = read_metrics(tmp_path / "logs" / "baseline" / "metrics.jsonl")
+    assert heard == [(r.pop("step"), r.pop("epoch"), {k: v for k, v in r.items() if k != "time"})
+                     for r in records]
+    final = latest.latest()  # what a node's heartbeat thread reports last
+    assert (final.step, final.epoch, final.scalars["accuracy/test"]) == (8, 3, ACCURACY_BY_EPOCH[3])
+    assert final.scalars["loss/train"] == 1.0

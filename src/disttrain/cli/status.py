@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict
 from typing import Any
 
 from disttrain.cli.flags import add_tls_flags, add_token_flag, tls_from_args, token_from_args
@@ -15,14 +16,16 @@ from disttrain.core.addresses import parse_address
 from disttrain.core.errors import DisttrainError, error_lines
 from disttrain.proto import coordinator_pb2 as pb
 
-HELP = "show the cluster: every node, its state, progress and speed, and the latest events"
+HELP = "show the cluster: every node, its state, progress, loss and speed, recoveries and events"
 DESCRIPTION = """Show every process of a run as the coordinator sees it: role, rank, address,
 machine (CPUs, memory, GPUs), state (alive, failed, done), time since its last
-heartbeat, restarts, epoch, step, and under proportional work (--balance) its current
-batch and the speed it measured in its warm-up, beside the throughput it has now, with
-stragglers marked; then the latest events (joined, failed, restarted, recovered, done,
-straggler, rebalanced). Ask a running coordinator, or read its registry file (works
-while no coordinator runs; never writes to the file).
+heartbeat, restarts, epoch, step, its latest training loss, and under proportional work
+(--balance) its current batch and the speed it measured in its warm-up, beside the
+throughput it has now, with stragglers marked; then the latest recoveries (how long each
+failure took to detect, and the process to be back at work) and the latest events
+(joined, failed, restarted, recovered, done, straggler, rebalanced). --json adds every
+node's latest metrics (loss/train, accuracy/test, ...). Ask a running coordinator, or
+read its registry file (works while no coordinator runs; never writes to the file).
 
     disttrain status --coordinator node0:50050
     disttrain status --registry logs/cluster.db
@@ -32,10 +35,13 @@ while no coordinator runs; never writes to the file).
 NODE_KEYS = [f.name for f in pb.NodeStatus.DESCRIPTOR.fields]
 EVENT_KEYS = [f.name for f in pb.ClusterEvent.DESCRIPTOR.fields]
 COLUMNS = ("NODE", "ROLE", "RANK", "ADDRESS", "MACHINE", "STATE", "HEARTBEAT", "RESTARTS",
-           "EPOCH", "STEP", "BATCH", "SAMPLES/S", "WARM-UP/S")
+           "EPOCH", "STEP", "LOSS", "BATCH", "SAMPLES/S", "WARM-UP/S")
+LOSS_KEY = "loss/train"  # the LOSS column: the latest training loss a node reported
 BALANCE_LEGEND = ("BATCH: its batch now (plan N: after N-1 re-plans); SAMPLES/S: since its last "
                   "heartbeat; WARM-UP/S: before training")
+RECOVERY_COLUMNS = ("TIME", "NODE", "DETECTED IN", "BACK IN", "REASON")
 NUM_EVENTS = 10
+NUM_RECOVERIES = 10
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +84,7 @@ def _redraw(args: argparse.Namespace) -> None:
 
 
 def collect(args: argparse.Namespace) -> dict[str, Any]:
-    """The cluster as one dict: source, generation, nodes, stragglers, events.
+    """The cluster as one dict: source, generation, nodes, stragglers, recoveries, events.
 
     Raises:
         RegistryError: the registry file is missing, not a registry, or locked.
@@ -93,20 +99,31 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
             client.close()
         nodes = [_message_dict(node) for node in status.nodes]
         events = [_message_dict(event) for event in status.events][-NUM_EVENTS:]
+        recoveries = [_message_dict(recovery) for recovery in status.recoveries][-NUM_RECOVERIES:]
         generation, source = status.generation, f"coordinator {args.coordinator}"
     else:
-        snapshot = read_status(args.registry, NUM_EVENTS)
+        snapshot = read_status(args.registry, NUM_EVENTS, NUM_RECOVERIES)
         nodes = [_registry_node(row, time.time()) for row in snapshot.nodes]
         events = [{key: event[key] for key in EVENT_KEYS} for event in snapshot.events]
+        recoveries = [asdict(recovery) for recovery in snapshot.recoveries]
         generation, source = snapshot.generation, f"registry {args.registry}"
     stragglers = [node["node_id"] for node in nodes if node["straggler"]]
     return {"source": source, "generation": generation, "nodes": nodes, "stragglers": stragglers,
-            "events": events}
+            "recoveries": recoveries, "events": events}
 
 
 def _message_dict(message) -> dict[str, Any]:
-    return {field.name: _message_dict(getattr(message, field.name)) if field.message_type
-            else getattr(message, field.name) for field in message.DESCRIPTOR.fields}
+    """A message as a dict: nested messages as dicts, maps as plain dicts."""
+    out = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            out[field.name] = dict(value)
+        elif field.message_type is not None:
+            out[field.name] = _message_dict(value)
+        else:
+            out[field.name] = value
+    return out
 
 
 def _registry_node(row: dict[str, Any], wall_now: float) -> dict[str, Any]:
@@ -140,6 +157,11 @@ def render(cluster: dict[str, Any]) -> list[str]:
     if cluster["stragglers"]:
         slow = {node["node_id"]: node["step_time_s"] for node in nodes}
         lines.append("* straggler: " + ", ".join(f"{n} ({slow[n]:.3f}s/step)" for n in cluster["stragglers"]))
+    if cluster["recoveries"]:
+        lines += ["", "recoveries (DETECTED IN: from its last heartbeat, 0 when its exit was reported; "
+                      "BACK IN: from then to its first heartbeat after):"]
+        lines += ["  " + line for line in _table([RECOVERY_COLUMNS] + [_recovery_row(r)
+                                                                        for r in cluster["recoveries"]])]
     if cluster["events"]:
         lines += ["", "latest events:"]
         lines += [f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))}  {e['node_id']}  {e['kind']}: "
@@ -152,8 +174,19 @@ def _row(node: dict[str, Any]) -> tuple[str, ...]:
     return (node["node_id"] + mark, node["role"], str(node["rank"]) if node["rank"] >= 0 else "-",
             node["address"] or "-", describe_machine(node), node["state"],
             describe_age(node["heartbeat_age_s"]), str(node["restarts"]), str(node["epoch"]),
-            str(node["step"]), describe_batch(node), f"{node['throughput']:.1f}",
+            str(node["step"]), describe_loss(node), describe_batch(node), f"{node['throughput']:.1f}",
             f"{node['warmup_speed']:.1f}" if node["warmup_speed"] else "-")
+
+
+def _recovery_row(recovery: dict[str, Any]) -> tuple[str, ...]:
+    return (time.strftime("%H:%M:%S", time.localtime(recovery["time"])), recovery["node_id"],
+            f"{recovery['detect_s']:.2f}s", f"{recovery['recover_s']:.2f}s", recovery["reason"])
+
+
+def describe_loss(node: dict[str, Any]) -> str:
+    """The node's latest training loss, e.g. "0.4213"; "-" when it reported none (a server)."""
+    loss = (node.get("metrics") or {}).get(LOSS_KEY)
+    return "-" if loss is None else f"{loss:.4f}"
 
 
 def describe_machine(node: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """Calls to the coordinator, and the two background threads every node runs beside its work:
-`HeartbeatSender` (I am alive, and this is my progress) and `MembershipWatcher` (who is
-in the run now).
+`HeartbeatSender` (I am alive, this is my progress, and these are my latest metrics) and
+`MembershipWatcher` (who is in the run now).
 
 Training never waits for the coordinator: both threads keep trying quietly while it is
 down (it may be restarting) and pick up where they were once it answers again. Every
@@ -20,7 +20,8 @@ from collections.abc import Callable
 import grpc
 import tenacity
 
-from disttrain.coordinator.node_info import balance_fields, capabilities
+from disttrain.coordinator.node_info import capabilities, heartbeat_message
+from disttrain.coordinator.reports import NodeMetrics, NodeProgress
 from disttrain.core.channels import open_channel
 from disttrain.core.errors import DisttrainError
 from disttrain.core.tls import TlsFiles
@@ -119,9 +120,12 @@ class CoordinatorClient:
         """Tell the coordinator a node's process exited (0: finished; else: failed)."""
         return self._call("ReportExit", pb.ExitReport(node_id=node_id, exit_code=code, reason=reason))
 
-    def report_metrics(self, node_id: str, step: int, epoch: int, scalars: dict[str, float]) -> None:
-        report = pb.MetricsReport(worker_id=node_id, step=step, epoch=epoch, scalars=scalars)
-        self._call("ReportMetrics", report)
+    def report_metrics(self, node_id: str, metrics: NodeMetrics) -> pb.MetricsReply:
+        """Report a node's latest training metrics. Raises CoordinatorError (NOT_FOUND:
+        register first)."""
+        report = pb.MetricsReport(node_id=node_id, step=metrics.step, epoch=metrics.epoch,
+                                  scalars=dict(metrics.scalars))
+        return self._call("ReportMetrics", report)
 
     def watch_membership(self, after_generation: int, timeout_s: float,
                          cancelled: threading.Event | None = None) -> pb.Membership | None:
@@ -169,27 +173,32 @@ class CoordinatorClient:
 class HeartbeatSender:
     """A daemon thread heartbeating every `interval_s` with this node's progress.
 
-    Call `client.register` first, then `start()`. `progress()` returns (epoch, step,
-    samples so far[, seconds of work so far[, balance state]]); throughput and step time
-    come from the change since the previous heartbeat (step time from the seconds of work
-    when given and not None: a node that waits for slower peers then does not look slow
-    itself). The balance state is a dict with optional keys batch, speed and plans
-    (`node_info.balance_fields`); the heartbeat carries it as it is. While the coordinator
-    is unreachable the thread keeps trying (one warning, one info once it is back); when it
+    Call `client.register` first, then `start()`. `progress()` returns the node's
+    `NodeProgress`; throughput and step time come from the change since the previous
+    heartbeat (step time from the seconds of work when counted: a node that waits for
+    slower peers then does not look slow itself), and the heartbeat carries its balance
+    state as it is. After each heartbeat answered, `metrics()` (when given) is read and,
+    when it returns metrics not reported yet, they are reported (best effort, like the
+    heartbeat: a failed report is tried again at the next one). While the coordinator is
+    unreachable the thread keeps trying (one warning, one info once it is back); when it
     answers NOT_FOUND (restarted without its registry) the node registers again; when it
     answers alive=False, `on_declared_dead()` is called once and the thread ends.
     """
 
     def __init__(self, client: CoordinatorClient, node_id: str, role: str, interval_s: float,
-                 progress: Callable[[], tuple], on_declared_dead: Callable[[], None],
-                 rank: int = -1, address: str = "", generation: int = 0):
+                 progress: Callable[[], NodeProgress], on_declared_dead: Callable[[], None],
+                 rank: int = -1, address: str = "", generation: int = 0,
+                 metrics: Callable[[], NodeMetrics | None] | None = None):
         self.client, self.node_id, self.role = client, node_id, role
         self.interval_s, self.progress, self.on_declared_dead = interval_s, progress, on_declared_dead
         self.rank, self.address, self.generation = rank, address, generation
+        self.metrics = metrics
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._previous: tuple[float, int, int, float] | None = None
         self._unreachable = False
+        self._metrics_lock = threading.Lock()  # the thread, and a last report as the node leaves
+        self._metrics_sent: NodeMetrics | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -205,22 +214,20 @@ class HeartbeatSender:
                 return
 
     def _message(self) -> pb.HeartbeatMessage:
-        epoch, step, samples, *rest = self.progress()
+        progress = self.progress()
         now = time.monotonic()
-        busy = rest[0] if rest and rest[0] is not None else now  # seconds of work, when counted
-        balance = balance_fields(rest[1] if len(rest) > 1 else None)
+        busy = now if progress.work_s is None else progress.work_s
+        step, samples = progress.step, progress.samples
         throughput = step_time_s = 0.0
         if self._previous is not None:
             then, last_step, last_samples, last_busy = self._previous
             throughput = (samples - last_samples) / max(now - then, 1e-9)
             step_time_s = (busy - last_busy) / (step - last_step) if step > last_step else 0.0
         self._previous = (now, step, samples, busy)
-        return pb.HeartbeatMessage(worker_id=self.node_id, timestamp=time.time(), epoch=epoch, step=step,
-                                   role=self.role, throughput=throughput, step_time_s=step_time_s,
-                                   pid=os.getpid(), generation=self.generation, **balance)
+        return heartbeat_message(self.node_id, self.role, progress, self.generation, throughput, step_time_s)
 
     def _beat(self) -> bool:
-        """One heartbeat; False once this node was declared dead."""
+        """One heartbeat (and the metrics, when new); False once this node was declared dead."""
         try:
             reply = self.client.heartbeat(self._message())
         except CoordinatorError as e:
@@ -233,7 +240,30 @@ class HeartbeatSender:
             logger.error("the coordinator declared %s dead; stopping", self.node_id)
             self.on_declared_dead()
             return False
+        self.send_metrics()
         return True
+
+    def send_metrics(self) -> bool:
+        """Report the node's latest metrics unless they were reported already (best effort:
+        an error is logged at debug level; the heartbeat reports the coordinator's state).
+        Safe to call from another thread, e.g. once more as the node leaves.
+
+        Returns:
+            False when a report was due and failed.
+        """
+        if self.metrics is None:
+            return True
+        with self._metrics_lock:
+            latest = self.metrics()
+            if latest is None or latest is self._metrics_sent:
+                return True
+            try:
+                self.client.report_metrics(self.node_id, latest)
+            except CoordinatorError as e:
+                logger.debug("the metrics of %s were not reported (tried again later): %s", self.node_id, e)
+                return False
+            self._metrics_sent = latest
+            return True
 
     def _on_error(self, error: CoordinatorError) -> None:
         if error.code == grpc.StatusCode.NOT_FOUND:

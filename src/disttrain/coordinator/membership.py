@@ -15,18 +15,24 @@ Rules:
   step time of the other live nodes of its role.
 - A node's balance plans rising above a known count is a "rebalanced" event (no new
   generation: the membership is the same); see `nodes.py`.
+- A node back at work after a failure (its first heartbeat after registering again) is a
+  "recovered" event and a `Recovery` record, with the time the failure took to detect
+  and the node to recover.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
-from disttrain.coordinator.nodes import ALIVE, CLOCK_FIELDS, DONE, FAILED, Event, Node, node_row
+from disttrain.coordinator.nodes import ALIVE, CLOCK_FIELDS, DONE, FAILED, Event, Node, Recovery, node_row
+from disttrain.coordinator.reports import BalanceState
 from disttrain.core.errors import DisttrainError
 
 ROLES = ("worker", "server", "rank", "coordinator")
+MAX_METRICS = 256  # metric keys kept per node: its registry row stays small
 
 
 class DuplicateNode(DisttrainError):
@@ -55,7 +61,7 @@ class Membership:
         self.generation = 0
         self._nodes: dict[str, Node] = {}
         self._pending: list[Event] = []
-        self._recoveries: list[dict[str, Any]] = []
+        self._recoveries: list[Recovery] = []  # not taken yet (`take_recoveries`)
         self._unconfirmed: set[str] = set()  # reloaded as alive, not heard from since
         self._slow_since: dict[str, float] = {}  # node -> when it was first seen slow, while it is
 
@@ -107,10 +113,10 @@ class Membership:
 
     def heartbeat(self, node_id: str, now: float, epoch: int = 0, step: int = 0,
                   throughput: float = 0.0, step_time_s: float = 0.0, pid: int = 0,
-                  batch_size: int = 0, warmup_speed: float = 0.0, plans: int = 0) -> bool:
-        """Record a heartbeat and the sender's balance state (0: unknown, the value held
-        stays). Returns False when the sender is considered dead (failed, or an old process
-        of a node that has since registered again): it must exit.
+                  balance: BalanceState | None = None) -> bool:
+        """Record a heartbeat and the sender's balance state (None, or a field at 0: unknown,
+        the value held stays). Returns False when the sender is considered dead (failed, or
+        an old process of a node that has since registered again): it must exit.
 
         Raises:
             UnknownNode: `node_id` never registered.
@@ -125,7 +131,7 @@ class Membership:
         if step_time_s > 0:  # no step since the last heartbeat (an evaluation): the last one holds
             node.step_time_s = step_time_s
         node.last_heartbeat = node.last_seen = now
-        rebalanced = node.update_balance(batch_size, warmup_speed, plans)
+        rebalanced = node.update_balance(balance or BalanceState())
         if rebalanced is not None:
             self._emit(node, "rebalanced", rebalanced, now)
         if node.recovering:
@@ -135,12 +141,32 @@ class Membership:
     def _recovered(self, node: Node, now: float) -> None:
         assert node.failed_at is not None
         detect_s = 0.0 if node.last_heard is None else node.failed_at - node.last_heard
-        record = {"node_id": node.node_id, "detect_s": round(detect_s, 3),
-                  "recover_s": round(now - node.failed_at, 3), "reason": node.failure_reason}
-        self._recoveries.append(record)
+        recovery = Recovery(node.node_id, node.failure_reason, round(detect_s, 3),
+                            round(now - node.failed_at, 3), now, self.generation)
+        self._recoveries.append(recovery)
         node.recovering = False
-        detail = f"detect_s={record['detect_s']} recover_s={record['recover_s']} reason={node.failure_reason}"
+        detected = ("its exit was reported" if node.last_heard is None
+                    else f"declared {recovery.detect_s:.3f}s after its last heartbeat")
+        detail = f"back at work {recovery.recover_s:.3f}s after it failed ({recovery.reason}; {detected})"
         self._emit(node, "recovered", detail, now)
+
+    def report_metrics(self, node_id: str, step: int, scalars: dict[str, float]) -> None:
+        """Keep a node's latest metrics: each scalar replaces the value held of its key.
+
+        Raises:
+            UnknownNode: `node_id` never registered.
+            ValueError: a value is not finite, or the node would hold more than
+                `MAX_METRICS` keys (nothing is kept of the report).
+        """
+        node = self._nodes.get(node_id)
+        if node is None:
+            raise UnknownNode(f"node {node_id!r} is not registered; register it first")
+        bad = sorted(key for key, value in scalars.items() if not math.isfinite(value))
+        if bad:
+            raise ValueError(f"metrics of {node_id!r}: {', '.join(bad)} not finite; report finite values")
+        if len(node.metrics.keys() | scalars.keys()) > MAX_METRICS:
+            raise ValueError(f"metrics of {node_id!r}: more than {MAX_METRICS} keys; report fewer metrics")
+        node.update_metrics(step, scalars)
 
     def exited(self, node_id: str, code: int, reason: str, now: float) -> bool:
         """A supervisor saw the node's process exit: code 0 -> done, else failed at once.
@@ -216,9 +242,11 @@ class Membership:
                     slow.add(node.node_id)
         return slow
 
-    def recoveries(self) -> list[dict[str, Any]]:
-        """One record per recovery: node_id, detect_s, recover_s, reason."""
-        return [dict(r) for r in self._recoveries]
+    def take_recoveries(self, clock_offset_s: float = 0.0) -> list[Recovery]:
+        """The recoveries since the last call, oldest first, their times shifted by
+        `clock_offset_s` (as `take_events`)."""
+        recoveries, self._recoveries = self._recoveries, []
+        return [replace(r, time=r.time + clock_offset_s) for r in recoveries]
 
     @property
     def has_events(self) -> bool:

@@ -1,18 +1,13 @@
-"""What a node tells the coordinator about itself beside its liveness: the machine it
-runs on (at registration) and its balance state (in every heartbeat).
-
-The balance state is a dict the node keeps up to date, with optional keys `batch` (its
-current batch size), `speed` (samples/s measured in the warm-up before training) and
-`plans` (balance plans so far: 1 = the one it started with, each re-plan adds one).
-"""
+"""What a node tells the coordinator about itself, on the wire: the machine it runs on
+(at registration) and its heartbeat, built from its typed progress (`reports.py`)."""
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
-from typing import Any
+import time
 
+from disttrain.coordinator.reports import BalanceState, NodeProgress
 from disttrain.proto import coordinator_pb2 as pb
 
 
@@ -34,18 +29,19 @@ def capabilities() -> pb.Capabilities:
                            gpu_count=gpu_count)
 
 
-def balance_fields(balance: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The HeartbeatMessage fields of a balance state: `batch_size`, `warmup_speed`,
-    `plans`, each 0 (unknown) where `balance` has no such key or is None.
+def heartbeat_message(node_id: str, role: str, progress: NodeProgress, generation: int,
+                      throughput: float = 0.0, step_time_s: float = 0.0) -> pb.HeartbeatMessage:
+    """The heartbeat of node `node_id` at `progress`: the one place a HeartbeatMessage is
+    built (the heartbeat thread's, and a DDP rank's final one).
 
-    Raises:
-        TypeError: `balance` is not a mapping, or a value is not a number.
+    Args:
+        generation: the generation the node registered in.
+        throughput, step_time_s: samples/s and seconds per step, over whatever span the
+            caller measured (0: unknown, e.g. no step finished).
     """
-    if balance is None:
-        return {"batch_size": 0, "warmup_speed": 0.0, "plans": 0}
-    if not isinstance(balance, Mapping):
-        raise TypeError("a node's balance state is a dict (batch, speed, plans), not "
-                        f"{type(balance).__name__}")
-    state = dict(balance)  # one read: the node may update it meanwhile
-    return {"batch_size": int(state.get("batch") or 0), "warmup_speed": float(state.get("speed") or 0.0),
-            "plans": int(state.get("plans") or 0)}
+    balance = progress.balance or BalanceState()
+    return pb.HeartbeatMessage(node_id=node_id, timestamp=time.time(), epoch=progress.epoch,
+                               step=progress.step, role=role, throughput=throughput,
+                               step_time_s=step_time_s, pid=os.getpid(), generation=generation,
+                               batch_size=balance.batch_size, warmup_speed=balance.warmup_speed,
+                               plans=balance.plans)

@@ -1,11 +1,11 @@
-"""The cluster registry: the coordinator's nodes and events in one SQLite file, so a
-restarted coordinator (or `disttrain status --registry`) sees the cluster as it was.
+"""The cluster registry: the coordinator's nodes, events and recoveries in one SQLite
+file, so a restarted coordinator (or `disttrain status --registry`, or a run's summary)
+sees the cluster as it was.
 
 Only the coordinator writes it. The file is opened in WAL mode (a reader never blocks
 the writer) with a busy timeout; times in it are wall-clock seconds since the epoch.
-A file that is not a registry is never written to: the user decides what to do with it.
-Node columns added since a file was written are added to it when a coordinator opens it
-(old rows get the column's default); the read-only status read fills in the default.
+A file that is not a registry, or a registry of another schema version, is never written
+to: the user decides what to do with it.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ import sqlite3
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from disttrain.coordinator.nodes import Recovery
 from disttrain.core.errors import DisttrainError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 REGISTRY_KIND = "disttrain-cluster-registry"
 BUSY_TIMEOUT_MS = 5000
 
@@ -33,21 +34,24 @@ NODE_COLUMNS = {
     "joined_generation": "INTEGER", "restarts": "INTEGER", "last_heartbeat": "REAL",
     "last_seen": "REAL", "epoch": "INTEGER", "step": "INTEGER", "throughput": "REAL",
     "step_time_s": "REAL", "straggler": "INTEGER", "failed_at": "REAL", "last_heard": "REAL",
-    "failure_reason": "TEXT", "recovering": "INTEGER",
-    "batch_size": "INTEGER NOT NULL DEFAULT 0", "warmup_speed": "REAL NOT NULL DEFAULT 0",
-    "plans": "INTEGER NOT NULL DEFAULT 0",
+    "failure_reason": "TEXT", "recovering": "INTEGER", "batch_size": "INTEGER", "warmup_speed": "REAL",
+    "plans": "INTEGER", "metrics": "TEXT", "metrics_step": "INTEGER",
 }
-# Columns added after schema version 1 was first written -> what an older row holds.
-ADDED_COLUMNS = {"batch_size": 0, "warmup_speed": 0.0, "plans": 0}
 EVENT_COLUMNS = ("time", "node_id", "kind", "detail", "generation")
+RECOVERY_COLUMNS = tuple(f.name for f in fields(Recovery))
 _BOOL_COLUMNS = ("straggler", "recovering")
+_JSON_COLUMNS = ("capabilities", "metrics")
 
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS nodes ({", ".join(f"{k} {t}" for k, t in NODE_COLUMNS.items())});
 CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL,
     node_id TEXT NOT NULL, kind TEXT NOT NULL, detail TEXT NOT NULL, generation INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS recoveries (id INTEGER PRIMARY KEY AUTOINCREMENT, node_id TEXT NOT NULL,
+    reason TEXT NOT NULL, detect_s REAL NOT NULL, recover_s REAL NOT NULL, time REAL NOT NULL,
+    generation INTEGER NOT NULL);
 """
+TABLES = {"meta", "nodes", "events", "recoveries"}
 
 
 class RegistryError(DisttrainError):
@@ -57,11 +61,13 @@ class RegistryError(DisttrainError):
 
 @dataclass
 class Snapshot:
-    """Everything a registry holds: the generation, every node, the latest events."""
+    """Everything a registry holds: the generation, every node, the latest events and
+    recoveries (oldest first)."""
 
     generation: int = 0
     nodes: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
+    recoveries: list[Recovery] = field(default_factory=list)
 
 
 class Registry:
@@ -97,42 +103,40 @@ class Registry:
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     self._db.execute(statement)
-            present = _node_columns(self._db)
-            for column in (c for c in ADDED_COLUMNS if c not in present):  # written by an older disttrain
-                self._db.execute(f"ALTER TABLE nodes ADD COLUMN {column} {NODE_COLUMNS[column]}")
             for key, value in (("kind", REGISTRY_KIND), ("schema_version", SCHEMA_VERSION)):
                 self._db.execute("INSERT OR IGNORE INTO meta VALUES (?, ?)", (key, str(value)))
             self._db.execute("INSERT OR IGNORE INTO meta VALUES ('generation', '0')")
 
     def save(self, nodes: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]],
-             generation: int) -> None:
-        """Upsert `nodes`, append `events` and store `generation`, in one transaction.
+             generation: int, recoveries: Iterable[Recovery] = ()) -> None:
+        """Upsert `nodes`, append `events` and `recoveries` and store `generation`, in one
+        transaction.
 
         Raises:
             RegistryError: the file is locked past the busy timeout, or the disk failed.
         """
         node_rows = [_node_values(node) for node in nodes]
         event_rows = [tuple(event[c] for c in EVENT_COLUMNS) for event in events]
-        columns = ", ".join(NODE_COLUMNS)
-        marks = ", ".join("?" * len(NODE_COLUMNS))
+        recovery_rows = [astuple(recovery) for recovery in recoveries]
         with self._lock, _translated(self.path), _transaction(self._db):
-            self._db.executemany(f"INSERT OR REPLACE INTO nodes ({columns}) VALUES ({marks})", node_rows)
-            self._db.executemany(f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) VALUES "
-                                 "(?, ?, ?, ?, ?)", event_rows)
+            self._db.executemany(_insert("INSERT OR REPLACE", "nodes", NODE_COLUMNS), node_rows)
+            self._db.executemany(_insert("INSERT", "events", EVENT_COLUMNS), event_rows)
+            self._db.executemany(_insert("INSERT", "recoveries", RECOVERY_COLUMNS), recovery_rows)
             self._db.execute("UPDATE meta SET value = ? WHERE key = 'generation'", (str(generation),))
 
-    def load(self, max_events: int = 100) -> Snapshot:
-        """The generation, every node and the latest `max_events` events (oldest first)."""
+    def load(self, max_events: int = 100, max_recoveries: int | None = None) -> Snapshot:
+        """The generation, every node, the latest `max_events` events and the latest
+        `max_recoveries` recoveries (None: all), oldest first."""
         with self._lock, _translated(self.path):
-            return _snapshot(self._db, max_events)
+            return _snapshot(self._db, max_events, max_recoveries)
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
 
-def read_status(path: str | Path, max_events: int = 20) -> Snapshot:
-    """Read a registry without writing to it (the file is opened read-only).
+def read_status(path: str | Path, max_events: int = 20, max_recoveries: int | None = None) -> Snapshot:
+    """Read a registry without writing to it (the file is opened read-only): as `load`.
 
     Raises:
         RegistryError: no file at `path`, not a registry, corrupt, or locked.
@@ -146,7 +150,7 @@ def read_status(path: str | Path, max_events: int = 20) -> Snapshot:
                              timeout=BUSY_TIMEOUT_MS / 1000)
         try:
             _check_kind(db, path, allow_empty=False)
-            return _snapshot(db, max_events)
+            return _snapshot(db, max_events, max_recoveries)
         finally:
             db.close()
 
@@ -160,12 +164,14 @@ def _check_kind(db: sqlite3.Connection, path: Path, allow_empty: bool) -> None:
     if "meta" in tables:
         meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
         kind, version = meta.get("kind"), meta.get("schema_version")
-    if kind != REGISTRY_KIND or not {"nodes", "events"} <= tables:
+    if kind != REGISTRY_KIND:
         raise RegistryError(_not_a_registry(path))
     if version != str(SCHEMA_VERSION):
         raise RegistryError(f"{path} is a cluster registry of schema version {version}, this disttrain "
                             f"reads version {SCHEMA_VERSION}; use the disttrain that wrote it, or "
                             "pass another --registry")
+    if not TABLES <= tables:
+        raise RegistryError(_not_a_registry(path))
 
 
 def _not_a_registry(path: Path) -> str:
@@ -173,29 +179,31 @@ def _not_a_registry(path: Path) -> str:
             "pass another --registry")
 
 
-def _node_columns(db: sqlite3.Connection) -> set[str]:
-    return {row[1] for row in db.execute("PRAGMA table_info(nodes)")}
+def _insert(verb: str, table: str, columns: tuple[str, ...] | dict[str, str]) -> str:
+    return f"{verb} INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
 
 
-def _snapshot(db: sqlite3.Connection, max_events: int) -> Snapshot:
+def _snapshot(db: sqlite3.Connection, max_events: int, max_recoveries: int | None) -> Snapshot:
     generation = db.execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()
-    present = _node_columns(db)
-    columns = [c for c in NODE_COLUMNS if c in present]  # an older file read-only lacks the added ones
-    nodes = [_node_dict({**ADDED_COLUMNS, **dict(zip(columns, row, strict=True))})
-             for row in db.execute(f"SELECT {', '.join(columns)} FROM nodes ORDER BY role, rank, node_id")]
+    nodes = [_node_dict(dict(zip(NODE_COLUMNS, row, strict=True))) for row in
+             db.execute(f"SELECT {', '.join(NODE_COLUMNS)} FROM nodes ORDER BY role, rank, node_id")]
     rows = db.execute(f"SELECT {', '.join(EVENT_COLUMNS)} FROM events ORDER BY id DESC LIMIT ?",
                       (max_events,)).fetchall()
     events = [dict(zip(EVENT_COLUMNS, row, strict=True)) for row in reversed(rows)]
-    return Snapshot(int(generation[0]) if generation else 0, nodes, events)
+    rows = db.execute(f"SELECT {', '.join(RECOVERY_COLUMNS)} FROM recoveries ORDER BY id DESC LIMIT ?",
+                      (-1 if max_recoveries is None else max_recoveries,)).fetchall()  # -1: no limit
+    recoveries = [Recovery(*row) for row in reversed(rows)]
+    return Snapshot(int(generation[0]) if generation else 0, nodes, events, recoveries)
 
 
 def _node_values(node: dict[str, Any]) -> tuple:
-    row = dict(node, capabilities=json.dumps(node.get("capabilities") or {}, sort_keys=True))
+    row = dict(node, **{c: json.dumps(node.get(c) or {}, sort_keys=True) for c in _JSON_COLUMNS})
     return tuple(int(row[c]) if c in _BOOL_COLUMNS else row[c] for c in NODE_COLUMNS)
 
 
 def _node_dict(row: dict[str, Any]) -> dict[str, Any]:
-    row["capabilities"] = json.loads(row["capabilities"] or "{}")
+    for column in _JSON_COLUMNS:
+        row[column] = json.loads(row[column] or "{}")
     for column in _BOOL_COLUMNS:
         row[column] = bool(row[column])
     return row

@@ -1,9 +1,10 @@
 """The coordinator on the wire: a thin gRPC shell around the membership rules.
 
 `CoordinatorState` holds the membership behind one lock, persists every membership
-change to the registry at once (progress from heartbeats at the next monitor tick), and
-wakes the WatchMembership long-polls. `CoordinatorServer` serves it and runs the monitor
-thread that declares silent nodes failed. The coordinator never calls out.
+change, event and recovery to the registry at once (progress from heartbeats and metrics
+reports at the next monitor tick), and wakes the WatchMembership long-polls.
+`CoordinatorServer` serves it and runs the monitor thread that declares silent nodes
+failed. The coordinator never calls out.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import grpc
 from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.client import METHODS, SERVICE
 from disttrain.coordinator.membership import DuplicateNode, Membership, UnknownNode
-from disttrain.coordinator.nodes import Event, Node
+from disttrain.coordinator.nodes import Event, Node, Recovery
 from disttrain.coordinator.registry import Registry, RegistryError
+from disttrain.coordinator.reports import BalanceState
 from disttrain.core.addresses import parse_address
 from disttrain.core.errors import ConfigError
 from disttrain.core.poll_slots import PollLimitExceeded, PollSlots
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 MAX_WAIT_S = 60.0  # longest WatchMembership hold, whatever the call's deadline
 REPLY_MARGIN_S = 0.05  # a long-poll answers this long before its deadline, so the answer arrives
 RECENT_EVENTS = 50
+RECENT_RECOVERIES = 50
 CAPABILITIES = [f.name for f in pb.Capabilities.DESCRIPTOR.fields]  # cpus, memory_bytes, gpu, gpu_count
 
 
@@ -53,6 +56,7 @@ class CoordinatorState:
         self.membership = Membership(config.heartbeat_timeout, config.straggler_factor)
         self.changed = threading.Condition()
         self.events: deque[Event] = deque(maxlen=RECENT_EVENTS)
+        self.recoveries: deque[Recovery] = deque(maxlen=RECENT_RECOVERIES)
         self.max_step = 0
         self._clock, self._wall_clock = clock, wall_clock
         self._progress_unsaved = False
@@ -65,9 +69,10 @@ class CoordinatorState:
         return self._wall_clock() - self._clock()
 
     def _reload(self) -> None:
-        snapshot = self.registry.load(RECENT_EVENTS)
+        snapshot = self.registry.load(RECENT_EVENTS, RECENT_RECOVERIES)
         self.membership.restore(snapshot.nodes, snapshot.generation, self._clock(), self._offset())
         self.events.extend(Event(**event) for event in snapshot.events)
+        self.recoveries.extend(snapshot.recoveries)
         self.max_step = max((node["step"] for node in snapshot.nodes), default=0)
         if snapshot.nodes:
             logger.info("reloaded %d nodes (generation %d) from %s", len(snapshot.nodes),
@@ -85,16 +90,25 @@ class CoordinatorState:
                                         heartbeat_timeout_s=self.config.heartbeat_timeout)
 
     def heartbeat(self, request: pb.HeartbeatMessage) -> pb.HeartbeatReply:
-        """Raises UnknownNode for a node never registered."""
+        """Raises UnknownNode (a node never registered) or ValueError (a negative balance
+        figure), changing nothing."""
+        balance = BalanceState(request.batch_size, request.warmup_speed, request.plans)
         with self.changed:
-            alive = self.membership.heartbeat(request.worker_id, self._clock(), request.epoch, request.step,
-                                              request.throughput, request.step_time_s, request.pid,
-                                              request.batch_size, request.warmup_speed, request.plans)
+            alive = self.membership.heartbeat(request.node_id, self._clock(), request.epoch, request.step,
+                                              request.throughput, request.step_time_s, request.pid, balance)
             self.max_step = max(self.max_step, request.step)
             self._progress_unsaved = True
             if self.membership.has_events:  # a recovery or a re-plan: persist it now, progress can wait
                 self._save()
             return pb.HeartbeatReply(alive=alive, generation=self.membership.generation)
+
+    def report_metrics(self, request: pb.MetricsReport) -> pb.MetricsReply:
+        """Keep the node's latest metrics (written with the next progress save). Raises
+        UnknownNode (a node never registered) or ValueError (bad values), changing nothing."""
+        with self.changed:
+            self.membership.report_metrics(request.node_id, request.step, dict(request.scalars))
+            self._progress_unsaved = True
+            return pb.MetricsReply()
 
     def exited(self, request: pb.ExitReport) -> pb.ExitReply:
         with self.changed:
@@ -130,7 +144,9 @@ class CoordinatorState:
             nodes = [_node_status(node, now) for node in self.membership.members()]
             events = [pb.ClusterEvent(time=e.time, node_id=e.node_id, kind=e.kind, detail=e.detail,
                                       generation=e.generation) for e in self.events]
-            return pb.ClusterStatus(generation=self.membership.generation, nodes=nodes, events=events)
+            recoveries = [pb.Recovery(**vars(r)) for r in self.recoveries]
+            return pb.ClusterStatus(generation=self.membership.generation, nodes=nodes, events=events,
+                                    recoveries=recoveries)
 
     def close(self) -> None:
         """Persist what is left and release every long-poll."""
@@ -140,16 +156,19 @@ class CoordinatorState:
             self.changed.notify_all()
 
     def _save(self) -> None:
-        """Write every node and the new events (call with the lock held); wake watchers."""
+        """Write every node, the new events and recoveries (call with the lock held); wake
+        watchers."""
         events = self.membership.take_events(self._offset())
+        recoveries = self.membership.take_recoveries(self._offset())
         for event in events:
             log = logger.warning if event.kind == "failed" else logger.info
             log("%s %s (generation %d): %s", event.node_id, event.kind, event.generation, event.detail)
         self.events.extend(events)
+        self.recoveries.extend(recoveries)
         self.changed.notify_all()
         try:
             self.registry.save(self.membership.to_rows(self._offset()), [vars(e) for e in events],
-                               self.membership.generation)
+                               self.membership.generation, recoveries)
             self._progress_unsaved, self._saved_at = False, self._clock()
         except RegistryError as e:
             logger.error("the registry was not updated (%s); serving on from memory", e)
@@ -163,7 +182,8 @@ def _node_status(node: Node, now: float) -> pb.NodeStatus:
                          hostname=node.hostname, pid=node.pid, capabilities=capabilities, state=node.state,
                          heartbeat_age_s=age, restarts=node.restarts, epoch=node.epoch, step=node.step,
                          throughput=node.throughput, step_time_s=node.step_time_s, straggler=node.straggler,
-                         batch_size=node.batch_size, warmup_speed=node.warmup_speed, plans=node.plans)
+                         batch_size=node.batch_size, warmup_speed=node.warmup_speed, plans=node.plans,
+                         metrics=node.metrics, metrics_step=node.metrics_step)
 
 
 class CoordinatorServicer:
@@ -188,13 +208,19 @@ class CoordinatorServicer:
             reply = self.state.heartbeat(request)
         except UnknownNode as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self.on_step is not None:
             self.on_step(self.state.max_step)
         return reply
 
     def ReportMetrics(self, request, context):
-        logger.debug("metrics of %s at step %d: %s", request.worker_id, request.step, dict(request.scalars))
-        return pb.MetricsReply()
+        try:
+            return self.state.report_metrics(request)
+        except UnknownNode as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def ReportExit(self, request, context):
         return self.state.exited(request)

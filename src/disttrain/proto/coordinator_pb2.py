@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64isttrain/v1/coordinator.proto\x12\x0c\x64isttrain.v1\"R\n\x0c\x43\x61pabilities\x12\x0c\n\x04\x63pus\x18\x01 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x02 \x01(\x03\x12\x0b\n\x03gpu\x18\x03 \x01(\t\x12\x11\n\tgpu_count\x18\x04 \x01(\x05\"\xa4\x01\n\x13RegisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x30\n\x0c\x63\x61pabilities\x18\x07 \x01(\x0b\x32\x1a.disttrain.v1.Capabilities\"t\n\x11RegisterNodeReply\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x10\n\x08restarts\x18\x02 \x01(\x05\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x04 \x01(\x01\"\xe6\x01\n\x10HeartbeatMessage\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12\r\n\x05\x65poch\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x0c\n\x04role\x18\x05 \x01(\t\x12\x12\n\nthroughput\x18\x06 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x07 \x01(\x01\x12\x0b\n\x03pid\x18\x08 \x01(\x05\x12\x12\n\ngeneration\x18\t \x01(\x03\x12\x12\n\nbatch_size\x18\n \x01(\x05\x12\x14\n\x0cwarmup_speed\x18\x0b \x01(\x01\x12\r\n\x05plans\x18\x0c \x01(\x05\"3\n\x0eHeartbeatReply\x12\r\n\x05\x61live\x18\x01 \x01(\x08\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"\xaa\x01\n\rMetricsReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x05\x12\x39\n\x07scalars\x18\x04 \x03(\x0b\x32(.disttrain.v1.MetricsReport.ScalarsEntry\x1a.\n\x0cScalarsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x0e\n\x0cMetricsReply\"@\n\nExitReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\texit_code\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\".\n\tExitReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"-\n\x11MembershipRequest\x12\x18\n\x10\x61\x66ter_generation\x18\x01 \x01(\x03\"p\n\x06Member\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05state\x18\x04 \x01(\t\x12\x19\n\x11joined_generation\x18\x05 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x06 \x01(\t\"G\n\nMembership\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12%\n\x07members\x18\x02 \x03(\x0b\x32\x14.disttrain.v1.Member\"\x16\n\x14\x43lusterStatusRequest\"\xe7\x02\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x30\n\x0c\x63\x61pabilities\x18\x07 \x01(\x0b\x32\x1a.disttrain.v1.Capabilities\x12\r\n\x05state\x18\x08 \x01(\t\x12\x17\n\x0fheartbeat_age_s\x18\t \x01(\x01\x12\x10\n\x08restarts\x18\n \x01(\x05\x12\r\n\x05\x65poch\x18\x0b \x01(\x05\x12\x0c\n\x04step\x18\x0c \x01(\x03\x12\x12\n\nthroughput\x18\r \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x0e \x01(\x01\x12\x11\n\tstraggler\x18\x0f \x01(\x08\x12\x12\n\nbatch_size\x18\x10 \x01(\x05\x12\x14\n\x0cwarmup_speed\x18\x11 \x01(\x01\x12\r\n\x05plans\x18\x12 \x01(\x05\"_\n\x0c\x43lusterEvent\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x03\"x\n\rClusterStatus\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\'\n\x05nodes\x18\x02 \x03(\x0b\x32\x18.disttrain.v1.NodeStatus\x12*\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1a.disttrain.v1.ClusterEvent2\xe5\x03\n\x12\x43oordinatorService\x12R\n\x0cRegisterNode\x12!.disttrain.v1.RegisterNodeRequest\x1a\x1f.disttrain.v1.RegisterNodeReply\x12M\n\rSendHeartbeat\x12\x1e.disttrain.v1.HeartbeatMessage\x1a\x1c.disttrain.v1.HeartbeatReply\x12H\n\rReportMetrics\x12\x1b.disttrain.v1.MetricsReport\x1a\x1a.disttrain.v1.MetricsReply\x12?\n\nReportExit\x12\x18.disttrain.v1.ExitReport\x1a\x17.disttrain.v1.ExitReply\x12L\n\x0fWatchMembership\x12\x1f.disttrain.v1.MembershipRequest\x1a\x18.disttrain.v1.Membership\x12S\n\x10GetClusterStatus\x12\".disttrain.v1.ClusterStatusRequest\x1a\x1b.disttrain.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64isttrain/v1/coordinator.proto\x12\x0c\x64isttrain.v1\"R\n\x0c\x43\x61pabilities\x12\x0c\n\x04\x63pus\x18\x01 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x02 \x01(\x03\x12\x0b\n\x03gpu\x18\x03 \x01(\t\x12\x11\n\tgpu_count\x18\x04 \x01(\x05\"\xa4\x01\n\x13RegisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x30\n\x0c\x63\x61pabilities\x18\x07 \x01(\x0b\x32\x1a.disttrain.v1.Capabilities\"t\n\x11RegisterNodeReply\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x10\n\x08restarts\x18\x02 \x01(\x05\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x04 \x01(\x01\"\xe4\x01\n\x10HeartbeatMessage\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12\r\n\x05\x65poch\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x0c\n\x04role\x18\x05 \x01(\t\x12\x12\n\nthroughput\x18\x06 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x07 \x01(\x01\x12\x0b\n\x03pid\x18\x08 \x01(\x05\x12\x12\n\ngeneration\x18\t \x01(\x03\x12\x12\n\nbatch_size\x18\n \x01(\x05\x12\x14\n\x0cwarmup_speed\x18\x0b \x01(\x01\x12\r\n\x05plans\x18\x0c \x01(\x05\"3\n\x0eHeartbeatReply\x12\r\n\x05\x61live\x18\x01 \x01(\x08\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"\xa8\x01\n\rMetricsReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x05\x12\x39\n\x07scalars\x18\x04 \x03(\x0b\x32(.disttrain.v1.MetricsReport.ScalarsEntry\x1a.\n\x0cScalarsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x0e\n\x0cMetricsReply\"@\n\nExitReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\texit_code\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\".\n\tExitReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"-\n\x11MembershipRequest\x12\x18\n\x10\x61\x66ter_generation\x18\x01 \x01(\x03\"p\n\x06Member\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05state\x18\x04 \x01(\t\x12\x19\n\x11joined_generation\x18\x05 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x06 \x01(\t\"G\n\nMembership\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12%\n\x07members\x18\x02 \x03(\x0b\x32\x14.disttrain.v1.Member\"\x16\n\x14\x43lusterStatusRequest\"\xe5\x03\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x30\n\x0c\x63\x61pabilities\x18\x07 \x01(\x0b\x32\x1a.disttrain.v1.Capabilities\x12\r\n\x05state\x18\x08 \x01(\t\x12\x17\n\x0fheartbeat_age_s\x18\t \x01(\x01\x12\x10\n\x08restarts\x18\n \x01(\x05\x12\r\n\x05\x65poch\x18\x0b \x01(\x05\x12\x0c\n\x04step\x18\x0c \x01(\x03\x12\x12\n\nthroughput\x18\r \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x0e \x01(\x01\x12\x11\n\tstraggler\x18\x0f \x01(\x08\x12\x12\n\nbatch_size\x18\x10 \x01(\x05\x12\x14\n\x0cwarmup_speed\x18\x11 \x01(\x01\x12\r\n\x05plans\x18\x12 \x01(\x05\x12\x36\n\x07metrics\x18\x13 \x03(\x0b\x32%.disttrain.v1.NodeStatus.MetricsEntry\x12\x14\n\x0cmetrics_step\x18\x14 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"_\n\x0c\x43lusterEvent\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x03\"r\n\x08Recovery\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08\x64\x65tect_s\x18\x04 \x01(\x01\x12\x11\n\trecover_s\x18\x05 \x01(\x01\x12\x12\n\ngeneration\x18\x06 \x01(\x03\"\xa4\x01\n\rClusterStatus\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\'\n\x05nodes\x18\x02 \x03(\x0b\x32\x18.disttrain.v1.NodeStatus\x12*\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1a.disttrain.v1.ClusterEvent\x12*\n\nrecoveries\x18\x04 \x03(\x0b\x32\x16.disttrain.v1.Recovery2\xe5\x03\n\x12\x43oordinatorService\x12R\n\x0cRegisterNode\x12!.disttrain.v1.RegisterNodeRequest\x1a\x1f.disttrain.v1.RegisterNodeReply\x12M\n\rSendHeartbeat\x12\x1e.disttrain.v1.HeartbeatMessage\x1a\x1c.disttrain.v1.HeartbeatReply\x12H\n\rReportMetrics\x12\x1b.disttrain.v1.MetricsReport\x1a\x1a.disttrain.v1.MetricsReply\x12?\n\nReportExit\x12\x18.disttrain.v1.ExitReport\x1a\x17.disttrain.v1.ExitReply\x12L\n\x0fWatchMembership\x12\x1f.disttrain.v1.MembershipRequest\x1a\x18.disttrain.v1.Membership\x12S\n\x10GetClusterStatus\x12\".disttrain.v1.ClusterStatusRequest\x1a\x1b.disttrain.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,6 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_METRICSREPORT_SCALARSENTRY']._loaded_options = None
   _globals['_METRICSREPORT_SCALARSENTRY']._serialized_options = b'8\001'
+  _globals['_NODESTATUS_METRICSENTRY']._loaded_options = None
+  _globals['_NODESTATUS_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_CAPABILITIES']._serialized_start=48
   _globals['_CAPABILITIES']._serialized_end=130
   _globals['_REGISTERNODEREQUEST']._serialized_start=133
@@ -40,33 +42,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERNODEREPLY']._serialized_start=299
   _globals['_REGISTERNODEREPLY']._serialized_end=415
   _globals['_HEARTBEATMESSAGE']._serialized_start=418
-  _globals['_HEARTBEATMESSAGE']._serialized_end=648
-  _globals['_HEARTBEATREPLY']._serialized_start=650
-  _globals['_HEARTBEATREPLY']._serialized_end=701
-  _globals['_METRICSREPORT']._serialized_start=704
-  _globals['_METRICSREPORT']._serialized_end=874
-  _globals['_METRICSREPORT_SCALARSENTRY']._serialized_start=828
-  _globals['_METRICSREPORT_SCALARSENTRY']._serialized_end=874
-  _globals['_METRICSREPLY']._serialized_start=876
-  _globals['_METRICSREPLY']._serialized_end=890
-  _globals['_EXITREPORT']._serialized_start=892
-  _globals['_EXITREPORT']._serialized_end=956
-  _globals['_EXITREPLY']._serialized_start=958
-  _globals['_EXITREPLY']._serialized_end=1004
-  _globals['_MEMBERSHIPREQUEST']._serialized_start=1006
-  _globals['_MEMBERSHIPREQUEST']._serialized_end=1051
-  _globals['_MEMBER']._serialized_start=1053
-  _globals['_MEMBER']._serialized_end=1165
-  _globals['_MEMBERSHIP']._serialized_start=1167
-  _globals['_MEMBERSHIP']._serialized_end=1238
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1240
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1262
-  _globals['_NODESTATUS']._serialized_start=1265
-  _globals['_NODESTATUS']._serialized_end=1624
-  _globals['_CLUSTEREVENT']._serialized_start=1626
-  _globals['_CLUSTEREVENT']._serialized_end=1721
-  _globals['_CLUSTERSTATUS']._serialized_start=1723
-  _globals['_CLUSTERSTATUS']._serialized_end=1843
-  _globals['_COORDINATORSERVICE']._serialized_start=1846
-  _globals['_COORDINATORSERVICE']._serialized_end=2331
+  _globals['_HEARTBEATMESSAGE']._serialized_end=646
+  _globals['_HEARTBEATREPLY']._serialized_start=648
+  _globals['_HEARTBEATREPLY']._serialized_end=699
+  _globals['_METRICSREPORT']._serialized_start=702
+  _globals['_METRICSREPORT']._serialized_end=870
+  _globals['_METRICSREPORT_SCALARSENTRY']._serialized_start=824
+  _globals['_METRICSREPORT_SCALARSENTRY']._serialized_end=870
+  _globals['_METRICSREPLY']._serialized_start=872
+  _globals['_METRICSREPLY']._serialized_end=886
+  _globals['_EXITREPORT']._serialized_start=888
+  _globals['_EXITREPORT']._serialized_end=952
+  _globals['_EXITREPLY']._serialized_start=954
+  _globals['_EXITREPLY']._serialized_end=1000
+  _globals['_MEMBERSHIPREQUEST']._serialized_start=1002
+  _globals['_MEMBERSHIPREQUEST']._serialized_end=1047
+  _globals['_MEMBER']._serialized_start=1049
+  _globals['_MEMBER']._serialized_end=1161
+  _globals['_MEMBERSHIP']._serialized_start=1163
+  _globals['_MEMBERSHIP']._serialized_end=1234
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1236
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1258
+  _globals['_NODESTATUS']._serialized_start=1261
+  _globals['_NODESTATUS']._serialized_end=1746
+  _globals['_NODESTATUS_METRICSENTRY']._serialized_start=1700
+  _globals['_NODESTATUS_METRICSENTRY']._serialized_end=1746
+  _globals['_CLUSTEREVENT']._serialized_start=1748
+  _globals['_CLUSTEREVENT']._serialized_end=1843
+  _globals['_RECOVERY']._serialized_start=1845
+  _globals['_RECOVERY']._serialized_end=1959
+  _globals['_CLUSTERSTATUS']._serialized_start=1962
+  _globals['_CLUSTERSTATUS']._serialized_end=2126
+  _globals['_COORDINATORSERVICE']._serialized_start=2129
+  _globals['_COORDINATORSERVICE']._serialized_end=2614
 # @@protoc_insertion_point(module_scope)

@@ -49,8 +49,8 @@ class RegisterNodeReply(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., restarts: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatMessage(_message.Message):
-    __slots__ = ("worker_id", "timestamp", "epoch", "step", "role", "throughput", "step_time_s", "pid", "generation", "batch_size", "warmup_speed", "plans")
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("node_id", "timestamp", "epoch", "step", "role", "throughput", "step_time_s", "pid", "generation", "batch_size", "warmup_speed", "plans")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -62,7 +62,7 @@ class HeartbeatMessage(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     WARMUP_SPEED_FIELD_NUMBER: _ClassVar[int]
     PLANS_FIELD_NUMBER: _ClassVar[int]
-    worker_id: str
+    node_id: str
     timestamp: float
     epoch: int
     step: int
@@ -74,7 +74,7 @@ class HeartbeatMessage(_message.Message):
     batch_size: int
     warmup_speed: float
     plans: int
-    def __init__(self, worker_id: _Optional[str] = ..., timestamp: _Optional[float] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., role: _Optional[str] = ..., throughput: _Optional[float] = ..., step_time_s: _Optional[float] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ..., batch_size: _Optional[int] = ..., warmup_speed: _Optional[float] = ..., plans: _Optional[int] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., timestamp: _Optional[float] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., role: _Optional[str] = ..., throughput: _Optional[float] = ..., step_time_s: _Optional[float] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ..., batch_size: _Optional[int] = ..., warmup_speed: _Optional[float] = ..., plans: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("alive", "generation")
@@ -85,7 +85,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, alive: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class MetricsReport(_message.Message):
-    __slots__ = ("worker_id", "step", "epoch", "scalars")
+    __slots__ = ("node_id", "step", "epoch", "scalars")
     class ScalarsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -93,15 +93,15 @@ class MetricsReport(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SCALARS_FIELD_NUMBER: _ClassVar[int]
-    worker_id: str
+    node_id: str
     step: int
     epoch: int
     scalars: _containers.ScalarMap[str, float]
-    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., scalars: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., scalars: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class MetricsReply(_message.Message):
     __slots__ = ()
@@ -160,7 +160,14 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "role", "rank", "address", "hostname", "pid", "capabilities", "state", "heartbeat_age_s", "restarts", "epoch", "step", "throughput", "step_time_s", "straggler", "batch_size", "warmup_speed", "plans")
+    __slots__ = ("node_id", "role", "rank", "address", "hostname", "pid", "capabilities", "state", "heartbeat_age_s", "restarts", "epoch", "step", "throughput", "step_time_s", "straggler", "batch_size", "warmup_speed", "plans", "metrics", "metrics_step")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +186,8 @@ class NodeStatus(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     WARMUP_SPEED_FIELD_NUMBER: _ClassVar[int]
     PLANS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_STEP_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     rank: int
@@ -197,7 +206,9 @@ class NodeStatus(_message.Message):
     batch_size: int
     warmup_speed: float
     plans: int
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., state: _Optional[str] = ..., heartbeat_age_s: _Optional[float] = ..., restarts: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., step_time_s: _Optional[float] = ..., straggler: _Optional[bool] = ..., batch_size: _Optional[int] = ..., warmup_speed: _Optional[float] = ..., plans: _Optional[int] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    metrics_step: int
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., state: _Optional[str] = ..., heartbeat_age_s: _Optional[float] = ..., restarts: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., step_time_s: _Optional[float] = ..., straggler: _Optional[bool] = ..., batch_size: _Optional[int] = ..., warmup_speed: _Optional[float] = ..., plans: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., metrics_step: _Optional[int] = ...) -> None: ...
 
 class ClusterEvent(_message.Message):
     __slots__ = ("time", "node_id", "kind", "detail", "generation")
@@ -213,12 +224,30 @@ class ClusterEvent(_message.Message):
     generation: int
     def __init__(self, time: _Optional[float] = ..., node_id: _Optional[str] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
+class Recovery(_message.Message):
+    __slots__ = ("time", "node_id", "reason", "detect_s", "recover_s", "generation")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETECT_S_FIELD_NUMBER: _ClassVar[int]
+    RECOVER_S_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    time: float
+    node_id: str
+    reason: str
+    detect_s: float
+    recover_s: float
+    generation: int
+    def __init__(self, time: _Optional[float] = ..., node_id: _Optional[str] = ..., reason: _Optional[str] = ..., detect_s: _Optional[float] = ..., recover_s: _Optional[float] = ..., generation: _Optional[int] = ...) -> None: ...
+
 class ClusterStatus(_message.Message):
-    __slots__ = ("generation", "nodes", "events")
+    __slots__ = ("generation", "nodes", "events", "recoveries")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     generation: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
     events: _containers.RepeatedCompositeFieldContainer[ClusterEvent]
-    def __init__(self, generation: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ...) -> None: ...
+    recoveries: _containers.RepeatedCompositeFieldContainer[Recovery]
+    def __init__(self, generation: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ...) -> None: ...

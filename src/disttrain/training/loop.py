@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -102,6 +102,9 @@ class TrainingLoop:
         config_path: where to write the resolved config once the run is sure to start.
         rebalancer: re-plans the split of the global batches as speeds drift (a balanced
             run; a collective every `system.balance_interval` steps).
+        on_metrics: called with (step, epoch, scalars) of every record logged (a window's
+            training figures, an evaluation's test figures), e.g. to report the latest to
+            the coordinator; it runs on the training thread, so it must return at once.
     """
 
     config: Config
@@ -115,6 +118,7 @@ class TrainingLoop:
     announce: bool = True
     config_path: Path | None = None
     rebalancer: Rebalancer | None = None
+    on_metrics: Callable[[int, int, Mapping[str, float]], None] | None = None
     position: Position = field(default_factory=Position)
     clock: TrainClock = field(default_factory=TrainClock)
 
@@ -184,12 +188,17 @@ class TrainingLoop:
         """Log the window; returns the clock reading it closed at (the next one opens there)."""
         now = self.clock.elapsed()
         epoch = min(self.position.epoch, self.settings.num_epochs - 1)  # after the last epoch ended
-        metrics.log(self.position.step, epoch, {
+        self._log(metrics, epoch, {
             **window.scalars(now),
             "progress/samples": self.position.samples_processed,
             "progress/train_time_s": now,
         })
         return now
+
+    def _log(self, metrics: MetricsLogger, epoch: int, scalars: dict[str, float]) -> None:
+        metrics.log(self.position.step, epoch, scalars)
+        if self.on_metrics is not None:
+            self.on_metrics(self.position.step, epoch, scalars)
 
     def _evaluate(self, metrics: MetricsLogger, epoch: int, evaluations: list[Evaluation]) -> EvalResult:
         """Evaluate off the training clock; log the figures with the clock's reading (so a
@@ -202,10 +211,10 @@ class TrainingLoop:
             seconds = time.perf_counter() - started
             train_time_s = self.clock.elapsed()
         evaluations.append((train_time_s, result.accuracy))
-        metrics.log(self.position.step, epoch, {"loss/test": result.loss, "accuracy/test": result.accuracy,
-                                                "time/eval_s": seconds,
-                                                "progress/samples": self.position.samples_processed,
-                                                "progress/train_time_s": train_time_s})
+        self._log(metrics, epoch, {"loss/test": result.loss, "accuracy/test": result.accuracy,
+                                   "time/eval_s": seconds,
+                                   "progress/samples": self.position.samples_processed,
+                                   "progress/train_time_s": train_time_s})
         metrics.flush()
         if self.announce:
             logger.info("epoch %d: test accuracy %.4f, test loss %.4f (%.2fs)", epoch, result.accuracy,

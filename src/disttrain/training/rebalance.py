@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from disttrain.config import SystemConfig, TrainingConfig
+from disttrain.coordinator.reports import BalanceState
 from disttrain.data import PlannedSampler, ShardedSampler
 from disttrain.training.balance import plan_batches, plan_shares
 
@@ -52,22 +53,26 @@ class Rebalancer:
             when the check is given up (a process is behind); a collective, `name` unique
             to the step (a barrier's, for the parameter server).
         announce: log each re-plan (the process that speaks for the run).
-        state: updated in place with this process's batch and how many plans it has been
-            through (its heartbeats read it).
+        warmup_speed: this process's speed measured before training (samples/s; 0: not
+            measured), for its balance state.
+
+    `balance` is this process's `BalanceState` (its batch, warm-up speed and plans so far),
+    replaced by a new value at each re-plan: another thread (the heartbeats) may read it
+    at any time.
     """
 
     def __init__(self, sampler: PlannedSampler, mode: str, margin: float, interval: int,
                  gather: Callable[[str, float, int], list[float] | None], announce: bool = False,
-                 state: dict | None = None, clock: Callable[[], float] = time.perf_counter):
+                 warmup_speed: float = 0.0, clock: Callable[[], float] = time.perf_counter):
         self.sampler, self.mode, self.margin, self.interval = sampler, mode, margin, interval
         self.gather, self.announce, self.clock = gather, announce, clock
-        self.state = {} if state is None else state
+        self.warmup_speed = warmup_speed
         self._since: float | None = None
         self._samples, self._work = 0, 0.0
         self._publish()
 
     def _publish(self) -> None:
-        self.state.update(batch=self.sampler.batch_size(), plans=len(self.sampler.plans))
+        self.balance = BalanceState(self.sampler.batch_size(), self.warmup_speed, len(self.sampler.plans))
 
     def restart(self) -> None:
         """Start measuring afresh from now (what came before was not steps)."""
@@ -119,24 +124,21 @@ class Rebalancer:
 def start_balance(system: SystemConfig, training: TrainingConfig, num_samples: int, world_size: int,
                   rank: int, gather: Callable[[str, float, int], list[float] | None],
                   speed: Callable[[], float],
-                  announce: str | None = None, state: dict | None = None,
+                  announce: str | None = None,
                   ) -> tuple[ShardedSampler | PlannedSampler, Rebalancer | None]:
-    """This process's sampler under `system.balance`, and what re-plans it mid-run (None
-    with balance none or `balance_interval` 0; a plan fixed by `balance_batches` is the
-    first one, re-planned like a measured one). A collective: every
-    process calls it. `gather(name, value, step)` returns every process's value in rank
-    order; `speed()` measures this one; `state` gets its warm-up speed, batch and plans."""
+    """This process's sampler under `system.balance`, and what re-plans it mid-run and
+    holds its balance state (None with balance none; with `balance_interval` 0 it never
+    re-plans; a plan fixed by `balance_batches` is the first one, re-planned like a
+    measured one). A collective: every process calls it. `gather(name, value, step)`
+    returns every process's value in rank order; `speed()` measures this one."""
     shares, mine = plan_shares(system, training.batch_size, world_size,
                                lambda v: gather("speeds", v, 0) or [], speed, announce)
     if shares is None:
         return ShardedSampler(num_samples, world_size=world_size, rank=rank, seed=training.seed), None
     sampler = PlannedSampler(num_samples, world_size=world_size, rank=rank, seed=training.seed,
                              shares=shares)
-    state = {} if state is None else state
-    state["speed"] = mine
-    rebalancer = Rebalancer(sampler, system.balance, system.balance_margin, system.balance_interval,
-                            gather, announce is not None, state)
-    return sampler, rebalancer if system.balance_interval > 0 else None
+    return sampler, Rebalancer(sampler, system.balance, system.balance_margin, system.balance_interval,
+                               gather, announce is not None, mine)
 
 
 def plan_summary(sampler: ShardedSampler | PlannedSampler | None) -> dict[str, Any]:

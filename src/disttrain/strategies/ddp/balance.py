@@ -16,8 +16,9 @@ from disttrain.training.rebalance import Rebalancer, start_balance
 
 
 def balance_sampler(config: Config, runtime: rt.Runtime, train_set: ArrayDataset, faults: FaultInjector,
-                    state: dict) -> tuple[ShardedSampler | PlannedSampler, Rebalancer | None]:
-    """This rank's sampler, and what re-plans it (a collective: every rank calls it)."""
+                    ) -> tuple[ShardedSampler | PlannedSampler, Rebalancer | None]:
+    """This rank's sampler, and what re-plans it and holds its balance state (a
+    collective: every rank calls it)."""
     info = runtime.info
     # gloo gathers host tensors; NCCL needs them on the rank's GPU
     device = runtime.device if runtime.backend == "nccl" else torch.device("cpu")
@@ -30,4 +31,4 @@ def balance_sampler(config: Config, runtime: rt.Runtime, train_set: ArrayDataset
 
     return start_balance(config.system, config.training, len(train_set), info.world_size, info.rank,
                          gather, lambda: warmup_speed(config.training, runtime.device, train_set, faults),
-                         announce="rank" if info.is_main else None, state=state)
+                         announce="rank" if info.is_main else None)

@@ -1,6 +1,6 @@
 """A DDP rank's tie to the run's coordinator, when the run has one (`coordinator.address`):
-register as node `rank{R}` (role "rank"), heartbeat with the training loop's progress, and
-report how the rank ended.
+register as node `rank{R}` (role "rank"), heartbeat with the training loop's progress,
+report its latest metrics, and report how the rank ended.
 
 The coordinator only watches a DDP run: torch's elastic agent detects a dead rank and
 restarts the group. So nothing here ever stops or delays training: a coordinator that
@@ -17,23 +17,22 @@ counts as a restart of the rank instead of clashing with a live process of the s
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 
 from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError, HeartbeatSender
-from disttrain.coordinator.node_info import balance_fields
+from disttrain.coordinator.node_info import heartbeat_message
+from disttrain.coordinator.reports import LatestMetrics, NodeProgress
 from disttrain.core.errors import DisttrainError, error_lines
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import coordinator_pb2 as pb
 from disttrain.training.checkpoints import Position
+from disttrain.training.rebalance import Rebalancer
 
 logger = logging.getLogger(__name__)
 
@@ -49,23 +48,24 @@ def node_id(rank: int) -> str:
 
 @dataclass
 class LoopProgress:
-    """The training loop's position and the rank's balance state as a heartbeat reads them.
-    The loop updates `position` in place (a resume loads the checkpoint's into it), so a
-    heartbeat thread reads it live. `balance` (optional keys `batch`: the rank's current
-    batch size, `speed`: its warm-up samples/s, `plans`: balance plans so far, 1 = the one
-    it started with) is updated in place too, best in one `balance.update(...)` call so a
-    heartbeat never reads half of a re-plan."""
+    """What a rank's heartbeats read: the training loop's position, the rank's balance
+    state and its latest metrics. The loop updates `position` in place (a resume loads the
+    checkpoint's into it), so a heartbeat thread reads it live; `rebalancer` (set once the
+    balance plan exists; None: not balanced) holds the balance state; the loop publishes
+    every record it logs into `metrics`."""
 
     position: Position
     num_epochs: int
-    balance: dict[str, Any] = field(default_factory=dict)
+    rebalancer: Rebalancer | None = None
+    metrics: LatestMetrics = field(default_factory=LatestMetrics)
 
-    def __call__(self) -> tuple[int, int, int, None, dict[str, Any]]:
-        """(epoch, step, samples so far, None, balance state); after the last epoch, that
-        epoch. No seconds of work: the heartbeat times steps by the wall clock."""
-        position = self.position
-        return (min(position.epoch, self.num_epochs - 1), position.step, position.samples_processed, None,
-                self.balance)
+    def __call__(self) -> NodeProgress:
+        """Where the loop is (after the last epoch: that epoch), with the balance state. No
+        seconds of work: the heartbeat times steps by the wall clock."""
+        position, rebalancer = self.position, self.rebalancer
+        return NodeProgress(min(position.epoch, self.num_epochs - 1), position.step,
+                            position.samples_processed, None,
+                            None if rebalancer is None else rebalancer.balance)
 
     def averages(self) -> tuple[float, float]:
         """(samples per second, seconds per step) over the training clock so far; valid
@@ -124,7 +124,8 @@ class RankLink:
             self._heartbeats = HeartbeatSender(self.client, self.node_id, ROLE,
                                                self.settings.heartbeat_interval, self.progress,
                                                self._declared_failed, rank=self.rank,
-                                               generation=reply.generation)
+                                               generation=reply.generation,
+                                               metrics=self.progress.metrics.latest)
             self._heartbeats.start()
         if self._warned:
             logger.info("%s joined the coordinator at %s at last", self.node_id, self.client.address)
@@ -170,7 +171,8 @@ class RankLink:
         Args:
             code: 0 (the coordinator marks the rank done) or the rank's exit code (failed).
             final: send one last heartbeat with the final step and the run's average
-                throughput first, so the registry shows where the rank ended.
+                throughput, and the latest metrics, first, so the registry shows where the
+                rank ended.
         """
         with self._lock:
             self._stopped.set()
@@ -182,6 +184,7 @@ class RankLink:
             try:
                 if final:
                     self.client.heartbeat(self._final_heartbeat(heartbeats.generation))
+                    heartbeats.send_metrics()
                 self.client.report_exit(self.node_id, code, reason)
             except CoordinatorError as e:
                 logger.warning("could not tell the coordinator that %s ended (%s): %s", self.node_id,
@@ -189,11 +192,8 @@ class RankLink:
         self.client.close()
 
     def _final_heartbeat(self, generation: int) -> pb.HeartbeatMessage:
-        epoch, step, _, _, balance = self.progress()
         throughput, step_time_s = self.progress.averages()
-        return pb.HeartbeatMessage(worker_id=self.node_id, timestamp=time.time(), epoch=epoch, step=step,
-                                   role=ROLE, throughput=throughput, step_time_s=step_time_s,
-                                   pid=os.getpid(), generation=generation, **balance_fields(balance))
+        return heartbeat_message(self.node_id, ROLE, self.progress(), generation, throughput, step_time_s)
 
 
 @contextmanager

@@ -191,7 +191,8 @@ def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: fl
     train_set, test_set = load_datasets(training)
     rt.check_world_size(len(train_set), info.world_size)
     faults = FaultInjector(options.faults, "rank", info.rank, info.restart_count)
-    sampler, rebalancer = balance_sampler(config, runtime, train_set, faults, progress.balance)
+    sampler, rebalancer = balance_sampler(config, runtime, train_set, faults)
+    progress.rebalancer = rebalancer  # its balance state goes into the heartbeats
     participant = RankParticipant(config, runtime, (train_set, test_set), sampler)
     log_dir = Path(system.log_dir)
     loop = TrainingLoop(
@@ -200,7 +201,7 @@ def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: fl
         log_dir / f"rank{info.rank}", faults,
         lambda total, done: Progress(total, "train", initial=done, enabled=info.is_main),
         announce=info.is_main, config_path=log_dir / "config.yaml" if info.is_main else None,
-        rebalancer=rebalancer, position=progress.position)
+        rebalancer=rebalancer, on_metrics=progress.metrics.publish, position=progress.position)
     result = loop.run(options.resume or info.restart_count > 0)
     return finish(config, runtime, participant, result, started)
 

@@ -17,6 +17,7 @@ from disttrain.coordinator.client import (
     HeartbeatSender,
     MembershipWatcher,
 )
+from disttrain.coordinator.reports import NodeMetrics, NodeProgress
 from disttrain.core.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
@@ -33,8 +34,10 @@ class Link:
     watcher: MembershipWatcher | None = None
 
     def leave(self) -> None:
-        """Tell the coordinator this process finished (before its heartbeats stop, so the
-        silence of a process on its way out is not taken for a failure), then close."""
+        """Report the latest metrics (best effort) and tell the coordinator this process
+        finished (before its heartbeats stop, so the silence of a process on its way out
+        is not taken for a failure), then close."""
+        self.heartbeats.send_metrics()
         try:
             self.client.report_exit(self.heartbeats.node_id, 0, "finished")
         except CoordinatorError as e:
@@ -60,15 +63,18 @@ def _declared_failed(node_id: str) -> Callable[[], None]:
 
 
 def join(settings: CoordinatorConfig, node_id: str, role: str, rank: int,
-         progress: Callable[[], tuple], address: str = "",
+         progress: Callable[[], NodeProgress], address: str = "",
          on_membership: Callable[[int, dict[str, int]], None] | None = None,
-         token: str | None = None, tls: TlsFiles | None = None) -> Link | None:
+         token: str | None = None, tls: TlsFiles | None = None,
+         metrics: Callable[[], NodeMetrics | None] | None = None) -> Link | None:
     """Register with the coordinator at `settings.address` and start heartbeats; None when
     the run has no coordinator.
 
     Args:
-        progress: (epoch, step, samples so far[, seconds of work[, balance state]]), read at
-            every heartbeat (the balance state: this worker's batch, warm-up speed and plans).
+        progress: this process's progress (and a worker's balance state), read at every
+            heartbeat.
+        metrics: a worker's latest training metrics, read after every heartbeat and
+            reported when new.
         on_membership: called with (generation, live worker ids -> the generation each
             joined in) at every change of membership (servers).
         token: the run's token, sent with every call to the coordinator.
@@ -84,7 +90,7 @@ def join(settings: CoordinatorConfig, node_id: str, role: str, rank: int,
                 settings.address, node_id, reply.generation, reply.restarts)
     heartbeats = HeartbeatSender(client, node_id, role, settings.heartbeat_interval, progress,
                                  _declared_failed(node_id), rank=rank, address=address,
-                                 generation=reply.generation)
+                                 generation=reply.generation, metrics=metrics)
     heartbeats.start()
     watcher = None
     if on_membership is not None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from torch.nn.utils import parameters_to_vector
 
 from disttrain.config import Config
+from disttrain.coordinator.reports import NodeProgress
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import bind_to_parent, emit_event
@@ -91,7 +92,8 @@ def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool =
         state.on_version = faults.at_step
     emit_event("listening", address=server.address, shard=shard)
     link = join(config.coordinator, f"server{shard}", "server", shard,
-                lambda: (0, state.version, 0), server.address, state.set_membership, token=token, tls=tls)
+                lambda: NodeProgress(0, state.version, 0), server.address, state.set_membership,
+                token=token, tls=tls)
     try:
         server.stopped.wait()
     finally:

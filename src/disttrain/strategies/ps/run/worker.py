@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from disttrain.compression import Compressor
 from disttrain.config import Config
+from disttrain.coordinator.reports import LatestMetrics, NodeProgress
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.atomic_files import write_bytes_atomic
 from disttrain.core.faults import FaultInjector
@@ -95,11 +96,18 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
     client = PSClient(servers, plan_shards(model, len(servers)),
                       RetryPolicy(timeout_s=config.ps.rpc_timeout_s), config.ps.payload_transport,
                       token=options.token, tls=options.tls)
-    balance: dict = {}  # this worker's batch, speed and plans, for its heartbeats
-    progress: list[Callable[[], tuple]] = [lambda: (0, 0, 0, 0.0, balance)]  # until the participant exists
+    participant: WorkerParticipant | None = None  # these two are built below; heartbeats start now
+    rebalancer: Rebalancer | None = None
+    metrics = LatestMetrics()
+
+    def progress() -> NodeProgress:
+        if participant is None:
+            return NodeProgress(0, 0, 0, 0.0)
+        return replace(participant.progress, balance=None if rebalancer is None else rebalancer.balance)
+
     link = None
     try:
-        link = join(config.coordinator, worker_id, "worker", requested_rank, lambda: progress[0](),
+        link = join(config.coordinator, worker_id, "worker", requested_rank, progress, metrics=metrics.latest,
                     token=options.token, tls=options.tls)
         assignment = client.register(worker_id, requested_rank, link.generation if link else 0, key)
         rank, world_size = assignment.rank, assignment.world_size
@@ -121,16 +129,14 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                                  retry_late=config.ps.backup_workers == 0)
         exchange.start()
         faults = FaultInjector(options.faults, "worker", rank, options.attempt)
-        sampler, rebalancer = balance_sampler(config, client, worker_id, world_size, rank, data[0], faults,
-                                              balance)
+        sampler, rebalancer = balance_sampler(config, client, worker_id, world_size, rank, data[0], faults)
         participant = WorkerParticipant(client, exchange, worker_id, rank, world_size, model, grads,
                                         *data, training.eval_batch_size, sampler, training.batch_size, faults)
-        progress[0] = lambda: (*participant.progress, balance)
         checkpoints = LocalCheckpoints(Path(system.checkpoint_dir) / f"worker{rank}", system.checkpoint_keep)
         loop = TrainingLoop(config, LoopSettings.from_config(config), participant, sampler, checkpoints,
                             Path(system.log_dir) / f"worker{rank}", faults,
                             lambda total, done: EventProgress(rank, total, done), announce=rank == 0,
-                            rebalancer=rebalancer)
+                            rebalancer=rebalancer, on_metrics=metrics.publish)
         result = loop.run(options.resume)
         summary = finish(config, client, participant, result, flat, started)
         if link is not None:
@@ -144,9 +150,10 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
 
 
 def balance_sampler(config: Config, client: PSClient, worker_id: str, world_size: int, rank: int,
-                    train_set: ArrayDataset, faults: FaultInjector, state: dict,
+                    train_set: ArrayDataset, faults: FaultInjector,
                     ) -> tuple[ShardedSampler | PlannedSampler, Rebalancer | None]:
-    """This worker's sampler, and what re-plans it (every worker calls it).
+    """This worker's sampler, and what re-plans it and holds its balance state (every
+    worker calls it).
 
     The workers' balance plan (`system.balance`): each worker's speed, measured before
     training on a copy of the model and every `system.balance_interval` steps after, is
@@ -162,4 +169,4 @@ def balance_sampler(config: Config, client: PSClient, worker_id: str, world_size
 
     return start_balance(config.system, config.training, len(train_set), world_size, rank, gather,
                          lambda: warmup_speed(config.training, torch.device("cpu"), train_set, faults),
-                         announce="worker" if rank == 0 else None, state=state)
+                         announce="worker" if rank == 0 else None)

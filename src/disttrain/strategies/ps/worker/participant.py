@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from disttrain.coordinator.reports import NodeProgress
 from disttrain.core.errors import CheckpointError
 from disttrain.core.faults import FaultInjector
 from disttrain.data import ArrayDataset
@@ -51,8 +52,9 @@ class WorkerParticipant:
     timer: StepTimer = field(default_factory=StepTimer)
     strategy: str = "ps-worker"
     # What heartbeats tell: epoch, step, samples, and seconds of work (waits for peers left
-    # out, so in sync mode a straggler shows as one even though everyone's steps are as slow).
-    progress: tuple[int, int, int, float] = (0, 0, 0, 0.0)
+    # out, so in sync mode a straggler shows as one even though everyone's steps are as slow);
+    # replaced whole after each step, for the heartbeat thread to read.
+    progress: NodeProgress = field(default_factory=lambda: NodeProgress(0, 0, 0, 0.0))
     _last_exit: float | None = None
     samples_redone: int = 0
 
@@ -83,8 +85,9 @@ class WorkerParticipant:
         busy = left - (entered if self._last_exit is None else self._last_exit) \
             - timings.get("time/comm_blocked_s", 0.0)
         self._last_exit = left
-        epoch, step, samples, work = self.progress
-        self.progress = (info.epoch, info.step, samples + len(indices), work + busy)
+        progress = self.progress
+        self.progress = NodeProgress(info.epoch, info.step, progress.samples + len(indices),
+                                     (progress.work_s or 0.0) + busy)
         result.scalars = {**timings, "comm/bytes_sent": client.bytes_sent - sent,
                           "comm/bytes_received": client.bytes_received - received,
                           "ps/staleness": staleness, "ps/rejected_pushes": exchange.num_rejected - rejected}
@@ -120,7 +123,7 @@ class WorkerParticipant:
                 indices = block_indices(self.sampler, self.batch_size, epoch, index)
                 logger.warning("block %d (epoch %d, batch %d) is missing on shard(s) %s: redoing it",
                                block_id, epoch, index, missing)
-                step = max(1, self.progress[1])  # a redo is named by its block, not its step
+                step = max(1, self.progress.step)  # a redo is named by its block, not its step
                 block = Block(step, block_id, epoch, len(indices), redo=True)
                 self.exchange.redo(self._compute(indices), block, missing, self.timer)
                 redone += len(indices)
