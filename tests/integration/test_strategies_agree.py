@@ -19,9 +19,11 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from conftest import run_cli
 from event_files import RECORD_FIELDS, assert_tensorboard_mirrors_jsonl
 
+from disttrain.config import STRATEGY_OF_ARCHITECTURE
 from disttrain.config.loading import config_from_dict
 from disttrain.core.checkpoint import load_checkpoint
 from disttrain.metrics.keys import ACCURACY_THRESHOLDS, ALL, METRICS, SUMMARY
@@ -97,6 +99,14 @@ def slow_eval_run(request, tmp_path_factory) -> Run:
     summary = json.loads((log_dir / "summary.json").read_text())
     records = {p: read_metrics(log_dir / p / "metrics.jsonl") for p in strategy.processes}
     return Run(strategy, log_dir, checkpoint_dir, summary, records)
+
+
+@pytest.mark.timeout(240)
+def test_a_run_records_the_strategy_it_ran(slow_eval_run):
+    """The run folder's config names the strategy that ran it (`disttrain train` on it runs the same)."""
+    recorded = yaml.safe_load((slow_eval_run.log_dir / "config.yaml").read_text())
+    assert STRATEGY_OF_ARCHITECTURE[recorded["system"]["architecture"]] == slow_eval_run.strategy.args[0]
+    assert slow_eval_run.summary["config"]["system"]["architecture"] == recorded["system"]["architecture"]
 
 
 def parameter_bytes(summary: dict[str, Any]) -> int:

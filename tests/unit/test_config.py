@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from disttrain.config import Config, config_from_dict, load_config, not_used_yet, parse_set_expression
+from disttrain.config import Config, config_from_dict, load_config, parse_set_expression
 from disttrain.core.errors import ConfigError
 
 
@@ -68,10 +68,9 @@ def test_nothing_writes_into_a_config():
     assert config.system.num_workers == 2
 
 
-def test_keys_acted_on_are_not_listed_as_unused():
-    listed = not_used_yet()
-    assert "coordinator.heartbeat_interval" not in listed and "coordinator.heartbeat_timeout" not in listed
-    assert "training.batch_size" not in listed and "compression.enabled" not in listed
+def test_a_config_run_by_a_strategy_names_it():
+    for strategy, architecture in (("baseline", "baseline"), ("ps", "parameter_server"), ("ddp", "ddp")):
+        assert Config().run_by(strategy).system.architecture == architecture
 
 
 @pytest.mark.parametrize("raw, fragment", [

@@ -9,7 +9,6 @@ from disttrain.cli.config_warnings import warn_about_run_config
 from disttrain.cli.flags import (
     add_training_flags,
     config_from_args,
-    not_used_yet_epilog,
     options_from_args,
 )
 from disttrain.config import Config
@@ -24,7 +23,6 @@ compared with. Writes metrics, TensorBoard events, checkpoints, the final model
     disttrain baseline --dataset mnist --data-dir DIR --num-epochs 2
     disttrain baseline --config example --resume
     disttrain baseline --config configs/example_config.yaml --check-config"""
-EPILOG = not_used_yet_epilog()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +34,7 @@ def prepare(args: argparse.Namespace) -> tuple[Config, RunOptions]:
     the run ignores."""
     config = config_from_args(args)
     warn_about_run_config(config, "baseline")
+    config = config.run_by("baseline")
     return config, options_from_args(args)
 
 

@@ -33,7 +33,6 @@ from disttrain.cli.flags import (
     add_training_flags,
     balance_flags,
     config_from_args,
-    not_used_yet_epilog,
     options_from_args,
 )
 from disttrain.config import Config
@@ -64,7 +63,6 @@ heartbeat age, restarts, step and throughput, during the run or after it.
     disttrain ddp --world-size 8 --nnodes 2 --rdzv-endpoint node0:29400 --config ddp.yaml \
         --coordinator node0:50050
     torchrun --standalone --nproc-per-node 2 -m disttrain.torchrun --config ddp.yaml"""
-EPILOG = not_used_yet_epilog()
 
 # flag -> (config key, type, help): the DDP knobs on top of the common training flags.
 DDP_FLAGS = {
@@ -104,6 +102,7 @@ def prepare(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> t
     the run ignores."""
     config = config_from_args(args)
     warn_about_run_config(config, "ddp", env)
+    config = config.run_by("ddp")
     return config, options_from_args(args, env)
 
 

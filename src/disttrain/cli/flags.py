@@ -13,7 +13,7 @@ from itertools import chain
 from typing import Any
 
 from disttrain.cli.check import add_check_flag
-from disttrain.config import Config, load_config, not_used_yet
+from disttrain.config import Config, load_config
 from disttrain.core.auth import TOKEN_ENV, resolve_token
 from disttrain.core.errors import ConfigError
 from disttrain.core.faults import Fault, load_fault_plan, parse_fault
@@ -217,11 +217,6 @@ def add_training_flags(parser: argparse.ArgumentParser,
     add_common_flags(parser)
     add_run_flags(parser)
     add_config_flags(parser, flags or {})
-
-
-def not_used_yet_epilog() -> str | None:
-    lines = [f"  {key}: {why}" for key, why in not_used_yet().items()]
-    return "config keys accepted but not acted on yet:\n" + "\n".join(lines) if lines else None
 
 
 def _fault(text: str) -> Fault:

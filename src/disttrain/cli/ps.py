@@ -21,7 +21,6 @@ from disttrain.cli.flags import (
     add_training_flags,
     balance_flags,
     config_from_args,
-    not_used_yet_epilog,
     options_from_args,
 )
 from disttrain.config import Config
@@ -42,7 +41,6 @@ process logs to <log_dir>/<name>.log; worker 0 writes the final model
     disttrain ps --workers 4 --servers 2 --aggregation-mode ssp --staleness 2
     disttrain ps --workers 2 --aggregation-mode async --compression-enabled \\
         --compression-type topk --compression-ratio 0.01"""
-EPILOG = not_used_yet_epilog()
 
 # flag -> (config key, type, help): the parameter server's knobs (ps-server and
 # ps-worker take them too).
@@ -80,6 +78,7 @@ def prepare(args: argparse.Namespace) -> tuple[Config, RunOptions]:
     the run ignores."""
     config = config_from_args(args)
     warn_about_run_config(config, "ps")
+    config = config.run_by("ps")
     return config, options_from_args(args)
 
 

@@ -11,9 +11,8 @@ from disttrain.config.schema import (
     PSConfig,
     SystemConfig,
     TrainingConfig,
-    not_used_yet,
 )
 
 __all__ = ["STRATEGY_OF_ARCHITECTURE", "SYSTEM_ALIASES", "CompressionConfig", "Config",
            "CoordinatorConfig", "DDPConfig", "PSConfig", "SystemConfig", "TrainingConfig",
-           "config_from_dict", "load_config", "not_used_yet", "parse_set_expression"]
+           "config_from_dict", "load_config", "parse_set_expression"]

@@ -5,8 +5,8 @@ Each component reads its own section: `training` (data, model, optimizer, schedu
 `compression` and `coordinator`. The flat `system.*` spelling of earlier configs for the parameter
 server, compression and heartbeat keys stays valid (see `loading.SYSTEM_ALIASES`).
 
-A field's metadata holds its rule (`check`, `rule`) and, for keys that are validated but
-not acted on yet, `not_used_yet` with the reason, shown in `--help` and the README.
+A field's metadata holds its rule (`check`, `rule`). Every key is acted on by some run;
+which keys a run of each strategy ignores, and why, is `usage`'s to say.
 """
 
 from __future__ import annotations
@@ -212,6 +212,13 @@ class Config:
                    for name, values in sections.items()}
         return dataclasses.replace(self, **changed)
 
+    def run_by(self, strategy: str) -> Config:
+        """This config as a run of `strategy` (baseline, ps or ddp) records it: its
+        `system.architecture` names that strategy, so the run folder's config.yaml runs
+        the same strategy again under `disttrain train`."""
+        architecture = next(a for a, s in STRATEGY_OF_ARCHITECTURE.items() if s == strategy)
+        return self.replace(system={"architecture": architecture})
+
     def save(self, path: str | Path) -> None:
         """Write the resolved config as YAML (the run folder keeps what actually ran)."""
         path = Path(path)
@@ -231,10 +238,3 @@ class Config:
 
 SECTIONS: dict[str, type] = {f.name: f.type if isinstance(f.type, type) else globals()[f.type]
                              for f in dataclasses.fields(Config)}
-
-
-def not_used_yet() -> dict[str, str]:
-    """`section.key` -> why, for every key that is validated but not acted on yet."""
-    return {f"{section}.{f.name}": f.metadata["not_used_yet"]
-            for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
-            if "not_used_yet" in f.metadata}
