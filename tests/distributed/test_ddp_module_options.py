@@ -70,7 +70,8 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
     facts = {}
     for name, ddp in SETTINGS.items():
         config = config_from_dict({"training": TRAINING, "ddp": ddp})
-        participant = RankParticipant(config, runtime, load_datasets(config.training))
+        participant = RankParticipant(config.training, config.ddp, config.compression, runtime,
+                                      load_datasets(config.training))
         facts[name] = observe(participant, rank)
     torch.save(facts, Path(out_dir) / f"rank{rank}.pt")
     rt.shutdown(runtime)

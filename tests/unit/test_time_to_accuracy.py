@@ -101,7 +101,8 @@ def run_loop(tmp_path: Path, participant: ScriptedParticipant, resume: bool, on_
     # 8 samples in batches of 4: 2 steps an epoch; the checkpoint at step 4 ends epoch 1.
     config = config_from_dict({"training": {"num_epochs": 4, "batch_size": 4, "log_interval": 1,
                                             "checkpoint_interval": 4}})
-    loop = TrainingLoop(config, LoopSettings.from_config(config), participant, ShardedSampler(8, seed=0),
+    settings = LoopSettings.of(config.training, config.to_dict())
+    loop = TrainingLoop(settings, participant, ShardedSampler(8, seed=0),
                         LocalCheckpoints(tmp_path / "ckpt", keep=2), tmp_path / "logs" / "baseline",
                         FaultInjector((), "worker"), lambda total, done: NoDisplay(), on_metrics=on_metrics)
     return loop.run(resume)

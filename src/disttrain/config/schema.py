@@ -12,7 +12,7 @@ which keys a run of each strategy ignores, and why, is `usage`'s to say.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,9 +221,7 @@ class Config:
 
     def save(self, path: str | Path) -> None:
         """Write the resolved config as YAML (the run folder keeps what actually ran)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        write_config(self.to_dict(), path)
 
     def cross_problems(self, name: Callable[[str], str]) -> list[str]:
         """Problems between sections; `name("section.key")` is the key as the user spelled it."""
@@ -234,6 +232,13 @@ class Config:
             return [f"{name('ps.backup_workers')}: {self.ps.backup_workers} must be less than "
                     f"system.num_workers ({self.system.num_workers})"]
         return []
+
+
+def write_config(values: Mapping[str, Any], path: str | Path) -> None:
+    """Write a resolved config (a `Config.to_dict()`) as YAML at `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(dict(values), sort_keys=False))
 
 
 SECTIONS: dict[str, type] = {f.name: f.type if isinstance(f.type, type) else globals()[f.type]

@@ -94,7 +94,7 @@ class Baseline:
         participant = BaselineParticipant(model, optimizer, train_set, test_set, training.eval_batch_size)
         sampler = ShardedSampler(len(train_set), seed=training.seed)
         checkpoint_dir, log_dir = Path(system.checkpoint_dir), Path(system.log_dir)
-        loop = TrainingLoop(config, LoopSettings.from_config(config), participant, sampler,
+        loop = TrainingLoop(LoopSettings.of(config.training, config.to_dict()), participant, sampler,
                             LocalCheckpoints(checkpoint_dir, system.checkpoint_keep), log_dir / self.name,
                             FaultInjector(options.faults, "worker", 0),
                             lambda total, done: Progress(total, "train", initial=done),

@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 import torch
 
-from disttrain.config import Config
+from disttrain.config import TrainingConfig
+from disttrain.config.schema import write_config
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import CheckpointError
 from disttrain.core.faults import FaultInjector
@@ -45,18 +46,20 @@ class ProgressDisplay(Protocol):
 
 @dataclass(frozen=True)
 class LoopSettings:
-    """The loop's cadence, from the config's training section."""
+    """The loop's cadence, from the config's training section, and the record of what
+    runs (the resolved config, written beside the metrics and into every checkpoint)."""
 
     num_epochs: int
     batch_size: int
     log_interval: int
     checkpoint_interval: int
     micro_batches: int = 1  # batches per step (gradient accumulation)
+    record: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
-    def from_config(cls, config: Config, micro_batches: int = 1) -> LoopSettings:
-        t = config.training
-        return cls(t.num_epochs, t.batch_size, t.log_interval, t.checkpoint_interval, micro_batches)
+    def of(cls, training: TrainingConfig, record: Mapping[str, Any], micro_batches: int = 1) -> LoopSettings:
+        return cls(training.num_epochs, training.batch_size, training.log_interval,
+                   training.checkpoint_interval, micro_batches, record)
 
 
 @dataclass
@@ -91,7 +94,7 @@ class TrainingLoop:
     """Runs a participant from its checkpoint (or the start) to the last epoch.
 
     Args:
-        config: the run's config (stamped into every checkpoint).
+        settings: the loop's cadence and the record of the run's config.
         participant: the strategy's step, evaluation and checkpoint pieces.
         sampler: this process's shard of the training set.
         store: where this process's checkpoints are.
@@ -107,7 +110,6 @@ class TrainingLoop:
             the coordinator; it runs on the training thread, so it must return at once.
     """
 
-    config: Config
     settings: LoopSettings
     participant: Participant
     sampler: ShardedSampler | PlannedSampler
@@ -129,7 +131,7 @@ class TrainingLoop:
         if resumed_from is not None:
             self._restore(resumed_from)
         if self.config_path is not None:
-            self.config.save(self.config_path)
+            write_config(self.settings.record, self.config_path)
         self.clock = TrainClock(position.train_time_s)
         metrics = MetricsLogger(self.metrics_folder,
                                 resume_step=position.step if resumed_from is not None else None)
@@ -230,7 +232,7 @@ class TrainingLoop:
                 "position": self.position.state_dict(),
                 "sampler": self.sampler.state_dict(),
                 "rng": ckpt.rng_state(),
-                "config": self.config.to_dict(),
+                "config": dict(self.settings.record),
                 **self.participant.state_dict(),
             }
             self.store.save(self.position.step, state)

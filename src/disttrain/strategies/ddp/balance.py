@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from disttrain.config import Config
+from disttrain.config import SystemConfig, TrainingConfig
 from disttrain.core.faults import FaultInjector
 from disttrain.data import ArrayDataset, PlannedSampler, ShardedSampler
 from disttrain.strategies.ddp import runtime as rt
@@ -15,7 +15,8 @@ from disttrain.training.balance import warmup_speed
 from disttrain.training.rebalance import Rebalancer, start_balance
 
 
-def balance_sampler(config: Config, runtime: rt.Runtime, train_set: ArrayDataset, faults: FaultInjector,
+def balance_sampler(system: SystemConfig, training: TrainingConfig, runtime: rt.Runtime,
+                    train_set: ArrayDataset, faults: FaultInjector,
                     ) -> tuple[ShardedSampler | PlannedSampler, Rebalancer | None]:
     """This rank's sampler, and what re-plans it and holds its balance state (a
     collective: every rank calls it)."""
@@ -29,6 +30,6 @@ def balance_sampler(config: Config, runtime: rt.Runtime, train_set: ArrayDataset
         dist.all_gather(gathered, mine)
         return [float(t.item()) for t in gathered]
 
-    return start_balance(config.system, config.training, len(train_set), info.world_size, info.rank,
-                         gather, lambda: warmup_speed(config.training, runtime.device, train_set, faults),
+    return start_balance(system, training, len(train_set), info.world_size, info.rank,
+                         gather, lambda: warmup_speed(training, runtime.device, train_set, faults),
                          announce="rank" if info.is_main else None)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.compression.ddp_hooks import CompressionHook, build_ddp_hook, run_hook
-from disttrain.config import Config, DDPConfig
+from disttrain.config import CompressionConfig, Config, DDPConfig, TrainingConfig
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import ConfigError
 from disttrain.core.faults import FaultInjector
@@ -69,12 +69,13 @@ def wrap_model(module: torch.nn.Module, ddp: DDPConfig, runtime: rt.Runtime) -> 
                                    static_graph=ddp.static_graph)
 
 
-def compression_hook(config: Config, module: torch.nn.Module, rank: int) -> CompressionHook | None:
-    """The run's gradient-compression hook, or None when compression is off."""
-    if not config.compression.enabled:
+def compression_hook(compression: CompressionConfig, seed: int, module: torch.nn.Module, rank: int
+                     ) -> CompressionHook | None:
+    """The run's gradient-compression hook (`seed`: the training seed), or None when
+    compression is off."""
+    if not compression.enabled:
         return None
-    seed = config.training.seed
-    return build_ddp_hook(config.compression, module.named_parameters(), seed, training_seed(seed, rank))
+    return build_ddp_hook(compression, module.named_parameters(), seed, training_seed(seed, rank))
 
 
 class RankParticipant:
@@ -83,9 +84,10 @@ class RankParticipant:
 
     strategy = "ddp"
 
-    def __init__(self, config: Config, runtime: rt.Runtime, data: tuple[ArrayDataset, ArrayDataset],
+    def __init__(self, training: TrainingConfig, ddp: DDPConfig, compression: CompressionConfig,
+                 runtime: rt.Runtime, data: tuple[ArrayDataset, ArrayDataset],
                  sampler: ShardedSampler | PlannedSampler | None = None):
-        training, ddp, device = config.training, config.ddp, runtime.device
+        device = runtime.device
         self.runtime = runtime
         self.sampler = sampler  # its balance plan, if any, weights this rank's loss
         self.train_set, self.test_set = data
@@ -99,7 +101,7 @@ class RankParticipant:
         self.precision = Precision(plan_precision(ddp.mixed_precision, device.type, bf16), device)
         self.model = wrap_model(self.module, ddp, runtime)
         self.comm = CommStats()
-        self.compression = compression_hook(config, self.module, runtime.info.rank)
+        self.compression = compression_hook(compression, training.seed, self.module, runtime.info.rank)
         if self.compression is None:
             register_comm_hook(self.model, self.comm)
         else:
@@ -191,12 +193,13 @@ def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: fl
     train_set, test_set = load_datasets(training)
     rt.check_world_size(len(train_set), info.world_size)
     faults = FaultInjector(options.faults, "rank", info.rank, info.restart_count)
-    sampler, rebalancer = balance_sampler(config, runtime, train_set, faults)
+    sampler, rebalancer = balance_sampler(system, training, runtime, train_set, faults)
     progress.rebalancer = rebalancer  # its balance state goes into the heartbeats
-    participant = RankParticipant(config, runtime, (train_set, test_set), sampler)
+    participant = RankParticipant(training, config.ddp, config.compression, runtime, (train_set, test_set),
+                                  sampler)
     log_dir = Path(system.log_dir)
     loop = TrainingLoop(
-        config, LoopSettings.from_config(config, config.ddp.grad_accumulation_steps), participant,
+        LoopSettings.of(training, config.to_dict(), config.ddp.grad_accumulation_steps), participant,
         sampler, RankZeroCheckpoints(system.checkpoint_dir, system.checkpoint_keep, runtime),
         log_dir / f"rank{info.rank}", faults,
         lambda total, done: Progress(total, "train", initial=done, enabled=info.is_main),

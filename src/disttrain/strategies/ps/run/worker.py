@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from disttrain.compression import Compressor
-from disttrain.config import Config
+from disttrain.config import Config, SystemConfig, TrainingConfig
 from disttrain.coordinator.reports import LatestMetrics, NodeProgress
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.atomic_files import write_bytes_atomic
@@ -129,11 +129,12 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                                  retry_late=config.ps.backup_workers == 0)
         exchange.start()
         faults = FaultInjector(options.faults, "worker", rank, options.attempt)
-        sampler, rebalancer = balance_sampler(config, client, worker_id, world_size, rank, data[0], faults)
+        sampler, rebalancer = balance_sampler(system, training, client, worker_id, world_size, rank, data[0],
+                                              faults)
         participant = WorkerParticipant(client, exchange, worker_id, rank, world_size, model, grads,
                                         *data, training.eval_batch_size, sampler, training.batch_size, faults)
         checkpoints = LocalCheckpoints(Path(system.checkpoint_dir) / f"worker{rank}", system.checkpoint_keep)
-        loop = TrainingLoop(config, LoopSettings.from_config(config), participant, sampler, checkpoints,
+        loop = TrainingLoop(LoopSettings.of(training, config.to_dict()), participant, sampler, checkpoints,
                             Path(system.log_dir) / f"worker{rank}", faults,
                             lambda total, done: EventProgress(rank, total, done), announce=rank == 0,
                             rebalancer=rebalancer, on_metrics=metrics.publish)
@@ -149,8 +150,8 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
         client.close()
 
 
-def balance_sampler(config: Config, client: PSClient, worker_id: str, world_size: int, rank: int,
-                    train_set: ArrayDataset, faults: FaultInjector,
+def balance_sampler(system: SystemConfig, training: TrainingConfig, client: PSClient, worker_id: str,
+                    world_size: int, rank: int, train_set: ArrayDataset, faults: FaultInjector,
                     ) -> tuple[ShardedSampler | PlannedSampler, Rebalancer | None]:
     """This worker's sampler, and what re-plans it and holds its balance state (every
     worker calls it).
@@ -167,6 +168,6 @@ def balance_sampler(config: Config, client: PSClient, worker_id: str, world_size
         rows = client.barrier(worker_id, name, [speed], step)  # a check gives up for a worker behind
         return [row[0] for row in rows] if rows else None
 
-    return start_balance(config.system, config.training, len(train_set), world_size, rank, gather,
-                         lambda: warmup_speed(config.training, torch.device("cpu"), train_set, faults),
+    return start_balance(system, training, len(train_set), world_size, rank, gather,
+                         lambda: warmup_speed(training, torch.device("cpu"), train_set, faults),
                          announce="worker" if rank == 0 else None)
