@@ -5,12 +5,7 @@ from __future__ import annotations
 import argparse
 
 from disttrain.cli.check import describe_folders, describe_training
-from disttrain.cli.config_warnings import warn_about_run_config
-from disttrain.cli.flags import (
-    add_training_flags,
-    config_from_args,
-    options_from_args,
-)
+from disttrain.cli.flags import add_training_flags, prepare_run
 from disttrain.config import Config
 from disttrain.metrics.summary import RunSummary
 from disttrain.training.options import RunOptions
@@ -32,10 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def prepare(args: argparse.Namespace) -> tuple[Config, RunOptions]:
     """The run's config and options, checked (a ConfigError otherwise); warns about keys
     the run ignores."""
-    config = config_from_args(args)
-    warn_about_run_config(config, "baseline")
-    config = config.run_by("baseline")
-    return config, options_from_args(args)
+    return prepare_run(args, "baseline")
 
 
 def check(args: argparse.Namespace) -> str:

@@ -24,7 +24,6 @@ from disttrain.cli.check import (
     describe_training,
     wants_check,
 )
-from disttrain.cli.config_warnings import warn_about_run_config
 from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
     add_config_flag,
@@ -34,6 +33,7 @@ from disttrain.cli.flags import (
     balance_flags,
     config_from_args,
     options_from_args,
+    prepare_run,
 )
 from disttrain.config import Config
 from disttrain.core.errors import ConfigError, DisttrainError, error_lines
@@ -100,10 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def prepare(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> tuple[Config, RunOptions]:
     """The run's config and options, checked (a ConfigError otherwise); warns about keys
     the run ignores."""
-    config = config_from_args(args)
-    warn_about_run_config(config, "ddp", env)
-    config = config.run_by("ddp")
-    return config, options_from_args(args, env)
+    return prepare_run(args, "ddp", env)
 
 
 def check(args: argparse.Namespace) -> str:

@@ -13,6 +13,7 @@ from itertools import chain
 from typing import Any
 
 from disttrain.cli.check import add_check_flag
+from disttrain.cli.config_warnings import warn_about_run_config
 from disttrain.config import Config, load_config
 from disttrain.core.auth import TOKEN_ENV, resolve_token
 from disttrain.core.errors import ConfigError
@@ -262,3 +263,16 @@ def options_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = 
     tls = tls_from_args(args) if hasattr(args, "tls_cert") else TlsFiles()
     return RunOptions(resume=args.resume, faults=faults, verbose=args.verbose,
                       attempt=getattr(args, "attempt", 0), token=token, tls=tls)
+
+
+def prepare_run(args: argparse.Namespace, command: str, env: Mapping[str, str] | None = None
+                ) -> tuple[Config, RunOptions]:
+    """The config and options of a run of `command` (baseline, ps or ddp): resolved and
+    checked, warned about (the keys the run ignores), and recording the strategy that runs.
+
+    Raises:
+        ConfigError: see `config_from_args` and `options_from_args`.
+    """
+    config = config_from_args(args)
+    warn_about_run_config(config, command, env)
+    return config.run_by(command), options_from_args(args, env)

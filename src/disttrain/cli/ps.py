@@ -13,15 +13,13 @@ from disttrain.cli.check import (
     describe_security,
     describe_training,
 )
-from disttrain.cli.config_warnings import warn_about_run_config
 from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
     add_tls_flags,
     add_token_flag,
     add_training_flags,
     balance_flags,
-    config_from_args,
-    options_from_args,
+    prepare_run,
 )
 from disttrain.config import Config
 from disttrain.metrics.summary import RunSummary
@@ -76,10 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def prepare(args: argparse.Namespace) -> tuple[Config, RunOptions]:
     """The run's config and options, checked (a ConfigError otherwise); warns about keys
     the run ignores."""
-    config = config_from_args(args)
-    warn_about_run_config(config, "ps")
-    config = config.run_by("ps")
-    return config, options_from_args(args)
+    return prepare_run(args, "ps")
 
 
 def describe_ps_run(config: Config) -> str:

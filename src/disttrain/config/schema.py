@@ -46,6 +46,18 @@ def _choice(options: tuple[str, ...], **extra: Any) -> dict[str, Any]:
     return _rule(lambda v: v in options, "must be one of " + ", ".join(options), **extra)
 
 
+def _address_problems(key: str, address: str, example: str) -> list[str]:
+    """The problem of an address key (`key` as the user spelled it) that is set and is not
+    HOST:PORT; none when it is empty or well formed."""
+    if not address:
+        return []
+    try:
+        split_host_port(address)
+    except ValueError:
+        return [f"{key}: {address!r} must look like HOST:PORT (port 0-65535), e.g. {example}"]
+    return []
+
+
 POSITIVE = _rule(lambda v: v > 0, "must be > 0")
 NON_NEGATIVE = _rule(lambda v: v >= 0, "must be >= 0")
 NON_EMPTY = _rule(lambda v: bool(v.strip()), "must not be empty")
@@ -152,13 +164,7 @@ class CoordinatorConfig:
         if self.heartbeat_timeout <= self.heartbeat_interval:
             problems.append(f"{name('heartbeat_timeout')}: {self.heartbeat_timeout} must be greater "
                             f"than {name('heartbeat_interval')} ({self.heartbeat_interval})")
-        if self.address:
-            try:
-                split_host_port(self.address)
-            except ValueError:
-                problems.append(f"{name('address')}: {self.address!r} must look like HOST:PORT, "
-                                "e.g. node0.example.com:50050")
-        return problems
+        return problems + _address_problems(name("address"), self.address, "node0.example.com:50050")
 
 
 @dataclass(frozen=True)
@@ -179,13 +185,7 @@ class DDPConfig:
     rdzv_id: str = ""
 
     def cross_problems(self, name: Callable[[str], str]) -> list[str]:
-        problems = []
-        if self.rdzv_endpoint:
-            try:
-                split_host_port(self.rdzv_endpoint)
-            except ValueError:
-                problems.append(f"{name('rdzv_endpoint')}: {self.rdzv_endpoint!r} must look like "
-                                "HOST:PORT (port 0-65535), e.g. node0.example.com:29400")
+        problems = _address_problems(name("rdzv_endpoint"), self.rdzv_endpoint, "node0.example.com:29400")
         if self.num_nodes > 1 and not self.rdzv_endpoint:
             problems.append(f"{name('rdzv_endpoint')}: ddp.num_nodes is {self.num_nodes}, so every "
                             "node needs the HOST:PORT of the rendezvous (pass --rdzv-endpoint)")

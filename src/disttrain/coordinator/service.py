@@ -27,7 +27,7 @@ from disttrain.coordinator.reports import BalanceState
 from disttrain.core.addresses import parse_address
 from disttrain.core.errors import ConfigError
 from disttrain.core.poll_slots import PollLimitExceeded, PollSlots
-from disttrain.core.rpc_server import RpcServer
+from disttrain.core.rpc_server import RpcServer, refusals
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import coordinator_pb2 as pb
 
@@ -186,6 +186,14 @@ def _node_status(node: Node, now: float) -> pb.NodeStatus:
                          metrics=node.metrics, metrics_step=node.metrics_step)
 
 
+# What each refusal is answered with; a refused call changes nothing.
+CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (UnknownNode, grpc.StatusCode.NOT_FOUND),  # register first
+    (DuplicateNode, grpc.StatusCode.ALREADY_EXISTS),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # a malformed message
+)
+
+
 class CoordinatorServicer:
     """gRPC methods: translate messages and errors; the decisions are the membership's."""
 
@@ -196,31 +204,19 @@ class CoordinatorServicer:
         self.watches = watches or PollSlots.for_pool(128, per_key=128)  # slots of membership watches
 
     def RegisterNode(self, request, context):
-        try:
+        with refusals(context, CODES):
             return self.state.register(request)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except DuplicateNode as e:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
 
     def SendHeartbeat(self, request, context):
-        try:
+        with refusals(context, CODES):
             reply = self.state.heartbeat(request)
-        except UnknownNode as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self.on_step is not None:
             self.on_step(self.state.max_step)
         return reply
 
     def ReportMetrics(self, request, context):
-        try:
+        with refusals(context, CODES):
             return self.state.report_metrics(request)
-        except UnknownNode as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def ReportExit(self, request, context):
         return self.state.exited(request)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from collections.abc import Iterator, Sequence
 from concurrent import futures
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -26,6 +28,18 @@ logger = logging.getLogger(__name__)
 # SO_REUSEPORT on by default on Linux).
 SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
 
+
+
+@contextmanager
+def refusals(context: grpc.ServicerContext,
+             codes: Sequence[tuple[type[Exception], grpc.StatusCode]]) -> Iterator[None]:
+    """Answer a refusal raised in the block with its status code and message: the code
+    of the first class in `codes` the error is an instance of (list subclasses first).
+    Other errors go on."""
+    try:
+        yield
+    except tuple(kind for kind, _ in codes) as e:
+        context.abort(next(code for kind, code in codes if isinstance(e, kind)), str(e))
 
 
 def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:

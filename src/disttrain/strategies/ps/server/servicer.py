@@ -20,8 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, nullcontext
 
 import grpc
 
@@ -29,6 +28,7 @@ from disttrain.core.addresses import peer_is_local
 from disttrain.core.deadlines import Deadlines
 from disttrain.core.poll_slots import PollLimitExceeded, PollSlots
 from disttrain.core.rpc_server import RpcServer
+from disttrain.core.rpc_server import refusals as rpc_refusals
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.server.decisions import PushRefused
@@ -57,7 +57,6 @@ CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (PushRefused, grpc.StatusCode.FAILED_PRECONDITION),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # a malformed message (InvalidPush, InvalidIdentity)
 )
-REFUSALS = tuple(kind for kind, _ in CODES)
 
 Outcome = pb.PushReply.Outcome
 # Sync outcomes after which the worker's step is the version its push joined.
@@ -65,18 +64,9 @@ _JOINED = {Outcome.Value("APPLIED"), Outcome.Value("BUFFERED"), Outcome.Value("D
 _ROLLED_BACK = Outcome.Value("ROLLED_BACK")
 
 
-def status_of(error: Exception) -> grpc.StatusCode:
-    """The status code of a refusal (one of `REFUSALS`)."""
-    return next(code for kind, code in CODES if isinstance(error, kind))
-
-
-@contextmanager
-def refusals(context: grpc.ServicerContext) -> Iterator[None]:
-    """Answer a refusal raised in the block with its status code and message."""
-    try:
-        yield
-    except REFUSALS as e:
-        context.abort(status_of(e), str(e))
+def refusals(context: grpc.ServicerContext):
+    """Answer a refusal raised in the block with its status code (`CODES`) and message."""
+    return rpc_refusals(context, CODES)
 
 
 class ParameterServicer:
