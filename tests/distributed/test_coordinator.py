@@ -14,12 +14,8 @@ import grpc
 import pytest
 
 from disttrain.config.schema import CoordinatorConfig
-from disttrain.coordinator.client import (
-    CoordinatorClient,
-    CoordinatorError,
-    HeartbeatSender,
-    MembershipWatcher,
-)
+from disttrain.coordinator.background import HeartbeatSender, MembershipWatcher
+from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.registry import read_status
 from disttrain.coordinator.reports import LatestMetrics, NodeMetrics, NodeProgress
 from disttrain.coordinator.service import CoordinatorServer

@@ -15,7 +15,8 @@ import pytest
 
 from disttrain.cli import status
 from disttrain.config.schema import CoordinatorConfig
-from disttrain.coordinator.client import CoordinatorClient, HeartbeatSender
+from disttrain.coordinator.background import HeartbeatSender
+from disttrain.coordinator.client import CoordinatorClient
 from disttrain.coordinator.registry import read_status
 from disttrain.coordinator.reports import BalanceState, NodeProgress
 from disttrain.coordinator.service import CoordinatorServer

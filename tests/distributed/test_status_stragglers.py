@@ -11,7 +11,8 @@ import json
 import pytest
 
 from disttrain.config.schema import CoordinatorConfig
-from disttrain.coordinator.client import CoordinatorClient, HeartbeatSender
+from disttrain.coordinator.background import HeartbeatSender
+from disttrain.coordinator.client import CoordinatorClient
 from disttrain.coordinator.reports import NodeProgress
 from disttrain.coordinator.service import CoordinatorServer
 

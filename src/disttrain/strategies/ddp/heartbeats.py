@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from disttrain.config.schema import CoordinatorConfig
-from disttrain.coordinator.client import CoordinatorClient, CoordinatorError, HeartbeatSender
+from disttrain.coordinator.background import HeartbeatSender
+from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.node_info import heartbeat_message
 from disttrain.coordinator.reports import LatestMetrics, NodeProgress
 from disttrain.core.errors import DisttrainError, error_lines

@@ -11,12 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from disttrain.config.schema import CoordinatorConfig
-from disttrain.coordinator.client import (
-    CoordinatorClient,
-    CoordinatorError,
-    HeartbeatSender,
-    MembershipWatcher,
-)
+from disttrain.coordinator.background import HeartbeatSender, MembershipWatcher
+from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.reports import NodeMetrics, NodeProgress
 from disttrain.core.tls import TlsFiles
 
