@@ -70,6 +70,7 @@ def test_a_killed_worker_is_restarted_and_every_sample_is_applied_once(tmp_path,
         assert math.isfinite(metrics["loss/train"]) and metrics["throughput/samples_per_s"] > 0, metrics
         assert metrics["accuracy/test"] == summary["final_accuracy"], metrics
         assert nodes[worker]["metrics_step"] == EPOCHS * TRAIN // WORKERS // BATCH  # its last step
+        assert nodes[worker]["step"] == nodes[worker]["metrics_step"]  # a last heartbeat as it left
     assert nodes["server0"]["metrics"] == {}
 
 

@@ -60,6 +60,17 @@ class HeartbeatSender:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.client.timeout_s + 1.0)
 
+    def last_beat(self) -> None:
+        """Stop the thread, then send one last heartbeat, so the coordinator holds where the
+        node ended, and its latest metrics (best effort: a refusal is logged, not acted on,
+        since the node is leaving anyway)."""
+        self.stop()
+        try:
+            self.client.heartbeat(self._message())
+        except CoordinatorError as e:
+            logger.debug("the last heartbeat of %s was not taken: %s", self.node_id, e)
+        self.send_metrics()
+
     def _run(self) -> None:
         while True:
             if not self._beat() or self._stopped.wait(self.interval_s):

@@ -30,10 +30,10 @@ class Link:
     watcher: MembershipWatcher | None = None
 
     def leave(self) -> None:
-        """Report the latest metrics (best effort) and tell the coordinator this process
-        finished (before its heartbeats stop, so the silence of a process on its way out
-        is not taken for a failure), then close."""
-        self.heartbeats.send_metrics()
+        """Send a last heartbeat and the latest metrics (best effort), so the coordinator
+        holds where this process ended, and tell it this process finished (at once: the
+        silence of a process on its way out is not taken for a failure), then close."""
+        self.heartbeats.last_beat()
         try:
             self.client.report_exit(self.heartbeats.node_id, 0, "finished")
         except CoordinatorError as e:
