@@ -128,7 +128,7 @@ def main() -> int:
     for line in skipped:
         print(f"skipped, not compared: {line}")
     for line in found:
-        print(line, file=sys.stderr)
+        print(line)
     compared = len(runs) - len(skipped)
     print(f"{compared} benchmark(s) compared with {args.against}: "
           + (f"{len(found)} difference(s)" if found else "the same keys at every level"))

@@ -52,8 +52,9 @@ def test_the_benchmark_scripts_are_told_apart_from_the_helper_modules():
     assert not {"common", "ps_helpers"} & scripts
 
 
-@pytest.mark.parametrize("target, flags, folder", [("bench-quick", "--quick ", "runs/bench-quick"),
-                                                    ("bench", "", "runs/bench")])
+@pytest.mark.parametrize("target, flags, folder", [
+    pytest.param("bench-quick", "--quick ", "runs/bench-quick", id="bench-quick"),
+    pytest.param("bench", "", "runs/bench", id="bench")])
 def test_the_target_runs_every_benchmark_script(target, flags, folder):
     lines = make_dry_run(target)
     names, body = loop_of(lines)
