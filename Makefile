@@ -76,12 +76,12 @@ define run_benchmarks
 	$(PY) tools/bench_shapes.py $(1)
 endef
 
-# The full measurements (about an hour on 2 cores): MNIST where a copy is found
+# The full measurements (an hour or more on 2 cores): MNIST where a copy is found
 # ($DISTTRAIN_DATA_DIR, ./data, ../shared/data), JSON under runs/bench/.
 bench: install
 	$(call run_benchmarks,runs/bench,)
 
-# Every benchmark's quick mode (smaller sizes, digits or synthetic data, a few minutes in
+# Every benchmark's quick mode (smaller sizes, digits or synthetic data, under 10 minutes in
 # all): the same JSON keys as `make bench`, under runs/bench-quick/.
 bench-quick: install
 	$(call run_benchmarks,runs/bench-quick,--quick)
