@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install lock demo test test-fast test-slow bench lint proto metrics-table clean
+.PHONY: install lock demo test test-fast test-slow bench bench-quick lint proto metrics-table clean
 
 install: $(STAMP)
 
@@ -59,14 +59,32 @@ test-fast: install
 test-slow: install
 	$(PY) -m pytest -q -m slow
 
+# Every script of benchmarks/ but the helper modules they import.
 BENCHMARKS := $(filter-out common ps_helpers,$(basename $(notdir $(wildcard benchmarks/*.py))))
 
-# Each benchmark prints its JSON and writes it under runs/bench/.
-bench: install
-	mkdir -p runs/bench
+# Runs every benchmark with the flags $(2), its JSON into $(1)/NAME.json (each also prints
+# it), and says how long each took (also in $(1)/wall_times.txt); then checks that the
+# JSON has the keys of the full runs' recorded in benchmarks/shapes.json.
+define run_benchmarks
+	mkdir -p $(1)
+	rm -f $(1)/wall_times.txt
 	for name in $(BENCHMARKS); do \
-		$(PY) benchmarks/$$name.py --output runs/bench/$$name.json || exit 1; \
+		start=$$(date +%s); \
+		$(PY) benchmarks/$$name.py $(2) --output $(1)/$$name.json || exit 1; \
+		echo "$$name: $$(( $$(date +%s) - start )) s" | tee -a $(1)/wall_times.txt; \
 	done
+	$(PY) tools/bench_shapes.py $(1)
+endef
+
+# The full measurements (an hour or more on 2 cores): MNIST where a copy is found
+# ($DISTTRAIN_DATA_DIR, ./data, ../shared/data), JSON under runs/bench/.
+bench: install
+	$(call run_benchmarks,runs/bench,)
+
+# Every benchmark's quick mode (smaller sizes, digits or synthetic data, under 10 minutes in
+# all): the same JSON keys as `make bench`, under runs/bench-quick/.
+bench-quick: install
+	$(call run_benchmarks,runs/bench-quick,--quick)
 
 # Style, and the import contracts of pyproject.toml (layers; strategies as peers).
 lint: install

@@ -74,8 +74,8 @@ def flags(parser) -> None:
     parser.add_argument("--faults", default="kill-worker,stop-worker,kill-server,kill-coordinator",
                         help=f"comma-separated kinds among {', '.join(KINDS)}")
     parser.add_argument("--max-faults", type=int, help="default: no limit (quick: 4)")
-    parser.add_argument("--work-dir", type=Path, default=REPO_ROOT / "runs" / "bench" / "chaos",
-                        help="the runs' logs and checkpoints (replaced each time)")
+    parser.add_argument("--work-dir", type=Path, help="the runs' logs and checkpoints, replaced each "
+                        "time (default: chaos/ beside --output, else runs/bench/chaos)")
 
 
 def resolve(args) -> None:
@@ -91,6 +91,8 @@ def resolve(args) -> None:
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.work_dir is None:  # `make bench-quick` keeps its runs apart from `make bench`'s
+        args.work_dir = (args.output.parent if args.output else REPO_ROOT / "runs" / "bench") / "chaos"
     args.kinds = [k for k in args.faults.split(",") if k]
     if not args.kinds or set(args.kinds) - set(KINDS):
         raise SystemExit(f"--faults {args.faults!r}: choose among {', '.join(KINDS)}")
@@ -195,8 +197,10 @@ class Chaos:
             os.kill(pid, signal.SIGKILL if action == "kill" else signal.SIGSTOP)
         except ProcessLookupError:
             return False  # it ended since the look: pick again at the next tick
+        # Every record has the same keys (null where they do not apply): the JSON's shape
+        # does not depend on which faults the dice chose (tools/bench_shapes.py).
         record = {"time_s": round(elapsed_s, 2), "kind": kind, "process": process, "pid": pid,
-                  "worker_step": steps, **({"resumed_by_benchmark": False} if action == "stop" else {})}
+                  "worker_step": steps, "resumed_by_benchmark": False if action == "stop" else None}
         if action == "stop":
             self._hung.append((time.monotonic() + self.hang_s, pid, record))
         self.faults.append(record)
@@ -248,8 +252,10 @@ def tails(run_dir: Path, num_lines: int = 25) -> dict[str, list[str]]:
     return {p.name: p.read_text(errors="replace").splitlines()[-num_lines:] for p in logs if p.is_file()}
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    return {"mean": round(statistics.mean(values), 3), "max": round(max(values), 3)} if values else {}
+def spread(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "max": None}
+    return {"mean": round(statistics.mean(values), 3), "max": round(max(values), 3)}
 
 
 def findings(chaos_run: dict, faults: list[dict]) -> list[str]:

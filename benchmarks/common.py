@@ -23,11 +23,15 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
                ) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--output", type=Path, help="write the JSON result here too")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per variant")
-    parser.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
+    parser.add_argument("--repeats", type=int, help="timed repetitions per variant (default 5; --quick: 1)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes and one repeat, the full run's "
+                        "JSON keys: minutes, for a look or a smoke test (make bench-quick)")
     if extra:
         extra(parser)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 5
+    return args
 
 
 def time_interleaved(variants: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:

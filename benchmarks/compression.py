@@ -58,10 +58,9 @@ CHECKS = {  # run -> (max share of dense bytes, max accuracy loss in points, aga
 
 
 def train(name: str, strategy: str, mode: str | None, compression: dict | None, folder: Path,
-          max_samples: int | None, seed: int = 42, optimizer: dict | None = None) -> dict:
+          limits: dict, seed: int = 42, optimizer: dict | None = None) -> dict:
     run_dir = folder / f"{name}-{seed}"
-    training = {"num_epochs": 1, "max_train_samples": max_samples, "log_interval": 20, "seed": seed,
-                **(optimizer or {})}
+    training = {"num_epochs": 1, "log_interval": 20, "seed": seed, **limits, **(optimizer or {})}
     config = make_config(run_dir, training=training, num_workers=2, aggregation_mode=mode or "sync")
     if compression:
         config = config.replace(compression={"enabled": True, **compression})
@@ -122,10 +121,10 @@ def coding_times(repeats: int) -> dict:
 
 
 def repeated(name: str, strategy: str, mode: str | None, compression: dict | None, folder: Path,
-             max_samples: int | None, seeds: list[int], optimizer: dict) -> dict:
+             limits: dict, seeds: list[int], optimizer: dict) -> dict:
     """The run once per seed (PS runs of the checks) or once (the rest), and their means."""
     seeds = seeds if strategy == "ps" else seeds[:1]
-    runs = [train(name, strategy, mode, compression, folder, max_samples, seed, optimizer) for seed in seeds]
+    runs = [train(name, strategy, mode, compression, folder, limits, seed, optimizer) for seed in seeds]
     return {"accuracy": statistics.mean(r["accuracy"] for r in runs),
             "bytes_share_of_dense": statistics.mean(r["bytes_share_of_dense"] for r in runs),
             "runs": runs}
@@ -142,12 +141,13 @@ def flags(parser) -> None:
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0], flags)
-    max_samples = 4096 if args.quick else None
+    # --quick: a slice of the data and one seed, for a look in minutes (the whole test set otherwise)
+    limits = {"max_train_samples": 4096, "max_test_samples": 1024} if args.quick else {}
     seeds = [int(s) for s in args.seeds.split(",")][:1 if args.quick else None]
     optimizer = {"optimizer": args.optimizer, "learning_rate": args.learning_rate, "momentum": 0.9}
     only = set(args.only.split(",")) if args.only else {name for name, *_ in RUNS}
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {name: repeated(name, strategy, mode, compression, Path(tmp), max_samples, seeds, optimizer)
+        runs = {name: repeated(name, strategy, mode, compression, Path(tmp), limits, seeds, optimizer)
                 for name, strategy, mode, compression in RUNS if name in only}
     checks = {}
     for name, (max_share, max_drop, against) in CHECKS.items():

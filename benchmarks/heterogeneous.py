@@ -126,8 +126,9 @@ def main() -> None:
             figures = results[f"{kind}_{plan}"]
             figures["vs_ideal"] = round(figures["samples_per_s"] / ideal, 3)
             figures["equal_processes_vs_twice_solo"] = efficiency
-            if efficiency:
-                figures["vs_ideal_at_that_efficiency"] = round(figures["vs_ideal"] / efficiency, 3)
+            # null where the run was too short to measure that efficiency (--quick on digits)
+            at_efficiency = round(figures["vs_ideal"] / efficiency, 3) if efficiency else None
+            figures["vs_ideal_at_that_efficiency"] = at_efficiency
     report("heterogeneous", {"data": " ".join(data), "epochs": epochs, "slow_factor": FACTOR,
                              "ideal_samples_per_s": round(ideal, 1), "runs": results,
                              "ratio": max(results["ddp_proportional"]["vs_ideal"],

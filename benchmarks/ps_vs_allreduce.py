@@ -6,8 +6,9 @@ server, wait for every worker's gradient to be averaged and applied, hold the ne
 parameters. Each worker steps in one round trip (Step), and, for comparison, with a
 push and a pull ("two_calls", how steps went before Step). Target, at 2 workers: PS step
 / all_reduce <= 2 for SimpleCNN (1.7 MB) and a 10 MB MLP, medians of 5 interleaved
-repeats. The sweep (skipped with --quick) adds MLPs of 40 and 160 MB and 1, 2 and 4
-workers, one repeat each, to show how the cost grows.
+repeats. The sweep adds MLPs of 40 and 160 MB and 1, 2 and 4 workers, one repeat each, to
+show how the cost grows. With --quick: one repeat of fewer steps, and a sweep of SimpleCNN
+at 1 and 2 workers.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ WARMUP_STEPS = 3
 TARGET_SIZES = {"simplecnn": None, "10mb": 10_495_320}
 SWEEP_SIZES = {"simplecnn": None, "10mb": 10_495_320, "40mb": 40_000_000, "160mb": 160_000_000}
 SWEEP_WORKERS = (1, 2, 4)
+QUICK_SWEEP_SIZES = {"simplecnn": None}
+QUICK_SWEEP_WORKERS = (1, 2)
 VARIANTS = ("one_round_trip", "two_calls")
 
 
@@ -149,10 +152,11 @@ def target(repeats: int, steps: int) -> dict:
     return out
 
 
-def sweep(steps: int) -> list[dict]:
+def sweep(steps: int, sizes: dict[str, int | None] = SWEEP_SIZES,
+          worker_counts: tuple[int, ...] = SWEEP_WORKERS) -> list[dict]:
     rows = []
-    for workers in SWEEP_WORKERS:
-        for name, nbytes in SWEEP_SIZES.items():
+    for workers in worker_counts:
+        for name, nbytes in sizes.items():
             row = measure_once(nbytes, workers, steps if nbytes is None or nbytes < 50e6 else 3,
                                variants=("one_round_trip",))
             ratio = row["one_round_trip"] / row["gloo"] if workers > 1 else None
@@ -178,9 +182,8 @@ def main() -> None:
         gloo_rank(args)
         exit_rank()
     steps = 10 if args.quick else 40
-    results = target(2 if args.quick else args.repeats, steps)
-    if not args.quick:
-        results["sweep"] = sweep(10)
+    results = target(args.repeats, steps)
+    results["sweep"] = sweep(3, QUICK_SWEEP_SIZES, QUICK_SWEEP_WORKERS) if args.quick else sweep(10)
     report("ps_vs_allreduce", {**results, "ratio": max(results[n]["ratio"] for n in TARGET_SIZES)},
            args.output, target="ratio <= 2 (PS sync step communication / gloo all_reduce, 2 workers)")
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real-data folder (skip when absent), a CLI runner, thread limits."""
+"""Shared fixtures: the real-data folder (skip when absent), a CLI runner, thread limits,
+the check of a benchmark's JSON keys."""
 
 from __future__ import annotations
 
@@ -52,3 +53,11 @@ def run_cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None,
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def assert_full_run_keys(folder: Path) -> None:
+    """The benchmark JSON in `folder` (a quick run's) has the keys of the full run's, at every
+    level, as recorded in benchmarks/shapes.json (tools/bench_shapes.py)."""
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_shapes.py"), str(folder)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,6 +1,7 @@
-"""Every quick benchmark of `make bench` runs to its JSON: a benchmark broken by a change
-to the code it drives fails here, not at the next measurement. (The load, chaos and
-compression benchmarks have their own tests or take minutes; they are left out.)"""
+"""Every quick benchmark of `make bench` runs to its JSON, with the keys of the full run's
+(benchmarks/shapes.json): a benchmark broken by a change to the code it drives fails here,
+not at the next measurement. (The load and chaos benchmarks have their own tests, which
+check the keys too; compression and slow_link take minutes; they are left out.)"""
 
 import json
 import subprocess
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import assert_full_run_keys
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -24,3 +26,4 @@ def test_the_benchmark_runs_in_quick_mode(tmp_path, name):
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(output.read_text())
     assert figures["benchmark"] == name and figures["environment"]["torch"]
+    assert_full_run_keys(tmp_path)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import assert_full_run_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,3 +33,4 @@ def test_quick_chaos_run_loses_no_sample(tmp_path):
     assert figures["accuracy_difference_points"] == pytest.approx(
         100 * (figures["chaos"]["final_accuracy"] - figures["fault_free"]["final_accuracy"]), abs=0.01)
     assert figures["time_ratio"] > 0
+    assert_full_run_keys(tmp_path)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import assert_full_run_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,3 +28,4 @@ def test_thirty_two_clients_get_only_the_expected_rejections(tmp_path):
         assert phase["expected_rejections"] == 4  # 4 of the 32 clients send one NaN push each
         assert phase["push_latency_p99_ms"] >= phase["push_latency_p50_ms"] > 0
     assert sync["exact"]["holds"] and figures["passed"]
+    assert_full_run_keys(tmp_path)
