@@ -113,21 +113,24 @@ def gradient_frames(header: pb.GradientMessage, plan: ShardPlan, data: memoryvie
     return encode_frames(header, GRADIENT_PAYLOAD_FIELD, meta, data, _chunk_bytes(data.nbytes))
 
 
-def parameter_frames(plan: ShardPlan, version: int, data: memoryview, incarnation: int = 0
-                     ) -> Iterator[bytes]:
-    """The wire messages of one pull answer, cut like a push's."""
+def parameter_frames(plan: ShardPlan, version: int, data: memoryview, incarnation: int = 0,
+                     buffers: tensor_pb2.TensorProto | None = None) -> Iterator[bytes]:
+    """The wire messages of one pull answer, cut like a push's; the shard's `buffers`
+    (see `wire.buffers`; None: it holds none) ride in the first."""
     chunk_bytes = _chunk_bytes(plan.nbytes)
     header = pb.ParameterMessage(version=version, shard=plan.shard, layout=slice_specs(plan),
-                                 incarnation=incarnation)
+                                 incarnation=incarnation, buffers=buffers)
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
     return encode_frames(header, PARAMETER_PAYLOAD_FIELD, meta, data, chunk_bytes)
 
 
-def parameter_notice(plan: ShardPlan, version: int, incarnation: int = 0) -> bytes:
-    """The one message of a pull answered through shared memory: no payload bytes."""
+def parameter_notice(plan: ShardPlan, version: int, incarnation: int = 0,
+                     buffers: tensor_pb2.TensorProto | None = None) -> bytes:
+    """The one message of a pull answered through shared memory: no payload bytes (the
+    shard's `buffers`, small, still travel in it)."""
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
     return pb.ParameterMessage(version=version, shard=plan.shard, payload=meta, shared_memory=True,
-                               incarnation=incarnation).SerializeToString()
+                               incarnation=incarnation, buffers=buffers).SerializeToString()
 
 
 def step_answer(push: pb.PushReply, parameters: bytes = b"") -> bytes:

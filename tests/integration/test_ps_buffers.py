@@ -1,0 +1,63 @@
+"""A model with buffers (BatchNorm) under the parameter server, from the CLI: real
+processes, real sockets.
+
+The buffer rule (README, "Buffers"): the servers hold the buffers; each push carries the
+change the worker's step made to them and the servers move them by the weighted sum of
+the changes they apply (sync: the sample-weighted mean of the workers' buffers). So a
+synchronous run of 2 workers ends with the parameters and buffers of one process that
+steps on both workers' batches together, BatchNorm normalising each worker's part on its
+own, as the workers do.
+"""
+
+import json
+
+import pytest
+import torch
+from ps_reference import per_worker_reference
+
+from disttrain.config import load_config
+from disttrain.core.checkpoint import latest_checkpoint, load_checkpoint
+from disttrain.data import ShardedSampler, load_datasets
+from disttrain.training.models import init_model
+
+BATCH = 16
+ARGS = ["--dataset", "digits", "--model", "mlp_bn", "--optimizer", "sgd", "--set", "training.momentum=0",
+        "--set", "training.mlp_hidden_size=32", "--set", "training.mlp_num_layers=2",
+        "--learning-rate", "0.1", "--batch-size", str(BATCH), "--max-train-samples", "96",
+        "--max-test-samples", "60", "--num-epochs", "1", "--workers", "2", "--servers", "2"]
+
+
+def worker_batches(config, train_set):
+    """Each step's batches of the 2 workers, in rank order."""
+    samplers = [ShardedSampler(len(train_set), world_size=2, rank=r, seed=config.training.seed)
+                for r in range(2)]
+    yield from (list(batches) for batches in zip(*(s.batches(BATCH) for s in samplers), strict=True))
+
+
+@pytest.mark.timeout(120)
+def test_sync_with_batch_norm_matches_one_process_and_keeps_the_buffer_rule(tmp_path, cli):
+    result = cli("ps", *ARGS, "--log-dir", tmp_path / "logs", "--checkpoint-dir", tmp_path / "ckpt",
+                 timeout=110)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["strategy"] == "ps-sync" and summary["steps"] == 3
+
+    config = load_config(tmp_path / "logs" / "config.yaml")
+    train_set, _ = load_datasets(config.training)
+    expected = per_worker_reference(config, train_set, worker_batches(config, train_set), "average")
+    final = load_checkpoint(tmp_path / "ckpt" / "parameter_server_final.pt")["model"]
+    initial = init_model(config.training).state_dict()
+    assert set(final) == set(expected) and any("running_mean" in name for name in final)
+    for name, want in expected.items():
+        torch.testing.assert_close(final[name], want, rtol=0, atol=1e-5, msg=name)
+        if "running" in name:  # the buffers moved: the rule was applied, not skipped
+            assert not torch.allclose(final[name], initial[name]), name
+    assert int(final["net.2.num_batches_tracked"]) == 3  # one per synchronous step
+    # the servers' newest checkpoints hold the same buffers (a restarted server resumes them)
+    held = {}
+    for shard in range(2):
+        state = load_checkpoint(latest_checkpoint(tmp_path / "ckpt" / f"server{shard}"))
+        assert state["version"] == 3
+        held[shard] = state["buffers"]
+    assert sum(b.numel() for b in held.values()) == sum(
+        t.numel() for name, t in final.items() if "running" in name or "num_batches" in name)
