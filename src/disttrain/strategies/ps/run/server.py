@@ -30,9 +30,8 @@ from disttrain.strategies.ps.server.aggregation import AggregationRules
 from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.server.shard import CheckpointPolicy, ShardState
 from disttrain.strategies.ps.server.validation import PushDecoder
-from disttrain.strategies.ps.wire.buffers import initial_buffers
 from disttrain.strategies.ps.wire.service import tune_allocator
-from disttrain.strategies.ps.wire.sharding import plan_shards
+from disttrain.strategies.ps.wire.sharding import initial_buffers, plan_shards
 from disttrain.training.engine import configure_threads
 from disttrain.training.models import init_model
 

@@ -45,7 +45,6 @@ from disttrain.strategies.ps.server.segments import WorkerSegments
 from disttrain.strategies.ps.server.update import GuardedUpdate, NonFiniteUpdate
 from disttrain.strategies.ps.server.validation import InvalidPush, PushDecoder
 from disttrain.strategies.ps.wire import service
-from disttrain.strategies.ps.wire.buffers import buffer_proto
 from disttrain.strategies.ps.wire.codec import Payload, tensor_bytes
 from disttrain.strategies.ps.wire.service import Snapshot
 from disttrain.strategies.ps.wire.sharding import ShardPlan
@@ -309,7 +308,7 @@ class ShardState:
 
     def _buffer_message(self):
         """The buffers as they travel in a parameter answer (None: the shard holds none)."""
-        return buffer_proto(self.buffers) if self.plan.buffers else None
+        return service.buffer_proto(self.buffers) if self.plan.buffers else None
 
     def buffer_values(self) -> torch.Tensor:
         """A copy of the current flat buffers (float64)."""

@@ -15,10 +15,9 @@ import torch
 from disttrain.compression import Compressor, InvalidPayload
 from disttrain.compression.schemes import magnitude_bound
 from disttrain.config import CompressionConfig
-from disttrain.strategies.ps.wire.buffers import read_buffers
 from disttrain.strategies.ps.wire.codec import Payload, decode_chunks, to_dtype
 from disttrain.strategies.ps.wire.payloads import shard_segments
-from disttrain.strategies.ps.wire.service import plan_layout
+from disttrain.strategies.ps.wire.service import plan_layout, read_buffers
 from disttrain.strategies.ps.wire.sharding import ShardPlan, TensorSlice
 
 

@@ -10,7 +10,7 @@ checks its plan against each server's layout at registration.
 A model's buffers (BatchNorm's running statistics and batch counter: every floating-point
 or integer tensor of its `state_dict` that is not a parameter) are placed whole, each on
 the shard holding the fewest bytes so far (parameters and buffers together), in the
-model's order; they travel beside the parameters as float64 (see `wire.buffers`). Buffers
+model's order; they travel beside the parameters as float64 (see `service.buffer_proto`). Buffers
 of other dtypes (bool, complex) stay each worker's own.
 """
 
@@ -215,3 +215,11 @@ def state_dict_from_flat(model: nn.Module, flat: torch.Tensor) -> dict[str, torc
         state[name] = flat[offset:offset + p.numel()].view_as(p).clone()
         offset += p.numel()
     return state
+
+
+def initial_buffers(model: nn.Module, plan: ShardPlan) -> torch.Tensor:
+    """The flat float64 values of `plan`'s buffers in `model` (a new tensor)."""
+    state = model.state_dict()
+    if not plan.buffers:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.cat([state[b.name].detach().reshape(-1).to(torch.float64) for b in plan.buffers])

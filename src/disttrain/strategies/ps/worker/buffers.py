@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from disttrain.proto import tensor_pb2
-from disttrain.strategies.ps.wire.buffers import buffer_proto
+from disttrain.strategies.ps.wire.service import buffer_proto
 from disttrain.strategies.ps.wire.sharding import ShardPlan
 from disttrain.strategies.ps.worker.shard_client import ShardClient
 

@@ -22,7 +22,6 @@ from disttrain.core.errors import DistributedError
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.wire import service
-from disttrain.strategies.ps.wire.buffers import read_buffers
 from disttrain.strategies.ps.wire.codec import Frame, Payload, copy_chunks, decode_chunks, decode_tensor
 from disttrain.strategies.ps.wire.sharding import ShardPlan
 from disttrain.strategies.ps.wire.shared_memory import SegmentPair, SharedMemoryUnavailable
@@ -291,7 +290,7 @@ class ShardClient:
                                    f"with {nbytes} bytes; expected version >= {min_version} "
                                    f"and {expected} bytes")
         try:
-            buffers = read_buffers(answer.header, plan, f"the answer of shard {plan.shard}")
+            buffers = service.read_buffers(answer.header, plan, f"the answer of shard {plan.shard}")
         except ValueError as e:
             raise DistributedError(str(e)) from e
         if segments is not None:
