@@ -18,6 +18,7 @@ from ps_reference import per_worker_reference
 from disttrain.config import load_config
 from disttrain.core.checkpoint import latest_checkpoint, load_checkpoint
 from disttrain.data import ShardedSampler, load_datasets
+from disttrain.training.evaluation import evaluate_model_file
 from disttrain.training.models import init_model
 
 BATCH = 16
@@ -61,3 +62,11 @@ def test_sync_with_batch_norm_matches_one_process_and_keeps_the_buffer_rule(tmp_
         held[shard] = state["buffers"]
     assert sum(b.numel() for b in held.values()) == sum(
         t.numel() for name, t in final.items() if "running" in name or "num_batches" in name)
+    # the workers evaluated the servers' model, buffers included (eval mode reads them)
+    evaluation = evaluate_model_file(tmp_path / "ckpt" / "parameter_server_final.pt", config.training)
+    assert summary["final_loss"] == pytest.approx(evaluation.loss, abs=1e-6)
+    assert summary["final_accuracy"] == evaluation.accuracy
+    # the launcher logged the shard plan: each shard's tensors, bytes and buffers
+    log = result.stderr + result.stdout + "".join(
+        f.read_text() for f in (tmp_path / "logs").glob("*.log"))
+    assert "shard 0/2: " in log and "buffer(s)" in log, log[-2000:]
