@@ -104,9 +104,12 @@ def model_tensors(model: nn.Module) -> list[tuple[str, tuple[int, ...], int]]:
     """(name, shape, numel) of every parameter, in the model's order.
 
     Raises:
-        ValueError: parameters of different dtypes (they could not share a flat buffer).
+        ValueError: no parameters, or parameters of different dtypes (they could not
+            share a flat buffer).
     """
     params = list(model.named_parameters())
+    if not params:
+        raise ValueError("the model has no parameters; the parameter server needs at least one")
     dtypes = {p.dtype for _, p in params}
     if len(dtypes) != 1:
         raise ValueError(f"the model's parameters mix dtypes {sorted(map(str, dtypes))}; the "
@@ -142,8 +145,6 @@ def plan_shards(model: nn.Module, num_shards: int) -> list[ShardPlan]:
         ValueError: more shards than parameter elements, or parameters of mixed dtypes.
     """
     tensors = model_tensors(model)
-    if not tensors:
-        raise ValueError("the model has no parameters; the parameter server needs at least one")
     dtype = dtype_name(next(model.parameters()).dtype)
     total = sum(numel for _, _, numel in tensors)
     if not 1 <= num_shards <= total:
