@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from disttrain.compression import Compressor
 from disttrain.config import config_from_dict
 from disttrain.core.errors import DistributedError
 from disttrain.metrics.window import StepTimer
@@ -19,6 +20,7 @@ from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.run.server import build_state
 from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.wire import service
+from disttrain.strategies.ps.wire.payloads import GradientEncoder
 from disttrain.strategies.ps.wire.sharding import flat_parameters, initial_buffers, plan_shards
 from disttrain.strategies.ps.worker.buffers import WorkerBuffers
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
@@ -31,8 +33,9 @@ pytestmark = pytest.mark.timeout(90)
 BATCH = 8
 
 
-def make_config(tmp_path, mode="sync", workers=1):
+def make_config(tmp_path, mode="sync", workers=1, compression=None):
     return config_from_dict({
+        "compression": compression or {},
         "training": {"dataset": "digits", "model_architecture": "mlp_bn", "optimizer": "sgd", "momentum": 0.0,
                      "learning_rate": 0.1, "mlp_hidden_size": 16, "mlp_num_layers": 2,
                      "checkpoint_interval": 1, "max_train_samples": 64},
@@ -50,8 +53,11 @@ class Worker:
                                RetryPolicy(timeout_s=10.0, max_attempts=2), transport)
         self.client.register(f"w{rank}", rank, key=bytes([65 + rank]) * 32)
         self.buffers = WorkerBuffers(self.model, self.client.plans, self.client.shards)
+        encoder = None
+        if config.compression.enabled:
+            encoder = GradientEncoder(Compressor.from_config(config.compression, rank), self.client.plans)
         self.exchange = make_exchange(config.ps.aggregation_mode, self.client, f"w{rank}", self.flat,
-                                      self.grads, config.ps.staleness, buffers=self.buffers)
+                                      self.grads, config.ps.staleness, encoder, buffers=self.buffers)
         self.exchange.start()
         self.rank = rank
         generator = torch.Generator().manual_seed(rank)
@@ -101,6 +107,23 @@ def test_async_moves_the_buffers_by_each_push_change_and_answers_them(tmp_path, 
     finally:
         for worker in workers:
             worker.close()
+        server.stop(0)
+
+
+@pytest.mark.parametrize("scheme", ["quantization", "topk"])
+def test_a_compressed_push_carries_its_buffers_raw(tmp_path, scheme):
+    config = make_config(tmp_path, compression={"enabled": True, "type": scheme, "ratio": 0.1})
+    state = build_state(config, 0, 1)
+    server = ShardServer(state, "127.0.0.1:0")
+    worker = Worker(config, server.address, 0, "grpc")
+    try:
+        start = state.buffer_values()
+        change = worker.step(1)
+        assert change.abs().sum() > 0 and state.version == 1
+        # one worker in sync mode: the shard's buffers are the worker's, exactly
+        torch.testing.assert_close(state.buffer_values(), start + change, rtol=0, atol=0)
+    finally:
+        worker.close()
         server.stop(0)
 
 

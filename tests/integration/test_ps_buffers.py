@@ -70,3 +70,24 @@ def test_sync_with_batch_norm_matches_one_process_and_keeps_the_buffer_rule(tmp_
     assert "shard plan: 2 shard(s)" in result.stderr
     for shard in range(2):
         assert f"shard {shard}/2: " in result.stderr and "3 buffer(s)" in result.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_and_ssp_add_each_applied_push_change(tmp_path, cli, mode):
+    result = cli("ps", *ARGS, "--aggregation-mode", mode, "--staleness", "1", "--log-dir", tmp_path / "logs",
+                 "--checkpoint-dir", tmp_path / "ckpt", timeout=110)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    config = load_config(tmp_path / "logs" / "config.yaml")
+    final = load_checkpoint(tmp_path / "ckpt" / "parameter_server_final.pt")["model"]
+    initial = init_model(config.training).state_dict()
+    # each applied push added its batch to the counter: 96 samples in batches of 16, once each
+    assert summary["samples_applied"] == 96
+    assert [int(final[f"net.{i}.num_batches_tracked"]) for i in (2, 5)] == [6, 6]
+    for name, value in final.items():
+        assert torch.isfinite(value.double()).all(), name
+        if "running" in name:
+            assert not torch.allclose(value, initial[name]), name
+    evaluation = evaluate_model_file(tmp_path / "ckpt" / "parameter_server_final.pt", config.training)
+    assert summary["final_loss"] == pytest.approx(evaluation.loss, abs=1e-6)
