@@ -18,6 +18,7 @@ from ps_reference import per_worker_reference
 from disttrain.config import load_config
 from disttrain.core.checkpoint import latest_checkpoint, load_checkpoint
 from disttrain.data import ShardedSampler, load_datasets
+from disttrain.strategies.ps.wire.sharding import plan_shards
 from disttrain.training.evaluation import evaluate_model_file
 from disttrain.training.models import init_model
 
@@ -91,3 +92,29 @@ def test_async_and_ssp_add_each_applied_push_change(tmp_path, cli, mode):
             assert not torch.allclose(value, initial[name]), name
     evaluation = evaluate_model_file(tmp_path / "ckpt" / "parameter_server_final.pt", config.training)
     assert summary["final_loss"] == pytest.approx(evaluation.loss, abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_killed_server_comes_back_with_its_buffers(tmp_path, cli):
+    args = ["--dataset", "digits", "--model", "mlp_bn", "--set", "training.mlp_hidden_size=32",
+            "--set", "training.mlp_num_layers=2", "--workers", "2", "--batch-size", "32",
+            "--max-train-samples", "640", "--max-test-samples", "100", "--num-epochs", "1",
+            "--checkpoint-interval", "3", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5",
+            "--inject", "kill:server=0:step=7"]
+    result = cli("ps", *args, "--log-dir", tmp_path / "logs", "--checkpoint-dir", tmp_path / "ckpt",
+                 timeout=220)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert [f["process"] for f in summary["failures"]] == ["server0"] and summary["samples_lost"] == 0
+    log = (tmp_path / "logs" / "server0.log").read_text()
+    assert "restored version" in log
+    config = load_config(tmp_path / "logs" / "config.yaml")
+    (plan,) = plan_shards(init_model(config.training), 1)
+    final = load_checkpoint(tmp_path / "ckpt" / "parameter_server_final.pt")["model"]
+    held = load_checkpoint(latest_checkpoint(tmp_path / "ckpt" / "server0"))["buffers"]
+    # the final model's buffers are the restarted server's, which went on from its checkpoint:
+    # its counter counts every step since the start, not since the restart
+    torch.testing.assert_close(torch.cat([final[b.name].double().reshape(-1) for b in plan.buffers]), held,
+                               rtol=0, atol=1e-6)
+    assert int(final["net.2.num_batches_tracked"]) == summary["shard_versions"][0] >= 10
