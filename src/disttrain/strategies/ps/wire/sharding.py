@@ -10,8 +10,8 @@ checks its plan against each server's layout at registration.
 A model's buffers (BatchNorm's running statistics and batch counter: every floating-point
 or integer tensor of its `state_dict` that is not a parameter) are placed whole, each on
 the shard holding the fewest bytes so far (parameters and buffers together), in the
-model's order; they travel beside the parameters as float64 (see `service.buffer_proto`). Buffers
-of other dtypes (bool, complex) stay each worker's own.
+model's order; they travel beside the parameters as float64 (`service.buffer_proto`).
+Buffers of other dtypes (bool, complex) stay each worker's own.
 """
 
 from __future__ import annotations

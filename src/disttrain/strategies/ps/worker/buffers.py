@@ -61,7 +61,10 @@ class WorkerBuffers:
             with torch.no_grad():
                 for tensor in tensors:
                     n = tensor.numel()
-                    tensor.copy_(received[offset:offset + n].view(tensor.shape).to(tensor.dtype))
+                    values = received[offset:offset + n].view(tensor.shape)
+                    if not tensor.is_floating_point():  # a weighted sum of counts: 2.9999... is 3
+                        values = values.round()
+                    tensor.copy_(values.to(tensor.dtype))
                     offset += n
             self._adopted[shard] = received
 
