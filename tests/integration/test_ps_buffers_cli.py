@@ -74,7 +74,7 @@ def test_sync_with_batch_norm_matches_one_process_and_keeps_the_buffer_rule(tmp_
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["async", "ssp"])
+@pytest.mark.parametrize("mode", ["async", pytest.param("ssp", marks=pytest.mark.slow)])
 def test_async_and_ssp_add_each_applied_push_change(tmp_path, cli, mode):
     result = cli("ps", *ARGS, "--aggregation-mode", mode, "--staleness", "1", "--log-dir", tmp_path / "logs",
                  "--checkpoint-dir", tmp_path / "ckpt", timeout=110)
