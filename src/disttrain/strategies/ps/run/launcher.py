@@ -94,7 +94,7 @@ def preflight(config: Config, options: RunOptions) -> None:
     try:
         plans = plan_shards(model, config.ps.num_servers)
     except ValueError as e:
-        raise ConfigError(f"ps.num_servers: {e}") from e
+        raise ConfigError(f"the parameter server cannot shard this model: {e}") from e
     log_plan(plans)
     folder = Path(config.system.checkpoint_dir)
     for name in [f"server{s}" for s in range(config.ps.num_servers)] + \
