@@ -1,21 +1,30 @@
-"""In-memory data sets: normalised float images and int64 labels, batched by index.
+"""The data sets `training.dataset` names, and what each is (`describe_dataset`).
 
-Every supported data set is small enough to hold in memory, so a batch is one indexed
-gather (`images[indices]`), with no loader processes to start or to shut down.
+The built-in image sets are small enough to hold in memory, so a batch is one indexed
+gather (`images[indices]`), with no loader processes to start or to shut down. Beside
+them: `text:FILE` (`data.text`), `image-folder:DIR` (`data.image_folder`) and a user's
+factory, `PATH.py:NAME`, `module:NAME` or an entry point of group `disttrain.datasets`,
+which returns `(train, test, description)`: two map-style data sets of `(input, target)`
+items and a `DatasetDescription` (or a dict of its fields).
 """
 
 from __future__ import annotations
 
+import functools
 import gzip
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from disttrain.config import TrainingConfig
-from disttrain.core.errors import DataError
-from disttrain.data import sources
+from disttrain.core.errors import ConfigError, DataError
+from disttrain.data import image_folder, plugins, sources, text
+from disttrain.data.description import DatasetDescription
+from disttrain.data.mapped import BatchedDataset, MappedDataset
 
 # Per-channel (mean, std) of the training images scaled to [0, 1].
 NORMALISATION = {
@@ -68,6 +77,10 @@ class ArrayDataset:
     @property
     def input_shape(self) -> tuple[int, int, int]:
         return tuple(self.images.shape[1:])
+
+    @property
+    def description(self) -> DatasetDescription:
+        return DatasetDescription.classification(self.input_shape, self.num_classes)
 
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.images[indices], self.labels[indices]
@@ -145,12 +158,83 @@ def digits() -> tuple[ArrayDataset, ArrayDataset]:
             ArrayDataset("digits", images[test_idx], labels[test_idx]))
 
 
-def load_datasets(training: TrainingConfig) -> tuple[ArrayDataset, ArrayDataset]:
+def is_builtin(name: str) -> bool:
+    """Whether `name` is one of the built-in image sets of the shape table."""
+    return name in INPUT_SHAPES
+
+
+def describe_dataset(training: TrainingConfig) -> DatasetDescription:
+    """The task and shapes of `training.dataset`, for building the model: from the table
+    for the built-in sets, from the spec for `text:`, from the folder's layout and first
+    image for `image-folder:`; a user's factory is called (once per process, cached).
+
+    Raises:
+        ConfigError: a plug-in that cannot be found or fails. DataError: bad data.
+    """
+    name = training.dataset
+    if is_builtin(name):
+        shape, num_classes = dataset_shape(name)
+        return DatasetDescription.classification(shape, num_classes)
+    if name.startswith(text.PREFIX):
+        return text.describe_text(training.seq_len)
+    if name.startswith(image_folder.PREFIX):
+        return image_folder.describe_image_folder(name)
+    return _plugin(name, _args_key(training.dataset_args))[2]
+
+
+def _args_key(args: Any) -> str:
+    return json.dumps(dict(args), sort_keys=True, default=str)
+
+
+@functools.cache
+def _plugin(spec: str, args_json: str) -> tuple[MappedDataset, MappedDataset, DatasetDescription]:
+    """Call a user's data-set factory with `training.dataset_args` and check what it returns.
+    Cached: a process asks for the description (to build the model) and then the data."""
+    key = "training.dataset"
+    factory = plugins.load_factory(spec, key, plugins.DATASET_GROUP)
+    returned = plugins.call_factory(factory, spec, key, **json.loads(args_json))
+    if not (isinstance(returned, tuple | list) and len(returned) == 3):
+        raise ConfigError(f"{key}: {spec} returned a {type(returned).__name__}; return a tuple "
+                          "(train, test, description)")
+    train, test, raw = returned
+    try:
+        description = DatasetDescription.coerce(raw, f"{key}: {spec}")
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    for split, data in (("train", train), ("test", test)):
+        if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+            raise ConfigError(f"{key}: {spec}'s {split} set is a {type(data).__name__}, not a map-style "
+                              "data set (it needs __len__ and __getitem__)")
+        if len(data) == 0:
+            raise ConfigError(f"{key}: {spec}'s {split} set is empty")
+        item = plugins.call_factory(data.__getitem__, f"{spec} ({split}[0])", key, 0)
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise ConfigError(f"{key}: {spec}'s {split}[0] is a {type(item).__name__}; each item must "
+                              "be a pair (input, target)")
+    return (MappedDataset(spec, train, description), MappedDataset(spec, test, description),
+            description)
+
+
+def load_datasets(training: TrainingConfig) -> tuple[BatchedDataset, BatchedDataset]:
     """Load the train and test splits named by `training.dataset`, with the sample limits.
 
     Raises:
         DataError: files are missing (and cannot be downloaded), truncated or malformed.
+        ConfigError: a plug-in that cannot be found or fails.
     """
+    name = training.dataset
+    if name.startswith(text.PREFIX):
+        train, test = text.load_text(name[len(text.PREFIX):], training.seq_len)
+    elif name.startswith(image_folder.PREFIX):
+        train, test = image_folder.load_image_folder(name)
+    elif not is_builtin(name):
+        train, test, _ = _plugin(name, _args_key(training.dataset_args))
+    else:
+        train, test = _load_builtin(training)
+    return train.subset(training.max_train_samples), test.subset(training.max_test_samples)
+
+
+def _load_builtin(training: TrainingConfig) -> tuple[ArrayDataset, ArrayDataset]:
     name = training.dataset
     expected_shape, _ = dataset_shape(name)  # an unknown name fails here, naming the known ones
     if name == "synthetic":
@@ -166,4 +250,4 @@ def load_datasets(training: TrainingConfig) -> tuple[ArrayDataset, ArrayDataset]
     for split in (train, test):
         if split.input_shape != expected_shape:
             raise DataError(f"{name} images are {split.input_shape}, expected {expected_shape}")
-    return train.subset(training.max_train_samples), test.subset(training.max_test_samples)
+    return train, test
