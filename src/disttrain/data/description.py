@@ -66,6 +66,8 @@ class DatasetDescription:
                              "seq_len, num_classes")
         fields = dict(value)
         task = fields.get("task", CLASSIFICATION)
+        if task not in TASKS:
+            raise ValueError(f"{where}: task {task!r} must be one of {', '.join(TASKS)}")
         try:
             if task == LANGUAGE_MODEL:
                 return cls.language_model(fields["vocab_size"], fields["seq_len"])

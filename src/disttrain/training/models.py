@@ -15,6 +15,7 @@ and sequence length, classes), and returns an `nn.Module`. What it returns is ch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -142,7 +143,7 @@ def _classification_shape(description: DatasetDescription, name: str) -> InputSh
     if description.task != "classification" or len(description.input_shape) != 3:
         raise ConfigError(f"{KEY}: {name} classifies images of (channels, height, width), but the data "
                           f"set is a {description.task} one of inputs {description.input_shape}; pick a "
-                          "model for it (e.g. gpt_small for text)")
+                          "model made for it (mlp for any classification input, gpt_small for text)")
     channels, height, width = description.input_shape
     return channels, height, width
 
@@ -173,10 +174,10 @@ class MLP(nn.Module):
     """Flatten, then `num_layers` hidden layers of `hidden_size` with ReLU. Its width sets
     how large the gradients are relative to the compute, which communication benchmarks need."""
 
-    def __init__(self, input_shape: InputShape, num_classes: int, hidden_size: int, num_layers: int):
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, hidden_size: int, num_layers: int):
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
-        width = input_shape[0] * input_shape[1] * input_shape[2]
+        width = math.prod(input_shape)
         for _ in range(num_layers):
             layers += [nn.Linear(width, hidden_size), nn.ReLU()]
             width = hidden_size
@@ -194,8 +195,11 @@ def _simplecnn(description: DatasetDescription, training: TrainingConfig, **args
 
 @register_model("mlp")
 def _mlp(description: DatasetDescription, training: TrainingConfig, **args: Any) -> nn.Module:
+    if description.task != "classification":
+        raise ConfigError(f"{KEY}: mlp classifies, but the data set is a {description.task} one; "
+                          "pick a model made for it (gpt_small for text)")
     args = {"hidden_size": training.mlp_hidden_size, "num_layers": training.mlp_num_layers, **args}
-    return MLP(_classification_shape(description, "mlp"), description.num_classes, **args)
+    return MLP(description.input_shape, description.num_classes, **args)
 
 
 @register_model("resnet18")
