@@ -29,7 +29,7 @@ from disttrain.report.files import read_json_file, write_file_atomic, write_json
 from disttrain.report.html import html_page
 from disttrain.report.plots import Plot, draw_plots
 from disttrain.report.runs import is_number, load_run
-from disttrain.report.table import LEGEND, markdown_table, ranking_lines, text_table
+from disttrain.report.table import LEGEND, language_models, markdown_table, ranking_lines, text_table
 
 COMPARISON_FILE = "comparison.json"
 REPORT_JSON, REPORT_MARKDOWN, REPORT_HTML = "report.json", "report.md", "report.html"
@@ -66,6 +66,8 @@ def render_comparison(folder: str | Path) -> RenderedReport:
     thresholds = comparison["thresholds"]
     rows = [run_row(entry, load_run(folder / entry["log_dir"]) if entry["status"] == OK else None,
                     thresholds) for entry in comparison["runs"]]
+    if language_models(rows):  # no accuracy to reach: the time-to-accuracy columns go
+        thresholds = []
     base = add_speedups(rows)
     ranked = rankings(rows, thresholds)
     plots = draw_plots(rows, folder / PLOTS_FOLDER)
