@@ -194,3 +194,59 @@ def test_mlp_takes_any_classification_input(plugin):
     model = init_model(TrainingConfig(model_architecture="mlp", dataset=f"{plugin}:data",
                                       mlp_hidden_size=4, mlp_num_layers=1))
     assert model(torch.zeros(3, 8)).shape == (3, 2)
+
+
+def torchvision_or_skip():
+    """torchvision, or a skip with the reason: not installed (the `vision` extra), or a build
+    that does not import against this torch."""
+    try:
+        import torchvision
+    except ModuleNotFoundError:
+        pytest.skip("torchvision is not installed (the `vision` extra)")
+    except Exception as e:  # a build for another torch: its operators fail to register
+        pytest.skip(f"torchvision does not import against this torch ({type(e).__name__}: {e})")
+    return torchvision
+
+
+def test_a_torchvision_model_gets_the_classes_and_the_small_image_stem():
+    torchvision_or_skip()
+    from disttrain.training.models import build_for
+    gray = DatasetDescription.classification((1, 32, 32), 7)
+    model = build_for("torchvision:resnet18", gray, TrainingConfig())
+    assert model.conv1.kernel_size == (3, 3) and model.conv1.in_channels == 1
+    assert isinstance(model.maxpool, torch.nn.Identity)
+    assert model(torch.zeros(2, 1, 32, 32)).shape == (2, 7)
+    with pytest.raises(ConfigError, match="torchvision has no model 'resnet7'"):
+        build_for("torchvision:resnet7", DatasetDescription.classification((3, 32, 32), 7), TrainingConfig())
+
+
+def test_the_torchvision_adaptation_on_a_stand_in_zoo(monkeypatch):
+    """The zoo's models built for the data set (classes, small-image stem, channels), with a
+    stand-in for torchvision.models where torchvision cannot be imported here."""
+    import types
+
+    from disttrain.training.vision import torchvision_model
+
+    class ImagenetLike(torch.nn.Module):
+        def __init__(self, num_classes):
+            super().__init__()
+            self.conv1 = torch.nn.Conv2d(3, 4, 7, stride=2, padding=3, bias=False)
+            self.maxpool = torch.nn.MaxPool2d(3, stride=2, padding=1)
+            self.fc = torch.nn.Linear(4, num_classes)
+
+    models = types.SimpleNamespace(list_models=lambda: ["imagenet_like", "resnet18"],
+                                   get_model=lambda name, weights, num_classes: ImagenetLike(num_classes))
+    package = types.ModuleType("torchvision")
+    package.models = models
+    monkeypatch.setitem(sys.modules, "torchvision", package)
+    monkeypatch.setitem(sys.modules, "torchvision.models", models)
+    small = torchvision_model("imagenet_like", DatasetDescription.classification((1, 32, 32), 5), {})
+    assert small.conv1.kernel_size == (3, 3) and small.conv1.in_channels == 1 and small.fc.out_features == 5
+    assert isinstance(small.maxpool, torch.nn.Identity)
+    large = torchvision_model("imagenet_like", DatasetDescription.classification((1, 224, 224), 5), {})
+    assert large.conv1.kernel_size == (7, 7) and large.conv1.in_channels == 1
+    assert isinstance(large.maxpool, torch.nn.MaxPool2d)
+    with pytest.raises(ConfigError, match="torchvision has no model 'vgg1'"):
+        torchvision_model("vgg1", DatasetDescription.classification((3, 32, 32), 5), {})
+    with pytest.raises(ConfigError, match="classifies images, but the data set is a language-model"):
+        torchvision_model("resnet18", DatasetDescription.language_model(256, 8), {})

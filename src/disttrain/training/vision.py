@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from disttrain.core.errors import ConfigError
@@ -29,9 +30,14 @@ def torchvision_model(name: str, description: DatasetDescription, args: dict[str
     """
     try:
         import torchvision.models
-    except ImportError as e:
+    except ModuleNotFoundError as e:
         raise ConfigError(f"{KEY}: torchvision:{name} needs torchvision; install the extra: "
                           "pip install 'disttrain[vision]'") from e
+    except Exception as e:  # e.g. a CUDA build's operators against a CPU torch
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"{KEY}: torchvision is installed but cannot be imported ({type(e).__name__}: "
+                          f"{first}); install the torchvision built for torch {torch.__version__}, from "
+                          "the index torch came from") from e
     available = torchvision.models.list_models()
     if name not in available:
         raise ConfigError(f"{KEY}: torchvision has no model {name!r}; use one of "
