@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from disttrain.config import TrainingConfig
-from disttrain.core.errors import DataError
+from disttrain.core.errors import ConfigError, DataError
 from disttrain.data import LANGUAGE_MODEL, DatasetDescription, describe_dataset, load_datasets
 from tests.plugin_files import write_text
 
@@ -81,3 +81,22 @@ def test_images_of_different_sizes_are_a_clear_error(tmp_path):
         load_datasets(TrainingConfig(dataset=f"image-folder:{tmp_path / 'a'}"))
     with pytest.raises(DataError, match="has no class sub-folders"):
         load_datasets(TrainingConfig(dataset=f"image-folder:{tmp_path / 'b'}"))
+
+
+def test_synthetic_sets_of_the_shipped_workloads_shapes():
+    cifar = TrainingConfig(dataset="synthetic:3x32x32", num_samples=40)
+    assert describe_dataset(cifar) == DatasetDescription.classification((3, 32, 32), 10)
+    train, test = load_datasets(cifar)
+    assert len(train) == 40 and len(test) == 10 and train.batch(torch.arange(4))[0].shape == (4, 3, 32, 32)
+    tokens = TrainingConfig(dataset="synthetic:text", num_samples=30, seq_len=8)
+    assert describe_dataset(tokens) == DatasetDescription.language_model(256, 8)
+    train, test = load_datasets(tokens)
+    inputs, targets = train.batch(torch.arange(30))
+    assert len(test) == 3 and inputs.shape == (30, 8) and torch.equal(inputs[:, 1:], targets[:, :-1])
+    again, _ = load_datasets(tokens)
+    assert torch.equal(again.batch(torch.arange(30))[0], inputs)  # the same stream in every process
+    # Each byte has a few successors only: a model can learn it (perplexity 256 -> about 4).
+    pairs = {(int(a), int(b)) for a, b in zip(inputs.flatten(), targets.flatten(), strict=True)}
+    assert len(pairs) <= 4 * len({a for a, _ in pairs})
+    with pytest.raises(ConfigError, match="must be synthetic:CxHxW"):
+        describe_dataset(TrainingConfig(dataset="synthetic:32x32"))

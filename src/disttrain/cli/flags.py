@@ -29,8 +29,8 @@ CONFIG_HELP = ("YAML or JSON config file, or the name of a shipped config (`dist
 # flag -> (config key, type, help)
 COMMON_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--dataset": ("training.dataset", str, "mnist, fashion_mnist, cifar10, digits, synthetic, "
-                  "text:FILE, image-folder:DIR, PATH.py:FACTORY, module:FACTORY or an entry point "
-                  "of disttrain.datasets"),
+                  "synthetic:CxHxW, synthetic:text, text:FILE, image-folder:DIR, PATH.py:FACTORY, "
+                  "module:FACTORY or an entry point of disttrain.datasets"),
     "--data-dir": ("training.data_dir", str, "folder holding <dataset>/ files (downloaded if absent)"),
     "--num-epochs": ("training.num_epochs", int, "epochs to train"),
     "--batch-size": ("training.batch_size", int, "samples per step, per worker or rank"),
@@ -40,10 +40,10 @@ COMMON_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model": ("training.model_architecture", str, "simplecnn, mlp, resnet18, gpt_small, "
                 "torchvision:NAME, PATH.py:FACTORY, module:FACTORY or an entry point of "
                 "disttrain.models (its keyword arguments: --set training.model_args={...})"),
-    "--seq-len": ("training.seq_len", int, "tokens per sample of text:FILE"),
+    "--seq-len": ("training.seq_len", int, "tokens per sample of text:FILE and synthetic:text"),
     "--max-train-samples": ("training.max_train_samples", int, "train on a fixed subset"),
     "--max-test-samples": ("training.max_test_samples", int, "evaluate on a fixed subset"),
-    "--num-samples": ("training.num_samples", int, "size of the synthetic data set"),
+    "--num-samples": ("training.num_samples", int, "size of a synthetic data set"),
     FLAGS.checkpoint_dir: ("system.checkpoint_dir", str, "where checkpoints go"),
     FLAGS.log_dir: ("system.log_dir", str, "where metrics, TensorBoard events, summary go"),
     "--checkpoint-interval": ("training.checkpoint_interval", int, "checkpoint every N steps"),

@@ -74,9 +74,9 @@ def _is_dataset(name: str) -> bool:
     return any(ep.name == name for ep in importlib.metadata.entry_points(group="disttrain.datasets"))
 
 
-DATASET_RULE = _rule(_is_dataset, "must be one of " + ", ".join(DATASETS) + ", text:FILE, "
-                     "image-folder:DIR, PATH.py:FACTORY, module:FACTORY or a disttrain.datasets "
-                     "entry point's name")
+DATASET_RULE = _rule(_is_dataset, "must be one of " + ", ".join(DATASETS) + ", synthetic:CxHxW, "
+                     "synthetic:text, text:FILE, image-folder:DIR, PATH.py:FACTORY, module:FACTORY or "
+                     "a disttrain.datasets entry point's name")
 OPTIONAL_POSITIVE = _rule(lambda v: v is None or v > 0, "must be a positive integer or null (all)")
 
 

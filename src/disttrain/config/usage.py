@@ -121,14 +121,14 @@ RULES: tuple[Rule, ...] = (
         lambda c: f"only the mlp model reads it (training.model_architecture is "
                   f"{c.training.model_architecture})")),
     Rule("training.num_samples", _when(
-        lambda c, s: c.training.dataset != "synthetic",
+        lambda c, s: c.training.dataset.partition(":")[0] != "synthetic",
         lambda c: f"it sizes the synthetic data set (training.dataset is {c.training.dataset})")),
     Rule("training.seq_len", _when(
-        lambda c, s: not c.training.dataset.startswith("text:"),
+        lambda c, s: not c.training.dataset.startswith("text:") and c.training.dataset != "synthetic:text",
         lambda c: f"it cuts text:FILE into windows (training.dataset is {c.training.dataset})")),
     Rule("training.dataset_args", _when(
         lambda c, s: (c.training.dataset in DATASETS
-                      or c.training.dataset.startswith(("text:", "image-folder:"))),
+                      or c.training.dataset.startswith(("text:", "image-folder:", "synthetic:"))),
         lambda c: f"only a data-set factory takes them (training.dataset is {c.training.dataset})")),
     Rule("training.data_dir", _when(
         lambda c, s: c.training.dataset not in ("mnist", "fashion_mnist", "cifar10"),

@@ -2,7 +2,8 @@
 
 The built-in image sets are small enough to hold in memory, so a batch is one indexed
 gather (`images[indices]`), with no loader processes to start or to shut down. Beside
-them: `text:FILE` (`data.text`), `image-folder:DIR` (`data.image_folder`) and a user's
+them: `text:FILE` (`data.text`), `image-folder:DIR` (`data.image_folder`), the synthetic
+sets of any image shape (`synthetic:3x32x32`) and of tokens (`synthetic:text`), and a user's
 factory, `PATH.py:NAME`, `module:NAME` or an entry point of group `disttrain.datasets`,
 which returns `(train, test, description)`: two map-style data sets of `(input, target)`
 items and a `DatasetDescription` (or a dict of its fields).
@@ -38,6 +39,8 @@ DIGITS_TEST_FRACTION = 0.2
 DIGITS_FILE = Path(__file__).with_name("digits.csv.gz")
 DIGITS_SAMPLES = 1797
 NUM_CLASSES = 10  # every supported data set has ten classes
+SYNTHETIC_PREFIX = "synthetic:"
+SYNTHETIC_TEXT = "synthetic:text"  # tokens shaped as text:FILE's, for language-model benchmarks
 # (channels, height, width) of each data set's images: the one table of shapes, so a
 # model can be built from the config alone, without loading any data.
 INPUT_SHAPES: dict[str, tuple[int, int, int]] = {
@@ -112,18 +115,36 @@ def _from_arrays(name: str, arrays: dict[str, np.ndarray]) -> tuple[ArrayDataset
     )
 
 
-def synthetic(num_samples: int) -> tuple[ArrayDataset, ArrayDataset]:
+def synthetic(num_samples: int, shape: tuple[int, ...] = INPUT_SHAPES["synthetic"],
+              name: str = "synthetic") -> tuple[ArrayDataset, ArrayDataset]:
     """A deterministic, learnable, image-shaped data set: ten fixed random prototypes plus
     noise. The test split (a fifth of `num_samples`, at least 10) uses the same prototypes."""
     gen = torch.Generator().manual_seed(SYNTHETIC_SEED)
-    prototypes = torch.randn((10, *INPUT_SHAPES["synthetic"]), generator=gen)
+    prototypes = torch.randn((10, *shape), generator=gen)
 
     def draw(count: int) -> ArrayDataset:
         labels = torch.randint(0, 10, (count,), generator=gen)
-        noise = torch.randn((count, *INPUT_SHAPES["synthetic"]), generator=gen)
-        return ArrayDataset("synthetic", (prototypes[labels] + 1.5 * noise).contiguous(), labels)
+        noise = torch.randn((count, *shape), generator=gen)
+        return ArrayDataset(name, (prototypes[labels] + 1.5 * noise).contiguous(), labels)
 
     return draw(num_samples), draw(max(num_samples // 5, 10))
+
+
+def synthetic_shape(name: str) -> tuple[int, int, int] | None:
+    """The image shape of `synthetic:CxHxW` (e.g. synthetic:3x32x32, a CIFAR-shaped set for
+    benchmarks); None for any other name.
+
+    Raises:
+        ConfigError: a `synthetic:` spec that is neither `text` nor CxHxW.
+    """
+    if not name.startswith(SYNTHETIC_PREFIX) or name == SYNTHETIC_TEXT:
+        return None
+    parts = name[len(SYNTHETIC_PREFIX):].split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ConfigError(f"training.dataset: {name!r} must be synthetic:CxHxW (e.g. synthetic:3x32x32) "
+                          f"or {SYNTHETIC_TEXT}")
+    channels, height, width = (int(p) for p in parts)
+    return channels, height, width
 
 
 def digits() -> tuple[ArrayDataset, ArrayDataset]:
@@ -175,8 +196,10 @@ def describe_dataset(training: TrainingConfig) -> DatasetDescription:
     if is_builtin(name):
         shape, num_classes = dataset_shape(name)
         return DatasetDescription.classification(shape, num_classes)
-    if name.startswith(text.PREFIX):
+    if name.startswith(text.PREFIX) or name == SYNTHETIC_TEXT:
         return text.describe_text(training.seq_len)
+    if synthetic_shape(name) is not None:
+        return DatasetDescription.classification(synthetic_shape(name), NUM_CLASSES)
     if name.startswith(image_folder.PREFIX):
         return image_folder.describe_image_folder(name)
     return _plugin(name, _args_key(training.dataset_args))[2]
@@ -225,6 +248,10 @@ def load_datasets(training: TrainingConfig) -> tuple[BatchedDataset, BatchedData
     name = training.dataset
     if name.startswith(text.PREFIX):
         train, test = text.load_text(name[len(text.PREFIX):], training.seq_len)
+    elif name == SYNTHETIC_TEXT:
+        train, test = text.synthetic_text(training.num_samples, training.seq_len)
+    elif synthetic_shape(name) is not None:
+        train, test = synthetic(training.num_samples, synthetic_shape(name), name)
     elif name.startswith(image_folder.PREFIX):
         train, test = image_folder.load_image_folder(name)
     elif not is_builtin(name):

@@ -88,3 +88,26 @@ def load_text(path: str, seq_len: int) -> tuple[TextWindows, TextWindows]:
     name = f"{PREFIX}{file.name}"
     return (TextWindows(name, tokens, starts[:-num_test], seq_len),
             TextWindows(name, tokens, starts[-num_test:], seq_len))
+
+
+SYNTHETIC_SEED = 4321
+SYNTHETIC_SUCCESSORS = 4  # each byte is followed by one of 4 bytes: learnable, not trivial
+
+
+def synthetic_text(num_samples: int, seq_len: int) -> tuple[TextWindows, TextWindows]:
+    """`synthetic:text`: `num_samples` training windows (and a tenth as many, at least one,
+    for the test) of a deterministic byte stream in which each byte is followed by one of
+    a few fixed successors: shaped as `text:FILE`'s, for benchmarks, with a perplexity a
+    model can bring from 256 towards `SYNTHETIC_SUCCESSORS`."""
+    gen = torch.Generator().manual_seed(SYNTHETIC_SEED)
+    successors = torch.randint(0, VOCAB_SIZE, (VOCAB_SIZE, SYNTHETIC_SUCCESSORS), generator=gen)
+    num_test = max(1, num_samples // 10)
+    length = (num_samples + num_test) * seq_len + 1
+    choices = torch.randint(0, SYNTHETIC_SUCCESSORS, (length,), generator=gen).tolist()
+    table, walk = successors.tolist(), [0]
+    for choice in choices[1:]:  # a walk: each byte picks its successor (plain ints: fast)
+        walk.append(table[walk[-1]][choice])
+    tokens = torch.tensor(walk, dtype=torch.int64)
+    starts = torch.arange(num_samples + num_test) * seq_len
+    return (TextWindows("synthetic:text", tokens, starts[:num_samples], seq_len),
+            TextWindows("synthetic:text", tokens, starts[num_samples:], seq_len))
