@@ -56,6 +56,10 @@ def integer_parameters(description):
     return module
 
 
+def mixed_dtypes(description):
+    return nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2).double())
+
+
 def empty_data():
     return Vectors(0, 0), Vectors(4, 1), {"task": "classification", "input_shape": [8], "num_classes": 2}
 

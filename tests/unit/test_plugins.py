@@ -109,6 +109,7 @@ MODEL_ERRORS = {
     "no trainable parameters": ("{plugin}:frozen", "returned a model with no trainable parameters"),
     "integer parameters": ("{plugin}:integer_parameters", "parameter 'steps' is torch.int64, not "
                            "floating point"),
+    "mixed dtypes": ("{plugin}:mixed_dtypes", "parameters mix float32, float64; give them one dtype"),
     "unknown name": ("transformer", "'transformer' is not a registered model; use one of gpt_small, mlp"),
     "bad model_args": ("simplecnn", "simplecnn raised TypeError"),
 }
@@ -250,3 +251,10 @@ def test_the_torchvision_adaptation_on_a_stand_in_zoo(monkeypatch):
         torchvision_model("vgg1", DatasetDescription.classification((3, 32, 32), 5), {})
     with pytest.raises(ConfigError, match="classifies images, but the data set is a language-model"):
         torchvision_model("resnet18", DatasetDescription.language_model(256, 8), {})
+
+
+def test_dataset_args_reach_the_data_set_factory(plugin):
+    train, _ = load_datasets(training(plugin, dataset_args={"num_train": 40}))
+    assert len(train) == 40
+    with pytest.raises(ConfigError, match="raised TypeError: .*unexpected keyword argument 'size'"):
+        load_datasets(training(plugin, dataset_args={"size": 3}))

@@ -105,7 +105,8 @@ def checked_model(model: Any, name: str) -> nn.Module:
 
     Raises:
         ConfigError: not an `nn.Module`; no parameter with requires_grad; a parameter
-            that is not floating point (gradients and the wire need floats).
+            that is not floating point (gradients and the wire need floats); parameters of
+            several dtypes.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{KEY}: {name} returned a {type(model).__name__}, not a torch.nn.Module; "
@@ -118,6 +119,10 @@ def checked_model(model: Any, name: str) -> nn.Module:
         if not parameter.is_floating_point():
             raise ConfigError(f"{KEY}: {name}'s parameter {parameter_name!r} is {parameter.dtype}, not "
                               "floating point; keep integer state in buffers (register_buffer)")
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    if len(dtypes) > 1:  # the parameter server keeps every parameter in one flat buffer
+        raise ConfigError(f"{KEY}: {name}'s parameters mix {', '.join(dtypes)}; give them one dtype "
+                          "(e.g. return model.float())")
     return model
 
 
