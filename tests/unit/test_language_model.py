@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from disttrain.config import TrainingConfig, config_from_dict
 from disttrain.data import DatasetDescription, load_datasets
+from disttrain.metrics.hparams import metric_values
 from disttrain.metrics.summary import RunSummary
 from disttrain.metrics.window import MetricsWindow
 from disttrain.training.engine import EvalResult, evaluate, forward_backward, task_loss, train_step
@@ -73,6 +74,7 @@ def test_a_language_models_window_and_summary_report_perplexity():
     assert summary.to_dict()["task"] == "language-model"
     lines = summary.lines()
     assert "Final Perplexity: 4.482" in lines and not any("Accuracy" in line for line in lines)
+    assert metric_values(summary)["hparam/final_perplexity"] == pytest.approx(math.exp(1.5))
 
 
 def test_gpt_small_is_causal_and_about_ten_million_parameters():
