@@ -121,14 +121,17 @@ def test_gpt_small_on_a_text_file_reports_perplexity(tmp_path, cli):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(180)
 def test_compare_on_a_text_file_shows_perplexity(tmp_path, cli):
     text = write_text(tmp_path)
     result = cli("compare", "--model", "gpt_small", "--dataset", f"text:{text}", "--seq-len", "16",
-                 "--set", TINY_GPT, *SMALL, "--workers", "2", "--strategies", "baseline,ddp",
-                 "--output-dir", tmp_path / "cmp", timeout=140)
+                 "--set", TINY_GPT, *SMALL, "--workers", "2", "--strategies", "baseline,ps-sync,ddp",
+                 "--output-dir", tmp_path / "cmp", timeout=170)
     assert result.returncode == 0, result.stderr
     header = next(line for line in result.stdout.splitlines() if line.startswith("run "))
     assert header.split()[:3] == ["run", "status", "ppl"] and "t90%" not in header
     report = json.loads((tmp_path / "cmp" / "report.json").read_text())
     assert all(run["final_perplexity"] > 1 for run in report["runs"]) and report["thresholds"] == []
+    # Sync PS and DDP apply the mean gradient of the same global batches: the same model.
+    perplexity = {run["name"]: run["final_perplexity"] for run in report["runs"]}
+    assert perplexity["ps-sync"] == pytest.approx(perplexity["ddp"], rel=1e-5)
