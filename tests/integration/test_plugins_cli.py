@@ -75,6 +75,7 @@ def test_an_installed_packages_entry_points_are_found_by_name(tmp_path, cli):
     assert summary_of(tmp_path, "run")["samples_processed"] == 192
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_users_model_and_data_train_on_two_parameter_server_shards(tmp_path, cli):
     result = cli("ps", "--config", user_config(tmp_path), *SMALL, "--workers", "2", "--servers", "2",
