@@ -117,7 +117,7 @@ RULES: tuple[Rule, ...] = (
         lambda c, s: c.training.optimizer != "sgd",
         lambda c: f"only sgd takes momentum (training.optimizer is {c.training.optimizer})")),
     Rule("training.mlp_*", _when(
-        lambda c, s: c.training.model_architecture != "mlp",
+        lambda c, s: c.training.model_architecture not in ("mlp", "mlp_bn"),
         lambda c: f"only the mlp model reads it (training.model_architecture is "
                   f"{c.training.model_architecture})")),
     Rule("training.num_samples", _when(

@@ -176,15 +176,19 @@ class SimpleCNN(nn.Module):
 
 
 class MLP(nn.Module):
-    """Flatten, then `num_layers` hidden layers of `hidden_size` with ReLU. Its width sets
-    how large the gradients are relative to the compute, which communication benchmarks need."""
+    """Flatten, then `num_layers` hidden layers of `hidden_size` with ReLU (with
+    `batch_norm`, BatchNorm after each hidden layer's linear map: a small model with
+    buffers). Its width sets how large the gradients are relative to the compute, which
+    communication benchmarks need."""
 
-    def __init__(self, input_shape: tuple[int, ...], num_classes: int, hidden_size: int, num_layers: int):
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, hidden_size: int, num_layers: int,
+                 batch_norm: bool = False):
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
         width = math.prod(input_shape)
         for _ in range(num_layers):
-            layers += [nn.Linear(width, hidden_size), nn.ReLU()]
+            layers += [nn.Linear(width, hidden_size), *([nn.BatchNorm1d(hidden_size)] if batch_norm else []),
+                       nn.ReLU()]
             width = hidden_size
         layers.append(nn.Linear(width, num_classes))
         self.net = nn.Sequential(*layers)
@@ -200,8 +204,18 @@ def _simplecnn(description: DatasetDescription, training: TrainingConfig, **args
 
 @register_model("mlp")
 def _mlp(description: DatasetDescription, training: TrainingConfig, **args: Any) -> nn.Module:
+    return _mlp_of(description, training, "mlp", args)
+
+
+@register_model("mlp_bn")
+def _mlp_bn(description: DatasetDescription, training: TrainingConfig, **args: Any) -> nn.Module:
+    return _mlp_of(description, training, "mlp_bn", {"batch_norm": True, **args})
+
+
+def _mlp_of(description: DatasetDescription, training: TrainingConfig, name: str,
+            args: dict[str, Any]) -> nn.Module:
     if description.task != "classification":
-        raise ConfigError(f"{KEY}: mlp classifies, but the data set is a {description.task} one; "
+        raise ConfigError(f"{KEY}: {name} classifies, but the data set is a {description.task} one; "
                           "pick a model made for it (gpt_small for text)")
     args = {"hidden_size": training.mlp_hidden_size, "num_layers": training.mlp_num_layers, **args}
     return MLP(description.input_shape, description.num_classes, **args)
