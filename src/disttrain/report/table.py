@@ -10,12 +10,19 @@ from disttrain.metrics.time_to_accuracy import threshold_key
 from disttrain.report.figures import OK
 
 # Legend of the abbreviated headers, printed under the table.
-LEGEND = ("tNN%: training-clock time to NN% test accuracy (- not reached); ppl: test perplexity, "
-          "exp(mean token loss), of a language model, in place of its accuracy; total: wall time; "
+LEGEND = ("tNN%: training-clock time to NN% test accuracy (- not reached); total: wall time; "
           "speed-up: samples/s over the baseline's; eff: speed-up per worker; "
           "B/step: bytes on the wire per step per worker (PS: gradients sent + parameters received; DDP: "
           "gradients all-reduced); compr: compression ratio; "
           "fail: failures recovered from")
+
+
+LANGUAGE_MODEL_LEGEND = "ppl: test perplexity, exp(mean token loss), in place of a classifier's accuracy; "
+
+
+def legend(rows: Sequence[dict[str, Any]]) -> str:
+    """The legend of the table of `rows` (a language models' table's says what ppl is)."""
+    return LANGUAGE_MODEL_LEGEND + LEGEND if language_models(rows) else LEGEND
 
 
 def language_models(rows: Sequence[dict[str, Any]]) -> bool:
@@ -62,7 +69,7 @@ def text_table(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> s
         padded = [cell.ljust(width) if i < 2 else cell.rjust(width)
                   for i, (cell, width) in enumerate(zip(line, widths, strict=True))]
         lines.append("  ".join(padded).rstrip())
-    return "\n".join(lines + ["", *wrap(LEGEND, 110)])
+    return "\n".join(lines + ["", *wrap(legend(rows), 110)])
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> str:
