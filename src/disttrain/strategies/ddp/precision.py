@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from disttrain.core.errors import ConfigError
-from disttrain.training.engine import StepResult, forward_backward
+from disttrain.training.engine import StepResult, count_correct, forward_backward, task_loss
 
 
 @dataclass(frozen=True)
@@ -82,11 +81,11 @@ class Precision:
         model.train()
         with self.autocast():
             logits = model(inputs)
-            loss = F.cross_entropy(logits.float(), targets)
+            loss = task_loss(logits, targets)
         weighted = loss * loss_scale
         (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
         with torch.no_grad():
-            correct = int((logits.argmax(dim=1) == targets).sum())
+            correct = count_correct(logits, targets)
         return StepResult(float(loss.detach()), correct, len(targets))
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
