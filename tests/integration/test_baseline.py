@@ -45,12 +45,20 @@ def test_run_writes_metrics_events_checkpoints_and_summary(tmp_path, cli):
     assert f"Test Accuracy: {summary['final_accuracy'] * 100:.2f}%" in evaluated.stdout
 
 
+# Warm-up then cosine decay over the run, AdamW with weight decay, clipping: the schedule's
+# count travels in the checkpoint, so the resumed run goes on along the same curve.
+FEATURES = ["--optimizer", "adamw", "--weight-decay", "0.1", "--learning-rate", "0.01",
+            "--lr-schedule", "cosine", "--warmup-steps", "8", "--lr-decay-steps", "46",
+            "--lr-min", "0.001", "--clip-grad-norm", "0.5"]
+
+
 @pytest.mark.timeout(180)
-def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, cli):
-    whole = cli("baseline", *FAST, *dirs(tmp_path, "whole"))
+@pytest.mark.parametrize("features", [[], FEATURES], ids=["constant", "schedule-adamw-clipping"])
+def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, cli, features):
+    whole = cli("baseline", *FAST, *features, *dirs(tmp_path, "whole"))
     assert whole.returncode == 0, whole.stderr
 
-    killed = cli("baseline", *FAST, *dirs(tmp_path, "cut"), "--inject", "kill:worker=0:step=13")
+    killed = cli("baseline", *FAST, *features, *dirs(tmp_path, "cut"), "--inject", "kill:worker=0:step=13")
     assert killed.returncode == -signal.SIGKILL
     newest = ckpt.latest_checkpoint(tmp_path / "cut" / "ckpt")
     assert newest.name == "checkpoint_step00000010.pt"
@@ -65,7 +73,10 @@ def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, cli):
     assert len(consumed) == 10 * 64
     combined = torch.cat([consumed, remaining])
     assert torch.equal(combined, sampler.shard()) and len(combined.unique()) == len(sampler)
-    resumed = cli("baseline", *FAST, *dirs(tmp_path, "cut"), "--resume")
+    if features:
+        assert state["schedule"] == {"num_steps": 10}
+        assert state["optimizer"]["param_groups"][0]["lr"] < 0.01  # mid-curve, not the initial rate
+    resumed = cli("baseline", *FAST, *features, *dirs(tmp_path, "cut"), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stderr
 

@@ -27,7 +27,9 @@ STRATEGY_OF_ARCHITECTURE = {"baseline": "baseline", "parameter_server": "ps", "d
 ARCHITECTURES = tuple(STRATEGY_OF_ARCHITECTURE)
 AGGREGATION_MODES = ("sync", "async", "ssp")
 COMPRESSION_TYPES = ("quantization", "topk", "fp16", "bf16", "powersgd")
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCHEDULES = ("constant", "step", "cosine", "linear")
+PRECISIONS = ("none", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl")
 LR_SCALINGS = ("none", "linear")
 MIXED_PRECISIONS = ("none", "bf16", "fp16")
@@ -87,6 +89,30 @@ class TrainingConfig:
     log_interval: int = field(default=10, metadata=POSITIVE)
     mlp_hidden_size: int = field(default=256, metadata=POSITIVE)
     mlp_num_layers: int = field(default=2, metadata=POSITIVE)
+    # -- training features: learning-rate schedule, clipping, precision, loader workers --
+    # The rate by optimizer step: constant, step (x lr_gamma every lr_step_size steps), or
+    # cosine / linear decay to lr_min at step lr_decay_steps; any of them after
+    # warmup_steps of linear warm-up. On the parameter server a step is one global batch.
+    lr_schedule: str = field(default="constant", metadata=_choice(LR_SCHEDULES))
+    warmup_steps: int = field(default=0, metadata=NON_NEGATIVE)
+    lr_decay_steps: int = field(default=0, metadata=NON_NEGATIVE)
+    lr_min: float = field(default=0.0, metadata=NON_NEGATIVE)
+    lr_step_size: int = field(default=1000, metadata=POSITIVE)
+    lr_gamma: float = field(default=0.1, metadata=_rule(lambda v: 0 < v <= 1, "must be in (0, 1]"))
+    # Scale the applied gradient down to this global L2 norm when above it (0: off).
+    clip_grad_norm: float = field(default=0.0, metadata=NON_NEGATIVE)
+
+    def cross_problems(self, name: Callable[[str], str]) -> list[str]:
+        """Problems between keys; `name(key)` is the key as the user spelled it."""
+        problems = []
+        if self.lr_schedule in ("cosine", "linear") and self.lr_decay_steps <= self.warmup_steps:
+            problems.append(f"{name('lr_decay_steps')}: {self.lr_decay_steps} must be greater than "
+                            f"{name('warmup_steps')} ({self.warmup_steps}): the {self.lr_schedule} "
+                            "schedule decays until that step (set it to the run's total steps)")
+        if self.lr_min > self.learning_rate:
+            problems.append(f"{name('lr_min')}: {self.lr_min} must be at most "
+                            f"{name('learning_rate')} ({self.learning_rate})")
+        return problems
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,13 @@ from disttrain.training.engine import (
     build_optimizer,
     configure_threads,
     evaluate,
-    train_step,
+    forward_backward,
 )
 from disttrain.training.loop import LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
 from disttrain.training.seeding import seed_training
+from disttrain.training.stepping import OptimizerStep
 from disttrain.training.strategy import StepInfo
 
 # The face of a strategy of one module, as a package's __init__ is the face of the others.
@@ -47,7 +48,7 @@ class BaselineParticipant:
 
     strategy = "baseline"
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, model: torch.nn.Module, optimizer: OptimizerStep,
                  train_set: ArrayDataset, test_set: ArrayDataset, eval_batch_size: int):
         self.model = model
         self.optimizer = optimizer
@@ -61,17 +62,20 @@ class BaselineParticipant:
     def step(self, batches: list[torch.Tensor], info: StepInfo) -> StepResult:
         (indices,) = batches
         inputs, targets = self.train_set.batch(indices)
-        return train_step(self.model, self.optimizer, inputs, targets)
+        self.optimizer.optimizer.zero_grad(set_to_none=True)
+        result = forward_backward(self.model, inputs, targets)
+        self.optimizer.step()
+        return result
 
     def evaluate(self, epoch: int) -> EvalResult:
         return evaluate(self.model, self.test_set, self.eval_batch_size)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {"model": self.model.state_dict(), **self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(state)
 
 
 class Baseline:
@@ -90,7 +94,7 @@ class Baseline:
         train_set, test_set = load_datasets(training)
         model = init_model(training)
         seed_training(training.seed, rank=0)
-        optimizer = build_optimizer(model.parameters(), training)
+        optimizer = OptimizerStep(build_optimizer(model.parameters(), training), training)
         participant = BaselineParticipant(model, optimizer, train_set, test_set, training.eval_batch_size)
         sampler = ShardedSampler(len(train_set), seed=training.seed)
         checkpoint_dir, log_dir = Path(system.checkpoint_dir), Path(system.log_dir)
