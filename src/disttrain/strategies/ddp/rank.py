@@ -45,6 +45,7 @@ from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
 from disttrain.training.rebalance import plan_summary
 from disttrain.training.seeding import seed_training, training_seed
+from disttrain.training.stepping import OptimizerStep
 from disttrain.training.strategy import StepInfo
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,9 @@ class RankParticipant:
         self.optimizer = build_optimizer(self.module.parameters(), training, self.learning_rate)
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
         self.precision = Precision(plan_precision(ddp.mixed_precision, device.type, bf16), device)
+        # Clipping and the schedule act on the averaged gradient: `step` runs after the
+        # last backward, whose all-reduce (and compression hook) has finished by then.
+        self.stepper = OptimizerStep(self.optimizer, training, self.precision.scaler)
         self.model = wrap_model(self.module, ddp, runtime)
         self.comm = CommStats()
         self.compression = compression_hook(compression, training.seed, self.module, runtime.info.rank)
@@ -132,7 +136,7 @@ class RankParticipant:
                                                          weight * len(indices) / total)
             loss_sum += result.loss * result.num_samples
             correct += result.num_correct
-        self.precision.step(self.optimizer)
+        self.stepper.step()
         comm = self.comm.drain()
         scalars = {"time/comm_blocked_s": comm.blocked_s, "time/comm_overlapped_s": comm.overlapped_s,
                    "comm/bytes_allreduced": comm.num_bytes}
@@ -147,7 +151,7 @@ class RankParticipant:
 
     def state_dict(self) -> dict[str, Any]:
         state = {"world_size": self.runtime.info.world_size, "model": self.module.state_dict(),
-                 "optimizer": self.optimizer.state_dict(), "grad_scaler": self.precision.state_dict()}
+                 **self.stepper.state_dict(), "grad_scaler": self.precision.state_dict()}
         if self.compression is not None:  # this rank's; the store gathers every rank's
             state["compression"] = self.compression.state_dict()
         return state
@@ -155,7 +159,7 @@ class RankParticipant:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Raises ValueError when the checkpoint's compression does not match the run's."""
         self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.stepper.load_state_dict(state)
         self.precision.load_state_dict(state["grad_scaler"])
         if self.compression is not None:
             if "compression" not in state:
