@@ -269,13 +269,20 @@ SINGLE_PROCESS = {
 }
 
 
+# The training features, the same in every strategy: warm-up then linear decay, AdamW with
+# weight decay on the weights only, clipping of the applied gradient by its global norm.
+FEATURES = ("--optimizer", "adamw", "--weight-decay", 0.05, "--lr-schedule", "linear", "--warmup-steps", 5,
+            "--lr-decay-steps", 40, "--lr-min", 1e-4, "--clip-grad-norm", 0.5)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("optimizer", [("--optimizer", "adam"), ("--optimizer", "sgd"), FEATURES],
+                         ids=["adam", "sgd", "adamw-schedule-clipping"])
 def test_one_process_of_every_strategy_trains_the_same_model(tmp_path, optimizer):
     models, steps = {}, {}
     for name, (args, final) in SINGLE_PROCESS.items():
         log_dir, checkpoint_dir = tmp_path / name / "logs", tmp_path / name / "ckpt"
-        result = run_cli(*args, *SEEDING, "--optimizer", optimizer, "--log-dir", log_dir,
+        result = run_cli(*args, *SEEDING, *optimizer, "--log-dir", log_dir,
                          "--checkpoint-dir", checkpoint_dir, timeout=200)
         assert result.returncode == 0, (name, result.stderr[-3000:])
         models[name] = load_checkpoint(checkpoint_dir / final)["model"]
