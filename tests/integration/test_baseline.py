@@ -45,15 +45,16 @@ def test_run_writes_metrics_events_checkpoints_and_summary(tmp_path, cli):
     assert f"Test Accuracy: {summary['final_accuracy'] * 100:.2f}%" in evaluated.stdout
 
 
-# Warm-up then cosine decay over the run, AdamW with weight decay, clipping: the schedule's
-# count travels in the checkpoint, so the resumed run goes on along the same curve.
+# Warm-up then cosine decay over the run, AdamW with weight decay, clipping, bf16 autocast:
+# the schedule's count travels in the checkpoint, so the resumed run goes on along the same
+# curve, and bf16 on the CPU is as deterministic as float32.
 FEATURES = ["--optimizer", "adamw", "--weight-decay", "0.1", "--learning-rate", "0.01",
             "--lr-schedule", "cosine", "--warmup-steps", "8", "--lr-decay-steps", "46",
-            "--lr-min", "0.001", "--clip-grad-norm", "0.5"]
+            "--lr-min", "0.001", "--clip-grad-norm", "0.5", "--precision", "bf16"]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("features", [[], FEATURES], ids=["constant", "schedule-adamw-clipping"])
+@pytest.mark.parametrize("features", [[], FEATURES], ids=["constant", "schedule-adamw-clipping-bf16"])
 def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, cli, features):
     whole = cli("baseline", *FAST, *features, *dirs(tmp_path, "whole"))
     assert whole.returncode == 0, whole.stderr

@@ -32,7 +32,6 @@ LR_SCHEDULES = ("constant", "step", "cosine", "linear")
 PRECISIONS = ("none", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl")
 LR_SCALINGS = ("none", "linear")
-MIXED_PRECISIONS = ("none", "bf16", "fp16")
 # auto: shared memory between processes of one machine, gRPC bytes between machines.
 PAYLOAD_TRANSPORTS = ("auto", "grpc", "shared_memory")
 # none: equal batches; proportional: batches in proportion to each process's measured
@@ -101,6 +100,9 @@ class TrainingConfig:
     lr_gamma: float = field(default=0.1, metadata=_rule(lambda v: 0 < v <= 1, "must be in (0, 1]"))
     # Scale the applied gradient down to this global L2 norm when above it (0: off).
     clip_grad_norm: float = field(default=0.0, metadata=NON_NEGATIVE)
+    # Mixed precision of the forward pass: bf16 autocast (CPU or CUDA), fp16 (CUDA, with
+    # loss scaling; not under the parameter server), or none. Earlier: ddp.mixed_precision.
+    precision: str = field(default="none", metadata=_choice(PRECISIONS))
 
     def cross_problems(self, name: Callable[[str], str]) -> list[str]:
         """Problems between keys; `name(key)` is the key as the user spelled it."""
@@ -203,7 +205,6 @@ class DDPConfig:
     static_graph: bool = False
     grad_accumulation_steps: int = field(default=1, metadata=POSITIVE)
     lr_scaling: str = field(default="none", metadata=_choice(LR_SCALINGS))
-    mixed_precision: str = field(default="none", metadata=_choice(MIXED_PRECISIONS))
     max_restarts: int = field(default=0, metadata=NON_NEGATIVE)
     timeout_s: float = field(default=300.0, metadata=POSITIVE)
     rdzv_endpoint: str = ""

@@ -31,6 +31,7 @@ from disttrain.training.engine import (
 from disttrain.training.loop import LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
+from disttrain.training.precision import Precision, PrecisionPlan, plan_precision
 from disttrain.training.seeding import seed_training
 from disttrain.training.stepping import OptimizerStep
 from disttrain.training.strategy import StepInfo
@@ -49,9 +50,11 @@ class BaselineParticipant:
     strategy = "baseline"
 
     def __init__(self, model: torch.nn.Module, optimizer: OptimizerStep,
-                 train_set: ArrayDataset, test_set: ArrayDataset, eval_batch_size: int):
+                 train_set: ArrayDataset, test_set: ArrayDataset, eval_batch_size: int,
+                 precision: Precision | None = None):
         self.model = model
         self.optimizer = optimizer
+        self.precision = precision
         self.train_set = train_set
         self.test_set = test_set
         self.eval_batch_size = eval_batch_size
@@ -63,7 +66,7 @@ class BaselineParticipant:
         (indices,) = batches
         inputs, targets = self.train_set.batch(indices)
         self.optimizer.optimizer.zero_grad(set_to_none=True)
-        result = forward_backward(self.model, inputs, targets)
+        result = forward_backward(self.model, inputs, targets, precision=self.precision)
         self.optimizer.step()
         return result
 
@@ -76,6 +79,12 @@ class BaselineParticipant:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state)
+
+
+def baseline_precision(mode: str) -> PrecisionPlan:
+    """The baseline computes on the CPU: bf16 autocast, no fp16 (its loss scaling is
+    CUDA's). Raises ConfigError for fp16."""
+    return plan_precision(mode, "cpu")
 
 
 class Baseline:
@@ -94,8 +103,10 @@ class Baseline:
         train_set, test_set = load_datasets(training)
         model = init_model(training)
         seed_training(training.seed, rank=0)
+        precision = Precision(baseline_precision(training.precision))
         optimizer = OptimizerStep(build_optimizer(model.parameters(), training), training)
-        participant = BaselineParticipant(model, optimizer, train_set, test_set, training.eval_batch_size)
+        participant = BaselineParticipant(model, optimizer, train_set, test_set, training.eval_batch_size,
+                                          precision)
         sampler = ShardedSampler(len(train_set), seed=training.seed)
         checkpoint_dir, log_dir = Path(system.checkpoint_dir), Path(system.log_dir)
         loop = TrainingLoop(LoopSettings.of(config.training, config.to_dict()), participant, sampler,

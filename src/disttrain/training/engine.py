@@ -7,6 +7,7 @@ strategy does with gradients (nothing, all-reduce, push to servers), then the op
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import nn
 from disttrain.config import TrainingConfig
 from disttrain.core.processes import thread_count
 from disttrain.data import ArrayDataset
+from disttrain.training.precision import Precision
 from disttrain.training.schedule import remember_initial_rates
 
 
@@ -91,16 +93,20 @@ class StepResult:
 
 
 def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                     loss_scale: float = 1.0) -> StepResult:
+                     loss_scale: float = 1.0, precision: Precision | None = None) -> StepResult:
     """Forward, loss (mean cross-entropy), backward: gradients accumulate into `.grad`.
 
     Args:
         loss_scale: multiplies the loss before backward (1/k for k accumulated micro-batches).
+        precision: mixed precision: the forward pass under its autocast, the loss in float32
+            outside it, fp16's loss scaled before backward (None: full precision).
     """
     model.train()
-    logits = model(inputs)
+    with precision.autocast() if precision is not None else nullcontext():
+        logits = model(inputs).float()  # a no-op in float32; the loss never in half precision
     loss = F.cross_entropy(logits, targets)
-    (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+    weighted = loss * loss_scale if loss_scale != 1.0 else loss
+    (precision.scale(weighted) if precision is not None else weighted).backward()
     with torch.no_grad():
         correct = int((logits.argmax(dim=1) == targets).sum())
     return StepResult(float(loss.detach()), correct, len(targets))

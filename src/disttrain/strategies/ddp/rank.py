@@ -35,14 +35,14 @@ from disttrain.strategies.ddp import runtime as rt
 from disttrain.strategies.ddp.balance import balance_sampler
 from disttrain.strategies.ddp.comm_hooks import CommStats, register_comm_hook
 from disttrain.strategies.ddp.heartbeats import LoopProgress, coordinator_link
-from disttrain.strategies.ddp.precision import Precision, plan_precision
 from disttrain.strategies.ddp.reduce import all_reduce_values, evaluate_sharded
 from disttrain.strategies.ddp.store import RankZeroCheckpoints
 from disttrain.training.checkpoints import Position
-from disttrain.training.engine import EvalResult, StepResult, build_optimizer
+from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward
 from disttrain.training.loop import LoopResult, LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
+from disttrain.training.precision import Precision, plan_precision
 from disttrain.training.rebalance import plan_summary
 from disttrain.training.seeding import seed_training, training_seed
 from disttrain.training.stepping import OptimizerStep
@@ -99,7 +99,7 @@ class RankParticipant:
                                                   runtime.info.world_size)
         self.optimizer = build_optimizer(self.module.parameters(), training, self.learning_rate)
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        self.precision = Precision(plan_precision(ddp.mixed_precision, device.type, bf16), device)
+        self.precision = Precision(plan_precision(training.precision, device.type, bf16), device)
         # Clipping and the schedule act on the averaged gradient: `step` runs after the
         # last backward, whose all-reduce (and compression hook) has finished by then.
         self.stepper = OptimizerStep(self.optimizer, training, self.precision.scaler)
@@ -132,8 +132,8 @@ class RankParticipant:
             inputs, targets = self.train_set.batch(indices)
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             with nullcontext() if i == len(batches) - 1 else self.model.no_sync():
-                result = self.precision.forward_backward(self.model, inputs, targets,
-                                                         weight * len(indices) / total)
+                result = forward_backward(self.model, inputs, targets, weight * len(indices) / total,
+                                          self.precision)
             loss_sum += result.loss * result.num_samples
             correct += result.num_correct
         self.stepper.step()

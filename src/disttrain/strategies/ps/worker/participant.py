@@ -27,6 +27,7 @@ from disttrain.strategies.ps.worker.blocks import Sampler, block_id, block_indic
 from disttrain.strategies.ps.worker.client import PSClient
 from disttrain.strategies.ps.worker.exchange import Block, Exchange
 from disttrain.training.engine import EvalResult, StepResult, eval_slice, evaluate, forward_backward
+from disttrain.training.precision import Precision
 from disttrain.training.strategy import StepInfo
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class WorkerParticipant:
     progress: NodeProgress = field(default_factory=lambda: NodeProgress(0, 0, 0, 0.0))
     _last_exit: float | None = None
     samples_redone: int = 0
+    precision: Precision | None = None  # bf16 autocast of the forward pass (None: float32)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -104,7 +106,7 @@ class WorkerParticipant:
 
         def compute() -> StepResult:
             self.grads.zero_()
-            return forward_backward(self.model, inputs, targets)
+            return forward_backward(self.model, inputs, targets, precision=self.precision)
 
         return compute
 
