@@ -80,9 +80,10 @@ def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 # The training features ride along: warm-up then cosine decay, AdamW, clipping of the
-# decompressed, averaged gradient; the schedule's step count is in the checkpoint.
+# decompressed, averaged gradient (the schedule's step count is in the checkpoint), and
+# batches loaded by a worker process per rank.
 FEATURES = ["--optimizer", "adamw", "--weight-decay", 0.05, "--lr-schedule", "cosine", "--warmup-steps", 4,
-            "--lr-decay-steps", 16, "--lr-min", 1e-4, "--clip-grad-norm", 0.5]
+            "--lr-decay-steps", 16, "--lr-min", 1e-4, "--clip-grad-norm", 0.5, "--loader-workers", 1]
 
 
 @pytest.mark.timeout(240)

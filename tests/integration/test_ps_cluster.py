@@ -100,9 +100,11 @@ FEATURES = ["--optimizer", "adamw", "--weight-decay", "0.1", "--learning-rate", 
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("servers, clip", [(1, "0.3"), (2, "0")], ids=["one-server-clipped", "two-servers"])
-def test_sync_with_warmup_adamw_and_clipping_matches_one_process(tmp_path, cli, servers, clip):
+@pytest.mark.parametrize("servers, clip, loader", [(1, "0.3", "1"), (2, "0", "0")],
+                         ids=["one-server-clipped-loader-workers", "two-servers"])
+def test_sync_with_warmup_adamw_and_clipping_matches_one_process(tmp_path, cli, servers, clip, loader):
     result = cli("ps", "--workers", "2", "--servers", str(servers), *EXACT_ARGS, *FEATURES,
+                 "--loader-workers", loader,
                  "--max-train-samples", "192",
                  "--clip-grad-norm", clip, "--log-dir", tmp_path / "logs", "--checkpoint-dir",
                  tmp_path / "ckpt", timeout=110)

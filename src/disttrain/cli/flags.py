@@ -46,6 +46,8 @@ COMMON_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--lr-min": ("training.lr_min", float, "cosine/linear: the rate's floor"),
     "--precision": ("training.precision", str, "mixed precision: bf16 (autocast, CPU or CUDA), fp16 "
                     "(CUDA, loss scaling; not under the parameter server) or none"),
+    "--loader-workers": ("training.loader_workers", int, "processes loading training batches ahead "
+                         "(0: the training process loads them)"),
     "--clip-grad-norm": ("training.clip_grad_norm", float, "clip the applied gradient to this global "
                          "L2 norm (0: off)"),
     "--seed": ("training.seed", int, "seed of model init and data order"),

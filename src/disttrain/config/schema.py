@@ -103,6 +103,9 @@ class TrainingConfig:
     # Mixed precision of the forward pass: bf16 autocast (CPU or CUDA), fp16 (CUDA, with
     # loss scaling; not under the parameter server), or none. Earlier: ddp.mixed_precision.
     precision: str = field(default="none", metadata=_choice(PRECISIONS))
+    # Processes that load training batches ahead of the steps (0: the training process
+    # loads each batch itself); pinned memory on CUDA. The order and resume are the sampler's.
+    loader_workers: int = field(default=0, metadata=NON_NEGATIVE)
 
     def cross_problems(self, name: Callable[[str], str]) -> list[str]:
         """Problems between keys; `name(key)` is the key as the user spelled it."""

@@ -28,6 +28,7 @@ from disttrain.training.engine import (
     evaluate,
     forward_backward,
 )
+from disttrain.training.loading import BatchSource, prefetch
 from disttrain.training.loop import LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
@@ -50,7 +51,7 @@ class BaselineParticipant:
     strategy = "baseline"
 
     def __init__(self, model: torch.nn.Module, optimizer: OptimizerStep,
-                 train_set: ArrayDataset, test_set: ArrayDataset, eval_batch_size: int,
+                 train_set: BatchSource, test_set: ArrayDataset, eval_batch_size: int,
                  precision: Precision | None = None):
         self.model = model
         self.optimizer = optimizer
@@ -105,15 +106,16 @@ class Baseline:
         seed_training(training.seed, rank=0)
         precision = Precision(baseline_precision(training.precision))
         optimizer = OptimizerStep(build_optimizer(model.parameters(), training), training)
-        participant = BaselineParticipant(model, optimizer, train_set, test_set, training.eval_batch_size,
-                                          precision)
+        loader = prefetch(train_set, training.loader_workers)
+        participant = BaselineParticipant(model, optimizer, loader or train_set, test_set,
+                                          training.eval_batch_size, precision)
         sampler = ShardedSampler(len(train_set), seed=training.seed)
         checkpoint_dir, log_dir = Path(system.checkpoint_dir), Path(system.log_dir)
         loop = TrainingLoop(LoopSettings.of(config.training, config.to_dict()), participant, sampler,
                             LocalCheckpoints(checkpoint_dir, system.checkpoint_keep), log_dir / self.name,
                             FaultInjector(options.faults, "worker", 0),
                             lambda total, done: Progress(total, "train", initial=done),
-                            config_path=log_dir / "config.yaml")
+                            config_path=log_dir / "config.yaml", loader=loader)
         result = loop.run(options.resume)
         ckpt.save_final_model(checkpoint_dir / FINAL_MODEL, model.state_dict(), config)
         summary = RunSummary.create(

@@ -39,6 +39,7 @@ from disttrain.strategies.ddp.reduce import all_reduce_values, evaluate_sharded
 from disttrain.strategies.ddp.store import RankZeroCheckpoints
 from disttrain.training.checkpoints import Position
 from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward
+from disttrain.training.loading import BatchSource, prefetch
 from disttrain.training.loop import LoopResult, LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
@@ -86,7 +87,7 @@ class RankParticipant:
     strategy = "ddp"
 
     def __init__(self, training: TrainingConfig, ddp: DDPConfig, compression: CompressionConfig,
-                 runtime: rt.Runtime, data: tuple[ArrayDataset, ArrayDataset],
+                 runtime: rt.Runtime, data: tuple[BatchSource, ArrayDataset],
                  sampler: ShardedSampler | PlannedSampler | None = None):
         device = runtime.device
         self.runtime = runtime
@@ -199,8 +200,9 @@ def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: fl
     faults = FaultInjector(options.faults, "rank", info.rank, info.restart_count)
     sampler, rebalancer = balance_sampler(system, training, runtime, train_set, faults)
     progress.rebalancer = rebalancer  # its balance state goes into the heartbeats
-    participant = RankParticipant(training, config.ddp, config.compression, runtime, (train_set, test_set),
-                                  sampler)
+    loader = prefetch(train_set, training.loader_workers, runtime.device.type)
+    participant = RankParticipant(training, config.ddp, config.compression, runtime,
+                                  (loader or train_set, test_set), sampler)
     log_dir = Path(system.log_dir)
     loop = TrainingLoop(
         LoopSettings.of(training, config.to_dict(), config.ddp.grad_accumulation_steps), participant,
@@ -208,7 +210,8 @@ def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: fl
         log_dir / f"rank{info.rank}", faults,
         lambda total, done: Progress(total, "train", initial=done, enabled=info.is_main),
         announce=info.is_main, config_path=log_dir / "config.yaml" if info.is_main else None,
-        rebalancer=rebalancer, on_metrics=progress.metrics.publish, position=progress.position)
+        rebalancer=rebalancer, on_metrics=progress.metrics.publish, position=progress.position,
+        loader=loader)
     result = loop.run(options.resume or info.restart_count > 0)
     return finish(config, runtime, participant, result, started)
 

@@ -27,6 +27,7 @@ from disttrain.strategies.ps.worker.blocks import Sampler, block_id, block_indic
 from disttrain.strategies.ps.worker.client import PSClient
 from disttrain.strategies.ps.worker.exchange import Block, Exchange
 from disttrain.training.engine import EvalResult, StepResult, eval_slice, evaluate, forward_backward
+from disttrain.training.loading import BatchSource
 from disttrain.training.precision import Precision
 from disttrain.training.strategy import StepInfo
 
@@ -44,7 +45,7 @@ class WorkerParticipant:
     world_size: int
     model: torch.nn.Module
     grads: torch.Tensor  # the flat gradient buffer the model's .grad views point into
-    train_set: ArrayDataset
+    train_set: BatchSource  # the training set, or its batches loaded by worker processes
     test_set: ArrayDataset
     eval_batch_size: int
     sampler: Sampler
