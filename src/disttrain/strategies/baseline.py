@@ -69,6 +69,7 @@ class BaselineParticipant:
         self.optimizer.optimizer.zero_grad(set_to_none=True)
         result = forward_backward(self.model, inputs, targets, precision=self.precision)
         self.optimizer.step()
+        result.scalars.update(self.optimizer.scalars())
         return result
 
     def evaluate(self, epoch: int) -> EvalResult:

@@ -55,6 +55,14 @@ class OptimizerStep:
             self.optimizer.step()
         self.state.num_steps += 1
 
+    def scalars(self) -> dict[str, float]:
+        """The last step's figures: its learning rate, and with clipping the gradient's
+        global norm before it (metric keys `optim/*`)."""
+        scalars = {"optim/learning_rate": self.learning_rate}
+        if self.last_grad_norm is not None:
+            scalars["optim/grad_norm"] = self.last_grad_norm
+        return scalars
+
     @property
     def learning_rate(self) -> float:
         """The rate of the first group at its last step (the configured one before any)."""

@@ -140,7 +140,7 @@ class RankParticipant:
         self.stepper.step()
         comm = self.comm.drain()
         scalars = {"time/comm_blocked_s": comm.blocked_s, "time/comm_overlapped_s": comm.overlapped_s,
-                   "comm/bytes_allreduced": comm.num_bytes}
+                   "comm/bytes_allreduced": comm.num_bytes, **self.stepper.scalars()}
         if self.compression is not None:
             scalars.update(self.compression.stats.drain().scalars())
         return StepResult(loss_sum / total, correct, total, scalars)
