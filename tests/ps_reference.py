@@ -39,3 +39,41 @@ def assert_matches_one_process(tmp_path: Path,
     for name, expected in model.state_dict().items():
         torch.testing.assert_close(final[name], expected, rtol=0, atol=1e-5, msg=name)
     return config
+
+
+def per_worker_reference(config: Config, train_set: ArrayDataset, steps: Iterable[list[torch.Tensor]],
+                         buffer_rule: str) -> dict[str, torch.Tensor]:
+    """One process stepping with plain SGD (learning rate 0.1) on each step's batches of
+    all workers together (`steps`: per step, each worker's batch indices, in rank order),
+    with BatchNorm's batch statistics taken over each worker's batch, as the workers take
+    them: the loss is the mean over the concatenated batch, so its gradient is the
+    sample-weighted mean of the workers' gradients. The buffers after each step follow
+    `buffer_rule`: "average" (the parameter server's: the sample-weighted mean of the
+    buffers each worker's forward pass leaves, from the same start) or "rank0" (DDP's
+    broadcast from rank 0: those rank 0's pass leaves). Returns the final state_dict."""
+    model = init_model(config.training)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    buffers = dict(model.named_buffers())
+    for parts in steps:
+        total = sum(len(part) for part in parts)
+        start = {name: b.clone() for name, b in buffers.items()}
+        after = []
+        optimizer.zero_grad()
+        model.train()
+        for part in parts:
+            with torch.no_grad():
+                for name, b in buffers.items():
+                    b.copy_(start[name])
+            inputs, targets = train_set.batch(part)
+            loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+            (loss * (len(part) / total)).backward()
+            after.append({name: b.clone() for name, b in buffers.items()})
+        optimizer.step()
+        with torch.no_grad():
+            for name, b in buffers.items():
+                if buffer_rule == "rank0":
+                    b.copy_(after[0][name])
+                else:
+                    mean = sum(a[name].double() * (len(p) / total) for a, p in zip(after, parts, strict=True))
+                    b.copy_(mean.round() if not b.is_floating_point() else mean)
+    return model.state_dict()

@@ -58,6 +58,7 @@ def observe(participant: RankParticipant, rank: int) -> dict:
         # Gradients that are views into their buckets' flat buffers share their storages.
         "num_grads": len(grads), "num_grad_storages": len({g.untyped_storage().data_ptr() for g in grads}),
         "static_graph": model.static_graph, "logged_static_graph": logged.get("static_graph", 0),
+        "broadcast_buffers": model.broadcast_buffers,
     }
 
 
@@ -112,3 +113,8 @@ def test_static_graph_reaches_the_reducer(facts):
         defaults, static = rank_facts["defaults"], rank_facts["set"]
         assert not defaults["static_graph"] and defaults["logged_static_graph"] == 0
         assert static["static_graph"] and static["logged_static_graph"] == 1
+
+
+def test_buffers_are_broadcast_from_rank_zero_whatever_the_options(facts):
+    # The README's DDP buffer rule (tests/distributed/test_ddp_buffers.py checks its effect).
+    assert all(rank_facts[name]["broadcast_buffers"] for rank_facts in facts for name in SETTINGS)

@@ -140,7 +140,10 @@ class GatherHook(CompressionHook):
         # Committed at once: a payload handed to the collective is never refused in DDP, and
         # a failed collective ends the run, which resumes from a checkpoint before this step.
         self.compressor.commit(encoded)
-        payload = torch.frombuffer(bytearray(encoded.data), dtype=torch.uint8).to(buffer.device)
+        # A bucket of zero-size gradients has an empty payload, which frombuffer refuses.
+        payload = torch.frombuffer(bytearray(encoded.data), dtype=torch.uint8) if encoded.data \
+            else torch.empty(0, dtype=torch.uint8)
+        payload = payload.to(buffer.device)
         self.stats.record(encoded.dense_bytes, encoded.nbytes, encoded.dense_segments,
                           time.perf_counter() - started)
         parts = [torch.empty_like(payload) for _ in range(dist.get_world_size())]
@@ -192,6 +195,35 @@ class HalfPrecisionHook(CompressionHook):
         return future
 
 
+class MatrixBucket:
+    """A bucket whose every gradient PyTorch's `powerSGD_hook` can view as a matrix.
+
+    The hook views each gradient as `(shape[0], -1)`: a 0-d gradient (a scalar parameter)
+    has no `shape[0]`, and a zero-size one whose first dimension is 0 has no unique `-1`;
+    both raised inside the hook. Here a 0-d gradient reads as shape (1,) and a zero-size
+    one as (1, 0): views of the same memory, so what the hook writes lands in the bucket,
+    and the hook's own rule leaves both uncompressed (as `plan_bucket` counts them).
+    Everything else is the bucket's.
+    """
+
+    def __init__(self, bucket: dist.GradBucket):
+        self._bucket = bucket
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [_matrix_view(gradient) for gradient in self._bucket.gradients()]
+
+    def __getattr__(self, name: str):
+        return getattr(self._bucket, name)
+
+
+def _matrix_view(gradient: torch.Tensor) -> torch.Tensor:
+    if gradient.dim() == 0:
+        return gradient.view(1)
+    if gradient.numel() == 0:
+        return gradient.view(1, 0)
+    return gradient
+
+
 class PowerSGDHook(CompressionHook):
     """powersgd: PyTorch's `powerSGD_hook` on state that follows DDP's buckets.
 
@@ -215,7 +247,7 @@ class PowerSGDHook(CompressionHook):
         layout = tuple((name, tuple(gradient.shape)) for name, gradient in self.gradients(bucket))
         plan = self.buckets.fit(bucket.index(), layout, buffer)
         compressing = self.buckets.compressing
-        future = powerSGD_hook(self.buckets.state, bucket)
+        future = powerSGD_hook(self.buckets.state, MatrixBucket(bucket))
         # Bytes by the hook's own rule (`plan_bucket`): P and Q of each compressed matrix,
         # the rest all-reduced as it is; the first iterations all-reduce the whole bucket.
         # Counted once each, like comm/bytes_allreduced, though a ring sends about twice that.

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GradientMessage(_message.Message):
-    __slots__ = ("worker_id", "step", "compressed", "compression_type", "base_version", "block_id", "shard", "num_samples", "layout", "payload", "shared_memory", "generation", "epoch", "last_in_epoch", "redo", "incarnation", "session")
+    __slots__ = ("worker_id", "step", "compressed", "compression_type", "base_version", "block_id", "shard", "num_samples", "layout", "payload", "shared_memory", "generation", "epoch", "last_in_epoch", "redo", "incarnation", "session", "buffers")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMPRESSED_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class GradientMessage(_message.Message):
     REDO_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     step: int
     compressed: bool
@@ -44,7 +45,8 @@ class GradientMessage(_message.Message):
     redo: bool
     incarnation: int
     session: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., base_version: _Optional[int] = ..., block_id: _Optional[int] = ..., shard: _Optional[int] = ..., num_samples: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., shared_memory: _Optional[bool] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ..., last_in_epoch: _Optional[bool] = ..., redo: _Optional[bool] = ..., incarnation: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
+    buffers: _tensor_pb2.TensorProto
+    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., base_version: _Optional[int] = ..., block_id: _Optional[int] = ..., shard: _Optional[int] = ..., num_samples: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., shared_memory: _Optional[bool] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ..., last_in_epoch: _Optional[bool] = ..., redo: _Optional[bool] = ..., incarnation: _Optional[int] = ..., session: _Optional[bytes] = ..., buffers: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("outcome", "version", "staleness", "incarnation")
@@ -89,7 +91,7 @@ class ParameterRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., min_version: _Optional[int] = ..., shard: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., incarnation: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class ParameterMessage(_message.Message):
-    __slots__ = ("version", "shard", "layout", "payload", "compressed", "compression_type", "shared_memory", "incarnation", "push")
+    __slots__ = ("version", "shard", "layout", "payload", "compressed", "compression_type", "shared_memory", "incarnation", "push", "buffers")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +101,7 @@ class ParameterMessage(_message.Message):
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     shard: int
     layout: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.SliceSpec]
@@ -108,7 +111,8 @@ class ParameterMessage(_message.Message):
     shared_memory: bool
     incarnation: int
     push: PushReply
-    def __init__(self, version: _Optional[int] = ..., shard: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., incarnation: _Optional[int] = ..., push: _Optional[_Union[PushReply, _Mapping]] = ...) -> None: ...
+    buffers: _tensor_pb2.TensorProto
+    def __init__(self, version: _Optional[int] = ..., shard: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., incarnation: _Optional[int] = ..., push: _Optional[_Union[PushReply, _Mapping]] = ..., buffers: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker_id", "requested_rank", "hostname", "pid", "shared_memory", "generation", "key")

@@ -86,15 +86,19 @@ class SimpleCNN(nn.Module):
 
 
 class MLP(nn.Module):
-    """Flatten, then `num_layers` hidden layers of `hidden_size` with ReLU. Its width sets
-    how large the gradients are relative to the compute, which communication benchmarks need."""
+    """Flatten, then `num_layers` hidden layers of `hidden_size` with ReLU (with
+    `batch_norm`, BatchNorm after each hidden layer's linear map: a small model with
+    buffers). Its width sets how large the gradients are relative to the compute, which
+    communication benchmarks need."""
 
-    def __init__(self, input_shape: InputShape, num_classes: int, hidden_size: int, num_layers: int):
+    def __init__(self, input_shape: InputShape, num_classes: int, hidden_size: int, num_layers: int,
+                 batch_norm: bool = False):
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
         width = input_shape[0] * input_shape[1] * input_shape[2]
         for _ in range(num_layers):
-            layers += [nn.Linear(width, hidden_size), nn.ReLU()]
+            layers += [nn.Linear(width, hidden_size), *([nn.BatchNorm1d(hidden_size)] if batch_norm else []),
+                       nn.ReLU()]
             width = hidden_size
         layers.append(nn.Linear(width, num_classes))
         self.net = nn.Sequential(*layers)
@@ -111,6 +115,11 @@ def _simplecnn(input_shape: InputShape, num_classes: int, training: TrainingConf
 @register_model("mlp")
 def _mlp(input_shape: InputShape, num_classes: int, training: TrainingConfig) -> nn.Module:
     return MLP(input_shape, num_classes, training.mlp_hidden_size, training.mlp_num_layers)
+
+
+@register_model("mlp_bn")
+def _mlp_bn(input_shape: InputShape, num_classes: int, training: TrainingConfig) -> nn.Module:
+    return MLP(input_shape, num_classes, training.mlp_hidden_size, training.mlp_num_layers, batch_norm=True)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -144,6 +144,7 @@ def finish(config: Config, client: PSClient, participant: WorkerParticipant, res
     # Pulled again: a synchronous round still pending may have been applied when the last
     # workers left the quorum, after this worker's final evaluation.
     versions = client.pull(worker_id, flat, [0] * len(client.shards))
+    participant.adopt_buffers()  # the servers' buffers, as the parameters are
     final_path = Path(config.system.checkpoint_dir) / FINAL_MODEL
     ckpt.save_final_model(final_path, participant.model.state_dict(), config)
     logger.info("final model (versions %s) -> %s", versions, final_path)

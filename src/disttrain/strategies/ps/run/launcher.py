@@ -34,6 +34,7 @@ from disttrain.core.processes import Cluster, raise_on_sigterm
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
 from disttrain.strategies.ps.run.progress import ClusterWatch
 from disttrain.strategies.ps.run.recovery import recovery_summary
+from disttrain.strategies.ps.wire.sharding import log_plan, plan_shards
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
 from disttrain.training.precision import PrecisionPlan, plan_precision
@@ -97,7 +98,12 @@ def preflight(config: Config, options: RunOptions) -> None:
         ConfigError: see `run_cluster`.
     """
     check_supported(config)
-    init_model(config.training)  # an unknown model or data set fails here, once
+    model = init_model(config.training)  # an unknown model or data set fails here, once
+    try:
+        plans = plan_shards(model, config.ps.num_servers)
+    except ValueError as e:
+        raise ConfigError(f"the parameter server cannot shard this model: {e}") from e
+    log_plan(plans)
     folder = Path(config.system.checkpoint_dir)
     for name in [f"server{s}" for s in range(config.ps.num_servers)] + \
             [f"worker{r}" for r in range(config.system.num_workers)]:

@@ -31,7 +31,7 @@ from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.server.shard import CheckpointPolicy, ShardState
 from disttrain.strategies.ps.server.validation import PushDecoder
 from disttrain.strategies.ps.wire.service import tune_allocator
-from disttrain.strategies.ps.wire.sharding import plan_shards
+from disttrain.strategies.ps.wire.sharding import initial_buffers, plan_shards
 from disttrain.training.engine import configure_threads
 from disttrain.training.models import init_model
 
@@ -60,7 +60,7 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
     checkpoints = CheckpointPolicy(folder, training.checkpoint_interval, system.checkpoint_keep,
                                    config.to_dict())
     state = ShardState(plan, flat, rules, decoder, training, checkpoints,
-                       model_numel=sum(p.numel for p in plans))
+                       buffers=initial_buffers(model, plan), model_numel=sum(p.numel for p in plans))
     if resumed_from is not None:
         state.restore(resumed_from)
     return state
@@ -90,6 +90,7 @@ def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool =
         signal.signal(signum, lambda *_: server.stopped.set())
     logger.info("shard %d/%d (%d parameters, %.2f MB) listening on %s (%s)", shard, num_shards,
                 state.plan.numel, state.plan.nbytes / 1e6, server.address, socket.gethostname())
+    logger.info("%s", state.plan.describe())
     if faults is not None:
         state.on_version = faults.at_step
     emit_event("listening", address=server.address, shard=shard)

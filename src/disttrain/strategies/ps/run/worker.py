@@ -35,6 +35,7 @@ from disttrain.strategies.ps.server.identity import MIN_KEY_BYTES
 from disttrain.strategies.ps.wire.payloads import GradientEncoder
 from disttrain.strategies.ps.wire.service import tune_allocator
 from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
+from disttrain.strategies.ps.worker.buffers import WorkerBuffers
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
 from disttrain.strategies.ps.worker.exchange import make_exchange
 from disttrain.strategies.ps.worker.participant import WorkerParticipant
@@ -126,9 +127,11 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
         if config.compression.enabled:
             compressor = Compressor.from_config(config.compression, training_seed(training.seed, rank))
             encoder = GradientEncoder(compressor, client.plans)
+        buffers = WorkerBuffers(model, client.plans, client.shards)
         exchange = make_exchange(assignment.aggregation_mode, client, worker_id, flat, grads,
                                  assignment.staleness, encoder, link.generation if link else 0,
-                                 retry_late=config.ps.backup_workers == 0)
+                                 retry_late=config.ps.backup_workers == 0,
+                                 buffers=buffers if buffers.any else None)
         exchange.start()
         faults = FaultInjector(options.faults, "worker", rank, options.attempt)
         sampler, rebalancer = balance_sampler(system, training, client, worker_id, world_size, rank, data[0],

@@ -194,9 +194,9 @@ class ParameterServicer:
         state, timeout = self.state, self.wait_s(context)
         if shared_memory:
             with refusals(context):
-                reached = state.write_parameters(worker_id, version, timeout)
-            if reached is not None:
-                return [service.parameter_notice(state.plan, reached, state.incarnation)]
+                notice = state.write_parameters(worker_id, version, timeout)
+            if notice is not None:
+                return [notice]
         else:
             snapshot = state.wait_for_version(version, timeout)
             if snapshot is not None:

@@ -8,9 +8,17 @@ changes nothing. Readers wait on a condition variable for a version (no polling)
 each version's parameter bytes are snapshotted once and shared by every reader.
 
 Like every stateful part of the project, a shard saves itself with `state_dict()` and
-comes back with `load_state_dict()`: parameters, optimizer state, version, the data
-ledger, the rules' counters, the completed barriers and who holds each worker id,
-together, so they never disagree.
+comes back with `load_state_dict()`: parameters, model buffers, optimizer state, version,
+the data ledger, the rules' counters, the completed barriers and who holds each worker
+id, together, so they never disagree.
+
+The buffer rule: a shard holding model buffers (BatchNorm running statistics, batch
+counters) moves them, at each update, by the weighted sum of the changes the applied
+pushes made to them, with the weights their gradients are combined with: in sync mode
+each worker's share of the step's samples (every worker started from the same buffers,
+so the result is the sample-weighted average of the workers' buffers), in ssp and async
+mode each push's whole change, as its gradient is applied whole. Every parameter answer
+carries the buffers of its version.
 """
 
 from __future__ import annotations
@@ -87,6 +95,8 @@ class ShardState:
     Args:
         plan: the slices this shard owns.
         initial: the shard's initial flat parameters (1-D, plan.numel elements).
+        buffers: the initial values of the plan's buffers (float64, 1-D, plan.buffer_numel
+            elements; None: the plan holds none).
         rules: the aggregation rules of the run (sync, ssp or async; its world size).
         decoder: checks and decodes pushes (the run's compression and batch bound).
         training: the optimizer's settings (`training.optimizer`, learning rate, ...).
@@ -98,10 +108,15 @@ class ShardState:
 
     def __init__(self, plan: ShardPlan, initial: torch.Tensor, rules: AggregationRules, decoder: PushDecoder,
                  training: TrainingConfig, checkpoints: CheckpointPolicy | None = None, clock=time.monotonic,
-                 model_numel: int | None = None):
+                 buffers: torch.Tensor | None = None, model_numel: int | None = None):
         if initial.numel() != plan.numel:
             raise ValueError(f"shard {plan.shard} owns {plan.numel} elements, got {initial.numel()}")
+        buffers = torch.zeros(0, dtype=torch.float64) if buffers is None else buffers
+        if buffers.numel() != plan.buffer_numel:
+            raise ValueError(f"shard {plan.shard} holds {plan.buffer_numel} buffer elements, got "
+                             f"{buffers.numel()}")
         self.plan = plan
+        self.buffers = buffers.detach().to(torch.float64).reshape(-1).clone()
         self.rules = rules
         self.decoder = decoder
         self.param = nn.Parameter(initial.detach().clone().reshape(-1))
@@ -247,11 +262,19 @@ class ShardState:
                 self._changed.notify_all()
                 return False
             self.shard_optimizer.applied()
+        self._move_buffers(decision.apply)
         self._changed.notify_all()
         if self.checkpoints is not None and self.rules.version % self.checkpoints.every_versions == 0:
             self._save_async(self._state())
         self.on_version(self.rules.version)
         return True
+
+    def _move_buffers(self, contributions: list) -> None:
+        """The buffer rule (see the module's docstring), once the update was applied."""
+        for c in contributions:
+            change = getattr(c.payload, "buffers", None)
+            if change is not None:
+                self.buffers.add_(change, alpha=c.weight)
 
     def _apply_or_void(self, decision: Decision) -> None:
         """Apply a step no push is waiting on the answer of; void it when refused."""
@@ -270,13 +293,14 @@ class ShardState:
                 return None
             if self._snapshot is None or self._snapshot.version != self.rules.version:
                 frames = service.parameter_frames(self.plan, self.rules.version, tensor_bytes(self.param),
-                                               self.incarnation)
+                                                  self.incarnation, self._buffer_message())
                 self._snapshot = Snapshot(self.rules.version, list(frames))
             return self._snapshot
 
-    def write_parameters(self, worker_id: str, min_version: int, timeout_s: float | None) -> int | None:
+    def write_parameters(self, worker_id: str, min_version: int, timeout_s: float | None) -> bytes | None:
         """Once the version reaches `min_version`, copy the parameters into the worker's
-        parameter segment; return that version, or None on timeout or stop.
+        parameter segment; return the notice that answers it (that version and its
+        buffers), or None on timeout or stop.
 
         Raises:
             PushRefused: the worker has no segments here.
@@ -286,7 +310,17 @@ class ShardState:
             if not self._reached(min_version, timeout_s):
                 return None
             pair.parameter_tensor.copy_(self.param.detach())
-            return self.rules.version
+            return service.parameter_notice(self.plan, self.rules.version, self.incarnation,
+                                            self._buffer_message())
+
+    def _buffer_message(self):
+        """The buffers as they travel in a parameter answer (None: the shard holds none)."""
+        return service.buffer_proto(self.buffers) if self.plan.buffers else None
+
+    def buffer_values(self) -> torch.Tensor:
+        """A copy of the current flat buffers (float64)."""
+        with self._lock:
+            return self.buffers.clone()
 
     def wait_all_done(self, timeout_s: float | None) -> bool:
         with self._changed:
@@ -361,7 +395,8 @@ class ShardState:
         """Everything a restart needs (lock held; tensors are copies)."""
         return {"strategy": STRATEGY, "shard": self.plan.shard, "num_shards": self.plan.num_shards,
                 "numel": self.plan.numel, "version": self.rules.version,
-                "params": self.param.detach().clone(), **self.shard_optimizer.state_dict(),
+                "params": self.param.detach().clone(), "buffers": self.buffers.clone(),
+                **self.shard_optimizer.state_dict(),
                 "rules": self.rules.state_dict(), "barriers": self.barriers.state_dict(),
                 "identities": self.identities.state_dict(),
                 "config": self.checkpoints.run_config if self.checkpoints is not None else {}}
@@ -379,8 +414,14 @@ class ShardState:
             self.identities.load_state_dict(state.get("identities", {}))
         except (ValueError, KeyError, RuntimeError) as e:
             raise CheckpointError(f"it does not fit this run: {e}") from e
+        buffers = state.get("buffers")  # absent from checkpoints of before buffers were kept
+        if buffers is not None and buffers.numel() != self.plan.buffer_numel:
+            raise CheckpointError(f"it holds {buffers.numel()} buffer elements and this shard "
+                                  f"{self.plan.buffer_numel}; use the checkpoint dir of this model")
         with torch.no_grad():
             self.param.copy_(state["params"])
+            if buffers is not None:
+                self.buffers.copy_(buffers)
         self.update.forget_bounds()
 
     def _save_async(self, state: dict[str, Any]) -> None:

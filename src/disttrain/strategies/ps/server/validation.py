@@ -17,7 +17,7 @@ from disttrain.compression.schemes import magnitude_bound
 from disttrain.config import CompressionConfig
 from disttrain.strategies.ps.wire.codec import Payload, decode_chunks, to_dtype
 from disttrain.strategies.ps.wire.payloads import shard_segments
-from disttrain.strategies.ps.wire.service import plan_layout
+from disttrain.strategies.ps.wire.service import plan_layout, read_buffers
 from disttrain.strategies.ps.wire.sharding import ShardPlan, TensorSlice
 
 
@@ -26,12 +26,14 @@ class InvalidPush(ValueError):
 
 
 class Gradient(list):
-    """A decoded gradient: its 1-D chunks in order, and `bound`, the largest magnitude
-    in them (the update uses it to tell whether a step could overflow)."""
+    """A decoded gradient: its 1-D chunks in order, `bound`, the largest magnitude in
+    them (the update uses it to tell whether a step could overflow), and `buffers`, the
+    change the worker's step made to the shard's buffers (float64; None: it holds none)."""
 
-    def __init__(self, chunks: list[torch.Tensor], bound: float):
+    def __init__(self, chunks: list[torch.Tensor], bound: float, buffers: torch.Tensor | None = None):
         super().__init__(chunks)
         self.bound = bound
+        self.buffers = buffers
 
 
 def bounded(chunks: list[torch.Tensor]) -> Gradient:
@@ -154,15 +156,25 @@ class PushDecoder:
         """The flat gradient of a push whose header passed `check_header`, as 1-D chunks
         (raw payloads: views of the received bytes; compressed ones: one new tensor).
 
+        Buffers (the change the step made to the shard's buffers) always travel raw.
+
         Raises:
-            InvalidPush: the bytes do not decode (lengths, counts, indices, scales, values).
+            InvalidPush: the bytes do not decode (lengths, counts, indices, scales, values),
+                or the buffers do not fit the shard's.
         """
-        if not payload.header.compressed:
-            return decode_payload(payload, self.plan)
-        data = payload.chunks[0] if len(payload.chunks) == 1 else b"".join(payload.chunks)
-        out = torch.empty(self.plan.numel, dtype=to_dtype(self.plan.dtype))
         try:
-            self.compressor.decode(data, self.segments, out)
-        except InvalidPayload as e:
-            raise InvalidPush(f"{self.scheme} payload: {e}") from e
-        return bounded([out])
+            buffers = read_buffers(payload.header, self.plan, "push")
+        except ValueError as e:
+            raise InvalidPush(str(e)) from e
+        if not payload.header.compressed:
+            gradient = decode_payload(payload, self.plan)
+        else:
+            data = payload.chunks[0] if len(payload.chunks) == 1 else b"".join(payload.chunks)
+            out = torch.empty(self.plan.numel, dtype=to_dtype(self.plan.dtype))
+            try:
+                self.compressor.decode(data, self.segments, out)
+            except InvalidPayload as e:
+                raise InvalidPush(f"{self.scheme} payload: {e}") from e
+            gradient = bounded([out])
+        gradient.buffers = buffers
+        return gradient

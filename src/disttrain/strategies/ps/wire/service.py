@@ -10,12 +10,23 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.proto import tensor_pb2
-from disttrain.strategies.ps.wire.codec import CHUNK_BYTES, Frame, Payload, decode_frame, encode_frames
+from disttrain.strategies.ps.wire.codec import (
+    CHUNK_BYTES,
+    Frame,
+    Payload,
+    decode_frame,
+    decode_tensor,
+    encode_frames,
+    tensor_bytes,
+)
 from disttrain.strategies.ps.wire.sharding import ShardPlan, TensorSlice
 
 logger = logging.getLogger(__name__)
@@ -113,21 +124,24 @@ def gradient_frames(header: pb.GradientMessage, plan: ShardPlan, data: memoryvie
     return encode_frames(header, GRADIENT_PAYLOAD_FIELD, meta, data, _chunk_bytes(data.nbytes))
 
 
-def parameter_frames(plan: ShardPlan, version: int, data: memoryview, incarnation: int = 0
-                     ) -> Iterator[bytes]:
-    """The wire messages of one pull answer, cut like a push's."""
+def parameter_frames(plan: ShardPlan, version: int, data: memoryview, incarnation: int = 0,
+                     buffers: tensor_pb2.TensorProto | None = None) -> Iterator[bytes]:
+    """The wire messages of one pull answer, cut like a push's; the shard's `buffers`
+    (`buffer_proto`; None: it holds none) ride in the first."""
     chunk_bytes = _chunk_bytes(plan.nbytes)
     header = pb.ParameterMessage(version=version, shard=plan.shard, layout=slice_specs(plan),
-                                 incarnation=incarnation)
+                                 incarnation=incarnation, buffers=buffers)
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
     return encode_frames(header, PARAMETER_PAYLOAD_FIELD, meta, data, chunk_bytes)
 
 
-def parameter_notice(plan: ShardPlan, version: int, incarnation: int = 0) -> bytes:
-    """The one message of a pull answered through shared memory: no payload bytes."""
+def parameter_notice(plan: ShardPlan, version: int, incarnation: int = 0,
+                     buffers: tensor_pb2.TensorProto | None = None) -> bytes:
+    """The one message of a pull answered through shared memory: no payload bytes (the
+    shard's `buffers`, small, still travel in it)."""
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
     return pb.ParameterMessage(version=version, shard=plan.shard, payload=meta, shared_memory=True,
-                               incarnation=incarnation).SerializeToString()
+                               incarnation=incarnation, buffers=buffers).SerializeToString()
 
 
 def step_answer(push: pb.PushReply, parameters: bytes = b"") -> bytes:
@@ -135,6 +149,49 @@ def step_answer(push: pb.PushReply, parameters: bytes = b"") -> bytes:
     outcome added. Two serialized messages of one type concatenated are one message with
     the fields of both, so the ready-made parameter frame is reused as it is."""
     return pb.ParameterMessage(push=push).SerializeToString() + parameters
+
+
+# A shard's model buffers travel inline, in the header of every push (the change the
+# worker's step made to them) and of every parameter answer (their values at its
+# version): they are small next to the parameters, and float64 holds every buffer dtype
+# the plan keeps exactly (integers up to 2**53), so one raw tensor carries them all.
+BUFFER_DTYPE = "float64"
+
+
+def buffer_proto(values: torch.Tensor) -> tensor_pb2.TensorProto:
+    """The wire form of a shard's flat buffer values (or changes): float64, 1-D."""
+    values = values.detach().reshape(-1).to(torch.float64)
+    return tensor_pb2.TensorProto(data=bytes(tensor_bytes(values)), shape=[values.numel()],
+                                  dtype=BUFFER_DTYPE)
+
+
+def read_buffers(message, plan: ShardPlan, what: str) -> torch.Tensor | None:
+    """The flat float64 buffers a message (GradientMessage or ParameterMessage) carries
+    for `plan` (a copy), or None when the shard holds no buffers.
+
+    Args:
+        what: how to name the message in errors ("push", "answer of shard 1").
+    Raises:
+        ValueError: buffers missing where the shard holds some, present where it holds
+            none, or not of the plan's length, dtype or finite values.
+    """
+    present = message.HasField("buffers")
+    if not plan.buffers:
+        if present:
+            raise ValueError(f"{what} carries buffers, but shard {plan.shard} holds none; start servers "
+                             "and workers with the same model")
+        return None
+    if not present:
+        raise ValueError(f"{what} carries no buffers, but shard {plan.shard} holds "
+                         f"{len(plan.buffers)} ({', '.join(b.name for b in plan.buffers)})")
+    proto = message.buffers
+    if proto.dtype != BUFFER_DTYPE or list(proto.shape) != [plan.buffer_numel]:
+        raise ValueError(f"{what}: buffers are {proto.dtype or 'unset'} {list(proto.shape)}, expected "
+                         f"{BUFFER_DTYPE} [{plan.buffer_numel}]")
+    values = decode_tensor(proto.data, BUFFER_DTYPE, (plan.buffer_numel,)).clone()
+    if values.numel() and not math.isfinite(float(values.abs().max())):
+        raise ValueError(f"{what}: buffers hold NaN or infinite values")
+    return values
 
 
 def collect_payload(frames: Iterator[Frame], max_bytes: int, max_frames: int | None = None,

@@ -6,10 +6,17 @@ most one element and a large tensor is split into slices across shards (SimpleCN
 linear layer holds 95% of its parameters: per-tensor placement could not balance it).
 The same plan is computed by every server and worker from the model alone; a worker
 checks its plan against each server's layout at registration.
+
+A model's buffers (BatchNorm's running statistics and batch counter: every floating-point
+or integer tensor of its `state_dict` that is not a parameter) are placed whole, each on
+the shard holding the fewest bytes so far (parameters and buffers together), in the
+model's order; they travel beside the parameters as float64 (`service.buffer_proto`).
+Buffers of other dtypes (bool, complex) stay each worker's own.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -17,6 +24,13 @@ import torch
 from torch import nn
 
 from disttrain.strategies.ps.wire.codec import dtype_name, to_dtype
+
+logger = logging.getLogger(__name__)
+
+# Buffers the server keeps: the wire's dtypes (bool and complex stay each worker's own);
+# all convert to float64 exactly (integers up to 2**53).
+_BUFFER_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                  torch.int8, torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -30,9 +44,27 @@ class TensorSlice:
 
 
 @dataclass(frozen=True)
+class BufferSlot:
+    """The model buffer `name` of shape `shape` and dtype `dtype` (its wire name), held
+    whole by one shard."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=to_dtype(self.dtype)).element_size()
+
+
+@dataclass(frozen=True)
 class ShardPlan:
     """What shard `shard` of `num_shards` owns: `slices`, which are elements
-    [offset, offset + numel) of the model's flat vector."""
+    [offset, offset + numel) of the model's flat vector, and whole model `buffers`."""
 
     shard: int
     num_shards: int
@@ -40,6 +72,7 @@ class ShardPlan:
     offset: int
     numel: int
     dtype: str
+    buffers: tuple[BufferSlot, ...] = ()
 
     @property
     def names(self) -> set[str]:
@@ -49,14 +82,34 @@ class ShardPlan:
     def nbytes(self) -> int:
         return self.numel * torch.empty((), dtype=to_dtype(self.dtype)).element_size()
 
+    @property
+    def buffer_numel(self) -> int:
+        """Elements of this shard's buffers (what their float64 wire tensor holds)."""
+        return sum(b.numel for b in self.buffers)
+
+    @property
+    def buffer_nbytes(self) -> int:
+        """Bytes of this shard's buffers in their own dtypes."""
+        return sum(b.nbytes for b in self.buffers)
+
+    def describe(self) -> str:
+        """One line: the shard's tensors, slices of split ones, and bytes."""
+        split = sum(1 for s in self.slices if s.length != math.prod(s.shape))
+        return (f"shard {self.shard}/{self.num_shards}: {len(self.slices)} parameter tensor(s) "
+                f"({split} split), {self.numel} elements, {self.nbytes} bytes; "
+                f"{len(self.buffers)} buffer(s), {self.buffer_nbytes} bytes")
+
 
 def model_tensors(model: nn.Module) -> list[tuple[str, tuple[int, ...], int]]:
     """(name, shape, numel) of every parameter, in the model's order.
 
     Raises:
-        ValueError: parameters of different dtypes (they could not share a flat buffer).
+        ValueError: no parameters, or parameters of different dtypes (they could not
+            share a flat buffer).
     """
     params = list(model.named_parameters())
+    if not params:
+        raise ValueError("the model has no parameters; the parameter server needs at least one")
     dtypes = {p.dtype for _, p in params}
     if len(dtypes) != 1:
         raise ValueError(f"the model's parameters mix dtypes {sorted(map(str, dtypes))}; the "
@@ -64,18 +117,48 @@ def model_tensors(model: nn.Module) -> list[tuple[str, tuple[int, ...], int]]:
     return [(name, tuple(p.shape), p.numel()) for name, p in params]
 
 
+def model_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every buffer the parameter server keeps: those in the model's
+    `state_dict` (persistent) of a floating-point or integer dtype, in the model's order.
+    Others (bool, complex) stay each worker's own; a warning names them."""
+    saved = set(model.state_dict())
+    kept, skipped = [], []
+    for name, tensor in model.named_buffers():
+        if name not in saved:
+            continue
+        if tensor.dtype not in _BUFFER_DTYPES:
+            skipped.append(name)
+        else:
+            kept.append((name, tensor))
+    if skipped:
+        logger.warning("buffers %s are neither floating point nor integer: each worker keeps its own",
+                       ", ".join(skipped))
+    return kept
+
+
+
 def plan_shards(model: nn.Module, num_shards: int) -> list[ShardPlan]:
-    """Partition `model`'s parameters into `num_shards` contiguous, byte-balanced shards.
+    """Partition `model`'s parameters into `num_shards` contiguous, byte-balanced shards,
+    and place its buffers whole on the shards (see the module's docstring).
 
     Raises:
-        ValueError: more shards than parameters, or parameters of mixed dtypes.
+        ValueError: more shards than parameter elements, or parameters of mixed dtypes.
     """
     tensors = model_tensors(model)
     dtype = dtype_name(next(model.parameters()).dtype)
     total = sum(numel for _, _, numel in tensors)
     if not 1 <= num_shards <= total:
-        raise ValueError(f"cannot split {total} parameters into {num_shards} shards")
+        raise ValueError(f"cannot split {total} parameter elements into {num_shards} shards; use "
+                         f"ps.num_servers between 1 and {total}")
     bounds = [math.floor(k * total / num_shards) for k in range(num_shards + 1)]
+    itemsize = torch.empty((), dtype=to_dtype(dtype)).element_size()
+    loads = [(bounds[s + 1] - bounds[s]) * itemsize for s in range(num_shards)]
+    placed: list[list[BufferSlot]] = [[] for _ in range(num_shards)]
+    for name, tensor in model_buffers(model):
+        slot = BufferSlot(name, tuple(tensor.shape), dtype_name(tensor.dtype))
+        shard = min(range(num_shards), key=lambda s: (loads[s], s))
+        placed[shard].append(slot)
+        loads[shard] += slot.nbytes
     plans = []
     for shard in range(num_shards):
         lo, hi = bounds[shard], bounds[shard + 1]
@@ -85,8 +168,16 @@ def plan_shards(model: nn.Module, num_shards: int) -> list[ShardPlan]:
             if start < end:
                 slices.append(TensorSlice(name, shape, start - cursor, end - start))
             cursor += numel
-        plans.append(ShardPlan(shard, num_shards, tuple(slices), lo, hi - lo, dtype))
+        plans.append(ShardPlan(shard, num_shards, tuple(slices), lo, hi - lo, dtype, tuple(placed[shard])))
     return plans
+
+
+def log_plan(plans: list[ShardPlan], who: str = "") -> None:
+    """Log the shard plan: one line per shard (tensors, elements, bytes, buffers)."""
+    total = sum(p.nbytes + p.buffer_nbytes for p in plans)
+    logger.info("%sshard plan: %d shard(s), %d bytes in all", f"{who}: " if who else "", len(plans), total)
+    for plan in plans:
+        logger.info("  %s", plan.describe())
 
 
 def flat_parameters(model: nn.Module, flat: torch.Tensor | None = None, grads: torch.Tensor | None = None
@@ -125,3 +216,11 @@ def state_dict_from_flat(model: nn.Module, flat: torch.Tensor) -> dict[str, torc
         state[name] = flat[offset:offset + p.numel()].view_as(p).clone()
         offset += p.numel()
     return state
+
+
+def initial_buffers(model: nn.Module, plan: ShardPlan) -> torch.Tensor:
+    """The flat float64 values of `plan`'s buffers in `model` (a new tensor)."""
+    state = model.state_dict()
+    if not plan.buffers:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.cat([state[b.name].detach().reshape(-1).to(torch.float64) for b in plan.buffers])

@@ -18,7 +18,8 @@ without it, a server that restarted from an older checkpoint) gets it again, com
 on that shard's current parameters, so every block is applied (the servers' ledgers
 keep it from being applied twice). With compression on, each mode compresses the
 gradient before its push (off the communication phase, as `time/compression_s`) and
-keeps the error-feedback residuals of the payloads the servers took.
+keeps the error-feedback residuals of the payloads the servers took. Every push carries
+the change the step made to the model buffers its shard holds (`WorkerBuffers`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from disttrain.core.errors import TrainingError
 from disttrain.metrics.window import StepTimer
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.wire.payloads import GradientEncoder
+from disttrain.strategies.ps.worker.buffers import WorkerBuffers
 from disttrain.strategies.ps.worker.client import PSClient
 from disttrain.training.engine import StepResult
 
@@ -60,12 +62,14 @@ class Exchange:
         generation: the membership generation this worker joined in (0: no coordinator).
         retry_late: push a gradient a synchronous step went on without again (off with
             backup workers, which drop the slowest gradients by design).
+        buffers: the model's buffers (None: pushes carry none; the shards must hold none).
     """
 
     def __init__(self, client: PSClient, worker_id: str, flat: torch.Tensor, grads: torch.Tensor,
                  staleness_bound: int, encoder: GradientEncoder | None = None, generation: int = 0,
-                 retry_late: bool = True):
+                 retry_late: bool = True, buffers: WorkerBuffers | None = None):
         self.client = client
+        self.buffers = buffers
         self.encoder = encoder
         self.worker_id = worker_id
         self.flat = flat
@@ -113,6 +117,11 @@ class Exchange:
                                       generation=self.generation, epoch=block.epoch,
                                       last_in_epoch=block.last_in_epoch, redo=block.redo)
                    for s in shards]
+        if self.buffers is not None:
+            for header in headers:
+                change = self.buffers.change(header.shard)
+                if change is not None:
+                    header.buffers.CopyFrom(change)
         payloads = None
         if self.encoder is not None:
             with timer.phase("compression"):
@@ -282,10 +291,11 @@ class SSPExchange(AsyncExchange):
 
 def make_exchange(mode: str, client: PSClient, worker_id: str, flat: torch.Tensor, grads: torch.Tensor,
                   staleness_bound: int, encoder: GradientEncoder | None = None, generation: int = 0,
-                  retry_late: bool = True) -> Exchange:
+                  retry_late: bool = True, buffers: WorkerBuffers | None = None) -> Exchange:
     """The exchange of aggregation mode `mode` ("sync", "async" or "ssp"); `encoder`
-    compresses each push (None: raw values)."""
+    compresses each push (None: raw values); `buffers` adds each step's buffer change."""
     classes = {"sync": SyncExchange, "async": AsyncExchange, "ssp": SSPExchange}
     if mode not in classes:
         raise ValueError(f"unknown aggregation mode {mode!r}")
-    return classes[mode](client, worker_id, flat, grads, staleness_bound, encoder, generation, retry_late)
+    return classes[mode](client, worker_id, flat, grads, staleness_bound, encoder, generation, retry_late,
+                         buffers)

@@ -105,9 +105,17 @@ class WorkerParticipant:
     def _compute(self, indices: torch.Tensor) -> Callable[[], StepResult]:
         inputs, targets = self.train_set.batch(indices)
 
+        buffers = self.exchange.buffers
+
         def compute() -> StepResult:
             self.grads.zero_()
-            return forward_backward(self.model, inputs, targets, precision=self.precision)
+            if buffers is None:
+                return forward_backward(self.model, inputs, targets, precision=self.precision)
+            buffers.adopt()  # those of the parameters this gradient is computed on
+            buffers.begin()
+            result = forward_backward(self.model, inputs, targets, precision=self.precision)
+            buffers.finish()
+            return result
 
         return compute
 
@@ -139,6 +147,7 @@ class WorkerParticipant:
         self.redo_missing(epoch)
         self.client.barrier(self.worker_id, f"epoch{epoch}:trained")
         self.exchange.refresh()
+        self.adopt_buffers()
         mine = eval_slice(len(self.test_set), self.world_size, self.rank)
         local = evaluate(self.model, self.test_set, self.eval_batch_size, indices=mine)
         rows = self.client.barrier(self.worker_id, f"epoch{epoch}:evaluated",
@@ -146,6 +155,12 @@ class WorkerParticipant:
         loss_sum, correct, samples = (sum(column) for column in zip(*rows, strict=True))
         self._last_exit = None  # the time spent here is not work of the next step
         return EvalResult(loss_sum, int(correct), int(samples))
+
+    def adopt_buffers(self) -> None:
+        """Give the model the servers' buffers of the parameters it holds (before an
+        evaluation, or saving the final model)."""
+        if self.exchange.buffers is not None:
+            self.exchange.buffers.adopt()
 
     def state_dict(self) -> dict[str, Any]:
         encoder = self.exchange.encoder

@@ -51,6 +51,9 @@ class ShardClient:
         self.session = b""  # this worker's session on the shard, from its registration
         self._joined: tuple | None = None
         self.drop_replies = 0  # replies of pushes to lose on purpose (fault injection)
+        # The shard's buffers (float64) of the newest parameters landed, None before any
+        # or when it holds none; replaced whole, for the worker's thread to read.
+        self.buffers: torch.Tensor | None = None
         self._join_lock = threading.Lock()
         self.channel = open_channel(address, tls, token, options=service.CHANNEL_OPTIONS)
         self._calls = {}
@@ -286,11 +289,17 @@ class ShardClient:
             raise DistributedError(f"shard {plan.shard} answered version {answer.header.version} "
                                    f"with {nbytes} bytes; expected version >= {min_version} "
                                    f"and {expected} bytes")
+        try:
+            buffers = service.read_buffers(answer.header, plan, f"the answer of shard {plan.shard}")
+        except ValueError as e:
+            raise DistributedError(str(e)) from e
         if segments is not None:
             if into.data_ptr() != segments.parameter_tensor.data_ptr():  # else: landed in place
                 into.copy_(segments.parameter_tensor)
         else:
             copy_chunks(decode_chunks(chunks, plan.dtype), into)
+        if buffers is not None:
+            self.buffers = buffers
         return answer.header.version
 
     def close(self) -> None:
