@@ -50,11 +50,11 @@ class BaselineParticipant:
 
     strategy = "baseline"
 
-    def __init__(self, model: torch.nn.Module, optimizer: OptimizerStep,
+    def __init__(self, model: torch.nn.Module, stepper: OptimizerStep,
                  train_set: BatchSource, test_set: ArrayDataset, eval_batch_size: int,
                  precision: Precision | None = None):
         self.model = model
-        self.optimizer = optimizer
+        self.stepper = stepper
         self.precision = precision
         self.train_set = train_set
         self.test_set = test_set
@@ -66,21 +66,21 @@ class BaselineParticipant:
     def step(self, batches: list[torch.Tensor], info: StepInfo) -> StepResult:
         (indices,) = batches
         inputs, targets = self.train_set.batch(indices)
-        self.optimizer.optimizer.zero_grad(set_to_none=True)
+        self.stepper.optimizer.zero_grad(set_to_none=True)
         result = forward_backward(self.model, inputs, targets, precision=self.precision)
-        self.optimizer.step()
-        result.scalars.update(self.optimizer.scalars())
+        self.stepper.step()
+        result.scalars.update(self.stepper.scalars())
         return result
 
     def evaluate(self, epoch: int) -> EvalResult:
         return evaluate(self.model, self.test_set, self.eval_batch_size)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), **self.optimizer.state_dict()}
+        return {"model": self.model.state_dict(), **self.stepper.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state)
+        self.stepper.load_state_dict(state)
 
 
 def baseline_precision(mode: str) -> PrecisionPlan:
@@ -106,9 +106,9 @@ class Baseline:
         model = init_model(training)
         seed_training(training.seed, rank=0)
         precision = Precision(baseline_precision(training.precision))
-        optimizer = OptimizerStep(build_optimizer(model.parameters(), training), training)
+        stepper = OptimizerStep(build_optimizer(model.parameters(), training), training)
         loader = prefetch(train_set, training.loader_workers)
-        participant = BaselineParticipant(model, optimizer, loader or train_set, test_set,
+        participant = BaselineParticipant(model, stepper, loader or train_set, test_set,
                                           training.eval_batch_size, precision)
         sampler = ShardedSampler(len(train_set), seed=training.seed)
         checkpoint_dir, log_dir = Path(system.checkpoint_dir), Path(system.log_dir)
