@@ -2,8 +2,8 @@
 
 Each runs with `disttrain train`, so with the command its `system.architecture` names,
 on real MNIST when it is at hand (the shipped digits otherwise: the configs ask for
-MNIST, which CI machines cannot download), into a temporary folder, and sets no key its
-strategy ignores.
+MNIST or CIFAR-10, which CI machines cannot download; a text the test writes for a
+config on `text:FILE`), into a temporary folder, and sets no key its strategy ignores.
 """
 
 from __future__ import annotations
@@ -14,11 +14,25 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.plugin_files import write_text
+
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 SUMMARY_STRATEGY = {"baseline": "baseline", "parameter_server": "ps-", "ddp": "ddp"}  # ps-sync, ps-async
 # One config that asks for compression runs in the fast suite; the others are covered there
 # by the strategies' own tests.
 FAST = {"ps_sync_topk.yaml"}
+
+
+def data_flags(config: dict, tmp_path: Path, mnist_or_digits: list) -> list:
+    """The flags that give a shipped config data at hand."""
+    dataset = config["training"]["dataset"]
+    if dataset == "digits":
+        return []  # digits reads no folder
+    if dataset.startswith("text:"):  # the full-size model on shorter windows: a quarter of the work
+        return ["--dataset", f"text:{write_text(tmp_path, num_words=15000)}", "--seq-len", "32"]
+    if dataset in ("mnist", "fashion_mnist"):
+        return mnist_or_digits
+    return ["--dataset", "digits"]
 
 
 def architecture(path: Path) -> str:
@@ -30,7 +44,7 @@ def architecture(path: Path) -> str:
     pytest.param(p, id=p.stem, marks=() if p.name in FAST else pytest.mark.slow) for p in CONFIGS])
 def test_shipped_config_runs_to_the_end(cli, tmp_path, path, mnist_or_digits):
     config = yaml.safe_load(path.read_text())
-    data = [] if config["training"]["dataset"] == "digits" else mnist_or_digits  # digits reads no folder
+    data = data_flags(config, tmp_path, mnist_or_digits)
     result = cli("train", "--config", path, *data, "--num-epochs", 1,
                  "--max-train-samples", 512, "--max-test-samples", 200,
                  "--log-dir", tmp_path / "logs", "--checkpoint-dir", tmp_path / "ckpt", timeout=170)

@@ -20,14 +20,19 @@ strategy, or a training checkpoint. Give the data set (and model) it was trained
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # What the model and the test split depend on; nothing about training or its outputs.
     add_common_flags(parser, only=("--dataset", "--data-dir", "--model", "--max-test-samples",
-                                   "--num-samples"))
+                                   "--num-samples", "--seq-len"))
     parser.add_argument("model_file", help="a *_final.pt model file or a training checkpoint")
 
 
 def run(args: argparse.Namespace) -> EvalResult:
+    from disttrain.data import LANGUAGE_MODEL, describe_dataset
     from disttrain.training.evaluation import evaluate_model_file
-    result = evaluate_model_file(args.model_file, config_from_args(args).training)
-    print(f"Test Accuracy: {result.accuracy * 100:.2f}%")
+    training = config_from_args(args).training
+    result = evaluate_model_file(args.model_file, training)
+    if describe_dataset(training).task == LANGUAGE_MODEL:
+        print(f"Test Perplexity: {result.perplexity:.3f}")
+    else:
+        print(f"Test Accuracy: {result.accuracy * 100:.2f}%")
     print(f"Test Loss: {result.loss:.4f}")
     print(f"Samples: {result.num_samples}")
     return result

@@ -16,7 +16,6 @@ from disttrain.cli.check import add_check_flag
 from disttrain.cli.config_warnings import warn_about_run_config
 from disttrain.config import Config, load_config
 from disttrain.core.auth import TOKEN_ENV, resolve_token
-from disttrain.core.errors import ConfigError
 from disttrain.core.faults import Fault, load_fault_plan, parse_fault
 from disttrain.core.process_spec import FLAGS
 from disttrain.core.tls import TlsFiles
@@ -29,7 +28,9 @@ CONFIG_HELP = ("YAML or JSON config file, or the name of a shipped config (`dist
 
 # flag -> (config key, type, help)
 COMMON_FLAGS: dict[str, tuple[str, Any, str]] = {
-    "--dataset": ("training.dataset", str, "mnist, fashion_mnist, cifar10, digits or synthetic"),
+    "--dataset": ("training.dataset", str, "mnist, fashion_mnist, cifar10, digits, synthetic, "
+                  "synthetic:CxHxW, synthetic:text, text:FILE, image-folder:DIR, PATH.py:FACTORY, "
+                  "module:FACTORY or an entry point of disttrain.datasets"),
     "--data-dir": ("training.data_dir", str, "folder holding <dataset>/ files (downloaded if absent)"),
     "--num-epochs": ("training.num_epochs", int, "epochs to train"),
     "--batch-size": ("training.batch_size", int, "samples per step, per worker or rank"),
@@ -51,10 +52,13 @@ COMMON_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--clip-grad-norm": ("training.clip_grad_norm", float, "clip the applied gradient to this global "
                          "L2 norm (0: off)"),
     "--seed": ("training.seed", int, "seed of model init and data order"),
-    "--model": ("training.model_architecture", str, "registered model: simplecnn or mlp"),
+    "--model": ("training.model_architecture", str, "simplecnn, mlp, resnet18, gpt_small, "
+                "torchvision:NAME, PATH.py:FACTORY, module:FACTORY or an entry point of "
+                "disttrain.models (its keyword arguments: --set training.model_args={...})"),
+    "--seq-len": ("training.seq_len", int, "tokens per sample of text:FILE and synthetic:text"),
     "--max-train-samples": ("training.max_train_samples", int, "train on a fixed subset"),
     "--max-test-samples": ("training.max_test_samples", int, "evaluate on a fixed subset"),
-    "--num-samples": ("training.num_samples", int, "size of the synthetic data set"),
+    "--num-samples": ("training.num_samples", int, "size of a synthetic data set"),
     FLAGS.checkpoint_dir: ("system.checkpoint_dir", str, "where checkpoints go"),
     FLAGS.log_dir: ("system.log_dir", str, "where metrics, TensorBoard events, summary go"),
     "--checkpoint-interval": ("training.checkpoint_interval", int, "checkpoint every N steps"),
@@ -255,13 +259,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
     Raises:
         ConfigError: one line per problem (an unknown model among them).
     """
-    from disttrain.training.models import registered_models
+    from disttrain.training.models import check_model_name
     flags = {name[len(CONFIG_PREFIX):]: value for name, value in vars(args).items()
              if name.startswith(CONFIG_PREFIX) and value is not None}
     config = load_config(args.config, flags, args.set)
-    if config.training.model_architecture not in registered_models():
-        raise ConfigError(f"training.model_architecture: {config.training.model_architecture!r} is "
-                          f"not a registered model; use one of {', '.join(registered_models())}")
+    check_model_name(config.training.model_architecture)
     return config
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict
 from typing import Any
@@ -64,12 +66,16 @@ def run(args: argparse.Namespace) -> None:
     if args.watch is None:
         show(collect(args), args.json)
         return
+    # Ctrl-C ends the watch between frames: a frame is never cut short mid-read (an
+    # interrupted registry read would show as an error, or escape as a traceback).
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
     try:
-        while True:
+        _redraw(args)
+        while not stop.wait(args.watch):  # the refresh period of a display
             _redraw(args)
-            time.sleep(args.watch)  # the refresh period of a display, not a synchronisation
-    except KeyboardInterrupt:
-        pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _redraw(args: argparse.Namespace) -> None:

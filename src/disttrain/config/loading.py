@@ -99,6 +99,10 @@ def _type_problem(name: str, value: Any, expected: Any) -> tuple[Any, str | None
         if isinstance(value, str) or number:
             return str(value), None
         return value, f"{name}: {value!r} is not a string"
+    if base is dict:
+        if isinstance(value, dict):
+            return dict(value), None
+        return value, f"{name}: {value!r} is not a mapping; give key: value pairs, e.g. {{n_layer: 2}}"
     raise AssertionError(f"unsupported config type {expected!r} for {name}")
 
 

@@ -12,6 +12,7 @@ which keys a run of each strategy ignores, and why, is `usage`'s to say.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,21 @@ def _address_problems(key: str, address: str, example: str) -> list[str]:
 POSITIVE = _rule(lambda v: v > 0, "must be > 0")
 NON_NEGATIVE = _rule(lambda v: v >= 0, "must be >= 0")
 NON_EMPTY = _rule(lambda v: bool(v.strip()), "must not be empty")
+MAPPING = _rule(lambda v: all(isinstance(k, str) and k.isidentifier() for k in v),
+                "must be a mapping of keyword names to values, e.g. {n_layer: 2}")
+
+
+def _is_dataset(name: str) -> bool:
+    """A built-in set, a `prefix:place` spec (text:, image-folder:, PATH.py:, module:), or a
+    name an installed package registers in the `disttrain.datasets` entry points."""
+    if name in DATASETS or ":" in name.strip(":"):
+        return True
+    return any(ep.name == name for ep in importlib.metadata.entry_points(group="disttrain.datasets"))
+
+
+DATASET_RULE = _rule(_is_dataset, "must be one of " + ", ".join(DATASETS) + ", synthetic:CxHxW, "
+                     "synthetic:text, text:FILE, image-folder:DIR, PATH.py:FACTORY, module:FACTORY or "
+                     "a disttrain.datasets entry point's name")
 OPTIONAL_POSITIVE = _rule(lambda v: v is None or v > 0, "must be a positive integer or null (all)")
 
 
@@ -72,7 +88,7 @@ class TrainingConfig:
     batch_size: int = field(default=64, metadata=POSITIVE)
     learning_rate: float = field(default=0.001, metadata=POSITIVE)
     num_epochs: int = field(default=1, metadata=POSITIVE)
-    dataset: str = field(default="digits", metadata=_choice(DATASETS))
+    dataset: str = field(default="digits", metadata=DATASET_RULE)
     model_architecture: str = field(default="simplecnn", metadata=NON_EMPTY)
     checkpoint_interval: int = field(default=200, metadata=POSITIVE)
     optimizer: str = field(default="adam", metadata=_choice(OPTIMIZERS))
@@ -88,6 +104,14 @@ class TrainingConfig:
     log_interval: int = field(default=10, metadata=POSITIVE)
     mlp_hidden_size: int = field(default=256, metadata=POSITIVE)
     mlp_num_layers: int = field(default=2, metadata=POSITIVE)
+    # --- A model and a data set of the user's own (plug-ins). `model_architecture` and
+    # `dataset` also take PATH.py:FACTORY, module:FACTORY or an entry point's name.
+    # Keyword arguments of the model factory (e.g. n_layer: 2 for gpt_small).
+    model_args: dict = field(default_factory=dict, metadata=MAPPING)
+    # Keyword arguments of a user's data-set factory.
+    dataset_args: dict = field(default_factory=dict, metadata=MAPPING)
+    # Tokens per sample of a language-model data set (text:FILE's window).
+    seq_len: int = field(default=128, metadata=POSITIVE)
     # -- training features: learning-rate schedule, clipping, precision, loader workers --
     # The rate by optimizer step: constant, step (x lr_gamma every lr_step_size steps), or
     # cosine / linear decay to lr_min at step lr_decay_steps; any of them after

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from disttrain.config.schema import SECTIONS, Config
+from disttrain.config.schema import DATASETS, SECTIONS, Config
 
 STRATEGIES = ("baseline", "ps", "ddp")
 NOT_JUDGED = ("system.architecture",)
@@ -133,17 +133,24 @@ RULES: tuple[Rule, ...] = (
         lambda c: f"only cosine and linear decay to a floor (training.lr_schedule is "
                   f"{c.training.lr_schedule})")),
     Rule("training.mlp_*", _when(
-        lambda c, s: c.training.model_architecture != "mlp",
+        lambda c, s: c.training.model_architecture not in ("mlp", "mlp_bn"),
         lambda c: f"only the mlp model reads it (training.model_architecture is "
                   f"{c.training.model_architecture})")),
     Rule("training.num_samples", _when(
-        lambda c, s: c.training.dataset != "synthetic",
+        lambda c, s: c.training.dataset.partition(":")[0] != "synthetic",
         lambda c: f"it sizes the synthetic data set (training.dataset is {c.training.dataset})")),
+    Rule("training.seq_len", _when(
+        lambda c, s: not c.training.dataset.startswith("text:") and c.training.dataset != "synthetic:text",
+        lambda c: f"it cuts text:FILE into windows (training.dataset is {c.training.dataset})")),
+    Rule("training.dataset_args", _when(
+        lambda c, s: (c.training.dataset in DATASETS
+                      or c.training.dataset.startswith(("text:", "image-folder:", "synthetic:"))),
+        lambda c: f"only a data-set factory takes them (training.dataset is {c.training.dataset})")),
     Rule("training.data_dir", _when(
-        lambda c, s: c.training.dataset in ("digits", "synthetic"),
+        lambda c, s: c.training.dataset not in ("mnist", "fashion_mnist", "cifar10"),
         lambda c: f"{c.training.dataset} is read from no folder (training.dataset is {c.training.dataset})")),
     Rule("training.download", _when(
-        lambda c, s: c.training.dataset in ("digits", "synthetic"),
+        lambda c, s: c.training.dataset not in ("mnist", "fashion_mnist", "cifar10"),
         lambda c: f"{c.training.dataset} is never downloaded (training.dataset is {c.training.dataset})")),
 )
 

@@ -1,21 +1,31 @@
-"""In-memory data sets: normalised float images and int64 labels, batched by index.
+"""The data sets `training.dataset` names, and what each is (`describe_dataset`).
 
-Every supported data set is small enough to hold in memory, so a batch is one indexed
-gather (`images[indices]`), with no loader processes to start or to shut down.
+The built-in image sets are small enough to hold in memory, so a batch is one indexed
+gather (`images[indices]`), with no loader processes to start or to shut down. Beside
+them: `text:FILE` (`data.text`), `image-folder:DIR` (`data.image_folder`), the synthetic
+sets of any image shape (`synthetic:3x32x32`) and of tokens (`synthetic:text`), and a user's
+factory, `PATH.py:NAME`, `module:NAME` or an entry point of group `disttrain.datasets`,
+which returns `(train, test, description)`: two map-style data sets of `(input, target)`
+items and a `DatasetDescription` (or a dict of its fields).
 """
 
 from __future__ import annotations
 
+import functools
 import gzip
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from disttrain.config import TrainingConfig
-from disttrain.core.errors import DataError
-from disttrain.data import sources
+from disttrain.core.errors import ConfigError, DataError
+from disttrain.data import image_folder, plugins, sources, text
+from disttrain.data.description import DatasetDescription
+from disttrain.data.mapped import BatchedDataset, MappedDataset
 
 # Per-channel (mean, std) of the training images scaled to [0, 1].
 NORMALISATION = {
@@ -29,6 +39,8 @@ DIGITS_TEST_FRACTION = 0.2
 DIGITS_FILE = Path(__file__).with_name("digits.csv.gz")
 DIGITS_SAMPLES = 1797
 NUM_CLASSES = 10  # every supported data set has ten classes
+SYNTHETIC_PREFIX = "synthetic:"
+SYNTHETIC_TEXT = "synthetic:text"  # tokens shaped as text:FILE's, for language-model benchmarks
 # (channels, height, width) of each data set's images: the one table of shapes, so a
 # model can be built from the config alone, without loading any data.
 INPUT_SHAPES: dict[str, tuple[int, int, int]] = {
@@ -69,6 +81,10 @@ class ArrayDataset:
     def input_shape(self) -> tuple[int, int, int]:
         return tuple(self.images.shape[1:])
 
+    @property
+    def description(self) -> DatasetDescription:
+        return DatasetDescription.classification(self.input_shape, self.num_classes)
+
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.images[indices], self.labels[indices]
 
@@ -99,18 +115,36 @@ def _from_arrays(name: str, arrays: dict[str, np.ndarray]) -> tuple[ArrayDataset
     )
 
 
-def synthetic(num_samples: int) -> tuple[ArrayDataset, ArrayDataset]:
+def synthetic(num_samples: int, shape: tuple[int, ...] = INPUT_SHAPES["synthetic"],
+              name: str = "synthetic") -> tuple[ArrayDataset, ArrayDataset]:
     """A deterministic, learnable, image-shaped data set: ten fixed random prototypes plus
     noise. The test split (a fifth of `num_samples`, at least 10) uses the same prototypes."""
     gen = torch.Generator().manual_seed(SYNTHETIC_SEED)
-    prototypes = torch.randn((10, *INPUT_SHAPES["synthetic"]), generator=gen)
+    prototypes = torch.randn((10, *shape), generator=gen)
 
     def draw(count: int) -> ArrayDataset:
         labels = torch.randint(0, 10, (count,), generator=gen)
-        noise = torch.randn((count, *INPUT_SHAPES["synthetic"]), generator=gen)
-        return ArrayDataset("synthetic", (prototypes[labels] + 1.5 * noise).contiguous(), labels)
+        noise = torch.randn((count, *shape), generator=gen)
+        return ArrayDataset(name, (prototypes[labels] + 1.5 * noise).contiguous(), labels)
 
     return draw(num_samples), draw(max(num_samples // 5, 10))
+
+
+def synthetic_shape(name: str) -> tuple[int, int, int] | None:
+    """The image shape of `synthetic:CxHxW` (e.g. synthetic:3x32x32, a CIFAR-shaped set for
+    benchmarks); None for any other name.
+
+    Raises:
+        ConfigError: a `synthetic:` spec that is neither `text` nor CxHxW.
+    """
+    if not name.startswith(SYNTHETIC_PREFIX) or name == SYNTHETIC_TEXT:
+        return None
+    parts = name[len(SYNTHETIC_PREFIX):].split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ConfigError(f"training.dataset: {name!r} must be synthetic:CxHxW (e.g. synthetic:3x32x32) "
+                          f"or {SYNTHETIC_TEXT}")
+    channels, height, width = (int(p) for p in parts)
+    return channels, height, width
 
 
 def digits() -> tuple[ArrayDataset, ArrayDataset]:
@@ -145,12 +179,89 @@ def digits() -> tuple[ArrayDataset, ArrayDataset]:
             ArrayDataset("digits", images[test_idx], labels[test_idx]))
 
 
-def load_datasets(training: TrainingConfig) -> tuple[ArrayDataset, ArrayDataset]:
+def is_builtin(name: str) -> bool:
+    """Whether `name` is one of the built-in image sets of the shape table."""
+    return name in INPUT_SHAPES
+
+
+def describe_dataset(training: TrainingConfig) -> DatasetDescription:
+    """The task and shapes of `training.dataset`, for building the model: from the table
+    for the built-in sets, from the spec for `text:`, from the folder's layout and first
+    image for `image-folder:`; a user's factory is called (once per process, cached).
+
+    Raises:
+        ConfigError: a plug-in that cannot be found or fails. DataError: bad data.
+    """
+    name = training.dataset
+    if is_builtin(name):
+        shape, num_classes = dataset_shape(name)
+        return DatasetDescription.classification(shape, num_classes)
+    if name.startswith(text.PREFIX) or name == SYNTHETIC_TEXT:
+        return text.describe_text(training.seq_len)
+    if synthetic_shape(name) is not None:
+        return DatasetDescription.classification(synthetic_shape(name), NUM_CLASSES)
+    if name.startswith(image_folder.PREFIX):
+        return image_folder.describe_image_folder(name)
+    return _plugin(name, _args_key(training.dataset_args))[2]
+
+
+def _args_key(args: Any) -> str:
+    return json.dumps(dict(args), sort_keys=True, default=str)
+
+
+@functools.cache
+def _plugin(spec: str, args_json: str) -> tuple[MappedDataset, MappedDataset, DatasetDescription]:
+    """Call a user's data-set factory with `training.dataset_args` and check what it returns.
+    Cached: a process asks for the description (to build the model) and then the data."""
+    key = "training.dataset"
+    factory = plugins.load_factory(spec, key, plugins.DATASET_GROUP)
+    returned = plugins.call_factory(factory, spec, key, **json.loads(args_json))
+    if not (isinstance(returned, tuple | list) and len(returned) == 3):
+        raise ConfigError(f"{key}: {spec} returned a {type(returned).__name__}; return a tuple "
+                          "(train, test, description)")
+    train, test, raw = returned
+    try:
+        description = DatasetDescription.coerce(raw, f"{key}: {spec}")
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    for split, data in (("train", train), ("test", test)):
+        if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+            raise ConfigError(f"{key}: {spec}'s {split} set is a {type(data).__name__}, not a map-style "
+                              "data set (it needs __len__ and __getitem__)")
+        if len(data) == 0:
+            raise ConfigError(f"{key}: {spec}'s {split} set is empty")
+        item = plugins.call_factory(data.__getitem__, f"{spec} ({split}[0])", key, 0)
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise ConfigError(f"{key}: {spec}'s {split}[0] is a {type(item).__name__}; each item must "
+                              "be a pair (input, target)")
+    return (MappedDataset(spec, train, description), MappedDataset(spec, test, description),
+            description)
+
+
+def load_datasets(training: TrainingConfig) -> tuple[BatchedDataset, BatchedDataset]:
     """Load the train and test splits named by `training.dataset`, with the sample limits.
 
     Raises:
         DataError: files are missing (and cannot be downloaded), truncated or malformed.
+        ConfigError: a plug-in that cannot be found or fails.
     """
+    name = training.dataset
+    if name.startswith(text.PREFIX):
+        train, test = text.load_text(name[len(text.PREFIX):], training.seq_len)
+    elif name == SYNTHETIC_TEXT:
+        train, test = text.synthetic_text(training.num_samples, training.seq_len)
+    elif synthetic_shape(name) is not None:
+        train, test = synthetic(training.num_samples, synthetic_shape(name), name)
+    elif name.startswith(image_folder.PREFIX):
+        train, test = image_folder.load_image_folder(name)
+    elif not is_builtin(name):
+        train, test, _ = _plugin(name, _args_key(training.dataset_args))
+    else:
+        train, test = _load_builtin(training)
+    return train.subset(training.max_train_samples), test.subset(training.max_test_samples)
+
+
+def _load_builtin(training: TrainingConfig) -> tuple[ArrayDataset, ArrayDataset]:
     name = training.dataset
     expected_shape, _ = dataset_shape(name)  # an unknown name fails here, naming the known ones
     if name == "synthetic":
@@ -166,4 +277,4 @@ def load_datasets(training: TrainingConfig) -> tuple[ArrayDataset, ArrayDataset]
     for split in (train, test):
         if split.input_shape != expected_shape:
             raise DataError(f"{name} images are {split.input_shape}, expected {expected_shape}")
-    return train.subset(training.max_train_samples), test.subset(training.max_test_samples)
+    return train, test

@@ -64,6 +64,7 @@ def metric_values(summary: RunSummary) -> dict[str, float]:
     `hparam/time_to_accuracy_<threshold>_s` (TensorBoard takes no None: one never
     reached is left out, as is any non-finite figure)."""
     figures: dict[str, Any] = {name: getattr(summary, name) for name in FINAL_FIGURES}
+    figures["final_perplexity"] = summary.extra.get("final_perplexity")  # a language model's
     figures.update({f"time_to_accuracy_{key}_s": seconds
                     for key, seconds in summary.time_to_accuracy_s.items()})
     return {METRIC_PREFIX + name: float(value) for name, value in figures.items()

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 COMPRESSED = "ps (compression on), ddp (compression on)"
+LANGUAGE_MODELS = "all (language-model data sets)"
 
 # How a logged value relates to the steps it covers.
 WINDOW = "window"          # over the steps since the previous record
@@ -38,9 +39,13 @@ class Metric:
 
 ALL = "all"
 METRICS: dict[str, Metric] = {m.key: m for m in [
-    Metric("loss/train", "nats", WINDOW, "mean cross-entropy of the samples trained on", ALL),
+    Metric("loss/train", "nats", WINDOW, "mean cross-entropy of the samples trained on (a "
+           "language model's: of their tokens)", ALL),
     Metric("accuracy/train", "fraction", WINDOW, "share of the samples trained on that the model "
-           "classified right, before its update", ALL),
+           "classified right, before its update (classification data sets; a language model logs "
+           "`perplexity/train` instead)", ALL),
+    Metric("perplexity/train", "ratio", WINDOW, "exp(`loss/train`): a language model's figure in "
+           "place of `accuracy/train`", LANGUAGE_MODELS),
     Metric("throughput/samples_per_s", "samples/s", WINDOW, "samples this process trained on, "
            "divided by the training-clock seconds they took", ALL),
     Metric("time/step_s", "s", PER_STEP, "training-clock time of one step, from taking its batch "
@@ -85,15 +90,20 @@ METRICS: dict[str, Metric] = {m.key: m for m in [
     Metric("progress/samples", "samples", CUMULATIVE, "samples this process trained on", ALL),
     Metric("progress/train_time_s", "s", CUMULATIVE, "this process's training clock (both progress "
            "keys are on the evaluation records too: test accuracy against training time)", ALL),
-    Metric("loss/test", "nats", EPOCH_END, "mean cross-entropy over the whole test set", ALL),
+    Metric("loss/test", "nats", EPOCH_END, "mean cross-entropy over the whole test set (a "
+           "language model's: over its tokens)", ALL),
     Metric("accuracy/test", "fraction", EPOCH_END, "share of the whole test set classified "
-           "right", ALL),
+           "right (classification data sets; a language model logs `perplexity/test` instead)", ALL),
+    Metric("perplexity/test", "ratio", EPOCH_END, "exp(`loss/test`), the mean token cross-entropy "
+           "over the whole test set: a language model's figure in place of `accuracy/test`",
+           LANGUAGE_MODELS),
     Metric("time/eval_s", "s", EPOCH_END, "wall time of the evaluation, off the training clock",
            ALL),
 ]}
 
 SUMMARY: dict[str, Metric] = {m.key: m for m in [
-    Metric("final_accuracy", "fraction", RUN, "test accuracy of the final model", ALL),
+    Metric("final_accuracy", "fraction", RUN, "test accuracy of the final model (a language "
+           "model's: the share of next tokens predicted right)", ALL),
     Metric("final_loss", "nats", RUN, "test loss of the final model", ALL),
     Metric("train_time_s", "s", RUN, "the longest training clock of the run's processes "
            "(evaluation and checkpoint writes left out)", ALL),
@@ -113,6 +123,10 @@ SUMMARY: dict[str, Metric] = {m.key: m for m in [
 
 # Fields a summary has only in some runs.
 OPTIONAL_SUMMARY: dict[str, Metric] = {m.key: m for m in [
+    Metric("task", "name", RUN, "the data set's task when it is not classification: "
+           "`language-model`", LANGUAGE_MODELS),
+    Metric("final_perplexity", "ratio", RUN, "exp(`final_loss`), the language model's figure "
+           "reported in place of accuracy", LANGUAGE_MODELS),
     Metric("compression_ratio", "ratio", RUN, "gradient bytes before compression / bytes sent, "
            "over the whole run and every process (present when compression is on)", "ps, ddp"),
     Metric("compression_bytes_sent", "bytes", RUN, "gradient payload bytes all processes sent, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, field
@@ -14,6 +15,7 @@ from typing import Any
 from disttrain.metrics.time_to_accuracy import Evaluation, time_to_accuracy
 
 SUMMARY_FILE = "summary.json"
+LANGUAGE_MODEL = "language-model"  # the task whose summary reports perplexity (data.description's)
 
 
 @dataclass
@@ -43,7 +45,7 @@ class RunSummary:
     def create(cls, *, strategy: str, config: Any, final_accuracy: float, final_loss: float,
                total_time_s: float, train_time_s: float, samples_processed: int, steps: int,
                world_size: int, evaluations: Iterable[Evaluation] = (),
-               extra: dict[str, Any] | None = None) -> RunSummary:
+               extra: dict[str, Any] | None = None, task: str = "classification") -> RunSummary:
         """The summary of a finished run; the throughput is samples over the training clock.
 
         Args:
@@ -52,7 +54,11 @@ class RunSummary:
             evaluations: `(train_time_s, accuracy)` of every evaluation of the run by the
                 process writing the summary (`LoopResult.evaluations`), for
                 `time_to_accuracy_s`; none means no threshold reached.
+            task: the data set's; a language model's summary adds `task` and
+                `final_perplexity`, and shows perplexity in place of accuracy.
         """
+        if task == LANGUAGE_MODEL:
+            extra = {"task": task, "final_perplexity": math.exp(min(final_loss, 700.0)), **(extra or {})}
         return cls(strategy=strategy, dataset=config.training.dataset, final_accuracy=final_accuracy,
                    final_loss=final_loss, total_time_s=total_time_s, train_time_s=train_time_s,
                    throughput_samples_per_s=samples_processed / max(train_time_s, 1e-9),
@@ -66,11 +72,17 @@ class RunSummary:
         out.update(out.pop("extra"))
         return out
 
+    @property
+    def is_language_model(self) -> bool:
+        return self.extra.get("task") == LANGUAGE_MODEL
+
     def lines(self) -> list[str]:
         """The summary as the command prints it."""
+        quality = (f"Final Perplexity: {self.extra['final_perplexity']:.3f}" if self.is_language_model
+                   else f"Final Accuracy: {self.final_accuracy * 100:.2f}%")
         return [
             f"Strategy: {self.strategy} (world size {self.world_size}, dataset {self.dataset})",
-            f"Final Accuracy: {self.final_accuracy * 100:.2f}%",
+            quality,
             f"Final Loss: {self.final_loss:.4f}",
             f"Total Time: {self.total_time_s:.2f}s",
             f"Throughput: {self.throughput_samples_per_s:.1f} samples/s",
@@ -81,7 +93,7 @@ class RunSummary:
 
     def _time_to_accuracy_lines(self) -> list[str]:
         """`Time to accuracy: 90% 1.2s, 95% 3.4s, 97% -, 98% -` (none when not recorded)."""
-        if not self.time_to_accuracy_s:
+        if not self.time_to_accuracy_s or self.is_language_model:
             return []
         return ["Time to accuracy: " + ", ".join(
             f"{float(key) * 100:g}% " + ("-" if seconds is None else f"{seconds:.1f}s")

@@ -7,6 +7,7 @@ run's) divides samples by the same kind of seconds.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -79,10 +80,13 @@ class MetricsWindow:
 
     Args:
         clock_s: the training clock's reading when the window opens.
+        perplexity: a language model's window: report `perplexity/train` (exp of the mean
+            token loss) instead of `accuracy/train`.
     """
 
-    def __init__(self, clock_s: float):
+    def __init__(self, clock_s: float, perplexity: bool = False):
         self.opened_s = clock_s
+        self.perplexity = perplexity
         self.loss_sum = 0.0
         self.num_correct = 0
         self.num_samples = 0
@@ -109,9 +113,12 @@ class MetricsWindow:
         if self.step_sums.get("compression/bytes_sent"):  # a ratio of the window's sums
             per_step["compression/ratio"] = (self.step_sums["compression/bytes_dense"]
                                              / self.step_sums["compression/bytes_sent"])
+        loss = self.loss_sum / samples
+        quality = ({"perplexity/train": math.exp(min(loss, 700.0))} if self.perplexity
+                   else {"accuracy/train": self.num_correct / samples})
         return {
-            "loss/train": self.loss_sum / samples,
-            "accuracy/train": self.num_correct / samples,
+            "loss/train": loss,
+            **quality,
             "throughput/samples_per_s": self.num_samples / seconds,
             "time/step_s": step_s,
             "time/compute_s": max(step_s - per_step.get("time/comm_blocked_s", 0.0), 0.0),

@@ -67,7 +67,8 @@ def run_row(entry: dict[str, Any], run: RunData | None, thresholds: Sequence[flo
         "log_dir": entry.get("log_dir"),
     }
     if run is None:
-        return {**row, **dict.fromkeys(("final_accuracy", "final_loss", "total_time_s", "train_time_s",
+        return {**row, **dict.fromkeys(("final_accuracy", "final_perplexity", "final_loss", "total_time_s",
+                                        "train_time_s",
                                         "samples_per_s", "speedup", "scaling_efficiency", "bytes_per_step",
                                         "compression_ratio", "recovery_events", "staleness_histogram")),
                 "time_to_accuracy_s": dict.fromkeys(map(threshold_key, thresholds)),
@@ -78,6 +79,7 @@ def run_row(entry: dict[str, Any], run: RunData | None, thresholds: Sequence[flo
     return {
         **row,
         "final_accuracy": finite(summary["final_accuracy"]),
+        "final_perplexity": finite(summary.get("final_perplexity")),  # a language model's
         "final_loss": finite(summary["final_loss"]),
         "time_to_accuracy_s": run_time_to_accuracy(evaluated, thresholds, summary.get("time_to_accuracy_s")),
         "total_time_s": finite(summary["total_time_s"]),

@@ -10,7 +10,7 @@ from html import escape
 from typing import Any
 
 from disttrain.report.plots import Plot
-from disttrain.report.table import LEGEND, cells, headers, ranking_lines
+from disttrain.report.table import cells, headers, language_models, legend, ranking_lines
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto;
@@ -46,7 +46,7 @@ def html_page(meta: dict[str, Any], rows: Sequence[dict[str, Any]], thresholds: 
         f"<p class=\"meta\">created {escape(str(meta.get('created', '?')))}"
         + (f"<br><code>{escape(command)}</code>" if command else "") + "</p>",
         _table(rows, thresholds),
-        f'<p class="legend">{escape(LEGEND)}</p>',
+        f'<p class="legend">{escape(legend(rows))}</p>',
         _rankings(rows, rankings),
     ]
     for plot in plots:
@@ -59,7 +59,7 @@ def html_page(meta: dict[str, Any], rows: Sequence[dict[str, Any]], thresholds: 
 
 
 def _table(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> str:
-    head = headers(thresholds)
+    head = headers(thresholds, language_models(rows))
     lines = ["<table>", "<tr>" + "".join(f"<th>{escape(cell)}</th>" for cell in head) + "</tr>"]
     for row in rows:
         line = cells(row, thresholds)

@@ -29,7 +29,7 @@ from disttrain.report.files import read_json_file, write_file_atomic, write_json
 from disttrain.report.html import html_page
 from disttrain.report.plots import Plot, draw_plots
 from disttrain.report.runs import is_number, load_run
-from disttrain.report.table import LEGEND, markdown_table, ranking_lines, text_table
+from disttrain.report.table import language_models, legend, markdown_table, ranking_lines, text_table
 
 COMPARISON_FILE = "comparison.json"
 REPORT_JSON, REPORT_MARKDOWN, REPORT_HTML = "report.json", "report.md", "report.html"
@@ -66,6 +66,8 @@ def render_comparison(folder: str | Path) -> RenderedReport:
     thresholds = comparison["thresholds"]
     rows = [run_row(entry, load_run(folder / entry["log_dir"]) if entry["status"] == OK else None,
                     thresholds) for entry in comparison["runs"]]
+    if language_models(rows):  # no accuracy to reach: the time-to-accuracy columns go
+        thresholds = []
     base = add_speedups(rows)
     ranked = rankings(rows, thresholds)
     plots = draw_plots(rows, folder / PLOTS_FOLDER)
@@ -135,7 +137,7 @@ def markdown_page(meta: dict[str, Any], rows: Sequence[dict[str, Any]], threshol
     command = " ".join(meta.get("command") or [])
     lines = [f"# disttrain comparison on {meta.get('dataset') or '?'}", "",
              f"created {meta.get('created') or '?'}" + (f": `{command}`" if command else ""), "",
-             markdown_table(rows, thresholds), LEGEND, "", "## Rankings", ""]
+             markdown_table(rows, thresholds), legend(rows), "", "## Rankings", ""]
     lines += [f"- {line}" for line in ranking_lines(rows, ranked)]
     for plot in plots:
         lines += ["", f"## {plot.title}", "", f"![{plot.title}]({plot.path.relative_to(folder).as_posix()})",

@@ -17,8 +17,24 @@ LEGEND = ("tNN%: training-clock time to NN% test accuracy (- not reached); total
           "fail: failures recovered from")
 
 
-def headers(thresholds: Sequence[float]) -> list[str]:
-    return ["run", "status", "acc", *(f"t{threshold * 100:g}%" for threshold in thresholds),
+LANGUAGE_MODEL_LEGEND = "ppl: test perplexity, exp(mean token loss), in place of a classifier's accuracy; "
+
+
+def legend(rows: Sequence[dict[str, Any]]) -> str:
+    """The legend of the table of `rows` (a language models' table's says what ppl is)."""
+    return LANGUAGE_MODEL_LEGEND + LEGEND if language_models(rows) else LEGEND
+
+
+def language_models(rows: Sequence[dict[str, Any]]) -> bool:
+    """Whether the finished runs (one at least) all trained a language model: the table then
+    shows perplexity in place of accuracy."""
+    finished = [row for row in rows if row["status"] == OK]
+    return bool(finished) and all(row.get("final_perplexity") is not None for row in finished)
+
+
+def headers(thresholds: Sequence[float], perplexity: bool = False) -> list[str]:
+    return ["run", "status", "ppl" if perplexity else "acc",
+            *(f"t{threshold * 100:g}%" for threshold in thresholds),
             "total", "samples/s", "speed-up", "eff", "B/step", "compr", "fail"]
 
 
@@ -28,7 +44,9 @@ def cells(row: dict[str, Any], thresholds: Sequence[float]) -> list[str]:
     if row["status"] != OK:
         return [row["name"], f"{row['status']}: {row['error']}" if row.get("error") else row["status"]]
     times = row["time_to_accuracy_s"]
-    return [row["name"], OK, percent(row["final_accuracy"]),
+    quality = (number(row["final_perplexity"], ".3f") if row.get("final_perplexity") is not None
+               else percent(row["final_accuracy"]))
+    return [row["name"], OK, quality,
             *(seconds(times.get(threshold_key(threshold))) for threshold in thresholds),
             seconds(row["total_time_s"]), number(row["samples_per_s"], ".0f"),
             number(row["speedup"], ".2f", "x"), percent(row["scaling_efficiency"], ".0f"),
@@ -39,7 +57,7 @@ def cells(row: dict[str, Any], thresholds: Sequence[float]) -> list[str]:
 def text_table(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> str:
     """The table for a terminal: aligned columns, numbers to the right, a run that did not
     finish on one line with its error; the legend below."""
-    head = headers(thresholds)
+    head = headers(thresholds, language_models(rows))
     body = [cells(row, thresholds) for row in rows]
     full = [line for line in [head, *body] if len(line) == len(head)]
     widths = [max(len(line[i]) for line in full) for i in range(len(head))]
@@ -51,13 +69,13 @@ def text_table(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> s
         padded = [cell.ljust(width) if i < 2 else cell.rjust(width)
                   for i, (cell, width) in enumerate(zip(line, widths, strict=True))]
         lines.append("  ".join(padded).rstrip())
-    return "\n".join(lines + ["", *wrap(LEGEND, 110)])
+    return "\n".join(lines + ["", *wrap(legend(rows), 110)])
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> str:
     """The table in Markdown; a run that did not finish has its status and error in the
     status column and dashes elsewhere."""
-    head = headers(thresholds)
+    head = headers(thresholds, language_models(rows))
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
     for row in rows:
         line = cells(row, thresholds)

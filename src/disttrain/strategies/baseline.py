@@ -121,7 +121,7 @@ class Baseline:
         ckpt.save_final_model(checkpoint_dir / FINAL_MODEL, model.state_dict(), config)
         summary = RunSummary.create(
             strategy=self.name, config=config, final_accuracy=result.evaluation.accuracy,
-            final_loss=result.evaluation.loss, total_time_s=time.perf_counter() - started,
+            final_loss=result.evaluation.loss, task=result.task, total_time_s=time.perf_counter() - started,
             train_time_s=result.position.train_time_s,
             samples_processed=result.position.samples_processed, steps=result.position.step,
             world_size=1, evaluations=result.evaluations,

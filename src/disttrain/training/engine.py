@@ -3,10 +3,16 @@
 Call order in a step: `forward_backward` (gradients land in `.grad`), then whatever the
 strategy does with gradients (nothing, all-reduce, push to servers), then the optimizer.
 `train_step` is that sequence for a single process.
+
+The loss is the task's: for classification, logits (B, C) against class indices (B,); for
+a language model, logits (B, T, V) against next-token ids (B, T), the mean cross-entropy
+over every token. Both are one `cross_entropy` over the flattened predictions, so the
+step, its gradient and every strategy's aggregation are the same code for both.
 """
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +23,7 @@ from torch import nn
 
 from disttrain.config import TrainingConfig
 from disttrain.core.processes import thread_count
-from disttrain.data import ArrayDataset
+from disttrain.data import LANGUAGE_MODEL, BatchedDataset
 from disttrain.training.precision import Precision
 from disttrain.training.schedule import remember_initial_rates
 
@@ -81,10 +87,23 @@ def clip_gradients(params, max_norm: float) -> float:
     return float(torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm))
 
 
+def task_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of `logits` (..., C) against `targets` (...): over samples for
+    classification, over every token for a language model's (B, T, V) logits."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                           reduction=reduction)
+
+
+def count_correct(logits: torch.Tensor, targets: torch.Tensor) -> int:
+    """Predictions (samples, or tokens of a language model) whose top logit is the target."""
+    return int((logits.argmax(dim=-1) == targets).sum())
+
+
 @dataclass
 class StepResult:
-    """One step as the training loop counts it: the mean loss over its samples, how many it
-    got right, and the step's own figures (metric keys, e.g. `time/comm_blocked_s`)."""
+    """One step as the training loop counts it: the mean loss over its samples (a language
+    model's: over their tokens), how many predictions it got right (samples, or tokens),
+    the samples, and the step's own figures (metric keys, e.g. `time/comm_blocked_s`)."""
 
     loss: float
     num_correct: int
@@ -103,12 +122,12 @@ def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tens
     """
     model.train()
     with precision.autocast() if precision is not None else nullcontext():
-        logits = model(inputs).float()  # a no-op in float32; the loss never in half precision
-    loss = F.cross_entropy(logits, targets)
+        logits = model(inputs)
+    loss = task_loss(logits, targets)  # in float32, outside autocast
     weighted = loss * loss_scale if loss_scale != 1.0 else loss
     (precision.scale(weighted) if precision is not None else weighted).backward()
     with torch.no_grad():
-        correct = int((logits.argmax(dim=1) == targets).sum())
+        correct = count_correct(logits, targets)
     return StepResult(float(loss.detach()), correct, len(targets))
 
 
@@ -123,19 +142,47 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch
 
 @dataclass
 class EvalResult:
-    """Sums, so ranks can add theirs before dividing."""
+    """Sums, so ranks can add theirs before dividing. `num_predictions` counts what the loss
+    and `num_correct` are summed over: the samples (0 says so), or a language model's tokens."""
 
     loss_sum: float
     num_correct: int
     num_samples: int
+    num_predictions: int = 0
+
+    @property
+    def predictions(self) -> int:
+        return max(self.num_predictions or self.num_samples, 1)
 
     @property
     def loss(self) -> float:
-        return self.loss_sum / max(self.num_samples, 1)
+        return self.loss_sum / self.predictions
 
     @property
     def accuracy(self) -> float:
-        return self.num_correct / max(self.num_samples, 1)
+        """The share of predictions right (a language model's: next tokens)."""
+        return self.num_correct / self.predictions
+
+    @property
+    def perplexity(self) -> float:
+        """exp(mean cross-entropy): what a language model reports instead of accuracy."""
+        return math.exp(min(self.loss, 700.0))  # past e^700 a float overflows; it is inf then
+
+    def sums(self) -> list[float]:
+        """The figures ranks add up (`from_sums` makes the total)."""
+        return [self.loss_sum, self.num_correct, self.num_samples, self.num_predictions]
+
+    @classmethod
+    def from_sums(cls, sums) -> EvalResult:
+        loss_sum, correct, samples, predictions = sums
+        return cls(float(loss_sum), int(correct), int(samples), int(predictions))
+
+    def figures(self, task: str) -> dict[str, float]:
+        """The test figures of the metrics vocabulary: loss and accuracy, or for a language
+        model loss and perplexity."""
+        if task == LANGUAGE_MODEL:
+            return {"loss/test": self.loss, "perplexity/test": self.perplexity}
+        return {"loss/test": self.loss, "accuracy/test": self.accuracy}
 
 
 def eval_slice(num_samples: int, world_size: int, rank: int) -> torch.Tensor:
@@ -145,18 +192,19 @@ def eval_slice(num_samples: int, world_size: int, rank: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: ArrayDataset, batch_size: int = 1000,
+def evaluate(model: nn.Module, dataset: BatchedDataset, batch_size: int = 1000,
              indices: torch.Tensor | None = None, device: torch.device | str = "cpu") -> EvalResult:
     """Loss and accuracy of `model` on `dataset` (or on `indices` of it), in eval mode."""
     was_training = model.training
     model.eval()
     order = torch.arange(len(dataset)) if indices is None else indices
-    loss_sum, correct = 0.0, 0
+    loss_sum, correct, predictions = 0.0, 0, 0
     for start in range(0, len(order), batch_size):
         inputs, targets = dataset.batch(order[start:start + batch_size])
         inputs, targets = inputs.to(device), targets.to(device)
         logits = model(inputs)
-        loss_sum += float(F.cross_entropy(logits, targets, reduction="sum"))
-        correct += int((logits.argmax(dim=1) == targets).sum())
+        loss_sum += float(task_loss(logits, targets, reduction="sum"))
+        correct += count_correct(logits, targets)
+        predictions += targets.numel()
     model.train(was_training)
-    return EvalResult(loss_sum, correct, len(order))
+    return EvalResult(loss_sum, correct, len(order), predictions)

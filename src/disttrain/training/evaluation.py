@@ -1,4 +1,4 @@
-"""Test accuracy of a saved model file from any strategy.
+"""Test accuracy (a language model's: perplexity) of a saved model file from any strategy.
 
 Reads `{"model": state_dict, ...}` files (`baseline_final.pt`, `parameter_server_final.pt`,
 `ddp_final.pt`) or a full training checkpoint, with `weights_only=True`.
@@ -11,9 +11,9 @@ from pathlib import Path
 from disttrain.config import TrainingConfig
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import CheckpointError
-from disttrain.data import load_datasets
+from disttrain.data import describe_dataset, load_datasets
 from disttrain.training.engine import EvalResult, evaluate
-from disttrain.training.models import build_model
+from disttrain.training.models import build_for
 
 
 def evaluate_model_file(path: str | Path, training: TrainingConfig) -> EvalResult:
@@ -25,8 +25,7 @@ def evaluate_model_file(path: str | Path, training: TrainingConfig) -> EvalResul
     state = ckpt.load_checkpoint(path)
     ckpt.require_keys(state, ("model",), path)
     train_set, test_set = load_datasets(training)
-    model = build_model(training.model_architecture, test_set.input_shape, test_set.num_classes,
-                        training)
+    model = build_for(training.model_architecture, describe_dataset(training), training)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:

@@ -26,7 +26,7 @@ from disttrain.config.schema import write_config
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import CheckpointError
 from disttrain.core.faults import FaultInjector
-from disttrain.data import PlannedSampler, ShardedSampler
+from disttrain.data import LANGUAGE_MODEL, PlannedSampler, ShardedSampler, describe_dataset
 from disttrain.metrics.logger import MetricsLogger, read_metrics
 from disttrain.metrics.time_to_accuracy import Evaluation, evaluations_from_records
 from disttrain.metrics.window import MetricsWindow, TrainClock
@@ -57,11 +57,16 @@ class LoopSettings:
     checkpoint_interval: int
     micro_batches: int = 1  # batches per step (gradient accumulation)
     record: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    task: str = "classification"  # the data set's: a language model logs perplexity, not accuracy
 
     @classmethod
     def of(cls, training: TrainingConfig, record: Mapping[str, Any], micro_batches: int = 1) -> LoopSettings:
         return cls(training.num_epochs, training.batch_size, training.log_interval,
-                   training.checkpoint_interval, micro_batches, record)
+                   training.checkpoint_interval, micro_batches, record, describe_dataset(training).task)
+
+    @property
+    def perplexity(self) -> bool:
+        return self.task == LANGUAGE_MODEL
 
 
 @dataclass
@@ -77,6 +82,7 @@ class LoopResult:
     evaluation: EvalResult
     resumed_from_step: int | None
     evaluations: list[Evaluation] = field(default_factory=list)
+    task: str = "classification"
 
 
 def groups(batches: Iterator[torch.Tensor], size: int) -> Iterator[list[torch.Tensor]]:
@@ -148,7 +154,7 @@ class TrainingLoop:
         evaluation = None
         self.participant.start()
         self.clock.start()
-        window = MetricsWindow(self.clock.elapsed())
+        window = MetricsWindow(self.clock.elapsed(), s.perplexity)
         for epoch in range(position.epoch, s.num_epochs):
             sampler.set_epoch(epoch)
             position.epoch = epoch
@@ -169,7 +175,7 @@ class TrainingLoop:
                 if self.rebalancer is not None:  # before a checkpoint, which then holds its plan
                     self.rebalancer.after_step(position.step, epoch, result.num_samples, blocked_s)
                 if position.step % s.log_interval == 0:
-                    window = MetricsWindow(self._log_window(metrics, window))
+                    window = MetricsWindow(self._log_window(metrics, window), s.perplexity)
                 if position.step % s.checkpoint_interval == 0:
                     if not sampler.exhausted:
                         self._save(metrics)
@@ -194,7 +200,7 @@ class TrainingLoop:
         position.train_time_s = self.clock.elapsed()
         metrics.close()
         resumed_step = None if resumed_from is None else ckpt.checkpoint_step(resumed_from)
-        return LoopResult(position, evaluation, resumed_step, evaluations)
+        return LoopResult(position, evaluation, resumed_step, evaluations, s.task)
 
     def _log_window(self, metrics: MetricsLogger, window: MetricsWindow) -> float:
         """Log the window; returns the clock reading it closed at (the next one opens there)."""
@@ -222,13 +228,16 @@ class TrainingLoop:
             result = self.participant.evaluate(epoch)
             seconds = time.perf_counter() - started
             train_time_s = self.clock.elapsed()
-        evaluations.append((train_time_s, result.accuracy))
-        self._log(metrics, epoch, {"loss/test": result.loss, "accuracy/test": result.accuracy,
-                                   "time/eval_s": seconds,
+        if not self.settings.perplexity:  # time to accuracy: a classifier's figure
+            evaluations.append((train_time_s, result.accuracy))
+        self._log(metrics, epoch, {**result.figures(self.settings.task), "time/eval_s": seconds,
                                    "progress/samples": self.position.samples_processed,
                                    "progress/train_time_s": train_time_s})
         metrics.flush()
-        if self.announce:
+        if self.announce and self.settings.perplexity:
+            logger.info("epoch %d: test perplexity %.3f, test loss %.4f (%.2fs)", epoch,
+                        result.perplexity, result.loss, seconds)
+        elif self.announce:
             logger.info("epoch %d: test accuracy %.4f, test loss %.4f (%.2fs)", epoch, result.accuracy,
                         result.loss, seconds)
         return result

@@ -229,7 +229,7 @@ def finish(config: Config, runtime: rt.Runtime, participant: RankParticipant, re
                           participant.module.state_dict(), config)
     summary = RunSummary.create(
         strategy="ddp", config=config, final_accuracy=result.evaluation.accuracy,
-        final_loss=result.evaluation.loss, total_time_s=time.perf_counter() - started,
+        final_loss=result.evaluation.loss, task=result.task, total_time_s=time.perf_counter() - started,
         train_time_s=train_time_s, samples_processed=int(samples), steps=position.step,
         world_size=info.world_size, evaluations=result.evaluations,
         extra={"backend": runtime.backend, "device": str(runtime.device),

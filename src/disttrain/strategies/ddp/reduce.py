@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disttrain.data import ArrayDataset
+from disttrain.data import BatchedDataset
 from disttrain.training.engine import EvalResult, eval_slice, evaluate
 
 
@@ -22,7 +22,7 @@ def all_reduce_values(values: list[float], device: torch.device,
     return tensor.tolist()
 
 
-def evaluate_sharded(model: nn.Module, dataset: ArrayDataset, batch_size: int, rank: int,
+def evaluate_sharded(model: nn.Module, dataset: BatchedDataset, batch_size: int, rank: int,
                      world_size: int, device: torch.device) -> EvalResult:
     """Loss and accuracy on the whole of `dataset`, each rank evaluating a slice. A collective.
 
@@ -31,6 +31,4 @@ def evaluate_sharded(model: nn.Module, dataset: ArrayDataset, batch_size: int, r
     """
     local = evaluate(model, dataset, batch_size, indices=eval_slice(len(dataset), world_size, rank),
                      device=device)
-    loss_sum, correct, samples = all_reduce_values(
-        [local.loss_sum, local.num_correct, local.num_samples], device)
-    return EvalResult(loss_sum, int(correct), int(samples))
+    return EvalResult.from_sums(all_reduce_values(local.sums(), device))

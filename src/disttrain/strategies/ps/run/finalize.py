@@ -155,7 +155,7 @@ def finish(config: Config, client: PSClient, participant: WorkerParticipant, res
                 "bytes_received": t.bytes_received} for r, t in enumerate(totals)]
     summary = RunSummary.create(
         strategy=f"ps-{statuses[0].aggregation_mode}", config=config,
-        final_accuracy=result.evaluation.accuracy, final_loss=result.evaluation.loss,
+        final_accuracy=result.evaluation.accuracy, final_loss=result.evaluation.loss, task=result.task,
         total_time_s=time.perf_counter() - started, train_time_s=max(w["train_time_s"] for w in workers),
         samples_processed=sum(w["samples"] for w in workers), steps=statuses[0].version,
         world_size=statuses[0].world_size, evaluations=result.evaluations,

@@ -150,11 +150,9 @@ class WorkerParticipant:
         self.adopt_buffers()
         mine = eval_slice(len(self.test_set), self.world_size, self.rank)
         local = evaluate(self.model, self.test_set, self.eval_batch_size, indices=mine)
-        rows = self.client.barrier(self.worker_id, f"epoch{epoch}:evaluated",
-                                   [local.loss_sum, local.num_correct, local.num_samples])
-        loss_sum, correct, samples = (sum(column) for column in zip(*rows, strict=True))
+        rows = self.client.barrier(self.worker_id, f"epoch{epoch}:evaluated", local.sums())
         self._last_exit = None  # the time spent here is not work of the next step
-        return EvalResult(loss_sum, int(correct), int(samples))
+        return EvalResult.from_sums([sum(column) for column in zip(*rows, strict=True)])
 
     def adopt_buffers(self) -> None:
         """Give the model the servers' buffers of the parameters it holds (before an

@@ -1,0 +1,138 @@
+"""A user's model and data set, defined in a file of their own, train under every strategy
+from the command line; an installed package's entry points are found by name; a text
+file trains gpt_small, reporting perplexity."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+import yaml
+
+from disttrain.core import checkpoint as ckpt
+from disttrain.metrics.logger import read_metrics
+from tests.plugin_files import write_plugin, write_text
+from tests.unit.test_plugins import write_distribution
+
+SMALL = ["--batch-size", "16", "--num-epochs", "1", "--num-threads", "1"]
+TINY_GPT = "training.model_args={n_layer: 1, n_head: 2, n_embd: 16}"
+
+
+def user_config(tmp_path, **training) -> str:
+    """A config file naming the user's model and data set, with the model's arguments."""
+    plugin = write_plugin(tmp_path)
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump({"training": {
+        "model_architecture": f"{plugin}:model", "dataset": f"{plugin}:data",
+        "model_args": {"hidden": 12}, "optimizer": "sgd", "learning_rate": 0.1, **training}}))
+    return str(path)
+
+
+def dirs(tmp_path, name):
+    return ["--checkpoint-dir", tmp_path / name / "ckpt", "--log-dir", tmp_path / name / "logs"]
+
+
+def summary_of(tmp_path, name):
+    return json.loads((tmp_path / name / "logs" / "summary.json").read_text())
+
+
+@pytest.mark.timeout(120)
+def test_a_users_model_and_data_resume_exactly_mid_epoch_and_evaluate(tmp_path, cli):
+    config = ["--config", user_config(tmp_path), *SMALL, "--num-epochs", "2", "--checkpoint-interval", "4"]
+    whole = cli("baseline", *config, *dirs(tmp_path, "whole"))
+    assert whole.returncode == 0, whole.stderr
+    summary = summary_of(tmp_path, "whole")
+    assert summary["dataset"].endswith("my_plugin.py:data") and summary["samples_processed"] == 2 * 192
+    assert summary["final_accuracy"] > 0.75  # the sign of a sum: a broken path stays near 0.5
+    killed = cli("baseline", *config, *dirs(tmp_path, "cut"), "--inject", "kill:worker=0:step=6")
+    assert killed.returncode == -signal.SIGKILL
+    assert ckpt.latest_checkpoint(tmp_path / "cut" / "ckpt").name == "checkpoint_step00000004.pt"  # mid-epoch
+    resumed = cli("baseline", *config, *dirs(tmp_path, "cut"), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    weights = [ckpt.load_checkpoint(tmp_path / name / "ckpt" / "baseline_final.pt")["model"]
+               for name in ("whole", "cut")]
+    assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
+    evaluated = cli("evaluate", "--config", user_config(tmp_path),
+                    tmp_path / "whole" / "ckpt" / "baseline_final.pt")
+    assert f"Test Accuracy: {summary['final_accuracy'] * 100:.2f}%" in evaluated.stdout, evaluated.stderr
+
+
+@pytest.mark.timeout(60)
+def test_an_installed_packages_entry_points_are_found_by_name(tmp_path, cli):
+    write_distribution(tmp_path / "site", """
+        [disttrain.models]
+        tiny-classifier = userplug.zoo:model
+        [disttrain.datasets]
+        tiny-vectors = userplug.zoo:data
+        """)
+    path = os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")]))
+    result = cli("baseline", "--model", "tiny-classifier", "--dataset", "tiny-vectors", *SMALL,
+                 *dirs(tmp_path, "run"), env={"PYTHONPATH": path})
+    assert result.returncode == 0, result.stderr
+    assert summary_of(tmp_path, "run")["samples_processed"] == 192
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_users_model_and_data_train_on_two_parameter_server_shards(tmp_path, cli):
+    result = cli("ps", "--config", user_config(tmp_path), *SMALL, "--workers", "2", "--servers", "2",
+                 *dirs(tmp_path, "ps"))
+    assert result.returncode == 0, result.stderr
+    summary = summary_of(tmp_path, "ps")
+    assert summary["strategy"] == "ps-sync" and summary["num_servers"] == 2
+    assert summary["samples_applied"] == 192 and summary["samples_lost"] == 0
+    assert summary["final_accuracy"] > 0.6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_compare_runs_a_users_model_under_baseline_ps_async_and_ddp(tmp_path, cli):
+    result = cli("compare", "--config", user_config(tmp_path), *SMALL, "--workers", "2",
+                 "--strategies", "baseline,ps-async,ddp", "--set", "ps.num_servers=2",
+                 "--output-dir", tmp_path / "cmp", timeout=170)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "cmp" / "report.json").read_text())
+    runs = {run["name"]: run for run in report["runs"]}
+    assert set(runs) == {"baseline", "ps-async", "ddp"} and all(r["status"] == "ok" for r in runs.values())
+    assert all(r["final_accuracy"] > 0.6 for r in runs.values())
+    ps_summary = json.loads((tmp_path / "cmp" / "ps-async" / "logs" / "summary.json").read_text())
+    assert ps_summary["strategy"] == "ps-async" and ps_summary["num_servers"] == 2
+    header = next(line for line in result.stdout.splitlines() if line.startswith("run "))
+    assert header.split()[:4] == ["run", "status", "acc", "t90%"]
+
+
+@pytest.mark.timeout(120)
+def test_gpt_small_on_a_text_file_reports_perplexity(tmp_path, cli):
+    text = write_text(tmp_path)
+    args = ["--model", "gpt_small", "--dataset", f"text:{text}", "--seq-len", "16", "--set", TINY_GPT]
+    result = cli("baseline", *args, *SMALL, "--learning-rate", "0.01", *dirs(tmp_path, "lm"))
+    assert result.returncode == 0, result.stderr
+    summary = summary_of(tmp_path, "lm")
+    assert summary["task"] == "language-model" and "Final Perplexity:" in result.stdout
+    assert 1 < summary["final_perplexity"] < 40  # 256 untrained: it learned the text's bytes
+    records = read_metrics(tmp_path / "lm" / "logs" / "baseline" / "metrics.jsonl")
+    assert not any("accuracy/test" in r or "accuracy/train" in r for r in records)
+    tests = [r for r in records if "perplexity/test" in r]
+    assert tests[-1]["perplexity/test"] == pytest.approx(summary["final_perplexity"])
+    evaluated = cli("evaluate", *args, tmp_path / "lm" / "ckpt" / "baseline_final.pt")
+    assert f"Test Perplexity: {summary['final_perplexity']:.3f}" in evaluated.stdout, evaluated.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_compare_on_a_text_file_shows_perplexity(tmp_path, cli):
+    text = write_text(tmp_path)
+    result = cli("compare", "--model", "gpt_small", "--dataset", f"text:{text}", "--seq-len", "16",
+                 "--set", TINY_GPT, *SMALL, "--workers", "2", "--strategies", "baseline,ps-sync,ddp",
+                 "--output-dir", tmp_path / "cmp", timeout=170)
+    assert result.returncode == 0, result.stderr
+    header = next(line for line in result.stdout.splitlines() if line.startswith("run "))
+    assert header.split()[:3] == ["run", "status", "ppl"] and "t90%" not in header
+    report = json.loads((tmp_path / "cmp" / "report.json").read_text())
+    assert all(run["final_perplexity"] > 1 for run in report["runs"]) and report["thresholds"] == []
+    # Sync PS and DDP apply the mean gradient of the same global batches: the same model.
+    perplexity = {run["name"]: run["final_perplexity"] for run in report["runs"]}
+    assert perplexity["ps-sync"] == pytest.approx(perplexity["ddp"], rel=1e-5)
