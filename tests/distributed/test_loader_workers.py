@@ -50,3 +50,38 @@ def test_workers_serve_the_loops_batches_in_order_and_fall_back_off_the_plan():
         assert (loader.num_prefetched, loader.num_direct) == (14 + 6, 1)
     finally:
         loader.close()
+
+
+USER_FILE = '''
+import torch
+
+
+class Squares:
+    """A user's data set, defined in a file imported by path."""
+
+    def __len__(self):
+        return 40
+
+    def batch(self, indices):
+        return indices.float() ** 2, indices % 3
+
+
+def make():
+    return Squares()
+'''
+
+
+def test_a_data_set_from_a_users_file_loads_in_spawned_workers(tmp_path):
+    from disttrain.data.plugins import DATASET_GROUP, load_factory
+
+    (tmp_path / "squares.py").write_text(USER_FILE)
+    source = load_factory(f"{tmp_path / 'squares.py'}:make", "training.dataset", DATASET_GROUP)()
+    loader = prefetch(source, 1)
+    sampler = ShardedSampler(40, seed=1)
+    try:
+        loader.start_epoch(lambda: list(copy.deepcopy(sampler).batches(8)))
+        for indices in sampler.batches(8):
+            assert torch.equal(loader.batch(indices)[0], indices.float() ** 2)
+        assert loader.num_prefetched == 5
+    finally:
+        loader.close()
