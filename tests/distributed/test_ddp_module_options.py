@@ -19,6 +19,7 @@ from disttrain.config import config_from_dict
 from disttrain.data import load_datasets
 from disttrain.strategies.ddp import runtime as rt
 from disttrain.strategies.ddp.rank import RankParticipant
+from disttrain.training.engine import forward_backward
 from disttrain.training.strategy import StepInfo
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,7 +46,7 @@ def observe(participant: RankParticipant, rank: int) -> dict:
         participant.step([indices], StepInfo(step, 0, step - 1))
     participant.optimizer.zero_grad(set_to_none=True)
     inputs, targets = participant.train_set.batch(indices)
-    participant.precision.forward_backward(model, inputs, targets, 1.0)
+    forward_backward(model, inputs, targets, 1.0, participant.precision)
     counted = participant.comm.drain()
     logged = model._get_ddp_logging_data()  # what the reducer was set up with
     grads = [p.grad for p in participant.module.parameters()]

@@ -29,8 +29,9 @@ pytestmark = pytest.mark.timeout(60)
 PACKAGE = Path(ps_package.__file__).parent
 # The modules a synchronous step crosses today (over gRPC: 22 before the package had its
 # four parts, in 35 modules of one folder); a change that spreads a step
-# over more modules fails here (raise it only with a reason).
-MAX_MODULES = {"grpc": 18, "shared_memory": 19}
+# over more modules fails here (raise it only with a reason). Raised by one for
+# server/optimizer.py: the shard's schedule, weight decay ranges and clipping.
+MAX_MODULES = {"grpc": 19, "shared_memory": 20}
 
 
 def step_path(tmp_path: Path, transport: str) -> dict[str, set[str]]:

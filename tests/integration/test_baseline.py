@@ -45,12 +45,22 @@ def test_run_writes_metrics_events_checkpoints_and_summary(tmp_path, cli):
     assert f"Test Accuracy: {summary['final_accuracy'] * 100:.2f}%" in evaluated.stdout
 
 
+# Warm-up then cosine decay over the run, AdamW with weight decay, clipping, bf16 autocast,
+# batches loaded by worker processes: the schedule's count travels in the checkpoint, so
+# the resumed run goes on along the same curve; bf16 on the CPU is as deterministic as
+# float32; the loader reads ahead on a copy of the sampler, whose position stays the steps'.
+FEATURES = ["--optimizer", "adamw", "--weight-decay", "0.1", "--learning-rate", "0.01",
+            "--lr-schedule", "cosine", "--warmup-steps", "8", "--lr-decay-steps", "46",
+            "--lr-min", "0.001", "--clip-grad-norm", "0.5", "--precision", "bf16", "--loader-workers", "2"]
+
+
 @pytest.mark.timeout(180)
-def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, cli):
-    whole = cli("baseline", *FAST, *dirs(tmp_path, "whole"))
+@pytest.mark.parametrize("features", [[], FEATURES], ids=["constant", "schedule-adamw-clipping-bf16-loader"])
+def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, cli, features):
+    whole = cli("baseline", *FAST, *features, *dirs(tmp_path, "whole"))
     assert whole.returncode == 0, whole.stderr
 
-    killed = cli("baseline", *FAST, *dirs(tmp_path, "cut"), "--inject", "kill:worker=0:step=13")
+    killed = cli("baseline", *FAST, *features, *dirs(tmp_path, "cut"), "--inject", "kill:worker=0:step=13")
     assert killed.returncode == -signal.SIGKILL
     newest = ckpt.latest_checkpoint(tmp_path / "cut" / "ckpt")
     assert newest.name == "checkpoint_step00000010.pt"
@@ -65,9 +75,14 @@ def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, cli):
     assert len(consumed) == 10 * 64
     combined = torch.cat([consumed, remaining])
     assert torch.equal(combined, sampler.shard()) and len(combined.unique()) == len(sampler)
-    resumed = cli("baseline", *FAST, *dirs(tmp_path, "cut"), "--resume")
+    if features:
+        assert state["schedule"] == {"num_steps": 10}
+        assert state["optimizer"]["param_groups"][0]["lr"] < 0.01  # mid-curve, not the initial rate
+    resumed = cli("baseline", *FAST, *features, *dirs(tmp_path, "cut"), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stderr
+    if features:  # every batch of the resumed run came from the workers
+        assert "loader workers: 36 batches loaded ahead, 0 in the training process" in resumed.stderr
 
     expected, actual = final_weights(tmp_path, "whole"), final_weights(tmp_path, "cut")
     assert all(torch.equal(expected[k], actual[k]) for k in expected)

@@ -2,7 +2,8 @@
 ranks to the end, logs its bytes per step and sums them into the summary; a compressed
 run killed mid-epoch and resumed with `--resume` ends bit-identical to one never stopped
 (its compression state restored on every rank: top-k residuals, stochastic rounding's
-draws, PowerSGD's error feedback and warm start, across DDP cutting its buckets anew)."""
+draws, PowerSGD's error feedback and warm start, across DDP cutting its buckets anew;
+and the learning-rate schedule's step count)."""
 
 from __future__ import annotations
 
@@ -78,9 +79,16 @@ def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "ckpt" / "ddp_final.pt", weights_only=True)["model"]
 
 
+# The training features ride along: warm-up then cosine decay, AdamW, clipping of the
+# decompressed, averaged gradient (the schedule's step count is in the checkpoint), and
+# batches loaded by a worker process per rank.
+FEATURES = ["--optimizer", "adamw", "--weight-decay", 0.05, "--lr-schedule", "cosine", "--warmup-steps", 4,
+            "--lr-decay-steps", 16, "--lr-min", 1e-4, "--clip-grad-norm", 0.5, "--loader-workers", 1]
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("scheme", "buckets"), [
-    ("topk", []),
+    ("topk", FEATURES),
     # Buckets of 50 kB (SimpleCNN holds 212 kB): the resumed run's first step has DDP's
     # one initial bucket, the others DDP's rebuilt ones, and PowerSGD's state follows.
     pytest.param("powersgd", ["--set", "ddp.bucket_cap_mb=0.05"], marks=pytest.mark.slow),
@@ -108,3 +116,4 @@ def test_killed_compressed_run_resumes_bit_identical(cli, tmp_path, scheme, buck
     assert cut["compression_bytes_sent"] == whole["compression_bytes_sent"]
     checkpoint = torch.load(tmp_path / "cut" / "ckpt" / "checkpoint_step00000015.pt", weights_only=True)
     assert len(checkpoint["compression"]) == 2  # every rank's own
+    assert checkpoint["schedule"] == {"num_steps": 15}

@@ -17,6 +17,7 @@ import pytest
 import torch
 from ps_reference import assert_matches_one_process
 
+from disttrain.core.checkpoint import load_checkpoint
 from disttrain.data import ShardedSampler
 from disttrain.training.evaluation import evaluate_model_file
 
@@ -89,6 +90,31 @@ def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path
         "worker0",
         "worker1",
     ]
+
+
+# Warm-up then cosine decay, AdamW with weight decay on the weights only, clipping by
+# global norm on the aggregated gradient. With one server its norm is the global one; with
+# two, each clips its share (`ps.server.optimizer`), so exactness is held with clipping off.
+FEATURES = ["--optimizer", "adamw", "--weight-decay", "0.1", "--learning-rate", "0.01",
+            "--lr-schedule", "cosine", "--warmup-steps", "2", "--lr-decay-steps", "6", "--lr-min", "0.001"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("servers, clip, loader", [(1, "0.3", "1"), (2, "0", "0")],
+                         ids=["one-server-clipped-loader-workers", "two-servers"])
+def test_sync_with_warmup_adamw_and_clipping_matches_one_process(tmp_path, cli, servers, clip, loader):
+    result = cli("ps", "--workers", "2", "--servers", str(servers), *EXACT_ARGS, *FEATURES,
+                 "--loader-workers", loader,
+                 "--max-train-samples", "192",
+                 "--clip-grad-norm", clip, "--log-dir", tmp_path / "logs", "--checkpoint-dir",
+                 tmp_path / "ckpt", timeout=110)
+    assert result.returncode == 0, result.stderr[-2000:]
+    config = assert_matches_one_process(tmp_path, concatenated)
+    assert config.training.optimizer == "adamw" and config.training.clip_grad_norm == float(clip)
+    # The shards' schedule went 6 steps along the curve, as their checkpoints keep it.
+    for shard in range(servers):
+        newest = max((tmp_path / "ckpt" / f"server{shard}").glob("*.pt"))
+        assert load_checkpoint(newest)["schedule"] == {"num_steps": 6}
 
 
 @pytest.mark.timeout(120)

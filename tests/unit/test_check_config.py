@@ -88,7 +88,8 @@ BAD = {
                               "coordinator.address"),
     "coordinator": (["coordinator", "--bind", "nowhere"], "--bind"),
     "ddp": (["ddp", "--world-size", "3", "--nnodes", "2", "--rdzv-endpoint", "n0:29400"], "does not split"),
-    "ddp precision": (["ddp", "--backend", "gloo", "--mixed-precision", "bf16"], "mixed_precision"),
+    "ddp precision": (["ddp", "--backend", "gloo", "--mixed-precision", "fp16"], "training.precision: fp16"),
+    "ps precision": (["ps", "--precision", "fp16"], "training.precision: fp16 needs loss scaling"),
     "compare": (["compare", "--strategies", "baseline,nope"], "--strategies"),
     "validate": (["validate", "--tolerance", "2"], "--tolerance"),
 }

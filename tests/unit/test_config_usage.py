@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from disttrain.cli.config_warnings import warn_about_comparison_config, warn_about_run_config
-from disttrain.config import STRATEGY_OF_ARCHITECTURE, Config, load_config
+from disttrain.config import STRATEGY_OF_ARCHITECTURE, Config, config_from_dict, load_config
 from disttrain.config.schema import SECTIONS
 from disttrain.config.usage import RULES, STRATEGIES, changed_keys, ignored_by_every_run, ignored_keys
 from disttrain.core.processes import PARENT_ENV
@@ -153,3 +153,12 @@ def test_a_process_a_launcher_started_says_nothing(caplog):
     assert len(lines) == 2 and "`disttrain train --config FILE`" in lines[0] and "ps.staleness" in lines[1]
     assert [r.getMessage() for r in caplog.records] == lines
     assert all(r.levelname == "WARNING" for r in caplog.records)
+
+
+def test_schedule_keys_of_another_schedule_are_ignored_with_the_schedule_named():
+    config = config_from_dict({"training": {"lr_schedule": "step", "lr_gamma": 0.5, "lr_min": 1e-5}})
+    ignored = {k.key: k.reason for k in ignored_keys(config, "ps")}
+    assert ignored == {"training.lr_min": "only cosine and linear decay to a floor (training.lr_schedule "
+                                          "is step)"}
+    cosine = config.replace(training={"lr_schedule": "cosine", "lr_decay_steps": 100})
+    assert [k.key for k in ignored_keys(cosine, "baseline")] == ["training.lr_gamma"]

@@ -10,7 +10,6 @@ import torch
 
 from disttrain.config import config_from_dict
 from disttrain.core.errors import ConfigError, DistributedError
-from disttrain.strategies.ddp.precision import Precision, plan_precision
 from disttrain.strategies.ddp.rank import scaled_learning_rate
 from disttrain.strategies.ddp.runtime import (
     RankInfo,
@@ -23,9 +22,8 @@ from disttrain.strategies.ddp.runtime import (
     select_device,
     started_by_elastic_agent,
 )
-from disttrain.training.engine import forward_backward, thread_count
+from disttrain.training.engine import thread_count
 from disttrain.training.loop import groups as accumulation_groups
-from disttrain.training.models import build_model
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -62,58 +60,6 @@ def test_nccl_needs_one_gpu_per_rank_of_the_node():
 def test_one_device_per_rank():
     assert select_device("nccl", local_rank=3) == torch.device("cuda", 3)
     assert select_device("gloo", local_rank=3) == torch.device("cpu")
-
-
-def test_precision_plans():
-    assert not plan_precision("none", "cpu").enabled
-    fp16 = plan_precision("fp16", "cuda")
-    assert fp16.autocast_dtype == torch.float16 and fp16.use_grad_scaler
-    bf16 = plan_precision("bf16", "cuda", bf16_supported=True)
-    assert bf16.autocast_dtype == torch.bfloat16 and not bf16.use_grad_scaler
-
-
-@pytest.mark.parametrize("mode", ["bf16", "fp16"])
-def test_mixed_precision_on_cpu_is_refused(mode):
-    with pytest.raises(ConfigError, match=f"{mode} runs on CUDA GPUs only"):
-        plan_precision(mode, "cpu")
-
-
-def test_bf16_on_a_gpu_without_it_is_refused():
-    with pytest.raises(ConfigError, match="use fp16"):
-        plan_precision("bf16", "cuda", bf16_supported=False)
-
-
-def test_full_precision_step_is_the_engine_step():
-    torch.manual_seed(0)
-    model = build_model("mlp", (1, 8, 8), 10)
-    inputs, targets = torch.randn(6, 1, 8, 8), torch.randint(0, 10, (6,))
-    precision = Precision(plan_precision("none", "cpu"), torch.device("cpu"))
-    mine = precision.forward_backward(model, inputs, targets, loss_scale=0.5)
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    reference = forward_backward(model, inputs, targets, loss_scale=0.5)
-    assert mine == reference
-    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters(), strict=True))
-    assert precision.state_dict() == {}
-
-
-@needs_cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["bf16", "fp16"])
-def test_mixed_precision_step_on_gpu(mode):
-    device = torch.device("cuda", 0)
-    plan = plan_precision(mode, "cuda", torch.cuda.is_bf16_supported())
-    torch.manual_seed(0)
-    model = build_model("simplecnn", (1, 28, 28), 10).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    before = [p.detach().clone() for p in model.parameters()]
-    precision = Precision(plan, device)
-    inputs = torch.randn(8, 1, 28, 28, device=device)
-    result = precision.forward_backward(model, inputs, torch.randint(0, 10, (8,), device=device))
-    precision.step(optimizer)
-    assert torch.isfinite(torch.tensor(result.loss))
-    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
-    assert ("scale" in precision.state_dict()) == (mode == "fp16")
 
 
 def test_learning_rate_scaling():
@@ -167,13 +113,13 @@ def test_ddp_config_rules():
                                                  ("fp16", False), ("bf16", False)])
 def test_stateful_compression_refuses_fp16_loss_scaling(scheme, refused):
     config = config_from_dict({"compression": {"enabled": True, "type": scheme},
-                               "ddp": {"mixed_precision": "fp16"}})
+                               "training": {"precision": "fp16"}})
     if refused:
         with pytest.raises(ConfigError, match=f"compression.type: {scheme} cannot take the overflowed"):
             check_supported(config)
     else:
         check_supported(config)
-    check_supported(config.replace(ddp={"mixed_precision": "bf16"}))
+    check_supported(config.replace(training={"precision": "bf16"}))
 
 
 def test_thread_count_divides_the_cores_among_the_ranks():

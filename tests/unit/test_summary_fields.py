@@ -50,6 +50,7 @@ def test_hparams_are_flat_scalars_from_the_config():
     assert hparam_values(summary) == {
         "strategy": "baseline", "dataset": "digits", "model": "simplecnn", "batch_size": 32,
         "learning_rate": 0.05, "optimizer": "sgd", "world_size": 1, "seed": 42, "num_epochs": 1,
+        "lr_schedule": "constant", "weight_decay": 0.0, "clip_grad_norm": 0.0, "precision": "none",
         "compression": "none"}
     ps = make_summary(strategy="ps-ssp", ps={"aggregation_mode": "ssp", "staleness": 3},
                       compression={"enabled": True, "type": "topk", "ratio": 0.05},

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from disttrain.config import Config
+from disttrain.config import Config, TrainingConfig
 from disttrain.training.options import RunOptions
 
 HELP = ("check the flags and the config as the run would (addresses, token and TLS files "
@@ -46,10 +46,30 @@ def count(number: int, noun: str) -> str:
 
 
 def describe_training(config: Config) -> str:
-    """E.g. "simplecnn on mnist, 2 epochs of batch 64 (adam, lr 0.001)"."""
+    """E.g. "simplecnn on mnist, 2 epochs of batch 64 (adam, lr 0.001)", with the training
+    features that are on: "(adamw, lr 0.001, weight decay 0.1, 100 warm-up steps, cosine
+    to 1e-05 at step 1000, clipped at norm 1, bf16)"."""
     training = config.training
     return (f"{training.model_architecture} on {training.dataset}, {training.num_epochs} epochs of batch "
-            f"{training.batch_size} ({training.optimizer}, lr {training.learning_rate:g})")
+            f"{training.batch_size} ({', '.join(describe_optimizer(training))})")
+
+
+def describe_optimizer(training: TrainingConfig) -> list[str]:
+    """The optimizer, its rate and the training features that are on, one phrase each."""
+    parts = [training.optimizer, f"lr {training.learning_rate:g}"]
+    if training.weight_decay:
+        parts.append(f"weight decay {training.weight_decay:g}")
+    if training.warmup_steps:
+        parts.append(f"{count(training.warmup_steps, 'warm-up step')}")
+    if training.lr_schedule == "step":
+        parts.append(f"x{training.lr_gamma:g} every {count(training.lr_step_size, 'step')}")
+    elif training.lr_schedule != "constant":
+        parts.append(f"{training.lr_schedule} to {training.lr_min:g} at step {training.lr_decay_steps}")
+    if training.clip_grad_norm:
+        parts.append(f"clipped at norm {training.clip_grad_norm:g}")
+    if training.precision != "none":
+        parts.append(training.precision)
+    return parts
 
 
 def describe_compression(config: Config) -> str:

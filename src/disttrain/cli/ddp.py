@@ -77,7 +77,8 @@ DDP_FLAGS = {
     "--grad-accumulation-steps": ("ddp.grad_accumulation_steps", int,
                                   "micro-batches per optimizer step (one all-reduce per step)"),
     "--lr-scaling": ("ddp.lr_scaling", str, "none, or linear (learning rate x world size)"),
-    "--mixed-precision": ("ddp.mixed_precision", str, "none, bf16 or fp16 (CUDA only)"),
+    "--mixed-precision": ("training.precision", str, "the earlier spelling of --precision: none, bf16 "
+                          "or fp16 (fp16: CUDA only)"),
     "--timeout-s": ("ddp.timeout_s", float, "rendezvous and collective timeout"),
     "--nnodes": ("ddp.num_nodes", int, "nodes taking part (each runs this command)"),
     "--rdzv-endpoint": ("ddp.rdzv_endpoint", str, "HOST:PORT of the rendezvous for several nodes"),
@@ -108,8 +109,8 @@ def check(args: argparse.Namespace) -> str:
     import torch
 
     from disttrain.strategies.ddp import runtime as rt
-    from disttrain.strategies.ddp.precision import plan_precision
     from disttrain.training.models import init_model
+    from disttrain.training.precision import plan_precision
     config, options = prepare(args)
     ddp, world_size = config.ddp, config.system.num_workers
     rt.check_supported(config)
@@ -118,8 +119,9 @@ def check(args: argparse.Namespace) -> str:
                           f"over ddp.num_nodes={ddp.num_nodes}; use a multiple of {ddp.num_nodes}")
     backend = rt.node_backend(ddp.backend, world_size // ddp.num_nodes,
                               torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    plan_precision(ddp.mixed_precision, rt.select_device(backend, 0).type,
-                   ddp.mixed_precision == "bf16" and backend == "nccl" and torch.cuda.is_bf16_supported())
+    precision = config.training.precision
+    plan_precision(precision, rt.select_device(backend, 0).type,
+                   precision == "bf16" and backend == "nccl" and torch.cuda.is_bf16_supported())
     init_model(config.training)
     nodes = (f"{count(ddp.num_nodes, 'node')}, rendezvous at {ddp.rdzv_endpoint}" if ddp.rdzv_endpoint
              else "this node only")

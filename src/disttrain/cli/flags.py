@@ -35,7 +35,22 @@ COMMON_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--num-epochs": ("training.num_epochs", int, "epochs to train"),
     "--batch-size": ("training.batch_size", int, "samples per step, per worker or rank"),
     "--learning-rate": ("training.learning_rate", float, "learning rate"),
-    "--optimizer": ("training.optimizer", str, "sgd or adam"),
+    "--optimizer": ("training.optimizer", str, "sgd, adam or adamw"),
+    # Training features: schedule, weight decay, clipping (the same in every strategy).
+    "--weight-decay": ("training.weight_decay", float, "weight decay of weights of 2+ dimensions "
+                       "(biases and normalisation weights never decay)"),
+    "--lr-schedule": ("training.lr_schedule", str, "constant, step, cosine or linear (by step, after "
+                      "--warmup-steps)"),
+    "--warmup-steps": ("training.warmup_steps", int, "steps of linear learning-rate warm-up"),
+    "--lr-decay-steps": ("training.lr_decay_steps", int, "cosine/linear: the step the rate reaches "
+                         "--lr-min at"),
+    "--lr-min": ("training.lr_min", float, "cosine/linear: the rate's floor"),
+    "--precision": ("training.precision", str, "mixed precision: bf16 (autocast, CPU or CUDA), fp16 "
+                    "(CUDA, loss scaling; not under the parameter server) or none"),
+    "--loader-workers": ("training.loader_workers", int, "processes loading training batches ahead "
+                         "(0: the training process loads them)"),
+    "--clip-grad-norm": ("training.clip_grad_norm", float, "clip the applied gradient to this global "
+                         "L2 norm (0: off)"),
     "--seed": ("training.seed", int, "seed of model init and data order"),
     "--model": ("training.model_architecture", str, "simplecnn, mlp, resnet18, gpt_small, "
                 "torchvision:NAME, PATH.py:FACTORY, module:FACTORY or an entry point of "

@@ -33,6 +33,9 @@ SYSTEM_ALIASES: dict[str, str] = {
     "heartbeat_timeout": "coordinator.heartbeat_timeout",
 }
 
+# Keys that moved to another section; the earlier spelling stays valid.
+MOVED_KEYS: dict[str, str] = {"ddp.mixed_precision": "training.precision"}
+
 Flat = dict[str, Any]          # "section.key" -> value
 Spelling = dict[str, str]      # canonical "section.key" -> as the user wrote it
 
@@ -40,6 +43,8 @@ Spelling = dict[str, str]      # canonical "section.key" -> as the user wrote it
 def canonical_key(dotted: str) -> str:
     """The owning component's spelling of `dotted` (`system.staleness` -> `ps.staleness`)."""
     section, _, key = dotted.partition(".")
+    if dotted in MOVED_KEYS:
+        return MOVED_KEYS[dotted]
     return SYSTEM_ALIASES.get(key, dotted) if section == "system" else dotted
 
 

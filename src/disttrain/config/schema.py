@@ -28,10 +28,11 @@ STRATEGY_OF_ARCHITECTURE = {"baseline": "baseline", "parameter_server": "ps", "d
 ARCHITECTURES = tuple(STRATEGY_OF_ARCHITECTURE)
 AGGREGATION_MODES = ("sync", "async", "ssp")
 COMPRESSION_TYPES = ("quantization", "topk", "fp16", "bf16", "powersgd")
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCHEDULES = ("constant", "step", "cosine", "linear")
+PRECISIONS = ("none", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl")
 LR_SCALINGS = ("none", "linear")
-MIXED_PRECISIONS = ("none", "bf16", "fp16")
 # auto: shared memory between processes of one machine, gRPC bytes between machines.
 PAYLOAD_TRANSPORTS = ("auto", "grpc", "shared_memory")
 # none: equal batches; proportional: batches in proportion to each process's measured
@@ -111,6 +112,36 @@ class TrainingConfig:
     dataset_args: dict = field(default_factory=dict, metadata=MAPPING)
     # Tokens per sample of a language-model data set (text:FILE's window).
     seq_len: int = field(default=128, metadata=POSITIVE)
+    # -- training features: learning-rate schedule, clipping, precision, loader workers --
+    # The rate by optimizer step: constant, step (x lr_gamma every lr_step_size steps), or
+    # cosine / linear decay to lr_min at step lr_decay_steps; any of them after
+    # warmup_steps of linear warm-up. On the parameter server a step is one global batch.
+    lr_schedule: str = field(default="constant", metadata=_choice(LR_SCHEDULES))
+    warmup_steps: int = field(default=0, metadata=NON_NEGATIVE)
+    lr_decay_steps: int = field(default=0, metadata=NON_NEGATIVE)
+    lr_min: float = field(default=0.0, metadata=NON_NEGATIVE)
+    lr_step_size: int = field(default=1000, metadata=POSITIVE)
+    lr_gamma: float = field(default=0.1, metadata=_rule(lambda v: 0 < v <= 1, "must be in (0, 1]"))
+    # Scale the applied gradient down to this global L2 norm when above it (0: off).
+    clip_grad_norm: float = field(default=0.0, metadata=NON_NEGATIVE)
+    # Mixed precision of the forward pass: bf16 autocast (CPU or CUDA), fp16 (CUDA, with
+    # loss scaling; not under the parameter server), or none. Earlier: ddp.mixed_precision.
+    precision: str = field(default="none", metadata=_choice(PRECISIONS))
+    # Processes that load training batches ahead of the steps (0: the training process
+    # loads each batch itself); pinned memory on CUDA. The order and resume are the sampler's.
+    loader_workers: int = field(default=0, metadata=NON_NEGATIVE)
+
+    def cross_problems(self, name: Callable[[str], str]) -> list[str]:
+        """Problems between keys; `name(key)` is the key as the user spelled it."""
+        problems = []
+        if self.lr_schedule in ("cosine", "linear") and self.lr_decay_steps <= self.warmup_steps:
+            problems.append(f"{name('lr_decay_steps')}: {self.lr_decay_steps} must be greater than "
+                            f"{name('warmup_steps')} ({self.warmup_steps}): the {self.lr_schedule} "
+                            "schedule decays until that step (set it to the run's total steps)")
+        if self.lr_min > self.learning_rate:
+            problems.append(f"{name('lr_min')}: {self.lr_min} must be at most "
+                            f"{name('learning_rate')} ({self.learning_rate})")
+        return problems
 
 
 @dataclass(frozen=True)
@@ -201,7 +232,6 @@ class DDPConfig:
     static_graph: bool = False
     grad_accumulation_steps: int = field(default=1, metadata=POSITIVE)
     lr_scaling: str = field(default="none", metadata=_choice(LR_SCALINGS))
-    mixed_precision: str = field(default="none", metadata=_choice(MIXED_PRECISIONS))
     max_restarts: int = field(default=0, metadata=NON_NEGATIVE)
     timeout_s: float = field(default=300.0, metadata=POSITIVE)
     rdzv_endpoint: str = ""

@@ -116,6 +116,22 @@ RULES: tuple[Rule, ...] = (
     Rule("training.momentum", _when(
         lambda c, s: c.training.optimizer != "sgd",
         lambda c: f"only sgd takes momentum (training.optimizer is {c.training.optimizer})")),
+    Rule("training.lr_step_size", _when(
+        lambda c, s: c.training.lr_schedule != "step",
+        lambda c: f"only the step schedule decays every lr_step_size steps (training.lr_schedule is "
+                  f"{c.training.lr_schedule})")),
+    Rule("training.lr_gamma", _when(
+        lambda c, s: c.training.lr_schedule != "step",
+        lambda c: f"only the step schedule multiplies by lr_gamma (training.lr_schedule is "
+                  f"{c.training.lr_schedule})")),
+    Rule("training.lr_decay_steps", _when(
+        lambda c, s: c.training.lr_schedule not in ("cosine", "linear"),
+        lambda c: f"only cosine and linear decay until a step (training.lr_schedule is "
+                  f"{c.training.lr_schedule})")),
+    Rule("training.lr_min", _when(
+        lambda c, s: c.training.lr_schedule not in ("cosine", "linear"),
+        lambda c: f"only cosine and linear decay to a floor (training.lr_schedule is "
+                  f"{c.training.lr_schedule})")),
     Rule("training.mlp_*", _when(
         lambda c, s: c.training.model_architecture not in ("mlp", "mlp_bn"),
         lambda c: f"only the mlp model reads it (training.model_architecture is "

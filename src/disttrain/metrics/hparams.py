@@ -30,9 +30,10 @@ FINAL_FIGURES = ("final_accuracy", "final_loss", "train_time_s", "throughput_sam
 def hparam_values(summary: RunSummary) -> dict[str, str | int | float | bool]:
     """The hyper-parameters to compare runs by, flat, from the summary's resolved config.
 
-    The aggregation mode and staleness appear for parameter-server runs; the compression
-    scheme for runs that compressed (`compression` is "none" otherwise), with the top-k
-    ratio or PowerSGD rank where the scheme uses one. Values other than str, int, float
+    The training features (schedule, weight decay, clipping, precision) appear when the
+    config has them. The aggregation mode and staleness appear for parameter-server runs;
+    the compression scheme for runs that compressed (`compression` is "none" otherwise),
+    with the top-k ratio or PowerSGD rank where the scheme uses one. Values other than str, int, float
     and bool are left out (TensorBoard takes no others).
     """
     config = summary.config
@@ -43,6 +44,8 @@ def hparam_values(summary: RunSummary) -> dict[str, str | int | float | bool]:
         "learning_rate": training.get("learning_rate"), "optimizer": training.get("optimizer"),
         "world_size": summary.world_size, "seed": training.get("seed"),
         "num_epochs": training.get("num_epochs"),
+        # The training features (absent from configs of before them: left out).
+        **{key: training.get(key) for key in ("lr_schedule", "weight_decay", "clip_grad_norm", "precision")},
     }
     if summary.strategy.startswith("ps"):
         values.update(aggregation_mode=ps.get("aggregation_mode"), staleness=ps.get("staleness"))

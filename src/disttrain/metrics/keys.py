@@ -82,6 +82,11 @@ METRICS: dict[str, Metric] = {m.key: m for m in [
            "parameters a pushed gradient was computed on (the largest over shards)", "ps"),
     Metric("ps/rejected_pushes", "pushes", PER_STEP, "ssp: pushes a shard rejected as too stale "
            "(the gradient was recomputed on fresh parameters)", "ps"),
+    Metric("optim/learning_rate", "rate", PER_STEP, "the learning rate of the step's update, by "
+           "the schedule (the parameter server's shards set theirs, kept in their checkpoints)",
+           "baseline, ddp"),
+    Metric("optim/grad_norm", "L2 norm", PER_STEP, "global norm of the gradient applied, before "
+           "clipping (DDP: the averaged one)", "baseline (clipping on), ddp (clipping on)"),
     Metric("progress/samples", "samples", CUMULATIVE, "samples this process trained on", ALL),
     Metric("progress/train_time_s", "s", CUMULATIVE, "this process's training clock (both progress "
            "keys are on the evaluation records too: test accuracy against training time)", ALL),

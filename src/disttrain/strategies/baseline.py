@@ -26,12 +26,15 @@ from disttrain.training.engine import (
     build_optimizer,
     configure_threads,
     evaluate,
-    train_step,
+    forward_backward,
 )
+from disttrain.training.loading import BatchSource, prefetch
 from disttrain.training.loop import LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
+from disttrain.training.precision import Precision, PrecisionPlan, plan_precision
 from disttrain.training.seeding import seed_training
+from disttrain.training.stepping import OptimizerStep
 from disttrain.training.strategy import StepInfo
 
 # The face of a strategy of one module, as a package's __init__ is the face of the others.
@@ -47,10 +50,12 @@ class BaselineParticipant:
 
     strategy = "baseline"
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 train_set: ArrayDataset, test_set: ArrayDataset, eval_batch_size: int):
+    def __init__(self, model: torch.nn.Module, stepper: OptimizerStep,
+                 train_set: BatchSource, test_set: ArrayDataset, eval_batch_size: int,
+                 precision: Precision | None = None):
         self.model = model
-        self.optimizer = optimizer
+        self.stepper = stepper
+        self.precision = precision
         self.train_set = train_set
         self.test_set = test_set
         self.eval_batch_size = eval_batch_size
@@ -61,17 +66,27 @@ class BaselineParticipant:
     def step(self, batches: list[torch.Tensor], info: StepInfo) -> StepResult:
         (indices,) = batches
         inputs, targets = self.train_set.batch(indices)
-        return train_step(self.model, self.optimizer, inputs, targets)
+        self.stepper.optimizer.zero_grad(set_to_none=True)
+        result = forward_backward(self.model, inputs, targets, precision=self.precision)
+        self.stepper.step()
+        result.scalars.update(self.stepper.scalars())
+        return result
 
     def evaluate(self, epoch: int) -> EvalResult:
         return evaluate(self.model, self.test_set, self.eval_batch_size)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {"model": self.model.state_dict(), **self.stepper.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.stepper.load_state_dict(state)
+
+
+def baseline_precision(mode: str) -> PrecisionPlan:
+    """The baseline computes on the CPU: bf16 autocast, no fp16 (its loss scaling is
+    CUDA's). Raises ConfigError for fp16."""
+    return plan_precision(mode, "cpu")
 
 
 class Baseline:
@@ -90,15 +105,18 @@ class Baseline:
         train_set, test_set = load_datasets(training)
         model = init_model(training)
         seed_training(training.seed, rank=0)
-        optimizer = build_optimizer(model.parameters(), training)
-        participant = BaselineParticipant(model, optimizer, train_set, test_set, training.eval_batch_size)
+        precision = Precision(baseline_precision(training.precision))
+        stepper = OptimizerStep(build_optimizer(model.parameters(), training), training)
+        loader = prefetch(train_set, training.loader_workers)
+        participant = BaselineParticipant(model, stepper, loader or train_set, test_set,
+                                          training.eval_batch_size, precision)
         sampler = ShardedSampler(len(train_set), seed=training.seed)
         checkpoint_dir, log_dir = Path(system.checkpoint_dir), Path(system.log_dir)
         loop = TrainingLoop(LoopSettings.of(config.training, config.to_dict()), participant, sampler,
                             LocalCheckpoints(checkpoint_dir, system.checkpoint_keep), log_dir / self.name,
                             FaultInjector(options.faults, "worker", 0),
                             lambda total, done: Progress(total, "train", initial=done),
-                            config_path=log_dir / "config.yaml")
+                            config_path=log_dir / "config.yaml", loader=loader)
         result = loop.run(options.resume)
         ckpt.save_final_model(checkpoint_dir / FINAL_MODEL, model.state_dict(), config)
         summary = RunSummary.create(

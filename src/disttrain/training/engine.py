@@ -13,7 +13,9 @@ step, its gradient and every strategy's aggregation are the same code for both.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,8 @@ from torch import nn
 from disttrain.config import TrainingConfig
 from disttrain.core.processes import thread_count
 from disttrain.data import LANGUAGE_MODEL, BatchedDataset
+from disttrain.training.precision import Precision
+from disttrain.training.schedule import remember_initial_rates
 
 
 def configure_threads(num_threads: int, processes_per_machine: int = 1) -> int:
@@ -32,20 +36,55 @@ def configure_threads(num_threads: int, processes_per_machine: int = 1) -> int:
     return num_threads
 
 
+def parameter_groups(params, weight_decay: float) -> list[dict[str, Any]]:
+    """`params` in two optimizer groups: weights of two or more dimensions decay by
+    `weight_decay`, one-dimensional parameters (biases, normalisation weights) do not, as
+    users of AdamW expect. Empty groups are left out; order within a group is kept."""
+    params = [p for p in params if p.requires_grad]
+    if not weight_decay:  # one group, as before groups: checkpoints of earlier runs still load
+        return [{"params": params, "weight_decay": 0.0}]
+    decayed = [p for p in params if p.dim() >= 2]
+    kept = [p for p in params if p.dim() < 2]
+    return [g for g in ({"params": decayed, "weight_decay": weight_decay},
+                        {"params": kept, "weight_decay": 0.0}) if g["params"]]
+
+
 def build_optimizer(params, training: TrainingConfig, learning_rate: float | None = None,
                     fused: bool | None = None) -> torch.optim.Optimizer:
-    """SGD (with `momentum`) or Adam, per `training.optimizer`.
+    """SGD (with `momentum`), Adam or AdamW, per `training.optimizer`, over the parameter
+    groups of `parameter_groups` (no weight decay on one-dimensional parameters: a
+    parameter server's flat shard is one-dimensional, and decays by its own mask).
+
+    Each group records its rate as `initial_lr`, the rate `schedule.LRSchedule` scales.
 
     Args:
         fused: use torch's fused kernels (several times faster on one large tensor).
+    Raises:
+        ValueError: an unknown `training.optimizer`.
     """
     lr = training.learning_rate if learning_rate is None else learning_rate
+    groups = parameter_groups(params, training.weight_decay)
     if training.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=training.momentum,
-                               weight_decay=training.weight_decay, fused=fused)
-    if training.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=training.weight_decay, fused=fused)
-    raise ValueError(f"training.optimizer: unknown optimizer {training.optimizer!r}")
+        optimizer = torch.optim.SGD(groups, lr=lr, momentum=training.momentum, fused=fused)
+    elif training.optimizer == "adam":
+        optimizer = torch.optim.Adam(groups, lr=lr, fused=fused)
+    elif training.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(groups, lr=lr, fused=fused)
+    else:
+        raise ValueError(f"training.optimizer: unknown optimizer {training.optimizer!r}; use sgd, adam "
+                         "or adamw")
+    return remember_initial_rates(optimizer)
+
+
+def clip_gradients(params, max_norm: float) -> float:
+    """Scale the gradients of `params` together so their global L2 norm is at most
+    `max_norm` (torch's `clip_grad_norm_`). Call on the gradient that will be applied:
+    after the all-reduce, after unscaling fp16, before `optimizer.step()`.
+
+    Returns:
+        The global norm before clipping.
+    """
+    return float(torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm))
 
 
 def task_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -73,16 +112,20 @@ class StepResult:
 
 
 def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                     loss_scale: float = 1.0) -> StepResult:
+                     loss_scale: float = 1.0, precision: Precision | None = None) -> StepResult:
     """Forward, loss (mean cross-entropy), backward: gradients accumulate into `.grad`.
 
     Args:
         loss_scale: multiplies the loss before backward (1/k for k accumulated micro-batches).
+        precision: mixed precision: the forward pass under its autocast, the loss in float32
+            outside it, fp16's loss scaled before backward (None: full precision).
     """
     model.train()
-    logits = model(inputs)
-    loss = task_loss(logits, targets)
-    (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+    with precision.autocast() if precision is not None else nullcontext():
+        logits = model(inputs)
+    loss = task_loss(logits, targets)  # in float32, outside autocast
+    weighted = loss * loss_scale if loss_scale != 1.0 else loss
+    (precision.scale(weighted) if precision is not None else weighted).backward()
     with torch.no_grad():
         correct = count_correct(logits, targets)
     return StepResult(float(loss.detach()), correct, len(targets))

@@ -10,6 +10,7 @@ epoch's evaluation, so a resumed run never evaluates (or logs) an epoch twice.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -31,6 +32,7 @@ from disttrain.metrics.time_to_accuracy import Evaluation, evaluations_from_reco
 from disttrain.metrics.window import MetricsWindow, TrainClock
 from disttrain.training.checkpoints import Position
 from disttrain.training.engine import EvalResult
+from disttrain.training.loading import PrefetchedBatches
 from disttrain.training.rebalance import Rebalancer
 from disttrain.training.strategy import CheckpointStore, Participant, StepInfo
 
@@ -114,6 +116,9 @@ class TrainingLoop:
         on_metrics: called with (step, epoch, scalars) of every record logged (a window's
             training figures, an evaluation's test figures), e.g. to report the latest to
             the coordinator; it runs on the training thread, so it must return at once.
+        loader: the participant's training batches loaded ahead by worker processes
+            (`training.loader_workers`): told each epoch's batches from a copy of the
+            sampler, and closed when the run ends.
     """
 
     settings: LoopSettings
@@ -127,6 +132,7 @@ class TrainingLoop:
     config_path: Path | None = None
     rebalancer: Rebalancer | None = None
     on_metrics: Callable[[int, int, Mapping[str, float]], None] | None = None
+    loader: PrefetchedBatches | None = None
     position: Position = field(default_factory=Position)
     clock: TrainClock = field(default_factory=TrainClock)
 
@@ -156,6 +162,8 @@ class TrainingLoop:
             save_after_evaluation = False
             if self.rebalancer is not None:
                 self.rebalancer.at_epoch_start(position.step, epoch)
+            if self.loader is not None:  # read ahead on a copy: the sampler's position is the steps'
+                self.loader.start_epoch(lambda: list(copy.deepcopy(sampler).batches(s.batch_size)))
             for index, batches in enumerate(groups(sampler.batches(s.batch_size), s.micro_batches),
                                             start=first):
                 result = self.participant.step(batches, StepInfo(position.step + 1, epoch, index))
@@ -181,6 +189,8 @@ class TrainingLoop:
                 self._save(metrics)
         self.clock.stop()
         display.close()
+        if self.loader is not None:
+            self.loader.close()
         if window.num_steps:
             self._log_window(metrics, window)
         if evaluation is None:  # resumed a finished run: nothing left to train

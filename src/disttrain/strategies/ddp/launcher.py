@@ -49,9 +49,9 @@ from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
 from disttrain.strategies.ddp import runtime as rt
 from disttrain.strategies.ddp.coordination import RunCoordinator, run_coordinator
 from disttrain.strategies.ddp.endpoint import wait_for_endpoint
-from disttrain.strategies.ddp.precision import plan_precision
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
+from disttrain.training.precision import plan_precision
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def preflight(config: Config, resume: bool) -> LaunchPlan:
                               torch.cuda.device_count() if torch.cuda.is_available() else 0)
     device = rt.select_device(backend, 0)
     # Asked only for bf16: the question starts a CUDA context in this (launcher) process.
-    plan_precision(ddp.mixed_precision, device.type, ddp.mixed_precision == "bf16"
+    plan_precision(training.precision, device.type, training.precision == "bf16"
                    and device.type == "cuda" and torch.cuda.is_bf16_supported())
     init_model(training)  # an unknown model fails here, once
     train_set, _ = load_datasets(training)

@@ -35,16 +35,18 @@ from disttrain.strategies.ddp import runtime as rt
 from disttrain.strategies.ddp.balance import balance_sampler
 from disttrain.strategies.ddp.comm_hooks import CommStats, register_comm_hook
 from disttrain.strategies.ddp.heartbeats import LoopProgress, coordinator_link
-from disttrain.strategies.ddp.precision import Precision, plan_precision
 from disttrain.strategies.ddp.reduce import all_reduce_values, evaluate_sharded
 from disttrain.strategies.ddp.store import RankZeroCheckpoints
 from disttrain.training.checkpoints import Position
-from disttrain.training.engine import EvalResult, StepResult, build_optimizer
+from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward
+from disttrain.training.loading import BatchSource, prefetch
 from disttrain.training.loop import LoopResult, LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
+from disttrain.training.precision import Precision, plan_precision
 from disttrain.training.rebalance import plan_summary
 from disttrain.training.seeding import seed_training, training_seed
+from disttrain.training.stepping import OptimizerStep
 from disttrain.training.strategy import StepInfo
 
 logger = logging.getLogger(__name__)
@@ -85,7 +87,7 @@ class RankParticipant:
     strategy = "ddp"
 
     def __init__(self, training: TrainingConfig, ddp: DDPConfig, compression: CompressionConfig,
-                 runtime: rt.Runtime, data: tuple[ArrayDataset, ArrayDataset],
+                 runtime: rt.Runtime, data: tuple[BatchSource, ArrayDataset],
                  sampler: ShardedSampler | PlannedSampler | None = None):
         device = runtime.device
         self.runtime = runtime
@@ -98,7 +100,10 @@ class RankParticipant:
                                                   runtime.info.world_size)
         self.optimizer = build_optimizer(self.module.parameters(), training, self.learning_rate)
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        self.precision = Precision(plan_precision(ddp.mixed_precision, device.type, bf16), device)
+        self.precision = Precision(plan_precision(training.precision, device.type, bf16), device)
+        # Clipping and the schedule act on the averaged gradient: `step` runs after the
+        # last backward, whose all-reduce (and compression hook) has finished by then.
+        self.stepper = OptimizerStep(self.optimizer, training, self.precision.scaler)
         self.model = wrap_model(self.module, ddp, runtime)
         self.comm = CommStats()
         self.compression = compression_hook(compression, training.seed, self.module, runtime.info.rank)
@@ -128,14 +133,14 @@ class RankParticipant:
             inputs, targets = self.train_set.batch(indices)
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             with nullcontext() if i == len(batches) - 1 else self.model.no_sync():
-                result = self.precision.forward_backward(self.model, inputs, targets,
-                                                         weight * len(indices) / total)
+                result = forward_backward(self.model, inputs, targets, weight * len(indices) / total,
+                                          self.precision)
             loss_sum += result.loss * result.num_samples
             correct += result.num_correct
-        self.precision.step(self.optimizer)
+        self.stepper.step()
         comm = self.comm.drain()
         scalars = {"time/comm_blocked_s": comm.blocked_s, "time/comm_overlapped_s": comm.overlapped_s,
-                   "comm/bytes_allreduced": comm.num_bytes}
+                   "comm/bytes_allreduced": comm.num_bytes, **self.stepper.scalars()}
         if self.compression is not None:
             scalars.update(self.compression.stats.drain().scalars())
         return StepResult(loss_sum / total, correct, total, scalars)
@@ -147,7 +152,7 @@ class RankParticipant:
 
     def state_dict(self) -> dict[str, Any]:
         state = {"world_size": self.runtime.info.world_size, "model": self.module.state_dict(),
-                 "optimizer": self.optimizer.state_dict(), "grad_scaler": self.precision.state_dict()}
+                 **self.stepper.state_dict(), "grad_scaler": self.precision.state_dict()}
         if self.compression is not None:  # this rank's; the store gathers every rank's
             state["compression"] = self.compression.state_dict()
         return state
@@ -155,7 +160,7 @@ class RankParticipant:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Raises ValueError when the checkpoint's compression does not match the run's."""
         self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.stepper.load_state_dict(state)
         self.precision.load_state_dict(state["grad_scaler"])
         if self.compression is not None:
             if "compression" not in state:
@@ -195,8 +200,9 @@ def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: fl
     faults = FaultInjector(options.faults, "rank", info.rank, info.restart_count)
     sampler, rebalancer = balance_sampler(system, training, runtime, train_set, faults)
     progress.rebalancer = rebalancer  # its balance state goes into the heartbeats
-    participant = RankParticipant(training, config.ddp, config.compression, runtime, (train_set, test_set),
-                                  sampler)
+    loader = prefetch(train_set, training.loader_workers, runtime.device.type)
+    participant = RankParticipant(training, config.ddp, config.compression, runtime,
+                                  (loader or train_set, test_set), sampler)
     log_dir = Path(system.log_dir)
     loop = TrainingLoop(
         LoopSettings.of(training, config.to_dict(), config.ddp.grad_accumulation_steps), participant,
@@ -204,7 +210,8 @@ def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: fl
         log_dir / f"rank{info.rank}", faults,
         lambda total, done: Progress(total, "train", initial=done, enabled=info.is_main),
         announce=info.is_main, config_path=log_dir / "config.yaml" if info.is_main else None,
-        rebalancer=rebalancer, on_metrics=progress.metrics.publish, position=progress.position)
+        rebalancer=rebalancer, on_metrics=progress.metrics.publish, position=progress.position,
+        loader=loader)
     result = loop.run(options.resume or info.restart_count > 0)
     return finish(config, runtime, participant, result, started)
 

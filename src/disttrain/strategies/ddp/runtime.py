@@ -127,9 +127,9 @@ def check_supported(config: Config) -> None:
     """Raises ConfigError for combinations DDP does not offer."""
     compression = config.compression
     if (compression.enabled and compression.type in STATEFUL_COMPRESSION
-            and config.ddp.mixed_precision == "fp16"):
+            and config.training.precision == "fp16"):
         raise ConfigError(f"compression.type: {compression.type} cannot take the overflowed gradients "
-                          "of ddp.mixed_precision=fp16 (loss scaling); use bf16 mixed precision, or "
+                          "of training.precision=fp16 (loss scaling); use bf16 mixed precision, or "
                           "fp16 or bf16 compression")
 
 

@@ -37,6 +37,7 @@ from disttrain.strategies.ps.run.recovery import recovery_summary
 from disttrain.strategies.ps.wire.sharding import log_plan, plan_shards
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
+from disttrain.training.precision import PrecisionPlan, plan_precision
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,13 @@ def check_supported(config: Config) -> None:
     if config.compression.enabled and config.compression.type == "powersgd":
         raise ConfigError("compression.type: powersgd compresses DDP's all-reduce and is not "
                           "offered on the parameter server; use quantization, topk, fp16 or bf16")
+    worker_precision(config.training.precision)
+
+
+def worker_precision(mode: str) -> PrecisionPlan:
+    """The workers' mixed precision (they compute on the CPU, and cannot scale the loss:
+    the servers apply their gradients). Raises ConfigError for fp16."""
+    return plan_precision(mode, "cpu", loss_scaling=False)
 
 
 def preflight(config: Config, options: RunOptions) -> None:

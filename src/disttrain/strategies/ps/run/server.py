@@ -48,7 +48,8 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
     """
     training, system, ps = config.training, config.system, config.ps
     model = init_model(training)
-    plan = plan_shards(model, num_shards)[shard]
+    plans = plan_shards(model, num_shards)
+    plan = plans[shard]
     flat = parameters_to_vector(model.parameters())[plan.offset:plan.offset + plan.numel]
     folder = Path(system.checkpoint_dir) / f"server{shard}"
     resumed_from = ckpt.prepare_checkpoint_dir(folder, resume)
@@ -59,7 +60,7 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
     checkpoints = CheckpointPolicy(folder, training.checkpoint_interval, system.checkpoint_keep,
                                    config.to_dict())
     state = ShardState(plan, flat, rules, decoder, training, checkpoints,
-                       buffers=initial_buffers(model, plan))
+                       buffers=initial_buffers(model, plan), model_numel=sum(p.numel for p in plans))
     if resumed_from is not None:
         state.restore(resumed_from)
     return state

@@ -28,7 +28,7 @@ from disttrain.core.processes import bind_to_parent
 from disttrain.data import ArrayDataset, PlannedSampler, ShardedSampler, load_datasets
 from disttrain.metrics.summary import RunSummary
 from disttrain.strategies.ps.run.finalize import finish
-from disttrain.strategies.ps.run.launcher import check_supported
+from disttrain.strategies.ps.run.launcher import check_supported, worker_precision
 from disttrain.strategies.ps.run.link import join
 from disttrain.strategies.ps.run.progress import EventProgress
 from disttrain.strategies.ps.server.identity import MIN_KEY_BYTES
@@ -42,9 +42,11 @@ from disttrain.strategies.ps.worker.participant import WorkerParticipant
 from disttrain.training.balance import warmup_speed
 from disttrain.training.checkpoints import LocalCheckpoints
 from disttrain.training.engine import configure_threads
+from disttrain.training.loading import prefetch
 from disttrain.training.loop import LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
+from disttrain.training.precision import Precision
 from disttrain.training.rebalance import Rebalancer, start_balance
 from disttrain.training.seeding import seed_training, training_seed
 
@@ -134,13 +136,16 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
         faults = FaultInjector(options.faults, "worker", rank, options.attempt)
         sampler, rebalancer = balance_sampler(system, training, client, worker_id, world_size, rank, data[0],
                                               faults)
+        loader = prefetch(data[0], training.loader_workers)
         participant = WorkerParticipant(client, exchange, worker_id, rank, world_size, model, grads,
-                                        *data, training.eval_batch_size, sampler, training.batch_size, faults)
+                                        loader or data[0], data[1], training.eval_batch_size, sampler,
+                                        training.batch_size, faults,
+                                        precision=Precision(worker_precision(training.precision)))
         checkpoints = LocalCheckpoints(Path(system.checkpoint_dir) / f"worker{rank}", system.checkpoint_keep)
         loop = TrainingLoop(LoopSettings.of(training, config.to_dict()), participant, sampler, checkpoints,
                             Path(system.log_dir) / f"worker{rank}", faults,
                             lambda total, done: EventProgress(rank, total, done), announce=rank == 0,
-                            rebalancer=rebalancer, on_metrics=metrics.publish)
+                            rebalancer=rebalancer, on_metrics=metrics.publish, loader=loader)
         result = loop.run(options.resume)
         summary = finish(config, client, participant, result, flat, started)
         if link is not None:

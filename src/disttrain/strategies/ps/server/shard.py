@@ -41,6 +41,7 @@ from disttrain.core.saver import CheckpointWriter
 from disttrain.strategies.ps.server.aggregation import AggregationRules, Decision, Outcome, Push
 from disttrain.strategies.ps.server.barriers import Barriers
 from disttrain.strategies.ps.server.identity import Identities
+from disttrain.strategies.ps.server.optimizer import ShardOptimizer
 from disttrain.strategies.ps.server.segments import WorkerSegments
 from disttrain.strategies.ps.server.update import GuardedUpdate, NonFiniteUpdate
 from disttrain.strategies.ps.server.validation import InvalidPush, PushDecoder
@@ -49,7 +50,6 @@ from disttrain.strategies.ps.wire.codec import Payload, tensor_bytes
 from disttrain.strategies.ps.wire.service import Snapshot
 from disttrain.strategies.ps.wire.sharding import ShardPlan
 from disttrain.strategies.ps.wire.shared_memory import SegmentPair
-from disttrain.training.engine import build_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +102,13 @@ class ShardState:
         training: the optimizer's settings (`training.optimizer`, learning rate, ...).
         checkpoints: where and how often the shard saves itself (None: never).
         clock: returns seconds; the aggregation rules measure synchronous waits with it.
+        model_numel: elements of the whole model, of which clipping gives this shard its
+            share (None: the shard is the whole model).
     """
 
     def __init__(self, plan: ShardPlan, initial: torch.Tensor, rules: AggregationRules, decoder: PushDecoder,
                  training: TrainingConfig, checkpoints: CheckpointPolicy | None = None, clock=time.monotonic,
-                 buffers: torch.Tensor | None = None):
+                 buffers: torch.Tensor | None = None, model_numel: int | None = None):
         if initial.numel() != plan.numel:
             raise ValueError(f"shard {plan.shard} owns {plan.numel} elements, got {initial.numel()}")
         buffers = torch.zeros(0, dtype=torch.float64) if buffers is None else buffers
@@ -118,8 +120,9 @@ class ShardState:
         self.rules = rules
         self.decoder = decoder
         self.param = nn.Parameter(initial.detach().clone().reshape(-1))
-        # One flat tensor per shard: the fused kernels update it in one pass.
-        self.optimizer = build_optimizer([self.param], training, fused=True)
+        self.shard_optimizer = ShardOptimizer(self.param, plan, training, model_numel or plan.numel,
+                                              1 if rules.mode == "sync" else rules.world_size)
+        self.optimizer = self.shard_optimizer.optimizer
         self.checkpoints = checkpoints
         self.clock = clock
         self.on_version: Callable[[int], None] = lambda version: None  # called at each new version
@@ -133,7 +136,7 @@ class ShardState:
         self._writer = None if checkpoints is None else CheckpointWriter(checkpoints.folder, checkpoints.keep)
         self.segments = WorkerSegments(plan.nbytes, plan.dtype)
         self.barriers = Barriers(rules.world_size)
-        self.update = GuardedUpdate(self.param, self.optimizer)
+        self.update = GuardedUpdate(self.param, self.optimizer, self.shard_optimizer)
         self.identities = Identities()
 
     def register(self, worker_id: str, requested_rank: int, key: bytes, generation: int,
@@ -250,11 +253,15 @@ class ShardState:
         parameter non-finite: a push rolls the rules back, other callers void the step."""
         if not decision.advanced:
             return True
-        if decision.apply and not self.update.apply(decision.apply):
-            self.num_refused_nonfinite += 1
-            logger.warning("shard %d refused an update leaving NaN or infinite parameters", self.plan.shard)
-            self._changed.notify_all()
-            return False
+        if decision.apply:
+            self.shard_optimizer.set_rate()
+            if not self.update.apply(decision.apply):
+                self.num_refused_nonfinite += 1
+                logger.warning("shard %d refused an update leaving NaN or infinite parameters",
+                               self.plan.shard)
+                self._changed.notify_all()
+                return False
+            self.shard_optimizer.applied()
         self._move_buffers(decision.apply)
         self._changed.notify_all()
         if self.checkpoints is not None and self.rules.version % self.checkpoints.every_versions == 0:
@@ -386,13 +393,10 @@ class ShardState:
 
     def _state(self) -> dict[str, Any]:
         """Everything a restart needs (lock held; tensors are copies)."""
-        optimizer_state = self.optimizer.state_dict()
-        optimizer_state["state"] = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()}
-                                    for k, s in optimizer_state["state"].items()}
         return {"strategy": STRATEGY, "shard": self.plan.shard, "num_shards": self.plan.num_shards,
                 "numel": self.plan.numel, "version": self.rules.version,
                 "params": self.param.detach().clone(), "buffers": self.buffers.clone(),
-                "optimizer": optimizer_state,
+                **self.shard_optimizer.state_dict(),
                 "rules": self.rules.state_dict(), "barriers": self.barriers.state_dict(),
                 "identities": self.identities.state_dict(),
                 "config": self.checkpoints.run_config if self.checkpoints is not None else {}}
@@ -405,7 +409,7 @@ class ShardState:
                                   f"{state['numel']} elements); use the checkpoint dir of this shard")
         try:
             self.rules.load_state_dict(state["rules"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.shard_optimizer.load_state_dict(state, self.rules.version)
             self.barriers.load_state_dict(state.get("barriers", {}))
             self.identities.load_state_dict(state.get("identities", {}))
         except (ValueError, KeyError, RuntimeError) as e:

@@ -46,11 +46,14 @@ class GuardedUpdate:
     Args:
         param: the shard's flat parameter.
         optimizer: the optimizer over `[param]`.
+        extras: clipping and weight decay applied before each step (a `ShardOptimizer`:
+            `prepare(gradient)`, `changes_gradient`, `bounds_group()`); None: none.
     """
 
-    def __init__(self, param: nn.Parameter, optimizer: torch.optim.Optimizer):
+    def __init__(self, param: nn.Parameter, optimizer: torch.optim.Optimizer, extras: Any = None):
         self.param = param
         self.optimizer = optimizer
+        self.extras = extras
         self.limit = torch.finfo(param.dtype).max / HEADROOM
         # Reused by every update: a fresh buffer each time costs page faults on every page.
         self._gradient_sum = torch.empty_like(param.detach())
@@ -89,7 +92,13 @@ class GuardedUpdate:
         return False
 
     def _step(self, contributions: list[Contribution]) -> None:
-        self.param.grad = combine(contributions, self._gradient_sum)
+        gradient = combine(contributions, self._gradient_sum)
+        if self.extras is not None:
+            if self.extras.changes_gradient and gradient is not self._gradient_sum:
+                # A lone push is used as it arrived; clipping or decay must not write into it.
+                gradient = self._gradient_sum.copy_(gradient)
+            self.extras.prepare(gradient)
+        self.param.grad = gradient
         try:
             self.optimizer.step()
         finally:
@@ -101,6 +110,8 @@ class GuardedUpdate:
         if self.bounds is None or not math.isfinite(gradient):
             return None
         (group,) = self.optimizer.param_groups
+        if self.extras is not None:
+            group = self.extras.bounds_group()
         if isinstance(self.optimizer, torch.optim.SGD):
             return _sgd_bounds(group, self.bounds, gradient)
         if isinstance(self.optimizer, torch.optim.Adam):

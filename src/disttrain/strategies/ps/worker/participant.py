@@ -27,6 +27,8 @@ from disttrain.strategies.ps.worker.blocks import Sampler, block_id, block_indic
 from disttrain.strategies.ps.worker.client import PSClient
 from disttrain.strategies.ps.worker.exchange import Block, Exchange
 from disttrain.training.engine import EvalResult, StepResult, eval_slice, evaluate, forward_backward
+from disttrain.training.loading import BatchSource
+from disttrain.training.precision import Precision
 from disttrain.training.strategy import StepInfo
 
 logger = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ class WorkerParticipant:
     world_size: int
     model: torch.nn.Module
     grads: torch.Tensor  # the flat gradient buffer the model's .grad views point into
-    train_set: ArrayDataset
+    train_set: BatchSource  # the training set, or its batches loaded by worker processes
     test_set: ArrayDataset
     eval_batch_size: int
     sampler: Sampler
@@ -57,6 +59,7 @@ class WorkerParticipant:
     progress: NodeProgress = field(default_factory=lambda: NodeProgress(0, 0, 0, 0.0))
     _last_exit: float | None = None
     samples_redone: int = 0
+    precision: Precision | None = None  # bf16 autocast of the forward pass (None: float32)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -107,10 +110,10 @@ class WorkerParticipant:
         def compute() -> StepResult:
             self.grads.zero_()
             if buffers is None:
-                return forward_backward(self.model, inputs, targets)
+                return forward_backward(self.model, inputs, targets, precision=self.precision)
             buffers.adopt()  # those of the parameters this gradient is computed on
             buffers.begin()
-            result = forward_backward(self.model, inputs, targets)
+            result = forward_backward(self.model, inputs, targets, precision=self.precision)
             buffers.finish()
             return result
 
