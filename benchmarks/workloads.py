@@ -1,0 +1,196 @@
+"""Step time, compute/communication split and bytes per step of every strategy on three
+workloads, as ratios to the baseline timed in the same run.
+
+Workloads, on synthetic data of their real shapes: `simplecnn` (1x28x28 images),
+`resnet18` (11.2M parameters, BatchNorm, 3x32x32 images: CIFAR's shape) and `gpt_small`
+(10.9M parameters, byte-level tokens, 128 per sample). Strategies: `baseline` (one
+process), `ps_sync` and `ps_async` (`disttrain ps`: 1 server, 2 workers) and `ddp`
+(`disttrain ddp`, 2 ranks), each run as a user runs it, through the `disttrain` command,
+with one torch thread per process and the same batch per process.
+
+Every figure comes from the processes' own metrics (`metrics.jsonl`), the first logged
+window (warm-up) left out, averaged over the workers: `step_time_s` (`time/step_s`),
+`compute_s` (`time/compute_s`), `comm_s` (`time/comm_blocked_s`: the time a step waited
+on communication) and `bytes_per_step` (per worker: gradient bytes sent plus parameter
+bytes received under the PS, bytes handed to all-reduce under DDP). `samples_per_s` is
+the processes' batches over the step time, summed over processes. Each figure is the
+median over interleaved repeats (baseline, ps_sync, ps_async, ddp, then again), and
+`ratio_to_baseline` divides it by the baseline's of the same model. `where_each_wins` is
+computed from these figures.
+
+--quick keeps the keys and shrinks the models (`training.model_args`: resnet18 of width
+8, a 2-layer gpt_small of width 64), the batches and the steps. --repeats defaults to 2
+(--quick: 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+from common import parse_args, report
+
+from disttrain.metrics import read_metrics
+
+STRATEGIES = ("baseline", "ps_sync", "ps_async", "ddp")
+WORKERS = 2          # PS workers and DDP ranks
+LOG_INTERVAL = 3     # steps per logged window; the first window is the warm-up left out
+TIMEOUT_S = 900
+DEFAULT_REPEATS = 2
+
+# Per model: data set, batch per process, steps per process, and the model_args of --quick.
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "simplecnn": {"dataset": "synthetic", "batch": 64, "steps": 30, "quick_steps": 9,
+                  "quick_model_args": None},
+    "resnet18": {"dataset": "synthetic:3x32x32", "batch": 16, "steps": 12, "quick_steps": 6,
+                 "quick_model_args": {"width": 8}},
+    "gpt_small": {"dataset": "synthetic:text", "batch": 8, "steps": 12, "quick_steps": 6,
+                  "quick_model_args": {"n_layer": 2, "n_head": 2, "n_embd": 64, "dropout": 0.0}},
+}
+
+
+def command(model: str, strategy: str, folder: Path, quick: bool) -> list[str]:
+    """The `disttrain` command line of one run; its logs go under `folder`."""
+    workload = WORKLOADS[model]
+    steps = workload["quick_steps"] if quick else workload["steps"]
+    batch = workload["batch"] // 2 if quick else workload["batch"]
+    processes = 1 if strategy == "baseline" else WORKERS
+    samples = processes * steps * batch
+    args = [sys.executable, "-m", "disttrain", strategy.split("_")[0],
+            "--dataset", workload["dataset"], "--model", model,
+            "--num-samples", str(samples), "--max-test-samples", "16",
+            "--batch-size", str(batch), "--num-epochs", "1", "--optimizer", "adam",
+            "--learning-rate", "0.001", "--seed", "0", "--num-threads", "1",
+            "--checkpoint-interval", str(10**9),
+            "--log-dir", str(folder / "logs"), "--checkpoint-dir", str(folder / "ckpt"),
+            "--set", f"training.log_interval={LOG_INTERVAL}",
+            "--set", "training.eval_batch_size=16"]
+    if model == "gpt_small":
+        args += ["--seq-len", "128"]
+    if quick and workload["quick_model_args"]:
+        args += ["--set", f"training.model_args={json.dumps(workload['quick_model_args'])}"]
+    if strategy.startswith("ps"):
+        args += ["--workers", str(WORKERS), "--servers", "1",
+                 "--aggregation-mode", strategy.split("_")[1]]
+    elif strategy == "ddp":
+        args += ["--world-size", str(WORKERS)]
+    return args
+
+
+def window_means(path: Path) -> dict[str, float]:
+    """Per-step means of one process's logged windows, the first left out, each window
+    weighted by the steps it covers.
+
+    Raises:
+        RuntimeError: the run logged fewer than two windows (too few steps to measure).
+    """
+    records = [r for r in read_metrics(path) if "time/step_s" in r]
+    if len(records) < 2:
+        raise RuntimeError(f"{path}: {len(records)} logged windows; the benchmark needs two or "
+                           "more (raise the steps of the workload)")
+    weights = [b["step"] - a["step"] for a, b in pairwise(records)]
+    records = records[1:]
+
+    def mean(*keys: str) -> float:
+        total = sum(w * sum(r.get(k, 0.0) for k in keys) for w, r in zip(weights, records, strict=True))
+        return total / sum(weights)
+
+    return {"step_time_s": mean("time/step_s"), "compute_s": mean("time/compute_s"),
+            "comm_s": mean("time/comm_blocked_s"),
+            "bytes_per_step": mean("comm/bytes_sent", "comm/bytes_received", "comm/bytes_allreduced")}
+
+
+def measure(model: str, strategy: str, quick: bool) -> dict[str, float]:
+    """Run one strategy on one workload; its figures, averaged over its processes.
+
+    Raises:
+        RuntimeError: the run failed (the end of its output is included).
+    """
+    with tempfile.TemporaryDirectory(prefix="bench-workloads-") as tmp:
+        folder = Path(tmp)
+        done = subprocess.run(command(model, strategy, folder, quick), capture_output=True, text=True,
+                              timeout=TIMEOUT_S, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if done.returncode != 0:
+            raise RuntimeError(f"{model} {strategy} failed ({done.returncode}): "
+                               f"{(done.stdout + done.stderr)[-3000:]}")
+        paths = sorted((folder / "logs").glob("*/metrics.jsonl"))
+        per_process = [window_means(p) for p in paths]
+    figures = {key: statistics.fmean(p[key] for p in per_process) for key in per_process[0]}
+    batch = WORKLOADS[model]["batch"] // 2 if quick else WORKLOADS[model]["batch"]
+    figures["samples_per_s"] = sum(batch / p["step_time_s"] for p in per_process)
+    figures["processes"] = len(per_process)
+    return figures
+
+
+def summarise(runs: list[dict[str, float]], baseline: dict[str, float] | None) -> dict[str, Any]:
+    """Medians over repeats, the communication's share of a step, and the ratios to the
+    baseline's medians (None for the baseline's own bytes, which are 0)."""
+    keys = ("step_time_s", "compute_s", "comm_s", "bytes_per_step", "samples_per_s")
+    result: dict[str, Any] = {key: statistics.median(r[key] for r in runs) for key in keys}
+    result["comm_fraction"] = result["comm_s"] / result["step_time_s"]
+    reference = baseline or result
+    result["ratio_to_baseline"] = {key: result[key] / reference[key]
+                                   for key in ("step_time_s", "compute_s", "samples_per_s")}
+    return result
+
+
+def where_each_wins(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per model, from the measured figures: the fastest strategy (samples/s), the
+    distributed strategies that beat the baseline, the one that waits least on
+    communication and the one that moves fewest bytes per step."""
+    wins: dict[str, Any] = {}
+    for model, strategies in results.items():
+        distributed = {s: f for s, f in strategies.items() if s != "baseline"}
+        fastest = max(strategies, key=lambda s: strategies[s]["samples_per_s"])
+        beats = sorted((s for s, f in distributed.items() if f["ratio_to_baseline"]["samples_per_s"] > 1.0),
+                       key=lambda s: -distributed[s]["samples_per_s"])
+        least_comm = min(distributed, key=lambda s: distributed[s]["comm_fraction"])
+        fewest_bytes = min(distributed, key=lambda s: distributed[s]["bytes_per_step"])
+        ratios = ", ".join(f"{s} {f['ratio_to_baseline']['samples_per_s']:.2f}x"
+                           for s, f in distributed.items())
+        wins[model] = {
+            "fastest": fastest, "beat_baseline": beats, "least_comm_fraction": least_comm,
+            "fewest_bytes_per_step": fewest_bytes,
+            "text": f"{fastest} is fastest; samples/s against the baseline: {ratios}; "
+                    f"{least_comm} waits least on communication "
+                    f"({distributed[least_comm]['comm_fraction']:.0%} of a step)"}
+    return wins
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], lambda p: p.set_defaults(repeats=-1))
+    # common.parse_args's default (5 repeats) would take most of an hour here: -1 marks "not given".
+    repeats = args.repeats if args.repeats > 0 else (1 if args.quick else DEFAULT_REPEATS)
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {
+        model: {s: [] for s in STRATEGIES} for model in WORKLOADS}
+    for model in WORKLOADS:
+        for _ in range(repeats):  # interleaved: drift in the machine's load hits all alike
+            for strategy in STRATEGIES:
+                runs[model][strategy].append(measure(model, strategy, args.quick))
+    results: dict[str, dict[str, Any]] = {}
+    for model, by_strategy in runs.items():
+        baseline = summarise(by_strategy["baseline"], None)
+        results[model] = {"baseline": baseline}
+        for strategy in STRATEGIES[1:]:
+            results[model][strategy] = summarise(by_strategy[strategy], baseline)
+    report("workloads", {
+        "workers": WORKERS, "repeats": repeats, "threads_per_process": 1,
+        "workloads": {model: {"dataset": w["dataset"],
+                              "batch_per_process": w["batch"] // 2 if args.quick else w["batch"],
+                              "steps_per_process": w["quick_steps"] if args.quick else w["steps"],
+                              "model_args": w["quick_model_args"] if args.quick else None}
+                      for model, w in WORKLOADS.items()},
+        "results": results,
+        "where_each_wins": where_each_wins(results),
+    }, args.output)
+
+
+if __name__ == "__main__":
+    main()

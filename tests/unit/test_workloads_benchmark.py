@@ -1,0 +1,82 @@
+"""benchmarks/workloads.py's arithmetic: the figures it reads from a run's metrics, and the
+"where each wins" it computes from them (the runs themselves are `make bench`'s)."""
+
+import importlib.util
+import json
+
+import pytest
+from conftest import REPO_ROOT
+
+BENCHMARKS = REPO_ROOT / "benchmarks"
+
+
+@pytest.fixture
+def workloads(monkeypatch):
+    """The script as a module (it imports `common` from its own folder, as when run)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("workloads_benchmark", BENCHMARKS / "workloads.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_metrics(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def window(step, step_s, comm_s, sent=0.0, received=0.0):
+    return {"step": step, "epoch": 0, "time": 0.0, "time/step_s": step_s, "time/compute_s": step_s - comm_s,
+            "time/comm_blocked_s": comm_s, "comm/bytes_sent": sent, "comm/bytes_received": received}
+
+
+def test_the_warm_up_window_is_left_out_and_the_others_weighted_by_their_steps(workloads, tmp_path):
+    path = write_metrics(tmp_path / "metrics.jsonl", [
+        window(3, 9.0, 9.0, 1, 1),          # warm-up: left out
+        window(6, 0.4, 0.1, 100, 100),      # 3 steps
+        {"step": 6, "epoch": 0, "time": 0.0, "loss/test": 2.0},  # an evaluation record: not a window
+        window(7, 1.0, 0.4, 300, 100)])     # 1 step (the epoch's last, partial window)
+    figures = workloads.window_means(path)
+    assert figures["step_time_s"] == pytest.approx((3 * 0.4 + 1.0) / 4)
+    assert figures["comm_s"] == pytest.approx((3 * 0.1 + 0.4) / 4)
+    assert figures["compute_s"] == pytest.approx((3 * 0.3 + 0.6) / 4)
+    assert figures["bytes_per_step"] == pytest.approx((3 * 200 + 400) / 4)
+
+
+def test_a_run_too_short_to_measure_is_an_error_that_says_so(workloads, tmp_path):
+    path = write_metrics(tmp_path / "metrics.jsonl", [window(3, 0.5, 0.0)])
+    with pytest.raises(RuntimeError, match="1 logged windows"):
+        workloads.window_means(path)
+
+
+def figures(step_time_s, comm_s, bytes_per_step):
+    return {"step_time_s": step_time_s, "compute_s": step_time_s - comm_s, "comm_s": comm_s,
+            "bytes_per_step": bytes_per_step, "samples_per_s": 64 / step_time_s}
+
+
+def test_where_each_wins_follows_the_measured_figures(workloads):
+    def wins(async_step_s):
+        runs = {"baseline": [figures(0.1, 0.0, 0.0)], "ps_sync": [figures(0.2, 0.05, 2e6)],
+                "ps_async": [figures(async_step_s, 0.01, 2e6)], "ddp": [figures(0.15, 0.03, 1e6)]}
+        baseline = workloads.summarise(runs["baseline"], None)
+        results = {"m": {"baseline": baseline, **{s: workloads.summarise(r, baseline)
+                                                  for s, r in runs.items() if s != "baseline"}}}
+        return results, workloads.where_each_wins(results)["m"]
+
+    results, fast_async = wins(0.09)
+    assert results["m"]["ps_async"]["ratio_to_baseline"]["samples_per_s"] == pytest.approx(0.1 / 0.09)
+    assert fast_async["fastest"] == "ps_async" and fast_async["beat_baseline"] == ["ps_async"]
+    assert fast_async["fewest_bytes_per_step"] == "ddp"
+    _, slow_async = wins(0.5)
+    assert slow_async["fastest"] == "baseline" and slow_async["beat_baseline"] == []
+    assert slow_async["least_comm_fraction"] == "ps_async"  # 0.01 of 0.5 s
+
+
+def test_quick_mode_shrinks_the_models_and_ps_runs_name_their_mode(workloads, tmp_path):
+    quick = workloads.command("gpt_small", "ps_async", tmp_path, quick=True)
+    assert quick[quick.index("--aggregation-mode") + 1] == "async"
+    assert any(arg.startswith("training.model_args=") and '"n_layer": 2' in arg for arg in quick)
+    full = workloads.command("resnet18", "ddp", tmp_path, quick=False)
+    assert not any(arg.startswith("training.model_args=") for arg in full)
+    assert full[full.index("--world-size") + 1] == "2"
+    assert full[full.index("--num-samples") + 1] == str(2 * 12 * 16)
