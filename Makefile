@@ -81,7 +81,7 @@ endef
 bench: install
 	$(call run_benchmarks,runs/bench,)
 
-# Every benchmark's quick mode (smaller sizes, digits or synthetic data, about 12 minutes in
+# Every benchmark's quick mode (smaller sizes, digits or synthetic data, about 12 and a half minutes in
 # all): the same JSON keys as `make bench`, under runs/bench-quick/.
 bench-quick: install
 	$(call run_benchmarks,runs/bench-quick,--quick)
