@@ -23,6 +23,7 @@ from disttrain.core.errors import ConfigError
 
 MODEL_GROUP = "disttrain.models"
 DATASET_GROUP = "disttrain.datasets"
+PLUGIN_PREFIX = "disttrain_plugin_"  # the module names a user's files are imported under
 
 
 def is_factory_spec(spec: str) -> bool:
@@ -68,19 +69,35 @@ def _import_file(path: str, key: str) -> ModuleType:
     if not file.is_file():
         raise ConfigError(f"{key}: file {path} does not exist (looked for {file}); give the path of "
                           "a Python file, e.g. my_model.py:build")
-    module_name = "disttrain_plugin_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
+    module_name = PLUGIN_PREFIX + hashlib.sha1(str(file).encode()).hexdigest()[:12]
+    try:
+        return import_plugin_file(module_name, str(file))
+    except Exception as e:  # the user's file: any error it raises is theirs to see
+        raise ConfigError(f"{key}: importing {path} failed: {_one_line(e)}") from e
+
+
+def import_plugin_file(module_name: str, path: str) -> ModuleType:
+    """Import the file at `path` as `module_name`, once per process (a failed import leaves
+    no module behind)."""
     if module_name in sys.modules:
         return sys.modules[module_name]
-    module_spec = importlib.util.spec_from_file_location(module_name, file)
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
     try:
         module_spec.loader.exec_module(module)
-    except Exception as e:  # the user's file: any error it raises is theirs to see
+    except BaseException:
         del sys.modules[module_name]
-        raise ConfigError(f"{key}: importing {path} failed: {_one_line(e)}") from e
+        raise
     return module
+
+
+def imported_plugin_files() -> list[tuple[str, str]]:
+    """(module name, path) of every user's file imported in this process, sorted: what a
+    spawned process must import again before it can unpickle objects of their classes."""
+    return sorted((name, module.__file__) for name, module in list(sys.modules.items())
+                  if name.startswith(PLUGIN_PREFIX) and getattr(module, "__file__", None))
 
 
 def _import_module(name: str, key: str) -> ModuleType:

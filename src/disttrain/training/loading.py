@@ -19,10 +19,8 @@ the model and the optimizer stay in the training process.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import pickle
-import sys
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -30,9 +28,9 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-logger = logging.getLogger(__name__)
+from disttrain.data.plugins import import_plugin_file, imported_plugin_files
 
-PLUGIN_PREFIX = "disttrain_plugin_"  # the names `data.plugins` imports a user's files under
+logger = logging.getLogger(__name__)
 
 
 def prefetch(source: BatchSource, num_workers: int, device_type: str = "cpu") -> PrefetchedBatches | None:
@@ -64,8 +62,7 @@ class _Batches(torch.utils.data.Dataset):
         """A spawned worker cannot import a user's data set file by its module name (the
         file was imported by path, `data.plugins`), so when such files are loaded the
         worker imports them again by path before it unpickles the source."""
-        files = sorted((name, module.__file__) for name, module in list(sys.modules.items())
-                       if name.startswith(PLUGIN_PREFIX) and getattr(module, "__file__", None))
+        files = imported_plugin_files()
         if not files:
             return (_Batches, (self.source,))
         return (_rebuild, (files, pickle.dumps(self.source)))
@@ -73,12 +70,7 @@ class _Batches(torch.utils.data.Dataset):
 
 def _rebuild(files: list[tuple[str, str]], source: bytes) -> _Batches:
     for name, path in files:
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, path)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
+        import_plugin_file(name, path)
     return _Batches(pickle.loads(source))
 
 
