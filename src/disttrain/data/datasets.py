@@ -25,7 +25,7 @@ from disttrain.config import TrainingConfig
 from disttrain.core.errors import ConfigError, DataError
 from disttrain.data import image_folder, plugins, sources, text
 from disttrain.data.description import DatasetDescription
-from disttrain.data.mapped import BatchedDataset, MappedDataset
+from disttrain.data.mapped import SUBSET_SEED, BatchedDataset, MappedDataset, subset_indices
 
 # Per-channel (mean, std) of the training images scaled to [0, 1].
 NORMALISATION = {
@@ -33,7 +33,6 @@ NORMALISATION = {
     "fashion_mnist": ((0.2860,), (0.3530,)),
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
 }
-SUBSET_SEED = 0  # the subsets of max_*_samples are the same whatever the training seed
 SYNTHETIC_SEED = 1234
 DIGITS_TEST_FRACTION = 0.2
 DIGITS_FILE = Path(__file__).with_name("digits.csv.gz")
@@ -90,10 +89,9 @@ class ArrayDataset:
 
     def subset(self, limit: int | None) -> ArrayDataset:
         """The first `limit` samples of a fixed permutation (class-balanced, deterministic)."""
-        if limit is None or limit >= len(self):
+        keep = subset_indices(len(self), limit)
+        if keep is None:
             return self
-        order = torch.randperm(len(self), generator=torch.Generator().manual_seed(SUBSET_SEED))
-        keep = order[:limit]
         return ArrayDataset(self.name, self.images[keep], self.labels[keep], self.num_classes)
 
 
