@@ -66,7 +66,6 @@ COMMON_FLAGS: dict[str, tuple[str, Any, str]] = {
 }
 
 
-# Gradient compression, on the parameter-server wire and in DDP's all-reduce.
 def balance_flags(who: str) -> dict[str, tuple[str, Any, str]]:
     """The flags of work in proportion to speed, `who` naming a process ("rank", "worker")."""
     return {
@@ -81,6 +80,7 @@ def balance_flags(who: str) -> dict[str, tuple[str, Any, str]]:
     }
 
 
+# Gradient compression, on the parameter-server wire and in DDP's all-reduce.
 COMPRESSION_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--compression-enabled": ("compression.enabled", bool, "compress gradients before they travel"),
     "--compression-type": ("compression.type", str, "quantization (int8), topk, fp16, bf16, or "
