@@ -13,7 +13,7 @@ import torch
 from disttrain.config import Config, load_config
 from disttrain.core.checkpoint import load_checkpoint
 from disttrain.data import ArrayDataset, load_datasets
-from disttrain.training.engine import build_optimizer
+from disttrain.training.engine import build_optimizer, forward_backward, task_loss
 from disttrain.training.models import init_model
 from disttrain.training.stepping import OptimizerStep
 
@@ -21,7 +21,9 @@ from disttrain.training.stepping import OptimizerStep
 def assert_matches_one_process(tmp_path: Path,
                                batches: Callable[[Config, ArrayDataset], Iterable[torch.Tensor]]) -> Config:
     """The final model in `<tmp_path>/ckpt` equals one process's stepping on `batches(config,
-    train_set)` in order, to 1e-5; returns the run's config (from `<tmp_path>/logs`)."""
+    train_set)` in order, with the task's loss (a language model's: over every token), to
+    1e-5; with clipping on, some step must have clipped. Returns the run's config (from
+    `<tmp_path>/logs`)."""
     config = load_config(tmp_path / "logs" / "config.yaml")
     train_set, _ = load_datasets(config.training)
     model = init_model(config.training)
@@ -30,7 +32,7 @@ def assert_matches_one_process(tmp_path: Path,
     for batch in batches(config, train_set):
         inputs, targets = train_set.batch(batch)
         stepper.optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        forward_backward(model, inputs, targets)
         stepper.step()
         norms.append(stepper.last_grad_norm)
     if config.training.clip_grad_norm:  # the run is a test of clipping only if some step clipped
@@ -65,7 +67,7 @@ def per_worker_reference(config: Config, train_set: ArrayDataset, steps: Iterabl
                 for name, b in buffers.items():
                     b.copy_(start[name])
             inputs, targets = train_set.batch(part)
-            loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+            loss = task_loss(model(inputs), targets)
             (loss * (len(part) / total)).backward()
             after.append({name: b.clone() for name, b in buffers.items()})
         optimizer.step()

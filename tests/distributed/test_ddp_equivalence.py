@@ -1,8 +1,9 @@
 """The core check of the DDP path, with real rank processes on gloo: 2 ranks with plain
 SGD end with the parameters of one process stepping on the concatenated batches, with
-and without gradient accumulation; only the last micro-batch of a step communicates;
-the test accuracy is counted over the whole test set exactly once. The accumulation case
-runs as two nodes meeting at a c10d rendezvous, the multi-node path on one machine."""
+and without gradient accumulation, and so does a transformer with warm-up, AdamW and
+clipping; only the last micro-batch of a step communicates; the test figures are
+counted over the whole test set exactly once. The accumulation case runs as two nodes
+meeting at a c10d rendezvous, the multi-node path on one machine."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from disttrain.config import config_from_dict
+from disttrain.config import load_config
 from disttrain.data import ShardedSampler, load_datasets
 from disttrain.metrics.logger import read_metrics
 from disttrain.training.engine import build_optimizer, evaluate, forward_backward
 from disttrain.training.loop import groups as accumulation_groups
-from disttrain.training.models import build_model, count_parameters, init_model
+from disttrain.training.models import count_parameters, init_model
 from disttrain.training.stepping import OptimizerStep
 
 SEED = 7
@@ -27,11 +28,13 @@ LEARNING_RATE = 0.05
 
 
 # Warm-up then cosine decay, AdamW with weight decay on the weights, clipping by global
-# norm: applied after the all-reduce, they still equal one process on the whole batch.
+# norm: applied after the all-reduce, they still equal one process on the whole batch. On
+# gpt_small made tiny (1 layer of width 16, 2 heads, 8 tokens) over synthetic byte-level
+# text, its loss over every token; see test_ps_cluster's TINY_TRANSFORMER for its args.
 FEATURES = ("--optimizer", "adamw", "--weight-decay", "0.1", "--lr-schedule", "cosine",
-            "--warmup-steps", "2", "--lr-decay-steps", "4", "--lr-min", "0.005", "--clip-grad-norm", "0.2")
-FEATURE_KEYS = {"optimizer": "adamw", "weight_decay": 0.1, "lr_schedule": "cosine", "warmup_steps": 2,
-                "lr_decay_steps": 4, "lr_min": 0.005, "clip_grad_norm": 0.2}
+            "--warmup-steps", "2", "--lr-decay-steps", "4", "--lr-min", "0.005", "--clip-grad-norm", "0.2",
+            "--model", "gpt_small", "--dataset", "synthetic:text", "--seq-len", "8",
+            "--set", "training.model_args={n_layer: 1, n_head: 2, n_embd: 16, dropout: 0.0, bias: false}")
 
 
 def reference_model(training, world_size: int, micro_batch: int, accumulation: int):
@@ -79,19 +82,25 @@ def run_ddp(cli, tmp_path, accumulation: int, nodes: int, features: tuple[str, .
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("accumulation", "nodes", "features"), [(1, 1, ()), (2, 2, ()), (2, 1, FEATURES)],
-                         ids=["one-node", "accumulation-two-nodes", "warmup-adamw-clipping"])
+                         ids=["one-node", "accumulation-two-nodes", "transformer-warmup-adamw-clipping"])
 def test_two_ranks_match_one_process_on_the_concatenated_batch(cli, tmp_path, accumulation, nodes, features):
     results = run_ddp(cli, tmp_path, accumulation, nodes, features)
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
-    assert sum("Strategy: ddp (world size 2, dataset synthetic)" in r.stdout for r in results) == 1
+    dataset = "synthetic:text" if features else "synthetic"
+    assert sum(f"Strategy: ddp (world size 2, dataset {dataset})" in r.stdout for r in results) == 1
     log_dir, checkpoint_dir = tmp_path / "logs", tmp_path / "ckpt"
 
-    config = config_from_dict({"training": {
-        "dataset": "synthetic", "num_samples": NUM_SAMPLES, "model_architecture": "mlp",
-        "mlp_hidden_size": 32, "mlp_num_layers": 1, "seed": SEED, "learning_rate": LEARNING_RATE,
-        "optimizer": "sgd", "momentum": 0.0, **(FEATURE_KEYS if features else {})}})
-    expected = reference_model(config.training, 2, 32 // accumulation, accumulation)
+    config = load_config(log_dir / "config.yaml")  # the run's, as its ranks resolved it
+    training = config.training
+    assert (training.num_samples, training.seed, training.momentum) == (NUM_SAMPLES, SEED, 0.0)
+    if features:
+        assert (training.model_architecture, training.optimizer, training.clip_grad_norm) == \
+            ("gpt_small", "adamw", 0.2)
+    else:
+        assert (training.model_architecture, training.optimizer, training.learning_rate) == \
+            ("mlp", "sgd", LEARNING_RATE)
+    expected = reference_model(training, 2, 32 // accumulation, accumulation)
     trained = torch.load(checkpoint_dir / "ddp_final.pt", weights_only=True)["model"]
     for name, value in expected.state_dict().items():
         torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-5, msg=name)
@@ -106,10 +115,13 @@ def test_two_ranks_match_one_process_on_the_concatenated_batch(cli, tmp_path, ac
     assert all(0 < r["time/comm_blocked_s"] <= r["time/step_s"] for r in steps)
     assert all(r["time/comm_overlapped_s"] == 0 for r in steps)
 
-    # The test accuracy summed over ranks is the final model's on the whole test set.
-    module = build_model("mlp", (1, 28, 28), 10, config.training)
+    # The test figures summed over ranks are the final model's on the whole test set.
+    module = init_model(config.training)
     module.load_state_dict(trained)
     _, test_set = load_datasets(config.training)
     summary = json.loads((log_dir / "summary.json").read_text())
-    assert summary["final_accuracy"] == evaluate(module, test_set).accuracy
+    whole = evaluate(module, test_set)
+    assert summary["final_accuracy"] == whole.accuracy  # a language model's: of next tokens
+    if features:
+        assert summary["final_perplexity"] == pytest.approx(whole.perplexity, rel=1e-6)
     assert summary["samples_processed"] == NUM_SAMPLES and summary["world_size"] == 2

@@ -47,7 +47,7 @@ def concatenated(config, train_set):
     """Both workers' batches of each step, concatenated."""
     samplers = [ShardedSampler(len(train_set), world_size=2, rank=r, seed=config.training.seed)
                 for r in range(2)]
-    for batches in zip(*(s.batches(16) for s in samplers), strict=True):
+    for batches in zip(*(s.batches(config.training.batch_size) for s in samplers), strict=True):
         yield torch.cat(batches)
 
 
@@ -97,13 +97,22 @@ def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path
 # two, each clips its share (`ps.server.optimizer`), so exactness is held with clipping off.
 FEATURES = ["--optimizer", "adamw", "--weight-decay", "0.1", "--learning-rate", "0.01",
             "--lr-schedule", "cosine", "--warmup-steps", "2", "--lr-decay-steps", "6", "--lr-min", "0.001"]
+# gpt_small made tiny (1 layer of width 16, 2 heads, 8 tokens) on synthetic byte-level
+# text: the loss is over every token of every window. Dropout off, as in the reference.
+# Biases off: the attention's key bias adds one constant to a query's scores, which the
+# softmax ignores, so its gradient is zero in exact arithmetic and only rounding noise in
+# floats; AdamW scales that noise up to steps of about the learning rate, and the noise of
+# two summation orders (two workers' halves, one process's whole) differs.
+TINY_TRANSFORMER = ["--model", "gpt_small", "--dataset", "synthetic:text", "--seq-len", "8",
+                    "--num-samples", "192", "--set",
+                    "training.model_args={n_layer: 1, n_head: 2, n_embd: 16, dropout: 0.0, bias: false}"]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("servers, clip, loader", [(1, "0.3", "1"), (2, "0", "0")],
-                         ids=["one-server-clipped-loader-workers", "two-servers"])
-def test_sync_with_warmup_adamw_and_clipping_matches_one_process(tmp_path, cli, servers, clip, loader):
-    result = cli("ps", "--workers", "2", "--servers", str(servers), *EXACT_ARGS, *FEATURES,
+@pytest.mark.parametrize("servers, clip, loader, model", [(1, "0.3", "1", TINY_TRANSFORMER), (2, "0", "0", [])],
+                         ids=["transformer-one-server-clipped-loader-workers", "two-servers"])
+def test_sync_with_warmup_adamw_and_clipping_matches_one_process(tmp_path, cli, servers, clip, loader, model):
+    result = cli("ps", "--workers", "2", "--servers", str(servers), *EXACT_ARGS, *FEATURES, *model,
                  "--loader-workers", loader,
                  "--max-train-samples", "192",
                  "--clip-grad-norm", clip, "--log-dir", tmp_path / "logs", "--checkpoint-dir",
@@ -111,6 +120,7 @@ def test_sync_with_warmup_adamw_and_clipping_matches_one_process(tmp_path, cli, 
     assert result.returncode == 0, result.stderr[-2000:]
     config = assert_matches_one_process(tmp_path, concatenated)
     assert config.training.optimizer == "adamw" and config.training.clip_grad_norm == float(clip)
+    assert config.training.model_architecture == ("gpt_small" if model else "mlp")
     # The shards' schedule went 6 steps along the curve, as their checkpoints keep it.
     for shard in range(servers):
         newest = max((tmp_path / "ckpt" / f"server{shard}").glob("*.pt"))
