@@ -1,6 +1,6 @@
 """A user's model and data set, written as a user would into a file of their own, for the
-plug-in tests: a small classifier on a learnable set of vectors, and the factories that
-fail in each way the errors must name."""
+plug-in tests: a small classifier on a learnable set of vectors (and the same with its
+first layer frozen), and the factories that fail in each way the errors must name."""
 
 from __future__ import annotations
 
@@ -34,6 +34,13 @@ def data(num_train=192):
 def model(description, hidden=16):
     return nn.Sequential(nn.Linear(description.input_shape[0], hidden), nn.ReLU(),
                          nn.Linear(hidden, description.num_classes))
+
+
+def partly_frozen(description, hidden=16):
+    """`model` with its first layer frozen: random features a trained head reads."""
+    net = model(description, hidden)
+    net[0].requires_grad_(False)
+    return net
 
 
 def raises(description):

@@ -12,8 +12,10 @@ import pytest
 import torch
 import yaml
 
+from disttrain.config import load_config
 from disttrain.core import checkpoint as ckpt
 from disttrain.metrics.logger import read_metrics
+from disttrain.training.models import init_model
 from tests.plugin_files import write_plugin, write_text
 from tests.unit.test_plugins import write_distribution
 
@@ -21,12 +23,13 @@ SMALL = ["--batch-size", "16", "--num-epochs", "1", "--num-threads", "1"]
 TINY_GPT = "training.model_args={n_layer: 1, n_head: 2, n_embd: 16}"
 
 
-def user_config(tmp_path, **training) -> str:
-    """A config file naming the user's model and data set, with the model's arguments."""
+def user_config(tmp_path, factory: str = "model", **training) -> str:
+    """A config file naming the user's model (`factory` of the plug-in) and data set, with
+    the model's arguments."""
     plugin = write_plugin(tmp_path)
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump({"training": {
-        "model_architecture": f"{plugin}:model", "dataset": f"{plugin}:data",
+        "model_architecture": f"{plugin}:{factory}", "dataset": f"{plugin}:data",
         "model_args": {"hidden": 12}, "optimizer": "sgd", "learning_rate": 0.1, **training}}))
     return str(path)
 
@@ -90,7 +93,10 @@ def test_a_users_model_and_data_train_on_two_parameter_server_shards(tmp_path, c
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_compare_runs_a_users_model_under_baseline_ps_async_and_ddp(tmp_path, cli):
-    result = cli("compare", "--config", user_config(tmp_path), *SMALL, "--workers", "2",
+    # Its first layer frozen (random features, wide enough for the head to read), with
+    # weight decay and momentum: nothing may move that layer.
+    config = user_config(tmp_path, "partly_frozen", model_args={"hidden": 32}, weight_decay=0.1, momentum=0.5)
+    result = cli("compare", "--config", config, *SMALL, "--workers", "2",
                  "--strategies", "baseline,ps-async,ddp", "--set", "ps.num_servers=2",
                  "--output-dir", tmp_path / "cmp", timeout=170)
     assert result.returncode == 0, result.stderr
@@ -98,6 +104,13 @@ def test_compare_runs_a_users_model_under_baseline_ps_async_and_ddp(tmp_path, cl
     runs = {run["name"]: run for run in report["runs"]}
     assert set(runs) == {"baseline", "ps-async", "ddp"} and all(r["status"] == "ok" for r in runs.values())
     assert all(r["final_accuracy"] > 0.6 for r in runs.values())
+    initial = init_model(load_config(config).training).state_dict()
+    for name, final in [("baseline", "baseline_final.pt"), ("ps-async", "parameter_server_final.pt"),
+                        ("ddp", "ddp_final.pt")]:
+        trained = ckpt.load_checkpoint(tmp_path / "cmp" / name / "checkpoints" / final)["model"]
+        assert torch.equal(trained["0.weight"], initial["0.weight"]), name
+        assert torch.equal(trained["0.bias"], initial["0.bias"]), name
+        assert not torch.equal(trained["2.weight"], initial["2.weight"]), name  # the head trained
     ps_summary = json.loads((tmp_path / "cmp" / "ps-async" / "logs" / "summary.json").read_text())
     assert ps_summary["strategy"] == "ps-async" and ps_summary["num_servers"] == 2
     header = next(line for line in result.stdout.splitlines() if line.startswith("run "))

@@ -1,5 +1,6 @@
 """A shard's optimizer besides the step: decay on the weights' ranges only, clipping by
-each shard's share of the global norm, and the schedule by the shard's count of updates."""
+each shard's share of the global norm, and the schedule by the shard's count of updates;
+frozen parameters in no shard, so nothing the shards do moves them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from disttrain.config import config_from_dict
 from disttrain.strategies.ps.server.optimizer import ShardOptimizer, decayed_ranges
-from disttrain.strategies.ps.wire.sharding import plan_shards
+from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -95,3 +96,28 @@ def test_async_counts_a_step_per_round_of_pushes_and_the_count_is_kept():
     assert again.state.num_steps == 5
     again.load_state_dict({"optimizer": shard.state_dict()["optimizer"]}, default_updates=7)
     assert again.state.num_steps == 7  # a checkpoint of before schedules: its version
+
+
+def test_a_frozen_layer_is_in_no_shard_and_adamw_with_decay_never_moves_it():
+    net = model()
+    net[0].requires_grad_(False)  # 30 + 5 elements frozen: 28 stay for the shards
+    frozen = {name: p.detach().clone() for name, p in net[0].named_parameters()}
+    plans = plan_shards(net, 2)
+    assert sum(p.numel for p in plans) == 28 and not any({"0.weight", "0.bias"} & p.names for p in plans)
+    flat, _ = flat_parameters(net)
+    assert flat.numel() == 28
+    shards = [ShardOptimizer(nn.Parameter(flat[p.offset:p.offset + p.numel].clone()), p,
+                             training(optimizer="adamw", weight_decay=0.5), flat.numel()) for p in plans]
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for shard in shards:
+            shard.set_rate()
+            shard.param.grad = torch.randn(shard.param.numel(), generator=generator)
+            shard.prepare(shard.param.grad)
+            shard.optimizer.step()
+            shard.applied()
+    with torch.no_grad():  # the shards' parameters back into the model, as a worker's pull does
+        for plan, shard in zip(plans, shards, strict=True):
+            flat[plan.offset:plan.offset + plan.numel] = shard.param
+    assert all(torch.equal(p, frozen[name]) for name, p in net[0].named_parameters())
+    assert not torch.equal(net[2].weight, model()[2].weight)  # the trainable ones moved

@@ -115,9 +115,11 @@ def test_the_plan_is_logged_one_line_per_shard(caplog):
     assert [line.strip().split(":")[0] for line in lines[1:]] == ["shard 0/3", "shard 1/3", "shard 2/3"]
 
 
-def test_a_model_without_parameters_is_refused():
-    with pytest.raises(ValueError, match="no parameters"):
+def test_a_model_without_trainable_parameters_is_refused():
+    with pytest.raises(ValueError, match="no trainable parameters"):
         plan_shards(torch.nn.BatchNorm1d(3, affine=False), 1)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        plan_shards(torch.nn.Linear(3, 2).requires_grad_(False), 1)
 
 
 def test_bool_and_non_persistent_buffers_stay_with_the_worker(caplog):

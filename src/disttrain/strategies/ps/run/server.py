@@ -31,7 +31,7 @@ from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.server.shard import CheckpointPolicy, ShardState
 from disttrain.strategies.ps.server.validation import PushDecoder
 from disttrain.strategies.ps.wire.service import tune_allocator
-from disttrain.strategies.ps.wire.sharding import initial_buffers, plan_shards
+from disttrain.strategies.ps.wire.sharding import initial_buffers, plan_shards, trainable_parameters
 from disttrain.training.engine import configure_threads
 from disttrain.training.models import init_model
 
@@ -50,7 +50,8 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
     model = init_model(training)
     plans = plan_shards(model, num_shards)
     plan = plans[shard]
-    flat = parameters_to_vector(model.parameters())[plan.offset:plan.offset + plan.numel]
+    trainable = parameters_to_vector(p for _, p in trainable_parameters(model))
+    flat = trainable[plan.offset:plan.offset + plan.numel]
     folder = Path(system.checkpoint_dir) / f"server{shard}"
     resumed_from = ckpt.prepare_checkpoint_dir(folder, resume)
     rules = AggregationRules(ps.aggregation_mode, system.num_workers, ps.staleness, ps.backup_workers)

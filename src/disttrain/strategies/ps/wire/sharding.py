@@ -1,11 +1,17 @@
 """How a model's parameters are split across S parameter servers, and the flat buffers.
 
-All parameters, concatenated in `named_parameters()` order, form one flat vector. Shard
+All trainable parameters, concatenated in `named_parameters()` order, form one flat vector. Shard
 `s` owns one contiguous range of it, cut at `s * total_bytes / S`, so shards differ by at
 most one element and a large tensor is split into slices across shards (SimpleCNN's first
 linear layer holds 95% of its parameters: per-tensor placement could not balance it).
 The same plan is computed by every server and worker from the model alone; a worker
 checks its plan against each server's layout at registration.
+
+Frozen parameters (`requires_grad=False`) are no part of the flat vector: no server holds,
+steps or sends them, and no push carries them, so an optimizer's weight decay or momentum
+can never move them, as in baseline and DDP, whose optimizers never hold them. Each
+worker keeps the value its model was built with (the same in every process, from the
+training seed), and the final model carries it.
 
 A model's buffers (BatchNorm's running statistics and batch counter: every floating-point
 or integer tensor of its `state_dict` that is not a parameter) are placed whole, each on
@@ -100,16 +106,22 @@ class ShardPlan:
                 f"{len(self.buffers)} buffer(s), {self.buffer_nbytes} bytes")
 
 
+def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every parameter the servers hold: those with requires_grad,
+    in the model's order (frozen ones stay each worker's own, see the module's docstring)."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
 def model_tensors(model: nn.Module) -> list[tuple[str, tuple[int, ...], int]]:
-    """(name, shape, numel) of every parameter, in the model's order.
+    """(name, shape, numel) of every trainable parameter, in the model's order.
 
     Raises:
-        ValueError: no parameters, or parameters of different dtypes (they could not
-            share a flat buffer).
+        ValueError: no trainable parameters, or parameters of different dtypes (they could
+            not share a flat buffer).
     """
-    params = list(model.named_parameters())
+    params = trainable_parameters(model)
     if not params:
-        raise ValueError("the model has no parameters; the parameter server needs at least one")
+        raise ValueError("the model has no trainable parameters; the parameter server needs at least one")
     dtypes = {p.dtype for _, p in params}
     if len(dtypes) != 1:
         raise ValueError(f"the model's parameters mix dtypes {sorted(map(str, dtypes))}; the "
@@ -138,14 +150,14 @@ def model_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def plan_shards(model: nn.Module, num_shards: int) -> list[ShardPlan]:
-    """Partition `model`'s parameters into `num_shards` contiguous, byte-balanced shards,
-    and place its buffers whole on the shards (see the module's docstring).
+    """Partition `model`'s trainable parameters into `num_shards` contiguous, byte-balanced
+    shards, and place its buffers whole on the shards (see the module's docstring).
 
     Raises:
         ValueError: more shards than parameter elements, or parameters of mixed dtypes.
     """
     tensors = model_tensors(model)
-    dtype = dtype_name(next(model.parameters()).dtype)
+    dtype = dtype_name(trainable_parameters(model)[0][1].dtype)
     total = sum(numel for _, _, numel in tensors)
     if not 1 <= num_shards <= total:
         raise ValueError(f"cannot split {total} parameter elements into {num_shards} shards; use "
@@ -182,7 +194,8 @@ def log_plan(plans: list[ShardPlan], who: str = "") -> None:
 
 def flat_parameters(model: nn.Module, flat: torch.Tensor | None = None, grads: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Move `model`'s parameters and gradients into two flat buffers and return them.
+    """Move `model`'s trainable parameters and their gradients into two flat buffers and
+    return them (frozen parameters stay where they are).
 
     Afterwards each parameter is a view of the parameter buffer and its `.grad` a view of
     the gradient buffer, so a backward pass leaves every gradient in place for sending,
@@ -195,7 +208,7 @@ def flat_parameters(model: nn.Module, flat: torch.Tensor | None = None, grads: t
     Returns:
         (flat parameters, flat gradients), 1-D, in `named_parameters()` order.
     """
-    params = list(model.parameters())
+    params = [p for _, p in trainable_parameters(model)]
     values = torch.cat([p.detach().reshape(-1) for p in params])
     flat = values if flat is None else flat.copy_(values)
     grads = torch.zeros_like(flat) if grads is None else grads.zero_()
@@ -209,10 +222,11 @@ def flat_parameters(model: nn.Module, flat: torch.Tensor | None = None, grads: t
 
 
 def state_dict_from_flat(model: nn.Module, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The model's state_dict with its parameters taken from `flat` (copies, not views)."""
+    """The model's state_dict with its trainable parameters taken from `flat` (copies, not
+    views); frozen ones as the model holds them."""
     state = {name: t.detach().clone() for name, t in model.state_dict().items()}
     offset = 0
-    for name, p in model.named_parameters():
+    for name, p in trainable_parameters(model):
         state[name] = flat[offset:offset + p.numel()].view_as(p).clone()
         offset += p.numel()
     return state
