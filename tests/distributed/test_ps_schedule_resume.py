@@ -1,6 +1,7 @@
 """A parameter-server shard restarted from its checkpoint goes on along the same
 learning-rate curve: its count of updates travels in the checkpoint with the optimizer
-state, so the restored shard applies the next pushes bit for bit as the one that ran on."""
+state, so the restored shard applies the next pushes bit for bit as the one that ran on,
+and tells each push the rate it applied it with."""
 
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ def config(tmp_path):
 def push(state, session, step, gradient):
     pieces = frames(state.plan, gradient, step=step, session=session)
     payload = wire.collect_payload((wire.read_gradient(raw) for raw in pieces), 2 * state.plan.nbytes)
-    assert state.push(payload).outcome.name == "APPLIED"
+    decision = state.push(payload)
+    assert decision.outcome.name == "APPLIED"
+    return decision.learning_rate  # what the reply tells the worker
 
 
 def test_a_restored_shard_continues_the_schedule_bit_identically(tmp_path):
@@ -43,8 +46,9 @@ def test_a_restored_shard_continues_the_schedule_bit_identically(tmp_path):
     session = running.register("w0", 0, KEY, 0).session
     rates = []
     for step in range(1, LAST + 1):
-        push(running, session, step, gradients[step - 1])
+        told = push(running, session, step, gradients[step - 1])
         rates.append(running.optimizer.param_groups[0]["lr"])
+        assert told == rates[-1]  # the reply carries the rate the push was applied with
         if step == SAVED_AT:
             running.flush_checkpoints()
     saved = load_checkpoint(latest_checkpoint(tmp_path / "ckpt" / "server0"))
@@ -57,7 +61,7 @@ def test_a_restored_shard_continues_the_schedule_bit_identically(tmp_path):
     assert restored.version == SAVED_AT and restored.shard_optimizer.state.num_steps == SAVED_AT
     session = restored.register("w0", 0, KEY, 0).session
     for step in range(SAVED_AT + 1, LAST + 1):
-        push(restored, session, step, gradients[step - 1])
+        assert push(restored, session, step, gradients[step - 1]) == rates[step - 1]
     assert restored.optimizer.param_groups[0]["lr"] == rates[-1]
     assert torch.equal(restored.parameters(), running.parameters())
     running.stop()

@@ -19,7 +19,9 @@ from ps_reference import assert_matches_one_process
 
 from disttrain.core.checkpoint import load_checkpoint
 from disttrain.data import ShardedSampler
+from disttrain.metrics.logger import read_metrics
 from disttrain.training.evaluation import evaluate_model_file
+from disttrain.training.schedule import LRSchedule
 
 EXACT_ARGS = [
     "--dataset",
@@ -109,11 +111,12 @@ TINY_TRANSFORMER = ["--model", "gpt_small", "--dataset", "synthetic:text", "--se
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("servers, clip, loader, model", [(1, "0.3", "1", TINY_TRANSFORMER), (2, "0", "0", [])],
+@pytest.mark.parametrize("servers, clip, loader, model",
+                         [(1, "0.3", "1", TINY_TRANSFORMER), (2, "0", "0", [])],
                          ids=["transformer-one-server-clipped-loader-workers", "two-servers"])
 def test_sync_with_warmup_adamw_and_clipping_matches_one_process(tmp_path, cli, servers, clip, loader, model):
     result = cli("ps", "--workers", "2", "--servers", str(servers), *EXACT_ARGS, *FEATURES, *model,
-                 "--loader-workers", loader,
+                 "--loader-workers", loader, "--set", "training.log_interval=1",
                  "--max-train-samples", "192",
                  "--clip-grad-norm", clip, "--log-dir", tmp_path / "logs", "--checkpoint-dir",
                  tmp_path / "ckpt", timeout=110)
@@ -121,10 +124,16 @@ def test_sync_with_warmup_adamw_and_clipping_matches_one_process(tmp_path, cli, 
     config = assert_matches_one_process(tmp_path, concatenated)
     assert config.training.optimizer == "adamw" and config.training.clip_grad_norm == float(clip)
     assert config.training.model_architecture == ("gpt_small" if model else "mlp")
-    # The shards' schedule went 6 steps along the curve, as their checkpoints keep it.
+    # The shards' schedule went 6 steps along the curve, as their checkpoints keep it, and
+    # each worker logged the rate its gradient was applied with, as the shards told it.
     for shard in range(servers):
         newest = max((tmp_path / "ckpt" / f"server{shard}").glob("*.pt"))
         assert load_checkpoint(newest)["schedule"] == {"num_steps": 6}
+    schedule = LRSchedule.of(config.training)
+    rates = [config.training.learning_rate * schedule.factor(step) for step in range(6)]
+    for rank in range(2):
+        records = read_metrics(tmp_path / "logs" / f"worker{rank}" / "metrics.jsonl")
+        assert [r["optim/learning_rate"] for r in records if "loss/train" in r] == pytest.approx(rates)
 
 
 @pytest.mark.timeout(120)

@@ -83,8 +83,9 @@ METRICS: dict[str, Metric] = {m.key: m for m in [
     Metric("ps/rejected_pushes", "pushes", PER_STEP, "ssp: pushes a shard rejected as too stale "
            "(the gradient was recomputed on fresh parameters)", "ps"),
     Metric("optim/learning_rate", "rate", PER_STEP, "the learning rate of the step's update, by "
-           "the schedule (the parameter server's shards set theirs, kept in their checkpoints)",
-           "baseline, ddp"),
+           "the schedule (parameter server: the rate shard 0 applied the worker's gradient with, "
+           "by its count of updates, as its answer tells; async and ssp shards count their own, "
+           "so another shard's may be a schedule step apart)", "baseline, ddp, ps"),
     Metric("optim/grad_norm", "L2 norm", PER_STEP, "global norm of the gradient applied, before "
            "clipping (DDP: the averaged one)", "baseline (clipping on), ddp (clipping on)"),
     Metric("progress/samples", "samples", CUMULATIVE, "samples this process trained on", ALL),

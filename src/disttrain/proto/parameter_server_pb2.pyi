@@ -49,7 +49,7 @@ class GradientMessage(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., base_version: _Optional[int] = ..., block_id: _Optional[int] = ..., shard: _Optional[int] = ..., num_samples: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., shared_memory: _Optional[bool] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ..., last_in_epoch: _Optional[bool] = ..., redo: _Optional[bool] = ..., incarnation: _Optional[int] = ..., session: _Optional[bytes] = ..., buffers: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("outcome", "version", "staleness", "incarnation")
+    __slots__ = ("outcome", "version", "staleness", "incarnation", "learning_rate")
     class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         APPLIED: _ClassVar[PushReply.Outcome]
@@ -68,11 +68,13 @@ class PushReply(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     outcome: PushReply.Outcome
     version: int
     staleness: int
     incarnation: int
-    def __init__(self, outcome: _Optional[_Union[PushReply.Outcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    learning_rate: float
+    def __init__(self, outcome: _Optional[_Union[PushReply.Outcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., incarnation: _Optional[int] = ..., learning_rate: _Optional[float] = ...) -> None: ...
 
 class ParameterRequest(_message.Message):
     __slots__ = ("worker_id", "min_version", "shard", "shared_memory", "incarnation", "session")

@@ -48,7 +48,9 @@ class Contribution:
 @dataclass
 class Decision:
     """What to do with a push. `apply` lists the gradients to combine now (by weight,
-    in rank order); `advanced` says the version went up (possibly with nothing to apply)."""
+    in rank order); `advanced` says the version went up (possibly with nothing to apply).
+    `learning_rate` is the shard's to fill in (the rules know no optimizer): the rate of
+    the update that applied the push, or will apply the synchronous step it joined."""
 
     outcome: Outcome
     version: int
@@ -56,6 +58,7 @@ class Decision:
     apply: list[Contribution] = field(default_factory=list)
     advanced: bool = False
     samples: int = 0  # the samples `apply` stands for, as counted applied
+    learning_rate: float = 0.0
 
 
 @dataclass

@@ -4,7 +4,9 @@ decay on the weights only, on one flat parameter that holds slices of many tenso
 
 - Schedule: the shard counts the updates it applied (saved in its checkpoint). In sync
   mode one update is one step; in async and SSP every push is an update, and
-  `num_workers` of them make one step (`schedule`'s module docstring says why).
+  `num_workers` of them make one step (`schedule`'s module docstring says why). The
+  shard tells each worker the rate its push was (or will be) applied with
+  (`rate_of`), which the worker logs as `optim/learning_rate`.
 - Parameter groups: the flat shard is one tensor, so weight decay cannot come from torch's
   groups. The optimizer runs without it, and the shard decays the ranges that hold weights
   of two or more dimensions itself, exactly as torch does inside the step: added to the
@@ -29,7 +31,7 @@ import torch
 from disttrain.config import TrainingConfig
 from disttrain.strategies.ps.wire.sharding import ShardPlan
 from disttrain.training.engine import build_optimizer
-from disttrain.training.schedule import LRSchedule, ScheduleState
+from disttrain.training.schedule import INITIAL_LR, LRSchedule, ScheduleState
 
 
 def decayed_ranges(plan: ShardPlan) -> list[tuple[int, int]]:
@@ -87,6 +89,14 @@ class ShardOptimizer:
     def set_rate(self) -> None:
         """Set the rate of the next update by the schedule. Call before the update."""
         self.schedule.apply(self.optimizer, self.step)
+
+    def rate_of(self, applied: bool) -> float:
+        """The learning rate of the update just applied (`applied`), or of the next one:
+        what `set_rate` set, or will set."""
+        group = self.optimizer.param_groups[0]
+        if applied or self.schedule.constant:
+            return float(group["lr"])
+        return float(group[INITIAL_LR] * self.schedule.factor(self.step))
 
     def prepare(self, gradient: torch.Tensor) -> None:
         """Clip `gradient` (the aggregated one, the shard's own buffer when

@@ -133,7 +133,8 @@ class ParameterServicer:
         with refusals(context):
             decision = self.state.push(payload)
         return pb.PushReply(outcome=decision.outcome.value, version=decision.version,
-                            staleness=decision.staleness, incarnation=self.state.incarnation)
+                            staleness=decision.staleness, incarnation=self.state.incarnation,
+                            learning_rate=decision.learning_rate)
 
     def Step(self, request_iterator, context):
         """The replies of one Step stream, one per push, until the worker closes it."""

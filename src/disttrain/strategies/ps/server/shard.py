@@ -228,6 +228,10 @@ class ShardState:
                 self.rules.rollback(mark)
                 raise NonFiniteUpdate(f"applying this push would leave shard {self.plan.shard}'s parameters "
                                       "NaN or infinite; refused, nothing changed")
+            if decision.outcome is Outcome.APPLIED and decision.apply:
+                decision.learning_rate = self.shard_optimizer.rate_of(applied=True)
+            elif decision.outcome is Outcome.BUFFERED:
+                decision.learning_rate = self.shard_optimizer.rate_of(applied=False)
         return decision
 
     def _check_running(self) -> None:  # a push after the final checkpoint began would be lost

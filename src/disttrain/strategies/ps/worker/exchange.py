@@ -19,7 +19,8 @@ on that shard's current parameters, so every block is applied (the servers' ledg
 keep it from being applied twice). With compression on, each mode compresses the
 gradient before its push (off the communication phase, as `time/compression_s`) and
 keeps the error-feedback residuals of the payloads the servers took. Every push carries
-the change the step made to the model buffers its shard holds (`WorkerBuffers`).
+the change the step made to the model buffers its shard holds (`WorkerBuffers`), and
+every reply the learning rate its shard applied the push with (`learning_rate`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from disttrain.training.engine import StepResult
 
 Outcome = pb.PushReply.Outcome
 STALE, LATE, ROLLED_BACK = Outcome.Value("STALE"), Outcome.Value("LATE"), Outcome.Value("ROLLED_BACK")
+TAKEN = (Outcome.Value("APPLIED"), Outcome.Value("BUFFERED"))  # replies that tell a learning rate
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,10 @@ class Exchange:
         self.versions = [0] * self.num_shards
         self.num_rejected = 0
         self.dropped: set[int] = set()  # blocks a synchronous step went on without (backup workers)
+        # The rate shard 0 applied this worker's latest gradient it took with (None: none yet).
+        # In sync mode every shard applies the step's; in async and ssp each counts its own
+        # updates, so another shard's may be one schedule step apart.
+        self.learning_rate: float | None = None
 
     def start(self) -> None:
         """Pull the initial parameters."""
@@ -139,6 +145,7 @@ class Exchange:
                                  for held, got in zip(self.versions, versions, strict=True)]
             if payloads is not None:
                 self.encoder.commit(payloads, replies)
+            self._note_rate(shards, replies)
             return replies if then_pull is None else (replies, versions)
 
         return send
@@ -150,6 +157,11 @@ class Exchange:
         compute()
         self.prepare(block, shards, timer)()
         self.pull_current(shards)
+
+    def _note_rate(self, shards: list[int], replies: list[pb.PushReply]) -> None:
+        for shard, reply in zip(shards, replies, strict=True):
+            if shard == 0 and reply.outcome in TAKEN:
+                self.learning_rate = reply.learning_rate
 
     @staticmethod
     def _untaken(shards: list[int], replies: list[pb.PushReply], outcomes: tuple[int, ...]) -> list[int]:

@@ -94,6 +94,8 @@ class WorkerParticipant:
         result.scalars = {**timings, "comm/bytes_sent": client.bytes_sent - sent,
                           "comm/bytes_received": client.bytes_received - received,
                           "ps/staleness": staleness, "ps/rejected_pushes": exchange.num_rejected - rejected}
+        if exchange.learning_rate is not None:
+            result.scalars["optim/learning_rate"] = exchange.learning_rate
         if exchange.encoder is not None:
             result.scalars.update(exchange.encoder.scalars())
         return result
