@@ -1,10 +1,12 @@
 """Run folders and comparison folders for report tests, written with the real
 `MetricsLogger` and `RunSummary`: every figure a report shows follows from the few numbers
-given here (a constant step time, bytes per step, one accuracy per epoch)."""
+given here (a constant step time, bytes per step, one accuracy, or a language model's
+one perplexity, per epoch)."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,14 +23,16 @@ BATCH_SIZE = 32
 class FakeRun:
     """What a run did: each process trains `STEPS_PER_EPOCH` steps of `BATCH_SIZE` samples
     per epoch at `step_s` a step (`comm_s` of it blocked on communication), logs a window
-    every `LOG_INTERVAL` steps and, if it evaluates, one accuracy per epoch.
+    every `LOG_INTERVAL` steps and, if it evaluates, one accuracy per epoch (a language
+    model, `perplexities` given: one perplexity per epoch, and no accuracy logged).
 
     Attributes:
         processes: the process folders (`baseline`, `worker0`, ...); the first evaluates.
         scalars: per-step metric values every window also logs (bytes, compression time).
         eval_clock: also write `progress/train_time_s` into the evaluation records.
-        summary_times: the summary records `time_to_accuracy_s` (False: a summary
-            written before it existed, so a report finds the times in the metrics).
+        summary_times: the summary records `time_to_accuracy_s` (a language model's
+            `time_to_perplexity_s`; False: a summary written before it existed, so a
+            report finds the times in the metrics).
     """
 
     strategy: str
@@ -40,10 +44,20 @@ class FakeRun:
     extra: dict = field(default_factory=dict)
     eval_clock: bool = False
     summary_times: bool = True
+    perplexities: list[float] = field(default_factory=list)
+
+    @property
+    def language_model(self) -> bool:
+        return bool(self.perplexities)
+
+    @property
+    def figures(self) -> list[float]:
+        """The test figure of each epoch: perplexity for a language model, else accuracy."""
+        return self.perplexities or self.accuracies
 
     @property
     def num_steps(self) -> int:
-        return STEPS_PER_EPOCH * len(self.accuracies)
+        return STEPS_PER_EPOCH * len(self.figures)
 
     @property
     def samples_per_s(self) -> float:
@@ -60,31 +74,38 @@ def write_run(log_dir: Path, run: FakeRun) -> RunSummary:
             for step in range(1, run.num_steps + 1):
                 epoch = (step - 1) // STEPS_PER_EPOCH
                 if step % LOG_INTERVAL == 0:
+                    quality = ({"perplexity/train": run.perplexities[epoch] * 1.1} if run.language_model
+                               else {"accuracy/train": run.accuracies[epoch] * 0.9})
                     metrics.log(step, epoch, {
-                        "loss/train": 2.0 / step, "accuracy/train": run.accuracies[epoch] * 0.9,
+                        "loss/train": 2.0 / step, **quality,
                         "throughput/samples_per_s": BATCH_SIZE / run.step_s, "time/step_s": run.step_s,
                         "time/compute_s": run.step_s - run.comm_s, **run.scalars,
                         **({"time/comm_blocked_s": run.comm_s} if run.comm_s else {}),
                         "progress/samples": step * BATCH_SIZE, "progress/train_time_s": run.clock_at(step)})
                 if step % STEPS_PER_EPOCH == 0 and index == 0:
+                    quality = ({"perplexity/test": run.perplexities[epoch],
+                                "loss/test": math.log(run.perplexities[epoch])} if run.language_model
+                               else {"accuracy/test": run.accuracies[epoch],
+                                     "loss/test": 1.0 - run.accuracies[epoch]})
                     metrics.log(step, epoch, {
-                        "accuracy/test": run.accuracies[epoch], "loss/test": 1.0 - run.accuracies[epoch],
-                        "time/eval_s": 0.5,
+                        **quality, "time/eval_s": 0.5,
                         **({"progress/train_time_s": run.clock_at(step)} if run.eval_clock else {})})
     config = config_from_dict({"system": {"log_dir": str(log_dir)},
-                               "training": {"num_epochs": len(run.accuracies), "dataset": "digits"}})
+                               "training": {"num_epochs": len(run.figures), "dataset": "digits"}})
     summary = RunSummary.create(
-        strategy=run.strategy, config=config, final_accuracy=run.accuracies[-1],
-        final_loss=1.0 - run.accuracies[-1], total_time_s=run.clock_at(run.num_steps) + 3.0,
-        train_time_s=run.clock_at(run.num_steps),
+        strategy=run.strategy, config=config,
+        final_accuracy=0.3 if run.language_model else run.accuracies[-1],  # a language model's: tokens right
+        final_loss=math.log(run.perplexities[-1]) if run.language_model else 1.0 - run.accuracies[-1],
+        total_time_s=run.clock_at(run.num_steps) + 3.0, train_time_s=run.clock_at(run.num_steps),
         samples_processed=len(run.processes) * run.num_steps * BATCH_SIZE, steps=run.num_steps,
         world_size=len(run.processes), extra=run.extra,
-        evaluations=[(run.clock_at((epoch + 1) * STEPS_PER_EPOCH), accuracy)
-                     for epoch, accuracy in enumerate(run.accuracies)])
+        task="language-model" if run.language_model else "classification",
+        evaluations=[(run.clock_at((epoch + 1) * STEPS_PER_EPOCH), figure)
+                     for epoch, figure in enumerate(run.figures)])
     path = summary.write(log_dir)
     if not run.summary_times:
         data = json.loads(path.read_text())
-        del data["time_to_accuracy_s"]
+        del data["time_to_perplexity_s" if run.language_model else "time_to_accuracy_s"]
         path.write_text(json.dumps(data))
     return summary
 
@@ -102,6 +123,17 @@ DDP_TOPK = FakeRun("ddp", ["rank0", "rank1"], step_s=0.025, comm_s=0.005, accura
                    extra={"compression_ratio": 50.0, "compression_bytes_sent": 4_000.0 * 60})
 RUNS = {"baseline": BASELINE, "ps-sync": PS_SYNC, "ddp": DDP, "ddp+topk": DDP_TOPK}
 THRESHOLDS = [0.9, 0.95, 0.97, 0.98]
+
+# Language models on byte-level text: perplexity per epoch, timed to `PERPLEXITY_TARGETS`.
+LM_BASELINE = FakeRun("baseline", ["baseline"], step_s=0.04, accuracies=[], perplexities=[40.0, 14.0, 7.5])
+LM_PS_SYNC = FakeRun("ps-sync", ["worker0", "worker1"], step_s=0.05, comm_s=0.02, accuracies=[],
+                     perplexities=[60.0, 30.0, 17.0], scalars={"comm/bytes_sent": 200_000.0,
+                                                              "comm/bytes_received": 210_000.0},
+                     summary_times=False)
+LM_DDP = FakeRun("ddp", ["rank0", "rank1"], step_s=0.03, comm_s=0.01, accuracies=[],
+                 perplexities=[31.0, 20.0, 9.0], scalars={"comm/bytes_allreduced": 200_000.0},
+                 eval_clock=True)
+LM_RUNS = {"baseline": LM_BASELINE, "ps-sync": LM_PS_SYNC, "ddp": LM_DDP}
 
 
 def write_comparison(folder: Path, runs: dict[str, FakeRun] | None = None,

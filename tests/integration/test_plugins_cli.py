@@ -14,6 +14,7 @@ import yaml
 
 from disttrain.config import load_config
 from disttrain.core import checkpoint as ckpt
+from disttrain.metrics.keys import PERPLEXITY_TARGETS
 from disttrain.metrics.logger import read_metrics
 from disttrain.training.models import init_model
 from tests.plugin_files import write_plugin, write_text
@@ -130,6 +131,14 @@ def test_gpt_small_on_a_text_file_reports_perplexity(tmp_path, cli):
     assert not any("accuracy/test" in r or "accuracy/train" in r for r in records)
     tests = [r for r in records if "perplexity/test" in r]
     assert tests[-1]["perplexity/test"] == pytest.approx(summary["final_perplexity"])
+    # Time to perplexity: the training clock of the first evaluation at or below each target.
+    assert summary["time_to_accuracy_s"] == {}
+    def first_at_or_below(target):
+        return next((r["progress/train_time_s"] for r in tests if r["perplexity/test"] <= target), None)
+
+    assert summary["time_to_perplexity_s"] == {f"{t:g}": first_at_or_below(t) for t in PERPLEXITY_TARGETS}
+    assert any(seconds is not None for seconds in summary["time_to_perplexity_s"].values())
+    assert "Time to perplexity: 32 " in result.stdout
     evaluated = cli("evaluate", *args, tmp_path / "lm" / "ckpt" / "baseline_final.pt")
     assert f"Test Perplexity: {summary['final_perplexity']:.3f}" in evaluated.stdout, evaluated.stderr
 
@@ -143,9 +152,14 @@ def test_compare_on_a_text_file_shows_perplexity(tmp_path, cli):
                  "--output-dir", tmp_path / "cmp", timeout=170)
     assert result.returncode == 0, result.stderr
     header = next(line for line in result.stdout.splitlines() if line.startswith("run "))
-    assert header.split()[:3] == ["run", "status", "ppl"] and "t90%" not in header
+    assert header.split()[:7] == ["run", "status", "ppl", "tppl32", "tppl16", "tppl8", "tppl4"]
+    assert "t90%" not in header
     report = json.loads((tmp_path / "cmp" / "report.json").read_text())
     assert all(run["final_perplexity"] > 1 for run in report["runs"]) and report["thresholds"] == []
+    assert report["perplexity_targets"] == list(PERPLEXITY_TARGETS)
+    for run in report["runs"]:  # the summary's times, which the report shows
+        summary = json.loads((tmp_path / "cmp" / run["log_dir"] / "summary.json").read_text())
+        assert run["time_to_perplexity_s"] == summary["time_to_perplexity_s"]
     # Sync PS and DDP apply the mean gradient of the same global batches: the same model.
     perplexity = {run["name"]: run["final_perplexity"] for run in report["runs"]}
     assert perplexity["ps-sync"] == pytest.approx(perplexity["ddp"], rel=1e-5)

@@ -114,17 +114,22 @@ def test_forward_backward_on_tokens_counts_correct_tokens():
 
 
 def test_compares_table_shows_perplexity_for_language_models():
+    from disttrain.metrics.time_to_target import ACCURACY, PERPLEXITY
     from disttrain.report.table import legend, markdown_table
 
     def row(name, perplexity):
         return {"name": name, "status": "ok", "final_accuracy": 0.3, "final_perplexity": perplexity,
-                "time_to_accuracy_s": {}, "total_time_s": 2.0, "samples_per_s": 100.0, "speedup": 1.0,
+                "time_to_accuracy_s": {"0.90": 1.5}, "time_to_perplexity_s": {"16": 2.5},
+                "total_time_s": 2.0, "samples_per_s": 100.0, "speedup": 1.0,
                 "scaling_efficiency": 1.0, "bytes_per_step": 0, "compression_ratio": None,
                 "recovery_events": 0}
 
-    table = markdown_table([row("baseline", 12.3456), row("ddp", 13.5)], [])
-    assert table.splitlines()[0].startswith("| run | status | ppl | total |")
-    assert "| baseline | ok | 12.346 |" in table and "ppl: test perplexity" in legend([row("a", 2.0)])
-    classifier = markdown_table([row("baseline", None)], [0.9])
-    assert "| run | status | acc | t90% |" in classifier and "| baseline | ok | 30.00% |" in classifier
-    assert "ppl" not in legend([row("a", None)])
+    perplexity = PERPLEXITY.with_targets([16, 8])
+    table = markdown_table([row("baseline", 12.3456), row("ddp", 13.5)], perplexity)
+    assert table.splitlines()[0].startswith("| run | status | ppl | tppl16 | tppl8 | total |")
+    assert "| baseline | ok | 12.346 | 2.50s | - |" in table
+    assert "ppl: test perplexity" in legend(perplexity) and "tpplN:" in legend(perplexity)
+    classifier = markdown_table([row("baseline", None)], ACCURACY.with_targets([0.9]))
+    assert "| run | status | acc | t90% |" in classifier
+    assert "| baseline | ok | 30.00% | 1.50s |" in classifier
+    assert "ppl" not in legend(ACCURACY)

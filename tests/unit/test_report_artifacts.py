@@ -1,12 +1,13 @@
 """Run artifacts and the performance report made from them: what each artifact holds,
-the check of its kind and shape, speed-up, per-process figures and their spread."""
+the check of its kind and shape, speed-up, per-process figures and their spread, a
+language model's perplexity in place of accuracy."""
 
 import dataclasses
 import json
 import re
 
 import pytest
-from run_folders import BASELINE, BATCH_SIZE, DDP, PS_SYNC, write_run
+from run_folders import BASELINE, BATCH_SIZE, DDP, LM_BASELINE, LM_DDP, PS_SYNC, write_run
 
 from disttrain.core.errors import InputFileError
 from disttrain.report.artifacts import load_artifact, worker_digests, write_run_artifacts
@@ -105,3 +106,19 @@ def test_a_strategy_given_only_by_its_processes_is_summed_from_them(tmp_path):
     assert entry["from"] == "processes" and entry["workers"] == 2 and entry["speedup"] is None
     assert entry["samples_per_s"] == pytest.approx(DDP.samples_per_s)
     assert entry["final_accuracy"] == DDP.accuracies[-1]
+
+
+def test_a_language_models_perf_report_shows_perplexity_and_its_times(tmp_path):
+    baseline = {**write_run(tmp_path / "b", LM_BASELINE).to_dict(), "kind": "baseline"}
+    write_run(tmp_path / "d", LM_DDP)
+    ranks = [{**process_digest(name, records), "strategy": "ddp"}
+             for name, records in read_processes(tmp_path / "d", "rank").items()]
+    report = perf_report(Artifacts(baseline=baseline, ranks=ranks))
+    entries = {entry["kind"]: entry for entry in report["strategies"]}
+    assert entries["baseline"]["final_perplexity"] == pytest.approx(LM_BASELINE.perplexities[-1])
+    assert entries["baseline"]["time_to_perplexity_s"] == pytest.approx({"32": 0.8, "16": 0.8, "8": 1.2,
+                                                                         "4": None})
+    assert entries["ddp"]["final_perplexity"] == pytest.approx(LM_DDP.perplexities[-1])  # from rank 0
+    assert entries["ddp"]["final_accuracy"] is None and ranks[0]["evaluates"] and not ranks[1]["evaluates"]
+    header, baseline_line = perf_table(report).splitlines()[:2]
+    assert header.split()[:3] == ["strategy", "workers", "ppl"] and "7.500" in baseline_line

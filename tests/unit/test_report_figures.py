@@ -1,6 +1,7 @@
 """Report figures from real run folders: speed-up and scaling efficiency over the
-baseline, time to each accuracy on the training clock, rankings (unreached thresholds,
-failed runs), bytes on the wire per step, the step-time split."""
+baseline, time to each accuracy (a language model's: each perplexity) on the training
+clock, rankings (unreached targets, failed runs), bytes on the wire per step, the
+step-time split."""
 
 import json
 
@@ -9,6 +10,7 @@ from run_folders import (
     BASELINE,
     DDP,
     DDP_TOPK,
+    LM_RUNS,
     PS_SYNC,
     RUNS,
     STEPS_PER_EPOCH,
@@ -18,7 +20,7 @@ from run_folders import (
 )
 
 from disttrain.core.errors import InputFileError
-from disttrain.metrics.time_to_accuracy import threshold_key
+from disttrain.metrics.time_to_target import ACCURACY, PERPLEXITY
 from disttrain.report.figures import add_speedups, rankings, run_row
 from disttrain.report.runs import evaluations, load_run
 
@@ -26,9 +28,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def expected_time(run: FakeRun, threshold: float) -> float | None:
-    """The training clock at the end of the first epoch whose accuracy reaches `threshold`."""
-    for epoch, accuracy in enumerate(run.accuracies):
-        if accuracy >= threshold:
+    """The training clock at the end of the first epoch whose accuracy reaches `threshold`
+    (a language model's perplexity: falls to it)."""
+    for epoch, figure in enumerate(run.figures):
+        if (figure <= threshold) if run.language_model else (figure >= threshold):
             return run.clock_at((epoch + 1) * STEPS_PER_EPOCH)
     return None
 
@@ -68,7 +71,7 @@ def test_without_a_finished_baseline_there_is_no_speedup(tmp_path):
 def test_time_to_accuracy_is_the_training_clock_at_the_first_evaluation_reaching_it(tmp_path):
     rows = rows_of(tmp_path, RUNS)
     for row, run in zip(rows, RUNS.values(), strict=True):
-        expected = {threshold_key(t): expected_time(run, t) for t in THRESHOLDS}
+        expected = {ACCURACY.key(t): expected_time(run, t) for t in THRESHOLDS}
         assert row["time_to_accuracy_s"] == pytest.approx(expected)
     # from the summary (ps-sync), from evaluations placed between windows (baseline) and
     # from evaluations carrying the clock (ddp)
@@ -98,18 +101,37 @@ def test_evaluations_between_or_after_windows_are_placed_on_the_clock():
 def test_rankings_put_reached_runs_first_fastest_first_and_leave_failed_runs_out(tmp_path):
     rows = rows_of(tmp_path, RUNS, failed=("ps-async",))
     add_speedups(rows)
-    ranked = rankings(rows, THRESHOLDS)
+    ranked = rankings(rows, ACCURACY.with_targets(THRESHOLDS))
     for threshold in THRESHOLDS:
         reached = sorted((name for name, run in RUNS.items() if expected_time(run, threshold) is not None),
                          key=lambda name, t=threshold: expected_time(RUNS[name], t))
         missed = sorted((name for name, run in RUNS.items() if expected_time(run, threshold) is None),
                         key=lambda name: -RUNS[name].accuracies[-1])
-        assert ranked["time_to_accuracy"][threshold_key(threshold)] == reached + missed
+        assert ranked["time_to_accuracy"][ACCURACY.key(threshold)] == reached + missed
     assert ranked["time_to_accuracy"]["0.98"] == ["ddp", "baseline", "ddp+topk", "ps-sync"]  # none reached it
     assert ranked["samples_per_s"] == sorted(RUNS, key=lambda name: -RUNS[name].samples_per_s)
     assert "ps-async" not in ranked["samples_per_s"]
     failed = rows[-1]
     assert failed["status"] == "failed" and failed["error"] == "exit code 1" and failed["speedup"] is None
+
+
+def test_a_language_models_time_to_perplexity_and_its_rankings(tmp_path):
+    rows = rows_of(tmp_path, LM_RUNS)
+    for row, run in zip(rows, LM_RUNS.values(), strict=True):
+        assert row["time_to_perplexity_s"] == pytest.approx(
+            {PERPLEXITY.key(t): expected_time(run, t) for t in PERPLEXITY.targets})
+        assert row["final_perplexity"] == pytest.approx(run.perplexities[-1])
+        assert row["time_to_accuracy_s"] == dict.fromkeys(map(ACCURACY.key, THRESHOLDS))
+        assert [point["perplexity"] for point in row["series"]["test"]] == pytest.approx(run.perplexities)
+        assert all(point["accuracy"] is None for point in row["series"]["test"])
+    # from the summary (baseline, ddp) and from the metrics (ps-sync's summary has none)
+    assert [run.summary_times for run in LM_RUNS.values()] == [True, False, True]
+    assert rows[0]["time_to_perplexity_s"] == pytest.approx({"32": 0.8, "16": 0.8, "8": 1.2, "4": None})
+    ranked = rankings(rows, PERPLEXITY)
+    assert set(ranked) == {"time_to_perplexity", "samples_per_s"}
+    assert ranked["time_to_perplexity"]["32"] == ["ddp", "baseline", "ps-sync"]  # 0.3s, 0.8s, 1.0s
+    assert ranked["time_to_perplexity"]["8"] == ["baseline", "ddp", "ps-sync"]  # then lowest final (9, 17)
+    assert ranked["time_to_perplexity"]["4"] == ["baseline", "ddp", "ps-sync"]  # none reached it: 7.5, 9, 17
 
 
 def test_bytes_per_step_step_split_compression_and_recovery(tmp_path):

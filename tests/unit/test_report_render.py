@@ -1,5 +1,6 @@
 """Rendering a comparison folder: report.json with each run's series, PNG plots that
-open, one self-contained HTML page with every plot inline, report.md, the text table."""
+open, one self-contained HTML page with every plot inline, report.md, the text table; a
+language models' comparison timed to perplexities in place of accuracies."""
 
 import base64
 import dataclasses
@@ -8,7 +9,7 @@ import re
 
 import pytest
 from matplotlib.image import imread
-from run_folders import BASELINE, DDP, PS_SYNC, RUNS, STEPS_PER_EPOCH, write_comparison
+from run_folders import BASELINE, DDP, LM_RUNS, PS_SYNC, RUNS, STEPS_PER_EPOCH, write_comparison
 
 from disttrain.core.errors import InputFileError
 from disttrain.report.render import render_comparison
@@ -63,6 +64,36 @@ def test_a_comparison_renders_json_plots_html_and_markdown(tmp_path):
     assert max(len(line) for line in lines) <= 120
     baseline_line = next(line for line in lines if line.startswith("baseline "))
     assert f"{BASELINE.accuracies[-1] * 100:.2f}%" in baseline_line and "1.00x" in baseline_line
+
+
+def test_a_language_models_comparison_shows_perplexity_and_the_time_to_each_target(tmp_path):
+    folder = write_comparison(tmp_path / "cmp", runs=LM_RUNS)  # without perplexity_targets: the defaults
+    rendered = render_comparison(folder)
+    report = json.loads(rendered.json_path.read_text())
+    assert report["thresholds"] == [] and report["perplexity_targets"] == [32, 16, 8, 4]
+    assert report["ranking"]["time_to_perplexity"]["32"] == ["ddp", "baseline", "ps-sync"]
+    baseline = next(run for run in report["runs"] if run["name"] == "baseline")
+    assert baseline["time_to_perplexity_s"] == pytest.approx({"32": 0.8, "16": 0.8, "8": 1.2, "4": None})
+
+    lines = rendered.table.splitlines()
+    assert lines[0].split()[:8] == ["run", "status", "ppl", "tppl32", "tppl16", "tppl8", "tppl4", "total"]
+    assert "t90%" not in rendered.table and "tNN%" not in rendered.table
+    assert "tpplN: training-clock" in rendered.table
+    assert lines[1].split()[:7] == ["baseline", "ok", "7.500", "0.80s", "0.80s", "1.20s", "-"]
+    markdown = rendered.markdown_path.read_text()
+    assert "| run | status | ppl | tppl32 | tppl16 | tppl8 | tppl4 |" in markdown
+    assert "- time to perplexity 32: ddp 0.30s, baseline 0.80s, ps-sync 1.00s" in markdown
+    assert "- time to perplexity 4: none reached it" in markdown
+    html = rendered.html_path.read_text()
+    assert "<th>tppl16</th>" in html
+    assert "time to perplexity 16: baseline 0.80s, ddp 0.90s; not reached: ps-sync" in html
+    names = {path.name for path in rendered.plots}
+    assert "perplexity_vs_time.png" in names and "accuracy_vs_time.png" not in names
+    comparison = json.loads((folder / "comparison.json").read_text())
+    comparison["perplexity_targets"] = [10, 0.5]
+    (folder / "comparison.json").write_text(json.dumps(comparison))
+    with pytest.raises(InputFileError, match=r"perplexity_targets should be a list of perplexities >= 1"):
+        render_comparison(folder)
 
 
 def test_rendering_again_drops_plots_with_nothing_to_show(tmp_path):

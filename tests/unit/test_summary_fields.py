@@ -1,5 +1,6 @@
-"""The run summary's time to accuracy (written, read back, printed; older files without
-it still read) and the hyper-parameters written for TensorBoard's HPARAMS tab."""
+"""The run summary's time to accuracy, and a language model's time to perplexity (written,
+read back, printed; older files without them still read) and the hyper-parameters written
+for TensorBoard's HPARAMS tab."""
 
 from __future__ import annotations
 
@@ -43,6 +44,34 @@ def test_a_summary_written_before_time_to_accuracy_still_reads(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="not a run summary"):
         RunSummary.read(tmp_path)
+
+
+def test_a_language_models_summary_records_its_time_to_perplexity(tmp_path):
+    summary = RunSummary.create(strategy="ddp", config=config_from_dict({}), final_accuracy=0.4,
+                                final_loss=2.0, total_time_s=9.0, train_time_s=4.0, samples_processed=4000,
+                                steps=60, world_size=2, task="language-model",
+                                evaluations=[(1.0, 60.0), (2.0, 18.0), (3.0, 7.39)])
+    times = {"32": 2.0, "16": 3.0, "8": 3.0, "4": None}  # 60 reaches none; 7.39 is below 8
+    assert summary.time_to_perplexity_s == times and summary.time_to_accuracy_s == {}
+    summary.write(tmp_path)
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert data["time_to_perplexity_s"] == times and data["time_to_accuracy_s"] == {}
+    assert RunSummary.read(tmp_path) == summary and RunSummary.read(tmp_path).time_to_perplexity_s == times
+    assert "Time to perplexity: 32 2.0s, 16 3.0s, 8 3.0s, 4 -" in summary.lines()
+    assert not any(line.startswith("Time to accuracy") for line in summary.lines())
+    figures = metric_values(summary)
+    assert {k: v for k, v in figures.items() if k.startswith("hparam/time_to_")} == {
+        "hparam/time_to_perplexity_32_s": 2.0, "hparam/time_to_perplexity_16_s": 3.0,
+        "hparam/time_to_perplexity_8_s": 3.0}
+    # A language model's summary written before it recorded the times: not known, no line.
+    del data["time_to_perplexity_s"]
+    (tmp_path / "summary.json").write_text(json.dumps(data))
+    old = RunSummary.read(tmp_path)
+    assert old.is_language_model and old.time_to_perplexity_s == {}
+    assert not any(line.startswith("Time to") for line in old.lines())
+    assert not any(key.startswith("hparam/time_to_") for key in metric_values(old))
+    assert make_summary([(1.0, 0.99)]).time_to_perplexity_s == {}  # a classifier has none
+    assert "time_to_perplexity_s" not in make_summary().to_dict()
 
 
 def test_hparams_are_flat_scalars_from_the_config():

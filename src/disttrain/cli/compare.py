@@ -19,10 +19,11 @@ HELP = "train every strategy on one config and report them side by side"
 DESCRIPTION = f"""Train the same model on the same data, seed and budget with each strategy in
 turn, then write one report comparing them: report.html (one page, plots inline),
 report.md, report.json and PNG plots, in --output-dir (default runs/compare-<time>/).
-Prints the table at the end: accuracy, time to 90/95/97/98% test accuracy, samples/s,
-speed-up over the baseline, scaling efficiency, bytes on the wire per step, compression,
-recovery events. Every process of every run computes with the same torch threads
-(--num-threads; by default this machine's cores divided by --workers). Each run keeps
+Prints the table at the end: accuracy, time to 90/95/97/98% test accuracy (a language
+model: perplexity, time to test perplexity 32/16/8/4), samples/s, speed-up over the
+baseline, scaling efficiency, bytes on the wire per step, compression, recovery events.
+Every process of every run computes with the same torch threads (--num-threads; by
+default this machine's cores divided by --workers). Each run keeps
 its own logs, checkpoints and summary in <output-dir>/<strategy>/; a run that fails is
 reported as failed and the others still run (the exit code is then 1).
 

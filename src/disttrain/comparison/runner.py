@@ -20,7 +20,7 @@ from disttrain.comparison.plan import PlannedRun
 from disttrain.config import Config
 from disttrain.core.process_spec import user_command
 from disttrain.core.processes import Cluster
-from disttrain.metrics.keys import ACCURACY_THRESHOLDS
+from disttrain.metrics.keys import ACCURACY_THRESHOLDS, PERPLEXITY_TARGETS
 from disttrain.report.files import write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class Comparison:
     def write_manifest(self) -> Path:
         manifest = {"version": 1, "created": self.created, "command": self.command,
                     "dataset": self.config.training.dataset, "thresholds": list(ACCURACY_THRESHOLDS),
+                    "perplexity_targets": list(PERPLEXITY_TARGETS),
                     "num_threads": self.config.system.num_threads,
                     "runs": [asdict(r) for r in self.records]}
         return write_json_atomic(self.folder / MANIFEST, manifest)

@@ -1,6 +1,6 @@
 """What runs measure: the metrics vocabulary (`keys`), the training clock and window
 (`window`), the JSONL + TensorBoard stream (`logger`), the progress display, the run
-summary, its time to accuracy (`time_to_accuracy`) and the run's hyper-parameters for
+summary, its time to accuracy or perplexity targets (`time_to_target`) and the run's hyper-parameters for
 TensorBoard's HPARAMS tab (`hparams`).
 
 Its face, for scripts and users: the vocabulary, the stream and how to read it back, the

@@ -60,13 +60,14 @@ def hparam_values(summary: RunSummary) -> dict[str, str | int | float | bool]:
 
 
 def metric_values(summary: RunSummary) -> dict[str, float]:
-    """The final figures, `hparam/<summary field>`, and each time to accuracy reached as
-    `hparam/time_to_accuracy_<threshold>_s` (TensorBoard takes no None: one never
-    reached is left out, as is any non-finite figure)."""
+    """The final figures, `hparam/<summary field>`, and each time to a target reached as
+    `hparam/time_to_accuracy_<threshold>_s`, or a language model's
+    `hparam/time_to_perplexity_<target>_s` (TensorBoard takes no None: one never reached
+    is left out, as is any non-finite figure)."""
     figures: dict[str, Any] = {name: getattr(summary, name) for name in FINAL_FIGURES}
     figures["final_perplexity"] = summary.extra.get("final_perplexity")  # a language model's
-    figures.update({f"time_to_accuracy_{key}_s": seconds
-                    for key, seconds in summary.time_to_accuracy_s.items()})
+    target, times = summary.time_to_target
+    figures.update({f"time_to_{target.name}_{key}_s": seconds for key, seconds in times.items()})
     return {METRIC_PREFIX + name: float(value) for name, value in figures.items()
             if isinstance(value, int | float) and math.isfinite(value)}
 

@@ -24,8 +24,13 @@ CUMULATIVE = "cumulative"  # since the run started (a resumed run goes on counti
 EPOCH_END = "epoch end"    # once per epoch, after its last step
 RUN = "run"                # once per run, in summary.json
 
-# Test accuracies whose time to reach every summary records (`time_to_accuracy_s`).
+# Test accuracies whose time to reach a classifier's summary records (`time_to_accuracy_s`).
 ACCURACY_THRESHOLDS = (0.90, 0.95, 0.97, 0.98)
+# Test perplexities whose time to reach a language model's summary records
+# (`time_to_perplexity_s`). Byte-level text: a uniform guess is 256; knowing which bytes
+# occur and how often takes it to about 20-30; a small GPT trained on English goes
+# below 8 and, trained long, towards 4.
+PERPLEXITY_TARGETS = (32.0, 16.0, 8.0, 4.0)
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,8 @@ SUMMARY: dict[str, Metric] = {m.key: m for m in [
     Metric("time_to_accuracy_s", "s", RUN, "for each test accuracy of `ACCURACY_THRESHOLDS`, "
            "keyed with two decimals (`\"0.90\"`, `\"0.95\"`, `\"0.97\"`, `\"0.98\"`): the training "
            "clock of the process that writes the summary (PS: worker 0, DDP: rank 0) at the first "
-           "epoch-end evaluation that reached it; null where none did", ALL),
+           "epoch-end evaluation that reached it; null where none did (empty for a language model, "
+           "which has `time_to_perplexity_s`)", ALL),
 ]}
 
 
@@ -128,6 +134,10 @@ OPTIONAL_SUMMARY: dict[str, Metric] = {m.key: m for m in [
            "`language-model`", LANGUAGE_MODELS),
     Metric("final_perplexity", "ratio", RUN, "exp(`final_loss`), the language model's figure "
            "reported in place of accuracy", LANGUAGE_MODELS),
+    Metric("time_to_perplexity_s", "s", RUN, "for each test perplexity of `PERPLEXITY_TARGETS`, "
+           "keyed as written (`\"32\"`, `\"16\"`, `\"8\"`, `\"4\"`): the training clock, as in "
+           "`time_to_accuracy_s`, at the first epoch-end evaluation at or below it; null where none "
+           "reached it", LANGUAGE_MODELS),
     Metric("compression_ratio", "ratio", RUN, "gradient bytes before compression / bytes sent, "
            "over the whole run and every process (present when compression is on)", "ps, ddp"),
     Metric("compression_bytes_sent", "bytes", RUN, "gradient payload bytes all processes sent, "

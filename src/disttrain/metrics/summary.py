@@ -12,7 +12,7 @@ from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from disttrain.metrics.time_to_accuracy import Evaluation, time_to_accuracy
+from disttrain.metrics.time_to_target import ACCURACY, PERPLEXITY, Evaluation, TimeToTarget
 
 SUMMARY_FILE = "summary.json"
 LANGUAGE_MODEL = "language-model"  # the task whose summary reports perplexity (data.description's)
@@ -24,7 +24,8 @@ class RunSummary:
     the top level of summary.json beside the others).
 
     `time_to_accuracy_s` is empty in a summary read from a file written before it existed
-    (not known, unlike None: not reached)."""
+    (not known, unlike None: not reached), and in a language model's, which records
+    `time_to_perplexity_s` in `extra` instead (absent from files written before it)."""
 
     strategy: str
     dataset: str
@@ -51,20 +52,25 @@ class RunSummary:
         Args:
             config: the run's `Config`.
             train_time_s: the longest training clock of the run's processes.
-            evaluations: `(train_time_s, accuracy)` of every evaluation of the run by the
-                process writing the summary (`LoopResult.evaluations`), for
-                `time_to_accuracy_s`; none means no threshold reached.
-            task: the data set's; a language model's summary adds `task` and
-                `final_perplexity`, and shows perplexity in place of accuracy.
+            evaluations: `(train_time_s, figure)` of every evaluation of the run by the
+                process writing the summary (`LoopResult.evaluations`): test accuracy for
+                `time_to_accuracy_s`, a language model's test perplexity for
+                `time_to_perplexity_s`; none means no target reached.
+            task: the data set's; a language model's summary adds `task`,
+                `final_perplexity` and `time_to_perplexity_s`, and shows perplexity in
+                place of accuracy.
         """
+        time_to_accuracy_s = ACCURACY.times(evaluations)
         if task == LANGUAGE_MODEL:
-            extra = {"task": task, "final_perplexity": math.exp(min(final_loss, 700.0)), **(extra or {})}
+            extra = {"task": task, "final_perplexity": math.exp(min(final_loss, 700.0)),
+                     PERPLEXITY.field: PERPLEXITY.times(evaluations), **(extra or {})}
+            time_to_accuracy_s = {}  # a language model's figure is perplexity
         return cls(strategy=strategy, dataset=config.training.dataset, final_accuracy=final_accuracy,
                    final_loss=final_loss, total_time_s=total_time_s, train_time_s=train_time_s,
                    throughput_samples_per_s=samples_processed / max(train_time_s, 1e-9),
                    samples_processed=int(samples_processed), steps=int(steps),
                    epochs=config.training.num_epochs, world_size=world_size,
-                   config=config.to_dict(), time_to_accuracy_s=time_to_accuracy(evaluations),
+                   config=config.to_dict(), time_to_accuracy_s=time_to_accuracy_s,
                    extra=dict(extra or {}))
 
     def to_dict(self) -> dict[str, Any]:
@@ -76,6 +82,21 @@ class RunSummary:
     def is_language_model(self) -> bool:
         return self.extra.get("task") == LANGUAGE_MODEL
 
+    @property
+    def time_to_perplexity_s(self) -> dict[str, float | None]:
+        """A language model's times to each perplexity target; empty for a classifier and
+        in a summary written before they were recorded (not known)."""
+        times = self.extra.get(PERPLEXITY.field)
+        return dict(times) if isinstance(times, dict) else {}
+
+    @property
+    def time_to_target(self) -> tuple[TimeToTarget, dict[str, float | None]]:
+        """The figure this run is timed by (perplexity for a language model, else accuracy)
+        and its times to each target."""
+        if self.is_language_model:
+            return PERPLEXITY, self.time_to_perplexity_s
+        return ACCURACY, self.time_to_accuracy_s
+
     def lines(self) -> list[str]:
         """The summary as the command prints it."""
         quality = (f"Final Perplexity: {self.extra['final_perplexity']:.3f}" if self.is_language_model
@@ -86,18 +107,20 @@ class RunSummary:
             f"Final Loss: {self.final_loss:.4f}",
             f"Total Time: {self.total_time_s:.2f}s",
             f"Throughput: {self.throughput_samples_per_s:.1f} samples/s",
-        ] + self._time_to_accuracy_lines() + (
+        ] + self._time_to_target_lines() + (
             [f"Gradient Compression: {self.extra['compression_ratio']:.1f}x fewer bytes "
              f"({self.extra['compression_bytes_sent'] / 1e6:.1f} MB sent)"]
             if "compression_ratio" in self.extra else []) + self._recovery_lines()
 
-    def _time_to_accuracy_lines(self) -> list[str]:
-        """`Time to accuracy: 90% 1.2s, 95% 3.4s, 97% -, 98% -` (none when not recorded)."""
-        if not self.time_to_accuracy_s or self.is_language_model:
+    def _time_to_target_lines(self) -> list[str]:
+        """`Time to accuracy: 90% 1.2s, 95% 3.4s, 97% -, 98% -`, or a language model's
+        `Time to perplexity: 32 0.4s, 16 1.2s, 8 -, 4 -` (none when not recorded)."""
+        target, times = self.time_to_target
+        if not times:
             return []
-        return ["Time to accuracy: " + ", ".join(
-            f"{float(key) * 100:g}% " + ("-" if seconds is None else f"{seconds:.1f}s")
-            for key, seconds in self.time_to_accuracy_s.items())]
+        return [f"Time to {target.name}: " + ", ".join(
+            f"{target.label(float(key))} " + ("-" if seconds is None else f"{seconds:.1f}s")
+            for key, seconds in times.items())]
 
     def _recovery_lines(self) -> list[str]:
         """What the run's failures cost (parameter server runs)."""

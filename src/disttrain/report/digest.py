@@ -37,7 +37,8 @@ def process_digest(name: str, records: list[Record]) -> dict[str, Any]:
         A JSON-ready dict: process, index, num_steps, samples, train_time_s, samples_per_s,
         the `PER_STEP_MEANS` fields (None where the process never logged the key),
         comm_share (blocked communication / step time), wire_bytes_per_step, evaluates,
-        final_accuracy and final_loss (None unless the process evaluates).
+        final_accuracy, final_loss and final_perplexity (None unless the process evaluates;
+        accuracy None for a language model, perplexity None for a classifier).
     """
     steps = [int(record["step"]) for record in records if "step" in record]
     samples = last_value(records, "progress/samples")
@@ -58,6 +59,7 @@ def process_digest(name: str, records: list[Record]) -> dict[str, Any]:
         "evaluates": bool(evaluated),
         "final_accuracy": evaluated[-1].accuracy if evaluated else None,
         "final_loss": evaluated[-1].loss if evaluated else None,
+        "final_perplexity": evaluated[-1].perplexity if evaluated else None,
     }
 
 

@@ -4,7 +4,8 @@ A row is one run's figures as a JSON-ready dict (the shape of a run in report.js
 Speed-up is a run's samples/s over the baseline run's; scaling efficiency is the
 speed-up over the run's workers (1.0: every worker as fast as the one baseline process).
 Times to an accuracy are on the training clock of the evaluating process: the first
-evaluation at or above the threshold.
+evaluation at or above the threshold; a language model's times to a perplexity, the
+first at or below the target.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from disttrain.metrics.time_to_accuracy import threshold_key, time_to_accuracy
+from disttrain.metrics.time_to_target import ACCURACY, PERPLEXITY, TimeToTarget
 from disttrain.report.digest import mean_of, process_digest
 from disttrain.report.runs import Evaluation, RunData, finite, is_number
 
-DEFAULT_THRESHOLDS = (0.90, 0.95, 0.97, 0.98)
 BASELINE_NAME = "baseline"
 OK, FAILED, PENDING = "ok", "failed", "pending"
 STATUSES = (OK, FAILED, PENDING)
@@ -26,38 +26,45 @@ STEP_TIME_FIELDS = {"step_s": "step_time_s", "compute_s": "compute_s",
                     "comm_blocked_s": "comm_blocked_s", "compression_s": "compression_s"}
 
 
-def run_time_to_accuracy(evaluated: Sequence[Evaluation], thresholds: Sequence[float],
-                         recorded: Any = None) -> dict[str, float | None]:
-    """Training-clock seconds until the first evaluation at or above each threshold: the
-    summary's own figure where it has one (a summary written before `time_to_accuracy_s`
-    existed has none), else from the evaluations in the metrics.
+def run_time_to_target(evaluated: Sequence[Evaluation], target: TimeToTarget,
+                       recorded: Any = None) -> dict[str, float | None]:
+    """Training-clock seconds until the first evaluation reached each of `target.targets`:
+    the summary's own figure where it has one (a summary written before its field existed
+    has none), else from the evaluations in the metrics.
 
     Args:
         evaluated: the run's evaluations, in order.
-        recorded: the summary's `time_to_accuracy_s`.
+        target: the figure and its targets (accuracy thresholds, perplexity targets).
+        recorded: the summary's `target.field`.
 
     Returns:
-        threshold key -> seconds, None where no evaluation reached it.
+        target key -> seconds, None where no evaluation reached it.
     """
     recorded = recorded if isinstance(recorded, dict) else {}
-    computed = time_to_accuracy([(e.train_time_s, e.accuracy) for e in evaluated
-                                 if e.train_time_s is not None], thresholds)
+    figures = [(e.train_time_s, e.figure(target.metric)) for e in evaluated]
+    computed = target.times([(time, figure) for time, figure in figures
+                             if time is not None and figure is not None])
     known = {key: finite(value) for key, value in recorded.items() if value is None or is_number(value)}
     return {key: known[key] if key in known else seconds for key, seconds in computed.items()}
 
 
-def run_row(entry: dict[str, Any], run: RunData | None, thresholds: Sequence[float]) -> dict[str, Any]:
+def run_row(entry: dict[str, Any], run: RunData | None, thresholds: Sequence[float],
+            perplexity_targets: Sequence[float] = PERPLEXITY.targets) -> dict[str, Any]:
     """One run's row: what comparison.json says of it, and its figures when it finished.
 
     Args:
         entry: the run's entry in comparison.json (name, strategy, compression, workers,
             status, error, log_dir).
         run: its run folder, None for a failed or pending run.
+        thresholds: the test accuracies to time (`time_to_accuracy_s`).
+        perplexity_targets: the test perplexities to time (`time_to_perplexity_s`; only
+            a language model reaches any).
 
     Returns:
         The row; figures are None for a run that did not finish; speedup and
         scaling_efficiency are filled in by `add_speedups`.
     """
+    targets = (ACCURACY.with_targets(thresholds), PERPLEXITY.with_targets(perplexity_targets))
     summary = run.summary if run is not None else {}
     row: dict[str, Any] = {
         "name": entry["name"], "strategy": entry.get("strategy") or summary.get("strategy"),
@@ -71,7 +78,7 @@ def run_row(entry: dict[str, Any], run: RunData | None, thresholds: Sequence[flo
                                         "train_time_s",
                                         "samples_per_s", "speedup", "scaling_efficiency", "bytes_per_step",
                                         "compression_ratio", "recovery_events", "staleness_histogram")),
-                "time_to_accuracy_s": dict.fromkeys(map(threshold_key, thresholds)),
+                **{target.field: dict.fromkeys(map(target.key, target.targets)) for target in targets},
                 "step_time": dict.fromkeys(STEP_TIME_FIELDS),
                 "series": {"process": None, "test": [], "train": []}}
     digests = [process_digest(name, records) for name, records in run.processes.items()]
@@ -81,7 +88,8 @@ def run_row(entry: dict[str, Any], run: RunData | None, thresholds: Sequence[flo
         "final_accuracy": finite(summary["final_accuracy"]),
         "final_perplexity": finite(summary.get("final_perplexity")),  # a language model's
         "final_loss": finite(summary["final_loss"]),
-        "time_to_accuracy_s": run_time_to_accuracy(evaluated, thresholds, summary.get("time_to_accuracy_s")),
+        **{target.field: run_time_to_target(evaluated, target, summary.get(target.field))
+           for target in targets},
         "total_time_s": finite(summary["total_time_s"]),
         "train_time_s": finite(summary["train_time_s"]),
         "samples_per_s": finite(summary["throughput_samples_per_s"]),
@@ -95,9 +103,10 @@ def run_row(entry: dict[str, Any], run: RunData | None, thresholds: Sequence[flo
         "series": {
             "process": run.evaluating_process,
             "test": [{"step": e.step, "epoch": e.epoch, "train_time_s": e.train_time_s,
-                      "accuracy": e.accuracy, "loss": e.loss} for e in evaluated],
+                      "accuracy": e.accuracy, "loss": e.loss, "perplexity": e.perplexity}
+                     for e in evaluated],
             "train": [{"step": w.step, "train_time_s": w.train_time_s, "loss": w.loss,
-                       "accuracy": w.accuracy} for w in run.train_windows()],
+                       "accuracy": w.accuracy, "perplexity": w.perplexity} for w in run.train_windows()],
         },
     }
 
@@ -146,21 +155,33 @@ def scaling_efficiency(speedup_: float | None, workers: int) -> float | None:
     return speedup_ / workers if speedup_ is not None and workers else None
 
 
-def rankings(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> dict[str, Any]:
-    """The finished runs' names in order: for each threshold, those that reached it,
-    fastest first, then those that did not, best final accuracy first; and by samples/s,
-    fastest first. Failed and pending runs are left out.
+def rankings(rows: Sequence[dict[str, Any]], target: TimeToTarget) -> dict[str, Any]:
+    """The finished runs' names in order: for each of `target.targets`, those that
+    reached it, fastest first, then those that did not, best final figure first (highest
+    accuracy, lowest perplexity); and by samples/s, fastest first. Failed and pending
+    runs are left out.
 
     Returns:
-        {"time_to_accuracy": {threshold key: [names]}, "samples_per_s": [names]}.
+        {"time_to_accuracy" (or "time_to_perplexity"): {target key: [names]},
+        "samples_per_s": [names]}.
     """
     finished = [row for row in rows if row["status"] == OK]
     by_time = {}
-    for key in map(threshold_key, thresholds):
-        reached = sorted((row for row in finished if row["time_to_accuracy_s"].get(key) is not None),
-                         key=lambda row, key=key: row["time_to_accuracy_s"][key])
-        missed = sorted((row for row in finished if row["time_to_accuracy_s"].get(key) is None),
-                        key=lambda row: -(row["final_accuracy"] or 0.0))
+    for key in map(target.key, target.targets):
+        reached = sorted((row for row in finished if row[target.field].get(key) is not None),
+                         key=lambda row, key=key: row[target.field][key])
+        missed = sorted((row for row in finished if row[target.field].get(key) is None),
+                        key=lambda row: _final_rank(row.get(target.final_field), target))
         by_time[key] = [row["name"] for row in reached + missed]
     by_speed = sorted(finished, key=lambda row: -(row["samples_per_s"] or 0.0))
-    return {"time_to_accuracy": by_time, "samples_per_s": [row["name"] for row in by_speed]}
+    return {ranking_key(target): by_time, "samples_per_s": [row["name"] for row in by_speed]}
+
+
+def ranking_key(target: TimeToTarget) -> str:
+    """The key of `target`'s ranking in `rankings`: "time_to_accuracy", "time_to_perplexity"."""
+    return target.field.removesuffix("_s")
+
+
+def _final_rank(figure: float | None, target: TimeToTarget) -> tuple[bool, float]:
+    """Best final figure first; runs without one last."""
+    return (figure is None, 0.0 if figure is None else target.better(figure))

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from html import escape
 from typing import Any
 
+from disttrain.metrics.time_to_target import TimeToTarget
 from disttrain.report.plots import Plot
-from disttrain.report.table import cells, headers, language_models, legend, ranking_lines
+from disttrain.report.table import cells, headers, legend, ranking_lines
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto;
@@ -26,13 +27,14 @@ figure { margin: 1.5em 0; } img { max-width: 100%; height: auto; border: 1px sol
 """
 
 
-def html_page(meta: dict[str, Any], rows: Sequence[dict[str, Any]], thresholds: Sequence[float],
+def html_page(meta: dict[str, Any], rows: Sequence[dict[str, Any]], target: TimeToTarget,
               plots: Sequence[Plot], rankings: dict[str, Any]) -> str:
     """The page.
 
     Args:
         meta: dataset, created, command (a list) of the comparison.
         rows, rankings: as in report.json; plots: the PNG files to inline.
+        target: the figure the table times, with its targets.
 
     Raises:
         OSError: a plot file cannot be read.
@@ -45,9 +47,9 @@ def html_page(meta: dict[str, Any], rows: Sequence[dict[str, Any]], thresholds: 
         f"<h1>disttrain comparison on {escape(str(meta.get('dataset', '?')))}</h1>",
         f"<p class=\"meta\">created {escape(str(meta.get('created', '?')))}"
         + (f"<br><code>{escape(command)}</code>" if command else "") + "</p>",
-        _table(rows, thresholds),
-        f'<p class="legend">{escape(legend(rows))}</p>',
-        _rankings(rows, rankings),
+        _table(rows, target),
+        f'<p class="legend">{escape(legend(target))}</p>',
+        _rankings(rows, rankings, target),
     ]
     for plot in plots:
         data = base64.b64encode(plot.path.read_bytes()).decode("ascii")
@@ -58,11 +60,11 @@ def html_page(meta: dict[str, Any], rows: Sequence[dict[str, Any]], thresholds: 
     return "\n".join(parts) + "\n"
 
 
-def _table(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> str:
-    head = headers(thresholds, language_models(rows))
+def _table(rows: Sequence[dict[str, Any]], target: TimeToTarget) -> str:
+    head = headers(target)
     lines = ["<table>", "<tr>" + "".join(f"<th>{escape(cell)}</th>" for cell in head) + "</tr>"]
     for row in rows:
-        line = cells(row, thresholds)
+        line = cells(row, target)
         if len(line) < len(head):
             lines.append(f'<tr class="{escape(row["status"])}"><td>{escape(line[0])}</td>'
                          f'<td colspan="{len(head) - 1}">{escape(line[1])}</td></tr>')
@@ -71,6 +73,6 @@ def _table(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> str:
     return "\n".join(lines + ["</table>"])
 
 
-def _rankings(rows: Sequence[dict[str, Any]], rankings: dict[str, Any]) -> str:
-    items = [f"<li>{escape(line)}</li>" for line in ranking_lines(rows, rankings)]
+def _rankings(rows: Sequence[dict[str, Any]], rankings: dict[str, Any], target: TimeToTarget) -> str:
+    items = [f"<li>{escape(line)}</li>" for line in ranking_lines(rows, rankings, target)]
     return "<h2>Rankings</h2>\n<ul>\n" + "\n".join(items) + "\n</ul>"

@@ -4,7 +4,7 @@ artifacts, and each worker's or rank's figures with their spread.
 Speed-up and scaling efficiency are measured as in a comparison (`figures`): samples/s
 over the baseline's, and that per worker. A strategy given only by its per-process
 artifacts (no ps.json or ddp.json) is summed from them: samples over the longest
-training clock, accuracy from the process that evaluates.
+training clock, accuracy (a language model's perplexity) from the process that evaluates.
 """
 
 from __future__ import annotations
@@ -74,21 +74,25 @@ def _run_entry(kind: str, run: dict[str, Any] | None, digests: list[dict[str, An
                 "samples_per_s": finite(run["throughput_samples_per_s"]),
                 "speedup": None, "scaling_efficiency": None,
                 "time_to_accuracy_s": run.get("time_to_accuracy_s"),
+                "final_perplexity": finite(run.get("final_perplexity")),  # a language model's
+                "time_to_perplexity_s": run.get("time_to_perplexity_s"),
                 "compression_ratio": finite(run.get("compression_ratio")),
                 "recovery_events": int(run.get("num_failures") or 0)}
     if not digests:
         return None
     samples = sum(digest["samples"] for digest in digests)
     train_time_s = max((digest["train_time_s"] or 0.0 for digest in digests), default=0.0)
-    evaluating = [digest for digest in digests if digest.get("final_accuracy") is not None]
+    evaluating = [digest for digest in digests
+                  if digest.get("evaluates") or digest.get("final_accuracy") is not None]
     return {"name": digests[0].get("strategy", kind), "kind": kind, "from": "processes",
             "workers": len(digests),
             "final_accuracy": evaluating[0]["final_accuracy"] if evaluating else None,
             "final_loss": evaluating[0].get("final_loss") if evaluating else None,
+            "final_perplexity": evaluating[0].get("final_perplexity") if evaluating else None,
             "total_time_s": None, "train_time_s": train_time_s or None, "samples": int(samples),
             "samples_per_s": samples / train_time_s if train_time_s else None,
             "speedup": None, "scaling_efficiency": None, "time_to_accuracy_s": None,
-            "compression_ratio": None, "recovery_events": None}
+            "time_to_perplexity_s": None, "compression_ratio": None, "recovery_events": None}
 
 
 def spread(digests: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -108,9 +112,14 @@ def spread(digests: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def perf_table(report: dict[str, Any]) -> str:
-    """The report as the command prints it: the strategies, then each process."""
-    lines = [_aligned([("strategy", "workers", "acc", "total", "train", "samples/s", "speed-up", "eff")] + [
-        (e["name"], str(e["workers"]), percent(e["final_accuracy"]), seconds(e["total_time_s"]),
+    """The report as the command prints it: the strategies, then each process (a language
+    model's perplexity in place of accuracy)."""
+    perplexity = any(e.get("final_perplexity") is not None for e in report["strategies"])
+    lines = [_aligned([("strategy", "workers", "ppl" if perplexity else "acc", "total", "train", "samples/s",
+                        "speed-up", "eff")] + [
+        (e["name"], str(e["workers"]),
+         number(e.get("final_perplexity"), ".3f") if perplexity else percent(e["final_accuracy"]),
+         seconds(e["total_time_s"]),
          seconds(e["train_time_s"]), number(e["samples_per_s"], ".0f"), number(e["speedup"], ".2f", "x"),
          percent(e["scaling_efficiency"], ".0f")) for e in report["strategies"]])]
     for kind, group in report["processes"].items():

@@ -70,22 +70,40 @@ def _figure() -> tuple[Figure, Any]:
     return figure, figure.subplots()
 
 
-def accuracy_vs_time(rows: Sequence[Row], colors: dict[str, str]) -> Figure | None:
+def _figure_vs_time(rows: Sequence[Row], colors: dict[str, str], name: str) -> tuple[Figure, Any, bool]:
+    """Each run's test `name` (accuracy, perplexity) at its evaluations against the
+    training clock, and faint, its training windows' figure; whether any line was drawn."""
     figure, axes = _figure()
     drawn = False
     for row in rows:
-        test = [(p["train_time_s"], p["accuracy"]) for p in row["series"]["test"]
-                if p["train_time_s"] is not None]
-        train = [(w["train_time_s"], w["accuracy"]) for w in row["series"]["train"]
-                 if w["train_time_s"] is not None and w["accuracy"] is not None]
+        test = [(p["train_time_s"], p[name]) for p in row["series"]["test"]
+                if p["train_time_s"] is not None and p.get(name) is not None]
+        train = [(w["train_time_s"], w[name]) for w in row["series"]["train"]
+                 if w["train_time_s"] is not None and w.get(name) is not None]
         if train:  # faint, so a run with one evaluation still shows a curve
             axes.plot(*zip(*train, strict=True), color=colors[row["name"]], alpha=0.3, linewidth=1,
                       label=None if test else f"{row['name']} (train)")
         if test:
             axes.plot(*zip(*test, strict=True), color=colors[row["name"]], marker="o", label=row["name"])
         drawn = drawn or bool(test or train)
+    return figure, axes, drawn
+
+
+def accuracy_vs_time(rows: Sequence[Row], colors: dict[str, str]) -> Figure | None:
+    figure, axes, drawn = _figure_vs_time(rows, colors, "accuracy")
     return _line_plot(figure, axes, drawn, "training time (s, training clock of the evaluating process)",
                       "accuracy (solid: test; faint: train windows)")
+
+
+def perplexity_vs_time(rows: Sequence[Row], colors: dict[str, str]) -> Figure | None:
+    figure, axes, drawn = _figure_vs_time(rows, colors, "perplexity")
+    from matplotlib.ticker import LogFormatter
+
+    axes.set_yscale("log")  # from 256 (a uniform guess over bytes) down to a few
+    for axis_formatter in (axes.yaxis.set_major_formatter, axes.yaxis.set_minor_formatter):
+        axis_formatter(LogFormatter(labelOnlyBase=False))  # 20, 40: not 2x10^1
+    return _line_plot(figure, axes, drawn, "training time (s, training clock of the evaluating process)",
+                      "perplexity, log scale (solid: test; faint: train windows)")
 
 
 def loss_vs_step(rows: Sequence[Row], colors: dict[str, str]) -> Figure | None:
@@ -198,6 +216,9 @@ PLOTS: list[tuple[str, str, str, Callable[[Sequence[Row], dict[str, str]], Figur
     ("accuracy_vs_time.png", "Test accuracy against training time",
      "Test accuracy at each evaluation (markers) against the training clock; the faint lines "
      "are the training accuracy of each logged window.", accuracy_vs_time),
+    ("perplexity_vs_time.png", "Test perplexity against training time",
+     "A language model's test perplexity at each evaluation (markers) against the training "
+     "clock; the faint lines are the training perplexity of each logged window.", perplexity_vs_time),
     ("loss_vs_step.png", "Training loss against step",
      "Mean training loss of each logged window of the evaluating process.", loss_vs_step),
     ("throughput.png", "Samples per second",

@@ -3,7 +3,8 @@ to report.json, report.md, report.html and plots/*.png in the same folder.
 
 comparison.json (written by `disttrain compare`) lists the runs: name, strategy,
 compression, workers, status (ok, failed, pending), error, log_dir (relative to the
-folder), wall_time_s, command; and the accuracy thresholds to time. A finished run is
+folder), wall_time_s, command; and the accuracy thresholds and perplexity targets to time
+(a language model's runs are timed to the perplexities, others to the accuracies). A finished run is
 read from its log_dir; one that failed or is still pending appears in the table with its
 status and error, and in no plot. Rendering again replaces every file it writes.
 """
@@ -17,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from disttrain.core.errors import InputFileError
+from disttrain.metrics.time_to_target import ACCURACY, PERPLEXITY, TimeToTarget
 from disttrain.report.figures import (
-    DEFAULT_THRESHOLDS,
     OK,
     STATUSES,
     add_speedups,
@@ -63,32 +64,36 @@ def render_comparison(folder: str | Path) -> RenderedReport:
     if folder.name == COMPARISON_FILE and folder.is_file():
         folder = folder.parent
     comparison = read_comparison(folder)
-    thresholds = comparison["thresholds"]
+    thresholds, perplexity_targets = comparison["thresholds"], comparison["perplexity_targets"]
     rows = [run_row(entry, load_run(folder / entry["log_dir"]) if entry["status"] == OK else None,
-                    thresholds) for entry in comparison["runs"]]
-    if language_models(rows):  # no accuracy to reach: the time-to-accuracy columns go
-        thresholds = []
+                    thresholds, perplexity_targets) for entry in comparison["runs"]]
+    # A language model has no accuracy to reach: it is timed to perplexities instead.
+    target = (PERPLEXITY.with_targets(perplexity_targets) if language_models(rows)
+              else ACCURACY.with_targets(thresholds))
     base = add_speedups(rows)
-    ranked = rankings(rows, thresholds)
+    ranked = rankings(rows, target)
     plots = draw_plots(rows, folder / PLOTS_FOLDER)
     meta = {key: comparison.get(key) for key in ("created", "command", "dataset")}
     report = {
         "version": REPORT_VERSION, **meta,
         "rendered": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "thresholds": list(thresholds), "baseline": base["name"] if base else None,
+        "thresholds": list(target.targets) if target.name == ACCURACY.name else [],
+        "perplexity_targets": list(target.targets) if target.name == PERPLEXITY.name else [],
+        "baseline": base["name"] if base else None,
         "runs": rows, "ranking": ranked,
         "plots": [plot.path.relative_to(folder).as_posix() for plot in plots],
     }
     json_path = write_json_atomic(folder / REPORT_JSON, report)
     markdown_path = write_file_atomic(folder / REPORT_MARKDOWN,
-                                      markdown_page(meta, rows, thresholds, plots, ranked, folder))
-    html_path = write_file_atomic(folder / REPORT_HTML, html_page(meta, rows, thresholds, plots, ranked))
-    return RenderedReport(table=text_table(rows, thresholds), html_path=html_path, json_path=json_path,
+                                      markdown_page(meta, rows, target, plots, ranked, folder))
+    html_path = write_file_atomic(folder / REPORT_HTML, html_page(meta, rows, target, plots, ranked))
+    return RenderedReport(table=text_table(rows, target), html_path=html_path, json_path=json_path,
                           markdown_path=markdown_path, plots=[plot.path for plot in plots])
 
 
 def read_comparison(folder: Path) -> dict[str, Any]:
-    """comparison.json of `folder`, checked, with thresholds defaulted.
+    """comparison.json of `folder`, checked, with thresholds and perplexity targets
+    defaulted (a comparison written before it recorded them).
 
     Raises:
         InputFileError: one line naming the file (or folder) and what is wrong.
@@ -103,17 +108,23 @@ def read_comparison(folder: Path) -> dict[str, Any]:
     data = read_json_file(path, "comparison file")
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
         raise InputFileError(f"{path}: is not a comparison file (expected an object with a \"runs\" list)")
-    thresholds = data.get("thresholds", list(DEFAULT_THRESHOLDS))
+    thresholds = data.get("thresholds", list(ACCURACY.targets))
     if not isinstance(thresholds, list) or not all(is_number(t) and 0 < t <= 1 for t in thresholds):
         raise InputFileError(f"{path}: thresholds should be a list of accuracies in (0, 1], "
                              f"not {thresholds!r}")
+    perplexity_targets = data.get("perplexity_targets", list(PERPLEXITY.targets))
+    if not isinstance(perplexity_targets, list) or not all(is_number(t) and t >= 1
+                                                           for t in perplexity_targets):
+        raise InputFileError(f"{path}: perplexity_targets should be a list of perplexities >= 1 "
+                             f"(1 is a perfect model), not {perplexity_targets!r}")
     names = set()
     for i, entry in enumerate(data["runs"]):
         _check_entry(entry, f"{path}: runs[{i}]")
         if entry["name"] in names:
             raise InputFileError(f"{path}: runs[{i}]: the name {entry['name']!r} is used twice")
         names.add(entry["name"])
-    return {**data, "thresholds": [float(t) for t in thresholds]}
+    return {**data, "thresholds": [float(t) for t in thresholds],
+            "perplexity_targets": [float(t) for t in perplexity_targets]}
 
 
 def _check_entry(entry: Any, where: str) -> None:
@@ -131,14 +142,14 @@ def _check_entry(entry: Any, where: str) -> None:
                              f"not {entry['workers']!r}")
 
 
-def markdown_page(meta: dict[str, Any], rows: Sequence[dict[str, Any]], thresholds: Sequence[float],
+def markdown_page(meta: dict[str, Any], rows: Sequence[dict[str, Any]], target: TimeToTarget,
                   plots: Sequence[Plot], ranked: dict[str, Any], folder: Path) -> str:
     """report.md: the table, the rankings and the plots linked (relative to the folder)."""
     command = " ".join(meta.get("command") or [])
     lines = [f"# disttrain comparison on {meta.get('dataset') or '?'}", "",
              f"created {meta.get('created') or '?'}" + (f": `{command}`" if command else ""), "",
-             markdown_table(rows, thresholds), legend(rows), "", "## Rankings", ""]
-    lines += [f"- {line}" for line in ranking_lines(rows, ranked)]
+             markdown_table(rows, target), legend(target), "", "## Rankings", ""]
+    lines += [f"- {line}" for line in ranking_lines(rows, ranked, target)]
     for plot in plots:
         lines += ["", f"## {plot.title}", "", f"![{plot.title}]({plot.path.relative_to(folder).as_posix()})",
                   "", plot.caption]

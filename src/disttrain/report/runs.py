@@ -3,8 +3,9 @@ metrics.jsonl, with the series the figures and plots are made from.
 
 A run folder (`<log_dir>`) holds `summary.json` and one folder per process (`baseline`,
 `worker<N>`, `rank<R>`) with `metrics.jsonl`. Window records carry `loss/train`; epoch-end
-records carry `accuracy/test`. Every time here is on the training clock of the process
-that evaluates for the run (`baseline`, `worker0` or `rank0`).
+records carry `accuracy/test` (a language model's: `perplexity/test`). Every time here is
+on the training clock of the process that evaluates for the run (`baseline`, `worker0` or
+`rank0`).
 """
 
 from __future__ import annotations
@@ -29,15 +30,24 @@ SUMMARY_NUMBERS = ("final_accuracy", "final_loss", "total_time_s", "train_time_s
 Record = dict[str, Any]
 
 
+TEST_FIGURES = ("accuracy/test", "perplexity/test")  # what marks an evaluation record
+
+
 @dataclass(frozen=True)
 class Evaluation:
-    """One epoch-end evaluation: where it happened on the training clock and its result."""
+    """One epoch-end evaluation: where it happened on the training clock and its result
+    (a classifier's accuracy, or a language model's perplexity)."""
 
     step: int
     epoch: int
     train_time_s: float | None
-    accuracy: float
+    accuracy: float | None
     loss: float | None
+    perplexity: float | None = None
+
+    def figure(self, metric: str) -> float | None:
+        """The figure of metric key `metric` (`accuracy/test` or `perplexity/test`)."""
+        return {"accuracy/test": self.accuracy, "perplexity/test": self.perplexity}[metric]
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,7 @@ class TrainWindow:
     train_time_s: float | None
     loss: float | None
     accuracy: float | None
+    perplexity: float | None = None
 
 
 @dataclass
@@ -70,7 +81,7 @@ class RunData:
             if name in self.processes:
                 return name
         evaluating = [name for name, records in self.processes.items()
-                      if any("accuracy/test" in record for record in records)]
+                      if any(key in record for record in records for key in TEST_FIGURES)]
         return evaluating[0] if evaluating else None
 
     def evaluations(self) -> list[Evaluation]:
@@ -160,21 +171,23 @@ def evaluations(records: list[Record]) -> list[Evaluation]:
     clock = _clock_points(records)
     found = []
     for record in records:
-        accuracy = finite(record.get("accuracy/test"))
-        if accuracy is None:
+        accuracy, perplexity = (finite(record.get(key)) for key in TEST_FIGURES)
+        if accuracy is None and perplexity is None:
             continue
         step = int(record["step"])
         own_clock = finite(record.get("progress/train_time_s"))
         found.append(Evaluation(step=step, epoch=int(record.get("epoch", 0)),
                                 train_time_s=own_clock if own_clock is not None else _clock_at(clock, step),
-                                accuracy=accuracy, loss=finite(record.get("loss/test"))))
+                                accuracy=accuracy, loss=finite(record.get("loss/test")),
+                                perplexity=perplexity))
     return found
 
 
 def train_windows(records: list[Record]) -> list[TrainWindow]:
     """The training windows of one process, with their place on its training clock."""
     return [TrainWindow(step=int(record["step"]), train_time_s=finite(record.get("progress/train_time_s")),
-                        loss=finite(record.get("loss/train")), accuracy=finite(record.get("accuracy/train")))
+                        loss=finite(record.get("loss/train")), accuracy=finite(record.get("accuracy/train")),
+                        perplexity=finite(record.get("perplexity/train")))
             for record in windows(records)]
 
 

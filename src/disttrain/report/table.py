@@ -6,23 +6,28 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from disttrain.metrics.time_to_accuracy import threshold_key
-from disttrain.report.figures import OK
+from disttrain.metrics.time_to_target import TimeToTarget
+from disttrain.report.figures import OK, ranking_key
 
 # Legend of the abbreviated headers, printed under the table.
-LEGEND = ("tNN%: training-clock time to NN% test accuracy (- not reached); total: wall time; "
+LEGEND = ("total: wall time; "
           "speed-up: samples/s over the baseline's; eff: speed-up per worker; "
           "B/step: bytes on the wire per step per worker (PS: gradients sent + parameters received; DDP: "
           "gradients all-reduced); compr: compression ratio; "
           "fail: failures recovered from")
-
-
+# By the figure a table times: its time-to-target headers' prefix, and their legend.
+TARGET_HEADER = {"accuracy": "t", "perplexity": "tppl"}
+TARGET_LEGEND = {
+    "accuracy": "tNN%: training-clock time to NN% test accuracy (- not reached); ",
+    "perplexity": "tpplN: training-clock time to test perplexity N or lower (- not reached); ",
+}
 LANGUAGE_MODEL_LEGEND = "ppl: test perplexity, exp(mean token loss), in place of a classifier's accuracy; "
 
 
-def legend(rows: Sequence[dict[str, Any]]) -> str:
-    """The legend of the table of `rows` (a language models' table's says what ppl is)."""
-    return LANGUAGE_MODEL_LEGEND + LEGEND if language_models(rows) else LEGEND
+def legend(target: TimeToTarget) -> str:
+    """The legend of a table timing `target` (a language models' table's says what ppl is)."""
+    timed = TARGET_LEGEND[target.name] if target.targets else ""
+    return (LANGUAGE_MODEL_LEGEND if target.name == "perplexity" else "") + timed + LEGEND
 
 
 def language_models(rows: Sequence[dict[str, Any]]) -> bool:
@@ -32,33 +37,36 @@ def language_models(rows: Sequence[dict[str, Any]]) -> bool:
     return bool(finished) and all(row.get("final_perplexity") is not None for row in finished)
 
 
-def headers(thresholds: Sequence[float], perplexity: bool = False) -> list[str]:
-    return ["run", "status", "ppl" if perplexity else "acc",
-            *(f"t{threshold * 100:g}%" for threshold in thresholds),
+def headers(target: TimeToTarget) -> list[str]:
+    """The columns of a table timing `target`: a language model's shows its perplexity and
+    the time to each perplexity target, a classifier's its accuracy and the time to each
+    accuracy threshold."""
+    return ["run", "status", "ppl" if target.name == "perplexity" else "acc",
+            *(TARGET_HEADER[target.name] + target.label(t) for t in target.targets),
             "total", "samples/s", "speed-up", "eff", "B/step", "compr", "fail"]
 
 
-def cells(row: dict[str, Any], thresholds: Sequence[float]) -> list[str]:
+def cells(row: dict[str, Any], target: TimeToTarget) -> list[str]:
     """The cells of one row; a run that did not finish has two: its name and its status
     with the error ("failed: <error>")."""
     if row["status"] != OK:
         return [row["name"], f"{row['status']}: {row['error']}" if row.get("error") else row["status"]]
-    times = row["time_to_accuracy_s"]
+    times = row.get(target.field) or {}
     quality = (number(row["final_perplexity"], ".3f") if row.get("final_perplexity") is not None
                else percent(row["final_accuracy"]))
     return [row["name"], OK, quality,
-            *(seconds(times.get(threshold_key(threshold))) for threshold in thresholds),
+            *(seconds(times.get(target.key(t))) for t in target.targets),
             seconds(row["total_time_s"]), number(row["samples_per_s"], ".0f"),
             number(row["speedup"], ".2f", "x"), percent(row["scaling_efficiency"], ".0f"),
             human_bytes(row["bytes_per_step"]), number(row["compression_ratio"], ".1f", "x"),
             str(row["recovery_events"])]
 
 
-def text_table(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> str:
+def text_table(rows: Sequence[dict[str, Any]], target: TimeToTarget) -> str:
     """The table for a terminal: aligned columns, numbers to the right, a run that did not
     finish on one line with its error; the legend below."""
-    head = headers(thresholds, language_models(rows))
-    body = [cells(row, thresholds) for row in rows]
+    head = headers(target)
+    body = [cells(row, target) for row in rows]
     full = [line for line in [head, *body] if len(line) == len(head)]
     widths = [max(len(line[i]) for line in full) for i in range(len(head))]
     lines = []
@@ -69,30 +77,35 @@ def text_table(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> s
         padded = [cell.ljust(width) if i < 2 else cell.rjust(width)
                   for i, (cell, width) in enumerate(zip(line, widths, strict=True))]
         lines.append("  ".join(padded).rstrip())
-    return "\n".join(lines + ["", *wrap(legend(rows), 110)])
+    return "\n".join(lines + ["", *wrap(legend(target), 110)])
 
 
-def markdown_table(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> str:
+def markdown_table(rows: Sequence[dict[str, Any]], target: TimeToTarget) -> str:
     """The table in Markdown; a run that did not finish has its status and error in the
     status column and dashes elsewhere."""
-    head = headers(thresholds, language_models(rows))
+    head = headers(target)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
     for row in rows:
-        line = cells(row, thresholds)
+        line = cells(row, target)
         line += ["-"] * (len(head) - len(line))
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in line) + " |")
     return "\n".join(lines) + "\n"
 
 
-def ranking_lines(rows: Sequence[dict[str, Any]], rankings: dict[str, Any]) -> list[str]:
-    """The rankings in words: "time to 90%: ddp 0.41s, ps-sync 0.52s; not reached: ..."."""
+def ranking_lines(rows: Sequence[dict[str, Any]], rankings: dict[str, Any],
+                  target: TimeToTarget) -> list[str]:
+    """The rankings in words: "time to 90%: ddp 0.41s, ps-sync 0.52s; not reached: ...", or
+    a language model's "time to perplexity 16: ..."."""
     by_name = {row["name"]: row for row in rows}
     lines = []
-    for key, names in rankings["time_to_accuracy"].items():
-        times = [(name, by_name[name]["time_to_accuracy_s"].get(key)) for name in names]
+    for t in target.targets:
+        key = target.key(t)
+        names = rankings[ranking_key(target)].get(key, [])
+        times = [(name, by_name[name][target.field].get(key)) for name in names]
         reached = ", ".join(f"{name} {seconds(time)}" for name, time in times if time is not None)
         missed = ", ".join(name for name, time in times if time is None)
-        lines.append(f"time to {float(key) * 100:g}%: {reached or 'none reached it'}"
+        goal = target.label(t) if target.percent else f"{target.name} {target.label(t)}"
+        lines.append(f"time to {goal}: {reached or 'none reached it'}"
                      + (f"; not reached: {missed}" if missed and reached else ""))
     lines.append("samples/s: " + (", ".join(
         f"{name} {number(by_name[name]['samples_per_s'], '.0f')}" for name in rankings["samples_per_s"])

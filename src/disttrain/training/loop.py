@@ -28,7 +28,7 @@ from disttrain.core.errors import CheckpointError
 from disttrain.core.faults import FaultInjector
 from disttrain.data import LANGUAGE_MODEL, PlannedSampler, ShardedSampler, describe_dataset
 from disttrain.metrics.logger import MetricsLogger, read_metrics
-from disttrain.metrics.time_to_accuracy import Evaluation, evaluations_from_records
+from disttrain.metrics.time_to_target import Evaluation, TimeToTarget, time_to_target
 from disttrain.metrics.window import MetricsWindow, TrainClock
 from disttrain.training.checkpoints import Position
 from disttrain.training.engine import EvalResult
@@ -68,14 +68,20 @@ class LoopSettings:
     def perplexity(self) -> bool:
         return self.task == LANGUAGE_MODEL
 
+    @property
+    def target(self) -> TimeToTarget:
+        """The test figure whose time to each target the run records."""
+        return time_to_target(self.perplexity)
+
 
 @dataclass
 class LoopResult:
     """Where the run ended and its final evaluation.
 
-    `evaluations` holds `(train_time_s, accuracy)` of every epoch-end evaluation of the
-    run in order, those made before a resume included (read back from `metrics.jsonl`):
-    what the summary's time to accuracy is computed from.
+    `evaluations` holds `(train_time_s, figure)` of every epoch-end evaluation of the run
+    in order, those made before a resume included (read back from `metrics.jsonl`): the
+    figure is test accuracy, a language model's test perplexity; what the summary's time
+    to accuracy (or perplexity) is computed from.
     """
 
     position: Position
@@ -148,7 +154,8 @@ class TrainingLoop:
         metrics = MetricsLogger(self.metrics_folder,
                                 resume_step=position.step if resumed_from is not None else None)
         # The evaluations a resume keeps are the records the logger kept: those up to its step.
-        evaluations = [] if resumed_from is None else evaluations_from_records(read_metrics(metrics.path))
+        evaluations = ([] if resumed_from is None
+                       else s.target.evaluations_from_records(read_metrics(metrics.path)))
         steps_per_epoch = math.ceil(sampler.num_batches(s.batch_size) / s.micro_batches)
         display = self.progress(steps_per_epoch * s.num_epochs, position.step)
         evaluation = None
@@ -221,16 +228,16 @@ class TrainingLoop:
     def _evaluate(self, metrics: MetricsLogger, epoch: int, evaluations: list[Evaluation]) -> EvalResult:
         """Evaluate off the training clock; log the figures with the clock's reading (so a
         report plots accuracy against training time from the JSONL alone) and append
-        `(train_time_s, accuracy)` to `evaluations`."""
+        `(train_time_s, figure)` to `evaluations` (accuracy, a language model's perplexity)."""
         with self.clock.paused():
             started = time.perf_counter()
             self.faults.at_evaluation()
             result = self.participant.evaluate(epoch)
             seconds = time.perf_counter() - started
             train_time_s = self.clock.elapsed()
-        if not self.settings.perplexity:  # time to accuracy: a classifier's figure
-            evaluations.append((train_time_s, result.accuracy))
-        self._log(metrics, epoch, {**result.figures(self.settings.task), "time/eval_s": seconds,
+        figures = result.figures(self.settings.task)
+        evaluations.append((train_time_s, figures[self.settings.target.metric]))
+        self._log(metrics, epoch, {**figures, "time/eval_s": seconds,
                                    "progress/samples": self.position.samples_processed,
                                    "progress/train_time_s": train_time_s})
         metrics.flush()
