@@ -9,21 +9,16 @@ import json
 
 import pytest
 
-from tests.unit.test_plugins import torchvision_or_skip
+from tests.unit.test_torchvision_data import torchvision_layout
 
 SMALL = ["--batch-size", "32", "--num-epochs", "1", "--num-threads", "1", "--max-train-samples", "256",
          "--max-test-samples", "200", "--learning-rate", "0.003", "--set", "training.download=false"]
 
 
 @pytest.fixture
-def torchvision_layout(tmp_path, real_data_dir):
-    """MNIST's four .gz files in DIR/MNIST/raw/ (links to the real copy): torchvision's layout."""
-    torchvision_or_skip()
-    raw = tmp_path / "tv" / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    for source in (real_data_dir / "mnist").glob("*-ubyte.gz"):
-        (raw / source.name).symlink_to(source)
-    return ["--dataset", "torchvision:MNIST", "--data-dir", tmp_path / "tv"]
+def torchvision_mnist(tmp_path, real_data_dir):
+    folder = torchvision_layout(tmp_path / "tv", real_data_dir, "mnist", "MNIST")
+    return ["--dataset", "torchvision:MNIST", "--data-dir", folder]
 
 
 def run(cli, tmp_path, strategy, *args):
@@ -34,16 +29,16 @@ def run(cli, tmp_path, strategy, *args):
 
 
 @pytest.mark.timeout(120)
-def test_the_baseline_trains_on_torchvisions_mnist(tmp_path, cli, torchvision_layout):
-    summary = run(cli, tmp_path, "baseline", *torchvision_layout)
+def test_the_baseline_trains_on_torchvisions_mnist(tmp_path, cli, torchvision_mnist):
+    summary = run(cli, tmp_path, "baseline", *torchvision_mnist)
     assert summary["dataset"] == "torchvision:MNIST" and summary["samples_processed"] == 256
     assert summary["final_accuracy"] > 0.3  # eight steps from chance (0.1)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_two_parameter_server_workers_with_loader_workers_train_on_it(tmp_path, cli, torchvision_layout):
-    summary = run(cli, tmp_path, "ps", *torchvision_layout, "--workers", "2", "--loader-workers", "1",
+def test_two_parameter_server_workers_with_loader_workers_train_on_it(tmp_path, cli, torchvision_mnist):
+    summary = run(cli, tmp_path, "ps", *torchvision_mnist, "--workers", "2", "--loader-workers", "1",
                   "--batch-size", "16")  # eight steps, as the baseline's
     assert summary["strategy"] == "ps-sync" and summary["dataset"] == "torchvision:MNIST"
     assert summary["samples_applied"] == 256 and summary["samples_lost"] == 0

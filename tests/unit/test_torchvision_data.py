@@ -5,6 +5,7 @@ without it is shown everywhere, torchvision hidden from the import."""
 
 from __future__ import annotations
 
+import gzip
 import pickle
 import sys
 
@@ -19,8 +20,8 @@ from disttrain.data import DatasetDescription, describe_dataset, load_datasets, 
 from disttrain.data.datasets import NORMALISATION
 from tests.unit.test_plugins import run_failing, torchvision_or_skip
 
-TORCHVISION_NAMES = ["CIFAR10", "CIFAR100", "MNIST", "FashionMNIST", "KMNIST", "SVHN", "STL10",
-                     "VOCSegmentation", "CocoDetection", "Kinetics", "ImageFolder"]
+TORCHVISION_NAMES = ["CIFAR10", "CIFAR100", "MNIST", "FashionMNIST", "KMNIST", "SVHN", "STL10", "Flowers102",
+                     "VOCSegmentation", "CocoDetection", "Kinetics", "KittiFlow", "ImageFolder"]
 
 
 def test_without_torchvision_the_error_names_the_extra(tmp_path, capsys, monkeypatch):
@@ -52,13 +53,14 @@ def test_names_resolve_in_any_case_and_other_sets_are_refused():
     with pytest.raises(ConfigError, match=r"torchvision.datasets has no 'imagenet1'; use one of CIFAR10, "
                                           r"CIFAR100, MNIST, FashionMNIST, KMNIST, SVHN"):
         vision.resolve_name("imagenet1", TORCHVISION_NAMES)
-    for other_task in ("VOCSegmentation", "cocodetection", "Kinetics"):
+    for other_task in ("VOCSegmentation", "cocodetection", "Kinetics", "KittiFlow"):
         with pytest.raises(ConfigError, match=r"is not an image-classification set \(its targets are not "
                                               r"one class per image\)"):
             vision.resolve_name(other_task, TORCHVISION_NAMES)
-    with pytest.raises(ConfigError, match=r"torchvision:STL10 is not one of the sets disttrain reads by "
-                                          r"name .*write a data-set factory"):
-        vision.resolve_name("STL10", TORCHVISION_NAMES)
+    for classifier in ("STL10", "Flowers102"):  # image classification, but not called as (root, train)
+        with pytest.raises(ConfigError, match=rf"torchvision:{classifier} is not one of the sets disttrain "
+                                              r"reads by name .*write a data-set factory"):
+            vision.resolve_name(classifier, TORCHVISION_NAMES)
 
 
 def test_images_become_normalised_float_tensors_and_pickle():
@@ -104,36 +106,60 @@ def test_cifar_not_in_the_folder_with_downloads_off_names_folder_and_files(tmp_p
     assert "torchvision:VOCDetection is not an image-classification set" in line
 
 
-@pytest.fixture
-def torchvision_mnist(tmp_path, real_data_dir):
-    """A data folder in torchvision's layout: MNIST's four .gz files in DIR/MNIST/raw/ (links
-    to the real copy), as a user puts them there by hand."""
+def torchvision_layout(folder, real_data_dir, own: str, name: str, unpack: bool = False):
+    """A data folder in torchvision's layout: the four .gz files of disttrain's `own` copy in
+    DIR/NAME/raw/, as a user puts them there by hand: linked, or unpacked."""
     torchvision_or_skip()
-    raw = tmp_path / "tv" / "MNIST" / "raw"
+    sources = sorted((real_data_dir / own).glob("*-ubyte.gz"))
+    if len(sources) != 4:
+        pytest.skip(f"no copy of {own} in {real_data_dir}")
+    raw = folder / name / "raw"
     raw.mkdir(parents=True)
-    for source in (real_data_dir / "mnist").glob("*-ubyte.gz"):
-        (raw / source.name).symlink_to(source)
-    return tmp_path / "tv"
+    for source in sources:
+        if unpack:
+            (raw / source.stem).write_bytes(gzip.decompress(source.read_bytes()))
+        else:
+            (raw / source.name).symlink_to(source)
+    return folder
 
 
-def test_mnist_through_torchvision_is_disttrains_own_mnist(torchvision_mnist, real_data_dir):
-    """The .gz files in torchvision's layout are checked and unpacked with downloads off; the
-    items are the same normalised images and labels as disttrain's own reader gives."""
-    config = TrainingConfig(dataset="torchvision:MNIST", data_dir=str(torchvision_mnist), download=False,
+# MNIST: the original .gz files, checked against torchvision's MD5s and unpacked with
+# downloads off; Fashion-MNIST: a repackaged copy (other .gz bytes), unpacked by hand.
+@pytest.mark.parametrize(("name", "own", "unpack"), [("MNIST", "mnist", False),
+                                                     ("FashionMNIST", "fashion_mnist", True)])
+def test_torchvisions_mnist_sets_are_disttrains_own(name, own, unpack, tmp_path, real_data_dir):
+    """Read from torchvision's layout with downloads off, the items are the same normalised
+    images and labels as disttrain's own reader gives."""
+    folder = torchvision_layout(tmp_path / "tv", real_data_dir, own, name, unpack)
+    config = TrainingConfig(dataset=f"torchvision:{name}", data_dir=str(folder), download=False,
                             max_train_samples=200, max_test_samples=100)
     assert describe_dataset(config) == DatasetDescription.classification((1, 28, 28), 10)
-    assert (torchvision_mnist / "MNIST" / "raw" / "train-images-idx3-ubyte").is_file()
+    assert (folder / name / "raw" / "train-images-idx3-ubyte").is_file()
     train, test = load_datasets(config)
-    assert (len(train), len(test)) == (200, 100) and train.name == "torchvision:MNIST"
-    own_train, own_test = load_datasets(TrainingConfig(dataset="mnist", data_dir=str(real_data_dir),
+    assert (len(train), len(test)) == (200, 100) and train.name == f"torchvision:{name}"
+    own_train, own_test = load_datasets(TrainingConfig(dataset=own, data_dir=str(real_data_dir),
                                                        download=False, max_train_samples=200,
                                                        max_test_samples=100))
-    for mine, own in ((train, own_train), (test, own_test)):
+    for mine, theirs in ((train, own_train), (test, own_test)):
         indices = torch.arange(len(mine))
         images, labels = mine.batch(indices)
-        own_images, own_labels = own.batch(indices)
+        own_images, own_labels = theirs.batch(indices)
         assert images.dtype == torch.float32 and labels.dtype == torch.int64
         assert torch.equal(labels, own_labels)
         assert torch.allclose(images, own_images, atol=1e-5)
     again = pickle.loads(pickle.dumps(train))  # loader workers are spawned: the set travels pickled
     assert torch.equal(again.batch(torch.tensor([5, 0]))[0], train.batch(torch.tensor([5, 0]))[0])
+
+
+def test_an_archive_put_in_place_that_torchvision_would_not_accept_is_named(tmp_path, capsys):
+    torchvision = torchvision_or_skip()
+    name, md5 = torchvision.datasets.KMNIST.resources[0]
+    raw = tmp_path / "data" / "KMNIST" / "raw"
+    raw.mkdir(parents=True)
+    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        (raw / f"{stem}.gz").write_bytes(gzip.compress(b"not the data set"))
+    line = run_failing(["baseline", "--dataset", "torchvision:KMNIST", "--data-dir", str(tmp_path / "data"),
+                        "--set", "training.download=false"], tmp_path, capsys)
+    assert (f"{raw / name} is not the file torchvision checks for torchvision:KMNIST (its MD5 is not "
+            f"{md5}); put the original there, or unpack it in its place") in line

@@ -77,7 +77,7 @@ SETS = {s.name: s for s in (
 )}
 # Sets of torchvision.datasets whose targets are not one class index per image: boxes,
 # masks, captions, optical flow, disparities, video clips, pairs, attributes.
-_NOT_CLASSIFICATION = re.compile(r"Detection|Segmentation|Caption|Stereo|Flow|Flying|Sintel|HD1K|Kitti"
+_NOT_CLASSIFICATION = re.compile(r"Detection|Segmentation|Caption|Stereo|Flying|Sintel|HD1K|Kitti"
                                  r"|Cityscapes|WIDERFace|SBDataset|Flickr|SBU|Kinetics|HMDB|UCF|Moving"
                                  r"|PhotoTour|LFWPairs|CelebA")
 
@@ -172,9 +172,13 @@ def _construct(torchvision: ModuleType, chosen: VisionSet, root: Path, train: bo
         # Downloads off: archives already in place pass torchvision's own check of them
         # (check_integrity), so with download=True it unpacks them and fetches nothing.
         archives = _archives(cls, root)
-        check = torchvision.datasets.utils.check_integrity
-        if not archives or not all(check(str(path), md5) for path, md5 in archives):
+        if not archives or not all(path.is_file() for path, _ in archives):
             raise
+        for path, md5 in archives:
+            if not torchvision.datasets.utils.check_integrity(str(path), md5):
+                raise ConfigError(f"{KEY}: {path} is not the file torchvision checks for {PREFIX}"
+                                  f"{chosen.name} (its MD5 is not {md5}); put the original there, or "
+                                  "unpack it in its place") from None
         logger.info("unpacking %s under %s", ", ".join(path.name for path, _ in archives), root)
         return cls(str(root), download=True, **split)
 
@@ -201,8 +205,9 @@ def torchvision_dataset(name: str, data_dir: str, download: bool
     Raises:
         ConfigError: torchvision is missing or cannot be imported, the name is unknown or
             not image classification, the files are not in the folder and cannot be
-            downloaded (the message names the folder and what to put there), or a package
-            the set needs (scipy for SVHN) is missing.
+            downloaded (the message names the folder and what to put there), an archive put
+            there by hand is not the one torchvision checks for, or a package the set needs
+            (scipy for SVHN) is missing.
     """
     spec = PREFIX + name
     torchvision = import_torchvision(KEY, spec)
@@ -211,6 +216,8 @@ def torchvision_dataset(name: str, data_dir: str, download: bool
     root = Path(data_dir).expanduser()
     try:
         train, test = (_construct(torchvision, chosen, root, split, download) for split in (True, False))
+    except ConfigError:
+        raise
     except Exception as e:  # torchvision's: missing files, a failed download, a missing package
         raise ConfigError(_describe_failure(spec, chosen, root, download, e)) from e
     classes = getattr(train, "classes", None)
