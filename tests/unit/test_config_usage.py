@@ -80,6 +80,8 @@ IGNORED = [
     (["training.num_samples=512"], "ps", {"training.num_samples": "training.dataset is digits"}),
     (["training.dataset=synthetic", "training.data_dir=elsewhere", "training.download=false"], "baseline",
      {"training.data_dir": "read from no folder", "training.download": "never downloaded"}),
+    (["training.dataset=torchvision:CIFAR10", "training.dataset_args={size: 3}"], "ps",
+     {"training.dataset_args": "only a data-set factory"}),
 ]
 
 
@@ -109,6 +111,8 @@ ACTED_ON = [
     (["training.model_architecture=mlp", "training.mlp_hidden_size=64"], "ps"),
     (["training.dataset=synthetic", "training.num_samples=512"], "baseline"),
     (["training.dataset=mnist", "training.data_dir=elsewhere", "training.download=false"], "ddp"),
+    (["training.dataset=torchvision:CIFAR10", "training.data_dir=elsewhere", "training.download=false"],
+     "baseline"),
     (["system.architecture=ddp"], "ps"),  # a command that names another strategy warns by itself
 ]
 

@@ -29,9 +29,12 @@ CONFIG_HELP = ("YAML or JSON config file, or the name of a shipped config (`dist
 # flag -> (config key, type, help)
 COMMON_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--dataset": ("training.dataset", str, "mnist, fashion_mnist, cifar10, digits, synthetic, "
-                  "synthetic:CxHxW, synthetic:text, text:FILE, image-folder:DIR, PATH.py:FACTORY, "
-                  "module:FACTORY or an entry point of disttrain.datasets"),
-    "--data-dir": ("training.data_dir", str, "folder holding <dataset>/ files (downloaded if absent)"),
+                  "synthetic:CxHxW, synthetic:text, text:FILE, image-folder:DIR, torchvision:NAME "
+                  "(CIFAR10, CIFAR100, MNIST, FashionMNIST, KMNIST, SVHN; pip install "
+                  "'disttrain[vision]'), PATH.py:FACTORY, module:FACTORY or an entry point of "
+                  "disttrain.datasets"),
+    "--data-dir": ("training.data_dir", str, "folder holding <dataset>/ files, or torchvision's layout "
+                   "for torchvision:NAME (downloaded if absent)"),
     "--num-epochs": ("training.num_epochs", int, "epochs to train"),
     "--batch-size": ("training.batch_size", int, "samples per step, per worker or rank"),
     "--learning-rate": ("training.learning_rate", float, "learning rate"),

@@ -68,16 +68,17 @@ MAPPING = _rule(lambda v: all(isinstance(k, str) and k.isidentifier() for k in v
 
 
 def _is_dataset(name: str) -> bool:
-    """A built-in set, a `prefix:place` spec (text:, image-folder:, PATH.py:, module:), or a
-    name an installed package registers in the `disttrain.datasets` entry points."""
+    """A built-in set, a `prefix:place` spec (text:, image-folder:, torchvision:, PATH.py:,
+    module:), or a name an installed package registers in the `disttrain.datasets` entry
+    points."""
     if name in DATASETS or ":" in name.strip(":"):
         return True
     return any(ep.name == name for ep in importlib.metadata.entry_points(group="disttrain.datasets"))
 
 
 DATASET_RULE = _rule(_is_dataset, "must be one of " + ", ".join(DATASETS) + ", synthetic:CxHxW, "
-                     "synthetic:text, text:FILE, image-folder:DIR, PATH.py:FACTORY, module:FACTORY or "
-                     "a disttrain.datasets entry point's name")
+                     "synthetic:text, text:FILE, image-folder:DIR, torchvision:NAME, PATH.py:FACTORY, "
+                     "module:FACTORY or a disttrain.datasets entry point's name")
 OPTIONAL_POSITIVE = _rule(lambda v: v is None or v > 0, "must be a positive integer or null (all)")
 
 

@@ -55,6 +55,11 @@ class Rule:
         return key == self.pattern
 
 
+def _reads_data_dir(dataset: str) -> bool:
+    """Whether data set `dataset` is read from (and downloaded into) `training.data_dir`."""
+    return dataset in ("mnist", "fashion_mnist", "cifar10") or dataset.startswith("torchvision:")
+
+
 def _when(condition: Callable[[Config, str], bool], reason: str | Callable[[Config], str]
           ) -> Callable[[Config, str], str | None]:
     def judge(config: Config, strategy: str) -> str | None:
@@ -143,14 +148,14 @@ RULES: tuple[Rule, ...] = (
         lambda c, s: not c.training.dataset.startswith("text:") and c.training.dataset != "synthetic:text",
         lambda c: f"it cuts text:FILE into windows (training.dataset is {c.training.dataset})")),
     Rule("training.dataset_args", _when(
-        lambda c, s: (c.training.dataset in DATASETS
-                      or c.training.dataset.startswith(("text:", "image-folder:", "synthetic:"))),
+        lambda c, s: (c.training.dataset in DATASETS or c.training.dataset.startswith(
+            ("text:", "image-folder:", "synthetic:", "torchvision:"))),
         lambda c: f"only a data-set factory takes them (training.dataset is {c.training.dataset})")),
     Rule("training.data_dir", _when(
-        lambda c, s: c.training.dataset not in ("mnist", "fashion_mnist", "cifar10"),
+        lambda c, s: not _reads_data_dir(c.training.dataset),
         lambda c: f"{c.training.dataset} is read from no folder (training.dataset is {c.training.dataset})")),
     Rule("training.download", _when(
-        lambda c, s: c.training.dataset not in ("mnist", "fashion_mnist", "cifar10"),
+        lambda c, s: not _reads_data_dir(c.training.dataset),
         lambda c: f"{c.training.dataset} is never downloaded (training.dataset is {c.training.dataset})")),
 )
 

@@ -1,6 +1,6 @@
-"""Data sets (built in, `text:FILE`, `image-folder:DIR`, a user's factory), what each is
-(`DatasetDescription`), and the sharded, resumable samplers (equal shards, or global
-batches split by a balance plan)."""
+"""Data sets (built in, `text:FILE`, `image-folder:DIR`, `torchvision:NAME`, a user's
+factory), what each is (`DatasetDescription`), and the sharded, resumable samplers (equal
+shards, or global batches split by a balance plan)."""
 
 from disttrain.data.datasets import ArrayDataset, dataset_shape, describe_dataset, load_datasets
 from disttrain.data.description import CLASSIFICATION, LANGUAGE_MODEL, DatasetDescription

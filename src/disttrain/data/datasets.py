@@ -2,7 +2,8 @@
 
 The built-in image sets are small enough to hold in memory, so a batch is one indexed
 gather (`images[indices]`), with no loader processes to start or to shut down. Beside
-them: `text:FILE` (`data.text`), `image-folder:DIR` (`data.image_folder`), the synthetic
+them: `text:FILE` (`data.text`), `image-folder:DIR` (`data.image_folder`),
+`torchvision:NAME` (`data.vision`, the sets of torchvision.datasets), the synthetic
 sets of any image shape (`synthetic:3x32x32`) and of tokens (`synthetic:text`), and a user's
 factory, `PATH.py:NAME`, `module:NAME` or an entry point of group `disttrain.datasets`,
 which returns `(train, test, description)`: two map-style data sets of `(input, target)`
@@ -23,7 +24,7 @@ import torch
 
 from disttrain.config import TrainingConfig
 from disttrain.core.errors import ConfigError, DataError
-from disttrain.data import image_folder, plugins, sources, text
+from disttrain.data import image_folder, plugins, sources, text, vision
 from disttrain.data.description import DatasetDescription
 from disttrain.data.mapped import SUBSET_SEED, BatchedDataset, MappedDataset, subset_indices
 
@@ -185,7 +186,8 @@ def is_builtin(name: str) -> bool:
 def describe_dataset(training: TrainingConfig) -> DatasetDescription:
     """The task and shapes of `training.dataset`, for building the model: from the table
     for the built-in sets, from the spec for `text:`, from the folder's layout and first
-    image for `image-folder:`; a user's factory is called (once per process, cached).
+    image for `image-folder:`; torchvision's set is read and a user's factory is called
+    (once per process, cached).
 
     Raises:
         ConfigError: a plug-in that cannot be found or fails. DataError: bad data.
@@ -200,7 +202,14 @@ def describe_dataset(training: TrainingConfig) -> DatasetDescription:
         return DatasetDescription.classification(synthetic_shape(name), NUM_CLASSES)
     if name.startswith(image_folder.PREFIX):
         return image_folder.describe_image_folder(name)
+    if name.startswith(vision.PREFIX):
+        return _torchvision(training)[2]
     return _plugin(name, _args_key(training.dataset_args))[2]
+
+
+def _torchvision(training: TrainingConfig) -> tuple[MappedDataset, MappedDataset, DatasetDescription]:
+    return vision.torchvision_dataset(training.dataset[len(vision.PREFIX):], training.data_dir,
+                                      training.download)
 
 
 def _args_key(args: Any) -> str:
@@ -252,6 +261,8 @@ def load_datasets(training: TrainingConfig) -> tuple[BatchedDataset, BatchedData
         train, test = synthetic(training.num_samples, synthetic_shape(name), name)
     elif name.startswith(image_folder.PREFIX):
         train, test = image_folder.load_image_folder(name)
+    elif name.startswith(vision.PREFIX):
+        train, test, _ = _torchvision(training)
     elif not is_builtin(name):
         train, test, _ = _plugin(name, _args_key(training.dataset_args))
     else:

@@ -73,7 +73,7 @@ def _import_file(path: str, key: str) -> ModuleType:
     try:
         return import_plugin_file(module_name, str(file))
     except Exception as e:  # the user's file: any error it raises is theirs to see
-        raise ConfigError(f"{key}: importing {path} failed: {_one_line(e)}") from e
+        raise ConfigError(f"{key}: importing {path} failed: {one_line(e)}") from e
 
 
 def import_plugin_file(module_name: str, path: str) -> ModuleType:
@@ -107,9 +107,9 @@ def _import_module(name: str, key: str) -> ModuleType:
         if e.name and (name == e.name or name.startswith(e.name + ".")):
             raise ConfigError(f"{key}: no module named {name!r}; install the package that provides it "
                               "or give a file, e.g. path/to/file.py:factory") from e
-        raise ConfigError(f"{key}: importing {name} failed: {_one_line(e)}") from e
+        raise ConfigError(f"{key}: importing {name} failed: {one_line(e)}") from e
     except Exception as e:  # the user's module: any error it raises is theirs to see
-        raise ConfigError(f"{key}: importing {name} failed: {_one_line(e)}") from e
+        raise ConfigError(f"{key}: importing {name} failed: {one_line(e)}") from e
 
 
 def _from_entry_point(name: str, key: str, group: str) -> Callable[..., Any]:
@@ -121,7 +121,7 @@ def _from_entry_point(name: str, key: str, group: str) -> Callable[..., Any]:
         return found[0].load()
     except Exception as e:  # the installed package's error
         raise ConfigError(f"{key}: entry point {name!r} ({found[0].value}) cannot be loaded: "
-                          f"{_one_line(e)}") from e
+                          f"{one_line(e)}") from e
 
 
 def call_factory(factory: Callable[..., Any], spec: str, key: str, *args: Any, **kwargs: Any) -> Any:
@@ -136,9 +136,10 @@ def call_factory(factory: Callable[..., Any], spec: str, key: str, *args: Any, *
     except ConfigError:  # already one line that names the key (a builder's own check)
         raise
     except Exception as e:  # the user's factory: its message is the useful part
-        raise ConfigError(f"{key}: {spec} raised {_one_line(e)}") from e
+        raise ConfigError(f"{key}: {spec} raised {one_line(e)}") from e
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
+    """`Type: first line of the message`, for an error of code not ours shown in one line."""
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

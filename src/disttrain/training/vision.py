@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from disttrain.core.errors import ConfigError
 from disttrain.data import DatasetDescription
+from disttrain.data.vision import import_torchvision
 from disttrain.training.resnet import SMALL_IMAGE
 
 KEY = "training.model_architecture"
@@ -28,16 +28,7 @@ def torchvision_model(name: str, description: DatasetDescription, args: dict[str
         ConfigError: torchvision is not installed (naming the extra), `name` is not one of
             its models, the data set is not an image classification one, or the builder fails.
     """
-    try:
-        import torchvision.models
-    except ModuleNotFoundError as e:
-        raise ConfigError(f"{KEY}: torchvision:{name} needs torchvision; install the extra: "
-                          "pip install 'disttrain[vision]'") from e
-    except Exception as e:  # e.g. a CUDA build's operators against a CPU torch
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"{KEY}: torchvision is installed but cannot be imported ({type(e).__name__}: "
-                          f"{first}); install the torchvision built for torch {torch.__version__}, from "
-                          "the index torch came from") from e
+    torchvision = import_torchvision(KEY, f"torchvision:{name}")
     available = torchvision.models.list_models()
     if name not in available:
         raise ConfigError(f"{KEY}: torchvision has no model {name!r}; use one of "
