@@ -144,6 +144,27 @@ def test_gpt_small_on_a_text_file_reports_perplexity(tmp_path, cli):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_validate_judges_a_language_model_by_its_perplexity(tmp_path, cli):
+    text, output = write_text(tmp_path), tmp_path / "properties.json"
+    result = cli("validate", "--model", "gpt_small", "--dataset", f"text:{text}", "--seq-len", "16",
+                 "--set", TINY_GPT, "--batch-size", "8", "--epochs", "1", "--num-threads", "1",
+                 "--max-train-samples", "160", "--workers", "2", "--tolerance", "0.05",
+                 "--output-dir", tmp_path / "v", "--output", output, timeout=220)
+    assert result.returncode == 0, result.stderr[-2000:]
+    properties = json.loads(output.read_text())["properties"]
+    assert "accuracies_agree" not in properties
+    agree = properties["perplexities_agree"]
+    assert agree["holds"] and set(agree["figures"]["final_perplexity"]) == {"baseline", "ps-sync", "ddp"}
+    assert agree["figures"]["relative_spread"] <= 0.05
+    for run in ("baseline", "ps_sync", "ddp"):
+        matches = properties[f"{run}_checkpoint_matches_summary"]
+        assert matches["holds"], (run, matches)
+        assert matches["figures"]["evaluated_perplexity"] == pytest.approx(
+            matches["figures"]["summary_perplexity"], rel=1e-3)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_compare_on_a_text_file_shows_perplexity(tmp_path, cli):
     text = write_text(tmp_path)

@@ -24,8 +24,11 @@ true or false with its figures to <output-dir>/{RESULT_FILE} (and --output):
 
   <run>_finished                      the run ended with exit code 0 and a summary
   <run>_checkpoint_matches_summary    the final model file scores the summary's accuracy
+                                      (a language model's: its loss too)
   ps_sync_no_samples_lost             the servers' ledgers hold every sample once
   accuracies_agree                    final accuracies within --tolerance of each other
+  perplexities_agree                  a language model's, in place of accuracies_agree:
+                                      final perplexities within --tolerance of the lowest
   <run>_speedup_over_baseline         more samples/s than the baseline; judged with
                                       --workers {SPEEDUP_WORKERS} on a machine with a core per worker
                                       (elsewhere written with applies: false and why)
@@ -41,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_flag(parser, "--epochs", "training.num_epochs", int, "epochs to train (as --num-epochs)")
     parser.add_argument("--tolerance", type=float, default=0.03, metavar="FRACTION",
                         help="the most two strategies' final test accuracies may differ by "
-                             "(default 0.03: 3 points)")
+                             "(default 0.03: 3 points); for a language model, their final "
+                             "perplexities, as a fraction of the lowest")
     parser.add_argument("--output", metavar="PATH", help="also write the properties JSON here")
 
 
@@ -56,7 +60,8 @@ def prepare(args: argparse.Namespace) -> tuple[Config, Path]:
 def check(args: argparse.Namespace) -> str:
     config, folder = prepare(args)
     return (f"baseline, ps-sync and ddp with {count(config.system.num_workers, 'worker')}, final "
-            f"accuracies within {args.tolerance:g}; {describe_training(config)}; into {folder}")
+            f"accuracies (a language model's perplexities) within {args.tolerance:g}; "
+            f"{describe_training(config)}; into {folder}")
 
 
 def run(args: argparse.Namespace) -> None:

@@ -5,6 +5,10 @@ check named properties, each true or false with its figures.
 One budget means the same updates: the baseline trains on the global batch (the batch
 size times the workers), as the parallel runs do together, for the same epochs.
 
+A language model is judged by its perplexity where a classifier is by its accuracy: its
+final model file must score the summary's loss, and the strategies' final perplexities
+must agree within the tolerance as a fraction of the lowest (`perplexities_agree`).
+
 A property that cannot be judged on this machine (the speed-up of N workers on fewer
 than N cores) is written with `applies: false` and the reason, and does not count.
 """
@@ -28,6 +32,7 @@ logger = logging.getLogger(__name__)
 STRATEGIES = "baseline,ps-sync,ddp"
 SPEEDUP_WORKERS = 4  # the speed-up property is judged with this many workers
 RESULT_FILE = "validation.json"
+LOSS_RTOL = 1e-4  # a language model's final model file scores its summary's loss to this
 
 
 @dataclass
@@ -64,7 +69,8 @@ def validate(config: Config, folder: Path, tolerance: float, timeout_s: float, c
 
     Args:
         config: the budget (data set, epochs, subsets, seed) and the workers.
-        tolerance: the most two strategies' final test accuracies may differ by (a fraction).
+        tolerance: the most two strategies' final test accuracies may differ by (a fraction);
+            for a language model, their final perplexities, as a fraction of the lowest.
         timeout_s: the longest one run may take.
     """
     workers, batch_size = config.system.num_workers, config.training.batch_size
@@ -77,6 +83,7 @@ def validate(config: Config, folder: Path, tolerance: float, timeout_s: float, c
     records = Comparison(folder, config, runs, command, timeout_s).run(display)
     properties: list[Property] = []
     accuracies: dict[str, float] = {}
+    perplexities: dict[str, float] = {}
     speeds: dict[str, float] = {}
     for record in records:
         properties.append(Property(f"{_key(record.name)}_finished", record.status == "ok",
@@ -85,17 +92,23 @@ def validate(config: Config, folder: Path, tolerance: float, timeout_s: float, c
             continue
         summary = RunSummary.read(folder / record.log_dir)
         accuracies[record.name] = summary.final_accuracy
+        if summary.is_language_model:
+            perplexities[record.name] = summary.extra["final_perplexity"]
         speeds[record.name] = summary.throughput_samples_per_s
         properties.append(_checkpoint_matches(record, summary, folder, config))
         if "samples_lost" in summary.extra:
             lost = summary.extra["samples_lost"]
             properties.append(Property(f"{_key(record.name)}_no_samples_lost", lost == 0, {
                 "samples_applied": summary.extra.get("samples_applied"), "samples_lost": lost}))
-    if len(accuracies) == len(records):
+    batches = {"baseline_batch_size": batch_size * workers, "batch_size_per_worker": batch_size}
+    if perplexities and len(perplexities) == len(records):
+        spread = (max(perplexities.values()) - min(perplexities.values())) / min(perplexities.values())
+        properties.append(Property("perplexities_agree", spread <= tolerance, {
+            "final_perplexity": perplexities, "relative_spread": spread, "tolerance": tolerance, **batches}))
+    elif len(accuracies) == len(records):
         spread = max(accuracies.values()) - min(accuracies.values())
         properties.append(Property("accuracies_agree", spread <= tolerance, {
-            "final_accuracy": accuracies, "spread": spread, "tolerance": tolerance,
-            "baseline_batch_size": batch_size * workers, "batch_size_per_worker": batch_size}))
+            "final_accuracy": accuracies, "spread": spread, "tolerance": tolerance, **batches}))
     properties += _speedups(speeds, config.system.num_workers)
     return Validation(str(folder), properties)
 
@@ -113,11 +126,18 @@ def _checkpoint_matches(record: RunRecord, summary: RunSummary, folder: Path, co
         return Property(name, False, {"final_model_files": [str(f) for f in files]},
                         reason="expected exactly one *_final.pt in the run's checkpoint folder")
     result = evaluate_model_file(files[0], config.training)
-    # Both are counts of right answers over the same test set: equal means the same count.
-    same = abs(result.accuracy - summary.final_accuracy) * result.num_samples < 0.5
-    return Property(name, same, {"final_model": str(files[0]), "evaluated_accuracy": result.accuracy,
-                                 "summary_accuracy": summary.final_accuracy,
-                                 "test_samples": result.num_samples})
+    # Both are counts of right answers over the same test predictions (samples, or a
+    # language model's tokens): equal means the same count.
+    same = abs(result.accuracy - summary.final_accuracy) * result.predictions < 0.5
+    figures = {"final_model": str(files[0]), "evaluated_accuracy": result.accuracy,
+               "summary_accuracy": summary.final_accuracy, "test_samples": result.num_samples}
+    if summary.is_language_model:
+        # The loss is a mean of floats summed in another order when ranks evaluate their
+        # parts: equal to float32's rounding, not bit for bit.
+        same = same and abs(result.loss - summary.final_loss) <= LOSS_RTOL * max(1.0, abs(result.loss))
+        figures.update(evaluated_perplexity=result.perplexity,
+                       summary_perplexity=summary.extra["final_perplexity"])
+    return Property(name, same, figures)
 
 
 def _speedups(speeds: dict[str, float], workers: int) -> list[Property]:
