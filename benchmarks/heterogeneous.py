@@ -7,7 +7,7 @@ DDP and the synchronous parameter server, each with equal batches (`--balance no
 and in proportion to measured speed (`--balance proportional`). Reported for each: samples/s, its ratio to the
 ideal, the epoch time, the final accuracy, and the samples trained (each exactly once).
 Target: proportional reaches at least 0.85 of the ideal, where equal batches reach about
-0.5. Data: MNIST, 1 epoch, when at hand; otherwise (and with --quick) digits, 4 epochs.
+0.5. Data: MNIST, 1 epoch, when at hand; otherwise (and with --quick) digits, 2 epochs.
 
 Then a straggler that appears mid-run: process 1 is slowed 3x from a third of the run to
 two thirds (`slow:...:step=S:until=U`), with equal batches and with `--balance auto`
@@ -98,7 +98,7 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     found = None if args.quick else data_dir()
     data = ["--dataset", "mnist", "--data-dir", str(found)] if found else ["--dataset", "digits"]
-    epochs = 1 if found else 4
+    epochs = 1 if found else 2
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in RUNS:

@@ -55,7 +55,7 @@ def test_random_bytes_to_every_call(live, name, raw):
 
 
 @pytest.mark.slow
-@settings(CASES, max_examples=3000)
+@settings(CASES, max_examples=1500)
 @given(st.sampled_from(list(METHODS)), st.binary(max_size=600))
 def test_thousands_of_random_calls(live, name, raw):
     check(live, name, raw)

@@ -48,6 +48,7 @@ def reference_model(epochs: int = 1, num_samples: int = NUM_SAMPLES):
     return model
 
 
+@pytest.mark.slow
 def test_ranks_of_48_and_16_match_one_process_on_the_concatenated_64(cli, tmp_path):
     result = cli(*ddp_args(tmp_path, "--balance", "proportional", "--set", "system.balance_batches=48,16"),
                  timeout=200)
@@ -62,6 +63,7 @@ def test_ranks_of_48_and_16_match_one_process_on_the_concatenated_64(cli, tmp_pa
     assert summary["samples_processed"] == NUM_SAMPLES and summary["balance_plans"] == [[0, 0, list(SHARES)]]
 
 
+@pytest.mark.slow
 def test_a_measured_plan_gives_the_slowed_rank_the_smaller_batch(cli, tmp_path):
     result = cli(*ddp_args(tmp_path, "--balance", "proportional", "--inject", "slow:rank=1:factor=4"),
                  timeout=200)
@@ -71,6 +73,7 @@ def test_a_measured_plan_gives_the_slowed_rank_the_smaller_batch(cli, tmp_path):
     assert sum(batches) == 64 and batches[1] < batches[0], line
 
 
+@pytest.mark.slow
 def test_a_straggler_appearing_mid_run_is_re_planned_around_and_the_run_stays_exact(cli, tmp_path):
     result = cli(*ddp_args(tmp_path, "--balance", "auto", "--balance-interval", 2, "--num-samples", 640,
                            "--set", "system.balance_batches=32,32",  # not a measured first plan: noisy
@@ -88,6 +91,7 @@ def test_a_straggler_appearing_mid_run_is_re_planned_around_and_the_run_stays_ex
         torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_keeps_the_plan_it_started_with(cli, tmp_path):
     first = cli(*ddp_args(tmp_path, "--balance", "proportional", "--set", "system.balance_batches=48,16",
                           "--set", "training.checkpoint_interval=2", "--inject", "kill:rank=1:step=3"),

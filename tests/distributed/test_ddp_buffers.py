@@ -25,6 +25,7 @@ def rank_batches(config, train_set):
     yield from (list(batches) for batches in zip(*(s.batches(BATCH) for s in samplers), strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ddp_broadcasts_rank_zero_buffers_and_matches_one_process(cli, tmp_path):
     result = cli("ddp", "--world-size", 2, "--dataset", "digits", "--model", "mlp_bn",

@@ -80,6 +80,7 @@ def run_ddp(cli, tmp_path, accumulation: int, nodes: int, features: tuple[str, .
         return list(pool.map(lambda _: cli(*args, timeout=150), range(nodes)))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("accumulation", "nodes", "features"), [(1, 1, ()), (2, 2, ()), (2, 1, FEATURES)],
                          ids=["one-node", "accumulation-two-nodes", "transformer-warmup-adamw-clipping"])

@@ -124,6 +124,7 @@ def summary(tmp_path: Path) -> dict:
     return json.loads((tmp_path / "logs" / "summary.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_nodes_without_a_gpu_agree_on_gloo_and_train(cli, tmp_path):
     results = run_two_nodes(cli, tmp_path, [{"CUDA_VISIBLE_DEVICES": ""}] * 2)

@@ -88,6 +88,7 @@ def facts(tmp_path_factory) -> list[dict]:
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)]
 
 
+@pytest.mark.slow
 def test_bucket_cap_mb_sizes_the_gradient_buckets(facts):
     for rank_facts in facts:
         defaults, small = rank_facts["defaults"], rank_facts["set"]

@@ -107,7 +107,7 @@ def test_mutated_pushes_apply_whole_or_leave_no_trace(live, position, value, how
 
 
 @pytest.mark.slow
-@settings(FAST, max_examples=3000)
+@settings(FAST, max_examples=1500)
 @given(st.sampled_from([*UNARY, "GetParameters", "SendGradients"]), st.binary(max_size=400))
 def test_thousands_of_random_calls(live, name, raw):
     server, _, channel = live

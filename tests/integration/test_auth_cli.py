@@ -11,6 +11,7 @@ import pytest
 TOKEN = "a-token-that-must-not-leak-0123456789"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("command", [["ps"], ["ps-server"], ["ps-worker", "--servers", "127.0.0.1:1"],
                                      ["ddp"], ["coordinator"], ["status", "--coordinator", "127.0.0.1:1"]])
@@ -24,6 +25,7 @@ def test_an_empty_token_file_exits_2_naming_it(cli, tmp_path, command):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_ps_run_keeps_its_token_out_of_command_lines_logs_and_files(cli, tmp_path):
     logs, checkpoints = tmp_path / "logs", tmp_path / "ckpt"

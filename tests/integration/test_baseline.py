@@ -54,6 +54,7 @@ FEATURES = ["--optimizer", "adamw", "--weight-decay", "0.1", "--learning-rate", 
             "--lr-min", "0.001", "--clip-grad-norm", "0.5", "--precision", "bf16", "--loader-workers", "2"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("features", [[], FEATURES], ids=["constant", "schedule-adamw-clipping-bf16-loader"])
 def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, cli, features):
@@ -110,6 +111,7 @@ def one_line_error(result, fragment, code):
      "system.heartbeat_timeout: 2.0 must be greater than system.heartbeat_interval"),
     (["--model", "resnet"], "training.model_architecture: 'resnet' is not a registered model"),
 ])
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_bad_config_exits_2_with_one_line(tmp_path, cli, args, fragment):
     one_line_error(cli("baseline", *FAST, *dirs(tmp_path, "bad"), *args), fragment, 2)
@@ -144,6 +146,7 @@ def test_truncated_idx_file(tmp_path, cli, real_data_dir):
     one_line_error(result, "t10k-images-idx3-ubyte.gz is a truncated or corrupt gzip", 1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_corrupt_newest_checkpoint_is_named_skipped_and_never_overwritten(tmp_path, cli):
     first = cli("baseline", *FAST, "--num-epochs", "1", "--checkpoint-interval", "5", *dirs(tmp_path, "run"))

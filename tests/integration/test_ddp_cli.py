@@ -56,6 +56,7 @@ def test_torchrun_entry_trains_and_writes_the_summary(torchrun_run):
         assert [r["step"] for r in records if "loss/train" in r] == list(range(2, STEPS + 1, 2))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_killed_rank_is_restarted_and_the_run_ends_bit_identical(cli, tmp_path, torchrun_run):
     reference, reference_dir = torchrun_run

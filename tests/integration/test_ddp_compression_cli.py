@@ -42,6 +42,7 @@ def steps_of(run_dir: Path, rank: int) -> list[dict]:
     pytest.param("fp16", (2, 2), marks=pytest.mark.slow),
     pytest.param("bf16", (2, 2), marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_each_scheme_trains_and_counts_its_bytes(cli, tmp_path, scheme, ratio_range):
     result = cli("ddp", *SMALL, *compress(scheme), *dirs(tmp_path), timeout=100)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -97,6 +98,7 @@ FEATURES = ["--optimizer", "adamw", "--weight-decay", 0.05, "--lr-schedule", "co
     pytest.param("quantization", ["--stochastic-rounding", "--set", "ddp.bucket_cap_mb=0.05"],
                  marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_killed_compressed_run_resumes_bit_identical(cli, tmp_path, scheme, buckets):
     args = [*RESUMABLE, *compress(scheme), "--compression-ratio", 0.05, *buckets]
     reference = cli("ddp", *args, *dirs(tmp_path / "whole"), timeout=100)

@@ -92,6 +92,7 @@ def test_every_rank_registers_heartbeats_and_ends_done(cli, whole_run):
     assert loss in next(line for line in table.stdout.splitlines() if line.startswith("rank1")), table.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_killed_rank_is_counted_restarted_and_the_run_ends_bit_identical(cli, tmp_path, whole_run):
     reference, reference_dir = whole_run

@@ -130,6 +130,7 @@ def test_compose_health_checks_answer_from_a_real_server_and_fail_once_it_stops(
         assert subprocess.run(probe, timeout=60, capture_output=True).returncode != 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("service", sorted(COMPOSE["services"]))
 def test_compose_command_passes_check_config(cli, tmp_path, service):
     command = COMPOSE["services"][service]["command"]
@@ -188,6 +189,7 @@ def kubernetes_commands():
     return sorted(commands.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,args", kubernetes_commands())
 def test_kubernetes_command_passes_check_config(cli, tmp_path, name, args):
     result = dry_run(cli, args, tmp_path)
@@ -248,6 +250,7 @@ def guide_commands(program):
     return [shlex.split(line, comments=True) for line in lines if line.startswith(program + " ")]
 
 
+@pytest.mark.slow
 def test_every_disttrain_command_of_the_guide_passes_check_config(cli, tmp_path):
     commands = guide_commands("disttrain")
     assert len(commands) >= 6

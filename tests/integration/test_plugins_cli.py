@@ -43,6 +43,7 @@ def summary_of(tmp_path, name):
     return json.loads((tmp_path / name / "logs" / "summary.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_users_model_and_data_resume_exactly_mid_epoch_and_evaluate(tmp_path, cli):
     config = ["--config", user_config(tmp_path), *SMALL, "--num-epochs", "2", "--checkpoint-interval", "4"]

@@ -49,6 +49,7 @@ def test_sync_workers_of_24_and_8_match_one_process_on_the_global_batches_of_32(
     assert_matches_the_global_batches(tmp_path, 32)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(160)
 def test_a_straggler_appearing_mid_run_is_re_planned_around_with_every_sample_applied_once(tmp_path, cli):
     summary = run(cli, tmp_path, "--max-train-samples", "640", "--num-epochs", "2",
@@ -67,6 +68,7 @@ def test_a_straggler_appearing_mid_run_is_re_planned_around_with_every_sample_ap
     assert_matches_the_global_batches(tmp_path, 32)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(160)
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_asynchronous_workers_take_their_shares_of_every_epoch_once(tmp_path, cli, mode):
@@ -77,6 +79,7 @@ def test_asynchronous_workers_take_their_shares_of_every_epoch_once(tmp_path, cl
     assert [w["samples"] for w in summary["workers"]] == [2 * 10 * 24, 2 * 10 * 8]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_worker_killed_after_a_re_plan_resumes_into_the_same_plans_and_nothing_is_lost(tmp_path, cli):
     summary = run(cli, tmp_path, "--max-train-samples", "640", "--num-epochs", "2",

@@ -23,6 +23,7 @@ COMPRESSION = ["--compression-enabled", "--compression-type"]
         (["ps-server", "--shard", "2/2"], "0 <= I < S"),
     ],
 )
+@pytest.mark.slow
 def test_bad_usage_exits_2_with_one_line(cli, tmp_path, args, words):
     result = cli(*args, "--log-dir", tmp_path / "logs", "--checkpoint-dir", tmp_path / "ckpt")
     assert result.returncode == 2, result.stderr

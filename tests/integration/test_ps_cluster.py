@@ -53,6 +53,7 @@ def concatenated(config, train_set):
         yield torch.cat(batches)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["grpc", "shared_memory"])
 def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path, cli, transport):
@@ -114,6 +115,7 @@ TINY_TRANSFORMER = ["--model", "gpt_small", "--dataset", "synthetic:text", "--se
 @pytest.mark.parametrize("servers, clip, loader, model",
                          [(1, "0.3", "1", TINY_TRANSFORMER), (2, "0", "0", [])],
                          ids=["transformer-one-server-clipped-loader-workers", "two-servers"])
+@pytest.mark.slow
 def test_sync_with_warmup_adamw_and_clipping_matches_one_process(tmp_path, cli, servers, clip, loader, model):
     result = cli("ps", "--workers", "2", "--servers", str(servers), *EXACT_ARGS, *FEATURES, *model,
                  "--loader-workers", loader, "--set", "training.log_interval=1",
@@ -189,6 +191,7 @@ def wait_until(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT])

@@ -60,6 +60,7 @@ def final_model(config: Config) -> dict[str, torch.Tensor]:
     {"type": "topk", "ratio": 0.05},
     pytest.param({"type": "quantization", "stochastic_rounding": True}, marks=pytest.mark.slow),
 ], ids=["topk-error-feedback", "quantization-stochastic"])
+@pytest.mark.slow
 def test_a_resumed_compressed_worker_ends_bit_identical(cli, tmp_path, compression):
     reference = make_config(tmp_path / "reference", compression)
     reference.save(tmp_path / "reference.yaml")

@@ -117,6 +117,7 @@ def test_training_goes_on_without_the_coordinator_and_its_restart_shows_the_run(
     assert all(nodes[n]["state"] == "done" and nodes[n]["restarts"] == 0 for n in ("worker0", "worker1"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_a_lost_reply_is_retried_and_its_push_applied_once(tmp_path, cli):
     summary = run_ps(cli, tmp_path, "--inject", "drop-rpc:worker=1:step=5")
@@ -124,6 +125,7 @@ def test_a_lost_reply_is_retried_and_its_push_applied_once(tmp_path, cli):
     assert summary["num_duplicates"] == 1 and summary["failures"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_a_slow_worker_is_named_a_straggler(tmp_path, cli):
     # the whole digits set for 3 epochs, and a timeout short enough to hold the flag within it;

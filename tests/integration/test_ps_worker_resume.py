@@ -82,6 +82,7 @@ class Watcher:
         return "\n".join(f"--- {n}.log:\n{self.cluster.children[n].tail(15)}" for n in names)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sigkilled_async_worker_resumes_and_each_step_is_applied_once(tmp_path):
     config = make_config(tmp_path)

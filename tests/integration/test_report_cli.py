@@ -31,6 +31,7 @@ def test_report_renders_a_comparison_folder(tmp_path, cli):
     assert (folder / "report.html").stat().st_size > 10_000 and (folder / "report.md").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_artifacts_of_real_runs_make_one_perf_report(tmp_path, cli):
     baseline = cli("baseline", *FAST, *dirs(tmp_path, "baseline"))

@@ -30,6 +30,9 @@ from disttrain.metrics.keys import ACCURACY_THRESHOLDS, ALL, METRICS, SUMMARY
 from disttrain.metrics.logger import read_metrics
 from disttrain.training.models import init_model
 
+# Every test here trains real runs of each strategy (a minute and more in all).
+pytestmark = pytest.mark.slow
+
 SLOW_EVAL_S = 2.0
 NUM_EPOCHS = 2
 TRAIN_SAMPLES = 256
@@ -258,10 +261,10 @@ def test_byte_counts_are_per_step(slow_eval_run):
 
 # -- one seeding rule ------------------------------------------------------------------------
 
-SEEDING_TRAIN_SAMPLES = 640
+SEEDING_TRAIN_SAMPLES = 320
 SEEDING = ["--dataset", "digits", "--max-train-samples", SEEDING_TRAIN_SAMPLES,
            "--max-test-samples", 64, "--batch-size", BATCH_SIZE, "--num-epochs", 2,
-           "--num-threads", 1, "--seed", 7]  # simplecnn (dropout) by default: 40 steps
+           "--num-threads", 1, "--seed", 7]  # simplecnn (dropout) by default: 20 steps
 SINGLE_PROCESS = {
     "baseline": (("baseline",), "baseline_final.pt"),
     "ps": (("ps", "--workers", 1, "--aggregation-mode", "sync"), "parameter_server_final.pt"),
@@ -271,13 +274,14 @@ SINGLE_PROCESS = {
 
 # The training features, the same in every strategy: warm-up then linear decay, AdamW with
 # weight decay on the weights only, clipping of the applied gradient by its global norm.
+# (AdamW's moments are Adam's: a separate Adam run would add no other state.)
 FEATURES = ("--optimizer", "adamw", "--weight-decay", 0.05, "--lr-schedule", "linear", "--warmup-steps", 5,
-            "--lr-decay-steps", 40, "--lr-min", 1e-4, "--clip-grad-norm", 0.5)
+            "--lr-decay-steps", 20, "--lr-min", 1e-4, "--clip-grad-norm", 0.5)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("optimizer", [("--optimizer", "adam"), ("--optimizer", "sgd"), FEATURES],
-                         ids=["adam", "sgd", "adamw-schedule-clipping"])
+@pytest.mark.parametrize("optimizer", [("--optimizer", "sgd"), FEATURES],
+                         ids=["sgd", "adamw-schedule-clipping"])
 def test_one_process_of_every_strategy_trains_the_same_model(tmp_path, optimizer):
     models, steps = train_one_process_each(tmp_path, optimizer)
     assert set(steps.values()) == {2 * SEEDING_TRAIN_SAMPLES // BATCH_SIZE}, steps

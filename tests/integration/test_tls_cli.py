@@ -27,6 +27,7 @@ def pki(tmp_path):
     return {"cert": cert, "key": key, "ca": authority.pem_path}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
 def test_a_certificate_without_its_key_exits_2_naming_the_flags(cli, pki, command):
@@ -47,6 +48,7 @@ def test_an_unreadable_file_exits_2_naming_it(cli, pki, tmp_path, command):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_ps_run_with_mutual_tls_finishes(cli, pki, tmp_path):
     logs, checkpoints = tmp_path / "logs", tmp_path / "ckpt"

@@ -17,6 +17,7 @@ DISTTRAIN = [sys.executable, "-m", "disttrain"]
 RDZV_PORT = 29400  # in a fresh network namespace every port is free
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_ddp_run_on_two_hosts_under_c10d_rendezvous_finishes_on_both(network, run_env, tmp_path):
     net = network(["a", "b"])

@@ -48,6 +48,7 @@ def start_worker(host: Host, rank: int, folder: Path, env: dict, tls: list[str],
     return process, log
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_ps_run_across_three_hosts_with_token_and_mutual_tls_finishes_over_grpc(
         network, host_tls, run_env, tmp_path):
@@ -73,6 +74,7 @@ def test_a_ps_run_across_three_hosts_with_token_and_mutual_tls_finishes_over_grp
         assert "payloads go through shared memory" not in log.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_worker_on_another_host_is_offered_no_shared_memory(network, host_tls, run_env, tmp_path):
     net = network(["a", "b"])

@@ -55,7 +55,7 @@ def test_random_mappings_are_valid_or_refused_with_a_config_error(flat):
 
 
 @pytest.mark.slow
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(keys, values, max_size=8), st.lists(st.text(max_size=30), max_size=4))
 def test_thousands_of_mappings_and_set_expressions(flat, expressions):
     accepted_or_refused(lambda: config_from_dict(sections_of(flat)))

@@ -86,6 +86,7 @@ BREAKAGES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("module, line, broken", BREAKAGES, ids=[f"{m}: {line}" for m, line, _ in BREAKAGES])
 def test_breaking_a_contract_fails_the_check(tree_copy, module, line, broken):

@@ -13,7 +13,7 @@ from disttrain.strategies.ps.wire import codec
 from disttrain.strategies.ps.wire import service as wire
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-MANY = settings(max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MANY = settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def valid_frames(values: list[float], chunk_bytes: int) -> list[bytes]:
