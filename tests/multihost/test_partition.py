@@ -32,7 +32,7 @@ from disttrain.core.processes import EVENT_PREFIX
 from disttrain.strategies.ps.run.link import EXIT_DECLARED_FAILED
 
 DISTTRAIN = [sys.executable, "-m", "disttrain"]
-TRAIN, BATCH, EPOCHS, WORKERS = 1024, 8, 4, 2
+TRAIN, BATCH, EPOCHS, WORKERS = 1024, 8, 2, 2
 STEPS_PER_EPOCH = TRAIN // WORKERS // BATCH
 HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S = 0.5, 4.0
 CUT_AT_STEP = 10
