@@ -26,7 +26,8 @@ from disttrain.compression.schemes import segment_nbytes, topk_count
 from disttrain.config import CompressionConfig
 from disttrain.strategies.ddp.comm_hooks import CommStats, register_comm_hook
 
-pytestmark = pytest.mark.timeout(120)
+# Real ranks of a process group train once for the whole module (several seconds).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 SCHEMES = ("quantization", "topk", "fp16", "bf16", "powersgd")
 # (scheme, error feedback, steps, bucket_cap_mb); PowerSGD all-reduces plainly at steps

@@ -77,6 +77,7 @@ def ranks(tmp_path_factory) -> list[dict]:
              **torch.load(out_dir / f"rank{r}.pt", weights_only=True)} for r in range(WORLD_SIZE)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_every_rank_reads_the_same_answers_of_its_own_attempt(ranks):
     for rank in ranks:
@@ -85,6 +86,7 @@ def test_every_rank_reads_the_same_answers_of_its_own_attempt(ranks):
         assert (seen, backend) == ([True, False], "gloo") and reason.startswith("rank 1 has no CUDA GPU")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_per_rank_state_of_different_names_and_sizes_is_gathered_intact(ranks):
     for rank in ranks:  # every rank holds every rank's state, as each had it

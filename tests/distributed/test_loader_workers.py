@@ -22,6 +22,7 @@ def dataset() -> ArrayDataset:
                         torch.randint(0, 10, (100,), generator=generator))
 
 
+@pytest.mark.slow
 def test_workers_serve_the_loops_batches_in_order_and_fall_back_off_the_plan():
     source, sampler = dataset(), ShardedSampler(100, seed=3)
     loader = prefetch(source, 2)

@@ -91,6 +91,7 @@ def crowded_shard(tmp_path):
     yield from started(make_config(tmp_path, num_workers=16), max_threads=32, long_poll_cap_s=WAIT_CAP_S)
 
 
+@pytest.mark.slow
 def test_pending_long_polls_leave_threads_for_status_calls(crowded_shard):
     server, client, plan = crowded_shard
     num_calls, num_workers = 64, 16

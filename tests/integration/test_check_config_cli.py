@@ -25,6 +25,7 @@ def test_check_config_by_shipped_name_from_any_folder(cli, tmp_path):
     assert list(tmp_path.iterdir()) == []  # the config's runs/example folders were not made
 
 
+@pytest.mark.slow
 def test_ps_server_check_binds_nothing_and_a_bad_one_exits_2(cli, tmp_path):
     with socket.socket() as held:  # the port is taken: a server that tried to bind it would fail
         held.bind(("127.0.0.1", 0))

@@ -50,6 +50,7 @@ def test_a_folder_holding_a_comparison_is_not_overwritten(tmp_path, cli):
     assert (folder / "comparison.json").read_text() == "{}"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.timeout(120)
 def test_killing_the_comparison_leaves_no_process_of_its_runs_behind(tmp_path):

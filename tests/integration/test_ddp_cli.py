@@ -78,6 +78,7 @@ def test_killed_rank_is_restarted_and_the_run_ends_bit_identical(cli, tmp_path, 
     assert steps == list(range(2, STEPS + 1, 2))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(("args", "exit_code", "message"), [
     (["--world-size", 4, "--max-train-samples", 3],

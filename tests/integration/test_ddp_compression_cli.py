@@ -62,6 +62,7 @@ def test_each_scheme_trains_and_counts_its_bytes(cli, tmp_path, scheme, ratio_ra
     assert 0 < summary["final_accuracy"] <= 1
 
 
+@pytest.mark.slow
 def test_without_compression_the_summary_has_no_compression_fields(cli, tmp_path):
     result = cli("ddp", *SMALL, *dirs(tmp_path), timeout=100)
     assert result.returncode == 0, result.stderr[-3000:]

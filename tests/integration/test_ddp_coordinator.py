@@ -58,6 +58,7 @@ def whole_run(tmp_path_factory):
     return run_cli("ddp", *ARGS, *dirs(run_dir), timeout=100), run_dir
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_every_rank_registers_heartbeats_and_ends_done(cli, whole_run):
     result, run_dir = whole_run
@@ -133,6 +134,7 @@ def test_killed_rank_is_counted_restarted_and_the_run_ends_bit_identical(cli, tm
     assert all(event_kinds(registry, name).count("restarted") == 2 for name in RANKS)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ranks_report_to_the_coordinator_given(cli, tmp_path):
     registry = tmp_path / "external.db"
@@ -148,6 +150,7 @@ def test_ranks_report_to_the_coordinator_given(cli, tmp_path):
     assert not (tmp_path / "run" / "logs" / "cluster.db").exists()  # no coordinator of its own
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_an_unreachable_coordinator_does_not_stop_training(cli, tmp_path, whole_run):
     reference, reference_dir = whole_run

@@ -214,6 +214,7 @@ def load_component():
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank0_host", [None, "node-a"])
 def test_torchx_command_through_bash_passes_check_config(tmp_path, rank0_host):
     component = load_component()

@@ -21,6 +21,7 @@ def dirs(tmp_path):
     return ["--checkpoint-dir", tmp_path / "ckpt", "--log-dir", tmp_path / "logs"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_kill_from_a_plan_lands_right_after_its_step(tmp_path, cli):
     plan = tmp_path / "plan.yaml"
@@ -62,6 +63,7 @@ def wait_for_state(pid: int, wanted: str, timeout_s: float) -> None:
         time.sleep(0.005)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
 def test_stop_really_stops_then_continues(tmp_path):

@@ -39,6 +39,7 @@ def assert_matches_the_global_batches(tmp_path, global_batch: int):
     assert_matches_one_process(tmp_path, global_batches)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(160)
 def test_sync_workers_of_24_and_8_match_one_process_on_the_global_batches_of_32(tmp_path, cli):
     summary = run(cli, tmp_path, "--max-train-samples", "96", "--num-epochs", "1", "--balance",

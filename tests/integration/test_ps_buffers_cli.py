@@ -36,6 +36,7 @@ def worker_batches(config, train_set):
     yield from (list(batches) for batches in zip(*(s.batches(BATCH) for s in samplers), strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sync_with_batch_norm_matches_one_process_and_keeps_the_buffer_rule(tmp_path, cli):
     result = cli("ps", *ARGS, "--log-dir", tmp_path / "logs", "--checkpoint-dir", tmp_path / "ckpt",

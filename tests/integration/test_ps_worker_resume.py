@@ -183,6 +183,7 @@ def test_sigkilled_async_worker_resumes_and_each_step_is_applied_once(tmp_path):
     assert summary["resumed_from_step"] is None  # worker 0's own: it never stopped
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_restart_without_resume_is_refused_and_pushes_nothing(tmp_path, cli):
     config = make_config(tmp_path)

@@ -37,6 +37,7 @@ def test_a_certificate_without_its_key_exits_2_naming_the_flags(cli, pki, comman
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
 def test_an_unreadable_file_exits_2_naming_it(cli, pki, tmp_path, command):
@@ -65,6 +66,7 @@ def test_a_ps_run_with_mutual_tls_finishes(cli, pki, tmp_path):
         assert "TLS on for" in log and "mutual: clients need a certificate" in log, name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_ddp_run_with_mutual_tls_reports_every_rank_to_its_coordinator(cli, pki, tmp_path):
     logs = tmp_path / "logs"
