@@ -40,7 +40,9 @@ def test_digits_is_real_and_split():
     assert counts.tolist() == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
 
 
-@pytest.mark.parametrize("content", [b"", gzip.compress(b"1,2,3\n"), gzip.compress(b"99," * 64 + b"1\n")])
+@pytest.mark.parametrize("content", [b"", gzip.compress(b"1,2,3\n", mtime=0),
+                                     gzip.compress(b"99," * 64 + b"1\n", mtime=0)],
+                         ids=["empty", "too-few-columns", "pixel-out-of-range"])
 def test_a_damaged_digits_file_is_a_clear_error(tmp_path, monkeypatch, content):
     damaged = tmp_path / "digits.csv.gz"
     damaged.write_bytes(content)
