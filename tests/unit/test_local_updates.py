@@ -60,7 +60,9 @@ def test_other_strategies_say_they_ignore_the_keys():
     assert ignored_by_ps >= {"training.sync_every", "training.outer_learning_rate"}
     assert {k.key for k in ignored_keys(config, "baseline")} >= {"training.sync_every"}
     assert not ignored_keys(config, "ddp")
-    # Outer settings without the mode do nothing.
+    # The DDP wrapper's knobs do nothing with local updates; outer settings without them neither.
+    wrapper = config_from_dict({"training": {"sync_every": 4}, "ddp": {"bucket_cap_mb": 5.0}})
+    assert [k.key for k in ignored_keys(wrapper, "ddp")] == ["ddp.bucket_cap_mb"]
     idle = config_from_dict({"training": {"outer_learning_rate": 0.5}})
     assert [k.key for k in ignored_keys(idle, "ddp")] == ["training.outer_learning_rate"]
 

@@ -76,6 +76,10 @@ HALF_PRECISION = ("fp16", "bf16")
 RULES: tuple[Rule, ...] = (
     Rule("ddp.*", _when(lambda c, s: s != "ddp", "only DDP reads the ddp section")),
     Rule("ps.*", _when(lambda c, s: s != "ps", "only the parameter server reads the ps section")),
+    *(Rule(f"ddp.{key}", _when(lambda c, s: c.training.local_update_mode,
+                               "with local updates each rank steps its plain model, without the "
+                               "DDP wrapper (training.sync_every > 1)"))
+      for key in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph")),
     Rule("coordinator.*", _when(lambda c, s: s == BASELINE, "the baseline runs without a coordinator")),
     Rule("compression.*", _when(lambda c, s: s == BASELINE, "the baseline sends no gradients to compress")),
     Rule("system.num_workers", _when(lambda c, s: s == BASELINE, "the baseline trains in one process")),

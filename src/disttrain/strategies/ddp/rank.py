@@ -112,20 +112,22 @@ class RankParticipant:
         self.stepper = OptimizerStep(self.optimizer, training, self.precision.scaler)
         self.comm = CommStats()
         self.compression = compression_hook(compression, training.seed, self.module, runtime.info.rank)
-        self.local_updates = LocalUpdates.of(training)
-        self.rounds: LocalRounds | None = None
-        self.model: torch.nn.Module
-        if self.local_updates is not None:  # the plain model: nothing crosses the network in a round
-            self.model = self.module
-            self.rounds = LocalRounds(self.local_updates, self.module, self.compression)
-            if runtime.info.is_main:
-                logger.info("%s", self.local_updates.describe())
-            return
-        self.model = wrap_model(self.module, ddp, runtime)
+        local_updates = LocalUpdates.of(training)
+        # With local updates the rank steps its plain model: nothing crosses the network in a round.
+        self.rounds = None if local_updates is None else LocalRounds(local_updates, self.module,
+                                                                     self.compression)
+        self.model = self.module if self.rounds is not None else self._wrap(ddp)
+        if local_updates is not None and runtime.info.is_main:
+            logger.info("%s", local_updates.describe())
+
+    def _wrap(self, ddp: DDPConfig) -> DistributedDataParallel:
+        """The module in DDP, with the timing communication hook (around compression's)."""
+        model = wrap_model(self.module, ddp, self.runtime)
         if self.compression is None:
-            register_comm_hook(self.model, self.comm)
+            register_comm_hook(model, self.comm)
         else:
-            register_comm_hook(self.model, self.comm, run_hook, self.compression)
+            register_comm_hook(model, self.comm, run_hook, self.compression)
+        return model
 
     def start(self) -> None:
         rt.barrier(self.runtime)  # every rank's clock starts together
@@ -171,9 +173,9 @@ class RankParticipant:
 
     def summary_fields(self) -> dict[str, Any]:
         """The summary's local-update fields: the settings and the rounds completed ({} without)."""
-        if self.local_updates is None or self.rounds is None:
+        if self.rounds is None:
             return {}
-        return {**self.local_updates.summary_fields(), "local_rounds": self.rounds.rounds}
+        return {**self.rounds.settings.summary_fields(), "local_rounds": self.rounds.rounds}
 
     def evaluate(self, epoch: int) -> EvalResult:
         info = self.runtime.info
