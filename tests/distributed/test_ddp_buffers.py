@@ -4,7 +4,8 @@ the others' and each rank's pass then updates its own copy from its own batch. T
 parameters follow the all-reduced gradients; the final model (rank 0's) holds the
 buffers rank 0's passes left: 2 ranks end with the parameters of one process stepping on
 both ranks' batches together, BatchNorm normalising each rank's part on its own, and
-with the buffers of rank 0's parts alone."""
+with the buffers of rank 0's parts alone. Local updates broadcast rank 0's buffers at each
+round's end instead: at H = 1 (outer SGD at rate 1) the run ends the same."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ def rank_batches(config, train_set):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_ddp_broadcasts_rank_zero_buffers_and_matches_one_process(cli, tmp_path):
-    result = cli("ddp", "--world-size", 2, "--dataset", "digits", "--model", "mlp_bn",
+@pytest.mark.parametrize("local", [(), ("--local-updates", "--sync-every", 1)],
+                         ids=["ddp", "local-updates-h1"])
+def test_ddp_broadcasts_rank_zero_buffers_and_matches_one_process(cli, tmp_path, local):
+    result = cli("ddp", *local, "--world-size", 2, "--dataset", "digits", "--model", "mlp_bn",
                  "--set", "training.mlp_hidden_size=32", "--set", "training.mlp_num_layers=2",
                  "--optimizer", "sgd", "--set", "training.momentum=0", "--learning-rate", "0.1",
                  "--batch-size", BATCH, "--max-train-samples", 96, "--max-test-samples", 60,
@@ -53,3 +56,4 @@ def test_ddp_broadcasts_rank_zero_buffers_and_matches_one_process(cli, tmp_path)
         elif "num_batches" not in name:
             torch.testing.assert_close(trained[name], average[name], rtol=0, atol=1e-5, msg=name)
     assert int(trained["net.2.num_batches_tracked"]) == 3
+    assert ("Local updates:" in result.stdout) == bool(local)

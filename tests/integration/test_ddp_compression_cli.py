@@ -3,7 +3,9 @@ ranks to the end, logs its bytes per step and sums them into the summary; a comp
 run killed mid-epoch and resumed with `--resume` ends bit-identical to one never stopped
 (its compression state restored on every rank: top-k residuals, stochastic rounding's
 draws, PowerSGD's error feedback and warm start, across DDP cutting its buckets anew;
-and the learning-rate schedule's step count)."""
+and the learning-rate schedule's step count), and so does one with local updates, its
+top-k-compressed pseudo-gradient and its checkpoints in the middle of rounds (each
+rank's own model and inner optimizer, the outer momentum and the place in the round)."""
 
 from __future__ import annotations
 
@@ -88,6 +90,10 @@ FEATURES = ["--optimizer", "adamw", "--weight-decay", 0.05, "--lr-schedule", "co
             "--lr-decay-steps", 16, "--lr-min", 1e-4, "--clip-grad-norm", 0.5, "--loader-workers", 1]
 
 
+LOCAL_UPDATES = ["--sync-every", 4, "--outer-optimizer", "nesterov", "--outer-lr", 0.7,
+                 "--outer-momentum", 0.9]
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("scheme", "buckets"), [
     ("topk", FEATURES),
@@ -98,9 +104,13 @@ FEATURES = ["--optimizer", "adamw", "--weight-decay", 0.05, "--lr-schedule", "co
     # DDP's buckets come in does not matter.
     pytest.param("quantization", ["--stochastic-rounding", "--set", "ddp.bucket_cap_mb=0.05"],
                  marks=pytest.mark.slow),
+    # Local updates in rounds of 4 steps (8 per epoch): the checkpoint at step 3 and the kill
+    # at step 5 fall inside rounds; every rank's AdamW state and model differ there.
+    pytest.param("topk", [*FEATURES, *LOCAL_UPDATES], id="topk-local-updates", marks=pytest.mark.slow),
 ])
 @pytest.mark.slow
 def test_killed_compressed_run_resumes_bit_identical(cli, tmp_path, scheme, buckets):
+    local = "--sync-every" in buckets
     args = [*RESUMABLE, *compress(scheme), "--compression-ratio", 0.05, *buckets]
     reference = cli("ddp", *args, *dirs(tmp_path / "whole"), timeout=100)
     assert reference.returncode == 0, reference.stderr[-3000:]
@@ -120,3 +130,10 @@ def test_killed_compressed_run_resumes_bit_identical(cli, tmp_path, scheme, buck
     checkpoint = torch.load(tmp_path / "cut" / "ckpt" / "checkpoint_step00000015.pt", weights_only=True)
     assert len(checkpoint["compression"]) == 2  # every rank's own
     assert checkpoint["schedule"] == {"num_steps": 15}
+    if local:  # step 15 is the third of the round of steps 13-16; each rank's model its own
+        assert (checkpoint["outer"]["steps_in_round"], checkpoint["outer"]["rounds"]) == (3, 3)
+        assert len(checkpoint["local"]) == 2
+        assert not torch.equal(*(rank["model/fc2.weight"] for rank in checkpoint["local"]))
+        assert cut["local_rounds"] == whole["local_rounds"] == 4
+    else:
+        assert "outer" not in checkpoint and "local" not in checkpoint

@@ -26,6 +26,7 @@ from disttrain.cli.check import (
 )
 from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
+    LOCAL_UPDATE_FLAGS,
     add_config_flag,
     add_tls_flags,
     add_token_flag,
@@ -60,6 +61,8 @@ heartbeat age, restarts, step and throughput, during the run or after it.
     disttrain ddp --world-size 2 --dataset mnist --num-epochs 1
     disttrain status --registry logs/cluster.db
     disttrain ddp --world-size 2 --compression-enabled --compression-type powersgd --powersgd-rank 2
+    disttrain ddp --world-size 4 --sync-every 32 --outer-optimizer nesterov --outer-lr 0.7 \
+        --outer-momentum 0.9
     disttrain ddp --world-size 8 --nnodes 2 --rdzv-endpoint node0:29400 --config ddp.yaml \
         --coordinator node0:50050
     torchrun --standalone --nproc-per-node 2 -m disttrain.torchrun --config ddp.yaml"""
@@ -85,6 +88,7 @@ DDP_FLAGS = {
     "--rdzv-id": ("ddp.rdzv_id", str, "run id every node of one run shares"),
     **balance_flags("rank"),
     **COMPRESSION_FLAGS,
+    **LOCAL_UPDATE_FLAGS,
 }
 
 
@@ -130,7 +134,16 @@ def check(args: argparse.Namespace) -> str:
     return (f"{count(world_size // ddp.num_nodes, 'rank')} on this node of {world_size} ({nodes}; "
             f"{backend}), up to {count(ddp.max_restarts, 'restart')}, "
             f"{describe_coordinator(config, 'with its own coordinator')}{describe_security(options)}; "
-            f"{describe_training(config)}{describe_compression(config)}; {describe_folders(config, options)}")
+            f"{describe_training(config)}{describe_compression(config)}{describe_local_updates(config)}; "
+            f"{describe_folders(config, options)}")
+
+
+def describe_local_updates(config: Config) -> str:
+    """", local updates (sync every 8 steps, outer nesterov)"-style suffix; empty when off."""
+    training = config.training
+    if not training.local_update_mode:
+        return ""
+    return f", local updates (sync every {training.sync_every} steps, outer {training.outer_optimizer})"
 
 
 def run(args: argparse.Namespace) -> RunSummary | None:

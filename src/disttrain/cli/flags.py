@@ -99,6 +99,21 @@ COMPRESSION_FLAGS: dict[str, tuple[str, Any, str]] = {
 }
 
 
+# Local-update training (LocalSGD / DiLoCo): DDP now, the parameter server later.
+LOCAL_UPDATE_FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--sync-every": ("training.sync_every", int, "local steps each worker takes between two "
+                     "synchronisations (H); 1: average every step's gradient (local updates off)"),
+    "--local-updates": ("training.local_updates", bool, "take the local-update path even at "
+                        "--sync-every 1 (a check: with outer sgd at lr 1 it equals per-step averaging)"),
+    "--outer-optimizer": ("training.outer_optimizer", str, "local updates: sgd, or nesterov (DiLoCo's, "
+                          "e.g. --outer-lr 0.7 --outer-momentum 0.9), stepping on the averaged "
+                          "pseudo-gradient"),
+    "--outer-lr": ("training.outer_learning_rate", float, "local updates: the outer learning rate "
+                   "(sgd at 1 without momentum averages the models)"),
+    "--outer-momentum": ("training.outer_momentum", float, "local updates: the outer momentum, in [0, 1)"),
+}
+
+
 def add_config_flag(parser: argparse.ArgumentParser, flag: str, key: str, type_: Any,
                     help_: str, **kwargs: Any) -> None:
     """Add a flag whose value, when given, overrides config key `key` (section.key).

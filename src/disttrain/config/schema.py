@@ -38,6 +38,8 @@ PAYLOAD_TRANSPORTS = ("auto", "grpc", "shared_memory")
 # none: equal batches; proportional: batches in proportion to each process's measured
 # speed; auto: proportional once the slowest is more than system.balance_margin behind.
 BALANCES = ("none", "proportional", "auto")
+# Local-update training (LocalSGD / DiLoCo): how the averaged pseudo-gradient is applied.
+OUTER_OPTIMIZERS = ("sgd", "nesterov")
 
 
 def _rule(check, text: str, **extra: Any) -> dict[str, Any]:
@@ -131,6 +133,26 @@ class TrainingConfig:
     # Processes that load training batches ahead of the steps (0: the training process
     # loads each batch itself); pinned memory on CUDA. The order and resume are the sampler's.
     loader_workers: int = field(default=0, metadata=NON_NEGATIVE)
+    # -- local updates (LocalSGD / DiLoCo; DDP now, the parameter server later) --
+    # Steps each worker takes with its own (inner) optimizer between two synchronisations
+    # (H); 1: every step's gradient is averaged (no local updates). A round also ends at
+    # an epoch's last step. At a round's end the pseudo-gradient (round-start parameters
+    # minus the worker's current ones) is averaged over the workers and the outer
+    # optimizer applies it to the round-start parameters on every worker alike.
+    sync_every: int = field(default=1, metadata=_rule(lambda v: v >= 1, "must be >= 1 (1 = every step)"))
+    # Take the local-update path even at sync_every 1 (with outer sgd at rate 1, momentum
+    # 0 and an inner sgd it then equals per-step averaging: a check of the path).
+    local_updates: bool = False
+    # sgd (momentum as heavy ball when outer_momentum > 0) or nesterov (DiLoCo's: rate
+    # 0.7, momentum 0.9); sgd at rate 1 without momentum averages the models (LocalSGD).
+    outer_optimizer: str = field(default="sgd", metadata=_choice(OUTER_OPTIMIZERS))
+    outer_learning_rate: float = field(default=1.0, metadata=POSITIVE)
+    outer_momentum: float = field(default=0.0, metadata=_rule(lambda v: 0 <= v < 1, "must be in [0, 1)"))
+
+    @property
+    def local_update_mode(self) -> bool:
+        """Whether workers take local steps between synchronisations (see `sync_every`)."""
+        return self.sync_every > 1 or self.local_updates
 
     def cross_problems(self, name: Callable[[str], str]) -> list[str]:
         """Problems between keys; `name(key)` is the key as the user spelled it."""
@@ -142,6 +164,9 @@ class TrainingConfig:
         if self.lr_min > self.learning_rate:
             problems.append(f"{name('lr_min')}: {self.lr_min} must be at most "
                             f"{name('learning_rate')} ({self.learning_rate})")
+        if self.outer_optimizer == "nesterov" and self.outer_momentum == 0:
+            problems.append(f"{name('outer_momentum')}: nesterov needs a momentum in (0, 1), e.g. 0.9 "
+                            f"(or set {name('outer_optimizer')} to sgd)")
         return problems
 
 

@@ -76,6 +76,10 @@ HALF_PRECISION = ("fp16", "bf16")
 RULES: tuple[Rule, ...] = (
     Rule("ddp.*", _when(lambda c, s: s != "ddp", "only DDP reads the ddp section")),
     Rule("ps.*", _when(lambda c, s: s != "ps", "only the parameter server reads the ps section")),
+    *(Rule(f"ddp.{key}", _when(lambda c, s: c.training.local_update_mode,
+                               "with local updates each rank steps its plain model, without the "
+                               "DDP wrapper (training.sync_every > 1)"))
+      for key in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph")),
     Rule("coordinator.*", _when(lambda c, s: s == BASELINE, "the baseline runs without a coordinator")),
     Rule("compression.*", _when(lambda c, s: s == BASELINE, "the baseline sends no gradients to compress")),
     Rule("system.num_workers", _when(lambda c, s: s == BASELINE, "the baseline trains in one process")),
@@ -118,6 +122,15 @@ RULES: tuple[Rule, ...] = (
     Rule("coordinator.straggler_factor", _when(
         lambda c, s: bool(c.coordinator.address),
         lambda c: f"the coordinator at {c.coordinator.address} flags stragglers by its own config")),
+    Rule("training.sync_every", _when(lambda c, s: s == BASELINE, "the baseline's one process has "
+                                      "nothing to synchronise")),
+    Rule("training.sync_every", _when(lambda c, s: s == "ps", "the parameter server does not take "
+                                      "local updates yet (DDP does)")),
+    Rule("training.local_updates", _when(lambda c, s: s != "ddp", "only DDP takes local updates")),
+    Rule("training.outer_*", _when(lambda c, s: s != "ddp", "only DDP takes local updates")),
+    Rule("training.outer_*", _when(lambda c, s: not c.training.local_update_mode,
+                                   "the outer optimizer steps only with local updates "
+                                   "(training.sync_every is 1)")),
     Rule("training.momentum", _when(
         lambda c, s: c.training.optimizer != "sgd",
         lambda c: f"only sgd takes momentum (training.optimizer is {c.training.optimizer})")),

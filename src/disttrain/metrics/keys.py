@@ -69,7 +69,10 @@ METRICS: dict[str, Metric] = {m.key: m for m in [
     Metric("comm/bytes_received", "bytes", PER_STEP, "parameter bytes this worker received from "
            "the servers, counted like `comm/bytes_sent`", "ps"),
     Metric("comm/bytes_allreduced", "bytes", PER_STEP, "gradient bytes this rank handed to "
-           "all-reduce", "ddp"),
+           "all-reduce (with local updates: pseudo-gradient bytes, at a round's end only)", "ddp"),
+    Metric("local/rounds", "rounds", PER_STEP, "local-update rounds that ended (the pseudo-gradient "
+           "averaged and the outer optimizer applied): per step, 1/`training.sync_every` but for "
+           "rounds an epoch's end cut short", "ddp (local updates)"),
     Metric("compression/bytes_dense", "bytes", PER_STEP, "gradient bytes before compression: "
            "what the same step sends uncompressed", COMPRESSED),
     Metric("compression/bytes_sent", "bytes", PER_STEP, "gradient payload bytes after compression, "
@@ -142,6 +145,9 @@ OPTIONAL_SUMMARY: dict[str, Metric] = {m.key: m for m in [
            "over the whole run and every process (present when compression is on)", "ps, ddp"),
     Metric("compression_bytes_sent", "bytes", RUN, "gradient payload bytes all processes sent, "
            "compressed (present when compression is on)", "ps, ddp"),
+    Metric("local_rounds", "rounds", RUN, "local-update rounds completed (present with local "
+           "updates, beside `sync_every`, `outer_optimizer`, `outer_learning_rate` and "
+           "`outer_momentum`)", "ddp"),
     Metric("samples_applied", "samples", RUN, "samples whose gradients the servers applied, from "
            "their data ledgers (every sample of every epoch once)", "ps"),
     Metric("samples_redone", "samples", RUN, "samples computed again after a failure (turned "

@@ -110,7 +110,17 @@ class RunSummary:
         ] + self._time_to_target_lines() + (
             [f"Gradient Compression: {self.extra['compression_ratio']:.1f}x fewer bytes "
              f"({self.extra['compression_bytes_sent'] / 1e6:.1f} MB sent)"]
-            if "compression_ratio" in self.extra else []) + self._recovery_lines()
+            if "compression_ratio" in self.extra else []) + self._local_update_lines() \
+            + self._recovery_lines()
+
+    def _local_update_lines(self) -> list[str]:
+        """`Local updates: sync every 8 steps, outer nesterov (lr 0.7, momentum 0.9), 12 rounds`."""
+        extra = self.extra
+        if "local_rounds" not in extra:
+            return []
+        momentum = f", momentum {extra['outer_momentum']:g}" if extra["outer_momentum"] else ""
+        return [f"Local updates: sync every {extra['sync_every']} steps, outer {extra['outer_optimizer']} "
+                f"(lr {extra['outer_learning_rate']:g}{momentum}), {extra['local_rounds']} rounds"]
 
     def _time_to_target_lines(self) -> list[str]:
         """`Time to accuracy: 90% 1.2s, 95% 3.4s, 97% -, 98% -`, or a language model's

@@ -173,7 +173,10 @@ class TrainingLoop:
                 self.loader.start_epoch(lambda: list(copy.deepcopy(sampler).batches(s.batch_size)))
             for index, batches in enumerate(groups(sampler.batches(s.batch_size), s.micro_batches),
                                             start=first):
-                result = self.participant.step(batches, StepInfo(position.step + 1, epoch, index))
+                # The sampler hands out a step's batches before the step: exhausted now is
+                # the epoch's last step.
+                result = self.participant.step(batches, StepInfo(position.step + 1, epoch, index,
+                                                                 sampler.exhausted))
                 position.step += 1
                 position.samples_processed += result.num_samples
                 window.add(result.loss, result.num_correct, result.num_samples, result.scalars)

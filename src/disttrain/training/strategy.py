@@ -41,11 +41,13 @@ class Strategy(Protocol):
 
 @dataclass(frozen=True)
 class StepInfo:
-    """Where a step falls: its number (from 1), its epoch, and its index in the epoch."""
+    """Where a step falls: its number (from 1), its epoch, its index in the epoch, and
+    whether it is the epoch's last (its batches end the shard: a local-update round ends)."""
 
     step: int
     epoch: int
     index_in_epoch: int
+    ends_epoch: bool = False
 
 
 class Participant(Protocol):

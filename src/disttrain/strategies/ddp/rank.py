@@ -6,8 +6,10 @@ in the run (`coordinator.address`), the rank registers as `rank{R}` and heartbea
 progress meanwhile (`heartbeats`).
 
 A step takes `grad_accumulation_steps` micro-batches; all but the last run under
-`no_sync()`, so gradients cross the network once per step. An elastic restart
-(`restart_count > 0`) resumes from the newest checkpoint.
+`no_sync()`, so gradients cross the network once per step. With local updates
+(`training.sync_every` > 1) the rank trains its plain model and synchronises once per
+round instead (`local_updates`). An elastic restart (`restart_count > 0`) resumes from
+the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ from disttrain.strategies.ddp import runtime as rt
 from disttrain.strategies.ddp.balance import balance_sampler
 from disttrain.strategies.ddp.comm_hooks import CommStats, register_comm_hook
 from disttrain.strategies.ddp.heartbeats import LoopProgress, coordinator_link
+from disttrain.strategies.ddp.local_updates import LocalRounds
 from disttrain.strategies.ddp.reduce import all_reduce_values, evaluate_sharded
 from disttrain.strategies.ddp.store import RankZeroCheckpoints
 from disttrain.training.checkpoints import Position
 from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward
 from disttrain.training.loading import BatchSource, prefetch
+from disttrain.training.local_updates import LocalUpdates
 from disttrain.training.loop import LoopResult, LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
@@ -81,8 +85,10 @@ def compression_hook(compression: CompressionConfig, seed: int, module: torch.nn
 
 
 class RankParticipant:
-    """One rank's part in the loop: a DDP step, a sharded evaluation, and the model,
-    optimizer, GradScaler and compression state as its checkpoint pieces."""
+    """One rank's part in the loop: a DDP step (or a local step, with local updates), a
+    sharded evaluation, and the model, optimizer, GradScaler and compression state (and
+    with local updates the outer state and each rank's own model and optimizer) as its
+    checkpoint pieces."""
 
     strategy = "ddp"
 
@@ -104,13 +110,24 @@ class RankParticipant:
         # Clipping and the schedule act on the averaged gradient: `step` runs after the
         # last backward, whose all-reduce (and compression hook) has finished by then.
         self.stepper = OptimizerStep(self.optimizer, training, self.precision.scaler)
-        self.model = wrap_model(self.module, ddp, runtime)
         self.comm = CommStats()
         self.compression = compression_hook(compression, training.seed, self.module, runtime.info.rank)
+        local_updates = LocalUpdates.of(training)
+        # With local updates the rank steps its plain model: nothing crosses the network in a round.
+        self.rounds = None if local_updates is None else LocalRounds(local_updates, self.module,
+                                                                     self.compression)
+        self.model = self.module if self.rounds is not None else self._wrap(ddp)
+        if local_updates is not None and runtime.info.is_main:
+            logger.info("%s", local_updates.describe())
+
+    def _wrap(self, ddp: DDPConfig) -> DistributedDataParallel:
+        """The module in DDP, with the timing communication hook (around compression's)."""
+        model = wrap_model(self.module, ddp, self.runtime)
         if self.compression is None:
-            register_comm_hook(self.model, self.comm)
+            register_comm_hook(model, self.comm)
         else:
-            register_comm_hook(self.model, self.comm, run_hook, self.compression)
+            register_comm_hook(model, self.comm, run_hook, self.compression)
+        return model
 
     def start(self) -> None:
         rt.barrier(self.runtime)  # every rank's clock starts together
@@ -132,18 +149,33 @@ class RankParticipant:
         for i, indices in enumerate(batches):
             inputs, targets = self.train_set.batch(indices)
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            with nullcontext() if i == len(batches) - 1 else self.model.no_sync():
+            with self._sync_context(last=i == len(batches) - 1):
                 result = forward_backward(self.model, inputs, targets, weight * len(indices) / total,
                                           self.precision)
             loss_sum += result.loss * result.num_samples
             correct += result.num_correct
         self.stepper.step()
-        comm = self.comm.drain()
-        scalars = {"time/comm_blocked_s": comm.blocked_s, "time/comm_overlapped_s": comm.overlapped_s,
-                   "comm/bytes_allreduced": comm.num_bytes, **self.stepper.scalars()}
+        if self.rounds is not None:
+            scalars = {**self.rounds.end_of_step(info.ends_epoch), **self.stepper.scalars()}
+        else:
+            comm = self.comm.drain()
+            scalars = {"time/comm_blocked_s": comm.blocked_s, "time/comm_overlapped_s": comm.overlapped_s,
+                       "comm/bytes_allreduced": comm.num_bytes, **self.stepper.scalars()}
         if self.compression is not None:
             scalars.update(self.compression.stats.drain().scalars())
         return StepResult(loss_sum / total, correct, total, scalars)
+
+    def _sync_context(self, last: bool):
+        """DDP all-reduces on the last micro-batch only; a local step never does."""
+        if last or not isinstance(self.model, DistributedDataParallel):
+            return nullcontext()
+        return self.model.no_sync()
+
+    def summary_fields(self) -> dict[str, Any]:
+        """The summary's local-update fields: the settings and the rounds completed ({} without)."""
+        if self.rounds is None:
+            return {}
+        return {**self.rounds.settings.summary_fields(), "local_rounds": self.rounds.rounds}
 
     def evaluate(self, epoch: int) -> EvalResult:
         info = self.runtime.info
@@ -155,11 +187,23 @@ class RankParticipant:
                  **self.stepper.state_dict(), "grad_scaler": self.precision.state_dict()}
         if self.compression is not None:  # this rank's; the store gathers every rank's
             state["compression"] = self.compression.state_dict()
+        if self.rounds is not None:  # the outer state is every rank's; the local state its own
+            state["outer"] = self.rounds.outer.state_dict()
+            state["local"] = self.rounds.local_state(self.optimizer)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Raises ValueError when the checkpoint's compression does not match the run's."""
+        """Raises ValueError when the checkpoint's compression or local updates do not
+        match the run's."""
         self.module.load_state_dict(state["model"])
+        if "outer" in state and self.rounds is None:
+            raise ValueError("it was written with local updates, whose ranks' models differ within "
+                             "a round; resume with the run's training.sync_every")
+        if self.rounds is not None and "outer" in state:
+            self.rounds.outer.load_state_dict(state["outer"])
+            state = {**state, "optimizer": self.rounds.load_local_state(state["local"], state["optimizer"])}
+        elif self.rounds is not None:  # written averaging every step: a round starts at its model
+            self.rounds.outer.take_start(self.rounds.params)
         self.stepper.load_state_dict(state)
         self.precision.load_state_dict(state["grad_scaler"])
         if self.compression is not None:
@@ -235,7 +279,7 @@ def finish(config: Config, runtime: rt.Runtime, participant: RankParticipant, re
         extra={"backend": runtime.backend, "device": str(runtime.device),
                "learning_rate": participant.learning_rate, "restarts": info.restart_count,
                "resumed_from_step": result.resumed_from_step, **plan_summary(participant.sampler),
-               **extra})
+               **participant.summary_fields(), **extra})
     summary.write(config.system.log_dir)
     write_hparams(summary, config.system.log_dir)
     return summary

@@ -125,12 +125,20 @@ STATEFUL_COMPRESSION = ("quantization", "topk", "powersgd")
 
 def check_supported(config: Config) -> None:
     """Raises ConfigError for combinations DDP does not offer."""
-    compression = config.compression
+    compression, training = config.compression, config.training
     if (compression.enabled and compression.type in STATEFUL_COMPRESSION
-            and config.training.precision == "fp16"):
+            and training.precision == "fp16"):
         raise ConfigError(f"compression.type: {compression.type} cannot take the overflowed gradients "
                           "of training.precision=fp16 (loss scaling); use bf16 mixed precision, or "
                           "fp16 or bf16 compression")
+    if training.local_update_mode and training.precision == "fp16":
+        # Each rank's loss scale would drift apart within a round, and the checkpoint keeps one.
+        raise ConfigError("training.precision: fp16 loss scaling is not offered with local updates "
+                          "(training.sync_every > 1); use bf16 mixed precision")
+    if training.local_update_mode and config.system.balance != "none":
+        # Planned batches weight each rank's loss for a gradient average, not for local steps.
+        raise ConfigError(f"system.balance: {config.system.balance} batches are not offered with local "
+                          "updates (training.sync_every > 1); use system.balance none")
 
 
 def check_world_size(num_samples: int, world_size: int) -> None:

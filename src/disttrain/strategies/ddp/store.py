@@ -4,7 +4,8 @@ Rank 0 writes them; all ranks read them. Model and optimizer are the same on eve
 after each step, so rank 0's copy (the model without its DDP wrapper, so the file loads
 into a plain module) stands for all. The sampler position is the same on every rank
 too (equal shards, equal batches). The entries of `PER_RANK` (RNG states, a compression
-hook's state) differ per rank: every rank's is kept, in rank order, gathered as tensors
+hook's state, and with local updates each rank's own model and inner optimizer within a
+round) differ per rank: every rank's is kept, in rank order, gathered as tensors
 (never pickled over the network), and each rank loads its own.
 """
 
@@ -26,7 +27,8 @@ NO_CHECKPOINT = -1
 
 Codec = tuple[Callable[[Any], dict[str, torch.Tensor]], Callable[[dict[str, torch.Tensor]], Any]]
 # Checkpoint entries that differ per rank, with how each becomes tensors and back.
-PER_RANK: dict[str, Codec] = {"rng": (rng.encode, rng.decode), "compression": (dict, dict)}
+PER_RANK: dict[str, Codec] = {"rng": (rng.encode, rng.decode), "compression": (dict, dict),
+                              "local": (dict, dict)}
 
 
 class RankZeroCheckpoints:

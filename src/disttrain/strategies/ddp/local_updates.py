@@ -1,0 +1,139 @@
+"""Local-update training on DDP ranks: the transport around `training.local_updates`.
+
+A rank in this mode trains its plain module (no DDP wrapper: no gradient all-reduce, and
+no broadcast of buffers before each forward, so the steps inside a round touch no
+network). At a round's end it averages the pseudo-gradient over the ranks in one flat
+all-reduce (or through the run's compression hook, which sees it as one bucket of every
+parameter, so quantization, top-k with error feedback, PowerSGD and half precision
+compress it as they compress gradients), every rank applies the outer optimizer alike,
+and the buffers (BatchNorm's running statistics) are broadcast from rank 0, as DDP
+broadcasts them before every forward: the buffers a round ends with are rank 0's.
+
+Between two rounds the ranks' models and inner optimizers differ, so a checkpoint keeps
+each rank's own (`local_state`, gathered per rank like RNG states) beside the outer
+state (the same on every rank; rank 0's). A resumed run continues the round where the
+checkpoint left it; a rank lost mid-round sends every rank back to that checkpoint, and
+the steps after it are redone on the same batches (the sampler's position is in it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disttrain.compression.ddp_hooks import CompressionHook
+from disttrain.training.local_updates import LocalUpdates, OuterOptimizer
+
+logger = logging.getLogger(__name__)
+
+
+class FlatBucket:
+    """The pseudo-gradient dressed as DDP's `GradBucket` (the part of its interface the
+    compression hooks read): one bucket, the last, of every trained parameter."""
+
+    def __init__(self, buffer: torch.Tensor, params: list[nn.Parameter], views: list[torch.Tensor]):
+        self._buffer, self._params, self._views = buffer, params, views
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self._params
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._views
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
+@torch.no_grad()
+def broadcast_module(module: nn.Module, parameters: bool = True) -> None:
+    """Rank 0's buffers (and parameters) on every rank, as DDP's constructor does. A collective."""
+    tensors = [*(module.parameters() if parameters else ()), *module.buffers()]
+    for tensor in tensors:
+        dist.broadcast(tensor.data, src=0)
+
+
+class LocalRounds:
+    """One rank's rounds: counts its steps, and at a round's end averages, steps the outer
+    optimizer and hands back the round's figures.
+
+    Args:
+        settings: H and the outer optimizer.
+        module: the rank's plain model, already on its device; its parameters and buffers
+            are made rank 0's here (a collective).
+        compression: the run's compression hook, or None for a plain all-reduce.
+    """
+
+    def __init__(self, settings: LocalUpdates, module: nn.Module, compression: CompressionHook | None):
+        self.settings = settings
+        self.module = module
+        self.compression = compression
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        broadcast_module(module)
+        self.outer = OuterOptimizer(settings, self.params)
+
+    def end_of_step(self, ends_epoch: bool) -> dict[str, float]:
+        """Call after each inner optimizer step (on every rank: a collective at a round's
+        end). Returns the step's communication figures (zero within a round)."""
+        if not self.outer.end_of_step(ends_epoch):
+            return {"time/comm_blocked_s": 0.0, "time/comm_overlapped_s": 0.0, "comm/bytes_allreduced": 0,
+                    "local/rounds": 0}
+        started = time.perf_counter()
+        delta = self.outer.pseudo_gradient(self.params)
+        average = self._average(delta)
+        self.outer.step(average)
+        self.outer.copy_to(self.params)
+        broadcast_module(self.module, parameters=False)
+        return {"time/comm_blocked_s": time.perf_counter() - started, "time/comm_overlapped_s": 0.0,
+                "comm/bytes_allreduced": delta.numel() * delta.element_size(), "local/rounds": 1}
+
+    def _average(self, delta: torch.Tensor) -> torch.Tensor:
+        """The ranks' mean of `delta` (in place where the scheme allows), the same bits on every rank."""
+        if self.compression is None:
+            dist.all_reduce(delta.div_(dist.get_world_size()))
+            return delta
+        bucket = FlatBucket(delta, self.params, self.outer.views(delta))
+        return self.compression.hook(cast(dist.GradBucket, bucket)).wait()
+
+    @property
+    def rounds(self) -> int:
+        return self.outer.rounds
+
+    def local_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """This rank's own: its model (parameters and buffers) and its inner optimizer's
+        tensors, named `model/<name>` and `optimizer/<index>/<key>`."""
+        state = {f"model/{name}": value for name, value in self.module.state_dict().items()}
+        for index, entries in optimizer.state_dict()["state"].items():
+            state.update({f"optimizer/{index}/{key}": value for key, value in entries.items()
+                          if isinstance(value, torch.Tensor)})
+        return state
+
+    def load_local_state(self, local: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
+                         ) -> dict[str, Any]:
+        """Load this rank's model from `local`; returns `optimizer_state` (rank 0's inner
+        optimizer, as the checkpoint holds it) with this rank's tensors in place of rank 0's.
+
+        Raises:
+            ValueError: `local` lacks a tensor the model or the optimizer state needs.
+        """
+        model = {name[len("model/"):]: value for name, value in local.items() if name.startswith("model/")}
+        self.module.load_state_dict(model)
+        own = {index: dict(entries) for index, entries in optimizer_state["state"].items()}
+        for index, entries in own.items():
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    name = f"optimizer/{index}/{key}"
+                    if name not in local:
+                        raise ValueError(f"this rank's inner optimizer state lacks {name}")
+                    entries[key] = local[name]
+        return {**optimizer_state, "state": own}
