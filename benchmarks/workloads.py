@@ -4,19 +4,25 @@ workloads, as ratios to the baseline timed in the same run.
 Workloads, on synthetic data of their real shapes: `simplecnn` (1x28x28 images),
 `resnet18` (11.2M parameters, BatchNorm, 3x32x32 images: CIFAR's shape) and `gpt_small`
 (10.9M parameters, byte-level tokens, 128 per sample). Strategies: `baseline` (one
-process), `ps_sync` and `ps_async` (`disttrain ps`: 1 server, 2 workers) and `ddp`
-(`disttrain ddp`, 2 ranks), each run as a user runs it, through the `disttrain` command,
-with one torch thread per process and the same batch per process.
+process), `ps_sync` (each shard's push leaves during the backward pass: overlap, the
+default), `ps_sync_no_overlap` (`--no-overlap`: every push after backward) and
+`ps_async` (`disttrain ps`: 2 servers, 2 workers) and `ddp` (`disttrain ddp`, 2 ranks),
+each run as a user runs it, through the `disttrain` command, with one torch thread per
+process and the same batch per process.
 
 Every figure comes from the processes' own metrics (`metrics.jsonl`), the first logged
 window (warm-up) left out, averaged over the workers: `step_time_s` (`time/step_s`),
 `compute_s` (`time/compute_s`), `comm_s` (`time/comm_blocked_s`: the time a step waited
-on communication) and `bytes_per_step` (per worker: gradient bytes sent plus parameter
+on communication), `overlapped_s` (`time/comm_overlapped_s`: communication in flight
+while the step computed; `overlapped_share` is its share of `overlapped_s + comm_s`) and
+`bytes_per_step` (per worker: gradient bytes sent plus parameter
 bytes received under the PS, bytes handed to all-reduce under DDP). `samples_per_s` is
 the processes' batches over the step time, summed over processes. Each figure is the
-median over interleaved repeats (baseline, ps_sync, ps_async, ddp, then again), and
+median over interleaved repeats (every strategy in turn, then again), and
 `ratio_to_baseline` divides it by the baseline's of the same model. `where_each_wins` is
-computed from these figures.
+computed from these figures, and `ps_vs_ddp` holds, per model, each synchronous PS
+variant's samples/s over DDP's and its overlapped share (the issue's targets: at least
+1.0 and at least half).
 
 --quick keeps the keys and shrinks the models (`training.model_args`: resnet18 of width
 8, a 2-layer gpt_small of width 64), the batches and the steps. --repeats defaults to 2
@@ -39,8 +45,10 @@ from common import parse_args, report
 
 from disttrain.metrics import read_metrics
 
-STRATEGIES = ("baseline", "ps_sync", "ps_async", "ddp")
+STRATEGIES = ("baseline", "ps_sync", "ps_sync_no_overlap", "ps_async", "ddp")
+PS_SYNC = ("ps_sync", "ps_sync_no_overlap")
 WORKERS = 2          # PS workers and DDP ranks
+SERVERS = 2          # PS shards: the first one's push leaves during backward
 LOG_INTERVAL = 3     # steps per logged window; the first window is the warm-up left out
 TIMEOUT_S = 900
 DEFAULT_REPEATS = 2
@@ -77,8 +85,10 @@ def command(model: str, strategy: str, folder: Path, quick: bool) -> list[str]:
     if quick and workload["quick_model_args"]:
         args += ["--set", f"training.model_args={json.dumps(workload['quick_model_args'])}"]
     if strategy.startswith("ps"):
-        args += ["--workers", str(WORKERS), "--servers", "1",
+        args += ["--workers", str(WORKERS), "--servers", str(SERVERS),
                  "--aggregation-mode", strategy.split("_")[1]]
+        if strategy == "ps_sync_no_overlap":
+            args += ["--no-overlap"]
     elif strategy == "ddp":
         args += ["--world-size", str(WORKERS)]
     return args
@@ -103,7 +113,7 @@ def window_means(path: Path) -> dict[str, float]:
         return total / sum(weights)
 
     return {"step_time_s": mean("time/step_s"), "compute_s": mean("time/compute_s"),
-            "comm_s": mean("time/comm_blocked_s"),
+            "comm_s": mean("time/comm_blocked_s"), "overlapped_s": mean("time/comm_overlapped_s"),
             "bytes_per_step": mean("comm/bytes_sent", "comm/bytes_received", "comm/bytes_allreduced")}
 
 
@@ -132,9 +142,11 @@ def measure(model: str, strategy: str, quick: bool) -> dict[str, float]:
 def summarise(runs: list[dict[str, float]], baseline: dict[str, float] | None) -> dict[str, Any]:
     """Medians over repeats, the communication's share of a step, and the ratios to the
     baseline's medians (None for the baseline's own bytes, which are 0)."""
-    keys = ("step_time_s", "compute_s", "comm_s", "bytes_per_step", "samples_per_s")
-    result: dict[str, Any] = {key: statistics.median(r[key] for r in runs) for key in keys}
+    keys = ("step_time_s", "compute_s", "comm_s", "overlapped_s", "bytes_per_step", "samples_per_s")
+    result: dict[str, Any] = {key: statistics.median(r.get(key, 0.0) for r in runs) for key in keys}
     result["comm_fraction"] = result["comm_s"] / result["step_time_s"]
+    communication = result["overlapped_s"] + result["comm_s"]
+    result["overlapped_share"] = result["overlapped_s"] / communication if communication > 0 else None
     reference = baseline or result
     result["ratio_to_baseline"] = {key: result[key] / reference[key]
                                    for key in ("step_time_s", "compute_s", "samples_per_s")}
@@ -164,6 +176,16 @@ def where_each_wins(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return wins
 
 
+def ps_vs_ddp(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per model: each synchronous PS variant's samples/s over DDP's, and the share of its
+    communication time that overlapped computation."""
+    return {model: {strategy: {"samples_per_s_ratio": figures[strategy]["samples_per_s"]
+                               / figures["ddp"]["samples_per_s"],
+                               "overlapped_share": figures[strategy]["overlapped_share"]}
+                    for strategy in PS_SYNC}
+            for model, figures in results.items()}
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0], lambda p: p.set_defaults(repeats=-1))
     # common.parse_args's default (5 repeats) would take most of an hour here: -1 marks "not given".
@@ -181,7 +203,7 @@ def main() -> None:
         for strategy in STRATEGIES[1:]:
             results[model][strategy] = summarise(by_strategy[strategy], baseline)
     report("workloads", {
-        "workers": WORKERS, "repeats": repeats, "threads_per_process": 1,
+        "workers": WORKERS, "servers": SERVERS, "repeats": repeats, "threads_per_process": 1,
         "workloads": {model: {"dataset": w["dataset"],
                               "batch_per_process": w["batch"] // 2 if args.quick else w["batch"],
                               "steps_per_process": w["quick_steps"] if args.quick else w["steps"],
@@ -189,6 +211,7 @@ def main() -> None:
                       for model, w in WORKLOADS.items()},
         "results": results,
         "where_each_wins": where_each_wins(results),
+        "ps_vs_ddp": ps_vs_ddp(results),
     }, args.output)
 
 

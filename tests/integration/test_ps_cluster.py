@@ -57,6 +57,8 @@ def concatenated(config, train_set):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["grpc", "shared_memory"])
 def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path, cli, transport):
+    # Overlap is on (the default): each of the 2 shards' pushes leaves as soon as backward
+    # produced its gradient, and the result is still the one process's.
     result = cli(
         "ps",
         "--workers",
@@ -86,6 +88,9 @@ def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path
     assert (tmp_path / "logs" / "worker1" / "metrics.jsonl").is_file()
     through_memory = "payloads go through shared memory" in (tmp_path / "logs" / "worker1.log").read_text()
     assert through_memory == (transport == "shared_memory")
+    for rank in range(2):  # shard 1 (the last layer) went out while backward still computed
+        records = read_metrics(tmp_path / "logs" / f"worker{rank}" / "metrics.jsonl")
+        assert any(r.get("time/comm_overlapped_s", 0) > 0 for r in records), records
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.suffix != ".sha256") == [
         "parameter_server_final.pt",
         "server0",

@@ -42,6 +42,8 @@ IGNORED = [
     (["ps.staleness=5"], "ps", {"ps.staleness": "only ssp bounds staleness (ps.aggregation_mode is sync)"}),
     (["ps.aggregation_mode=async", "ps.backup_workers=1"], "ps",
      {"ps.backup_workers": "only a synchronous step"}),
+    (["ps.aggregation_mode=ssp", "ps.overlap=false"], "ps",
+     {"ps.overlap": "only a synchronous step overlaps its pushes"}),
     (["compression.enabled=true", "compression.type=quantization", "compression.ratio=0.5"], "ps",
      {"compression.ratio": "only topk"}),
     (["compression.ratio=0.5", "compression.type=topk"], "ddp",
@@ -96,6 +98,7 @@ def test_keys_a_run_ignores_are_named_with_their_reason(sets, strategy, expected
 ACTED_ON = [
     (["ps.aggregation_mode=ssp", "ps.staleness=5"], "ps"),
     (["ps.backup_workers=1"], "ps"),
+    (["ps.overlap=false"], "ps"),
     (["compression.enabled=true", "compression.type=topk", "compression.ratio=0.5"], "ddp"),
     (["compression.enabled=true", "compression.type=quantization", "compression.stochastic_rounding=true"],
      "ps"),

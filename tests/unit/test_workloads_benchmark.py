@@ -80,3 +80,22 @@ def test_quick_mode_shrinks_the_models_and_ps_runs_name_their_mode(workloads, tm
     assert not any(arg.startswith("training.model_args=") for arg in full)
     assert full[full.index("--world-size") + 1] == "2"
     assert full[full.index("--num-samples") + 1] == str(2 * 12 * 16)
+
+
+def test_the_overlapped_share_and_ps_against_ddp_follow_the_figures(workloads, tmp_path):
+    path = write_metrics(tmp_path / "metrics.jsonl", [
+        {**window(3, 9.0, 9.0), "time/comm_overlapped_s": 0.0},
+        {**window(6, 0.4, 0.1), "time/comm_overlapped_s": 0.3}])
+    assert workloads.window_means(path)["overlapped_s"] == pytest.approx(0.3)
+    runs = {"ps_sync": [{**figures(0.2, 0.1, 2e6), "overlapped_s": 0.3}],
+            "ps_sync_no_overlap": [{**figures(0.4, 0.3, 2e6), "overlapped_s": 0.0}],
+            "ddp": [{**figures(0.25, 0.05, 1e6), "overlapped_s": 0.05}]}
+    results = {"m": {s: workloads.summarise(r, None) for s, r in runs.items()}}
+    assert results["m"]["ps_sync"]["overlapped_share"] == pytest.approx(0.75)
+    assert results["m"]["ps_sync_no_overlap"]["overlapped_share"] == 0.0
+    versus = workloads.ps_vs_ddp(results)["m"]
+    assert versus["ps_sync"]["samples_per_s_ratio"] == pytest.approx(0.25 / 0.2)
+    assert versus["ps_sync_no_overlap"]["samples_per_s_ratio"] == pytest.approx(0.25 / 0.4)
+    serial = workloads.command("resnet18", "ps_sync_no_overlap", tmp_path, quick=True)
+    assert "--no-overlap" in serial and serial[serial.index("--aggregation-mode") + 1] == "sync"
+    assert "--no-overlap" not in workloads.command("resnet18", "ps_sync", tmp_path, quick=True)

@@ -46,6 +46,8 @@ PS_FLAGS = {
     "--aggregation-mode": ("ps.aggregation_mode", str, "sync, async or ssp"),
     "--staleness": ("ps.staleness", int, "ssp: the staleness bound"),
     "--backup-workers": ("ps.backup_workers", int, "sync: apply each step without the last N gradients"),
+    "--no-overlap": ("ps.overlap", False, "sync: push the gradients after the backward pass, not each "
+                     "shard's as soon as backward has produced it"),
     "--rpc-timeout": ("ps.rpc_timeout_s", float, "deadline of each RPC (s)"),
     **balance_flags("worker"),
     "--heartbeat-interval": ("coordinator.heartbeat_interval", float, "seconds between heartbeats"),

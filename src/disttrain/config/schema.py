@@ -204,6 +204,11 @@ class PSConfig:
     rpc_timeout_s: float = field(default=60.0, metadata=POSITIVE)
     bind_host: str = field(default="127.0.0.1", metadata=NON_EMPTY)
     payload_transport: str = field(default="auto", metadata=_choice(PAYLOAD_TRANSPORTS))
+    # -- Overlap (issue 26): communication hidden behind the backward pass. --------------
+    # Sync mode: push each shard's gradient (and take back the parameters it leads to) as
+    # soon as the backward pass has produced all of it, while backward computes the
+    # earlier layers; false: push every shard after backward.
+    overlap: bool = True
 
 
 @dataclass(frozen=True)

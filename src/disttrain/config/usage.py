@@ -101,6 +101,10 @@ RULES: tuple[Rule, ...] = (
     Rule("ps.staleness", _when(
         lambda c, s: c.ps.aggregation_mode != "ssp",
         lambda c: f"only ssp bounds staleness (ps.aggregation_mode is {c.ps.aggregation_mode})")),
+    Rule("ps.overlap", _when(
+        lambda c, s: c.ps.aggregation_mode != "sync",
+        lambda c: f"only a synchronous step overlaps its pushes with backward (ps.aggregation_mode is "
+                  f"{c.ps.aggregation_mode})")),
     Rule("ps.backup_workers", _when(
         lambda c, s: c.ps.aggregation_mode != "sync",
         lambda c: f"only a synchronous step has backup workers (ps.aggregation_mode is "

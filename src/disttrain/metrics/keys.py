@@ -58,11 +58,14 @@ METRICS: dict[str, Metric] = {m.key: m for m in [
     Metric("time/compute_s", "s", PER_STEP, "the part of a step not blocked on communication: "
            "`time/step_s` - `time/comm_blocked_s`", ALL),
     Metric("time/comm_blocked_s", "s", PER_STEP, "time a step waited on communication with no "
-           "computation of its own running (PS: push and pull after the backward pass; DDP: "
-           "the all-reduce still in flight after the backward pass computed its last bucket)",
-           "ps, ddp"),
-    Metric("time/comm_overlapped_s", "s", PER_STEP, "time gradient communication was in flight "
-           "while the backward pass still computed (DDP buckets)", "ddp"),
+           "computation of its own running (PS: the pushes and pulls still in flight after the "
+           "backward pass; DDP: the all-reduce still in flight after the backward pass computed "
+           "its last bucket)", "ps, ddp"),
+    Metric("time/comm_overlapped_s", "s", PER_STEP, "time communication was in flight while the "
+           "step still computed, overlaps counted once (DDP: buckets during the backward pass; PS "
+           "sync: each shard's push and pull, launched once the backward pass produced its "
+           "gradient; PS async and ssp: the prefetch of parameters during the computation, 0 "
+           "when each push trades for parameters in one round trip after it)", "ps, ddp"),
     Metric("comm/bytes_sent", "bytes", PER_STEP, "gradient bytes this worker sent to the servers, "
            "through gRPC or shared memory (a retried push counts again; message framing, some "
            "hundred bytes, does not)", "ps"),

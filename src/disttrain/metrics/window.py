@@ -68,6 +68,11 @@ class StepTimer:
         finally:
             self._totals[name] += self._now() - start
 
+    def add(self, name: str, seconds: float) -> None:
+        """Count `seconds` to phase `name`, measured elsewhere (time that ran beside the
+        step's own thread, e.g. communication in flight while it computed)."""
+        self._totals[name] += seconds
+
     def drain(self) -> dict[str, float]:
         out = {f"time/{name}_s": total for name, total in self._totals.items()}
         self._totals.clear()

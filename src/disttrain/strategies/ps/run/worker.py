@@ -131,7 +131,8 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
         exchange = make_exchange(assignment.aggregation_mode, client, worker_id, flat, grads,
                                  assignment.staleness, encoder, link.generation if link else 0,
                                  retry_late=config.ps.backup_workers == 0,
-                                 buffers=buffers if buffers.any else None)
+                                 buffers=buffers if buffers.any else None,
+                                 overlap=model if config.ps.overlap else None)
         exchange.start()
         faults = FaultInjector(options.faults, "worker", rank, options.attempt)
         sampler, rebalancer = balance_sampler(system, training, client, worker_id, world_size, rank, data[0],

@@ -13,6 +13,13 @@ step's version; async and ssp pull the newest parameters into a staging buffer w
 computing (prefetch), push, then switch to them; ssp uses them only when they are fresh
 enough that the next gradient should stay within the bound, and pulls anew otherwise.
 
+With overlap (sync mode, `ps.overlap`, the default), each shard's push, and the pull of
+the parameters it leads to in the same round trip, leaves as soon as the backward pass
+has produced that shard's whole gradient (`overlap.ShardTrigger`): the last layers'
+shard goes out while backward still computes the first layers. The step then waits only
+for what is still in flight (`time/comm_blocked_s`); what travelled during backward is
+`time/comm_overlapped_s`.
+
 In every mode, a shard that did not take the gradient (a synchronous step that went on
 without it, a server that restarted from an older checkpoint) gets it again, computed
 on that shard's current parameters, so every block is applied (the servers' ledgers
@@ -25,8 +32,9 @@ every reply the learning rate its shard applied the push with (`learning_rate`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +46,7 @@ from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.wire.payloads import GradientEncoder
 from disttrain.strategies.ps.worker.buffers import WorkerBuffers
 from disttrain.strategies.ps.worker.client import PSClient
+from disttrain.strategies.ps.worker.overlap import ShardTrigger, overlapped_s
 from disttrain.training.engine import StepResult
 
 Outcome = pb.PushReply.Outcome
@@ -113,10 +122,29 @@ class Exchange:
             TrainingError: the gradient holds NaN or infinity. It is checked whole before
                 any shard gets a byte, so a push is applied on every shard or on none.
         """
-        if not all_finite(self.grads):
-            raise TrainingError(f"the gradient of step {block.step} holds NaN or infinity, so no shard "
-                                "was sent any of it: training diverged; lower the learning rate or "
-                                "check the data")
+        headers, payloads = self.outgoing(block, shards, timer, self.grads)
+
+        def send():
+            if then_pull is None:
+                replies = self.client.push(headers, self.grads, shards, payloads)
+                self.settle(shards, payloads, replies)
+                return replies
+            replies, versions = self.client.step(headers, self.grads, shards, self.flat, then_pull, payloads)
+            self.settle(shards, payloads, replies, versions)
+            return replies, versions
+
+        return send
+
+    def outgoing(self, block: Block, shards: list[int], timer: StepTimer, checked: torch.Tensor,
+                 sent: list[int] = ()) -> tuple[list[pb.GradientMessage], list | None]:
+        """The headers of a push of the gradient now in `grads` to `shards`, and its
+        compressed payloads (None: the run sends raw values).
+
+        Raises:
+            TrainingError: `checked` (the gradient, or the part of it these shards hold)
+                holds NaN or infinity; no shard but those in `sent` was sent any of it.
+        """
+        self.check_finite(block, checked, sent)
         headers = [pb.GradientMessage(worker_id=self.worker_id, step=block.step, shard=s,
                                       base_version=self.versions[s], block_id=block.block_id,
                                       num_samples=block.num_samples,
@@ -134,21 +162,29 @@ class Exchange:
                 payloads = self.encoder.encode(self.grads, shards)
             for header in headers:
                 header.compressed, header.compression_type = True, self.encoder.scheme
+        return headers, payloads
 
-        def send():
-            if then_pull is None:
-                replies = self.client.push(headers, self.grads, shards, payloads)
-            else:
-                replies, versions = self.client.step(headers, self.grads, shards, self.flat, then_pull,
-                                                     payloads)
-                self.versions = [held if got is None else got
-                                 for held, got in zip(self.versions, versions, strict=True)]
-            if payloads is not None:
-                self.encoder.commit(payloads, replies)
-            self._note_rate(shards, replies)
-            return replies if then_pull is None else (replies, versions)
+    @staticmethod
+    def check_finite(block: Block, checked: torch.Tensor, sent: list[int] = ()) -> None:
+        """Raises TrainingError when `checked` (a gradient, or part of it) holds NaN or
+        infinity; `sent` names the shards that were sent their part already."""
+        if not all_finite(checked):
+            sent_to = f"shard(s) {sorted(sent)} were sent their part before it was found, no other shard " \
+                if sent else "no shard was sent any of it"
+            raise TrainingError(f"the gradient of step {block.step} holds NaN or infinity, so {sent_to}: "
+                                "training diverged; lower the learning rate or check the data")
 
-        return send
+    def settle(self, shards: list[int], payloads: list | None, replies: list[pb.PushReply],
+               versions: list[int | None] | None = None) -> None:
+        """After the replies of a push to `shards` came (on the training thread): keep the
+        versions the parameters now in `flat` have (None: untouched), the error-feedback
+        residuals of the payloads taken, and shard 0's learning rate."""
+        if versions is not None:
+            self.versions = [held if got is None else got
+                             for held, got in zip(self.versions, versions, strict=True)]
+        if payloads is not None:
+            self.encoder.commit(payloads, replies)
+        self._note_rate(shards, replies)
 
     def redo(self, compute: Callable[[], StepResult], block: Block, shards: list[int], timer: StepTimer
              ) -> None:
@@ -174,22 +210,22 @@ class Exchange:
 
 
 class SyncExchange(Exchange):
+    """Sync mode's step. With a `trigger` (overlap on), the first push of each step goes
+    out shard by shard while backward still computes (`overlap.ShardTrigger`); a shard
+    that did not take it gets it again as without overlap, after backward."""
+
+    trigger: ShardTrigger | None = None
+
     def step(self, compute, block, timer):
-        result = compute()
-        shards, staleness = list(range(self.num_shards)), 0
+        shards, staleness, overlap = list(range(self.num_shards)), 0, self.trigger is not None
         while True:
             wanted = [v + 1 for v in self.versions]
-            if self.client.one_round_trip:
-                trade = self.prepare(block, shards, timer, then_pull=wanted)
-                with timer.phase("comm_blocked"):
-                    replies, _ = trade()
-                versions = self.versions
-            else:  # a push and, at the same time, a pull waiting for the step
-                push = self.prepare(block, shards, timer)
-                with timer.phase("comm_blocked"):
-                    replies, versions = self.client.gather([
-                        push, lambda w=wanted, s=shards: self.client.pull(self.worker_id, self.flat, w, s)])
-                self.versions = versions
+            if overlap:
+                result, replies, versions = self.overlapped(compute, block, timer, wanted)
+                overlap = False
+            else:
+                result = compute()
+                replies, versions = self.trade(block, shards, timer, wanted)
             staleness = max([staleness] + [r.staleness for r in replies])
             outcomes = (LATE, ROLLED_BACK) if self.retry_late else (ROLLED_BACK,)
             if not self.retry_late and any(r.outcome == LATE for r in replies):
@@ -202,7 +238,81 @@ class SyncExchange(Exchange):
             shards = sorted(again)
             with timer.phase("comm_blocked"):
                 self.pull_current(shards)
+
+    def trade(self, block: Block, shards: list[int], timer: StepTimer, wanted: list[int]
+              ) -> tuple[list[pb.PushReply], list[int]]:
+        """Push the gradient now in `grads` to `shards` and take the step's parameters
+        back, after backward; the replies and the versions held."""
+        timer.add("comm_overlapped", 0.0)
+        if self.client.one_round_trip:
+            trade = self.prepare(block, shards, timer, then_pull=wanted)
+            with timer.phase("comm_blocked"):
+                replies, _ = trade()
+            return replies, self.versions
+        # a push and, at the same time, a pull waiting for the step
+        push = self.prepare(block, shards, timer)
+        with timer.phase("comm_blocked"):
+            replies, versions = self.client.gather([
+                push, lambda: self.client.pull(self.worker_id, self.flat, wanted, shards)])
+        self.versions = versions
+        return replies, versions
+
+    def overlapped(self, compute: Callable[[], StepResult], block: Block, timer: StepTimer,
+                   wanted: list[int]) -> tuple[StepResult, list[pb.PushReply], list[int]]:
+        """Compute the gradient and trade each shard's part of it (`PSClient.step`) as soon
+        as backward has produced it; the result, the replies in shard order and the
+        versions held once every trade came back.
+
+        Raises:
+            TrainingError: a shard's part of the gradient holds NaN or infinity. Each part
+                is checked before it goes, so that shard and those after it were sent none
+                of it; shards launched before it during backward may have taken theirs (a
+                diverged run stops: training cannot go on; on a resume, the data ledger
+                redoes the block on the shards that lack it).
+        """
+        launched: dict[int, tuple[Future, list | None]] = {}
+
+        def launch(shard: int) -> None:
+            if not launched and self.buffers is not None:
+                self.buffers.finish()  # the forward pass is over: its change to the buffers is known
+            plan = self.client.plans[shard]
+            part = self.grads[plan.offset:plan.offset + plan.numel]
+            headers, payloads = self.outgoing(block, [shard], timer, part, list(launched))
+            started = time.perf_counter()
+
+            def send():
+                answer = self.client.step(headers, self.grads, [shard], self.flat, wanted, payloads)
+                return answer, (started, time.perf_counter())
+
+            launched[shard] = (self.client.submit(send), payloads)
+
+        self.trigger.arm(launch)
+        try:
             result = compute()
+            rest = self.trigger.disarm()
+            for shard in rest:  # checked before any of them goes (a shard taking no gradient is rare)
+                plan = self.client.plans[shard]
+                self.check_finite(block, self.grads[plan.offset:plan.offset + plan.numel], list(launched))
+            for shard in rest:
+                launch(shard)
+        except BaseException:
+            self.trigger.disarm()
+            wait([f for f, _ in launched.values()])  # nothing left writing into `flat`
+            raise
+        computed = time.perf_counter()
+        with timer.phase("comm_blocked"):
+            futures = [launched[s][0] for s in range(self.num_shards)]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in done:
+                if f.exception() is not None:
+                    raise f.exception()
+        answers = [f.result() for f in futures]
+        timer.add("comm_overlapped", overlapped_s([interval for _, interval in answers], computed))
+        replies = [answer[0][0] for answer, _ in answers]
+        versions: list[int | None] = [answer[1][s] for s, (answer, _) in enumerate(answers)]
+        payloads = None if self.encoder is None else [launched[s][1][0] for s in range(self.num_shards)]
+        self.settle(list(range(self.num_shards)), payloads, replies, versions)
+        return result, replies, self.versions
 
     def refresh(self) -> None:
         """The parameters pulled at the end of each step are already the servers' newest."""
@@ -212,10 +322,18 @@ class AsyncExchange(Exchange):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.staged = torch.empty_like(self.flat)
+        self.prefetched_in: tuple[float, float] | None = None  # (started, done) of the last prefetch
 
     def prefetch(self) -> Future:
-        current = list(self.versions)
-        return self.client.submit(lambda: self.client.pull(self.worker_id, self.staged, current))
+        current, started = list(self.versions), time.perf_counter()
+
+        def pull() -> list[int]:
+            versions = self.client.pull(self.worker_id, self.staged, current)
+            self.prefetched_in = (started, time.perf_counter())
+            return versions
+
+        self.prefetched_in = None
+        return self.client.submit(pull)
 
     def use_prefetched(self, fetched: Future) -> None:
         self.versions = fetched.result()
@@ -245,8 +363,20 @@ class AsyncExchange(Exchange):
 
     def step(self, compute, block, timer):
         if self.client.one_round_trip:
+            timer.add("comm_overlapped", 0.0)  # every push and pull goes after the computation
             return self.trade_until_taken(compute, block, timer)
-        return self.prefetching_step(compute, block, timer)
+        computed: list[float] = []
+
+        def timed() -> StepResult:
+            result = compute()
+            computed.append(time.perf_counter())
+            return result
+
+        answer = self.prefetching_step(timed, block, timer)
+        # The prefetch is waited for (or went over) by now: its interval is known.
+        interval = self.prefetched_in
+        timer.add("comm_overlapped", overlapped_s([interval], computed[0]) if interval else 0.0)
+        return answer
 
     def trade_until_taken(self, compute, block, timer) -> tuple[StepResult, int]:
         """Compute, then push and take the parameters back in one call per shard; again for
@@ -303,11 +433,17 @@ class SSPExchange(AsyncExchange):
 
 def make_exchange(mode: str, client: PSClient, worker_id: str, flat: torch.Tensor, grads: torch.Tensor,
                   staleness_bound: int, encoder: GradientEncoder | None = None, generation: int = 0,
-                  retry_late: bool = True, buffers: WorkerBuffers | None = None) -> Exchange:
+                  retry_late: bool = True, buffers: WorkerBuffers | None = None,
+                  overlap: torch.nn.Module | None = None) -> Exchange:
     """The exchange of aggregation mode `mode` ("sync", "async" or "ssp"); `encoder`
-    compresses each push (None: raw values); `buffers` adds each step's buffer change."""
+    compresses each push (None: raw values); `buffers` adds each step's buffer change;
+    `overlap`, the worker's model, pushes each shard's gradient as backward produces it
+    (sync mode; None: after backward)."""
     classes = {"sync": SyncExchange, "async": AsyncExchange, "ssp": SSPExchange}
     if mode not in classes:
         raise ValueError(f"unknown aggregation mode {mode!r}")
-    return classes[mode](client, worker_id, flat, grads, staleness_bound, encoder, generation, retry_late,
-                         buffers)
+    exchange = classes[mode](client, worker_id, flat, grads, staleness_bound, encoder, generation, retry_late,
+                             buffers)
+    if overlap is not None and isinstance(exchange, SyncExchange):
+        exchange.trigger = ShardTrigger(overlap, client.plans)
+    return exchange
