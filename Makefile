@@ -49,15 +49,21 @@ demo: install
 	$(VENV)/bin/disttrain compare --dataset digits --workers 2 --num-epochs 10 \
 		--strategies $(DEMO_STRATEGIES) --output-dir runs/demo
 
-# The import contracts and style first (make lint), then every test.
+# The import contracts and style first (make lint), then every test, in TEST_WORKERS
+# processes (pytest-xdist): a test spends most of its time waiting on the processes it
+# starts, so two share two cores well. Each test file stays in one process (its
+# module-wide fixtures run once). TEST_WORKERS=0 runs them in this one process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: lint
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 test-slow: install
-	$(PY) -m pytest -q -m slow
+	$(PYTEST) -m slow
 
 # Every script of benchmarks/ but the helper modules they import.
 BENCHMARKS := $(filter-out common ps_helpers,$(basename $(notdir $(wildcard benchmarks/*.py))))
