@@ -5,13 +5,15 @@ root and iproute2). The parameter server's shard runs on host a; the two workers
 two DDP nodes, 1 rank each, c10d rendezvous on host b) run on hosts b and c, whose links
 are limited with `tc qdisc ... tbf` to each `--rates` value in both directions. For each
 rate and each configuration (PS sync and async, each with and without top-k 1%, DDP with
-and without PowerSGD rank 2) it runs the real commands and reports, from worker or rank
-0's summary: samples/s, the time to 97% test accuracy on the training clock, and the
-final accuracy (the time is null when 97% was not reached: "reached_97" says so).
+and without PowerSGD rank 2, DDP with local updates every 8 and 32 steps) it runs the
+real commands and reports, from worker or rank 0's summary: samples/s, the time to 97%
+test accuracy on the training clock, the final accuracy (the time is null when 97% was
+not reached: "reached_97" says so), and the bytes worker 0 sent and received: accuracy
+against bytes.
 
 Data: MNIST, 1 epoch, when a copy is at hand (`--data-dir`, else $DISTTRAIN_DATA_DIR,
 ./data, ../shared/data); otherwise, and with `--quick`, the shipped digits for 6
-epochs (about two minutes for the 12 runs on 2 cores). On a model this small the links
+epochs (about three minutes for the 16 runs on 2 cores). On a model this small the links
 only hurt once they are slow: what compression buys shows at 100 Mbit/s, not at 1 Gbit/s.
 """
 
@@ -35,12 +37,22 @@ from netns import Network, read_event, unavailable_reason  # noqa: E402
 DISTTRAIN = [sys.executable, "-m", "disttrain"]
 TOPK = ["--compression-enabled", "--compression-type", "topk", "--compression-ratio", "0.01"]
 POWERSGD = ["--compression-enabled", "--compression-type", "powersgd", "--powersgd-rank", "2"]
+
+
+def local(every: int) -> list[str]:
+    """Local updates (DiLoCo's outer step: Nesterov, learning rate 0.7, momentum 0.9)."""
+    return ["--sync-every", str(every), "--outer-optimizer", "nesterov", "--outer-lr", "0.7",
+            "--outer-momentum", "0.9"]
+
+
 CONFIGS = {"ps-sync": ("ps", ["--aggregation-mode", "sync"]),
            "ps-sync+topk": ("ps", ["--aggregation-mode", "sync", *TOPK]),
            "ps-async": ("ps", ["--aggregation-mode", "async"]),
            "ps-async+topk": ("ps", ["--aggregation-mode", "async", *TOPK]),
            "ddp": ("ddp", []),
-           "ddp+powersgd": ("ddp", POWERSGD)}
+           "ddp+powersgd": ("ddp", POWERSGD),
+           "ddp+local8": ("ddp", local(8)),
+           "ddp+local32": ("ddp", local(32))}
 RUN_TIMEOUT_S = 600
 
 
@@ -86,10 +98,31 @@ def run_one(net: Network, kind: str, flags: list[str], data: list[str], folder: 
         return {"status": "failed", "exit_codes": codes, "log_tails": tails}
     summary = json.loads((folder / "b" / "summary.json").read_text())
     reached = summary["time_to_accuracy_s"].get("0.97")
+    sent, received = bytes_of_run(folder / "b")
     return {"status": "ok", "samples_per_s": round(summary["throughput_samples_per_s"], 1),
             "time_to_97_s": None if reached is None else round(reached, 3), "reached_97": reached is not None,
             "final_accuracy": round(summary["final_accuracy"], 4),
-            "train_time_s": round(summary["train_time_s"], 3), "steps": summary["steps"]}
+            "train_time_s": round(summary["train_time_s"], 3), "steps": summary["steps"],
+            "bytes_sent": sent, "bytes_received": received}
+
+
+def bytes_of_run(folder: Path) -> tuple[int, int]:
+    """Bytes worker (rank) 0 sent and received over the run: its windows' per-step means
+    times their steps. Sent: the compressed payload where compression ran, else the PS
+    push or the DDP all-reduce; received: the PS pull (an all-reduce receives what it sends)."""
+    metrics = next(folder.rglob("metrics.jsonl"))
+    sent = received = 0.0
+    previous = 0
+    for line in metrics.read_text().splitlines():
+        record = json.loads(line)
+        if "loss/train" not in record:
+            continue
+        steps, previous = record["step"] - previous, record["step"]
+        out = record.get("compression/bytes_sent",
+                         record.get("comm/bytes_sent", record.get("comm/bytes_allreduced", 0.0)))
+        sent += out * steps
+        received += record.get("comm/bytes_received", out) * steps
+    return round(sent), round(received)
 
 
 def main() -> int:
