@@ -16,8 +16,8 @@ from disttrain.core.errors import ConfigError
 from disttrain.strategies.ddp.runtime import check_supported
 from disttrain.strategies.ps.run.launcher import check_supported as check_ps_supported
 from disttrain.strategies.ps.server.optimizer import ShardOptimizer
-from disttrain.strategies.ps.wire.sharding import plan_shards
-from disttrain.strategies.ps.worker.local_rounds import round_end
+from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
+from disttrain.strategies.ps.worker.local_rounds import WorkerRounds, round_end
 from disttrain.training.local_updates import LocalUpdates, OuterOptimizer
 
 
@@ -185,3 +185,39 @@ def test_state_round_trips_and_refuses_another_layout():
         OuterOptimizer(settings, params_of([0.0, 0.0, 0.0])).load_state_dict(state)
     with pytest.raises(ValueError, match="outer_momentum"):
         OuterOptimizer(LocalUpdates(4), params_of([0.0, 0.0])).load_state_dict(state)
+
+
+def test_a_workers_rounds_resume_mid_round_from_their_state():
+    config = config_from_dict({"training": {"sync_every": 3, "optimizer": "sgd", "momentum": 0.5,
+                                            "learning_rate": 0.1}})
+
+    def worker():
+        model = torch.nn.Linear(3, 2)
+        flat, grads = flat_parameters(model)
+        return model, flat, grads, WorkerRounds(LocalUpdates.of(config.training), model, flat, grads,
+                                                config.training)
+
+    def inner_step(model, grads, rounds, seed):
+        generator = torch.Generator().manual_seed(seed)
+        grads.zero_()
+        model(torch.randn(4, 3, generator=generator)).square().sum().backward()
+        return rounds.inner_step(4, ends_epoch=False)
+
+    model, flat, grads, rounds = worker()
+    rounds.open()
+    start = flat.clone()
+    assert not inner_step(model, grads, rounds, 0)
+    saved = rounds.state_dict()
+    assert not inner_step(model, grads, rounds, 1) and inner_step(model, grads, rounds, 2)
+    expected = rounds.pseudo_gradient()
+    torch.testing.assert_close(expected, start - flat)
+
+    other_model, other_flat, other_grads, resumed = worker()  # another start: the state replaces it
+    resumed.load_state_dict(saved)
+    assert not resumed.opening and resumed.samples == 4
+    assert not inner_step(other_model, other_grads, resumed, 1) and inner_step(other_model, other_grads,
+                                                                               resumed, 2)
+    torch.testing.assert_close(resumed.pseudo_gradient(), expected, rtol=0, atol=0)  # momentum kept too
+    assert resumed.samples == 12 and resumed.round_number == 1
+    resumed.close()
+    assert resumed.opening and resumed.round_number == 2 and resumed.samples == 0

@@ -101,15 +101,18 @@ class WorkerRounds:
         self.outer.rounds += 1
         self.open()
 
-    def scalars(self) -> dict[str, float]:
-        return {**self.stepper.scalars(), "local/rounds": float(self.outer.rounds)}
+    def scalars(self, ended: bool) -> dict[str, float]:
+        """The step's figures: the inner optimizer's, and whether it ended a round."""
+        return {**self.stepper.scalars(), "local/rounds": 1 if ended else 0}
 
     def state_dict(self) -> dict[str, Any]:
         """The worker's own: its model's parameters (mid-round they are not the servers'),
         its inner optimizer and schedule, its round-start copy and place in the round."""
-        return {"params": self.flat.clone(), "outer": self.outer.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "schedule": self.stepper.state.state_dict(),
-                "samples": self.samples}
+        optimizer = self.optimizer.state_dict()  # its tensors are the live ones: copied
+        optimizer["state"] = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in entries.items()}
+                              for k, entries in optimizer["state"].items()}
+        return {"params": self.flat.clone(), "outer": self.outer.state_dict(), "optimizer": optimizer,
+                "schedule": self.stepper.state.state_dict(), "samples": self.samples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take back `state_dict()`.

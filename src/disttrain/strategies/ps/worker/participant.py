@@ -99,7 +99,6 @@ class WorkerParticipant:
         result, staleness = exchange.step(compute, block, self.timer)
         if self.rounds is not None:
             self.rounds.close()
-            result.num_samples = len(indices)  # the step's; the push stood for the round's
         result = self._stepped(result, info, len(indices), entered)
         result.scalars.update({"comm/bytes_sent": client.bytes_sent - sent,
                                "comm/bytes_received": client.bytes_received - received,
@@ -122,7 +121,8 @@ class WorkerParticipant:
         progress = self.progress
         self.progress = NodeProgress(info.epoch, info.step, progress.samples + num_samples,
                                      (progress.work_s or 0.0) + busy)
-        result.scalars = timings if self.rounds is None else {**timings, **self.rounds.scalars()}
+        result.scalars = timings if self.rounds is None else \
+            {**timings, **self.rounds.scalars(ended=self.rounds.opening)}
         return result
 
     def _inner_step(self, compute: Callable[[], StepResult], num_samples: int, info: StepInfo
