@@ -138,6 +138,7 @@ def local_reference(config, train_set, sync_every: int) -> dict[str, torch.Tenso
     return start.state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_local_updates_match_two_local_trainings_and_the_outer_step(tmp_path, cli):
     # 6 steps a worker, H = 4: rounds of 4 and 2 steps; inner momentum, outer nesterov on 2 shards.
