@@ -6,6 +6,7 @@ a process failing more often than it may be restarted stops the run, and killing
 launcher leaves no process behind.
 """
 
+import copy
 import json
 import os
 import signal
@@ -17,10 +18,13 @@ import pytest
 import torch
 from ps_reference import assert_matches_one_process
 
+from disttrain.config import load_config
 from disttrain.core.checkpoint import load_checkpoint
-from disttrain.data import ShardedSampler
+from disttrain.data import ShardedSampler, load_datasets
 from disttrain.metrics.logger import read_metrics
+from disttrain.training.engine import forward_backward
 from disttrain.training.evaluation import evaluate_model_file
+from disttrain.training.models import init_model
 from disttrain.training.schedule import LRSchedule
 
 EXACT_ARGS = [
@@ -55,10 +59,12 @@ def concatenated(config, train_set):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("transport", ["grpc", "shared_memory"])
-def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path, cli, transport):
+@pytest.mark.parametrize("transport, local", [("grpc", False), ("shared_memory", False), ("grpc", True)])
+def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path, cli, transport, local):
     # Overlap is on (the default): each of the 2 shards' pushes leaves as soon as backward
-    # produced its gradient, and the result is still the one process's.
+    # produced its gradient, and the result is still the one process's. With local updates
+    # at H = 1 (inner sgd, outer sgd at rate 1) each worker pushes its step's pseudo-gradient,
+    # learning rate x gradient, and the shards' outer step applies their mean: the same.
     result = cli(
         "ps",
         "--workers",
@@ -68,6 +74,7 @@ def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path
         *EXACT_ARGS,
         "--set",
         f"system.payload_transport={transport}",
+        *(["--local-updates"] if local else []),
         "--log-dir",
         tmp_path / "logs",
         "--checkpoint-dir",
@@ -90,7 +97,10 @@ def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path
     assert through_memory == (transport == "shared_memory")
     for rank in range(2):  # shard 1 (the last layer) went out while backward still computed
         records = read_metrics(tmp_path / "logs" / f"worker{rank}" / "metrics.jsonl")
-        assert any(r.get("time/comm_overlapped_s", 0) > 0 for r in records), records
+        # (with local updates a push leaves once a round, after its last inner step)
+        assert any(r.get("time/comm_overlapped_s", 0) > 0 for r in records) != local, records
+    if local:
+        assert (summary["sync_every"], summary["local_rounds"]) == (1, 3)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.suffix != ".sha256") == [
         "parameter_server_final.pt",
         "server0",
@@ -98,6 +108,54 @@ def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path
         "worker0",
         "worker1",
     ]
+
+
+def local_reference(config, train_set, sync_every: int) -> dict[str, torch.Tensor]:
+    """Two workers' local training, written out: each takes `sync_every` steps (the epoch's
+    last ends a round) with its own SGD (its momentum kept across rounds) from the round's
+    start; the shards average the pseudo-gradients and step nesterov on them."""
+    training = config.training
+    start = init_model(training)
+    workers = [copy.deepcopy(start) for _ in range(2)]
+    inner = [torch.optim.SGD(w.parameters(), lr=training.learning_rate, momentum=training.momentum)
+             for w in workers]
+    outer = torch.optim.SGD(start.parameters(), lr=training.outer_learning_rate,
+                            momentum=training.outer_momentum, nesterov=True)
+    samplers = [ShardedSampler(len(train_set), world_size=2, rank=r, seed=training.seed) for r in range(2)]
+    for _ in range(training.num_epochs):
+        steps = list(zip(*(s.batches(training.batch_size) for s in samplers), strict=True))
+        for first in range(0, len(steps), sync_every):
+            for worker, optimizer, rank in zip(workers, inner, range(2), strict=True):
+                worker.load_state_dict(start.state_dict())
+                for batches in steps[first:first + sync_every]:
+                    inputs, targets = train_set.batch(batches[rank])
+                    optimizer.zero_grad()
+                    forward_backward(worker, inputs, targets)
+                    optimizer.step()
+            for param, *locals_ in zip(start.parameters(), *(w.parameters() for w in workers), strict=True):
+                param.grad = sum(param.detach() - p.detach() for p in locals_) / 2
+            outer.step()
+    return start.state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_local_updates_match_two_local_trainings_and_the_outer_step(tmp_path, cli):
+    # 6 steps a worker, H = 4: rounds of 4 and 2 steps; inner momentum, outer nesterov on 2 shards.
+    result = cli("ps", "--workers", "2", "--servers", "2", *EXACT_ARGS, "--set", "training.momentum=0.5",
+                 "--batch-size", "8", "--sync-every", "4", "--outer-optimizer", "nesterov",
+                 "--outer-lr", "0.7", "--outer-momentum", "0.9", "--log-dir", tmp_path / "logs",
+                 "--checkpoint-dir", tmp_path / "ckpt", timeout=110)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert (summary["steps"], summary["local_rounds"], summary["shard_versions"]) == (6, 2, [2, 2])
+    assert (summary["samples_applied"], summary["samples_lost"]) == (96, 0)
+    config = load_config(tmp_path / "logs" / "config.yaml")
+    train_set, _ = load_datasets(config.training)
+    expected = local_reference(config, train_set, 4)
+    final = load_checkpoint(tmp_path / "ckpt" / "parameter_server_final.pt")["model"]
+    for name, value in expected.items():
+        torch.testing.assert_close(final[name], value, rtol=0, atol=1e-5, msg=name)
 
 
 # Warm-up then cosine decay, AdamW with weight decay on the weights only, clipping by

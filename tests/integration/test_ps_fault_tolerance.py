@@ -45,9 +45,14 @@ def registry_nodes(folder):
 
 
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow),
+                                  pytest.param("local", marks=pytest.mark.slow)])
 def test_a_killed_worker_is_restarted_and_every_sample_is_applied_once(tmp_path, cli, mode):
-    summary = run_ps(cli, tmp_path, "--aggregation-mode", mode, "--inject", "kill:worker=1:step=7")
+    # local: sync mode with rounds of 4 steps (ending at steps 4, 8 and 10 of each epoch);
+    # killed at step 7, in its second round, the worker resumes from its step-5 checkpoint
+    # mid-round (its own model, inner optimizer and round-start copy) and redoes the round.
+    local = ["--sync-every", "4"] if mode == "local" else ["--aggregation-mode", mode]
+    summary = run_ps(cli, tmp_path, *local, "--inject", "kill:worker=1:step=7")
     assert_every_sample_applied_once(summary)
     (failure,) = summary["failures"]
     assert failure["process"] == "worker1" and "SIGKILL" in failure["reason"]
@@ -58,12 +63,15 @@ def test_a_killed_worker_is_restarted_and_every_sample_is_applied_once(tmp_path,
         "worker1", recovery.detect_s, recovery.recover_s)
     # its exit reported by the supervisor (no detection delay), or its heartbeats missed first
     assert (recovery.detect_s == 0.0) == ("SIGKILL" in recovery.reason), recovery
-    if mode == "sync":
+    if mode == "sync":  # (with local updates the survivor waits for the restarted worker's round)
         # the survivor waited at most a heartbeat timeout and interval for the dead worker
         assert summary["max_round_wait_s"] <= TIMEOUT + INTERVAL + 1.0
     nodes = registry_nodes(tmp_path)
     assert nodes["worker1"]["restarts"] == 1 and nodes["worker1"]["state"] == "done"
-    assert summary["samples_redone"] >= BATCH  # it resumed from its step-5 checkpoint
+    if mode == "local":  # no round of the steps redone had been applied: no push was turned away
+        assert summary["local_rounds"] >= 6 and summary["steps"] == EPOCHS * TRAIN // WORKERS // BATCH
+    else:
+        assert summary["samples_redone"] >= BATCH  # it resumed from its step-5 checkpoint
     # every worker's latest metrics reached the coordinator, its last evaluation's included
     for worker in ("worker0", "worker1"):
         metrics = nodes[worker]["metrics"]

@@ -14,6 +14,10 @@ from disttrain.config import Config, config_from_dict
 from disttrain.config.usage import ignored_keys
 from disttrain.core.errors import ConfigError
 from disttrain.strategies.ddp.runtime import check_supported
+from disttrain.strategies.ps.run.launcher import check_supported as check_ps_supported
+from disttrain.strategies.ps.server.optimizer import ShardOptimizer
+from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
+from disttrain.strategies.ps.worker.local_rounds import WorkerRounds, round_end
 from disttrain.training.local_updates import LocalUpdates, OuterOptimizer
 
 
@@ -56,10 +60,14 @@ def test_flags_set_the_keys():
 
 def test_other_strategies_say_they_ignore_the_keys():
     config = config_from_dict({"training": {"sync_every": 4, "outer_learning_rate": 0.5}})
-    ignored_by_ps = {k.key for k in ignored_keys(config, "ps")}
-    assert ignored_by_ps >= {"training.sync_every", "training.outer_learning_rate"}
-    assert {k.key for k in ignored_keys(config, "baseline")} >= {"training.sync_every"}
+    assert {k.key for k in ignored_keys(config, "baseline")} >= {"training.sync_every",
+                                                                "training.outer_learning_rate"}
     assert not ignored_keys(config, "ddp")
+    # The parameter server takes them; its overlapped push is off in the mode (once a round).
+    assert not ignored_keys(config, "ps")
+    overlap = config_from_dict({"training": {"sync_every": 4}, "ps": {"overlap": False}})
+    assert [k.key for k in ignored_keys(overlap, "ps")] == ["ps.overlap"]
+    assert not ignored_keys(config_from_dict({"ps": {"overlap": False}}), "ps")
     # The DDP wrapper's knobs do nothing with local updates; outer settings without them neither.
     wrapper = config_from_dict({"training": {"sync_every": 4}, "ddp": {"bucket_cap_mb": 5.0}})
     assert [k.key for k in ignored_keys(wrapper, "ddp")] == ["ddp.bucket_cap_mb"]
@@ -74,6 +82,51 @@ def test_other_strategies_say_they_ignore_the_keys():
 def test_ddp_refuses_what_local_updates_do_not_offer(sections, fragment):
     with pytest.raises(ConfigError, match=fragment):
         check_supported(config_from_dict(sections))
+
+
+@pytest.mark.parametrize("sections, fragment", [
+    ({"training": {"sync_every": 4}, "ps": {"aggregation_mode": "async"}},
+     "ps.aggregation_mode: async is not offered with local updates"),
+    ({"training": {"local_updates": True}, "ps": {"aggregation_mode": "ssp"}},
+     "ps.aggregation_mode: ssp is not offered with local updates"),
+    ({"training": {"sync_every": 4}, "system": {"balance": "proportional"}}, "system.balance: proportional"),
+    ({"training": {"sync_every": 4, "precision": "fp16"}}, "training.precision: fp16"),
+])
+def test_the_parameter_server_refuses_what_local_updates_do_not_offer(sections, fragment):
+    with pytest.raises(ConfigError, match=fragment) as info:
+        check_ps_supported(config_from_dict(sections))
+    assert "\n" not in str(info.value)
+
+
+def test_a_shard_steps_the_outer_optimizer_under_local_updates():
+    config = config_from_dict({"training": {"sync_every": 4, "optimizer": "adamw", "weight_decay": 0.1,
+                                            "clip_grad_norm": 1.0, "lr_schedule": "cosine",
+                                            "lr_decay_steps": 10, "outer_optimizer": "nesterov",
+                                            "outer_learning_rate": 0.7, "outer_momentum": 0.9}})
+    model = torch.nn.Linear(3, 2)
+    param = torch.nn.Parameter(torch.zeros(8))
+    shard = ShardOptimizer(param, plan_shards(model, 1)[0], config.training, 8)
+    (group,) = shard.optimizer.param_groups
+    assert isinstance(shard.optimizer, torch.optim.SGD)
+    assert (group["lr"], group["momentum"], group["nesterov"]) == (0.7, 0.9, True)
+    assert not shard.changes_gradient and not shard.decayed and shard.schedule.constant
+    reference = torch.nn.Parameter(torch.zeros(8))
+    torch_sgd = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=True)
+    for value in (1.0, -0.5, 2.0):  # the outer momentum carries over the rounds
+        param.grad = torch.full((8,), value)
+        reference.grad = param.grad.clone()
+        shard.set_rate()
+        shard.prepare(param.grad)
+        shard.optimizer.step()
+        shard.applied()
+        torch_sgd.step()
+    torch.testing.assert_close(param.detach(), reference.detach(), rtol=0, atol=1e-7)
+
+
+def test_round_ends_are_the_blocks_the_ledgers_hold():
+    # 10 batches an epoch, H = 4: rounds end at batches 3, 7 and the epoch's last, 9.
+    assert [round_end(i, 10, 4) for i in range(10)] == [3, 3, 3, 3, 7, 7, 7, 7, 9, 9]
+    assert [round_end(i, 3, 1) for i in range(3)] == [0, 1, 2]
 
 
 def params_of(*values: list[float]) -> list[torch.Tensor]:
@@ -132,3 +185,39 @@ def test_state_round_trips_and_refuses_another_layout():
         OuterOptimizer(settings, params_of([0.0, 0.0, 0.0])).load_state_dict(state)
     with pytest.raises(ValueError, match="outer_momentum"):
         OuterOptimizer(LocalUpdates(4), params_of([0.0, 0.0])).load_state_dict(state)
+
+
+def test_a_workers_rounds_resume_mid_round_from_their_state():
+    config = config_from_dict({"training": {"sync_every": 3, "optimizer": "sgd", "momentum": 0.5,
+                                            "learning_rate": 0.1}})
+
+    def worker():
+        model = torch.nn.Linear(3, 2)
+        flat, grads = flat_parameters(model)
+        return model, flat, grads, WorkerRounds(LocalUpdates.of(config.training), model, flat, grads,
+                                                config.training)
+
+    def inner_step(model, grads, rounds, seed):
+        generator = torch.Generator().manual_seed(seed)
+        grads.zero_()
+        model(torch.randn(4, 3, generator=generator)).square().sum().backward()
+        return rounds.inner_step(4, ends_epoch=False)
+
+    model, flat, grads, rounds = worker()
+    rounds.open()
+    start = flat.clone()
+    assert not inner_step(model, grads, rounds, 0)
+    saved = rounds.state_dict()
+    assert not inner_step(model, grads, rounds, 1) and inner_step(model, grads, rounds, 2)
+    expected = rounds.pseudo_gradient()
+    torch.testing.assert_close(expected, start - flat)
+
+    other_model, other_flat, other_grads, resumed = worker()  # another start: the state replaces it
+    resumed.load_state_dict(saved)
+    assert not resumed.opening and resumed.samples == 4
+    assert not inner_step(other_model, other_grads, resumed, 1) and inner_step(other_model, other_grads,
+                                                                               resumed, 2)
+    torch.testing.assert_close(resumed.pseudo_gradient(), expected, rtol=0, atol=0)  # momentum kept too
+    assert resumed.samples == 12 and resumed.round_number == 1
+    resumed.close()
+    assert resumed.opening and resumed.round_number == 2 and resumed.samples == 0

@@ -99,7 +99,7 @@ COMPRESSION_FLAGS: dict[str, tuple[str, Any, str]] = {
 }
 
 
-# Local-update training (LocalSGD / DiLoCo): DDP now, the parameter server later.
+# Local-update training (LocalSGD / DiLoCo): DDP and the parameter server (sync mode).
 LOCAL_UPDATE_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--sync-every": ("training.sync_every", int, "local steps each worker takes between two "
                      "synchronisations (H); 1: average every step's gradient (local updates off)"),

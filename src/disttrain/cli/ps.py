@@ -15,6 +15,7 @@ from disttrain.cli.check import (
 )
 from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
+    LOCAL_UPDATE_FLAGS,
     add_tls_flags,
     add_token_flag,
     add_training_flags,
@@ -54,6 +55,7 @@ PS_FLAGS = {
     "--heartbeat-timeout": ("coordinator.heartbeat_timeout", float,
                             "seconds without a heartbeat before a process is declared failed"),
     **COMPRESSION_FLAGS,
+    **LOCAL_UPDATE_FLAGS,
 }
 # The coordinator of a run across machines (`disttrain coordinator`).
 COORDINATOR_FLAG = {"--coordinator": ("coordinator.address", str, "HOST:PORT of the run's coordinator: "

@@ -133,7 +133,7 @@ class TrainingConfig:
     # Processes that load training batches ahead of the steps (0: the training process
     # loads each batch itself); pinned memory on CUDA. The order and resume are the sampler's.
     loader_workers: int = field(default=0, metadata=NON_NEGATIVE)
-    # -- local updates (LocalSGD / DiLoCo; DDP now, the parameter server later) --
+    # -- local updates (LocalSGD / DiLoCo; DDP, and the parameter server in sync mode) --
     # Steps each worker takes with its own (inner) optimizer between two synchronisations
     # (H); 1: every step's gradient is averaged (no local updates). A round also ends at
     # an epoch's last step. At a round's end the pseudo-gradient (round-start parameters

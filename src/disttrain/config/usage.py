@@ -102,6 +102,10 @@ RULES: tuple[Rule, ...] = (
         lambda c, s: c.ps.aggregation_mode != "ssp",
         lambda c: f"only ssp bounds staleness (ps.aggregation_mode is {c.ps.aggregation_mode})")),
     Rule("ps.overlap", _when(
+        lambda c, s: c.training.local_update_mode,
+        "with local updates a worker pushes once per round, after its last inner step "
+        "(training.sync_every > 1)")),
+    Rule("ps.overlap", _when(
         lambda c, s: c.ps.aggregation_mode != "sync",
         lambda c: f"only a synchronous step overlaps its pushes with backward (ps.aggregation_mode is "
                   f"{c.ps.aggregation_mode})")),
@@ -128,10 +132,10 @@ RULES: tuple[Rule, ...] = (
         lambda c: f"the coordinator at {c.coordinator.address} flags stragglers by its own config")),
     Rule("training.sync_every", _when(lambda c, s: s == BASELINE, "the baseline's one process has "
                                       "nothing to synchronise")),
-    Rule("training.sync_every", _when(lambda c, s: s == "ps", "the parameter server does not take "
-                                      "local updates yet (DDP does)")),
-    Rule("training.local_updates", _when(lambda c, s: s != "ddp", "only DDP takes local updates")),
-    Rule("training.outer_*", _when(lambda c, s: s != "ddp", "only DDP takes local updates")),
+    Rule("training.local_updates", _when(lambda c, s: s == BASELINE, "the baseline's one process has "
+                                         "nothing to synchronise")),
+    Rule("training.outer_*", _when(lambda c, s: s == BASELINE, "the baseline's one process has "
+                                   "nothing to synchronise")),
     Rule("training.outer_*", _when(lambda c, s: not c.training.local_update_mode,
                                    "the outer optimizer steps only with local updates "
                                    "(training.sync_every is 1)")),

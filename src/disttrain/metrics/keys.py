@@ -75,7 +75,7 @@ METRICS: dict[str, Metric] = {m.key: m for m in [
            "all-reduce (with local updates: pseudo-gradient bytes, at a round's end only)", "ddp"),
     Metric("local/rounds", "rounds", PER_STEP, "local-update rounds that ended (the pseudo-gradient "
            "averaged and the outer optimizer applied): per step, 1/`training.sync_every` but for "
-           "rounds an epoch's end cut short", "ddp (local updates)"),
+           "rounds an epoch's end cut short", "ddp, ps (local updates)"),
     Metric("compression/bytes_dense", "bytes", PER_STEP, "gradient bytes before compression: "
            "what the same step sends uncompressed", COMPRESSED),
     Metric("compression/bytes_sent", "bytes", PER_STEP, "gradient payload bytes after compression, "

@@ -102,7 +102,8 @@ def data_ledger(num_epochs: int, client: PSClient, participant: WorkerParticipan
     applied = client.ledger(0, epochs * world * bpe)
     missing = 0
     for block in range(epochs * world * bpe):
-        if any(block not in blocks for blocks in applied):
+        recorded = participant.ledger_block(block)  # with local updates, its round's
+        if any(recorded not in blocks for blocks in applied):
             missing += block_length(participant.sampler, participant.batch_size, block)
     dropped = sum(t.samples_dropped for t in totals)
     return {"samples_applied": statuses[0].num_samples_applied, "samples_dropped_late": dropped,
@@ -157,10 +158,14 @@ def finish(config: Config, client: PSClient, participant: WorkerParticipant, res
         strategy=f"ps-{statuses[0].aggregation_mode}", config=config,
         final_accuracy=result.evaluation.accuracy, final_loss=result.evaluation.loss, task=result.task,
         total_time_s=time.perf_counter() - started, train_time_s=max(w["train_time_s"] for w in workers),
-        samples_processed=sum(w["samples"] for w in workers), steps=statuses[0].version,
+        samples_processed=sum(w["samples"] for w in workers),
+        # A shard's version counts its updates: with local updates, rounds of several steps.
+        steps=statuses[0].version if participant.rounds is None else position.step,
         world_size=statuses[0].world_size, evaluations=result.evaluations,
         extra={"num_servers": len(statuses),
                **ledger,
+               **({} if participant.rounds is None else
+                  {**participant.rounds.settings.summary_fields(), "local_rounds": statuses[0].version}),
                **plan_summary(participant.sampler),
                "final_model": str(final_path), "resumed_from_step": result.resumed_from_step,
                "workers": workers, **shard_summary(statuses), **compression_summary(totals)})

@@ -83,6 +83,15 @@ def check_supported(config: Config) -> None:
         raise ConfigError("compression.type: powersgd compresses DDP's all-reduce and is not "
                           "offered on the parameter server; use quantization, topk, fp16 or bf16")
     worker_precision(config.training.precision)
+    if config.training.local_update_mode and config.ps.aggregation_mode != "sync":
+        # An asynchronous shard would apply each worker's round alone to a model other
+        # rounds moved on: a pseudo-gradient is of the round-start parameters.
+        raise ConfigError(f"ps.aggregation_mode: {config.ps.aggregation_mode} is not offered with local "
+                          "updates (training.sync_every > 1); use sync, or training.sync_every 1")
+    if config.training.local_update_mode and config.system.balance != "none":
+        # Rounds and the ledger's one block per round follow equal batches.
+        raise ConfigError(f"system.balance: {config.system.balance} batches are not offered with local "
+                          "updates (training.sync_every > 1); use system.balance none")
 
 
 def worker_precision(mode: str) -> PrecisionPlan:

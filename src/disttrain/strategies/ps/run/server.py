@@ -55,8 +55,10 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
     folder = Path(system.checkpoint_dir) / f"server{shard}"
     resumed_from = ckpt.prepare_checkpoint_dir(folder, resume)
     rules = AggregationRules(ps.aggregation_mode, system.num_workers, ps.staleness, ps.backup_workers)
-    # Under a balance plan one worker's batch may be up to the whole global batch.
-    max_samples = training.batch_size * (1 if system.balance == "none" else system.num_workers)
+    # Under a balance plan one worker's batch may be up to the whole global batch; with local
+    # updates one push stands for a round's batches.
+    max_samples = training.batch_size * (1 if system.balance == "none" else system.num_workers) \
+        * (training.sync_every if training.local_update_mode else 1)
     decoder = PushDecoder(plan, config.compression, max_samples)
     checkpoints = CheckpointPolicy(folder, training.checkpoint_interval, system.checkpoint_keep,
                                    config.to_dict())

@@ -38,11 +38,13 @@ from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
 from disttrain.strategies.ps.worker.buffers import WorkerBuffers
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
 from disttrain.strategies.ps.worker.exchange import make_exchange
+from disttrain.strategies.ps.worker.local_rounds import WorkerRounds
 from disttrain.strategies.ps.worker.participant import WorkerParticipant
 from disttrain.training.balance import warmup_speed
 from disttrain.training.checkpoints import LocalCheckpoints
 from disttrain.training.engine import configure_threads
 from disttrain.training.loading import prefetch
+from disttrain.training.local_updates import LocalUpdates
 from disttrain.training.loop import LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
@@ -118,7 +120,9 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
         logger.info("registered as rank %d of %d (%s mode, %d shard(s))", rank, world_size,
                     assignment.aggregation_mode, len(servers))
         seed_training(training.seed, rank)
-        shared = client.shared_buffers()
+        local_updates = LocalUpdates.of(training)
+        # With local updates the model is the worker's own within a round: never the shard's memory.
+        shared = client.shared_buffers() if local_updates is None else None
         if shared is not None:  # a compressed push is copied into the gradient segment: keep it apart
             flat, grads = flat_parameters(model, shared[0], None if config.compression.enabled else shared[1])
             logger.info("the model lives in the shard's shared memory: no copy of gradients or "
@@ -132,7 +136,7 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                                  assignment.staleness, encoder, link.generation if link else 0,
                                  retry_late=config.ps.backup_workers == 0,
                                  buffers=buffers if buffers.any else None,
-                                 overlap=model if config.ps.overlap else None)
+                                 overlap=model if config.ps.overlap and local_updates is None else None)
         exchange.start()
         faults = FaultInjector(options.faults, "worker", rank, options.attempt)
         sampler, rebalancer = balance_sampler(system, training, client, worker_id, world_size, rank, data[0],
@@ -141,7 +145,11 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
         participant = WorkerParticipant(client, exchange, worker_id, rank, world_size, model, grads,
                                         loader or data[0], data[1], training.eval_batch_size, sampler,
                                         training.batch_size, faults,
-                                        precision=Precision(worker_precision(training.precision)))
+                                        precision=Precision(worker_precision(training.precision)),
+                                        rounds=None if local_updates is None
+                                        else WorkerRounds(local_updates, model, flat, grads, training))
+        if local_updates is not None and rank == 0:
+            logger.info("%s", local_updates.describe())
         checkpoints = LocalCheckpoints(Path(system.checkpoint_dir) / f"worker{rank}", system.checkpoint_keep)
         loop = TrainingLoop(LoopSettings.of(training, config.to_dict()), participant, sampler, checkpoints,
                             Path(system.log_dir) / f"worker{rank}", faults,

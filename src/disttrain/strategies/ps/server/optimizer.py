@@ -19,11 +19,17 @@ decay on the weights only, on one flat parameter that holds slices of many tenso
   clipping. With several, a shard whose slice is under its budget is left alone even when
   another is clipped, so the result can differ from global clipping; use one server for
   runs whose exactness against one process matters.
+- Local updates (`training.sync_every`, `training.local_updates`): the workers take their
+  inner steps themselves and push pseudo-gradients (round-start parameters minus their
+  own), so the shard's optimizer is the OUTER one: sgd, with `outer_momentum` as heavy
+  ball or `nesterov`, at `outer_learning_rate`, constant, without decay or clipping (the
+  inner optimizer on each worker applies those). One update is one round.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,7 +37,7 @@ import torch
 from disttrain.config import TrainingConfig
 from disttrain.strategies.ps.wire.sharding import ShardPlan
 from disttrain.training.engine import build_optimizer
-from disttrain.training.schedule import INITIAL_LR, LRSchedule, ScheduleState
+from disttrain.training.schedule import INITIAL_LR, LRSchedule, ScheduleState, remember_initial_rates
 
 
 def decayed_ranges(plan: ShardPlan) -> list[tuple[int, int]]:
@@ -49,6 +55,15 @@ def decayed_ranges(plan: ShardPlan) -> list[tuple[int, int]]:
     return ranges
 
 
+def outer_training(training: TrainingConfig) -> TrainingConfig:
+    """The settings a shard's optimizer takes under local updates: the outer optimizer
+    (optimizer "nesterov" stands for sgd with nesterov momentum), at a constant rate,
+    without weight decay or clipping."""
+    return replace(training, optimizer=training.outer_optimizer, learning_rate=training.outer_learning_rate,
+                   momentum=training.outer_momentum, weight_decay=0.0, clip_grad_norm=0.0,
+                   lr_schedule="constant", warmup_steps=0)
+
+
 class ShardOptimizer:
     """The optimizer of one shard's flat parameter, with its schedule, decay and clipping.
 
@@ -64,9 +79,15 @@ class ShardOptimizer:
     def __init__(self, param: torch.nn.Parameter, plan: ShardPlan, training: TrainingConfig,
                  model_numel: int, updates_per_step: int = 1):
         self.param = param
+        if training.local_update_mode:
+            training = outer_training(training)
         # One flat tensor per shard: the fused kernels update it in one pass. It is one-
         # dimensional, so `build_optimizer` gives it no weight decay: `prepare` does that.
-        self.optimizer = build_optimizer([param], training, fused=True)
+        if training.optimizer == "nesterov":  # the outer optimizer of local updates
+            self.optimizer = remember_initial_rates(torch.optim.SGD(
+                [param], lr=training.learning_rate, momentum=training.momentum, nesterov=True, fused=True))
+        else:
+            self.optimizer = build_optimizer([param], training, fused=True)
         self.schedule = LRSchedule.of(training)
         self.weight_decay = training.weight_decay
         self.decoupled = training.optimizer == "adamw"

@@ -6,6 +6,11 @@ gradient buffer, and exchanges them as the aggregation mode says. At each epoch 
 workers meet at a barrier, evaluate the servers' model on a slice of the test set each,
 and add their counts up, with their training clocks stopped. A block some shard lacks
 after a failure is redone (`redo_missing`), so every block is applied exactly once.
+
+With local updates (`rounds`, see `local_rounds`) a step within a round is an inner step
+on the worker's own model that touches no network; a round's last step pushes the
+round's pseudo-gradient instead of its gradient, and the block of the round's last
+batch stands for the round's batches in the ledgers.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from disttrain.metrics.window import StepTimer
 from disttrain.strategies.ps.worker.blocks import Sampler, block_id, block_indices, block_length
 from disttrain.strategies.ps.worker.client import PSClient
 from disttrain.strategies.ps.worker.exchange import Block, Exchange
+from disttrain.strategies.ps.worker.local_rounds import WorkerRounds, round_end
 from disttrain.training.engine import EvalResult, StepResult, eval_slice, evaluate, forward_backward
 from disttrain.training.loading import BatchSource
 from disttrain.training.precision import Precision
@@ -60,6 +66,8 @@ class WorkerParticipant:
     _last_exit: float | None = None
     samples_redone: int = 0
     precision: Precision | None = None  # bf16 autocast of the forward pass (None: float32)
+    rounds: WorkerRounds | None = None  # local updates (None: every step trades its gradient)
+    _round_result: StepResult | None = None  # the last inner step's, pushed with its round
 
     @property
     def batches_per_epoch(self) -> int:
@@ -75,30 +83,76 @@ class WorkerParticipant:
 
     def step(self, batches: list[torch.Tensor], info: StepInfo) -> StepResult:
         (indices,) = batches
-        block = Block(info.step, self.block_id(info.epoch, info.index_in_epoch), info.epoch, len(indices),
-                      last_in_epoch=info.index_in_epoch == self.batches_per_epoch - 1)
+        compute, step, num_samples = self._compute(indices), info.step, len(indices)
         client, exchange = self.client, self.exchange
         sent, received, rejected = client.bytes_sent, client.bytes_received, exchange.num_rejected
+        entered = time.perf_counter()
+        if self.rounds is not None:
+            local = self._inner_step(compute, len(indices), info)
+            if local is not None:  # within a round: nothing crosses the network
+                return self._stepped(local, info, len(indices), entered)
+            compute, step, num_samples = self._round_push(), self.rounds.round_number, self.rounds.samples
+        block = Block(step, self.block_id(info.epoch, info.index_in_epoch), info.epoch, num_samples,
+                      last_in_epoch=info.index_in_epoch == self.batches_per_epoch - 1)
         if self.faults.drops_reply(info.step):
             client.lose_next_replies()
-        entered = time.perf_counter()
-        result, staleness = exchange.step(self._compute(indices), block, self.timer)
-        timings = self.timer.drain()
+        result, staleness = exchange.step(compute, block, self.timer)
+        if self.rounds is not None:
+            self.rounds.close()
+        result = self._stepped(result, info, len(indices), entered)
+        result.scalars.update({"comm/bytes_sent": client.bytes_sent - sent,
+                               "comm/bytes_received": client.bytes_received - received,
+                               "ps/staleness": staleness,
+                               "ps/rejected_pushes": exchange.num_rejected - rejected})
+        if exchange.learning_rate is not None and self.rounds is None:
+            result.scalars["optim/learning_rate"] = exchange.learning_rate
+        if exchange.encoder is not None:
+            result.scalars.update(exchange.encoder.scalars())
+        return result
+
+    def _stepped(self, result: StepResult, info: StepInfo, num_samples: int, entered: float) -> StepResult:
+        """Account a step that took `num_samples` (its work time, the heartbeats'
+        progress) and give `result` the step's timings."""
+        timings = {"time/comm_blocked_s": 0.0, "time/comm_overlapped_s": 0.0, **self.timer.drain()}
         left = time.perf_counter()
         busy = left - (entered if self._last_exit is None else self._last_exit) \
             - timings.get("time/comm_blocked_s", 0.0)
         self._last_exit = left
         progress = self.progress
-        self.progress = NodeProgress(info.epoch, info.step, progress.samples + len(indices),
+        self.progress = NodeProgress(info.epoch, info.step, progress.samples + num_samples,
                                      (progress.work_s or 0.0) + busy)
-        result.scalars = {**timings, "comm/bytes_sent": client.bytes_sent - sent,
-                          "comm/bytes_received": client.bytes_received - received,
-                          "ps/staleness": staleness, "ps/rejected_pushes": exchange.num_rejected - rejected}
-        if exchange.learning_rate is not None:
-            result.scalars["optim/learning_rate"] = exchange.learning_rate
-        if exchange.encoder is not None:
-            result.scalars.update(exchange.encoder.scalars())
+        result.scalars = timings if self.rounds is None else \
+            {**timings, **self.rounds.scalars(ended=self.rounds.opening)}
         return result
+
+    def _inner_step(self, compute: Callable[[], StepResult], num_samples: int, info: StepInfo
+                    ) -> StepResult | None:
+        """One local step: compute the gradient and apply it with the inner optimizer.
+        Returns its result, or None when it ended the round (then push it: `_round_push`)."""
+        rounds, buffers = self.rounds, self.exchange.buffers
+        if rounds.opening:
+            rounds.open()
+            if buffers is not None:  # the servers' buffers; the round's change goes with its push
+                buffers.adopt()
+                buffers.begin()
+        result = compute()
+        if not rounds.inner_step(num_samples, info.ends_epoch):
+            return result
+        if buffers is not None:
+            buffers.finish()
+        self._round_result = result
+        return None
+
+    def _round_push(self) -> Callable[[], StepResult]:
+        """What the exchange sends at a round's end: the round's pseudo-gradient (again
+        as it was, should a shard want it once more), with the last step's result."""
+        delta, result = self.rounds.pseudo_gradient(), self._round_result
+
+        def push() -> StepResult:
+            self.grads.copy_(delta)
+            return result
+
+        return push
 
     def block_id(self, epoch: int, index: int) -> int:
         """The data block of this worker's batch `index` of `epoch`, unique in the run."""
@@ -107,7 +161,7 @@ class WorkerParticipant:
     def _compute(self, indices: torch.Tensor) -> Callable[[], StepResult]:
         inputs, targets = self.train_set.batch(indices)
 
-        buffers = self.exchange.buffers
+        buffers = self.exchange.buffers if self.rounds is None else None  # a round handles its own
 
         def compute() -> StepResult:
             self.grads.zero_()
@@ -133,6 +187,12 @@ class WorkerParticipant:
                 missing = [s for s, blocks in enumerate(applied) if block_id not in blocks]
                 if not missing or block_id in self.exchange.dropped:
                     continue
+                if self.rounds is not None:
+                    if self.ledger_block(block_id) == block_id:
+                        # A round is not redone on its own: its samples count as lost.
+                        logger.error("round of block %d (epoch %d, batch %d) is missing on shard(s) %s "
+                                     "and local updates cannot redo it", block_id, epoch, index, missing)
+                    continue
                 indices = block_indices(self.sampler, self.batch_size, epoch, index)
                 logger.warning("block %d (epoch %d, batch %d) is missing on shard(s) %s: redoing it",
                                block_id, epoch, index, missing)
@@ -142,6 +202,14 @@ class WorkerParticipant:
                 redone += len(indices)
         self.samples_redone += redone
         return redone
+
+    def ledger_block(self, block: int) -> int:
+        """The block the ledgers record for `block` (any worker's): itself, or with local
+        updates the last block of its round."""
+        if self.rounds is None:
+            return block
+        bpe = self.batches_per_epoch
+        return block - block % bpe + round_end(block % bpe, bpe, self.rounds.settings.sync_every)
 
     def evaluate(self, epoch: int) -> EvalResult:
         """Every worker evaluates the servers' model, as it stands once all have finished
@@ -167,7 +235,8 @@ class WorkerParticipant:
         return {"worker_id": self.worker_id, "rank": self.rank, "world_size": self.world_size,
                 "bytes_sent": self.client.bytes_sent, "bytes_received": self.client.bytes_received,
                 "compression": None if encoder is None else encoder.state_dict(),
-                "samples_redone": self.samples_redone, "dropped_blocks": sorted(self.exchange.dropped)}
+                "samples_redone": self.samples_redone, "dropped_blocks": sorted(self.exchange.dropped),
+                **({} if self.rounds is None else {"local": self.rounds.state_dict()})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
@@ -189,3 +258,13 @@ class WorkerParticipant:
                 encoder.load_state_dict(saved)
             except ValueError as e:
                 raise CheckpointError(str(e)) from e
+        if (self.rounds is None) != ("local" not in state):
+            raise CheckpointError("the checkpoint was written with local updates "
+                                  f"{'on' if 'local' in state else 'off'} and this run has them "
+                                  f"{'off' if self.rounds is None else 'on'} (training.sync_every); "
+                                  "resume with the run's config")
+        if self.rounds is not None:
+            try:
+                self.rounds.load_state_dict(state["local"])
+            except ValueError as e:
+                raise CheckpointError(f"the checkpoint's local-update state does not fit: {e}") from e
