@@ -253,7 +253,9 @@ class ShardClient:
             self.rejoin(reply.incarnation)
         if reply.outcome == ROLLED_BACK:
             return reply, None, sent[0], 0
-        return reply, self._land(answer, plan, 0, into), sent[0], answer.data.nbytes
+        # Payload bytes, counted as a pull counts them (through shared memory too).
+        received = answer.data.nbytes if answer.header.compressed else plan.nbytes
+        return reply, self._land(answer, plan, 0, into), sent[0], received
 
     def pull(self, worker_id: str, plan: ShardPlan, min_version: int, into: torch.Tensor
              ) -> tuple[int, int]:
