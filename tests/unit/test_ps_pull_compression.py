@@ -59,7 +59,8 @@ def test_topk_copies_are_identical_and_the_residual_stays_bounded(seed, ratio, w
         delta = (w - copy.copy).norm().item()
         copy.advance(w, version)
         change = copy.change_for(version - 1, version)
-        assert change is not None and len(change) == changes.nbytes <= plan.nbytes  # dense when topk would not pay
+        # (dense where topk would not save bytes)
+        assert change is not None and len(change) == changes.nbytes <= plan.nbytes
         changes.add(worker, change, scratch)
         assert torch.equal(worker, copy.copy)  # the worker's copy is the shard's, to the bit
         largest = max(largest, update.norm().item())
@@ -142,7 +143,7 @@ def test_a_compressed_answer_says_so_and_carries_only_the_change():
 
 
 def test_the_summary_shows_pull_bytes_beside_push_bytes():
-    totals = [WorkerTotals(10, 1.0, 400, 100, 0, 0, 0, 0, 1000), WorkerTotals(10, 1.0, 400, 100, 0, 0, 0, 0, 1000)]
+    totals = [WorkerTotals(10, 1.0, 400, 100, 0, 0, 0, 0, 1000)] * 2
     summary = compression_summary(totals, pull=True)
     assert summary["bytes_sent"] == 800 and summary["bytes_received"] == 200
     assert summary["compression_pull_ratio"] == pytest.approx(10.0)
