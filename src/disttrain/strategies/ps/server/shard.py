@@ -12,6 +12,11 @@ comes back with `load_state_dict()`: parameters, model buffers, optimizer state,
 the data ledger, the rules' counters, the completed barriers and who holds each worker
 id, together, so they never disagree.
 
+Pull compression (`broadcast`): every answer is then the shard's broadcast copy, which
+every worker holds exactly; a step's answer is its compressed change for a worker that
+holds the version before, and the copy becomes the parameters at every dense version
+and once every worker is done (so the final model is the parameters themselves).
+
 The buffer rule: a shard holding model buffers (BatchNorm running statistics, batch
 counters) moves them, at each update, by the weighted sum of the changes the applied
 pushes made to them, with the weights their gradients are combined with: in sync mode
@@ -195,6 +200,10 @@ class ShardState:
         with self._changed:
             self.identities.check(worker_id, session)
             self._apply_or_void(self.rules.mark_done(worker_id, self.clock()))
+            if self.broadcast is not None and self.rules.all_done():
+                # The run's end: the final pull (the final model) takes the parameters themselves.
+                self.broadcast.reset(self.param, self.rules.version)
+                self._snapshot = None
             self._changed.notify_all()
 
     # -- pushes and pulls -----------------------------------------------------------------
