@@ -59,7 +59,7 @@ class Worker:
 @pytest.mark.parametrize("overlap", [False, True], ids=["classic", "overlapped"])
 def test_workers_hold_the_broadcast_copy_exactly_within_the_bound(tmp_path, overlap):
     config = make_config(tmp_path, num_workers=WORKERS).replace(
-        compression={"pull": "topk", "pull_ratio": RATIO, "dense_pull_every": DENSE_EVERY})
+        compression={"pull": "topk", "pull_ratio": RATIO, "pull_dense_every": DENSE_EVERY})
     servers = [ShardServer(build_state(config, s, SHARDS), "127.0.0.1:0") for s in range(SHARDS)]
     workers = [Worker(config, [s.address for s in servers], r, overlap) for r in range(WORKERS)]
     pool = ThreadPoolExecutor(WORKERS)

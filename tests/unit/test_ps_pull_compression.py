@@ -128,7 +128,7 @@ def test_a_change_that_does_not_decode_leaves_the_copy_unchanged():
 
 def test_dense_every_must_be_positive():
     plan, w = shard()
-    with pytest.raises(ValueError, match="dense_pull_every"):
+    with pytest.raises(ValueError, match="pull_dense_every"):
         BroadcastCopy(w, ParameterChanges(plan, "topk", 0.05), dense_every=0)
 
 

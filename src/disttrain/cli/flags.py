@@ -102,7 +102,7 @@ COMPRESSION_FLAGS: dict[str, tuple[str, Any, str]] = {
                            "quantization, fp16 or bf16"),
     "--pull-ratio": ("compression.pull_ratio", float, "topk pull compression: share of each "
                      "shard's elements a pulled change carries, in (0, 1]"),
-    "--dense-pull-every": ("compression.dense_pull_every", int, "pull compression: send the "
+    "--dense-pull-every": ("compression.pull_dense_every", int, "pull compression: send the "
                            "parameters dense every this many versions"),
 }
 

@@ -234,7 +234,7 @@ class CompressionConfig:
     # topk: the share of each shard's elements a pulled change carries.
     pull_ratio: float = field(default=0.01, metadata=_rule(lambda v: 0 < v <= 1, "must be in (0, 1]"))
     # Every this many versions the broadcast copy is reset to the parameters and sent dense.
-    dense_pull_every: int = field(default=100, metadata=POSITIVE)
+    pull_dense_every: int = field(default=100, metadata=POSITIVE)
 
 
 @dataclass(frozen=True)

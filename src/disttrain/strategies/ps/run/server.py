@@ -88,7 +88,7 @@ def broadcast_copy(config: Config, plan: ShardPlan, flat) -> BroadcastCopy | Non
                        config.ps.aggregation_mode)
         return None
     return BroadcastCopy(flat, ParameterChanges(plan, section.pull, section.pull_ratio),
-                         section.dense_pull_every)
+                         section.pull_dense_every)
 
 
 def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool = False,

@@ -45,7 +45,7 @@ class BroadcastCopy:
 
     def __init__(self, initial: torch.Tensor, changes: ParameterChanges, dense_every: int, version: int = 0):
         if dense_every < 1:
-            raise ValueError(f"compression.dense_pull_every is {dense_every}; it must be >= 1")
+            raise ValueError(f"compression.pull_dense_every is {dense_every}; it must be >= 1")
         self.copy = initial.detach().reshape(-1).clone()
         self.changes = changes
         self.dense_every = dense_every
