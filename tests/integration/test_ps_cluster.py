@@ -295,3 +295,26 @@ def test_stopping_the_launcher_leaves_no_process_behind(tmp_path, signum):
     finally:
         launcher.kill()
         launcher.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_pull_compression_receives_fewer_bytes_and_ends_on_the_servers_parameters(tmp_path, cli):
+    # gRPC bytes: through shared memory the answers stay dense (no socket to save).
+    result = cli("ps", "--workers", "2", "--servers", "2", *EXACT_ARGS, "--max-train-samples", "160",
+                 "--set", "system.payload_transport=grpc", "--pull-compression", "topk",
+                 "--pull-ratio", "0.05", "--dense-pull-every", "3",
+                 "--log-dir", tmp_path / "logs", "--checkpoint-dir", tmp_path / "ckpt", timeout=110)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["shard_versions"] == [5, 5]
+    # 6 answers a worker: the first pull, steps 1-5 (3 dense), and the final pull on worker 0
+    assert summary["compression_pull_ratio"] > 1.5
+    assert summary["compression_bytes_received"] == summary["bytes_received"]
+    assert summary["bytes_received"] == sum(w["bytes_received"] for w in summary["workers"])
+    assert "compression_ratio" not in summary and summary["bytes_sent"] > 0  # pushes dense
+    final = load_checkpoint(tmp_path / "ckpt" / "parameter_server_final.pt")["model"]
+    servers = [load_checkpoint(max((tmp_path / "ckpt" / f"server{s}").glob("*.pt"), key=os.path.getmtime))
+               for s in range(2)]
+    flat = torch.cat([s["params"] for s in servers])
+    assert torch.equal(torch.cat([v.reshape(-1) for v in final.values()]), flat)

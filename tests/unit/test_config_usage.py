@@ -84,6 +84,12 @@ IGNORED = [
      {"training.data_dir": "read from no folder", "training.download": "never downloaded"}),
     (["training.dataset=torchvision:CIFAR10", "training.dataset_args={size: 3}"], "ps",
      {"training.dataset_args": "only a data-set factory"}),
+    (["compression.pull=topk", "compression.pull_dense_every=5"], "ddp",
+     {"compression.pull": "only the parameter server", "compression.pull_dense_every": "only the parameter"}),
+    (["compression.pull=topk", "ps.aggregation_mode=async"], "ps", {"compression.pull": "only sync mode"}),
+    (["compression.pull=quantization", "compression.pull_ratio=0.1"], "ps",
+     {"compression.pull_ratio": "only topk"}),
+    (["compression.pull_dense_every=5"], "ps", {"compression.pull_dense_every": "every pull is dense"}),
 ]
 
 
@@ -99,6 +105,7 @@ ACTED_ON = [
     (["ps.aggregation_mode=ssp", "ps.staleness=5"], "ps"),
     (["ps.backup_workers=1"], "ps"),
     (["ps.overlap=false"], "ps"),
+    (["compression.pull=topk", "compression.pull_ratio=0.1", "compression.pull_dense_every=5"], "ps"),
     (["compression.enabled=true", "compression.type=topk", "compression.ratio=0.5"], "ddp"),
     (["compression.enabled=true", "compression.type=quantization", "compression.stochastic_rounding=true"],
      "ps"),

@@ -167,3 +167,18 @@ def test_a_bad_run_summary_names_the_file(tmp_path, content, fragment):
         load_run(tmp_path / "run")
     assert str(tmp_path / "run" / "summary.json") in str(caught.value)
     assert caught.value.exit_code == 2
+
+
+def test_a_ps_row_shows_pull_bytes_beside_push_bytes(tmp_path):
+    from disttrain.report.table import markdown_table
+
+    rows = {row["name"]: row for row in rows_of(tmp_path, RUNS)}
+    ps = rows["ps-sync"]
+    assert ps["push_bytes_per_step"] == pytest.approx(PS_SYNC.scalars["comm/bytes_sent"])
+    assert ps["pull_bytes_per_step"] == pytest.approx(PS_SYNC.scalars["comm/bytes_received"])
+    assert rows["ddp"]["pull_bytes_per_step"] is None and ps["compression_pull_ratio"] is None
+    pulled = {**ps, "name": "ps-pull", "push_bytes_per_step": 2e6, "pull_bytes_per_step": 2e5,
+              "compression_ratio": None, "compression_pull_ratio": 10.0}
+    table = markdown_table([pulled, rows["ddp"]], ACCURACY.with_targets([]))
+    assert "| 2.0 MB+200.0 KB | -/10.0x |" in table
+    assert "+" not in next(line for line in table.splitlines() if line.startswith("| ddp |"))

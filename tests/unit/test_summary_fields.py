@@ -111,3 +111,11 @@ def test_a_failure_to_write_hparams_is_a_warning_not_an_error(tmp_path, caplog, 
     (tmp_path / "blocked").write_text("a file where the folder goes")
     assert write_hparams(make_summary(), tmp_path) is None
     assert "could not write the hyper-parameters" in caplog.text
+
+
+def test_pull_compression_is_printed_beside_the_bytes_pushed():
+    summary = make_summary(strategy="ps-sync", compression={"pull": "topk"},
+                           extra={"bytes_sent": 4_000_000, "bytes_received": 500_000,
+                                  "compression_pull_ratio": 8.0, "compression_bytes_received": 500_000})
+    assert "Pull Compression: 8.0x fewer bytes (0.5 MB received, 4.0 MB sent)" in summary.lines()
+    assert not any(line.startswith("Pull") for line in make_summary().lines())

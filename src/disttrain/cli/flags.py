@@ -96,6 +96,14 @@ COMPRESSION_FLAGS: dict[str, tuple[str, Any, str]] = {
                               "randomly, so the quantized gradient is unbiased"),
     "--powersgd-rank": ("compression.powersgd_rank", int, "powersgd: rank of each gradient "
                         "matrix's approximation"),
+    # Pull compression (parameter server, sync mode).
+    "--pull-compression": ("compression.pull", str, "parameter server, sync mode: the shards answer "
+                           "with the compressed change of the parameters: none, topk, "
+                           "quantization, fp16 or bf16"),
+    "--pull-ratio": ("compression.pull_ratio", float, "topk pull compression: share of each "
+                     "shard's elements a pulled change carries, in (0, 1]"),
+    "--dense-pull-every": ("compression.pull_dense_every", int, "pull compression: send the "
+                           "parameters dense every this many versions"),
 }
 
 

@@ -28,6 +28,7 @@ STRATEGY_OF_ARCHITECTURE = {"baseline": "baseline", "parameter_server": "ps", "d
 ARCHITECTURES = tuple(STRATEGY_OF_ARCHITECTURE)
 AGGREGATION_MODES = ("sync", "async", "ssp")
 COMPRESSION_TYPES = ("quantization", "topk", "fp16", "bf16", "powersgd")
+COMPRESSION_TYPES_PULL = ("quantization", "topk", "fp16", "bf16")  # payload schemes: no powersgd
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "step", "cosine", "linear")
 PRECISIONS = ("none", "bf16", "fp16")
@@ -226,6 +227,14 @@ class CompressionConfig:
     stochastic_rounding: bool = False
     # powersgd (DDP): rank of the low-rank approximation of each gradient matrix.
     powersgd_rank: int = field(default=2, metadata=POSITIVE)
+    # -- pull compression (parameter server, sync mode): the shards answer a step with the
+    # compressed change of their broadcast copy, which every worker holds exactly.
+    # none: dense parameters; topk, quantization, fp16 or bf16 (independent of `enabled`).
+    pull: str = field(default="none", metadata=_choice(("none", *COMPRESSION_TYPES_PULL)))
+    # topk: the share of each shard's elements a pulled change carries.
+    pull_ratio: float = field(default=0.01, metadata=_rule(lambda v: 0 < v <= 1, "must be in (0, 1]"))
+    # Every this many versions the broadcast copy is reset to the parameters and sent dense.
+    pull_dense_every: int = field(default=100, metadata=POSITIVE)
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,11 @@ class Rule:
 
     pattern: str
     reason: Callable[[Config, str], str | None]
+    unless: str = ""  # a prefix of keys the pattern does not cover
 
     def covers(self, key: str) -> bool:
+        if self.unless and key.startswith(self.unless):
+            return False
         if self.pattern.endswith("*"):
             return key.startswith(self.pattern[:-1])
         return key == self.pattern
@@ -85,7 +88,19 @@ RULES: tuple[Rule, ...] = (
     Rule("system.num_workers", _when(lambda c, s: s == BASELINE, "the baseline trains in one process")),
     Rule("system.balance*", _when(lambda c, s: s == BASELINE,
                                   "the baseline's one process takes every batch")),
-    Rule("compression.*", _when(lambda c, s: not c.compression.enabled, "compression.enabled is false")),
+    Rule("compression.*", _when(lambda c, s: not c.compression.enabled, "compression.enabled is false"),
+         unless="compression.pull"),  # pull compression goes on and off by itself
+    # Pull compression: the parameter server in sync mode only (see server/broadcast.py).
+    Rule("compression.pull*", _when(lambda c, s: s != "ps", "only the parameter server pulls parameters")),
+    Rule("compression.pull*", _when(
+        lambda c, s: c.ps.aggregation_mode != "sync",
+        lambda c: f"pull compression needs every worker to receive every version, which only sync "
+                  f"mode gives (ps.aggregation_mode is {c.ps.aggregation_mode})")),
+    Rule("compression.pull_ratio", _when(
+        lambda c, s: c.compression.pull != "topk",
+        lambda c: f"only topk sends a share of the elements (compression.pull is {c.compression.pull})")),
+    Rule("compression.pull_dense_every", _when(lambda c, s: c.compression.pull == "none",
+                                               "compression.pull is none: every pull is dense")),
     Rule("compression.ratio", _when(
         lambda c, s: c.compression.type != "topk",
         lambda c: f"only topk sends a share of each tensor (compression.type is {c.compression.type})")),

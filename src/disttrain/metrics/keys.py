@@ -148,6 +148,15 @@ OPTIONAL_SUMMARY: dict[str, Metric] = {m.key: m for m in [
            "over the whole run and every process (present when compression is on)", "ps, ddp"),
     Metric("compression_bytes_sent", "bytes", RUN, "gradient payload bytes all processes sent, "
            "compressed (present when compression is on)", "ps, ddp"),
+    Metric("bytes_sent", "bytes", RUN, "gradient payload bytes all workers pushed to the servers "
+           "(`comm/bytes_sent` over the run), beside `bytes_received`", "ps"),
+    Metric("bytes_received", "bytes", RUN, "parameter payload bytes all workers pulled from the "
+           "servers (`comm/bytes_received` over the run): compressed changes under pull compression",
+           "ps"),
+    Metric("compression_pull_ratio", "ratio", RUN, "parameter bytes the pulls would have taken "
+           "dense / `bytes_received` (present with `compression.pull`)", "ps"),
+    Metric("compression_bytes_received", "bytes", RUN, "parameter payload bytes pulled under pull "
+           "compression, all workers (present with `compression.pull`)", "ps"),
     Metric("local_rounds", "rounds", RUN, "local-update rounds completed (present with local "
            "updates, beside `sync_every`, `outer_optimizer`, `outer_learning_rate` and "
            "`outer_momentum`)", "ddp"),

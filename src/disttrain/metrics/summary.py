@@ -110,7 +110,11 @@ class RunSummary:
         ] + self._time_to_target_lines() + (
             [f"Gradient Compression: {self.extra['compression_ratio']:.1f}x fewer bytes "
              f"({self.extra['compression_bytes_sent'] / 1e6:.1f} MB sent)"]
-            if "compression_ratio" in self.extra else []) + self._local_update_lines() \
+            if "compression_ratio" in self.extra else []) + (
+            [f"Pull Compression: {self.extra['compression_pull_ratio']:.1f}x fewer bytes "
+             f"({self.extra['compression_bytes_received'] / 1e6:.1f} MB received, "
+             f"{self.extra['bytes_sent'] / 1e6:.1f} MB sent)"]
+            if "compression_pull_ratio" in self.extra else []) + self._local_update_lines() \
             + self._recovery_lines()
 
     def _local_update_lines(self) -> list[str]:

@@ -77,7 +77,9 @@ def run_row(entry: dict[str, Any], run: RunData | None, thresholds: Sequence[flo
         return {**row, **dict.fromkeys(("final_accuracy", "final_perplexity", "final_loss", "total_time_s",
                                         "train_time_s",
                                         "samples_per_s", "speedup", "scaling_efficiency", "bytes_per_step",
-                                        "compression_ratio", "recovery_events", "staleness_histogram")),
+                                        "push_bytes_per_step", "pull_bytes_per_step", "compression_ratio",
+                                        "compression_pull_ratio", "recovery_events",
+                                        "staleness_histogram")),
                 **{target.field: dict.fromkeys(map(target.key, target.targets)) for target in targets},
                 "step_time": dict.fromkeys(STEP_TIME_FIELDS),
                 "series": {"process": None, "test": [], "train": []}}
@@ -96,7 +98,11 @@ def run_row(entry: dict[str, Any], run: RunData | None, thresholds: Sequence[flo
         "speedup": None,
         "scaling_efficiency": None,
         "bytes_per_step": mean_of(digests, "wire_bytes_per_step"),
+        # A PS worker's split of them: gradients pushed, parameters pulled (None elsewhere).
+        "push_bytes_per_step": mean_of(digests, "bytes_sent_per_step"),
+        "pull_bytes_per_step": mean_of(digests, "bytes_received_per_step"),
         "compression_ratio": finite(summary.get("compression_ratio")),
+        "compression_pull_ratio": finite(summary.get("compression_pull_ratio")),
         "recovery_events": int(summary.get("num_failures") or 0),
         "step_time": {name: mean_of(digests, field) for name, field in STEP_TIME_FIELDS.items()},
         "staleness_histogram": staleness_histogram(summary),

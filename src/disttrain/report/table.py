@@ -12,8 +12,8 @@ from disttrain.report.figures import OK, ranking_key
 # Legend of the abbreviated headers, printed under the table.
 LEGEND = ("total: wall time; "
           "speed-up: samples/s over the baseline's; eff: speed-up per worker; "
-          "B/step: bytes on the wire per step per worker (PS: gradients sent + parameters received; DDP: "
-          "gradients all-reduced); compr: compression ratio; "
+          "B/step: bytes on the wire per step per worker (PS: gradients pushed+parameters pulled; DDP: "
+          "gradients all-reduced); compr: compression ratio (push/pull with pull compression); "
           "fail: failures recovered from")
 # By the figure a table times: its time-to-target headers' prefix, and their legend.
 TARGET_HEADER = {"accuracy": "t", "perplexity": "tppl"}
@@ -58,8 +58,24 @@ def cells(row: dict[str, Any], target: TimeToTarget) -> list[str]:
             *(seconds(times.get(target.key(t))) for t in target.targets),
             seconds(row["total_time_s"]), number(row["samples_per_s"], ".0f"),
             number(row["speedup"], ".2f", "x"), percent(row["scaling_efficiency"], ".0f"),
-            human_bytes(row["bytes_per_step"]), number(row["compression_ratio"], ".1f", "x"),
-            str(row["recovery_events"])]
+            wire_bytes(row), compression(row), str(row["recovery_events"])]
+
+
+def wire_bytes(row: dict[str, Any]) -> str:
+    """Bytes on the wire per step per worker: a PS run's as gradients pushed + parameters
+    pulled, so pull compression's saving shows beside the push's."""
+    push, pull = row.get("push_bytes_per_step"), row.get("pull_bytes_per_step")
+    if push is None or pull is None:
+        return human_bytes(row["bytes_per_step"])
+    return f"{human_bytes(push)}+{human_bytes(pull)}"
+
+
+def compression(row: dict[str, Any]) -> str:
+    """The compression ratio; push/pull where the run compressed its pulls too."""
+    push = number(row["compression_ratio"], ".1f", "x")
+    if row.get("compression_pull_ratio") is None:
+        return push
+    return f"{push}/{number(row['compression_pull_ratio'], '.1f', 'x')}"
 
 
 def text_table(rows: Sequence[dict[str, Any]], target: TimeToTarget) -> str:

@@ -44,15 +44,16 @@ class WorkerTotals:
     bytes_compressed: int  # compression: bytes sent after it (0 when off)
     samples_redone: int
     samples_dropped: int
+    bytes_received_dense: int  # pull compression: what the parameters received took dense
 
     def values(self) -> list[float]:
         return [float(v) for v in astuple(self)]
 
     @classmethod
     def of(cls, values: list[float]) -> WorkerTotals:
-        samples, train_time_s, sent, received, dense, compressed, redone, dropped = values
+        samples, train_time_s, sent, received, dense, compressed, redone, dropped, received_dense = values
         return cls(int(samples), train_time_s, int(sent), int(received), int(dense), int(compressed),
-                   int(redone), int(dropped))
+                   int(redone), int(dropped), int(received_dense))
 
 
 def wait_all_done(client: PSClient, timeout_s: float) -> list[pb.ShardStatus]:
@@ -113,12 +114,19 @@ def data_ledger(num_epochs: int, client: PSClient, participant: WorkerParticipan
             "num_fenced": sum(s.num_fenced for s in statuses)}
 
 
-def compression_summary(totals: list[WorkerTotals]) -> dict[str, Any]:
-    """The run's compression totals from every worker's (none when off)."""
+def compression_summary(totals: list[WorkerTotals], pull: bool = False) -> dict[str, Any]:
+    """The run's bytes pushed and pulled, and its compression totals from every worker's
+    (push compression's when on; pull compression's, beside them, when `pull`)."""
+    summary: dict[str, Any] = {"bytes_sent": sum(t.bytes_sent for t in totals),
+                               "bytes_received": sum(t.bytes_received for t in totals)}
     dense, sent = sum(t.bytes_dense for t in totals), sum(t.bytes_compressed for t in totals)
-    if not sent:
-        return {}
-    return {"compression_ratio": dense / sent, "compression_bytes_sent": int(sent)}
+    if sent:
+        summary.update(compression_ratio=dense / sent, compression_bytes_sent=int(sent))
+    received = summary["bytes_received"]
+    if pull and received:
+        summary.update(compression_pull_ratio=sum(t.bytes_received_dense for t in totals) / received,
+                       compression_bytes_received=int(received))
+    return summary
 
 
 def finish(config: Config, client: PSClient, participant: WorkerParticipant, result: LoopResult,
@@ -133,7 +141,7 @@ def finish(config: Config, client: PSClient, participant: WorkerParticipant, res
     participant.redo_missing(config.training.num_epochs - 1)
     mine = WorkerTotals(position.samples_processed, position.train_time_s, client.bytes_sent,
                         client.bytes_received, *counters, participant.samples_redone,
-                        participant.samples_dropped)
+                        participant.samples_dropped, client.bytes_received_dense)
     totals = [WorkerTotals.of(row) for row in client.barrier(worker_id, "finished", mine.values())]
     client.worker_done(worker_id)
     logger.info("worker %d done: %d steps, %d samples in %.1fs of training, %.1f MB sent, "
@@ -168,7 +176,8 @@ def finish(config: Config, client: PSClient, participant: WorkerParticipant, res
                   {**participant.rounds.settings.summary_fields(), "local_rounds": statuses[0].version}),
                **plan_summary(participant.sampler),
                "final_model": str(final_path), "resumed_from_step": result.resumed_from_step,
-               "workers": workers, **shard_summary(statuses), **compression_summary(totals)})
+               "workers": workers, **shard_summary(statuses),
+               **compression_summary(totals, config.compression.pull != "none")})
     summary.write(config.system.log_dir)
     write_hparams(summary, config.system.log_dir)
     return summary

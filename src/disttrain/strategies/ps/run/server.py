@@ -27,11 +27,18 @@ from disttrain.core.tls import TlsFiles
 from disttrain.strategies.ps.run.launcher import check_supported
 from disttrain.strategies.ps.run.link import join
 from disttrain.strategies.ps.server.aggregation import AggregationRules
+from disttrain.strategies.ps.server.broadcast import BroadcastCopy
 from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.server.shard import CheckpointPolicy, ShardState
 from disttrain.strategies.ps.server.validation import PushDecoder
+from disttrain.strategies.ps.wire.payloads import ParameterChanges
 from disttrain.strategies.ps.wire.service import tune_allocator
-from disttrain.strategies.ps.wire.sharding import initial_buffers, plan_shards, trainable_parameters
+from disttrain.strategies.ps.wire.sharding import (
+    ShardPlan,
+    initial_buffers,
+    plan_shards,
+    trainable_parameters,
+)
 from disttrain.training.engine import configure_threads
 from disttrain.training.models import init_model
 
@@ -63,10 +70,27 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
     checkpoints = CheckpointPolicy(folder, training.checkpoint_interval, system.checkpoint_keep,
                                    config.to_dict())
     state = ShardState(plan, flat, rules, decoder, training, checkpoints,
-                       buffers=initial_buffers(model, plan), model_numel=sum(p.numel for p in plans))
+                       buffers=initial_buffers(model, plan), model_numel=sum(p.numel for p in plans),
+                       broadcast=broadcast_copy(config, plan, flat))
     if resumed_from is not None:
         state.restore(resumed_from)
     return state
+
+
+def broadcast_copy(config: Config, plan: ShardPlan, flat) -> BroadcastCopy | None:
+    """Pull compression's broadcast copy of the shard, when the run asks for it: sync
+    mode only, where every worker receives every version in order (async and ssp answer
+    dense, with a warning)."""
+    section = config.compression
+    if section.pull == "none":
+        return None
+    if config.ps.aggregation_mode != "sync":
+        logger.warning("compression.pull=%s is ignored in %s mode: pull compression needs every worker "
+                       "to receive every version (sync mode); answers go dense", section.pull,
+                       config.ps.aggregation_mode)
+        return None
+    return BroadcastCopy(flat, ParameterChanges(plan, section.pull, section.pull_ratio),
+                         section.pull_dense_every)
 
 
 def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool = False,

@@ -127,6 +127,8 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
             flat, grads = flat_parameters(model, shared[0], None if config.compression.enabled else shared[1])
             logger.info("the model lives in the shard's shared memory: no copy of gradients or "
                         "parameters on this worker")
+        if config.compression.pull != "none":
+            client.compress_pulls(config.compression.pull, config.compression.pull_ratio)
         encoder = None
         if config.compression.enabled:
             compressor = Compressor.from_config(config.compression, training_seed(training.seed, rank))

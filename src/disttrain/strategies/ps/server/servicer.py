@@ -160,7 +160,8 @@ class ParameterServicer:
         """The parameter message that follows `reply` to the push of `header`."""
         joined = self.state.rules.mode == "sync" and reply.outcome in _JOINED
         wanted = header.base_version + 1 if joined else 0
-        return self._parameters(header.worker_id, wanted, header.shared_memory, context)[0]
+        return self._parameters(header.worker_id, wanted, header.shared_memory, context,
+                                header.holds_version)[0]
 
     # -- pulls ----------------------------------------------------------------------------
 
@@ -189,9 +190,12 @@ class ParameterServicer:
         with self.long_poll(request.worker_id, context):
             return self._parameters(request.worker_id, request.min_version, request.shared_memory, context)
 
-    def _parameters(self, worker_id: str, version: int, shared_memory: bool, context) -> list[bytes]:
+    def _parameters(self, worker_id: str, version: int, shared_memory: bool, context,
+                    holds_version: int = 0) -> list[bytes]:
         """The messages of the parameters once at `version`: through the worker's segment
-        (one notice) or as frames; the call ends when the version does not come in time."""
+        (one notice) or as frames (under pull compression, the change alone for a worker
+        whose `holds_version`, 1 + the version it holds, is the one before); the call
+        ends when the version does not come in time."""
         state, timeout = self.state, self.wait_s(context)
         if shared_memory:
             with refusals(context):
@@ -201,6 +205,8 @@ class ParameterServicer:
         else:
             snapshot = state.wait_for_version(version, timeout)
             if snapshot is not None:
+                if snapshot.change_frames is not None and holds_version == snapshot.version:
+                    return snapshot.change_frames
                 return snapshot.frames
         code = grpc.StatusCode.UNAVAILABLE if state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
         context.abort(code, f"shard {state.plan.shard} did not reach version {version} in time "

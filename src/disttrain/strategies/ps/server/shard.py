@@ -12,6 +12,11 @@ comes back with `load_state_dict()`: parameters, model buffers, optimizer state,
 the data ledger, the rules' counters, the completed barriers and who holds each worker
 id, together, so they never disagree.
 
+Pull compression (`broadcast`): every answer is then the shard's broadcast copy, which
+every worker holds exactly; a step's answer is its compressed change for a worker that
+holds the version before, and the copy becomes the parameters at every dense version
+and once every worker is done (so the final model is the parameters themselves).
+
 The buffer rule: a shard holding model buffers (BatchNorm running statistics, batch
 counters) moves them, at each update, by the weighted sum of the changes the applied
 pushes made to them, with the weights their gradients are combined with: in sync mode
@@ -40,6 +45,7 @@ from disttrain.core.errors import CheckpointError
 from disttrain.core.saver import CheckpointWriter
 from disttrain.strategies.ps.server.aggregation import AggregationRules, Decision, Outcome, Push
 from disttrain.strategies.ps.server.barriers import Barriers
+from disttrain.strategies.ps.server.broadcast import BroadcastCopy
 from disttrain.strategies.ps.server.identity import Identities
 from disttrain.strategies.ps.server.optimizer import ShardOptimizer
 from disttrain.strategies.ps.server.segments import WorkerSegments
@@ -104,11 +110,14 @@ class ShardState:
         clock: returns seconds; the aggregation rules measure synchronous waits with it.
         model_numel: elements of the whole model, of which clipping gives this shard its
             share (None: the shard is the whole model).
+        broadcast: pull compression's broadcast copy (None: answers are the parameters,
+            dense); every answer is then the copy (see `broadcast`).
     """
 
     def __init__(self, plan: ShardPlan, initial: torch.Tensor, rules: AggregationRules, decoder: PushDecoder,
                  training: TrainingConfig, checkpoints: CheckpointPolicy | None = None, clock=time.monotonic,
-                 buffers: torch.Tensor | None = None, model_numel: int | None = None):
+                 buffers: torch.Tensor | None = None, model_numel: int | None = None,
+                 broadcast: BroadcastCopy | None = None):
         if initial.numel() != plan.numel:
             raise ValueError(f"shard {plan.shard} owns {plan.numel} elements, got {initial.numel()}")
         buffers = torch.zeros(0, dtype=torch.float64) if buffers is None else buffers
@@ -138,6 +147,7 @@ class ShardState:
         self.barriers = Barriers(rules.world_size)
         self.update = GuardedUpdate(self.param, self.optimizer, self.shard_optimizer)
         self.identities = Identities()
+        self.broadcast = broadcast
 
     def register(self, worker_id: str, requested_rank: int, key: bytes, generation: int,
                  shared_memory: bool = False) -> Registration:
@@ -190,6 +200,10 @@ class ShardState:
         with self._changed:
             self.identities.check(worker_id, session)
             self._apply_or_void(self.rules.mark_done(worker_id, self.clock()))
+            if self.broadcast is not None and self.rules.all_done():
+                # The run's end: the final pull (the final model) takes the parameters themselves.
+                self.broadcast.reset(self.param, self.rules.version)
+                self._snapshot = None
             self._changed.notify_all()
 
     # -- pushes and pulls -----------------------------------------------------------------
@@ -267,6 +281,8 @@ class ShardState:
                 return False
             self.shard_optimizer.applied()
         self._move_buffers(decision.apply)
+        if self.broadcast is not None:
+            self.broadcast.advance(self.param, self.rules.version)
         self._changed.notify_all()
         if self.checkpoints is not None and self.rules.version % self.checkpoints.every_versions == 0:
             self._save_async(self._state())
@@ -296,9 +312,15 @@ class ShardState:
             if not self._reached(min_version, timeout_s):
                 return None
             if self._snapshot is None or self._snapshot.version != self.rules.version:
-                frames = service.parameter_frames(self.plan, self.rules.version, tensor_bytes(self.param),
-                                                  self.incarnation, self._buffer_message())
-                self._snapshot = Snapshot(self.rules.version, list(frames))
+                version, buffers = self.rules.version, self._buffer_message()
+                frames = service.parameter_frames(self.plan, version, tensor_bytes(self._served()),
+                                                  self.incarnation, buffers)
+                change = None if self.broadcast is None else self.broadcast.change_for(version - 1, version)
+                if change is not None:
+                    change = list(service.parameter_frames(self.plan, version, memoryview(change),
+                                                           self.incarnation, buffers,
+                                                           self.broadcast.changes.scheme))
+                self._snapshot = Snapshot(version, list(frames), change)
             return self._snapshot
 
     def write_parameters(self, worker_id: str, min_version: int, timeout_s: float | None) -> bytes | None:
@@ -313,9 +335,19 @@ class ShardState:
         with self._changed:
             if not self._reached(min_version, timeout_s):
                 return None
-            pair.parameter_tensor.copy_(self.param.detach())
+            pair.parameter_tensor.copy_(self._served())
             return service.parameter_notice(self.plan, self.rules.version, self.incarnation,
                                             self._buffer_message())
+
+    def _served(self) -> torch.Tensor:
+        """The parameters as answers carry them (lock held): the broadcast copy under pull
+        compression, else the parameters themselves."""
+        return self.param.detach() if self.broadcast is None else self.broadcast.copy
+
+    def broadcast_copy(self) -> torch.Tensor:
+        """A copy of the parameters as workers hold them (the parameters without pull compression)."""
+        with self._lock:
+            return self._served().clone()
 
     def _buffer_message(self):
         """The buffers as they travel in a parameter answer (None: the shard holds none)."""
@@ -427,6 +459,8 @@ class ShardState:
             if buffers is not None:
                 self.buffers.copy_(buffers)
         self.update.forget_bounds()
+        if self.broadcast is not None:  # the workers register again and pull it dense
+            self.broadcast.reset(self.param, self.rules.version)
 
     def _save_async(self, state: dict[str, Any]) -> None:
         """Queue a checkpoint (a newer one replaces one still waiting); raises CheckpointError

@@ -15,6 +15,7 @@ import torch
 
 from disttrain.compression import Compressor, Counters, Encoded, Segment
 from disttrain.proto import parameter_server_pb2 as pb
+from disttrain.strategies.ps.wire.codec import to_dtype
 from disttrain.strategies.ps.wire.sharding import ShardPlan
 
 STALE = pb.PushReply.Outcome.Value("STALE")
@@ -66,3 +67,46 @@ class GradientEncoder:
     def load_state_dict(self, state: dict) -> None:
         self.compressor.load_state_dict(state)
         self._reported = replace(self.compressor.counters)
+
+
+class ParameterChanges:
+    """Pull compression's payload: the change of a shard's broadcast copy between two
+    versions, written as a push of `scheme` over the shard's segments (see
+    `server/broadcast.py`). The shard and every worker add a change through `add`, the
+    one way it is added, so their copies stay equal to the bit.
+
+    Args:
+        plan: the shard.
+        scheme: topk, quantization, fp16 or bf16.
+        ratio: topk's share of the shard's elements a change carries.
+    """
+
+    def __init__(self, plan: ShardPlan, scheme: str, ratio: float):
+        # Stateless: the shard carries what a change left out in its copy's distance.
+        self.compressor = Compressor(scheme, ratio, error_feedback=False)
+        self.segments = shard_segments(plan)
+        self.numel = plan.numel
+        self.itemsize = torch.empty(0, dtype=to_dtype(plan.dtype)).element_size()
+
+    @property
+    def scheme(self) -> str:
+        return self.compressor.scheme
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one change's payload."""
+        return self.compressor.payload_nbytes(self.segments, self.itemsize)
+
+    def encode(self, delta: torch.Tensor) -> bytes:
+        """The payload of `delta` (1-D, the shard's length)."""
+        return self.compressor.encode(delta, self.segments).data
+
+    def add(self, held: torch.Tensor, data: bytes | memoryview, scratch: torch.Tensor) -> None:
+        """Add the change `data` decodes to into `held`, decoding into `scratch` (the same
+        length and dtype) first.
+
+        Raises:
+            InvalidPayload: the bytes do not decode; `held` is unchanged.
+        """
+        self.compressor.decode(data, self.segments, scratch)
+        held.add_(scratch)

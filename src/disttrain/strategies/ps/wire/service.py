@@ -78,6 +78,8 @@ class Snapshot:
 
     version: int
     frames: list[bytes]
+    # Pull compression: the change from version - 1, for a worker holding that version.
+    change_frames: list[bytes] | None = None
 
 
 def method_path(name: str) -> str:
@@ -125,12 +127,15 @@ def gradient_frames(header: pb.GradientMessage, plan: ShardPlan, data: memoryvie
 
 
 def parameter_frames(plan: ShardPlan, version: int, data: memoryview, incarnation: int = 0,
-                     buffers: tensor_pb2.TensorProto | None = None) -> Iterator[bytes]:
+                     buffers: tensor_pb2.TensorProto | None = None, compression_type: str = ""
+                     ) -> Iterator[bytes]:
     """The wire messages of one pull answer, cut like a push's; the shard's `buffers`
-    (`buffer_proto`; None: it holds none) ride in the first."""
-    chunk_bytes = _chunk_bytes(plan.nbytes)
+    (`buffer_proto`; None: it holds none) ride in the first. With `compression_type`,
+    `data` is pull compression's change from version - 1 (`payloads.ParameterChanges`)."""
+    chunk_bytes = _chunk_bytes(memoryview(data).nbytes if compression_type else plan.nbytes)
     header = pb.ParameterMessage(version=version, shard=plan.shard, layout=slice_specs(plan),
-                                 incarnation=incarnation, buffers=buffers)
+                                 incarnation=incarnation, buffers=buffers,
+                                 compressed=bool(compression_type), compression_type=compression_type)
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
     return encode_frames(header, PARAMETER_PAYLOAD_FIELD, meta, data, chunk_bytes)
 

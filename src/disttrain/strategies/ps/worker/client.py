@@ -20,6 +20,7 @@ from disttrain.core.tls import TlsFiles
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.wire import service, shared_memory
 from disttrain.strategies.ps.wire.codec import tensor_bytes
+from disttrain.strategies.ps.wire.payloads import ParameterChanges
 from disttrain.strategies.ps.wire.sharding import ShardPlan
 from disttrain.strategies.ps.worker.retry import RetryPolicy
 from disttrain.strategies.ps.worker.shard_client import ROLLED_BACK, ShardClient
@@ -56,11 +57,18 @@ class PSClient:
         self._lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.bytes_received_dense = 0  # what the parameters received would have taken dense
 
-    def _count(self, sent: int = 0, received: int = 0) -> None:
+    def _count(self, sent: int = 0, received: int = 0, dense: int | None = None) -> None:
         with self._lock:
             self.bytes_sent += sent
             self.bytes_received += received
+            self.bytes_received_dense += received if dense is None else dense
+
+    def compress_pulls(self, scheme: str, ratio: float) -> None:
+        """Take pull compression's changes (`scheme`, topk's `ratio`) from every shard."""
+        for shard, plan in zip(self.shards, self.plans, strict=True):
+            shard.changes = ParameterChanges(plan, scheme, ratio)
 
     def gather(self, calls: list[Callable[[], object]]) -> list:
         """Run `calls` concurrently (the first on this thread); raise the first failure at once."""
@@ -160,17 +168,18 @@ class PSClient:
             plan, shard = self.plans[s], self.shards[s]
             into, body = flat[plan.offset:plan.offset + plan.numel], self._body(grads, s, payload)
             if self.can_step(s):
-                reply, version, sent = shard.step(header, plan, body, into)
-                return reply, version, sent, 0 if version is None else plan.nbytes
+                reply, version, sent, received = shard.step(header, plan, body, into)
+                return reply, version, sent, received, 0 if version is None else plan.nbytes
             reply, sent = shard.push(header, plan, body)
             if reply.outcome == ROLLED_BACK:
-                return reply, None, sent, 0
+                return reply, None, sent, 0, 0
             version, received = shard.pull(header.worker_id, plan, min_versions[s], into)
-            return reply, version, sent, received
+            return reply, version, sent, received, received
 
         results = self.gather([lambda h=h, s=s, p=p: trade(h, s, p)
                                for h, s, p in zip(headers, shards, payloads, strict=True)])
-        self._count(sent=sum(r[2] for r in results), received=sum(r[3] for r in results))
+        self._count(sent=sum(r[2] for r in results), received=sum(r[3] for r in results),
+                    dense=sum(r[4] for r in results))
         versions: list[int | None] = [None] * len(self.shards)
         for s, result in zip(shards, results, strict=True):
             versions[s] = result[1]

@@ -234,6 +234,7 @@ class WorkerParticipant:
         encoder = self.exchange.encoder
         return {"worker_id": self.worker_id, "rank": self.rank, "world_size": self.world_size,
                 "bytes_sent": self.client.bytes_sent, "bytes_received": self.client.bytes_received,
+                "bytes_received_dense": self.client.bytes_received_dense,
                 "compression": None if encoder is None else encoder.state_dict(),
                 "samples_redone": self.samples_redone, "dropped_blocks": sorted(self.exchange.dropped),
                 **({} if self.rounds is None else {"local": self.rounds.state_dict()})}
@@ -246,6 +247,7 @@ class WorkerParticipant:
         # The run's totals go on from the checkpoint, like its samples and training time.
         self.client.bytes_sent = int(state["bytes_sent"])
         self.client.bytes_received = int(state["bytes_received"])
+        self.client.bytes_received_dense = int(state.get("bytes_received_dense", state["bytes_received"]))
         self.samples_redone = int(state.get("samples_redone", 0))
         self.exchange.dropped = {int(b) for b in state.get("dropped_blocks", [])}
         encoder, saved = self.exchange.encoder, state.get("compression")

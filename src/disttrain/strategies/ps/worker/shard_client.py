@@ -17,12 +17,14 @@ from collections.abc import Callable
 import grpc
 import torch
 
+from disttrain.compression import InvalidPayload
 from disttrain.core.channels import open_channel
 from disttrain.core.errors import DistributedError
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.wire import service
 from disttrain.strategies.ps.wire.codec import Frame, Payload, copy_chunks, decode_chunks, decode_tensor
+from disttrain.strategies.ps.wire.payloads import ParameterChanges
 from disttrain.strategies.ps.wire.sharding import ShardPlan
 from disttrain.strategies.ps.wire.shared_memory import SegmentPair, SharedMemoryUnavailable
 from disttrain.strategies.ps.worker.retry import ReplyLost, RetryPolicy, describe, with_retries
@@ -54,6 +56,13 @@ class ShardClient:
         # The shard's buffers (float64) of the newest parameters landed, None before any
         # or when it holds none; replaced whole, for the worker's thread to read.
         self.buffers: torch.Tensor | None = None
+        # Pull compression: how the shard writes a change (None: the run pulls dense), and
+        # 1 + the version of the shard's parameters `into` holds as last landed (0: none
+        # since registering); every answer is the shard's broadcast copy, so a change
+        # applies exactly when it starts from that version.
+        self.changes: ParameterChanges | None = None
+        self.holds_version = 0
+        self._scratch: torch.Tensor | None = None
         self._join_lock = threading.Lock()
         self.channel = open_channel(address, tls, token, options=service.CHANNEL_OPTIONS)
         self._calls = {}
@@ -134,6 +143,7 @@ class ShardClient:
             raise DistributedError(f"server {self.address} offered no shared memory; use "
                                    "ps.payload_transport: auto or grpc")
         self.incarnation, self.session = assignment.incarnation, assignment.session
+        self.holds_version = 0  # a restarted shard's copy is another: the next answer goes dense
         self._joined = (pb.RegisterRequest(), plan, num_shards, memory_required)
         self._joined[0].CopyFrom(request)
         self._joined[0].requested_rank = assignment.rank
@@ -185,6 +195,7 @@ class ShardClient:
         header_copy.CopyFrom(header)
         header_copy.shared_memory = self.segments is not None
         header_copy.incarnation, header_copy.session = self.incarnation, self.session
+        header_copy.holds_version = self.holds_version
         return list(service.gradient_frames(header_copy, plan, data))
 
     def _lose_reply(self, step: int) -> None:
@@ -217,13 +228,14 @@ class ShardClient:
         return reply, sent[0]
 
     def step(self, header: pb.GradientMessage, plan: ShardPlan, data: memoryview, into: torch.Tensor
-             ) -> tuple[pb.PushReply, int | None, int]:
+             ) -> tuple[pb.PushReply, int | None, int, int]:
         """Push one gradient and take the parameters it leads to into `into`, in one round
-        trip on this shard's Step stream (see `StepStream`).
+        trip on this shard's Step stream (see `StepStream`); under pull compression the
+        answer may be the change from the version `into` holds.
 
         Returns:
             (the push's reply, the version now in `into` or None when the reply brought no
-            parameters (ROLLED_BACK), payload bytes sent).
+            parameters (ROLLED_BACK), payload bytes sent, payload bytes received).
         """
         data, nbytes = self._outgoing(data)
         sent = [0]
@@ -240,8 +252,10 @@ class ShardClient:
         if reply.incarnation not in (0, self.incarnation):
             self.rejoin(reply.incarnation)
         if reply.outcome == ROLLED_BACK:
-            return reply, None, sent[0]
-        return reply, self._land(answer, plan, 0, into), sent[0]
+            return reply, None, sent[0], 0
+        # Payload bytes, counted as a pull counts them (through shared memory too).
+        received = answer.data.nbytes if answer.header.compressed else plan.nbytes
+        return reply, self._land(answer, plan, 0, into), sent[0], received
 
     def pull(self, worker_id: str, plan: ShardPlan, min_version: int, into: torch.Tensor
              ) -> tuple[int, int]:
@@ -283,6 +297,8 @@ class ShardClient:
         """
         segments = self.segments
         chunks = answer.chunks if isinstance(answer, Payload) else [answer.data]
+        if answer.header.compressed:
+            return self._land_change(answer, plan, chunks, into)
         nbytes, expected = sum(chunk.nbytes for chunk in chunks), 0 if segments is not None else plan.nbytes
         if answer.header.version < min_version or nbytes != expected \
                 or answer.header.shared_memory != (segments is not None):
@@ -300,7 +316,38 @@ class ShardClient:
             copy_chunks(decode_chunks(chunks, plan.dtype), into)
         if buffers is not None:
             self.buffers = buffers
+        self.holds_version = answer.header.version + 1
         return answer.header.version
+
+    def _land_change(self, answer: Payload | Frame, plan: ShardPlan, chunks: list[memoryview],
+                     into: torch.Tensor) -> int:
+        """Add the change of a compressed answer into `into` (which holds the version
+        before it); its version.
+
+        Raises:
+            DistributedError: this worker does not expect changes, holds another version,
+                or the change does not decode.
+        """
+        header, changes = answer.header, self.changes
+        if changes is None or header.compression_type != changes.scheme or self.segments is not None \
+                or self.holds_version != header.version:
+            raise DistributedError(
+                f"shard {plan.shard} answered version {header.version} with a {header.compression_type} "
+                f"change, but this worker holds version {self.holds_version - 1} and pulls "
+                f"{changes.scheme if changes else 'dense'}; start servers and workers with the same "
+                "compression.pull")
+        try:
+            buffers = service.read_buffers(header, plan, f"the answer of shard {plan.shard}")
+            if self._scratch is None or self._scratch.numel() != into.numel():
+                self._scratch = torch.empty_like(into)
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            changes.add(into, data, self._scratch)
+        except (ValueError, InvalidPayload) as e:
+            raise DistributedError(f"the answer of shard {plan.shard}: {e}") from e
+        if buffers is not None:
+            self.buffers = buffers
+        self.holds_version = header.version + 1
+        return header.version
 
     def close(self) -> None:
         self.stream.shutdown()
