@@ -91,6 +91,8 @@ def test_ddp_refuses_what_local_updates_do_not_offer(sections, fragment):
      "ps.aggregation_mode: ssp is not offered with local updates"),
     ({"training": {"sync_every": 4}, "system": {"balance": "proportional"}}, "system.balance: proportional"),
     ({"training": {"sync_every": 4, "precision": "fp16"}}, "training.precision: fp16"),
+    ({"training": {"sync_every": 4}, "compression": {"pull": "topk"}},
+     "compression.pull: topk is not offered with local updates"),
 ])
 def test_the_parameter_server_refuses_what_local_updates_do_not_offer(sections, fragment):
     with pytest.raises(ConfigError, match=fragment) as info:

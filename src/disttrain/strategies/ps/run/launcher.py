@@ -92,6 +92,12 @@ def check_supported(config: Config) -> None:
         # Rounds and the ledger's one block per round follow equal batches.
         raise ConfigError(f"system.balance: {config.system.balance} batches are not offered with local "
                           "updates (training.sync_every > 1); use system.balance none")
+    if config.training.local_update_mode and config.compression.pull != "none":
+        # A pulled change is added to the copy the worker holds, which its local steps
+        # have moved off the shard's broadcast copy.
+        raise ConfigError(f"compression.pull: {config.compression.pull} is not offered with local updates "
+                          "(training.sync_every > 1); use compression.pull none (the pushes of "
+                          "pseudo-gradients can still be compressed)")
 
 
 def worker_precision(mode: str) -> PrecisionPlan:
