@@ -52,18 +52,26 @@ demo: install
 # The import contracts and style first (make lint), then every test, in TEST_WORKERS
 # processes (pytest-xdist): a test spends most of its time waiting on the processes it
 # starts, so two share two cores well. Each test file stays in one process (its
-# module-wide fixtures run once). TEST_WORKERS=0 runs them in this one process.
+# module-wide fixtures run once). TEST_WORKERS=0 runs them in this one process. The tests
+# marked `serial` (speeds or clocks measured in the run decide what they check) run after
+# the others, alone.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+PYTEST := $(PY) -m pytest -q
+PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+# $(1): the marker expression of the tests to run (none: every test).
+define run_tests
+	$(PYTEST) $(PARALLEL) -m "$(if $(1),($(1)) and )not serial"
+	$(PYTEST) -m "$(if $(1),($(1)) and )serial"
+endef
 
 test: lint
-	$(PYTEST)
+	$(call run_tests)
 
 test-fast: install
-	$(PYTEST) -m "not slow"
+	$(call run_tests,not slow)
 
 test-slow: install
-	$(PYTEST) -m slow
+	$(call run_tests,slow)
 
 # Every script of benchmarks/ but the helper modules they import.
 BENCHMARKS := $(filter-out common ps_helpers,$(basename $(notdir $(wildcard benchmarks/*.py))))

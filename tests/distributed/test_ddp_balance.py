@@ -23,7 +23,9 @@ SHARES = (48, 16)
 TRAINING = {"dataset": "synthetic", "num_samples": NUM_SAMPLES, "model_architecture": "mlp",
             "mlp_hidden_size": 32, "mlp_num_layers": 1, "seed": SEED}
 
-pytestmark = pytest.mark.timeout(240)
+# Speeds measured in the run decide what it does: no other test may share the cores (make test
+# runs the `serial` tests after the others, one at a time).
+pytestmark = [pytest.mark.timeout(240), pytest.mark.serial]
 
 
 def ddp_args(tmp_path, *extra):

@@ -16,7 +16,9 @@ from disttrain.coordinator.client import CoordinatorClient
 from disttrain.coordinator.reports import NodeProgress
 from disttrain.coordinator.service import CoordinatorServer
 
-pytestmark = pytest.mark.timeout(60)
+# Speeds measured in the run decide what it does: no other test may share the cores (make test
+# runs the `serial` tests after the others, one at a time).
+pytestmark = [pytest.mark.timeout(60), pytest.mark.serial]
 
 CONFIG = CoordinatorConfig(heartbeat_interval=0.1, heartbeat_timeout=1.0, straggler_factor=2.0)
 STEP_TIME_S = {"worker-0": 0.01, "worker-1": 0.01, "worker-2": 0.1}

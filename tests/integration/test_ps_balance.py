@@ -39,6 +39,11 @@ def assert_matches_the_global_batches(tmp_path, global_batch: int):
     assert_matches_one_process(tmp_path, global_batches)
 
 
+# Speeds measured in the run decide what it does: no other test may share the cores (make test
+# runs the `serial` tests after the others, one at a time).
+pytestmark = pytest.mark.serial
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(160)
 def test_sync_workers_of_24_and_8_match_one_process_on_the_global_batches_of_32(tmp_path, cli):

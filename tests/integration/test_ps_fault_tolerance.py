@@ -83,6 +83,7 @@ def test_a_killed_worker_is_restarted_and_every_sample_is_applied_once(tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # times a straggler against its peers: alone on the cores
 @pytest.mark.timeout(360)
 def test_a_hung_worker_is_declared_failed_restarted_and_its_late_gradients_are_not_applied(tmp_path, cli):
     summary = run_ps(cli, tmp_path, "--inject", "stop:worker=1:step=7:for=60s")
@@ -134,6 +135,7 @@ def test_a_lost_reply_is_retried_and_its_push_applied_once(tmp_path, cli):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # times a straggler against its peers: alone on the cores
 @pytest.mark.timeout(360)
 def test_a_slow_worker_is_named_a_straggler(tmp_path, cli):
     # the whole digits set for 3 epochs, and a timeout short enough to hold the flag within it;

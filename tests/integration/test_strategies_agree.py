@@ -30,8 +30,10 @@ from disttrain.metrics.keys import ACCURACY_THRESHOLDS, ALL, METRICS, SUMMARY
 from disttrain.metrics.logger import read_metrics
 from disttrain.training.models import init_model
 
-# Every test here trains real runs of each strategy (a minute and more in all).
-pytestmark = pytest.mark.slow
+# Every test here trains real runs of each strategy (a minute and more in all), and the
+# training clock is held to bounds: no other test may share the cores (make test runs the
+# `serial` tests after the others, one at a time).
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 SLOW_EVAL_S = 2.0
 NUM_EPOCHS = 2
