@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 COMPRESSED = "ps (compression on), ddp (compression on)"
+LOCAL_UPDATES = "ps (local updates), ddp (local updates)"
 LANGUAGE_MODELS = "all (language-model data sets)"
 
 # How a logged value relates to the steps it covers.
@@ -75,7 +76,7 @@ METRICS: dict[str, Metric] = {m.key: m for m in [
            "all-reduce (with local updates: pseudo-gradient bytes, at a round's end only)", "ddp"),
     Metric("local/rounds", "rounds", PER_STEP, "local-update rounds that ended (the pseudo-gradient "
            "averaged and the outer optimizer applied): per step, 1/`training.sync_every` but for "
-           "rounds an epoch's end cut short", "ddp, ps (local updates)"),
+           "rounds an epoch's end cut short", LOCAL_UPDATES),
     Metric("compression/bytes_dense", "bytes", PER_STEP, "gradient bytes before compression: "
            "what the same step sends uncompressed", COMPRESSED),
     Metric("compression/bytes_sent", "bytes", PER_STEP, "gradient payload bytes after compression, "
