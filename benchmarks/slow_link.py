@@ -4,8 +4,9 @@ Hosts are Linux network namespaces on one bridge (the multi-host tests' network:
 root and iproute2). The parameter server's shard runs on host a; the two workers (or the
 two DDP nodes, 1 rank each, c10d rendezvous on host b) run on hosts b and c, whose links
 are limited with `tc qdisc ... tbf` to each `--rates` value in both directions. For each
-rate and each configuration (PS sync and async, each with and without top-k 1%, DDP with
-and without PowerSGD rank 2, DDP with local updates every 8 and 32 steps) it runs the
+rate and each configuration (PS sync and async, each with and without top-k 1%, PS sync
+with top-k 1% both ways, DDP with and without PowerSGD rank 2, PS sync and DDP with local
+updates every 8 and 32 steps) it runs the
 real commands and reports, from worker or rank 0's summary: samples/s, the time to 97%
 test accuracy on the training clock, the final accuracy (the time is null when 97% was
 not reached: "reached_97" says so), and the bytes worker 0 sent and received: accuracy
@@ -13,7 +14,7 @@ against bytes.
 
 Data: MNIST, 1 epoch, when a copy is at hand (`--data-dir`, else $DISTTRAIN_DATA_DIR,
 ./data, ../shared/data); otherwise, and with `--quick`, the shipped digits for 6
-epochs (about three minutes for the 16 runs on 2 cores). On a model this small the links
+epochs (about four minutes for the 22 runs on 2 cores). On a model this small the links
 only hurt once they are slow: what compression buys shows at 100 Mbit/s, not at 1 Gbit/s.
 """
 
@@ -37,6 +38,7 @@ from netns import Network, read_event, unavailable_reason  # noqa: E402
 DISTTRAIN = [sys.executable, "-m", "disttrain"]
 TOPK = ["--compression-enabled", "--compression-type", "topk", "--compression-ratio", "0.01"]
 POWERSGD = ["--compression-enabled", "--compression-type", "powersgd", "--powersgd-rank", "2"]
+PULL_TOPK = ["--pull-compression", "topk", "--pull-ratio", "0.01"]  # the shards' answers too
 
 
 def local(every: int) -> list[str]:
@@ -47,6 +49,9 @@ def local(every: int) -> list[str]:
 
 CONFIGS = {"ps-sync": ("ps", ["--aggregation-mode", "sync"]),
            "ps-sync+topk": ("ps", ["--aggregation-mode", "sync", *TOPK]),
+           "ps-sync+topk-both": ("ps", ["--aggregation-mode", "sync", *TOPK, *PULL_TOPK]),
+           "ps-sync+local8": ("ps", ["--aggregation-mode", "sync", *local(8)]),
+           "ps-sync+local32": ("ps", ["--aggregation-mode", "sync", *local(32)]),
            "ps-async": ("ps", ["--aggregation-mode", "async"]),
            "ps-async+topk": ("ps", ["--aggregation-mode", "async", *TOPK]),
            "ddp": ("ddp", []),
