@@ -17,7 +17,7 @@ Workloads (`--workload`):
   shipped digits for 6 epochs (about four minutes for the 22 runs on 2 cores).
 - text: a 2-layer byte-level GPT (`gpt_small`, width 128, 0.4M parameters) on text the
   benchmark writes (Python's own standard library sources, the first 400 kB in name
-  order; its SHA-256 is in the JSON), 4 epochs, to test perplexity 8.
+  order; its SHA-256 is in the JSON), 3 epochs, to test perplexity 8.
 The runs evaluate at each epoch's end, so a time to target is the end of the first epoch
 whose evaluation reached it. On a model this small the links only hurt once they are
 slow: what compression buys shows at 100 Mbit/s, not at 1 Gbit/s.
@@ -225,7 +225,7 @@ def workload_of(args, scratch: Path) -> dict:
     if args.workload == "text":
         text = scratch / "stdlib.txt"
         sha256 = write_text(text, TEXT_BYTES // 4 if args.quick else TEXT_BYTES)
-        epochs = "2" if args.quick else "4"
+        epochs = "2" if args.quick else "3"
         return {"flags": ["--dataset", f"text:{text}", *GPT, "--num-epochs", epochs],
                 "target": PERPLEXITY_8, "sha256": sha256}
     data_dir = None if args.quick else (args.data_dir or find_real_data_dir())
