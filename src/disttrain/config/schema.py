@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from disttrain.core import object_store
 from disttrain.core.addresses import split_host_port
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10", "digits", "synthetic")
@@ -179,6 +180,7 @@ class SystemConfig:
     # The strategy the file was written for: `disttrain train` runs it; a strategy's own
     # command runs itself whatever this says (and warns when it names another).
     architecture: str = field(default="baseline", metadata=_choice(ARCHITECTURES))
+    # A local folder, or any fsspec URL (`s3://bucket/run`; the baseline only, so far).
     checkpoint_dir: str = field(default="checkpoints", metadata=NON_EMPTY)
     log_dir: str = field(default="logs", metadata=NON_EMPTY)
     checkpoint_keep: int = field(default=3, metadata=POSITIVE)
@@ -192,6 +194,13 @@ class SystemConfig:
     balance_batches: str = field(default="", metadata=_rule(
         lambda v: not v or all(p.strip().isdigit() and int(p) > 0 for p in v.split(",")),
         "must be empty or comma-separated positive integers, one batch per rank, e.g. 48,16"))
+
+    def cross_problems(self, name: Callable[[str], str]) -> list[str]:
+        """Problems a value has beyond its own rule; `name(key)` is the key as the user spelled it."""
+        if not object_store.is_url(self.checkpoint_dir):
+            return []
+        problem = object_store.backend_problem(self.checkpoint_dir)
+        return [] if problem is None else [f"{name('checkpoint_dir')}: {problem}"]
 
 
 @dataclass(frozen=True)

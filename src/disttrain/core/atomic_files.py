@@ -169,6 +169,15 @@ def expected_sha256(path: str | Path) -> str | None:
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checksum file {sidecar} cannot be read ({e}); check its "
                               "permissions, or delete it to load the checkpoint unverified") from e
+    return parse_sidecar(text, sidecar)
+
+
+def parse_sidecar(text: str, sidecar: str | Path) -> str:
+    """The SHA-256 recorded in a sidecar's `text` (read from `sidecar`, named in errors).
+
+    Raises:
+        CheckpointError: the text does not start with a 64-digit hex sum.
+    """
     digest = text.split(maxsplit=1)[0] if text.strip() else ""
     if len(digest) != 64 or not set(digest) <= HEX_DIGITS:
         raise CheckpointError(f"checksum file {sidecar} is malformed (expected a 64-digit SHA-256); "

@@ -8,6 +8,11 @@ checkpoint's name and never replaces a good one. Beside it, `NAME.sha256` holds 
 SHA-256 (see `atomic_files`), which loading verifies before `torch.load(weights_only=True)`
 reads the file: no code runs on load, and a damaged file is named as such. Resuming takes
 the newest checkpoint that passes both and warns about each newer one it skips.
+
+A folder may also be a store's URL (`s3://bucket/run`, any fsspec URL; see `object_store`):
+there a checkpoint is complete only once its sidecar is up and matches, so listing,
+"latest", pruning and resuming see complete checkpoints only. A plain path keeps the
+local code.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from disttrain.core.atomic_files import atomic_torch_save, sidecar_path, verify_sha256
+from disttrain.core import object_store
+from disttrain.core.atomic_files import SIDECAR_SUFFIX, atomic_torch_save, sidecar_path, verify_sha256
 from disttrain.core.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -35,8 +41,10 @@ def checkpoint_name(step: int) -> str:
     return f"checkpoint_step{step:08d}.pt"
 
 
-def list_checkpoints(folder: str | Path) -> list[Path]:
-    """Checkpoint files in `folder`, oldest step first."""
+def list_checkpoints(folder: str | Path) -> list[Any]:
+    """Checkpoint files in `folder`, oldest step first (on a store: the complete ones, as URLs)."""
+    if object_store.is_url(folder):
+        return [object_store.join(folder, name) for name in _store_checkpoints(str(folder))[0]]
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -44,7 +52,17 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(folder: str | Path) -> Path | None:
+def _store_checkpoints(folder: str) -> tuple[list[str], list[str]]:
+    """Names of the complete checkpoints in a store's folder (oldest step first), and of the
+    checkpoint objects there without a sidecar (uploads that never finished)."""
+    present = set(object_store.StoreFolder(folder).names())
+    found = sorted((int(m.group(1)), name) for name in present if (m := CHECKPOINT_PATTERN.match(name)))
+    complete = [name for _, name in found if name + SIDECAR_SUFFIX in present]
+    incomplete = [name for _, name in found if name + SIDECAR_SUFFIX not in present]
+    return complete, incomplete
+
+
+def latest_checkpoint(folder: str | Path) -> Any:
     found = list_checkpoints(folder)
     return found[-1] if found else None
 
@@ -55,6 +73,14 @@ def save_checkpoint(folder: str | Path, step: int, state: dict[str, Any], keep: 
     Returns:
         The path written.
     """
+    if object_store.is_url(folder):
+        path = object_store.save(state, str(object_store.join(folder, checkpoint_name(step))))
+        store = object_store.StoreFolder(str(folder))
+        for old in _store_checkpoints(str(folder))[0][:-keep]:
+            store.remove(old + SIDECAR_SUFFIX)  # the sum first: without it the object is no checkpoint
+            store.remove(old)
+        logger.debug("saved checkpoint %s", path)
+        return path
     path = atomic_torch_save(state, Path(folder) / checkpoint_name(step))
     for old in list_checkpoints(folder)[:-keep]:
         old.unlink(missing_ok=True)  # the file first: a checkpoint never stands without its sum
@@ -63,7 +89,7 @@ def save_checkpoint(folder: str | Path, step: int, state: dict[str, Any], keep: 
     return path
 
 
-def prepare_checkpoint_dir(folder: str | Path, resume: bool) -> Path | None:
+def prepare_checkpoint_dir(folder: str | Path, resume: bool) -> Path | str | None:
     """Decide where a run starts: the newest good checkpoint when resuming, else nothing.
 
     Call once, before the run's first save into `folder`: it removes the temporary files
@@ -80,7 +106,7 @@ def prepare_checkpoint_dir(folder: str | Path, resume: bool) -> Path | None:
     return None if chosen is None else chosen[0]
 
 
-def open_checkpoint_dir(folder: str | Path, resume: bool) -> tuple[Path, dict[str, Any]] | None:
+def open_checkpoint_dir(folder: str | Path, resume: bool) -> tuple[Path | str, dict[str, Any]] | None:
     """`prepare_checkpoint_dir`, returning the chosen checkpoint's state as well, so the
     caller does not read it a second time.
 
@@ -90,8 +116,8 @@ def open_checkpoint_dir(folder: str | Path, resume: bool) -> tuple[Path, dict[st
     found = list_checkpoints(folder)
     if found and not resume:  # refused before anything in `folder` changes
         raise ConfigError(f"system.checkpoint_dir: {str(folder)!r} already holds checkpoints "
-                          f"(newest {found[-1].name}); pass --resume to continue that run, or "
-                          "choose another --checkpoint-dir")
+                          f"(newest {object_store.basename(found[-1])}); pass --resume to continue that "
+                          "run, or choose another --checkpoint-dir")
     clean_temporary_files(folder)
     if not resume:
         return None
@@ -101,7 +127,7 @@ def open_checkpoint_dir(folder: str | Path, resume: bool) -> tuple[Path, dict[st
     return chosen
 
 
-def load_latest_good_checkpoint(folder: str | Path) -> tuple[Path, dict[str, Any]] | None:
+def load_latest_good_checkpoint(folder: str | Path) -> tuple[Path | str, dict[str, Any]] | None:
     """Load the newest checkpoint in `folder` that is intact, trying newest first.
 
     A checkpoint that is truncated, corrupt, fails its checksum or cannot be read is
@@ -118,23 +144,36 @@ def load_latest_good_checkpoint(folder: str | Path) -> tuple[Path, dict[str, Any
         try:
             return path, load_checkpoint(path)
         except CheckpointError as e:
-            logger.warning("skipping checkpoint %s, trying an older one: %s", path.name, e)
+            logger.warning("skipping checkpoint %s, trying an older one: %s", object_store.basename(path), e)
     if not found:
         return None
-    raise CheckpointError(f"no usable checkpoint in {folder}: {', '.join(p.name for p in found)} are "
+    names = ", ".join(object_store.basename(p) for p in found)
+    raise CheckpointError(f"no usable checkpoint in {folder}: {names} are "
                           "all truncated, corrupt or fail their checksum (reasons logged above); "
                           "restore a good copy, or move them away to start the run over")
 
 
-def clean_temporary_files(folder: str | Path) -> list[Path]:
+def clean_temporary_files(folder: str | Path) -> list[Any]:
     """Remove the temporary files (`.NAME.XXXX.tmp`) that interrupted saves left in `folder`.
 
     Only plain files whose names match that pattern are removed, nothing else. Call only
     while no process is saving into `folder`: a save in flight owns such a file.
 
+    On a store, the same for checkpoint objects without a sidecar: uploads that never
+    finished (no reader takes them; removing them keeps a later save's listing clean).
+
     Returns:
         The files removed.
     """
+    if object_store.is_url(folder):
+        store = object_store.StoreFolder(str(folder))
+        incomplete = _store_checkpoints(str(folder))[1]
+        for name in incomplete:
+            store.remove(name)
+        if incomplete:
+            logger.info("removed %d checkpoint(s) whose upload never finished from %s: %s",
+                        len(incomplete), folder, ", ".join(incomplete))
+        return [object_store.join(folder, name) for name in incomplete]
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -148,25 +187,31 @@ def clean_temporary_files(folder: str | Path) -> list[Path]:
     return removed
 
 
-def save_final_model(path: str | Path, model_state: dict[str, Any], config: Any) -> Path:
+def save_final_model(path: str | Path, model_state: dict[str, Any], config: Any) -> Any:
     """Write the trained model (and the config that made it) for later evaluation."""
-    return atomic_torch_save({"model": model_state, "config": config.to_dict()}, path)
+    state = {"model": model_state, "config": config.to_dict()}
+    if object_store.is_url(path):
+        return object_store.save(state, str(path))
+    return atomic_torch_save(state, path)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Verify a checkpoint's checksum, then load it with `weights_only=True`.
 
-    A checkpoint without a `.sha256` sidecar (written before sums existed) still loads;
-    only `torch.load`'s own checks apply to it.
+    A local checkpoint without a `.sha256` sidecar (written before sums existed) still
+    loads; only `torch.load`'s own checks apply to it. On a store the sidecar is required.
 
     Raises:
         CheckpointError: the file is missing, truncated, corrupt, fails its checksum or is
             not a checkpoint.
     """
-    path = Path(path)
-    verify_sha256(path)
+    if object_store.is_url(path):
+        source: Any = object_store.load_buffer(str(path))
+    else:
+        path = source = Path(path)
+        verify_sha256(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(source, map_location="cpu", weights_only=True)
     except FileNotFoundError as e:
         raise CheckpointError(f"checkpoint {path} does not exist") from e
     except Exception as e:  # torch raises several types for truncated or foreign files
@@ -188,7 +233,7 @@ def require_keys(state: dict[str, Any], keys: tuple[str, ...], path: str | Path)
 
 def checkpoint_step(path: str | Path) -> int:
     """The step in a checkpoint's file name (-1 when the name is not a checkpoint's)."""
-    match = CHECKPOINT_PATTERN.match(Path(path).name)
+    match = CHECKPOINT_PATTERN.match(object_store.basename(path))
     return int(match.group(1)) if match else -1
 
 

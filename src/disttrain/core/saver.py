@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from disttrain.core import checkpoint as ckpt
+from disttrain.core import object_store
 from disttrain.core.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,8 @@ class CheckpointWriter:
     `checkpoint.prepare_checkpoint_dir` removes at the next start.
 
     Args:
-        folder: where checkpoints go (`checkpoint_stepNNNNNNNN.pt` and its `.sha256`).
+        folder: where checkpoints go (`checkpoint_stepNNNNNNNN.pt` and its `.sha256`): a
+            local folder or a store's URL (`s3://bucket/run`; see `core.object_store`).
         keep: how many of the newest checkpoints each write leaves in `folder`.
 
     Raises:
@@ -45,7 +47,7 @@ class CheckpointWriter:
         if keep < 1:
             raise ValueError(f"keep must be at least 1 (got {keep}): the newest checkpoint is the one "
                              "a resume needs")
-        self.folder = Path(folder)
+        self.folder = folder if object_store.is_url(folder) else Path(folder)
         self.keep = keep
         self._changed = threading.Condition()
         self._waiting: tuple[int, dict[str, Any]] | None = None
@@ -129,7 +131,7 @@ class CheckpointWriter:
 
     def _write(self, step: int, state: dict[str, Any]) -> CheckpointError | None:
         """Write one checkpoint; returns what went wrong, or None."""
-        path = self.folder / ckpt.checkpoint_name(step)
+        path = object_store.join(self.folder, ckpt.checkpoint_name(step))
         try:
             ckpt.save_checkpoint(self.folder, step, state, keep=self.keep)
         except Exception as e:

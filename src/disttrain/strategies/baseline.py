@@ -14,6 +14,7 @@ import torch
 
 from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
+from disttrain.core import object_store
 from disttrain.core.faults import FaultInjector
 from disttrain.data import ArrayDataset, ShardedSampler, load_datasets
 from disttrain.metrics.hparams import write_hparams
@@ -111,14 +112,14 @@ class Baseline:
         participant = BaselineParticipant(model, stepper, loader or train_set, test_set,
                                           training.eval_batch_size, precision)
         sampler = ShardedSampler(len(train_set), seed=training.seed)
-        checkpoint_dir, log_dir = Path(system.checkpoint_dir), Path(system.log_dir)
+        checkpoint_dir, log_dir = system.checkpoint_dir, Path(system.log_dir)  # the former may be a URL
         loop = TrainingLoop(LoopSettings.of(config.training, config.to_dict()), participant, sampler,
                             LocalCheckpoints(checkpoint_dir, system.checkpoint_keep), log_dir / self.name,
                             FaultInjector(options.faults, "worker", 0),
                             lambda total, done: Progress(total, "train", initial=done),
                             config_path=log_dir / "config.yaml", loader=loader)
         result = loop.run(options.resume)
-        ckpt.save_final_model(checkpoint_dir / FINAL_MODEL, model.state_dict(), config)
+        ckpt.save_final_model(object_store.join(checkpoint_dir, FINAL_MODEL), model.state_dict(), config)
         summary = RunSummary.create(
             strategy=self.name, config=config, final_accuracy=result.evaluation.accuracy,
             final_loss=result.evaluation.loss, task=result.task, total_time_s=time.perf_counter() - started,

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from disttrain.core import checkpoint as ckpt
+from disttrain.core import object_store
 
 
 @dataclass
@@ -36,15 +37,16 @@ class LocalCheckpoints:
     """Checkpoints of one process in a folder of its own (the baseline, a PS worker).
 
     Args:
+        folder: a local folder, or a store's URL (`s3://bucket/run`; see `core.object_store`).
         keep: how many of the newest checkpoints to keep.
     """
 
     def __init__(self, folder: str | Path, keep: int):
-        self.folder = Path(folder)
+        self.folder = folder if object_store.is_url(folder) else Path(folder)
         self.keep = keep
-        self._chosen: tuple[Path, dict[str, Any]] | None = None
+        self._chosen: tuple[Path | str, dict[str, Any]] | None = None
 
-    def choose(self, resume: bool) -> Path | None:
+    def choose(self, resume: bool) -> Path | str | None:
         """The checkpoint to resume from: the newest good one (`ckpt.prepare_checkpoint_dir`).
 
         Raises:
@@ -54,14 +56,14 @@ class LocalCheckpoints:
         self._chosen = ckpt.open_checkpoint_dir(self.folder, resume)
         return None if self._chosen is None else self._chosen[0]
 
-    def load(self, path: Path) -> dict[str, Any]:
+    def load(self, path: Path | str) -> dict[str, Any]:
         """The state at `path`; the one `choose` already read and verified, if that file.
 
         Raises:
             CheckpointError: `path` is unreadable, damaged or fails its checksum.
         """
         chosen, self._chosen = self._chosen, None  # hand it over once; don't keep it alive
-        if chosen is not None and chosen[0] == Path(path):
+        if chosen is not None and str(chosen[0]) == str(path):
             return chosen[1]
         return ckpt.load_checkpoint(path)
 

@@ -27,6 +27,7 @@ from disttrain.config import Config
 from disttrain.coordinator.launch import ExitReports, coordinator_spec, run_registry
 from disttrain.coordinator.supervisor import Managed, Supervisor
 from disttrain.core import checkpoint as ckpt
+from disttrain.core import object_store
 from disttrain.core.auth import TOKEN_ENV, new_token
 from disttrain.core.errors import ConfigError, DistributedError
 from disttrain.core.process_spec import ProcessSpec
@@ -79,6 +80,7 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
 
 def check_supported(config: Config) -> None:
     """Raises ConfigError for settings the parameter server does not offer."""
+    object_store.require_local(config.system.checkpoint_dir, "the parameter server")
     if config.compression.enabled and config.compression.type == "powersgd":
         raise ConfigError("compression.type: powersgd compresses DDP's all-reduce and is not "
                           "offered on the parameter server; use quantization, topk, fp16 or bf16")

@@ -1,0 +1,112 @@
+"""A real S3-compatible server for tests (moto's, in a subprocess on a free port it reports),
+and a TCP proxy in front of it that can cut one upload mid-request.
+
+The proxy stands for the server dying mid-upload as the client sees it: once the bytes of a
+matching request have started to flow, it forwards `after` more bytes, then closes both
+sides and refuses every later connection. (Killing moto itself would lose the objects a test
+then inspects: its store lives in its memory.)
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import threading
+
+# Runs in the subprocess: start the server on a free port, print it, serve until stdin closes.
+SERVER = """
+import sys
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+print(server.get_host_and_port()[1], flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "1", "AWS_RETRY_MODE": "standard"}
+
+
+def start_moto(timeout_s: float = 30) -> tuple[subprocess.Popen, int]:
+    """Start moto's server; returns the process and its port. Raises RuntimeError if it
+    does not report a port (moto missing or broken)."""
+    process = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = process.stdout.readline()  # the child prints its port first, or dies
+    if not line.strip().isdigit():
+        process.kill()
+        raise RuntimeError(f"moto's server did not start: {process.stderr.read()[-500:]}")
+    return process, int(line)
+
+
+def stop_moto(process: subprocess.Popen) -> None:
+    process.stdin.close()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+class CuttingProxy:
+    """Forward 127.0.0.1:`port` to the server at `target_port`; cut the first request whose
+    bytes match `pattern` after `after` bytes of it, and refuse connections from then on.
+
+    Attributes:
+        port: where clients connect.
+        cut: set once the cut happened.
+    """
+
+    def __init__(self, target_port: int, pattern: bytes, after: int):
+        self.target_port, self.pattern, self.after = target_port, re.compile(pattern), after
+        self.cut = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, watch: bool) -> None:
+        seen, budget = b"", None  # budget: bytes still to forward once the request matched
+        try:
+            while not self.cut.is_set():
+                data = source.recv(65536)
+                if not data:
+                    break
+                if watch and budget is None:
+                    seen = seen[-4096:] + data  # a request line split across reads still matches
+                    match = self.pattern.search(seen)
+                    if match:  # count from the match: what came before it went through
+                        budget = max(self.after + match.start() - (len(seen) - len(data)), 0)
+                if budget is not None:
+                    data, budget = data[:budget], budget - len(data[:budget])
+                    sink.sendall(data)
+                    if budget == 0:
+                        self.cut.set()
+                        self._listener.close()
+                        break
+                    continue
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                try:
+                    end.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                end.close()
