@@ -1,7 +1,9 @@
-"""`disttrain baseline --checkpoint-dir s3://...` against a real S3-compatible server (moto's,
-started here on a free port): checkpoints and the final model go to the bucket, `--resume`
-goes on from the newest complete one, and an upload cut mid-request is never read as a
-checkpoint. Skipped, with the reason, where moto's server or s3fs is missing."""
+"""`--checkpoint-dir s3://...` against a real S3-compatible server (moto's, started here on a
+free port): checkpoints and the final model go to the bucket, `--resume` goes on from the
+newest complete one, and an upload cut mid-request is never read as a checkpoint; for the
+baseline, the parameter server (its shards' and workers' checkpoints, a worker's key) and
+DDP (rank 0's checkpoints, read back by every rank). Skipped, with the reason, where moto's
+server or s3fs is missing."""
 
 import json
 import uuid
@@ -11,6 +13,7 @@ import pytest
 from s3_server import CREDENTIALS, CuttingProxy, start_moto, stop_moto
 
 from disttrain.core import checkpoint as ckpt
+from disttrain.core import object_store
 
 s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'disttrain[s3]')")
 
@@ -98,3 +101,76 @@ def test_a_url_without_a_bucket_fails_with_the_checkpoint_error(tmp_path, cli, m
     result = baseline(cli, tmp_path, f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run", moto_port)
     assert result.returncode != 0
     assert "checkpoint" in result.stderr.lower(), result.stderr[-2000:]
+
+
+# Parameter server: 2 workers x 10 steps an epoch, 2 epochs, a checkpoint every 5 steps.
+PS_TRAIN, PS_EPOCHS = 640, 2
+PS_ARGS = ["--dataset", "digits", "--model", "mlp", "--workers", "2", "--batch-size", "32",
+           "--max-train-samples", str(PS_TRAIN), "--max-test-samples", "200", "--num-epochs", str(PS_EPOCHS),
+           "--checkpoint-interval", "5", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5",
+           "--seed", "3"]
+
+
+def newest_step(url):
+    found = ckpt.list_checkpoints(url)
+    return ckpt.checkpoint_step(found[-1]) if found else -1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_parameter_server_run_checkpoints_to_s3_and_resumes_from_there(tmp_path, cli, moto_port, bucket):
+    """Worker 1 killed at step 12 and not restarted stops the run; everything it needs to go
+    on is in the bucket, and `--resume` goes on from there: every sample applied once, from
+    the step worker 0 had stored. Run from an empty folder, which stays empty: nothing went
+    to a local path."""
+    url, cwd = f"s3://{bucket}/run", tmp_path / "cwd"
+    cwd.mkdir()
+    folders = ["--checkpoint-dir", url, "--log-dir", tmp_path / "logs"]
+    stopped = cli("ps", *PS_ARGS, *folders, "--inject", "kill:worker=1:step=12", "--max-restarts", "0",
+                  env=endpoint_env(moto_port), cwd=cwd, timeout=180)
+    assert stopped.returncode == 1 and "max_restarts=0" in stopped.stderr, stopped.stderr[-3000:]
+    stored = newest_step(f"{url}/worker0")
+    assert stored >= 5  # 5 or 10: the kill was at step 12 of worker 1, which holds worker 0 in sync
+    assert newest_step(f"{url}/worker1") in (5, 10)  # step 10's upload may have been cut by the kill
+    assert ckpt.list_checkpoints(f"{url}/server0")  # the shard saved itself at versions 5, 10, ...
+    assert len(object_store.read_bytes(f"{url}/worker1/worker.key")) >= 32
+
+    resumed = cli("ps", *PS_ARGS, *folders, "--resume", env=endpoint_env(moto_port), cwd=cwd, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == stored
+    assert summary["samples_lost"] == 0 and summary["samples_applied"] == PS_EPOCHS * PS_TRAIN
+    assert summary["final_model"] == f"{url}/parameter_server_final.pt"
+    assert ckpt.load_checkpoint(summary["final_model"])["model"]
+    assert newest_step(f"{url}/worker0") == PS_EPOCHS * PS_TRAIN // 2 // 32
+    assert list(cwd.iterdir()) == []
+
+
+# DDP: 2 ranks x 8 steps an epoch, 2 epochs, a checkpoint every 3 steps.
+DDP_ARGS = ["--world-size", "2", "--dataset", "digits", "--max-train-samples", "512", "--max-test-samples",
+            "64", "--num-epochs", "2", "--batch-size", "32", "--seed", "3", "--checkpoint-interval", "3"]
+DDP_STEPS = 2 * 512 // 2 // 32
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_ddp_run_checkpoints_to_s3_and_resumes_from_there(tmp_path, cli, moto_port, bucket):
+    """Rank 1 killed at step 5 stops the group; rank 0's step-3 checkpoint is in the bucket
+    (its saves are collectives: done before step 4 began), and `--resume` has both ranks
+    read it from there and finish the run."""
+    url, cwd = f"s3://{bucket}/run", tmp_path / "cwd"
+    cwd.mkdir()
+    folders = ["--checkpoint-dir", url, "--log-dir", tmp_path / "logs"]
+    killed = cli("ddp", *DDP_ARGS, *folders, "--inject", "kill:rank=1:step=5", env=endpoint_env(moto_port),
+                 cwd=cwd, timeout=120)
+    assert killed.returncode != 0 and "injected fault: kill at step 5" in killed.stderr, killed.stderr[-3000:]
+    assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(url)] == [3]
+    assert len(ckpt.load_checkpoint(f"{url}/{ckpt.checkpoint_name(3)}")["rng"]) == 2  # every rank's own
+
+    resumed = cli("ddp", *DDP_ARGS, *folders, "--resume", env=endpoint_env(moto_port), cwd=cwd, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 3 and summary["steps"] == DDP_STEPS
+    assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(url)][-1] == DDP_STEPS
+    assert ckpt.load_checkpoint(f"{url}/ddp_final.pt")["model"]
+    assert list(cwd.iterdir()) == []

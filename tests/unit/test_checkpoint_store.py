@@ -173,7 +173,18 @@ def test_an_unknown_scheme_is_a_config_error():
         load_config(flags={"system.checkpoint_dir": "nosuchstore://b/run"})
 
 
-def test_strategies_without_store_support_refuse_a_url():
-    with pytest.raises(ConfigError, match="offered by the baseline only"):
-        object_store.require_local("s3://b/run", "DDP")
-    object_store.require_local("runs/ckpt", "DDP")  # a path passes
+def test_small_objects_beside_checkpoints_on_a_store_and_on_disk(folder, tmp_path):
+    """`write_bytes`, `read_bytes` and `exists` take a URL or a path alike (a PS worker's key,
+    the checkpoint a DDP rank checks before loading); a local file keeps its mode."""
+    for location in (object_store.join(folder, "worker0/worker.key"), tmp_path / "worker0" / "worker.key"):
+        assert not object_store.exists(location)
+        with pytest.raises(FileNotFoundError):
+            object_store.read_bytes(location)
+        object_store.write_bytes(location, b"k" * 32, mode=0o600)
+        assert object_store.exists(location)
+        assert object_store.read_bytes(location) == b"k" * 32
+    assert names(object_store.join(folder, "worker0")) == ["worker.key"]
+    assert (tmp_path / "worker0" / "worker.key").stat().st_mode & 0o777 == 0o600
+    ckpt.save_checkpoint(folder, 5, state(5), keep=2)
+    assert object_store.exists(object_store.join(folder, ckpt.checkpoint_name(5)))
+    assert ckpt.list_checkpoints(object_store.join(folder, "worker0")) == []  # a key is no checkpoint

@@ -180,7 +180,7 @@ class SystemConfig:
     # The strategy the file was written for: `disttrain train` runs it; a strategy's own
     # command runs itself whatever this says (and warns when it names another).
     architecture: str = field(default="baseline", metadata=_choice(ARCHITECTURES))
-    # A local folder, or any fsspec URL (`s3://bucket/run`; the baseline only, so far).
+    # A local folder, or any fsspec URL (`s3://bucket/run`) for every strategy.
     checkpoint_dir: str = field(default="checkpoints", metadata=NON_EMPTY)
     log_dir: str = field(default="logs", metadata=NON_EMPTY)
     checkpoint_keep: int = field(default=3, metadata=POSITIVE)

@@ -14,7 +14,9 @@ the way, so no second copy of the state is held in memory; they are read back wh
 (`cat_file`) and loaded from those bytes with `torch.load(weights_only=True)`.
 
 A plain path (no `scheme://`) is never a URL here: local folders keep their own code
-(`atomic_files`, rename and fsync).
+(`atomic_files`, rename and fsync). `join`, `exists`, `read_bytes` and `write_bytes` take
+either, so the strategies' code names one location whatever it is (a parameter-server
+worker's key file, the object a DDP rank checks before loading).
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from disttrain.core.atomic_files import SIDECAR_SUFFIX, HashingWriter, parse_sidecar, sidecar_text
+from disttrain.core.atomic_files import (
+    SIDECAR_SUFFIX,
+    HashingWriter,
+    parse_sidecar,
+    sidecar_text,
+    write_bytes_atomic,
+)
 from disttrain.core.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -74,18 +82,51 @@ def backend_problem(url: str) -> str | None:
     return None
 
 
-def require_local(location: str | Path, strategy: str) -> None:
-    """Refuse a store's URL where `strategy` writes checkpoints through local paths only.
+def exists(location: str | Path) -> bool:
+    """Whether the file or object at `location` is there (on a store: listed in its folder)."""
+    if not is_url(location):
+        return Path(location).is_file()
+    folder, name = _split(str(location))
+    return name in StoreFolder(folder).names()
+
+
+def read_bytes(location: str | Path) -> bytes:
+    """The bytes of a small file or object that is not a checkpoint (no sidecar: a key, a note).
 
     Raises:
-        ConfigError: `location` is a URL.
+        OSError: it cannot be read (FileNotFoundError when absent); on a store, the store's
+            own errors as s3fs and the like translate them.
     """
-    if is_url(location):
-        from disttrain.core.errors import ConfigError
+    if not is_url(location):
+        return Path(location).read_bytes()
+    folder, name = _split(str(location))
+    return StoreFolder(folder).read(name)
 
-        raise ConfigError(f"system.checkpoint_dir: {location!r}: checkpoints on object storage are "
-                          f"offered by the baseline only so far, not by {strategy}; give {strategy} a "
-                          "local (or shared file system) folder")
+
+def write_bytes(location: str | Path, data: bytes, mode: int = 0o644) -> str | Path:
+    """Write a small file or object that is not a checkpoint, whole or not at all.
+
+    A local file is written atomically with `mode` (`atomic_files.write_bytes_atomic`). On a
+    store it is one object, which a store shows whole or not at all; `mode` does not apply
+    there: who may read it is the bucket's policy.
+
+    Returns:
+        `location`.
+
+    Raises:
+        OSError (or the store's own errors): the write failed.
+    """
+    if not is_url(location):
+        return write_bytes_atomic(location, data, mode=mode)
+    folder, name = _split(str(location))
+    StoreFolder(folder).write(name, lambda handle: handle.write(data))
+    return location
+
+
+def _split(url: str) -> tuple[str, str]:
+    """A URL's folder and its last part."""
+    folder, name = url.rstrip("/").rsplit("/", 1)
+    return folder, name
 
 
 class StoreFolder:
@@ -159,7 +200,7 @@ def save(obj: Any, url: str) -> str:
     """
     import torch  # here, not above: `disttrain report --help` and the like never load torch
 
-    folder, name = url.rstrip("/").rsplit("/", 1)
+    folder, name = _split(url)
     store = StoreFolder(folder)
     store.remove(name + SIDECAR_SUFFIX)  # the old sum must not vouch for the new bytes
     digest = store.write(name, lambda handle: torch.save(obj, handle))
@@ -181,7 +222,7 @@ def load_bytes(url: str) -> bytes:
         CheckpointError: the object or its sidecar is missing (an upload that did not
             finish), the sidecar is malformed, or the sum does not match.
     """
-    folder, name = url.rstrip("/").rsplit("/", 1)
+    folder, name = _split(url)
     store = StoreFolder(folder)
     try:
         sidecar = store.read(name + SIDECAR_SUFFIX)

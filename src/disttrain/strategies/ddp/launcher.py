@@ -98,7 +98,7 @@ def preflight(config: Config, resume: bool) -> LaunchPlan:
     rt.check_world_size(len(train_set), system.num_workers)
     del train_set  # the ranks load their own copies
     if not resume:
-        ckpt.prepare_checkpoint_dir(Path(system.checkpoint_dir), resume=False)
+        ckpt.prepare_checkpoint_dir(system.checkpoint_dir, resume=False)  # a path or a store's URL
     return LaunchPlan(ranks_per_node, backend)
 
 

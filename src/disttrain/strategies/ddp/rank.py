@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from disttrain.compression.ddp_hooks import CompressionHook, build_ddp_hook, run_hook
 from disttrain.config import CompressionConfig, Config, DDPConfig, TrainingConfig
 from disttrain.core import checkpoint as ckpt
+from disttrain.core import object_store
 from disttrain.core.errors import ConfigError
 from disttrain.core.faults import FaultInjector
 from disttrain.data import ArrayDataset, PlannedSampler, ShardedSampler, load_datasets
@@ -269,7 +270,7 @@ def finish(config: Config, runtime: rt.Runtime, participant: RankParticipant, re
     extra = compression_totals(participant.compression, runtime.device)
     if not info.is_main:
         return None
-    ckpt.save_final_model(Path(config.system.checkpoint_dir) / FINAL_MODEL,
+    ckpt.save_final_model(object_store.join(config.system.checkpoint_dir, FINAL_MODEL),
                           participant.module.state_dict(), config)
     summary = RunSummary.create(
         strategy="ddp", config=config, final_accuracy=result.evaluation.accuracy,

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from disttrain.config import Config, DDPConfig
-from disttrain.core import object_store
 from disttrain.core.errors import ConfigError, DistributedError
 from disttrain.strategies.ddp.agreement import decide_backend, exchange_flags, has_own_gpu, store_prefix
 from disttrain.training.engine import configure_threads
@@ -126,7 +125,6 @@ STATEFUL_COMPRESSION = ("quantization", "topk", "powersgd")
 
 def check_supported(config: Config) -> None:
     """Raises ConfigError for combinations DDP does not offer."""
-    object_store.require_local(config.system.checkpoint_dir, "DDP")
     compression, training = config.compression, config.training
     if (compression.enabled and compression.type in STATEFUL_COMPRESSION
             and training.precision == "fp16"):

@@ -7,6 +7,10 @@ too (equal shards, equal batches). The entries of `PER_RANK` (RNG states, a comp
 hook's state, and with local updates each rank's own model and inner optimizer within a
 round) differ per rank: every rank's is kept, in rank order, gathered as tensors
 (never pickled over the network), and each rank loads its own.
+
+The folder may be a store's URL (`s3://bucket/run`; see `core.object_store`): every
+rank then reads the checkpoint rank 0 chose from the store, so nodes need no shared file
+system.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.core import checkpoint as ckpt
+from disttrain.core import object_store
 from disttrain.core.errors import CheckpointError
 from disttrain.strategies.ddp import rng
 from disttrain.strategies.ddp import runtime as rt
@@ -35,11 +40,11 @@ class RankZeroCheckpoints:
     """The checkpoint store of one rank; `choose` and `save` are collectives."""
 
     def __init__(self, folder: str | Path, keep: int, runtime: rt.Runtime):
-        self.folder = Path(folder)
+        self.folder = folder if object_store.is_url(folder) else Path(folder)
         self.keep = keep
         self.runtime = runtime
 
-    def choose(self, resume: bool) -> Path | None:
+    def choose(self, resume: bool) -> Path | str | None:
         """Rank 0 picks the checkpoint and tells the others (one broadcast), so every rank
         loads the same one.
 
@@ -57,14 +62,14 @@ class RankZeroCheckpoints:
         step = int(tensor.item())
         if step == NO_CHECKPOINT:
             return None
-        path = self.folder / ckpt.checkpoint_name(step)
-        if not path.is_file():
-            raise CheckpointError(f"rank 0 resumes from {path.name} but rank {info.rank} cannot see it "
-                                  f"in {self.folder}; put system.checkpoint_dir on storage every node "
-                                  "shares")
+        path = object_store.join(self.folder, ckpt.checkpoint_name(step))
+        if not object_store.exists(path):
+            raise CheckpointError(f"rank 0 resumes from {object_store.basename(path)} but rank {info.rank} "
+                                  f"cannot see it in {self.folder}; put system.checkpoint_dir on storage "
+                                  "every node shares (a shared file system, or a store's URL)")
         return path
 
-    def load(self, path: Path) -> dict[str, Any]:
+    def load(self, path: Path | str) -> dict[str, Any]:
         """The checkpoint, with each `PER_RANK` entry holding this rank's own.
 
         Raises:

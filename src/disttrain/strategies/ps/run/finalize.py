@@ -8,13 +8,13 @@ import logging
 import time
 from collections import Counter
 from dataclasses import astuple, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
+from disttrain.core import object_store
 from disttrain.core.errors import DistributedError
 from disttrain.metrics.hparams import write_hparams
 from disttrain.metrics.summary import RunSummary
@@ -154,7 +154,7 @@ def finish(config: Config, client: PSClient, participant: WorkerParticipant, res
     # workers left the quorum, after this worker's final evaluation.
     versions = client.pull(worker_id, flat, [0] * len(client.shards))
     participant.adopt_buffers()  # the servers' buffers, as the parameters are
-    final_path = Path(config.system.checkpoint_dir) / FINAL_MODEL
+    final_path = object_store.join(config.system.checkpoint_dir, FINAL_MODEL)  # a path or a store's URL
     ckpt.save_final_model(final_path, participant.model.state_dict(), config)
     logger.info("final model (versions %s) -> %s", versions, final_path)
     # Read while the servers are still up.

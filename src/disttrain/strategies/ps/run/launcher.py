@@ -80,7 +80,6 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
 
 def check_supported(config: Config) -> None:
     """Raises ConfigError for settings the parameter server does not offer."""
-    object_store.require_local(config.system.checkpoint_dir, "the parameter server")
     if config.compression.enabled and config.compression.type == "powersgd":
         raise ConfigError("compression.type: powersgd compresses DDP's all-reduce and is not "
                           "offered on the parameter server; use quantization, topk, fp16 or bf16")
@@ -121,10 +120,10 @@ def preflight(config: Config, options: RunOptions) -> None:
     except ValueError as e:
         raise ConfigError(f"the parameter server cannot shard this model: {e}") from e
     log_plan(plans)
-    folder = Path(config.system.checkpoint_dir)
+    folder = config.system.checkpoint_dir  # a path or a store's URL
     for name in [f"server{s}" for s in range(config.ps.num_servers)] + \
             [f"worker{r}" for r in range(config.system.num_workers)]:
-        ckpt.prepare_checkpoint_dir(folder / name, resume=options.resume)
+        ckpt.prepare_checkpoint_dir(object_store.join(folder, name), resume=options.resume)
 
 
 class ParameterServer:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-from pathlib import Path
 
 from torch.nn.utils import parameters_to_vector
 
 from disttrain.config import Config
 from disttrain.coordinator.reports import NodeProgress
 from disttrain.core import checkpoint as ckpt
+from disttrain.core import object_store
 from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import bind_to_parent, emit_event
 from disttrain.core.tls import TlsFiles
@@ -59,7 +59,7 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
     plan = plans[shard]
     trainable = parameters_to_vector(p for _, p in trainable_parameters(model))
     flat = trainable[plan.offset:plan.offset + plan.numel]
-    folder = Path(system.checkpoint_dir) / f"server{shard}"
+    folder = object_store.join(system.checkpoint_dir, f"server{shard}")  # a path or a store's URL
     resumed_from = ckpt.prepare_checkpoint_dir(folder, resume)
     rules = AggregationRules(ps.aggregation_mode, system.num_workers, ps.staleness, ps.backup_workers)
     # Under a balance plan one worker's batch may be up to the whole global batch; with local

@@ -5,7 +5,8 @@ A worker checkpoints its own position (sampler, RNG, step) under
 `<checkpoint_dir>/worker<rank>/`; restarted with `--resume` it goes on from there, and
 the servers answer the steps they already applied as duplicates, so each step is applied
 once. Its key (see `server.identity`) is kept in that folder too, so a restart presents
-it again and takes its worker id back.
+it again and takes its worker id back. `checkpoint_dir` may be a store's URL
+(`s3://bucket/run`; see `core.object_store`): the folder is then a key prefix there.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from disttrain.compression import Compressor
 from disttrain.config import Config, SystemConfig, TrainingConfig
 from disttrain.coordinator.reports import LatestMetrics, NodeProgress
 from disttrain.core import checkpoint as ckpt
-from disttrain.core.atomic_files import write_bytes_atomic
+from disttrain.core import object_store
 from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import bind_to_parent
 from disttrain.data import ArrayDataset, PlannedSampler, ShardedSampler, load_datasets
@@ -57,12 +58,13 @@ logger = logging.getLogger(__name__)
 KEY_FILE = "worker.key"
 
 
-def worker_key(folder: Path | None, resume: bool) -> bytes:
-    """A worker's key: the one kept in its checkpoint `folder` when resuming, else a new
-    random one (kept there, private, when `folder` is known: see `keep_key`)."""
+def worker_key(folder: str | Path | None, resume: bool) -> bytes:
+    """A worker's key: the one kept in its checkpoint `folder` (a path or a store's URL)
+    when resuming, else a new random one (kept there, private, when `folder` is known: see
+    `keep_key`)."""
     if resume and folder is not None:
         try:
-            key = (folder / KEY_FILE).read_bytes()
+            key = object_store.read_bytes(object_store.join(folder, KEY_FILE))
         except OSError:
             key = b""
         if len(key) >= MIN_KEY_BYTES:
@@ -70,9 +72,10 @@ def worker_key(folder: Path | None, resume: bool) -> bytes:
     return secrets.token_bytes(32)
 
 
-def keep_key(folder: Path, key: bytes) -> None:
-    """Keep `key` in `folder`, readable by its owner only, for a restart with --resume."""
-    write_bytes_atomic(folder / KEY_FILE, key, mode=0o600)
+def keep_key(folder: str | Path, key: bytes) -> None:
+    """Keep `key` in `folder`, for a restart with --resume: a local file readable by its
+    owner only; on a store, an object the bucket's policy guards."""
+    object_store.write_bytes(object_store.join(folder, KEY_FILE), key, mode=0o600)
 
 
 
@@ -91,7 +94,7 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
     bind_to_parent()
     tune_allocator()
     configure_threads(system.num_threads or 1)
-    own = Path(system.checkpoint_dir) / f"worker{requested_rank}" if requested_rank >= 0 else None
+    own = object_store.join(system.checkpoint_dir, f"worker{requested_rank}") if requested_rank >= 0 else None
     if own is not None:  # refuse an earlier run's folder before taking a rank on the servers
         ckpt.prepare_checkpoint_dir(own, options.resume)
     key = worker_key(own, options.resume)  # the same worker again when resuming
@@ -116,7 +119,7 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                     token=options.token, tls=options.tls)
         assignment = client.register(worker_id, requested_rank, link.generation if link else 0, key)
         rank, world_size = assignment.rank, assignment.world_size
-        keep_key(Path(system.checkpoint_dir) / f"worker{rank}", key)
+        keep_key(object_store.join(system.checkpoint_dir, f"worker{rank}"), key)
         logger.info("registered as rank %d of %d (%s mode, %d shard(s))", rank, world_size,
                     assignment.aggregation_mode, len(servers))
         seed_training(training.seed, rank)
@@ -152,7 +155,8 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                                         else WorkerRounds(local_updates, model, flat, grads, training))
         if local_updates is not None and rank == 0:
             logger.info("%s", local_updates.describe())
-        checkpoints = LocalCheckpoints(Path(system.checkpoint_dir) / f"worker{rank}", system.checkpoint_keep)
+        checkpoints = LocalCheckpoints(object_store.join(system.checkpoint_dir, f"worker{rank}"),
+                                       system.checkpoint_keep)
         loop = TrainingLoop(LoopSettings.of(training, config.to_dict()), participant, sampler, checkpoints,
                             Path(system.log_dir) / f"worker{rank}", faults,
                             lambda total, done: EventProgress(rank, total, done), announce=rank == 0,

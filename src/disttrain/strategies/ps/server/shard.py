@@ -72,13 +72,13 @@ class CheckpointPolicy:
     """Where and how often a shard saves itself.
 
     Args:
-        folder: this shard's checkpoint folder.
+        folder: this shard's checkpoint folder: a path, or a store's URL (see `core.object_store`).
         every_versions: a checkpoint each time the version reaches a multiple of this.
         keep: how many of the newest checkpoints stay in `folder`.
         run_config: the run's resolved config, saved in every checkpoint.
     """
 
-    folder: Path
+    folder: str | Path
     every_versions: int
     keep: int
     run_config: dict[str, Any] = field(default_factory=dict)
