@@ -43,6 +43,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from conftest import find_real_data_dir  # noqa: E402
 from netns import Network, read_event, unavailable_reason  # noqa: E402
 
+from disttrain.metrics.time_to_target import ACCURACY, PERPLEXITY, TimeToTarget  # noqa: E402
+
 DISTTRAIN = [sys.executable, "-m", "disttrain"]
 TOPK = ["--compression-enabled", "--compression-type", "topk", "--compression-ratio", "0.01"]
 POWERSGD = ["--compression-enabled", "--compression-type", "powersgd", "--powersgd-rank", "2"]
@@ -74,18 +76,31 @@ GPT = ["--model", "gpt_small", "--seq-len", "64", "--batch-size", "16", "--set",
 
 @dataclass(frozen=True)
 class Target:
-    """What a run is timed to: the summary's field of times and the target's key in it,
-    and the summary's field of the final figure."""
+    """A run is timed to `value` of the figure `measure` (the summary's own time-to-target
+    record: its field of times, the target's key in it, the final figure's field)."""
 
-    figure: str
+    measure: TimeToTarget
     value: float
-    times_field: str
-    key: str
-    final_field: str
+
+    @property
+    def figure(self) -> str:
+        return self.measure.name
+
+    @property
+    def times_field(self) -> str:
+        return self.measure.field
+
+    @property
+    def key(self) -> str:
+        return self.measure.key(self.value)
+
+    @property
+    def final_field(self) -> str:
+        return self.measure.final_field
 
 
-ACCURACY_97 = Target("accuracy", 0.97, "time_to_accuracy_s", "0.97", "final_accuracy")
-PERPLEXITY_8 = Target("perplexity", 8.0, "time_to_perplexity_s", "8", "final_perplexity")
+ACCURACY_97 = Target(ACCURACY, 0.97)
+PERPLEXITY_8 = Target(PERPLEXITY, 8.0)
 
 
 def extra_args(parser) -> None:
