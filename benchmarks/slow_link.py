@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from conftest import find_real_data_dir  # noqa: E402
 from netns import Network, read_event, unavailable_reason  # noqa: E402
 
-from disttrain.metrics.time_to_target import ACCURACY, PERPLEXITY, TimeToTarget  # noqa: E402
+from disttrain.metrics import ACCURACY, PERPLEXITY, TimeToTarget  # noqa: E402
 
 DISTTRAIN = [sys.executable, "-m", "disttrain"]
 TOPK = ["--compression-enabled", "--compression-type", "topk", "--compression-ratio", "0.01"]

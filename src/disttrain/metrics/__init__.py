@@ -4,12 +4,22 @@ summary, its time to accuracy or perplexity targets (`time_to_target`) and the r
 TensorBoard's HPARAMS tab (`hparams`).
 
 Its face, for scripts and users: the vocabulary, the stream and how to read it back, the
-run summary, and the step timer.
+run summary, the step timer, and time to a target.
 """
 
 from disttrain.metrics import keys
 from disttrain.metrics.logger import MetricsLogger, read_metrics
 from disttrain.metrics.summary import RunSummary
+from disttrain.metrics.time_to_target import ACCURACY, PERPLEXITY, TimeToTarget
 from disttrain.metrics.window import StepTimer
 
-__all__ = ["MetricsLogger", "RunSummary", "StepTimer", "keys", "read_metrics"]
+__all__ = [
+    "ACCURACY",
+    "PERPLEXITY",
+    "MetricsLogger",
+    "RunSummary",
+    "StepTimer",
+    "TimeToTarget",
+    "keys",
+    "read_metrics",
+]
