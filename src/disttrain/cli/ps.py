@@ -54,6 +54,9 @@ PS_FLAGS = {
     "--heartbeat-interval": ("coordinator.heartbeat_interval", float, "seconds between heartbeats"),
     "--heartbeat-timeout": ("coordinator.heartbeat_timeout", float,
                             "seconds without a heartbeat before a process is declared failed"),
+    "--reassign-after": ("coordinator.reassign_after", float,
+                         "seconds a failed worker may stay away before its blocks of the epoch go to the "
+                         "other workers (it takes back what is left if it rejoins)"),
     **COMPRESSION_FLAGS,
     **LOCAL_UPDATE_FLAGS,
 }

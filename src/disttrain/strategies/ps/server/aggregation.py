@@ -126,15 +126,21 @@ class AggregationRules:
         self.done.add(self.rank_of(worker_id))
         return self._maybe_complete_round(now, Decision(Outcome.BUFFERED, self.version, 0))
 
-    def set_membership(self, generation: int, live: dict[str, int], now: float) -> Decision:
-        """The coordinator's membership: live worker ids -> the generation each joined in.
-        A worker that left may complete the pending synchronous step."""
-        if self.roster.update(generation, live):
+    def set_membership(self, generation: int, live: dict[str, int], now: float,
+                       away: frozenset[str] = frozenset()) -> Decision:
+        """The coordinator's membership: live worker ids -> the generation each joined in,
+        and the ids of the workers reassigned (`away`). A worker that left may complete the
+        pending synchronous step."""
+        if self.roster.update(generation, live, away):
             self.roster.resolve(self.ranks)
         return self._maybe_complete_round(now, Decision(Outcome.BUFFERED, self.version, 0))
 
     def all_done(self) -> bool:
-        return len(self.done) >= self.world_size
+        return self._num_done() >= self.world_size
+
+    def _num_done(self) -> int:
+        """Workers done, or given up on with their blocks reassigned (`Roster`)."""
+        return len(self.done | self.roster.reassigned)
 
     def _waiting_for(self, epoch: int) -> set[int]:
         """Ranks a synchronous step of `epoch` waits for."""
@@ -252,7 +258,7 @@ class AggregationRules:
         """Versions, membership and counters, by their `ShardStatus` names."""
         counts = self.counts
         return {"version": self.version, "world_size": self.world_size, "num_registered": len(self.ranks),
-                "num_done": len(self.done), "aggregation_mode": self.mode,
+                "num_done": self._num_done(), "aggregation_mode": self.mode,
                 **{f"num_{key}": counts[key] for key in ("applied", "rejected_stale", "dropped_late",
                                                          "duplicates")},
                 "staleness_histogram": dict(self.staleness_histogram), "round_wait_s": self.round_wait_s,

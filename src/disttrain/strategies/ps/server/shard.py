@@ -252,12 +252,15 @@ class ShardState:
         if self.stopping:
             raise ShardStopping(f"shard {self.plan.shard} is stopping; push again once it is back")
 
-    def set_membership(self, generation: int, members: dict[str, int]) -> None:
-        """The coordinator's membership (live worker ids -> the generation each joined in):
-        a worker that left no longer holds up a synchronous step."""
+    def set_membership(self, generation: int, members: dict[str, int],
+                       away: frozenset[str] = frozenset()) -> None:
+        """The coordinator's membership (live worker ids -> the generation each joined in;
+        `away`: the ids of workers reassigned): a worker that left no longer holds up a
+        synchronous step, nor a reassigned one a barrier."""
         with self._changed:
-            self._apply_or_void(self.rules.set_membership(generation, members, self.clock()))
+            self._apply_or_void(self.rules.set_membership(generation, members, self.clock(), away))
             self.barriers.give_up_pending()  # who left will not come; who stayed may be behind
+            self.barriers.excuse(self.rules.roster.reassigned)
             self._changed.notify_all()
 
     def ledger(self, first: int, end: int) -> list[int]:

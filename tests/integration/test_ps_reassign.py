@@ -1,0 +1,44 @@
+"""A parameter-server worker killed and never restarted (`--max-restarts 0`): once the
+coordinator reassigns it (`--reassign-after`), the other workers take over its blocks,
+and the run ends with every sample applied once on every shard. Real processes from the
+CLI; the checks read the servers' ledgers (through the summary) and the coordinator's
+registry.
+
+3 workers x 10 batches of 32 an epoch, 2 epochs, 2 shards; worker 2 dies after its step
+4, so the others take over the rest of its first epoch and all of its second.
+"""
+
+import json
+
+import pytest
+
+from disttrain.coordinator.registry import read_status
+
+TRAIN, TEST, BATCH, EPOCHS, WORKERS = 960, 200, 32, 2, 3
+BATCHES = TRAIN // WORKERS // BATCH  # a worker's batches an epoch
+ARGS = ["--dataset", "digits", "--model", "mlp", "--workers", str(WORKERS), "--servers", "2",
+        "--batch-size", str(BATCH), "--max-train-samples", str(TRAIN), "--max-test-samples", str(TEST),
+        "--num-epochs", str(EPOCHS), "--checkpoint-interval", "5", "--heartbeat-interval", "0.2",
+        "--heartbeat-timeout", "1.5", "--seed", "3", "--max-restarts", "0", "--reassign-after", "1"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
+def test_a_worker_never_restarted_has_its_blocks_done_by_the_others(tmp_path, cli, mode):
+    result = cli("ps", *ARGS, "--aggregation-mode", mode, "--inject", "kill:worker=2:step=4",
+                 "--log-dir", tmp_path / "logs", "--checkpoint-dir", tmp_path / "ckpt", timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    # from the shards' ledgers: no block missing on either shard, and nothing applied twice
+    assert summary["samples_lost"] == 0
+    assert summary["samples_applied"] == EPOCHS * TRAIN
+    assert summary["reassigned_workers"] == [2]
+    # its whole second epoch at least, and what was left of its first
+    assert EPOCHS * BATCHES * BATCH - 4 * BATCH >= summary["samples_taken_over"] >= BATCHES * BATCH
+    (failure,) = summary["failures"]
+    assert failure["process"] == "worker2" and "SIGKILL" in failure["reason"] and "restart_s" not in failure
+    nodes = {node["node_id"]: node for node in read_status(tmp_path / "logs" / "cluster.db").nodes}
+    assert nodes["worker2"]["state"] == "reassigned" and nodes["worker2"]["restarts"] == 0
+    assert nodes["worker0"]["state"] == nodes["worker1"]["state"] == "done"
+    # the survivors evaluated the model between them, and it learnt
+    assert summary["final_accuracy"] > 0.8
