@@ -19,13 +19,14 @@ BATCHES = TRAIN // WORKERS // BATCH  # a worker's batches an epoch
 ARGS = ["--dataset", "digits", "--model", "mlp", "--workers", str(WORKERS), "--servers", "2",
         "--batch-size", str(BATCH), "--max-train-samples", str(TRAIN), "--max-test-samples", str(TEST),
         "--num-epochs", str(EPOCHS), "--checkpoint-interval", "5", "--heartbeat-interval", "0.2",
-        "--heartbeat-timeout", "1.5", "--seed", "3", "--max-restarts", "0", "--reassign-after", "1"]
+        "--heartbeat-timeout", "1.5", "--seed", "3"]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
 def test_a_worker_never_restarted_has_its_blocks_done_by_the_others(tmp_path, cli, mode):
-    result = cli("ps", *ARGS, "--aggregation-mode", mode, "--inject", "kill:worker=2:step=4",
+    result = cli("ps", *ARGS, "--max-restarts", "0", "--reassign-after", "1", "--aggregation-mode", mode,
+                 "--inject", "kill:worker=2:step=4",
                  "--log-dir", tmp_path / "logs", "--checkpoint-dir", tmp_path / "ckpt", timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
@@ -42,3 +43,26 @@ def test_a_worker_never_restarted_has_its_blocks_done_by_the_others(tmp_path, cl
     assert nodes["worker0"]["state"] == nodes["worker1"]["state"] == "done"
     # the survivors evaluated the model between them, and it learnt
     assert summary["final_accuracy"] > 0.8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_reassigned_worker_that_rejoins_takes_back_what_is_left_and_nothing_is_applied_twice(tmp_path, cli):
+    # Restarted once, after it was reassigned (a process start takes longer than the half
+    # second it may stay away); the survivors are slowed so it is back while they train.
+    result = cli("ps", *ARGS, "--max-restarts", "1", "--reassign-after", "0.5",
+                 "--inject", "kill:worker=2:step=2", "--inject", "slow:worker=0:factor=30",
+                 "--inject", "slow:worker=1:factor=30", "--log-dir", tmp_path / "logs",
+                 "--checkpoint-dir", tmp_path / "ckpt", timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["samples_lost"] == 0 and summary["samples_applied"] == EPOCHS * TRAIN
+    snapshot = read_status(tmp_path / "logs" / "cluster.db", max_events=1000)
+    events = [e["kind"] for e in snapshot.events if e["node_id"] == "worker2"]
+    assert events.index("reassigned") < events.index("restarted"), events
+    nodes = {node["node_id"]: node for node in snapshot.nodes}
+    assert nodes["worker2"]["state"] == "done" and nodes["worker2"]["restarts"] == 1
+    # back before the end, it did its own blocks from then on: the others took over fewer
+    # than all it had left
+    assert summary["reassigned_workers"] == []
+    assert summary["samples_taken_over"] < EPOCHS * BATCHES * BATCH - 2 * BATCH

@@ -258,6 +258,9 @@ class WorkerParticipant:
         if away:
             self.take_over(epoch, away)
             self.client.barrier(self.worker_id, f"epoch{epoch}:taken-over")
+            # Each redo moved the shards on: hold where the others' left them (a sync step
+            # then starts from the version every worker holds).
+            self.exchange.pull_current(list(range(self.exchange.num_shards)))
         self.exchange.refresh()
         self.adopt_buffers()
         place = present_slice(self.rank, away, self.world_size)
