@@ -47,7 +47,7 @@ class WorkerTotals:
     samples_redone: int
     samples_dropped: int
     bytes_received_dense: int  # pull compression: what the parameters received took dense
-    samples_taken_over: int  # of the blocks of workers reassigned
+    samples_taken_over: int = 0  # of the blocks of workers reassigned
 
     def values(self) -> list[float]:
         return [float(v) for v in astuple(self)]
