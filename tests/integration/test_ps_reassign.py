@@ -49,20 +49,22 @@ def test_a_worker_never_restarted_has_its_blocks_done_by_the_others(tmp_path, cl
 @pytest.mark.timeout(300)
 def test_a_reassigned_worker_that_rejoins_takes_back_what_is_left_and_nothing_is_applied_twice(tmp_path, cli):
     # Restarted once, after it was reassigned (a process start takes longer than the half
-    # second it may stay away); the survivors are slowed so it is back while they train.
-    result = cli("ps", *ARGS, "--max-restarts", "1", "--reassign-after", "0.5",
-                 "--inject", "kill:worker=2:step=2", "--inject", "slow:worker=0:factor=30",
-                 "--inject", "slow:worker=1:factor=30", "--log-dir", tmp_path / "logs",
+    # second it may stay away); the survivors are slowed (a few seconds an epoch) so it is
+    # back while they still train.
+    epochs = 6
+    result = cli("ps", *ARGS, "--num-epochs", str(epochs), "--max-restarts", "1", "--reassign-after", "0.5",
+                 "--inject", "kill:worker=2:step=2", "--inject", "slow:worker=0:factor=60",
+                 "--inject", "slow:worker=1:factor=60", "--log-dir", tmp_path / "logs",
                  "--checkpoint-dir", tmp_path / "ckpt", timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
-    assert summary["samples_lost"] == 0 and summary["samples_applied"] == EPOCHS * TRAIN
+    assert summary["samples_lost"] == 0 and summary["samples_applied"] == epochs * TRAIN
     snapshot = read_status(tmp_path / "logs" / "cluster.db", max_events=1000)
     events = [e["kind"] for e in snapshot.events if e["node_id"] == "worker2"]
     assert events.index("reassigned") < events.index("restarted"), events
     nodes = {node["node_id"]: node for node in snapshot.nodes}
     assert nodes["worker2"]["state"] == "done" and nodes["worker2"]["restarts"] == 1
-    # back before the end, it did its own blocks from then on: the others took over fewer
-    # than all it had left
+    # back before the end, it did its own blocks from then on: the others took over some
+    # of them at most, not all it had left
     assert summary["reassigned_workers"] == []
-    assert summary["samples_taken_over"] < EPOCHS * BATCHES * BATCH - 2 * BATCH
+    assert summary["samples_taken_over"] < epochs * BATCHES * BATCH - 2 * BATCH

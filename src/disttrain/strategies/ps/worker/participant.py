@@ -253,14 +253,7 @@ class WorkerParticipant:
         """Every worker evaluates the servers' model, as it stands once all have finished
         the epoch, on its slice of the test set; the counts are added up at a barrier."""
         self.redo_missing(epoch)
-        # Every worker arrives with a value, so a reassigned one's row reads NaN (away).
-        away = away_ranks(self.client.barrier(self.worker_id, f"epoch{epoch}:trained", [1.0]))
-        if away:
-            self.take_over(epoch, away)
-            self.client.barrier(self.worker_id, f"epoch{epoch}:taken-over")
-            # Each redo moved the shards on: hold where the others' left them (a sync step
-            # then starts from the version every worker holds).
-            self.exchange.pull_current(list(range(self.exchange.num_shards)))
+        away = self._meet_at_epoch_end(epoch)
         self.exchange.refresh()
         self.adopt_buffers()
         place = present_slice(self.rank, away, self.world_size)
@@ -270,6 +263,24 @@ class WorkerParticipant:
         rows = [row for rank, row in enumerate(rows) if rank not in away_ranks(rows)]
         self._last_exit = None  # the time spent here is not work of the next step
         return EvalResult.from_sums([sum(column) for column in zip(*rows, strict=True)])
+
+    def _meet_at_epoch_end(self, epoch: int) -> list[int]:
+        """Meet the others once the epoch is trained; while the answer names workers away
+        (reassigned) that no round here took over yet, take over their blocks and meet
+        again (one may have been reassigned meanwhile). Returns the ranks away at the last
+        meeting: every worker gets the same answer, and splits the evaluation by it."""
+        # Every worker arrives with a value, so a reassigned one's row reads NaN (away).
+        away = away_ranks(self.client.barrier(self.worker_id, f"epoch{epoch}:trained", [1.0]))
+        handled: set[int] = set()
+        while set(away) - handled:
+            self.take_over(epoch, away)
+            name = f"epoch{epoch}:taken-over{len(handled)}"
+            handled |= set(away)
+            away = away_ranks(self.client.barrier(self.worker_id, name, [1.0]))
+            # Each redo moved the shards on: hold where the others' left them (a sync step
+            # then starts from the version every worker holds).
+            self.exchange.pull_current(list(range(self.exchange.num_shards)))
+        return away
 
     def adopt_buffers(self) -> None:
         """Give the model the servers' buffers of the parameters it holds (before an
