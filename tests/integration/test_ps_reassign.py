@@ -23,7 +23,8 @@ ARGS = ["--dataset", "digits", "--model", "mlp", "--workers", str(WORKERS), "--s
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow),
+                                  pytest.param("ssp", marks=pytest.mark.slow)])
 def test_a_worker_never_restarted_has_its_blocks_done_by_the_others(tmp_path, cli, mode):
     result = cli("ps", *ARGS, "--max-restarts", "0", "--reassign-after", "1", "--aggregation-mode", mode,
                  "--inject", "kill:worker=2:step=4",
