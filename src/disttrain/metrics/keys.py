@@ -165,6 +165,9 @@ OPTIONAL_SUMMARY: dict[str, Metric] = {m.key: m for m in [
            "their data ledgers (every sample of every epoch once)", "ps"),
     Metric("samples_redone", "samples", RUN, "samples computed again after a failure (turned "
            "away as duplicates, or redone where a restarted shard lacked them)", "ps"),
+    Metric("samples_taken_over", "samples", RUN, "samples of the blocks of workers reassigned "
+           "(away past `coordinator.reassign_after`) that the others took over; "
+           "`reassigned_workers` lists the ranks of those still away at the end", "ps"),
     Metric("samples_lost", "samples", RUN, "samples of blocks some shard never applied, other "
            "than those dropped late (must be 0)", "ps"),
     Metric("samples_dropped_late", "samples", RUN, "samples of the gradients synchronous steps "
