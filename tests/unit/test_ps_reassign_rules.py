@@ -8,13 +8,15 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from disttrain.coordinator.membership import Membership
 from disttrain.coordinator.supervisor import Managed, Supervisor
 from disttrain.core.errors import DistributedError
+from disttrain.data import PlannedSampler, ShardedSampler
 from disttrain.strategies.ps.server.aggregation import AggregationRules, Outcome, Push
 from disttrain.strategies.ps.server.barriers import Barriers
-from disttrain.strategies.ps.worker.blocks import block_id
+from disttrain.strategies.ps.worker.blocks import block_id, block_indices
 from disttrain.strategies.ps.worker.takeover import Away, away_ranks, present_slice, share
 
 TIMEOUT_S, REASSIGN_S = 5.0, 30.0
@@ -37,6 +39,20 @@ def test_every_block_of_the_away_workers_goes_to_exactly_one_worker_present(worl
     sizes = [len(shares[r]) for r in range(world_size) if r not in away]
     assert max(sizes) - min(sizes) <= 1  # spread evenly
     assert all(not shares[r] for r in away)
+
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_a_taken_over_block_holds_the_samples_its_owner_would_have_trained_on(planned):
+    def sampler(rank):
+        if planned:
+            return PlannedSampler(300, world_size=3, rank=rank, seed=4, shares=(40, 16, 8))
+        return ShardedSampler(300, world_size=3, rank=rank, seed=4)
+
+    for epoch, index in [(0, 0), (1, 1), (2, 0)]:
+        owners = block_indices(sampler(2), 16, epoch, index)
+        assert torch.equal(block_indices(sampler(0), 16, epoch, index, rank=2), owners)
+        assert len(owners) == (8 if planned else 16)
+        assert not set(owners.tolist()) & set(block_indices(sampler(0), 16, epoch, index).tolist())
 
 
 def test_nobody_left_or_a_rank_outside_the_run_is_refused():
