@@ -34,6 +34,7 @@ class Push:
     last_in_epoch: bool = False
     generation: int = 0
     redo: bool = False
+    sync_step: int = 0  # the run's step of the parameters the gradient was computed on (sync)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Contribution:
     payload: Any  # None: a duplicate block that stands in for its worker in a sync step
     block: int = -1
     epoch: int = 0
+    sync_step: int = 0  # the push's (see `Push.sync_step`)
 
 
 @dataclass

@@ -20,6 +20,15 @@ shard goes out while backward still computes the first layers. The step then wai
 for what is still in flight (`time/comm_blocked_s`); what travelled during backward is
 `time/comm_overlapped_s`.
 
+In sync mode (without backup workers) a worker computes every gradient on parameters
+of one step on every shard (`agreement`): each answer carries the run's step it is the
+result of, and when the shards' answers name different steps (a shard slow or cut off
+answered a retry with the step before, a restarted worker's first pull found one shard
+a step ahead), the shards behind are pulled again until they reach the highest, within
+`ps.rpc_timeout_s`; past it the step fails with `StepsDisagree`, and nothing was
+computed on the mix. Each step logs the step its gradient was computed on and how far
+apart its shards were (`ps/sync_step`, `ps/step_spread`).
+
 In every mode, a shard that did not take the gradient (a synchronous step that went on
 without it, a server that restarted from an older checkpoint) gets it again, computed
 on that shard's current parameters, so every block is applied (the servers' ledgers
@@ -35,15 +44,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from disttrain.compression import all_finite
-from disttrain.core.errors import TrainingError
+from disttrain.core.errors import DistributedError, TrainingError
 from disttrain.metrics.window import StepTimer
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.wire.payloads import GradientEncoder
+from disttrain.strategies.ps.worker.agreement import Agreement
 from disttrain.strategies.ps.worker.buffers import WorkerBuffers
 from disttrain.strategies.ps.worker.client import PSClient
 from disttrain.strategies.ps.worker.overlap import ShardTrigger, overlapped_s
@@ -208,16 +218,74 @@ class Exchange:
         """Compute one gradient and trade it. Returns the step's result and its staleness."""
         raise NotImplementedError
 
+    def scalars(self) -> dict[str, float]:
+        """The mode's own metrics of the last step."""
+        return {}
+
 
 class SyncExchange(Exchange):
     """Sync mode's step. With a `trigger` (overlap on), the first push of each step goes
     out shard by shard while backward still computes (`overlap.ShardTrigger`); a shard
-    that did not take it gets it again as without overlap, after backward."""
+    that did not take it gets it again as without overlap, after backward. With an
+    `agreement` (no backup workers), every gradient is computed on one step of every
+    shard (see the module's docstring)."""
 
     trigger: ShardTrigger | None = None
+    agreement: Agreement | None = None
+    trained_on: tuple[int, int] = (0, 0)  # the lowest and highest step of the last gradient's shards
+
+    def sync_steps(self) -> list[int]:
+        """Per shard, the run's step of the parameters held."""
+        return [shard.sync_step for shard in self.client.shards]
+
+    def start(self) -> None:
+        """Pull the initial parameters, of one step on every shard."""
+        super().start()
+        self.agree()
+
+    def agree(self, now: Callable[[], float] = time.monotonic) -> None:
+        """Pull the shards whose parameters are of an earlier step than another's again,
+        until every shard's are of one step (see `agreement`); nothing without an agreement.
+
+        Raises:
+            StepsDisagree: they are not within the agreement's deadline (a shard that
+                cannot be reached as long counts as not).
+        """
+        if self.agreement is None:
+            return
+        while True:
+            steps, started = self.sync_steps(), now()
+            lag = self.agreement.check(steps, self.versions, started)
+            if not lag.wait_for:
+                return
+            remaining = self.agreement.remaining_s(started)
+            wanted = [lag.wait_for.get(s, v) for s, v in enumerate(self.versions)]
+            policy = replace(self.client.shards[0].policy, timeout_s=max(remaining, 0.05),
+                             max_total_s=remaining)
+            try:
+                self.versions = self.client.pull(self.worker_id, self.flat, wanted, sorted(lag.wait_for),
+                                                 policy)
+            except DistributedError as e:  # the shard did not answer that version within the deadline
+                raise self.agreement.failure(steps, self.versions, str(e)) from e
+
+    def scalars(self) -> dict[str, float]:
+        if self.agreement is None:
+            return {}
+        lowest, highest = self.trained_on
+        return {"ps/sync_step": lowest, "ps/step_spread": highest - lowest}
+
+    def _noting(self, compute: Callable[[], StepResult]) -> Callable[[], StepResult]:
+        """`compute`, noting the steps of the parameters it computes on."""
+        def noted() -> StepResult:
+            steps = self.sync_steps()
+            self.trained_on = (min(steps), max(steps))
+            return compute()
+
+        return noted
 
     def step(self, compute, block, timer):
         shards, staleness, overlap = list(range(self.num_shards)), 0, self.trigger is not None
+        compute = self._noting(compute)
         while True:
             wanted = [v + 1 for v in self.versions]
             if overlap:
@@ -233,11 +301,17 @@ class SyncExchange(Exchange):
             behind = {s for s in shards if versions[s] < wanted[s]}  # the server restarted
             again = set(self._untaken(shards, replies, outcomes)) | behind
             if not again:
+                with timer.phase("comm_blocked"):
+                    self.agree()  # the next gradient is computed on these
                 return result, staleness
             self.num_rejected += len(again)
+            restored = set(self._untaken(shards, replies, (ROLLED_BACK,))) | behind
             shards = sorted(again)
             with timer.phase("comm_blocked"):
                 self.pull_current(shards)
+                if self.agreement is not None:  # a restored shard lost steps no wait brings back
+                    self.agreement.forgive(sorted(restored))
+                self.agree()
 
     def trade(self, block: Block, shards: list[int], timer: StepTimer, wanted: list[int]
               ) -> tuple[list[pb.PushReply], list[int]]:
@@ -434,11 +508,12 @@ class SSPExchange(AsyncExchange):
 def make_exchange(mode: str, client: PSClient, worker_id: str, flat: torch.Tensor, grads: torch.Tensor,
                   staleness_bound: int, encoder: GradientEncoder | None = None, generation: int = 0,
                   retry_late: bool = True, buffers: WorkerBuffers | None = None,
-                  overlap: torch.nn.Module | None = None) -> Exchange:
+                  overlap: torch.nn.Module | None = None, agree_timeout_s: float | None = None) -> Exchange:
     """The exchange of aggregation mode `mode` ("sync", "async" or "ssp"); `encoder`
     compresses each push (None: raw values); `buffers` adds each step's buffer change;
     `overlap`, the worker's model, pushes each shard's gradient as backward produces it
-    (sync mode; None: after backward)."""
+    (sync mode; None: after backward); `agree_timeout_s`, how long a sync worker waits
+    for its shards to reach one step (None: one RPC deadline)."""
     classes = {"sync": SyncExchange, "async": AsyncExchange, "ssp": SSPExchange}
     if mode not in classes:
         raise ValueError(f"unknown aggregation mode {mode!r}")
@@ -446,4 +521,6 @@ def make_exchange(mode: str, client: PSClient, worker_id: str, flat: torch.Tenso
                              buffers)
     if overlap is not None and isinstance(exchange, SyncExchange):
         exchange.trigger = ShardTrigger(overlap, client.plans)
+    if isinstance(exchange, SyncExchange) and retry_late:  # backup workers let shards' steps part by design
+        exchange.agreement = Agreement(agree_timeout_s or client.shards[0].policy.timeout_s)
     return exchange
