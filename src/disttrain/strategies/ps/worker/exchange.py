@@ -101,6 +101,7 @@ class Exchange:
         self.num_shards = len(client.shards)
         self.versions = [0] * self.num_shards
         self.num_rejected = 0
+        self.from_step = 0  # sync: the run's step the pushes of the step in progress start from
         self.dropped: set[int] = set()  # blocks a synchronous step went on without (backup workers)
         # The rate shard 0 applied this worker's latest gradient it took with (None: none yet).
         # In sync mode every shard applies the step's; in async and ssp each counts its own
@@ -159,7 +160,8 @@ class Exchange:
                                       base_version=self.versions[s], block_id=block.block_id,
                                       num_samples=block.num_samples,
                                       generation=self.generation, epoch=block.epoch,
-                                      last_in_epoch=block.last_in_epoch, redo=block.redo)
+                                      last_in_epoch=block.last_in_epoch, redo=block.redo,
+                                      sync_step=self.from_step)
                    for s in shards]
         if self.buffers is not None:
             for header in headers:
@@ -286,6 +288,9 @@ class SyncExchange(Exchange):
     def step(self, compute, block, timer):
         shards, staleness, overlap = list(range(self.num_shards)), 0, self.trigger is not None
         compute = self._noting(compute)
+        # Every push of this step names the step it starts from, a shard restored from an
+        # older checkpoint too, so that it counts on from there (see `server.aggregation`).
+        self.from_step = max(self.sync_steps())
         while True:
             wanted = [v + 1 for v in self.versions]
             if overlap:
