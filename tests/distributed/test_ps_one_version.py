@@ -69,6 +69,21 @@ def stop(servers, exchanges):
         server.stop(0)
 
 
+class Computed(Exception):
+    """Ends a step once its gradient was computed (what it was computed on is the point)."""
+
+
+def computed_on(exchange):
+    """A gradient computation that notes the steps and parameters it ran on, then ends the step."""
+    seen = []
+
+    def compute():
+        seen.append((exchange.sync_steps(), exchange.flat.clone()))
+        raise Computed
+
+    return compute, seen
+
+
 def test_a_restarted_worker_whose_shards_are_a_step_apart_waits_for_the_one_behind(tmp_path):
     config = make_config(tmp_path, num_workers=2)
     servers = start_servers(config)
@@ -81,14 +96,13 @@ def test_a_restarted_worker_whose_shards_are_a_step_apart_waits_for_the_one_behi
         assert push_to(w0, [0], 1, 1)[0].outcome == Outcome.Value("APPLIED")
         assert [s.state.rules.sync_step for s in servers] == [1, 0]
 
-        # w1 restarts now. Its first pull finds shard 0 at step 1 and shard 1 at step 0:
-        # a model that never existed.
-        restarted = exchange_for(config, servers, "w1", start=False)
-        mixed = restarted.client.pull("w1", restarted.flat, [0, 0])
-        assert restarted.sync_steps() == [1, 0] and mixed == [1, 0]
+        # w1 restarts now (from its checkpoint of step 1). Its first pull finds shard 0 at
+        # step 1 and shard 1 at step 0: a model that never existed.
+        restarted = exchange_for(config, servers, "w1")
+        assert restarted.sync_steps() == [1, 0] and restarted.versions == [1, 0]
 
-        # With the agreement it pulls shard 1 again and waits; w0's push to shard 1 gets
-        # through as the wait begins, and both shards are at step 1 when it returns.
+        # Its step 2 does not compute on them: it waits for shard 1 (its own push of step 1
+        # is there already), and w0's push gets through as the wait begins.
         pull, late = restarted.client.pull, []
 
         def pull_then_reconnect(worker_id, flat, versions, shards=None, policy=None):
@@ -98,29 +112,68 @@ def test_a_restarted_worker_whose_shards_are_a_step_apart_waits_for_the_one_behi
             return pull(worker_id, flat, versions, shards, policy)
 
         restarted.client.pull = pull_then_reconnect
-        restarted.start()
+        compute, seen = computed_on(restarted)
+        with pytest.raises(Computed):
+            restarted.step(compute, Block(2, 102, 0, 8), StepTimer())
         late[0].join(30)
-        assert restarted.agreement.num_waits == 1
-        assert restarted.sync_steps() == [1, 1] and restarted.versions == [1, 1]
-        assert torch.equal(restarted.flat, servers_flat(servers))
+        assert restarted.agreement.num_waits == 1 and restarted.trained_on == (1, 1)
+        ((steps, flat),) = seen
+        assert steps == [1, 1] and torch.equal(flat, servers_flat(servers))
+        # both shards applied step 1 with both blocks: the stand-in changed nothing
+        assert [s.state.ledger(0, 0) for s in servers] == [[1, 101], [1, 101]]
+        assert [s.state.rules.sync_step for s in servers] == [1, 1]
     finally:
         stop(servers, [w0, w1] + ([restarted] if restarted else []))
 
 
-def test_a_shard_that_stays_a_step_behind_fails_the_worker_within_the_deadline(tmp_path):
+def test_a_restarted_worker_stands_in_for_the_step_a_shard_waits_for_it_in(tmp_path):
     config = make_config(tmp_path, num_workers=2)
     servers = start_servers(config)
     w0, w1 = exchange_for(config, servers, "w0"), exchange_for(config, servers, "w1")
     restarted = None
     try:
-        push_to(w0, [0, 1], 1, 1)
-        push_to(w1, [0], 1, 101)  # w1 stops after its push to shard 0: shard 1 waits for it
-        restarted = exchange_for(config, servers, "w1", agree_timeout_s=1.0, start=False)
+        for exchange, block in ((w0, 1), (w1, 101)):  # step 1 on both shards
+            threading.Thread(target=push_to, args=(exchange, [0, 1], 1, block), daemon=True).start()
+        w0.client.pull("w0", w0.flat, [1, 1])
+        w0.versions = w1.versions = [1, 1]
+        push_to(w0, [0, 1], 2, 2)
+        push_to(w1, [0], 2, 102)  # w1 dies after its push of step 2 to shard 0: shard 1 waits for it
+        restarted = exchange_for(config, servers, "w1")
+        assert restarted.sync_steps() == [2, 1]
+        # Restarted from its checkpoint of step 1, it takes up step 2 again: shard 1 applies
+        # step 2 without it, and the gradient is computed on step 2 of both shards.
+        compute, seen = computed_on(restarted)
+        with pytest.raises(Computed):
+            restarted.step(compute, Block(2, 102, 0, 8), StepTimer())
+        ((steps, flat),) = seen
+        assert steps == [2, 2] and torch.equal(flat, servers_flat(servers))
+        # block 102 reached shard 0 only: shard 1 lacks it, as after any lost push (the
+        # worker's next push of it goes there; at the epoch's end it would be redone); the
+        # stand-in counted no sample and changed nothing on shard 0
+        assert [s.state.ledger(0, 0) for s in servers] == [[1, 2, 101, 102], [1, 2, 101]]
+        assert [s.state.status()["num_samples_applied"] for s in servers] == [32, 24]
+        assert [s.state.rules.sync_step for s in servers] == [2, 2]
+    finally:
+        stop(servers, [w0, w1] + ([restarted] if restarted else []))
+
+
+def test_a_shard_that_stays_a_step_behind_fails_the_step_within_the_deadline(tmp_path):
+    config = make_config(tmp_path, num_workers=2)
+    servers = start_servers(config)
+    w0, w1 = exchange_for(config, servers, "w0"), exchange_for(config, servers, "w1")
+    restarted = None
+    try:
+        push_to(w1, [0, 1], 1, 101)
+        push_to(w0, [0], 1, 1)  # w0 is cut off from shard 1 for good
+        restarted = exchange_for(config, servers, "w1", agree_timeout_s=1.0)
+        compute, seen = computed_on(restarted)
         began = time.monotonic()
-        with pytest.raises(StepsDisagree, match=r"shard 0 step 1 .*shard 1 step 0 .*\[1\] stayed behind step 1"):
-            restarted.start()  # shard 1 waits for this very worker: no wait can end it
+        with pytest.raises(StepsDisagree, match=r"shard 0 step 1 .*shard 1 step 0 .*\[1\] stayed behind"):
+            restarted.step(compute, Block(2, 102, 0, 8), StepTimer())
         assert 1.0 <= time.monotonic() - began < 30.0
-        assert [s.state.rules.sync_step for s in servers] == [1, 0]  # nothing pushed meanwhile
+        assert seen == []  # nothing computed on the mix
+        assert [s.state.rules.sync_step for s in servers] == [1, 0]
+        assert [s.state.ledger(0, 0) for s in servers] == [[1, 101], []]
     finally:
         stop(servers, [w0, w1] + ([restarted] if restarted else []))
 

@@ -124,3 +124,23 @@ def test_a_refused_update_takes_the_count_back():
     assert rules.sync_step == 1
     rules.rollback(mark)
     assert (rules.version, rules.sync_step) == (0, 0)
+
+
+def test_a_stand_in_counts_without_samples_where_a_step_waits_for_its_worker_and_nowhere_else():
+    waiting = sync_rules()
+    push(waiting, 0, 1)
+    decision = push(waiting, 1, 1, stand_in=True, block=-1)
+    assert decision.advanced and decision.apply[0].rank == 0 and len(decision.apply) == 1
+    assert (waiting.version, waiting.sync_step, waiting.counts["samples"]) == (1, 1, 1)
+    assert waiting.ledger.blocks == {1} and waiting.ledger.samples_duplicate == 0
+
+    holding = sync_rules()  # the worker's push of the pending step is here already
+    push(holding, 1, 1)
+    assert push(holding, 1, 1, stand_in=True, block=-1).outcome.name == "DUPLICATE"
+    assert holding.version == 0 and list(holding.pending) == [1]
+    push(holding, 0, 1)
+    assert holding.ledger.blocks == {1, 101}
+
+    alone = AggregationRules("async", 1)
+    alone.register("w0")
+    assert push(alone, 0, 1, stand_in=True, block=-1).outcome.name == "DUPLICATE" and alone.version == 0

@@ -29,6 +29,9 @@ number and workers compare their shards' answers by it (see `worker.agreement`).
 shard restored from an older checkpoint has lost steps the others kept: it counts on
 from the highest step a completed step's pushes were computed on, so the numbers agree
 again from its first step after the restart (the steps it lost are redone as blocks).
+A stand-in (`Push.stand_in`) from a worker that restarted in the middle of a step
+counts for it, with no samples, in a pending step that waits for it, and changes
+nothing anywhere else.
 
 The rules save themselves with their shard's checkpoint (`state_dict`: everything but
 pending gradients, which a restarted shard's workers push again), and undo the decisions
@@ -173,6 +176,11 @@ class AggregationRules:
 
     def _offer(self, rank: int, push: Push, payload: Any, now: float) -> Decision:
         staleness = self.version - push.base_version
+        if push.stand_in:  # never applied; it stands in for the worker where a step waits for it
+            decision = Decision(Outcome.DUPLICATE, self.version, max(staleness, 0))
+            if self.mode == "sync" and rank not in self.pending and staleness == 0:
+                return self._enter_round(rank, push, None, now, decision)
+            return decision
         if self._is_duplicate(rank, push):
             self.counts["duplicates"] += 1
             self.ledger.samples_duplicate += int(push.weight)

@@ -35,6 +35,7 @@ class Push:
     generation: int = 0
     redo: bool = False
     sync_step: int = 0  # the run's step of the parameters the gradient was computed on (sync)
+    stand_in: bool = False  # no gradient: the worker's push of the pending step will not come
 
 
 @dataclass

@@ -238,7 +238,7 @@ class ShardState:
             raise
         h = payload.header
         push = Push(h.worker_id, h.step, h.base_version, float(h.num_samples), h.block_id, h.epoch,
-                    h.last_in_epoch, h.generation, h.redo, h.sync_step)
+                    h.last_in_epoch, h.generation, h.redo, h.sync_step, h.stand_in)
         with self._changed:
             self._check_running()  # again: the final checkpoint may have begun meanwhile
             mark = self.rules.mark()

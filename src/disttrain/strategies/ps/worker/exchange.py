@@ -41,6 +41,7 @@ every reply the learning rate its shard applied the push with (`learning_rate`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
@@ -53,11 +54,14 @@ from disttrain.core.errors import DistributedError, TrainingError
 from disttrain.metrics.window import StepTimer
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.wire.payloads import GradientEncoder
-from disttrain.strategies.ps.worker.agreement import Agreement
+from disttrain.strategies.ps.wire.service import buffer_proto
+from disttrain.strategies.ps.worker.agreement import Agreement, lag
 from disttrain.strategies.ps.worker.buffers import WorkerBuffers
 from disttrain.strategies.ps.worker.client import PSClient
 from disttrain.strategies.ps.worker.overlap import ShardTrigger, overlapped_s
 from disttrain.training.engine import StepResult
+
+logger = logging.getLogger(__name__)
 
 Outcome = pb.PushReply.Outcome
 STALE, LATE, ROLLED_BACK = Outcome.Value("STALE"), Outcome.Value("LATE"), Outcome.Value("ROLLED_BACK")
@@ -235,15 +239,57 @@ class SyncExchange(Exchange):
     trigger: ShardTrigger | None = None
     agreement: Agreement | None = None
     trained_on: tuple[int, int] = (0, 0)  # the lowest and highest step of the last gradient's shards
+    _started = False  # `start` pulled; the first step has not begun
 
     def sync_steps(self) -> list[int]:
         """Per shard, the run's step of the parameters held."""
         return [shard.sync_step for shard in self.client.shards]
 
     def start(self) -> None:
-        """Pull the initial parameters, of one step on every shard."""
+        """Pull the initial parameters; the first step makes them of one step on every
+        shard before it computes (see `catch_up`)."""
         super().start()
-        self.agree()
+        self._started = True
+
+    def catch_up(self, block: Block, timer: StepTimer) -> None:
+        """Before the first step after `start`: when a shard is a step behind the others,
+        this worker (restarted) may be what it waits for, its push of the step it was in
+        lost with it. It stands in for that step on each such shard (`stand_in`), which
+        then applies the step without it (its block stays missing there, to be redone
+        like any block a failure lost), and waits for every shard to reach one step."""
+        from_start, self._started = self._started, False
+        if not from_start or self.agreement is None or block.redo or block.step < 2:
+            return
+        behind = sorted(lag(self.sync_steps(), self.versions).wait_for)
+        if behind:
+            logger.warning("shard(s) %s are a step behind the others after this worker started; standing in "
+                           "for the step they wait for, and waiting for them", behind)
+            with timer.phase("comm_blocked"):
+                self.stand_in(block, behind)
+                self.agree()
+
+    def stand_in(self, block: Block, shards: list[int]) -> list[pb.PushReply]:
+        """Tell `shards` that this worker's push of the step they wait for will not come
+        (`GradientMessage.stand_in`, named by the step before `block`'s): it changes
+        nothing on a shard that holds this worker's push of its pending step, and counts
+        for this worker, with no samples, on a shard that waits for it. The payload is
+        zeros, never applied (compressed without keeping its residuals)."""
+        zeros = torch.zeros_like(self.grads)
+        headers = [pb.GradientMessage(worker_id=self.worker_id, step=block.step - 1, shard=s,
+                                      base_version=self.versions[s], block_id=-1, num_samples=1,
+                                      generation=self.generation, epoch=block.epoch,
+                                      sync_step=self.from_step, stand_in=True)
+                   for s in shards]
+        for header in headers:
+            plan = self.client.plans[header.shard]
+            if plan.buffers:
+                header.buffers.CopyFrom(buffer_proto(torch.zeros(plan.buffer_numel, dtype=torch.float64)))
+        payloads = None
+        if self.encoder is not None:
+            payloads = self.encoder.encode(zeros, shards)  # not committed: the residuals stay as they were
+            for header in headers:
+                header.compressed, header.compression_type = True, self.encoder.scheme
+        return self.client.push(headers, zeros, shards, payloads)
 
     def agree(self, now: Callable[[], float] = time.monotonic) -> None:
         """Pull the shards whose parameters are of an earlier step than another's again,
@@ -288,6 +334,7 @@ class SyncExchange(Exchange):
     def step(self, compute, block, timer):
         shards, staleness, overlap = list(range(self.num_shards)), 0, self.trigger is not None
         compute = self._noting(compute)
+        self.catch_up(block, timer)
         # Every push of this step names the step it starts from, a shard restored from an
         # older checkpoint too, so that it counts on from there (see `server.aggregation`).
         self.from_step = max(self.sync_steps())
