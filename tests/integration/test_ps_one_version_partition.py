@@ -38,7 +38,7 @@ TRAIN, BATCH, EPOCHS, WORKERS = 512, 32, 2, 2
 STEPS = EPOCHS * TRAIN // WORKERS // BATCH  # each worker's
 RUN_ARGS = ["--dataset", "digits", "--model", "mlp", "--num-epochs", str(EPOCHS), "--batch-size", str(BATCH),
             "--max-train-samples", str(TRAIN), "--max-test-samples", "100", "--num-threads", "1",
-            "--seed", "7", "--rpc-timeout", "20", "--checkpoint-interval", "100",
+            "--seed", "7", "--rpc-timeout", "20", "--checkpoint-interval", "2",
             "--set", "training.log_interval=1", "--set", "ps.payload_transport=grpc"]
 CUT_AFTER_BYTES = 1_785_000  # to shard 1 through the proxy: 5 steps of 2 pushes of 170 kB, and half one
 REFUSALS = 4  # connections refused before the link comes back: the workers retried into the cut
@@ -170,8 +170,19 @@ def shard_version(address: str, shard: int) -> int:
         client.close()
 
 
+def worker_command(rank: int, servers: str, folder: Path, *extra: str) -> list[str]:
+    return [*DISTTRAIN, "ps-worker", "--servers", servers, "--rank", str(rank),
+            "--worker-id", f"worker{rank}", *RUN_ARGS, "--log-dir", str(folder / "logs"),
+            "--checkpoint-dir", str(folder / "ckpt"), *extra]
+
+
 @pytest.mark.timeout(300)
-def test_a_shard_cut_off_mid_step_never_leaves_a_worker_training_on_two_steps(tmp_path):
+@pytest.mark.parametrize("restart", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["cut", "cut-and-worker-restarted"])
+def test_a_shard_cut_off_mid_step_never_leaves_a_worker_training_on_two_steps(tmp_path, restart):
+    """restart: worker 1 is also killed while cut off, and restarted with --resume once the
+    link is back (as a supervisor would): shard 0 holds its push of the step it was in,
+    shard 1 never got it, and no coordinator drops it from the step."""
     processes, proxy = [], None
     try:
         servers = []
@@ -187,10 +198,7 @@ def test_a_shard_cut_off_mid_step_never_leaves_a_worker_training_on_two_steps(tm
         workers = []
         for rank in range(WORKERS):
             log = tmp_path / f"worker{rank}.out"
-            workers.append((start([*DISTTRAIN, "ps-worker", "--servers", through_proxy, "--rank", str(rank),
-                                   "--worker-id", f"worker{rank}", *RUN_ARGS,
-                                   "--log-dir", str(tmp_path / "logs"),
-                                   "--checkpoint-dir", str(tmp_path / "ckpt")], log), log))
+            workers.append((start(worker_command(rank, through_proxy, tmp_path), log), log))
         processes += workers
 
         assert proxy.cut.wait(120), "the run ended before the cut"
@@ -200,10 +208,17 @@ def test_a_shard_cut_off_mid_step_never_leaves_a_worker_training_on_two_steps(tm
         assert shard_version(servers[0], 0) == behind + 1
         assert 0 < behind < STEPS
         assert all(process.poll() is None for process, _ in workers)
+        if restart:
+            workers[1][0].kill()
+            workers[1][0].wait()
         proxy.heal()
+        if restart:
+            log = tmp_path / "worker1-resumed.out"
+            processes.append((start(worker_command(1, through_proxy, tmp_path, "--resume"), log), log))
 
         for process, log in processes:  # worker 0 stops the servers once every worker is done
-            assert finished(process, log, 180) == 0, log.read_text()[-3000:]
+            if not (restart and process is workers[1][0]):
+                assert finished(process, log, 180) == 0, log.read_text()[-3000:]
     finally:
         for process, _ in processes:
             if process.poll() is None:
@@ -215,11 +230,15 @@ def test_a_shard_cut_off_mid_step_never_leaves_a_worker_training_on_two_steps(tm
     for rank in range(WORKERS):
         records = [r for r in read_metrics(tmp_path / "logs" / f"worker{rank}" / "metrics.jsonl")
                    if "ps/sync_step" in r]
-        assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-        for record in records:  # each gradient on one step of both shards: the step before
+        assert {r["step"] for r in records} == set(range(1, STEPS + 1))
+        for record in records:  # each gradient computed on one step of both shards
             assert record["ps/step_spread"] == 0, record
-            assert record["ps/sync_step"] == record["step"] - 1, record
+        if not restart:  # (a resumed worker's steps recomputed count among the run's steps)
+            assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+            assert all(r["ps/sync_step"] == r["step"] - 1 for r in records), records  # the step before
     assert "retry" in (tmp_path / "worker0.out").read_text() + (tmp_path / "worker1.out").read_text()
+    if restart:
+        assert "standing in for the step" in (tmp_path / "worker1-resumed.out").read_text()
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
     assert summary["strategy"] == "ps-sync"
     assert summary["samples_lost"] == 0 and summary["samples_applied"] == EPOCHS * TRAIN

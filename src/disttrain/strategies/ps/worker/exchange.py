@@ -258,7 +258,7 @@ class SyncExchange(Exchange):
         then applies the step without it (its block stays missing there, to be redone
         like any block a failure lost), and waits for every shard to reach one step."""
         from_start, self._started = self._started, False
-        if not from_start or self.agreement is None or block.redo or block.step < 2:
+        if not from_start or self.agreement is None or block.redo:
             return
         behind = sorted(lag(self.sync_steps(), self.versions).wait_for)
         if behind:
@@ -270,12 +270,12 @@ class SyncExchange(Exchange):
 
     def stand_in(self, block: Block, shards: list[int]) -> list[pb.PushReply]:
         """Tell `shards` that this worker's push of the step they wait for will not come
-        (`GradientMessage.stand_in`, named by the step before `block`'s): it changes
+        (`GradientMessage.stand_in`, named by the step before `block`'s, or the first): it changes
         nothing on a shard that holds this worker's push of its pending step, and counts
         for this worker, with no samples, on a shard that waits for it. The payload is
         zeros, never applied (compressed without keeping its residuals)."""
         zeros = torch.zeros_like(self.grads)
-        headers = [pb.GradientMessage(worker_id=self.worker_id, step=block.step - 1, shard=s,
+        headers = [pb.GradientMessage(worker_id=self.worker_id, step=max(block.step - 1, 1), shard=s,
                                       base_version=self.versions[s], block_id=-1, num_samples=1,
                                       generation=self.generation, epoch=block.epoch,
                                       sync_step=self.from_step, stand_in=True)
