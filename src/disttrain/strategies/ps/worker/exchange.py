@@ -440,6 +440,14 @@ class SyncExchange(Exchange):
         self.settle(list(range(self.num_shards)), payloads, replies, versions)
         return result, replies, self.versions
 
+    def redo(self, compute: Callable[[], StepResult], block: Block, shards: list[int], timer: StepTimer
+             ) -> None:
+        """Redo a block as every mode does (on the current parameters: a failure's own
+        rule), then hold one step of every shard again for the next gradient (the others
+        may have been mid-step when the current parameters were pulled)."""
+        super().redo(compute, block, shards, timer)
+        self.agree()
+
     def refresh(self) -> None:
         """The parameters pulled at the end of each step are already the servers' newest."""
 
