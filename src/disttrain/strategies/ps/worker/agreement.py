@@ -3,10 +3,10 @@ computes a gradient on parameters of different steps.
 
 Each shard applies a synchronous step on its own, and answers each worker as soon as it
 has. So a worker may hold shard A's parameters after step s + 1 while shard B, slow or
-cut off from it, still answers step s: a worker that went on with what it holds (a
-restarted worker's first pull, a shard re-pulled after a refused push, a retry that
-took whatever the shard had) would compute its next gradient on a model that never
-existed, half one step and half the next.
+cut off from the workers, still holds step s: a worker that went on with what it holds
+(a restarted worker's first pull, a shard re-pulled after a refused push or a redone
+block) would compute its next gradient on a model that never existed, half one step and
+half the next.
 
 Every parameter answer carries the run's step it is the result of (`sync_step`: the
 synchronous steps the shard applied, the same number on every shard for the same step;
@@ -17,6 +17,9 @@ plus the steps it lacks (a shard's versions count its steps, and blocks redone a
 failure on top). A shard that overtakes the others in the meantime raises the target.
 The wait is bounded by a deadline: past it the step fails with `StepsDisagree` (the
 worker stops; restarted by its supervisor, it pulls again), never trains on the mix.
+A shard may wait for the very worker that waits for it: one that restarted after its
+push of a step reached shard A but not shard B. That worker first tells B its push will
+not come (a stand-in, `SyncExchange.stand_in`), and B applies the step without it.
 
 One case keeps parameters of different steps by design: a shard restored from an older
 checkpoint has lost steps the others kept, and no wait brings them back (they are redone

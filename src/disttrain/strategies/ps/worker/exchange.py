@@ -22,12 +22,14 @@ for what is still in flight (`time/comm_blocked_s`); what travelled during backw
 
 In sync mode (without backup workers) a worker computes every gradient on parameters
 of one step on every shard (`agreement`): each answer carries the run's step it is the
-result of, and when the shards' answers name different steps (a shard slow or cut off
-answered a retry with the step before, a restarted worker's first pull found one shard
-a step ahead), the shards behind are pulled again until they reach the highest, within
-`ps.rpc_timeout_s`; past it the step fails with `StepsDisagree`, and nothing was
-computed on the mix. Each step logs the step its gradient was computed on and how far
-apart its shards were (`ps/sync_step`, `ps/step_spread`).
+result of, and when the shards' answers name different steps, the shards behind are
+pulled again until they reach the highest, within `ps.rpc_timeout_s`; past it the step
+fails with `StepsDisagree`, and nothing was computed on the mix. A worker that restarted
+while a shard still waits for its push of the step it was in first tells that shard the
+push will not come (`SyncExchange.stand_in`). A shard restored from an older checkpoint
+is the one exception, by design: the step that finds it is computed on what it came
+back with. Each step logs the step its gradient was computed on and how far apart its
+shards were (`ps/sync_step`, `ps/step_spread`).
 
 In every mode, a shard that did not take the gradient (a synchronous step that went on
 without it, a server that restarted from an older checkpoint) gets it again, computed
@@ -303,15 +305,15 @@ class SyncExchange(Exchange):
             return
         while True:
             steps, started = self.sync_steps(), now()
-            lag = self.agreement.check(steps, self.versions, started)
-            if not lag.wait_for:
+            behind = self.agreement.check(steps, self.versions, started)
+            if not behind.wait_for:
                 return
             remaining = self.agreement.remaining_s(started)
-            wanted = [lag.wait_for.get(s, v) for s, v in enumerate(self.versions)]
+            wanted = [behind.wait_for.get(s, v) for s, v in enumerate(self.versions)]
             policy = replace(self.client.shards[0].policy, timeout_s=max(remaining, 0.05),
                              max_total_s=remaining)
             try:
-                self.versions = self.client.pull(self.worker_id, self.flat, wanted, sorted(lag.wait_for),
+                self.versions = self.client.pull(self.worker_id, self.flat, wanted, sorted(behind.wait_for),
                                                  policy)
             except DistributedError as e:  # the shard did not answer that version within the deadline
                 raise self.agreement.failure(steps, self.versions, str(e)) from e
