@@ -92,6 +92,13 @@ METRICS: dict[str, Metric] = {m.key: m for m in [
            "hooks, partly while the backward pass still computes)", COMPRESSED),
     Metric("ps/staleness", "versions", PER_STEP, "updates the servers had applied since the "
            "parameters a pushed gradient was computed on (the largest over shards)", "ps"),
+    Metric("ps/sync_step", "steps", PER_STEP, "sync mode: the run's step of the parameters the "
+           "step's gradient was computed on (the lowest over shards; the step before this one in a "
+           "run without failures)", "ps"),
+    Metric("ps/step_spread", "steps", PER_STEP, "sync mode: how many steps apart the shards' "
+           "parameters a gradient was computed on were (highest minus lowest); 0 unless a shard came "
+           "back from an older checkpoint: a worker never computes on shards of different steps "
+           "otherwise", "ps"),
     Metric("ps/rejected_pushes", "pushes", PER_STEP, "ssp: pushes a shard rejected as too stale "
            "(the gradient was recomputed on fresh parameters)", "ps"),
     Metric("optim/learning_rate", "rate", PER_STEP, "the learning rate of the step's update, by "

@@ -109,7 +109,7 @@ class WorkerParticipant:
         result.scalars.update({"comm/bytes_sent": client.bytes_sent - sent,
                                "comm/bytes_received": client.bytes_received - received,
                                "ps/staleness": staleness,
-                               "ps/rejected_pushes": exchange.num_rejected - rejected})
+                               "ps/rejected_pushes": exchange.num_rejected - rejected, **exchange.scalars()})
         if exchange.learning_rate is not None and self.rounds is None:
             result.scalars["optim/learning_rate"] = exchange.learning_rate
         if exchange.encoder is not None:
