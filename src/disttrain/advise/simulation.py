@@ -165,7 +165,8 @@ class Simulation:
             self._at(now + self.step_times.restart_s, _RESTARTED, index)
             return
         trip = self.trip
-        self._at(now + max(0.0, trip.encode_s - trip.overlap_s) + trip.push_s, _ARRIVED, index)
+        # with overlap the push left before backward ended (overlap_s <= encode_s + push_s)
+        self._at(now + trip.encode_s - trip.overlap_s + trip.push_s, _ARRIVED, index)
 
     def _arrived(self, index: int, now: float) -> None:
         self.shard_free_s = max(self.shard_free_s, now) + self.trip.service_s
@@ -191,13 +192,14 @@ class Simulation:
     def _published(self, decision: Decision, now: float, readers: list[int] | None) -> None:
         """An update was applied: it is published `apply_s` later and pulled by `readers`
         (None: every worker waiting for a synchronous step)."""
-        self.shard_free_s = max(self.shard_free_s, now) + self.trip.apply_s
-        self.update_times.append(self.shard_free_s)
+        published = now + self.trip.apply_s
+        self.shard_free_s = max(self.shard_free_s, now) + self.trip.apply_s  # the pushes queued wait
+        self.update_times.append(published)
         if readers is None:
             readers = [i for i, w in enumerate(self.workers) if w.waiting]
         for i in readers:
             self.workers[i].waiting = False
-            self._at(self.shard_free_s + self.trip.pull_s, _PULLED, i)
+            self._at(published + self.trip.pull_s, _PULLED, i)
 
     def _pulled(self, index: int, now: float) -> None:
         worker = self.workers[index]
