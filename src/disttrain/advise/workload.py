@@ -67,12 +67,14 @@ class Workload:
         return self.forward_s + self.backward_s
 
     def with_step_time(self, step_time_s: float) -> Workload:
-        """The same model on another device whose forward+backward takes `step_time_s`
-        (split between forward and backward as measured here; no spread)."""
+        """The same model on another device whose forward+backward takes `step_time_s`:
+        split between forward and backward as measured here, the optimizer's step scaled
+        by the same factor (the compressors' times are kept as measured); no spread."""
         share = self.backward_s / self.compute_s if self.compute_s > 0 else 2 / 3
+        scale = step_time_s / self.compute_s if self.compute_s > 0 else 1.0
         return Workload(self.model, self.num_parameters, self.gradient_bytes, self.num_tensors,
                         self.batch_size, step_time_s * (1 - share), step_time_s * share,
-                        self.optimizer_s, 0.0, "given", self.compression)
+                        self.optimizer_s * scale, 0.0, "given", self.compression)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "compute_s": self.compute_s}
