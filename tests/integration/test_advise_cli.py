@@ -91,9 +91,10 @@ def test_serve_and_peer_measure_the_link_with_the_token(tmp_path, monkeypatch):
     token = tmp_path / "token"
     token.write_text("advise-test-token\n")
     token.chmod(0o600)
-    server = subprocess.Popen([sys.executable, "-m", "disttrain", "advise", "--serve", "--bind", "127.0.0.1:0",
-                               "--token-file", str(token)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    command = [sys.executable, "-m", "disttrain", "advise", "--serve", "--bind", "127.0.0.1:0",
+               "--token-file", str(token)]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         line = server.stdout.readline()
         assert line.startswith("serving link probes on 127.0.0.1:"), line + server.stderr.read()

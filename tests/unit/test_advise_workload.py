@@ -24,7 +24,8 @@ def test_measures_the_shipped_model_and_every_compressor():
     assert workload.forward_s > 0 and workload.backward_s > 0 and workload.optimizer_s > 0
     assert set(workload.compression) == {"quantization", "topk", "fp16", "bf16"}
     topk = workload.compression["topk"]
-    assert topk.payload_bytes == Compressor("topk", 0.01).payload_nbytes([("all", workload.num_parameters)], 4)
+    whole = [("all", workload.num_parameters)]
+    assert topk.payload_bytes == Compressor("topk", 0.01).payload_nbytes(whole, 4)
     assert workload.compression["fp16"].payload_bytes < workload.gradient_bytes
     given = workload.with_step_time(0.5)
     assert given.compute_s == pytest.approx(0.5) and given.source == "given" and given.compute_std_s == 0
@@ -51,6 +52,7 @@ def test_a_model_that_fails_to_build_or_to_step_is_one_line(tmp_path):
     wrong = tmp_path / "wrong.py"
     wrong.write_text("from torch import nn\n\ndef build(description):\n    return nn.Linear(3, 2)\n")
     with pytest.raises(ConfigError) as raised:
-        measure_workload(config(model_architecture=f"{wrong}:build", dataset="digits", batch_size=2), repeats=1)
+        measure_workload(config(model_architecture=f"{wrong}:build", dataset="digits", batch_size=2),
+                         repeats=1)
     assert "failed a step on a batch of (2, 1, 8, 8)" in str(raised.value)
     assert "\n" not in str(raised.value)
