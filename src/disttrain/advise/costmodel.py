@@ -20,10 +20,11 @@ gradient, `t_opt` one optimizer step over every parameter. The formulas (the REA
   of all but the last shard go while backward finishes: a credit of
   `min(t_b, e + T_push)·(S-1)/S`. Step: `t_f + t_b + e + T_push + n·d/S + t_opt/S + T_pull
   - credit`.
-- **Parameter server, async** (SSP's best case): nobody waits for the slowest. A worker
-  cycles in `c = t_f + t_b + e + T_push(1) + s + T_pull(1)`, where `s = max(P/(Sβ),
-  G/(Sβ), (d + t_opt)/S)` is what one update costs the busiest resource of a shard; the
-  shards apply at most `1/s` updates a second. Updates per second: `min(n/c, 1/s)`.
+- **Parameter server, async** (SSP's best case): nobody waits for the slowest. One update
+  holds the shards' busiest resource for `s = max(P/(Sβ), G/(Sβ), (d + t_opt)/S)`, so
+  they apply at most `1/s` updates a second; a worker cycles in `c = t_f + t_b + e + α +
+  max(0, P/β - s) + s + G/β + α` (its own push beyond the shard's share, the shard's turn,
+  its pull). Updates per second: `min(n/c, 1/s)`.
 - **Local updates every H steps** (sync strategies): H-1 of H steps only compute and step
   locally; the H-th exchanges the parameters' change as a gradient, without overlap:
   `t_f + t_b + t_opt + T_exchange/H`.
@@ -219,8 +220,10 @@ class CostModel:
         if c.strategy == "ps-async":
             service = max(link.transfer_s(push_bytes / s), link.transfer_s(pull_bytes / s),
                           (decode_s + w.optimizer_s) / s)
-            return RoundTrip(encode_s, 0.0, link.transfer_s(push_bytes) + link.latency_s, service, 0.0,
-                             link.transfer_s(pull_bytes) + link.latency_s)
+            # the shard's share of the transfer runs beside the worker's: only what the
+            # worker's own link takes beyond it comes before the shard's turn
+            push = link.latency_s + max(0.0, link.transfer_s(push_bytes) - service)
+            return RoundTrip(encode_s, 0.0, push, service, 0.0, link.transfer_s(pull_bytes) + link.latency_s)
         push = max(link.transfer_s(push_bytes), link.transfer_s(n * push_bytes / s)) + link.latency_s
         pull = max(link.transfer_s(pull_bytes), link.transfer_s(n * pull_bytes / s)) + link.latency_s
         overlap = 0.0

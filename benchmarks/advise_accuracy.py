@@ -1,0 +1,86 @@
+"""Calibration of `disttrain advise`: its predicted samples/s against measured runs.
+
+For 1, 2 and 4 processes on this machine, the parameter server in sync mode (one shard)
+and DDP (gloo) train SimpleCNN on synthetic 28x28 images (batch 128), one torch thread per process, as
+`disttrain ps` and `disttrain ddp` subprocesses; each run's summary.json gives the
+measured samples/s. The prediction is the cost model's (`disttrain.advise`) for the same
+configuration: the step measured here in one process with one thread, the link measured
+on this machine's loopback. The processes of one run share this machine's cores, which
+a cluster's workers do not: the predicted compute is stretched by max(1, processes /
+cores) so that the model answers for this machine. Reported per run: predicted, measured
+and the relative error (predicted / measured - 1); the target is |error| <= 25%.
+
+--quick: 4,096 samples (32 steps in one process); full: 16,384.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import parse_args, report
+
+from disttrain.advise import Candidate, CostModel, measure_loopback, measure_workload
+from disttrain.config import load_config
+
+PROCESS_COUNTS = (1, 2, 4)
+BATCH_SIZE = 128
+MODEL, DATASET = "simplecnn", "synthetic"  # 1x28x28: a step long enough that the per-step overheads
+NUM_SAMPLES = {True: 4096, False: 16384}  # the model leaves out stay small beside it (--quick: True)
+TARGET = 0.25
+
+
+def predicted_samples_per_s(strategy: str, num_processes: int, model: CostModel, num_cores: int) -> float:
+    stretch = max(1.0, num_processes / num_cores)
+    stretched = CostModel(model.workload.with_step_time(model.workload.compute_s * stretch), model.link,
+                          model.bucket_cap_bytes, model.overlap)
+    candidate = Candidate("ddp") if strategy == "ddp" else Candidate("ps-sync", "none", 1)
+    return stretched.predict(candidate, num_processes).samples_per_s
+
+
+def measured_samples_per_s(strategy: str, num_processes: int, num_samples: int, folder: Path) -> float:
+    how = (["ddp", "--world-size", str(num_processes)] if strategy == "ddp"
+           else ["ps", "--workers", str(num_processes), "--servers", "1", "--aggregation-mode", "sync"])
+    command = [sys.executable, "-m", "disttrain", *how, "--model", MODEL, "--dataset", DATASET,
+               "--batch-size", str(BATCH_SIZE), "--num-samples", str(num_samples), "--num-epochs", "1",
+               "--num-threads", "1",
+               "--log-dir", str(folder / "logs"), "--checkpoint-dir", str(folder / "ckpt")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(how)} failed:\n{done.stderr[-3000:]}")
+    return json.loads((folder / "logs" / "summary.json").read_text())["throughput_samples_per_s"]
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    num_samples = NUM_SAMPLES[args.quick]
+    config = load_config(None, {"training.model_architecture": MODEL, "training.dataset": DATASET,
+                                "training.batch_size": BATCH_SIZE, "system.num_threads": 1}, [])
+    workload = measure_workload(config, repeats=max(3, args.repeats))
+    link = measure_loopback()
+    model = CostModel(workload, link, config.ddp.bucket_cap_mb * 2**20, config.ps.overlap)
+    num_cores = os.cpu_count() or 1
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for strategy in ("ps_sync", "ddp"):
+            for n in PROCESS_COUNTS:
+                predicted = predicted_samples_per_s(strategy, n, model, num_cores)
+                measured = measured_samples_per_s(strategy, n, num_samples, Path(tmp) / f"{strategy}{n}")
+                error = predicted / measured - 1
+                runs.append({"strategy": strategy, "num_processes": n,
+                             "predicted_samples_per_s": round(predicted, 1),
+                             "measured_samples_per_s": round(measured, 1), "error": round(error, 3),
+                             "within_target": abs(error) <= TARGET})
+    worst = max(abs(r["error"]) for r in runs)
+    report("advise_accuracy", {"quick": args.quick, "num_samples": num_samples, "num_cores": num_cores,
+                               "workload": workload.to_dict(), "link": link.to_dict(), "runs": runs,
+                               "max_abs_error": round(worst, 3), "all_within_target": worst <= TARGET},
+           args.output, target=f"|predicted / measured - 1| <= {TARGET:.0%} for every run")
+
+
+if __name__ == "__main__":
+    main()
