@@ -11,8 +11,10 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from conftest import assert_full_run_keys
 from plugin_files import write_plugin
 
 from disttrain.cli import main
@@ -112,3 +114,21 @@ def test_serve_and_peer_measure_the_link_with_the_token(tmp_path, monkeypatch):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.mark.slow  # two training runs as subprocesses: about a minute on two busy cores
+@pytest.mark.timeout(600)
+def test_the_calibration_benchmark_runs_in_quick_mode(tmp_path):
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    output = tmp_path / "advise_accuracy.json"
+    command = [sys.executable, str(benchmarks / "advise_accuracy.py"), "--quick", "--processes", "1",
+               "--repeats", "1", "--output", str(output)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=580, cwd=benchmarks)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(output.read_text())
+    assert [(r["strategy"], r["num_processes"]) for r in figures["runs"]] == [("ps_sync", 1), ("ddp", 1)]
+    for run in figures["runs"]:
+        assert run["predicted_samples_per_s"] > 0 and run["measured_samples_per_s"] > 0
+        ratio = run["predicted_samples_per_s"] / run["measured_samples_per_s"]
+        assert run["error"] == pytest.approx(ratio - 1, abs=0.01)
+    assert_full_run_keys(tmp_path)
