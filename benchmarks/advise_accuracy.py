@@ -9,14 +9,18 @@ of one run share this machine's cores, which a cluster's workers do not: the ste
 timed just before each run (the machine is shared and its load drifts) in n processes
 stepping at once, so that the model answers for this machine. Reported per run:
 predicted, measured and the relative error (predicted / measured - 1); the target is
-|error| <= 25%.
+|error| <= 25%. Then the simulation (the shard's own rules in virtual time) against three
+4-worker runs of the parameter server with worker 3 three times slower (`--inject
+slow:worker=3:factor=3`): sync, sync with one backup worker, SSP(2); compared are the
+samples computed per second.
 
---quick: 4,096 samples (32 steps in one process); full: 16,384. --processes 1: the
-single-process runs only (the test suite's smoke run).
+--quick: 4,096 samples (32 steps in one process); full: 16,384. --processes 1
+--processes-only: the single-process runs only (the test suite's smoke run).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -27,7 +31,15 @@ from pathlib import Path
 
 from common import parse_args, report
 
-from disttrain.advise import Candidate, CostModel, measure_loopback, measure_workload
+from disttrain.advise import (
+    Candidate,
+    CostModel,
+    SimulationSetup,
+    StepTimes,
+    measure_loopback,
+    measure_workload,
+    simulate,
+)
 from disttrain.config import load_config
 
 PROCESS_COUNTS = (1, 2, 4)
@@ -78,9 +90,39 @@ def predicted_samples_per_s(strategy: str, num_processes: int, model: CostModel,
     return shared.predict(candidate, num_processes).samples_per_s
 
 
-def measured_samples_per_s(strategy: str, num_processes: int, num_samples: int, folder: Path) -> float:
+# The simulation against the real cluster: 4 workers, one of them 3x slower (the `slow`
+# fault), under sync, sync with one backup worker, and SSP(2).
+SIMULATED = {"sync_slow": ("sync", 0, 2), "sync_backup1_slow": ("sync", 1, 2), "ssp2_slow": ("ssp", 0, 2)}
+SIMULATED_WORKERS = 4
+SLOW_FACTOR = 3.0
+
+
+def ps_flags(mode: str, backup_workers: int, staleness: int) -> list[str]:
+    return ["--aggregation-mode", mode, "--backup-workers", str(backup_workers),
+            "--staleness", str(staleness),
+            "--inject", f"slow:worker={SIMULATED_WORKERS - 1}:factor={SLOW_FACTOR:g}"]
+
+
+def simulated_samples_per_s(mode: str, backup_workers: int, staleness: int, model: CostModel, step_s: float,
+                            num_samples: int) -> float:
+    """Samples computed per second by the simulated run (what a worker's summary counts)."""
+    n = SIMULATED_WORKERS
+    workload = model.workload.with_step_time(step_s)
+    shared = CostModel(workload, model.link, model.bucket_cap_bytes, model.overlap)
+    strategy = "ps-sync" if mode == "sync" else "ps-async"
+    trip = shared.round_trip(Candidate(strategy, "none", 1), n)
+    steps = max(2, num_samples // (BATCH_SIZE * n))
+    updates = steps if mode == "sync" else steps * n
+    result = simulate(SimulationSetup(mode, n, updates, staleness, backup_workers, BATCH_SIZE),
+                      StepTimes(step_s, straggler_fraction=1 / n, straggler_factor=SLOW_FACTOR), trip)
+    return result.num_pushes * BATCH_SIZE / result.virtual_time_s
+
+
+def measured_samples_per_s(strategy: str, num_processes: int, num_samples: int, folder: Path,
+                           extra: list[str] | None = None) -> float:
     how = (["ddp", "--world-size", str(num_processes)] if strategy == "ddp"
-           else ["ps", "--workers", str(num_processes), "--servers", "1", "--aggregation-mode", "sync"])
+           else ["ps", "--workers", str(num_processes), "--servers", "1",
+                 *(extra or ["--aggregation-mode", "sync"])])
     command = [sys.executable, "-m", "disttrain", *how, "--model", MODEL, "--dataset", DATASET,
                "--batch-size", str(BATCH_SIZE), "--num-samples", str(num_samples), "--num-epochs", "1",
                "--num-threads", "1",
@@ -91,10 +133,14 @@ def measured_samples_per_s(strategy: str, num_processes: int, num_samples: int, 
     return json.loads((folder / "logs" / "summary.json").read_text())["throughput_samples_per_s"]
 
 
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--processes", default=",".join(map(str, PROCESS_COUNTS)), metavar="N[,N...]",
+                        help="process counts to run (default 1,2,4)")
+    parser.add_argument("--processes-only", action="store_true", help="leave out the simulation's runs")
+
+
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], lambda parser: parser.add_argument(
-        "--processes", default=",".join(map(str, PROCESS_COUNTS)), metavar="N[,N...]",
-        help="process counts to run (default 1,2,4)"))
+    args = parse_args(__doc__.splitlines()[0], add_flags)
     counts = [int(part) for part in args.processes.split(",")]
     num_samples = NUM_SAMPLES[args.quick]
     config = load_config(None, {"training.model_architecture": MODEL, "training.dataset": DATASET,
@@ -115,6 +161,17 @@ def main() -> None:
                 error = predicted / measured - 1
                 runs.append({"strategy": strategy, "num_processes": n, "step_s": round(step_s, 4),
                              "predicted_samples_per_s": round(predicted, 1),
+                             "measured_samples_per_s": round(measured, 1), "error": round(error, 3),
+                             "within_target": abs(error) <= TARGET})
+        if not args.processes_only:
+            for name, (mode, backups, staleness) in SIMULATED.items():
+                step_s = concurrent_step_s(SIMULATED_WORKERS, max(5, args.repeats))
+                predicted = simulated_samples_per_s(mode, backups, staleness, model, step_s, num_samples)
+                measured = measured_samples_per_s("ps", SIMULATED_WORKERS, num_samples, Path(tmp) / name,
+                                                  ps_flags(mode, backups, staleness))
+                error = predicted / measured - 1
+                runs.append({"strategy": f"simulated_{name}", "num_processes": SIMULATED_WORKERS,
+                             "step_s": round(step_s, 4), "predicted_samples_per_s": round(predicted, 1),
                              "measured_samples_per_s": round(measured, 1), "error": round(error, 3),
                              "within_target": abs(error) <= TARGET})
     worst = max(abs(r["error"]) for r in runs)

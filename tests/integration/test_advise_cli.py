@@ -122,7 +122,7 @@ def test_the_calibration_benchmark_runs_in_quick_mode(tmp_path):
     benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
     output = tmp_path / "advise_accuracy.json"
     command = [sys.executable, str(benchmarks / "advise_accuracy.py"), "--quick", "--processes", "1",
-               "--repeats", "1", "--output", str(output)]
+               "--processes-only", "--repeats", "1", "--output", str(output)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=580, cwd=benchmarks)
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(output.read_text())
