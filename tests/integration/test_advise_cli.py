@@ -81,6 +81,8 @@ def free_closed_port() -> int:
     (["--model", "no_such_model"], "'no_such_model' is not a registered model"),
     (["--model", "missing_file.py:build"], "missing_file.py does not exist"),
     (["--peer", f"127.0.0.1:{free_closed_port()}"], "cannot connect"),
+    (["--max-servers", "0"], "--max-servers 0: must be >= 1"),
+    (["--link", "1gbit,1ms", "--simulate", "4", "--stragglers", "2"], "straggler fraction 2.0 must be in"),
 ])
 def test_bad_input_is_one_line_and_exit_2(cli, args, says):
     result = cli("advise", "--dataset", "digits", "--step-time", "0.1", *args)

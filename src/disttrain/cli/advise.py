@@ -100,12 +100,11 @@ def run(args: argparse.Namespace) -> int:
         return _serve(args.bind, token)
     from disttrain.advise import CostModel, advise, measure_workload
     from disttrain.advise.report import advice_json, advice_lines, simulation_lines
+    _check_numbers(args)
     config = config_from_args(args)
     link = _link(args, token)
     workload = measure_workload(config, repeats=1 if args.step_time else 3)
     if args.step_time is not None:
-        if not args.step_time > 0:
-            raise ConfigError(f"--step-time {args.step_time}: give a positive number of seconds")
         workload = workload.with_step_time(args.step_time)
     model = CostModel(workload, link, config.ddp.bucket_cap_mb * 2**20, config.ps.overlap,
                       args.step_time_cv)
@@ -121,6 +120,18 @@ def run(args: argparse.Namespace) -> int:
         print()
         print("\n".join(simulation_lines(simulations)))
     return 0
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Raises ConfigError naming the first flag out of its range."""
+    checks = [("--step-time", args.step_time, args.step_time is None or args.step_time > 0, "> 0"),
+              ("--step-time-cv", args.step_time_cv, args.step_time_cv >= 0, ">= 0"),
+              ("--max-servers", args.max_servers, args.max_servers >= 1, ">= 1"),
+              ("--sim-steps", args.sim_steps, args.sim_steps >= 2, ">= 2"),
+              ("--staleness", args.staleness, args.staleness >= 0, ">= 0")]
+    for flag, value, ok, rule in checks:
+        if not ok:
+            raise ConfigError(f"{flag} {value}: must be {rule}")
 
 
 def _link(args: argparse.Namespace, token: str | None):
