@@ -30,7 +30,7 @@ from disttrain.advise.step_times import StepTimes
 from disttrain.strategies.ps.server.aggregation import AggregationRules, Decision, Outcome, Push
 
 MODES = ("sync", "ssp", "async")
-_COMPUTED, _ARRIVED, _OFFERED, _PULLED, _DETECTED, _RESTARTED = range(6)
+_FAILED, _ARRIVED, _OFFERED, _PULLED, _DETECTED, _RESTARTED = range(6)
 
 
 @dataclass(frozen=True)
@@ -140,14 +140,22 @@ class Simulation:
         heapq.heappush(self.events, (when, self.sequence, kind, index))
 
     def _start_step(self, index: int, now: float) -> None:
+        """The worker computes; its push reaches the shard when its step, encoding and
+        push are done (one event, not three: a million pushes cost seconds, not minutes)."""
         worker = self.workers[index]
-        self._at(now + self.step_times.draw(self.rng, worker.straggler), _COMPUTED, index)
+        computed = now + self.step_times.draw(self.rng, worker.straggler)
+        if self.step_times.fails(self.rng):
+            self._at(computed, _FAILED, index)
+            return
+        # with overlap the push left before backward ended (overlap_s <= encode_s + push_s)
+        trip = self.trip
+        self._at(computed + trip.encode_s - trip.overlap_s + trip.push_s, _ARRIVED, index)
 
     def run(self) -> SimulationResult:
         started = time.perf_counter()
         for index in range(len(self.workers)):
             self._start_step(index, 0.0)
-        handlers = {_COMPUTED: self._computed, _ARRIVED: self._arrived, _OFFERED: self._offered,
+        handlers = {_FAILED: self._failed, _ARRIVED: self._arrived, _OFFERED: self._offered,
                     _PULLED: self._pulled, _DETECTED: self._detected, _RESTARTED: self._restarted}
         now = 0.0
         while self.events and self.rules.version < self.setup.num_updates:
@@ -157,16 +165,12 @@ class Simulation:
 
     # -- events ----------------------------------------------------------------------------
 
-    def _computed(self, index: int, now: float) -> None:
-        if self.step_times.fails(self.rng):
-            self.num_failures += 1
-            self.workers[index].away = True
-            self._at(now + self.step_times.detect_s, _DETECTED, index)
-            self._at(now + self.step_times.restart_s, _RESTARTED, index)
-            return
-        trip = self.trip
-        # with overlap the push left before backward ended (overlap_s <= encode_s + push_s)
-        self._at(now + trip.encode_s - trip.overlap_s + trip.push_s, _ARRIVED, index)
+    def _failed(self, index: int, now: float) -> None:
+        """The worker failed during this step: its work is lost."""
+        self.num_failures += 1
+        self.workers[index].away = True
+        self._at(now + self.step_times.detect_s, _DETECTED, index)
+        self._at(now + self.step_times.restart_s, _RESTARTED, index)
 
     def _arrived(self, index: int, now: float) -> None:
         self.shard_free_s = max(self.shard_free_s, now) + self.trip.service_s
