@@ -78,6 +78,7 @@ def test_help_formatter_adds_a_default_the_help_does_not_give():
     ("configs", ["--batch-size", "--resume"]),
     ("coordinator", ["--kill-at-step", "--inject-fault", "--batch-size"]),
     ("ps", ["--inject-fault"]),
+    ("advise", ["--resume", "--inject", "--checkpoint-dir", "--num-epochs", "--precision"]),
 ])
 def test_help_lists_only_the_flags_a_command_uses(command, absent):
     text = help_of(command)

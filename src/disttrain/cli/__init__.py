@@ -43,6 +43,7 @@ COMMANDS: dict[str, str] = {
     "validate": "disttrain.cli.validate",
     "report": "disttrain.cli.report",
     "configs": "disttrain.cli.configs",
+    "advise": "disttrain.cli.advise",
     "completion": "disttrain.cli.completion",
 }
 

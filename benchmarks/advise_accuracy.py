@@ -1,0 +1,185 @@
+"""Calibration of `disttrain advise`: its predicted samples/s against measured runs.
+
+For 1, 2 and 4 processes on this machine, the parameter server in sync mode (one shard)
+and DDP (gloo) train SimpleCNN on synthetic 28x28 images (batch 128), one torch thread
+per process, as `disttrain ps` and `disttrain ddp` subprocesses; each run's summary.json
+gives the measured samples/s. The prediction is the cost model's (`disttrain.advise`)
+for the same configuration, the link measured on this machine's loopback. The processes
+of one run share this machine's cores, which a cluster's workers do not: the step is
+timed just before each run (the machine is shared and its load drifts) in n processes
+stepping at once, so that the model answers for this machine. Reported per run:
+predicted, measured and the relative error (predicted / measured - 1); the target is
+|error| <= 25%. Then the simulation (the shard's own rules in virtual time) against three
+4-worker runs of the parameter server with worker 3 three times slower (`--inject
+slow:worker=3:factor=3`): sync, sync with one backup worker, SSP(2); compared are the
+samples computed per second.
+
+--quick: 4,096 samples (32 steps in one process); full: 16,384. --processes 1
+--processes-only: the single-process runs only (the test suite's smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import parse_args, report
+
+from disttrain.advise import (
+    Candidate,
+    CostModel,
+    SimulationSetup,
+    StepTimes,
+    measure_loopback,
+    measure_workload,
+    simulate,
+)
+from disttrain.config import load_config
+
+PROCESS_COUNTS = (1, 2, 4)
+BATCH_SIZE = 128
+MODEL, DATASET = "simplecnn", "synthetic"  # 1x28x28: a step long enough that the per-step overheads
+NUM_SAMPLES = {True: 4096, False: 16384}  # the model leaves out stay small beside it (--quick: True)
+TARGET = 0.25
+
+
+# One of `n` processes measuring the step at once: each builds its model, says it is ready,
+# waits for the word, and measures while the others do (the cores shared as in the run).
+MEASURE_ONE = """
+import sys, torch
+from disttrain.advise import measure_workload
+from disttrain.config import load_config
+config = load_config(None, {"training.model_architecture": sys.argv[1], "training.dataset": sys.argv[2],
+                            "training.batch_size": int(sys.argv[3]), "system.num_threads": 1}, [])
+measure_workload(config, repeats=1)
+print("ready", flush=True)
+sys.stdin.readline()
+print(measure_workload(config, repeats=int(sys.argv[4])).compute_s, flush=True)
+"""
+
+
+def concurrent_step_s(num_processes: int, repeats: int) -> float:
+    """Forward+backward seconds of one of `num_processes` processes stepping at once."""
+    command = [sys.executable, "-c", MEASURE_ONE, MODEL, DATASET, str(BATCH_SIZE), str(repeats)]
+    processes = [subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                 for _ in range(num_processes)]
+    try:
+        for process in processes:
+            if process.stdout.readline().strip() != "ready":
+                raise SystemExit("a measuring process failed")
+        for process in processes:
+            process.stdin.write("go\n")
+            process.stdin.flush()
+        return statistics.mean(float(process.stdout.readline()) for process in processes)
+    finally:
+        for process in processes:
+            process.wait(timeout=300)
+
+
+def predicted_samples_per_s(strategy: str, num_processes: int, model: CostModel, step_s: float) -> float:
+    """The cost model's samples/s with each process's compute as measured beside the others."""
+    shared = CostModel(model.workload.with_step_time(step_s), model.link, model.bucket_cap_bytes,
+                       model.overlap)
+    candidate = Candidate("ddp") if strategy == "ddp" else Candidate("ps-sync", "none", 1)
+    return shared.predict(candidate, num_processes).samples_per_s
+
+
+# The simulation against the real cluster: 4 workers, one of them 3x slower (the `slow`
+# fault), under sync, sync with one backup worker, and SSP(2).
+SIMULATED = {"sync_slow": ("sync", 0, 2), "sync_backup1_slow": ("sync", 1, 2), "ssp2_slow": ("ssp", 0, 2)}
+SIMULATED_WORKERS = 4
+SLOW_FACTOR = 3.0
+
+
+def ps_flags(mode: str, backup_workers: int, staleness: int) -> list[str]:
+    return ["--aggregation-mode", mode, "--backup-workers", str(backup_workers),
+            "--staleness", str(staleness),
+            "--inject", f"slow:worker={SIMULATED_WORKERS - 1}:factor={SLOW_FACTOR:g}"]
+
+
+def simulated_samples_per_s(mode: str, backup_workers: int, staleness: int, model: CostModel, step_s: float,
+                            num_samples: int) -> float:
+    """Samples computed per second by the simulated run (what a worker's summary counts)."""
+    n = SIMULATED_WORKERS
+    workload = model.workload.with_step_time(step_s)
+    shared = CostModel(workload, model.link, model.bucket_cap_bytes, model.overlap)
+    strategy = "ps-sync" if mode == "sync" else "ps-async"
+    trip = shared.round_trip(Candidate(strategy, "none", 1), n)
+    steps = max(2, num_samples // (BATCH_SIZE * n))
+    updates = steps if mode == "sync" else steps * n
+    result = simulate(SimulationSetup(mode, n, updates, staleness, backup_workers, BATCH_SIZE),
+                      StepTimes(step_s, straggler_fraction=1 / n, straggler_factor=SLOW_FACTOR), trip)
+    return result.num_pushes * BATCH_SIZE / result.virtual_time_s
+
+
+def measured_samples_per_s(strategy: str, num_processes: int, num_samples: int, folder: Path,
+                           extra: list[str] | None = None) -> float:
+    how = (["ddp", "--world-size", str(num_processes)] if strategy == "ddp"
+           else ["ps", "--workers", str(num_processes), "--servers", "1",
+                 *(extra or ["--aggregation-mode", "sync"])])
+    command = [sys.executable, "-m", "disttrain", *how, "--model", MODEL, "--dataset", DATASET,
+               "--batch-size", str(BATCH_SIZE), "--num-samples", str(num_samples), "--num-epochs", "1",
+               "--num-threads", "1",
+               "--log-dir", str(folder / "logs"), "--checkpoint-dir", str(folder / "ckpt")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(how)} failed:\n{done.stderr[-3000:]}")
+    return json.loads((folder / "logs" / "summary.json").read_text())["throughput_samples_per_s"]
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--processes", default=",".join(map(str, PROCESS_COUNTS)), metavar="N[,N...]",
+                        help="process counts to run (default 1,2,4)")
+    parser.add_argument("--processes-only", action="store_true", help="leave out the simulation's runs")
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], add_flags)
+    counts = [int(part) for part in args.processes.split(",")]
+    num_samples = NUM_SAMPLES[args.quick]
+    config = load_config(None, {"training.model_architecture": MODEL, "training.dataset": DATASET,
+                                "training.batch_size": BATCH_SIZE, "system.num_threads": 1}, [])
+    link = measure_loopback()
+    workload = measure_workload(config, repeats=1)  # sizes and compressors; the step is timed per run
+    model = CostModel(workload, link, config.ddp.bucket_cap_mb * 2**20, config.ps.overlap)
+    num_cores = os.cpu_count() or 1
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for strategy in ("ps_sync", "ddp"):
+            for n in counts:
+                # measured again right before each run (the machine's load drifts), in n
+                # processes at once, as the run's n processes share the cores
+                step_s = concurrent_step_s(n, max(5, args.repeats))
+                predicted = predicted_samples_per_s(strategy, n, model, step_s)
+                measured = measured_samples_per_s(strategy, n, num_samples, Path(tmp) / f"{strategy}{n}")
+                error = predicted / measured - 1
+                runs.append({"strategy": strategy, "num_processes": n, "step_s": round(step_s, 4),
+                             "predicted_samples_per_s": round(predicted, 1),
+                             "measured_samples_per_s": round(measured, 1), "error": round(error, 3),
+                             "within_target": abs(error) <= TARGET})
+        if not args.processes_only:
+            for name, (mode, backups, staleness) in SIMULATED.items():
+                step_s = concurrent_step_s(SIMULATED_WORKERS, max(5, args.repeats))
+                predicted = simulated_samples_per_s(mode, backups, staleness, model, step_s, num_samples)
+                measured = measured_samples_per_s("ps", SIMULATED_WORKERS, num_samples, Path(tmp) / name,
+                                                  ps_flags(mode, backups, staleness))
+                error = predicted / measured - 1
+                runs.append({"strategy": f"simulated_{name}", "num_processes": SIMULATED_WORKERS,
+                             "step_s": round(step_s, 4), "predicted_samples_per_s": round(predicted, 1),
+                             "measured_samples_per_s": round(measured, 1), "error": round(error, 3),
+                             "within_target": abs(error) <= TARGET})
+    worst = max(abs(r["error"]) for r in runs)
+    report("advise_accuracy", {"quick": args.quick, "num_samples": num_samples, "num_cores": num_cores,
+                               "link": link.to_dict(), "runs": runs,
+                               "max_abs_error": round(worst, 3), "all_within_target": worst <= TARGET},
+           args.output, target=f"|predicted / measured - 1| <= {TARGET:.0%} for every run")
+
+
+if __name__ == "__main__":
+    main()

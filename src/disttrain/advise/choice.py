@@ -1,0 +1,81 @@
+"""Which configuration to run at each size: every candidate predicted, the fastest chosen,
+and the cheapest of those within a margin (10%) of it.
+
+"Cheapest" is `Candidate.cost_key`: fewer extra machines (parameter-server shards) first,
+then a more exact gradient (no compression before half precision, before int8, before
+top-k), then fewer local steps between exchanges, then synchronous before asynchronous,
+then fewer bytes on the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from disttrain.advise.costmodel import COMPRESSIONS, STRATEGIES, Candidate, CostModel, Prediction
+
+WORKER_COUNTS = tuple(2**i for i in range(11))  # 1 ... 1,024
+CHEAPEST_MARGIN = 0.10
+
+
+def candidates(num_workers: int, max_servers: int = 64, sync_every: Sequence[int] = (1,),
+               compressions: Iterable[str] = COMPRESSIONS) -> list[Candidate]:
+    """Every configuration worth predicting at `num_workers`: DDP; the parameter server,
+    sync and async, with 1, 2, 4 ... shards (at most `max_servers` and no more than the
+    workers); each compression; each local-step count H of `sync_every` for the sync ones."""
+    shard_counts = [s for s in (2**i for i in range(11)) if s <= min(max_servers, num_workers)]
+    found = []
+    for compression in compressions:
+        for h in sync_every:
+            found.append(Candidate("ddp", compression, 0, h))
+            found.extend(Candidate("ps-sync", compression, s, h) for s in shard_counts)
+        found.extend(Candidate("ps-async", compression, s) for s in shard_counts)
+    return found
+
+
+@dataclass(frozen=True)
+class Advice:
+    """One size of run: the fastest configuration, the cheapest near it, and the best of
+    each strategy."""
+
+    num_workers: int
+    fastest: Prediction
+    cheapest: Prediction
+    best_by_strategy: dict[str, Prediction]
+    num_candidates: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"num_workers": self.num_workers, "fastest": self.fastest.to_dict(),
+                "cheapest_within_10pct": self.cheapest.to_dict(),
+                "best_by_strategy": {k: v.to_dict() for k, v in self.best_by_strategy.items()},
+                "num_candidates": self.num_candidates}
+
+
+def choose(predictions: Sequence[Prediction],
+           margin: float = CHEAPEST_MARGIN) -> tuple[Prediction, Prediction]:
+    """(fastest, cheapest within `margin` of the fastest's samples/s).
+
+    Raises:
+        ValueError: no predictions.
+    """
+    if not predictions:
+        raise ValueError("no configuration to choose from")
+    fastest = max(predictions, key=lambda p: (p.samples_per_s, [-k for k in p.candidate.cost_key()]))
+    near = [p for p in predictions if p.samples_per_s >= (1 - margin) * fastest.samples_per_s]
+    cheapest = min(near, key=lambda p: (p.candidate.cost_key(), p.bytes_per_step, -p.samples_per_s))
+    return fastest, cheapest
+
+
+def advise(model: CostModel, worker_counts: Sequence[int] = WORKER_COUNTS, max_servers: int = 64,
+           sync_every: Sequence[int] = (1,), compressions: Iterable[str] = COMPRESSIONS) -> list[Advice]:
+    """Predict every candidate at each size in `worker_counts` and choose."""
+    compressions = tuple(compressions)
+    advice = []
+    for n in worker_counts:
+        predictions = [model.predict(c, n) for c in candidates(n, max_servers, sync_every, compressions)]
+        fastest, cheapest = choose(predictions)
+        best = {strategy: max((p for p in predictions if p.candidate.strategy == strategy),
+                              key=lambda p: p.samples_per_s) for strategy in STRATEGIES}
+        advice.append(Advice(n, fastest, cheapest, best, len(predictions)))
+    return advice

@@ -1,0 +1,261 @@
+"""The α-β cost model: one step's time for each strategy, compression and size of run.
+
+A link moves `b` bytes in `α + b/β` seconds (α its one-way latency, β its bandwidth);
+links are full duplex and every machine has its own. One worker's step computes for
+`t_f + t_b` (forward, backward) at its batch B; `G` is the dense gradient in bytes, `P`
+a compressed push payload, `e`/`d` a compressor's encode/decode time on the whole
+gradient, `t_opt` one optimizer step over every parameter. The formulas (the README's
+"Choosing a strategy with `disttrain advise`" writes them out too):
+
+- **DDP, ring all-reduce** over n ranks in K = ceil(G / bucket_cap) buckets:
+  `T_ar = 2(n-1)/n · G/β + 2(n-1)·K·α`; fp16/bf16 halve G and cost e+d. Quantization and
+  top-k all-gather their payloads (the project's DDP hook): `T = (n-1)·P/β + (n-1)·K·α`,
+  plus `e + n·d`. Buckets overlap with backward: the k-th of K is ready at `t_b·k/K`, so
+  the backward-and-communication tail is `max(t_b + T/K, t_b/K + T)`. Step:
+  `t_f + tail + t_opt`.
+- **Parameter server, S shards, sync**: each worker pushes P (to S shards, 1/S each) and
+  pulls G; a shard's link carries n/S of everyone's traffic, so
+  `T_push = max(P/β, n·P/(S·β)) + α`, `T_pull = max(G/β, n·G/(S·β)) + α`; each shard
+  decodes n slices (`n·d/S`) and applies its slice (`t_opt/S`). With overlap, the slices
+  of all but the last shard go while backward finishes: a credit of
+  `min(t_b, e + T_push)·(S-1)/S`. Step: `t_f + t_b + e + T_push + n·d/S + t_opt/S + T_pull
+  - credit`.
+- **Parameter server, async** (SSP's best case): nobody waits for the slowest. One update
+  holds the shards' busiest resource for `s = max(P/(Sβ), G/(Sβ), (d + t_opt)/S)`, so
+  they apply at most `1/s` updates a second; a worker cycles in `c = t_f + t_b + e + α +
+  max(0, P/β - s) + s + G/β + α` (its own push beyond the shard's share, the shard's turn,
+  its pull). Updates per second: `min(n/c, 1/s)`.
+- **Local updates every H steps** (sync strategies): H-1 of H steps only compute and step
+  locally; the H-th exchanges the parameters' change as a gradient, without overlap:
+  `t_f + t_b + t_opt + T_exchange/H`.
+- **Sync waits for the slowest of n**: with step times of coefficient of variation cv,
+  the expected slowest of n is about `t·(1 + cv·sqrt(2 ln n))` (normal tail); cv = 0
+  (the default) assumes equal machines. The simulation (`advise.simulation`) answers
+  for any distribution.
+
+Samples per second are `n·B / step` (sync; async: updates/s · B), scaling efficiency is
+that over n times one process alone (`B / (t_f + t_b + t_opt)`), and bytes per step are
+what one worker sends and receives per step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from disttrain.advise.link import Link
+from disttrain.advise.workload import Workload
+
+STRATEGIES = ("ddp", "ps-sync", "ps-async")
+COMPRESSIONS = ("none", "fp16", "bf16", "quantization", "topk")
+# How far a compression departs from the exact gradient: the "cheapest" choice prefers less.
+_LOSSINESS = {"none": 0, "fp16": 1, "bf16": 1, "quantization": 2, "topk": 3}
+_HALF = ("fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run: strategy, push compression, shards (ps), local steps H (sync)."""
+
+    strategy: str
+    compression: str = "none"
+    num_servers: int = 0
+    sync_every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression {self.compression!r} is not one of {', '.join(COMPRESSIONS)}")
+        if self.strategy.startswith("ps") and self.num_servers < 1:
+            raise ValueError("a parameter-server candidate needs num_servers >= 1")
+        if self.strategy == "ps-async" and self.sync_every != 1:
+            raise ValueError("local updates (sync_every > 1) are for the sync strategies only")
+
+    def label(self) -> str:
+        parts = [self.strategy if self.strategy == "ddp" else f"{self.strategy} S={self.num_servers}"]
+        if self.compression != "none":
+            parts.append(f"+{self.compression}")
+        if self.sync_every > 1:
+            parts.append(f"H={self.sync_every}")
+        return " ".join(parts)
+
+    def cost_key(self) -> tuple[int, int, int, int]:
+        """Lower is cheaper: fewer extra machines (shards), a more exact gradient, fewer
+        local steps between exchanges, synchronous before asynchronous."""
+        return (self.num_servers, _LOSSINESS[self.compression], self.sync_every,
+                int(self.strategy == "ps-async"))
+
+
+@dataclass(frozen=True)
+class RoundTrip:
+    """A parameter-server step's communication, as the simulation replays it.
+
+    A worker's push leaves `encode_s - overlap_s` after its compute ends and reaches the
+    shards `push_s` later; each push then holds the shards for `service_s` (decoding, or
+    for async the shards' busiest resource); a completed update takes `apply_s`; the new
+    parameters reach a worker `pull_s` after it.
+    """
+
+    encode_s: float
+    overlap_s: float
+    push_s: float
+    service_s: float
+    apply_s: float
+    pull_s: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    candidate: Candidate
+    num_workers: int
+    step_time_s: float
+    samples_per_s: float
+    efficiency: float
+    bytes_per_step: float
+    comm_s: float  # the step's time beyond compute that nothing hides
+    details: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.candidate
+        return {"configuration": c.label(), "strategy": c.strategy, "compression": c.compression,
+                "num_servers": c.num_servers, "sync_every": c.sync_every, "num_workers": self.num_workers,
+                "step_time_s": self.step_time_s, "samples_per_s": self.samples_per_s,
+                "efficiency": self.efficiency, "bytes_per_step": self.bytes_per_step,
+                "comm_s": self.comm_s, "details": self.details}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The model of one workload on one link.
+
+    Args:
+        bucket_cap_bytes: DDP's bucket size (`ddp.bucket_cap_mb`).
+        overlap: the parameter server pushes each shard's slice as backward produces it.
+        compute_cv: coefficient of variation of the step's compute across workers.
+    """
+
+    workload: Workload
+    link: Link
+    bucket_cap_bytes: float = 25 * 2**20
+    overlap: bool = True
+    compute_cv: float = 0.0
+
+    # -- the pieces ------------------------------------------------------------------------
+
+    def single_step_s(self) -> float:
+        """One process alone: compute and optimizer."""
+        return self.workload.compute_s + self.workload.optimizer_s
+
+    def payload_bytes(self, compression: str) -> float:
+        if compression == "none":
+            return float(self.workload.gradient_bytes)
+        return float(self._cost(compression).payload_bytes)
+
+    def codec_s(self, compression: str) -> tuple[float, float]:
+        """(encode, decode) seconds on the whole gradient; 0 for none."""
+        if compression == "none":
+            return 0.0, 0.0
+        cost = self._cost(compression)
+        return cost.encode_s, cost.decode_s
+
+    def _cost(self, compression: str):
+        try:
+            return self.workload.compression[compression]
+        except KeyError as e:
+            raise ValueError(f"the workload has no measured cost for compression {compression!r}") from e
+
+    def slowest_compute_s(self, num_workers: int) -> float:
+        """Expected compute of the slowest of `num_workers` (what a sync step waits for)."""
+        spread = self.compute_cv * math.sqrt(2 * math.log(num_workers)) if num_workers > 1 else 0.0
+        return self.workload.compute_s * (1 + spread)
+
+    @staticmethod
+    def pipelined(backward_s: float, comm_s: float, num_pieces: int) -> float:
+        """Backward and communication of `num_pieces` equal pieces, each sent once
+        backward produced it: the later of the last piece's computation and the last
+        piece's transfer."""
+        k = max(1, num_pieces)
+        return max(backward_s + comm_s / k, backward_s / k + comm_s)
+
+    # -- DDP ---------------------------------------------------------------------------------
+
+    def ddp_exchange_s(self, compression: str, n: int) -> tuple[float, float, int]:
+        """(communication s, bytes one rank sends and receives, buckets) of one exchange."""
+        if n == 1:
+            return 0.0, 0.0, 1
+        link, g = self.link, float(self.workload.gradient_bytes)
+        encode_s, decode_s = self.codec_s(compression)
+        if compression in ("quantization", "topk"):
+            payload = self.payload_bytes(compression)
+            buckets = max(1, math.ceil(g / self.bucket_cap_bytes))
+            wire = (n - 1) * payload
+            comm = link.transfer_s(wire) + (n - 1) * buckets * link.latency_s + encode_s + n * decode_s
+            return comm, 2 * wire, buckets
+        size = g / 2 if compression in _HALF else g
+        buckets = max(1, math.ceil(size / self.bucket_cap_bytes))
+        wire = 2 * (n - 1) / n * size
+        comm = link.transfer_s(wire) + 2 * (n - 1) * buckets * link.latency_s + encode_s + decode_s
+        return comm, 2 * wire, buckets
+
+    def _ddp(self, c: Candidate, n: int) -> tuple[float, float, float, dict[str, float]]:
+        w = self.workload
+        comm, wire, buckets = self.ddp_exchange_s(c.compression, n)
+        compute = self.slowest_compute_s(n)
+        if c.sync_every > 1:
+            step = compute + w.optimizer_s + comm / c.sync_every
+        else:
+            backward = compute - w.forward_s * compute / w.compute_s if w.compute_s else 0.0
+            step = compute - backward + self.pipelined(backward, comm, buckets) + w.optimizer_s
+        return step, n * w.batch_size / step, wire / c.sync_every, {"exchange_s": comm, "buckets": buckets}
+
+    # -- parameter server ----------------------------------------------------------------------
+
+    def round_trip(self, c: Candidate, n: int) -> RoundTrip:
+        """The parameter server's communication at `n` workers (see `RoundTrip`)."""
+        link, w, s = self.link, self.workload, c.num_servers
+        push_bytes, pull_bytes = self.payload_bytes(c.compression), float(w.gradient_bytes)
+        encode_s, decode_s = self.codec_s(c.compression)
+        if c.strategy == "ps-async":
+            service = max(link.transfer_s(push_bytes / s), link.transfer_s(pull_bytes / s),
+                          (decode_s + w.optimizer_s) / s)
+            # the shard's share of the transfer runs beside the worker's: only what the
+            # worker's own link takes beyond it comes before the shard's turn
+            push = link.latency_s + max(0.0, link.transfer_s(push_bytes) - service)
+            return RoundTrip(encode_s, 0.0, push, service, 0.0, link.transfer_s(pull_bytes) + link.latency_s)
+        push = max(link.transfer_s(push_bytes), link.transfer_s(n * push_bytes / s)) + link.latency_s
+        pull = max(link.transfer_s(pull_bytes), link.transfer_s(n * pull_bytes / s)) + link.latency_s
+        overlap = 0.0
+        if self.overlap and c.sync_every == 1:
+            overlap = min(w.backward_s, encode_s + push) * (s - 1) / s
+        return RoundTrip(encode_s, overlap, push, decode_s / s, w.optimizer_s / s, pull)
+
+    def _ps(self, c: Candidate, n: int) -> tuple[float, float, float, dict[str, float]]:
+        w = self.workload
+        trip = self.round_trip(c, n)
+        wire = self.payload_bytes(c.compression) + w.gradient_bytes
+        if c.strategy == "ps-async":
+            cycle = w.compute_s + trip.encode_s + trip.push_s + trip.service_s + trip.pull_s
+            updates_per_s = min(n / cycle, 1 / trip.service_s)
+            details = {"cycle_s": cycle, "shard_updates_per_s": 1 / trip.service_s}
+            return n / updates_per_s, updates_per_s * w.batch_size, wire, details
+        exchange = (trip.encode_s - trip.overlap_s + trip.push_s + n * trip.service_s + trip.apply_s
+                    + trip.pull_s)
+        compute = self.slowest_compute_s(n)
+        local = w.optimizer_s if c.sync_every > 1 else 0.0
+        step = compute + local + exchange / c.sync_every
+        details = {"exchange_s": exchange, "push_s": trip.push_s, "pull_s": trip.pull_s}
+        return step, n * w.batch_size / step, wire / c.sync_every, details
+
+    # -- predictions ---------------------------------------------------------------------------
+
+    def predict(self, c: Candidate, n: int) -> Prediction:
+        """Step time, samples/s, efficiency and bytes of `c` at `n` workers."""
+        if n < 1:
+            raise ValueError(f"num_workers must be >= 1, not {n}")
+        step, samples, wire, details = (self._ddp if c.strategy == "ddp" else self._ps)(c, n)
+        single = self.single_step_s()
+        efficiency = samples / (n * self.workload.batch_size / single)
+        comm = max(0.0, step - (self.workload.compute_s if c.strategy == "ps-async" else single))
+        return Prediction(c, n, step, samples, efficiency, wire, comm, details)

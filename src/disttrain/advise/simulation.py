@@ -1,0 +1,246 @@
+"""A discrete-event simulation of a parameter-server run in virtual time, deciding with the
+project's own aggregation rules (`AggregationRules`, which take their clock as an
+argument): sync, sync with backup workers, SSP(τ) and async, at up to 1,024 workers.
+
+Each worker computes for a drawn time (`StepTimes`), encodes and pushes (the
+communication of the cost model's `RoundTrip`), and the shard, one FIFO of work, takes
+the push for `service_s` before it offers it to the rules at that virtual instant. What
+the rules decide is what happens: a buffered push waits for its synchronous step; an
+applied update is published `apply_s` later and pulled by every worker waiting for it; a
+late push (sync, backup workers) or a stale one (SSP) is dropped and its worker pulls the
+current version and computes again. A failed worker loses its step; the run's membership
+drops it `detect_s` later (so a synchronous step stops waiting for it) and takes it back
+when it restarts. With constant step times and no failures the synchronous result is the
+cost model's step exactly (a test).
+
+The shards are simulated as one: S shards decide the same way on the same pushes, each
+on its slice, so the round trip's times already hold the S-fold split.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from disttrain.advise.costmodel import RoundTrip
+from disttrain.advise.step_times import StepTimes
+from disttrain.strategies.ps.server.aggregation import AggregationRules, Decision, Outcome, Push
+
+MODES = ("sync", "ssp", "async")
+_FAILED, _ARRIVED, _OFFERED, _PULLED, _DETECTED, _RESTARTED = range(6)
+
+
+@dataclass(frozen=True)
+class SimulationSetup:
+    """What is simulated.
+
+    Args:
+        mode: sync, ssp or async.
+        num_workers: workers in the run.
+        num_updates: stop once the shard applied this many updates (versions).
+        staleness_bound: ssp's tau.
+        backup_workers: sync: a step is applied once all but this many workers pushed.
+        batch_size: samples per push.
+        seed: of the draws.
+    """
+
+    mode: str
+    num_workers: int
+    num_updates: int = 1000
+    staleness_bound: int = 2
+    backup_workers: int = 0
+    batch_size: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"simulation mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.num_updates < 2:
+            raise ValueError(f"num_updates {self.num_updates} must be >= 2")
+
+
+@dataclass
+class SimulationResult:
+    setup: SimulationSetup
+    num_updates: int
+    virtual_time_s: float
+    time_per_update_s: float
+    samples_per_s: float
+    num_pushes: int
+    num_dropped_late: int
+    num_rejected_stale: int
+    num_failures: int
+    staleness_histogram: dict[int, int]
+    wall_s: float
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def work_dropped_fraction(self) -> float:
+        """Share of computed gradients the rules dropped (late, stale) or a failure lost."""
+        wasted = self.num_dropped_late + self.num_rejected_stale + self.num_failures
+        return wasted / max(1, self.num_pushes + self.num_failures)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.setup.mode, "num_workers": self.setup.num_workers,
+                "staleness_bound": self.setup.staleness_bound, "backup_workers": self.setup.backup_workers,
+                "num_updates": self.num_updates, "virtual_time_s": self.virtual_time_s,
+                "time_per_update_s": self.time_per_update_s, "samples_per_s": self.samples_per_s,
+                "num_pushes": self.num_pushes, "num_dropped_late": self.num_dropped_late,
+                "num_rejected_stale": self.num_rejected_stale, "num_failures": self.num_failures,
+                "work_dropped_fraction": self.work_dropped_fraction,
+                "staleness_histogram": {str(k): v for k, v in sorted(self.staleness_histogram.items())},
+                "wall_s": self.wall_s}
+
+
+@dataclass
+class _Worker:
+    worker_id: str
+    straggler: bool
+    base_version: int = 0
+    step: int = 0
+    generation: int = 0
+    waiting: bool = False  # pushed into a synchronous step, waiting for its update
+    away: bool = False
+
+
+class Simulation:
+    """One simulated run; `run()` once."""
+
+    def __init__(self, setup: SimulationSetup, step_times: StepTimes, trip: RoundTrip):
+        self.setup, self.step_times, self.trip = setup, step_times, trip
+        self.rng = random.Random(setup.seed)
+        mode = "sync" if setup.mode == "sync" else setup.mode
+        self.rules = AggregationRules(mode, setup.num_workers, setup.staleness_bound,
+                                      setup.backup_workers if mode == "sync" else 0)
+        stragglers = step_times.stragglers(setup.num_workers, self.rng)
+        self.workers = [_Worker(f"worker-{i}", i in stragglers) for i in range(setup.num_workers)]
+        for worker in self.workers:
+            self.rules.register(worker.worker_id, int(worker.worker_id.split("-")[1]))
+        self.uses_membership = step_times.failure_rate > 0
+        self.generation = 0
+        self.members: dict[str, int] = {}
+        if self.uses_membership:  # the coordinator's view, so a failed worker can leave the quorum
+            self.generation = 1
+            self.members = {w.worker_id: 1 for w in self.workers}
+            for w in self.workers:
+                w.generation = 1
+            self.rules.set_membership(1, self.members, 0.0)
+        self.events: list[tuple[float, int, int, int]] = []
+        self.sequence = 0
+        self.shard_free_s = 0.0
+        self.update_times: list[float] = []
+        self.num_pushes = 0
+        self.num_failures = 0
+
+    def _at(self, when: float, kind: int, index: int) -> None:
+        self.sequence += 1
+        heapq.heappush(self.events, (when, self.sequence, kind, index))
+
+    def _start_step(self, index: int, now: float) -> None:
+        """The worker computes; its push reaches the shard when its step, encoding and
+        push are done (one event, not three: a million pushes cost seconds, not minutes)."""
+        worker = self.workers[index]
+        computed = now + self.step_times.draw(self.rng, worker.straggler)
+        if self.step_times.fails(self.rng):
+            self._at(computed, _FAILED, index)
+            return
+        # with overlap the push left before backward ended (overlap_s <= encode_s + push_s)
+        trip = self.trip
+        self._at(computed + trip.encode_s - trip.overlap_s + trip.push_s, _ARRIVED, index)
+
+    def run(self) -> SimulationResult:
+        started = time.perf_counter()
+        for index in range(len(self.workers)):
+            self._start_step(index, 0.0)
+        handlers = {_FAILED: self._failed, _ARRIVED: self._arrived, _OFFERED: self._offered,
+                    _PULLED: self._pulled, _DETECTED: self._detected, _RESTARTED: self._restarted}
+        now = 0.0
+        while self.events and self.rules.version < self.setup.num_updates:
+            now, _, kind, index = heapq.heappop(self.events)
+            handlers[kind](index, now)
+        return self._result(now, time.perf_counter() - started)
+
+    # -- events ----------------------------------------------------------------------------
+
+    def _failed(self, index: int, now: float) -> None:
+        """The worker failed during this step: its work is lost."""
+        self.num_failures += 1
+        self.workers[index].away = True
+        self._at(now + self.step_times.detect_s, _DETECTED, index)
+        self._at(now + self.step_times.restart_s, _RESTARTED, index)
+
+    def _arrived(self, index: int, now: float) -> None:
+        self.shard_free_s = max(self.shard_free_s, now) + self.trip.service_s
+        self._at(self.shard_free_s, _OFFERED, index)
+
+    def _offered(self, index: int, now: float) -> None:
+        worker = self.workers[index]
+        worker.step += 1
+        self.num_pushes += 1
+        push = Push(worker.worker_id, worker.step, worker.base_version, float(self.setup.batch_size),
+                    generation=worker.generation)
+        decision = self.rules.offer(push, index, now)
+        if decision.outcome is Outcome.BUFFERED:
+            worker.waiting = True
+        elif decision.outcome in (Outcome.LATE, Outcome.STALE):
+            self._at(now + self.trip.pull_s, _PULLED, index)
+        elif self.setup.mode != "sync":  # applied on arrival: this worker pulls the result
+            self._published(decision, now, [index])
+        if decision.outcome is Outcome.APPLIED and self.setup.mode == "sync":
+            worker.waiting = True
+            self._published(decision, now, None)
+
+    def _published(self, decision: Decision, now: float, readers: list[int] | None) -> None:
+        """An update was applied: it is published `apply_s` later and pulled by `readers`
+        (None: every worker waiting for a synchronous step)."""
+        published = now + self.trip.apply_s
+        self.shard_free_s = max(self.shard_free_s, now) + self.trip.apply_s  # the pushes queued wait
+        self.update_times.append(published)
+        if readers is None:
+            readers = [i for i, w in enumerate(self.workers) if w.waiting]
+        for i in readers:
+            self.workers[i].waiting = False
+            self._at(published + self.trip.pull_s, _PULLED, i)
+
+    def _pulled(self, index: int, now: float) -> None:
+        worker = self.workers[index]
+        if worker.away:
+            return
+        worker.base_version = self.rules.version
+        self._start_step(index, now)
+
+    def _detected(self, index: int, now: float) -> None:
+        """The run notices the failure: the worker leaves the membership (and the quorum)."""
+        self.generation += 1
+        self.members.pop(self.workers[index].worker_id, None)
+        decision = self.rules.set_membership(self.generation, self.members, now)
+        if decision.advanced:
+            self._published(decision, now, None)
+
+    def _restarted(self, index: int, now: float) -> None:
+        worker = self.workers[index]
+        self.generation += 1
+        self.members[worker.worker_id] = worker.generation = self.generation
+        self.rules.set_membership(self.generation, self.members, now)
+        self.rules.register(worker.worker_id)
+        worker.away = False
+        self._at(now + self.trip.pull_s, _PULLED, index)
+
+    def _result(self, now: float, wall_s: float) -> SimulationResult:
+        times = self.update_times
+        per_update = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
+        counts = self.rules.counts
+        samples = counts["samples"]
+        elapsed = times[-1] if times else now
+        return SimulationResult(self.setup, self.rules.version, elapsed, per_update,
+                                samples / elapsed if elapsed > 0 else 0.0, self.num_pushes,
+                                counts["dropped_late"], counts["rejected_stale"], self.num_failures,
+                                dict(self.rules.staleness_histogram), wall_s, dict(counts))
+
+
+def simulate(setup: SimulationSetup, step_times: StepTimes, trip: RoundTrip) -> SimulationResult:
+    """Run one simulation (see the module's docstring)."""
+    return Simulation(setup, step_times, trip).run()

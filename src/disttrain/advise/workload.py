@@ -1,0 +1,168 @@
+"""What one worker's step costs on this machine: the model's gradient size and its forward,
+backward and optimizer times at the configured batch, and each compressor's payload and
+encode/decode time on the model's own gradients.
+
+The model and its input shapes come from the project's builders (`init_model`,
+`describe_dataset`), so a user's model file is measured as it would be trained. The batch
+is random data of the data set's shapes: a step's time does not depend on the values, and
+nothing is downloaded or loaded.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from disttrain.compression import SCHEMES, Compressor
+from disttrain.config import Config
+from disttrain.core.errors import ConfigError
+from disttrain.data import LANGUAGE_MODEL, DatasetDescription, describe_dataset
+from disttrain.training import build_optimizer, init_model
+from disttrain.training.engine import configure_threads, task_loss
+
+# Measured repeats of each timing after one warm-up; the median is kept.
+NUM_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class CompressionCost:
+    """One compressor on the whole model's gradient: its payload and its compute."""
+
+    scheme: str
+    ratio: float
+    payload_bytes: int
+    encode_s: float
+    decode_s: float
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One worker's step, as the cost model needs it.
+
+    `forward_s + backward_s` is the compute of one step at `batch_size`; `compute_std_s`
+    its spread over the measured repeats (0 when given); `optimizer_s` one optimizer step
+    over every parameter (what the shards together spend applying an update).
+    """
+
+    model: str
+    num_parameters: int
+    gradient_bytes: int
+    num_tensors: int
+    batch_size: int
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    compute_std_s: float = 0.0
+    source: str = "measured"
+    compression: dict[str, CompressionCost] = field(default_factory=dict)
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    def with_step_time(self, step_time_s: float) -> Workload:
+        """The same model on another device whose forward+backward takes `step_time_s`:
+        split between forward and backward as measured here, the optimizer's step scaled
+        by the same factor (the compressors' times are kept as measured); no spread."""
+        share = self.backward_s / self.compute_s if self.compute_s > 0 else 2 / 3
+        scale = step_time_s / self.compute_s if self.compute_s > 0 else 1.0
+        return Workload(self.model, self.num_parameters, self.gradient_bytes, self.num_tensors,
+                        self.batch_size, step_time_s * (1 - share), step_time_s * share,
+                        self.optimizer_s * scale, 0.0, "given", self.compression)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "compute_s": self.compute_s}
+
+
+def random_batch(description: DatasetDescription, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of random inputs and targets of the data set's shapes."""
+    generator = torch.Generator().manual_seed(0)
+    if description.task == LANGUAGE_MODEL:
+        shape = (batch_size, description.seq_len)
+        tokens = torch.randint(description.vocab_size, shape, generator=generator)
+        return tokens, torch.randint(description.vocab_size, shape, generator=generator)
+    inputs = torch.randn((batch_size, *description.input_shape), generator=generator)
+    return inputs, torch.randint(description.num_classes, (batch_size,), generator=generator)
+
+
+def _median_time(action: Callable[[], Any], repeats: int) -> list[float]:
+    action()  # warm-up: allocator, kernels' first calls
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure_workload(config: Config, repeats: int = NUM_REPEATS,
+                     compression_ratio: float | None = None) -> Workload:
+    """Build the configured model and time its step and the compressors on this machine.
+
+    Args:
+        compression_ratio: topk's share of elements (default: `compression.ratio`).
+    Raises:
+        ConfigError: the model or data-set plug-in cannot be found, fails to build, or
+            fails a step on a batch of the data set's shapes.
+        DataError: an unknown data set.
+    """
+    training = config.training
+    configure_threads(config.system.num_threads)
+    description = describe_dataset(training)
+    model = init_model(training)
+    inputs, targets = random_batch(description, training.batch_size)
+    try:
+        forward, backward = _time_step(model, inputs, targets, repeats)
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"training.model_architecture: {training.model_architecture} failed a step on a "
+                          f"batch of {tuple(inputs.shape)} from {training.dataset}: {first}") from e
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, training)
+    optimizer_s = statistics.median(_median_time(optimizer.step, repeats))
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad and p.grad is not None]
+    flat = torch.cat([p.grad.reshape(-1) for _, p in named]).float()
+    segments = [(name, p.numel()) for name, p in named]
+    ratio = config.compression.ratio if compression_ratio is None else compression_ratio
+    costs = {scheme: measure_compressor(scheme, ratio, flat, segments, repeats) for scheme in SCHEMES}
+    totals = [f + b for f, b in zip(forward, backward, strict=True)]
+    return Workload(training.model_architecture, sum(p.numel() for p in params),
+                    sum(p.numel() * p.element_size() for p in params), len(params), training.batch_size,
+                    statistics.median(forward), statistics.median(backward), optimizer_s,
+                    statistics.pstdev(totals), "measured", costs)
+
+
+def _time_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+               repeats: int) -> tuple[list[float], list[float]]:
+    """Forward (with the loss) and backward times of `repeats` steps, after one warm-up."""
+    model.train()
+    forward, backward = [], []
+    for attempt in range(repeats + 1):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        loss = task_loss(model(inputs), targets)
+        middle = time.perf_counter()
+        loss.backward()
+        end = time.perf_counter()
+        if attempt:
+            forward.append(middle - start)
+            backward.append(end - middle)
+    return forward, backward
+
+
+def measure_compressor(scheme: str, ratio: float, flat: torch.Tensor, segments: list[tuple[str, int]],
+                       repeats: int = NUM_REPEATS) -> CompressionCost:
+    """Payload bytes and median encode and decode seconds of `scheme` on gradient `flat`."""
+    compressor = Compressor(scheme, ratio, error_feedback=True)
+    encoded = compressor.encode(flat, segments)
+    out = torch.empty_like(flat)
+    encode_s = statistics.median(_median_time(lambda: compressor.encode(flat, segments), repeats))
+    decode_s = statistics.median(_median_time(lambda: compressor.decode(encoded.data, segments, out),
+                                              repeats))
+    return CompressionCost(scheme, ratio, encoded.nbytes, encode_s, decode_s)
