@@ -111,7 +111,8 @@ def test_state_round_trips_through_manifest_and_bytes():
     assert set(back["optimizer"]["state"]) == {0, 1}  # integer keys stay integers
     fresh = torch.optim.Adam(torch.nn.Linear(3, 2).parameters())
     fresh.load_state_dict(back["optimizer"])
-    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    restored, original = fresh.state_dict()["state"][0], optimizer.state_dict()["state"][0]
+    assert torch.equal(restored["exp_avg"], original["exp_avg"])
 
 
 def test_state_refuses_what_json_cannot_carry():

@@ -3,7 +3,9 @@
 The launcher hosts a TCP store that outlives every rank. Through it the ranks:
 
 - beat: each process writes the wall time under `alive/<slot>` every heartbeat interval
-  (a thread with its own connection), so its peers tell a dead member from a slow one;
+  (a thread with its own connection, started once it is a member), so its peers tell a
+  dead member from a slow one; the launcher writes 0 there when it sees the process exit,
+  so the survivors need not wait for its beats to go stale;
 - re-form after a failure: a survivor of generation g proposes itself for g+1
   (`gen<g+1>/propose/<slot>`), waits until `membership.settled` (every member of g has
   proposed or gone silent, bounded by a window), and offers the member list with
@@ -50,6 +52,16 @@ def connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
                          wait_for_workers=False)
 
 
+def alive_key(slot: int) -> str:
+    return f"alive/{slot}"
+
+
+def mark_dead(store: dist.Store, slot: int) -> None:
+    """The process of `slot` exited: its peers count it silent at once (the launcher calls
+    this; a new process of the slot beats again once it is a member)."""
+    store.set(alive_key(slot), "0")
+
+
 class Beats:
     """The liveness beats of one process, on a thread with its own store connection."""
 
@@ -60,13 +72,16 @@ class Beats:
         self._thread = threading.Thread(target=self._run, name="live-beats", daemon=True)
 
     def start(self) -> None:
-        self.store.set(f"alive/{self.slot}", repr(self.clock()))
+        """Beat now and every interval after (once; later calls do nothing)."""
+        if self._thread.ident is not None or self._stopped.is_set():
+            return
+        self.store.set(alive_key(self.slot), repr(self.clock()))
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stopped.wait(self.interval_s):
             try:
-                self.store.set(f"alive/{self.slot}", repr(self.clock()))
+                self.store.set(alive_key(self.slot), repr(self.clock()))
             except RuntimeError:  # the launcher (and its store) went away: the run is over
                 return
 
@@ -152,7 +167,7 @@ class LiveGroup:
     def _last_seen(self, slots: tuple[int, ...]) -> dict[int, float]:
         seen = {}
         for slot in slots:
-            key = f"alive/{slot}"
+            key = alive_key(slot)
             if self.store.check([key]):
                 seen[slot] = float(self.store.get(key).decode())
         return seen

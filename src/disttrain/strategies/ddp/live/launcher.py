@@ -33,6 +33,7 @@ from disttrain.core.processes import Cluster, thread_count
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
 from disttrain.strategies.ddp.coordination import run_coordinator
 from disttrain.strategies.ddp.heartbeats import node_id
+from disttrain.strategies.ddp.live.group import mark_dead
 from disttrain.training.options import RunOptions
 
 logger = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary:
                         world_size, STORE_HOST, store.port, config.ddp.max_restarts)
             try:
                 with Cluster(log_dir, env=env) as cluster:
-                    supervise(cluster, config, options, config_path, summary_path, processes)
+                    supervise(cluster, config, options, (config_path, summary_path), processes, store)
             except (ConfigError, DistributedError) as e:
                 coordinator.stopped(str(e).splitlines()[0])
                 raise
@@ -165,14 +166,19 @@ def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary:
     return summary
 
 
-def supervise(cluster: Cluster, config: Config, options: RunOptions, config_path: Path,
-              summary_path: Path, processes: RankProcesses) -> None:
-    """Start every rank, restart each that dies (up to `ddp.max_restarts`), until all finish.
+def supervise(cluster: Cluster, config: Config, options: RunOptions, paths: tuple[Path, Path],
+              processes: RankProcesses, store: dist.Store) -> None:
+    """Start every rank, restart each that dies (up to `ddp.max_restarts`), until all finish;
+    a death is marked in `store` at once (`group.mark_dead`).
+
+    Args:
+        paths: the config the ranks read, and where the last leader writes the summary.
 
     Raises:
         ConfigError: a rank refused its input (exit code 2): restarting would not help.
         DistributedError: a rank failed once more than allowed.
     """
+    config_path, summary_path = paths
     supervisor = Supervisor(cluster, config.ddp.max_restarts)
     for slot in range(config.system.num_workers):
         supervisor.start(Managed(f"rank{slot}", node_id(slot), lambda attempt, s=slot: rank_spec(
@@ -186,6 +192,7 @@ def supervise(cluster: Cluster, config: Config, options: RunOptions, config_path
         if code == ConfigError.exit_code:
             raise ConfigError(f"rank {slot}: {cluster.children[event.child].tail(1)}")
         if code != 0:
+            mark_dead(store, slot)
             processes.deaths.append((time.time(), slot))
             reason = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             logger.warning("rank %d %s; the others go on without it", slot, reason)

@@ -79,7 +79,6 @@ class LiveRank:
         Raises:
             DistributedError: every state holder was lost, or joining timed out.
         """
-        self.beats.start()
         try:
             if self.attempt == 0:
                 generation, members = 0, tuple(range(self.config.system.num_workers))
@@ -92,6 +91,7 @@ class LiveRank:
             while True:
                 try:
                     self.group.form(generation, members)
+                    self.beats.start()  # a member now: its peers watch its beats
                     self._sync()
                     admitted = self.trainer.progress.admitted
                     tickets = self._train()
