@@ -185,7 +185,7 @@ class LiveRank:
                 if p.step % log_interval == 0 and samples:
                     self._log({"loss/train": loss_sum / samples, "accuracy/train": correct / samples})
                     loss_sum, correct, samples = 0.0, 0, 0
-                self.faults.at_step(p.step)
+                self.faults.at_step(p.step, train_time_s=trainer.train_time_s())
             epoch = p.epoch
             evaluation = trainer.evaluate(group.rank, group.world_size)
             self._log({"loss/test": evaluation.loss, "accuracy/test": evaluation.accuracy}, epoch)
