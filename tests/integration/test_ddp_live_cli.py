@@ -87,6 +87,21 @@ def test_killed_rank_survivors_train_on_and_it_rejoins(cli, tmp_path, undisturbe
     assert "injected fault: kill at step 10" in (tmp_path / "logs" / "rank1.log").read_text()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_without_restarts_the_survivors_finish_the_run_alone(cli, tmp_path, undisturbed):
+    result = cli("ddp", *ARGS, *dirs(tmp_path), "--max-restarts", 0, "--inject", "kill:rank=2:step=12",
+                 timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["rank_pids"]["2"] and len(summary["rank_pids"]["2"]) == 1  # never started again
+    assert set(summary["final_pids"]) == {"0", "1"} and summary["num_rejoins"] == 0
+    assert [r["members"] for r in summary["live_recoveries"]] == [[0, 1]]
+    assert summary["samples_applied"] == EPOCHS * samples_per_epoch()
+    assert (summary["samples_lost"], summary["samples_applied_twice"]) == (0, 0)
+    assert abs(summary["final_accuracy"] - undisturbed["final_accuracy"]) <= 0.005
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("extra, message", [
     (["--compression-enabled"], "compression.enabled: gradient compression is not offered with "

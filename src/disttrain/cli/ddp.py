@@ -123,6 +123,11 @@ def check(args: argparse.Namespace) -> str:
     config, options = prepare(args)
     ddp, world_size = config.ddp, config.system.num_workers
     rt.check_supported(config)
+    if ddp.recovery == "live":
+        from disttrain.strategies.ddp.live.launcher import live_problems
+        problems = live_problems(config, options.resume)
+        if problems:
+            raise ConfigError("; ".join(problems))
     if world_size % ddp.num_nodes:
         raise ConfigError(f"system.num_workers: world size {world_size} does not split evenly "
                           f"over ddp.num_nodes={ddp.num_nodes}; use a multiple of {ddp.num_nodes}")
@@ -137,10 +142,17 @@ def check(args: argparse.Namespace) -> str:
     if ddp.backend == "auto" and backend == "nccl" and ddp.num_nodes > 1:
         backend = "nccl if every node has GPUs, else gloo"
     return (f"{count(world_size // ddp.num_nodes, 'rank')} on this node of {world_size} ({nodes}; "
-            f"{backend}), up to {count(ddp.max_restarts, 'restart')}, "
+            f"{backend}), up to {count(ddp.max_restarts, 'restart')}{describe_recovery(config)}, "
             f"{describe_coordinator(config, 'with its own coordinator')}{describe_security(options)}; "
             f"{describe_training(config)}{describe_compression(config)}{describe_local_updates(config)}; "
             f"{describe_folders(config, options)}")
+
+
+def describe_recovery(config: Config) -> str:
+    """" (live recovery: ...)" when ranks recover live; empty for torch's restart."""
+    if config.ddp.recovery != "live":
+        return ""
+    return " (live recovery: the survivors train on, a restarted rank rejoins)"
 
 
 def describe_local_updates(config: Config) -> str:

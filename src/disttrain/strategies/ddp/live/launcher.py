@@ -168,15 +168,15 @@ def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary:
 
 def supervise(cluster: Cluster, config: Config, options: RunOptions, paths: tuple[Path, Path],
               processes: RankProcesses, store: dist.Store) -> None:
-    """Start every rank, restart each that dies (up to `ddp.max_restarts`), until all finish;
-    a death is marked in `store` at once (`group.mark_dead`).
+    """Start every rank, restart each that dies (up to `ddp.max_restarts`; past that the
+    others finish without it), until all have ended; a death is marked in `store` at once
+    (`group.mark_dead`).
 
     Args:
         paths: the config the ranks read, and where the last leader writes the summary.
 
     Raises:
         ConfigError: a rank refused its input (exit code 2): restarting would not help.
-        DistributedError: a rank failed once more than allowed.
     """
     config_path, summary_path = paths
     supervisor = Supervisor(cluster, config.ddp.max_restarts)
@@ -196,6 +196,12 @@ def supervise(cluster: Cluster, config: Config, options: RunOptions, paths: tupl
             processes.deaths.append((time.time(), slot))
             reason = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             logger.warning("rank %d %s; the others go on without it", slot, reason)
+            managed = supervisor.processes[event.child]
+            if managed.attempts >= config.ddp.max_restarts:  # the survivors finish the run alone
+                logger.warning("rank %d is not started again (ddp.max_restarts=%d)", slot,
+                               config.ddp.max_restarts)
+                managed.finished = True
+                continue
         if supervisor.exited(event.child, code):
             processes.started(slot, cluster.children[event.child].process.pid)
 
