@@ -174,12 +174,10 @@ class LiveRank:
         loss_sum, correct, samples = 0.0, 0, 0
         while not trainer.finished:
             while not trainer.epoch_done:
-                started = time.perf_counter()
                 tickets = group.pending_joins(p.admitted)
                 if tickets > p.admitted:  # every member sees the same count: all go to grow
                     p.admitted = tickets
                     return tickets
-                waited_s = time.perf_counter() - started
                 result = trainer.step()
                 loss_sum += result.loss * result.num_samples
                 correct, samples = correct + result.num_correct, samples + result.num_samples
@@ -187,8 +185,8 @@ class LiveRank:
                 if p.step % log_interval == 0 and samples:
                     self._log({"loss/train": loss_sum / samples, "accuracy/train": correct / samples})
                     loss_sum, correct, samples = 0.0, 0, 0
-                self.faults.at_step(p.step, train_time_s=trainer.train_time_s(),
-                                    waited_s=waited_s + trainer.last_comm_s)
+                # A straggler slows its whole step, its waits for peers included.
+                self.faults.at_step(p.step, train_time_s=trainer.train_time_s())
             epoch = p.epoch
             evaluation = trainer.evaluate(group.rank, group.world_size)
             self._log({"loss/test": evaluation.loss, "accuracy/test": evaluation.accuracy}, epoch)

@@ -88,7 +88,6 @@ class LiveTrainer:
         self.samples_trained = 0  # by this process, failed steps included
         self.samples_redone = 0  # of steps whose all-reduce failed here (the group redoes them)
         self._in_flight = 0
-        self.last_comm_s = 0.0  # the last step's all-reduce, waits for peers included
         self._clock_from = time.perf_counter()
 
     @property
@@ -152,9 +151,7 @@ class LiveTrainer:
         self.samples_trained += len(indices)
         self._in_flight = len(indices)
         result = forward_backward(self.module, inputs, targets, weight)
-        started = time.perf_counter()
         average_gradients(list(self.module.parameters()), self.world_size)
-        self.last_comm_s = time.perf_counter() - started
         self._in_flight = 0
         self.stepper.step()
         self.ledger[p.epoch, p.index] += 1
