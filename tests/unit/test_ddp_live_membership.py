@@ -154,3 +154,17 @@ def test_config_checks_the_recovery_key():
         config_from_dict({"ddp": {"recovery": "sometimes"}})
     with pytest.raises(ConfigError, match="ddp.recovery: live recovery runs on one node"):
         config_from_dict({"ddp": {"recovery": "live", "num_nodes": 2, "rdzv_endpoint": "node0:29400"}})
+
+
+def test_summary_lines_tell_each_live_recovery():
+    from disttrain.metrics.summary import RunSummary
+    summary = RunSummary.create(
+        strategy="ddp", config=Config(), final_accuracy=0.9, final_loss=0.3, total_time_s=10.0,
+        train_time_s=8.0, samples_processed=96, steps=2, world_size=3,
+        extra={"samples_applied": 96, "samples_redone": 16, "samples_lost": 0, "live_recoveries": [
+            {"kind": "shrink", "members": [0, 2], "step": 10, "resume_s": 0.17},
+            {"kind": "grow", "members": [0, 1, 2], "step": 134, "rejoin_s": 12.5}]})
+    lines = summary.lines()
+    assert "Data: 96 samples applied, 16 redone, 0 lost" in lines
+    assert "Live recovery: ranks 0,2 training again 0.17s after the death (step 10)" in lines
+    assert "Live recovery: ranks 0,1,2 together again 12.50s after its restart (step 134)" in lines

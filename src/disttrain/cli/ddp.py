@@ -216,7 +216,7 @@ def live_rank_main(argv: list[str], env: Mapping[str, str]) -> int:
     which passes its slot as --rank, its restart as --attempt, and its store in the
     environment). Returns the exit code: 0, 2 for bad input, 1 for a failure."""
     from disttrain.core.processes import bind_to_parent
-    from disttrain.strategies.ddp.heartbeats import LoopProgress, coordinator_link
+    from disttrain.strategies.ddp.heartbeats import LIVE_RESTART, LoopProgress, coordinator_link
     from disttrain.strategies.ddp.live import LIVE_STORE_ENV, run_live_rank, store_address
     from disttrain.training.checkpoints import Position
     from disttrain.training.engine import configure_threads
@@ -228,7 +228,7 @@ def live_rank_main(argv: list[str], env: Mapping[str, str]) -> int:
         configure_threads(config.system.num_threads, processes_per_machine=config.system.num_workers)
         progress = LoopProgress(Position(), config.training.num_epochs)
         with coordinator_link(config.coordinator, args.rank, args.attempt, progress, options.token,
-                              options.tls):
+                              options.tls, LIVE_RESTART):
             summary = run_live_rank(config, args.rank, args.attempt, store_address(env[LIVE_STORE_ENV]),
                                     options, progress)
         if summary is not None and args.summary_json:

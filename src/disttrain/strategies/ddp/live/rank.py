@@ -120,7 +120,7 @@ class LiveRank:
                 self.metrics.close()
 
     def _join(self) -> tuple[int, tuple[int, ...]] | None:
-        self.pending = {"kind": "grow", "failed_at": time.time(), "joiner": self.slot}
+        self.pending = {"kind": "grow", "failed_at": time.time()}
         return self.group.request_join()
 
     def _recover(self, reason: str) -> tuple[int, tuple[int, ...]] | None:
@@ -128,8 +128,7 @@ class LiveRank:
         logger.warning("slot %d lost a peer in generation %d (%s); re-forming with the survivors",
                        self.slot, self.group.generation, reason)
         self.trainer.detach()
-        self.pending = {"kind": "shrink", "failed_at": detected,
-                        "from_members": list(self.group.members)}
+        self.pending = {"kind": "shrink", "failed_at": detected}
         joined = self.group.after_failure()
         if joined is None:
             self.trainer.drop_state()
