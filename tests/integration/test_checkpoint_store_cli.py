@@ -127,6 +127,7 @@ def test_a_parameter_server_run_checkpoints_to_s3_and_resumes_from_there(tmp_pat
     cwd.mkdir()
     folders = ["--checkpoint-dir", url, "--log-dir", tmp_path / "logs"]
     stopped = cli("ps", *PS_ARGS, *folders, "--inject", "kill:worker=1:step=12", "--max-restarts", "0",
+                  "--set", "coordinator.reassign_after=null",  # no reassignment: the run stops
                   env=endpoint_env(moto_port), cwd=cwd, timeout=180)
     assert stopped.returncode == 1 and "max_restarts=0" in stopped.stderr, stopped.stderr[-3000:]
     stored = newest_step(f"{url}/worker0")

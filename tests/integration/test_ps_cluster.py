@@ -219,6 +219,8 @@ def test_a_worker_failing_past_its_restarts_stops_the_whole_cluster(tmp_path, cl
         "kill:worker=1:step=3",
         "--max-restarts",
         "0",
+        "--set",
+        "coordinator.reassign_after=null",  # without reassignment, the run cannot go on without it
         timeout=110,
     )
     assert result.returncode == 1

@@ -153,7 +153,7 @@ def test_a_slow_worker_is_named_a_straggler(tmp_path, cli):
 def test_a_stopped_run_resumes_as_a_whole_and_nothing_is_lost(tmp_path, cli):
     folders = ["--log-dir", tmp_path / "logs", "--checkpoint-dir", tmp_path / "ckpt"]
     stopped = cli("ps", *ARGS, *folders, "--inject", "kill:worker=1:step=12", "--max-restarts", "0",
-                  timeout=170)
+                  "--set", "coordinator.reassign_after=null", timeout=170)  # no reassignment: it stops
     assert stopped.returncode == 1 and "max_restarts=0" in stopped.stderr
     summary = run_ps(cli, tmp_path, "--resume")
     assert_every_sample_applied_once(summary)

@@ -31,7 +31,9 @@ DESCRIPTION = """Train with a parameter server on this machine: start a coordina
 servers on free ports and the workers, and show one progress display. Every process
 heartbeats to the coordinator; one that dies or hangs is restarted where it left off
 (up to --max-restarts times) while the others train on, and no sample is lost or
-applied twice. Watch it with `disttrain status --registry <log_dir>/cluster.db`. Each
+applied twice. A worker away for longer than --reassign-after seconds has its blocks
+taken over by the others (it takes back what is left if it returns), so a worker past
+its restarts no longer stops the run. Watch it with `disttrain status --registry <log_dir>/cluster.db`. Each
 process logs to <log_dir>/<name>.log; worker 0 writes the final model
 (parameter_server_final.pt) and summary.json, with every failure and its recovery.
 
@@ -54,6 +56,9 @@ PS_FLAGS = {
     "--heartbeat-interval": ("coordinator.heartbeat_interval", float, "seconds between heartbeats"),
     "--heartbeat-timeout": ("coordinator.heartbeat_timeout", float,
                             "seconds without a heartbeat before a process is declared failed"),
+    "--reassign-after": ("coordinator.reassign_after", float,
+                         "seconds a failed worker may stay away before its blocks of the epoch go to the "
+                         "other workers (it takes back what is left if it rejoins)"),
     **COMPRESSION_FLAGS,
     **LOCAL_UPDATE_FLAGS,
 }

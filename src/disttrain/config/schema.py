@@ -259,6 +259,12 @@ class CoordinatorConfig:
     max_restarts: int = field(default=3, metadata=NON_NEGATIVE)
     # A node whose step time exceeds the median of its role by this factor is a straggler.
     straggler_factor: float = field(default=2.0, metadata=_rule(lambda v: v > 1, "must be > 1"))
+    # Seconds a parameter-server worker declared failed may stay away before its blocks of
+    # the epoch not yet applied go to the other workers (it takes back what is left if it
+    # rejoins); null: never, its blocks wait for it. Several heartbeat timeouts by default,
+    # so a restart (seconds) finds its own blocks still waiting.
+    reassign_after: float | None = field(default=30.0, metadata=_rule(
+        lambda v: v is None or v > 0, "must be > 0 seconds, or null (never reassign)"))
     # HOST:PORT of a running coordinator (`disttrain coordinator`); empty: `disttrain ps`
     # starts its own, and `ps-server` / `ps-worker` run without one.
     address: str = ""

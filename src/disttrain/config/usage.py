@@ -139,6 +139,8 @@ RULES: tuple[Rule, ...] = (
         "a DDP run of several nodes without coordinator.address has no coordinator")),
     Rule("coordinator.max_restarts", _when(
         lambda c, s: s == "ddp", "DDP restarts its rank group ddp.max_restarts times")),
+    Rule("coordinator.reassign_after", _when(
+        lambda c, s: s == "ddp", "only a parameter-server run hands a failed worker's blocks to the others")),
     Rule("coordinator.heartbeat_timeout", _when(
         lambda c, s: bool(c.coordinator.address),
         lambda c: f"the coordinator at {c.coordinator.address} declares failures by its own config")),

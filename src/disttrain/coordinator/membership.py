@@ -10,7 +10,11 @@ Rules:
 - A node registering again after a failure, or after its old process went silent
   (another pid, no heartbeat within the timeout), rejoins: `restarts` += 1. A live node's
   id claimed by another process is refused (`DuplicateNode`).
-- Every membership change (join, rejoin, failure, done) starts a new `generation`.
+- A parameter-server worker (role "worker") failed for longer than `reassign_after_s`
+  is *reassigned* (`check`): the other workers take over its blocks of the epoch not yet
+  applied. It may still rejoin (a restart), and then takes back what is left.
+- Every membership change (join, rejoin, failure, reassignment, done) starts a new
+  `generation`.
 - A straggler is a live node whose step time exceeds `straggler_factor` times the median
   step time of the other live nodes of its role.
 - A node's balance plans rising above a known count is a "rebalanced" event (no new
@@ -27,7 +31,17 @@ import statistics
 from dataclasses import fields, replace
 from typing import Any
 
-from disttrain.coordinator.nodes import ALIVE, CLOCK_FIELDS, DONE, FAILED, Event, Node, Recovery, node_row
+from disttrain.coordinator.nodes import (
+    ALIVE,
+    CLOCK_FIELDS,
+    DONE,
+    FAILED,
+    REASSIGNED,
+    Event,
+    Node,
+    Recovery,
+    node_row,
+)
 from disttrain.coordinator.reports import BalanceState
 from disttrain.core.errors import DisttrainError
 
@@ -51,13 +65,19 @@ class Membership:
     Args:
         heartbeat_timeout_s: silence after which a live node is declared failed.
         straggler_factor: how much slower than its role's median a straggler is (> 1).
+        reassign_after_s: how long a failed worker may stay away before it is reassigned
+            (None: never).
     """
 
-    def __init__(self, heartbeat_timeout_s: float, straggler_factor: float = 2.0):
+    def __init__(self, heartbeat_timeout_s: float, straggler_factor: float = 2.0,
+                 reassign_after_s: float | None = None):
         if heartbeat_timeout_s <= 0 or straggler_factor <= 1:
             raise ValueError("heartbeat_timeout_s must be > 0 and straggler_factor > 1")
+        if reassign_after_s is not None and reassign_after_s <= 0:
+            raise ValueError("reassign_after_s must be > 0, or None (never)")
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.straggler_factor = straggler_factor
+        self.reassign_after_s = reassign_after_s
         self.generation = 0
         self._nodes: dict[str, Node] = {}
         self._pending: list[Event] = []
@@ -103,7 +123,7 @@ class Membership:
     def _rejoin(self, node: Node, details: dict[str, Any], now: float) -> None:
         if node.state == ALIVE:  # restarted before its silence was noticed
             self._mark_failed(node, now, "restarted before its heartbeats were missed", node.last_seen)
-        was_failed = node.state == FAILED
+        was_failed = node.state in (FAILED, REASSIGNED)
         for key, value in details.items():
             setattr(node, key, value)
         node.restarts += 1
@@ -124,7 +144,7 @@ class Membership:
         node = self._nodes.get(node_id)
         if node is None:
             raise UnknownNode(f"node {node_id!r} is not registered; register it first")
-        if node.state == FAILED or (pid and node.pid and pid != node.pid):
+        if node.state in (FAILED, REASSIGNED) or (pid and node.pid and pid != node.pid):
             return False
         self._unconfirmed.discard(node_id)
         node.epoch, node.step, node.throughput = epoch, step, throughput
@@ -181,14 +201,19 @@ class Membership:
         return True
 
     def check(self, now: float) -> list[Event]:
-        """Declare failed every live node silent for more than the timeout, and flag the
-        stragglers. Returns the events this produced (also queued for `take_events`)."""
+        """Declare failed every live node silent for more than the timeout, reassign the
+        workers failed for longer than `reassign_after_s`, and flag the stragglers. Returns
+        the events this produced (also queued for `take_events`)."""
         found = []
         for node in self._nodes.values():
             if node.state == ALIVE and self._silent(node, now):
                 silent_s = now - (node.last_seen or now)
                 found.append(self._mark_failed(node, now, f"no heartbeat for {silent_s:.2f}s",
                                                node.last_heartbeat or node.last_seen))
+            elif self._due_for_reassignment(node, now):
+                detail = (f"away {now - node.failed_at:.2f}s since it failed ({node.failure_reason}); "
+                          "the other workers take over its blocks")
+                found.append(self._change(node, REASSIGNED, "reassigned", detail, now))
         slow = self._held(self.stragglers(), now)
         for node in self._nodes.values():
             if node.node_id in slow and not node.straggler:
@@ -203,6 +228,10 @@ class Membership:
         one-off slow step, e.g. while a restarted peer catches up, flags nobody)."""
         self._slow_since = {n: self._slow_since.get(n, now) for n in slow}
         return {n for n, since in self._slow_since.items() if now - since >= self.heartbeat_timeout_s}
+
+    def _due_for_reassignment(self, node: Node, now: float) -> bool:
+        return (self.reassign_after_s is not None and node.role == "worker" and node.state == FAILED
+                and node.failed_at is not None and now - node.failed_at >= self.reassign_after_s)
 
     def _silent(self, node: Node, now: float) -> bool:
         return node.last_seen is not None and now - node.last_seen > self.heartbeat_timeout_s

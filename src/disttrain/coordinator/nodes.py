@@ -22,7 +22,9 @@ from typing import Any
 from disttrain.coordinator.reports import BalanceState
 
 ALIVE, FAILED, DONE = "alive", "failed", "done"
-EVENT_KINDS = ("joined", "failed", "restarted", "recovered", "done", "straggler", "rebalanced")
+# A parameter-server worker failed for longer than `reassign_after`: its blocks go to the others.
+REASSIGNED = "reassigned"
+EVENT_KINDS = ("joined", "failed", "restarted", "recovered", "done", "straggler", "rebalanced", "reassigned")
 # Node fields holding times of the caller's monotonic clock; rows hold them as wall time.
 CLOCK_FIELDS = ("last_heartbeat", "last_seen", "failed_at", "last_heard")
 

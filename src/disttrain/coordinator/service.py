@@ -53,7 +53,8 @@ class CoordinatorState:
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
         self.config = config
         self.registry = registry
-        self.membership = Membership(config.heartbeat_timeout, config.straggler_factor)
+        self.membership = Membership(config.heartbeat_timeout, config.straggler_factor,
+                                     config.reassign_after)
         self.changed = threading.Condition()
         self.events: deque[Event] = deque(maxlen=RECENT_EVENTS)
         self.recoveries: deque[Recovery] = deque(maxlen=RECENT_RECOVERIES)
@@ -161,7 +162,7 @@ class CoordinatorState:
         events = self.membership.take_events(self._offset())
         recoveries = self.membership.take_recoveries(self._offset())
         for event in events:
-            log = logger.warning if event.kind == "failed" else logger.info
+            log = logger.warning if event.kind in ("failed", "reassigned") else logger.info
             log("%s %s (generation %d): %s", event.node_id, event.kind, event.generation, event.detail)
         self.events.extend(events)
         self.recoveries.extend(recoveries)

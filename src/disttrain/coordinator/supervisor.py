@@ -1,7 +1,9 @@
 """The supervisor of a run on one machine: it starts each process, and when one fails
 (its process exits with an error, or the coordinator declares it failed because it
 stopped heartbeating) it tells the coordinator, kills what is left of it, and starts it
-again, resuming, up to `max_restarts` times per process.
+again, resuming, up to `max_restarts` times per process. One failure more stops the run,
+but for an *expendable* process (a parameter-server worker whose blocks the others take
+over once the coordinator reassigns it): the run goes on without it.
 
 The supervisor lives in the launcher (`disttrain ps`); the coordinator is one of its
 children, so a coordinator that dies is restarted like any other process.
@@ -31,13 +33,16 @@ class Managed:
         name: its name in the cluster (and its log file's).
         node_id: its id at the coordinator.
         spec: the process of attempt N (0: the first start; later ones resume).
+        expendable: the run goes on without it once its restarts are spent.
     """
 
     name: str
     node_id: str
     spec: Callable[[int], ProcessSpec]
+    expendable: bool = False
     attempts: int = 0
     finished: bool = False
+    given_up: bool = False  # expendable, failed past its restarts: not started again
 
 
 @dataclass
@@ -79,7 +84,7 @@ class Supervisor:
         kill its process if it still runs (it hangs); its exit then restarts it. `pid`, when
         given, is the process the coordinator last heard of: a newer one is left alone."""
         process = self.by_node(node_id)
-        if process is None or process.finished:
+        if process is None or process.finished or process.given_up:
             return
         child = self.cluster.children.get(process.name)
         if child is not None and child.process.poll() is None and pid in (0, child.process.pid):
@@ -93,7 +98,7 @@ class Supervisor:
         """Handle the exit of `name`; True when it was restarted.
 
         Raises:
-            DistributedError: it failed more than `max_restarts` times.
+            DistributedError: it failed more than `max_restarts` times (and is not expendable).
         """
         process = self.processes.get(name)
         if process is None:
@@ -106,6 +111,12 @@ class Supervisor:
         self.report_exit(process.node_id, code, reason)
         failure = Failure(name, reason, time.monotonic())
         self.failures.append(failure)
+        if process.attempts >= self.max_restarts and process.expendable:
+            process.given_up = True
+            logger.warning("%s %s after %d restart(s) (coordinator.max_restarts=%d); the run goes on "
+                           "without it, and the other workers take over its blocks once the coordinator "
+                           "reassigns it", name, reason, process.attempts, self.max_restarts)
+            return False
         if process.attempts >= self.max_restarts:
             child = self.cluster.children[name]
             tail = child.tail(3).replace("\n", " | ")

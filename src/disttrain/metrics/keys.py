@@ -93,6 +93,13 @@ METRICS: dict[str, Metric] = {m.key: m for m in [
            "hooks, partly while the backward pass still computes)", COMPRESSED),
     Metric("ps/staleness", "versions", PER_STEP, "updates the servers had applied since the "
            "parameters a pushed gradient was computed on (the largest over shards)", "ps"),
+    Metric("ps/sync_step", "steps", PER_STEP, "sync mode: the run's step of the parameters the "
+           "step's gradient was computed on (the lowest over shards; the step before this one in a "
+           "run without failures)", "ps"),
+    Metric("ps/step_spread", "steps", PER_STEP, "sync mode: how many steps apart the shards' "
+           "parameters a gradient was computed on were (highest minus lowest); 0 unless a shard came "
+           "back from an older checkpoint: a worker never computes on shards of different steps "
+           "otherwise", "ps"),
     Metric("ps/rejected_pushes", "pushes", PER_STEP, "ssp: pushes a shard rejected as too stale "
            "(the gradient was recomputed on fresh parameters)", "ps"),
     Metric("optim/learning_rate", "rate", PER_STEP, "the learning rate of the step's update, by "
@@ -168,6 +175,9 @@ OPTIONAL_SUMMARY: dict[str, Metric] = {m.key: m for m in [
     Metric("samples_redone", "samples", RUN, "samples computed again after a failure (turned "
            "away as duplicates, or redone where a restarted shard lacked them; DDP live recovery: the "
            "survivors' pieces of steps whose all-reduce failed)", f"ps, {DDP_LIVE}"),
+    Metric("samples_taken_over", "samples", RUN, "samples of the blocks of workers reassigned "
+           "(away past `coordinator.reassign_after`) that the others took over; "
+           "`reassigned_workers` lists the ranks of those still away at the end", "ps"),
     Metric("samples_lost", "samples", RUN, "samples of blocks some shard never applied, other "
            "than those dropped late (must be 0); DDP live recovery: samples of global batches the "
            "ledger shows never applied", f"ps, {DDP_LIVE}"),

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GradientMessage(_message.Message):
-    __slots__ = ("worker_id", "step", "compressed", "compression_type", "base_version", "block_id", "shard", "num_samples", "layout", "payload", "shared_memory", "generation", "epoch", "last_in_epoch", "redo", "incarnation", "session", "buffers", "holds_version")
+    __slots__ = ("worker_id", "step", "compressed", "compression_type", "base_version", "block_id", "shard", "num_samples", "layout", "payload", "shared_memory", "generation", "epoch", "last_in_epoch", "redo", "incarnation", "session", "buffers", "holds_version", "sync_step", "stand_in")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMPRESSED_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,8 @@ class GradientMessage(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     HOLDS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
+    STAND_IN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     step: int
     compressed: bool
@@ -48,7 +50,9 @@ class GradientMessage(_message.Message):
     session: bytes
     buffers: _tensor_pb2.TensorProto
     holds_version: int
-    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., base_version: _Optional[int] = ..., block_id: _Optional[int] = ..., shard: _Optional[int] = ..., num_samples: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., shared_memory: _Optional[bool] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ..., last_in_epoch: _Optional[bool] = ..., redo: _Optional[bool] = ..., incarnation: _Optional[int] = ..., session: _Optional[bytes] = ..., buffers: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., holds_version: _Optional[int] = ...) -> None: ...
+    sync_step: int
+    stand_in: bool
+    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., base_version: _Optional[int] = ..., block_id: _Optional[int] = ..., shard: _Optional[int] = ..., num_samples: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., shared_memory: _Optional[bool] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ..., last_in_epoch: _Optional[bool] = ..., redo: _Optional[bool] = ..., incarnation: _Optional[int] = ..., session: _Optional[bytes] = ..., buffers: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., holds_version: _Optional[int] = ..., sync_step: _Optional[int] = ..., stand_in: _Optional[bool] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("outcome", "version", "staleness", "incarnation", "learning_rate")
@@ -95,7 +99,7 @@ class ParameterRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., min_version: _Optional[int] = ..., shard: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., incarnation: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class ParameterMessage(_message.Message):
-    __slots__ = ("version", "shard", "layout", "payload", "compressed", "compression_type", "shared_memory", "incarnation", "push", "buffers")
+    __slots__ = ("version", "shard", "layout", "payload", "compressed", "compression_type", "shared_memory", "incarnation", "push", "buffers", "sync_step")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +110,7 @@ class ParameterMessage(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
     version: int
     shard: int
     layout: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.SliceSpec]
@@ -116,7 +121,8 @@ class ParameterMessage(_message.Message):
     incarnation: int
     push: PushReply
     buffers: _tensor_pb2.TensorProto
-    def __init__(self, version: _Optional[int] = ..., shard: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., incarnation: _Optional[int] = ..., push: _Optional[_Union[PushReply, _Mapping]] = ..., buffers: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ...) -> None: ...
+    sync_step: int
+    def __init__(self, version: _Optional[int] = ..., shard: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., incarnation: _Optional[int] = ..., push: _Optional[_Union[PushReply, _Mapping]] = ..., buffers: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., sync_step: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker_id", "requested_rank", "hostname", "pid", "shared_memory", "generation", "key")

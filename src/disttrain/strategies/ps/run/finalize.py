@@ -5,6 +5,7 @@ summary, and the servers' shutdown."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import astuple, dataclass
@@ -22,6 +23,7 @@ from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.worker.blocks import block_length
 from disttrain.strategies.ps.worker.client import PSClient
 from disttrain.strategies.ps.worker.participant import WorkerParticipant
+from disttrain.strategies.ps.worker.takeover import away_ranks
 from disttrain.training.loop import LoopResult
 from disttrain.training.rebalance import plan_summary
 
@@ -45,15 +47,16 @@ class WorkerTotals:
     samples_redone: int
     samples_dropped: int
     bytes_received_dense: int  # pull compression: what the parameters received took dense
+    samples_taken_over: int = 0  # of the blocks of workers reassigned
 
     def values(self) -> list[float]:
         return [float(v) for v in astuple(self)]
 
     @classmethod
     def of(cls, values: list[float]) -> WorkerTotals:
-        samples, train_time_s, sent, received, dense, compressed, redone, dropped, received_dense = values
-        return cls(int(samples), train_time_s, int(sent), int(received), int(dense), int(compressed),
-                   int(redone), int(dropped), int(received_dense))
+        """From a row of the barrier; a reassigned worker's (NaN: it never came) reads 0."""
+        samples, train_time_s, *counts = [0.0 if math.isnan(v) else v for v in values]
+        return cls(int(samples), train_time_s, *(int(c) for c in counts))
 
 
 def wait_all_done(client: PSClient, timeout_s: float) -> list[pb.ShardStatus]:
@@ -96,7 +99,8 @@ def data_ledger(num_epochs: int, client: PSClient, participant: WorkerParticipan
                 totals: list[WorkerTotals], statuses: list[pb.ShardStatus]) -> dict[str, Any]:
     """What became of every sample of every epoch, from the shards' ledgers: applied
     (shard 0's count), redone (computed again after a failure: duplicates the servers
-    turned away, and blocks redone because a shard lacked them), dropped late (backup
+    turned away, and blocks redone because a shard lacked them), taken over (blocks of
+    reassigned workers done by the others), dropped late (backup
     workers: the slowest gradients of a synchronous step, by design) and lost (in a
     block some shard never applied, other than those dropped late)."""
     epochs, world, bpe = num_epochs, participant.world_size, participant.batches_per_epoch
@@ -111,6 +115,7 @@ def data_ledger(num_epochs: int, client: PSClient, participant: WorkerParticipan
             "samples_lost": missing - dropped,
             "samples_redone": max(s.num_samples_duplicate for s in statuses)
             + sum(t.samples_redone for t in totals),
+            "samples_taken_over": sum(t.samples_taken_over for t in totals),
             "num_fenced": sum(s.num_fenced for s in statuses)}
 
 
@@ -132,8 +137,9 @@ def compression_summary(totals: list[WorkerTotals], pull: bool = False) -> dict[
 def finish(config: Config, client: PSClient, participant: WorkerParticipant, result: LoopResult,
            flat: torch.Tensor, started: float) -> RunSummary | None:
     """End a worker's run: every worker reports its totals at a last barrier and leaves;
-    then rank 0 waits for all, writes the final model and the summary, and stops the
-    servers. Returns the summary on rank 0, None elsewhere."""
+    then rank 0 (the lowest rank present, when rank 0 was reassigned) waits for all,
+    writes the final model and the summary, and stops the servers. Returns the summary
+    there, None elsewhere."""
     position, worker_id, rank = result.position, participant.worker_id, participant.rank
     encoder = participant.exchange.encoder
     counters = (encoder.compressor.counters.bytes_dense, encoder.compressor.counters.bytes_sent) \
@@ -141,13 +147,16 @@ def finish(config: Config, client: PSClient, participant: WorkerParticipant, res
     participant.redo_missing(config.training.num_epochs - 1)
     mine = WorkerTotals(position.samples_processed, position.train_time_s, client.bytes_sent,
                         client.bytes_received, *counters, participant.samples_redone,
-                        participant.samples_dropped, client.bytes_received_dense)
-    totals = [WorkerTotals.of(row) for row in client.barrier(worker_id, "finished", mine.values())]
+                        participant.samples_dropped, client.bytes_received_dense,
+                        participant.samples_taken_over)
+    rows = client.barrier(worker_id, "finished", mine.values())
+    away = away_ranks(rows)  # reassigned: their blocks were taken over
+    totals = [WorkerTotals.of(row) for row in rows]
     client.worker_done(worker_id)
     logger.info("worker %d done: %d steps, %d samples in %.1fs of training, %.1f MB sent, "
                 "%.1f MB received", rank, position.step, position.samples_processed,
                 position.train_time_s, client.bytes_sent / 1e6, client.bytes_received / 1e6)
-    if rank != 0:
+    if rank != min(r for r in range(len(rows)) if r not in away):  # rank 0, unless it was reassigned
         return None
     statuses = wait_all_done(client, WAIT_ALL_DONE_S)
     # Pulled again: a synchronous round still pending may have been applied when the last
@@ -176,7 +185,7 @@ def finish(config: Config, client: PSClient, participant: WorkerParticipant, res
                   {**participant.rounds.settings.summary_fields(), "local_rounds": statuses[0].version}),
                **plan_summary(participant.sampler),
                "final_model": str(final_path), "resumed_from_step": result.resumed_from_step,
-               "workers": workers, **shard_summary(statuses),
+               "workers": workers, "reassigned_workers": away, **shard_summary(statuses),
                **compression_summary(totals, config.compression.pull != "none")})
     summary.write(config.system.log_dir)
     write_hparams(summary, config.system.log_dir)

@@ -6,7 +6,9 @@ Starts a coordinator (unless `coordinator.address` names a running one), then
 cluster; streams every process's output to `<log_dir>/<name>.log`. Every process
 registers with the coordinator and heartbeats. A process that fails (exits with an
 error, or stops heartbeating) is restarted where it was, up to
-`coordinator.max_restarts` times, while the others train on; a coordinator that dies is
+`coordinator.max_restarts` times, while the others train on; a worker failing past that
+is left out, and the others take over its blocks once the coordinator reassigns it
+(`coordinator.reassign_after`; null: the run stops instead). A coordinator that dies is
 restarted on its registry (`<log_dir>/cluster.db`). Worker 0 writes
 `parameter_server_final.pt` and `summary.json` (strategy ps-sync, ps-ssp or ps-async)
 when every worker is done; the launcher adds each failure and its recovery. Every
@@ -180,10 +182,12 @@ class ClusterRun:
             "ps-server", attempt, bind=bind, shard=(s, num_servers))) for s in range(num_servers)}
         addresses = [self._listening(name, bind) for name, bind in binds.items()]  # started together
         logger.info("servers listening on %s", ", ".join(addresses))
+        # With reassignment, the others take over the blocks of a worker past its restarts.
+        expendable = config.coordinator.reassign_after is not None
         for rank in range(config.system.num_workers):
             name = f"worker{rank}"
             self.supervisor.start(Managed(name, name, lambda attempt, r=rank, n=name: self._spec(
-                "ps-worker", attempt, servers=tuple(addresses), rank=r, worker_id=n)))
+                "ps-worker", attempt, servers=tuple(addresses), rank=r, worker_id=n), expendable))
 
     def _start_coordinator(self, registry: Path) -> str:
         options = self.options

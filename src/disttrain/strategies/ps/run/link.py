@@ -1,7 +1,8 @@
 """A parameter-server process's tie to the run's coordinator, when the run has one:
 register (the generation the worker stamps its pushes with), heartbeat with progress,
-and, on a server, follow the membership so a synchronous step stops waiting for a
-worker the coordinator declared failed."""
+and follow the membership: on a server, so a synchronous step stops waiting for a worker
+the coordinator declared failed, and a barrier for one it reassigned; on a worker, to
+stop taking over the blocks of a reassigned worker once it is back."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.background import HeartbeatSender, MembershipWatcher
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
+from disttrain.coordinator.nodes import REASSIGNED
 from disttrain.coordinator.reports import NodeMetrics, NodeProgress
 from disttrain.core.tls import TlsFiles
 
@@ -60,7 +62,7 @@ def _declared_failed(node_id: str) -> Callable[[], None]:
 
 def join(settings: CoordinatorConfig, node_id: str, role: str, rank: int,
          progress: Callable[[], NodeProgress], address: str = "",
-         on_membership: Callable[[int, dict[str, int]], None] | None = None,
+         on_membership: Callable[[int, dict[str, int], dict[str, int]], None] | None = None,
          token: str | None = None, tls: TlsFiles | None = None,
          metrics: Callable[[], NodeMetrics | None] | None = None) -> Link | None:
     """Register with the coordinator at `settings.address` and start heartbeats; None when
@@ -72,7 +74,7 @@ def join(settings: CoordinatorConfig, node_id: str, role: str, rank: int,
         metrics: a worker's latest training metrics, read after every heartbeat and
             reported when new.
         on_membership: called with (generation, live worker ids -> the generation each
-            joined in) at every change of membership (servers).
+            joined in, reassigned worker ids -> their rank) at every change of membership.
         token: the run's token, sent with every call to the coordinator.
         tls: the TLS files to reach it with (None or empty: plain TCP).
     Raises:
@@ -93,7 +95,9 @@ def join(settings: CoordinatorConfig, node_id: str, role: str, rank: int,
         def changed(membership) -> None:
             live = {m.node_id: m.joined_generation for m in membership.members
                     if m.role == "worker" and m.state == "alive"}
-            on_membership(membership.generation, live)
+            away = {m.node_id: m.rank for m in membership.members
+                    if m.role == "worker" and m.state == REASSIGNED}
+            on_membership(membership.generation, live, away)
 
         watcher = MembershipWatcher(client, changed)
         watcher.start()

@@ -122,7 +122,8 @@ def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool =
         state.on_version = faults.at_step
     emit_event("listening", address=server.address, shard=shard)
     link = join(config.coordinator, f"server{shard}", "server", shard,
-                lambda: NodeProgress(0, state.version, 0), server.address, state.set_membership,
+                lambda: NodeProgress(0, state.version, 0), server.address,
+                lambda generation, live, away: state.set_membership(generation, live, frozenset(away)),
                 token=token, tls=tls)
     try:
         server.stopped.wait()

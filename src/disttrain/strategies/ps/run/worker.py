@@ -41,6 +41,7 @@ from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
 from disttrain.strategies.ps.worker.exchange import make_exchange
 from disttrain.strategies.ps.worker.local_rounds import WorkerRounds
 from disttrain.strategies.ps.worker.participant import WorkerParticipant
+from disttrain.strategies.ps.worker.takeover import Away
 from disttrain.training.balance import warmup_speed
 from disttrain.training.checkpoints import LocalCheckpoints
 from disttrain.training.engine import configure_threads
@@ -114,9 +115,10 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
         return replace(participant.progress, balance=None if rebalancer is None else rebalancer.balance)
 
     link = None
+    away = Away()  # which reassigned workers are back, from the coordinator's membership
     try:
         link = join(config.coordinator, worker_id, "worker", requested_rank, progress, metrics=metrics.latest,
-                    token=options.token, tls=options.tls)
+                    on_membership=away.update, token=options.token, tls=options.tls)
         assignment = client.register(worker_id, requested_rank, link.generation if link else 0, key)
         rank, world_size = assignment.rank, assignment.world_size
         keep_key(object_store.join(system.checkpoint_dir, f"worker{rank}"), key)
@@ -150,7 +152,7 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
         participant = WorkerParticipant(client, exchange, worker_id, rank, world_size, model, grads,
                                         loader or data[0], data[1], training.eval_batch_size, sampler,
                                         training.batch_size, faults,
-                                        precision=Precision(worker_precision(training.precision)),
+                                        precision=Precision(worker_precision(training.precision)), away=away,
                                         rounds=None if local_updates is None
                                         else WorkerRounds(local_updates, model, flat, grads, training))
         if local_updates is not None and rank == 0:

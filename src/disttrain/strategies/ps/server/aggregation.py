@@ -23,6 +23,16 @@ it). A push marked `redo` (a block found missing after a failure) is applied on 
 in every mode. A push whose base version is ahead of the shard (the shard restarted from
 an older checkpoint) is answered ROLLED_BACK: the worker pulls again and recomputes.
 
+Sync mode counts the run's steps (`sync_step`): one per synchronous step completed,
+none for a block redone or applied on arrival, so every shard gives a step the same
+number and workers compare their shards' answers by it (see `worker.agreement`). A
+shard restored from an older checkpoint has lost steps the others kept: it counts on
+from the highest step a completed step's pushes were computed on, so the numbers agree
+again from its first step after the restart (the steps it lost are redone as blocks).
+A stand-in (`Push.stand_in`) from a worker that restarted in the middle of a step
+counts for it, with no samples, in a pending step that waits for it, and changes
+nothing anywhere else.
+
 The rules save themselves with their shard's checkpoint (`state_dict`: everything but
 pending gradients, which a restarted shard's workers push again), and undo the decisions
 of an update the shard refused because it would have left a parameter non-finite
@@ -71,6 +81,7 @@ class AggregationRules:
         self.staleness_bound = staleness_bound
         self.backup_workers = backup_workers
         self.version = 0
+        self.sync_step = 0
         self.ranks: dict[str, int] = {}
         self.done: set[int] = set()
         self.last_step: dict[int, int] = {}
@@ -126,15 +137,21 @@ class AggregationRules:
         self.done.add(self.rank_of(worker_id))
         return self._maybe_complete_round(now, Decision(Outcome.BUFFERED, self.version, 0))
 
-    def set_membership(self, generation: int, live: dict[str, int], now: float) -> Decision:
-        """The coordinator's membership: live worker ids -> the generation each joined in.
-        A worker that left may complete the pending synchronous step."""
-        if self.roster.update(generation, live):
+    def set_membership(self, generation: int, live: dict[str, int], now: float,
+                       away: frozenset[str] = frozenset()) -> Decision:
+        """The coordinator's membership: live worker ids -> the generation each joined in,
+        and the ids of the workers reassigned (`away`). A worker that left may complete the
+        pending synchronous step."""
+        if self.roster.update(generation, live, away):
             self.roster.resolve(self.ranks)
         return self._maybe_complete_round(now, Decision(Outcome.BUFFERED, self.version, 0))
 
     def all_done(self) -> bool:
-        return len(self.done) >= self.world_size
+        return self._num_done() >= self.world_size
+
+    def _num_done(self) -> int:
+        """Workers done, or given up on with their blocks reassigned (`Roster`)."""
+        return len(self.done | self.roster.reassigned)
 
     def _waiting_for(self, epoch: int) -> set[int]:
         """Ranks a synchronous step of `epoch` waits for."""
@@ -165,6 +182,11 @@ class AggregationRules:
 
     def _offer(self, rank: int, push: Push, payload: Any, now: float) -> Decision:
         staleness = self.version - push.base_version
+        if push.stand_in:  # never applied; it stands in for the worker where a step waits for it
+            decision = Decision(Outcome.DUPLICATE, self.version, max(staleness, 0))
+            if self.mode == "sync" and rank not in self.pending and staleness == 0:
+                return self._enter_round(rank, push, None, now, decision)
+            return decision
         if self._is_duplicate(rank, push):
             self.counts["duplicates"] += 1
             self.ledger.samples_duplicate += int(push.weight)
@@ -215,7 +237,7 @@ class AggregationRules:
             self.round_started = now
         weight = push.weight if payload is not None else 0.0
         self.pending[rank] = Contribution(rank, weight, payload, push.block if payload is not None else -1,
-                                          push.epoch)
+                                          push.epoch, push.sync_step)
         return self._park(rank, push, now, decision)
 
     def _park(self, rank: int, push: Push, now: float, decision: Decision) -> Decision:
@@ -244,6 +266,8 @@ class AggregationRules:
         self.round_started = None
         self.counts["applied"] += len(real)
         self.counts["steps"] += 1
+        # max: a shard restored from an older checkpoint takes the run's count back
+        self.sync_step = max([self.sync_step] + [c.sync_step for c in contributions]) + 1
         self.version += 1
         outcome = Outcome.APPLIED if decision.outcome is Outcome.BUFFERED else decision.outcome
         return Decision(outcome, self.version, decision.staleness, real, True, int(total))
@@ -252,7 +276,7 @@ class AggregationRules:
         """Versions, membership and counters, by their `ShardStatus` names."""
         counts = self.counts
         return {"version": self.version, "world_size": self.world_size, "num_registered": len(self.ranks),
-                "num_done": len(self.done), "aggregation_mode": self.mode,
+                "num_done": self._num_done(), "aggregation_mode": self.mode,
                 **{f"num_{key}": counts[key] for key in ("applied", "rejected_stale", "dropped_late",
                                                          "duplicates")},
                 "staleness_histogram": dict(self.staleness_histogram), "round_wait_s": self.round_wait_s,
@@ -301,13 +325,16 @@ class AggregationRules:
         self.ledger.load_state_dict(state["ledger"])
 
     def _core_state(self) -> dict[str, Any]:
-        return {"mode": self.mode, "version": self.version, "ranks": dict(self.ranks),
+        return {"mode": self.mode, "version": self.version, "sync_step": self.sync_step,
+                "ranks": dict(self.ranks),
                 "done": sorted(self.done), "last_step": dict(self.last_step),
                 "round_wait_s": self.round_wait_s, "roster": self.roster.state_dict(),
                 "staleness_histogram": dict(self.staleness_histogram), "counts": dict(self.counts)}
 
     def _load_core_state(self, state: dict[str, Any]) -> None:
         self.version = int(state["version"])
+        # absent from checkpoints written before steps were counted apart from versions
+        self.sync_step = int(state.get("sync_step", state["counts"].get("steps", 0)))
         self.ranks = {str(k): int(v) for k, v in state["ranks"].items()}
         self.done = {int(r) for r in state["done"]}
         self.last_step = {int(k): int(v) for k, v in state["last_step"].items()}

@@ -13,9 +13,16 @@ is redoing steps, or it is an asynchronous worker further back), or when any wor
 re-registers or leaves. Waiting would then hold the others for no purpose, or for ever (a
 synchronous worker behind needs their steps to catch up). A given-up result is kept too,
 so every worker leaves with the same answer.
+
+A barrier of no step does not wait for the workers the run reassigned (`excuse`: given up
+on, their blocks taken over by the others): it completes once all the others arrived, and
+an excused worker's row is NaN (as wide as the others'), so every worker learns from the
+answer who was away.
 """
 
 from __future__ import annotations
+
+import math
 
 from disttrain.strategies.ps.server.decisions import PushRefused
 
@@ -38,6 +45,7 @@ class Barriers:
         self._arrived: dict[str, dict[int, list[float]]] = {}
         self._done: dict[str, list[list[float]]] = {}  # a given-up barrier: []
         self._checks: set[str] = set()  # the barriers of a step, pending or done
+        self.excused: frozenset[int] = frozenset()  # ranks no barrier of no step waits for
 
     def arrive(self, name: str, rank: int, values: list[float], step: int = 0,
                last_steps: dict[int, int] | None = None) -> None:
@@ -60,7 +68,9 @@ class Barriers:
             self._checks.add(name)
         if len(arrived) == self.world_size:
             self._finish(name, [arrived[r] for r in range(self.world_size)])
-        elif step > 0:
+        elif step == 0:
+            self._finish_excused(name)
+        else:
             last = last_steps or {}
             if any(last.get(r, 0) < step for r in range(self.world_size) if r not in arrived):
                 self._finish(name, [])
@@ -72,6 +82,21 @@ class Barriers:
             oldest = next((n for n in self._done if n in self._checks), next(iter(self._done)))
             del self._done[oldest]
             self._checks.discard(oldest)
+
+    def excuse(self, ranks: set[int] | frozenset[int]) -> None:
+        """Wait no more for `ranks` (reassigned; a rank not in it is waited for again) at
+        barriers of no step; those pending that now have everyone else complete."""
+        self.excused = frozenset(ranks)
+        for name in [n for n in self._arrived if n not in self._checks]:
+            self._finish_excused(name)
+
+    def _finish_excused(self, name: str) -> None:
+        arrived = self._arrived[name]
+        waited = [r for r in range(self.world_size) if r not in arrived and r not in self.excused]
+        if not self.excused or waited:
+            return
+        width = len(next(iter(arrived.values())))
+        self._finish(name, [arrived.get(r, [math.nan] * width) for r in range(self.world_size)])
 
     def give_up_pending(self) -> bool:
         """Give up every pending barrier of a step (a worker re-registered or left);

@@ -34,6 +34,8 @@ class Push:
     last_in_epoch: bool = False
     generation: int = 0
     redo: bool = False
+    sync_step: int = 0  # the run's step of the parameters the gradient was computed on (sync)
+    stand_in: bool = False  # no gradient: the worker's push of the pending step will not come
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Contribution:
     payload: Any  # None: a duplicate block that stands in for its worker in a sync step
     block: int = -1
     epoch: int = 0
+    sync_step: int = 0  # the push's (see `Push.sync_step`)
 
 
 @dataclass

@@ -10,7 +10,10 @@
   generation its worker has since been declared failed in is refused (a worker that hung
   and woke up cannot apply its late gradients). A worker that sent its last block of an
   epoch is *parked* for that epoch: synchronous steps of that epoch stop waiting for it,
-  so a worker that fell behind (it was restarted) finishes its epoch alone.
+  so a worker that fell behind (it was restarted) finishes its epoch alone. A worker the
+  coordinator *reassigned* (failed for longer than `coordinator.reassign_after`) is given
+  up on: the other workers take over its blocks (`worker.takeover`), the barriers stop
+  waiting for it, and it counts as done; if it rejoins it is a live worker again.
 """
 
 from __future__ import annotations
@@ -79,16 +82,18 @@ class Roster:
     generation: int = 0
     members: dict[str, int] | None = None  # live worker ids -> the generation each joined in
     live: set[int] | None = None
+    away: frozenset[str] = frozenset()  # ids of the workers reassigned
+    reassigned: set[int] = field(default_factory=set)  # their ranks here
     joined: dict[int, int] = field(default_factory=dict)
     parked: dict[int, int] = field(default_factory=dict)
     num_fenced: int = 0
 
-    def update(self, generation: int, members: dict[str, int]) -> bool:
-        """Take a newer membership; False (nothing changes) when it is not newer. Call
-        `resolve` after."""
+    def update(self, generation: int, members: dict[str, int], away: frozenset[str] = frozenset()) -> bool:
+        """Take a newer membership (`away`: the workers reassigned); False (nothing
+        changes) when it is not newer. Call `resolve` after."""
         if generation <= self.generation:
             return False
-        self.generation, self.members = generation, dict(members)
+        self.generation, self.members, self.away = generation, dict(members), frozenset(away)
         return True
 
     def resolve(self, ranks: dict[str, int]) -> None:
@@ -96,6 +101,7 @@ class Roster:
         if self.members is not None:
             self.joined = {ranks[w]: g for w, g in self.members.items() if w in ranks}
             self.live = set(self.joined)
+            self.reassigned = {ranks[w] for w in self.away if w in ranks} - self.live
 
     def is_live(self, rank: int) -> bool:
         return self.live is None or rank in self.live

@@ -12,6 +12,11 @@ comes back with `load_state_dict()`: parameters, model buffers, optimizer state,
 the data ledger, the rules' counters, the completed barriers and who holds each worker
 id, together, so they never disagree.
 
+Every parameter answer carries, beside its version, the run's step it is the result of
+(`AggregationRules.sync_step` in sync mode): the number a worker compares its shards'
+answers by (`worker.agreement`). It changes only with the version, so a snapshot
+carries the step of its version.
+
 Pull compression (`broadcast`): every answer is then the shard's broadcast copy, which
 every worker holds exactly; a step's answer is its compressed change for a worker that
 holds the version before, and the copy becomes the parameters at every dense version
@@ -233,7 +238,7 @@ class ShardState:
             raise
         h = payload.header
         push = Push(h.worker_id, h.step, h.base_version, float(h.num_samples), h.block_id, h.epoch,
-                    h.last_in_epoch, h.generation, h.redo)
+                    h.last_in_epoch, h.generation, h.redo, h.sync_step, h.stand_in)
         with self._changed:
             self._check_running()  # again: the final checkpoint may have begun meanwhile
             mark = self.rules.mark()
@@ -252,12 +257,15 @@ class ShardState:
         if self.stopping:
             raise ShardStopping(f"shard {self.plan.shard} is stopping; push again once it is back")
 
-    def set_membership(self, generation: int, members: dict[str, int]) -> None:
-        """The coordinator's membership (live worker ids -> the generation each joined in):
-        a worker that left no longer holds up a synchronous step."""
+    def set_membership(self, generation: int, members: dict[str, int],
+                       away: frozenset[str] = frozenset()) -> None:
+        """The coordinator's membership (live worker ids -> the generation each joined in;
+        `away`: the ids of workers reassigned): a worker that left no longer holds up a
+        synchronous step, nor a reassigned one a barrier."""
         with self._changed:
-            self._apply_or_void(self.rules.set_membership(generation, members, self.clock()))
+            self._apply_or_void(self.rules.set_membership(generation, members, self.clock(), away))
             self.barriers.give_up_pending()  # who left will not come; who stayed may be behind
+            self.barriers.excuse(self.rules.roster.reassigned)
             self._changed.notify_all()
 
     def ledger(self, first: int, end: int) -> list[int]:
@@ -312,14 +320,14 @@ class ShardState:
             if not self._reached(min_version, timeout_s):
                 return None
             if self._snapshot is None or self._snapshot.version != self.rules.version:
-                version, buffers = self.rules.version, self._buffer_message()
+                version, step, buffers = self.rules.version, self.rules.sync_step, self._buffer_message()
                 frames = service.parameter_frames(self.plan, version, tensor_bytes(self._served()),
-                                                  self.incarnation, buffers)
+                                                  self.incarnation, buffers, sync_step=step)
                 change = None if self.broadcast is None else self.broadcast.change_for(version - 1, version)
                 if change is not None:
                     change = list(service.parameter_frames(self.plan, version, memoryview(change),
                                                            self.incarnation, buffers,
-                                                           self.broadcast.changes.scheme))
+                                                           self.broadcast.changes.scheme, step))
                 self._snapshot = Snapshot(version, list(frames), change)
             return self._snapshot
 
@@ -337,7 +345,7 @@ class ShardState:
                 return None
             pair.parameter_tensor.copy_(self._served())
             return service.parameter_notice(self.plan, self.rules.version, self.incarnation,
-                                            self._buffer_message())
+                                            self._buffer_message(), self.rules.sync_step)
 
     def _served(self) -> torch.Tensor:
         """The parameters as answers carry them (lock held): the broadcast copy under pull

@@ -32,8 +32,13 @@ def block_length(sampler: Sampler, batch_size: int, block: int) -> int:
     return min(batch_size, len(sampler) - index * batch_size)
 
 
-def block_indices(sampler: Sampler, batch_size: int, epoch: int, index: int) -> torch.Tensor:
-    """The sample indices of this worker's batch `index` of `epoch`."""
+def block_indices(sampler: Sampler, batch_size: int, epoch: int, index: int, rank: int | None = None
+                  ) -> torch.Tensor:
+    """The sample indices of batch `index` of `epoch` of worker `rank` (default: this
+    worker's, the sampler's own rank)."""
     if isinstance(sampler, PlannedSampler):
-        return sampler.block(epoch, index)
+        return sampler.block(epoch, index, rank)
+    if rank is not None and rank != sampler.rank:  # the same split, seen from `rank`
+        sampler = ShardedSampler(sampler.num_samples, world_size=sampler.world_size, rank=rank,
+                                 seed=sampler.seed, shuffle=sampler.shuffle)
     return sampler.shard(epoch)[index * batch_size:(index + 1) * batch_size]

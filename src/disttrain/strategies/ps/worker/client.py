@@ -119,16 +119,17 @@ class PSClient:
         return first
 
     def pull(self, worker_id: str, flat: torch.Tensor, min_versions: list[int],
-             shards: list[int] | None = None) -> list[int]:
+             shards: list[int] | None = None, policy: RetryPolicy | None = None) -> list[int]:
         """Copy the parameters of `shards` (default: all; each once at its min version in
         `min_versions`, which has one entry per shard of the run) into `flat`; returns
         `min_versions` with the versions pulled in place. A shard that restarted answers
-        with the (lower) version it came back at."""
+        with the (lower) version it came back at. `policy`: deadlines and retries other
+        than the shards' own."""
         shards = list(range(len(self.shards))) if shards is None else shards
         plans = self.plans
         results = self.gather([
             lambda s=s: self.shards[s].pull(worker_id, plans[s], min_versions[s],
-                                            flat[plans[s].offset:plans[s].offset + plans[s].numel])
+                                            flat[plans[s].offset:plans[s].offset + plans[s].numel], policy)
             for s in shards])
         self._count(received=sum(r[1] for r in results))
         versions = list(min_versions)

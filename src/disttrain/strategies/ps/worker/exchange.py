@@ -20,6 +20,17 @@ shard goes out while backward still computes the first layers. The step then wai
 for what is still in flight (`time/comm_blocked_s`); what travelled during backward is
 `time/comm_overlapped_s`.
 
+In sync mode (without backup workers) a worker computes every gradient on parameters
+of one step on every shard (`agreement`): each answer carries the run's step it is the
+result of, and when the shards' answers name different steps, the shards behind are
+pulled again until they reach the highest, within `ps.rpc_timeout_s`; past it the step
+fails with `StepsDisagree`, and nothing was computed on the mix. A worker that restarted
+while a shard still waits for its push of the step it was in first tells that shard the
+push will not come (`SyncExchange.stand_in`). A shard restored from an older checkpoint
+is the one exception, by design: the step that finds it is computed on what it came
+back with. Each step logs the step its gradient was computed on and how far apart its
+shards were (`ps/sync_step`, `ps/step_spread`).
+
 In every mode, a shard that did not take the gradient (a synchronous step that went on
 without it, a server that restarted from an older checkpoint) gets it again, computed
 on that shard's current parameters, so every block is applied (the servers' ledgers
@@ -32,22 +43,27 @@ every reply the learning rate its shard applied the push with (`learning_rate`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from disttrain.compression import all_finite
-from disttrain.core.errors import TrainingError
+from disttrain.core.errors import DistributedError, TrainingError
 from disttrain.metrics.window import StepTimer
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.wire.payloads import GradientEncoder
+from disttrain.strategies.ps.wire.service import buffer_proto
+from disttrain.strategies.ps.worker.agreement import Agreement, lag
 from disttrain.strategies.ps.worker.buffers import WorkerBuffers
 from disttrain.strategies.ps.worker.client import PSClient
 from disttrain.strategies.ps.worker.overlap import ShardTrigger, overlapped_s
 from disttrain.training.engine import StepResult
+
+logger = logging.getLogger(__name__)
 
 Outcome = pb.PushReply.Outcome
 STALE, LATE, ROLLED_BACK = Outcome.Value("STALE"), Outcome.Value("LATE"), Outcome.Value("ROLLED_BACK")
@@ -91,6 +107,7 @@ class Exchange:
         self.num_shards = len(client.shards)
         self.versions = [0] * self.num_shards
         self.num_rejected = 0
+        self.from_step = 0  # sync: the run's step the pushes of the step in progress start from
         self.dropped: set[int] = set()  # blocks a synchronous step went on without (backup workers)
         # The rate shard 0 applied this worker's latest gradient it took with (None: none yet).
         # In sync mode every shard applies the step's; in async and ssp each counts its own
@@ -149,7 +166,8 @@ class Exchange:
                                       base_version=self.versions[s], block_id=block.block_id,
                                       num_samples=block.num_samples,
                                       generation=self.generation, epoch=block.epoch,
-                                      last_in_epoch=block.last_in_epoch, redo=block.redo)
+                                      last_in_epoch=block.last_in_epoch, redo=block.redo,
+                                      sync_step=self.from_step)
                    for s in shards]
         if self.buffers is not None:
             for header in headers:
@@ -208,16 +226,120 @@ class Exchange:
         """Compute one gradient and trade it. Returns the step's result and its staleness."""
         raise NotImplementedError
 
+    def scalars(self) -> dict[str, float]:
+        """The mode's own metrics of the last step."""
+        return {}
+
 
 class SyncExchange(Exchange):
     """Sync mode's step. With a `trigger` (overlap on), the first push of each step goes
     out shard by shard while backward still computes (`overlap.ShardTrigger`); a shard
-    that did not take it gets it again as without overlap, after backward."""
+    that did not take it gets it again as without overlap, after backward. With an
+    `agreement` (no backup workers), every gradient is computed on one step of every
+    shard (see the module's docstring)."""
 
     trigger: ShardTrigger | None = None
+    agreement: Agreement | None = None
+    trained_on: tuple[int, int] = (0, 0)  # the lowest and highest step of the last gradient's shards
+    _started = False  # `start` pulled; the first step has not begun
+
+    def sync_steps(self) -> list[int]:
+        """Per shard, the run's step of the parameters held."""
+        return [shard.sync_step for shard in self.client.shards]
+
+    def start(self) -> None:
+        """Pull the initial parameters; the first step makes them of one step on every
+        shard before it computes (see `catch_up`)."""
+        super().start()
+        self._started = True
+
+    def catch_up(self, block: Block, timer: StepTimer) -> None:
+        """Before the first step after `start`: when a shard is a step behind the others,
+        this worker (restarted) may be what it waits for, its push of the step it was in
+        lost with it. It stands in for that step on each such shard (`stand_in`), which
+        then applies the step without it (its block stays missing there, to be redone
+        like any block a failure lost), and waits for every shard to reach one step."""
+        from_start, self._started = self._started, False
+        if not from_start or self.agreement is None or block.redo:
+            return
+        behind = sorted(lag(self.sync_steps(), self.versions).wait_for)
+        if behind:
+            logger.warning("shard(s) %s are a step behind the others after this worker started; standing in "
+                           "for the step they wait for, and waiting for them", behind)
+            with timer.phase("comm_blocked"):
+                self.stand_in(block, behind)
+                self.agree()
+
+    def stand_in(self, block: Block, shards: list[int]) -> list[pb.PushReply]:
+        """Tell `shards` that this worker's push of the step they wait for will not come
+        (`GradientMessage.stand_in`, named by the step before `block`'s, or the first): it changes
+        nothing on a shard that holds this worker's push of its pending step, and counts
+        for this worker, with no samples, on a shard that waits for it. The payload is
+        zeros, never applied (compressed without keeping its residuals)."""
+        zeros = torch.zeros_like(self.grads)
+        headers = [pb.GradientMessage(worker_id=self.worker_id, step=max(block.step - 1, 1), shard=s,
+                                      base_version=self.versions[s], block_id=-1, num_samples=1,
+                                      generation=self.generation, epoch=block.epoch,
+                                      sync_step=self.from_step, stand_in=True)
+                   for s in shards]
+        for header in headers:
+            plan = self.client.plans[header.shard]
+            if plan.buffers:
+                header.buffers.CopyFrom(buffer_proto(torch.zeros(plan.buffer_numel, dtype=torch.float64)))
+        payloads = None
+        if self.encoder is not None:
+            payloads = self.encoder.encode(zeros, shards)  # not committed: the residuals stay as they were
+            for header in headers:
+                header.compressed, header.compression_type = True, self.encoder.scheme
+        return self.client.push(headers, zeros, shards, payloads)
+
+    def agree(self, now: Callable[[], float] = time.monotonic) -> None:
+        """Pull the shards whose parameters are of an earlier step than another's again,
+        until every shard's are of one step (see `agreement`); nothing without an agreement.
+
+        Raises:
+            StepsDisagree: they are not within the agreement's deadline (a shard that
+                cannot be reached as long counts as not).
+        """
+        if self.agreement is None:
+            return
+        while True:
+            steps, started = self.sync_steps(), now()
+            behind = self.agreement.check(steps, self.versions, started)
+            if not behind.wait_for:
+                return
+            remaining = self.agreement.remaining_s(started)
+            wanted = [behind.wait_for.get(s, v) for s, v in enumerate(self.versions)]
+            policy = replace(self.client.shards[0].policy, timeout_s=max(remaining, 0.05),
+                             max_total_s=remaining)
+            try:
+                self.versions = self.client.pull(self.worker_id, self.flat, wanted, sorted(behind.wait_for),
+                                                 policy)
+            except DistributedError as e:  # the shard did not answer that version within the deadline
+                raise self.agreement.failure(steps, self.versions, str(e)) from e
+
+    def scalars(self) -> dict[str, float]:
+        if self.agreement is None:
+            return {}
+        lowest, highest = self.trained_on
+        return {"ps/sync_step": lowest, "ps/step_spread": highest - lowest}
+
+    def _noting(self, compute: Callable[[], StepResult]) -> Callable[[], StepResult]:
+        """`compute`, noting the steps of the parameters it computes on."""
+        def noted() -> StepResult:
+            steps = self.sync_steps()
+            self.trained_on = (min(steps), max(steps))
+            return compute()
+
+        return noted
 
     def step(self, compute, block, timer):
         shards, staleness, overlap = list(range(self.num_shards)), 0, self.trigger is not None
+        compute = self._noting(compute)
+        self.catch_up(block, timer)
+        # Every push of this step names the step it starts from, a shard restored from an
+        # older checkpoint too, so that it counts on from there (see `server.aggregation`).
+        self.from_step = max(self.sync_steps())
         while True:
             wanted = [v + 1 for v in self.versions]
             if overlap:
@@ -233,11 +355,17 @@ class SyncExchange(Exchange):
             behind = {s for s in shards if versions[s] < wanted[s]}  # the server restarted
             again = set(self._untaken(shards, replies, outcomes)) | behind
             if not again:
+                with timer.phase("comm_blocked"):
+                    self.agree()  # the next gradient is computed on these
                 return result, staleness
             self.num_rejected += len(again)
+            restored = set(self._untaken(shards, replies, (ROLLED_BACK,))) | behind
             shards = sorted(again)
             with timer.phase("comm_blocked"):
                 self.pull_current(shards)
+                if self.agreement is not None:  # a restored shard lost steps no wait brings back
+                    self.agreement.forgive(sorted(restored))
+                self.agree()
 
     def trade(self, block: Block, shards: list[int], timer: StepTimer, wanted: list[int]
               ) -> tuple[list[pb.PushReply], list[int]]:
@@ -313,6 +441,14 @@ class SyncExchange(Exchange):
         payloads = None if self.encoder is None else [launched[s][1][0] for s in range(self.num_shards)]
         self.settle(list(range(self.num_shards)), payloads, replies, versions)
         return result, replies, self.versions
+
+    def redo(self, compute: Callable[[], StepResult], block: Block, shards: list[int], timer: StepTimer
+             ) -> None:
+        """Redo a block as every mode does (on the current parameters: a failure's own
+        rule), then hold one step of every shard again for the next gradient (the others
+        may have been mid-step when the current parameters were pulled)."""
+        super().redo(compute, block, shards, timer)
+        self.agree()
 
     def refresh(self) -> None:
         """The parameters pulled at the end of each step are already the servers' newest."""
@@ -434,11 +570,12 @@ class SSPExchange(AsyncExchange):
 def make_exchange(mode: str, client: PSClient, worker_id: str, flat: torch.Tensor, grads: torch.Tensor,
                   staleness_bound: int, encoder: GradientEncoder | None = None, generation: int = 0,
                   retry_late: bool = True, buffers: WorkerBuffers | None = None,
-                  overlap: torch.nn.Module | None = None) -> Exchange:
+                  overlap: torch.nn.Module | None = None, agree_timeout_s: float | None = None) -> Exchange:
     """The exchange of aggregation mode `mode` ("sync", "async" or "ssp"); `encoder`
     compresses each push (None: raw values); `buffers` adds each step's buffer change;
     `overlap`, the worker's model, pushes each shard's gradient as backward produces it
-    (sync mode; None: after backward)."""
+    (sync mode; None: after backward); `agree_timeout_s`, how long a sync worker waits
+    for its shards to reach one step (None: one RPC deadline)."""
     classes = {"sync": SyncExchange, "async": AsyncExchange, "ssp": SSPExchange}
     if mode not in classes:
         raise ValueError(f"unknown aggregation mode {mode!r}")
@@ -446,4 +583,6 @@ def make_exchange(mode: str, client: PSClient, worker_id: str, flat: torch.Tenso
                              buffers)
     if overlap is not None and isinstance(exchange, SyncExchange):
         exchange.trigger = ShardTrigger(overlap, client.plans)
+    if isinstance(exchange, SyncExchange) and retry_late:  # backup workers let shards' steps part by design
+        exchange.agreement = Agreement(agree_timeout_s or client.shards[0].policy.timeout_s)
     return exchange

@@ -5,7 +5,10 @@ Each step takes the next batch of this worker's shard, computes gradients into t
 gradient buffer, and exchanges them as the aggregation mode says. At each epoch end all
 workers meet at a barrier, evaluate the servers' model on a slice of the test set each,
 and add their counts up, with their training clocks stopped. A block some shard lacks
-after a failure is redone (`redo_missing`), so every block is applied exactly once.
+after a failure is redone (`redo_missing`), so every block is applied exactly once. The
+blocks of a worker the run gave up on (reassigned) are taken over by the others at the
+epoch's end (`take_over`, see `takeover`), and the evaluation is split among those
+present.
 
 With local updates (`rounds`, see `local_rounds`) a step within a round is an inner step
 on the worker's own model that touches no network; a round's last step pushes the
@@ -32,6 +35,7 @@ from disttrain.strategies.ps.worker.blocks import Sampler, block_id, block_indic
 from disttrain.strategies.ps.worker.client import PSClient
 from disttrain.strategies.ps.worker.exchange import Block, Exchange
 from disttrain.strategies.ps.worker.local_rounds import WorkerRounds, round_end
+from disttrain.strategies.ps.worker.takeover import Away, away_ranks, present_slice, share
 from disttrain.training.engine import EvalResult, StepResult, eval_slice, evaluate, forward_backward
 from disttrain.training.loading import BatchSource
 from disttrain.training.precision import Precision
@@ -65,6 +69,8 @@ class WorkerParticipant:
     progress: NodeProgress = field(default_factory=lambda: NodeProgress(0, 0, 0, 0.0))
     _last_exit: float | None = None
     samples_redone: int = 0
+    samples_taken_over: int = 0  # of the blocks of workers reassigned
+    away: Away = field(default_factory=Away)  # which reassigned workers are back
     precision: Precision | None = None  # bf16 autocast of the forward pass (None: float32)
     rounds: WorkerRounds | None = None  # local updates (None: every step trades its gradient)
     _round_result: StepResult | None = None  # the last inner step's, pushed with its round
@@ -103,7 +109,7 @@ class WorkerParticipant:
         result.scalars.update({"comm/bytes_sent": client.bytes_sent - sent,
                                "comm/bytes_received": client.bytes_received - received,
                                "ps/staleness": staleness,
-                               "ps/rejected_pushes": exchange.num_rejected - rejected})
+                               "ps/rejected_pushes": exchange.num_rejected - rejected, **exchange.scalars()})
         if exchange.learning_rate is not None and self.rounds is None:
             result.scalars["optim/learning_rate"] = exchange.learning_rate
         if exchange.encoder is not None:
@@ -203,6 +209,38 @@ class WorkerParticipant:
         self.samples_redone += redone
         return redone
 
+    def take_over(self, last_epoch: int, away: list[int]) -> int:
+        """Apply this worker's share of the blocks of the `away` ranks (reassigned) of
+        epochs up to `last_epoch` that a shard lacks, but those whose owner is back
+        (see `takeover`); returns the samples taken over."""
+        mine = share(self.rank, away, self.world_size, self.batches_per_epoch)
+        if not mine:
+            return 0
+        applied = self.client.ledger(0, (last_epoch + 1) * self.world_size * self.batches_per_epoch)
+        taken = 0
+        for epoch in range(last_epoch + 1):
+            for owner, index in mine:
+                number = block_id(epoch, owner, index, self.world_size, self.batches_per_epoch)
+                missing = [s for s, blocks in enumerate(applied) if self.ledger_block(number) not in blocks]
+                if not missing:
+                    continue
+                if self.away.is_back(owner):
+                    logger.info("worker %d is back: block %d (epoch %d, batch %d) is left to it", owner,
+                                number, epoch, index)
+                    continue
+                if self.rounds is not None:
+                    logger.error("block %d of reassigned worker %d (epoch %d, batch %d) is missing and local "
+                                 "updates cannot take a block over alone", number, owner, epoch, index)
+                    continue
+                indices = block_indices(self.sampler, self.batch_size, epoch, index, rank=owner)
+                logger.warning("taking over block %d (epoch %d, batch %d) of reassigned worker %d",
+                               number, epoch, index, owner)
+                block = Block(max(1, self.progress.step), number, epoch, len(indices), redo=True)
+                self.exchange.redo(self._compute(indices), block, missing, self.timer)
+                taken += len(indices)
+        self.samples_taken_over += taken
+        return taken
+
     def ledger_block(self, block: int) -> int:
         """The block the ledgers record for `block` (any worker's): itself, or with local
         updates the last block of its round."""
@@ -215,14 +253,34 @@ class WorkerParticipant:
         """Every worker evaluates the servers' model, as it stands once all have finished
         the epoch, on its slice of the test set; the counts are added up at a barrier."""
         self.redo_missing(epoch)
-        self.client.barrier(self.worker_id, f"epoch{epoch}:trained")
+        away = self._meet_at_epoch_end(epoch)
         self.exchange.refresh()
         self.adopt_buffers()
-        mine = eval_slice(len(self.test_set), self.world_size, self.rank)
+        place = present_slice(self.rank, away, self.world_size)
+        mine = torch.arange(0) if place is None else eval_slice(len(self.test_set), place[1], place[0])
         local = evaluate(self.model, self.test_set, self.eval_batch_size, indices=mine)
         rows = self.client.barrier(self.worker_id, f"epoch{epoch}:evaluated", local.sums())
+        rows = [row for rank, row in enumerate(rows) if rank not in away_ranks(rows)]
         self._last_exit = None  # the time spent here is not work of the next step
         return EvalResult.from_sums([sum(column) for column in zip(*rows, strict=True)])
+
+    def _meet_at_epoch_end(self, epoch: int) -> list[int]:
+        """Meet the others once the epoch is trained; while the answer names workers away
+        (reassigned) that no round here took over yet, take over their blocks and meet
+        again (one may have been reassigned meanwhile). Returns the ranks away at the last
+        meeting: every worker gets the same answer, and splits the evaluation by it."""
+        # Every worker arrives with a value, so a reassigned one's row reads NaN (away).
+        away = away_ranks(self.client.barrier(self.worker_id, f"epoch{epoch}:trained", [1.0]))
+        handled: set[int] = set()
+        while set(away) - handled:
+            self.take_over(epoch, away)
+            name = f"epoch{epoch}:taken-over{len(handled)}"
+            handled |= set(away)
+            away = away_ranks(self.client.barrier(self.worker_id, name, [1.0]))
+            # Each redo moved the shards on: hold where the others' left them (a sync step
+            # then starts from the version every worker holds).
+            self.exchange.pull_current(list(range(self.exchange.num_shards)))
+        return away
 
     def adopt_buffers(self) -> None:
         """Give the model the servers' buffers of the parameters it holds (before an
@@ -236,7 +294,8 @@ class WorkerParticipant:
                 "bytes_sent": self.client.bytes_sent, "bytes_received": self.client.bytes_received,
                 "bytes_received_dense": self.client.bytes_received_dense,
                 "compression": None if encoder is None else encoder.state_dict(),
-                "samples_redone": self.samples_redone, "dropped_blocks": sorted(self.exchange.dropped),
+                "samples_redone": self.samples_redone, "samples_taken_over": self.samples_taken_over,
+                "dropped_blocks": sorted(self.exchange.dropped),
                 **({} if self.rounds is None else {"local": self.rounds.state_dict()})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -249,6 +308,7 @@ class WorkerParticipant:
         self.client.bytes_received = int(state["bytes_received"])
         self.client.bytes_received_dense = int(state.get("bytes_received_dense", state["bytes_received"]))
         self.samples_redone = int(state.get("samples_redone", 0))
+        self.samples_taken_over = int(state.get("samples_taken_over", 0))
         self.exchange.dropped = {int(b) for b in state.get("dropped_blocks", [])}
         encoder, saved = self.exchange.encoder, state.get("compression")
         if (encoder is None) != (saved is None):

@@ -40,6 +40,7 @@ class RetryPolicy:
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 3.0
     sleep: Callable[[float], None] = time.sleep
+    max_total_s: float | None = None  # no retry starts once this long has passed (None: no bound)
 
 
 class ReplyLost(ConnectionError):
@@ -71,6 +72,8 @@ def with_retries(policy: RetryPolicy, what: str, fn: Callable[[], object]):
         retry=tenacity.retry_if_exception(is_transient),
         wait=tenacity.wait_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s)
         + tenacity.wait_random(0, policy.initial_backoff_s),  # jitter: retries of many workers spread out
-        stop=tenacity.stop_after_attempt(policy.max_attempts), before_sleep=log_retry, sleep=policy.sleep,
+        stop=tenacity.stop_after_attempt(policy.max_attempts) if policy.max_total_s is None
+        else tenacity.stop_after_attempt(policy.max_attempts) | tenacity.stop_after_delay(policy.max_total_s),
+        before_sleep=log_retry, sleep=policy.sleep,
         reraise=True)
     return retrying(fn)

@@ -50,6 +50,10 @@ class ShardClient:
         self.segments: SegmentPair | None = None
         # The server's incarnation as last heard: another one means it restarted.
         self.incarnation = 0
+        # The run's step of the parameters last landed (`sync_step` of the answer; 0 in
+        # ssp and async mode), and how many times this shard was found restarted.
+        self.sync_step = 0
+        self.num_restarts_seen = 0
         self.session = b""  # this worker's session on the shard, from its registration
         self._joined: tuple | None = None
         self.drop_replies = 0  # replies of pushes to lose on purpose (fault injection)
@@ -73,20 +77,21 @@ class ShardClient:
                 service.method_path(name), request_serializer=serialize, response_deserializer=deserialize)
         self.stream = StepStream(lambda requests: self._calls["Step"](requests, wait_for_ready=True))
 
-    def _retry(self, what: str, fn: Callable[[], object], renew: bool = True):
-        """`fn` until it answers (see `retry.with_retries`). A call refused for its session,
-        by a server that restarted since this worker registered, is made again once after
-        registering anew.
+    def _retry(self, what: str, fn: Callable[[], object], renew: bool = True,
+               policy: RetryPolicy | None = None):
+        """`fn` until it answers (see `retry.with_retries`; `policy`: another than the
+        shard's). A call refused for its session, by a server that restarted since this
+        worker registered, is made again once after registering anew.
 
         Raises:
             DistributedError: the call failed for good (its status code and message named).
         """
         session = self.session
         try:
-            return with_retries(self.policy, f"{what} on {self.address}", fn)
+            return with_retries(policy or self.policy, f"{what} on {self.address}", fn)
         except grpc.RpcError as e:
             if renew and e.code() == grpc.StatusCode.PERMISSION_DENIED and self._renew(session):
-                return self._retry(what, fn, renew=False)
+                return self._retry(what, fn, renew=False, policy=policy)
             raise DistributedError(f"{what} on shard {self.shard} at {self.address} failed: "
                                    f"{describe(e)}") from e
 
@@ -157,6 +162,7 @@ class ShardClient:
                 logger.warning("shard %d at %s restarted; registering with it again", self.shard,
                                self.address)
                 self.join(*self._joined)
+                self.num_restarts_seen += 1
 
     def attach(self, offer: pb.SharedMemoryOffer, plan: ShardPlan, required: bool) -> None:
         """Map the server's shared-memory segments, or stay with gRPC bytes when they
@@ -257,13 +263,15 @@ class ShardClient:
         received = answer.data.nbytes if answer.header.compressed else plan.nbytes
         return reply, self._land(answer, plan, 0, into), sent[0], received
 
-    def pull(self, worker_id: str, plan: ShardPlan, min_version: int, into: torch.Tensor
-             ) -> tuple[int, int]:
-        """Copy the shard's parameters, once at `min_version`, into `into` (its flat slice).
+    def pull(self, worker_id: str, plan: ShardPlan, min_version: int, into: torch.Tensor,
+             policy: RetryPolicy | None = None) -> tuple[int, int]:
+        """Copy the shard's parameters, once at `min_version`, into `into` (its flat slice);
+        `policy`: deadlines and retries other than the shard's.
 
         Returns:
             (version, payload bytes received).
         """
+        policy = policy or self.policy
         segments = self.segments
         request = pb.ParameterRequest(worker_id=worker_id, min_version=min_version, shard=plan.shard,
                                       shared_memory=segments is not None)
@@ -273,14 +281,14 @@ class ShardClient:
         def attempt():
             request.incarnation, request.session = self.incarnation, self.session
             if one_message:
-                frame = self._calls["FetchParameters"](request, timeout=self.policy.timeout_s,
+                frame = self._calls["FetchParameters"](request, timeout=policy.timeout_s,
                                                        wait_for_ready=True)
                 return Payload(frame.header, frame.meta, [frame.data])
-            stream = self._calls["GetParameters"](request, timeout=self.policy.timeout_s,
+            stream = self._calls["GetParameters"](request, timeout=policy.timeout_s,
                                                   wait_for_ready=True)
             return service.collect_payload(iter(stream), plan.nbytes)
 
-        payload = self._retry("GetParameters", attempt)
+        payload = self._retry("GetParameters", attempt, policy=policy)
         if payload.header.incarnation not in (0, self.incarnation):
             logger.warning("shard %d at %s restarted at version %d (this worker waited for %d)",
                            plan.shard, self.address, payload.header.version, min_version)
@@ -317,6 +325,7 @@ class ShardClient:
         if buffers is not None:
             self.buffers = buffers
         self.holds_version = answer.header.version + 1
+        self.sync_step = answer.header.sync_step
         return answer.header.version
 
     def _land_change(self, answer: Payload | Frame, plan: ShardPlan, chunks: list[memoryview],
@@ -347,6 +356,7 @@ class ShardClient:
         if buffers is not None:
             self.buffers = buffers
         self.holds_version = header.version + 1
+        self.sync_step = header.sync_step
         return header.version
 
     def close(self) -> None:
