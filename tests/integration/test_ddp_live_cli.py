@@ -57,23 +57,27 @@ def test_undisturbed_live_run_applies_every_global_batch_once(undisturbed):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_killed_rank_survivors_train_on_and_it_rejoins(cli, tmp_path, undisturbed):
-    # Rank 0 straggles (each step 10 times as long), so the run lasts well past the time
-    # the killed rank's new process takes to start and ask to join.
-    result = cli("ddp", *ARGS, *dirs(tmp_path), "--max-restarts", 1,
-                 "--inject", "kill:rank=1:step=10", "--inject", "slow:rank=0:factor=10", timeout=360)
+@pytest.mark.parametrize("killed, straggler", [(1, 0), (0, 1)], ids=["rank1", "leader"])
+def test_killed_rank_survivors_train_on_and_it_rejoins(cli, tmp_path, undisturbed, killed, straggler):
+    # A survivor straggles (each step 10 times as long), so the run lasts well past the
+    # time the killed rank's new process takes to start and ask to join. Killing rank 0,
+    # the group's leader, the others lead meanwhile, and when it is back it leads again
+    # with the state it took from them, and writes the summary.
+    result = cli("ddp", *ARGS, *dirs(tmp_path), "--max-restarts", 1, "--inject",
+                 f"kill:rank={killed}:step=10", "--inject", f"slow:rank={straggler}:factor=10", timeout=360)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    survivors = [slot for slot in range(WORLD_SIZE) if slot != killed]
 
     # The survivors were never restarted: one process each, the same one at the end.
     pids, final = summary["rank_pids"], summary["final_pids"]
-    assert len(pids["0"]) == 1 and len(pids["2"]) == 1
-    assert final["0"] == pids["0"][0] and final["2"] == pids["2"][0]
+    for slot in survivors:
+        assert len(pids[str(slot)]) == 1 and final[str(slot)] == pids[str(slot)][0]
     # The killed rank was started again, and that process is in the last group.
-    assert len(pids["1"]) == 2 and final["1"] == pids["1"][1]
+    assert len(pids[str(killed)]) == 2 and final[str(killed)] == pids[str(killed)][1]
 
     shrink, *rest = summary["live_recoveries"]
-    assert shrink["kind"] == "shrink" and shrink["members"] == [0, 2]
+    assert shrink["kind"] == "shrink" and shrink["members"] == survivors
     assert shrink["resume_s"] is not None and shrink["resume_s"] < 10.0
     grows = [r for r in rest if r["kind"] == "grow"]
     assert summary["num_rejoins"] >= 1 and grows[-1]["members"] == [0, 1, 2]
@@ -84,7 +88,7 @@ def test_killed_rank_survivors_train_on_and_it_rejoins(cli, tmp_path, undisturbe
     assert (summary["samples_lost"], summary["samples_applied_twice"]) == (0, 0)
     assert summary["steps"] == undisturbed["steps"]
     assert abs(summary["final_accuracy"] - undisturbed["final_accuracy"]) <= 0.005
-    assert "injected fault: kill at step 10" in (tmp_path / "logs" / "rank1.log").read_text()
+    assert "injected fault: kill at step 10" in (tmp_path / "logs" / f"rank{killed}.log").read_text()
 
 
 @pytest.mark.slow
