@@ -74,7 +74,7 @@ test-slow: install
 	$(call run_tests,slow)
 
 # Every script of benchmarks/ but the helper modules they import.
-BENCHMARKS := $(filter-out common ps_helpers,$(basename $(notdir $(wildcard benchmarks/*.py))))
+BENCHMARKS := $(filter-out common ps_helpers chaos_ddp,$(basename $(notdir $(wildcard benchmarks/*.py))))
 
 # Runs every benchmark with the flags $(2), its JSON into $(1)/NAME.json (each also prints
 # it), and says how long each took (also in $(1)/wall_times.txt); then checks that the

@@ -1,6 +1,8 @@
-"""Chaos benchmark of the parameter server's fault tolerance (disttrain ps, faults vs none).
+"""Chaos benchmark of fault tolerance: the parameter server (faults vs none) and DDP (a
+rank killed, live recovery vs torch's restart).
 
-One `disttrain ps` run fault-free, then the same run (same seed) under random faults.
+PS: one `disttrain ps` run fault-free, then the same run (same seed) under random faults.
+DDP (`--strategies` holding ddp; the JSON's `ddp`, null without): see chaos_ddp.py.
 
 Under chaos, once every worker has joined, a fault comes every `--fault-every` seconds
 (0.5x-1.5x, seeded by `--chaos-seed`): a random live process of the run, found in the
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chaos_ddp import ddp_chaos
 from common import parse_args, report
 
 from disttrain.coordinator import RegistryError, read_status
@@ -74,6 +77,9 @@ def flags(parser) -> None:
     parser.add_argument("--faults", default="kill-worker,stop-worker,kill-server,kill-coordinator",
                         help=f"comma-separated kinds among {', '.join(KINDS)}")
     parser.add_argument("--max-faults", type=int, help="default: no limit (quick: 4)")
+    parser.add_argument("--strategies", default="ps,ddp",
+                        help="comma-separated: ps (random faults in a PS run), ddp (a rank killed, live "
+                             "recovery against restart; the JSON's `ddp`)")
     parser.add_argument("--work-dir", type=Path, help="the runs' logs and checkpoints, replaced each "
                         "time (default: chaos/ beside --output, else runs/bench/chaos)")
 
@@ -96,6 +102,9 @@ def resolve(args) -> None:
     args.kinds = [k for k in args.faults.split(",") if k]
     if not args.kinds or set(args.kinds) - set(KINDS):
         raise SystemExit(f"--faults {args.faults!r}: choose among {', '.join(KINDS)}")
+    args.strategies = [s for s in args.strategies.split(",") if s]
+    if not args.strategies or set(args.strategies) - {"ps", "ddp"}:
+        raise SystemExit(f"--strategies {','.join(args.strategies)!r}: choose among ps, ddp")
 
 
 def ps_command(args, run_dir: Path) -> list[str]:
@@ -272,9 +281,8 @@ def findings(chaos_run: dict, faults: list[dict]) -> list[str]:
                     "the benchmark resumed it" for f in faults if f.get("resumed_by_benchmark")]
 
 
-def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], flags)
-    resolve(args)
+def ps_chaos(args) -> tuple[dict[str, Any], bool]:
+    """The parameter server's part of the JSON, and whether its chaos run finished."""
     fault_free = run_ps(args, "fault-free")
     if fault_free["returncode"] != 0 or "final_accuracy" not in fault_free:
         raise SystemExit(f"the fault-free run failed: {fault_free}")
@@ -284,7 +292,7 @@ def main() -> None:
     done = chaos_run["returncode"] == 0 and "final_accuracy" in chaos_run
     difference = 100 * (chaos_run["final_accuracy"] - fault_free["final_accuracy"]) if done else None
     failures = chaos_run.get("failures") or []
-    report("chaos", {
+    return {
         "dataset": args.dataset, "quick": args.quick,
         "settings": {k: getattr(args, k) for k in (*QUICK, *(f[2:].replace("-", "_") for f in PASSED),
                                                     "chaos_seed", "kinds")},
@@ -296,9 +304,21 @@ def main() -> None:
         "recovery": {key: spread([f[key] for f in failures if key in f])
                      for key in ("detect_s", "recover_s", "restart_s")},
         "findings": findings(chaos_run, chaos.faults), "fault_free": fault_free, "chaos": chaos_run,
-    }, args.output, target=f"accuracy within {MAX_ACCURACY_DROP_POINTS} point of the fault-free run; "
-                           "0 samples lost")
-    if not done:
+    }, done
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], flags)
+    resolve(args)
+    result, done = ps_chaos(args) if "ps" in args.strategies else ({"quick": args.quick}, True)
+    result["ddp"] = (ddp_chaos(args.quick, args.seed, args.chaos_seed, args.work_dir)
+                     if "ddp" in args.strategies else None)
+    report("chaos", result, args.output, target=f"PS: accuracy within {MAX_ACCURACY_DROP_POINTS} point of "
+                                                "the fault-free run; 0 samples lost (DDP: see ddp.target)")
+    ddp_done = result["ddp"] is None or all(
+        run["returncode"] == 0 for part in ("live", "restart") for run in (result["ddp"][part]["fault_free"],
+                                                                         result["ddp"][part]["killed"]))
+    if not done or not ddp_done:
         sys.exit(1)
 
 

@@ -18,7 +18,8 @@ def test_quick_chaos_run_loses_no_sample(tmp_path):
     output = tmp_path / "chaos.json"
     # Half the quick run's epochs and faults: the same paths, in half the time.
     command = [sys.executable, str(REPO_ROOT / "benchmarks" / "chaos.py"), "--quick", "--output", str(output),
-               "--work-dir", str(tmp_path / "runs"), "--num-epochs", "2", "--max-faults", "2"]
+               "--work-dir", str(tmp_path / "runs"), "--num-epochs", "2", "--max-faults", "2",
+               "--strategies", "ps"]  # the DDP part has its own test (test_ddp_live_chaos.py)
     result = subprocess.run(command, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     figures = json.loads(output.read_text())

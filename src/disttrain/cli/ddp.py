@@ -83,6 +83,10 @@ DDP_FLAGS = {
     "--mixed-precision": ("training.precision", str, "the earlier spelling of --precision: none, bf16 "
                           "or fp16 (fp16: CUDA only)"),
     "--timeout-s": ("ddp.timeout_s", float, "rendezvous and collective timeout"),
+    "--ddp-recovery": ("ddp.recovery", str, "what a rank's death does: restart (torch's elastic agent "
+                       "restarts every rank from the newest checkpoint) or live (the survivors re-form "
+                       "their group and train on, nothing lost; the rank, started again, rejoins them "
+                       "at a step boundary; one node, gloo)"),
     "--nnodes": ("ddp.num_nodes", int, "nodes taking part (each runs this command)"),
     "--rdzv-endpoint": ("ddp.rdzv_endpoint", str, "HOST:PORT of the rendezvous for several nodes"),
     "--rdzv-id": ("ddp.rdzv_id", str, "run id every node of one run shares"),
@@ -98,6 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "a running `disttrain coordinator` the ranks report to, instead of one started "
                     "for this run (how a run of several nodes is watched)", metavar="HOST:PORT")
     parser.add_argument(FLAGS.quiet_summary, action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(FLAGS.rank, type=int, default=None, help=argparse.SUPPRESS)  # a live rank's slot
     add_token_flag(parser)
     add_tls_flags(parser)
 
@@ -118,6 +123,11 @@ def check(args: argparse.Namespace) -> str:
     config, options = prepare(args)
     ddp, world_size = config.ddp, config.system.num_workers
     rt.check_supported(config)
+    if ddp.recovery == "live":
+        from disttrain.strategies.ddp.live.launcher import live_problems
+        problems = live_problems(config, options.resume)
+        if problems:
+            raise ConfigError("; ".join(problems))
     if world_size % ddp.num_nodes:
         raise ConfigError(f"system.num_workers: world size {world_size} does not split evenly "
                           f"over ddp.num_nodes={ddp.num_nodes}; use a multiple of {ddp.num_nodes}")
@@ -132,10 +142,17 @@ def check(args: argparse.Namespace) -> str:
     if ddp.backend == "auto" and backend == "nccl" and ddp.num_nodes > 1:
         backend = "nccl if every node has GPUs, else gloo"
     return (f"{count(world_size // ddp.num_nodes, 'rank')} on this node of {world_size} ({nodes}; "
-            f"{backend}), up to {count(ddp.max_restarts, 'restart')}, "
+            f"{backend}), up to {count(ddp.max_restarts, 'restart')}{describe_recovery(config)}, "
             f"{describe_coordinator(config, 'with its own coordinator')}{describe_security(options)}; "
             f"{describe_training(config)}{describe_compression(config)}{describe_local_updates(config)}; "
             f"{describe_folders(config, options)}")
+
+
+def describe_recovery(config: Config) -> str:
+    """" (live recovery: ...)" when ranks recover live; empty for torch's restart."""
+    if config.ddp.recovery != "live":
+        return ""
+    return " (live recovery: the survivors train on, a restarted rank rejoins)"
 
 
 def describe_local_updates(config: Config) -> str:
@@ -194,6 +211,35 @@ def rank_main(argv: list[str], env: Mapping[str, str]) -> int:
     return 0
 
 
+def live_rank_main(argv: list[str], env: Mapping[str, str]) -> int:
+    """Run one rank of a live-recovery run (started by `disttrain ddp --ddp-recovery live`,
+    which passes its slot as --rank, its restart as --attempt, and its store in the
+    environment). Returns the exit code: 0, 2 for bad input, 1 for a failure."""
+    from disttrain.core.processes import bind_to_parent
+    from disttrain.strategies.ddp.heartbeats import LIVE_RESTART, LoopProgress, coordinator_link
+    from disttrain.strategies.ddp.live import LIVE_STORE_ENV, run_live_rank, store_address
+    from disttrain.training.checkpoints import Position
+    from disttrain.training.engine import configure_threads
+    bind_to_parent()
+    args = rank_parser().parse_args(argv)
+    setup_logging("rank", args.rank, level=logging.DEBUG if args.verbose else logging.INFO)
+    try:
+        config, options = config_from_args(args), options_from_args(args, env)
+        configure_threads(config.system.num_threads, processes_per_machine=config.system.num_workers)
+        progress = LoopProgress(Position(), config.training.num_epochs)
+        with coordinator_link(config.coordinator, args.rank, args.attempt, progress, options.token,
+                              options.tls, LIVE_RESTART):
+            summary = run_live_rank(config, args.rank, args.attempt, store_address(env[LIVE_STORE_ENV]),
+                                    options, progress)
+        if summary is not None and args.summary_json:
+            summary.write(args.summary_json)
+    except DisttrainError as e:
+        for line in error_lines(e):
+            print(f"error: rank {args.rank}: {line}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
 def restarts_need_fresh_store(env: Mapping[str, str]) -> bool:
     """Restarts are allowed but the agent shares its store (torchrun's default)."""
     return (env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -210,10 +256,14 @@ def module_main(argv: list[str], env: Mapping[str, str]) -> int:
     about one run in ten on a busy machine (see pytorch/pytorch#179291, a fix proposed
     upstream and not merged).
     """
+    from disttrain.strategies.ddp.live import LIVE_STORE_ENV
     from disttrain.strategies.ddp.runtime import started_by_elastic_agent
-    if not started_by_elastic_agent(env):
+    if LIVE_STORE_ENV in env:
+        code = live_rank_main(argv, env)
+    elif not started_by_elastic_agent(env):
         return cli.main(["ddp", *argv])
-    code = rank_main(argv, env)
+    else:
+        code = rank_main(argv, env)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

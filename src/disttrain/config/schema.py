@@ -35,6 +35,7 @@ LR_SCHEDULES = ("constant", "step", "cosine", "linear")
 PRECISIONS = ("none", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl")
 LR_SCALINGS = ("none", "linear")
+DDP_RECOVERIES = ("restart", "live")
 # auto: shared memory between processes of one machine, gRPC bytes between machines.
 PAYLOAD_TRANSPORTS = ("auto", "grpc", "shared_memory")
 # none: equal batches; proportional: batches in proportion to each process's measured
@@ -292,9 +293,17 @@ class DDPConfig:
     rdzv_endpoint: str = ""
     num_nodes: int = field(default=1, metadata=POSITIVE)
     rdzv_id: str = ""
+    # What a rank's death does: `restart` stops every rank and torch's elastic agent starts
+    # the group again from the newest checkpoint; `live` keeps the survivors training in a
+    # group re-formed among themselves, and the restarted rank joins them at a step boundary
+    # (one node; see strategies/ddp/live).
+    recovery: str = field(default="restart", metadata=_choice(DDP_RECOVERIES))
 
     def cross_problems(self, name: Callable[[str], str]) -> list[str]:
         problems = _address_problems(name("rdzv_endpoint"), self.rdzv_endpoint, "node0.example.com:29400")
+        if self.recovery == "live" and self.num_nodes > 1:
+            problems.append(f"{name('recovery')}: live recovery runs on one node; use ddp.num_nodes 1 "
+                            "or ddp.recovery restart")
         if self.num_nodes > 1 and not self.rdzv_endpoint:
             problems.append(f"{name('rdzv_endpoint')}: ddp.num_nodes is {self.num_nodes}, so every "
                             "node needs the HOST:PORT of the rendezvous (pass --rdzv-endpoint)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 COMPRESSED = "ps (compression on), ddp (compression on)"
 LOCAL_UPDATES = "ps (local updates), ddp (local updates)"
 LANGUAGE_MODELS = "all (language-model data sets)"
+DDP_LIVE = "ddp (ddp.recovery live)"
 
 # How a logged value relates to the steps it covers.
 WINDOW = "window"          # over the steps since the previous record
@@ -169,14 +170,17 @@ OPTIONAL_SUMMARY: dict[str, Metric] = {m.key: m for m in [
            "updates, beside `sync_every`, `outer_optimizer`, `outer_learning_rate` and "
            "`outer_momentum`)", "ddp"),
     Metric("samples_applied", "samples", RUN, "samples whose gradients the servers applied, from "
-           "their data ledgers (every sample of every epoch once)", "ps"),
+           "their data ledgers (every sample of every epoch once); DDP live recovery: samples of the "
+           "global batches whose update the model holds, from the group's ledger", f"ps, {DDP_LIVE}"),
     Metric("samples_redone", "samples", RUN, "samples computed again after a failure (turned "
-           "away as duplicates, or redone where a restarted shard lacked them)", "ps"),
+           "away as duplicates, or redone where a restarted shard lacked them; DDP live recovery: the "
+           "survivors' pieces of steps whose all-reduce failed)", f"ps, {DDP_LIVE}"),
     Metric("samples_taken_over", "samples", RUN, "samples of the blocks of workers reassigned "
            "(away past `coordinator.reassign_after`) that the others took over; "
            "`reassigned_workers` lists the ranks of those still away at the end", "ps"),
     Metric("samples_lost", "samples", RUN, "samples of blocks some shard never applied, other "
-           "than those dropped late (must be 0)", "ps"),
+           "than those dropped late (must be 0); DDP live recovery: samples of global batches the "
+           "ledger shows never applied", f"ps, {DDP_LIVE}"),
     Metric("samples_dropped_late", "samples", RUN, "samples of the gradients synchronous steps "
            "went on without, by design (backup workers)", "ps"),
     Metric("max_round_wait_s", "s", RUN, "the longest a synchronous step waited between its "
@@ -184,6 +188,27 @@ OPTIONAL_SUMMARY: dict[str, Metric] = {m.key: m for m in [
     Metric("num_failures", "count", RUN, "process failures the run recovered from; `failures` "
            "lists each with `detect_s` (to detect it), `recover_s` (until the process was back "
            "at work) and `restart_s`", "ps"),
+    # DDP live recovery (`ddp.recovery: live`); times are wall-clock seconds.
+    Metric("ddp_recovery", "name", RUN, "`live`: the run's ranks recovered without a restart", DDP_LIVE),
+    Metric("samples_applied_twice", "samples", RUN, "samples of global batches the ledger shows "
+           "applied more than once (must be 0)", DDP_LIVE),
+    Metric("samples_trained", "samples", RUN, "samples the ranks alive at the end computed, failed "
+           "steps included (dead processes' work is not counted)", DDP_LIVE),
+    Metric("rank_pids", "process ids", RUN, "per rank, the id of every process the launcher started "
+           "for it, in order (a survivor has one: it was never restarted)", DDP_LIVE),
+    Metric("final_pids", "process ids", RUN, "per rank in the last group, the id of its process", DDP_LIVE),
+    Metric("num_rejoins", "count", RUN, "times the group took a rank back", DDP_LIVE),
+    Metric("live_recoveries", "list", RUN, "each re-forming of the group: `kind` (`shrink` after a "
+           "loss, `grow` to take ranks back), `generation`, `members`, `step`, and its seconds "
+           "`detect_s`, `reform_s`, `resume_s` (shrink) or `rejoin_s` (grow)", DDP_LIVE),
+    Metric("live_detect_s", "s", RUN, "the longest from a rank's death (its launcher saw the exit) to "
+           "the survivors noticing it (0 when they noticed first)", DDP_LIVE),
+    Metric("live_reform_s", "s", RUN, "the longest from the survivors noticing a loss to their new "
+           "group training again", DDP_LIVE),
+    Metric("live_resume_s", "s", RUN, "the longest from a rank's death to the survivors training "
+           "again", DDP_LIVE),
+    Metric("live_rejoin_s", "s", RUN, "the longest from a rank's restart to the group training with "
+           "it (the restarted process's start-up included)", DDP_LIVE),
 ]}
 
 

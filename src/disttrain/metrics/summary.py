@@ -150,6 +150,22 @@ class RunSummary:
                          + (f" ({figures})" if figures else ""))
         if extra.get("stragglers"):
             lines.append(f"Stragglers: {', '.join(extra['stragglers'])}")
+        return lines + self._live_recovery_lines()
+
+    def _live_recovery_lines(self) -> list[str]:
+        """`Live recovery: group of ranks 0,2 training again 0.17s after the death (step 10)`,
+        one line per re-forming of a DDP group (ddp.recovery live)."""
+        lines = []
+        for recovery in self.extra.get("live_recoveries", []):
+            members = ",".join(str(slot) for slot in recovery["members"])
+            if recovery["kind"] == "shrink":
+                since = recovery.get("resume_s")
+                when = "" if since is None else f" {since:.2f}s after the death"
+                lines.append(f"Live recovery: ranks {members} training again{when} (step {recovery['step']})")
+            else:
+                since = recovery.get("rejoin_s")
+                when = "" if since is None else f" {since:.2f}s after its restart"
+                lines.append(f"Live recovery: ranks {members} together again{when} (step {recovery['step']})")
         return lines
 
     def write(self, path: str | Path) -> Path:

@@ -5,7 +5,8 @@ Modules: `launcher` (checks, elastic agent: `STRATEGY`), `runtime` (backend, dev
 process group), `rank` (a rank's participant in the training loop), `comm_hooks` (the one
 place DDP communication hooks are registered), `precision` (bf16/fp16 on CUDA), `store`
 and `rng` (checkpoints that resume exactly), `reduce` (figures over all ranks),
-`endpoint` (the rendezvous check).
+`endpoint` (the rendezvous check); `live/` (live recovery, `ddp.recovery: live`: survivors
+re-form without restarting, a restarted rank rejoins; the launcher starts the ranks itself).
 """
 
 from disttrain.strategies.ddp.launcher import STRATEGY

@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 ROLE = "rank"
 CALL_TIMEOUT_S = 2.0  # each call to the coordinator; a rank never waits on it for longer
 PREVIOUS_EXIT_CODE = 1  # the previous process's own code is the agent's to know, not ours
+ELASTIC_RESTART = "the elastic agent restarted the rank group"
+LIVE_RESTART = "the launcher started the rank again and it rejoined the running group"
 
 
 def node_id(rank: int) -> str:
@@ -90,8 +92,9 @@ class RankLink:
     """
 
     def __init__(self, client: CoordinatorClient, settings: CoordinatorConfig, rank: int,
-                 restart_count: int, progress: LoopProgress):
+                 restart_count: int, progress: LoopProgress, restarted_by: str = ELASTIC_RESTART):
         self.client, self.settings, self.rank = client, settings, rank
+        self.restarted_by = restarted_by
         self.node_id = node_id(rank)
         self.restart_count, self.progress = restart_count, progress
         self._previous_reported = restart_count == 0
@@ -111,9 +114,8 @@ class RankLink:
         Returns False when this has to be tried again."""
         try:
             if not self._previous_reported:
-                self.client.report_exit(self.node_id, PREVIOUS_EXIT_CODE,
-                                        f"its process ended; the elastic agent restarted the rank group "
-                                        f"(restart {self.restart_count})")
+                reason = f"its process ended; {self.restarted_by} (restart {self.restart_count})"
+                self.client.report_exit(self.node_id, PREVIOUS_EXIT_CODE, reason)
                 self._previous_reported = True
             reply = self.client.register(self.node_id, ROLE, rank=self.rank, retry_s=0)
         except CoordinatorError as e:
@@ -200,9 +202,11 @@ class RankLink:
 @contextmanager
 def coordinator_link(settings: CoordinatorConfig, rank: int, restart_count: int,
                      progress: LoopProgress, token: str | None = None,
-                     tls: TlsFiles | None = None) -> Iterator[RankLink | None]:
+                     tls: TlsFiles | None = None, restarted_by: str = ELASTIC_RESTART
+                     ) -> Iterator[RankLink | None]:
     """Be registered with the run's coordinator while the block runs (nothing without one);
-    every call to it carries `token` when given, over TLS when `tls` is enabled.
+    every call to it carries `token` when given, over TLS when `tls` is enabled;
+    `restarted_by` says how a restarted rank's previous process was replaced.
 
     Leaving the block normally reports the rank done; by an exception, failed with the
     exception's exit code and first line (the exception goes on). A rank killed outright
@@ -212,7 +216,7 @@ def coordinator_link(settings: CoordinatorConfig, rank: int, restart_count: int,
         yield None
         return
     client = CoordinatorClient(settings.address, timeout_s=CALL_TIMEOUT_S, token=token, tls=tls)
-    link = RankLink(client, settings, rank, restart_count, progress)
+    link = RankLink(client, settings, rank, restart_count, progress, restarted_by)
     link.start()
     try:
         yield link

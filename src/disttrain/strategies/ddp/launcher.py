@@ -49,6 +49,7 @@ from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
 from disttrain.strategies.ddp import runtime as rt
 from disttrain.strategies.ddp.coordination import RunCoordinator, run_coordinator
 from disttrain.strategies.ddp.endpoint import wait_for_endpoint
+from disttrain.strategies.ddp.live import launch_live
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
 from disttrain.training.precision import plan_precision
@@ -250,6 +251,8 @@ class DDP:
     name = "ddp"
 
     def run(self, config: Config, options: RunOptions) -> RunSummary | None:
+        if config.ddp.recovery == "live":
+            return launch_live(config, options, preflight)
         return launch(config, options)
 
 

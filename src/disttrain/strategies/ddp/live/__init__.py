@@ -1,0 +1,14 @@
+"""Live recovery of a DDP run (`ddp.recovery: live`): survivors of a rank's death re-form
+their group and train on, and the rank, started again, joins them at a step boundary.
+
+Modules: `membership` (the pure rules: settling, members, the batch split, whose state
+everyone takes), `group` (generations of process groups agreed through the launcher's
+store), `state` (a state handed from a live peer, without pickle), `trainer` (model,
+optimizer, position and data ledger), `rank` (the generations of one rank process),
+`launcher` (starts and restarts the ranks, hosts the store).
+"""
+
+from disttrain.strategies.ddp.live.launcher import LIVE_STORE_ENV, launch_live, store_address
+from disttrain.strategies.ddp.live.rank import run_live_rank
+
+__all__ = ["LIVE_STORE_ENV", "launch_live", "run_live_rank", "store_address"]

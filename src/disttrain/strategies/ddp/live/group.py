@@ -1,0 +1,227 @@
+"""A live DDP rank's process group, one generation at a time, agreed through a store.
+
+The launcher hosts a TCP store that outlives every rank. Through it the ranks:
+
+- beat: each process writes the wall time under `alive/<slot>` every heartbeat interval
+  (a thread with its own connection, started once it is a member), so its peers tell a
+  dead member from a slow one; the launcher writes 0 there when it sees the process exit,
+  so the survivors need not wait for its beats to go stale;
+- re-form after a failure: a survivor of generation g proposes itself for g+1
+  (`gen<g+1>/propose/<slot>`), waits until `membership.settled` (every member of g has
+  proposed or gone silent, bounded by a window), and offers the member list with
+  compare-and-set on `gen<g+1>/members`; the first offer wins and everyone reads it, so
+  they all agree. A survivor left out of the list joins again like a restarted rank;
+- take a rank back: a joiner takes a ticket (`joins` counter, `join/<n>` = its slot) and
+  waits for `admit/<n>`; the group's leader reads the counter at each step boundary and
+  broadcasts it, the members then form g+1 with the joiners, and the leader admits them.
+
+Each generation's process group lives under its own prefix (`gen<g>/pg`), so a new group
+never reads a dead one's addresses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from disttrain.core.errors import DistributedError
+from disttrain.strategies.ddp.live.membership import (
+    format_members,
+    group_rank,
+    next_members,
+    parse_members,
+    settled,
+)
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.05  # how often a settling survivor or a waiting joiner looks at the store again
+DONE_KEY = "done"
+JOINS_KEY = "joins"
+
+
+def connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the launcher's store."""
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def alive_key(slot: int) -> str:
+    return f"alive/{slot}"
+
+
+def mark_dead(store: dist.Store, slot: int) -> None:
+    """The process of `slot` exited: its peers count it silent at once (the launcher calls
+    this; a new process of the slot beats again once it is a member)."""
+    store.set(alive_key(slot), "0")
+
+
+class Beats:
+    """The liveness beats of one process, on a thread with its own store connection."""
+
+    def __init__(self, store: dist.TCPStore, slot: int, interval_s: float,
+                 clock: Callable[[], float] = time.time):
+        self.store, self.slot, self.interval_s, self.clock = store, slot, interval_s, clock
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="live-beats", daemon=True)
+
+    def start(self) -> None:
+        """Beat now and every interval after (once; later calls do nothing)."""
+        if self._thread.ident is not None or self._stopped.is_set():
+            return
+        self.store.set(alive_key(self.slot), repr(self.clock()))
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval_s):
+            try:
+                self.store.set(alive_key(self.slot), repr(self.clock()))
+            except RuntimeError:  # the launcher (and its store) went away: the run is over
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+class LiveGroup:
+    """This process's place in the live group (`slot`), and the group of the current
+    generation once formed.
+
+    Args:
+        store: the launcher's store.
+        slot: this process's rank in the run as started (0 to N-1).
+        timeout_s: bound of every collective and of forming a group.
+        stale_s: a member silent this long counts as dead.
+        window_s: the longest survivors wait for each other before re-forming.
+    """
+
+    def __init__(self, store: dist.TCPStore, slot: int, timeout_s: float, stale_s: float,
+                 window_s: float, clock: Callable[[], float] = time.time):
+        self.store, self.slot, self.timeout_s = store, slot, timeout_s
+        self.stale_s, self.window_s, self.clock = stale_s, window_s, clock
+        self.generation = -1
+        self.members: tuple[int, ...] = ()
+
+    @property
+    def rank(self) -> int:
+        return group_rank(self.members, self.slot)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def form(self, generation: int, members: tuple[int, ...]) -> None:
+        """Start generation `generation`'s process group (a collective of `members`).
+
+        Raises:
+            RuntimeError, dist.DistError: a member did not come within the timeout.
+        """
+        self.leave()
+        self.generation, self.members = generation, members
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{generation}/pg", self.store),
+                                rank=self.rank, world_size=len(members),
+                                timeout=timedelta(seconds=self.timeout_s))
+        logger.info("slot %d is rank %d of generation %d (members %s)", self.slot, self.rank, generation,
+                    format_members(members))
+
+    def leave(self) -> None:
+        """Drop this generation's process group (its sockets close, so peers blocked in a
+        collective with this process fail at once instead of at the timeout)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def after_failure(self) -> tuple[int, tuple[int, ...]] | None:
+        """Agree with the survivors on the next generation: (generation, members), or None
+        when this process was left out of it (it then joins like a restarted rank)."""
+        self.leave()
+        generation, previous = self.generation + 1, self.members
+        prefix = f"gen{generation}"
+        self.store.set(f"{prefix}/propose/{self.slot}", "1")
+        started = self.clock()
+        members_key = f"{prefix}/members"
+        while not self.store.check([members_key]):
+            proposed = [s for s in previous if self.store.check([f"{prefix}/propose/{s}"])]
+            if settled(self.clock(), started, previous, proposed, self._last_seen(previous),
+                       self.stale_s, self.window_s):
+                offer = format_members(next_members(previous, proposed))
+                self.store.compare_set(members_key, "", offer)
+                break
+            time.sleep(POLL_S)
+        members = parse_members(self.store.get(members_key).decode())
+        if self.slot not in members:
+            logger.warning("slot %d was left out of generation %d (members %s); it joins again",
+                           self.slot, generation, format_members(members))
+            return None
+        return generation, members
+
+    def _last_seen(self, slots: tuple[int, ...]) -> dict[int, float]:
+        seen = {}
+        for slot in slots:
+            key = alive_key(slot)
+            if self.store.check([key]):
+                seen[slot] = float(self.store.get(key).decode())
+        return seen
+
+    def pending_joins(self, admitted: int) -> int:
+        """The join tickets taken so far, as the leader read them (a collective: every
+        member gets the same count, so all take the joiners at the same step)."""
+        count = torch.tensor([self.store.add(JOINS_KEY, 0) if self.is_leader else 0], dtype=torch.int64)
+        dist.broadcast(count, src=0)
+        return max(int(count.item()), admitted)
+
+    def grow(self, admitted: int, tickets: int) -> tuple[int, tuple[int, ...]] | None:
+        """The next generation with the joiners of tickets `admitted+1 .. tickets`: the
+        leader offers it (compare-and-set) and admits them; the others read it. None when
+        the leader went silent before offering it (the caller then re-forms as after a
+        failure) or the list leaves this process out."""
+        self.leave()
+        generation = self.generation + 1
+        members_key = f"gen{generation}/members"
+        if self.is_leader:
+            joiners = [int(self.store.get(f"join/{n}").decode()) for n in range(admitted + 1, tickets + 1)]
+            self.store.compare_set(members_key, "", format_members((*self.members, *joiners)))
+            for n in range(admitted + 1, tickets + 1):
+                self.store.set(f"admit/{n}", str(generation))
+        leader = self.members[0]
+        while not self.store.check([members_key]):
+            if self.clock() - self._last_seen((leader,)).get(leader, float("-inf")) >= self.stale_s:
+                return None
+            time.sleep(POLL_S)
+        members = parse_members(self.store.get(members_key).decode())
+        return (generation, members) if self.slot in members else None
+
+    def request_join(self) -> tuple[int, tuple[int, ...]] | None:
+        """Take a ticket and wait to be admitted: (generation, members), or None when the
+        run ended meanwhile.
+
+        Raises:
+            DistributedError: not admitted within the timeout.
+        """
+        ticket = self.store.add(JOINS_KEY, 1)
+        self.store.set(f"join/{ticket}", str(self.slot))
+        logger.info("slot %d asks to join the running group (ticket %d)", self.slot, ticket)
+        deadline = self.clock() + self.timeout_s
+        admit_key = f"admit/{ticket}"
+        while not self.store.check([admit_key]):
+            if self.store.check([DONE_KEY]):
+                return None
+            if self.clock() > deadline:
+                raise DistributedError(f"slot {self.slot} was not taken back into the group within "
+                                       f"{self.timeout_s:g}s (ddp.timeout_s)")
+            time.sleep(POLL_S)
+        generation = int(self.store.get(admit_key).decode())
+        return generation, parse_members(self.store.get(f"gen{generation}/members").decode())
+
+    def finish(self) -> None:
+        """The run is over: a rank still waiting to join leaves."""
+        self.store.set(DONE_KEY, "1")

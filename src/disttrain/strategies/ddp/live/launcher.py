@@ -1,0 +1,222 @@
+"""`disttrain ddp --ddp-recovery live`: the launcher starts the ranks itself (no elastic
+agent), hosts the store they agree through, and starts a dead rank again, which then
+joins the running group (`rank`).
+
+The store lives in this process, so it outlives every rank. Each rank is a child
+process (`python -m disttrain.torchrun --rank R [--attempt A]`) under the supervisor,
+restarted up to `ddp.max_restarts` times; the store's address reaches the ranks in
+their environment (`LIVE_STORE_ENV`). The run ends when every rank has finished. The
+summary gains the launcher's view: each rank's process ids in order, and for each
+recovery the seconds from the death of a process to its detection, to the re-formed
+group training again, and (a rejoin) from the restart to the group training with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from disttrain.config import Config
+from disttrain.coordinator.supervisor import Managed, Supervisor
+from disttrain.core.auth import TOKEN_ENV
+from disttrain.core.errors import ConfigError, DistributedError
+from disttrain.core.process_spec import RANK_ENTRY, ProcessSpec
+from disttrain.core.processes import Cluster, thread_count
+from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
+from disttrain.strategies.ddp.coordination import run_coordinator
+from disttrain.strategies.ddp.heartbeats import node_id
+from disttrain.strategies.ddp.live.group import mark_dead
+from disttrain.training.options import RunOptions
+
+logger = logging.getLogger(__name__)
+
+LIVE_STORE_ENV = "DISTTRAIN_LIVE_STORE"  # HOST:PORT of the launcher's store, for the ranks
+STORE_HOST = "127.0.0.1"
+EVENT_WAIT_S = 1.0
+
+
+def live_problems(config: Config, resume: bool) -> list[str]:
+    """What live recovery does not offer yet, each with the way out."""
+    training, ddp = config.training, config.ddp
+    rules = [
+        (config.compression.enabled, "compression.enabled: gradient compression"),
+        (training.local_update_mode, "training.sync_every: local updates"),
+        (config.system.balance != "none", f"system.balance: {config.system.balance} batches"),
+        (ddp.grad_accumulation_steps > 1, "ddp.grad_accumulation_steps: gradient accumulation"),
+        (training.precision != "none", f"training.precision: {training.precision}"),
+        (training.loader_workers > 0, "training.loader_workers: loader workers"),
+        (ddp.backend == "nccl", "ddp.backend: nccl (live groups are gloo, on the CPU)"),
+        (ddp.lr_scaling != "none", "ddp.lr_scaling: linear"),
+        (resume, "--resume (live runs keep no checkpoints yet)"),
+    ]
+    return [f"{what} is not offered with ddp.recovery live; leave it out or use ddp.recovery restart"
+            for broken, what in rules if broken]
+
+
+def rank_spec(config_path: Path, summary_path: Path, options: RunOptions, slot: int,
+              attempt: int) -> ProcessSpec:
+    """Slot `slot`'s process on its `attempt`-th start (> 0: it joins the running group)."""
+    return ProcessSpec("", entry=RANK_ENTRY, config=config_path, summary_json=summary_path,
+                       quiet_summary=True, faults=options.faults, verbose=options.verbose,
+                       tls=options.tls, rank=slot, attempt=attempt)
+
+
+@dataclass
+class RankProcesses:
+    """What the launcher saw of each slot: its process ids and start times, and when each
+    process died (wall-clock seconds)."""
+
+    pids: dict[int, list[int]] = field(default_factory=dict)
+    started_at: dict[int, list[float]] = field(default_factory=dict)
+    deaths: list[tuple[float, int]] = field(default_factory=list)  # (when, slot)
+
+    def started(self, slot: int, pid: int) -> None:
+        self.pids.setdefault(slot, []).append(pid)
+        self.started_at.setdefault(slot, []).append(time.time())
+
+    def summary_fields(self, recoveries: list[dict[str, Any]]) -> dict[str, Any]:
+        """`rank_pids`, and each recovery with its seconds (see `recovery_times`)."""
+        timed = [recovery_times(r, self.deaths, self.started_at) for r in recoveries]
+        shrinks = [r for r in timed if r["kind"] == "shrink"]
+        grows = [r for r in timed if r["kind"] == "grow"]
+        return {"rank_pids": {str(slot): pids for slot, pids in sorted(self.pids.items())},
+                "live_recoveries": timed, "num_rejoins": len(grows),
+                "live_detect_s": max((r["detect_s"] for r in shrinks if r.get("detect_s") is not None),
+                                     default=None),
+                "live_reform_s": max((r["reform_s"] for r in shrinks), default=None),
+                "live_resume_s": max((r["resume_s"] for r in shrinks if r.get("resume_s") is not None),
+                                     default=None),
+                "live_rejoin_s": max((r["rejoin_s"] for r in grows if r.get("rejoin_s") is not None),
+                                     default=None)}
+
+
+def recovery_times(recovery: dict[str, Any], deaths: list[tuple[float, int]],
+                   started_at: dict[int, list[float]]) -> dict[str, Any]:
+    """A recovery with its seconds. A shrink: `detect_s` (the death of the latest process
+    that died before the group trained again, to the survivors noticing; 0 when they
+    noticed before the launcher saw the exit), `reform_s` (noticing to training again)
+    and `resume_s` (the death to training again). A grow: `rejoin_s` (the latest restart
+    of a member before it, to the group training with it) and `reform_s`."""
+    timed = dict(recovery)
+    failed_at, resumed_at = recovery["failed_at"], recovery["resumed_at"]
+    timed["reform_s"] = resumed_at - failed_at
+    if recovery["kind"] == "shrink":
+        before = [when for when, _ in deaths if when <= resumed_at]
+        timed["detect_s"] = max(0.0, failed_at - max(before)) if before else None
+        timed["resume_s"] = resumed_at - max(before) if before else None
+    else:
+        starts = [when for slot in recovery["members"] for when in started_at.get(slot, [])[1:]
+                  if when <= resumed_at]
+        timed["rejoin_s"] = resumed_at - max(starts) if starts else None
+    return timed
+
+
+def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary:
+    """Run the ranks with live recovery; return the summary.
+
+    Args:
+        preflight: the DDP launcher's checks (`launcher.preflight`).
+    Raises:
+        ConfigError: a setting live recovery does not offer, or bad input found by a rank.
+        DistributedError: a rank failed more than `ddp.max_restarts` times.
+    """
+    started = time.perf_counter()
+    problems = live_problems(config, options.resume)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    preflight(config, options.resume)
+    world_size, log_dir = config.system.num_workers, Path(config.system.log_dir)
+    store = dist.TCPStore(STORE_HOST, 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=config.ddp.timeout_s))
+    processes = RankProcesses()
+    with tempfile.TemporaryDirectory(prefix="disttrain-ddp-live-") as folder:
+        config_path, summary_path = Path(folder) / "config.yaml", Path(folder) / SUMMARY_FILE
+        config.save(config_path)
+        with run_coordinator(config, config_path, False, options.token, options.tls,
+                             options.faults) as coordinator:
+            coordinator.config.save(config_path)
+            env = {LIVE_STORE_ENV: f"{STORE_HOST}:{store.port}",
+                   "OMP_NUM_THREADS": str(thread_count(config.system.num_threads, world_size))}
+            if coordinator.token is not None:
+                env[TOKEN_ENV] = coordinator.token
+            logger.info("starting %d rank(s) with live recovery (store %s:%d), up to %d restart(s) each",
+                        world_size, STORE_HOST, store.port, config.ddp.max_restarts)
+            try:
+                with Cluster(log_dir, env=env) as cluster:
+                    supervise(cluster, config, options, (config_path, summary_path), processes, store)
+            except (ConfigError, DistributedError) as e:
+                coordinator.stopped(str(e).splitlines()[0])
+                raise
+            coordinator.finished()
+        if not summary_path.is_file():
+            raise DistributedError("the ranks finished but the last leader wrote no summary; see "
+                                   f"{log_dir}/rank*.log")
+        summary = RunSummary.read(summary_path)
+    summary.extra.update(processes.summary_fields(summary.extra.get("live_recoveries", [])))
+    summary.total_time_s = time.perf_counter() - started
+    summary.write(log_dir)
+    return summary
+
+
+def supervise(cluster: Cluster, config: Config, options: RunOptions, paths: tuple[Path, Path],
+              processes: RankProcesses, store: dist.Store) -> None:
+    """Start every rank, restart each that dies (up to `ddp.max_restarts`; past that the
+    others finish without it), until all have ended; a death is marked in `store` at once
+    (`group.mark_dead`).
+
+    Args:
+        paths: the config the ranks read, and where the last leader writes the summary.
+
+    Raises:
+        ConfigError: a rank refused its input (exit code 2): restarting would not help.
+    """
+    config_path, summary_path = paths
+    supervisor = Supervisor(cluster, config.ddp.max_restarts)
+    for slot in range(config.system.num_workers):
+        supervisor.start(Managed(f"rank{slot}", node_id(slot), lambda attempt, s=slot: rank_spec(
+            config_path, summary_path, options, s, attempt)))
+        processes.started(slot, cluster.children[f"rank{slot}"].process.pid)
+    while not all(p.finished for p in supervisor.processes.values()):
+        event = cluster.next_event(EVENT_WAIT_S)
+        if event is None or event.kind != "exit" or event.child not in supervisor.processes:
+            continue
+        code, slot = int(event.fields["code"]), int(event.child.removeprefix("rank"))
+        if code == ConfigError.exit_code:
+            raise ConfigError(f"rank {slot}: {cluster.children[event.child].tail(1)}")
+        if code != 0:
+            mark_dead(store, slot)
+            processes.deaths.append((time.time(), slot))
+            reason = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            logger.warning("rank %d %s; the others go on without it", slot, reason)
+            managed = supervisor.processes[event.child]
+            if managed.attempts >= config.ddp.max_restarts:  # the survivors finish the run alone
+                logger.warning("rank %d is not started again (ddp.max_restarts=%d)", slot,
+                               config.ddp.max_restarts)
+                managed.finished = True
+                continue
+        if supervisor.exited(event.child, code):
+            processes.started(slot, cluster.children[event.child].process.pid)
+
+
+def store_address(value: str) -> tuple[str, int]:
+    """(host, port) of `LIVE_STORE_ENV`'s HOST:PORT.
+
+    Raises:
+        DistributedError: not HOST:PORT.
+    """
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise DistributedError(f"{LIVE_STORE_ENV}={value!r} is not HOST:PORT; a live rank is started by "
+                               "`disttrain ddp --ddp-recovery live`")
+    return host, int(port)
+
+
+__all__ = ["LIVE_STORE_ENV", "launch_live", "store_address"]

@@ -1,0 +1,112 @@
+"""The pure rules of live recovery: when the survivors of a generation have all spoken,
+who the next generation's members are, how a global batch splits over them, and whose
+state they all take.
+
+A *generation* is one process group. Its members are *slots* (the ranks the run was
+started with, 0 to N-1, each kept by one process at a time); a member's rank in the
+group is its place among the sorted members, so the lowest slot leads. Nothing here
+touches a store, a socket or a clock: the I/O shell (`group`) reads them and passes
+them in, so tests step time by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+
+def format_members(members: Iterable[int]) -> str:
+    """`0,2,3`: how a member list is written in the store."""
+    return ",".join(str(slot) for slot in sorted(set(members)))
+
+
+def parse_members(text: str) -> tuple[int, ...]:
+    """The member list `format_members` wrote.
+
+    Raises:
+        ValueError: not a comma-separated list of slots.
+    """
+    return tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+
+
+def settled(now: float, started: float, previous: Sequence[int], proposed: Iterable[int],
+            last_seen: Mapping[int, float], stale_s: float, window_s: float) -> bool:
+    """Whether the survivors of a failed generation may fix the next one's members.
+
+    Every member of the previous generation has either proposed itself for the next one,
+    or has been silent (no liveness beat) for `stale_s` and counts as dead. After
+    `window_s` from `started` the survivors go on with whoever proposed by then (a member
+    alive but stuck is left out; it joins again later).
+
+    Args:
+        now, started: the clock now and when this survivor began to settle.
+        previous: the members of the generation that failed.
+        proposed: the slots that proposed themselves for the next generation.
+        last_seen: each slot's latest liveness beat (absent: never seen).
+    """
+    if now - started >= window_s:
+        return True
+    proposed = set(proposed)
+    return all(slot in proposed or now - last_seen.get(slot, float("-inf")) >= stale_s
+               for slot in previous)
+
+
+def next_members(previous: Sequence[int], proposed: Iterable[int],
+                 joiners: Iterable[int] = ()) -> tuple[int, ...]:
+    """The next generation: the previous members that proposed themselves, and the joiners.
+
+    Raises:
+        ValueError: nobody is left.
+    """
+    members = ({slot for slot in proposed if slot in set(previous)}) | set(joiners)
+    if not members:
+        raise ValueError("no member is left to form the next generation")
+    return tuple(sorted(members))
+
+
+def group_rank(members: Sequence[int], slot: int) -> int:
+    """`slot`'s rank in the group of `members` (its place among them, sorted).
+
+    Raises:
+        ValueError: `slot` is not a member.
+    """
+    ordered = sorted(members)
+    if slot not in ordered:
+        raise ValueError(f"slot {slot} is not among the members {ordered}")
+    return ordered.index(slot)
+
+
+def split_batch(global_batch: int, num_ranks: int) -> tuple[int, ...]:
+    """Each rank's piece of a global batch, as even as it goes (the first ones one larger).
+
+    Raises:
+        ValueError: fewer samples than ranks, or no ranks.
+    """
+    if num_ranks < 1 or global_batch < num_ranks:
+        raise ValueError(f"a global batch of {global_batch} cannot be split over {num_ranks} ranks")
+    base, extra = divmod(global_batch, num_ranks)
+    return tuple(base + (1 if rank < extra else 0) for rank in range(num_ranks))
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one member of a new generation brings: whether it holds training state (a
+    joiner does not) and how far that state is (steps applied, evaluations made)."""
+
+    has_state: bool
+    step: int = 0
+    evaluations: int = 0
+
+
+def choose_source(holdings: Sequence[Holding]) -> int:
+    """The group rank every member takes its state from: the furthest holder (a survivor
+    that finished the failed step's all-reduce has applied it; its peers that did not
+    take its state, so the step is neither lost nor applied twice), the lowest on a tie.
+
+    Raises:
+        ValueError: no member holds state (every holder died: the run cannot go on).
+    """
+    holders = [(h.step, h.evaluations, -rank) for rank, h in enumerate(holdings) if h.has_state]
+    if not holders:
+        raise ValueError("no member of the group holds training state")
+    return -max(holders)[2]

@@ -1,0 +1,259 @@
+"""One rank of a live-recovery DDP run: train in the current generation's group; when a
+peer is lost, re-form with the survivors and go on from the furthest survivor's state;
+at each step boundary, take back ranks that ask to join.
+
+    form the group -> sync state from the furthest holder -> train until done / joiners
+         ^                                                        |
+         +--- re-form among survivors (a collective failed) <-----+--- grow (joiners)
+
+A rank started again by the launcher (`attempt` > 0) holds no state: it asks to join,
+and its first generation hands it the weights, optimizer and position of a live peer.
+Rank 0 of the last generation writes the final model and the summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from disttrain.config import Config
+from disttrain.core import checkpoint as ckpt
+from disttrain.core import object_store
+from disttrain.core.errors import DistributedError
+from disttrain.core.faults import FaultInjector
+from disttrain.metrics.logger import MetricsLogger
+from disttrain.metrics.summary import RunSummary
+from disttrain.strategies.ddp.heartbeats import LoopProgress
+from disttrain.strategies.ddp.live.group import Beats, LiveGroup, connect
+from disttrain.strategies.ddp.live.membership import Holding, choose_source
+from disttrain.strategies.ddp.live.state import share_state
+from disttrain.strategies.ddp.live.trainer import LiveTrainer
+from disttrain.strategies.ddp.runtime import is_peer_loss
+from disttrain.training.options import RunOptions
+
+logger = logging.getLogger(__name__)
+
+FINAL_MODEL = "ddp_final.pt"
+TIMEOUT_SIGNS = ("Timed out", "timed out", "Timeout", "timeout")
+
+
+def is_lost_peer(error: BaseException) -> bool:
+    """A collective failed because a member died or stalled past the timeout."""
+    return is_peer_loss(error) or any(sign in str(error) for sign in TIMEOUT_SIGNS)
+
+
+class LiveRank:
+    """The generations of one rank process; `run()` once.
+
+    Args:
+        config: the run's config.
+        slot: this process's rank in the run as started.
+        attempt: how often the launcher started this slot before (> 0: a joiner).
+        store_address: (host, port) of the launcher's store.
+        options: the run's options (faults, summary).
+        progress: what the coordinator's heartbeats read (updated after each step).
+    """
+
+    def __init__(self, config: Config, slot: int, attempt: int, store_address: tuple[str, int],
+                 options: RunOptions, progress: LoopProgress):
+        self.config, self.slot, self.attempt = config, slot, attempt
+        coordinator, timeout_s = config.coordinator, config.ddp.timeout_s
+        self.group = LiveGroup(connect(*store_address, timeout_s), slot, timeout_s,
+                               stale_s=coordinator.heartbeat_timeout,
+                               window_s=2 * coordinator.heartbeat_timeout)
+        self.beats = Beats(connect(*store_address, timeout_s), slot, coordinator.heartbeat_interval)
+        self.trainer = LiveTrainer(config, slot)
+        self.faults = FaultInjector(options.faults, "rank", slot, attempt)
+        self.heartbeat_progress = progress
+        self.metrics: MetricsLogger | None = None
+        self.pending: dict[str, Any] | None = None  # the recovery being made, recorded once synced
+
+    def run(self) -> RunSummary | None:
+        """Train to the end with whoever is alive; the last leader returns the summary.
+
+        Raises:
+            DistributedError: every state holder was lost, or joining timed out.
+        """
+        try:
+            if self.attempt == 0:
+                generation, members = 0, tuple(range(self.config.system.num_workers))
+            else:
+                self.trainer.drop_state()
+                joined = self._join()
+                if joined is None:
+                    return None
+                generation, members = joined
+            while True:
+                try:
+                    self.group.form(generation, members)
+                    self.beats.start()  # a member now: its peers watch its beats
+                    self._sync()
+                    admitted = self.trainer.progress.admitted
+                    tickets = self._train()
+                    if tickets is None:
+                        return self._finish()
+                    self.pending = {"kind": "grow", "failed_at": time.time()}
+                    self.trainer.detach()
+                    grown = self.group.grow(admitted, tickets)
+                    if grown is not None:
+                        generation, members = grown
+                        continue
+                    lost = "the group's leader was lost while taking a rank back"
+                except (RuntimeError, dist.DistError) as e:
+                    if not is_lost_peer(e):
+                        raise
+                    lost = _first_line(e)
+                # Out of the except block: the traceback (whose frames hold the failed group)
+                # is gone, so leaving the group closes its sockets.
+                joined = self._recover(lost)
+                if joined is None:
+                    return None
+                generation, members = joined
+        finally:
+            self.beats.stop()
+            if self.metrics is not None:
+                self.metrics.close()
+
+    def _join(self) -> tuple[int, tuple[int, ...]] | None:
+        self.pending = {"kind": "grow", "failed_at": time.time()}
+        return self.group.request_join()
+
+    def _recover(self, reason: str) -> tuple[int, tuple[int, ...]] | None:
+        detected = time.time()
+        logger.warning("slot %d lost a peer in generation %d (%s); re-forming with the survivors",
+                       self.slot, self.group.generation, reason)
+        self.trainer.detach()
+        self.pending = {"kind": "shrink", "failed_at": detected}
+        joined = self.group.after_failure()
+        if joined is None:
+            self.trainer.drop_state()
+            return self._join()
+        return joined
+
+    def _sync(self) -> None:
+        """Everyone takes the furthest holder's state; record the recovery that led here."""
+        group, trainer = self.group, self.trainer
+        p = trainer.progress
+        mine = torch.tensor([int(trainer.has_state), p.step, len(p.evaluations)], dtype=torch.int64)
+        gathered = [torch.zeros_like(mine) for _ in range(group.world_size)]
+        dist.all_gather(gathered, mine)
+        source = choose_source([Holding(bool(t[0]), int(t[1]), int(t[2])) for t in gathered])
+        state = share_state(trainer.state_dict() if group.rank == source else None, source, group.rank,
+                            group.store, f"gen{group.generation}/state", group.timeout_s)
+        if group.rank != source:
+            trainer.load_state_dict(state)
+        pending, self.pending = self.pending, None
+        if pending is not None and group.is_leader:
+            trainer.progress.recoveries.append(self._recovery(pending))
+        trainer.attach(group.rank, group.world_size)
+        if self.metrics is None:
+            folder = os.path.join(self.config.system.log_dir, f"rank{self.slot}")
+            self.metrics = MetricsLogger(folder, resume_step=p.step if self.attempt else None)
+        logger.info("generation %d trains from step %d (epoch %d, batch %d) on %d rank(s)",
+                    group.generation, trainer.progress.step, trainer.progress.epoch,
+                    trainer.progress.index, group.world_size)
+
+    def _recovery(self, pending: dict[str, Any]) -> dict[str, Any]:
+        """One recovery as the summary lists it (wall-clock times; the launcher adds when the
+        process died)."""
+        return {"kind": pending["kind"], "generation": self.group.generation,
+                "members": list(self.group.members), "failed_at": pending["failed_at"],
+                "resumed_at": time.time(), "step": self.trainer.progress.step}
+
+    def _train(self) -> int | None:
+        """Train this generation until the run ends (None) or joiners wait (their tickets)."""
+        trainer, group = self.trainer, self.group
+        p = trainer.progress
+        log_interval = self.config.training.log_interval
+        loss_sum, correct, samples = 0.0, 0, 0
+        while not trainer.finished:
+            while not trainer.epoch_done:
+                tickets = group.pending_joins(p.admitted)
+                if tickets > p.admitted:  # every member sees the same count: all go to grow
+                    p.admitted = tickets
+                    return tickets
+                result = trainer.step()
+                loss_sum += result.loss * result.num_samples
+                correct, samples = correct + result.num_correct, samples + result.num_samples
+                self._report()
+                if p.step % log_interval == 0 and samples:
+                    self._log({"loss/train": loss_sum / samples, "accuracy/train": correct / samples})
+                    loss_sum, correct, samples = 0.0, 0, 0
+                # A straggler slows its whole step, its waits for peers included.
+                self.faults.at_step(p.step, train_time_s=trainer.train_time_s())
+            epoch = p.epoch
+            evaluation = trainer.evaluate(group.rank, group.world_size)
+            self._log({"loss/test": evaluation.loss, "accuracy/test": evaluation.accuracy}, epoch)
+            if group.is_leader:
+                logger.info("epoch %d: test accuracy %.4f, test loss %.4f", epoch, evaluation.accuracy,
+                            evaluation.loss)
+        return None
+
+    def _log(self, scalars: dict[str, float], epoch: int | None = None) -> None:
+        p = self.trainer.progress
+        assert self.metrics is not None
+        self.metrics.log(p.step, min(p.epoch if epoch is None else epoch, self.trainer.num_epochs - 1),
+                         {**scalars, "progress/train_time_s": self.trainer.train_time_s()})
+
+    def _report(self) -> None:
+        p, position = self.trainer.progress, self.heartbeat_progress.position
+        position.epoch, position.step = p.epoch, p.step
+        position.samples_processed = self.trainer.samples_trained
+
+    def _finish(self) -> RunSummary | None:
+        """The run is over: every member's process id, then the leader writes the results."""
+        group, trainer = self.group, self.trainer
+        pids = torch.zeros(self.config.system.num_workers, dtype=torch.int64)
+        pids[self.slot] = os.getpid()
+        dist.all_reduce(pids)
+        trained = torch.tensor([trainer.samples_trained, trainer.samples_redone], dtype=torch.int64)
+        dist.all_reduce(trained)
+        group.finish()
+        dist.barrier()
+        group.leave()
+        self.heartbeat_progress.position.train_time_s = trainer.train_time_s()
+        if not group.is_leader:
+            return None
+        return self._summary({str(slot): int(pid) for slot, pid in enumerate(pids.tolist()) if pid},
+                             *(int(n) for n in trained.tolist()))
+
+    def _summary(self, pids: dict[str, int], samples_trained: int, samples_redone: int) -> RunSummary:
+        config, trainer = self.config, self.trainer
+        p = trainer.progress
+        ckpt.save_final_model(object_store.join(config.system.checkpoint_dir, FINAL_MODEL),
+                              trainer.module.state_dict(), config)
+        applied, lost, twice = trainer.ledger_totals()
+        _, accuracy, loss = p.evaluations[-1]
+        return RunSummary.create(
+            strategy="ddp", config=config, final_accuracy=accuracy, final_loss=loss,
+            total_time_s=trainer.train_time_s(), train_time_s=trainer.train_time_s(),
+            samples_processed=applied, steps=p.step, world_size=config.system.num_workers,
+            evaluations=[(t, a) for t, a, _ in p.evaluations],
+            extra={"backend": "gloo", "device": "cpu", "learning_rate": config.training.learning_rate,
+                   "ddp_recovery": "live", "samples_applied": applied, "samples_lost": lost,
+                   "samples_applied_twice": twice, "samples_redone": samples_redone,
+                   "samples_trained": samples_trained,
+                   "final_pids": pids, "live_recoveries": p.recoveries})
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:200]
+
+
+def run_live_rank(config: Config, slot: int, attempt: int, store_address: tuple[str, int],
+                  options: RunOptions, progress: LoopProgress) -> RunSummary | None:
+    """Run one live rank to the end (see `LiveRank`).
+
+    Raises:
+        DistributedError: the run cannot go on (no state holder left, or not admitted).
+    """
+    try:
+        return LiveRank(config, slot, attempt, store_address, options, progress).run()
+    except ValueError as e:  # choose_source: every holder is gone
+        raise DistributedError(f"slot {slot}: {e}; the run cannot go on") from e

@@ -1,0 +1,212 @@
+"""What a live rank trains, and the state its group hands over: model, optimizer and
+schedule, the position in the run, the data ledger, the evaluations and the recoveries.
+
+A live group averages gradients itself, one flat all-reduce per step after backward,
+rather than through torch's DDP wrapper: the wrapper's reducer keeps its process group
+alive (a reference cycle through C++) after the group is destroyed, and a survivor
+blocked in a collective with a peer that already left then waits for the group timeout
+instead of failing at once when the peer's sockets close. Without it, leaving a group
+closes its sockets, and the survivors notice one another's departure at once.
+
+The global batches are fixed (`batch_size` x the run's world size, cut from each epoch's
+permutation as the planned sampler cuts them); each generation splits them evenly over
+its members. A step's gradient is that of its whole global batch whatever the split (each
+member's loss is weighted by its share), so a step redone by fewer ranks after a failure
+trains on the same samples. The ledger counts, per epoch and global batch, the updates
+applied from it: 1 everywhere at the end means nothing lost and nothing twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from disttrain.config import Config
+from disttrain.data import PlannedSampler, load_datasets
+from disttrain.strategies.ddp.live.membership import split_batch
+from disttrain.strategies.ddp.reduce import evaluate_sharded
+from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward
+from disttrain.training.models import init_model
+from disttrain.training.seeding import seed_training
+from disttrain.training.stepping import OptimizerStep
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    """Where the run stands, the same on every member of a generation once synced."""
+
+    epoch: int = 0
+    index: int = 0  # global batches of this epoch applied
+    step: int = 0
+    train_time_s: float = 0.0
+    admitted: int = 0  # join tickets taken care of
+    evaluations: list[list[float]] = field(default_factory=list)  # [train_time_s, accuracy, loss]
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "index": self.index, "step": self.step,
+                "train_time_s": self.train_time_s, "admitted": self.admitted,
+                "evaluations": self.evaluations, "recoveries": self.recoveries}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.index, self.step = int(state["epoch"]), int(state["index"]), int(state["step"])
+        self.train_time_s, self.admitted = float(state["train_time_s"]), int(state["admitted"])
+        self.evaluations = [list(e) for e in state["evaluations"]]
+        self.recoveries = [dict(r) for r in state["recoveries"]]
+
+
+class LiveTrainer:
+    """One live rank's model, optimizer and data, and the run's progress and ledger.
+
+    Args:
+        config: the run's config (one process of `system.num_workers`).
+        slot: this process's rank in the run as started (its training seed).
+    """
+
+    def __init__(self, config: Config, slot: int):
+        training = config.training
+        self.config, self.slot = config, slot
+        self.train_set, self.test_set = load_datasets(training)
+        self.module = init_model(training)
+        seed_training(training.seed, slot)
+        self.optimizer = build_optimizer(self.module.parameters(), training, training.learning_rate)
+        self.stepper = OptimizerStep(self.optimizer, training)
+        self.global_batch = training.batch_size * config.system.num_workers
+        self.steps_per_epoch = len(self.train_set) // self.global_batch
+        self.num_epochs = training.num_epochs
+        self.progress = Progress()
+        self.ledger = torch.zeros(self.num_epochs, self.steps_per_epoch, dtype=torch.int32)
+        self.has_state = True
+        self.sampler: PlannedSampler | None = None
+        self.samples_trained = 0  # by this process, failed steps included
+        self.samples_redone = 0  # of steps whose all-reduce failed here (the group redoes them)
+        self._in_flight = 0
+        self._clock_from = time.perf_counter()
+
+    @property
+    def finished(self) -> bool:
+        return self.progress.epoch >= self.num_epochs
+
+    @property
+    def epoch_done(self) -> bool:
+        return self.progress.index >= self.steps_per_epoch
+
+    def train_time_s(self) -> float:
+        return self.progress.train_time_s + time.perf_counter() - self._clock_from
+
+    def state_dict(self) -> dict[str, Any]:
+        self.progress.train_time_s = self.train_time_s()
+        self._clock_from = time.perf_counter()
+        return {"model": self.module.state_dict(), **self.stepper.state_dict(),
+                "progress": self.progress.state_dict(), "ledger": self.ledger}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a peer's state (the optimizer's is built from scratch, so a joiner that never
+        stepped takes the same as a survivor)."""
+        self.module.load_state_dict(state["model"])
+        self.optimizer.state.clear()
+        self.stepper.load_state_dict(state)
+        self.progress.load_state_dict(state["progress"])
+        self.ledger = state["ledger"].clone()
+        self._clock_from = time.perf_counter()
+        self.has_state = True
+
+    def drop_state(self) -> None:
+        """Left out of a generation: this process's state is no longer the run's."""
+        self.has_state = False
+
+    def attach(self, rank: int, world_size: int) -> None:
+        """Split the global batches over this generation's group (call once the state is synced)."""
+        shares = split_batch(self.global_batch, world_size)
+        self.sampler = PlannedSampler(len(self.train_set), world_size=world_size, rank=rank,
+                                      seed=self.config.training.seed, shares=shares)
+        self.world_size = world_size
+
+    def detach(self) -> None:
+        """This generation's group is gone: a step cut short by it will be redone."""
+        self.sampler = None
+        self.samples_redone += self._in_flight
+        self._in_flight = 0
+
+    def step(self) -> StepResult:
+        """Train on this member's piece of the next global batch; all-reduce; apply.
+
+        Raises:
+            RuntimeError, dist.DistError: a peer was lost in the all-reduce (nothing applied).
+        """
+        assert self.sampler is not None, "attach() first"
+        p = self.progress
+        indices = self.sampler.block(p.epoch, p.index)
+        self.optimizer.zero_grad(set_to_none=True)
+        inputs, targets = self.train_set.batch(indices)
+        broadcast_buffers(self.module)
+        weight = self.world_size * len(indices) / self.global_batch
+        self.samples_trained += len(indices)
+        self._in_flight = len(indices)
+        result = forward_backward(self.module, inputs, targets, weight)
+        average_gradients(list(self.module.parameters()), self.world_size)
+        self._in_flight = 0
+        self.stepper.step()
+        self.ledger[p.epoch, p.index] += 1
+        p.index += 1
+        p.step += 1
+        return result
+
+    def evaluate(self, rank: int, world_size: int) -> EvalResult:
+        """The epoch-end evaluation (a collective), recorded; then the next epoch begins."""
+        training = self.config.training
+        started = time.perf_counter()
+        result = evaluate_sharded(self.module, self.test_set, training.eval_batch_size, rank,
+                                  world_size, torch.device("cpu"))
+        self._clock_from += time.perf_counter() - started  # the training clock stops during evaluation
+        p = self.progress
+        p.evaluations.append([self.train_time_s(), result.accuracy, result.loss])
+        p.epoch, p.index = p.epoch + 1, 0
+        return result
+
+    def ledger_totals(self) -> tuple[int, int, int]:
+        """(samples applied, samples of global batches never applied, samples applied more
+        than once), from the ledger."""
+        applied = int(self.ledger.sum()) * self.global_batch
+        lost = int((self.ledger == 0).sum()) * self.global_batch
+        twice = int((self.ledger - 1).clamp(min=0).sum()) * self.global_batch
+        return applied, lost, twice
+
+
+def average_gradients(params: list[torch.nn.Parameter], world_size: int) -> None:
+    """Average `.grad` over the group: one all-reduce of every gradient in one flat buffer
+    (a parameter without a gradient counts as zeros, so every rank sends the same layout).
+
+    Raises:
+        RuntimeError, dist.DistError: a peer was lost (the gradients are then unusable).
+    """
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world_size
+    offset = 0
+    for param, grad in zip(params, grads, strict=True):
+        size = grad.numel()
+        param.grad = flat[offset:offset + size].view_as(param)
+        offset += size
+
+
+def broadcast_buffers(module: torch.nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics) on every rank, as DDP does before
+    each forward; nothing for a model without buffers."""
+    buffers = [b for b in module.buffers() if b.is_floating_point()]
+    if not buffers:
+        return
+    flat = torch.cat([b.reshape(-1) for b in buffers])
+    dist.broadcast(flat, src=0)
+    offset = 0
+    for buffer in buffers:
+        buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
+        offset += buffer.numel()

@@ -1,0 +1,114 @@
+"""A live group's generations with real processes and a real TCPStore: three ranks form
+generation 0; one process dies; the survivors notice in their next collective, settle on
+the members left (the dead one's beats go stale) and all-reduce in generation 1; a new
+process of the dead rank asks to join, the survivors see its ticket at a step boundary,
+grow to generation 2 with it, and hand it their state by broadcast."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from disttrain.strategies.ddp.live.group import Beats, LiveGroup, connect
+from disttrain.strategies.ddp.live.state import share_state
+
+TIMEOUT_S = 30.0
+STALE_S = 1.0
+
+
+def total(group: LiveGroup) -> int:
+    ones = torch.ones(1)
+    dist.all_reduce(ones)
+    return int(ones.item())
+
+
+def survivor(slot: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    group = LiveGroup(connect("127.0.0.1", port, TIMEOUT_S), slot, TIMEOUT_S, STALE_S, window_s=10.0)
+    beats = Beats(connect("127.0.0.1", port, TIMEOUT_S), slot, interval_s=0.1)
+    group.form(0, (0, 1, 2))
+    beats.start()
+    record: dict = {"pid": os.getpid(), "gen0": total(group)}
+    if slot == 1:
+        beats.stop()
+        os._exit(1)  # dies between two collectives
+    try:
+        total(group)
+        record["error"] = None
+    except (RuntimeError, dist.DistError) as e:
+        record["error"] = type(e).__name__
+    started = time.monotonic()
+    record["next"] = group.after_failure()
+    record["settle_s"] = time.monotonic() - started
+    group.form(*record["next"])
+    record["gen1"] = total(group)
+    # Step boundaries until the rejoining rank's ticket shows (each one a broadcast).
+    deadline = time.monotonic() + TIMEOUT_S * 2
+    tickets = 0
+    while tickets == 0 and time.monotonic() < deadline:
+        tickets = group.pending_joins(0)
+    record["tickets"] = tickets
+    record["grown"] = group.grow(0, tickets)
+    group.form(*record["grown"])
+    state = {"weights": torch.arange(4, dtype=torch.float32) + 40, "step": 17} if group.rank == 0 else None
+    share_state(state, 0, group.rank, group.store, f"gen{group.generation}/state", TIMEOUT_S)
+    record["gen2"] = total(group)
+    record["pid_after"] = os.getpid()
+    group.finish()
+    dist.barrier()
+    group.leave()
+    beats.stop()
+    (Path(out_dir) / f"slot{slot}.json").write_text(json.dumps(record))
+    os._exit(0)
+
+
+def joiner(port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    group = LiveGroup(connect("127.0.0.1", port, TIMEOUT_S), 1, TIMEOUT_S, STALE_S, window_s=10.0)
+    admitted = group.request_join()
+    assert admitted is not None
+    group.form(*admitted)
+    state = share_state(None, 0, group.rank, group.store, f"gen{group.generation}/state", TIMEOUT_S)
+    record = {"admitted": admitted, "rank": group.rank, "weights": state["weights"].tolist(),
+              "step": state["step"], "gen2": total(group)}
+    dist.barrier()
+    group.leave()
+    (Path(out_dir) / "joiner.json").write_text(json.dumps(record))
+    os._exit(0)
+
+
+@pytest.mark.timeout(180)
+def test_survivors_reform_and_take_the_rank_back(tmp_path):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=TIMEOUT_S))
+    context = mp.get_context("spawn")
+    first = [context.Process(target=survivor, args=(slot, store.port, str(tmp_path))) for slot in range(3)]
+    for process in first:
+        process.start()
+    first[1].join(timeout=120)
+    assert first[1].exitcode == 1  # the dead rank
+    second = context.Process(target=joiner, args=(store.port, str(tmp_path)))
+    second.start()
+    for process in (first[0], first[2], second):
+        process.join(timeout=150)
+        assert process.exitcode == 0
+
+    survivors = [json.loads((tmp_path / f"slot{slot}.json").read_text()) for slot in (0, 2)]
+    for record in survivors:
+        assert record["gen0"] == 3 and record["error"] is not None  # the loss surfaced as an error
+        assert record["next"] == [1, [0, 2]] and record["gen1"] == 2
+        assert record["settle_s"] < 10.0  # the dead rank's beats went stale before the window
+        assert record["tickets"] == 1 and record["grown"] == [2, [0, 1, 2]] and record["gen2"] == 3
+        assert record["pid_after"] == record["pid"]
+    rejoined = json.loads((tmp_path / "joiner.json").read_text())
+    assert rejoined["admitted"] == [2, [0, 1, 2]] and rejoined["rank"] == 1
+    assert rejoined["weights"] == [40.0, 41.0, 42.0, 43.0] and rejoined["step"] == 17
+    assert rejoined["gen2"] == 3
