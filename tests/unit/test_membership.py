@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disttrain.coordinator.membership import MAX_METRICS, DuplicateNode, Membership, UnknownNode
+from disttrain.coordinator.membership import (
+    MAX_METRICS,
+    DuplicateNode,
+    Membership,
+    NodeTableFull,
+    UnknownNode,
+    WrongProcess,
+)
 from disttrain.coordinator.nodes import Recovery
 
 TIMEOUT_S = 5.0
@@ -72,7 +79,9 @@ def test_a_new_process_replaces_a_silent_one_before_it_is_detected(membership):
     node = membership.register("worker-0", "worker", now=TIMEOUT_S + 1, pid=2)
     assert (node.restarts, node.pid) == (1, 2)
     assert kinds(membership)[-2:] == [("worker-0", "failed"), ("worker-0", "restarted")]
-    assert membership.heartbeat("worker-0", now=TIMEOUT_S + 2, pid=1) is False  # the old process
+    with pytest.raises(WrongProcess, match="pid 1"):  # the old process: refused, it must stop
+        membership.heartbeat("worker-0", now=TIMEOUT_S + 2, pid=1)
+    assert (membership.get("worker-0").pid, membership.get("worker-0").last_heartbeat) == (2, None)
 
 
 def test_a_live_id_claimed_by_another_process_is_refused(membership):
@@ -251,7 +260,7 @@ def test_generation_never_decreases_and_counts_every_state_change(actions):
                 membership.exited(node_id, pid - 1, "", now=now)
             else:
                 membership.check(now)
-        except (DuplicateNode, UnknownNode):
+        except (DuplicateNode, UnknownNode, WrongProcess):
             pass
     events = membership.take_events()
     changes = [e for e in events if e.kind in ("joined", "failed", "restarted", "done")]

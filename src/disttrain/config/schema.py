@@ -264,6 +264,10 @@ class CoordinatorConfig:
     # so a restart (seconds) finds its own blocks still waiting.
     reassign_after: float | None = field(default=30.0, metadata=_rule(
         lambda v: v is None or v > 0, "must be > 0 seconds, or null (never reassign)"))
+    # Nodes the coordinator holds at most (every id ever registered counts until it is
+    # forgotten); past it the oldest ended nodes are forgotten, and a new id is refused
+    # when all are alive. Bounds its memory, its registry and its status answers.
+    max_nodes: int = field(default=1024, metadata=POSITIVE)
     # HOST:PORT of a running coordinator (`disttrain coordinator`); empty: `disttrain ps`
     # starts its own, and `ps-server` / `ps-worker` run without one.
     address: str = ""

@@ -56,6 +56,12 @@ class CoordinatorError(DisttrainError):
         register again."""
         return self.code == grpc.StatusCode.NOT_FOUND
 
+    @property
+    def wrong_process(self) -> bool:
+        """The coordinator holds the caller's node id for another process (it registered
+        again since): this process must stop."""
+        return self.code == grpc.StatusCode.FAILED_PRECONDITION
+
 
 class CoordinatorClient:
     """Calls to the coordinator at `address`, each with a deadline of `timeout_s`, each

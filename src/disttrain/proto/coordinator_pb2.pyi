@@ -108,14 +108,18 @@ class MetricsReply(_message.Message):
     def __init__(self) -> None: ...
 
 class ExitReport(_message.Message):
-    __slots__ = ("node_id", "exit_code", "reason")
+    __slots__ = ("node_id", "exit_code", "reason", "pid", "generation")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     exit_code: int
     reason: str
-    def __init__(self, node_id: _Optional[str] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    pid: int
+    generation: int
+    def __init__(self, node_id: _Optional[str] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ExitReply(_message.Message):
     __slots__ = ("known", "generation")
@@ -241,13 +245,15 @@ class Recovery(_message.Message):
     def __init__(self, time: _Optional[float] = ..., node_id: _Optional[str] = ..., reason: _Optional[str] = ..., detect_s: _Optional[float] = ..., recover_s: _Optional[float] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("generation", "nodes", "events", "recoveries")
+    __slots__ = ("generation", "nodes", "events", "recoveries", "omitted_nodes")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    OMITTED_NODES_FIELD_NUMBER: _ClassVar[int]
     generation: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
     events: _containers.RepeatedCompositeFieldContainer[ClusterEvent]
     recoveries: _containers.RepeatedCompositeFieldContainer[Recovery]
-    def __init__(self, generation: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ...) -> None: ...
+    omitted_nodes: int
+    def __init__(self, generation: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., omitted_nodes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,33 @@
+"""Refused calls logged without letting a caller flood the log: at most one warning per
+caller per period, which counts the refusals it stands for. Pure: the clock is passed in."""
+
+from __future__ import annotations
+
+PERIOD_S = 10.0  # one warning per caller per this many seconds
+MAX_CALLERS = 1024  # callers remembered; past it the quietest are forgotten
+
+
+class RefusalLog:
+    """Which refusals to log.
+
+    Args:
+        period_s: a caller's next refusal is logged this long after its last logged one.
+        max_callers: callers remembered at once (a flood of addresses cannot grow it).
+    """
+
+    def __init__(self, period_s: float = PERIOD_S, max_callers: int = MAX_CALLERS):
+        self.period_s = period_s
+        self.max_callers = max_callers
+        self._callers: dict[str, tuple[float, int]] = {}  # caller -> (last logged, refusals since)
+
+    def refused(self, caller: str, now: float) -> int:
+        """Note a refusal of `caller`'s call at `now`. Returns how many refusals a warning
+        logged now stands for (this one and those kept quiet since the last), or 0: stay quiet."""
+        logged_at, quiet = self._callers.get(caller, (float("-inf"), 0))
+        if now - logged_at < self.period_s:
+            self._callers[caller] = (logged_at, quiet + 1)
+            return 0
+        if caller not in self._callers and len(self._callers) >= self.max_callers:
+            del self._callers[min(self._callers, key=lambda c: self._callers[c][0])]
+        self._callers[caller] = (now, 0)
+        return quiet + 1
