@@ -91,12 +91,12 @@ def test_a_coordinator_killed_and_restarted_on_its_registry_shows_the_same_clust
     client = CoordinatorClient(first.address)
     client.register("server-0", "server", rank=0, address="127.0.0.1:50051")
     client.register("worker-0", "worker", rank=0)
-    client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=25, role="worker"))
+    client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=25, role="worker", pid=os.getpid()))
     client.report_exit("worker-0", 137, "killed by SIGKILL")
     client.register("worker-0", "worker", rank=0)  # its restart
     client.report_metrics("worker-0", NodeMetrics(25, 0, {"loss/train": 0.4321, "accuracy/test": 0.875}))
     for batch_size, plans in ((24, 1), (40, 2)):  # its balance plan, then a re-plan (written at once)
-        client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=25, role="worker",
+        client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=25, role="worker", pid=os.getpid(),
                                              batch_size=batch_size, warmup_speed=900.0, plans=plans))
     client.close()
     first.kill()
@@ -151,10 +151,10 @@ def test_failures_by_timeout_are_announced_and_the_injected_kill_fires(tmp_path,
     assert failed["node"] == "worker-1" and "no heartbeat" in failed["reason"]
 
     client.register("worker-0", "worker", rank=0)
-    client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=9, role="worker"))
+    client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=9, role="worker", pid=os.getpid()))
     assert coordinator.process.poll() is None
     with pytest.raises(Exception):  # noqa: B017 - the coordinator dies while answering
-        client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=10, role="worker"))
+        client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=10, role="worker", pid=os.getpid()))
     assert coordinator.process.wait(timeout=10) == -signal.SIGKILL
     client.close()
 

@@ -220,7 +220,8 @@ def _node_status(node: Node, now: float) -> pb.NodeStatus:
                          heartbeat_age_s=age, restarts=node.restarts, epoch=node.epoch, step=node.step,
                          throughput=node.throughput, step_time_s=node.step_time_s, straggler=node.straggler,
                          batch_size=node.batch_size, warmup_speed=node.warmup_speed, plans=node.plans,
-                         metrics=node.metrics, metrics_step=node.metrics_step)
+                         metrics=node.metrics, metrics_step=node.metrics_step,
+                         joined_generation=node.joined_generation)
 
 
 # What each refusal is answered with; a refused call changes nothing.
