@@ -279,3 +279,63 @@ def test_after_a_reload_a_restarted_process_is_not_taken_for_a_duplicate():
     assert node.pid == 2 and node.restarts == 1
     with pytest.raises(DuplicateNode):  # heard from now: a second live process is refused
         reloaded.register("w0", "worker", now=101.0, pid=3)
+
+
+def test_a_heartbeat_of_another_pid_or_none_is_refused_and_changes_nothing(membership):
+    membership.register("worker-0", "worker", now=0.0, pid=7)
+    membership.take_events()
+    for pid in (0, 8):
+        with pytest.raises(WrongProcess):
+            membership.heartbeat("worker-0", now=1.0, pid=pid, step=99)
+    node = membership.get("worker-0")
+    assert (node.step, node.last_heartbeat, node.state) == (0, None, "alive")
+    # a hung process heartbeating under pid 0 keeps nobody alive: silence still fails it
+    assert [e.kind for e in membership.check(now=TIMEOUT_S + 0.1)] == ["failed"]
+
+
+def test_an_exit_report_of_another_process_or_generation_is_refused(membership):
+    node = membership.register("worker-0", "worker", now=0.0, pid=7)
+    for pid, generation in ((8, node.joined_generation), (7, node.joined_generation + 1)):
+        with pytest.raises(WrongProcess):
+            membership.exited("worker-0", 1, "forged", now=1.0, pid=pid, generation=generation)
+    assert membership.get("worker-0").state == "alive"
+    assert membership.exited("worker-0", 1, "killed", now=1.0, pid=7, generation=node.joined_generation)
+    assert membership.get("worker-0").state == "failed"
+
+
+def test_a_rank_held_by_a_live_node_is_refused_and_freed_by_its_end(membership):
+    membership.register("worker-0", "worker", now=0.0, rank=0, pid=1)
+    with pytest.raises(DuplicateNode, match="rank 0 is held by live node 'worker-0'"):
+        membership.register("squatter", "worker", now=1.0, rank=0, pid=2)
+    assert membership.get("squatter") is None
+    membership.register("rank-0", "rank", now=1.0, rank=0, pid=3)  # another role: its own ranks
+    membership.exited("worker-0", 1, "killed", now=2.0)
+    membership.register("worker-0b", "worker", now=3.0, rank=0, pid=4)
+
+
+def test_a_full_table_forgets_the_oldest_ended_nodes_done_first_and_refuses_when_all_live():
+    membership = Membership(TIMEOUT_S, max_nodes=3)
+    for pid, node_id in enumerate(("a", "b", "c"), start=1):
+        membership.register(node_id, "worker", now=float(pid), pid=pid)
+    membership.exited("a", 1, "killed", now=4.0)  # failed, older
+    membership.exited("b", 0, "", now=5.0)  # done: forgotten first
+    membership.changes_saved()
+    membership.register("d", "worker", now=6.0, pid=4)
+    assert [n.node_id for n in membership.members()] == ["a", "c", "d"]
+    membership.register("e", "worker", now=7.0, pid=5)
+    assert [n.node_id for n in membership.members()] == ["c", "d", "e"]
+    rows, forgotten = membership.changes()
+    assert forgotten == ["a", "b"] and [row["node_id"] for row in rows] == ["d", "e"]
+    with pytest.raises(NodeTableFull, match="max_nodes"):
+        membership.register("f", "worker", now=8.0, pid=6)
+    assert [n.node_id for n in membership.members()] == ["c", "d", "e"]
+
+
+def test_changes_name_only_the_nodes_changed_since_the_last_save(membership):
+    for pid in range(1, 4):
+        membership.register(f"w{pid}", "worker", now=0.0, pid=pid)
+    membership.changes_saved()
+    assert membership.changes() == ([], [])
+    membership.heartbeat("w2", now=1.0, pid=2, step=5)
+    rows, _ = membership.changes()
+    assert [(row["node_id"], row["step"]) for row in rows] == [("w2", 5)]

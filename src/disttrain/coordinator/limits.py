@@ -33,7 +33,7 @@ def check_node_id(node_id: str, field: str = "node_id") -> None:
     if len(node_id) > MAX_ID_CHARS:
         raise ValueError(f"{field} has {len(node_id)} characters, at most {MAX_ID_CHARS} are allowed")
     if not ID_PATTERN.fullmatch(node_id):
-        raise ValueError(f"{field} {printable(node_id)!r} has characters other than letters, digits "
+        raise ValueError(f"{field} '{printable(node_id)}' has characters other than letters, digits "
                          "and ._:@+/- (or does not start with a letter or digit)")
 
 
@@ -42,7 +42,7 @@ def check_text(value: str, field: str, limit: int) -> None:
     if len(value) > limit:
         raise ValueError(f"{field} has {len(value)} characters, at most {limit} are allowed")
     if _CONTROL.search(value):
-        raise ValueError(f"{field} {printable(value)!r} holds control characters; send printable text")
+        raise ValueError(f"{field} '{printable(value)}' holds control characters; send printable text")
 
 
 def check_figure(value: float, field: str, limit: float = float(MAX_COUNT)) -> None:

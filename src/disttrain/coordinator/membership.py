@@ -366,7 +366,8 @@ class Membership:
     def changes(self, clock_offset_s: float = 0.0) -> tuple[list[dict[str, Any]], list[str]]:
         """The nodes changed (as `to_rows`) and the ids forgotten (to make room for new ones)
         since the last `changes_saved`: what a registry must write to hold the table."""
-        return [node_row(self._nodes[n], clock_offset_s) for n in sorted(self._dirty)], sorted(self._forgotten)
+        rows = [node_row(self._nodes[node_id], clock_offset_s) for node_id in sorted(self._dirty)]
+        return rows, sorted(self._forgotten)
 
     def changes_saved(self) -> None:
         """`changes` were written: the next ones start from here."""

@@ -20,8 +20,8 @@ from pathlib import Path
 import grpc
 
 from disttrain.config.schema import CoordinatorConfig
-from disttrain.coordinator.client import METHODS, SERVICE
 from disttrain.coordinator import limits
+from disttrain.coordinator.client import METHODS, SERVICE
 from disttrain.coordinator.membership import (
     DuplicateNode,
     Membership,
