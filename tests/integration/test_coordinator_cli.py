@@ -6,6 +6,7 @@ registries and unreachable coordinators give clear errors and leave files as the
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from disttrain.coordinator.client import CoordinatorClient
+from disttrain.coordinator.membership import Membership
 from disttrain.coordinator.registry import Registry
 from disttrain.coordinator.reports import NodeMetrics
 from disttrain.core.processes import EVENT_PREFIX, PARENT_ENV
@@ -169,6 +171,21 @@ def test_a_corrupt_registry_is_refused_and_left_as_it_was(tmp_path, cli):
         assert result.returncode == 1
         assert "is not a disttrain cluster registry" in result.stderr and "Traceback" not in result.stderr
     assert registry.read_bytes() == content
+
+
+def test_status_of_a_registry_an_older_coordinator_wrote_with_nan_and_control_characters(tmp_path, cli):
+    registry = tmp_path / "cluster.db"
+    membership = Membership(heartbeat_timeout_s=5.0)
+    membership.register("evil\x1b[2J", "worker", now=0.0, pid=1, hostname="host\rX")
+    membership.get("evil\x1b[2J").throughput = math.nan  # SQLite stores a NaN as NULL
+    membership.exited("evil\x1b[2J", 1, "killed\x1b]0;owned\x07", now=1.0)
+    with_events = Registry(registry)
+    with_events.save(membership.to_rows(), [vars(e) for e in membership.take_events()], membership.generation)
+    with_events.close()
+    result = cli("status", "--registry", registry, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "\x1b" not in result.stdout and "\r" not in result.stdout and "\x07" not in result.stdout
+    assert "evil\\x1b[2J" in result.stdout and "killed\\x1b]0;owned\\x07" in result.stdout
 
 
 def test_status_errors_say_what_is_wrong(tmp_path, cli):
