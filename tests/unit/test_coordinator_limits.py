@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from disttrain.coordinator import limits
-from disttrain.core.refusal_log import RefusalLog
+from disttrain.core.refusal_log import RefusalLog, printable
 from disttrain.proto import coordinator_pb2 as pb
 
 
@@ -57,7 +57,7 @@ def test_exit_reasons_and_metric_keys_are_bounded():
 
 
 def test_printable_escapes_control_characters_only():
-    assert limits.printable("w\x1b[31mred\x07 é") == "w\\x1b[31mred\\x07 é"
+    assert printable("w\x1b[31mred\x07 é") == "w\\x1b[31mred\\x07 é"
 
 
 def test_refusals_are_logged_once_per_caller_per_period_with_the_count():

@@ -13,10 +13,10 @@ from typing import Any
 
 from disttrain.cli.flags import add_tls_flags, add_token_flag, tls_from_args, token_from_args
 from disttrain.coordinator.client import CoordinatorClient
-from disttrain.coordinator.limits import printable
 from disttrain.coordinator.registry import read_status
 from disttrain.core.addresses import parse_address
 from disttrain.core.errors import DisttrainError, error_lines
+from disttrain.core.refusal_log import printable
 from disttrain.proto import coordinator_pb2 as pb
 
 HELP = "show the cluster: every node, its state, progress, loss and speed, recoveries and events"

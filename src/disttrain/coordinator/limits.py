@@ -4,8 +4,8 @@ membership (and its registry, and every status answer) nor put control character
 logs and terminals.
 
 Each check raises ValueError naming the field and its limit (the servicer answers
-INVALID_ARGUMENT); `printable` escapes what was stored before these bounds existed
-(an older registry) for a terminal.
+INVALID_ARGUMENT); `printable` (core's) escapes what was stored before these bounds
+existed (an older registry) for a terminal.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 
+from disttrain.core.refusal_log import CONTROL, printable
 from disttrain.proto import coordinator_pb2 as pb
 
 MAX_ID_CHARS = 128
@@ -23,7 +24,6 @@ MAX_REASON_CHARS = 1024  # an exit reason
 MAX_RANK = 65535
 MAX_METRIC_KEY_CHARS = 128
 MAX_COUNT = 2**53  # steps, memory bytes: far beyond any real one, exact in a double
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def check_node_id(node_id: str, field: str = "node_id") -> None:
@@ -41,7 +41,7 @@ def check_text(value: str, field: str, limit: int) -> None:
     """Raises ValueError when `value` is longer than `limit` or holds control characters."""
     if len(value) > limit:
         raise ValueError(f"{field} has {len(value)} characters, at most {limit} are allowed")
-    if _CONTROL.search(value):
+    if CONTROL.search(value):
         raise ValueError(f"{field} '{printable(value)}' holds control characters; send printable text")
 
 
@@ -96,8 +96,3 @@ def _check_pid(pid: int) -> None:
     # without it a heartbeat would keep any node alive.
     if pid <= 0:
         raise ValueError(f"pid is {pid}; send the process id of the node (os.getpid())")
-
-
-def printable(text: str) -> str:
-    """`text` with control characters escaped (\\x1b, \\n, ...), safe for a terminal or a log line."""
-    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)

@@ -13,8 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -36,7 +35,7 @@ from disttrain.core.addresses import parse_address
 from disttrain.core.errors import ConfigError
 from disttrain.core.poll_slots import PollLimitExceeded, PollSlots
 from disttrain.core.refusal_log import RefusalLog
-from disttrain.core.rpc_server import RpcServer
+from disttrain.core.rpc_server import RpcServer, refusals
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import coordinator_pb2 as pb
 
@@ -244,42 +243,24 @@ class CoordinatorServicer:
         self.on_step = on_step
         self.watches = watches or PollSlots.for_pool(128, per_key=128)  # slots of membership watches
         self.refusal_log = refusal_log or RefusalLog()
-        self._log_lock = threading.Lock()
-
-    @contextmanager
-    def _refusals(self, context: grpc.ServicerContext, method: str) -> Iterator[None]:
-        """Answer a refusal raised in the block with its status code (`CODES`), logging it
-        rate-limited per caller."""
-        try:
-            yield
-        except tuple(kind for kind, _ in CODES) as e:
-            code = next(code for kind, code in CODES if isinstance(e, kind))
-            caller = context.peer().rpartition(":")[0] or context.peer()  # its host: ports change
-            with self._log_lock:
-                count = self.refusal_log.refused(caller, time.monotonic())
-            if count:
-                more = f" ({count - 1} more refused since the last warning)" if count > 1 else ""
-                logger.warning("refused %s from %s (%s): %s%s", method, limits.printable(caller), code.name,
-                               limits.printable(str(e)), more)
-            context.abort(code, str(e))
 
     def RegisterNode(self, request, context):
-        with self._refusals(context, "RegisterNode"):
+        with refusals(context, CODES, self.refusal_log, "RegisterNode"):
             return self.state.register(request)
 
     def SendHeartbeat(self, request, context):
-        with self._refusals(context, "SendHeartbeat"):
+        with refusals(context, CODES, self.refusal_log, "SendHeartbeat"):
             reply = self.state.heartbeat(request)
         if self.on_step is not None:
             self.on_step(self.state.max_step)
         return reply
 
     def ReportMetrics(self, request, context):
-        with self._refusals(context, "ReportMetrics"):
+        with refusals(context, CODES, self.refusal_log, "ReportMetrics"):
             return self.state.report_metrics(request)
 
     def ReportExit(self, request, context):
-        with self._refusals(context, "ReportExit"):
+        with refusals(context, CODES, self.refusal_log, "ReportExit"):
             return self.state.exited(request)
 
     def WatchMembership(self, request, context):
