@@ -339,3 +339,15 @@ def test_changes_name_only_the_nodes_changed_since_the_last_save(membership):
     membership.heartbeat("w2", now=1.0, pid=2, step=5)
     rows, _ = membership.changes()
     assert [(row["node_id"], row["step"]) for row in rows] == [("w2", 5)]
+
+
+def test_a_registry_past_the_limit_reloads_its_live_and_latest_nodes_and_forgets_the_rest():
+    large = Membership(TIMEOUT_S, max_nodes=10)
+    for pid in range(1, 7):
+        large.register(f"w{pid}", "worker", now=float(pid), pid=pid)
+        if pid != 2:
+            large.exited(f"w{pid}", 1, "killed", now=float(pid))
+    small = Membership(TIMEOUT_S, max_nodes=3)
+    small.restore(large.to_rows(), large.generation, now=100.0)
+    assert [n.node_id for n in small.members()] == ["w2", "w5", "w6"]  # live, then the latest heard
+    assert small.changes() == ([], ["w1", "w3", "w4"])

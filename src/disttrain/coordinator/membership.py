@@ -376,10 +376,14 @@ class Membership:
     def restore(self, rows: list[dict[str, Any]], generation: int, now: float,
                 clock_offset_s: float = 0.0) -> None:
         """Load `to_rows` output (times shifted back by `clock_offset_s`). Every live node
-        gets a fresh timeout window from `now`: a restarted coordinator heard nobody yet."""
+        gets a fresh timeout window from `now`: a restarted coordinator heard nobody yet.
+        Past `max_nodes` rows (a registry of a coordinator with a larger limit), live nodes
+        and the latest heard are kept, and the others forgotten (`changes`)."""
         names = {f.name for f in fields(Node)}
         self._nodes = {}
-        for row in rows:
+        rows = sorted(rows, key=lambda r: (r["state"] != ALIVE, -(r.get("last_seen") or float("-inf"))))
+        self._forgotten.update(row["node_id"] for row in rows[self.max_nodes:])
+        for row in rows[:self.max_nodes]:
             node = Node(**{k: v for k, v in row.items() if k in names})
             for name in CLOCK_FIELDS:
                 value = getattr(node, name)
