@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from disttrain.config import config_from_dict
 from disttrain.coordinator import limits
+from disttrain.core.errors import ConfigError
 from disttrain.core.refusal_log import RefusalLog, printable
 from disttrain.proto import coordinator_pb2 as pb
 
@@ -68,3 +70,9 @@ def test_refusals_are_logged_once_per_caller_per_period_with_the_count():
     assert log.refused("a", now=10.0) == 4  # this one and the three kept quiet
     assert log.refused("c", now=11.0) == 1  # a third caller: the one logged longest ago is forgotten
     assert len(log._callers) == 2  # noqa: SLF001 - the table stays bounded
+
+
+def test_the_node_table_limit_is_bounded_so_membership_answers_fit_a_client():
+    with pytest.raises(ConfigError, match=r"coordinator.max_nodes: 100000 must be in \[1, 4096\]"):
+        config_from_dict({"coordinator": {"max_nodes": 100000}})
+    assert config_from_dict({"coordinator": {"max_nodes": 16}}).coordinator.max_nodes == 16
