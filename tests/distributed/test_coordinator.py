@@ -5,6 +5,7 @@ the same registry."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -71,7 +72,7 @@ def wait_for_state(client: CoordinatorClient, node_id: str, state: str, timeout_
 
 
 def heartbeat(client: CoordinatorClient, node_id: str, step: int = 0) -> pb.HeartbeatReply:
-    return client.heartbeat(pb.HeartbeatMessage(node_id=node_id, step=step, role="worker", pid=0))
+    return client.heartbeat(pb.HeartbeatMessage(node_id=node_id, step=step, role="worker", pid=os.getpid()))
 
 
 def test_register_then_heartbeat_shows_in_status(coordinator):
@@ -109,8 +110,8 @@ def test_heartbeat_from_an_unknown_node_is_not_found(coordinator):
 def test_a_heartbeat_with_a_negative_balance_figure_is_refused_and_changes_nothing(coordinator):
     _, client, _ = coordinator
     client.register("worker-0", "worker")
-    with pytest.raises(CoordinatorError, match="balance state") as caught:
-        client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=9, batch_size=-4))
+    with pytest.raises(CoordinatorError, match="batch_size is -4") as caught:
+        client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=9, batch_size=-4, pid=os.getpid()))
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
     (node,) = client.status().nodes
     assert (node.step, node.batch_size, node.heartbeat_age_s) == (0, 0, -1.0)

@@ -44,7 +44,7 @@ class Node:
     """A registered node whose progress the test moves by hand."""
 
     def __init__(self, client: CoordinatorClient, node_id: str, timed: bool = True):
-        client.register(node_id, "worker", rank=0)
+        client.register(node_id, "worker", rank=int(node_id.rpartition("-")[2]))
         self.step, self.timed = 0, timed
         self.balance: BalanceState | None = None
         self.sender = HeartbeatSender(client, node_id, "worker", CONFIG.heartbeat_interval, self.progress,

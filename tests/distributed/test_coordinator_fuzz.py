@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from disttrain.config import CoordinatorConfig
 from disttrain.coordinator.client import METHODS, CoordinatorClient, method_path
 from disttrain.coordinator.service import CoordinatorServer
+from disttrain.proto import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -59,3 +60,25 @@ def test_random_bytes_to_every_call(live, name, raw):
 @given(st.sampled_from(list(METHODS)), st.binary(max_size=600))
 def test_thousands_of_random_calls(live, name, raw):
     check(live, name, raw)
+
+
+def unknown_fields(count: int) -> bytes:
+    """`count` fields of a number no message has (field 999, varint 1): parsed and kept as unknown."""
+    return b"\xb8\x3e\x01" * count
+
+
+LARGE = {
+    "RegisterNode": pb.RegisterNodeRequest(node_id="n" * 3_000_000, role="worker", pid=1).SerializeToString(),
+    "SendHeartbeat": pb.HeartbeatMessage(node_id=NODE, role="r" * 3_000_000, pid=1).SerializeToString(),
+    "ReportMetrics": pb.MetricsReport(node_id=NODE, scalars={f"k{i}": 1.0 for i in range(50_000)})
+    .SerializeToString(),
+    "ReportExit": pb.ExitReport(node_id=NODE, exit_code=1, reason="x" * 3_000_000, pid=1, generation=1)
+    .SerializeToString(),
+    "WatchMembership": unknown_fields(1_000_000),
+    "GetClusterStatus": unknown_fields(1_000_000),
+}
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_megabytes_and_thousands_of_fields_to_every_call(live, name):
+    check(live, name, LARGE[name])

@@ -6,6 +6,7 @@ registries and unreachable coordinators give clear errors and leave files as the
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from disttrain.coordinator.client import CoordinatorClient
+from disttrain.coordinator.membership import Membership
 from disttrain.coordinator.registry import Registry
 from disttrain.coordinator.reports import NodeMetrics
 from disttrain.core.processes import EVENT_PREFIX, PARENT_ENV
@@ -91,12 +93,12 @@ def test_a_coordinator_killed_and_restarted_on_its_registry_shows_the_same_clust
     client = CoordinatorClient(first.address)
     client.register("server-0", "server", rank=0, address="127.0.0.1:50051")
     client.register("worker-0", "worker", rank=0)
-    client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=25, role="worker"))
+    client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=25, role="worker", pid=os.getpid()))
     client.report_exit("worker-0", 137, "killed by SIGKILL")
     client.register("worker-0", "worker", rank=0)  # its restart
     client.report_metrics("worker-0", NodeMetrics(25, 0, {"loss/train": 0.4321, "accuracy/test": 0.875}))
     for batch_size, plans in ((24, 1), (40, 2)):  # its balance plan, then a re-plan (written at once)
-        client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=25, role="worker",
+        client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=25, role="worker", pid=os.getpid(),
                                              batch_size=batch_size, warmup_speed=900.0, plans=plans))
     client.close()
     first.kill()
@@ -151,10 +153,10 @@ def test_failures_by_timeout_are_announced_and_the_injected_kill_fires(tmp_path,
     assert failed["node"] == "worker-1" and "no heartbeat" in failed["reason"]
 
     client.register("worker-0", "worker", rank=0)
-    client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=9, role="worker"))
+    client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=9, role="worker", pid=os.getpid()))
     assert coordinator.process.poll() is None
     with pytest.raises(Exception):  # noqa: B017 - the coordinator dies while answering
-        client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=10, role="worker"))
+        client.heartbeat(pb.HeartbeatMessage(node_id="worker-0", step=10, role="worker", pid=os.getpid()))
     assert coordinator.process.wait(timeout=10) == -signal.SIGKILL
     client.close()
 
@@ -169,6 +171,21 @@ def test_a_corrupt_registry_is_refused_and_left_as_it_was(tmp_path, cli):
         assert result.returncode == 1
         assert "is not a disttrain cluster registry" in result.stderr and "Traceback" not in result.stderr
     assert registry.read_bytes() == content
+
+
+def test_status_of_a_registry_an_older_coordinator_wrote_with_nan_and_control_characters(tmp_path, cli):
+    registry = tmp_path / "cluster.db"
+    membership = Membership(heartbeat_timeout_s=5.0)
+    membership.register("evil\x1b[2J", "worker", now=0.0, pid=1, hostname="host\rX")
+    membership.get("evil\x1b[2J").throughput = math.nan  # SQLite stores a NaN as NULL
+    membership.exited("evil\x1b[2J", 1, "killed\x1b]0;owned\x07", now=1.0)
+    with_events = Registry(registry)
+    with_events.save(membership.to_rows(), [vars(e) for e in membership.take_events()], membership.generation)
+    with_events.close()
+    result = cli("status", "--registry", registry, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "\x1b" not in result.stdout and "\r" not in result.stdout and "\x07" not in result.stdout
+    assert "evil\\x1b[2J" in result.stdout and "killed\\x1b]0;owned\\x07" in result.stdout
 
 
 def test_status_errors_say_what_is_wrong(tmp_path, cli):

@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disttrain.coordinator.membership import MAX_METRICS, DuplicateNode, Membership, UnknownNode
+from disttrain.coordinator.membership import (
+    MAX_METRICS,
+    DuplicateNode,
+    Membership,
+    NodeTableFull,
+    UnknownNode,
+    WrongProcess,
+)
 from disttrain.coordinator.nodes import Recovery
 
 TIMEOUT_S = 5.0
@@ -72,7 +79,9 @@ def test_a_new_process_replaces_a_silent_one_before_it_is_detected(membership):
     node = membership.register("worker-0", "worker", now=TIMEOUT_S + 1, pid=2)
     assert (node.restarts, node.pid) == (1, 2)
     assert kinds(membership)[-2:] == [("worker-0", "failed"), ("worker-0", "restarted")]
-    assert membership.heartbeat("worker-0", now=TIMEOUT_S + 2, pid=1) is False  # the old process
+    with pytest.raises(WrongProcess, match="pid 1"):  # the old process: refused, it must stop
+        membership.heartbeat("worker-0", now=TIMEOUT_S + 2, pid=1)
+    assert (membership.get("worker-0").pid, membership.get("worker-0").last_heartbeat) == (2, None)
 
 
 def test_a_live_id_claimed_by_another_process_is_refused(membership):
@@ -251,7 +260,7 @@ def test_generation_never_decreases_and_counts_every_state_change(actions):
                 membership.exited(node_id, pid - 1, "", now=now)
             else:
                 membership.check(now)
-        except (DuplicateNode, UnknownNode):
+        except (DuplicateNode, UnknownNode, WrongProcess):
             pass
     events = membership.take_events()
     changes = [e for e in events if e.kind in ("joined", "failed", "restarted", "done")]
@@ -270,3 +279,75 @@ def test_after_a_reload_a_restarted_process_is_not_taken_for_a_duplicate():
     assert node.pid == 2 and node.restarts == 1
     with pytest.raises(DuplicateNode):  # heard from now: a second live process is refused
         reloaded.register("w0", "worker", now=101.0, pid=3)
+
+
+def test_a_heartbeat_of_another_pid_or_none_is_refused_and_changes_nothing(membership):
+    membership.register("worker-0", "worker", now=0.0, pid=7)
+    membership.take_events()
+    for pid in (0, 8):
+        with pytest.raises(WrongProcess):
+            membership.heartbeat("worker-0", now=1.0, pid=pid, step=99)
+    node = membership.get("worker-0")
+    assert (node.step, node.last_heartbeat, node.state) == (0, None, "alive")
+    # a hung process heartbeating under pid 0 keeps nobody alive: silence still fails it
+    assert [e.kind for e in membership.check(now=TIMEOUT_S + 0.1)] == ["failed"]
+
+
+def test_an_exit_report_of_another_process_or_generation_is_refused(membership):
+    node = membership.register("worker-0", "worker", now=0.0, pid=7)
+    for pid, generation in ((8, node.joined_generation), (7, node.joined_generation + 1)):
+        with pytest.raises(WrongProcess):
+            membership.exited("worker-0", 1, "forged", now=1.0, pid=pid, generation=generation)
+    assert membership.get("worker-0").state == "alive"
+    assert membership.exited("worker-0", 1, "killed", now=1.0, pid=7, generation=node.joined_generation)
+    assert membership.get("worker-0").state == "failed"
+
+
+def test_a_rank_held_by_a_live_node_is_refused_and_freed_by_its_end(membership):
+    membership.register("worker-0", "worker", now=0.0, rank=0, pid=1)
+    with pytest.raises(DuplicateNode, match="rank 0 is held by live node 'worker-0'"):
+        membership.register("squatter", "worker", now=1.0, rank=0, pid=2)
+    assert membership.get("squatter") is None
+    membership.register("rank-0", "rank", now=1.0, rank=0, pid=3)  # another role: its own ranks
+    membership.exited("worker-0", 1, "killed", now=2.0)
+    membership.register("worker-0b", "worker", now=3.0, rank=0, pid=4)
+
+
+def test_a_full_table_forgets_the_oldest_ended_nodes_done_first_and_refuses_when_all_live():
+    membership = Membership(TIMEOUT_S, max_nodes=3)
+    for pid, node_id in enumerate(("a", "b", "c"), start=1):
+        membership.register(node_id, "worker", now=float(pid), pid=pid)
+    membership.exited("a", 1, "killed", now=4.0)  # failed, older
+    membership.exited("b", 0, "", now=5.0)  # done: forgotten first
+    membership.changes_saved()
+    membership.register("d", "worker", now=6.0, pid=4)
+    assert [n.node_id for n in membership.members()] == ["a", "c", "d"]
+    membership.register("e", "worker", now=7.0, pid=5)
+    assert [n.node_id for n in membership.members()] == ["c", "d", "e"]
+    rows, forgotten = membership.changes()
+    assert forgotten == ["a", "b"] and [row["node_id"] for row in rows] == ["d", "e"]
+    with pytest.raises(NodeTableFull, match="max_nodes"):
+        membership.register("f", "worker", now=8.0, pid=6)
+    assert [n.node_id for n in membership.members()] == ["c", "d", "e"]
+
+
+def test_changes_name_only_the_nodes_changed_since_the_last_save(membership):
+    for pid in range(1, 4):
+        membership.register(f"w{pid}", "worker", now=0.0, pid=pid)
+    membership.changes_saved()
+    assert membership.changes() == ([], [])
+    membership.heartbeat("w2", now=1.0, pid=2, step=5)
+    rows, _ = membership.changes()
+    assert [(row["node_id"], row["step"]) for row in rows] == [("w2", 5)]
+
+
+def test_a_registry_past_the_limit_reloads_its_live_and_latest_nodes_and_forgets_the_rest():
+    large = Membership(TIMEOUT_S, max_nodes=10)
+    for pid in range(1, 7):
+        large.register(f"w{pid}", "worker", now=float(pid), pid=pid)
+        if pid != 2:
+            large.exited(f"w{pid}", 1, "killed", now=float(pid))
+    small = Membership(TIMEOUT_S, max_nodes=3)
+    small.restore(large.to_rows(), large.generation, now=100.0)
+    assert [n.node_id for n in small.members()] == ["w2", "w5", "w6"]  # live, then the latest heard
+    assert small.changes() == ([], ["w1", "w3", "w4"])

@@ -166,3 +166,21 @@ def test_a_registry_of_another_schema_version_is_refused_and_left_untouched(tmp_
                                                 rf"{SCHEMA_VERSION}; use the disttrain that wrote it"):
             open_it(path)
     assert path.read_bytes() == before
+
+
+def test_save_deletes_forgotten_nodes_and_keeps_the_latest_events_and_recoveries(tmp_path):
+    registry = Registry(tmp_path / "registry.db")
+    membership = cluster()
+    registry.save(membership.to_rows(), [], membership.generation)
+    events = [dict(time=float(i), node_id="worker-0", kind="joined", detail=str(i), generation=i)
+              for i in range(30)]
+    recoveries = [Recovery("worker-0", f"r{i}", 0.0, 1.0, float(i), i) for i in range(30)]
+    for start in range(0, 30, 10):
+        registry.save([], events[start:start + 10], membership.generation, recoveries[start:start + 10],
+                      max_rows=12)
+    registry.save([], [], membership.generation, forgotten=["server-0"])
+    snapshot = registry.load(max_events=100)
+    registry.close()
+    assert [n["node_id"] for n in snapshot.nodes] == ["worker-0"]
+    assert [e["detail"] for e in snapshot.events] == [str(i) for i in range(18, 30)]
+    assert [r.reason for r in snapshot.recoveries] == [f"r{i}" for i in range(18, 30)]

@@ -16,6 +16,7 @@ from disttrain.coordinator.client import CoordinatorClient
 from disttrain.coordinator.registry import read_status
 from disttrain.core.addresses import parse_address
 from disttrain.core.errors import DisttrainError, error_lines
+from disttrain.core.refusal_log import printable
 from disttrain.proto import coordinator_pb2 as pb
 
 HELP = "show the cluster: every node, its state, progress, loss and speed, recoveries and events"
@@ -107,15 +108,17 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         events = [_message_dict(event) for event in status.events][-NUM_EVENTS:]
         recoveries = [_message_dict(recovery) for recovery in status.recoveries][-NUM_RECOVERIES:]
         generation, source = status.generation, f"coordinator {args.coordinator}"
+        omitted = status.omitted_nodes
     else:
         snapshot = read_status(args.registry, NUM_EVENTS, NUM_RECOVERIES)
         nodes = [_registry_node(row, time.time()) for row in snapshot.nodes]
         events = [{key: event[key] for key in EVENT_KEYS} for event in snapshot.events]
         recoveries = [asdict(recovery) for recovery in snapshot.recoveries]
         generation, source = snapshot.generation, f"registry {args.registry}"
+        omitted = 0
     stragglers = [node["node_id"] for node in nodes if node["straggler"]]
     return {"source": source, "generation": generation, "nodes": nodes, "stragglers": stragglers,
-            "recoveries": recoveries, "events": events}
+            "recoveries": recoveries, "events": events, "omitted_nodes": omitted}
 
 
 def _message_dict(message) -> dict[str, Any]:
@@ -135,6 +138,8 @@ def _message_dict(message) -> dict[str, Any]:
 def _registry_node(row: dict[str, Any], wall_now: float) -> dict[str, Any]:
     """A registry row in the shape of the coordinator's answer (heartbeat age from now)."""
     node = {key: row.get(key) for key in NODE_KEYS}
+    for key in ("throughput", "step_time_s", "warmup_speed"):  # NULL: a NaN an older coordinator stored
+        node[key] = node[key] or 0.0
     # A node registered by an older disttrain has fewer capabilities: the others read 0.
     node["capabilities"] = {**_message_dict(pb.Capabilities()), **(row.get("capabilities") or {})}
     last = row.get("last_heartbeat")
@@ -150,11 +155,14 @@ def show(cluster: dict[str, Any], as_json: bool) -> None:
 
 
 def render(cluster: dict[str, Any]) -> list[str]:
-    """The human view: a header, the node table, stragglers, the latest events."""
+    """The human view: a header, the node table, stragglers, the latest events; control
+    characters (in ids or reasons an older coordinator took) escaped."""
     nodes = cluster["nodes"]
     counts = {state: sum(node["state"] == state for node in nodes) for state in ("alive", "failed", "done")}
     lines = [f"cluster generation {cluster['generation']}: {len(nodes)} nodes "
              f"({', '.join(f'{n} {state}' for state, n in counts.items())}), from {cluster['source']}"]
+    if cluster.get("omitted_nodes"):
+        lines.append(f"({cluster['omitted_nodes']} older ended nodes not shown: the answer is kept small)")
     if cluster["source"].startswith("registry"):
         lines.append("(as the coordinator last recorded it; alive nodes may have stopped since)")
     lines += [""] + _table([COLUMNS] + [_row(node) for node in nodes]) if nodes else ["", "no nodes yet"]
@@ -172,7 +180,7 @@ def render(cluster: dict[str, Any]) -> list[str]:
         lines += ["", "latest events:"]
         lines += [f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))}  {e['node_id']}  {e['kind']}: "
                   f"{e['detail']}" for e in cluster["events"]]
-    return lines
+    return [printable(line) for line in lines]
 
 
 def _row(node: dict[str, Any]) -> tuple[str, ...]:

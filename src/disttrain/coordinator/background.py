@@ -94,6 +94,10 @@ class HeartbeatSender:
         try:
             reply = self.client.heartbeat(self._message())
         except CoordinatorError as e:
+            if e.wrong_process:  # another process holds the id now
+                logger.error("the coordinator refused the heartbeat of %s: %s; stopping", self.node_id, e)
+                self.on_declared_dead()
+                return False
             self._on_error(e)
             return True
         if self._unreachable:

@@ -56,6 +56,12 @@ class CoordinatorError(DisttrainError):
         register again."""
         return self.code == grpc.StatusCode.NOT_FOUND
 
+    @property
+    def wrong_process(self) -> bool:
+        """The coordinator holds the caller's node id for another process (it registered
+        again since): this process must stop."""
+        return self.code == grpc.StatusCode.FAILED_PRECONDITION
+
 
 class CoordinatorClient:
     """Calls to the coordinator at `address`, each with a deadline of `timeout_s`, each
@@ -114,9 +120,39 @@ class CoordinatorClient:
         """One heartbeat. Raises CoordinatorError (NOT_FOUND: register first)."""
         return self._call("SendHeartbeat", message)
 
-    def report_exit(self, node_id: str, code: int, reason: str) -> pb.ExitReply:
-        """Tell the coordinator a node's process exited (0: finished; else: failed)."""
-        return self._call("ReportExit", pb.ExitReport(node_id=node_id, exit_code=code, reason=reason))
+    def report_exit(self, node_id: str, code: int, reason: str, pid: int = 0,
+                    generation: int = 0) -> pb.ExitReply:
+        """Tell the coordinator a node's process exited (0: finished; else: failed).
+
+        Args:
+            pid, generation: the process that exited and the generation it registered in
+                (its RegisterNodeReply's); the coordinator refuses a report about another
+                process. 0: the node's current ones, as the coordinator shows them (a
+                supervisor or launcher reporting a process it did not register); then
+                nothing is sent when the node is not alive, and a report overtaken by the
+                node's next registration is dropped.
+
+        Raises:
+            CoordinatorError: unreachable, or refused (FAILED_PRECONDITION: `pid` and
+                `generation` are not the node's current process's).
+        """
+        if pid <= 0 or generation <= 0:
+            return self._report_exit_of_current(node_id, code, reason)
+        return self._call("ReportExit", pb.ExitReport(node_id=node_id, exit_code=code, reason=reason,
+                                                      pid=pid, generation=generation))
+
+    def _report_exit_of_current(self, node_id: str, code: int, reason: str) -> pb.ExitReply:
+        status = self.status()
+        node = next((n for n in status.nodes if n.node_id == node_id), None)
+        if node is None or node.state != "alive":  # unknown, or its end is known already
+            return pb.ExitReply(known=node is not None, generation=status.generation)
+        try:
+            return self.report_exit(node_id, code, reason, node.pid, node.joined_generation)
+        except CoordinatorError as e:
+            if not e.wrong_process:
+                raise
+            logger.debug("the exit of %s was not reported: a newer process registered meanwhile", node_id)
+            return pb.ExitReply(known=True, generation=status.generation)
 
     def report_metrics(self, node_id: str, metrics: NodeMetrics) -> pb.MetricsReply:
         """Report a node's latest training metrics. Raises CoordinatorError (NOT_FOUND:

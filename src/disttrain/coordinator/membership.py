@@ -46,12 +46,25 @@ from disttrain.coordinator.reports import BalanceState
 from disttrain.core.errors import DisttrainError
 
 ROLES = ("worker", "server", "rank", "coordinator")
+MAX_NODES = 1024  # nodes held; past it the oldest ended ones are forgotten
 MAX_METRICS = 256  # metric keys kept per node: its registry row stays small
 
 
 class DuplicateNode(DisttrainError):
     """Another live process already holds this node id. Not recoverable by retrying:
     stop the other process or pick another id."""
+
+
+class NodeTableFull(DisttrainError):
+    """Every place of the node table is held by a live node. Recoverable once nodes end
+    (the oldest ended ones are forgotten to make room), or with a larger
+    `coordinator.max_nodes`."""
+
+
+class WrongProcess(DisttrainError):
+    """A call names a node's pid or generation other than the ones the coordinator holds:
+    it is not from the node's current process (or its supervisor). Not recoverable by
+    retrying."""
 
 
 class UnknownNode(DisttrainError):
@@ -70,20 +83,23 @@ class Membership:
     """
 
     def __init__(self, heartbeat_timeout_s: float, straggler_factor: float = 2.0,
-                 reassign_after_s: float | None = None):
-        if heartbeat_timeout_s <= 0 or straggler_factor <= 1:
-            raise ValueError("heartbeat_timeout_s must be > 0 and straggler_factor > 1")
+                 reassign_after_s: float | None = None, max_nodes: int = MAX_NODES):
+        if heartbeat_timeout_s <= 0 or straggler_factor <= 1 or max_nodes < 1:
+            raise ValueError("heartbeat_timeout_s must be > 0, straggler_factor > 1 and max_nodes >= 1")
         if reassign_after_s is not None and reassign_after_s <= 0:
             raise ValueError("reassign_after_s must be > 0, or None (never)")
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.straggler_factor = straggler_factor
         self.reassign_after_s = reassign_after_s
+        self.max_nodes = max_nodes
         self.generation = 0
         self._nodes: dict[str, Node] = {}
         self._pending: list[Event] = []
         self._recoveries: list[Recovery] = []  # not taken yet (`take_recoveries`)
         self._unconfirmed: set[str] = set()  # reloaded as alive, not heard from since
         self._slow_since: dict[str, float] = {}  # node -> when it was first seen slow, while it is
+        self._dirty: set[str] = set()  # nodes changed since `take_changes`
+        self._forgotten: set[str] = set()  # nodes dropped from the table since `take_changes`
 
     def register(self, node_id: str, role: str, now: float, rank: int = -1, address: str = "",
                  hostname: str = "", pid: int = 0, capabilities: dict[str, Any] | None = None) -> Node:
@@ -91,7 +107,9 @@ class Membership:
 
         Raises:
             ValueError: an empty id or an unknown role.
-            DuplicateNode: a live process with another pid, heard within the timeout, holds the id.
+            DuplicateNode: a live process with another pid, heard within the timeout, holds
+                the id, or another live node holds the same rank of the role.
+            NodeTableFull: a new id, and `max_nodes` live nodes are held.
         """
         if not node_id:
             raise ValueError("node id is empty; give every process a unique id, e.g. worker-0")
@@ -100,6 +118,7 @@ class Membership:
         node = self._nodes.get(node_id)
         if node is not None and node.state == ALIVE and node.pid == pid:
             node.last_seen = now
+            self._dirty.add(node_id)
             return node
         # Reloaded but not heard since: another pid is its restart (the old one died meanwhile).
         if node is not None and node.state == ALIVE and not self._silent(node, now) \
@@ -108,9 +127,11 @@ class Membership:
             raise DuplicateNode(
                 f"node id {node_id!r} is held by a live process (pid {node.pid}, heard "
                 f"{age:.1f}s ago); stop that process, or give this one another id")
+        self._check_rank_free(node_id, role, rank, now)
         details = dict(role=role, rank=rank, address=address, hostname=hostname, pid=pid,
                        capabilities=dict(capabilities or {}))
         if node is None:
+            self._make_room()
             node = self._nodes[node_id] = Node(node_id, **details)
             self._change(node, ALIVE, "joined", f"{role} pid {pid} on {hostname or '?'}", now)
         else:
@@ -118,7 +139,35 @@ class Membership:
         node.joined_generation = self.generation
         node.last_seen, node.last_heartbeat = now, None
         self._unconfirmed.discard(node_id)
+        self._dirty.add(node_id)
         return node
+
+    def _check_rank_free(self, node_id: str, role: str, rank: int, now: float) -> None:
+        """Raise DuplicateNode when another live node of `role`, heard within the timeout,
+        holds `rank` (-1: no rank, never held)."""
+        if rank < 0:
+            return
+        for other in self._nodes.values():
+            if (other.node_id != node_id and other.role == role and other.rank == rank
+                    and other.state == ALIVE and not self._silent(other, now)
+                    and other.node_id not in self._unconfirmed):
+                raise DuplicateNode(f"{role} rank {rank} is held by live node {other.node_id!r}; stop "
+                                    "that process, or register this one with its own rank")
+
+    def _make_room(self) -> None:
+        """Forget the oldest ended node (done first, then failed or reassigned) when the
+        table is full; raise NodeTableFull when every node held is alive."""
+        if len(self._nodes) < self.max_nodes:
+            return
+        ended = [n for n in self._nodes.values() if n.state != ALIVE]
+        if not ended:
+            raise NodeTableFull(f"the coordinator holds {len(self._nodes)} live nodes, its limit "
+                                "(coordinator.max_nodes); raise it, or end some nodes first")
+        oldest = min(ended, key=lambda n: (n.state != DONE, n.last_seen or float("-inf")))
+        del self._nodes[oldest.node_id]
+        self._slow_since.pop(oldest.node_id, None)
+        self._dirty.discard(oldest.node_id)
+        self._forgotten.add(oldest.node_id)
 
     def _rejoin(self, node: Node, details: dict[str, Any], now: float) -> None:
         if node.state == ALIVE:  # restarted before its silence was noticed
@@ -135,18 +184,24 @@ class Membership:
                   throughput: float = 0.0, step_time_s: float = 0.0, pid: int = 0,
                   balance: BalanceState | None = None) -> bool:
         """Record a heartbeat and the sender's balance state (None, or a field at 0: unknown,
-        the value held stays). Returns False when the sender is considered dead (failed, or
-        an old process of a node that has since registered again): it must exit.
+        the value held stays). Returns False when the sender is considered dead (failed): it
+        must exit.
 
         Raises:
             UnknownNode: `node_id` never registered.
+            WrongProcess: `pid` is not the pid the node registered with (0 included): the
+                heartbeat is not its process's, and changes nothing.
         """
         node = self._nodes.get(node_id)
         if node is None:
             raise UnknownNode(f"node {node_id!r} is not registered; register it first")
-        if node.state in (FAILED, REASSIGNED) or (pid and node.pid and pid != node.pid):
+        if pid != node.pid:
+            raise WrongProcess(f"node {node_id!r} is held by another process than pid {pid}; a process "
+                               "heartbeats under the id it registered, and registers again after a restart")
+        if node.state in (FAILED, REASSIGNED):
             return False
         self._unconfirmed.discard(node_id)
+        self._dirty.add(node_id)
         node.epoch, node.step, node.throughput = epoch, step, throughput
         if step_time_s > 0:  # no step since the last heartbeat (an evaluation): the last one holds
             node.step_time_s = step_time_s
@@ -187,13 +242,26 @@ class Membership:
         if len(node.metrics.keys() | scalars.keys()) > MAX_METRICS:
             raise ValueError(f"metrics of {node_id!r}: more than {MAX_METRICS} keys; report fewer metrics")
         node.update_metrics(step, scalars)
+        self._dirty.add(node_id)
 
-    def exited(self, node_id: str, code: int, reason: str, now: float) -> bool:
+    def exited(self, node_id: str, code: int, reason: str, now: float, pid: int | None = None,
+               generation: int | None = None) -> bool:
         """A supervisor saw the node's process exit: code 0 -> done, else failed at once.
-        Returns False when the node is unknown. A node already failed or done is left as is."""
+        Returns False when the node is unknown. A node already failed or done is left as is.
+
+        Raises:
+            WrongProcess: `pid` or `generation` (None: not checked) is not the node's current
+                process's (its pid, its `joined_generation`): the report is about another
+                process, and changes nothing.
+        """
         node = self._nodes.get(node_id)
         if node is None:
             return False
+        if (pid is not None and pid != node.pid) or (generation is not None
+                                                     and generation != node.joined_generation):
+            raise WrongProcess(f"node {node_id!r} is not pid {pid} of generation {generation}; report the "
+                               "exit of the node's current process, with the pid and generation it "
+                               "registered with")
         if node.state == ALIVE and code == 0:
             self._change(node, DONE, "done", reason or "exit code 0", now)
         elif node.state == ALIVE:
@@ -220,7 +288,9 @@ class Membership:
                 detail = (f"step time {node.step_time_s:.3f}s, over {self.straggler_factor:g}x "
                           "the median of its role")
                 found.append(self._emit(node, "straggler", detail, now))
-            node.straggler = node.node_id in slow
+            if node.straggler != (node.node_id in slow):
+                node.straggler = not node.straggler
+                self._dirty.add(node.node_id)
         return found
 
     def _held(self, slow: set[str], now: float) -> set[str]:
@@ -247,6 +317,7 @@ class Membership:
         return self._emit(node, kind, detail, now)
 
     def _emit(self, node: Node, kind: str, detail: str, now: float) -> Event:
+        self._dirty.add(node.node_id)
         event = Event(node.node_id, kind, detail, self.generation, now)
         self._pending.append(event)
         return event
@@ -292,13 +363,27 @@ class Membership:
         """Every node as a plain dict, its clock fields shifted by `clock_offset_s`."""
         return [node_row(node, clock_offset_s) for node in self.members()]
 
+    def changes(self, clock_offset_s: float = 0.0) -> tuple[list[dict[str, Any]], list[str]]:
+        """The nodes changed (as `to_rows`) and the ids forgotten (to make room for new ones)
+        since the last `changes_saved`: what a registry must write to hold the table."""
+        rows = [node_row(self._nodes[node_id], clock_offset_s) for node_id in sorted(self._dirty)]
+        return rows, sorted(self._forgotten)
+
+    def changes_saved(self) -> None:
+        """`changes` were written: the next ones start from here."""
+        self._dirty, self._forgotten = set(), set()
+
     def restore(self, rows: list[dict[str, Any]], generation: int, now: float,
                 clock_offset_s: float = 0.0) -> None:
         """Load `to_rows` output (times shifted back by `clock_offset_s`). Every live node
-        gets a fresh timeout window from `now`: a restarted coordinator heard nobody yet."""
+        gets a fresh timeout window from `now`: a restarted coordinator heard nobody yet.
+        Past `max_nodes` rows (a registry of a coordinator with a larger limit), live nodes
+        and the latest heard are kept, and the others forgotten (`changes`)."""
         names = {f.name for f in fields(Node)}
         self._nodes = {}
-        for row in rows:
+        rows = sorted(rows, key=lambda r: (r["state"] != ALIVE, -(r.get("last_seen") or float("-inf"))))
+        self._forgotten.update(row["node_id"] for row in rows[self.max_nodes:])
+        for row in rows[:self.max_nodes]:
             node = Node(**{k: v for k, v in row.items() if k in names})
             for name in CLOCK_FIELDS:
                 value = getattr(node, name)

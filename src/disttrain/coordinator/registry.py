@@ -26,6 +26,7 @@ from disttrain.core.errors import DisttrainError
 SCHEMA_VERSION = 2
 REGISTRY_KIND = "disttrain-cluster-registry"
 BUSY_TIMEOUT_MS = 5000
+MAX_ROWS = 10_000  # events and recoveries kept; older ones are pruned as new ones come
 
 # column -> SQL type; one row per node, the same keys as the coordinator's node records.
 NODE_COLUMNS = {
@@ -108,9 +109,10 @@ class Registry:
             self._db.execute("INSERT OR IGNORE INTO meta VALUES ('generation', '0')")
 
     def save(self, nodes: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]],
-             generation: int, recoveries: Iterable[Recovery] = ()) -> None:
-        """Upsert `nodes`, append `events` and `recoveries` and store `generation`, in one
-        transaction.
+             generation: int, recoveries: Iterable[Recovery] = (), forgotten: Iterable[str] = (),
+             max_rows: int = MAX_ROWS) -> None:
+        """Upsert `nodes`, delete the nodes `forgotten`, append `events` and `recoveries`
+        (keeping the latest `max_rows` of each) and store `generation`, in one transaction.
 
         Raises:
             RegistryError: the file is locked past the busy timeout, or the disk failed.
@@ -122,6 +124,11 @@ class Registry:
             self._db.executemany(_insert("INSERT OR REPLACE", "nodes", NODE_COLUMNS), node_rows)
             self._db.executemany(_insert("INSERT", "events", EVENT_COLUMNS), event_rows)
             self._db.executemany(_insert("INSERT", "recoveries", RECOVERY_COLUMNS), recovery_rows)
+            self._db.executemany("DELETE FROM nodes WHERE node_id = ?", [(n,) for n in forgotten])
+            for table, added in (("events", event_rows), ("recoveries", recovery_rows)):
+                if added:  # ids only grow: the oldest rows are those below the newest - max_rows
+                    self._db.execute(f"DELETE FROM {table} WHERE id <= (SELECT MAX(id) FROM {table}) - ?",
+                                     (max_rows,))
             self._db.execute("UPDATE meta SET value = ? WHERE key = 'generation'", (str(generation),))
 
     def load(self, max_events: int = 100, max_recoveries: int | None = None) -> Snapshot:

@@ -19,14 +19,22 @@ from pathlib import Path
 import grpc
 
 from disttrain.config.schema import CoordinatorConfig
+from disttrain.coordinator import limits
 from disttrain.coordinator.client import METHODS, SERVICE
-from disttrain.coordinator.membership import DuplicateNode, Membership, UnknownNode
-from disttrain.coordinator.nodes import Event, Node, Recovery
+from disttrain.coordinator.membership import (
+    DuplicateNode,
+    Membership,
+    NodeTableFull,
+    UnknownNode,
+    WrongProcess,
+)
+from disttrain.coordinator.nodes import ALIVE, Event, Node, Recovery
 from disttrain.coordinator.registry import Registry, RegistryError
 from disttrain.coordinator.reports import BalanceState
 from disttrain.core.addresses import parse_address
 from disttrain.core.errors import ConfigError
 from disttrain.core.poll_slots import PollLimitExceeded, PollSlots
+from disttrain.core.refusal_log import RefusalLog
 from disttrain.core.rpc_server import RpcServer, refusals
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import coordinator_pb2 as pb
@@ -38,6 +46,9 @@ REPLY_MARGIN_S = 0.05  # a long-poll answers this long before its deadline, so t
 RECENT_EVENTS = 50
 RECENT_RECOVERIES = 50
 CAPABILITIES = [f.name for f in pb.Capabilities.DESCRIPTOR.fields]  # cpus, memory_bytes, gpu, gpu_count
+# A status answer's nodes stop at this size: far under a client's 4 MB receive limit, with
+# the events and recoveries (each bounded) beside them.
+STATUS_BUDGET_BYTES = 1 << 20
 
 
 class CoordinatorState:
@@ -54,7 +65,7 @@ class CoordinatorState:
         self.config = config
         self.registry = registry
         self.membership = Membership(config.heartbeat_timeout, config.straggler_factor,
-                                     config.reassign_after)
+                                     config.reassign_after, config.max_nodes)
         self.changed = threading.Condition()
         self.events: deque[Event] = deque(maxlen=RECENT_EVENTS)
         self.recoveries: deque[Recovery] = deque(maxlen=RECENT_RECOVERIES)
@@ -80,7 +91,9 @@ class CoordinatorState:
                         snapshot.generation, self.registry.path)
 
     def register(self, request: pb.RegisterNodeRequest) -> pb.RegisterNodeReply:
-        """Raises ValueError (bad id or role) or DuplicateNode, changing nothing."""
+        """Raises ValueError (a field out of bounds, a bad role), DuplicateNode or
+        NodeTableFull, changing nothing."""
+        limits.check_registration(request)
         capabilities = {name: getattr(request.capabilities, name) for name in CAPABILITIES}
         with self.changed:
             node = self.membership.register(request.node_id, request.role, self._clock(), request.rank,
@@ -91,8 +104,9 @@ class CoordinatorState:
                                         heartbeat_timeout_s=self.config.heartbeat_timeout)
 
     def heartbeat(self, request: pb.HeartbeatMessage) -> pb.HeartbeatReply:
-        """Raises UnknownNode (a node never registered) or ValueError (a negative balance
-        figure), changing nothing."""
+        """Raises UnknownNode (a node never registered), ValueError (a figure negative or not
+        finite, no pid) or WrongProcess (another pid holds the id), changing nothing."""
+        limits.check_heartbeat(request)
         balance = BalanceState(request.batch_size, request.warmup_speed, request.plans)
         with self.changed:
             alive = self.membership.heartbeat(request.node_id, self._clock(), request.epoch, request.step,
@@ -106,14 +120,22 @@ class CoordinatorState:
     def report_metrics(self, request: pb.MetricsReport) -> pb.MetricsReply:
         """Keep the node's latest metrics (written with the next progress save). Raises
         UnknownNode (a node never registered) or ValueError (bad values), changing nothing."""
+        limits.check_metrics(request)
         with self.changed:
             self.membership.report_metrics(request.node_id, request.step, dict(request.scalars))
             self._progress_unsaved = True
             return pb.MetricsReply()
 
     def exited(self, request: pb.ExitReport) -> pb.ExitReply:
+        """Raises ValueError (a field out of bounds, no pid or generation) or WrongProcess
+        (not the node's current pid and generation), changing nothing."""
+        limits.check_exit(request)
+        if request.pid <= 0 or request.generation <= 0:
+            raise ValueError("an exit report names the pid and generation the node registered with "
+                             f"(pid {request.pid}, generation {request.generation} given)")
         with self.changed:
-            known = self.membership.exited(request.node_id, request.exit_code, request.reason, self._clock())
+            known = self.membership.exited(request.node_id, request.exit_code, request.reason, self._clock(),
+                                           request.pid, request.generation)
             self._save()
             return pb.ExitReply(known=known, generation=self.membership.generation)
 
@@ -140,14 +162,25 @@ class CoordinatorState:
             return pb.Membership(generation=self.membership.generation, members=members)
 
     def status(self) -> pb.ClusterStatus:
+        """Every node that fits `STATUS_BUDGET_BYTES` (live ones first, then the most recently
+        heard), by role, rank and id; the latest events and recoveries."""
         with self.changed:
             now = self._clock()
-            nodes = [_node_status(node, now) for node in self.membership.members()]
+            nodes, size = [], 0
+            for node in sorted(self.membership.members(),
+                               key=lambda n: (n.state != ALIVE, -(n.last_seen or float("-inf")))):
+                status = _node_status(node, now)
+                size += status.ByteSize() + 8  # and its tag and length
+                if size > STATUS_BUDGET_BYTES:
+                    break
+                nodes.append(status)
+            omitted = len(self.membership.members()) - len(nodes)
+            nodes.sort(key=lambda n: (n.role, n.rank, n.node_id))
             events = [pb.ClusterEvent(time=e.time, node_id=e.node_id, kind=e.kind, detail=e.detail,
                                       generation=e.generation) for e in self.events]
             recoveries = [pb.Recovery(**vars(r)) for r in self.recoveries]
             return pb.ClusterStatus(generation=self.membership.generation, nodes=nodes, events=events,
-                                    recoveries=recoveries)
+                                    recoveries=recoveries, omitted_nodes=omitted)
 
     def close(self) -> None:
         """Persist what is left and release every long-poll."""
@@ -157,8 +190,8 @@ class CoordinatorState:
             self.changed.notify_all()
 
     def _save(self) -> None:
-        """Write every node, the new events and recoveries (call with the lock held); wake
-        watchers."""
+        """Write the nodes changed (and drop those forgotten), the new events and recoveries
+        (call with the lock held); wake watchers."""
         events = self.membership.take_events(self._offset())
         recoveries = self.membership.take_recoveries(self._offset())
         for event in events:
@@ -168,8 +201,10 @@ class CoordinatorState:
         self.recoveries.extend(recoveries)
         self.changed.notify_all()
         try:
-            self.registry.save(self.membership.to_rows(self._offset()), [vars(e) for e in events],
-                               self.membership.generation, recoveries)
+            rows, forgotten = self.membership.changes(self._offset())
+            self.registry.save(rows, [vars(e) for e in events], self.membership.generation, recoveries,
+                               forgotten)
+            self.membership.changes_saved()
             self._progress_unsaved, self._saved_at = False, self._clock()
         except RegistryError as e:
             logger.error("the registry was not updated (%s); serving on from memory", e)
@@ -184,43 +219,49 @@ def _node_status(node: Node, now: float) -> pb.NodeStatus:
                          heartbeat_age_s=age, restarts=node.restarts, epoch=node.epoch, step=node.step,
                          throughput=node.throughput, step_time_s=node.step_time_s, straggler=node.straggler,
                          batch_size=node.batch_size, warmup_speed=node.warmup_speed, plans=node.plans,
-                         metrics=node.metrics, metrics_step=node.metrics_step)
+                         metrics=node.metrics, metrics_step=node.metrics_step,
+                         joined_generation=node.joined_generation)
 
 
 # What each refusal is answered with; a refused call changes nothing.
 CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (UnknownNode, grpc.StatusCode.NOT_FOUND),  # register first
     (DuplicateNode, grpc.StatusCode.ALREADY_EXISTS),
+    (WrongProcess, grpc.StatusCode.FAILED_PRECONDITION),  # not the node's current process
+    (NodeTableFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # a malformed message
 )
 
 
 class CoordinatorServicer:
-    """gRPC methods: translate messages and errors; the decisions are the membership's."""
+    """gRPC methods: translate messages and errors; the decisions are the membership's.
+    Refusals are logged at most once per caller per `RefusalLog` period, with a count."""
 
     def __init__(self, state: CoordinatorState, on_step: Callable[[int], None] | None = None,
-                 watches: PollSlots | None = None):
+                 watches: PollSlots | None = None, refusal_log: RefusalLog | None = None):
         self.state = state
         self.on_step = on_step
         self.watches = watches or PollSlots.for_pool(128, per_key=128)  # slots of membership watches
+        self.refusal_log = refusal_log or RefusalLog()
 
     def RegisterNode(self, request, context):
-        with refusals(context, CODES):
+        with refusals(context, CODES, self.refusal_log, "RegisterNode"):
             return self.state.register(request)
 
     def SendHeartbeat(self, request, context):
-        with refusals(context, CODES):
+        with refusals(context, CODES, self.refusal_log, "SendHeartbeat"):
             reply = self.state.heartbeat(request)
         if self.on_step is not None:
             self.on_step(self.state.max_step)
         return reply
 
     def ReportMetrics(self, request, context):
-        with refusals(context, CODES):
+        with refusals(context, CODES, self.refusal_log, "ReportMetrics"):
             return self.state.report_metrics(request)
 
     def ReportExit(self, request, context):
-        return self.state.exited(request)
+        with refusals(context, CODES, self.refusal_log, "ReportExit"):
+            return self.state.exited(request)
 
     def WatchMembership(self, request, context):
         remaining = context.time_remaining()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from disttrain.core.addresses import parse_address
 from disttrain.core.auth import TokenInterceptor
 from disttrain.core.errors import ConfigError
+from disttrain.core.refusal_log import RefusalLog, printable
 from disttrain.core.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
@@ -31,15 +33,25 @@ SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
 
 
 @contextmanager
-def refusals(context: grpc.ServicerContext,
-             codes: Sequence[tuple[type[Exception], grpc.StatusCode]]) -> Iterator[None]:
+def refusals(context: grpc.ServicerContext, codes: Sequence[tuple[type[Exception], grpc.StatusCode]],
+             log: RefusalLog | None = None, method: str = "") -> Iterator[None]:
     """Answer a refusal raised in the block with its status code and message: the code
     of the first class in `codes` the error is an instance of (list subclasses first).
-    Other errors go on."""
+    Other errors go on. With `log`, the refusal of `method` is logged as a warning as
+    `log` allows (once per caller host per period, with a count), control characters
+    escaped."""
     try:
         yield
     except tuple(kind for kind, _ in codes) as e:
-        context.abort(next(code for kind, code in codes if isinstance(e, kind)), str(e))
+        code = next(code for kind, code in codes if isinstance(e, kind))
+        if log is not None:
+            caller = context.peer().rpartition(":")[0] or context.peer()  # its host: ports change
+            count = log.refused(caller, time.monotonic())
+            if count:
+                more = f" ({count - 1} more refused since the last warning)" if count > 1 else ""
+                logger.warning("refused %s from %s (%s): %s%s", method, printable(caller), code.name,
+                               printable(str(e)), more)
+        context.abort(code, str(e))
 
 
 def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:

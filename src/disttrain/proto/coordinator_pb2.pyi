@@ -108,14 +108,18 @@ class MetricsReply(_message.Message):
     def __init__(self) -> None: ...
 
 class ExitReport(_message.Message):
-    __slots__ = ("node_id", "exit_code", "reason")
+    __slots__ = ("node_id", "exit_code", "reason", "pid", "generation")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     exit_code: int
     reason: str
-    def __init__(self, node_id: _Optional[str] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    pid: int
+    generation: int
+    def __init__(self, node_id: _Optional[str] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ExitReply(_message.Message):
     __slots__ = ("known", "generation")
@@ -160,7 +164,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "role", "rank", "address", "hostname", "pid", "capabilities", "state", "heartbeat_age_s", "restarts", "epoch", "step", "throughput", "step_time_s", "straggler", "batch_size", "warmup_speed", "plans", "metrics", "metrics_step")
+    __slots__ = ("node_id", "role", "rank", "address", "hostname", "pid", "capabilities", "state", "heartbeat_age_s", "restarts", "epoch", "step", "throughput", "step_time_s", "straggler", "batch_size", "warmup_speed", "plans", "metrics", "metrics_step", "joined_generation")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +192,7 @@ class NodeStatus(_message.Message):
     PLANS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     METRICS_STEP_FIELD_NUMBER: _ClassVar[int]
+    JOINED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     rank: int
@@ -208,7 +213,8 @@ class NodeStatus(_message.Message):
     plans: int
     metrics: _containers.ScalarMap[str, float]
     metrics_step: int
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., state: _Optional[str] = ..., heartbeat_age_s: _Optional[float] = ..., restarts: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., step_time_s: _Optional[float] = ..., straggler: _Optional[bool] = ..., batch_size: _Optional[int] = ..., warmup_speed: _Optional[float] = ..., plans: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., metrics_step: _Optional[int] = ...) -> None: ...
+    joined_generation: int
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., state: _Optional[str] = ..., heartbeat_age_s: _Optional[float] = ..., restarts: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., step_time_s: _Optional[float] = ..., straggler: _Optional[bool] = ..., batch_size: _Optional[int] = ..., warmup_speed: _Optional[float] = ..., plans: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., metrics_step: _Optional[int] = ..., joined_generation: _Optional[int] = ...) -> None: ...
 
 class ClusterEvent(_message.Message):
     __slots__ = ("time", "node_id", "kind", "detail", "generation")
@@ -241,13 +247,15 @@ class Recovery(_message.Message):
     def __init__(self, time: _Optional[float] = ..., node_id: _Optional[str] = ..., reason: _Optional[str] = ..., detect_s: _Optional[float] = ..., recover_s: _Optional[float] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("generation", "nodes", "events", "recoveries")
+    __slots__ = ("generation", "nodes", "events", "recoveries", "omitted_nodes")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    OMITTED_NODES_FIELD_NUMBER: _ClassVar[int]
     generation: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
     events: _containers.RepeatedCompositeFieldContainer[ClusterEvent]
     recoveries: _containers.RepeatedCompositeFieldContainer[Recovery]
-    def __init__(self, generation: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ...) -> None: ...
+    omitted_nodes: int
+    def __init__(self, generation: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ..., recoveries: _Optional[_Iterable[_Union[Recovery, _Mapping]]] = ..., omitted_nodes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,46 @@
+"""Refused calls logged without letting a caller flood the log or the terminal: at most
+one warning per caller per period, which counts the refusals it stands for, and what a
+caller sent printed with its control characters escaped (`printable`). The clock is
+passed in; thread-safe (a server's handler threads share one log)."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+PERIOD_S = 10.0  # one warning per caller per this many seconds
+MAX_CALLERS = 1024  # callers remembered; past it the one logged longest ago is forgotten
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` with control characters escaped (\\x1b, \\n, ...), safe for a terminal or a log line."""
+    return CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+class RefusalLog:
+    """Which refusals to log.
+
+    Args:
+        period_s: a caller's next refusal is logged this long after its last logged one.
+        max_callers: callers remembered at once (a flood of addresses cannot grow it).
+    """
+
+    def __init__(self, period_s: float = PERIOD_S, max_callers: int = MAX_CALLERS):
+        self.period_s = period_s
+        self.max_callers = max_callers
+        self._callers: dict[str, tuple[float, int]] = {}  # caller -> (last logged, refusals since)
+        self._lock = threading.Lock()
+
+    def refused(self, caller: str, now: float) -> int:
+        """Note a refusal of `caller`'s call at `now`. Returns how many refusals a warning
+        logged now stands for (this one and those kept quiet since the last), or 0: stay quiet."""
+        with self._lock:
+            logged_at, quiet = self._callers.get(caller, (float("-inf"), 0))
+            if now - logged_at < self.period_s:
+                self._callers[caller] = (logged_at, quiet + 1)
+                return 0
+            if caller not in self._callers and len(self._callers) >= self.max_callers:
+                del self._callers[min(self._callers, key=lambda c: self._callers[c][0])]
+            self._callers[caller] = (now, 0)
+            return quiet + 1
