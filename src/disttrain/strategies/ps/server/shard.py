@@ -140,7 +140,10 @@ class ShardState:
         self.checkpoints = checkpoints
         self.clock = clock
         self.on_version: Callable[[int], None] = lambda version: None  # called at each new version
-        self.incarnation = time.time_ns()  # tells workers this server restarted
+        # Tells workers this server restarted. Microseconds, so it fits in 53 bits (until the
+        # year 2255): a client that reads int64 fields as floating-point numbers (a common
+        # JavaScript proto-loader setting) sends it back unchanged.
+        self.incarnation = time.time_ns() // 1000
         self.num_invalid = self.num_refused_nonfinite = 0
         self.stopping = False
         self._lock = threading.Lock()
