@@ -98,9 +98,10 @@ def shard(tmp_path):
 
 
 def refused(call, code):
+    """The call's refusal (`code`: one status code, or a tuple of those allowed)."""
     with pytest.raises(grpc.RpcError) as raised:
         call()
-    assert raised.value.code() == code, raised.value.details()
+    assert raised.value.code() in (code if isinstance(code, tuple) else (code,)), raised.value.details()
     return raised.value.details()
 
 
@@ -240,8 +241,8 @@ def test_idle_streams_do_not_starve_status_or_health(tmp_path):
             status = channel.unary_unary(wire.method_path("GetStatus"),
                                          request_serializer=pb.StatusRequest.SerializeToString,
                                          response_deserializer=pb.ShardStatus.FromString)
-            assert status(pb.StatusRequest(), timeout=2).version == 0
-            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            assert status(pb.StatusRequest(), timeout=5).version == 0
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
         codes = set()
         for call in calls:  # refused at once (no slot) or cancelled at the first-message deadline
@@ -287,3 +288,43 @@ def test_a_barrier_with_a_forged_session_takes_no_slot_of_its_victim(shard):
     done.start()
     assert shard.barrier("w0", "start", []).world_size == 2
     done.join()
+
+
+# -- finding 11: the ledger and the final wait need a session ------------------------------
+
+def unary(shard, name, request_type, reply_type):
+    return shard.channel.unary_unary(wire.method_path(name),
+                                     request_serializer=request_type.SerializeToString,
+                                     response_deserializer=reply_type.FromString)
+
+
+NO_SESSION = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def test_the_ledger_is_read_by_registered_workers_only(shard):
+    shard.send(shard.frames("w1", block=BATCHES_PER_EPOCH))
+    ledger = unary(shard, "GetLedger", pb.LedgerRequest, pb.LedgerReply)
+    refused(lambda: ledger(pb.LedgerRequest(), timeout=5), NO_SESSION)
+    refused(lambda: ledger(pb.LedgerRequest(worker_id="w0", session=b"forged" * 6), timeout=5),
+            grpc.StatusCode.PERMISSION_DENIED)
+    reply = ledger(pb.LedgerRequest(worker_id="w0", session=shard.sessions["w0"]), timeout=5)
+    assert list(reply.block_ids) == [BATCHES_PER_EPOCH]
+
+
+def test_waits_for_all_done_are_held_on_each_workers_own_slots(shard):
+    """An outsider cannot hold the final wait's slots: it needs a session, and a worker's
+    waits take its own slots, so rank 0's wait is admitted whoever else waits."""
+    status = unary(shard, "GetStatus", pb.StatusRequest, pb.ShardStatus)
+    refused(lambda: status(pb.StatusRequest(wait_all_done=True), timeout=5), NO_SESSION)
+    waits = [status.future(pb.StatusRequest(wait_all_done=True, worker_id="w1", session=shard.sessions["w1"]),
+                           timeout=30) for _ in range(shard.server.polls.per_key)]
+    assert shard.server.polls.wait_for_total(shard.server.polls.per_key, 10)
+    refused(lambda: status(pb.StatusRequest(wait_all_done=True, worker_id="w1", session=shard.sessions["w1"]),
+                           timeout=5), grpc.StatusCode.RESOURCE_EXHAUSTED)
+    final = status.future(pb.StatusRequest(wait_all_done=True, worker_id="w0", session=shard.sessions["w0"]),
+                          timeout=30)
+    assert shard.server.polls.wait_for_total(shard.server.polls.per_key + 1, 10)
+    for worker_id in ("w0", "w1"):
+        unary(shard, "WorkerDone", pb.WorkerDoneRequest, pb.ShardStatus)(
+            pb.WorkerDoneRequest(worker_id=worker_id, session=shard.sessions[worker_id]), timeout=5)
+    assert final.result().num_done == 2 and all(w.result().num_done == 2 for w in waits)

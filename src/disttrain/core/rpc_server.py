@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from disttrain.core.addresses import parse_address
 from disttrain.core.auth import TokenInterceptor
 from disttrain.core.errors import ConfigError
+from disttrain.core.log_limit import RateLimitedLog
 from disttrain.core.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
@@ -31,15 +32,19 @@ SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
 
 
 @contextmanager
-def refusals(context: grpc.ServicerContext,
-             codes: Sequence[tuple[type[Exception], grpc.StatusCode]]) -> Iterator[None]:
+def refusals(context: grpc.ServicerContext, codes: Sequence[tuple[type[Exception], grpc.StatusCode]],
+             log: RateLimitedLog | None = None) -> Iterator[None]:
     """Answer a refusal raised in the block with its status code and message: the code
     of the first class in `codes` the error is an instance of (list subclasses first).
-    Other errors go on."""
+    Other errors go on. With `log`, each refusal is logged there (rate-limited per code).
+    """
     try:
         yield
     except tuple(kind for kind, _ in codes) as e:
-        context.abort(next(code for kind, code in codes if isinstance(e, kind)), str(e))
+        code = next(code for kind, code in codes if isinstance(e, kind))
+        if log is not None:  # %r: a caller's text reaches the log with control characters escaped
+            log.warning(code.name, "refused a call from %s (%s): %r", context.peer(), code.name, str(e)[:200])
+        context.abort(code, str(e))
 
 
 def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:

@@ -31,6 +31,7 @@ import grpc
 
 from disttrain.core.addresses import peer_is_local
 from disttrain.core.deadlines import Deadlines
+from disttrain.core.log_limit import RateLimitedLog
 from disttrain.core.poll_slots import PollLimitExceeded, PollSlots
 from disttrain.core.rpc_server import RpcServer
 from disttrain.core.rpc_server import refusals as rpc_refusals
@@ -75,11 +76,6 @@ _ROLLED_BACK = Outcome.Value("ROLLED_BACK")
 _OPENING = "(streams awaiting their first message)"
 
 
-def refusals(context: grpc.ServicerContext):
-    """Answer a refusal raised in the block with its status code (`CODES`) and message."""
-    return rpc_refusals(context, CODES)
-
-
 class ParameterServicer:
     """gRPC handlers of one shard; every method maps to one `ShardState` call.
 
@@ -98,6 +94,12 @@ class ParameterServicer:
         self.push_limits = push_limits(state.plan.nbytes, state.decoder.compressed_nbytes,
                                        len(state.plan.slices))
         self.deadlines = Deadlines()
+        self.refused_log = RateLimitedLog(logger)
+
+    def refusals(self, context):
+        """Answer a refusal raised in the block with its status code (`CODES`) and
+        message, and log it (rate-limited: an outsider's calls must not flood the log)."""
+        return rpc_refusals(context, CODES, self.refused_log)
 
     def long_poll(self, key: str, context, per_key: int | None = None):
         """The slot one long-poll of `key` holds while it waits; aborts when none is left."""
@@ -141,7 +143,7 @@ class ParameterServicer:
             header = first.header
             if header.incarnation not in (0, self.state.incarnation):
                 return None  # answered ROLLED_BACK: the worker registers again
-            with refusals(context):
+            with self.refusals(context):
                 self.state.identities.check(header.worker_id, header.session)
             frames = (service.read_gradient(raw, limits.max_fields) for raw in raws)
             with self.long_poll(f"{header.worker_id} (push)", context) if stream else nullcontext():
@@ -157,7 +159,7 @@ class ParameterServicer:
         if payload is None:  # of an earlier incarnation of this server
             return pb.PushReply(outcome=_ROLLED_BACK, version=self.state.version,
                                 incarnation=self.state.incarnation)
-        with refusals(context):
+        with self.refusals(context):
             decision = self.state.push(payload)
         return pb.PushReply(outcome=decision.outcome.value, version=decision.version,
                             staleness=decision.staleness, incarnation=self.state.incarnation,
@@ -219,7 +221,7 @@ class ParameterServicer:
                           f"pull for shard {request.shard} reached shard {state.plan.shard}")
         if request.incarnation not in (0, state.incarnation):  # it must register again first
             return [service.parameter_notice(state.plan, state.version, state.incarnation)]
-        with refusals(context):
+        with self.refusals(context):
             state.identities.check(request.worker_id, request.session)
         with self.long_poll(request.worker_id, context):
             return self._parameters(request.worker_id, request.min_version, request.shared_memory, context)
@@ -232,7 +234,7 @@ class ParameterServicer:
         ends when the version does not come in time."""
         state, timeout = self.state, self.wait_s(context)
         if shared_memory:
-            with refusals(context):
+            with self.refusals(context):
                 notice = state.write_parameters(worker_id, version, timeout)
             if notice is not None:
                 return [notice]
@@ -254,7 +256,7 @@ class ParameterServicer:
         shard stops."""
         state, peer = self.state, context.peer()
         local = request.shared_memory and peer_is_local(peer)
-        with refusals(context):
+        with self.refusals(context):
             joined = state.register(request.worker_id, request.requested_rank, request.key,
                                     request.generation, shared_memory=local)
         plan, rules = state.plan, state.rules
@@ -272,20 +274,24 @@ class ParameterServicer:
         return assignment
 
     def WorkerDone(self, request, context):
-        with refusals(context):
+        with self.refusals(context):
             self.state.worker_done(request.worker_id, request.session)
         return pb.ShardStatus(**self.state.status())
 
     def GetStatus(self, request, context):
+        """The shard's counters; with `wait_all_done`, a worker's wait for every worker to be
+        done, on one of its own slots once its session is checked."""
         if request.wait_all_done:
-            with self.long_poll("GetStatus(wait_all_done)", context):
+            with self.refusals(context):
+                self.state.identities.check(request.worker_id, request.session)
+            with self.long_poll(f"{request.worker_id} (all done)", context):
                 self.state.wait_all_done(self.wait_s(context))
         return pb.ShardStatus(**self.state.status())
 
     def Barrier(self, request, context):
-        with refusals(context):  # before a slot is taken in its name
+        with self.refusals(context):  # before a slot is taken in its name
             self.state.identities.check(request.worker_id, request.session)
-        with refusals(context), self.long_poll(request.worker_id, context):
+        with self.refusals(context), self.long_poll(request.worker_id, context):
             rows = self.state.barrier(request.worker_id, request.session, request.name, list(request.values),
                                       self.wait_s(context), request.step)
         if rows == []:
@@ -296,6 +302,8 @@ class ParameterServicer:
         return pb.BarrierReply(world_size=len(rows), values=[v for row in rows for v in row])
 
     def GetLedger(self, request, context):
+        with self.refusals(context):
+            self.state.identities.check(request.worker_id, request.session)
         return pb.LedgerReply(block_ids=self.state.ledger(request.first_block, request.end_block))
 
     def Shutdown(self, request, context):

@@ -272,9 +272,11 @@ class ShardState:
             self._changed.notify_all()
 
     def ledger(self, first: int, end: int) -> list[int]:
-        """Applied blocks with ids in [first, end) (end 0: no bound)."""
+        """Applied blocks with ids in [first, end) (end 0: no bound), ascending; sorted
+        outside the lock, so a long ledger never holds up pushes."""
         with self._lock:
-            return self.rules.ledger.between(first, end)
+            blocks = self.rules.ledger.copy()
+        return blocks.between(first, end)
 
     def _apply(self, decision: Decision) -> bool:
         """Apply a decision's gradients (lock held; the rules already advanced the version).
