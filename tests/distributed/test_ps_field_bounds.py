@@ -196,15 +196,19 @@ def test_shared_memory_written_after_its_check_does_not_reach_the_update(tmp_pat
 
 # -- finding 9: barrier contents ----------------------------------------------------------
 
-@pytest.mark.parametrize("case, name, values", [
-    ("a name too long", "x" * 10_000, [1.0]),
-    ("a control character", "epoch0\x1b[2J", [1.0]),
-    ("too many values", "speed", [1.0] * 100_000),
-    ("an infinite speed", "speed", [float("inf")]),
-    ("NaN", "speed", [float("nan")]),
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("case, name, values, code", [
+    ("a name too long", "x" * 10_000, [1.0], INVALID),
+    ("a control character", "epoch0\x1b[2J", [1.0], INVALID),
+    ("too many values", "speed", [1.0] * 100, INVALID),
+    ("a message of megabytes", "speed", [1.0] * 200_000, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ("an infinite speed", "speed", [float("inf")], INVALID),
+    ("NaN", "speed", [float("nan")], INVALID),
 ])
-def test_barrier_contents_out_of_bounds_are_refused(shard, case, name, values):
-    refused(lambda: shard.barrier("w0", name, values), grpc.StatusCode.INVALID_ARGUMENT)
+def test_barrier_contents_out_of_bounds_are_refused(shard, case, name, values, code):
+    refused(lambda: shard.barrier("w0", name, values), code)
     assert shard.server.state.barriers.result(name) is None and not shard.server.state.barriers._arrived
     done = threading.Thread(target=lambda: shard.barrier("w1", "speed", [2.0]))
     done.start()

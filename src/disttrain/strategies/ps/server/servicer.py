@@ -318,12 +318,38 @@ def _handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
     handlers = {}
     for name, (kind, request_type, response_type) in service.METHODS.items():
         # Framed requests are decoded by the handler: gRPC runs deserializers on its polling thread.
-        deserialize = service.identity if request_type is None else request_type.FromString
+        behavior = getattr(servicer, name)
+        if request_type is None:
+            deserialize = service.identity
+        else:
+            deserialize = _bounded_parser(request_type, service.REQUEST_MAX_BYTES[name])
+            behavior = _refusing_oversize(behavior, name)
         serialize = service.identity if response_type is None else response_type.SerializeToString
         make = getattr(grpc, f"{kind}_rpc_method_handler")
-        handlers[name] = make(getattr(servicer, name), request_deserializer=deserialize,
-                              response_serializer=serialize)
+        handlers[name] = make(behavior, request_deserializer=deserialize, response_serializer=serialize)
     return grpc.method_handlers_generic_handler(service.SERVICE, handlers)
+
+
+class _Oversize:
+    """A request over its method's size limit, left unparsed (the handler refuses it)."""
+
+    def __init__(self, nbytes: int, limit: int):
+        self.nbytes, self.limit = nbytes, limit
+
+
+def _bounded_parser(request_type, limit: int):
+    def parse(data: bytes):
+        return _Oversize(len(data), limit) if len(data) > limit else request_type.FromString(data)
+    return parse
+
+
+def _refusing_oversize(behavior, name: str):
+    def handle(request, context):
+        if isinstance(request, _Oversize):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"a {name} request of {request.nbytes} bytes; at most {request.limit}")
+        return behavior(request, context)
+    return handle
 
 
 class ShardServer:
