@@ -109,12 +109,15 @@ class ParameterServicer:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
     def first_message(self, requests, context):
-        """The next message of a stream that has shown no identity yet (None: it ended),
-        waited for on a shared opening slot and within `first_message_s`; the call is
-        cancelled when it does not come in time."""
+        """The next message of a stream that has shown no identity yet (None: it ended, or
+        was cancelled), waited for on a shared opening slot and within `first_message_s`;
+        the call is cancelled when it does not come in time."""
         with self.long_poll(_OPENING, context, self.max_opening), \
                 self.deadlines.limit(context, self.first_message_s):
-            return next(requests, None)
+            try:
+                return next(requests, None)
+            except grpc.RpcError:  # cancelled: by the deadline, or the client went away
+                return None
 
     def wait_s(self, context) -> float:
         return long_poll_wait_s(context.time_remaining(), self.wait_cap_s)
