@@ -316,19 +316,27 @@ def test_the_ledger_is_read_by_registered_workers_only(shard):
 
 
 def test_waits_for_all_done_are_held_on_each_workers_own_slots(shard):
-    """An outsider cannot hold the final wait's slots: it needs a session, and a worker's
-    waits take its own slots, so rank 0's wait is admitted whoever else waits."""
+    """An outsider cannot hold the final wait's slots: a forged session is refused, the
+    waits of callers without one share their own few slots, and a worker's waits take
+    its own, so rank 0's wait is admitted whoever else waits."""
     status = unary(shard, "GetStatus", pb.StatusRequest, pb.ShardStatus)
-    refused(lambda: status(pb.StatusRequest(wait_all_done=True), timeout=5), NO_SESSION)
+    refused(lambda: status(pb.StatusRequest(wait_all_done=True, worker_id="w0", session=b"forged" * 6),
+                           timeout=5), grpc.StatusCode.PERMISSION_DENIED)
+    observers = [status.future(pb.StatusRequest(wait_all_done=True), timeout=30)
+                 for _ in range(shard.server.polls.per_key)]
+    assert shard.server.polls.wait_for_total(shard.server.polls.per_key, 10)
+    refused(lambda: status(pb.StatusRequest(wait_all_done=True), timeout=5),
+            grpc.StatusCode.RESOURCE_EXHAUSTED)
+    observers_total = shard.server.polls.per_key
     waits = [status.future(pb.StatusRequest(wait_all_done=True, worker_id="w1", session=shard.sessions["w1"]),
                            timeout=30) for _ in range(shard.server.polls.per_key)]
-    assert shard.server.polls.wait_for_total(shard.server.polls.per_key, 10)
+    assert shard.server.polls.wait_for_total(observers_total + shard.server.polls.per_key, 10)
     refused(lambda: status(pb.StatusRequest(wait_all_done=True, worker_id="w1", session=shard.sessions["w1"]),
                            timeout=5), grpc.StatusCode.RESOURCE_EXHAUSTED)
     final = status.future(pb.StatusRequest(wait_all_done=True, worker_id="w0", session=shard.sessions["w0"]),
                           timeout=30)
-    assert shard.server.polls.wait_for_total(shard.server.polls.per_key + 1, 10)
+    assert shard.server.polls.wait_for_total(observers_total + shard.server.polls.per_key + 1, 10)
     for worker_id in ("w0", "w1"):
         unary(shard, "WorkerDone", pb.WorkerDoneRequest, pb.ShardStatus)(
             pb.WorkerDoneRequest(worker_id=worker_id, session=shard.sessions[worker_id]), timeout=5)
-    assert final.result().num_done == 2 and all(w.result().num_done == 2 for w in waits)
+    assert final.result().num_done == 2 and all(w.result().num_done == 2 for w in waits + observers)

@@ -74,6 +74,8 @@ _JOINED = {Outcome.Value("APPLIED"), Outcome.Value("BUFFERED"), Outcome.Value("D
 _ROLLED_BACK = Outcome.Value("ROLLED_BACK")
 # The slots of streams whose first message has not come: no caller is known yet.
 _OPENING = "(streams awaiting their first message)"
+# The slots of waits for every worker to be done by callers that are not workers.
+_OBSERVERS = "(observers waiting for all done)"
 
 
 class ParameterServicer:
@@ -282,12 +284,16 @@ class ParameterServicer:
         return pb.ShardStatus(**self.state.status())
 
     def GetStatus(self, request, context):
-        """The shard's counters; with `wait_all_done`, a worker's wait for every worker to be
-        done, on one of its own slots once its session is checked."""
+        """The shard's counters; with `wait_all_done`, once every worker is done: a
+        worker's wait (with its session, checked) on one of its own slots, an observer's
+        (no session) on the few slots all observers share, never a worker's."""
         if request.wait_all_done:
-            with self.refusals(context):
-                self.state.identities.check(request.worker_id, request.session)
-            with self.long_poll(f"{request.worker_id} (all done)", context):
+            key = _OBSERVERS
+            if request.session:
+                with self.refusals(context):
+                    self.state.identities.check(request.worker_id, request.session)
+                key = f"{request.worker_id} (all done)"
+            with self.long_poll(key, context):
                 self.state.wait_all_done(self.wait_s(context))
         return pb.ShardStatus(**self.state.status())
 
