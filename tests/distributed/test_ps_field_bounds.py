@@ -223,8 +223,10 @@ def test_pending_barriers_are_bounded(shard):
         refused(lambda i=i: shard.barrier("w0", f"b{i}", [1.0], timeout=0.2),
                 grpc.StatusCode.DEADLINE_EXCEEDED)
     refused(lambda: shard.barrier("w0", "one too many", [1.0]), grpc.StatusCode.FAILED_PRECONDITION)
-    threading.Thread(target=lambda: shard.barrier("w0", "b0", [1.0])).start()
+    again = threading.Thread(target=lambda: shard.barrier("w0", "b0", [1.0]))
+    again.start()
     assert list(shard.barrier("w1", "b0", [2.0]).values) == [1.0, 2.0]  # pending ones still complete
+    again.join()
 
 
 # -- findings 4, 5, 6: idle streams, sessions before slots --------------------------------
@@ -255,7 +257,7 @@ def test_idle_streams_do_not_starve_status_or_health(tmp_path):
             codes.add(raised.value.code())
         assert codes <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
         assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
-        assert shard.server.polls.total == 0
+        assert shard.server.polls.wait_for_total(0, 10)  # each handler lets its slot go as it ends
         reply = shard.send(shard.frames("w0"))  # an honest push is still served
         assert pb.PushReply.Outcome.Name(reply.outcome) == "APPLIED"
     finally:
