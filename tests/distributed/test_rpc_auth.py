@@ -5,6 +5,7 @@ right token works; health checks answer without one."""
 from __future__ import annotations
 
 import logging
+import os
 
 import grpc
 import pytest
@@ -133,7 +134,7 @@ def test_coordinator_refuses_register_and_heartbeat_without_the_token(tmp_path, 
             assert raised.value.code == grpc.StatusCode.UNAUTHENTICATED and REFUSED in str(raised.value)
         assert list(member.status().nodes) == []  # nothing was registered
         assert member.register("worker0", "worker").generation >= 1
-        member.heartbeat(cpb.HeartbeatMessage(node_id="worker0", step=3))
+        member.heartbeat(cpb.HeartbeatMessage(node_id="worker0", step=3, pid=os.getpid()))
         assert [node.node_id for node in member.status().nodes] == ["worker0"]
     finally:
         intruder.close()

@@ -6,6 +6,7 @@ mutual TLS, a client without a certificate is refused."""
 from __future__ import annotations
 
 import logging
+import os
 
 import grpc
 import pytest
@@ -125,7 +126,7 @@ def test_the_coordinator_with_tls_serves_clients_with_the_ca_only(tmp_path, pki)
             plain.register("worker0", "worker", retry_s=0)
         assert raised.value.unreachable
         assert member.register("worker0", "worker").generation >= 1
-        member.heartbeat(cpb.HeartbeatMessage(node_id="worker0", step=3))
+        member.heartbeat(cpb.HeartbeatMessage(node_id="worker0", step=3, pid=os.getpid()))
         (node,) = member.status().nodes
         assert node.node_id == "worker0" and node.step == 3
     finally:

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 
 from disttrain.core.errors import ConfigError
+from disttrain.core.refusal_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
     def __init__(self, token: str):
         self._expected = (SCHEME + token).encode()
+        self._refusals = RateLimitedLog(logger)  # an outsider's calls must not flood the log
 
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
         handler = continuation(handler_call_details)
@@ -132,7 +134,8 @@ class TokenInterceptor(grpc.ServerInterceptor):
             return handler
         if _is_authorized(handler_call_details.invocation_metadata, self._expected):
             return handler
-        logger.warning("refused %s: missing or wrong token", handler_call_details.method)
+        self._refusals.warning(handler_call_details.method, "refused %s: missing or wrong token",
+                               handler_call_details.method)
         return _refusal(handler)
 
 

@@ -43,16 +43,19 @@ class PollSlots:
         """Slots for a server of `max_threads` handler threads, `reserved_threads` kept free."""
         return cls(max(1, max_threads - reserved_threads(max_threads)), per_key)
 
-    def take(self, key: str) -> _Slot:
+    def take(self, key: str, per_key: int | None = None) -> _Slot:
         """A slot for one long-poll of `key`, released when its `with` block ends.
 
         Raises:
             PollLimitExceeded: `key` or the server already holds as many as allowed.
+
+        `per_key` replaces the cap of this key (a key shared by callers not yet known).
         """
+        cap = self.per_key if per_key is None else per_key
         with self._lock:
-            if self._held[key] >= self.per_key:
+            if self._held[key] >= cap:
                 raise PollLimitExceeded(f"{key!r} already has {self._held[key]} long-polls waiting on "
-                                        f"this server (at most {self.per_key}); retry once one ended")
+                                        f"this server (at most {cap}); retry once one ended")
             if self._total >= self.max_total:
                 raise PollLimitExceeded(f"this server already holds {self._total} long-polls (at most "
                                         f"{self.max_total}); retry later")

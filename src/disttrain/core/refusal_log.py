@@ -1,15 +1,22 @@
 """Refused calls logged without letting a caller flood the log or the terminal: at most
-one warning per caller per period, which counts the refusals it stands for, and what a
-caller sent printed with its control characters escaped (`printable`). The clock is
-passed in; thread-safe (a server's handler threads share one log)."""
+one warning per key (a caller, or a kind of refusal) per period, which counts the
+refusals it stands for, and what a caller sent printed with its control characters
+escaped (`printable`). `RefusalLog` is the rule, its clock passed in; `RateLimitedLog`
+writes a logger's lines by it. Both thread-safe (a server's handler threads share one)."""
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
+import time
+from collections.abc import Callable
 
 PERIOD_S = 10.0  # one warning per caller per this many seconds
 MAX_CALLERS = 1024  # callers remembered; past it the one logged longest ago is forgotten
+# Kinds a RateLimitedLog remembers (method names are fixed, but a caller may vary what it
+# sends): a flood of distinct kinds never grows the table past this.
+MAX_KINDS = 256
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
@@ -44,3 +51,32 @@ class RefusalLog:
                 del self._callers[min(self._callers, key=lambda c: self._callers[c][0])]
             self._callers[caller] = (now, 0)
             return quiet + 1
+
+
+class RateLimitedLog:
+    """A logger's warnings, at most one per kind every `interval_s` (by `RefusalLog`); the
+    next line of a kind says how many were left out meanwhile.
+
+    Args:
+        logger: where the lines go.
+        interval_s: the least time between two lines of one kind.
+        clock: returns seconds (tests step it by hand).
+    """
+
+    def __init__(self, logger: logging.Logger, interval_s: float = PERIOD_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.logger = logger
+        self.interval_s = interval_s
+        self._clock = clock
+        self.kinds = RefusalLog(period_s=interval_s, max_callers=MAX_KINDS)
+
+    def warning(self, kind: str, message: str, *args: object) -> bool:
+        """Log `message % args` unless a line of `kind` was written within `interval_s`
+        (then count it); whether it was written."""
+        count = self.kinds.refused(kind, self._clock())
+        if not count:
+            return False
+        if count > 1:
+            message += f" (and {count - 1} more like it in the last {self.interval_s:.0f}s)"
+        self.logger.warning(message, *args)
+        return True

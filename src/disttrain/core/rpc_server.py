@@ -34,7 +34,7 @@ SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
 
 @contextmanager
 def refusals(context: grpc.ServicerContext, codes: Sequence[tuple[type[Exception], grpc.StatusCode]],
-             log: RefusalLog | None = None, method: str = "") -> Iterator[None]:
+             log: RefusalLog | None = None, method: str = "a call") -> Iterator[None]:
     """Answer a refusal raised in the block with its status code and message: the code
     of the first class in `codes` the error is an instance of (list subclasses first).
     Other errors go on. With `log`, the refusal of `method` is logged as a warning as
@@ -83,6 +83,8 @@ class RpcServer:
             refused UNAUTHENTICATED before its handler runs); None: open to anyone.
         tls: when enabled, listen with TLS (its certificate and key; with its CA, every
             client must present a certificate that CA signed); None or empty: plain TCP.
+        maximum_concurrent_rpcs: calls in progress or queued at once; a call over it is
+            refused RESOURCE_EXHAUSTED at once (None: unbounded).
 
     Raises:
         ConfigError: the address is malformed or cannot be listened on, or a TLS file
@@ -91,7 +93,7 @@ class RpcServer:
 
     def __init__(self, handler: grpc.GenericRpcHandler, service: str, bind: str, max_threads: int,
                  options: list[tuple[str, Any]] | None = None, token: str | None = None,
-                 tls: TlsFiles | None = None):
+                 tls: TlsFiles | None = None, maximum_concurrent_rpcs: int | None = None):
         host, port = parse_address(bind, "--bind")
         tls = tls or TlsFiles()
         credentials = server_credentials(tls) if tls.enabled else None  # a bad file fails before binding
@@ -99,7 +101,8 @@ class RpcServer:
         # so orchestrators' probes work.
         interceptors = [TokenInterceptor(token)] if token is not None else []
         self.server = grpc.server(futures.ThreadPoolExecutor(max_threads, thread_name_prefix="rpc"),
-                                  interceptors=interceptors, options=[*(options or []), *SERVER_OPTIONS])
+                                  interceptors=interceptors, options=[*(options or []), *SERVER_OPTIONS],
+                                  maximum_concurrent_rpcs=maximum_concurrent_rpcs)
         self.server.add_generic_rpc_handlers((handler,))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -191,10 +191,14 @@ class WorkerDoneRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("wait_all_done",)
+    __slots__ = ("wait_all_done", "worker_id", "session")
     WAIT_ALL_DONE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     wait_all_done: bool
-    def __init__(self, wait_all_done: _Optional[bool] = ...) -> None: ...
+    worker_id: str
+    session: bytes
+    def __init__(self, wait_all_done: _Optional[bool] = ..., worker_id: _Optional[str] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()
@@ -280,12 +284,16 @@ class ShardStatus(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., world_size: _Optional[int] = ..., num_registered: _Optional[int] = ..., num_done: _Optional[int] = ..., num_applied: _Optional[int] = ..., num_rejected_stale: _Optional[int] = ..., num_dropped_late: _Optional[int] = ..., num_duplicates: _Optional[int] = ..., num_invalid: _Optional[int] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., round_wait_s: _Optional[float] = ..., aggregation_mode: _Optional[str] = ..., num_samples_applied: _Optional[int] = ..., num_samples_duplicate: _Optional[int] = ..., num_blocks_applied: _Optional[int] = ..., num_fenced: _Optional[int] = ..., incarnation: _Optional[int] = ..., generation: _Optional[int] = ..., max_round_wait_s: _Optional[float] = ..., num_refused_nonfinite: _Optional[int] = ...) -> None: ...
 
 class LedgerRequest(_message.Message):
-    __slots__ = ("first_block", "end_block")
+    __slots__ = ("first_block", "end_block", "worker_id", "session")
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     END_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     first_block: int
     end_block: int
-    def __init__(self, first_block: _Optional[int] = ..., end_block: _Optional[int] = ...) -> None: ...
+    worker_id: str
+    session: bytes
+    def __init__(self, first_block: _Optional[int] = ..., end_block: _Optional[int] = ..., worker_id: _Optional[str] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class LedgerReply(_message.Message):
     __slots__ = ("block_ids",)

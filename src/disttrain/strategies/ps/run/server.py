@@ -28,6 +28,7 @@ from disttrain.strategies.ps.run.launcher import check_supported
 from disttrain.strategies.ps.run.link import join
 from disttrain.strategies.ps.server.aggregation import AggregationRules
 from disttrain.strategies.ps.server.broadcast import BroadcastCopy
+from disttrain.strategies.ps.server.ownership import BlockLayout
 from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.server.shard import CheckpointPolicy, ShardState
 from disttrain.strategies.ps.server.validation import PushDecoder
@@ -61,7 +62,8 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
     flat = trainable[plan.offset:plan.offset + plan.numel]
     folder = object_store.join(system.checkpoint_dir, f"server{shard}")  # a path or a store's URL
     resumed_from = ckpt.prepare_checkpoint_dir(folder, resume)
-    rules = AggregationRules(ps.aggregation_mode, system.num_workers, ps.staleness, ps.backup_workers)
+    rules = AggregationRules(ps.aggregation_mode, system.num_workers, ps.staleness, ps.backup_workers,
+                             BlockLayout(system.num_workers, training.num_epochs))
     # Under a balance plan one worker's batch may be up to the whole global batch; with local
     # updates one push stands for a round's batches.
     max_samples = training.batch_size * (1 if system.balance == "none" else system.num_workers) \

@@ -53,6 +53,7 @@ from disttrain.strategies.ps.server.decisions import (
     PushRefused,
     StepOrder,
 )
+from disttrain.strategies.ps.server.ownership import BlockLayout
 from disttrain.strategies.ps.server.roster import Ledger, Roster
 
 __all__ = ["MODES", "AggregationRules", "Contribution", "Decision", "Outcome", "Push", "PushRefused"]
@@ -68,9 +69,12 @@ class AggregationRules:
         world_size: workers in the run.
         staleness_bound: the ssp bound tau.
         backup_workers: sync only: a step is applied after all but b of its workers pushed.
+        layout: the run's block numbering, which blocks and epochs each worker may push
+            (`ownership`; default: only what holds in any run).
     """
 
-    def __init__(self, mode: str, world_size: int, staleness_bound: int = 0, backup_workers: int = 0):
+    def __init__(self, mode: str, world_size: int, staleness_bound: int = 0, backup_workers: int = 0,
+                 layout: BlockLayout | None = None):
         if mode not in MODES:
             raise ValueError(f"aggregation mode {mode!r} is not one of {', '.join(MODES)}")
         if world_size < 1 or staleness_bound < 0 or not 0 <= backup_workers < world_size:
@@ -80,6 +84,7 @@ class AggregationRules:
         self.world_size = world_size
         self.staleness_bound = staleness_bound
         self.backup_workers = backup_workers
+        self.layout = layout or BlockLayout(world_size)
         self.version = 0
         self.sync_step = 0
         self.ranks: dict[str, int] = {}
@@ -170,9 +175,11 @@ class AggregationRules:
             PushRefused: unknown worker, a step from far ahead, or a second gradient of one
                 worker for the same synchronous step.
             FencedPush, UnknownGeneration: see `Roster.check`.
+            InvalidBlock, NotReassigned: see `BlockLayout.check`.
         """
         rank = self.rank_of(push.worker_id)
         self.roster.check(rank, push.generation)
+        self.layout.check(rank, push, self.roster.reassigned)
         if push.redo:  # named by its block, not its step
             return self._offer(rank, push, payload, now)
         self.order.check(rank, push.step, self.last_step.get(rank, 0))

@@ -32,11 +32,39 @@ from disttrain.strategies.ps.server.decisions import PushRefused
 # oldest of the others (a few per epoch: the start, each epoch's end), which a restarted
 # worker meets again whenever it starts.
 MAX_KEPT = 256
+# What one arrival may bring: a name (the project's are like "epoch12:evaluated"), a few
+# figures (the widest, the run's final totals, has ten), and barriers in progress at once
+# (a worker is at one at a time; a few names per worker leave room for restarts).
+MAX_NAME_CHARS = 128
+MAX_VALUES = 32
+PENDING_PER_WORKER = 4
 
 
 class BarrierMismatch(PushRefused):
     """A worker brought values of another length than those already there (refused as a
     push is: the call fails, nothing changes)."""
+
+
+class InvalidBarrier(ValueError):
+    """An arrival whose name or values break the bounds (INVALID_ARGUMENT): nothing changes."""
+
+
+class TooManyBarriers(PushRefused):
+    """A new barrier while as many are pending as the run allows: refused, nothing changes
+    (retry once those complete)."""
+
+
+def check_arrival(name: str, values: list[float]) -> None:
+    """Raises InvalidBarrier for a name or values out of bounds: an empty or overlong
+    name, one with control characters, too many values, or one NaN or infinite (the
+    answer is checkpointed and read by every worker's planner)."""
+    if not name or len(name) > MAX_NAME_CHARS or not name.isprintable():
+        raise InvalidBarrier(f"barrier name must be 1 to {MAX_NAME_CHARS} printable characters, got "
+                             f"{len(name)} characters")
+    if len(values) > MAX_VALUES:
+        raise InvalidBarrier(f"barrier {name!r}: {len(values)} values, at most {MAX_VALUES}")
+    if not all(math.isfinite(v) for v in values):
+        raise InvalidBarrier(f"barrier {name!r}: values must be finite (no NaN or infinity)")
 
 
 class Barriers:
@@ -54,10 +82,16 @@ class Barriers:
         (`last_steps`) before it.
 
         Raises:
+            InvalidBarrier: the name or values are out of bounds (`check_arrival`).
             BarrierMismatch: `values` differ in length from the others'.
+            TooManyBarriers: `name` would be one pending barrier too many.
         """
+        check_arrival(name, values)
         if name in self._done:
             return
+        if name not in self._arrived and len(self._arrived) >= PENDING_PER_WORKER * self.world_size:
+            raise TooManyBarriers(f"{len(self._arrived)} barriers are pending; barrier {name!r} must wait "
+                                  "until one completes")
         arrived = self._arrived.setdefault(name, {})
         lengths = {len(v) for r, v in arrived.items() if r != rank}
         if lengths and lengths != {len(values)}:

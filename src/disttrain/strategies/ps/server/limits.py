@@ -18,6 +18,12 @@ push must also arrive whole within `max_read_s` (at least `READ_BYTES_PER_S` of 
 largest size a second), or it is cancelled; it is read only once its first frame shows
 the session of a registered worker, and each worker streams at most `POLLS_PER_WORKER`
 pushes at once, on the same slots as long-polls.
+
+A stream's first message must come within `FIRST_MESSAGE_S` (a worker opens its streams
+when it has a push to send), and while it has not come the stream holds one of a few
+slots shared by every caller (`OPENING_SHARE` of the long-poll slots): idle streams,
+which show no identity yet, never hold more handler threads than that. Calls in progress
+at once are capped (`max_concurrent_rpcs`), so a flood is refused rather than queued.
 """
 
 from __future__ import annotations
@@ -31,6 +37,13 @@ from disttrain.strategies.ps.wire.codec import CHUNK_BYTES
 LONG_POLL_CAP_S = 30.0
 # A worker's pull, plus one prefetch or a retry whose abandoned attempt still waits.
 POLLS_PER_WORKER = 2
+# A worker sends a stream's first message as it opens it: a few seconds is ample.
+FIRST_MESSAGE_S = 5.0
+# The share of the long-poll slots that streams waiting for their first message may hold.
+OPENING_SHARE = 4
+# A Step stream may be answered ROLLED_BACK this many times in a row before a push
+# passes the session check (a worker registers again after the first).
+MAX_UNVERIFIED_PUSHES = 4
 
 
 # A frame of a push holds ~16 header fields, one per tensor slice of the layout and a few
@@ -75,3 +88,14 @@ def long_poll_wait_s(remaining_s: float | None, cap_s: float = LONG_POLL_CAP_S) 
     if remaining_s is None:
         return cap_s
     return max(0.0, min(remaining_s, cap_s))
+
+
+def opening_slots(max_polls: int) -> int:
+    """Streams that may wait for their first message at once, of `max_polls` long-poll slots."""
+    return max(2, max_polls // OPENING_SHARE)
+
+
+def max_concurrent_rpcs(max_threads: int) -> int:
+    """Calls in progress or queued at once on a shard of `max_threads` handler threads:
+    every thread busy and as many calls again waiting for one."""
+    return 2 * max_threads

@@ -60,6 +60,10 @@ class Ledger:
         self._journal = None
         self.samples_duplicate = samples_duplicate
 
+    def copy(self) -> Ledger:
+        """The applied blocks as they are now (a copy of the set alone)."""
+        return Ledger(set(self.blocks), self.samples_duplicate)
+
     def between(self, first: int, end: int) -> list[int]:
         """Applied blocks with ids in [first, end) (end 0: no bound), ascending."""
         return sorted(b for b in self.blocks if b >= first and (end <= 0 or b < end))

@@ -78,13 +78,14 @@ class WorkerSegments:
         return pair
 
     def read_push(self, payload: Payload, nbytes: int) -> Payload:
-        """A shared-memory push with its `nbytes` payload bytes, read in place from the
+        """A shared-memory push with its `nbytes` payload bytes, copied out of the
         worker's gradient segment.
 
-        No copy: a worker writes its segment only between the answer to one push and its
-        next push, and the server is done with a gradient before that (async and ssp
-        apply it within the push; a synchronous step applies it before the version the
-        worker waits for exists, and drops it if it comes late).
+        A copy: the checks (layout, finiteness) and the update must see the same bytes,
+        and the worker can write its segment at any time, also between the two (an
+        honest worker writes it only between the answer to one push and its next push;
+        another could write NaN after the check, and a synchronous step applies its
+        gradient later still).
 
         Raises:
             InvalidPush: the message carries payload bytes too.
@@ -93,7 +94,8 @@ class WorkerSegments:
         if payload.nbytes:
             raise InvalidPush(f"a shared-memory push also carries {payload.nbytes} payload bytes")
         pair = self.require(payload.header.worker_id)
-        return Payload(payload.header, payload.meta, [tensor_bytes(pair.gradient_tensor)[:nbytes]])
+        copied = bytearray(tensor_bytes(pair.gradient_tensor)[:nbytes])
+        return Payload(payload.header, payload.meta, [memoryview(copied)])
 
     def drop(self, worker_id: str) -> None:
         """Forget the worker's segments (it registered again without asking for them)."""

@@ -13,6 +13,11 @@ for the version the push leads to: in sync mode the step the push joined
 (`base_version + 1`), otherwise none (the parameters as they are, this push included).
 The stream holds one of the worker's long-poll slots while it is open, taken once its
 first push passed the session check.
+
+A stream shows no identity until its first message: that must come within
+`first_message_s`, on one of a few slots shared by every caller (`limits`), and a push
+of an earlier server incarnation is answered ROLLED_BACK from its first frame, the rest
+unread (a Step stream gets a few of those before a push passes the session check).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import grpc
 from disttrain.core.addresses import peer_is_local
 from disttrain.core.deadlines import Deadlines
 from disttrain.core.poll_slots import PollLimitExceeded, PollSlots
+from disttrain.core.refusal_log import RefusalLog
 from disttrain.core.rpc_server import RpcServer
 from disttrain.core.rpc_server import refusals as rpc_refusals
 from disttrain.core.tls import TlsFiles
@@ -34,9 +40,13 @@ from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.server.decisions import PushRefused
 from disttrain.strategies.ps.server.identity import IdentityTaken, SessionRefused, UnknownWorker
 from disttrain.strategies.ps.server.limits import (
+    FIRST_MESSAGE_S,
     LONG_POLL_CAP_S,
+    MAX_UNVERIFIED_PUSHES,
     POLLS_PER_WORKER,
     long_poll_wait_s,
+    max_concurrent_rpcs,
+    opening_slots,
     push_limits,
 )
 from disttrain.strategies.ps.server.roster import FencedPush, UnknownGeneration
@@ -62,11 +72,10 @@ Outcome = pb.PushReply.Outcome
 # Sync outcomes after which the worker's step is the version its push joined.
 _JOINED = {Outcome.Value("APPLIED"), Outcome.Value("BUFFERED"), Outcome.Value("DUPLICATE")}
 _ROLLED_BACK = Outcome.Value("ROLLED_BACK")
-
-
-def refusals(context: grpc.ServicerContext):
-    """Answer a refusal raised in the block with its status code (`CODES`) and message."""
-    return rpc_refusals(context, CODES)
+# The slots of streams whose first message has not come: no caller is known yet.
+_OPENING = "(streams awaiting their first message)"
+# The slots of waits for every worker to be done by callers that are not workers.
+_OBSERVERS = "(observers waiting for all done)"
 
 
 class ParameterServicer:
@@ -77,21 +86,40 @@ class ParameterServicer:
     """
 
     def __init__(self, state: ShardState, stopped: threading.Event, polls: PollSlots,
-                 wait_cap_s: float = LONG_POLL_CAP_S):
+                 wait_cap_s: float = LONG_POLL_CAP_S, first_message_s: float = FIRST_MESSAGE_S):
         self.state = state
+        self.first_message_s = first_message_s
+        self.max_opening = opening_slots(polls.max_total)
         self.stopped = stopped
         self.polls = polls
         self.wait_cap_s = wait_cap_s
         self.push_limits = push_limits(state.plan.nbytes, state.decoder.compressed_nbytes,
                                        len(state.plan.slices))
         self.deadlines = Deadlines()
+        self.refused_log = RefusalLog()  # an outsider's refused calls must not flood the log
 
-    def long_poll(self, key: str, context):
+    def refusals(self, context):
+        """Answer a refusal raised in the block with its status code (`CODES`) and
+        message, and log it (rate-limited: an outsider's calls must not flood the log)."""
+        return rpc_refusals(context, CODES, self.refused_log)
+
+    def long_poll(self, key: str, context, per_key: int | None = None):
         """The slot one long-poll of `key` holds while it waits; aborts when none is left."""
         try:
-            return self.polls.take(key)
+            return self.polls.take(key, per_key)
         except PollLimitExceeded as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+
+    def first_message(self, requests, context):
+        """The next message of a stream that has shown no identity yet (None: it ended, or
+        was cancelled), waited for on a shared opening slot and within `first_message_s`;
+        the call is cancelled when it does not come in time."""
+        with self.long_poll(_OPENING, context, self.max_opening), \
+                self.deadlines.limit(context, self.first_message_s):
+            try:
+                return next(requests, None)
+            except grpc.RpcError:  # cancelled: by the deadline, or the client went away
+                return None
 
     def wait_s(self, context) -> float:
         return long_poll_wait_s(context.time_remaining(), self.wait_cap_s)
@@ -100,26 +128,29 @@ class ParameterServicer:
 
     def SendGradients(self, request_iterator, context):
         with self.deadlines.limit(context, self.push_limits.max_read_s):
-            payload = self.collect(request_iterator, context, stream=True)
+            payload = self.collect(iter(request_iterator), context, stream=True)
         return self.push(payload, context)
 
     def PushGradients(self, raw, context):
         return self.push(self.collect(iter([raw]), context), context)
 
-    def collect(self, raws, context, stream: bool = False) -> Payload:
+    def collect(self, raws, context, stream: bool = False) -> Payload | None:
         """The push's frames, decoded here (not on gRPC's polling thread) within the
         shard's bounds; the stream stops being read at the first frame over one, and is
-        read on only for a worker's own session, on one of its slots."""
+        read on only for a worker's own session, on one of its slots. None: a push of an
+        earlier incarnation of this server, its first frame read alone."""
         limits = self.push_limits
-        frames = (service.read_gradient(raw, limits.max_fields) for raw in raws)
         try:
-            first = next(frames, None)
-            if first is None:
+            raw = self.first_message(raws, context) if stream else next(raws, None)
+            if raw is None:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty stream: no message arrived")
+            first = service.read_gradient(raw, limits.max_fields)
             header = first.header
-            if header.incarnation in (0, self.state.incarnation):  # else: answered ROLLED_BACK unread
-                with refusals(context):
-                    self.state.identities.check(header.worker_id, header.session)
+            if header.incarnation not in (0, self.state.incarnation):
+                return None  # answered ROLLED_BACK: the worker registers again
+            with self.refusals(context):
+                self.state.identities.check(header.worker_id, header.session)
+            frames = (service.read_gradient(raw, limits.max_fields) for raw in raws)
             with self.long_poll(f"{header.worker_id} (push)", context) if stream else nullcontext():
                 return service.collect_payload(itertools.chain([first], frames), limits.max_bytes,
                                                limits.max_frames, require_data=True)
@@ -129,8 +160,11 @@ class ParameterServicer:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                           f"the push did not arrive whole within {limits.max_read_s:.0f}s")
 
-    def push(self, payload: Payload, context) -> pb.PushReply:
-        with refusals(context):
+    def push(self, payload: Payload | None, context) -> pb.PushReply:
+        if payload is None:  # of an earlier incarnation of this server
+            return pb.PushReply(outcome=_ROLLED_BACK, version=self.state.version,
+                                incarnation=self.state.incarnation)
+        with self.refusals(context):
             decision = self.state.push(payload)
         return pb.PushReply(outcome=decision.outcome.value, version=decision.version,
                             staleness=decision.staleness, incarnation=self.state.incarnation,
@@ -143,12 +177,19 @@ class ParameterServicer:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"shard {state.plan.shard} holds {state.plan.nbytes} bytes, more than one "
                           "message carries; push with SendGradients and pull with GetParameters")
+        requests, unverified = iter(request_iterator), 0
         with ExitStack() as slot:
             holding = False
-            for raw in request_iterator:
+            while (raw := next(requests, None) if holding else self.first_message(requests, context)) \
+                    is not None:
                 payload = self.collect(iter([raw]), context)
                 reply = self.push(payload, context)
                 if reply.outcome == _ROLLED_BACK:  # read nothing: the worker registers again first
+                    unverified = 0 if holding else unverified + 1
+                    if unverified > MAX_UNVERIFIED_PUSHES:
+                        context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"{unverified} pushes of an earlier incarnation of this server in a "
+                                      "row; register again, then push")
                     yield service.step_answer(reply)
                     continue
                 if not holding:  # the first push that passed the session check
@@ -185,7 +226,7 @@ class ParameterServicer:
                           f"pull for shard {request.shard} reached shard {state.plan.shard}")
         if request.incarnation not in (0, state.incarnation):  # it must register again first
             return [service.parameter_notice(state.plan, state.version, state.incarnation)]
-        with refusals(context):
+        with self.refusals(context):
             state.identities.check(request.worker_id, request.session)
         with self.long_poll(request.worker_id, context):
             return self._parameters(request.worker_id, request.min_version, request.shared_memory, context)
@@ -198,7 +239,7 @@ class ParameterServicer:
         ends when the version does not come in time."""
         state, timeout = self.state, self.wait_s(context)
         if shared_memory:
-            with refusals(context):
+            with self.refusals(context):
                 notice = state.write_parameters(worker_id, version, timeout)
             if notice is not None:
                 return [notice]
@@ -220,7 +261,7 @@ class ParameterServicer:
         shard stops."""
         state, peer = self.state, context.peer()
         local = request.shared_memory and peer_is_local(peer)
-        with refusals(context):
+        with self.refusals(context):
             joined = state.register(request.worker_id, request.requested_rank, request.key,
                                     request.generation, shared_memory=local)
         plan, rules = state.plan, state.rules
@@ -238,18 +279,28 @@ class ParameterServicer:
         return assignment
 
     def WorkerDone(self, request, context):
-        with refusals(context):
+        with self.refusals(context):
             self.state.worker_done(request.worker_id, request.session)
         return pb.ShardStatus(**self.state.status())
 
     def GetStatus(self, request, context):
+        """The shard's counters; with `wait_all_done`, once every worker is done: a
+        worker's wait (with its session, checked) on one of its own slots, an observer's
+        (no session) on the few slots all observers share, never a worker's."""
         if request.wait_all_done:
-            with self.long_poll("GetStatus(wait_all_done)", context):
+            key = _OBSERVERS
+            if request.session:
+                with self.refusals(context):
+                    self.state.identities.check(request.worker_id, request.session)
+                key = f"{request.worker_id} (all done)"
+            with self.long_poll(key, context):
                 self.state.wait_all_done(self.wait_s(context))
         return pb.ShardStatus(**self.state.status())
 
     def Barrier(self, request, context):
-        with refusals(context), self.long_poll(request.worker_id, context):
+        with self.refusals(context):  # before a slot is taken in its name
+            self.state.identities.check(request.worker_id, request.session)
+        with self.refusals(context), self.long_poll(request.worker_id, context):
             rows = self.state.barrier(request.worker_id, request.session, request.name, list(request.values),
                                       self.wait_s(context), request.step)
         if rows == []:
@@ -260,6 +311,8 @@ class ParameterServicer:
         return pb.BarrierReply(world_size=len(rows), values=[v for row in rows for v in row])
 
     def GetLedger(self, request, context):
+        with self.refusals(context):
+            self.state.identities.check(request.worker_id, request.session)
         return pb.LedgerReply(block_ids=self.state.ledger(request.first_block, request.end_block))
 
     def Shutdown(self, request, context):
@@ -274,12 +327,38 @@ def _handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
     handlers = {}
     for name, (kind, request_type, response_type) in service.METHODS.items():
         # Framed requests are decoded by the handler: gRPC runs deserializers on its polling thread.
-        deserialize = service.identity if request_type is None else request_type.FromString
+        behavior = getattr(servicer, name)
+        if request_type is None:
+            deserialize = service.identity
+        else:
+            deserialize = _bounded_parser(request_type, service.REQUEST_MAX_BYTES[name])
+            behavior = _refusing_oversize(behavior, name)
         serialize = service.identity if response_type is None else response_type.SerializeToString
         make = getattr(grpc, f"{kind}_rpc_method_handler")
-        handlers[name] = make(getattr(servicer, name), request_deserializer=deserialize,
-                              response_serializer=serialize)
+        handlers[name] = make(behavior, request_deserializer=deserialize, response_serializer=serialize)
     return grpc.method_handlers_generic_handler(service.SERVICE, handlers)
+
+
+class _Oversize:
+    """A request over its method's size limit, left unparsed (the handler refuses it)."""
+
+    def __init__(self, nbytes: int, limit: int):
+        self.nbytes, self.limit = nbytes, limit
+
+
+def _bounded_parser(request_type, limit: int):
+    def parse(data: bytes):
+        return _Oversize(len(data), limit) if len(data) > limit else request_type.FromString(data)
+    return parse
+
+
+def _refusing_oversize(behavior, name: str):
+    def handle(request, context):
+        if isinstance(request, _Oversize):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"a {name} request of {request.nbytes} bytes; at most {request.limit}")
+        return behavior(request, context)
+    return handle
 
 
 class ShardServer:
@@ -290,13 +369,16 @@ class ShardServer:
     """
 
     def __init__(self, state: ShardState, bind: str, max_threads: int = 32, token: str | None = None,
-                 long_poll_cap_s: float = LONG_POLL_CAP_S, tls: TlsFiles | None = None):
+                 long_poll_cap_s: float = LONG_POLL_CAP_S, tls: TlsFiles | None = None,
+                 first_message_s: float = FIRST_MESSAGE_S):
         self.state = state
         self.stopped = threading.Event()
         self.polls = PollSlots.for_pool(max_threads, POLLS_PER_WORKER)
-        self.servicer = servicer = ParameterServicer(state, self.stopped, self.polls, long_poll_cap_s)
+        self.servicer = servicer = ParameterServicer(state, self.stopped, self.polls, long_poll_cap_s,
+                                                     first_message_s)
         self._server = RpcServer(_handler(servicer), service.SERVICE, bind,
-                                 max_threads, options=service.CHANNEL_OPTIONS, token=token, tls=tls)
+                                 max_threads, options=service.CHANNEL_OPTIONS, token=token, tls=tls,
+                                 maximum_concurrent_rpcs=max_concurrent_rpcs(max_threads))
         self.address = self._server.address
 
     def stop(self, grace_s: float = 2.0) -> None:

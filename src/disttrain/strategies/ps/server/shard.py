@@ -140,7 +140,10 @@ class ShardState:
         self.checkpoints = checkpoints
         self.clock = clock
         self.on_version: Callable[[int], None] = lambda version: None  # called at each new version
-        self.incarnation = time.time_ns()  # tells workers this server restarted
+        # Tells workers this server restarted. Microseconds, so it fits in 53 bits (until the
+        # year 2255): a client that reads int64 fields as floating-point numbers (a common
+        # JavaScript proto-loader setting) sends it back unchanged.
+        self.incarnation = time.time_ns() // 1000
         self.num_invalid = self.num_refused_nonfinite = 0
         self.stopping = False
         self._lock = threading.Lock()
@@ -269,9 +272,11 @@ class ShardState:
             self._changed.notify_all()
 
     def ledger(self, first: int, end: int) -> list[int]:
-        """Applied blocks with ids in [first, end) (end 0: no bound)."""
+        """Applied blocks with ids in [first, end) (end 0: no bound), ascending; sorted
+        outside the lock, so a long ledger never holds up pushes."""
         with self._lock:
-            return self.rules.ledger.between(first, end)
+            blocks = self.rules.ledger.copy()
+        return blocks.between(first, end)
 
     def _apply(self, decision: Decision) -> bool:
         """Apply a decision's gradients (lock held; the rules already advanced the version).

@@ -70,6 +70,20 @@ METHODS = {
     "GetLedger": ("unary_unary", pb.LedgerRequest, pb.LedgerReply),
 }
 
+# The most bytes a request of each unframed kind may take: what it can legitimately carry
+# (ids, a session, a key, a hostname; a barrier's few values) with ample room. A larger
+# one is refused before it is parsed, whatever the channel's message limit.
+REQUEST_MAX_BYTES = {
+    "GetParameters": 4 << 10,
+    "FetchParameters": 4 << 10,
+    "RegisterWorker": 16 << 10,
+    "WorkerDone": 4 << 10,
+    "GetStatus": 4 << 10,
+    "Shutdown": 1 << 10,
+    "Barrier": 16 << 10,
+    "GetLedger": 4 << 10,
+}
+
 
 @dataclass
 class Snapshot:

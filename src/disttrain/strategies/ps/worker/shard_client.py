@@ -111,13 +111,15 @@ class ShardClient:
         return True
 
     def _stamped(self, request):
-        """`request` with this worker's session, when its kind carries one (a copy: one
-        request may go to every shard at once)."""
+        """`request` with this worker's session, when its kind carries one, and its id
+        where the request names none (a copy: one request may go to every shard at once)."""
         if "session" not in request.DESCRIPTOR.fields_by_name:
             return request
         stamped = type(request)()
         stamped.CopyFrom(request)
         stamped.session = self.session
+        if not stamped.worker_id and self._joined is not None:
+            stamped.worker_id = self._joined[0].worker_id
         return stamped
 
     def unary(self, name: str, request, timeout_s: float | None = None):
