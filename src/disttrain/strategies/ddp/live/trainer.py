@@ -26,8 +26,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from disttrain.compression.ddp_hooks import CompressionHook
 from disttrain.config import Config
 from disttrain.data import PlannedSampler, load_datasets
+from disttrain.strategies.ddp.live.compression import (
+    clear_residuals,
+    compressed_average,
+    live_compression,
+    shared_state,
+)
 from disttrain.strategies.ddp.live.membership import split_batch
 from disttrain.strategies.ddp.reduce import evaluate_sharded
 from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward
@@ -78,6 +85,7 @@ class LiveTrainer:
         seed_training(training.seed, slot)
         self.optimizer = build_optimizer(self.module.parameters(), training, training.learning_rate)
         self.stepper = OptimizerStep(self.optimizer, training)
+        self.compression = live_compression(config, self.module, slot)
         self.global_batch = training.batch_size * config.system.num_workers
         self.steps_per_epoch = len(self.train_set) // self.global_batch
         self.num_epochs = training.num_epochs
@@ -104,8 +112,11 @@ class LiveTrainer:
     def state_dict(self) -> dict[str, Any]:
         self.progress.train_time_s = self.train_time_s()
         self._clock_from = time.perf_counter()
-        return {"model": self.module.state_dict(), **self.stepper.state_dict(),
-                "progress": self.progress.state_dict(), "ledger": self.ledger}
+        state = {"model": self.module.state_dict(), **self.stepper.state_dict(),
+                 "progress": self.progress.state_dict(), "ledger": self.ledger}
+        if self.compression is not None:
+            state["compression"] = shared_state(self.compression)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a peer's state (the optimizer's is built from scratch, so a joiner that never
@@ -128,6 +139,8 @@ class LiveTrainer:
         self.sampler = PlannedSampler(len(self.train_set), world_size=world_size, rank=rank,
                                       seed=self.config.training.seed, shares=shares)
         self.world_size = world_size
+        if self.compression is not None:  # every member's residual starts again at zero
+            clear_residuals(self.compression)
 
     def detach(self) -> None:
         """This generation's group is gone: a step cut short by it will be redone."""
@@ -151,7 +164,7 @@ class LiveTrainer:
         self.samples_trained += len(indices)
         self._in_flight = len(indices)
         result = forward_backward(self.module, inputs, targets, weight)
-        average_gradients(list(self.module.parameters()), self.world_size)
+        average_gradients(list(self.module.parameters()), self.world_size, self.compression)
         self._in_flight = 0
         self.stepper.step()
         self.ledger[p.epoch, p.index] += 1
@@ -180,17 +193,22 @@ class LiveTrainer:
         return applied, lost, twice
 
 
-def average_gradients(params: list[torch.nn.Parameter], world_size: int) -> None:
+def average_gradients(params: list[torch.nn.Parameter], world_size: int,
+                      compression: CompressionHook | None = None) -> None:
     """Average `.grad` over the group: one all-reduce of every gradient in one flat buffer
-    (a parameter without a gradient counts as zeros, so every rank sends the same layout).
+    (a parameter without a gradient counts as zeros, so every rank sends the same layout),
+    or, with `compression`, that buffer through its hook.
 
     Raises:
         RuntimeError, dist.DistError: a peer was lost (the gradients are then unusable).
     """
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world_size
+    if compression is not None:
+        flat = compressed_average(compression, flat, params)
+    else:
+        dist.all_reduce(flat)
+        flat /= world_size
     offset = 0
     for param, grad in zip(params, grads, strict=True):
         size = grad.numel()
