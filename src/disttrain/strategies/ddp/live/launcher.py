@@ -51,7 +51,6 @@ def live_problems(config: Config, resume: bool) -> list[str]:
     rules = [
         (training.local_update_mode, "training.sync_every: local updates"),
         (config.system.balance != "none", f"system.balance: {config.system.balance} batches"),
-        (ddp.grad_accumulation_steps > 1, "ddp.grad_accumulation_steps: gradient accumulation"),
         (training.precision != "none", f"training.precision: {training.precision}"),
         (training.loader_workers > 0, "training.loader_workers: loader workers"),
         (ddp.backend == "nccl", "ddp.backend: nccl (live groups are gloo, on the CPU)"),

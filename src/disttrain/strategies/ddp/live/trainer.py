@@ -12,7 +12,9 @@ The global batches are fixed (`batch_size` x the run's world size, cut from each
 permutation as the planned sampler cuts them); each generation splits them evenly over
 its members. A step's gradient is that of its whole global batch whatever the split (each
 member's loss is weighted by its share), so a step redone by fewer ranks after a failure
-trains on the same samples. The ledger counts, per epoch and global batch, the updates
+trains on the same samples. With gradient accumulation a step takes up to
+`ddp.grad_accumulation_steps` global batches (each member's micro-batches, then one
+all-reduce), and a failed step redoes all of them. The ledger counts, per epoch and global batch, the updates
 applied from it: 1 everywhere at the end means nothing lost and nothing twice.
 """
 
@@ -87,10 +89,11 @@ class LiveTrainer:
         self.stepper = OptimizerStep(self.optimizer, training)
         self.compression = live_compression(config, self.module, slot)
         self.global_batch = training.batch_size * config.system.num_workers
-        self.steps_per_epoch = len(self.train_set) // self.global_batch
+        self.batches_per_epoch = len(self.train_set) // self.global_batch
+        self.micro_batches = config.ddp.grad_accumulation_steps  # global batches per step
         self.num_epochs = training.num_epochs
         self.progress = Progress()
-        self.ledger = torch.zeros(self.num_epochs, self.steps_per_epoch, dtype=torch.int32)
+        self.ledger = torch.zeros(self.num_epochs, self.batches_per_epoch, dtype=torch.int32)
         self.has_state = True
         self.sampler: PlannedSampler | None = None
         self.samples_trained = 0  # by this process, failed steps included
@@ -104,7 +107,7 @@ class LiveTrainer:
 
     @property
     def epoch_done(self) -> bool:
-        return self.progress.index >= self.steps_per_epoch
+        return self.progress.index >= self.batches_per_epoch
 
     def train_time_s(self) -> float:
         return self.progress.train_time_s + time.perf_counter() - self._clock_from
@@ -149,28 +152,37 @@ class LiveTrainer:
         self._in_flight = 0
 
     def step(self) -> StepResult:
-        """Train on this member's piece of the next global batch; all-reduce; apply.
+        """Train on this member's pieces of the step's global batches (one, or up to
+        `ddp.grad_accumulation_steps`: the epoch's last step takes what is left); one
+        all-reduce; apply.
 
         Raises:
-            RuntimeError, dist.DistError: a peer was lost in the all-reduce (nothing applied).
+            RuntimeError, dist.DistError: a peer was lost in the all-reduce (nothing applied;
+                the group redoes every global batch of the step).
         """
         assert self.sampler is not None, "attach() first"
         p = self.progress
-        indices = self.sampler.block(p.epoch, p.index)
+        batches = min(self.micro_batches, self.batches_per_epoch - p.index)
         self.optimizer.zero_grad(set_to_none=True)
-        inputs, targets = self.train_set.batch(indices)
         broadcast_buffers(self.module)
-        weight = self.world_size * len(indices) / self.global_batch
-        self.samples_trained += len(indices)
-        self._in_flight = len(indices)
-        result = forward_backward(self.module, inputs, targets, weight)
+        loss_sum, correct, samples = 0.0, 0, 0
+        for offset in range(batches):
+            indices = self.sampler.block(p.epoch, p.index + offset)
+            inputs, targets = self.train_set.batch(indices)
+            # This member's share of the global batch, and the batch's share of the step.
+            weight = self.world_size * len(indices) / self.global_batch / batches
+            self.samples_trained += len(indices)
+            self._in_flight += len(indices)
+            result = forward_backward(self.module, inputs, targets, weight)
+            loss_sum += result.loss * result.num_samples
+            correct, samples = correct + result.num_correct, samples + result.num_samples
         average_gradients(list(self.module.parameters()), self.world_size, self.compression)
         self._in_flight = 0
         self.stepper.step()
-        self.ledger[p.epoch, p.index] += 1
-        p.index += 1
+        self.ledger[p.epoch, p.index:p.index + batches] += 1
+        p.index += batches
         p.step += 1
-        return result
+        return StepResult(loss_sum / max(samples, 1), correct, samples)
 
     def evaluate(self, rank: int, world_size: int) -> EvalResult:
         """The epoch-end evaluation (a collective), recorded; then the next epoch begins."""
