@@ -89,7 +89,7 @@ class LiveRank:
         try:
             if self.attempt == 0:
                 generation, members = 0, tuple(range(self.config.system.num_workers))
-                if self.resume and self.slot == 0:  # the others take it from slot 0 (`_sync`)
+                if self.resume:  # slot 0 reads the checkpoint; the others take it from slot 0
                     self._resume()
             else:
                 self.trainer.drop_state()
@@ -129,6 +129,11 @@ class LiveRank:
                 self.metrics.close()
 
     def _resume(self) -> None:
+        """`--resume`: slot 0 holds the newest checkpoint's state, the others none (were
+        slot 0 lost before handing it over, they must not train on from step 0)."""
+        if self.slot != 0:
+            self.trainer.drop_state()
+            return
         state = load_resume_state(self.config.system.checkpoint_dir)
         if state is not None:
             self.trainer.load_state_dict(state)
