@@ -147,6 +147,8 @@ def test_live_problems_name_each_setting_live_recovery_does_not_offer():
     assert len(problems) == 2
     assert any(p.startswith("training.sync_every") for p in problems)
     assert all("ddp.recovery restart" in p for p in problems)
+    powersgd = Config().replace(compression={"enabled": True, "type": "powersgd"})
+    assert [p.split(" (")[0] for p in live_problems(powersgd, resume=False)] == ["compression.type: powersgd"]
 
 
 def test_config_checks_the_recovery_key():

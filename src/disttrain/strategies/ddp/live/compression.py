@@ -4,6 +4,8 @@ codecs, the same state) run on the live trainer's one flat gradient buffer.
 `FlatBucket` is that buffer as the hooks read a `dist.GradBucket`: bucket 0, the last,
 holding every parameter's gradient in order. The hook's future gives the average over
 the current generation's group (every hook divides by the world size itself).
+(`live_problems` refuses PowerSGD for now: after a rejoin the members' PowerSGD
+collectives did not match; the handling below is kept for when that is found.)
 
 What is handed over with the rest of the state (`state_dict`): the byte counters, and
 PowerSGD's shared state (its iteration, the random generator of Q's start, P and Q,
