@@ -108,9 +108,9 @@ def test_without_restarts_the_survivors_finish_the_run_alone(cli, tmp_path, undi
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("extra, message", [
-    (["--compression-enabled"], "compression.enabled: gradient compression is not offered with "
-                                "ddp.recovery live"),
-    (["--grad-accumulation-steps", 2], "ddp.grad_accumulation_steps"),
+    (["--set", "training.loader_workers=1"], "training.loader_workers: loader workers is not offered "
+                                             "with ddp.recovery live"),
+    (["--set", "training.sync_every=4"], "training.sync_every: local updates"),
 ])
 def test_settings_live_recovery_does_not_offer_are_refused_at_once(cli, tmp_path, extra, message):
     result = cli("ddp", *ARGS, *dirs(tmp_path), *extra, timeout=100)

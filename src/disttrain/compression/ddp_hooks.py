@@ -149,7 +149,8 @@ class GatherHook(CompressionHook):
         parts = [torch.empty_like(payload) for _ in range(dist.get_world_size())]
         gathered = dist.all_gather(parts, payload, async_op=True).get_future()
 
-        def average(_: Future) -> torch.Tensor:
+        def average(done: Future) -> torch.Tensor:
+            done.value()  # a failed all-gather raises its own error here, not a decode of garbage
             started = time.perf_counter()
             total = torch.zeros(buffer.numel(), dtype=buffer.dtype)
             scratch = torch.empty_like(total)

@@ -4,7 +4,9 @@ their group and train on, and the rank, started again, joins them at a step boun
 Modules: `membership` (the pure rules: settling, members, the batch split, whose state
 everyone takes), `group` (generations of process groups agreed through the launcher's
 store), `state` (a state handed from a live peer, without pickle), `trainer` (model,
-optimizer, position and data ledger), `rank` (the generations of one rank process),
+optimizer, position and data ledger), `checkpoints` (the leader's periodic checkpoints
+and `--resume`), `compression` (the DDP compression hooks on the flat gradient buffer),
+`rank` (the generations of one rank process),
 `launcher` (starts and restarts the ranks, hosts the store).
 """
 

@@ -44,18 +44,19 @@ EVENT_WAIT_S = 1.0
 
 
 def live_problems(config: Config, resume: bool) -> list[str]:
-    """What live recovery does not offer yet, each with the way out."""
+    """What live recovery does not offer yet, each with the way out. (`resume` is offered:
+    the group's leader writes checkpoints, see `live.checkpoints`; so are compression but
+    PowerSGD, see `live.compression`, and gradient accumulation.)"""
     training, ddp = config.training, config.ddp
     rules = [
-        (config.compression.enabled, "compression.enabled: gradient compression"),
         (training.local_update_mode, "training.sync_every: local updates"),
+        (config.compression.enabled and config.compression.type == "powersgd",
+         "compression.type: powersgd (a rejoined rank's collectives do not yet match its peers')"),
         (config.system.balance != "none", f"system.balance: {config.system.balance} batches"),
-        (ddp.grad_accumulation_steps > 1, "ddp.grad_accumulation_steps: gradient accumulation"),
         (training.precision != "none", f"training.precision: {training.precision}"),
         (training.loader_workers > 0, "training.loader_workers: loader workers"),
         (ddp.backend == "nccl", "ddp.backend: nccl (live groups are gloo, on the CPU)"),
         (ddp.lr_scaling != "none", "ddp.lr_scaling: linear"),
-        (resume, "--resume (live runs keep no checkpoints yet)"),
     ]
     return [f"{what} is not offered with ddp.recovery live; leave it out or use ddp.recovery restart"
             for broken, what in rules if broken]
@@ -66,7 +67,7 @@ def rank_spec(config_path: Path, summary_path: Path, options: RunOptions, slot: 
     """Slot `slot`'s process on its `attempt`-th start (> 0: it joins the running group)."""
     return ProcessSpec("", entry=RANK_ENTRY, config=config_path, summary_json=summary_path,
                        quiet_summary=True, faults=options.faults, verbose=options.verbose,
-                       tls=options.tls, rank=slot, attempt=attempt)
+                       tls=options.tls, rank=slot, attempt=attempt, resume=options.resume)
 
 
 @dataclass

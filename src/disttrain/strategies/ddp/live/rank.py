@@ -8,7 +8,9 @@ at each step boundary, take back ranks that ask to join.
 
 A rank started again by the launcher (`attempt` > 0) holds no state: it asks to join,
 and its first generation hands it the weights, optimizer and position of a live peer.
-Rank 0 of the last generation writes the final model and the summary.
+Rank 0 of each generation writes the periodic checkpoints (`checkpoints`), and rank 0 of
+the last one the final model and the summary; with `--resume`, slot 0 starts from the
+newest checkpoint and its first generation hands that state to the others.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from disttrain.core.faults import FaultInjector
 from disttrain.metrics.logger import MetricsLogger
 from disttrain.metrics.summary import RunSummary
 from disttrain.strategies.ddp.heartbeats import LoopProgress
+from disttrain.strategies.ddp.live.checkpoints import LiveCheckpoints, load_resume_state
 from disttrain.strategies.ddp.live.group import Beats, LiveGroup, connect
 from disttrain.strategies.ddp.live.membership import Holding, choose_source
 from disttrain.strategies.ddp.live.state import share_state
@@ -68,6 +71,10 @@ class LiveRank:
                                window_s=2 * coordinator.heartbeat_timeout)
         self.beats = Beats(connect(*store_address, timeout_s), slot, coordinator.heartbeat_interval)
         self.trainer = LiveTrainer(config, slot)
+        system = config.system
+        self.checkpoints = LiveCheckpoints(system.checkpoint_dir, config.training.checkpoint_interval,
+                                           system.checkpoint_keep)
+        self.resume = options.resume
         self.faults = FaultInjector(options.faults, "rank", slot, attempt)
         self.heartbeat_progress = progress
         self.metrics: MetricsLogger | None = None
@@ -82,6 +89,8 @@ class LiveRank:
         try:
             if self.attempt == 0:
                 generation, members = 0, tuple(range(self.config.system.num_workers))
+                if self.resume:  # slot 0 reads the checkpoint; the others take it from slot 0
+                    self._resume()
             else:
                 self.trainer.drop_state()
                 joined = self._join()
@@ -119,6 +128,16 @@ class LiveRank:
             if self.metrics is not None:
                 self.metrics.close()
 
+    def _resume(self) -> None:
+        """`--resume`: slot 0 holds the newest checkpoint's state, the others none (were
+        slot 0 lost before handing it over, they must not train on from step 0)."""
+        if self.slot != 0:
+            self.trainer.drop_state()
+            return
+        state = load_resume_state(self.config.system.checkpoint_dir)
+        if state is not None:
+            self.trainer.load_state_dict(state)
+
     def _join(self) -> tuple[int, tuple[int, ...]] | None:
         self.pending = {"kind": "grow", "failed_at": time.time()}
         return self.group.request_join()
@@ -153,7 +172,8 @@ class LiveRank:
         trainer.attach(group.rank, group.world_size)
         if self.metrics is None:
             folder = os.path.join(self.config.system.log_dir, f"rank{self.slot}")
-            self.metrics = MetricsLogger(folder, resume_step=p.step if self.attempt else None)
+            resumed = self.attempt or self.resume  # records past the state's step are replaced
+            self.metrics = MetricsLogger(folder, resume_step=p.step if resumed else None)
         logger.info("generation %d trains from step %d (epoch %d, batch %d) on %d rank(s)",
                     group.generation, trainer.progress.step, trainer.progress.epoch,
                     trainer.progress.index, group.world_size)
@@ -181,6 +201,8 @@ class LiveRank:
                 loss_sum += result.loss * result.num_samples
                 correct, samples = correct + result.num_correct, samples + result.num_samples
                 self._report()
+                if group.is_leader and self.checkpoints.due(p.step):
+                    self.checkpoints.save(p.step, trainer.state_dict())
                 if p.step % log_interval == 0 and samples:
                     self._log({"loss/train": loss_sum / samples, "accuracy/train": correct / samples})
                     loss_sum, correct, samples = 0.0, 0, 0
@@ -213,6 +235,7 @@ class LiveRank:
         dist.all_reduce(pids)
         trained = torch.tensor([trainer.samples_trained, trainer.samples_redone], dtype=torch.int64)
         dist.all_reduce(trained)
+        self.checkpoints.close()  # the last checkpoint complete before the run reports done
         group.finish()
         dist.barrier()
         group.leave()

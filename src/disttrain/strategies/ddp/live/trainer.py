@@ -12,7 +12,9 @@ The global batches are fixed (`batch_size` x the run's world size, cut from each
 permutation as the planned sampler cuts them); each generation splits them evenly over
 its members. A step's gradient is that of its whole global batch whatever the split (each
 member's loss is weighted by its share), so a step redone by fewer ranks after a failure
-trains on the same samples. The ledger counts, per epoch and global batch, the updates
+trains on the same samples. With gradient accumulation a step takes up to
+`ddp.grad_accumulation_steps` global batches (each member's micro-batches, then one
+all-reduce), and a failed step redoes all of them. The ledger counts, per epoch and global batch, the updates
 applied from it: 1 everywhere at the end means nothing lost and nothing twice.
 """
 
@@ -26,8 +28,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from disttrain.compression.ddp_hooks import CompressionHook
 from disttrain.config import Config
 from disttrain.data import PlannedSampler, load_datasets
+from disttrain.strategies.ddp.live.compression import (
+    clear_residuals,
+    compressed_average,
+    live_compression,
+    shared_state,
+)
 from disttrain.strategies.ddp.live.membership import split_batch
 from disttrain.strategies.ddp.reduce import evaluate_sharded
 from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward
@@ -78,11 +87,13 @@ class LiveTrainer:
         seed_training(training.seed, slot)
         self.optimizer = build_optimizer(self.module.parameters(), training, training.learning_rate)
         self.stepper = OptimizerStep(self.optimizer, training)
+        self.compression = live_compression(config, self.module, slot)
         self.global_batch = training.batch_size * config.system.num_workers
-        self.steps_per_epoch = len(self.train_set) // self.global_batch
+        self.batches_per_epoch = len(self.train_set) // self.global_batch
+        self.micro_batches = config.ddp.grad_accumulation_steps  # global batches per step
         self.num_epochs = training.num_epochs
         self.progress = Progress()
-        self.ledger = torch.zeros(self.num_epochs, self.steps_per_epoch, dtype=torch.int32)
+        self.ledger = torch.zeros(self.num_epochs, self.batches_per_epoch, dtype=torch.int32)
         self.has_state = True
         self.sampler: PlannedSampler | None = None
         self.samples_trained = 0  # by this process, failed steps included
@@ -96,7 +107,7 @@ class LiveTrainer:
 
     @property
     def epoch_done(self) -> bool:
-        return self.progress.index >= self.steps_per_epoch
+        return self.progress.index >= self.batches_per_epoch
 
     def train_time_s(self) -> float:
         return self.progress.train_time_s + time.perf_counter() - self._clock_from
@@ -104,8 +115,11 @@ class LiveTrainer:
     def state_dict(self) -> dict[str, Any]:
         self.progress.train_time_s = self.train_time_s()
         self._clock_from = time.perf_counter()
-        return {"model": self.module.state_dict(), **self.stepper.state_dict(),
-                "progress": self.progress.state_dict(), "ledger": self.ledger}
+        state = {"model": self.module.state_dict(), **self.stepper.state_dict(),
+                 "progress": self.progress.state_dict(), "ledger": self.ledger}
+        if self.compression is not None:
+            state["compression"] = shared_state(self.compression)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a peer's state (the optimizer's is built from scratch, so a joiner that never
@@ -128,6 +142,8 @@ class LiveTrainer:
         self.sampler = PlannedSampler(len(self.train_set), world_size=world_size, rank=rank,
                                       seed=self.config.training.seed, shares=shares)
         self.world_size = world_size
+        if self.compression is not None:  # every member's residual starts again at zero
+            clear_residuals(self.compression)
 
     def detach(self) -> None:
         """This generation's group is gone: a step cut short by it will be redone."""
@@ -136,28 +152,37 @@ class LiveTrainer:
         self._in_flight = 0
 
     def step(self) -> StepResult:
-        """Train on this member's piece of the next global batch; all-reduce; apply.
+        """Train on this member's pieces of the step's global batches (one, or up to
+        `ddp.grad_accumulation_steps`: the epoch's last step takes what is left); one
+        all-reduce; apply.
 
         Raises:
-            RuntimeError, dist.DistError: a peer was lost in the all-reduce (nothing applied).
+            RuntimeError, dist.DistError: a peer was lost in the all-reduce (nothing applied;
+                the group redoes every global batch of the step).
         """
         assert self.sampler is not None, "attach() first"
         p = self.progress
-        indices = self.sampler.block(p.epoch, p.index)
+        batches = min(self.micro_batches, self.batches_per_epoch - p.index)
         self.optimizer.zero_grad(set_to_none=True)
-        inputs, targets = self.train_set.batch(indices)
         broadcast_buffers(self.module)
-        weight = self.world_size * len(indices) / self.global_batch
-        self.samples_trained += len(indices)
-        self._in_flight = len(indices)
-        result = forward_backward(self.module, inputs, targets, weight)
-        average_gradients(list(self.module.parameters()), self.world_size)
+        loss_sum, correct, samples = 0.0, 0, 0
+        for offset in range(batches):
+            indices = self.sampler.block(p.epoch, p.index + offset)
+            inputs, targets = self.train_set.batch(indices)
+            # This member's share of the global batch, and the batch's share of the step.
+            weight = self.world_size * len(indices) / self.global_batch / batches
+            self.samples_trained += len(indices)
+            self._in_flight += len(indices)
+            result = forward_backward(self.module, inputs, targets, weight)
+            loss_sum += result.loss * result.num_samples
+            correct, samples = correct + result.num_correct, samples + result.num_samples
+        average_gradients(list(self.module.parameters()), self.world_size, self.compression)
         self._in_flight = 0
         self.stepper.step()
-        self.ledger[p.epoch, p.index] += 1
-        p.index += 1
+        self.ledger[p.epoch, p.index:p.index + batches] += 1
+        p.index += batches
         p.step += 1
-        return result
+        return StepResult(loss_sum / max(samples, 1), correct, samples)
 
     def evaluate(self, rank: int, world_size: int) -> EvalResult:
         """The epoch-end evaluation (a collective), recorded; then the next epoch begins."""
@@ -180,17 +205,22 @@ class LiveTrainer:
         return applied, lost, twice
 
 
-def average_gradients(params: list[torch.nn.Parameter], world_size: int) -> None:
+def average_gradients(params: list[torch.nn.Parameter], world_size: int,
+                      compression: CompressionHook | None = None) -> None:
     """Average `.grad` over the group: one all-reduce of every gradient in one flat buffer
-    (a parameter without a gradient counts as zeros, so every rank sends the same layout).
+    (a parameter without a gradient counts as zeros, so every rank sends the same layout),
+    or, with `compression`, that buffer through its hook.
 
     Raises:
         RuntimeError, dist.DistError: a peer was lost (the gradients are then unusable).
     """
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world_size
+    if compression is not None:
+        flat = compressed_average(compression, flat, params)
+    else:
+        dist.all_reduce(flat)
+        flat /= world_size
     offset = 0
     for param, grad in zip(params, grads, strict=True):
         size = grad.numel()

@@ -1,0 +1,85 @@
+"""A live run's checkpoints: what survives the loss of every rank at once (the launcher
+killed, the machine lost), where live recovery itself cannot help.
+
+Every member of a generation holds the same state after each step (model, optimizer,
+position, ledger; see `trainer`), so the group's leader alone writes it, every
+`training.checkpoint_interval` steps, in the background (`core.saver.CheckpointWriter`:
+the step after the snapshot does not wait for the disk or the store). The folder may be
+a store's URL, as in restart mode. A run started with `--resume` gives its first
+generation's leader the newest good checkpoint; the others take it from that leader
+the way a joiner takes a live peer's state, so a whole-run crash loses at most the
+steps since the last checkpoint, and the ledger carried in it keeps `samples_lost` at 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from disttrain.core import checkpoint as ckpt
+from disttrain.core.saver import CheckpointWriter
+from disttrain.strategies.ddp.live.state import flatten, unflatten
+
+logger = logging.getLogger(__name__)
+
+LIVE_KEYS = ("model", "progress", "ledger")
+
+
+class LiveCheckpoints:
+    """The checkpoints one live rank writes while it leads a generation.
+
+    Args:
+        folder: `system.checkpoint_dir` (a path or a store's URL).
+        interval: steps between checkpoints.
+        keep: how many of the newest checkpoints stay.
+    """
+
+    def __init__(self, folder: str | Path, interval: int, keep: int):
+        self.folder, self.interval, self.keep = folder, interval, keep
+        self._writer: CheckpointWriter | None = None
+
+    def due(self, step: int) -> bool:
+        return step > 0 and step % self.interval == 0
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        """Queue a copy of `state` as the checkpoint of `step` (returns at once).
+
+        Raises:
+            CheckpointError: an earlier write failed.
+        """
+        if self._writer is None:
+            self._writer = CheckpointWriter(self.folder, self.keep)
+        self._writer.submit(step, snapshot(state))
+
+    def close(self) -> None:
+        """Wait for the write in flight (the run's last checkpoint is then complete).
+
+        Raises:
+            CheckpointError: a write failed.
+        """
+        if self._writer is not None:
+            writer, self._writer = self._writer, None
+            writer.close()
+
+
+def snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `state` that training can no longer change (fresh tensors)."""
+    return unflatten(*flatten(state))
+
+
+def load_resume_state(folder: str | Path) -> dict[str, Any] | None:
+    """The newest good checkpoint of `folder`, checked to be a live run's; None when there
+    is none yet (the run starts from the beginning).
+
+    Raises:
+        CheckpointError: every checkpoint is damaged, or the newest good one was not
+            written by a live run.
+    """
+    chosen = ckpt.open_checkpoint_dir(folder, resume=True)
+    if chosen is None:
+        return None
+    path, state = chosen
+    ckpt.require_keys(state, LIVE_KEYS, path)
+    logger.info("--resume: taking the run's state from %s (step %d)", path, int(state["progress"]["step"]))
+    return state

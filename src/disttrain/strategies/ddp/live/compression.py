@@ -1,0 +1,110 @@
+"""Gradient compression in a live group: the DDP hooks of `compression.ddp_hooks` (the same
+codecs, the same state) run on the live trainer's one flat gradient buffer.
+
+`FlatBucket` is that buffer as the hooks read a `dist.GradBucket`: bucket 0, the last,
+holding every parameter's gradient in order. The hook's future gives the average over
+the current generation's group (every hook divides by the world size itself).
+(`live_problems` refuses PowerSGD for now: after a rejoin the members' PowerSGD
+collectives did not match; the handling below is kept for when that is found.)
+
+What is handed over with the rest of the state (`state_dict`): the byte counters, and
+PowerSGD's shared state (its iteration, the random generator of Q's start, P and Q,
+which are all-reduced and so the same on every member). What is not: each member's own
+error-feedback residual (top-k's and quantization's `residual/...`, PowerSGD's
+`error/...`). After every change of group (a re-form, a rejoin, a resume) every member
+starts again from a zero residual (`clear_residuals`), the source of the state included.
+That is sound: a residual is the gradient mass this rank's earlier payloads left out,
+and error feedback converges from any starting residual (it only delays that mass); a
+zero residual drops at most one residual's worth, once per recovery. Carrying the old
+one would be wrong: the member that held it may be gone, the batch split that produced
+it changes with the group, and a survivor's residual already includes the encoding of
+the failed step that the group redoes, which would then count twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from disttrain.compression.ddp_hooks import CompressionHook, GatherHook, PowerSGDHook, build_ddp_hook
+from disttrain.config import Config
+from disttrain.training.seeding import training_seed
+
+
+class FlatBucket:
+    """Every gradient in one flat buffer, as a `dist.GradBucket` for the compression hooks."""
+
+    def __init__(self, buffer: torch.Tensor, params: list[torch.nn.Parameter]):
+        self._buffer, self._params = buffer, params
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self._params
+
+    def gradients(self) -> list[torch.Tensor]:
+        views, offset = [], 0
+        for param in self._params:
+            views.append(self._buffer[offset:offset + param.numel()].view_as(param))
+            offset += param.numel()
+        return views
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer.copy_(tensor)
+
+
+def live_compression(config: Config, module: torch.nn.Module, slot: int) -> CompressionHook | None:
+    """The run's compression hook for this slot (None when compression is off)."""
+    if not config.compression.enabled:
+        return None
+    seed = config.training.seed
+    return build_ddp_hook(config.compression, module.named_parameters(), seed, training_seed(seed, slot))
+
+
+def compressed_average(hook: CompressionHook, flat: torch.Tensor,
+                       params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The group's average of `flat` (every parameter's gradient, in order) through `hook`.
+
+    Raises:
+        RuntimeError, dist.DistError: a peer was lost (the result is then unusable).
+    """
+    return hook.hook(FlatBucket(flat, params)).wait()
+
+
+def clear_residuals(hook: CompressionHook) -> None:
+    """This member's error feedback starts from zero (see the module's docstring); nothing
+    in flight from a group that is gone is waited for."""
+    if isinstance(hook, GatherHook):
+        hook.compressor.residuals.clear()  # a missing residual reads as zeros
+    elif isinstance(hook, PowerSGDHook):
+        hook.buckets.state.error_dict.clear()  # the hook starts a missing one at zeros
+        hook.buckets.pending.errors.clear()
+        hook.in_flight = None
+
+
+def shared_state(hook: CompressionHook) -> dict[str, torch.Tensor]:
+    """The hook's state without the per-rank residuals (what a joiner takes)."""
+    return {name: value for name, value in hook.state_dict().items() if not _is_residual(name)}
+
+
+def load_shared_state(hook: CompressionHook, state: dict[str, Any]) -> None:
+    """Take a peer's `shared_state`; this member's residual is then zero.
+
+    Raises:
+        ValueError: the state is of another compression scheme.
+    """
+    hook.load_state_dict(state)
+    clear_residuals(hook)
+
+
+def _is_residual(name: str) -> bool:
+    _, _, rest = name.partition("/")
+    return rest.startswith(("residual/", "error/"))
