@@ -209,11 +209,15 @@ def test_the_sender_registers_again_with_a_coordinator_that_lost_its_registry(tm
     sender.start()
     first.stop(0)
     second = CoordinatorServer(CONFIG, first.address, tmp_path / "two.db")  # same port, empty registry
+    # A fresh channel to watch with: the sender's own channel may still be in gRPC's
+    # reconnect backoff from the stop (its beats retry at each interval until through).
+    watcher = CoordinatorClient(second.address, timeout_s=1.0)
     try:
-        member = wait_for_state(client, "worker-0", "alive")
+        member = wait_for_state(watcher, "worker-0", "alive", timeout_s=30.0)
         assert member.rank == 2
     finally:
         sender.stop()
+        watcher.close()
         client.close()
         second.stop(0)
 

@@ -33,8 +33,10 @@ PACKAGE = Path(ps_package.__file__).parent
 # server/optimizer.py: the shard's schedule, weight decay ranges and clipping; and by
 # one for worker/overlap.py: the step pushes each shard's gradient from the backward
 # pass's hooks (the default), so its trigger is on the path; and by one for
-# worker/agreement.py: the step ends once every shard's answer is of one step.
-MAX_MODULES = {"grpc": 21, "shared_memory": 22}
+# worker/agreement.py: the step ends once every shard's answer is of one step; and by
+# one for server/ownership.py: a push's block and epoch are checked against the
+# caller's own before the shard takes it.
+MAX_MODULES = {"grpc": 22, "shared_memory": 23}
 
 
 def step_path(tmp_path: Path, transport: str) -> dict[str, set[str]]:
