@@ -229,3 +229,7 @@ def markdown() -> str:
     lines += [f"| `{m.key}` | {m.unit} | {m.meaning} |"
               for m in [*SUMMARY.values(), *OPTIONAL_SUMMARY.values()]]
     return "\n".join(lines) + "\n"
+
+
+# Keys a parameter-server worker logs in sync mode only (the step agreement across shards).
+SYNC_MODE_ONLY = frozenset({"ps/sync_step", "ps/step_spread"})
