@@ -27,11 +27,12 @@ from pathlib import Path
 
 import pytest
 
-from disttrain.core.processes import EVENT_PREFIX, PARENT_ENV
+from disttrain.core.processes import PARENT_ENV
 from disttrain.metrics.logger import read_metrics
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.worker.client import RetryPolicy
 from disttrain.strategies.ps.worker.shard_client import ShardClient
+from tests.multihost.netns import read_event
 
 DISTTRAIN = [sys.executable, "-m", "disttrain"]
 TRAIN, BATCH, EPOCHS, WORKERS = 512, 32, 2, 2
@@ -130,21 +131,6 @@ class PartitionProxy:
                     end.close()
                 except OSError:
                     pass
-
-
-def read_event(log: Path, kind: str, process: subprocess.Popen, timeout_s: float = 60) -> dict:
-    """The first event of `kind` the process printed (polled: it is another process)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in log.read_text().splitlines():
-            if line.startswith(EVENT_PREFIX):
-                fields = json.loads(line[len(EVENT_PREFIX):])
-                if fields.get("event") == kind:
-                    return fields
-        if process.poll() is not None:
-            raise AssertionError(f"{log.name} exited {process.returncode}:\n{log.read_text()[-3000:]}")
-        time.sleep(0.05)
-    raise AssertionError(f"no {kind} event in {log.name} within {timeout_s:g}s")
 
 
 def start(command: list[str], log: Path) -> subprocess.Popen:
