@@ -125,7 +125,7 @@ def check(args: argparse.Namespace) -> str:
     rt.check_supported(config)
     if ddp.recovery == "live":
         from disttrain.strategies.ddp.live.launcher import live_problems
-        problems = live_problems(config, options.resume)
+        problems = live_problems(config)
         if problems:
             raise ConfigError("; ".join(problems))
     if world_size % ddp.num_nodes:

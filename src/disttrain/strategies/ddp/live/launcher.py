@@ -43,7 +43,7 @@ STORE_HOST = "127.0.0.1"
 EVENT_WAIT_S = 1.0
 
 
-def live_problems(config: Config, resume: bool) -> list[str]:
+def live_problems(config: Config) -> list[str]:
     """What live recovery does not offer yet, each with the way out. (`resume` is offered:
     the group's leader writes checkpoints, see `live.checkpoints`; so are compression but
     PowerSGD, see `live.compression`, and gradient accumulation.)"""
@@ -130,7 +130,7 @@ def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary:
         DistributedError: a rank failed more than `ddp.max_restarts` times.
     """
     started = time.perf_counter()
-    problems = live_problems(config, options.resume)
+    problems = live_problems(config)
     if problems:
         raise ConfigError("; ".join(problems))
     preflight(config, options.resume)
