@@ -170,6 +170,29 @@ def _simulations(args: argparse.Namespace, model):
             for mode, b, trip, updates in runs]
 
 
+def add_advise_link_flag(parser: argparse.ArgumentParser) -> None:
+    """The link a comparison report's advice section predicts for (`compare`, `report`)."""
+    parser.add_argument("--advise-link", metavar="BANDWIDTH,LATENCY",
+                        help="the link the report's predicted scaling assumes, e.g. 10gbit,50us "
+                             "(default: this machine's loopback, measured when the report is rendered)")
+
+
+def advisor_from_args(args: argparse.Namespace) -> "Advisor":
+    """The advice section's predictor for `render_comparison`; call before any run starts,
+    so a malformed --advise-link stops the command at once.
+
+    Raises:
+        ConfigError: --advise-link is malformed.
+    """
+    from disttrain.advise import parse_link
+    from disttrain.advise.comparison import comparison_advisor
+    try:
+        link = parse_link(args.advise_link) if args.advise_link else None
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("--link", "--advise-link", 1)) from e
+    return comparison_advisor(link)
+
+
 def _shards(n: int, max_servers: int) -> list[int]:
     return [s for s in (2**i for i in range(11)) if s <= min(n, max_servers)]
 

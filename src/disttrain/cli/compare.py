@@ -7,6 +7,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from disttrain.cli.advise import add_advise_link_flag, advisor_from_args
 from disttrain.cli.check import add_check_flag, count, describe_training
 from disttrain.cli.config_warnings import warn_about_comparison_config
 from disttrain.cli.flags import COMMON_FLAGS, CONFIG_HELP, add_config_flags, config_from_args
@@ -74,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_runs_flags(parser, "runs/compare-<date>-<time>/, with the report")
     parser.add_argument("--strategies", default=DEFAULT_STRATEGIES, metavar="LIST",
                         help=f"comma-separated runs, in order (default: {DEFAULT_STRATEGIES})")
+    add_advise_link_flag(parser)
 
 
 def prepare(args: argparse.Namespace) -> tuple[Config, list[PlannedRun], Path]:
@@ -100,11 +102,12 @@ def check(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> None:
     config, runs, folder = prepare(args)
+    advisor = advisor_from_args(args)
     comparison = Comparison(folder, config, runs, ["disttrain", *sys.argv[1:]], args.timeout_per_run)
     from disttrain.report import render_comparison  # loads plotting only when a report is due
 
     records = comparison.run(LogDisplay(len(runs)))
-    report = render_comparison(folder)
+    report = render_comparison(folder, advisor)
     print(report.table)
     print(f"Report: {report.html_path}")
     failed = [r.name for r in records if r.status != "ok"]

@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Callable
 from typing import TypeVar
 
+from disttrain.cli.advise import add_advise_link_flag, advisor_from_args
 from disttrain.core.errors import ConfigError, DisttrainError, InputFileError
 from disttrain.report.artifacts import (
     BASELINE,
@@ -59,6 +60,7 @@ RANK_FLAG = "--ddp-rank-json"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("folder", nargs="?", help="a comparison folder to render again")
+    add_advise_link_flag(parser)
     group = parser.add_argument_group("performance report from artifacts")
     group.add_argument("--baseline-json", metavar="FILE", help="baseline.json of a baseline run")
     group.add_argument("--ps-json", metavar="FILE", help="ps.json of a parameter-server run")
@@ -80,7 +82,8 @@ def run(args: argparse.Namespace) -> None:
         if args.output:
             raise ConfigError("--output is for the report from artifacts; a comparison's report "
                               "is written into its folder")
-        rendered = _written(lambda: render_comparison(args.folder), args.folder)
+        advisor = advisor_from_args(args)
+        rendered = _written(lambda: render_comparison(args.folder, advisor), args.folder)
         print(rendered.table)
         print(f"\nreport: {rendered.html_path}")
         return

@@ -28,13 +28,14 @@ figure { margin: 1.5em 0; } img { max-width: 100%; height: auto; border: 1px sol
 
 
 def html_page(meta: dict[str, Any], rows: Sequence[dict[str, Any]], target: TimeToTarget,
-              plots: Sequence[Plot], rankings: dict[str, Any]) -> str:
+              plots: Sequence[Plot], rankings: dict[str, Any], extra: str = "") -> str:
     """The page.
 
     Args:
         meta: dataset, created, command (a list) of the comparison.
         rows, rankings: as in report.json; plots: the PNG files to inline.
         target: the figure the table times, with its targets.
+        extra: HTML of further sections, after the plots (the advice section).
 
     Raises:
         OSError: a plot file cannot be read.
@@ -56,6 +57,7 @@ def html_page(meta: dict[str, Any], rows: Sequence[dict[str, Any]], target: Time
         parts += [f"<h2>{escape(plot.title)}</h2>", "<figure>",
                   f'<img src="data:image/png;base64,{data}" alt="{escape(plot.title)}">',
                   f"<figcaption>{escape(plot.caption)}</figcaption>", "</figure>"]
+    parts += [extra] if extra else []
     parts += ["</body>", "</html>"]
     return "\n".join(parts) + "\n"
 

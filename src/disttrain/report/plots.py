@@ -45,7 +45,7 @@ def draw_plots(rows: Sequence[Row], folder: Path) -> list[Plot]:
     """
     folder.mkdir(parents=True, exist_ok=True)
     finished = [row for row in rows if row["status"] == OK]
-    colors = {row["name"]: f"C{i % 10}" for i, row in enumerate(rows)}
+    colors = run_colors(rows)
     written = []
     for file_name, title, caption, draw in PLOTS:
         path = folder / file_name
@@ -59,6 +59,11 @@ def draw_plots(rows: Sequence[Row], folder: Path) -> list[Plot]:
         write_file_atomic(path, png.getvalue())
         written.append(Plot(path, title, caption))
     return written
+
+
+def run_colors(rows: Sequence[Row]) -> dict[str, str]:
+    """Each run's colour, the same in every plot."""
+    return {row["name"]: f"C{i % 10}" for i, row in enumerate(rows)}
 
 
 def _figure() -> tuple[Figure, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 
 from disttrain.core.errors import InputFileError
 from disttrain.metrics.time_to_target import ACCURACY, PERPLEXITY, TimeToTarget
+from disttrain.report.advice import AdviceSection, Advisor, advice_html, advice_markdown, draw_advice
 from disttrain.report.figures import (
     OK,
     STATUSES,
@@ -28,7 +29,7 @@ from disttrain.report.figures import (
 )
 from disttrain.report.files import read_json_file, write_file_atomic, write_json_atomic
 from disttrain.report.html import html_page
-from disttrain.report.plots import Plot, draw_plots
+from disttrain.report.plots import Plot, draw_plots, run_colors
 from disttrain.report.runs import is_number, load_run
 from disttrain.report.table import language_models, legend, markdown_table, ranking_lines, text_table
 
@@ -49,11 +50,15 @@ class RenderedReport:
     plots: list[Path]
 
 
-def render_comparison(folder: str | Path) -> RenderedReport:
+def render_comparison(folder: str | Path, advisor: Advisor | None = None) -> RenderedReport:
     """Render the comparison in `folder` (or the folder of a comparison.json given).
 
     Call once its runs have finished, or at any time for a partial report (pending runs
     are shown as pending).
+
+    Args:
+        advisor: predicts how each run's strategy scales (the advice section, its plot
+            and report.json's `advice`); None: no advice section.
 
     Raises:
         InputFileError: the folder or its comparison.json is missing or malformed, or the
@@ -73,6 +78,9 @@ def render_comparison(folder: str | Path) -> RenderedReport:
     base = add_speedups(rows)
     ranked = rankings(rows, target)
     plots = draw_plots(rows, folder / PLOTS_FOLDER)
+    advice = advisor(folder, rows) if advisor is not None else None
+    advice_plot = draw_advice(advice, folder / PLOTS_FOLDER, run_colors(rows))
+    plots += [advice_plot] if advice_plot is not None else []
     meta = {key: comparison.get(key) for key in ("created", "command", "dataset")}
     report = {
         "version": REPORT_VERSION, **meta,
@@ -82,11 +90,13 @@ def render_comparison(folder: str | Path) -> RenderedReport:
         "baseline": base["name"] if base else None,
         "runs": rows, "ranking": ranked,
         "plots": [plot.path.relative_to(folder).as_posix() for plot in plots],
+        "advice": advice.to_dict() if advice is not None else None,
     }
     json_path = write_json_atomic(folder / REPORT_JSON, report)
     markdown_path = write_file_atomic(folder / REPORT_MARKDOWN,
-                                      markdown_page(meta, rows, target, plots, ranked, folder))
-    html_path = write_file_atomic(folder / REPORT_HTML, html_page(meta, rows, target, plots, ranked))
+                                      markdown_page(meta, rows, target, plots, ranked, folder, advice))
+    html_path = write_file_atomic(folder / REPORT_HTML, html_page(meta, rows, target, plots, ranked,
+                                                                   advice_html(advice)))
     return RenderedReport(table=text_table(rows, target), html_path=html_path, json_path=json_path,
                           markdown_path=markdown_path, plots=[plot.path for plot in plots])
 
@@ -143,7 +153,8 @@ def _check_entry(entry: Any, where: str) -> None:
 
 
 def markdown_page(meta: dict[str, Any], rows: Sequence[dict[str, Any]], target: TimeToTarget,
-                  plots: Sequence[Plot], ranked: dict[str, Any], folder: Path) -> str:
+                  plots: Sequence[Plot], ranked: dict[str, Any], folder: Path,
+                  advice: AdviceSection | None = None) -> str:
     """report.md: the table, the rankings and the plots linked (relative to the folder)."""
     command = " ".join(meta.get("command") or [])
     lines = [f"# disttrain comparison on {meta.get('dataset') or '?'}", "",
@@ -153,4 +164,5 @@ def markdown_page(meta: dict[str, Any], rows: Sequence[dict[str, Any]], target: 
     for plot in plots:
         lines += ["", f"## {plot.title}", "", f"![{plot.title}]({plot.path.relative_to(folder).as_posix()})",
                   "", plot.caption]
+    lines += advice_markdown(advice)
     return "\n".join(lines) + "\n"
