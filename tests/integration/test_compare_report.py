@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 # The strategies `make demo` compares, read from the Makefile so the two never drift apart.
 STRATEGIES = re.search(r"^DEMO_STRATEGIES := (\S+)$", (REPO_ROOT / "Makefile").read_text(),
                        re.MULTILINE).group(1).split(",")
-PLOTS = ["accuracy_vs_time", "loss_vs_step", "throughput", "step_time", "bytes_per_step", "staleness"]
+PLOTS = ["accuracy_vs_time", "loss_vs_step", "throughput", "step_time", "bytes_per_step", "staleness",
+         "advice_scaling"]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,31 @@ def test_the_report_carries_each_strategys_own_series_and_figures(comparison):
     assert set(runs["ps-async"]["staleness_histogram"]) != {"0"}  # async pushes do go stale
     assert set(runs["ps-sync"]["staleness_histogram"]) == {"0"}  # sync: always fresh
     assert sorted(report["ranking"]["samples_per_s"]) == sorted(STRATEGIES)
+
+
+@pytest.mark.timeout(420)
+def test_the_advice_section_predicts_each_strategy_from_the_runs_own_measurements(comparison):
+    folder, _ = comparison
+    report = json.loads((folder / "report.json").read_text())
+    runs, advice = {run["name"]: run for run in report["runs"]}, report["advice"]
+    workload = advice["inputs"]["workload"]
+    # the baseline's own step, not a step timed again
+    assert workload["compute_s"] == pytest.approx(runs["baseline"]["step_time"]["compute_s"])
+    topk = workload["compression"]["topk"]
+    assert topk["encode_s"] == pytest.approx(runs["ps-sync+topk"]["step_time"]["compression_s"])
+    ratio = runs["ps-sync+topk"]["compression_ratio"]
+    assert topk["payload_bytes"] == round(workload["gradient_bytes"] / ratio)
+    assert advice["inputs"]["link"]["source"] == "loopback"
+    curves = {curve["run"]: curve for curve in advice["curves"]}
+    assert list(curves) == STRATEGIES[1:]
+    assert curves["ps-sync+topk"]["configuration"] == "ps-sync S=1 +topk"
+    for name, curve in curves.items():
+        counts = [point["num_workers"] for point in curve["predicted"]]
+        assert counts == [1, 2, 4, 8, 16, 32, 64]
+        assert all(point["samples_per_s"] > 0 for point in curve["predicted"])
+        measured = curve["measured"]
+        assert measured["num_workers"] == 2 and measured["samples_per_s"] == runs[name]["samples_per_s"]
+        assert measured["predicted_samples_per_s"] == curve["predicted"][1]["samples_per_s"]
 
 
 @pytest.mark.timeout(420)

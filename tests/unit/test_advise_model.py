@@ -20,6 +20,8 @@ from disttrain.advise import (
 )
 from disttrain.core.errors import ConfigError
 
+PAYLOADS = ("none", "fp16", "bf16", "quantization", "topk")  # the measured compressors of `workload()`
+
 MB = 1e6
 
 
@@ -140,12 +142,17 @@ def test_candidates_never_have_more_shards_than_workers():
     found = candidates(4, max_servers=64, sync_every=(1, 8))
     assert max(c.num_servers for c in found) == 4
     assert not any(c.strategy == "ps-async" and c.sync_every > 1 for c in found)
-    assert {c.compression for c in found} == {"none", "fp16", "bf16", "quantization", "topk"}
+    assert {c.compression for c in found} == {"none", "fp16", "bf16", "quantization", "topk", "powersgd"}
+    assert {c.strategy for c in found if c.compression == "powersgd"} == {"ddp"}
+    pulled = candidates(4, pulls=("none", "topk"))
+    assert {c.strategy for c in pulled if c.pull != "none"} == {"ps-sync"}
+    assert len(pulled) == len(found) - len([c for c in found if c.sync_every > 1]) + len(
+        [c for c in pulled if c.pull == "topk"])
 
 
 def test_choose_the_fastest_and_the_cheapest_within_ten_percent():
     model = CostModel(workload(), Link(1e8, 1e-4))
-    predictions = [model.predict(c, 64) for c in candidates(64, sync_every=(1, 8))]
+    predictions = [model.predict(c, 64) for c in candidates(64, sync_every=(1, 8), compressions=PAYLOADS)]
     fastest, cheapest = choose(predictions)
     assert fastest.samples_per_s == max(p.samples_per_s for p in predictions)
     assert cheapest.samples_per_s >= 0.9 * fastest.samples_per_s

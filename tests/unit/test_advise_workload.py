@@ -4,10 +4,13 @@ what the compressor writes."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from plugin_files import write_plugin
 
 from disttrain.advise import Workload, measure_workload
+from disttrain.advise.payloads import powersgd_numel
 from disttrain.compression import Compressor
 from disttrain.config import load_config
 from disttrain.core.errors import ConfigError
@@ -22,7 +25,12 @@ def test_measures_the_shipped_model_and_every_compressor():
     assert workload.source == "measured" and workload.batch_size == 8
     assert workload.gradient_bytes == 4 * workload.num_parameters
     assert workload.forward_s > 0 and workload.backward_s > 0 and workload.optimizer_s > 0
-    assert set(workload.compression) == {"quantization", "topk", "fp16", "bf16"}
+    assert set(workload.compression) == {"quantization", "topk", "fp16", "bf16", "powersgd"}
+    assert set(workload.pull_compression) == {"quantization", "topk", "fp16", "bf16"}
+    assert workload.shapes and sum(math.prod(s) for s in workload.shapes) == workload.num_parameters
+    powersgd = workload.compression["powersgd"]
+    assert powersgd.payload_bytes == 4 * powersgd_numel(workload.shapes, 2) < workload.gradient_bytes
+    assert powersgd.encode_s > 0 and powersgd.decode_s > 0
     topk = workload.compression["topk"]
     whole = [("all", workload.num_parameters)]
     assert topk.payload_bytes == Compressor("topk", 0.01).payload_nbytes(whole, 4)

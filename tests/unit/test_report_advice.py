@@ -30,9 +30,10 @@ def test_the_predictions_start_from_the_baselines_measured_step(rendered):
     advice = report["advice"]
     workload = advice["inputs"]["workload"]
     assert workload["compute_s"] == pytest.approx(BASELINE.step_s)  # the baseline's, not timed anew
-    params = [p for p in init_model(config_from_dict({"training": {"dataset": "digits"}}).training).parameters()]
-    expected = Workload(workload["model"], sum(p.numel() for p in params), 4 * sum(p.numel() for p in params),
-                        len(params), workload["batch_size"], BASELINE.step_s / 3, 2 * BASELINE.step_s / 3, 0.0)
+    params = list(init_model(config_from_dict({"training": {"dataset": "digits"}}).training).parameters())
+    numel = sum(p.numel() for p in params)
+    expected = Workload(workload["model"], numel, 4 * numel, len(params), workload["batch_size"],
+                        BASELINE.step_s / 3, 2 * BASELINE.step_s / 3, 0.0)
     model = CostModel(expected, parse_link(LINK))
     curves = {curve["run"]: curve for curve in advice["curves"]}
     assert list(curves) == [name for name in RUNS if name != "baseline"]
@@ -41,7 +42,8 @@ def test_the_predictions_start_from_the_baselines_measured_step(rendered):
     for point in ps["predicted"]:
         prediction = model.predict(Candidate("ps-sync", "none", 1), point["num_workers"])
         assert point["samples_per_s"] == pytest.approx(prediction.samples_per_s)
-        assert point["speedup"] == pytest.approx(prediction.samples_per_s * BASELINE.step_s / expected.batch_size)
+        single = expected.batch_size / BASELINE.step_s
+        assert point["speedup"] == pytest.approx(prediction.samples_per_s / single)
     assert [p["num_workers"] for p in ps["predicted"]] == [1, 2, 4, 8, 16, 32, 64]
     assert curves["ddp"]["predicted"][0]["speedup"] == pytest.approx(1.0)
 
@@ -56,7 +58,8 @@ def test_each_run_measured_point_sits_beside_its_prediction(rendered):
         assert measured["samples_per_s"] == row["samples_per_s"] and measured["speedup"] == row["speedup"]
         at = next(p for p in curve["predicted"] if p["num_workers"] == 2)
         assert measured["predicted_samples_per_s"] == at["samples_per_s"]
-        assert measured["predicted_over_measured"] == pytest.approx(at["samples_per_s"] / row["samples_per_s"])
+        ratio = at["samples_per_s"] / row["samples_per_s"]
+        assert measured["predicted_over_measured"] == pytest.approx(ratio)
     assert report["advice"]["plot"] in report["plots"]
     pixels = image.imread(folder / report["advice"]["plot"])
     assert pixels.shape[0] > 200 and pixels.std() > 0.01

@@ -13,24 +13,40 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from disttrain.advise.costmodel import COMPRESSIONS, STRATEGIES, Candidate, CostModel, Prediction
+from disttrain.advise.costmodel import (
+    COMPRESSIONS,
+    DDP_ONLY,
+    PULL_COMPRESSIONS,
+    STRATEGIES,
+    Candidate,
+    CostModel,
+    Prediction,
+)
 
 WORKER_COUNTS = tuple(2**i for i in range(11))  # 1 ... 1,024
 CHEAPEST_MARGIN = 0.10
 
 
 def candidates(num_workers: int, max_servers: int = 64, sync_every: Sequence[int] = (1,),
-               compressions: Iterable[str] = COMPRESSIONS) -> list[Candidate]:
+               compressions: Iterable[str] = COMPRESSIONS,
+               pulls: Iterable[str] = ("none",)) -> list[Candidate]:
     """Every configuration worth predicting at `num_workers`: DDP; the parameter server,
     sync and async, with 1, 2, 4 ... shards (at most `max_servers` and no more than the
-    workers); each compression; each local-step count H of `sync_every` for the sync ones."""
+    workers); each compression (PowerSGD: DDP only); each local-step count H of
+    `sync_every` for the sync ones; each pull compression of `pulls` for the parameter
+    server's sync mode at H = 1."""
     shard_counts = [s for s in (2**i for i in range(11)) if s <= min(max_servers, num_workers)]
+    pulls = tuple(pulls)
     found = []
     for compression in compressions:
+        ps = compression not in DDP_ONLY
         for h in sync_every:
             found.append(Candidate("ddp", compression, 0, h))
-            found.extend(Candidate("ps-sync", compression, s, h) for s in shard_counts)
-        found.extend(Candidate("ps-async", compression, s) for s in shard_counts)
+            if ps:
+                found.extend(Candidate("ps-sync", compression, s, h, pull) for s in shard_counts
+                             for pull in (pulls if h == 1 else ("none",)))
+        if ps:
+            found.extend(Candidate("ps-async", compression, s) for s in shard_counts)
     return found
 
 
@@ -68,12 +84,25 @@ def choose(predictions: Sequence[Prediction],
 
 
 def advise(model: CostModel, worker_counts: Sequence[int] = WORKER_COUNTS, max_servers: int = 64,
-           sync_every: Sequence[int] = (1,), compressions: Iterable[str] = COMPRESSIONS) -> list[Advice]:
-    """Predict every candidate at each size in `worker_counts` and choose."""
-    compressions = tuple(compressions)
+           sync_every: Sequence[int] = (1,), compressions: Iterable[str] | None = None,
+           pulls: Iterable[str] | None = None) -> list[Advice]:
+    """Predict every candidate at each size in `worker_counts` and choose.
+
+    Args:
+        compressions, pulls: push and pull compressions to consider (default: each one
+            the workload has a measured cost of, and none).
+    """
+    workload = model.workload
+    if compressions is None:
+        compressions = [c for c in COMPRESSIONS if c == "none" or c in workload.compression]
+    if pulls is None:
+        pulls = [p for p in PULL_COMPRESSIONS if p == "none" or (p in workload.pull_compression
+                                                                  and workload.shapes)]
+    compressions, pulls = tuple(compressions), tuple(pulls)
     advice = []
     for n in worker_counts:
-        predictions = [model.predict(c, n) for c in candidates(n, max_servers, sync_every, compressions)]
+        found = candidates(n, max_servers, sync_every, compressions, pulls)
+        predictions = [model.predict(c, n) for c in found]
         fastest, cheapest = choose(predictions)
         best = {strategy: max((p for p in predictions if p.candidate.strategy == strategy),
                               key=lambda p: p.samples_per_s) for strategy in STRATEGIES}

@@ -24,8 +24,7 @@ import torch
 from disttrain.advise.costmodel import Candidate, CostModel
 from disttrain.advise.link import Link
 from disttrain.advise.probe import measure_loopback
-from disttrain.advise.workload import CompressionCost, Workload, measure_compressor
-from disttrain.compression import SCHEMES
+from disttrain.advise.workload import CompressionCost, Workload, measure_compressor, measure_powersgd
 from disttrain.config import Config, config_from_dict
 from disttrain.core.errors import ConfigError, InputFileError
 from disttrain.report.advice import AdviceSection, Advisor, ScalingCurve
@@ -48,7 +47,8 @@ def comparison_advisor(link: Link | None = None, max_workers: int = MAX_WORKERS)
     return advisor
 
 
-def advise_comparison(folder: Path, rows: Sequence[Row], link: Link, max_workers: int = MAX_WORKERS) -> AdviceSection:
+def advise_comparison(folder: Path, rows: Sequence[Row], link: Link,
+                      max_workers: int = MAX_WORKERS) -> AdviceSection:
     """The section for the comparison in `folder` whose report rows are `rows`."""
     baseline = next((r for r in rows if r["strategy"] == "baseline" and r["status"] == OK
                      and r["step_time"]["compute_s"] and r["samples_per_s"]), None)
@@ -60,7 +60,9 @@ def advise_comparison(folder: Path, rows: Sequence[Row], link: Link, max_workers
     except (InputFileError, ConfigError) as e:
         return AdviceSection(unavailable=f"the baseline's config cannot be read: {e}")
     workload = comparison_workload(config, baseline, rows, folder)
-    model = CostModel(workload, link, config.ddp.bucket_cap_mb * 2**20, config.ps.overlap)
+    model = CostModel(workload, link, config.ddp.bucket_cap_mb * 2**20, config.ps.overlap,
+                      pull_ratio=config.compression.pull_ratio,
+                      pull_dense_every=config.compression.pull_dense_every)
     measured_counts = {r["workers"] for r in rows if r["status"] == OK}
     top = max(max_workers, *measured_counts)
     counts = tuple(sorted({2**i for i in range(top.bit_length()) if 2**i <= top} | measured_counts))
@@ -115,7 +117,8 @@ def candidate_of(row: Row, config: Config) -> Candidate:
     compression = config.compression.type if config.compression.enabled else "none"
     sync_every = config.training.sync_every if strategy != "ps-async" else 1
     servers = config.ps.num_servers if strategy.startswith("ps") else 0
-    return Candidate(strategy, compression, servers, sync_every)
+    pull = config.compression.pull if strategy == "ps-sync" else "none"
+    return Candidate(strategy, compression, servers, sync_every, pull)
 
 
 def comparison_workload(config: Config, baseline: Row, rows: Sequence[Row], folder: Path) -> Workload:
@@ -127,8 +130,11 @@ def comparison_workload(config: Config, baseline: Row, rows: Sequence[Row], fold
     rest_s = max(0.0, float(baseline["step_time"]["step_s"] or compute_s) - compute_s)
     gradient_bytes = sum(p.numel() * p.element_size() for p in params)
     costs: dict[str, CompressionCost] = {}
+    pull_costs: dict[str, CompressionCost] = {}
     segments = [(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad]
-    flat = torch.randn(sum(n for _, n in segments), generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    gradients = [torch.randn(p.shape, generator=generator) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in gradients]) if gradients else torch.empty(0)
     for row in rows:
         if row["status"] != OK or row["strategy"] == "baseline":
             continue
@@ -136,13 +142,17 @@ def comparison_workload(config: Config, baseline: Row, rows: Sequence[Row], fold
             section = run_config(folder, row).compression
         except (InputFileError, ConfigError):
             continue
-        if not section.enabled or section.type in costs or section.type not in SCHEMES:
+        if section.pull != "none" and section.pull not in pull_costs:
+            pull_costs[section.pull] = measure_compressor(section.pull, section.pull_ratio, flat, segments, 1)
+        if not section.enabled or section.type in costs:
             continue
-        cost = measure_compressor(section.type, section.ratio, flat, segments, repeats=1)
+        cost = (measure_powersgd(gradients, section.powersgd_rank, repeats=1) if section.type == "powersgd"
+                else measure_compressor(section.type, section.ratio, flat, segments, repeats=1))
         encode_s, ratio = row["step_time"].get("compression_s"), row.get("compression_ratio")
         costs[section.type] = replace(
             cost, encode_s=float(encode_s) if encode_s else cost.encode_s,
             payload_bytes=round(gradient_bytes / ratio) if ratio else cost.payload_bytes)
     return Workload(config.training.model_architecture, sum(p.numel() for p in params), gradient_bytes,
                     len(params), config.training.batch_size, compute_s * (1 - BACKWARD_SHARE),
-                    compute_s * BACKWARD_SHARE, rest_s, 0.0, f"measured by {baseline['name']}", costs)
+                    compute_s * BACKWARD_SHARE, rest_s, 0.0, f"measured by {baseline['name']}", costs,
+                    tuple(tuple(p.shape) for p in params), pull_costs)

@@ -10,7 +10,9 @@ gradient, `t_opt` one optimizer step over every parameter. The formulas (the REA
 - **DDP, ring all-reduce** over n ranks in K = ceil(G / bucket_cap) buckets:
   `T_ar = 2(n-1)/n · G/β + 2(n-1)·K·α`; fp16/bf16 halve G and cost e+d. Quantization and
   top-k all-gather their payloads (the project's DDP hook): `T = (n-1)·P/β + (n-1)·K·α`,
-  plus `e + n·d`. Buckets overlap with backward: the k-th of K is ready at `t_b·k/K`, so
+  plus `e + n·d`. PowerSGD all-reduces the uncompressed gradients, then P, then Q (its
+  payload P is their sum, `advise.payloads`): `T = 2(n-1)/n · P/β + 3·2(n-1)·K·α + e + d`.
+  Buckets overlap with backward: the k-th of K is ready at `t_b·k/K`, so
   the backward-and-communication tail is `max(t_b + T/K, t_b/K + T)`. Step:
   `t_f + tail + t_opt`.
 - **Parameter server, S shards, sync**: each worker pushes P (to S shards, 1/S each) and
@@ -19,7 +21,10 @@ gradient, `t_opt` one optimizer step over every parameter. The formulas (the REA
   decodes n slices (`n·d/S`) and applies its slice (`t_opt/S`). With overlap, the slices
   of all but the last shard go while backward finishes: a credit of
   `min(t_b, e + T_push)·(S-1)/S`. Step: `t_f + t_b + e + T_push + n·d/S + t_opt/S + T_pull
-  - credit`.
+  - credit`. With pull compression (sync only) the pull carries each shard's compressed
+  change instead of G (dense every D-th version: `((D-1)·P_pull + G)/D`, see
+  `advise.payloads`), the shards encode and add the change (`(e_p + d_p)/S`), and the
+  worker decodes it (`d_p`).
 - **Parameter server, async** (SSP's best case): nobody waits for the slowest. One update
   holds the shards' busiest resource for `s = max(P/(Sβ), G/(Sβ), (d + t_opt)/S)`, so
   they apply at most `1/s` updates a second; a worker cycles in `c = t_f + t_b + e + α +
@@ -45,23 +50,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disttrain.advise.link import Link
+from disttrain.advise.payloads import pull_bytes_per_step
 from disttrain.advise.workload import Workload
 
 STRATEGIES = ("ddp", "ps-sync", "ps-async")
-COMPRESSIONS = ("none", "fp16", "bf16", "quantization", "topk")
+COMPRESSIONS = ("none", "fp16", "bf16", "quantization", "topk", "powersgd")
+PULL_COMPRESSIONS = ("none", "fp16", "bf16", "quantization", "topk")
+DDP_ONLY = ("powersgd",)
 # How far a compression departs from the exact gradient: the "cheapest" choice prefers less.
-_LOSSINESS = {"none": 0, "fp16": 1, "bf16": 1, "quantization": 2, "topk": 3}
+_LOSSINESS = {"none": 0, "fp16": 1, "bf16": 1, "quantization": 2, "topk": 3, "powersgd": 3}
 _HALF = ("fp16", "bf16")
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to run: strategy, push compression, shards (ps), local steps H (sync)."""
+    """One way to run: strategy, push compression, shards (ps), local steps H (sync),
+    pull compression (ps sync, H = 1)."""
 
     strategy: str
     compression: str = "none"
     num_servers: int = 0
     sync_every: int = 1
+    pull: str = "none"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -72,19 +82,27 @@ class Candidate:
             raise ValueError("a parameter-server candidate needs num_servers >= 1")
         if self.strategy == "ps-async" and self.sync_every != 1:
             raise ValueError("local updates (sync_every > 1) are for the sync strategies only")
+        if self.compression in DDP_ONLY and self.strategy != "ddp":
+            raise ValueError(f"{self.compression} compresses DDP's all-reduce only")
+        if self.pull not in PULL_COMPRESSIONS:
+            raise ValueError(f"pull compression {self.pull!r} is not one of {', '.join(PULL_COMPRESSIONS)}")
+        if self.pull != "none" and (self.strategy != "ps-sync" or self.sync_every != 1):
+            raise ValueError("pull compression is for the parameter server's sync mode without local updates")
 
     def label(self) -> str:
         parts = [self.strategy if self.strategy == "ddp" else f"{self.strategy} S={self.num_servers}"]
         if self.compression != "none":
             parts.append(f"+{self.compression}")
+        if self.pull != "none":
+            parts.append(f"+pull-{self.pull}")
         if self.sync_every > 1:
             parts.append(f"H={self.sync_every}")
         return " ".join(parts)
 
     def cost_key(self) -> tuple[int, int, int, int]:
-        """Lower is cheaper: fewer extra machines (shards), a more exact gradient, fewer
-        local steps between exchanges, synchronous before asynchronous."""
-        return (self.num_servers, _LOSSINESS[self.compression], self.sync_every,
+        """Lower is cheaper: fewer extra machines (shards), a more exact gradient and
+        parameters, fewer local steps between exchanges, synchronous before asynchronous."""
+        return (self.num_servers, _LOSSINESS[self.compression] + _LOSSINESS[self.pull], self.sync_every,
                 int(self.strategy == "ps-async"))
 
 
@@ -120,7 +138,8 @@ class Prediction:
     def to_dict(self) -> dict[str, Any]:
         c = self.candidate
         return {"configuration": c.label(), "strategy": c.strategy, "compression": c.compression,
-                "num_servers": c.num_servers, "sync_every": c.sync_every, "num_workers": self.num_workers,
+                "pull_compression": c.pull, "num_servers": c.num_servers, "sync_every": c.sync_every,
+                "num_workers": self.num_workers,
                 "step_time_s": self.step_time_s, "samples_per_s": self.samples_per_s,
                 "efficiency": self.efficiency, "bytes_per_step": self.bytes_per_step,
                 "comm_s": self.comm_s, "details": self.details}
@@ -134,6 +153,8 @@ class CostModel:
         bucket_cap_bytes: DDP's bucket size (`ddp.bucket_cap_mb`).
         overlap: the parameter server pushes each shard's slice as backward produces it.
         compute_cv: coefficient of variation of the step's compute across workers.
+        pull_ratio, pull_dense_every: pull compression's topk share and dense period
+            (`compression.pull_ratio`, `compression.pull_dense_every`).
     """
 
     workload: Workload
@@ -141,6 +162,8 @@ class CostModel:
     bucket_cap_bytes: float = 25 * 2**20
     overlap: bool = True
     compute_cv: float = 0.0
+    pull_ratio: float = 0.01
+    pull_dense_every: int = 100
 
     # -- the pieces ------------------------------------------------------------------------
 
@@ -160,11 +183,31 @@ class CostModel:
         cost = self._cost(compression)
         return cost.encode_s, cost.decode_s
 
-    def _cost(self, compression: str):
+    def _cost(self, compression: str, pull: bool = False):
         try:
-            return self.workload.compression[compression]
+            return (self.workload.pull_compression if pull else self.workload.compression)[compression]
         except KeyError as e:
-            raise ValueError(f"the workload has no measured cost for compression {compression!r}") from e
+            raise ValueError(f"the workload has no measured cost for {'pull ' if pull else ''}compression "
+                             f"{compression!r}") from e
+
+    def pull_bytes(self, pull: str, num_servers: int) -> float:
+        """Bytes one worker pulls per step (average over the dense versions)."""
+        if pull == "none":
+            return float(self.workload.gradient_bytes)
+        self._cost(pull, pull=True)
+        if not self.workload.shapes:
+            raise ValueError("the workload has no parameter shapes to size pulled changes by")
+        itemsize = round(self.workload.gradient_bytes / max(1, self.workload.num_parameters))
+        return pull_bytes_per_step(self.workload.shapes, num_servers, pull, self.pull_ratio,
+                                   self.pull_dense_every, itemsize)
+
+    def pull_codec_s(self, pull: str) -> tuple[float, float]:
+        """(encode, decode) seconds of a pulled change on the whole model, per step on
+        average (dense versions have none); 0 for none."""
+        if pull == "none":
+            return 0.0, 0.0
+        cost, share = self._cost(pull, pull=True), (self.pull_dense_every - 1) / self.pull_dense_every
+        return cost.encode_s * share, cost.decode_s * share
 
     def slowest_compute_s(self, num_workers: int) -> float:
         """Expected compute of the slowest of `num_workers` (what a sync step waits for)."""
@@ -187,6 +230,12 @@ class CostModel:
             return 0.0, 0.0, 1
         link, g = self.link, float(self.workload.gradient_bytes)
         encode_s, decode_s = self.codec_s(compression)
+        if compression == "powersgd":
+            payload = self.payload_bytes(compression)
+            buckets = max(1, math.ceil(g / self.bucket_cap_bytes))
+            wire = 2 * (n - 1) / n * payload
+            comm = link.transfer_s(wire) + 3 * 2 * (n - 1) * buckets * link.latency_s + encode_s + decode_s
+            return comm, 2 * wire, buckets
         if compression in ("quantization", "topk"):
             payload = self.payload_bytes(compression)
             buckets = max(1, math.ceil(g / self.bucket_cap_bytes))
@@ -215,8 +264,9 @@ class CostModel:
     def round_trip(self, c: Candidate, n: int) -> RoundTrip:
         """The parameter server's communication at `n` workers (see `RoundTrip`)."""
         link, w, s = self.link, self.workload, c.num_servers
-        push_bytes, pull_bytes = self.payload_bytes(c.compression), float(w.gradient_bytes)
+        push_bytes, pull_bytes = self.payload_bytes(c.compression), self.pull_bytes(c.pull, s)
         encode_s, decode_s = self.codec_s(c.compression)
+        pull_encode_s, pull_decode_s = self.pull_codec_s(c.pull)
         if c.strategy == "ps-async":
             service = max(link.transfer_s(push_bytes / s), link.transfer_s(pull_bytes / s),
                           (decode_s + w.optimizer_s) / s)
@@ -225,16 +275,18 @@ class CostModel:
             push = link.latency_s + max(0.0, link.transfer_s(push_bytes) - service)
             return RoundTrip(encode_s, 0.0, push, service, 0.0, link.transfer_s(pull_bytes) + link.latency_s)
         push = max(link.transfer_s(push_bytes), link.transfer_s(n * push_bytes / s)) + link.latency_s
-        pull = max(link.transfer_s(pull_bytes), link.transfer_s(n * pull_bytes / s)) + link.latency_s
+        pull = (max(link.transfer_s(pull_bytes), link.transfer_s(n * pull_bytes / s)) + link.latency_s
+                + pull_decode_s)
         overlap = 0.0
         if self.overlap and c.sync_every == 1:
             overlap = min(w.backward_s, encode_s + push) * (s - 1) / s
-        return RoundTrip(encode_s, overlap, push, decode_s / s, w.optimizer_s / s, pull)
+        apply = (w.optimizer_s + pull_encode_s + pull_decode_s) / s
+        return RoundTrip(encode_s, overlap, push, decode_s / s, apply, pull)
 
     def _ps(self, c: Candidate, n: int) -> tuple[float, float, float, dict[str, float]]:
         w = self.workload
         trip = self.round_trip(c, n)
-        wire = self.payload_bytes(c.compression) + w.gradient_bytes
+        wire = self.payload_bytes(c.compression) + self.pull_bytes(c.pull, c.num_servers)
         if c.strategy == "ps-async":
             cycle = w.compute_s + trip.encode_s + trip.push_s + trip.service_s + trip.pull_s
             updates_per_s = min(n / cycle, 1 / trip.service_s)

@@ -1,6 +1,9 @@
 """What one worker's step costs on this machine: the model's gradient size and its forward,
 backward and optimizer times at the configured batch, and each compressor's payload and
-encode/decode time on the model's own gradients.
+encode/decode time on the model's own gradients: the payload schemes (for pushes, and at
+`compression.pull_ratio` for pull compression) and PowerSGD at `compression.powersgd_rank`
+(its arithmetic on each gradient matrix, timed as PyTorch's hook does it: P = MQ,
+orthogonalise P, Q = MᵀP to encode; PQᵀ to decode).
 
 The model and its input shapes come from the project's builders (`init_model`,
 `describe_dataset`), so a user's model file is measured as it would be trained. The batch
@@ -13,7 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -32,7 +35,8 @@ NUM_REPEATS = 3
 
 @dataclass(frozen=True)
 class CompressionCost:
-    """One compressor on the whole model's gradient: its payload and its compute."""
+    """One compressor on the whole model's gradient: its payload and its compute; `ratio`
+    is topk's share of elements (PowerSGD: its rank)."""
 
     scheme: str
     ratio: float
@@ -47,7 +51,10 @@ class Workload:
 
     `forward_s + backward_s` is the compute of one step at `batch_size`; `compute_std_s`
     its spread over the measured repeats (0 when given); `optimizer_s` one optimizer step
-    over every parameter (what the shards together spend applying an update).
+    over every parameter (what the shards together spend applying an update); `shapes`
+    the trainable parameters' shapes, in order (what PowerSGD and the shards' slices
+    follow); `pull_compression` the payload schemes on a pulled change (no error
+    feedback, at the pull ratio).
     """
 
     model: str
@@ -61,6 +68,8 @@ class Workload:
     compute_std_s: float = 0.0
     source: str = "measured"
     compression: dict[str, CompressionCost] = field(default_factory=dict)
+    shapes: tuple[tuple[int, ...], ...] = ()
+    pull_compression: dict[str, CompressionCost] = field(default_factory=dict)
 
     @property
     def compute_s(self) -> float:
@@ -72,9 +81,8 @@ class Workload:
         by the same factor (the compressors' times are kept as measured); no spread."""
         share = self.backward_s / self.compute_s if self.compute_s > 0 else 2 / 3
         scale = step_time_s / self.compute_s if self.compute_s > 0 else 1.0
-        return Workload(self.model, self.num_parameters, self.gradient_bytes, self.num_tensors,
-                        self.batch_size, step_time_s * (1 - share), step_time_s * share,
-                        self.optimizer_s * scale, 0.0, "given", self.compression)
+        return replace(self, forward_s=step_time_s * (1 - share), backward_s=step_time_s * share,
+                       optimizer_s=self.optimizer_s * scale, compute_std_s=0.0, source="given")
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "compute_s": self.compute_s}
@@ -131,11 +139,18 @@ def measure_workload(config: Config, repeats: int = NUM_REPEATS,
     segments = [(name, p.numel()) for name, p in named]
     ratio = config.compression.ratio if compression_ratio is None else compression_ratio
     costs = {scheme: measure_compressor(scheme, ratio, flat, segments, repeats) for scheme in SCHEMES}
+    gradients = [p.grad for _, p in named]
+    costs["powersgd"] = measure_powersgd(gradients, config.compression.powersgd_rank, repeats)
+    pull_ratio = config.compression.pull_ratio
+    pull = {scheme: cost if scheme != "topk" or pull_ratio == ratio
+            else measure_compressor(scheme, pull_ratio, flat, segments, repeats)
+            for scheme, cost in costs.items() if scheme in SCHEMES}
     totals = [f + b for f, b in zip(forward, backward, strict=True)]
     return Workload(training.model_architecture, sum(p.numel() for p in params),
                     sum(p.numel() * p.element_size() for p in params), len(params), training.batch_size,
                     statistics.median(forward), statistics.median(backward), optimizer_s,
-                    statistics.pstdev(totals), "measured", costs)
+                    statistics.pstdev(totals), "measured", costs, tuple(tuple(p.shape) for p in params),
+                    pull)
 
 
 def _time_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
@@ -166,3 +181,27 @@ def measure_compressor(scheme: str, ratio: float, flat: torch.Tensor, segments: 
     decode_s = statistics.median(_median_time(lambda: compressor.decode(encoded.data, segments, out),
                                               repeats))
     return CompressionCost(scheme, ratio, encoded.nbytes, encode_s, decode_s)
+
+
+def measure_powersgd(gradients: list[torch.Tensor], rank: int, repeats: int = NUM_REPEATS) -> CompressionCost:
+    """PowerSGD at `rank` on `gradients`: the payload by the hook's rule (`payloads`), the
+    median encode and decode seconds of its arithmetic on every matrix it compresses."""
+    from disttrain.advise.payloads import powersgd_plan
+
+    plans = powersgd_plan(tuple(tuple(g.shape) for g in gradients), rank)
+    itemsize = gradients[0].element_size() if gradients else 4
+    payload = sum(t.sent_numel for t in plans) * itemsize
+    generator = torch.Generator().manual_seed(0)
+    matrices = [(g.reshape(t.rows, t.cols).float(), torch.randn(t.cols, t.rank, generator=generator))
+                for g, t in zip(gradients, plans, strict=True) if t.rank]
+    factors: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def encode() -> None:
+        factors.clear()
+        for m, q in matrices:
+            p = torch.linalg.qr(m @ q).Q  # the hook orthogonalises P (QR, or Gram-Schmidt)
+            factors.append((p, m.t() @ p))
+
+    encode_s = statistics.median(_median_time(encode, repeats))
+    decode_s = statistics.median(_median_time(lambda: [p @ q.t() for p, q in factors], repeats))
+    return CompressionCost("powersgd", float(rank), payload, encode_s, decode_s)

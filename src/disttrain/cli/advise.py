@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
@@ -16,6 +17,9 @@ from disttrain.cli.flags import (
 )
 from disttrain.core.addresses import parse_address
 from disttrain.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from disttrain.report.advice import Advisor
 
 HELP = "predict which strategy, shards and compression win on a bigger cluster"
 DESCRIPTION = """Measure one worker's step on this machine (or take --step-time) and each
@@ -107,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if args.step_time is not None:
         workload = workload.with_step_time(args.step_time)
     model = CostModel(workload, link, config.ddp.bucket_cap_mb * 2**20, config.ps.overlap,
-                      args.step_time_cv)
+                      args.step_time_cv, config.compression.pull_ratio, config.compression.pull_dense_every)
     counts = args.workers or None
     advice = advise(model, *([counts] if counts else []), max_servers=args.max_servers,
                     sync_every=args.local_steps)
@@ -177,7 +181,7 @@ def add_advise_link_flag(parser: argparse.ArgumentParser) -> None:
                              "(default: this machine's loopback, measured when the report is rendered)")
 
 
-def advisor_from_args(args: argparse.Namespace) -> "Advisor":
+def advisor_from_args(args: argparse.Namespace) -> Advisor:
     """The advice section's predictor for `render_comparison`; call before any run starts,
     so a malformed --advise-link stops the command at once.
 

@@ -136,7 +136,8 @@ def draw_advice(section: AdviceSection | None, folder: Path, colors: dict[str, s
     scaling, bars = figure.subplots(1, 2, width_ratios=(3, 2))
     for curve in section.curves:
         color = colors.get(curve.run, "C0")
-        scaling.plot(curve.worker_counts, curve.speedup, color=color, label=f"{curve.run}: {curve.configuration}")
+        scaling.plot(curve.worker_counts, curve.speedup, color=color,
+                     label=f"{curve.run}: {curve.configuration}")
         if curve.measured_workers is not None and curve.measured_speedup is not None:
             scaling.plot([curve.measured_workers], [curve.measured_speedup], "o", color=color, markersize=8,
                          markeredgecolor="black")
