@@ -3,7 +3,9 @@ machine. It measures one worker's step and each compressor on the model's gradie
 (`workload`), a link (`link`, `probe`), predicts every strategy with an α-β cost model
 (`costmodel`), chooses at each size (`choice`), and replays the parameter server's own
 aggregation rules in virtual time (`simulation`, `step_times`) for what the formulas
-leave out: stragglers, backup workers, staleness, failures."""
+leave out: stragglers, backup workers, staleness, failures. `payloads` sizes PowerSGD's
+and pull compression's bytes from the model's shapes; `comparison` predicts a comparison
+report's scaling section from the comparison's own runs."""
 
 from disttrain.advise.choice import WORKER_COUNTS, Advice, advise, candidates, choose
 from disttrain.advise.costmodel import COMPRESSIONS, STRATEGIES, Candidate, CostModel, Prediction, RoundTrip

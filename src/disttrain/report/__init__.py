@@ -10,6 +10,7 @@ and the consolidated performance report made from them (`perf`).
     plots      the PNG plots (matplotlib, Agg, loaded on first use)
     html       the self-contained page
     render     a comparison folder -> its report files
+    advice     the predicted-scaling section (predictions passed in by the command)
     artifacts  run artifacts: written, read and checked
     perf       the performance report from artifacts
     files      JSON reading with one-line errors, atomic writes
