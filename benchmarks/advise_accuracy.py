@@ -182,12 +182,15 @@ def probe_link(net: Network, folder: Path, num_bytes: int) -> Link:
 
 def limited_link_runs(rates: list[str], model: CostModel, num_samples: int, repeats: int, quick: bool,
                       scratch: Path) -> dict:
-    """Predicted against measured on each limited link; `skipped` where namespaces cannot be made."""
+    """Predicted against measured on each limited link: rates, runs, and why they were
+    skipped (null when they ran)."""
+    if not rates:
+        return {"rates": [], "runs": [], "skipped": "--links none"}
     reason = unavailable_reason()
     if reason:
         print(f"advise_accuracy: limited links skipped: cannot make network namespaces here: {reason}",
               file=sys.stderr)
-        return {"skipped": f"cannot make network namespaces here: {reason}"}
+        return {"rates": rates, "runs": [], "skipped": f"cannot make network namespaces here: {reason}"}
     data = ["--model", MODEL, "--dataset", DATASET, "--batch-size", str(BATCH_SIZE),
             "--num-samples", str(num_samples), "--num-epochs", "1"]
     runs = []
@@ -218,7 +221,7 @@ def limited_link_runs(rates: list[str], model: CostModel, num_samples: int, repe
                     entry["log_tails"] = result["log_tails"]
                 runs.append(entry)
                 print(f"{rate:>8} {name:<8} {entry}", file=sys.stderr, flush=True)
-    return {"rates": rates, "runs": runs}
+    return {"rates": rates, "runs": runs, "skipped": None}
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -266,10 +269,9 @@ def main() -> None:
                              "measured_samples_per_s": round(measured, 1), "error": round(error, 3),
                              "within_target": abs(error) <= TARGET})
         rates = [r for r in args.links.split(",") if r and r != "none"]
-        limited = (limited_link_runs(rates, model, num_samples, args.repeats, args.quick, Path(tmp))
-                   if rates else {"skipped": "--links none"})
-    errors = [abs(r["error"]) for r in [*runs, *limited.get("runs", [])] if "error" in r]
-    failed = [r for r in limited.get("runs", []) if r["status"] != "ok"]
+        limited = limited_link_runs(rates, model, num_samples, args.repeats, args.quick, Path(tmp))
+    errors = [abs(r["error"]) for r in [*runs, *limited["runs"]] if "error" in r]
+    failed = [r for r in limited["runs"] if r["status"] != "ok"]
     worst = max(errors)
     report("advise_accuracy", {"quick": args.quick, "num_samples": num_samples, "num_cores": num_cores,
                                "link": link.to_dict(), "runs": runs, "limited_links": limited,

@@ -31,6 +31,23 @@ def test_report_renders_a_comparison_folder(tmp_path, cli):
     assert (folder / "report.html").stat().st_size > 10_000 and (folder / "report.md").exists()
 
 
+@pytest.mark.timeout(120)
+def test_report_predicts_scaling_on_the_link_given_and_refuses_a_bad_one(tmp_path, cli):
+    folder = write_comparison(tmp_path / "cmp")
+    bad = cli("report", folder, "--advise-link", "fast")
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--advise-link 'fast'" in lines[0] and "1gbit,0.2ms" in lines[0]
+    assert not (folder / "report.json").exists()
+    result = cli("report", folder, "--advise-link", "10gbit,50us")
+    assert result.returncode == 0, result.stderr
+    advice = json.loads((folder / "report.json").read_text())["advice"]
+    link = advice["inputs"]["link"]
+    assert link == {"bandwidth_bytes_per_s": 1.25e9, "latency_s": pytest.approx(50e-6), "source": "given"}
+    assert [curve["run"] for curve in advice["curves"]] == [name for name in RUNS if name != "baseline"]
+    assert (folder / advice["plot"]).stat().st_size > 10_000
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_artifacts_of_real_runs_make_one_perf_report(tmp_path, cli):

@@ -31,6 +31,10 @@ def workload_lines(workload: Workload, link: Link) -> list[str]:
              f"link: {link.describe()}"]
     codecs = [f"{c.scheme} {_mb(c.payload_bytes)} (encode {_ms(c.encode_s)}, decode {_ms(c.decode_s)})"
               for c in w.compression.values()]
+    pulled = w.pull_compression.get("topk")
+    if pulled is not None and pulled.ratio != w.compression.get("topk", pulled).ratio:
+        codecs.append(f"pulled topk at {pulled.ratio:g} (encode {_ms(pulled.encode_s)}, "
+                      f"decode {_ms(pulled.decode_s)})")
     if codecs:
         lines.append("compressors on this gradient: " + "; ".join(codecs))
     return lines
@@ -38,16 +42,18 @@ def workload_lines(workload: Workload, link: Link) -> list[str]:
 
 def advice_lines(workload: Workload, link: Link, advice: Sequence[Advice]) -> list[str]:
     """The terminal table."""
-    header = (f"{'workers':>7}  {'fastest':<26} {'samples/s':>10} {'step':>9} {'eff.':>5} {'MB/step':>8}  "
-              f"{'cheapest within 10%':<26} {'samples/s':>10}  "
+    # as wide as the longest configuration named (pull compression makes them long)
+    w = max([26, *(len(p.candidate.label()) for a in advice for p in (a.fastest, a.cheapest))])
+    header = (f"{'workers':>7}  {'fastest':<{w}} {'samples/s':>10} {'step':>9} {'eff.':>5} {'MB/step':>8}  "
+              f"{'cheapest within 10%':<{w}} {'samples/s':>10}  "
               + "  ".join(f"{s:>9}" for s in STRATEGIES))
     lines = [*workload_lines(workload, link), "", header]
     for a in advice:
         f, c = a.fastest, a.cheapest
         best = "  ".join(f"{a.best_by_strategy[s].samples_per_s:>9.4g}" for s in STRATEGIES)
-        lines.append(f"{a.num_workers:>7}  {f.candidate.label():<26} {f.samples_per_s:>10.4g} "
+        lines.append(f"{a.num_workers:>7}  {f.candidate.label():<{w}} {f.samples_per_s:>10.4g} "
                      f"{_ms(f.step_time_s):>9} {f.efficiency:>5.0%} {f.bytes_per_step / 1e6:>8.3g}  "
-                     f"{c.candidate.label():<26} {c.samples_per_s:>10.4g}  {best}")
+                     f"{c.candidate.label():<{w}} {c.samples_per_s:>10.4g}  {best}")
     lines.append("")
     lines.append("samples/s of the best configuration of each strategy on the right; eff.: samples/s over "
                  "n times one process alone; MB/step: what one worker sends and receives per step")
