@@ -26,7 +26,7 @@ from disttrain.advise.link import Link
 from disttrain.advise.probe import measure_loopback
 from disttrain.advise.workload import CompressionCost, Workload, measure_compressor, measure_powersgd
 from disttrain.config import Config, config_from_dict
-from disttrain.core.errors import ConfigError, InputFileError
+from disttrain.core.errors import ConfigError, DisttrainError, InputFileError
 from disttrain.report.advice import AdviceSection, Advisor, ScalingCurve
 from disttrain.report.figures import OK
 from disttrain.report.files import read_json_file
@@ -57,9 +57,9 @@ def advise_comparison(folder: Path, rows: Sequence[Row], link: Link,
                                          "predictions start from (add baseline to --strategies)")
     try:
         config = run_config(folder, baseline)
-    except (InputFileError, ConfigError) as e:
-        return AdviceSection(unavailable=f"the baseline's config cannot be read: {e}")
-    workload = comparison_workload(config, baseline, rows, folder)
+        workload = comparison_workload(config, baseline, rows, folder)
+    except DisttrainError as e:  # the config unreadable, the model's plug-in gone since the run
+        return AdviceSection(unavailable=f"the baseline's model cannot be built from its config: {e}")
     model = CostModel(workload, link, config.ddp.bucket_cap_mb * 2**20, config.ps.overlap,
                       pull_ratio=config.compression.pull_ratio,
                       pull_dense_every=config.compression.pull_dense_every)
