@@ -26,7 +26,7 @@ import torch.distributed as dist
 from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
-from disttrain.core.errors import DistributedError
+from disttrain.core.errors import ConfigError, DistributedError
 from disttrain.core.faults import FaultInjector
 from disttrain.metrics.logger import MetricsLogger
 from disttrain.metrics.summary import RunSummary
@@ -274,9 +274,12 @@ def run_live_rank(config: Config, slot: int, attempt: int, store_address: tuple[
     """Run one live rank to the end (see `LiveRank`).
 
     Raises:
+        ConfigError: the state resumed from was written with another compression scheme.
         DistributedError: the run cannot go on (no state holder left, or not admitted).
     """
     try:
         return LiveRank(config, slot, attempt, store_address, options, progress).run()
+    except ConfigError:  # bad input (a checkpoint of another compression scheme): exit code 2
+        raise
     except ValueError as e:  # choose_source: every holder is gone
         raise DistributedError(f"slot {slot}: {e}; the run cannot go on") from e

@@ -30,11 +30,13 @@ import torch.distributed as dist
 
 from disttrain.compression.ddp_hooks import CompressionHook
 from disttrain.config import Config
+from disttrain.core.errors import ConfigError
 from disttrain.data import PlannedSampler, load_datasets
 from disttrain.strategies.ddp.live.compression import (
     clear_residuals,
     compressed_average,
     live_compression,
+    load_shared_state,
     shared_state,
 )
 from disttrain.strategies.ddp.live.membership import split_batch
@@ -123,12 +125,23 @@ class LiveTrainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a peer's state (the optimizer's is built from scratch, so a joiner that never
-        stepped takes the same as a survivor)."""
+        stepped takes the same as a survivor), its compression's shared state included (see
+        `live.compression`; a state without one, a checkpoint of an uncompressed run, leaves
+        this member's fresh).
+
+        Raises:
+            ConfigError: the state was written with another compression scheme.
+        """
         self.module.load_state_dict(state["model"])
         self.optimizer.state.clear()
         self.stepper.load_state_dict(state)
         self.progress.load_state_dict(state["progress"])
         self.ledger = state["ledger"].clone()
+        if self.compression is not None and "compression" in state:
+            try:
+                load_shared_state(self.compression, state["compression"])
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
         self._clock_from = time.perf_counter()
         self.has_state = True
 
