@@ -106,7 +106,14 @@ def powersgd_member(slot: int, port: int, out_dir: str) -> None:
         trainer.attach(0, 1)
         for _ in range(4):
             trainer.step()
-    group.form(1, (0, 1))  # slot 1 holds no state: it takes slot 0's
+        tickets = 0
+        while tickets == 0:  # step boundaries until slot 1's ticket shows
+            tickets = group.pending_joins(0)
+        grown = group.grow(0, tickets)
+    else:  # holds no state: it asks to join and takes slot 0's
+        grown = group.request_join()
+    assert grown == (1, (0, 1))
+    group.form(*grown)
     state = share_state(trainer.state_dict() if slot == 0 else None, 0, group.rank, group.store,
                         "gen1/state", 30.0)
     if slot == 1:
