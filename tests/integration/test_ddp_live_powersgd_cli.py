@@ -33,10 +33,11 @@ def test_powersgd_live_run_takes_a_killed_rank_back(cli, tmp_path):
     assert (undisturbed["samples_lost"], undisturbed["samples_applied_twice"]) == (0, 0)
     assert undisturbed["final_accuracy"] > 0.85  # compressed, it still learns
 
-    # A survivor straggles (each step 6 times as long) so that the run outlasts the killed
-    # rank's new process starting and asking to join.
+    # A survivor hangs for 20 s soon after (SIGSTOP, then SIGCONT; its peer waits in the
+    # all-reduce), so the run outlasts the killed rank's new process starting and asking to
+    # join, and the hang leaves the cores to that start.
     summary = run(cli, tmp_path / "killed", "--max-restarts", 1, "--inject", "kill:rank=2:step=10",
-                  "--inject", "slow:rank=1:factor=6")
+                  "--inject", "stop:rank=1:step=14:for=20s")
     shrink, *rest = summary["live_recoveries"]
     assert shrink["kind"] == "shrink" and shrink["members"] == [0, 1]
     grows = [r for r in rest if r["kind"] == "grow"]
