@@ -138,10 +138,10 @@ def test_recovery_times_from_deaths_and_restarts():
 
 def test_live_problems_name_each_setting_live_recovery_does_not_offer():
     assert live_problems(Config()) == []
-    # Offered: compression (PowerSGD too), gradient accumulation, --resume.
+    # Offered: compression (PowerSGD too), gradient accumulation, loader workers, --resume.
     for scheme in ("topk", "powersgd"):
         offered = Config().replace(compression={"enabled": True, "type": scheme},
-                                   ddp={"grad_accumulation_steps": 2})
+                                   ddp={"grad_accumulation_steps": 2}, training={"loader_workers": 2})
         assert live_problems(offered) == []
     config = Config().replace(training={"sync_every": 4}, ddp={"lr_scaling": "linear"})
     problems = live_problems(config)

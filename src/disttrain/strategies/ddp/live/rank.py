@@ -127,6 +127,7 @@ class LiveRank:
                 generation, members = joined
         finally:
             self.beats.stop()
+            self.trainer.close()
             if self.metrics is not None:
                 self.metrics.close()
 
