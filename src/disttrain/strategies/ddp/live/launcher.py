@@ -49,7 +49,8 @@ def live_problems(config: Config) -> list[str]:
     PowerSGD included, see `live.compression`, gradient accumulation and loader workers.)"""
     training, ddp = config.training, config.ddp
     rules = [
-        (training.local_update_mode, "training.sync_every: local updates"),
+        (training.local_update_mode, "training.sync_every: local updates (the members' models differ "
+         "within a round, so a loss would have to roll every member back to the round's start)"),
         (config.system.balance != "none", f"system.balance: {config.system.balance} batches"),
         (training.precision != "none", f"training.precision: {training.precision}"),
         (ddp.backend == "nccl", "ddp.backend: nccl (live groups are gloo, on the CPU)"),
