@@ -1,7 +1,9 @@
 """Live mode's compressed gradient average with a real gloo group of two processes: every
 scheme's DDP hook runs on the flat buffer (`FlatBucket`), both ranks end with the same
 average, close to the exact one; the state a joiner takes carries no residual, and taking
-it leaves the taker's residual at zero."""
+it leaves the taker's residual at zero. A PowerSGD trainer that joins a member already
+past PowerSGD's plain first iterations takes its iteration, P and Q, so their collectives
+match and they end with the same model."""
 
 from __future__ import annotations
 
@@ -85,3 +87,61 @@ def test_every_scheme_averages_the_flat_buffer_alike_on_every_rank(tmp_path, sch
             assert record["residual_names"] and all("/residual/" in n for n in record["residual_names"])
         if scheme == "powersgd":  # after the plain first iterations, P and Q are shared
             assert any("/q/" in name for name in record["shared_names"])
+
+
+POWERSGD = {"training": {"dataset": "digits", "model_architecture": "mlp", "batch_size": 8, "seed": 3},
+            "compression": {"enabled": True, "type": "powersgd", "powersgd_rank": 2},
+            "system": {"num_workers": 2}}
+
+
+def powersgd_member(slot: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    from disttrain.strategies.ddp.live.group import LiveGroup, connect
+    from disttrain.strategies.ddp.live.state import share_state
+    from disttrain.strategies.ddp.live.trainer import LiveTrainer
+    trainer = LiveTrainer(Config().replace(**POWERSGD), slot)
+    group = LiveGroup(connect("127.0.0.1", port, 30.0), slot, 30.0, stale_s=1.0, window_s=5.0)
+    if slot == 0:  # alone in generation 0, it gets past PowerSGD's plain iterations
+        group.form(0, (0,))
+        trainer.attach(0, 1)
+        for _ in range(4):
+            trainer.step()
+        tickets = 0
+        while tickets == 0:  # step boundaries until slot 1's ticket shows
+            tickets = group.pending_joins(0)
+        grown = group.grow(0, tickets)
+    else:  # holds no state: it asks to join and takes slot 0's
+        grown = group.request_join()
+    assert grown == (1, (0, 1))
+    group.form(*grown)
+    state = share_state(trainer.state_dict() if slot == 0 else None, 0, group.rank, group.store,
+                        "gen1/state", 30.0)
+    if slot == 1:
+        trainer.load_state_dict(state)
+    trainer.attach(group.rank, group.world_size)
+    for _ in range(3):
+        trainer.step()
+    assert trainer.compression is not None
+    record = {"iter": trainer.compression.state_dict()["powersgd/iter"].tolist()[0],
+              "weights": [p.detach().sum().item() for p in trainer.module.parameters()]}
+    dist.barrier()
+    group.leave()
+    (Path(out_dir) / f"slot{slot}.json").write_text(json.dumps(record))
+    os._exit(0)
+
+
+@pytest.mark.timeout(120)
+def test_a_powersgd_joiner_takes_the_members_state_and_its_collectives_match(tmp_path):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=powersgd_member, args=(slot, store.port, str(tmp_path)))
+                 for slot in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=100)
+        assert process.exitcode == 0  # a collective mismatch aborts gloo (SIGABRT)
+    records = [json.loads((tmp_path / f"slot{slot}.json").read_text()) for slot in range(2)]
+    assert records[0]["iter"] == records[1]["iter"] == 4 + 3  # the joiner went on from slot 0's count
+    assert records[0]["weights"] == records[1]["weights"]

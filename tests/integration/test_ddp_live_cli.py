@@ -108,8 +108,7 @@ def test_without_restarts_the_survivors_finish_the_run_alone(cli, tmp_path, undi
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("extra, message", [
-    (["--set", "training.loader_workers=1"], "training.loader_workers: loader workers is not offered "
-                                             "with ddp.recovery live"),
+    (["--set", "ddp.lr_scaling=linear"], "ddp.lr_scaling: linear is not offered with ddp.recovery live"),
     (["--set", "training.sync_every=4"], "training.sync_every: local updates"),
 ])
 def test_settings_live_recovery_does_not_offer_are_refused_at_once(cli, tmp_path, extra, message):

@@ -3,11 +3,12 @@ their group and train on, and the rank, started again, joins them at a step boun
 
 Modules: `membership` (the pure rules: settling, members, the batch split, whose state
 everyone takes), `group` (generations of process groups agreed through the launcher's
-store), `state` (a state handed from a live peer, without pickle), `trainer` (model,
-optimizer, position and data ledger), `checkpoints` (the leader's periodic checkpoints
-and `--resume`), `compression` (the DDP compression hooks on the flat gradient buffer),
-`rank` (the generations of one rank process),
-`launcher` (starts and restarts the ranks, hosts the store).
+store), `forming` (a generation's rendezvous cut short when a member dies), `state` (a
+state handed from a live peer, without pickle), `trainer` (model, optimizer, position
+and data ledger), `checkpoints` (the leader's periodic checkpoints and `--resume`),
+`compression` (the DDP compression hooks on the flat gradient buffer), `rank` (the
+generations of one rank process), `launcher` (starts and restarts the ranks, hosts the
+store).
 """
 
 from disttrain.strategies.ddp.live.launcher import LIVE_STORE_ENV, launch_live, store_address

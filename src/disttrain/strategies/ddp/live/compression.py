@@ -4,21 +4,33 @@ codecs, the same state) run on the live trainer's one flat gradient buffer.
 `FlatBucket` is that buffer as the hooks read a `dist.GradBucket`: bucket 0, the last,
 holding every parameter's gradient in order. The hook's future gives the average over
 the current generation's group (every hook divides by the world size itself).
-(`live_problems` refuses PowerSGD for now: after a rejoin the members' PowerSGD
-collectives did not match; the handling below is kept for when that is found.)
 
-What is handed over with the rest of the state (`state_dict`): the byte counters, and
-PowerSGD's shared state (its iteration, the random generator of Q's start, P and Q,
-which are all-reduced and so the same on every member). What is not: each member's own
-error-feedback residual (top-k's and quantization's `residual/...`, PowerSGD's
-`error/...`). After every change of group (a re-form, a rejoin, a resume) every member
-starts again from a zero residual (`clear_residuals`), the source of the state included.
-That is sound: a residual is the gradient mass this rank's earlier payloads left out,
-and error feedback converges from any starting residual (it only delays that mass); a
-zero residual drops at most one residual's worth, once per recovery. Carrying the old
-one would be wrong: the member that held it may be gone, the batch split that produced
-it changes with the group, and a survivor's residual already includes the encoding of
-the failed step that the group redoes, which would then count twice.
+What is handed over with the rest of the state (`state_dict`, taken by every member but
+the source in `LiveTrainer.load_state_dict`): the byte counters, and PowerSGD's shared
+state (its iteration, the random generator of Q's start, P and Q, which are all-reduced
+and so the same on every member). PowerSGD's collectives depend on that state: before its
+iteration reaches `powersgd.START_ITERATION` a member all-reduces the whole buffer, after
+it only the uncompressed gradients, then P, then Q; a member that missed it (a joiner
+with a fresh hook) sends a buffer of another size and gloo aborts on the mismatch. So
+after every change of group each member holds the source's PowerSGD state, broadcast
+with the model (the source is the furthest holder, not always the leader), rather than a
+reset: a reset would agree as well, but it would throw away the warm start of Q and
+repeat the plain all-reduces of the first iterations at every recovery, while P and Q
+are small (rank r) and ride the broadcast that already happens. When the failed step
+died inside the hook, the source's P or Q may be its own unreduced ones; every member
+takes the same copy, so they still agree, and a warm start only seeds the next power
+iteration.
+
+What is not handed over: each member's own error-feedback residual (top-k's and
+quantization's `residual/...`, PowerSGD's `error/...`). After every change of group (a
+re-form, a rejoin, a resume) every member starts again from a zero residual
+(`clear_residuals`), the source of the state included. That is sound: a residual is the
+gradient mass this rank's earlier payloads left out, and error feedback converges from
+any starting residual (it only delays that mass); a zero residual drops at most one
+residual's worth, once per recovery. Carrying the old one would be wrong: the member
+that held it may be gone, the batch split that produced it changes with the group, and a
+survivor's residual already includes the encoding of the failed step that the group
+redoes, which would then count twice.
 """
 
 from __future__ import annotations

@@ -29,8 +29,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from disttrain.core.errors import DistributedError
+from disttrain.strategies.ddp.live.forming import WatchedStore, attempt_key, deaths_key
 from disttrain.strategies.ddp.live.membership import (
     format_members,
     group_rank,
@@ -57,9 +59,11 @@ def alive_key(slot: int) -> str:
 
 
 def mark_dead(store: dist.Store, slot: int) -> None:
-    """The process of `slot` exited: its peers count it silent at once (the launcher calls
-    this; a new process of the slot beats again once it is a member)."""
+    """The process of `slot` exited: its peers count it silent at once, and members forming
+    a generation with it stop waiting for it (the launcher calls this; a new process of the
+    slot beats again once it is a member, see `forming`)."""
     store.set(alive_key(slot), "0")
+    store.add(deaths_key(slot), 1)
 
 
 class Beats:
@@ -99,14 +103,17 @@ class LiveGroup:
         timeout_s: bound of every collective and of forming a group.
         stale_s: a member silent this long counts as dead.
         window_s: the longest survivors wait for each other before re-forming.
+        attempt: how often the launcher started this slot before (`forming`).
     """
 
     def __init__(self, store: dist.TCPStore, slot: int, timeout_s: float, stale_s: float,
-                 window_s: float, clock: Callable[[], float] = time.time):
+                 window_s: float, clock: Callable[[], float] = time.time, attempt: int = 0):
         self.store, self.slot, self.timeout_s = store, slot, timeout_s
         self.stale_s, self.window_s, self.clock = stale_s, window_s, clock
+        self.attempt = attempt
         self.generation = -1
         self.members: tuple[int, ...] = ()
+        self.attempts: dict[int, int] = {}  # each member's attempt, in this generation
 
     @property
     def rank(self) -> int:
@@ -124,15 +131,43 @@ class LiveGroup:
         """Start generation `generation`'s process group (a collective of `members`).
 
         Raises:
+            MemberLost: a member died meanwhile (the launcher marked it; see `forming`).
             RuntimeError, dist.DistError: a member did not come within the timeout.
         """
         self.leave()
         self.generation, self.members = generation, members
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{generation}/pg", self.store),
-                                rank=self.rank, world_size=len(members),
-                                timeout=timedelta(seconds=self.timeout_s))
+        self.attempts = {slot: self._attempt_of(generation, slot) for slot in members}
+        store = self.watched(dist.PrefixStore(f"gen{generation}/pg", self.store))
+        try:
+            dist.init_process_group("gloo", store=store, rank=self.rank, world_size=len(members),
+                                    timeout=timedelta(seconds=self.timeout_s))
+        except BaseException:
+            # A failed start leaves torch's count of groups advanced (destroying a group
+            # resets it), and the next generation would then meet under another name
+            # than its peers'.
+            distributed_c10d._world.group_count = 0
+            raise
         logger.info("slot %d is rank %d of generation %d (members %s)", self.slot, self.rank, generation,
                     format_members(members))
+
+    def watched(self, store: dist.Store) -> WatchedStore:
+        """`store`, its waits cut short when a member of this generation dies."""
+        return WatchedStore(store, self.lost_member, self.timeout_s)
+
+    def lost_member(self) -> str | None:
+        """Which member of this generation the launcher saw die, if one did (None)."""
+        for slot, attempt in self.attempts.items():
+            if slot != self.slot and self.store.add(deaths_key(slot), 0) > attempt:
+                return f"slot {slot} died while generation {self.generation} formed"
+        return None
+
+    def _attempt_of(self, generation: int, slot: int) -> int:
+        """`slot`'s attempt in `generation` as recorded (generation 0: every first start)."""
+        if generation == 0:
+            return 0
+        if slot == self.slot:
+            return self.attempt
+        return int(self.store.get(attempt_key(generation, slot)).decode())
 
     def leave(self) -> None:
         """Drop this generation's process group (its sockets close, so peers blocked in a
@@ -146,6 +181,7 @@ class LiveGroup:
         self.leave()
         generation, previous = self.generation + 1, self.members
         prefix = f"gen{generation}"
+        self.store.set(attempt_key(generation, self.slot), str(self.attempt))  # before proposing
         self.store.set(f"{prefix}/propose/{self.slot}", "1")
         started = self.clock()
         members_key = f"{prefix}/members"
@@ -188,8 +224,13 @@ class LiveGroup:
         generation = self.generation + 1
         members_key = f"gen{generation}/members"
         if self.is_leader:
-            joiners = [int(self.store.get(f"join/{n}").decode()) for n in range(admitted + 1, tickets + 1)]
-            self.store.compare_set(members_key, "", format_members((*self.members, *joiners)))
+            attempts = dict(self.attempts)
+            for n in range(admitted + 1, tickets + 1):
+                joiner = int(self.store.get(f"join/{n}").decode())
+                attempts[joiner] = int(self.store.get(f"join/{n}/attempt").decode())
+            for slot, attempt in attempts.items():  # before the members: whoever reads those finds these
+                self.store.set(attempt_key(generation, slot), str(attempt))
+            self.store.compare_set(members_key, "", format_members(attempts))
             for n in range(admitted + 1, tickets + 1):
                 self.store.set(f"admit/{n}", str(generation))
         leader = self.members[0]
@@ -208,6 +249,7 @@ class LiveGroup:
             DistributedError: not admitted within the timeout.
         """
         ticket = self.store.add(JOINS_KEY, 1)
+        self.store.set(f"join/{ticket}/attempt", str(self.attempt))  # before the slot the leader reads
         self.store.set(f"join/{ticket}", str(self.slot))
         logger.info("slot %d asks to join the running group (ticket %d)", self.slot, ticket)
         deadline = self.clock() + self.timeout_s

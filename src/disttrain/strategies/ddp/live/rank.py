@@ -26,12 +26,13 @@ import torch.distributed as dist
 from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
-from disttrain.core.errors import DistributedError
+from disttrain.core.errors import ConfigError, DistributedError
 from disttrain.core.faults import FaultInjector
 from disttrain.metrics.logger import MetricsLogger
 from disttrain.metrics.summary import RunSummary
 from disttrain.strategies.ddp.heartbeats import LoopProgress
 from disttrain.strategies.ddp.live.checkpoints import LiveCheckpoints, load_resume_state
+from disttrain.strategies.ddp.live.forming import is_member_lost
 from disttrain.strategies.ddp.live.group import Beats, LiveGroup, connect
 from disttrain.strategies.ddp.live.membership import Holding, choose_source
 from disttrain.strategies.ddp.live.state import share_state
@@ -47,7 +48,8 @@ TIMEOUT_SIGNS = ("Timed out", "timed out", "Timeout", "timeout")
 
 def is_lost_peer(error: BaseException) -> bool:
     """A collective failed because a member died or stalled past the timeout."""
-    return is_peer_loss(error) or any(sign in str(error) for sign in TIMEOUT_SIGNS)
+    return (is_peer_loss(error) or is_member_lost(error)
+            or any(sign in str(error) for sign in TIMEOUT_SIGNS))
 
 
 class LiveRank:
@@ -68,7 +70,7 @@ class LiveRank:
         coordinator, timeout_s = config.coordinator, config.ddp.timeout_s
         self.group = LiveGroup(connect(*store_address, timeout_s), slot, timeout_s,
                                stale_s=coordinator.heartbeat_timeout,
-                               window_s=2 * coordinator.heartbeat_timeout)
+                               window_s=2 * coordinator.heartbeat_timeout, attempt=attempt)
         self.beats = Beats(connect(*store_address, timeout_s), slot, coordinator.heartbeat_interval)
         self.trainer = LiveTrainer(config, slot)
         system = config.system
@@ -125,6 +127,7 @@ class LiveRank:
                 generation, members = joined
         finally:
             self.beats.stop()
+            self.trainer.close()
             if self.metrics is not None:
                 self.metrics.close()
 
@@ -163,7 +166,7 @@ class LiveRank:
         dist.all_gather(gathered, mine)
         source = choose_source([Holding(bool(t[0]), int(t[1]), int(t[2])) for t in gathered])
         state = share_state(trainer.state_dict() if group.rank == source else None, source, group.rank,
-                            group.store, f"gen{group.generation}/state", group.timeout_s)
+                            group.watched(group.store), f"gen{group.generation}/state", group.timeout_s)
         if group.rank != source:
             trainer.load_state_dict(state)
         pending, self.pending = self.pending, None
@@ -274,9 +277,12 @@ def run_live_rank(config: Config, slot: int, attempt: int, store_address: tuple[
     """Run one live rank to the end (see `LiveRank`).
 
     Raises:
+        ConfigError: the state resumed from was written with another compression scheme.
         DistributedError: the run cannot go on (no state holder left, or not admitted).
     """
     try:
         return LiveRank(config, slot, attempt, store_address, options, progress).run()
+    except ConfigError:  # bad input (a checkpoint of another compression scheme): exit code 2
+        raise
     except ValueError as e:  # choose_source: every holder is gone
         raise DistributedError(f"slot {slot}: {e}; the run cannot go on") from e

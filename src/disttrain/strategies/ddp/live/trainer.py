@@ -30,16 +30,19 @@ import torch.distributed as dist
 
 from disttrain.compression.ddp_hooks import CompressionHook
 from disttrain.config import Config
+from disttrain.core.errors import ConfigError
 from disttrain.data import PlannedSampler, load_datasets
 from disttrain.strategies.ddp.live.compression import (
     clear_residuals,
     compressed_average,
     live_compression,
+    load_shared_state,
     shared_state,
 )
 from disttrain.strategies.ddp.live.membership import split_batch
 from disttrain.strategies.ddp.reduce import evaluate_sharded
 from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward
+from disttrain.training.loading import prefetch
 from disttrain.training.models import init_model
 from disttrain.training.seeding import seed_training
 from disttrain.training.stepping import OptimizerStep
@@ -88,6 +91,7 @@ class LiveTrainer:
         self.optimizer = build_optimizer(self.module.parameters(), training, training.learning_rate)
         self.stepper = OptimizerStep(self.optimizer, training)
         self.compression = live_compression(config, self.module, slot)
+        self.loader = prefetch(self.train_set, training.loader_workers)
         self.global_batch = training.batch_size * config.system.num_workers
         self.batches_per_epoch = len(self.train_set) // self.global_batch
         self.micro_batches = config.ddp.grad_accumulation_steps  # global batches per step
@@ -123,12 +127,23 @@ class LiveTrainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a peer's state (the optimizer's is built from scratch, so a joiner that never
-        stepped takes the same as a survivor)."""
+        stepped takes the same as a survivor), its compression's shared state included (see
+        `live.compression`; a state without one, a checkpoint of an uncompressed run, leaves
+        this member's fresh).
+
+        Raises:
+            ConfigError: the state was written with another compression scheme.
+        """
         self.module.load_state_dict(state["model"])
         self.optimizer.state.clear()
         self.stepper.load_state_dict(state)
         self.progress.load_state_dict(state["progress"])
         self.ledger = state["ledger"].clone()
+        if self.compression is not None and "compression" in state:
+            try:
+                load_shared_state(self.compression, state["compression"])
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
         self._clock_from = time.perf_counter()
         self.has_state = True
 
@@ -144,6 +159,25 @@ class LiveTrainer:
         self.world_size = world_size
         if self.compression is not None:  # every member's residual starts again at zero
             clear_residuals(self.compression)
+        self._load_ahead()
+
+    def _load_ahead(self) -> None:
+        """Have the loader workers (`training.loader_workers`) load this member's pieces of
+        the epoch's remaining global batches, in the order `step` asks for them. Planned
+        again at each attach: a redone step's batches are cut by the new split, and a batch
+        off the plan is loaded in this process anyway, so what a step trains on never
+        depends on the workers."""
+        sampler, p = self.sampler, self.progress
+        if self.loader is None or sampler is None or self.finished:
+            return
+        epoch, start = p.epoch, p.index
+        self.loader.start_epoch(lambda: [sampler.block(epoch, index)
+                                         for index in range(start, self.batches_per_epoch)])
+
+    def close(self) -> None:
+        """Stop the loader workers, if any (call once, when the run is over for this process)."""
+        if self.loader is not None:
+            self.loader.close()
 
     def detach(self) -> None:
         """This generation's group is gone: a step cut short by it will be redone."""
@@ -168,7 +202,7 @@ class LiveTrainer:
         loss_sum, correct, samples = 0.0, 0, 0
         for offset in range(batches):
             indices = self.sampler.block(p.epoch, p.index + offset)
-            inputs, targets = self.train_set.batch(indices)
+            inputs, targets = (self.loader or self.train_set).batch(indices)
             # This member's share of the global batch, and the batch's share of the step.
             weight = self.world_size * len(indices) / self.global_batch / batches
             self.samples_trained += len(indices)
@@ -194,6 +228,7 @@ class LiveTrainer:
         p = self.progress
         p.evaluations.append([self.train_time_s(), result.accuracy, result.loss])
         p.epoch, p.index = p.epoch + 1, 0
+        self._load_ahead()
         return result
 
     def ledger_totals(self) -> tuple[int, int, int]:

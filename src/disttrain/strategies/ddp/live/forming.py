@@ -1,0 +1,105 @@
+"""Forming a live generation without waiting on a dead member: the store the rendezvous
+reads through gives up as soon as the launcher has marked a member's process dead.
+
+A new generation's process group meets through the launcher's store: each member writes
+its address and waits for the others'. A member that dies after the member list is fixed
+never writes it, and the others would wait out `ddp.timeout_s`. The launcher counts each
+slot's deaths (`deaths/<slot>`, bumped the moment it sees the process exit, see
+`group.mark_dead`), and a process of slot s started for the a-th time (`attempt` a, from
+0) is dead once that count exceeds a: restarts follow deaths one for one, so the count
+tells this process from the slot's next one, whenever that one starts. Every member of a
+generation is recorded with its attempt (`gen<g>/attempt/<slot>`, see `group`), so the
+members forming it watch each other through `WatchedStore`: its waits poll the store and
+raise `MemberLost` when a member's count passes its attempt. The caller then starts the
+next generation with whoever proposes itself, as after a failed collective.
+
+What stays bounded by the timeout: a member that dies between publishing its address and
+connecting to its peers (gloo retries the connection inside one call) and a member alive
+but stuck (nothing marks it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+POLL_S = 0.05
+LOST_SIGN = "died while generation"  # in every MemberLost's message, whatever type gloo hands back
+
+
+class MemberLost(RuntimeError):
+    """A member of the forming generation died (recoverable: form the next one)."""
+
+
+def deaths_key(slot: int) -> str:
+    return f"deaths/{slot}"
+
+
+def attempt_key(generation: int, slot: int) -> str:
+    return f"gen{generation}/attempt/{slot}"
+
+
+def is_member_lost(error: BaseException) -> bool:
+    """`error` says a member died while a generation formed (raised through the
+    rendezvous, its type may come back as RuntimeError; its message does not change)."""
+    return isinstance(error, MemberLost) or LOST_SIGN in str(error)
+
+
+class WatchedStore(dist.Store):
+    """`inner` whose waits give up when `lost()` names a dead member.
+
+    Args:
+        inner: the store the rendezvous or the state hand-over reads.
+        lost: a message naming a member lost, or None while all are alive.
+        timeout_s: the longest a wait lasts when nobody dies (`ddp.timeout_s`).
+    """
+
+    def __init__(self, inner: dist.Store, lost: Callable[[], str | None], timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self.inner, self.lost, self.timeout_s, self.clock = inner, lost, timeout_s, clock
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self.inner.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self.inner.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.timeout_s = timeout.total_seconds()
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Until every key of `keys` is set.
+
+        Raises:
+            MemberLost: a member died meanwhile.
+            RuntimeError: the timeout passed (`Timed out ...`: a lost peer to the caller).
+        """
+        limit_s = self.timeout_s if timeout is None else timeout.total_seconds()
+        deadline = self.clock() + limit_s
+        while not self.inner.check(keys):
+            lost = self.lost()
+            if lost is not None:
+                raise MemberLost(lost)
+            if self.clock() > deadline:
+                raise RuntimeError(f"Timed out after {limit_s:g}s waiting for {', '.join(keys)} in the store")
+            time.sleep(POLL_S)
