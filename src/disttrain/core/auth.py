@@ -15,7 +15,9 @@ from __future__ import annotations
 import collections
 import hmac
 import logging
+import os
 import secrets
+import tempfile
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +43,35 @@ REFUSED = (f"missing or wrong token: give this run's token in the {TOKEN_ENV} en
 def new_token() -> str:
     """A fresh random token (256 bits), for one run."""
     return secrets.token_urlsafe(32)
+
+
+def write_token_file(path: str | Path, token: str) -> Path:
+    """Write `token` into the new file `path`, readable by its owner only (mode 600 from
+    its first byte), atomically: a temporary file beside it, fsynced, then linked into
+    place, so `path` never holds part of a token and an existing file is never replaced.
+
+    Raises:
+        ConfigError: `path` exists already, or its folder cannot be written.
+    """
+    path = Path(path)
+    if path.exists():
+        raise ConfigError(f"{path}: already there; a new run secret goes into a new file (remove the "
+                          f"old one first if it is no longer used)")
+    try:
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 600
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(token + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.link(temporary, path)  # fails, rather than replaces, when `path` appeared meanwhile
+        finally:
+            os.unlink(temporary)
+    except FileExistsError as e:
+        raise ConfigError(f"{path}: already there; a new run secret goes into a new file") from e
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot write the token there ({e.strerror or e})") from e
+    return path
 
 
 def check_token(token: str, origin: str) -> str:
