@@ -17,8 +17,8 @@ import hmac
 import logging
 import os
 import secrets
-import tempfile
 import stat
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any

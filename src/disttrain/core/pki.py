@@ -78,7 +78,8 @@ def write_run_pki(folder: Path, hosts: Sequence[str], nodes: Sequence[NodeName],
     try:
         folder.mkdir(parents=True, exist_ok=True)
         ca_key = ec.generate_private_key(ec.SECP256R1())
-        ca_cert = _certificate(_subject("disttrain run CA", OPERATOR), ca_key, ca_key, None, days, (), ca=True)
+        ca_subject = _subject("disttrain run CA", OPERATOR)
+        ca_cert = _certificate(ca_subject, ca_key, ca_key, None, days, (), ca=True)
         written = [_write(folder / "ca.pem", _pem(ca_cert)), _write_key(folder / "ca.key", ca_key)]
         for node in names:
             key = ec.generate_private_key(ec.SECP256R1())
