@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from disttrain.core.errors import ConfigError
-from disttrain.core.fault_spec import ROLES
+from disttrain.core.identity import NODE_ROLES as ROLES
 from disttrain.core.pki import DEFAULT_HOSTS, parse_node, write_run_pki
 
 HELP = "make a run's CA, server and node certificates (for --tls-cert/--tls-key/--tls-ca)"

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disttrain.core.errors import ConfigError
+from disttrain.core.identity import NODE_ROLES
+from disttrain.core.identity import OPERATOR_ROLE as OPERATOR
 
 CA_FILES = ("ca.pem", "ca.key")
 SERVER_NAME = "server"  # server.pem / server.key: an operator's certificate, for any process
-OPERATOR = "operator"
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
 
 
@@ -33,7 +34,7 @@ class NodeName:
     role: str
 
 
-def parse_node(text: str, roles: Sequence[str]) -> NodeName:
+def parse_node(text: str, roles: Sequence[str] = NODE_ROLES) -> NodeName:
     """`NAME[:ROLE]` as a NodeName; without ROLE, the role is NAME without its trailing
     digits when that is one of `roles` (worker3 -> worker), else an error.
 
