@@ -272,7 +272,7 @@ class CoordinatorServicer:
         with refusals(context, CODES, self.refusal_log, "ReportExit"):
             caller = caller_of(context)
             if caller is None or caller.node_id != request.node_id:
-                check_role(caller, ("coordinator",), "ReportExit of another node")
+                check_role(caller, ("coordinator",), f"ReportExit of node {request.node_id!r}")
             return self.state.exited(request)
 
     def WatchMembership(self, request, context):
