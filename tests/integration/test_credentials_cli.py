@@ -61,7 +61,11 @@ class Served:
 
     def stop(self) -> None:
         self.process.terminate()
-        self.process.wait(timeout=30)
+        try:
+            self.process.wait(timeout=60)  # a loaded machine may take a while
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise AssertionError(f"the coordinator did not stop on SIGTERM:\n{self.log.read_text()[-2000:]}")
 
 
 def registers(port: int, token: str | None = None, tls: TlsFiles | None = None) -> str:
