@@ -65,7 +65,8 @@ class Served:
             self.process.wait(timeout=60)  # a loaded machine may take a while
         except subprocess.TimeoutExpired:
             self.process.kill()
-            raise AssertionError(f"the coordinator did not stop on SIGTERM:\n{self.log.read_text()[-2000:]}") from None
+            log = self.log.read_text()[-2000:]
+            raise AssertionError(f"the coordinator did not stop on SIGTERM:\n{log}") from None
 
 
 def registers(port: int, token: str | None = None, tls: TlsFiles | None = None) -> str:
