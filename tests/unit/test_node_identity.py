@@ -85,3 +85,12 @@ def test_tls_node_names_take_their_role_from_the_name_or_after_a_colon():
     for bad in ("host-a", "worker0:admin", "", "a b:worker"):
         with pytest.raises(ConfigError):
             parse_node(bad)
+
+
+def test_a_worker_holding_a_node_token_is_named_by_it(tmp_path, capsys):
+    from disttrain.cli import main
+    token = tmp_path / "worker5.token"
+    token.write_text(node_token(SECRET, "worker5", "worker"))
+    token.chmod(0o600)
+    assert main(["ps-worker", "--servers", "127.0.0.1:1", "--token-file", str(token), "--check-config"]) == 0
+    assert "worker worker5" in capsys.readouterr().out
