@@ -44,6 +44,8 @@ COMMANDS: dict[str, str] = {
     "report": "disttrain.cli.report",
     "configs": "disttrain.cli.configs",
     "advise": "disttrain.cli.advise",
+    "token": "disttrain.cli.token",
+    "tls": "disttrain.cli.tls",
     "completion": "disttrain.cli.completion",
 }
 

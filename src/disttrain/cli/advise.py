@@ -11,12 +11,15 @@ from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
     add_common_flags,
     add_config_flags,
+    add_insecure_flag,
     add_token_flag,
     config_from_args,
     token_from_args,
 )
 from disttrain.core.addresses import parse_address
 from disttrain.core.errors import ConfigError
+from disttrain.core.rpc_server import require_credentials
+from disttrain.core.tls import TlsFiles
 
 if TYPE_CHECKING:
     from disttrain.report.advice import Advisor
@@ -96,11 +99,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     probe.add_argument("--bind", default="127.0.0.1:0", metavar="HOST:PORT",
                        help="where --serve listens (port 0: any free port, printed)")
     add_token_flag(parser)
+    add_insecure_flag(parser, "--serve: listen beyond this machine")
 
 
 def run(args: argparse.Namespace) -> int:
     token = token_from_args(args)
     if args.serve:
+        require_credentials(args.bind, "--bind", "the link probe server would be reachable from other "
+                            "machines", token is not None, TlsFiles(), args.insecure)
         return _serve(args.bind, token)
     from disttrain.advise import CostModel, advise, measure_workload
     from disttrain.advise.report import advice_json, advice_lines, simulation_lines

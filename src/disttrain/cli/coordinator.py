@@ -14,8 +14,10 @@ from disttrain.cli.flags import (
     CONFIG_HELP,
     add_attempt_flag,
     add_fault_flags,
+    add_insecure_flag,
     add_tls_flags,
     add_token_flag,
+    check_exposure,
     faults_from_args,
     tls_from_args,
     token_from_args,
@@ -23,7 +25,6 @@ from disttrain.cli.flags import (
 from disttrain.config import Config, load_config
 from disttrain.coordinator.launch import REGISTRY_FILE
 from disttrain.coordinator.service import CoordinatorServer
-from disttrain.core.addresses import parse_address
 from disttrain.core.faults import FaultInjector
 from disttrain.core.process_spec import FLAGS
 from disttrain.core.processes import bind_to_parent, emit_event
@@ -31,7 +32,7 @@ from disttrain.training.options import RunOptions
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BIND = "0.0.0.0:50050"
+DEFAULT_BIND = "127.0.0.1:50050"  # this machine only, unless told otherwise
 
 HELP = "track the processes of a run: membership, heartbeats, failures, stragglers"
 DESCRIPTION = f"""Track every process of a run: who joined, who is alive (heartbeats), who failed
@@ -39,9 +40,11 @@ and was restarted, and how fast each one goes. Processes find it through
 coordinator.address in their config (--set coordinator.address=HOST:PORT). Its state is
 kept in a SQLite file (--registry): a coordinator restarted on the same file shows the
 cluster as it was, and `disttrain status --registry FILE` reads the file even while no
-coordinator runs. Stops on Ctrl-C or SIGTERM.
+coordinator runs. It listens on this machine only unless --bind says otherwise, and then
+only with the run's token or client certificates (or --insecure). Stops on Ctrl-C or SIGTERM.
 
-    disttrain coordinator --bind 0.0.0.0:50050 --registry runs/{REGISTRY_FILE}
+    disttrain token new run.token
+    disttrain coordinator --bind 0.0.0.0:50050 --token-file run.token --registry runs/{REGISTRY_FILE}
     disttrain coordinator --registry runs/{REGISTRY_FILE} --set coordinator.heartbeat_timeout=10
     disttrain coordinator --registry runs/{REGISTRY_FILE} --inject kill:coordinator:step=20
     disttrain status --coordinator node0:50050"""
@@ -62,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_attempt_flag(parser)
     add_token_flag(parser)
     add_tls_flags(parser)
+    add_insecure_flag(parser)
     add_check_flag(parser)
 
 
@@ -81,7 +85,7 @@ def prepare(args: argparse.Namespace) -> CoordinatorPlan:
                          tls=tls_from_args(args))
     config = load_config(args.config, {}, args.set)
     bind = args.bind or config.coordinator.address or DEFAULT_BIND
-    parse_address(bind, "--bind")
+    check_exposure(args, bind, "--bind", "the coordinator would be reachable from other machines", options)
     registry = args.registry or str(Path(config.system.log_dir) / REGISTRY_FILE)
     return CoordinatorPlan(config, options, bind, registry)
 

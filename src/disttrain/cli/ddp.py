@@ -28,10 +28,12 @@ from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
     LOCAL_UPDATE_FLAGS,
     add_config_flag,
+    add_insecure_flag,
     add_tls_flags,
     add_token_flag,
     add_training_flags,
     balance_flags,
+    check_exposure,
     config_from_args,
     options_from_args,
     prepare_run,
@@ -105,12 +107,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(FLAGS.rank, type=int, default=None, help=argparse.SUPPRESS)  # a live rank's slot
     add_token_flag(parser)
     add_tls_flags(parser)
+    add_insecure_flag(parser, "report to a coordinator on another machine")
 
 
 def prepare(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> tuple[Config, RunOptions]:
     """The run's config and options, checked (a ConfigError otherwise); warns about keys
-    the run ignores."""
-    return prepare_run(args, "ddp", env)
+    the run ignores; refuses to report to a coordinator on another machine without the
+    run's token or client certificates (unless --insecure)."""
+    config, options = prepare_run(args, "ddp", env)
+    if config.coordinator.address:
+        check_exposure(args, config.coordinator.address, "--coordinator",
+                       "the ranks would call a coordinator on another machine, open to anyone there",
+                       options)
+    return config, options
 
 
 def check(args: argparse.Namespace) -> str:

@@ -18,6 +18,7 @@ from disttrain.config import Config, load_config
 from disttrain.core.auth import TOKEN_ENV, resolve_token
 from disttrain.core.faults import Fault, load_fault_plan, parse_fault
 from disttrain.core.process_spec import FLAGS
+from disttrain.core.rpc_server import INSECURE_FLAG, require_credentials
 from disttrain.core.tls import TlsFiles
 from disttrain.training.options import RunOptions
 
@@ -194,6 +195,21 @@ def token_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = No
     """
     env = os.environ if env is None else env
     return resolve_token(args.token_file, env.get(TOKEN_ENV))
+
+
+def add_insecure_flag(parser: argparse.ArgumentParser, action: str = "listen beyond this machine") -> None:
+    """`--insecure`: allow `action` without the run's token or client certificates."""
+    parser.add_argument(INSECURE_FLAG, action="store_true",
+                        help=f"{action} without a token or client certificates (refused otherwise: "
+                             f"anyone who reaches the port could call it); only on a network you trust")
+
+
+def check_exposure(args: argparse.Namespace, address: str, flag: str, exposure: str,
+                   options: RunOptions) -> None:
+    """Refuse (ConfigError) an `address` other machines reach without the run's token or
+    client certificates, unless `--insecure` was given (see `require_credentials`)."""
+    require_credentials(address, flag, exposure, options.token is not None, options.tls,
+                        getattr(args, "insecure", False))
 
 
 def add_tls_flags(parser: argparse.ArgumentParser) -> None:

@@ -12,14 +12,15 @@ from disttrain.cli.flags import (
     add_common_flags,
     add_config_flags,
     add_fault_flags,
+    add_insecure_flag,
     add_tls_flags,
     add_token_flag,
+    check_exposure,
     config_from_args,
     options_from_args,
 )
 from disttrain.cli.ps import COORDINATOR_FLAG, PS_FLAGS, describe_ps_run
 from disttrain.config import Config
-from disttrain.core.addresses import parse_address
 from disttrain.core.errors import ConfigError
 from disttrain.core.faults import FaultInjector
 from disttrain.core.process_spec import FLAGS
@@ -32,9 +33,12 @@ addresses. With --coordinator it registers and heartbeats there, and a synchrono
 stops waiting for a worker the coordinator declared failed. Stops on Ctrl-C, or once
 every worker is done, after a final checkpoint under <checkpoint_dir>/server<I>/.
 
-    disttrain ps-server --bind 0.0.0.0:50051 --shard 0/2 --config ps.yaml
-    disttrain ps-server --bind 0.0.0.0:50051 --shard 0/2 --config ps.yaml --resume
-    disttrain ps-server --bind 0.0.0.0:50051 --shard 0/1 --coordinator hostC:50050"""
+    disttrain ps-server --bind 0.0.0.0:50051 --shard 0/2 --config ps.yaml --token-file run.token
+    disttrain ps-server --bind 0.0.0.0:50051 --shard 0/2 --config ps.yaml --token-file run.token --resume
+    disttrain ps-server --bind 0.0.0.0:50051 --shard 0/1 --coordinator hostC:50050 --token-file run.token
+
+A bind other machines reach needs the run's token (`disttrain token new`) or client
+certificates (`disttrain tls new`), or --insecure."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_attempt_flag(parser)
     add_token_flag(parser)
     add_tls_flags(parser)
+    add_insecure_flag(parser)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -84,8 +89,9 @@ def prepare(args: argparse.Namespace) -> ServerPlan:
     warn_about_run_config(config, "ps-server")
     shard, num_shards = parse_shard(args.shard)
     bind = args.bind or f"{config.ps.bind_host}:0"
-    parse_address(bind, "--bind")
-    return ServerPlan(config, options_from_args(args), bind, shard, num_shards)
+    options = options_from_args(args)
+    check_exposure(args, bind, "--bind", "the shard server would be reachable from other machines", options)
+    return ServerPlan(config, options, bind, shard, num_shards)
 
 
 def check(args: argparse.Namespace) -> str:

@@ -24,6 +24,7 @@ from disttrain.cli.flags import (
 from disttrain.cli.ps import COORDINATOR_FLAG, PS_FLAGS, describe_ps_run
 from disttrain.config import Config
 from disttrain.core.addresses import parse_address_list
+from disttrain.core.identity import named_in
 from disttrain.core.process_spec import FLAGS
 from disttrain.metrics.summary import RunSummary
 from disttrain.training.options import RunOptions
@@ -68,8 +69,11 @@ def prepare(args: argparse.Namespace) -> WorkerPlan:
     config = config_from_args(args)
     warn_about_run_config(config, "ps-worker")
     servers = parse_address_list(args.servers, "--servers")
-    worker_id = args.worker_id or f"{socket.gethostname()}:{os.getpid()}"
-    return WorkerPlan(config, options_from_args(args), servers, worker_id)
+    options = options_from_args(args)
+    # A worker holding a node token is that node (the servers refuse it any other name).
+    named = named_in(options.token) if options.token else None
+    worker_id = args.worker_id or (named.node_id if named else f"{socket.gethostname()}:{os.getpid()}")
+    return WorkerPlan(config, options, servers, worker_id)
 
 
 def check(args: argparse.Namespace) -> str:
@@ -79,7 +83,8 @@ def check(args: argparse.Namespace) -> str:
     check_supported(plan.config)
     init_model(plan.config.training)
     rank = f"rank {args.rank}" if args.rank >= 0 else "the rank the servers assign"
-    named = f"worker {args.worker_id}" if args.worker_id else "a worker named host:pid"
+    named = (f"worker {plan.worker_id}" if not plan.worker_id.endswith(f":{os.getpid()}")
+             else "a worker named host:pid")
     return (f"{named}, {rank}, of {describe_ps_run(plan.config)}, pushing to "
             f"{','.join(plan.servers)}, {describe_coordinator(plan.config)}"
             f"{describe_security(plan.options)}; {describe_training(plan.config)}"

@@ -11,12 +11,15 @@ report their own (`ExitReports`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import tenacity
 
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
+from disttrain.core.auth import TOKEN_ENV
 from disttrain.core.faults import Fault
+from disttrain.core.identity import node_token
 from disttrain.core.process_spec import ProcessSpec
 from disttrain.core.tls import TlsFiles
 
@@ -42,6 +45,17 @@ def coordinator_spec(config_path: Path, registry: Path, bind: str, faults: tuple
     Of `faults`, it fires those meant for the coordinator (on its `attempt`-th start)."""
     return ProcessSpec("coordinator", config=config_path, bind=bind, registry=registry, faults=faults,
                        attempt=attempt, tls=tls or TlsFiles(), verbose=verbose)
+
+
+def token_env(secret: str) -> Callable[[ProcessSpec], dict[str, str]]:
+    """The token each child of a launcher gets in its environment (never its command
+    line): a worker its own node token (`core.identity`), so it can call only in its own
+    name; the coordinator and the shard servers, which check node tokens, the secret."""
+    def env(spec: ProcessSpec) -> dict[str, str]:
+        if spec.command == "ps-worker" and spec.worker_id:
+            return {TOKEN_ENV: node_token(secret, spec.worker_id, "worker")}
+        return {TOKEN_ENV: secret}
+    return env
 
 
 class ExitReports:

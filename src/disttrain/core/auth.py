@@ -1,5 +1,10 @@
-"""A shared token that every RPC of every service must carry: the server interceptor that
-checks it, the channel interceptor that sends it, and where a token comes from.
+"""The run's token that every RPC of every service must carry: the server interceptor that
+checks it and tells the servicer who calls (`core.identity`), the channel interceptor that
+sends it, and where a token comes from.
+
+A token is the run's secret (its holder is the operator) or a node token made from it
+(its holder is that node). Under mutual TLS the client certificate may name the node
+instead (`caller_of`).
 
 The token travels as gRPC metadata (`authorization: Bearer <token>`) and is compared in
 constant time. It is never logged, never put on a command line (any user can read
@@ -13,17 +18,20 @@ Environment variables are read by the CLI only; it hands `TOKEN_ENV`'s value her
 from __future__ import annotations
 
 import collections
-import hmac
+import functools
 import logging
+import os
 import secrets
 import stat
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
 from disttrain.core.errors import ConfigError
+from disttrain.core.identity import Caller, certificate_caller, verify_token
 from disttrain.core.refusal_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
@@ -41,6 +49,35 @@ REFUSED = (f"missing or wrong token: give this run's token in the {TOKEN_ENV} en
 def new_token() -> str:
     """A fresh random token (256 bits), for one run."""
     return secrets.token_urlsafe(32)
+
+
+def write_token_file(path: str | Path, token: str) -> Path:
+    """Write `token` into the new file `path`, readable by its owner only (mode 600 from
+    its first byte), atomically: a temporary file beside it, fsynced, then linked into
+    place, so `path` never holds part of a token and an existing file is never replaced.
+
+    Raises:
+        ConfigError: `path` exists already, or its folder cannot be written.
+    """
+    path = Path(path)
+    if path.exists():
+        raise ConfigError(f"{path}: already there; a new run secret goes into a new file (remove the "
+                          f"old one first if it is no longer used)")
+    try:
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 600
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(token + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.link(temporary, path)  # fails, rather than replaces, when `path` appeared meanwhile
+        finally:
+            os.unlink(temporary)
+    except FileExistsError as e:
+        raise ConfigError(f"{path}: already there; a new run secret goes into a new file") from e
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot write the token there ({e.strerror or e})") from e
+    return path
 
 
 def check_token(token: str, origin: str) -> str:
@@ -92,12 +129,66 @@ def resolve_token(token_file: str | None, env_token: str | None) -> str | None:
     return check_token(env_token, f"environment variable {TOKEN_ENV}")
 
 
-def _is_authorized(metadata: Any, expected: bytes) -> bool:
+# The attribute of a call's context holding its caller, set by `TokenInterceptor`.
+CALLER_ATTRIBUTE = "disttrain_caller"
+
+
+def _caller(metadata: Any, secret: str) -> Caller | None:
+    """Who the call's token says the caller is; None without a valid token."""
     for key, value in metadata or ():
         if key == METADATA_KEY:
-            given = value.encode() if isinstance(value, str) else bytes(value)
-            return hmac.compare_digest(given, expected)
-    return False
+            given = value if isinstance(value, str) else bytes(value).decode("ascii", "replace")
+            if not given.startswith(SCHEME):
+                return None
+            return verify_token(secret, given[len(SCHEME):])
+    return None
+
+
+def _attach(behavior: Callable, caller: Caller) -> Callable:
+    def handle(request_or_iterator, context):
+        setattr(context, CALLER_ATTRIBUTE, caller)
+        return behavior(request_or_iterator, context)
+    return handle
+
+
+def _with_caller(handler: grpc.RpcMethodHandler, caller: Caller) -> grpc.RpcMethodHandler:
+    """`handler` with `caller` set on each call's context before its behavior runs."""
+    kind = (("stream_" if handler.request_streaming else "unary_")
+            + ("stream" if handler.response_streaming else "unary"))
+    return cast(Any, handler)._replace(**{kind: _attach(getattr(handler, kind), caller)})
+
+
+def caller_of(context: grpc.ServicerContext) -> Caller | None:
+    """Who makes the call: the node its node token names, else the node its client
+    certificate names (mutual TLS with a certificate of `disttrain tls new`), else the
+    operator when it presented the run's secret or an operator's certificate; None on a
+    server that checks neither (anyone may call it, as anyone)."""
+    by_token: Caller | None = getattr(context, CALLER_ATTRIBUTE, None)
+    if by_token is not None and not by_token.is_operator:
+        return by_token
+    by_certificate = _certificate_caller(context)
+    return by_certificate if by_certificate is not None and not by_certificate.is_operator \
+        else by_token or by_certificate
+
+
+def _certificate_caller(context: grpc.ServicerContext) -> Caller | None:
+    try:
+        pem = (context.auth_context() or {}).get("x509_pem_cert")
+    except (AttributeError, ValueError):
+        return None
+    return _subject_caller(bytes(pem[0])) if pem else None
+
+
+@functools.lru_cache(maxsize=256)  # a client's certificate is the same on each of its calls
+def _subject_caller(pem: bytes) -> Caller:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+    subject = x509.load_pem_x509_certificate(pem).subject
+
+    def first(oid) -> str:
+        values = subject.get_attributes_for_oid(oid)
+        return str(values[0].value) if values else ""
+    return certificate_caller(first(NameOID.COMMON_NAME), first(NameOID.ORGANIZATIONAL_UNIT_NAME))
 
 
 def _refuse(request: Any, context: grpc.ServicerContext) -> None:
@@ -121,19 +212,21 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
-    """Refuses, with UNAUTHENTICATED, every call that does not carry `token`, before its
-    handler runs; the health service (`OPEN_SERVICES`) stays open."""
+    """Refuses, with UNAUTHENTICATED, every call that carries neither the run's secret
+    `token` nor a node token made from it, before its handler runs; tells the handler who
+    calls (`caller_of`). The health service (`OPEN_SERVICES`) stays open."""
 
     def __init__(self, token: str):
-        self._expected = (SCHEME + token).encode()
+        self._secret = token
         self._refusals = RateLimitedLog(logger)  # an outsider's calls must not flood the log
 
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
         handler = continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(OPEN_SERVICES):
             return handler
-        if _is_authorized(handler_call_details.invocation_metadata, self._expected):
-            return handler
+        caller = _caller(handler_call_details.invocation_metadata, self._secret)
+        if caller is not None:
+            return _with_caller(handler, caller)
         self._refusals.warning(handler_call_details.method, "refused %s: missing or wrong token",
                                handler_call_details.method)
         return _refusal(handler)

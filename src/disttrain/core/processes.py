@@ -104,11 +104,15 @@ class Cluster:
         env: variables set in every child's environment beside this process's own (how a
             launcher hands its children a secret, which a command line would show to
             every user); a restarted child gets them again.
+        env_of: variables of one child, from its spec (on top of `env`): e.g. a token of
+            its own.
     """
 
-    def __init__(self, log_dir: str | Path, env: dict[str, str] | None = None):
+    def __init__(self, log_dir: str | Path, env: dict[str, str] | None = None,
+                 env_of: Callable[[ProcessSpec], dict[str, str]] | None = None):
         self.log_dir = Path(log_dir)
         self.env = dict(env or {})
+        self.env_of = env_of
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: dict[str, Child] = {}
         self.events: queue.Queue[Event] = queue.Queue()
@@ -120,7 +124,8 @@ class Cluster:
         the kernel ties a child's death signal to the thread that forked it)."""
         log_path = self.log_dir / f"{name}.log"
         log_file = log_path.open("ab", buffering=0)
-        child_env = {**os.environ, **self.env, **(env or {}), PARENT_ENV: str(os.getpid()),
+        own = self.env_of(spec) if self.env_of is not None else {}
+        child_env = {**os.environ, **self.env, **own, **(env or {}), PARENT_ENV: str(os.getpid()),
                      "PYTHONUNBUFFERED": "1"}
         args = command_line(spec)
         process = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,

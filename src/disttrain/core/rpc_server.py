@@ -149,6 +149,33 @@ def _log_protection(address: str, host: str, has_token: bool, tls: TlsFiles) -> 
                        "firewall", address)
 
 
+INSECURE_FLAG = "--insecure"
+
+
+def require_credentials(address: str, flag: str, exposure: str, has_token: bool, tls: TlsFiles,
+                        insecure: bool = False) -> None:
+    """Refuse `address` (given with `flag`) when other machines reach it (`exposure` says
+    what would be reachable, e.g. "the coordinator would be reachable from other
+    machines") without credentials: the run's token, or mutual TLS (TLS alone encrypts, but lets any client
+    in). A loopback address, or `insecure` (the user's `--insecure`), passes.
+
+    Raises:
+        ConfigError: `address` is malformed, or reachable from other machines while
+            neither a token nor client certificates are required; the message says how
+            to make them (exit code 2).
+    """
+    host, _ = parse_address(address, flag)
+    if insecure or is_loopback(host) or has_token or tls.mutual:
+        return
+    missing = ("TLS without --tls-ca lets any client in, and there is no token" if tls.enabled
+               else "there is no token and no TLS")
+    raise ConfigError(f"{flag} {address}: {exposure}, but {missing}; "
+                      f"make a run secret with `disttrain token new run.token` and give --token-file "
+                      f"run.token to every process, or certificates with `disttrain tls new DIR` "
+                      f"(--tls-cert, --tls-key, --tls-ca); or use 127.0.0.1, or add {INSECURE_FLAG} "
+                      f"on a network you trust")
+
+
 def is_loopback(host: str) -> bool:
     """Whether `host` is reachable from this machine only ("localhost", 127.x, ::1)."""
     if host == "localhost":

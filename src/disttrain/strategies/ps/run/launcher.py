@@ -12,8 +12,9 @@ is left out, and the others take over its blocks once the coordinator reassigns 
 restarted on its registry (`<log_dir>/cluster.db`). Worker 0 writes
 `parameter_server_final.pt` and `summary.json` (strategy ps-sync, ps-ssp or ps-async)
 when every worker is done; the launcher adds each failure and its recovery. Every
-server refuses calls without the run's token (the user's, else a random one per run),
-which the children get through their environment; with TLS files, every process serves
+server refuses calls without the run's token (the user's, else a random one per run):
+the servers and the coordinator get it through their environment, each worker only its
+own node token, so it can call only in its own name; with TLS files, every process serves
 and connects with the same ones. Each child is described by a `ProcessSpec`.
 """
 
@@ -26,11 +27,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from disttrain.config import Config
-from disttrain.coordinator.launch import ExitReports, coordinator_spec, run_registry
+from disttrain.coordinator.launch import ExitReports, coordinator_spec, run_registry, token_env
 from disttrain.coordinator.supervisor import Managed, Supervisor
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
-from disttrain.core.auth import TOKEN_ENV, new_token
+from disttrain.core.auth import new_token
 from disttrain.core.errors import ConfigError, DistributedError
 from disttrain.core.process_spec import ProcessSpec
 from disttrain.core.processes import Cluster, raise_on_sigterm
@@ -63,10 +64,10 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
     (log_dir / SUMMARY_FILE).unlink(missing_ok=True)
     registry = run_registry(log_dir, options.resume)
     raise_on_sigterm()
-    # One token per run unless the user gave one; children get it through their
+    # One secret per run unless the user gave one; children get their token through their
     # environment (a command line is readable by every user), restarted ones too.
     options = replace(options, token=options.token or new_token())
-    with Cluster(log_dir, env={TOKEN_ENV: options.token}) as cluster:
+    with Cluster(log_dir, env_of=token_env(options.token)) as cluster:
         run = ClusterRun(cluster, config, options, log_dir / "config.yaml")
         run.start(registry)
         run.supervise()

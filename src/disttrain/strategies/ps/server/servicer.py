@@ -30,7 +30,9 @@ from contextlib import ExitStack, nullcontext
 import grpc
 
 from disttrain.core.addresses import peer_is_local
+from disttrain.core.auth import caller_of
 from disttrain.core.deadlines import Deadlines
+from disttrain.core.identity import NotPermitted, check_acts_as, check_role
 from disttrain.core.poll_slots import PollLimitExceeded, PollSlots
 from disttrain.core.refusal_log import RefusalLog
 from disttrain.core.rpc_server import RpcServer
@@ -58,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 # The first matching class decides: subclasses before the ValueError they derive from.
 CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (NotPermitted, grpc.StatusCode.PERMISSION_DENIED),  # another worker's call, or not a worker's
     (SessionRefused, grpc.StatusCode.PERMISSION_DENIED),
     (IdentityTaken, grpc.StatusCode.ALREADY_EXISTS),
     (UnknownGeneration, grpc.StatusCode.UNAVAILABLE),  # the membership is on its way: retry
@@ -103,6 +106,12 @@ class ParameterServicer:
         message, and log it (rate-limited: an outsider's calls must not flood the log)."""
         return rpc_refusals(context, CODES, self.refused_log)
 
+    def acts_as(self, context, worker_id: str, call: str) -> None:
+        """Refuse (PERMISSION_DENIED) a call made in the name of `worker_id` by a caller that
+        is another node, or no worker (`core.identity`); before anything else is read."""
+        with self.refusals(context):
+            check_acts_as(caller_of(context), worker_id, call, "worker")
+
     def long_poll(self, key: str, context, per_key: int | None = None):
         """The slot one long-poll of `key` holds while it waits; aborts when none is left."""
         try:
@@ -146,6 +155,7 @@ class ParameterServicer:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty stream: no message arrived")
             first = service.read_gradient(raw, limits.max_fields)
             header = first.header
+            self.acts_as(context, header.worker_id, "a push")
             if header.incarnation not in (0, self.state.incarnation):
                 return None  # answered ROLLED_BACK: the worker registers again
             with self.refusals(context):
@@ -221,6 +231,7 @@ class ParameterServicer:
         """The messages that answer a pull, once the version is there: only the worker's
         own session may wait, on one of its long-poll slots."""
         state = self.state
+        self.acts_as(context, request.worker_id, "a pull")
         if request.shard != state.plan.shard:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"pull for shard {request.shard} reached shard {state.plan.shard}")
@@ -259,6 +270,7 @@ class ParameterServicer:
         """Register the worker; shared-memory segments only for a peer on this host: a
         remote worker could never map them, and would leave them in /dev/shm until the
         shard stops."""
+        self.acts_as(context, request.worker_id, "RegisterWorker")
         state, peer = self.state, context.peer()
         local = request.shared_memory and peer_is_local(peer)
         with self.refusals(context):
@@ -279,6 +291,7 @@ class ParameterServicer:
         return assignment
 
     def WorkerDone(self, request, context):
+        self.acts_as(context, request.worker_id, "WorkerDone")
         with self.refusals(context):
             self.state.worker_done(request.worker_id, request.session)
         return pb.ShardStatus(**self.state.status())
@@ -290,6 +303,7 @@ class ParameterServicer:
         if request.wait_all_done:
             key = _OBSERVERS
             if request.session:
+                self.acts_as(context, request.worker_id, "GetStatus")
                 with self.refusals(context):
                     self.state.identities.check(request.worker_id, request.session)
                 key = f"{request.worker_id} (all done)"
@@ -298,6 +312,7 @@ class ParameterServicer:
         return pb.ShardStatus(**self.state.status())
 
     def Barrier(self, request, context):
+        self.acts_as(context, request.worker_id, "Barrier")
         with self.refusals(context):  # before a slot is taken in its name
             self.state.identities.check(request.worker_id, request.session)
         with self.refusals(context), self.long_poll(request.worker_id, context):
@@ -311,11 +326,15 @@ class ParameterServicer:
         return pb.BarrierReply(world_size=len(rows), values=[v for row in rows for v in row])
 
     def GetLedger(self, request, context):
+        self.acts_as(context, request.worker_id, "GetLedger")
         with self.refusals(context):
             self.state.identities.check(request.worker_id, request.session)
         return pb.LedgerReply(block_ids=self.state.ledger(request.first_block, request.end_block))
 
     def Shutdown(self, request, context):
+        # The worker that finishes a run last stops the shards; no other node may.
+        with self.refusals(context):
+            check_role(caller_of(context), ("worker", "server", "coordinator"), "Shutdown")
         if not self.state.rules.all_done():
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "workers are still training; shut down after every worker is done")

@@ -1,0 +1,123 @@
+"""Who calls a server of the run: an identity per node, and the rules that bind a call
+to it. Pure: no gRPC (`core.auth` reads the identity off a call; the servicers ask the
+rules here).
+
+The run's secret (`disttrain token new`) makes every identity: node `worker1` of role
+`worker` holds the token `node~worker~worker1~<HMAC-SHA256(secret, "worker:worker1")>`,
+which names it and which only a holder of the secret can make. Launchers hand each
+process they start only its own node token; servers and the coordinator hold the secret
+and check the HMAC. A caller presenting the secret itself is the operator (a launcher,
+a server, `disttrain status`), trusted to act for any node. With mutual TLS, a client
+certificate from `disttrain tls new` names its node the same way (CN = node id, OU =
+role); a certificate naming no role of the run is an operator's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+OPERATOR_ROLE = "operator"
+NODE_ROLES = ("worker", "server", "rank", "coordinator")  # the coordinator's roles
+PREFIX = "node~"
+SEPARATOR = "~"  # in no node id (the coordinator allows letters, digits and ._:@+/-) nor role
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who a call comes from: node `node_id` in `role`, or the operator."""
+
+    node_id: str
+    role: str
+
+    @property
+    def is_operator(self) -> bool:
+        return self.role == OPERATOR_ROLE
+
+    def __str__(self) -> str:
+        return "the operator" if self.is_operator else f"{self.node_id} ({self.role})"
+
+
+OPERATOR = Caller("", OPERATOR_ROLE)
+
+
+class NotPermitted(PermissionError):
+    """The caller may not make this call (another node's, or not its role's). Not
+    recoverable for that caller: the call changes nothing."""
+
+
+def node_token(secret: str, node_id: str, role: str) -> str:
+    """The token of node `node_id` in `role`, made from the run's `secret`.
+
+    Raises:
+        ValueError: an empty node id, a role not of the run, or a separator in either.
+    """
+    if not node_id or SEPARATOR in node_id or not all("!" <= c <= "~" for c in node_id):
+        raise ValueError(f"node id {node_id!r}: printable, without spaces or {SEPARATOR!r}, e.g. worker0")
+    if role not in NODE_ROLES:
+        raise ValueError(f"role {role!r}: one of {', '.join(NODE_ROLES)}")
+    return f"{PREFIX}{role}{SEPARATOR}{node_id}{SEPARATOR}{_mac(secret, node_id, role)}"
+
+
+def _mac(secret: str, node_id: str, role: str) -> str:
+    return hmac.new(secret.encode(), f"{role}:{node_id}".encode(), hashlib.sha256).hexdigest()
+
+
+def verify_token(secret: str, presented: str) -> Caller | None:
+    """Who `presented` says the caller is: the operator for the secret itself, the node it
+    names for a node token made from the secret; None for anything else. Compared in
+    constant time."""
+    if hmac.compare_digest(presented.encode(), secret.encode()):
+        return OPERATOR
+    if not presented.startswith(PREFIX):
+        return None
+    named = named_in(presented)
+    if named is None:
+        return None
+    expected = node_token(secret, named.node_id, named.role)
+    return named if hmac.compare_digest(presented.encode(), expected.encode()) else None
+
+
+def named_in(token: str) -> Caller | None:
+    """The node a node token names, read without checking it (a client cannot: it lacks
+    the secret; the servers check it); None for any other token."""
+    if not token.startswith(PREFIX):
+        return None
+    role, _, rest = token[len(PREFIX):].partition(SEPARATOR)
+    node_id, _, _ = rest.rpartition(SEPARATOR)
+    return Caller(node_id, role) if role in NODE_ROLES and node_id else None
+
+
+def certificate_caller(common_name: str, unit: str) -> Caller:
+    """The caller a client certificate names: node `common_name` when its organizational
+    unit `unit` is a role of the run, else the operator."""
+    return Caller(common_name, unit) if unit in NODE_ROLES and common_name else OPERATOR
+
+
+def check_acts_as(caller: Caller | None, node_id: str, call: str, role: str | None = None) -> None:
+    """Let `caller` make `call` in the name of `node_id` (of `role`, when given) only if it
+    is that node, or the operator (None: a server that checks no identity).
+
+    Raises:
+        NotPermitted: naming the caller and the node it named.
+    """
+    if caller is None or caller.is_operator:
+        return
+    if caller.node_id != node_id:
+        raise NotPermitted(f"{call}: the caller is {caller} and may not act for node {node_id!r}; each "
+                           f"node makes calls in its own name only")
+    if role is not None and caller.role != role:
+        raise NotPermitted(f"{call}: the caller is {caller}, not a {role}")
+
+
+def check_role(caller: Caller | None, roles: tuple[str, ...], call: str) -> None:
+    """Let `caller` make `call` only in one of `roles`, or as the operator.
+
+    Raises:
+        NotPermitted: naming the caller's role and the roles allowed.
+    """
+    if caller is None or caller.is_operator or caller.role in roles:
+        return
+    raise NotPermitted(f"{call}: the caller is {caller}; only {' or '.join(roles)} nodes or the "
+                       f"operator may make it")

@@ -1,0 +1,144 @@
+"""An honest `disttrain ps` run with the user's secret (2 workers, sync) while a caller
+holding worker 0's node token tries to act as worker 1 and a rank's token tries to stop
+the shards: each worker process holds only its own node token (never the secret), every
+forged call is refused PERMISSION_DENIED, and the run finishes with nothing lost and the
+same model as the same run left alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import yaml
+
+from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
+from disttrain.coordinator.node_info import heartbeat_message
+from disttrain.coordinator.registry import RegistryError, read_status
+from disttrain.coordinator.reports import NodeProgress
+from disttrain.core.auth import TOKEN_ENV
+from disttrain.core.channels import open_channel
+from disttrain.core.identity import node_token
+from disttrain.core.processes import PARENT_ENV
+from disttrain.proto import parameter_server_pb2 as pb
+from disttrain.strategies.ps.wire import service as wire
+
+RUN = ["ps", "--workers", "2", "--dataset", "digits", "--num-epochs", "1", "--max-train-samples", "512",
+       "--batch-size", "32", "--num-threads", "1", "--heartbeat-timeout", "60"]
+
+
+def command(tmp_path: Path, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "disttrain", *RUN, "--log-dir", str(tmp_path / name / "logs"),
+            "--checkpoint-dir", str(tmp_path / name / "ckpt"), *extra]
+
+
+def environment() -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k != TOKEN_ENV}, PARENT_ENV: str(os.getpid()),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def nodes_once_up(registry: Path, names: set[str], process: subprocess.Popen) -> dict[str, dict]:
+    """The registry's nodes once every one of `names` is alive there (the run is still going)."""
+    while True:  # bounded by the test's timeout
+        assert process.poll() is None, "the run ended before its processes could be seen"
+        try:
+            nodes = {node["node_id"]: node for node in read_status(registry).nodes}
+        except RegistryError:
+            nodes = {}
+        if all(nodes.get(name, {}).get("state") == "alive" for name in names):
+            return nodes
+        time.sleep(0.1)
+
+
+def token_in_environment(pid: int) -> str | None:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    prefix = f"{TOKEN_ENV}=".encode()
+    values = [entry[len(prefix):].decode() for entry in entries if entry.startswith(prefix)]
+    return values[0] if values else None
+
+
+def refused_code(attempt) -> grpc.StatusCode | None:
+    try:
+        attempt()
+    except grpc.RpcError as e:
+        return e.code()
+    except CoordinatorError as e:
+        return e.code
+    return None
+
+
+def final_model(folder: Path) -> dict[str, torch.Tensor]:
+    return torch.load(folder / "ckpt" / "parameter_server_final.pt", weights_only=True)["model"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_honest_ps_run_ends_whole_and_unchanged_while_forged_calls_are_refused(tmp_path, cli):
+    secret_file = tmp_path / "run.token"
+    cli("token", "new", secret_file).check_returncode()
+    secret = secret_file.read_text().strip()
+    log = tmp_path / "attacked.out"
+    with log.open("wb") as out:
+        # worker 0 pauses after its step 2 (SIGSTOP, then SIGCONT), so the run is surely going
+        process = subprocess.Popen(command(tmp_path, "attacked", "--token-file", str(secret_file),
+                                           "--inject", "stop:worker=0:step=2:for=6s"),
+                                   stdout=out, stderr=subprocess.STDOUT, env=environment())
+    try:
+        nodes = nodes_once_up(tmp_path / "attacked" / "logs" / "cluster.db",
+                              {"server0", "worker0", "worker1"}, process)
+        for name in ("worker0", "worker1"):  # each worker was handed its own node token, not the secret
+            assert token_in_environment(nodes[name]["pid"]) == node_token(secret, name, "worker")
+        as_worker0 = node_token(secret, "worker0", "worker")
+        shard = open_channel(nodes["server0"]["address"], token=as_worker0)
+        register = shard.unary_unary(wire.method_path("RegisterWorker"),
+                                     request_serializer=pb.RegisterRequest.SerializeToString,
+                                     response_deserializer=pb.WorkerAssignment.FromString)
+        push = shard.stream_unary(wire.method_path("SendGradients"), request_serializer=wire.identity,
+                                  response_deserializer=pb.PushReply.FromString)
+        header = pb.GradientMessage(worker_id="worker1", step=3, base_version=2, shard=0, num_samples=32,
+                                    block_id=3)
+        assert refused_code(lambda: register(pb.RegisterRequest(worker_id="worker1", requested_rank=1,
+                                                                key=b"k" * 32), timeout=10)) \
+            == grpc.StatusCode.PERMISSION_DENIED
+        assert refused_code(lambda: push(iter([header.SerializeToString()]), timeout=10)) \
+            == grpc.StatusCode.PERMISSION_DENIED
+        rank = open_channel(nodes["server0"]["address"], token=node_token(secret, "rank0", "rank"))
+        shutdown = rank.unary_unary(wire.method_path("Shutdown"),
+                                    request_serializer=pb.ShutdownRequest.SerializeToString,
+                                    response_deserializer=pb.ShardStatus.FromString)
+        assert refused_code(lambda: shutdown(pb.ShutdownRequest(), timeout=10)) \
+            == grpc.StatusCode.PERMISSION_DENIED
+        # where the launcher's coordinator listens: in the config it hands every process
+        config = yaml.safe_load((tmp_path / "attacked" / "logs" / "config.yaml").read_text())
+        client = CoordinatorClient(config["coordinator"]["address"], token=as_worker0)
+        victim = nodes["worker1"]
+        assert refused_code(lambda: client.heartbeat(heartbeat_message(
+            "worker1", "worker", NodeProgress(0, 99, 1), victim["joined_generation"]))) \
+            == grpc.StatusCode.PERMISSION_DENIED
+        assert refused_code(lambda: client.report_exit("worker1", 1, "forged", pid=victim["pid"],
+                                                       generation=victim["joined_generation"])) \
+            == grpc.StatusCode.PERMISSION_DENIED
+        for channel in (shard, rank):
+            channel.close()
+        client.close()
+        assert process.wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    summary = json.loads((tmp_path / "attacked" / "logs" / "summary.json").read_text())
+    assert summary["samples_lost"] == 0 and summary["samples_applied"] == 512
+    assert {node["node_id"]: node["restarts"] for node in read_status(
+        tmp_path / "attacked" / "logs" / "cluster.db").nodes}["worker1"] == 0
+    alone = subprocess.run(command(tmp_path, "alone"), capture_output=True, text=True, timeout=240,
+                           env=environment())
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    attacked, reference = final_model(tmp_path / "attacked"), final_model(tmp_path / "alone")
+    assert attacked.keys() == reference.keys()
+    for name in reference:
+        torch.testing.assert_close(attacked[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)
