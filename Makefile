@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install lock demo test test-fast test-slow bench bench-quick lint proto metrics-table clean
+.PHONY: install lock demo test test-fast test-slow test-bench bench bench-quick lint proto metrics-table clean
 
 install: $(STAMP)
 
@@ -54,14 +54,15 @@ demo: install
 # starts, so two share two cores well. Each test file stays in one process (its
 # module-wide fixtures run once). TEST_WORKERS=0 runs them in this one process. The tests
 # marked `serial` (speeds or clocks measured in the run decide what they check) run after
-# the others, alone.
+# the others, alone. The tests marked `bench` run the benchmark scripts end to end (their
+# quick modes, minutes each): `make test-bench` runs them, `make test` leaves them out.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q
 PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 # $(1): the marker expression of the tests to run (none: every test).
 define run_tests
-	$(PYTEST) $(PARALLEL) -m "$(if $(1),($(1)) and )not serial"
-	$(PYTEST) -m "$(if $(1),($(1)) and )serial"
+	$(PYTEST) $(PARALLEL) -m "$(if $(1),($(1)) and )not serial and not bench"
+	$(PYTEST) -m "$(if $(1),($(1)) and )serial and not bench"
 endef
 
 test: lint
@@ -72,6 +73,9 @@ test-fast: install
 
 test-slow: install
 	$(call run_tests,slow)
+
+test-bench: install
+	$(PYTEST) $(PARALLEL) -m bench
 
 # Every script of benchmarks/ but the helper modules they import.
 BENCHMARKS := $(filter-out common ps_helpers chaos_ddp,$(basename $(notdir $(wildcard benchmarks/*.py))))

@@ -119,6 +119,7 @@ def test_serve_and_peer_measure_the_link_with_the_token(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow  # two training runs as subprocesses: about a minute on two busy cores
+@pytest.mark.bench
 @pytest.mark.timeout(600)
 def test_the_calibration_benchmark_runs_in_quick_mode(tmp_path):
     benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"

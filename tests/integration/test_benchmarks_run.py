@@ -15,6 +15,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["codec", "ps_roundtrip", "ps_vs_allreduce", "ps_training", "grpc_overhead",
                                   "heterogeneous", "baseline_overhead", "ddp_scaling"])

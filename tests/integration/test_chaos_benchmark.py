@@ -13,6 +13,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.timeout(300)
 def test_quick_chaos_run_loses_no_sample(tmp_path):
     output = tmp_path / "chaos.json"

@@ -13,6 +13,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.timeout(900)
 def test_quick_ddp_chaos_compares_live_recovery_with_restart(tmp_path):
     output = tmp_path / "chaos.json"

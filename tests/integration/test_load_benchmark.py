@@ -13,6 +13,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.timeout(300)
 def test_thirty_two_clients_get_only_the_expected_rejections(tmp_path):
     output = tmp_path / "load.json"
