@@ -50,13 +50,13 @@ from netns import Network, unavailable_reason, wait_for  # noqa: E402
 from disttrain.advise import (  # noqa: E402
     Candidate,
     CostModel,
+    Link,
     SimulationSetup,
     StepTimes,
     measure_loopback,
     measure_workload,
     simulate,
 )
-from disttrain.advise.link import Link  # noqa: E402
 from disttrain.config import load_config  # noqa: E402
 
 PROCESS_COUNTS = (1, 2, 4)

@@ -13,12 +13,14 @@ from disttrain.core.auth import (
     REFUSED,
     TOKEN_ENV,
     TokenInterceptor,
+    caller_of,
     check_token,
     new_token,
     read_token_file,
     resolve_token,
 )
 from disttrain.core.errors import ConfigError
+from disttrain.core.identity import OPERATOR
 from disttrain.training.options import RunOptions
 
 TOKEN = "the-token"
@@ -96,9 +98,11 @@ def intercept(method: str, metadata, handler=None):
     return handler, TokenInterceptor(TOKEN).intercept_service(lambda _: handler, details)
 
 
-def test_the_interceptor_passes_the_right_token_on():
-    handler, chosen = intercept("/svc/Push", (("authorization", f"Bearer {TOKEN}"),))
-    assert chosen is handler
+def test_the_interceptor_passes_the_right_token_on_as_the_operator():
+    _, chosen = intercept("/svc/Push", (("authorization", f"Bearer {TOKEN}"),))
+    context = FakeContext()
+    assert chosen.unary_unary("request", context) == "ran"  # the method's own behavior ran
+    assert caller_of(context) == OPERATOR  # the holder of the run's secret
 
 
 @pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer wrong"),), (("authorization", TOKEN),),
