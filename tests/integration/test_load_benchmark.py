@@ -22,11 +22,19 @@ def test_thirty_two_clients_get_only_the_expected_rejections(tmp_path):
                             cwd=REPO_ROOT / "benchmarks")
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(output.read_text())
-    async_, sync = figures["phases"]
-    for phase in (async_, sync):
+    phases = figures["phases"]
+    assert [(p["mode"], p["attacker"]) for p in phases] == [
+        ("async", False), ("async", True), ("sync", False), ("sync", True)]
+    for phase in phases:
         assert phase["clients"] == 32 and phase["errors"] == {} and phase["clients_still_running"] == 0
         assert phase["pushes"] == 32 * phase["steps_per_client"]
         assert phase["expected_rejections"] == 4  # 4 of the 32 clients send one NaN push each
         assert phase["push_latency_p99_ms"] >= phase["push_latency_p50_ms"] > 0
-    assert sync["exact"]["holds"] and figures["passed"]
+        if phase["mode"] == "sync":
+            assert phase["exact"]["holds"]
+        if phase["attacker"]:  # its calls reached the server, and those over its slots were refused
+            refused = sum(c["count"] for c in phase["attacker_calls_ended"]
+                          if c["outcome"] == "RESOURCE_EXHAUSTED")
+            assert refused > 0
+    assert figures["passed"] and set(figures["p99_ratio_with_attacker"]) == {"async", "sync"}
     assert_full_run_keys(tmp_path)
