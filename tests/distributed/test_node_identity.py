@@ -178,21 +178,41 @@ def test_a_worker_cannot_register_push_pull_or_meet_a_barrier_as_another(shard):
     assert reply.outcome == pb.PushReply.APPLIED and server.state.version == before[1] + 1
 
 
-def test_only_workers_servers_and_the_operator_may_stop_a_shard(shard):
+def test_only_the_worker_that_ends_the_run_may_stop_a_shard(shard):
+    """Shutdown comes from the worker that writes the final model (rank 0 here), with its
+    session, once every worker is done: another worker, a node of another role and a
+    stolen id are refused before and after, so no one stops the shard before that
+    worker's final pull."""
     server, clients, _ = shard
     rank = open_channel(server.address, token=node_token(SECRET, "rank0", "rank"))
     coordinator = open_channel(server.address, token=node_token(SECRET, "rank0", "coordinator"))
+    worker0, worker1 = (clients[name].shards[0] for name in ("worker0", "worker1"))
+
+    def stop(channel, **fields):
+        return unary(channel, "Shutdown", pb.ShutdownRequest, pb.ShardStatus)(pb.ShutdownRequest(**fields),
+                                                                             timeout=10)
+
+    def refused(channel, code, worker_id, session):
+        with pytest.raises(grpc.RpcError) as raised:
+            stop(channel, worker_id=worker_id, session=session)
+        assert raised.value.code() == code, raised.value.details()
+
+    denial, early = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION
+
     try:
-        denied(lambda: unary(rank, "Shutdown", pb.ShutdownRequest, pb.ShardStatus)(pb.ShutdownRequest(),
-                                                                                   timeout=10),
-               "rank0 (rank)", "only worker or server or coordinator nodes or the operator")
-        # a worker's (or the coordinator's) Shutdown waits for every worker to be done
-        for channel in (clients["worker0"].shards[0].channel, coordinator):
-            with pytest.raises(grpc.RpcError) as early:
-                stop = unary(channel, "Shutdown", pb.ShutdownRequest, pb.ShardStatus)
-                stop(pb.ShutdownRequest(), timeout=10)
-            assert early.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        denied(lambda: stop(rank), "rank0 (rank)", "only worker nodes or the operator")
+        denied(lambda: stop(coordinator), "rank0 (coordinator)", "only worker nodes or the operator")
+        refused(worker0.channel, early, "worker0", worker0.session)
+        for name in ("worker0", "worker1"):
+            clients[name].worker_done(name)
+        assert server.state.rules.all_done()
+        # every worker is done: still only worker0, as itself, with its session
+        refused(worker1.channel, denial, "worker1", worker1.session)
+        refused(worker1.channel, denial, "worker0", worker0.session)
+        refused(worker0.channel, denial, "worker0", b"forged" * 3)
         assert not server.stopped.is_set()
+        assert stop(worker0.channel, worker_id="worker0", session=worker0.session).num_done == 2
+        assert server.stopped.is_set()
     finally:
         rank.close()
         coordinator.close()

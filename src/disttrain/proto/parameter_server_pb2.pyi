@@ -201,8 +201,12 @@ class StatusRequest(_message.Message):
     def __init__(self, wait_all_done: _Optional[bool] = ..., worker_id: _Optional[str] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("worker_id", "session")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    session: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class BarrierRequest(_message.Message):
     __slots__ = ("worker_id", "name", "values", "session", "step")

@@ -168,7 +168,7 @@ def finish(config: Config, client: PSClient, participant: WorkerParticipant, res
     logger.info("final model (versions %s) -> %s", versions, final_path)
     # Read while the servers are still up.
     ledger = data_ledger(config.training.num_epochs, client, participant, totals, statuses)
-    client.call_all("Shutdown", pb.ShutdownRequest())
+    client.call_all("Shutdown", pb.ShutdownRequest(worker_id=worker_id))
     workers = [{"rank": r, "samples": t.samples, "train_time_s": t.train_time_s, "bytes_sent": t.bytes_sent,
                 "bytes_received": t.bytes_received} for r, t in enumerate(totals)]
     summary = RunSummary.create(

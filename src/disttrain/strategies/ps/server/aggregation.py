@@ -154,6 +154,11 @@ class AggregationRules:
     def all_done(self) -> bool:
         return self._num_done() >= self.world_size
 
+    def finisher(self) -> int:
+        """The rank that writes the run's final model and stops the shards: the lowest one
+        not reassigned (as the workers reckon it at their last barrier)."""
+        return min((r for r in range(self.world_size) if r not in self.roster.reassigned), default=0)
+
     def _num_done(self) -> int:
         """Workers done, or given up on with their blocks reassigned (`Roster`)."""
         return len(self.done | self.roster.reassigned)

@@ -52,7 +52,7 @@ from disttrain.strategies.ps.server.limits import (
     push_limits,
 )
 from disttrain.strategies.ps.server.roster import FencedPush, UnknownGeneration
-from disttrain.strategies.ps.server.shard import ShardState, ShardStopping
+from disttrain.strategies.ps.server.shard import ShardState, ShardStopping, WorkersNotDone
 from disttrain.strategies.ps.wire import service
 from disttrain.strategies.ps.wire.codec import Payload
 
@@ -65,6 +65,7 @@ CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (IdentityTaken, grpc.StatusCode.ALREADY_EXISTS),
     (UnknownGeneration, grpc.StatusCode.UNAVAILABLE),  # the membership is on its way: retry
     (ShardStopping, grpc.StatusCode.UNAVAILABLE),
+    (WorkersNotDone, grpc.StatusCode.FAILED_PRECONDITION),
     (UnknownWorker, grpc.StatusCode.FAILED_PRECONDITION),
     (FencedPush, grpc.StatusCode.FAILED_PRECONDITION),
     (PushRefused, grpc.StatusCode.FAILED_PRECONDITION),
@@ -332,12 +333,16 @@ class ParameterServicer:
         return pb.LedgerReply(block_ids=self.state.ledger(request.first_block, request.end_block))
 
     def Shutdown(self, request, context):
-        # The worker that finishes a run last stops the shards; no other node may.
+        """Stop the shard at the run's end: only the worker that writes the final model
+        (the lowest rank not reassigned) may, with its session, once every worker is done.
+        Anyone else (another worker, an outsider with the run's token) is refused, so the
+        shard is never stopped before that worker's final pull; an operator stops a
+        shard with SIGTERM."""
         with self.refusals(context):
-            check_role(caller_of(context), ("worker", "server", "coordinator"), "Shutdown")
-        if not self.state.rules.all_done():
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          "workers are still training; shut down after every worker is done")
+            check_role(caller_of(context), ("worker",), "Shutdown")
+        self.acts_as(context, request.worker_id, "Shutdown")
+        with self.refusals(context):
+            self.state.check_finisher(request.worker_id, request.session)
         self.stopped.set()
         return pb.ShardStatus(**self.state.status())
 

@@ -47,6 +47,7 @@ from torch import nn
 from disttrain.config import TrainingConfig
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import CheckpointError
+from disttrain.core.identity import NotPermitted
 from disttrain.core.saver import CheckpointWriter
 from disttrain.strategies.ps.server.aggregation import AggregationRules, Decision, Outcome, Push
 from disttrain.strategies.ps.server.barriers import Barriers
@@ -70,6 +71,10 @@ REQUIRED_KEYS = ("strategy", "shard", "numel", "params", "optimizer", "rules")
 
 class ShardStopping(RuntimeError):
     """A call that arrived after the final checkpoint began: not taken (retry later)."""
+
+
+class WorkersNotDone(RuntimeError):
+    """A Shutdown while workers are still training (FAILED_PRECONDITION)."""
 
 
 @dataclass(frozen=True)
@@ -213,6 +218,18 @@ class ShardState:
                 self.broadcast.reset(self.param, self.rules.version)
                 self._snapshot = None
             self._changed.notify_all()
+
+    def check_finisher(self, worker_id: str, session: bytes) -> None:
+        """Raises SessionRefused, UnknownWorker, NotPermitted (not the worker that writes
+        the final model) or WorkersNotDone unless `worker_id` may stop this shard now."""
+        with self._changed:
+            self.identities.check(worker_id, session)
+            finisher = self.rules.finisher()
+            if self.rules.rank_of(worker_id) != finisher:
+                raise NotPermitted(f"Shutdown: {worker_id} is not the worker that ends the run (rank "
+                                   f"{finisher} writes the final model and stops the shards)")
+            if not self.rules.all_done():
+                raise WorkersNotDone("workers are still training; shut down after every worker is done")
 
     # -- pushes and pulls -----------------------------------------------------------------
 
