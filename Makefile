@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install lock demo test test-fast test-slow test-bench bench bench-quick lint proto metrics-table clean
+.PHONY: install lock demo test test-fast test-slow test-bench test-extended bench bench-quick lint proto metrics-table clean
 
 install: $(STAMP)
 
@@ -55,14 +55,16 @@ demo: install
 # module-wide fixtures run once). TEST_WORKERS=0 runs them in this one process. The tests
 # marked `serial` (speeds or clocks measured in the run decide what they check) run after
 # the others, alone. The tests marked `bench` run the benchmark scripts end to end (their
-# quick modes, minutes each): `make test-bench` runs them, `make test` leaves them out.
+# quick modes, minutes each): `make test-bench` runs them, `make test` leaves them out, and
+# so it does the tests marked `extended` (more variants of a capability the suite already
+# runs end to end: another compressor, mode or rank on the same path): `make test-extended`.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q
 PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 # $(1): the marker expression of the tests to run (none: every test).
 define run_tests
-	$(PYTEST) $(PARALLEL) -m "$(if $(1),($(1)) and )not serial and not bench"
-	$(PYTEST) -m "$(if $(1),($(1)) and )serial and not bench"
+	$(PYTEST) $(PARALLEL) -m "$(if $(1),($(1)) and )not serial and not bench and not extended"
+	$(PYTEST) -m "$(if $(1),($(1)) and )serial and not bench and not extended"
 endef
 
 test: lint
@@ -76,6 +78,9 @@ test-slow: install
 
 test-bench: install
 	$(PYTEST) $(PARALLEL) -m bench
+
+test-extended: install
+	$(PYTEST) $(PARALLEL) -m "extended and not bench"
 
 # Every script of benchmarks/ but the helper modules they import.
 BENCHMARKS := $(filter-out common ps_helpers chaos_ddp,$(basename $(notdir $(wildcard benchmarks/*.py))))

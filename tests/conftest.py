@@ -12,6 +12,9 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The marks of a variant of a capability the suite already runs end to end (another
+# compressor, mode or rank on the same path): make test-extended runs it, make test does not.
+VARIANT = (pytest.mark.slow, pytest.mark.extended)
 
 torch.set_num_threads(1)
 

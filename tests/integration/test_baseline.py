@@ -56,7 +56,8 @@ FEATURES = ["--optimizer", "adamw", "--weight-decay", "0.1", "--learning-rate", 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("features", [[], FEATURES], ids=["constant", "schedule-adamw-clipping-bf16-loader"])
+@pytest.mark.parametrize("features", [pytest.param([], marks=pytest.mark.extended), FEATURES],
+                         ids=["constant", "schedule-adamw-clipping-bf16-loader"])
 def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, cli, features):
     whole = cli("baseline", *FAST, *features, *dirs(tmp_path, "whole"))
     assert whole.returncode == 0, whole.stderr

@@ -154,6 +154,7 @@ DDP_STEPS = 2 * 512 // 2 // 32
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(300)
 def test_a_ddp_run_checkpoints_to_s3_and_resumes_from_there(tmp_path, cli, moto_port, bucket):
     """Rank 1 killed at step 5 stops the group; rank 0's step-3 checkpoint is in the bucket

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import VARIANT
 
 from disttrain.metrics.logger import read_metrics
 
@@ -41,8 +42,8 @@ def steps_of(run_dir: Path, rank: int) -> list[dict]:
     ("quantization", (3.9, 4.0)),  # one byte per value, plus 8 per tensor
     ("topk", (30, 100)),           # 1% of the values, each with its index, plus 4 bytes per tensor
     ("powersgd", (1.5, 3)),        # steps 1-2 uncompressed, then rank-2 P and Q
-    pytest.param("fp16", (2, 2), marks=pytest.mark.slow),
-    pytest.param("bf16", (2, 2), marks=pytest.mark.slow),
+    pytest.param("fp16", (2, 2), marks=VARIANT),
+    pytest.param("bf16", (2, 2), marks=VARIANT),
 ])
 @pytest.mark.slow
 def test_each_scheme_trains_and_counts_its_bytes(cli, tmp_path, scheme, ratio_range):
@@ -65,6 +66,7 @@ def test_each_scheme_trains_and_counts_its_bytes(cli, tmp_path, scheme, ratio_ra
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_without_compression_the_summary_has_no_compression_fields(cli, tmp_path):
     result = cli("ddp", *SMALL, *dirs(tmp_path), timeout=100)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -99,11 +101,11 @@ LOCAL_UPDATES = ["--sync-every", 4, "--outer-optimizer", "nesterov", "--outer-lr
     ("topk", FEATURES),
     # Buckets of 50 kB (SimpleCNN holds 212 kB): the resumed run's first step has DDP's
     # one initial bucket, the others DDP's rebuilt ones, and PowerSGD's state follows.
-    pytest.param("powersgd", ["--set", "ddp.bucket_cap_mb=0.05"], marks=pytest.mark.slow),
+    pytest.param("powersgd", ["--set", "ddp.bucket_cap_mb=0.05"], marks=VARIANT),
     # Each tensor draws its rounding noise from (seed, name, payloads taken): the order
     # DDP's buckets come in does not matter.
     pytest.param("quantization", ["--stochastic-rounding", "--set", "ddp.bucket_cap_mb=0.05"],
-                 marks=pytest.mark.slow),
+                 marks=VARIANT),
     # Local updates in rounds of 4 steps (8 per epoch): the checkpoint at step 3 and the kill
     # at step 5 fall inside rounds; every rank's AdamW state and model differ there.
     pytest.param("topk", [*FEATURES, *LOCAL_UPDATES], id="topk-local-updates", marks=pytest.mark.slow),

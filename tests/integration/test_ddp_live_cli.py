@@ -57,7 +57,8 @@ def test_undisturbed_live_run_applies_every_global_batch_once(undisturbed):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("killed, straggler", [(1, 0), (0, 1)], ids=["rank1", "leader"])
+@pytest.mark.parametrize("killed, straggler", [pytest.param(1, 0, marks=pytest.mark.extended), (0, 1)],
+                         ids=["rank1", "leader"])
 def test_killed_rank_survivors_train_on_and_it_rejoins(cli, tmp_path, undisturbed, killed, straggler):
     # A survivor straggles (each step 10 times as long), so the run lasts well past the
     # time the killed rank's new process takes to start and ask to join. Killing rank 0,

@@ -26,6 +26,7 @@ def run(cli, folder: Path, *extra) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(560)
 def test_topk_live_run_loses_a_rank_and_keeps_its_accuracy(cli, tmp_path):
     undisturbed = run(cli, tmp_path / "undisturbed")

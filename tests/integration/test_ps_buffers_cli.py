@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+from conftest import VARIANT
 from ps_reference import per_worker_reference
 
 from disttrain.config import load_config
@@ -79,7 +80,7 @@ def test_sync_with_batch_norm_matches_one_process_and_keeps_the_buffer_rule(tmp_
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["async", pytest.param("ssp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["async", pytest.param("ssp", marks=VARIANT)])
 def test_async_and_ssp_add_each_applied_push_change(tmp_path, cli, mode):
     result = cli("ps", *ARGS, "--aggregation-mode", mode, "--staleness", "1", "--log-dir", tmp_path / "logs",
                  "--checkpoint-dir", tmp_path / "ckpt", timeout=110)

@@ -59,7 +59,8 @@ def concatenated(config, train_set):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("transport, local", [("grpc", False), ("shared_memory", False), ("grpc", True)])
+@pytest.mark.parametrize("transport, local", [("grpc", False), ("shared_memory", False),
+                                              pytest.param("grpc", True, marks=pytest.mark.extended)])
 def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path, cli, transport, local):
     # Overlap is on (the default): each of the 2 shards' pushes leaves as soon as backward
     # produced its gradient, and the result is still the one process's. With local updates
@@ -259,7 +260,7 @@ def wait_until(predicate, timeout_s: float, what: str):
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGKILL, pytest.param(signal.SIGINT, marks=pytest.mark.extended)])
 def test_stopping_the_launcher_leaves_no_process_behind(tmp_path, signum):
     launcher = subprocess.Popen(
         [

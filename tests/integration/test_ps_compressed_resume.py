@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import VARIANT
 
 from disttrain.config import Config, config_from_dict
 from disttrain.core.faults import parse_fault
@@ -58,7 +59,8 @@ def final_model(config: Config) -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("compression", [
     {"type": "topk", "ratio": 0.05},
-    pytest.param({"type": "quantization", "stochastic_rounding": True}, marks=pytest.mark.slow),
+    pytest.param({"type": "quantization", "stochastic_rounding": True},
+                 marks=VARIANT),
 ], ids=["topk-error-feedback", "quantization-stochastic"])
 @pytest.mark.slow
 def test_a_resumed_compressed_worker_ends_bit_identical(cli, tmp_path, compression):

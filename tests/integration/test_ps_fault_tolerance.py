@@ -12,6 +12,7 @@ import math
 import re
 
 import pytest
+from conftest import VARIANT
 
 from disttrain.coordinator.registry import read_status
 from disttrain.core.checkpoint import latest_checkpoint, load_checkpoint
@@ -45,7 +46,7 @@ def registry_nodes(folder):
 
 
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow),
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=VARIANT),
                                   pytest.param("local", marks=pytest.mark.slow)])
 def test_a_killed_worker_is_restarted_and_every_sample_is_applied_once(tmp_path, cli, mode):
     # local: sync mode with rounds of 4 steps (ending at steps 4, 8 and 10 of each epoch);

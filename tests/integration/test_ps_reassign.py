@@ -11,6 +11,7 @@ registry.
 import json
 
 import pytest
+from conftest import VARIANT
 
 from disttrain.coordinator.registry import read_status
 
@@ -23,8 +24,9 @@ ARGS = ["--dataset", "digits", "--model", "mlp", "--workers", str(WORKERS), "--s
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode,killed", [("sync", 2), pytest.param("async", 2, marks=pytest.mark.slow),
-                                         pytest.param("ssp", 2, marks=pytest.mark.slow),
+@pytest.mark.parametrize("mode,killed", [("sync", 2),
+                                         pytest.param("async", 2, marks=VARIANT),
+                                         pytest.param("ssp", 2, marks=VARIANT),
                                          pytest.param("sync", 0, marks=pytest.mark.slow)])
 def test_a_worker_never_restarted_has_its_blocks_done_by_the_others(tmp_path, cli, mode, killed):
     # killed 0: worker 0 writes the summary, and rank 1, the lowest present, does it instead

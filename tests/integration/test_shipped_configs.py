@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import VARIANT
 
 from tests.plugin_files import write_text
 
@@ -21,6 +22,9 @@ SUMMARY_STRATEGY = {"baseline": "baseline", "parameter_server": "ps-", "ddp": "d
 # One config that asks for compression runs in the fast suite; the others are covered there
 # by the strategies' own tests.
 FAST = {"ps_sync_topk.yaml"}
+# Four-worker twins of configs run here anyway: the same code on more processes
+# (make test-extended runs them).
+EXTENDED = {"ps_sync_mnist_4workers.yaml", "ps_async_quantization_4workers.yaml"}
 
 
 def data_flags(config: dict, tmp_path: Path, mnist_or_digits: list) -> list:
@@ -41,7 +45,8 @@ def architecture(path: Path) -> str:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("path", [
-    pytest.param(p, id=p.stem, marks=() if p.name in FAST else pytest.mark.slow) for p in CONFIGS])
+    pytest.param(p, id=p.stem, marks=() if p.name in FAST else
+                 (VARIANT if p.name in EXTENDED else pytest.mark.slow)) for p in CONFIGS])
 def test_shipped_config_runs_to_the_end(cli, tmp_path, path, mnist_or_digits):
     config = yaml.safe_load(path.read_text())
     data = data_flags(config, tmp_path, mnist_or_digits)
