@@ -30,10 +30,10 @@ from disttrain.metrics.keys import ACCURACY_THRESHOLDS, ALL, METRICS, SUMMARY, S
 from disttrain.metrics.logger import read_metrics
 from disttrain.training.models import init_model
 
-# Every test here trains real runs of each strategy (a minute and more in all), and the
-# training clock is held to bounds: no other test may share the cores (make test runs the
-# `serial` tests after the others, one at a time).
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+# Every test here trains real runs of each strategy (a minute and more in all). Those of
+# the slowed-evaluation runs hold the training clock to bounds: no other test may share the
+# cores (make test runs the `serial` tests after the others, one at a time).
+pytestmark = [pytest.mark.slow]
 
 SLOW_EVAL_S = 2.0
 NUM_EPOCHS = 2
@@ -107,6 +107,7 @@ def slow_eval_run(request, tmp_path_factory) -> Run:
     return Run(strategy, log_dir, checkpoint_dir, summary, records)
 
 
+@pytest.mark.serial
 @pytest.mark.timeout(240)
 def test_a_run_records_the_strategy_it_ran(slow_eval_run):
     """The run folder's config names the strategy that ran it (`disttrain train` on it runs the same)."""
@@ -124,6 +125,7 @@ def parameter_bytes(summary: dict[str, Any]) -> int:
 # -- one time base ---------------------------------------------------------------------------
 
 
+@pytest.mark.serial
 @pytest.mark.timeout(240)
 def test_training_clock_leaves_evaluation_out(slow_eval_run):
     run, s = slow_eval_run, slow_eval_run.summary
@@ -173,6 +175,7 @@ def expected(strategy: Strategy) -> set[str]:
     return keys if strategy.name == "ps-sync" else keys - SYNC_MODE_ONLY
 
 
+@pytest.mark.serial
 @pytest.mark.timeout(240)
 def test_every_key_is_in_the_vocabulary_and_means_the_same(slow_eval_run):
     run, family = slow_eval_run, slow_eval_run.strategy.family
@@ -233,6 +236,7 @@ def test_every_key_is_in_the_vocabulary_and_means_the_same(slow_eval_run):
         run.summary["train_time_s"] + 1e-9
 
 
+@pytest.mark.serial
 @pytest.mark.timeout(240)
 def test_tensorboard_reads_back_every_logged_key(slow_eval_run):
     run = slow_eval_run
@@ -242,6 +246,7 @@ def test_tensorboard_reads_back_every_logged_key(slow_eval_run):
         assert keys == expected(run.strategy), process
 
 
+@pytest.mark.serial
 @pytest.mark.timeout(240)
 def test_byte_counts_are_per_step(slow_eval_run):
     run = slow_eval_run
