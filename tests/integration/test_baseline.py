@@ -150,7 +150,8 @@ def test_truncated_idx_file(tmp_path, cli, real_data_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_corrupt_newest_checkpoint_is_named_skipped_and_never_overwritten(tmp_path, cli):
-    first = cli("baseline", *FAST, "--num-epochs", "1", "--checkpoint-interval", "5", *dirs(tmp_path, "run"))
+    small = [*FAST, "--max-train-samples", "640", "--max-test-samples", "200"]  # steps 5 and 10 checkpointed
+    first = cli("baseline", *small, "--num-epochs", "1", "--checkpoint-interval", "5", *dirs(tmp_path, "run"))
     assert first.returncode == 0, first.stderr
     folder = tmp_path / "run" / "ckpt"
     found = ckpt.list_checkpoints(folder)
@@ -158,18 +159,18 @@ def test_a_corrupt_newest_checkpoint_is_named_skipped_and_never_overwritten(tmp_
     newest.write_bytes(newest.read_bytes()[:1000])
     damaged = newest.read_bytes()
 
-    fresh = cli("baseline", *FAST, *dirs(tmp_path, "run"))  # without --resume: refused, nothing touched
+    fresh = cli("baseline", *small, *dirs(tmp_path, "run"))  # without --resume: refused, nothing touched
     one_line_error(fresh, "already holds checkpoints", 2)
     assert newest.read_bytes() == damaged
 
-    resumed = cli("baseline", *FAST, "--num-epochs", "1", *dirs(tmp_path, "run"), "--resume")
+    resumed = cli("baseline", *small, "--num-epochs", "1", *dirs(tmp_path, "run"), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert f"skipping checkpoint {newest.name}" in resumed.stderr
     assert f"resumed from {previous}" in resumed.stderr
 
     for path in ckpt.list_checkpoints(folder):
         path.write_bytes(b"garbage")
-    broken = cli("baseline", *FAST, *dirs(tmp_path, "run"), "--resume")
+    broken = cli("baseline", *small, *dirs(tmp_path, "run"), "--resume")
     one_line_error(broken, "no usable checkpoint", 1)
     assert all(p.read_bytes() == b"garbage" for p in ckpt.list_checkpoints(folder))
 
