@@ -58,6 +58,7 @@ from disttrain.advise import (  # noqa: E402
     simulate,
 )
 from disttrain.config import load_config  # noqa: E402
+from disttrain.core import new_token  # noqa: E402
 
 PROCESS_COUNTS = (1, 2, 4)
 BATCH_SIZE = 128
@@ -157,8 +158,10 @@ LINK_CONFIGS = {"ps_sync": ("ps", ["--aggregation-mode", "sync"]), "ddp": ("ddp"
 PROBE_BYTES = {True: 4 * 2**20, False: 16 * 2**20}
 MEASURE_LINK = """
 import json, sys
+from pathlib import Path
 from disttrain.advise import measure_link
-print(json.dumps(measure_link(sys.argv[1], num_bytes=int(sys.argv[2])).to_dict()))
+token = Path(sys.argv[3]).read_text().strip()
+print(json.dumps(measure_link(sys.argv[1], token, num_bytes=int(sys.argv[2])).to_dict()))
 """
 
 
@@ -166,14 +169,17 @@ def probe_link(net: Network, folder: Path, num_bytes: int) -> Link:
     """The link between hosts b and a, measured by the advise probe: a probe server on a,
     the client on b."""
     a, b = net.hosts["a"], net.hosts["b"]
-    log = folder / "probe.out"
-    a.start([sys.executable, "-m", "disttrain", "advise", "--serve", "--bind", f"{a.address}:0"], log)
+    log, token = folder / "probe.out", folder / "probe.token"
+    token.write_text(new_token())  # a probe server beyond loopback needs one, as a user's would
+    a.start([sys.executable, "-m", "disttrain", "advise", "--serve", "--bind", f"{a.address}:0",
+             "--token-file", str(token)], log)
     try:
         marker = "serving link probes on "
         line = wait_for(lambda: next((x for x in log.read_text().splitlines() if x.startswith(marker)), None),
                         60, "the probe server to listen")
         address = line[len(marker):].split()[0]
-        measured = json.loads(b.run(sys.executable, "-c", MEASURE_LINK, address, str(num_bytes)).stdout)
+        measured = json.loads(b.run(sys.executable, "-c", MEASURE_LINK, address, str(num_bytes),
+                                    str(token)).stdout)
     finally:
         a.stop_processes()
         a.processes.clear()
