@@ -171,6 +171,7 @@ def probe_link(net: Network, folder: Path, num_bytes: int) -> Link:
     a, b = net.hosts["a"], net.hosts["b"]
     log, token = folder / "probe.out", folder / "probe.token"
     token.write_text(new_token())  # a probe server beyond loopback needs one, as a user's would
+    token.chmod(0o600)
     a.start([sys.executable, "-m", "disttrain", "advise", "--serve", "--bind", f"{a.address}:0",
              "--token-file", str(token)], log)
     try:
