@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from conftest import find_real_data_dir  # noqa: E402
 from netns import Network, read_event, unavailable_reason  # noqa: E402
 
+from disttrain.core import new_token  # noqa: E402
 from disttrain.metrics import ACCURACY, PERPLEXITY, TimeToTarget  # noqa: E402
 
 DISTTRAIN = [sys.executable, "-m", "disttrain"]
@@ -132,7 +133,11 @@ def run_one(net: Network, kind: str, flags: list[str], data: list[str], target: 
             ) -> dict:
     a, b, c = net.hosts["a"], net.hosts["b"], net.hosts["c"]
     env = {"OMP_NUM_THREADS": "1", "DISTTRAIN_PARENT_PID": str(os.getpid())}
-    common = [*data, "--num-threads", "1", *flags]
+    # The hosts listen beyond loopback, where every server asks for credentials: a run token.
+    token = folder / "run.token"
+    token.write_text(new_token())
+    token.chmod(0o600)
+    common = [*data, "--num-threads", "1", "--token-file", str(token), *flags]
     processes = []
     if kind == "ps":
         log = folder / "server.out"
@@ -148,7 +153,7 @@ def run_one(net: Network, kind: str, flags: list[str], data: list[str], target: 
     else:
         log = folder / "coordinator.out"
         coordinator = a.start([*DISTTRAIN, "coordinator", "--bind", f"{a.address}:0", "--registry",
-                               str(folder / "cluster.db")], log, env)
+                               str(folder / "cluster.db"), "--token-file", str(token)], log, env)
         address = read_event(log, "listening", coordinator)["address"]
         for host in (b, c):
             processes.append(host.start(

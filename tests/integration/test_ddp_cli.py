@@ -51,9 +51,12 @@ def test_torchrun_entry_trains_and_writes_the_summary(torchrun_run):
     summary = json.loads((run_dir / "logs" / "summary.json").read_text())
     assert (summary["strategy"], summary["world_size"], summary["steps"]) == ("ddp", 2, STEPS)
     assert summary["samples_processed"] == 2 * 512 and summary["throughput_samples_per_s"] > 0
+    # Without compression, no compression fields in the summary or the steps' records.
+    assert "compression_ratio" not in summary and "compression_bytes_sent" not in summary
     for rank in (0, 1):
         records = read_metrics(run_dir / "logs" / f"rank{rank}" / "metrics.jsonl")
         assert [r["step"] for r in records if "loss/train" in r] == list(range(2, STEPS + 1, 2))
+        assert not any(key.startswith("compression/") for record in records for key in record)
 
 
 @pytest.mark.slow
