@@ -98,7 +98,7 @@ def test_shard_serves_the_right_token(shard):
         pushed = call(channel, "SendGradients", frames(plan, torch.ones(plan.numel), session=session))
         assert pb.PushReply.FromString(pushed).outcome == pb.PushReply.APPLIED and server.state.version == 1
         assert call(channel, "WorkerDone", pb.WorkerDoneRequest(worker_id="w0", session=session))
-        call(channel, "Shutdown", pb.ShutdownRequest())
+        call(channel, "Shutdown", pb.ShutdownRequest(worker_id="w0", session=session))
         assert server.stopped.is_set()
     finally:
         channel.close()
