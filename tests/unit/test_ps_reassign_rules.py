@@ -121,6 +121,15 @@ def test_a_reassigned_worker_counts_as_done_until_it_rejoins():
     assert not rules.all_done() and rules.roster.reassigned == set()
 
 
+def test_the_lowest_rank_not_reassigned_ends_the_run_and_stops_the_shards():
+    rules = sync_rules()
+    assert rules.finisher() == 0
+    rules.set_membership(2, {"w1": 1, "w2": 1}, now=31.0, away=frozenset({"w0"}))  # worker 0 reassigned
+    assert rules.finisher() == 1
+    rules.set_membership(3, {"w0": 3, "w1": 1, "w2": 1}, now=32.0, away=frozenset({"w0"}))  # it rejoined
+    assert rules.finisher() == 0
+
+
 @pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
 def test_a_block_taken_over_then_finished_by_its_owner_is_answered_duplicate(mode):
     rules = AggregationRules(mode, 3, staleness_bound=1)
