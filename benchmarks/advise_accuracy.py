@@ -58,7 +58,7 @@ from disttrain.advise import (  # noqa: E402
     simulate,
 )
 from disttrain.config import load_config  # noqa: E402
-from disttrain.core import new_token  # noqa: E402
+from disttrain.core import new_token, write_token_file  # noqa: E402
 
 PROCESS_COUNTS = (1, 2, 4)
 BATCH_SIZE = 128
@@ -169,9 +169,9 @@ def probe_link(net: Network, folder: Path, num_bytes: int) -> Link:
     """The link between hosts b and a, measured by the advise probe: a probe server on a,
     the client on b."""
     a, b = net.hosts["a"], net.hosts["b"]
-    log, token = folder / "probe.out", folder / "probe.token"
-    token.write_text(new_token())  # a probe server beyond loopback needs one, as a user's would
-    token.chmod(0o600)
+    log = folder / "probe.out"
+    # A probe server beyond loopback needs a token, as a user's would.
+    token = write_token_file(folder / "probe.token", new_token())
     a.start([sys.executable, "-m", "disttrain", "advise", "--serve", "--bind", f"{a.address}:0",
              "--token-file", str(token)], log)
     try:

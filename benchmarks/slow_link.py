@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from conftest import find_real_data_dir  # noqa: E402
 from netns import Network, read_event, unavailable_reason  # noqa: E402
 
-from disttrain.core import new_token  # noqa: E402
+from disttrain.core import new_token, write_token_file  # noqa: E402
 from disttrain.metrics import ACCURACY, PERPLEXITY, TimeToTarget  # noqa: E402
 
 DISTTRAIN = [sys.executable, "-m", "disttrain"]
@@ -134,9 +134,7 @@ def run_one(net: Network, kind: str, flags: list[str], data: list[str], target: 
     a, b, c = net.hosts["a"], net.hosts["b"], net.hosts["c"]
     env = {"OMP_NUM_THREADS": "1", "DISTTRAIN_PARENT_PID": str(os.getpid())}
     # The hosts listen beyond loopback, where every server asks for credentials: a run token.
-    token = folder / "run.token"
-    token.write_text(new_token())
-    token.chmod(0o600)
+    token = write_token_file(folder / "run.token", new_token())
     common = [*data, "--num-threads", "1", "--token-file", str(token), *flags]
     processes = []
     if kind == "ps":

@@ -7,7 +7,7 @@ error hierarchy, `Cluster` (child processes that never outlive their parent) and
 shared-token helpers of gRPC.
 """
 
-from disttrain.core.auth import TokenInterceptor, new_token, with_token
+from disttrain.core.auth import TokenInterceptor, new_token, with_token, write_token_file
 from disttrain.core.errors import (
     CheckpointError,
     ConfigError,
@@ -20,4 +20,5 @@ from disttrain.core.errors import (
 from disttrain.core.processes import Cluster
 
 __all__ = ["CheckpointError", "Cluster", "ConfigError", "DataError", "DistributedError", "DisttrainError",
-           "InputFileError", "TokenInterceptor", "TrainingError", "new_token", "with_token"]
+           "InputFileError", "TokenInterceptor", "TrainingError", "new_token", "with_token",
+           "write_token_file"]
