@@ -1,19 +1,26 @@
 """A real S3-compatible server for tests (moto's, in a subprocess on a free port it reports),
 and a TCP proxy in front of it that can cut one upload mid-request.
 
-The proxy stands for the server dying mid-upload as the client sees it: once the bytes of a
-matching request have started to flow, it forwards `after` more bytes, then closes both
-sides and refuses every later connection. (Killing moto itself would lose the objects a test
-then inspects: its store lives in its memory.)
+The proxy cuts an upload as the client sees it: once the bytes of a matching request have
+started to flow, it forwards `after` more bytes, then closes both sides and refuses every
+later connection; or, given `on_cut`, it calls it there first (a test kills the server).
+
+Moto keeps its objects in memory. Started with a `journal`, it appends every request it has
+received whole to that file before acting on it; a server started again on the same journal
+and `replay`ed holds what the killed one held, as a store that keeps its data on disk would.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
 import sys
 import threading
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
 
 # Runs in the subprocess: start the server on a free port, print it, serve until stdin closes.
 SERVER = """
@@ -30,16 +37,28 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
                "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "1", "AWS_RETRY_MODE": "standard"}
 
 
-def start_moto(timeout_s: float = 30) -> tuple[subprocess.Popen, int]:
-    """Start moto's server; returns the process and its port. Raises RuntimeError if it
-    does not report a port (moto missing or broken)."""
-    process = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE,
+def start_moto(journal: Path | None = None) -> tuple[subprocess.Popen, int]:
+    """Start moto's server, recording every request to `journal` if given; returns the
+    process and its port. Raises RuntimeError if it does not report a port (moto missing or
+    broken)."""
+    env = dict(os.environ)
+    if journal is not None:
+        env.update(MOTO_ENABLE_RECORDING="True", MOTO_RECORDER_FILEPATH=str(journal))
+    process = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = process.stdout.readline()  # the child prints its port first, or dies
     if not line.strip().isdigit():
         process.kill()
         raise RuntimeError(f"moto's server did not start: {process.stderr.read()[-500:]}")
     return process, int(line)
+
+
+def replay(port: int) -> None:
+    """Have the server on `port` (started on a journal) apply every request the journal holds."""
+    url = f"http://127.0.0.1:{port}/moto-api/recorder/replay-recording"
+    request = urllib.request.Request(url, method="POST")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        response.read()
 
 
 def stop_moto(process: subprocess.Popen) -> None:
@@ -53,15 +72,18 @@ def stop_moto(process: subprocess.Popen) -> None:
 
 class CuttingProxy:
     """Forward 127.0.0.1:`port` to the server at `target_port`; cut the first request whose
-    bytes match `pattern` after `after` bytes of it, and refuse connections from then on.
+    bytes match `pattern` after `after` bytes of it (calling `on_cut` first, if given), and
+    refuse connections from then on.
 
     Attributes:
         port: where clients connect.
         cut: set once the cut happened.
     """
 
-    def __init__(self, target_port: int, pattern: bytes, after: int):
+    def __init__(self, target_port: int, pattern: bytes, after: int,
+                 on_cut: Callable[[], None] | None = None):
         self.target_port, self.pattern, self.after = target_port, re.compile(pattern), after
+        self.on_cut = on_cut
         self.cut = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
@@ -96,6 +118,8 @@ class CuttingProxy:
                     data, budget = data[:budget], budget - len(data[:budget])
                     sink.sendall(data)
                     if budget == 0:
+                        if self.on_cut is not None:
+                            self.on_cut()
                         self.cut.set()
                         self._listener.close()
                         break

@@ -1,16 +1,16 @@
 """`--checkpoint-dir s3://...` against a real S3-compatible server (moto's, started here on a
 free port): checkpoints and the final model go to the bucket, `--resume` goes on from the
-newest complete one, and an upload cut mid-request is never read as a checkpoint; for the
-baseline, the parameter server (its shards' and workers' checkpoints, a worker's key) and
-DDP (rank 0's checkpoints, read back by every rank). Skipped, with the reason, where moto's
-server or s3fs is missing."""
+newest complete one, and an upload cut mid-request (or whose server is killed mid-request)
+is never read as a checkpoint; for the baseline, the parameter server (its shards' and
+workers' checkpoints, a worker's key) and DDP (rank 0's checkpoints, read back by every
+rank). Skipped, with the reason, where moto's server or s3fs is missing."""
 
 import json
 import uuid
 
 import fsspec.config
 import pytest
-from s3_server import CREDENTIALS, CuttingProxy, start_moto, stop_moto
+from s3_server import CREDENTIALS, CuttingProxy, replay, start_moto, stop_moto
 
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
@@ -36,19 +36,27 @@ def endpoint_env(port):
     return {**CREDENTIALS, "FSSPEC_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
 
 
-@pytest.fixture
-def bucket(moto_port, monkeypatch):
-    """A fresh bucket; this process reaches the server through the same env as the runs."""
-    for key, value in endpoint_env(moto_port).items():
+def point_at(port, monkeypatch):
+    """This process reaches the server on `port` through the same env as the runs."""
+    for key, value in endpoint_env(port).items():
         monkeypatch.setenv(key, value)
     # fsspec read FSSPEC_S3_ENDPOINT_URL into its config when it was imported: set it there.
-    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": f"http://127.0.0.1:{moto_port}"})
-    fs = s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{moto_port}", skip_instance_cache=True)
-    name = f"ckpt-{uuid.uuid4().hex[:12]}"
-    fs.mkdir(name)
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": f"http://127.0.0.1:{port}"})
     # The library's own instances (fsspec caches them) must reach this port too.
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def new_bucket(port):
+    name = f"ckpt-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{port}", skip_instance_cache=True).mkdir(name)
     return name
+
+
+@pytest.fixture
+def bucket(moto_port, monkeypatch):
+    """A fresh bucket, which this process reaches as the runs do."""
+    point_at(moto_port, monkeypatch)
+    return new_bucket(moto_port)
 
 
 def baseline(cli, tmp_path, url, port, *extra):
@@ -71,17 +79,23 @@ def test_a_run_checkpoints_to_s3_and_resumes_from_there(tmp_path, cli, moto_port
     assert summary["resumed_from_step"] == STEPS and summary["steps"] == STEPS
 
 
+def cut_at(part):
+    """What a cut or a kill lands in: step 10's checkpoint data (4 KiB into it), or its sidecar
+    (before its first byte, the data whole)."""
+    name = rb"checkpoint_step00000010\.pt"
+    if part == "data":
+        return rb"PUT /[^ ]*" + name + rb"[ ?]", 4096
+    return rb"PUT /[^ ]*" + name + rb"\.sha256[ ?]", 0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("cut", ["data", "sidecar"])
-def test_an_upload_cut_mid_request_is_never_read(tmp_path, cli, moto_port, bucket, cut):
-    """The server goes away (as the run sees it) while step 10's checkpoint goes up: in the
-    middle of its data, or before its sidecar. The run fails saying so; what the bucket
-    holds of step 10 is no checkpoint, and `--resume` goes on from step 5."""
+def test_an_upload_cut_mid_request_is_never_read(tmp_path, cli, moto_port, bucket):
+    """The connection is cut while step 10's checkpoint goes up, the server staying up. The
+    run fails saying so; what the bucket holds of step 10 is no checkpoint, and `--resume`
+    goes on from step 5."""
     url = f"s3://{bucket}/run"
-    name = rb"checkpoint_step00000010\.pt"
-    pattern = rb"PUT /[^ ]*" + (name + rb"[ ?]" if cut == "data" else name + rb"\.sha256[ ?]")
-    proxy = CuttingProxy(moto_port, pattern, after=4096 if cut == "data" else 0)
+    proxy = CuttingProxy(moto_port, *cut_at("data"))
     try:
         failed = baseline(cli, tmp_path, url, proxy.port)
     finally:
@@ -94,6 +108,47 @@ def test_an_upload_cut_mid_request_is_never_read(tmp_path, cli, moto_port, bucke
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["resumed_from_step"] == 5
     assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(url)] == [15, 20, 23]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("part", ["data", "sidecar"])
+def test_a_server_killed_mid_upload_keeps_no_torn_checkpoint(tmp_path, cli, monkeypatch, part):
+    """The S3 server itself is SIGKILLed while step 10's checkpoint goes up: with its data
+    half received, or with the data whole and the sidecar not begun. Started again on its
+    journal (what it had received whole before the kill), it holds step 5's checkpoint and
+    nothing of step 10 that reads as one; `--resume` against it goes on from step 5 and
+    finishes the run."""
+    journal = tmp_path / "s3-journal.jsonl"
+    try:
+        server, port = start_moto(journal)
+    except (RuntimeError, OSError) as e:
+        pytest.skip(f"no S3-compatible server could start: {e}")
+    point_at(port, monkeypatch)
+    url = f"s3://{new_bucket(port)}/run"
+    proxy = CuttingProxy(port, *cut_at(part), on_cut=server.kill)
+    try:
+        failed = baseline(cli, tmp_path, url, proxy.port)
+    finally:
+        proxy.close()
+        server.wait(timeout=30)
+    assert proxy.cut.is_set() and server.returncode == -9, failed.stderr[-2000:]
+    assert failed.returncode != 0 and "checkpoint_step00000010.pt" in failed.stderr, failed.stderr[-2000:]
+
+    restarted, port = start_moto(journal)
+    try:
+        replay(port)
+        point_at(port, monkeypatch)
+        # Killed before the sidecar, step 10's data is whole on the store: only its sidecar's
+        # absence keeps it from being read.
+        assert object_store.exists(f"{url}/checkpoint_step00000010.pt") == (part == "sidecar")
+        assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(url)] == [5]
+        resumed = baseline(cli, tmp_path, url, port, "--resume")
+        assert resumed.returncode == 0, resumed.stderr
+        assert json.loads((tmp_path / "summary.json").read_text())["resumed_from_step"] == 5
+        assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(url)] == [15, 20, 23]
+    finally:
+        stop_moto(restarted)
 
 
 def test_a_url_without_a_bucket_fails_with_the_checkpoint_error(tmp_path, cli, moto_port):
