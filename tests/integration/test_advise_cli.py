@@ -134,6 +134,9 @@ def test_the_calibration_benchmark_runs_in_quick_mode(tmp_path):
         assert run["predicted_samples_per_s"] > 0 and run["measured_samples_per_s"] > 0
         ratio = run["predicted_samples_per_s"] / run["measured_samples_per_s"]
         assert run["error"] == pytest.approx(ratio - 1, abs=0.01)
+        assert run["run_compute_s"] > 0 and run["predicted_from_run_compute"] > 0
+        given = run["predicted_from_run_compute"] / run["measured_samples_per_s"]
+        assert run["error_from_run_compute"] == pytest.approx(given - 1, abs=0.01)
     # the limited links take root and minutes: left out here, their keys still written
     assert figures["limited_links"] == {"rates": [], "runs": [], "skipped": "--links none"}
     assert_full_run_keys(tmp_path)

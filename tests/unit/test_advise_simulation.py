@@ -103,3 +103,24 @@ def test_bad_setups_are_refused():
         SimulationSetup("bulk", 4)
     with pytest.raises(ValueError, match="straggler fraction"):
         StepTimes(1.0, straggler_fraction=2)
+
+
+@pytest.mark.parametrize("mode, backup_workers", [("sync", 0), ("sync", 1), ("ssp", 0)])
+def test_with_a_share_of_the_data_each_the_slowest_worker_ends_the_run(mode, backup_workers):
+    """Each of 2 workers has 10 steps of data, one of them 3x slower: whatever the rules
+    drop, every step is computed, and the run ends when the slow worker's last one does."""
+    trip = RoundTrip(encode_s=0.0, overlap_s=0.0, push_s=0.01, service_s=0.0, apply_s=0.0, pull_s=0.01)
+    setup = SimulationSetup(mode, 2, 20, staleness_bound=2, backup_workers=backup_workers, batch_size=8,
+                            steps_per_worker=10)
+    result = simulate(setup, StepTimes(1.0, straggler_fraction=0.5, straggler_factor=3.0), trip)
+    assert result.num_pushes == 20
+    assert result.virtual_time_s == pytest.approx(10 * (3.0 + 0.02), rel=0.01)
+    if mode == "sync" and not backup_workers:
+        assert result.work_dropped_fraction == 0
+    else:  # the fast worker's steps go on without the slow one's, which come late or stale
+        assert 0 < result.work_dropped_fraction <= 0.5
+
+
+def test_a_share_of_the_data_must_be_a_step_at_least():
+    with pytest.raises(ValueError, match="steps_per_worker 0 must be >= 1"):
+        SimulationSetup("sync", 2, 10, steps_per_worker=0)

@@ -13,6 +13,12 @@ drops it `detect_s` later (so a synchronous step stops waiting for it) and takes
 when it restarts. With constant step times and no failures the synchronous result is the
 cost model's step exactly (a test).
 
+By default every worker has work without end and the run stops at `num_updates`: the
+steady state of a long run. With `steps_per_worker`, each worker has that many steps of
+data (a real epoch's share, the same for all) and stops once they are pushed; the run ends
+when the last worker does. A fast worker that ends its share early no longer carries the
+run, as in a real run without `--balance`.
+
 The shards are simulated as one: S shards decide the same way on the same pushes, each
 on its slice, so the round trip's times already hold the S-fold split.
 """
@@ -45,6 +51,8 @@ class SimulationSetup:
         backup_workers: sync: a step is applied once all but this many workers pushed.
         batch_size: samples per push.
         seed: of the draws.
+        steps_per_worker: each worker's share of the data, in steps (None: without end;
+            the run stops at `num_updates`).
     """
 
     mode: str
@@ -54,12 +62,15 @@ class SimulationSetup:
     backup_workers: int = 0
     batch_size: int = 64
     seed: int = 0
+    steps_per_worker: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"simulation mode {self.mode!r} is not one of {', '.join(MODES)}")
         if self.num_updates < 2:
             raise ValueError(f"num_updates {self.num_updates} must be >= 2")
+        if self.steps_per_worker is not None and self.steps_per_worker < 1:
+            raise ValueError(f"steps_per_worker {self.steps_per_worker} must be >= 1")
 
 
 @dataclass
@@ -134,6 +145,7 @@ class Simulation:
         self.update_times: list[float] = []
         self.num_pushes = 0
         self.num_failures = 0
+        self.finished_s = 0.0  # when the last worker with a share ended it
 
     def _at(self, when: float, kind: int, index: int) -> None:
         self.sequence += 1
@@ -157,11 +169,11 @@ class Simulation:
             self._start_step(index, 0.0)
         handlers = {_FAILED: self._failed, _ARRIVED: self._arrived, _OFFERED: self._offered,
                     _PULLED: self._pulled, _DETECTED: self._detected, _RESTARTED: self._restarted}
-        now = 0.0
-        while self.events and self.rules.version < self.setup.num_updates:
+        now, shares = 0.0, self.setup.steps_per_worker is not None
+        while self.events and (shares or self.rules.version < self.setup.num_updates):
             now, _, kind, index = heapq.heappop(self.events)
             handlers[kind](index, now)
-        return self._result(now, time.perf_counter() - started)
+        return self._result(self.finished_s if shares else now, time.perf_counter() - started)
 
     # -- events ----------------------------------------------------------------------------
 
@@ -210,6 +222,10 @@ class Simulation:
         if worker.away:
             return
         worker.base_version = self.rules.version
+        quota = self.setup.steps_per_worker
+        if quota is not None and worker.step >= quota:  # its share is done
+            self.finished_s = max(self.finished_s, now)
+            return
         self._start_step(index, now)
 
     def _detected(self, index: int, now: float) -> None:
@@ -234,7 +250,7 @@ class Simulation:
         per_update = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
         counts = self.rules.counts
         samples = counts["samples"]
-        elapsed = times[-1] if times else now
+        elapsed = now if self.setup.steps_per_worker is not None else times[-1] if times else now
         return SimulationResult(self.setup, self.rules.version, elapsed, per_update,
                                 samples / elapsed if elapsed > 0 else 0.0, self.num_pushes,
                                 counts["dropped_late"], counts["rejected_stale"], self.num_failures,
