@@ -42,6 +42,24 @@ def test_table_and_simulation_from_the_command_line(cli):
         assert any(line.startswith(mode) for line in out.splitlines()), mode
 
 
+def test_a_share_of_the_data_each_makes_the_straggler_end_every_mode():
+    """--sim-share: each of 4 workers has 20 steps of data; one is 3x slower, so every mode
+    takes at least its 20 slow steps, and every step of every worker is computed once."""
+    report = advise_json("--model", "mlp", "--dataset", "digits", *QUICK, "--link", "10gbit,50us",
+                         "--workers", "4", "--simulate", "4", "--stragglers", "0.25", "--sim-steps", "20",
+                         "--sim-share", "--num-threads", "1")
+    runs = report["simulations"]
+    assert [r["mode"] for r in runs] == ["sync", "sync", "ssp", "async"]
+    for run in runs:
+        assert run["num_pushes"] == 4 * 20
+        assert 20 * 3 * 0.1 <= run["virtual_time_s"] < 20 * 3 * 0.1 * 1.2
+    steady = advise_json("--model", "mlp", "--dataset", "digits", *QUICK, "--link", "10gbit,50us",
+                         "--workers", "4", "--simulate", "4", "--stragglers", "0.25", "--sim-steps", "20",
+                         "--num-threads", "1")["simulations"]
+    # async without shares: the fast workers carry the run, the straggler no longer ends it
+    assert steady[3]["virtual_time_s"] < 0.75 * runs[3]["virtual_time_s"]
+
+
 @pytest.mark.slow  # builds and measures 11 M parameters: 20-30 s on two busy cores
 @pytest.mark.parametrize("model, dataset, extra", [
     ("resnet18", "synthetic:3x32x32", []),

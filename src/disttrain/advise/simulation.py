@@ -223,8 +223,11 @@ class Simulation:
             return
         worker.base_version = self.rules.version
         quota = self.setup.steps_per_worker
-        if quota is not None and worker.step >= quota:  # its share is done
-            self.finished_s = max(self.finished_s, now)
+        if quota is not None and worker.step >= quota:  # its share is done: it says so, as
+            self.finished_s = max(self.finished_s, now)  # a worker's WorkerDone does
+            decision = self.rules.mark_done(worker.worker_id, now)
+            if decision.apply:  # the pending synchronous step no longer waits for it
+                self._published(decision, now, None)
             return
         self._start_step(index, now)
 

@@ -84,6 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="simulate sync, backup workers, SSP and async at N workers")
     sim.add_argument("--sim-steps", type=int, default=200, metavar="STEPS",
                      help="steps per worker to simulate")
+    sim.add_argument("--sim-share", action="store_true",
+                     help="give each worker STEPS steps of data, after which it stops (an epoch without "
+                          "--balance: the slowest worker ends the run, whatever the mode); default: work "
+                          "without end, the steady state")
     sim.add_argument("--stragglers", type=float, default=0.0, metavar="FRACTION",
                      help="share of the workers whose steps are 3x slower")
     sim.add_argument("--tail", type=float, default=0.0, metavar="SIGMA",
@@ -176,7 +180,9 @@ def _simulations(args: argparse.Namespace, model):
     if n > 1:
         runs.append(("sync", backups, sync_trip, steps))
     runs += [("ssp", 0, async_trip, steps * n), ("async", 0, async_trip, steps * n)]
-    return [simulate(SimulationSetup(mode, n, updates, args.staleness, b, batch), times, trip)
+    share = steps if args.sim_share else None
+    return [simulate(SimulationSetup(mode, n, updates, args.staleness, b, batch, steps_per_worker=share),
+                     times, trip)
             for mode, b, trip, updates in runs]
 
 
