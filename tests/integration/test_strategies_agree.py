@@ -286,6 +286,7 @@ SINGLE_PROCESS = {
     "ps": (("ps", "--workers", 1, "--aggregation-mode", "sync"), "parameter_server_final.pt"),
     "ddp": (("ddp", "--world-size", 1), "ddp_final.pt"),
 }
+LIVE = {"ddp-live": (("ddp", "--world-size", 1, "--ddp-recovery", "live"), "ddp_final.pt")}
 
 
 # The training features, the same in every strategy: warm-up then linear decay, AdamW with
@@ -318,14 +319,17 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 @pytest.mark.timeout(300)
 def test_bf16_autocast_runs_in_every_strategy_on_the_cpu(tmp_path):
-    """DDP steps the optimizer as the baseline does and ends with its very bf16 model. The
+    """DDP (restart and live recovery alike) steps the optimizer as the baseline does and
+    ends with its very bf16 model. The
     server's fused kernel rounds differently in the last bits (1e-5 apart in float32),
     which bf16's rounding of the forward pass amplifies over the steps, so the PS model
     is near the bf16 baseline, not equal: nearer to it than to the float32 one (a PS
     worker computing in float32 would end within 1e-5 of that)."""
-    models, _ = train_one_process_each(tmp_path, (*FEATURES, "--precision", "bf16"))
+    models, _ = train_one_process_each(tmp_path, (*FEATURES, "--precision", "bf16"), (*SINGLE_PROCESS, *LIVE))
     full, _ = train_one_process_each(tmp_path / "fp32", FEATURES, ("baseline",))
     assert max_difference(models["ddp"], models["baseline"]) <= 1e-5
+    assert max_difference(models["ddp-live"], models["baseline"]) <= 1e-5  # live recovery's own trainer
+    assert max_difference(models["ddp-live"], full["baseline"]) > 1e-3
     to_bf16, to_float32 = (max_difference(models["ps"], m["baseline"]) for m in (models, full))
     assert to_bf16 < to_float32 and to_float32 > 1e-3, (to_bf16, to_float32)
 
@@ -335,7 +339,7 @@ def train_one_process_each(tmp_path, optimizer, strategies=tuple(SINGLE_PROCESS)
     one's final model and its summary's steps."""
     models, steps = {}, {}
     for name in strategies:
-        args, final = SINGLE_PROCESS[name]
+        args, final = {**SINGLE_PROCESS, **LIVE}[name]
         log_dir, checkpoint_dir = tmp_path / name / "logs", tmp_path / name / "ckpt"
         result = run_cli(*args, *SEEDING, *optimizer, "--log-dir", log_dir,
                          "--checkpoint-dir", checkpoint_dir, timeout=200)

@@ -138,14 +138,16 @@ def test_recovery_times_from_deaths_and_restarts():
 
 def test_live_problems_name_each_setting_live_recovery_does_not_offer():
     assert live_problems(Config()) == []
-    # Offered: compression (PowerSGD too), gradient accumulation, loader workers, --resume.
+    # Offered: compression (PowerSGD too), gradient accumulation, loader workers, bf16, --resume.
     for scheme in ("topk", "powersgd"):
         offered = Config().replace(compression={"enabled": True, "type": scheme},
-                                   ddp={"grad_accumulation_steps": 2}, training={"loader_workers": 2})
+                                   ddp={"grad_accumulation_steps": 2},
+                                   training={"loader_workers": 2, "precision": "bf16"})
         assert live_problems(offered) == []
-    config = Config().replace(training={"sync_every": 4}, ddp={"lr_scaling": "linear"})
+    config = Config().replace(training={"sync_every": 4, "precision": "fp16"}, ddp={"lr_scaling": "linear"})
     problems = live_problems(config)
-    assert len(problems) == 2
+    assert len(problems) == 3
+    assert any(p.startswith("training.precision: fp16") and "bf16" in p for p in problems)
     assert any(p.startswith("training.sync_every") for p in problems)
     assert all("ddp.recovery restart" in p for p in problems)
 

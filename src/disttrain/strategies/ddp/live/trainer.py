@@ -44,6 +44,7 @@ from disttrain.strategies.ddp.reduce import evaluate_sharded
 from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward
 from disttrain.training.loading import prefetch
 from disttrain.training.models import init_model
+from disttrain.training.precision import Precision, plan_precision
 from disttrain.training.seeding import seed_training
 from disttrain.training.stepping import OptimizerStep
 
@@ -90,6 +91,8 @@ class LiveTrainer:
         seed_training(training.seed, slot)
         self.optimizer = build_optimizer(self.module.parameters(), training, training.learning_rate)
         self.stepper = OptimizerStep(self.optimizer, training)
+        # bf16 autocast (live groups train on the CPU, where fp16's loss scaling is not offered)
+        self.precision = Precision(plan_precision(training.precision, "cpu"), "cpu")
         self.compression = live_compression(config, self.module, slot)
         self.loader = prefetch(self.train_set, training.loader_workers)
         self.global_batch = training.batch_size * config.system.num_workers
@@ -207,7 +210,7 @@ class LiveTrainer:
             weight = self.world_size * len(indices) / self.global_batch / batches
             self.samples_trained += len(indices)
             self._in_flight += len(indices)
-            result = forward_backward(self.module, inputs, targets, weight)
+            result = forward_backward(self.module, inputs, targets, weight, self.precision)
             loss_sum += result.loss * result.num_samples
             correct, samples = correct + result.num_correct, samples + result.num_samples
         average_gradients(list(self.module.parameters()), self.world_size, self.compression)
