@@ -107,9 +107,22 @@ def test_without_restarts_the_survivors_finish_the_run_alone(cli, tmp_path, undi
     assert abs(summary["final_accuracy"] - undisturbed["final_accuracy"]) <= 0.005
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_linear_lr_scaling_scales_by_the_runs_world_size(cli, tmp_path, undisturbed):
+    """`--lr-scaling linear` at a third of the undisturbed run's rate (3 ranks) trains the
+    same model: its test loss is the undisturbed run's (the rates differ in the last bit)."""
+    result = cli("ddp", *ARGS, *dirs(tmp_path), "--lr-scaling", "linear",
+                 "--set", "training.learning_rate=0.001", timeout=200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["final_loss"] == pytest.approx(undisturbed["final_loss"], rel=1e-4)
+    assert summary["final_accuracy"] == pytest.approx(undisturbed["final_accuracy"], abs=0.002)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("extra, message", [
-    (["--set", "ddp.lr_scaling=linear"], "ddp.lr_scaling: linear is not offered with ddp.recovery live"),
+    (["--precision", "fp16"], "training.precision: fp16"),
     (["--set", "training.sync_every=4"], "training.sync_every: local updates"),
 ])
 def test_settings_live_recovery_does_not_offer_are_refused_at_once(cli, tmp_path, extra, message):

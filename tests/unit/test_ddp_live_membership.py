@@ -144,7 +144,8 @@ def test_live_problems_name_each_setting_live_recovery_does_not_offer():
                                    ddp={"grad_accumulation_steps": 2},
                                    training={"loader_workers": 2, "precision": "bf16"})
         assert live_problems(offered) == []
-    config = Config().replace(training={"sync_every": 4, "precision": "fp16"}, ddp={"lr_scaling": "linear"})
+    assert live_problems(Config().replace(ddp={"lr_scaling": "linear"})) == []
+    config = Config().replace(training={"sync_every": 4, "precision": "fp16"}, ddp={"backend": "nccl"})
     problems = live_problems(config)
     assert len(problems) == 3
     assert any(p.startswith("training.precision: fp16") and "bf16" in p for p in problems)

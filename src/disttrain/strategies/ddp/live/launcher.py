@@ -46,8 +46,8 @@ EVENT_WAIT_S = 1.0
 def live_problems(config: Config) -> list[str]:
     """What live recovery does not offer yet, each with the way out. (`resume` is offered:
     the group's leader writes checkpoints, see `live.checkpoints`; so are compression,
-    PowerSGD included, see `live.compression`, gradient accumulation, loader workers and
-    bf16 mixed precision.)"""
+    PowerSGD included, see `live.compression`, gradient accumulation, loader workers,
+    bf16 mixed precision and `ddp.lr_scaling`.)"""
     training, ddp = config.training, config.ddp
     rules = [
         (training.local_update_mode, "training.sync_every: local updates (the members' models differ "
@@ -56,7 +56,6 @@ def live_problems(config: Config) -> list[str]:
         (training.precision == "fp16", "training.precision: fp16 (its loss scaling runs on CUDA GPUs; live "
          "groups train on the CPU, where bf16 is offered)"),
         (ddp.backend == "nccl", "ddp.backend: nccl (live groups are gloo, on the CPU)"),
-        (ddp.lr_scaling != "none", "ddp.lr_scaling: linear"),
     ]
     return [f"{what} is not offered with ddp.recovery live; leave it out or use ddp.recovery restart"
             for broken, what in rules if broken]

@@ -40,6 +40,7 @@ from disttrain.strategies.ddp.live.compression import (
     shared_state,
 )
 from disttrain.strategies.ddp.live.membership import split_batch
+from disttrain.strategies.ddp.rank import scaled_learning_rate
 from disttrain.strategies.ddp.reduce import evaluate_sharded
 from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward
 from disttrain.training.loading import prefetch
@@ -89,7 +90,10 @@ class LiveTrainer:
         self.train_set, self.test_set = load_datasets(training)
         self.module = init_model(training)
         seed_training(training.seed, slot)
-        self.optimizer = build_optimizer(self.module.parameters(), training, training.learning_rate)
+        # The global batch stays the run's (survivors take a lost member's share), so
+        # `ddp.lr_scaling` scales by the run's world size, whatever the group's size.
+        rate = scaled_learning_rate(training.learning_rate, config.ddp.lr_scaling, config.system.num_workers)
+        self.optimizer = build_optimizer(self.module.parameters(), training, rate)
         self.stepper = OptimizerStep(self.optimizer, training)
         # bf16 autocast (live groups train on the CPU, where fp16's loss scaling is not offered)
         self.precision = Precision(plan_precision(training.precision, "cpu"), "cpu")
