@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -142,3 +143,42 @@ def test_an_honest_ps_run_ends_whole_and_unchanged_while_forged_calls_are_refuse
     assert attacked.keys() == reference.keys()
     for name in reference:
         torch.testing.assert_close(attacked[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+LIVE = ["ddp", "--ddp-recovery", "live", "--world-size", "2", "--dataset", "digits", "--num-epochs", "1",
+        "--max-train-samples", "512", "--batch-size", "32", "--num-threads", "1",
+        "--set", "coordinator.heartbeat_timeout=60"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_live_ddp_ranks_call_the_coordinator_in_their_own_name(tmp_path, cli):
+    """Each rank of a live-recovery run holds its own node token (rank R, role rank), never
+    the secret: a heartbeat it forges for the other rank is refused, and the run ends."""
+    secret_file = tmp_path / "run.token"
+    cli("token", "new", secret_file).check_returncode()
+    secret = secret_file.read_text().strip()
+    log_dir = tmp_path / "logs"
+    with (tmp_path / "live.out").open("wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "disttrain", *LIVE,
+                                    "--token-file", str(secret_file), "--log-dir", str(log_dir),
+                                    "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                    "--inject", "stop:rank=0:step=2:for=6s"],
+                                   stdout=out, stderr=subprocess.STDOUT, env=environment())
+    try:
+        nodes = nodes_once_up(log_dir / "cluster.db", {"rank0", "rank1"}, process)
+        for name in ("rank0", "rank1"):
+            assert token_in_environment(nodes[name]["pid"]) == node_token(secret, name, "rank")
+        said = re.search(r"coordinator listening on (\S+)", (tmp_path / "live.out").read_text())
+        client = CoordinatorClient(said.group(1), token=node_token(secret, "rank0", "rank"))
+        victim = nodes["rank1"]
+        assert refused_code(lambda: client.heartbeat(heartbeat_message(
+            "rank1", "rank", NodeProgress(0, 99, 1), victim["joined_generation"]))) \
+            == grpc.StatusCode.PERMISSION_DENIED
+        client.close()
+        assert process.wait(timeout=200) == 0, (tmp_path / "live.out").read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    summary = json.loads((log_dir / "summary.json").read_text())
+    assert summary["samples_lost"] == 0 and summary["samples_applied_twice"] == 0

@@ -17,6 +17,7 @@ import logging
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +29,7 @@ from disttrain.config import Config
 from disttrain.coordinator.supervisor import Managed, Supervisor
 from disttrain.core.auth import TOKEN_ENV
 from disttrain.core.errors import ConfigError, DistributedError
+from disttrain.core.identity import node_token
 from disttrain.core.process_spec import RANK_ENTRY, ProcessSpec
 from disttrain.core.processes import Cluster, thread_count
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
@@ -145,12 +147,10 @@ def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary:
             coordinator.config.save(config_path)
             env = {LIVE_STORE_ENV: f"{STORE_HOST}:{store.port}",
                    "OMP_NUM_THREADS": str(thread_count(config.system.num_threads, world_size))}
-            if coordinator.token is not None:
-                env[TOKEN_ENV] = coordinator.token
             logger.info("starting %d rank(s) with live recovery (store %s:%d), up to %d restart(s) each",
                         world_size, STORE_HOST, store.port, config.ddp.max_restarts)
             try:
-                with Cluster(log_dir, env=env) as cluster:
+                with Cluster(log_dir, env=env, env_of=rank_tokens(coordinator.token)) as cluster:
                     supervise(cluster, config, options, (config_path, summary_path), processes, store)
             except (ConfigError, DistributedError) as e:
                 coordinator.stopped(str(e).splitlines()[0])
@@ -164,6 +164,15 @@ def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary:
     summary.total_time_s = time.perf_counter() - started
     summary.write(log_dir)
     return summary
+
+
+def rank_tokens(secret: str | None) -> Callable[[ProcessSpec], dict[str, str]]:
+    """The token each rank gets in its environment: its own node token (`core.identity`,
+    node `rank<R>` in role rank), so it calls the coordinator in its own name only, not as
+    the operator (none when the coordinator runs open)."""
+    def env(spec: ProcessSpec) -> dict[str, str]:
+        return {} if secret is None else {TOKEN_ENV: node_token(secret, node_id(spec.rank), "rank")}
+    return env
 
 
 def supervise(cluster: Cluster, config: Config, options: RunOptions, paths: tuple[Path, Path],
