@@ -160,8 +160,17 @@ def test_config_checks_the_recovery_key():
     assert config_from_dict({"ddp": {"recovery": "live"}}).ddp.recovery == "live"
     with pytest.raises(ConfigError, match="ddp.recovery"):
         config_from_dict({"ddp": {"recovery": "sometimes"}})
-    with pytest.raises(ConfigError, match="ddp.recovery: live recovery runs on one node"):
-        config_from_dict({"ddp": {"recovery": "live", "num_nodes": 2, "rdzv_endpoint": "node0:29400"}})
+    several = config_from_dict({"ddp": {"recovery": "live", "num_nodes": 2, "rdzv_endpoint": "node0:29400"}})
+    assert several.ddp.num_nodes == 2  # several nodes meet at the endpoint's live store
+    with pytest.raises(ConfigError, match="ddp.rdzv_endpoint: ddp.num_nodes is 2"):
+        config_from_dict({"ddp": {"recovery": "live", "num_nodes": 2}})
+
+
+def test_the_node_with_the_endpoints_address_hosts_the_live_store():
+    from disttrain.strategies.ddp.live.launcher import is_this_machine
+    assert is_this_machine("127.0.0.1") and is_this_machine("localhost")
+    assert not is_this_machine("198.51.100.250")  # TEST-NET-2: no machine's own address
+    assert not is_this_machine("no-such-host.invalid")
 
 
 def test_summary_lines_tell_each_live_recovery():

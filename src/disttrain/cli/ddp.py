@@ -88,7 +88,7 @@ DDP_FLAGS = {
     "--ddp-recovery": ("ddp.recovery", str, "what a rank's death does: restart (torch's elastic agent "
                        "restarts every rank from the newest checkpoint) or live (the survivors re-form "
                        "their group and train on, nothing lost; the rank, started again, rejoins them "
-                       "at a step boundary; one node, gloo)"),
+                       "at a step boundary; gloo)"),
     "--nnodes": ("ddp.num_nodes", int, "nodes taking part (each runs this command)"),
     "--rdzv-endpoint": ("ddp.rdzv_endpoint", str, "HOST:PORT of the rendezvous for several nodes"),
     "--rdzv-id": ("ddp.rdzv_id", str, "run id every node of one run shares"),

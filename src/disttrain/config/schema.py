@@ -301,14 +301,11 @@ class DDPConfig:
     # What a rank's death does: `restart` stops every rank and torch's elastic agent starts
     # the group again from the newest checkpoint; `live` keeps the survivors training in a
     # group re-formed among themselves, and the restarted rank joins them at a step boundary
-    # (one node; see strategies/ddp/live).
+    # (see strategies/ddp/live).
     recovery: str = field(default="restart", metadata=_choice(DDP_RECOVERIES))
 
     def cross_problems(self, name: Callable[[str], str]) -> list[str]:
         problems = _address_problems(name("rdzv_endpoint"), self.rdzv_endpoint, "node0.example.com:29400")
-        if self.recovery == "live" and self.num_nodes > 1:
-            problems.append(f"{name('recovery')}: live recovery runs on one node; use ddp.num_nodes 1 "
-                            "or ddp.recovery restart")
         if self.num_nodes > 1 and not self.rdzv_endpoint:
             problems.append(f"{name('rdzv_endpoint')}: ddp.num_nodes is {self.num_nodes}, so every "
                             "node needs the HOST:PORT of the rendezvous (pass --rdzv-endpoint)")

@@ -9,12 +9,20 @@ their environment (`LIVE_STORE_ENV`). The run ends when every rank has finished.
 summary gains the launcher's view: each rank's process ids in order, and for each
 recovery the seconds from the death of a process to its detection, to the re-formed
 group training again, and (a rejoin) from the restart to the group training with it.
+
+On several nodes (`ddp.num_nodes`), every node runs this launcher for its share of the
+ranks, and the store is at `ddp.rdzv_endpoint`: the launcher of the machine that has the
+endpoint's address hosts it (node 0, slots 0..k-1), the others reach it and take the
+next node numbers in the order they come. Each launcher restarts its own ranks and marks
+their deaths in the shared store; the host keeps the store up until every node's ranks
+have ended. The last leader's node writes the summary.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -42,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 LIVE_STORE_ENV = "DISTTRAIN_LIVE_STORE"  # HOST:PORT of the launcher's store, for the ranks
 STORE_HOST = "127.0.0.1"
+NODES_KEY = "launcher/nodes"  # nodes other than the store's host count themselves in here
+NODE_DONE_PREFIX = "launcher/done/"  # + node number: that node's ranks have all ended
 EVENT_WAIT_S = 1.0
 
 
@@ -121,8 +131,9 @@ def recovery_times(recovery: dict[str, Any], deaths: list[tuple[float, int]],
     return timed
 
 
-def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary:
-    """Run the ranks with live recovery; return the summary.
+def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary | None:
+    """Run this node's ranks with live recovery; return the summary (None on a node of a
+    multi-node run where the last leader did not run).
 
     Args:
         preflight: the DDP launcher's checks (`launcher.preflight`).
@@ -136,8 +147,9 @@ def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary:
         raise ConfigError("; ".join(problems))
     preflight(config, options.resume)
     world_size, log_dir = config.system.num_workers, Path(config.system.log_dir)
-    store = dist.TCPStore(STORE_HOST, 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=config.ddp.timeout_s))
+    store, store_at, node = node_store(config)
+    per_node = world_size // config.ddp.num_nodes
+    slots = range(node * per_node, (node + 1) * per_node)
     processes = RankProcesses()
     with tempfile.TemporaryDirectory(prefix="disttrain-ddp-live-") as folder:
         config_path, summary_path = Path(folder) / "config.yaml", Path(folder) / SUMMARY_FILE
@@ -145,18 +157,24 @@ def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary:
         with run_coordinator(config, config_path, False, options.token, options.tls,
                              options.faults) as coordinator:
             coordinator.config.save(config_path)
-            env = {LIVE_STORE_ENV: f"{STORE_HOST}:{store.port}",
-                   "OMP_NUM_THREADS": str(thread_count(config.system.num_threads, world_size))}
-            logger.info("starting %d rank(s) with live recovery (store %s:%d), up to %d restart(s) each",
-                        world_size, STORE_HOST, store.port, config.ddp.max_restarts)
+            env = {LIVE_STORE_ENV: store_at,
+                   "OMP_NUM_THREADS": str(thread_count(config.system.num_threads, per_node))}
+            logger.info("starting rank(s) %d-%d of %d with live recovery (store %s), up to %d restart(s) "
+                        "each", slots[0], slots[-1], world_size, store_at, config.ddp.max_restarts)
             try:
                 with Cluster(log_dir, env=env, env_of=rank_tokens(coordinator.token)) as cluster:
-                    supervise(cluster, config, options, (config_path, summary_path), processes, store)
+                    supervise(cluster, config, options, (config_path, summary_path), processes, store, slots)
             except (ConfigError, DistributedError) as e:
                 coordinator.stopped(str(e).splitlines()[0])
                 raise
+            finally:
+                nodes_done(store, node, config.ddp.num_nodes, config.ddp.timeout_s)
             coordinator.finished()
         if not summary_path.is_file():
+            if config.ddp.num_nodes > 1:
+                logger.info("the run's last leader ran on another node; its summary is in that node's "
+                            "log dir")
+                return None
             raise DistributedError("the ranks finished but the last leader wrote no summary; see "
                                    f"{log_dir}/rank*.log")
         summary = RunSummary.read(summary_path)
@@ -175,9 +193,71 @@ def rank_tokens(secret: str | None) -> Callable[[ProcessSpec], dict[str, str]]:
     return env
 
 
+def node_store(config: Config) -> tuple[dist.TCPStore, str, int]:
+    """The store the ranks agree through, its HOST:PORT as the ranks reach it, and this
+    node's number. One node: a store of this launcher on loopback. Several: the store at
+    `ddp.rdzv_endpoint`, hosted by the launcher of the machine that has its address (node
+    0), reached by the others (nodes 1, 2, ... in the order they come).
+
+    Raises:
+        DistributedError: the store could not be hosted or reached within `ddp.timeout_s`.
+    """
+    timeout = timedelta(seconds=config.ddp.timeout_s)
+    if config.ddp.num_nodes == 1:
+        store = dist.TCPStore(STORE_HOST, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        return store, f"{STORE_HOST}:{store.port}", 0
+    endpoint = config.ddp.rdzv_endpoint
+    host, port = store_address(endpoint)
+    hosting = is_this_machine(host)
+    try:
+        store = dist.TCPStore(host, port, is_master=hosting, wait_for_workers=False, timeout=timeout)
+    except (RuntimeError, dist.DistError) as e:
+        what = "host the live store on" if hosting else "reach the live store at"
+        raise DistributedError(f"could not {what} ddp.rdzv_endpoint {endpoint} within {timeout.seconds}s "
+                               f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); start the "
+                               f"node that has that address, and check the port is free there") from e
+    node = 0 if hosting else int(store.add(NODES_KEY, 1))
+    if node >= config.ddp.num_nodes:
+        raise DistributedError(f"node {node + 1} came to the live store at {endpoint}, but ddp.num_nodes is "
+                               f"{config.ddp.num_nodes}; give every node the same --nnodes")
+    logger.info("node %d of %d (%s the live store at %s)", node, config.ddp.num_nodes,
+                "hosting" if hosting else "using", endpoint)
+    return store, endpoint, node
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether `host` names an address of this machine (a socket can be bound to it)."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except OSError:
+        return False
+    for address in addresses:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address, 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def nodes_done(store: dist.Store, node: int, num_nodes: int, timeout_s: float) -> None:
+    """This node's ranks have ended; the host (node 0) keeps the store up until every
+    node's have (or `timeout_s` passed: a node that never comes is not waited for longer)."""
+    if num_nodes == 1:
+        return
+    try:
+        store.set(f"{NODE_DONE_PREFIX}{node}", "1")
+        if node == 0:
+            store.wait([f"{NODE_DONE_PREFIX}{n}" for n in range(1, num_nodes)], timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError) as e:
+        logger.warning("not every node said its ranks ended (%s); stopping the live store", e)
+
+
 def supervise(cluster: Cluster, config: Config, options: RunOptions, paths: tuple[Path, Path],
-              processes: RankProcesses, store: dist.Store) -> None:
-    """Start every rank, restart each that dies (up to `ddp.max_restarts`; past that the
+              processes: RankProcesses, store: dist.Store, slots: range) -> None:
+    """Start this node's ranks (`slots`), restart each that dies (up to `ddp.max_restarts`; past that the
     others finish without it), until all have ended; a death is marked in `store` at once
     (`group.mark_dead`).
 
@@ -189,7 +269,7 @@ def supervise(cluster: Cluster, config: Config, options: RunOptions, paths: tupl
     """
     config_path, summary_path = paths
     supervisor = Supervisor(cluster, config.ddp.max_restarts)
-    for slot in range(config.system.num_workers):
+    for slot in slots:
         supervisor.start(Managed(f"rank{slot}", node_id(slot), lambda attempt, s=slot: rank_spec(
             config_path, summary_path, options, s, attempt)))
         processes.started(slot, cluster.children[f"rank{slot}"].process.pid)
