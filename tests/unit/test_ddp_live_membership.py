@@ -167,10 +167,25 @@ def test_config_checks_the_recovery_key():
 
 
 def test_the_node_with_the_endpoints_address_hosts_the_live_store():
-    from disttrain.strategies.ddp.live.launcher import is_this_machine
-    assert is_this_machine("127.0.0.1") and is_this_machine("localhost")
-    assert not is_this_machine("198.51.100.250")  # TEST-NET-2: no machine's own address
-    assert not is_this_machine("no-such-host.invalid")
+    from disttrain.strategies.ddp.live.launcher import local_address
+    assert local_address("127.0.0.1") == "127.0.0.1" and local_address("localhost") in ("127.0.0.1", "::1")
+    assert local_address("198.51.100.250") is None  # TEST-NET-2: no machine's own address
+    assert local_address("no-such-host.invalid") is None
+
+
+def test_the_live_store_listens_on_its_address_alone():
+    """torch's store listens on every interface; the live store only where it is meant to
+    be reached (loopback on one node)."""
+    import subprocess
+    from datetime import timedelta
+
+    from disttrain.strategies.ddp.live.launcher import hosted_store
+    store = hosted_store("127.0.0.1", 0, timedelta(seconds=5))
+    listening = [line.split()[3] for line in subprocess.run(["ss", "-ltnH"], capture_output=True, text=True,
+                                                             check=True).stdout.splitlines()]
+    assert [a for a in listening if a.endswith(f":{store.port}")] == [f"127.0.0.1:{store.port}"]
+    store.set("k", "v")
+    assert store.get("k") == b"v"
 
 
 def test_summary_lines_tell_each_live_recovery():

@@ -204,42 +204,58 @@ def node_store(config: Config) -> tuple[dist.TCPStore, str, int]:
     """
     timeout = timedelta(seconds=config.ddp.timeout_s)
     if config.ddp.num_nodes == 1:
-        store = dist.TCPStore(STORE_HOST, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        store = hosted_store(STORE_HOST, 0, timeout)
         return store, f"{STORE_HOST}:{store.port}", 0
     endpoint = config.ddp.rdzv_endpoint
     host, port = store_address(endpoint)
-    hosting = is_this_machine(host)
+    address = local_address(host)
     try:
-        store = dist.TCPStore(host, port, is_master=hosting, wait_for_workers=False, timeout=timeout)
-    except (RuntimeError, dist.DistError) as e:
-        what = "host the live store on" if hosting else "reach the live store at"
+        store = hosted_store(address, port, timeout) if address else \
+            dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
+    except (OSError, RuntimeError, dist.DistError) as e:
+        what = "host the live store on" if address else "reach the live store at"
         raise DistributedError(f"could not {what} ddp.rdzv_endpoint {endpoint} within {timeout.seconds}s "
                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); start the "
                                f"node that has that address, and check the port is free there") from e
-    node = 0 if hosting else int(store.add(NODES_KEY, 1))
+    node = 0 if address else int(store.add(NODES_KEY, 1))
     if node >= config.ddp.num_nodes:
         raise DistributedError(f"node {node + 1} came to the live store at {endpoint}, but ddp.num_nodes is "
                                f"{config.ddp.num_nodes}; give every node the same --nnodes")
     logger.info("node %d of %d (%s the live store at %s)", node, config.ddp.num_nodes,
-                "hosting" if hosting else "using", endpoint)
+                "hosting" if address else "using", endpoint)
     return store, endpoint, node
 
 
-def is_this_machine(host: str) -> bool:
-    """Whether `host` names an address of this machine (a socket can be bound to it)."""
+def hosted_store(address: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A store served on `address` alone (port 0: a free one). torch's own binds every
+    interface; it is handed a socket listening on `address` instead, so a store meant for
+    this machine (or the cluster's network) is not reachable from any other."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as listener:
+        listener.bind((address, port))
+        listener.listen(socket.SOMAXCONN)
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(address, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                              master_listen_fd=listener.fileno())
+        listener.detach()  # the store serves on this very socket: it must stay open
+    return store
+
+
+def local_address(host: str) -> str | None:
+    """The address of `host` that this machine has (a socket can be bound to it), or None."""
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
     except OSError:
-        return False
-    for address in addresses:
+        return None
+    for address in sorted(addresses):
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             try:
                 probe.bind((address, 0))
-                return True
+                return address
             except OSError:
                 continue
-    return False
+    return None
 
 
 def nodes_done(store: dist.Store, node: int, num_nodes: int, timeout_s: float) -> None:
