@@ -26,7 +26,6 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -115,7 +114,6 @@ class LiveGroup:
         self.generation = -1
         self.members: tuple[int, ...] = ()
         self.attempts: dict[int, int] = {}  # each member's attempt, in this generation
-        self._retired: list[Any] = []  # the process groups of earlier generations (see `leave`)
 
     @property
     def rank(self) -> int:
@@ -175,11 +173,6 @@ class LiveGroup:
         """Drop this generation's process group (its sockets close, so peers blocked in a
         collective with this process fail at once instead of at the timeout)."""
         if dist.is_initialized():
-            # Kept (one per generation): a callback of a failed collective (PowerSGD's hook
-            # chains them) may still hold the group on one of the group's own threads, and
-            # a group freed there last would join that very thread, aborting the process
-            # ("Resource deadlock avoided"). Freed with the process.
-            self._retired.append(dist.group.WORLD)
             dist.destroy_process_group()
 
     def after_failure(self) -> tuple[int, tuple[int, ...]] | None:
