@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
+from pathlib import Path
 
 import pytest
-from netns import Network, unavailable_reason
+from netns import Network, read_event, unavailable_reason
 from tls_certs import issue, make_authority
 
 from disttrain.core.processes import PARENT_ENV
@@ -57,3 +59,12 @@ def run_env() -> dict[str, str]:
     launcher (so servers print the address they bound, and die with the test)."""
     return {"DISTTRAIN_TOKEN": secrets.token_urlsafe(32), PARENT_ENV: str(os.getpid()),
             "OMP_NUM_THREADS": "1"}
+
+
+def start_coordinator(host, folder: Path, env: dict[str, str]) -> str:
+    """Start `disttrain coordinator` on `host` (its registry in `folder`); its address once
+    it listens."""
+    log = folder / "coordinator.out"
+    process = host.start([sys.executable, "-m", "disttrain", "coordinator", "--bind", f"{host.address}:0",
+                          "--registry", str(folder / "cluster.db")], log, env)
+    return read_event(log, "listening", process)["address"]

@@ -8,8 +8,7 @@ import json
 import sys
 
 import pytest
-from hosts import namespaces_reason, network, run_env  # noqa: F401  (fixtures)
-from netns import read_event
+from hosts import namespaces_reason, network, run_env, start_coordinator  # noqa: F401  (fixtures)
 
 from disttrain.coordinator.registry import read_status
 
@@ -22,10 +21,7 @@ RDZV_PORT = 29400  # in a fresh network namespace every port is free
 def test_a_ddp_run_on_two_hosts_under_c10d_rendezvous_finishes_on_both(network, run_env, tmp_path):
     net = network(["a", "b"])
     a, b = net.hosts["a"], net.hosts["b"]
-    log = tmp_path / "coordinator.out"
-    process = a.start([*DISTTRAIN, "coordinator", "--bind", f"{a.address}:0", "--registry",
-                       str(tmp_path / "cluster.db")], log, run_env)
-    coordinator = read_event(log, "listening", process)["address"]
+    coordinator = start_coordinator(a, tmp_path, run_env)
 
     nodes = []
     for host in (a, b):

@@ -11,8 +11,7 @@ import json
 import sys
 
 import pytest
-from hosts import namespaces_reason, network, run_env  # noqa: F401  (fixtures)
-from netns import read_event
+from hosts import namespaces_reason, network, run_env, start_coordinator  # noqa: F401  (fixtures)
 
 from disttrain.coordinator.registry import read_status
 
@@ -26,10 +25,7 @@ EPOCHS, BATCH, TRAIN = 3, 16, 1024
 def test_a_rank_killed_on_one_host_rejoins_the_live_group_across_hosts(network, run_env, tmp_path):
     net = network(["a", "b"])
     a, b = net.hosts["a"], net.hosts["b"]
-    log = tmp_path / "coordinator.out"
-    process = a.start([*DISTTRAIN, "coordinator", "--bind", f"{a.address}:0", "--registry",
-                       str(tmp_path / "cluster.db")], log, run_env)
-    coordinator = read_event(log, "listening", process)["address"]
+    coordinator = start_coordinator(a, tmp_path, run_env)
 
     nodes = []
     for host in (a, b):
