@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -112,3 +113,55 @@ def test_survivors_reform_and_take_the_rank_back(tmp_path):
     assert rejoined["admitted"] == [2, [0, 1, 2]] and rejoined["rank"] == 1
     assert rejoined["weights"] == [40.0, 41.0, 42.0, 43.0] and rejoined["step"] == 17
     assert rejoined["gen2"] == 3
+
+
+
+class LateHolder:
+    """Holds a process group in a collective's callback and lets it go on gloo's worker
+    thread only once the rank has dropped the group (as PowerSGD's callbacks can, when the
+    main thread leaves the generation the moment the hook's future is complete)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def __del__(self):
+        deadline = time.monotonic() + TIMEOUT_S
+        while dist.is_initialized() and dist.group.WORLD is self.group and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
+def leaves_while_a_callback_holds_the_group(port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    group = LiveGroup(connect("127.0.0.1", port, TIMEOUT_S), 0, TIMEOUT_S, STALE_S, window_s=10.0)
+    threads = []
+    for generation in range(5):
+        group.form(generation, (0,))
+        holder = LateHolder(dist.group.WORLD)
+
+        def average(done, holder=holder):
+            threads.append(threading.current_thread() is not threading.main_thread())
+            return done.value()
+
+        # Large enough that the callback is attached before the all-reduce is done, so it
+        # runs on gloo's thread (a callback attached to a done future runs here).
+        future = dist.all_reduce(torch.ones(1 << 22), async_op=True).get_future().then(average)
+        del holder, average
+        future.wait()
+        del future
+        group.leave()  # the callback's closure may still hold the group here
+    (Path(out_dir) / "threads.json").write_text(json.dumps(threads))
+    os._exit(0)
+
+
+@pytest.mark.timeout(120)
+def test_a_group_a_callback_still_holds_is_freed_by_the_rank_not_on_gloos_thread(tmp_path):
+    # Freed on gloo's worker thread, the group's destructor joins that thread itself and
+    # the process aborts (SIGABRT, "Resource deadlock avoided").
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=TIMEOUT_S))
+    process = mp.get_context("spawn").Process(target=leaves_while_a_callback_holds_the_group,
+                                              args=(store.port, str(tmp_path)))
+    process.start()
+    process.join(timeout=100)
+    assert process.exitcode == 0
+    assert any(json.loads((tmp_path / "threads.json").read_text()))  # the case arose

@@ -22,6 +22,7 @@ never reads a dead one's addresses.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +45,8 @@ from disttrain.strategies.ddp.live.membership import (
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a settling survivor or a waiting joiner looks at the store again
+RELEASE_WAIT_S = 2.0  # the longest `leave` waits for a collective's callbacks to let a group go
+RELEASE_POLL_S = 0.001
 DONE_KEY = "done"
 JOINS_KEY = "joins"
 
@@ -93,6 +96,28 @@ class Beats:
         self._stopped.set()
 
 
+def release(groups: list[dist.ProcessGroup], wait_s: float) -> None:
+    """Free each of `groups` (process groups no longer registered with torch) on this thread
+    once nothing else holds it, waiting up to `wait_s` for the holders to let go; a group
+    still held then stays in `groups` for the next call.
+
+    Why: a collective's future runs its callbacks on one of gloo's worker threads, and a
+    callback that captured the group (PyTorch's PowerSGD hook does) drops its reference
+    there, just after the future the main thread waits on is complete. Were that the last
+    reference, the group's destructor would run on that worker thread and join every
+    worker thread, itself included, and the process aborts ("Resource deadlock avoided").
+    Holding the group until the callbacks are gone makes this thread the one that frees it.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        for index in reversed(range(len(groups))):
+            if sys.getrefcount(groups[index]) <= 2:  # the list's reference and the argument's
+                del groups[index]  # the last reference: the group is freed here
+        if not groups or time.monotonic() >= deadline:
+            return
+        time.sleep(RELEASE_POLL_S)
+
+
 class LiveGroup:
     """This process's place in the live group (`slot`), and the group of the current
     generation once formed.
@@ -114,6 +139,7 @@ class LiveGroup:
         self.generation = -1
         self.members: tuple[int, ...] = ()
         self.attempts: dict[int, int] = {}  # each member's attempt, in this generation
+        self._left: list[dist.ProcessGroup] = []  # groups of past generations not yet freed
 
     @property
     def rank(self) -> int:
@@ -171,9 +197,12 @@ class LiveGroup:
 
     def leave(self) -> None:
         """Drop this generation's process group (its sockets close, so peers blocked in a
-        collective with this process fail at once instead of at the timeout)."""
+        collective with this process fail at once instead of at the timeout), freed on
+        this thread (`release`)."""
         if dist.is_initialized():
+            self._left.append(distributed_c10d._get_default_group())
             dist.destroy_process_group()
+        release(self._left, RELEASE_WAIT_S)
 
     def after_failure(self) -> tuple[int, tuple[int, ...]] | None:
         """Agree with the survivors on the next generation: (generation, members), or None
