@@ -145,9 +145,13 @@ def test_live_problems_name_each_setting_live_recovery_does_not_offer():
                                    training={"loader_workers": 2, "precision": "bf16"})
         assert live_problems(offered) == []
     assert live_problems(Config().replace(ddp={"lr_scaling": "linear"})) == []
-    config = Config().replace(training={"sync_every": 4, "precision": "fp16"}, ddp={"backend": "nccl"})
+    for balance in ("proportional", "auto"):
+        assert live_problems(Config().replace(system={"balance": balance})) == []
+    config = Config().replace(training={"sync_every": 4, "precision": "fp16"}, ddp={"backend": "nccl"},
+                              system={"balance": "proportional", "balance_batches": "24,8"})
     problems = live_problems(config)
-    assert len(problems) == 3
+    assert len(problems) == 4
+    assert any(p.startswith("system.balance_batches: a fixed plan") for p in problems)
     assert any(p.startswith("training.precision: fp16") and "bf16" in p for p in problems)
     assert any(p.startswith("training.sync_every") for p in problems)
     assert all("ddp.recovery restart" in p for p in problems)

@@ -77,6 +77,37 @@ class CompressionStats:
             self._totals = Counters(int(dense), int(sent), int(segments), seconds)
 
 
+class FlatBucket:
+    """One flat buffer holding every parameter's gradient in order (a live group's gradient,
+    a local-update round's pseudo-gradient), as the hooks read a `dist.GradBucket`: bucket
+    0, the last, of every parameter."""
+
+    def __init__(self, buffer: torch.Tensor, params: list[nn.Parameter]):
+        self._buffer, self._params = buffer, params
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self._params
+
+    def gradients(self) -> list[torch.Tensor]:
+        views, offset = [], 0
+        for param in self._params:
+            views.append(self._buffer[offset:offset + param.numel()].view_as(param))
+            offset += param.numel()
+        return views
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer.copy_(tensor)
+
+
 class CompressionHook:
     """A scheme's hook with its state; subclasses define `hook`, `_state` and `_load`."""
 

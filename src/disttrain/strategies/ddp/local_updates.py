@@ -26,33 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disttrain.compression.ddp_hooks import CompressionHook
+from disttrain.compression.ddp_hooks import CompressionHook, FlatBucket
 from disttrain.training.local_updates import LocalUpdates, OuterOptimizer
 
 logger = logging.getLogger(__name__)
-
-
-class FlatBucket:
-    """The pseudo-gradient dressed as DDP's `GradBucket` (the part of its interface the
-    compression hooks read): one bucket, the last, of every trained parameter."""
-
-    def __init__(self, buffer: torch.Tensor, params: list[nn.Parameter], views: list[torch.Tensor]):
-        self._buffer, self._params, self._views = buffer, params, views
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def parameters(self) -> list[nn.Parameter]:
-        return self._params
-
-    def gradients(self) -> list[torch.Tensor]:
-        return self._views
-
-    def index(self) -> int:
-        return 0
-
-    def is_last(self) -> bool:
-        return True
 
 
 @torch.no_grad()
@@ -102,7 +79,7 @@ class LocalRounds:
         if self.compression is None:
             dist.all_reduce(delta.div_(dist.get_world_size()))
             return delta
-        bucket = FlatBucket(delta, self.params, self.outer.views(delta))
+        bucket = FlatBucket(delta, self.params)
         return self.compression.hook(cast(dist.GradBucket, bucket)).wait()
 
     @property

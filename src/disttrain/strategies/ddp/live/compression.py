@@ -1,9 +1,9 @@
 """Gradient compression in a live group: the DDP hooks of `compression.ddp_hooks` (the same
 codecs, the same state) run on the live trainer's one flat gradient buffer.
 
-`FlatBucket` is that buffer as the hooks read a `dist.GradBucket`: bucket 0, the last,
-holding every parameter's gradient in order. The hook's future gives the average over
-the current generation's group (every hook divides by the world size itself).
+`ddp_hooks.FlatBucket` is that buffer as the hooks read a `dist.GradBucket`. The hook's
+future gives the average over the current generation's group (every hook divides by the
+world size itself).
 
 What is handed over with the rest of the state (`state_dict`, taken by every member but
 the source in `LiveTrainer.load_state_dict`): the byte counters, and PowerSGD's shared
@@ -35,42 +35,20 @@ redoes, which would then count twice.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 
-from disttrain.compression.ddp_hooks import CompressionHook, GatherHook, PowerSGDHook, build_ddp_hook
+from disttrain.compression.ddp_hooks import (
+    CompressionHook,
+    FlatBucket,
+    GatherHook,
+    PowerSGDHook,
+    build_ddp_hook,
+)
 from disttrain.config import Config
 from disttrain.training.seeding import training_seed
-
-
-class FlatBucket:
-    """Every gradient in one flat buffer, as a `dist.GradBucket` for the compression hooks."""
-
-    def __init__(self, buffer: torch.Tensor, params: list[torch.nn.Parameter]):
-        self._buffer, self._params = buffer, params
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return self._params
-
-    def gradients(self) -> list[torch.Tensor]:
-        views, offset = [], 0
-        for param in self._params:
-            views.append(self._buffer[offset:offset + param.numel()].view_as(param))
-            offset += param.numel()
-        return views
-
-    def index(self) -> int:
-        return 0
-
-    def is_last(self) -> bool:
-        return True
-
-    def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._buffer.copy_(tensor)
 
 
 def live_compression(config: Config, module: torch.nn.Module, slot: int) -> CompressionHook | None:
@@ -88,7 +66,7 @@ def compressed_average(hook: CompressionHook, flat: torch.Tensor,
     Raises:
         RuntimeError, dist.DistError: a peer was lost (the result is then unusable).
     """
-    return hook.hook(FlatBucket(flat, params)).wait()
+    return hook.hook(cast(dist.GradBucket, FlatBucket(flat, params))).wait()
 
 
 def clear_residuals(hook: CompressionHook) -> None:

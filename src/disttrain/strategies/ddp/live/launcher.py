@@ -59,12 +59,13 @@ def live_problems(config: Config) -> list[str]:
     """What live recovery does not offer yet, each with the way out. (`resume` is offered:
     the group's leader writes checkpoints, see `live.checkpoints`; so are compression,
     PowerSGD included, see `live.compression`, gradient accumulation, loader workers,
-    bf16 mixed precision and `ddp.lr_scaling`.)"""
+    bf16 mixed precision, `ddp.lr_scaling` and measured `system.balance`.)"""
     training, ddp = config.training, config.ddp
     rules = [
         (training.local_update_mode, "training.sync_every: local updates (the members' models differ "
          "within a round, so a loss would have to roll every member back to the round's start)"),
-        (config.system.balance != "none", f"system.balance: {config.system.balance} batches"),
+        (bool(config.system.balance_batches), "system.balance_batches: a fixed plan (one batch per rank of "
+         "the run, while a live group's size changes; system.balance proportional or auto measures instead)"),
         (training.precision == "fp16", "training.precision: fp16 (its loss scaling runs on CUDA GPUs; live "
          "groups train on the CPU, where bf16 is offered)"),
         (ddp.backend == "nccl", "ddp.backend: nccl (live groups are gloo, on the CPU)"),

@@ -173,6 +173,7 @@ class LiveRank:
         if pending is not None and group.is_leader:
             trainer.progress.recoveries.append(self._recovery(pending))
         trainer.attach(group.rank, group.world_size)
+        self.heartbeat_progress.rebalancer = trainer.rebalancer  # its balance state goes into the heartbeats
         if self.metrics is None:
             folder = os.path.join(self.config.system.log_dir, f"rank{self.slot}")
             resumed = self.attempt or self.resume  # records past the state's step are replaced
@@ -196,7 +197,9 @@ class LiveRank:
         loss_sum, correct, samples = 0.0, 0, 0
         while not trainer.finished:
             while not trainer.epoch_done:
+                started = time.perf_counter()
                 tickets = group.pending_joins(p.admitted)
+                joins_wait_s = time.perf_counter() - started  # mostly waiting for the slowest member
                 if tickets > p.admitted:  # every member sees the same count: all go to grow
                     p.admitted = tickets
                     return tickets
@@ -211,6 +214,7 @@ class LiveRank:
                     loss_sum, correct, samples = 0.0, 0, 0
                 # A straggler slows its whole step, its waits for peers included.
                 self.faults.at_step(p.step, train_time_s=trainer.train_time_s())
+                trainer.after_step(result.num_samples, joins_wait_s)  # balanced: this member's speed
             epoch = p.epoch
             evaluation = trainer.evaluate(group.rank, group.world_size)
             self._log({"loss/test": evaluation.loss, "accuracy/test": evaluation.accuracy}, epoch)
@@ -264,7 +268,15 @@ class LiveRank:
                    "ddp_recovery": "live", "samples_applied": applied, "samples_lost": lost,
                    "samples_applied_twice": twice, "samples_redone": samples_redone,
                    "samples_trained": samples_trained,
-                   "final_pids": pids, "live_recoveries": p.recoveries})
+                   "final_pids": pids, "live_recoveries": p.recoveries, **self._balance_fields()})
+
+    def _balance_fields(self) -> dict[str, Any]:
+        """Under `system.balance`: `balance_plans` ([epoch, batch, batches] of every balanced
+        split adopted, at a change of group or a re-plan) and `balance_replans` (the latter)."""
+        if self.config.system.balance == "none":
+            return {}
+        p = self.trainer.progress
+        return {"balance_plans": p.plans, "balance_replans": p.replans}
 
 
 def _first_line(error: BaseException) -> str:

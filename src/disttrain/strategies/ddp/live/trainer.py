@@ -9,8 +9,9 @@ instead of failing at once when the peer's sockets close. Without it, leaving a 
 closes its sockets, and the survivors notice one another's departure at once.
 
 The global batches are fixed (`batch_size` x the run's world size, cut from each epoch's
-permutation as the planned sampler cuts them); each generation splits them evenly over
-its members. A step's gradient is that of its whole global batch whatever the split (each
+permutation as the planned sampler cuts them); each generation splits them over its
+members, evenly or, under `system.balance`, by their speeds (see `LiveTrainer.attach`).
+A step's gradient is that of its whole global batch whatever the split (each
 member's loss is weighted by its share), so a step redone by fewer ranks after a failure
 trains on the same samples. With gradient accumulation a step takes up to
 `ddp.grad_accumulation_steps` global batches (each member's micro-batches, then one
@@ -42,10 +43,12 @@ from disttrain.strategies.ddp.live.compression import (
 from disttrain.strategies.ddp.live.membership import split_batch
 from disttrain.strategies.ddp.rank import scaled_learning_rate
 from disttrain.strategies.ddp.reduce import evaluate_sharded
+from disttrain.training.balance import plan_batches
 from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward
 from disttrain.training.loading import prefetch
 from disttrain.training.models import init_model
 from disttrain.training.precision import Precision, plan_precision
+from disttrain.training.rebalance import Rebalancer
 from disttrain.training.seeding import seed_training
 from disttrain.training.stepping import OptimizerStep
 
@@ -63,17 +66,22 @@ class Progress:
     admitted: int = 0  # join tickets taken care of
     evaluations: list[list[float]] = field(default_factory=list)  # [train_time_s, accuracy, loss]
     recoveries: list[dict[str, Any]] = field(default_factory=list)
+    plans: list[list[Any]] = field(default_factory=list)  # balanced splits: [epoch, batch, batches]
+    replans: int = 0  # of those, made by a speed check within a generation
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "index": self.index, "step": self.step,
                 "train_time_s": self.train_time_s, "admitted": self.admitted,
-                "evaluations": self.evaluations, "recoveries": self.recoveries}
+                "evaluations": self.evaluations, "recoveries": self.recoveries,
+                "plans": self.plans, "replans": self.replans}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.index, self.step = int(state["epoch"]), int(state["index"]), int(state["step"])
         self.train_time_s, self.admitted = float(state["train_time_s"]), int(state["admitted"])
         self.evaluations = [list(e) for e in state["evaluations"]]
         self.recoveries = [dict(r) for r in state["recoveries"]]
+        self.plans = [list(plan) for plan in state.get("plans", [])]
+        self.replans = int(state.get("replans", 0))
 
 
 class LiveTrainer:
@@ -107,6 +115,9 @@ class LiveTrainer:
         self.ledger = torch.zeros(self.num_epochs, self.batches_per_epoch, dtype=torch.int32)
         self.has_state = True
         self.sampler: PlannedSampler | None = None
+        self.rebalancer: Rebalancer | None = None  # under system.balance, this generation's checks
+        self.speed = 0.0  # this member's samples/s at its last speed check (0: not measured yet)
+        self.blocked_s = 0.0  # the last step's wait in the all-reduce
         self.samples_trained = 0  # by this process, failed steps included
         self.samples_redone = 0  # of steps whose all-reduce failed here (the group redoes them)
         self._in_flight = 0
@@ -159,14 +170,65 @@ class LiveTrainer:
         self.has_state = False
 
     def attach(self, rank: int, world_size: int) -> None:
-        """Split the global batches over this generation's group (call once the state is synced)."""
+        """Split the global batches over this generation's group (call once the state is
+        synced; a collective under `system.balance`).
+
+        Balanced, the members share the speeds of their last checks and split by them
+        (`plan_batches`), or evenly while one has none yet (a joiner, or the run's start);
+        then every `system.balance_interval` steps they measure again and re-plan when a
+        new split would shorten a step (`Rebalancer`, as restart mode does). Whatever the
+        split, a step trains on the same global batches, so a re-plan loses nothing.
+        """
+        system, p = self.config.system, self.progress
         shares = split_batch(self.global_batch, world_size)
+        if system.balance != "none":
+            speeds = self._gather_speeds("speeds", self.speed, p.step)
+            if min(speeds) > 0:
+                shares = tuple(plan_batches(speeds, self.global_batch, system.balance, system.balance_margin))
+                self._record_plan(shares, rank)
         self.sampler = PlannedSampler(len(self.train_set), world_size=world_size, rank=rank,
                                       seed=self.config.training.seed, shares=shares)
+        self._follow(self.sampler)
         self.world_size = world_size
+        if system.balance != "none":
+            self.rebalancer = Rebalancer(self.sampler, system.balance, system.balance_margin,
+                                         system.balance_interval, self._gather_speeds, rank == 0, self.speed)
+            # Measured from the end of the generation's first step: a joiner's first step
+            # (the model's first forward, its caches) would make it look slow.
         if self.compression is not None:  # every member's residual starts again at zero
             clear_residuals(self.compression)
         self._load_ahead()
+
+    def _gather_speeds(self, name: str, speed: float, step: int) -> list[float]:
+        """Every member's speed in rank order (a collective); `speed` is this member's."""
+        if speed > 0:
+            self.speed = speed
+        mine = torch.tensor([speed], dtype=torch.float64)
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        return [float(t.item()) for t in gathered]
+
+    def _follow(self, sampler: PlannedSampler) -> None:
+        """The sampler at the run's position, so a re-plan starts at the next global batch."""
+        sampler.epoch, sampler.index = self.progress.epoch, self.progress.index
+
+    def _record_plan(self, shares: tuple[int, ...], rank: int) -> None:
+        p = self.progress
+        p.plans.append([p.epoch, p.index, list(shares)])
+        if rank == 0:
+            logger.info("balanced batches %s from step %d (speeds of the last checks)", list(shares), p.step)
+
+    def after_step(self, samples: int, waited_s: float = 0.0) -> None:
+        """Under `system.balance`: count the step's work (call after everything that slows
+        this member; its waits for peers, the all-reduce's and `waited_s` besides, left out)
+        and, at a check, re-plan (a collective)."""
+        rebalancer, p = self.rebalancer, self.progress
+        if rebalancer is None or self.sampler is None:
+            return
+        if rebalancer.after_step(p.step, p.epoch, samples, self.blocked_s + waited_s):
+            p.plans.append([p.epoch, p.index, list(self.sampler.shares)])
+            p.replans += 1
+            self._load_ahead()
 
     def _load_ahead(self) -> None:
         """Have the loader workers (`training.loader_workers`) load this member's pieces of
@@ -188,7 +250,7 @@ class LiveTrainer:
 
     def detach(self) -> None:
         """This generation's group is gone: a step cut short by it will be redone."""
-        self.sampler = None
+        self.sampler, self.rebalancer = None, None
         self.samples_redone += self._in_flight
         self._in_flight = 0
 
@@ -217,12 +279,15 @@ class LiveTrainer:
             result = forward_backward(self.module, inputs, targets, weight, self.precision)
             loss_sum += result.loss * result.num_samples
             correct, samples = correct + result.num_correct, samples + result.num_samples
+        started = time.perf_counter()
         average_gradients(list(self.module.parameters()), self.world_size, self.compression)
+        self.blocked_s = time.perf_counter() - started
         self._in_flight = 0
         self.stepper.step()
         self.ledger[p.epoch, p.index:p.index + batches] += 1
         p.index += batches
         p.step += 1
+        self._follow(self.sampler)
         return StepResult(loss_sum / max(samples, 1), correct, samples)
 
     def evaluate(self, rank: int, world_size: int) -> EvalResult:
@@ -235,6 +300,10 @@ class LiveTrainer:
         p = self.progress
         p.evaluations.append([self.train_time_s(), result.accuracy, result.loss])
         p.epoch, p.index = p.epoch + 1, 0
+        if self.sampler is not None:
+            self._follow(self.sampler)
+        if self.rebalancer is not None:
+            self.rebalancer.restart()  # the evaluation is not training
         self._load_ahead()
         return result
 
