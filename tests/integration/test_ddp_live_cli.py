@@ -161,7 +161,7 @@ def test_balanced_live_run_gives_the_straggler_less_and_replans_after_a_loss(cli
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("extra, message", [
     (["--precision", "fp16"], "training.precision: fp16"),
-    (["--set", "training.sync_every=4"], "training.sync_every: local updates"),
+    (["--set", "training.sync_every=4", "--set", "system.balance=auto"], "system.balance with local updates"),
     (["--set", "system.balance=proportional", "--set", "system.balance_batches=24,16,8"],
      "system.balance_batches: a fixed plan"),
 ])

@@ -138,11 +138,12 @@ def test_recovery_times_from_deaths_and_restarts():
 
 def test_live_problems_name_each_setting_live_recovery_does_not_offer():
     assert live_problems(Config()) == []
-    # Offered: compression (PowerSGD too), gradient accumulation, loader workers, bf16, --resume.
+    # Offered: compression (PowerSGD too), gradient accumulation, loader workers, bf16, --resume,
+    # local updates.
     for scheme in ("topk", "powersgd"):
         offered = Config().replace(compression={"enabled": True, "type": scheme},
                                    ddp={"grad_accumulation_steps": 2},
-                                   training={"loader_workers": 2, "precision": "bf16"})
+                                   training={"loader_workers": 2, "precision": "bf16", "sync_every": 4})
         assert live_problems(offered) == []
     assert live_problems(Config().replace(ddp={"lr_scaling": "linear"})) == []
     for balance in ("proportional", "auto"):
@@ -153,7 +154,7 @@ def test_live_problems_name_each_setting_live_recovery_does_not_offer():
     assert len(problems) == 4
     assert any(p.startswith("system.balance_batches: a fixed plan") for p in problems)
     assert any(p.startswith("training.precision: fp16") and "bf16" in p for p in problems)
-    assert any(p.startswith("training.sync_every") for p in problems)
+    assert any(p.startswith("system.balance with local updates") for p in problems)
     assert all("ddp.recovery restart" in p for p in problems)
 
 

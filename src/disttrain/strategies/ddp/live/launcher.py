@@ -59,11 +59,12 @@ def live_problems(config: Config) -> list[str]:
     """What live recovery does not offer yet, each with the way out. (`resume` is offered:
     the group's leader writes checkpoints, see `live.checkpoints`; so are compression,
     PowerSGD included, see `live.compression`, gradient accumulation, loader workers,
-    bf16 mixed precision, `ddp.lr_scaling` and measured `system.balance`.)"""
+    bf16 mixed precision, `ddp.lr_scaling`, measured `system.balance` and local updates,
+    see `live.rounds`.)"""
     training, ddp = config.training, config.ddp
     rules = [
-        (training.local_update_mode, "training.sync_every: local updates (the members' models differ "
-         "within a round, so a loss would have to roll every member back to the round's start)"),
+        (training.local_update_mode and config.system.balance != "none", "system.balance with local "
+         "updates (training.sync_every)"),
         (bool(config.system.balance_batches), "system.balance_batches: a fixed plan (one batch per rank of "
          "the run, while a live group's size changes; system.balance proportional or auto measures instead)"),
         (training.precision == "fp16", "training.precision: fp16 (its loss scaling runs on CUDA GPUs; live "

@@ -173,7 +173,8 @@ class LiveRank:
         if pending is not None and group.is_leader:
             trainer.progress.recoveries.append(self._recovery(pending))
         trainer.attach(group.rank, group.world_size)
-        self.heartbeat_progress.rebalancer = trainer.rebalancer  # its balance state goes into the heartbeats
+        if trainer.balance is not None:  # its balance state goes into the heartbeats
+            self.heartbeat_progress.rebalancer = trainer.balance.rebalancer
         if self.metrics is None:
             folder = os.path.join(self.config.system.log_dir, f"rank{self.slot}")
             resumed = self.attempt or self.resume  # records past the state's step are replaced
@@ -197,12 +198,14 @@ class LiveRank:
         loss_sum, correct, samples = 0.0, 0, 0
         while not trainer.finished:
             while not trainer.epoch_done:
-                started = time.perf_counter()
-                tickets = group.pending_joins(p.admitted)
-                joins_wait_s = time.perf_counter() - started  # mostly waiting for the slowest member
-                if tickets > p.admitted:  # every member sees the same count: all go to grow
-                    p.admitted = tickets
-                    return tickets
+                joins_wait_s = 0.0
+                if trainer.at_round_boundary:  # with local updates, joiners come between rounds
+                    started = time.perf_counter()
+                    tickets = group.pending_joins(p.admitted)
+                    joins_wait_s = time.perf_counter() - started  # mostly waiting for the slowest member
+                    if tickets > p.admitted:  # every member sees the same count: all go to grow
+                        p.admitted = tickets
+                        return tickets
                 result = trainer.step()
                 loss_sum += result.loss * result.num_samples
                 correct, samples = correct + result.num_correct, samples + result.num_samples
@@ -268,7 +271,8 @@ class LiveRank:
                    "ddp_recovery": "live", "samples_applied": applied, "samples_lost": lost,
                    "samples_applied_twice": twice, "samples_redone": samples_redone,
                    "samples_trained": samples_trained,
-                   "final_pids": pids, "live_recoveries": p.recoveries, **self._balance_fields()})
+                   "final_pids": pids, "live_recoveries": p.recoveries, **self._balance_fields(),
+                   **({} if trainer.rounds is None else trainer.rounds.summary_fields())})
 
     def _balance_fields(self) -> dict[str, Any]:
         """Under `system.balance`: `balance_plans` ([epoch, batch, batches] of every balanced

@@ -10,10 +10,12 @@ closes its sockets, and the survivors notice one another's departure at once.
 
 The global batches are fixed (`batch_size` x the run's world size, cut from each epoch's
 permutation as the planned sampler cuts them); each generation splits them over its
-members, evenly or, under `system.balance`, by their speeds (see `LiveTrainer.attach`).
+members, evenly or, under `system.balance`, by their speeds (`live.balance`).
 A step's gradient is that of its whole global batch whatever the split (each
 member's loss is weighted by its share), so a step redone by fewer ranks after a failure
-trains on the same samples. With gradient accumulation a step takes up to
+trains on the same samples. With local updates (`training.sync_every`) the members
+average once per round instead, and a change of group mid-round sends every member back to
+the round's start (`live.rounds`). With gradient accumulation a step takes up to
 `ddp.grad_accumulation_steps` global batches (each member's micro-batches, then one
 all-reduce), and a failed step redoes all of them. The ledger counts, per epoch and global batch, the updates
 applied from it: 1 everywhere at the end means nothing lost and nothing twice.
@@ -33,6 +35,7 @@ from disttrain.compression.ddp_hooks import CompressionHook
 from disttrain.config import Config
 from disttrain.core.errors import ConfigError
 from disttrain.data import PlannedSampler, load_datasets
+from disttrain.strategies.ddp.live.balance import LiveBalance
 from disttrain.strategies.ddp.live.compression import (
     clear_residuals,
     compressed_average,
@@ -41,14 +44,14 @@ from disttrain.strategies.ddp.live.compression import (
     shared_state,
 )
 from disttrain.strategies.ddp.live.membership import split_batch
+from disttrain.strategies.ddp.live.rounds import LiveRounds
 from disttrain.strategies.ddp.rank import scaled_learning_rate
 from disttrain.strategies.ddp.reduce import evaluate_sharded
-from disttrain.training.balance import plan_batches
 from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward
 from disttrain.training.loading import prefetch
+from disttrain.training.local_updates import LocalUpdates
 from disttrain.training.models import init_model
 from disttrain.training.precision import Precision, plan_precision
-from disttrain.training.rebalance import Rebalancer
 from disttrain.training.seeding import seed_training
 from disttrain.training.stepping import OptimizerStep
 
@@ -106,6 +109,9 @@ class LiveTrainer:
         # bf16 autocast (live groups train on the CPU, where fp16's loss scaling is not offered)
         self.precision = Precision(plan_precision(training.precision, "cpu"), "cpu")
         self.compression = live_compression(config, self.module, slot)
+        local_updates = LocalUpdates.of(training)
+        self.rounds = None if local_updates is None else \
+            LiveRounds(local_updates, list(self.module.parameters()))
         self.loader = prefetch(self.train_set, training.loader_workers)
         self.global_batch = training.batch_size * config.system.num_workers
         self.batches_per_epoch = len(self.train_set) // self.global_batch
@@ -115,8 +121,8 @@ class LiveTrainer:
         self.ledger = torch.zeros(self.num_epochs, self.batches_per_epoch, dtype=torch.int32)
         self.has_state = True
         self.sampler: PlannedSampler | None = None
-        self.rebalancer: Rebalancer | None = None  # under system.balance, this generation's checks
-        self.speed = 0.0  # this member's samples/s at its last speed check (0: not measured yet)
+        balanced = config.system.balance != "none"
+        self.balance = LiveBalance(config.system, self.global_batch) if balanced else None
         self.blocked_s = 0.0  # the last step's wait in the all-reduce
         self.samples_trained = 0  # by this process, failed steps included
         self.samples_redone = 0  # of steps whose all-reduce failed here (the group redoes them)
@@ -134,7 +140,22 @@ class LiveTrainer:
     def train_time_s(self) -> float:
         return self.progress.train_time_s + time.perf_counter() - self._clock_from
 
+    @property
+    def at_round_boundary(self) -> bool:
+        """Whether this member may take joiners now: always, or with local updates only
+        between rounds."""
+        return self.rounds is None or not self.rounds.in_round
+
     def state_dict(self) -> dict[str, Any]:
+        """The run's state as this member holds it (with local updates, mid-round: as the
+        round began)."""
+        start = None if self.rounds is None else self.rounds.start_state
+        state = dict(start) if start is not None else self._current_state()
+        if self.rounds is not None:
+            state["outer"] = self.rounds.state_dict()
+        return state
+
+    def _current_state(self) -> dict[str, Any]:
         self.progress.train_time_s = self.train_time_s()
         self._clock_from = time.perf_counter()
         state = {"model": self.module.state_dict(), **self.stepper.state_dict(),
@@ -150,20 +171,33 @@ class LiveTrainer:
         this member's fresh).
 
         Raises:
-            ConfigError: the state was written with another compression scheme.
+            ConfigError: the state was written with another compression scheme, or with
+                local updates when the run has none (or the reverse).
         """
-        self.module.load_state_dict(state["model"])
-        self.optimizer.state.clear()
-        self.stepper.load_state_dict(state)
-        self.progress.load_state_dict(state["progress"])
-        self.ledger = state["ledger"].clone()
+        if (self.rounds is None) != ("outer" not in state):
+            raise ConfigError("the state was written " + ("without" if self.rounds else "with")
+                              + " local updates (training.sync_every); resume with the run's setting")
+        if self.rounds is not None:
+            try:
+                self.rounds.load_state_dict(state["outer"])
+            except ValueError as e:
+                raise ConfigError(f"the state's local updates: {e}") from e
+        self._load_training(state)
         if self.compression is not None and "compression" in state:
             try:
                 load_shared_state(self.compression, state["compression"])
             except ValueError as e:
                 raise ConfigError(str(e)) from e
-        self._clock_from = time.perf_counter()
         self.has_state = True
+
+    def _load_training(self, state: dict[str, Any]) -> None:
+        """Model, optimizer, position and ledger from `state`."""
+        self.module.load_state_dict(state["model"])
+        self.optimizer.state.clear()
+        self.stepper.load_state_dict(state)
+        self.progress.load_state_dict(state["progress"])
+        self.ledger = state["ledger"].clone()
+        self._clock_from = time.perf_counter()
 
     def drop_state(self) -> None:
         """Left out of a generation: this process's state is no longer the run's."""
@@ -171,42 +205,20 @@ class LiveTrainer:
 
     def attach(self, rank: int, world_size: int) -> None:
         """Split the global batches over this generation's group (call once the state is
-        synced; a collective under `system.balance`).
-
-        Balanced, the members share the speeds of their last checks and split by them
-        (`plan_batches`), or evenly while one has none yet (a joiner, or the run's start);
-        then every `system.balance_interval` steps they measure again and re-plan when a
-        new split would shorten a step (`Rebalancer`, as restart mode does). Whatever the
-        split, a step trains on the same global batches, so a re-plan loses nothing.
-        """
-        system, p = self.config.system, self.progress
-        shares = split_batch(self.global_batch, world_size)
-        if system.balance != "none":
-            speeds = self._gather_speeds("speeds", self.speed, p.step)
-            if min(speeds) > 0:
-                shares = tuple(plan_batches(speeds, self.global_batch, system.balance, system.balance_margin))
-                self._record_plan(shares, rank)
+        synced; a collective under `system.balance`, see `live.balance`)."""
+        shares = None if self.balance is None else self.balance.shares(world_size)
+        if shares is not None:
+            self._record_plan(shares, rank)
         self.sampler = PlannedSampler(len(self.train_set), world_size=world_size, rank=rank,
-                                      seed=self.config.training.seed, shares=shares)
+                                      seed=self.config.training.seed,
+                                      shares=shares or split_batch(self.global_batch, world_size))
         self._follow(self.sampler)
         self.world_size = world_size
-        if system.balance != "none":
-            self.rebalancer = Rebalancer(self.sampler, system.balance, system.balance_margin,
-                                         system.balance_interval, self._gather_speeds, rank == 0, self.speed)
-            # Measured from the end of the generation's first step: a joiner's first step
-            # (the model's first forward, its caches) would make it look slow.
+        if self.balance is not None:
+            self.balance.start(self.sampler, rank)
         if self.compression is not None:  # every member's residual starts again at zero
             clear_residuals(self.compression)
         self._load_ahead()
-
-    def _gather_speeds(self, name: str, speed: float, step: int) -> list[float]:
-        """Every member's speed in rank order (a collective); `speed` is this member's."""
-        if speed > 0:
-            self.speed = speed
-        mine = torch.tensor([speed], dtype=torch.float64)
-        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
-        return [float(t.item()) for t in gathered]
 
     def _follow(self, sampler: PlannedSampler) -> None:
         """The sampler at the run's position, so a re-plan starts at the next global batch."""
@@ -222,10 +234,10 @@ class LiveTrainer:
         """Under `system.balance`: count the step's work (call after everything that slows
         this member; its waits for peers, the all-reduce's and `waited_s` besides, left out)
         and, at a check, re-plan (a collective)."""
-        rebalancer, p = self.rebalancer, self.progress
-        if rebalancer is None or self.sampler is None:
+        p = self.progress
+        if self.balance is None or self.sampler is None:
             return
-        if rebalancer.after_step(p.step, p.epoch, samples, self.blocked_s + waited_s):
+        if self.balance.after_step(p.step, p.epoch, samples, self.blocked_s + waited_s):
             p.plans.append([p.epoch, p.index, list(self.sampler.shares)])
             p.replans += 1
             self._load_ahead()
@@ -250,24 +262,35 @@ class LiveTrainer:
 
     def detach(self) -> None:
         """This generation's group is gone: a step cut short by it will be redone."""
-        self.sampler, self.rebalancer = None, None
+        self.sampler = None
+        if self.balance is not None:
+            self.balance.stop()
         self.samples_redone += self._in_flight
         self._in_flight = 0
+        start = None if self.rounds is None else self.rounds.rollback()
+        if start is not None:  # mid-round: back to the round's start, its batches redone
+            elapsed = self.train_time_s()
+            self._load_training(start)
+            self.progress.train_time_s = elapsed  # the clock of training goes on
 
     def step(self) -> StepResult:
         """Train on this member's pieces of the step's global batches (one, or up to
         `ddp.grad_accumulation_steps`: the epoch's last step takes what is left); one
-        all-reduce; apply.
+        all-reduce; apply. With local updates: step this member's model, and average at
+        the round's end.
 
         Raises:
             RuntimeError, dist.DistError: a peer was lost in the all-reduce (nothing applied;
-                the group redoes every global batch of the step).
+                the group redoes every global batch of the step, or of the round).
         """
         assert self.sampler is not None, "attach() first"
         p = self.progress
         batches = min(self.micro_batches, self.batches_per_epoch - p.index)
+        if self.rounds is not None:
+            self.rounds.begin_step(self._current_state)
         self.optimizer.zero_grad(set_to_none=True)
-        broadcast_buffers(self.module)
+        if self.rounds is None:  # with local updates, at the round's end
+            broadcast_buffers(self.module)
         loss_sum, correct, samples = 0.0, 0, 0
         for offset in range(batches):
             indices = self.sampler.block(p.epoch, p.index + offset)
@@ -279,16 +302,37 @@ class LiveTrainer:
             result = forward_backward(self.module, inputs, targets, weight, self.precision)
             loss_sum += result.loss * result.num_samples
             correct, samples = correct + result.num_correct, samples + result.num_samples
-        started = time.perf_counter()
-        average_gradients(list(self.module.parameters()), self.world_size, self.compression)
-        self.blocked_s = time.perf_counter() - started
-        self._in_flight = 0
-        self.stepper.step()
-        self.ledger[p.epoch, p.index:p.index + batches] += 1
+        if self.rounds is None:
+            started = time.perf_counter()
+            average_gradients(list(self.module.parameters()), self.world_size, self.compression)
+            self.blocked_s = time.perf_counter() - started
+            self._in_flight = 0
+            self.stepper.step()
+            self.ledger[p.epoch, p.index:p.index + batches] += 1
+        else:
+            self.stepper.step()
+            self._end_of_local_step(p.index + batches)
         p.index += batches
         p.step += 1
         self._follow(self.sampler)
         return StepResult(loss_sum / max(samples, 1), correct, samples)
+
+    def _end_of_local_step(self, next_index: int) -> None:
+        """After a local step that ends before global batch `next_index`: at the round's
+        end, average and count the round's global batches in the ledger."""
+        assert self.rounds is not None
+        start = self.rounds.start_state
+        assert start is not None
+        first = int(start["progress"]["index"])  # a round never spans two epochs
+        ends_epoch = next_index >= self.batches_per_epoch
+        blocked = self.rounds.end_of_step(list(self.module.parameters()), ends_epoch, self.world_size,
+                                          self.compression)
+        if blocked is None:
+            return
+        broadcast_buffers(self.module)  # the buffers a round ends with are rank 0's
+        self.blocked_s = blocked
+        self.ledger[self.progress.epoch, first:next_index] += 1
+        self._in_flight = 0
 
     def evaluate(self, rank: int, world_size: int) -> EvalResult:
         """The epoch-end evaluation (a collective), recorded; then the next epoch begins."""
@@ -302,8 +346,8 @@ class LiveTrainer:
         p.epoch, p.index = p.epoch + 1, 0
         if self.sampler is not None:
             self._follow(self.sampler)
-        if self.rebalancer is not None:
-            self.rebalancer.restart()  # the evaluation is not training
+        if self.balance is not None:
+            self.balance.restart()  # the evaluation is not training
         self._load_ahead()
         return result
 

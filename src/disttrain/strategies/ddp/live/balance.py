@@ -1,0 +1,79 @@
+"""`system.balance` in a live group: each member's speed, shared at every change of group
+and every `system.balance_interval` steps, splits the global batches.
+
+At a change of group the members share the speeds of their last checks and split by them
+(`plan_batches`), or evenly while one has none yet (a joiner, or the run's start); then
+every interval they measure again (their own work only: the waits for peers are left
+out) and re-plan when a new split would shorten a step (`Rebalancer`, as restart mode
+does). A generation's first step is not measured: a joiner's (the model's first forward,
+its caches) would make it look slow. Whatever the split, a step trains on the same
+global batches, so no plan loses or repeats a sample.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from disttrain.config import SystemConfig
+from disttrain.data import PlannedSampler
+from disttrain.training.balance import plan_batches
+from disttrain.training.rebalance import Rebalancer
+
+logger = logging.getLogger(__name__)
+
+
+class LiveBalance:
+    """One member's speeds and the current generation's checks.
+
+    Args:
+        system: the run's `system` settings (`balance` other than none).
+        global_batch: samples per global batch.
+    """
+
+    def __init__(self, system: SystemConfig, global_batch: int):
+        self.system, self.global_batch = system, global_batch
+        self.speed = 0.0  # samples/s at this member's last check (0: not measured yet)
+        self.rebalancer: Rebalancer | None = None  # this generation's checks
+
+    def shares(self, world_size: int) -> tuple[int, ...] | None:
+        """The split by the members' last speeds, or None (even) while one has none. A
+        collective: every member calls it when a generation starts."""
+        speeds = self._gather("speeds", self.speed, 0)
+        if len(speeds) != world_size or min(speeds) <= 0:
+            return None
+        system = self.system
+        return tuple(plan_batches(speeds, self.global_batch, system.balance, system.balance_margin))
+
+    def start(self, sampler: PlannedSampler, rank: int) -> None:
+        """Check `sampler`'s generation every interval (rank 0 logs each re-plan)."""
+        system = self.system
+        self.rebalancer = Rebalancer(sampler, system.balance, system.balance_margin, system.balance_interval,
+                                     self._gather, rank == 0, self.speed)
+
+    def stop(self) -> None:
+        """The generation is gone."""
+        self.rebalancer = None
+
+    def restart(self) -> None:
+        """Measure afresh from now (what came before was not training: an evaluation)."""
+        if self.rebalancer is not None:
+            self.rebalancer.restart()
+
+    def after_step(self, step: int, epoch: int, samples: int, waited_s: float) -> bool:
+        """Count a step of `samples` that waited `waited_s` for peers; at a check, re-plan
+        (a collective). Returns whether it re-planned."""
+        if self.rebalancer is None:
+            return False
+        return self.rebalancer.after_step(step, epoch, samples, waited_s)
+
+    def _gather(self, name: str, speed: float, step: int) -> list[float]:
+        """Every member's speed in rank order (a collective); `speed` is this member's."""
+        if speed > 0:
+            self.speed = speed
+        mine = torch.tensor([speed], dtype=torch.float64)
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        return [float(t.item()) for t in gathered]

@@ -1,0 +1,76 @@
+"""A live trainer with local updates, in a real gloo group of one process: a change of
+group in the middle of a round sends it back to the round's start (model, step, ledger),
+and what it would hand a joiner meanwhile is that round-start state; a round that ends
+averages, counts its global batches in the ledger and opens the next."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from disttrain.config import Config
+
+SYNC_EVERY, BATCH = 4, 16
+
+
+def flat(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
+
+
+def member(port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    from disttrain.strategies.ddp.live.group import LiveGroup, connect
+    from disttrain.strategies.ddp.live.trainer import LiveTrainer
+    config = Config().replace(training={"model_architecture": "mlp", "dataset": "digits", "batch_size": BATCH,
+                                        "sync_every": SYNC_EVERY, "num_epochs": 1},
+                              system={"num_workers": 1})
+    trainer = LiveTrainer(config, 0)
+    group = LiveGroup(connect("127.0.0.1", port, 30.0), 0, 30.0, stale_s=1.0, window_s=5.0)
+    group.form(0, (0,))
+    trainer.attach(0, 1)
+    start = flat(trainer.module)
+    record: dict = {}
+    for _ in range(2):  # half a round
+        trainer.step()
+    record["moved"] = not torch.equal(flat(trainer.module), start)
+    handed = trainer.state_dict()
+    record["handed_step"] = handed["progress"]["step"]
+    record["handed_is_start"] = torch.equal(
+        torch.cat([t.reshape(-1) for t in handed["model"].values()]), start)
+    trainer.detach()  # the group changed mid-round
+    record["back_at_start"] = torch.equal(flat(trainer.module), start)
+    record["step_after"] = trainer.progress.step
+    record["redone"] = trainer.samples_redone
+    record["ledger_after"] = int(trainer.ledger.sum())
+    trainer.attach(0, 1)
+    for _ in range(SYNC_EVERY):  # a whole round
+        trainer.step()
+    record["ledger_round"] = trainer.ledger[0, :SYNC_EVERY + 1].tolist()
+    record["rounds"] = trainer.state_dict()["outer"]["rounds"]
+    record["between_rounds"] = trainer.at_round_boundary
+    dist.barrier()
+    group.leave()
+    (Path(out_dir) / "member.json").write_text(json.dumps(record))
+    os._exit(0)
+
+
+@pytest.mark.timeout(120)
+def test_a_change_of_group_mid_round_goes_back_to_the_rounds_start(tmp_path):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    process = mp.get_context("spawn").Process(target=member, args=(store.port, str(tmp_path)))
+    process.start()
+    process.join(timeout=100)
+    assert process.exitcode == 0
+    record = json.loads((tmp_path / "member.json").read_text())
+    assert record["moved"]  # half a round trained this member's own model
+    assert record["handed_step"] == 0 and record["handed_is_start"]  # a joiner would get the start
+    assert record["back_at_start"] and record["step_after"] == 0
+    assert record["redone"] == 2 * BATCH and record["ledger_after"] == 0
+    assert record["ledger_round"] == [1] * SYNC_EVERY + [0]
+    assert record["rounds"] == 1 and record["between_rounds"]
