@@ -3,6 +3,7 @@ the check of a benchmark's JSON keys."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -56,6 +57,15 @@ def run_cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None,
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def run_ddp(folder: Path, *args, timeout: float = 250) -> dict:
+    """`disttrain ddp ARGS` with its logs and checkpoints in `folder`: asserts it succeeded
+    and returns its summary."""
+    result = run_cli("ddp", *args, "--log-dir", folder / "logs", "--checkpoint-dir", folder / "ckpt",
+                     timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((folder / "logs" / "summary.json").read_text())
 
 
 def assert_full_run_keys(folder: Path) -> None:

@@ -5,11 +5,10 @@ the run ends as accurate as the undisturbed one."""
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
+from conftest import run_ddp
 
 from disttrain.config import TrainingConfig
 from disttrain.data import load_datasets
@@ -27,24 +26,17 @@ def batches_per_epoch() -> int:
     return len(train_set) // (BATCH * WORLD_SIZE)
 
 
-def run(cli, folder: Path, *extra) -> dict:
-    result = cli("ddp", *ARGS, "--log-dir", folder / "logs", "--checkpoint-dir", folder / "ckpt", *extra,
-                 timeout=250)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads((folder / "logs" / "summary.json").read_text())
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(560)
-def test_accumulated_steps_are_redone_whole_after_a_loss(cli, tmp_path):
-    undisturbed = run(cli, tmp_path / "undisturbed")
+def test_accumulated_steps_are_redone_whole_after_a_loss(tmp_path):
+    undisturbed = run_ddp(tmp_path / "undisturbed", *ARGS)
     batches = batches_per_epoch()
     # The epoch's last step takes what is left when the batches do not split evenly.
     assert undisturbed["steps"] == EPOCHS * math.ceil(batches / MICRO)
     assert undisturbed["samples_applied"] == EPOCHS * batches * BATCH * WORLD_SIZE
     assert undisturbed["final_accuracy"] > 0.9
 
-    summary = run(cli, tmp_path / "killed", "--max-restarts", 0, "--inject", "kill:rank=2:step=9")
+    summary = run_ddp(tmp_path / "killed", *ARGS, "--max-restarts", 0, "--inject", "kill:rank=2:step=9")
     assert [r["members"] for r in summary["live_recoveries"]] == [[0, 1]]
     assert summary["steps"] == undisturbed["steps"]
     assert summary["samples_applied"] == undisturbed["samples_applied"]

@@ -6,10 +6,8 @@ trains on the same tensors as an undisturbed run without workers."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
+from conftest import run_ddp
 
 WORLD_SIZE, BATCH, EPOCHS = 3, 16, 3
 ARGS = ["--world-size", WORLD_SIZE, "--ddp-recovery", "live", "--dataset", "digits",
@@ -18,18 +16,11 @@ ARGS = ["--world-size", WORLD_SIZE, "--ddp-recovery", "live", "--dataset", "digi
         "--set", "coordinator.heartbeat_interval=0.2", "--set", "coordinator.heartbeat_timeout=1"]
 
 
-def run(cli, folder: Path, *extra) -> dict:
-    result = cli("ddp", *ARGS, "--log-dir", folder / "logs", "--checkpoint-dir", folder / "ckpt", *extra,
-                 timeout=250)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads((folder / "logs" / "summary.json").read_text())
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(560)
-def test_loader_workers_survive_a_lost_rank_and_apply_each_batch_once(cli, tmp_path):
-    undisturbed = run(cli, tmp_path / "undisturbed")
-    summary = run(cli, tmp_path / "killed", "--loader-workers", 1, "--max-restarts", 0,
+def test_loader_workers_survive_a_lost_rank_and_apply_each_batch_once(tmp_path):
+    undisturbed = run_ddp(tmp_path / "undisturbed", *ARGS)
+    summary = run_ddp(tmp_path / "killed", *ARGS, "--loader-workers", 1, "--max-restarts", 0,
                   "--inject", "kill:rank=2:step=12")
     assert [r["members"] for r in summary["live_recoveries"]] == [[0, 1]]
     assert summary["steps"] == undisturbed["steps"]

@@ -6,10 +6,8 @@ applied once, and the model learns as the undisturbed run's."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
+from conftest import run_ddp
 
 WORLD_SIZE, BATCH, EPOCHS, SYNC_EVERY = 3, 16, 8, 4
 ARGS = ["--world-size", WORLD_SIZE, "--ddp-recovery", "live", "--dataset", "digits",
@@ -19,17 +17,10 @@ ARGS = ["--world-size", WORLD_SIZE, "--ddp-recovery", "live", "--dataset", "digi
         "--set", "coordinator.heartbeat_interval=0.2", "--set", "coordinator.heartbeat_timeout=1"]
 
 
-def run(cli, folder: Path, *extra) -> dict:
-    result = cli("ddp", *ARGS, "--log-dir", folder / "logs", "--checkpoint-dir", folder / "ckpt", *extra,
-                 timeout=250)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads((folder / "logs" / "summary.json").read_text())
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(560)
-def test_a_rank_killed_mid_round_sends_the_survivors_back_to_the_rounds_start(cli, tmp_path):
-    undisturbed = run(cli, tmp_path / "undisturbed")
+def test_a_rank_killed_mid_round_sends_the_survivors_back_to_the_rounds_start(tmp_path):
+    undisturbed = run_ddp(tmp_path / "undisturbed", *ARGS)
     steps_per_epoch = undisturbed["steps"] // EPOCHS
     rounds_per_epoch = -(-steps_per_epoch // SYNC_EVERY)  # an epoch's last step ends a round
     assert undisturbed["sync_every"] == SYNC_EVERY
@@ -39,7 +30,7 @@ def test_a_rank_killed_mid_round_sends_the_survivors_back_to_the_rounds_start(cl
 
     # Rank 1 dies after step 10, the second step of the round of steps 9 to 12 (the
     # round began after step 8). Rank 0 straggles, so the run outlasts the new process's start.
-    summary = run(cli, tmp_path / "killed", "--max-restarts", 1, "--inject", "kill:rank=1:step=10",
+    summary = run_ddp(tmp_path / "killed", *ARGS, "--max-restarts", 1, "--inject", "kill:rank=1:step=10",
                   "--inject", "slow:rank=0:factor=10")
     shrink, *rest = summary["live_recoveries"]
     assert shrink["kind"] == "shrink" and shrink["members"] == [0, 2]

@@ -6,10 +6,8 @@ stays within tolerance of the undisturbed compressed run."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
+from conftest import run_ddp
 
 WORLD_SIZE, BATCH, EPOCHS = 3, 16, 3
 ARGS = ["--world-size", WORLD_SIZE, "--ddp-recovery", "live", "--dataset", "digits",
@@ -19,24 +17,17 @@ ARGS = ["--world-size", WORLD_SIZE, "--ddp-recovery", "live", "--dataset", "digi
         "--set", "coordinator.heartbeat_interval=0.2", "--set", "coordinator.heartbeat_timeout=1"]
 
 
-def run(cli, folder: Path, *extra) -> dict:
-    result = cli("ddp", *ARGS, "--log-dir", folder / "logs", "--checkpoint-dir", folder / "ckpt", *extra,
-                 timeout=250)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads((folder / "logs" / "summary.json").read_text())
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(560)
-def test_powersgd_live_run_takes_a_killed_rank_back(cli, tmp_path):
-    undisturbed = run(cli, tmp_path / "undisturbed")
+def test_powersgd_live_run_takes_a_killed_rank_back(tmp_path):
+    undisturbed = run_ddp(tmp_path / "undisturbed", *ARGS)
     assert (undisturbed["samples_lost"], undisturbed["samples_applied_twice"]) == (0, 0)
     assert undisturbed["final_accuracy"] > 0.85  # compressed, it still learns
 
     # A survivor hangs for 20 s soon after (SIGSTOP, then SIGCONT; its peer waits in the
     # all-reduce), so the run outlasts the killed rank's new process starting and asking to
     # join, and the hang leaves the cores to that start.
-    summary = run(cli, tmp_path / "killed", "--max-restarts", 1, "--inject", "kill:rank=2:step=10",
+    summary = run_ddp(tmp_path / "killed", *ARGS, "--max-restarts", 1, "--inject", "kill:rank=2:step=10",
                   "--inject", "stop:rank=1:step=14:for=20s")
     shrink, *rest = summary["live_recoveries"]
     assert shrink["kind"] == "shrink" and shrink["members"] == [0, 1]
