@@ -182,3 +182,56 @@ def test_live_ddp_ranks_call_the_coordinator_in_their_own_name(tmp_path, cli):
             process.kill()
     summary = json.loads((log_dir / "summary.json").read_text())
     assert summary["samples_lost"] == 0 and summary["samples_applied_twice"] == 0
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            lines = status.read_text().splitlines()
+        except OSError:  # it ended meanwhile
+            continue
+        if f"PPid:\t{pid}" in lines:
+            found.append(int(status.parent.name))
+    return found
+
+
+RESTART = ["ddp", "--world-size", "2", "--dataset", "digits", "--num-epochs", "1",
+           "--max-train-samples", "512", "--batch-size", "32", "--num-threads", "1", "--loader-workers", "1",
+           "--set", "coordinator.heartbeat_timeout=60"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_restart_mode_ranks_call_the_coordinator_in_their_own_name(tmp_path, cli):
+    """torch's elastic agent hands every rank the environment it was given, the run's secret
+    included: each rank makes its own node token from it and calls the coordinator with
+    that alone (the coordinator takes its calls as rank R's, and the run finishes), and the
+    processes a rank starts (its loader workers) get only that token."""
+    secret_file = tmp_path / "run.token"
+    cli("token", "new", secret_file).check_returncode()
+    secret = secret_file.read_text().strip()
+    log_dir = tmp_path / "logs"
+    with (tmp_path / "restart.out").open("wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "disttrain", *RESTART,
+                                    "--token-file", str(secret_file), "--log-dir", str(log_dir),
+                                    "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                    "--inject", "stop:rank=0:step=2:for=6s"],
+                                   stdout=out, stderr=subprocess.STDOUT, env=environment())
+    try:
+        nodes = nodes_once_up(log_dir / "cluster.db", {"rank0", "rank1"}, process)
+        for name in ("rank0", "rank1"):
+            assert token_in_environment(nodes[name]["pid"]) == secret  # as the agent started it
+            workers = children(nodes[name]["pid"])
+            while not workers:  # started once its data is loaded; bounded by the test's timeout
+                assert process.poll() is None, f"the run ended before {name}'s loader worker could be seen"
+                time.sleep(0.1)
+                workers = children(nodes[name]["pid"])
+            assert {token_in_environment(pid) for pid in workers} == {node_token(secret, name, "rank")}
+        assert process.wait(timeout=200) == 0, (tmp_path / "restart.out").read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    summary = json.loads((log_dir / "summary.json").read_text())
+    assert summary["final_accuracy"] > 0

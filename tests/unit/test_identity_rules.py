@@ -18,6 +18,7 @@ from disttrain.core.identity import (
     check_acts_as,
     check_role,
     node_token,
+    own_token,
     verify_token,
 )
 from disttrain.core.pki import NodeName, parse_node
@@ -36,6 +37,13 @@ def test_a_node_token_names_its_node_and_only_the_secret_makes_it():
     for forged in (f"{prefix}~{mac[::-1]}", token.replace("worker1", "worker2"),
                    token.replace("~worker~", "~server~"), f"{prefix}~", "node~worker~~" + mac):
         assert verify_token(SECRET, forged) is None, forged
+
+
+def test_a_process_handed_the_secret_calls_with_its_own_node_token():
+    mine = own_token(SECRET, "rank1", "rank")
+    assert mine == node_token(SECRET, "rank1", "rank")
+    assert verify_token(SECRET, mine) == Caller("rank1", "rank")
+    assert own_token(mine, "rank1", "rank") == mine  # a node token is kept as it is
 
 
 def test_the_secret_is_the_operator_and_nothing_else_is():

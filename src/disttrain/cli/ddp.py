@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import replace
 
 from disttrain import cli
 from disttrain.cli.check import (
@@ -204,7 +205,8 @@ def rank_main(argv: list[str], env: Mapping[str, str]) -> int:
                        "reads the dead group's addresses and cannot connect (pytorch/pytorch#135712); "
                        "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun --max-restarts")
     try:
-        summary = run_rank(config_from_args(args), info, options_from_args(args, env))
+        options = own_identity(options_from_args(args, env), info.rank)
+        summary = run_rank(config_from_args(args), info, options)
         if summary is not None and args.summary_json:
             summary.write(args.summary_json)
     except DisttrainError as e:
@@ -218,6 +220,22 @@ def rank_main(argv: list[str], env: Mapping[str, str]) -> int:
     if summary is not None and not args.quiet_summary:
         print("\n".join(summary.lines()), flush=True)
     return 0
+
+
+def own_identity(options: RunOptions, rank: int) -> RunOptions:
+    """`options` with the token rank `rank` calls in its own name with: torch's elastic agent
+    hands every rank of a node the environment it was given, the run's secret included, so
+    the rank makes its own node token from it (node `rank<R>`, role rank: the coordinator
+    then lets it act as itself only), and leaves only that in the environment of the
+    processes it starts (its loader workers)."""
+    from disttrain.core.auth import TOKEN_ENV
+    from disttrain.core.identity import own_token
+    from disttrain.strategies.ddp.heartbeats import node_id
+    if options.token is None:
+        return options
+    token = own_token(options.token, node_id(rank), "rank")
+    os.environ[TOKEN_ENV] = token
+    return replace(options, token=token)
 
 
 def live_rank_main(argv: list[str], env: Mapping[str, str]) -> int:

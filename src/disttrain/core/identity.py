@@ -60,6 +60,13 @@ def node_token(secret: str, node_id: str, role: str) -> str:
     return f"{PREFIX}{role}{SEPARATOR}{node_id}{SEPARATOR}{_mac(secret, node_id, role)}"
 
 
+def own_token(token: str, node_id: str, role: str) -> str:
+    """The token node `node_id` calls with, given `token`: its own node token when `token`
+    is the run's secret (a process handed the secret, as torch's elastic agent hands every
+    rank the same environment, then calls in its own name only); a node token unchanged."""
+    return token if named_in(token) is not None else node_token(token, node_id, role)
+
+
 def _mac(secret: str, node_id: str, role: str) -> str:
     return hmac.new(secret.encode(), f"{role}:{node_id}".encode(), hashlib.sha256).hexdigest()
 
