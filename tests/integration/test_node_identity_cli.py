@@ -150,21 +150,28 @@ LIVE = ["ddp", "--ddp-recovery", "live", "--world-size", "2", "--dataset", "digi
         "--set", "coordinator.heartbeat_timeout=60"]
 
 
+def start_with_secret(cli, tmp_path: Path, run: list[str], name: str) -> tuple[str, Path, subprocess.Popen]:
+    """A new secret, and `disttrain RUN` started with it (rank 0 stopped for 6 s after step 2,
+    so the run outlasts what the test looks at): (secret, log dir, process; its output in
+    `<name>.out`)."""
+    secret_file = tmp_path / "run.token"
+    cli("token", "new", secret_file).check_returncode()
+    log_dir = tmp_path / "logs"
+    with (tmp_path / f"{name}.out").open("wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "disttrain", *run,
+                                    "--token-file", str(secret_file), "--log-dir", str(log_dir),
+                                    "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                    "--inject", "stop:rank=0:step=2:for=6s"],
+                                   stdout=out, stderr=subprocess.STDOUT, env=environment())
+    return secret_file.read_text().strip(), log_dir, process
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_live_ddp_ranks_call_the_coordinator_in_their_own_name(tmp_path, cli):
     """Each rank of a live-recovery run holds its own node token (rank R, role rank), never
     the secret: a heartbeat it forges for the other rank is refused, and the run ends."""
-    secret_file = tmp_path / "run.token"
-    cli("token", "new", secret_file).check_returncode()
-    secret = secret_file.read_text().strip()
-    log_dir = tmp_path / "logs"
-    with (tmp_path / "live.out").open("wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "disttrain", *LIVE,
-                                    "--token-file", str(secret_file), "--log-dir", str(log_dir),
-                                    "--checkpoint-dir", str(tmp_path / "ckpt"),
-                                    "--inject", "stop:rank=0:step=2:for=6s"],
-                                   stdout=out, stderr=subprocess.STDOUT, env=environment())
+    secret, log_dir, process = start_with_secret(cli, tmp_path, LIVE, "live")
     try:
         nodes = nodes_once_up(log_dir / "cluster.db", {"rank0", "rank1"}, process)
         for name in ("rank0", "rank1"):
@@ -209,16 +216,7 @@ def test_restart_mode_ranks_call_the_coordinator_in_their_own_name(tmp_path, cli
     included: each rank makes its own node token from it and calls the coordinator with
     that alone (the coordinator takes its calls as rank R's, and the run finishes), and the
     processes a rank starts (its loader workers) get only that token."""
-    secret_file = tmp_path / "run.token"
-    cli("token", "new", secret_file).check_returncode()
-    secret = secret_file.read_text().strip()
-    log_dir = tmp_path / "logs"
-    with (tmp_path / "restart.out").open("wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "disttrain", *RESTART,
-                                    "--token-file", str(secret_file), "--log-dir", str(log_dir),
-                                    "--checkpoint-dir", str(tmp_path / "ckpt"),
-                                    "--inject", "stop:rank=0:step=2:for=6s"],
-                                   stdout=out, stderr=subprocess.STDOUT, env=environment())
+    secret, log_dir, process = start_with_secret(cli, tmp_path, RESTART, "restart")
     try:
         nodes = nodes_once_up(log_dir / "cluster.db", {"rank0", "rank1"}, process)
         for name in ("rank0", "rank1"):

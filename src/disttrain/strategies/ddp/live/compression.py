@@ -69,6 +69,20 @@ def compressed_average(hook: CompressionHook, flat: torch.Tensor,
     return hook.hook(cast(dist.GradBucket, FlatBucket(flat, params))).wait()
 
 
+def group_average(flat: torch.Tensor, params: list[torch.nn.Parameter], world_size: int,
+                  hook: CompressionHook | None) -> torch.Tensor:
+    """The group's average of `flat` (one value per element of `params`, in order): through
+    `hook` (`compressed_average`), or one all-reduce (in place).
+
+    Raises:
+        RuntimeError, dist.DistError: a peer was lost (the result is then unusable).
+    """
+    if hook is not None:
+        return compressed_average(hook, flat, params)
+    dist.all_reduce(flat)
+    return flat.div_(world_size)
+
+
 def clear_residuals(hook: CompressionHook) -> None:
     """This member's error feedback starts from zero (see the module's docstring); nothing
     in flight from a group that is gone is waited for."""

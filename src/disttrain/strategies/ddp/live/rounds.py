@@ -26,10 +26,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from disttrain.compression.ddp_hooks import CompressionHook
-from disttrain.strategies.ddp.live.compression import compressed_average
+from disttrain.strategies.ddp.live.compression import group_average
 from disttrain.training.local_updates import LocalUpdates, OuterOptimizer
 
 
@@ -75,13 +74,8 @@ class LiveRounds:
         if not self.outer.end_of_step(ends_epoch):
             return None
         started = time.perf_counter()
-        delta = self.outer.pseudo_gradient(params)
-        if compression is not None:
-            delta = compressed_average(compression, delta, list(params))
-        else:
-            dist.all_reduce(delta)
-            delta /= world_size
-        self.outer.step(delta)
+        average = group_average(self.outer.pseudo_gradient(params), list(params), world_size, compression)
+        self.outer.step(average)
         self.outer.copy_to(params)
         self._start = None
         return time.perf_counter() - started

@@ -38,7 +38,7 @@ from disttrain.data import PlannedSampler, load_datasets
 from disttrain.strategies.ddp.live.balance import LiveBalance
 from disttrain.strategies.ddp.live.compression import (
     clear_residuals,
-    compressed_average,
+    group_average,
     live_compression,
     load_shared_state,
     shared_state,
@@ -208,7 +208,10 @@ class LiveTrainer:
         synced; a collective under `system.balance`, see `live.balance`)."""
         shares = None if self.balance is None else self.balance.shares(world_size)
         if shares is not None:
-            self._record_plan(shares, rank)
+            self._record_plan(shares)
+            if rank == 0:
+                logger.info("balanced batches %s from step %d (speeds of the last checks)", list(shares),
+                            self.progress.step)
         self.sampler = PlannedSampler(len(self.train_set), world_size=world_size, rank=rank,
                                       seed=self.config.training.seed,
                                       shares=shares or split_batch(self.global_batch, world_size))
@@ -224,11 +227,10 @@ class LiveTrainer:
         """The sampler at the run's position, so a re-plan starts at the next global batch."""
         sampler.epoch, sampler.index = self.progress.epoch, self.progress.index
 
-    def _record_plan(self, shares: tuple[int, ...], rank: int) -> None:
+    def _record_plan(self, shares: tuple[int, ...]) -> None:
+        """A balanced split adopted from the next global batch, for the summary."""
         p = self.progress
         p.plans.append([p.epoch, p.index, list(shares)])
-        if rank == 0:
-            logger.info("balanced batches %s from step %d (speeds of the last checks)", list(shares), p.step)
 
     def after_step(self, samples: int, waited_s: float = 0.0) -> None:
         """Under `system.balance`: count the step's work (call after everything that slows
@@ -238,7 +240,7 @@ class LiveTrainer:
         if self.balance is None or self.sampler is None:
             return
         if self.balance.after_step(p.step, p.epoch, samples, self.blocked_s + waited_s):
-            p.plans.append([p.epoch, p.index, list(self.sampler.shares)])
+            self._record_plan(self.sampler.shares)
             p.replans += 1
             self._load_ahead()
 
@@ -370,12 +372,7 @@ def average_gradients(params: list[torch.nn.Parameter], world_size: int,
         RuntimeError, dist.DistError: a peer was lost (the gradients are then unusable).
     """
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if compression is not None:
-        flat = compressed_average(compression, flat, params)
-    else:
-        dist.all_reduce(flat)
-        flat /= world_size
+    flat = group_average(torch.cat([g.reshape(-1) for g in grads]), params, world_size, compression)
     offset = 0
     for param, grad in zip(params, grads, strict=True):
         size = grad.numel()
