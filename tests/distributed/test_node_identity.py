@@ -24,6 +24,7 @@ from disttrain.core.identity import node_token
 from disttrain.core.pki import NodeName, write_run_pki
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import parameter_server_pb2 as pb
+from disttrain.strategies.ps.run.link import join
 from disttrain.strategies.ps.run.server import build_state
 from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.wire import service as wire
@@ -101,6 +102,27 @@ def test_a_node_cannot_register_heartbeat_report_or_end_another(coordinator):
     assert operator.report_exit("worker1", 0, "finished", pid=b_node.pid,
                                 generation=b_node.joined_generation).known
     assert coordinator_nodes(operator)["worker1"][0] == "done"
+
+
+def test_a_shard_holding_the_secret_calls_the_coordinator_in_its_own_name(tmp_path):
+    """A shard is handed the run's secret (it checks the workers' node tokens with it), but
+    its tie to the coordinator calls as node server0 (role server), not as the operator:
+    it cannot end a worker."""
+    server = CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0", tmp_path / "cluster.db", token=SECRET)
+    operator = CoordinatorClient(server.address, token=SECRET)
+    worker = CoordinatorClient(server.address, token=node_token(SECRET, "worker0", "worker"))
+    link = join(CoordinatorConfig(address=server.address, heartbeat_interval=60.0), "server0", "server", 0,
+                lambda: NodeProgress(0, 0, 0), "127.0.0.1:1", token=SECRET)
+    try:
+        worker.register("worker0", "worker", retry_s=0)
+        denied(lambda: link.client.report_exit("worker0", 1, "forged"), "server0 (server)", "'worker0'")
+        assert coordinator_nodes(operator)["worker0"][0] == "alive"
+        link.leave()  # its own end it may tell
+        assert coordinator_nodes(operator)["server0"][0] == "done"
+    finally:
+        for client in (operator, worker):
+            client.close()
+        server.stop(0)
 
 
 # --- a parameter-server shard ---------------------------------------------------------

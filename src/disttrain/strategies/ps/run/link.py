@@ -16,6 +16,7 @@ from disttrain.coordinator.background import HeartbeatSender, MembershipWatcher
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.nodes import REASSIGNED
 from disttrain.coordinator.reports import NodeMetrics, NodeProgress
+from disttrain.core.identity import own_token
 from disttrain.core.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
@@ -75,14 +76,17 @@ def join(settings: CoordinatorConfig, node_id: str, role: str, rank: int,
             reported when new.
         on_membership: called with (generation, live worker ids -> the generation each
             joined in, reassigned worker ids -> their rank) at every change of membership.
-        token: the run's token, sent with every call to the coordinator.
+        token: the run's token. A node token is sent as it is; given the run's secret (a
+            shard holds it to check the workers' tokens), the process calls in its own
+            name, with the node token of `node_id` in `role` made from it.
         tls: the TLS files to reach it with (None or empty: plain TCP).
     Raises:
         CoordinatorError: the coordinator refused (another live process holds `node_id`).
     """
     if not settings.address:
         return None
-    client = CoordinatorClient(settings.address, token=token, tls=tls)
+    client = CoordinatorClient(settings.address, token=own_token(token, node_id, role) if token else None,
+                               tls=tls)
     reply = client.register(node_id, role, rank=rank, address=address)
     logger.info("joined the run's coordinator at %s as %s (generation %d, %d restart(s) before)",
                 settings.address, node_id, reply.generation, reply.restarts)
