@@ -6,8 +6,9 @@ The run's secret (`disttrain token new`) makes every identity: node `worker1` of
 `worker` holds the token `node~worker~worker1~<HMAC-SHA256(secret, "worker:worker1")>`,
 which names it and which only a holder of the secret can make. Launchers hand each
 process they start only its own node token; servers and the coordinator hold the secret
-and check the HMAC. A caller presenting the secret itself is the operator (a launcher,
-a server, `disttrain status`), trusted to act for any node. With mutual TLS, a client
+and check the HMAC (a server still calls the coordinator with its own node token). A
+caller presenting the secret itself is the operator (a launcher, `disttrain status`),
+trusted to act for any node. With mutual TLS, a client
 certificate from `disttrain tls new` names its node the same way (CN = node id, OU =
 role); a certificate naming no role of the run is an operator's.
 """
