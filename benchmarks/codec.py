@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from common import median, parse_args, report, time_interleaved
 
+from disttrain.core import tune_allocator
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps import ShardPlan, TensorSlice
 from disttrain.strategies.ps.wire import codec
@@ -21,7 +22,7 @@ from disttrain.strategies.ps.wire import service as wire
 def main() -> None:
     args = parse_args(__doc__.split("\n\n")[0])
     torch.set_num_threads(1)
-    wire.tune_allocator()
+    tune_allocator()
     nbytes = 1_000_000 if args.quick else 10_000_000
     numel = nbytes // 4
     gradient = torch.randn(numel)

@@ -20,9 +20,9 @@ import torch
 from common import median, parse_args, report, time_interleaved
 from ps_helpers import make_config, role_flags, servers
 
-from disttrain.core import Cluster
+from disttrain.core import Cluster, tune_allocator
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps import PSClient, RetryPolicy, flat_parameters, plan_shards, tune_allocator
+from disttrain.strategies.ps import PSClient, RetryPolicy, flat_parameters, plan_shards
 from disttrain.training import init_model
 
 

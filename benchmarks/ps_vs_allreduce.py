@@ -35,7 +35,7 @@ from ps_helpers import (
 )
 
 from disttrain.config import load_config
-from disttrain.core import Cluster
+from disttrain.core import Cluster, tune_allocator
 from disttrain.metrics import StepTimer
 from disttrain.strategies.ps import (
     Block,
@@ -44,7 +44,6 @@ from disttrain.strategies.ps import (
     SyncExchange,
     flat_parameters,
     plan_shards,
-    tune_allocator,
 )
 from disttrain.training import StepResult, init_model
 

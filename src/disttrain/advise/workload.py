@@ -24,6 +24,7 @@ from torch import nn
 
 from disttrain.compression import SCHEMES, Compressor
 from disttrain.config import Config
+from disttrain.core.allocator import tune_allocator
 from disttrain.core.errors import ConfigError
 from disttrain.data import LANGUAGE_MODEL, DatasetDescription, describe_dataset
 from disttrain.training import build_optimizer, init_model
@@ -122,6 +123,7 @@ def measure_workload(config: Config, repeats: int = NUM_REPEATS,
     """
     training = config.training
     configure_threads(config.system.num_threads)
+    tune_allocator()  # as every training process does: the step timed is the runs' step
     description = describe_dataset(training)
     model = init_model(training)
     inputs, targets = random_batch(description, training.batch_size)

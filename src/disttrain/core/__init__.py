@@ -1,12 +1,13 @@
 """The shared core every layer stands on: errors, logging, fault injection, addresses,
-child processes, checkpoint files, and what every gRPC service shares (server setup, the
+child processes, the C allocator, checkpoint files, and what every gRPC service shares (server setup, the
 shared token, TLS, deadlines). It imports nothing else of the project.
 
 Its face, for scripts and users (the project's own modules import the submodules): the
-error hierarchy, `Cluster` (child processes that never outlive their parent) and the
-shared-token helpers of gRPC.
+error hierarchy, `Cluster` (child processes that never outlive their parent), the
+shared-token helpers of gRPC, and `tune_allocator` (at a training process's start).
 """
 
+from disttrain.core.allocator import tune_allocator
 from disttrain.core.auth import TokenInterceptor, new_token, with_token, write_token_file
 from disttrain.core.errors import (
     CheckpointError,
@@ -20,5 +21,5 @@ from disttrain.core.errors import (
 from disttrain.core.processes import Cluster
 
 __all__ = ["CheckpointError", "Cluster", "ConfigError", "DataError", "DistributedError", "DisttrainError",
-           "InputFileError", "TokenInterceptor", "TrainingError", "new_token", "with_token",
-           "write_token_file"]
+           "InputFileError", "TokenInterceptor", "TrainingError", "new_token", "tune_allocator",
+           "with_token", "write_token_file"]

@@ -21,6 +21,7 @@ from disttrain.config import Config
 from disttrain.coordinator.reports import NodeProgress
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
+from disttrain.core.allocator import tune_allocator
 from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import bind_to_parent, emit_event
 from disttrain.core.tls import TlsFiles
@@ -33,7 +34,6 @@ from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.server.shard import CheckpointPolicy, ShardState
 from disttrain.strategies.ps.server.validation import PushDecoder
 from disttrain.strategies.ps.wire.payloads import ParameterChanges
-from disttrain.strategies.ps.wire.service import tune_allocator
 from disttrain.strategies.ps.wire.sharding import (
     ShardPlan,
     initial_buffers,

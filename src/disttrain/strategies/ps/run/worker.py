@@ -24,6 +24,7 @@ from disttrain.config import Config, SystemConfig, TrainingConfig
 from disttrain.coordinator.reports import LatestMetrics, NodeProgress
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
+from disttrain.core.allocator import tune_allocator
 from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import bind_to_parent
 from disttrain.data import ArrayDataset, PlannedSampler, ShardedSampler, load_datasets
@@ -34,7 +35,6 @@ from disttrain.strategies.ps.run.link import join
 from disttrain.strategies.ps.run.progress import EventProgress
 from disttrain.strategies.ps.server.identity import MIN_KEY_BYTES
 from disttrain.strategies.ps.wire.payloads import GradientEncoder
-from disttrain.strategies.ps.wire.service import tune_allocator
 from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
 from disttrain.strategies.ps.worker.buffers import WorkerBuffers
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy

@@ -7,9 +7,6 @@ client both build their method tables from here, so they cannot disagree.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,8 +25,6 @@ from disttrain.strategies.ps.wire.codec import (
     tensor_bytes,
 )
 from disttrain.strategies.ps.wire.sharding import ShardPlan, TensorSlice
-
-logger = logging.getLogger(__name__)
 
 SERVICE = "disttrain.v1.ParameterServerService"
 GRADIENT_PAYLOAD_FIELD = pb.GradientMessage.DESCRIPTOR.fields_by_name["payload"].number
@@ -249,22 +244,3 @@ def collect_payload(frames: Iterator[Frame], max_bytes: int, max_frames: int | N
     if total > max_bytes:
         raise ValueError(f"payload exceeds the {max_bytes} bytes this shard expects")
     return Payload(first.header, first.meta, chunks)
-
-
-def tune_allocator() -> None:
-    """Keep large freed blocks in the heap instead of returning them to the kernel.
-
-    Every message allocates megabyte buffers; by default glibc maps and unmaps each, and
-    the page faults on fresh pages cost more than the copies. Called once at process
-    start by servers and workers; a no-op where glibc is absent.
-    """
-    name = ctypes.util.find_library("c")
-    if not name:
-        return
-    try:
-        libc = ctypes.CDLL(name)
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        libc.mallopt(m_mmap_threshold, 32 << 20)  # the largest glibc allows
-        libc.mallopt(m_trim_threshold, 1 << 30)
-    except (OSError, AttributeError):
-        logger.debug("mallopt unavailable; using the allocator's defaults")
