@@ -50,9 +50,12 @@ def test_a_share_of_the_data_each_makes_the_straggler_end_every_mode():
                          "--sim-share", "--num-threads", "1")
     runs = report["simulations"]
     assert [r["mode"] for r in runs] == ["sync", "sync", "ssp", "async"]
+    # the shard's optimizer step, timed here and scaled as the compute was, adds up to one per
+    # push on the straggler's path (it varies from run to run: a batch of 2 steps in microseconds)
+    slow_step = 3 * 0.1 + report["workload"]["optimizer_s"]
     for run in runs:
         assert run["num_pushes"] == 4 * 20
-        assert 20 * 3 * 0.1 <= run["virtual_time_s"] < 20 * 3 * 0.1 * 1.2
+        assert 20 * 3 * 0.1 <= run["virtual_time_s"] < 20 * slow_step * 1.2
     steady = advise_json("--model", "mlp", "--dataset", "digits", *QUICK, "--link", "10gbit,50us",
                          "--workers", "4", "--simulate", "4", "--stragglers", "0.25", "--sim-steps", "20",
                          "--num-threads", "1")["simulations"]
