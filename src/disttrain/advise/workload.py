@@ -24,11 +24,10 @@ from torch import nn
 
 from disttrain.compression import SCHEMES, Compressor
 from disttrain.config import Config
-from disttrain.core.allocator import tune_allocator
 from disttrain.core.errors import ConfigError
 from disttrain.data import LANGUAGE_MODEL, DatasetDescription, describe_dataset
 from disttrain.training import build_optimizer, init_model
-from disttrain.training.engine import configure_threads, task_loss
+from disttrain.training.engine import configure_process, task_loss
 
 # Measured repeats of each timing after one warm-up; the median is kept.
 NUM_REPEATS = 3
@@ -122,8 +121,7 @@ def measure_workload(config: Config, repeats: int = NUM_REPEATS,
         DataError: an unknown data set.
     """
     training = config.training
-    configure_threads(config.system.num_threads)
-    tune_allocator()  # as every training process does: the step timed is the runs' step
+    configure_process(config.system.num_threads)
     description = describe_dataset(training)
     model = init_model(training)
     inputs, targets = random_batch(description, training.batch_size)

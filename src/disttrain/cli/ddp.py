@@ -242,19 +242,17 @@ def live_rank_main(argv: list[str], env: Mapping[str, str]) -> int:
     """Run one rank of a live-recovery run (started by `disttrain ddp --ddp-recovery live`,
     which passes its slot as --rank, its restart as --attempt, and its store in the
     environment). Returns the exit code: 0, 2 for bad input, 1 for a failure."""
-    from disttrain.core.allocator import tune_allocator
     from disttrain.core.processes import bind_to_parent
     from disttrain.strategies.ddp.heartbeats import LIVE_RESTART, LoopProgress, coordinator_link
     from disttrain.strategies.ddp.live import LIVE_STORE_ENV, run_live_rank, store_address
     from disttrain.training.checkpoints import Position
-    from disttrain.training.engine import configure_threads
+    from disttrain.training.engine import configure_process
     bind_to_parent()
     args = rank_parser().parse_args(argv)
     setup_logging("rank", args.rank, level=logging.DEBUG if args.verbose else logging.INFO)
     try:
         config, options = config_from_args(args), options_from_args(args, env)
-        configure_threads(config.system.num_threads, processes_per_machine=config.system.num_workers)
-        tune_allocator()
+        configure_process(config.system.num_threads, processes_per_machine=config.system.num_workers)
         progress = LoopProgress(Position(), config.training.num_epochs)
         with coordinator_link(config.coordinator, args.rank, args.attempt, progress, options.token,
                               options.tls, LIVE_RESTART):

@@ -8,7 +8,7 @@ blocks kept (4 processes each way, alternating), and 8,192-sample runs trained 5
 single-process and 6% faster as 2 DDP ranks (medians of 7 alternating runs). Every
 training process (parameter-server workers and shards, DDP ranks, the single-process
 baseline, and advise's timing, so that it times the step the runs take) calls this once
-at its start.
+at its start, through `training.engine.configure_process`.
 """
 
 from __future__ import annotations

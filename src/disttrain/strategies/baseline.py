@@ -15,7 +15,6 @@ import torch
 from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
-from disttrain.core.allocator import tune_allocator
 from disttrain.core.faults import FaultInjector
 from disttrain.data import ArrayDataset, ShardedSampler, load_datasets
 from disttrain.metrics.hparams import write_hparams
@@ -26,7 +25,7 @@ from disttrain.training.engine import (
     EvalResult,
     StepResult,
     build_optimizer,
-    configure_threads,
+    configure_process,
     evaluate,
     forward_backward,
 )
@@ -103,8 +102,7 @@ class Baseline:
         """
         training, system = config.training, config.system
         started = time.perf_counter()
-        configure_threads(system.num_threads)
-        tune_allocator()
+        configure_process(system.num_threads)
         train_set, test_set = load_datasets(training)
         model = init_model(training)
         seed_training(training.seed, rank=0)

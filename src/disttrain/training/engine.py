@@ -22,17 +22,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrain.config import TrainingConfig
+from disttrain.core.allocator import tune_allocator
 from disttrain.core.processes import thread_count
 from disttrain.data import LANGUAGE_MODEL, BatchedDataset
 from disttrain.training.precision import Precision
 from disttrain.training.schedule import remember_initial_rates
 
 
-def configure_threads(num_threads: int, processes_per_machine: int = 1) -> int:
-    """Set torch's intra-op threads for this process so N processes don't fight over cores
-    (`thread_count`). Returns the thread count set."""
+def configure_process(num_threads: int, processes_per_machine: int = 1) -> int:
+    """Set up a training process at its start: torch's intra-op threads, so N processes
+    don't fight over cores (`thread_count`), and the C allocator (`tune_allocator`: large
+    freed blocks kept in the heap). Returns the thread count set."""
     num_threads = thread_count(num_threads, processes_per_machine)
     torch.set_num_threads(num_threads)
+    tune_allocator()
     return num_threads
 
 

@@ -23,10 +23,9 @@ import torch
 import torch.distributed as dist
 
 from disttrain.config import Config, DDPConfig
-from disttrain.core.allocator import tune_allocator
 from disttrain.core.errors import ConfigError, DistributedError
 from disttrain.strategies.ddp.agreement import decide_backend, exchange_flags, has_own_gpu, store_prefix
-from disttrain.training.engine import configure_threads
+from disttrain.training.engine import configure_process
 
 logger = logging.getLogger(__name__)
 
@@ -194,8 +193,7 @@ def start(ddp: DDPConfig, info: RankInfo, num_threads: int) -> Runtime:
     own_gpu = has_own_gpu(cuda_available, num_gpus, info.local_rank)
     backend = forced or _agree(store, info, own_gpu, ddp.timeout_s)
     device = select_device(backend, info.local_rank, gpu_under_gloo=forced is None and own_gpu)
-    threads = configure_threads(num_threads, processes_per_machine=info.local_world_size)
-    tune_allocator()
+    threads = configure_process(num_threads, processes_per_machine=info.local_world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # The "default_pg" prefix is what `init_method="env://"` would put on the same store.

@@ -21,7 +21,6 @@ from disttrain.config import Config
 from disttrain.coordinator.reports import NodeProgress
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
-from disttrain.core.allocator import tune_allocator
 from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import bind_to_parent, emit_event
 from disttrain.core.tls import TlsFiles
@@ -40,7 +39,7 @@ from disttrain.strategies.ps.wire.sharding import (
     plan_shards,
     trainable_parameters,
 )
-from disttrain.training.engine import configure_threads
+from disttrain.training.engine import configure_process
 from disttrain.training.models import init_model
 
 logger = logging.getLogger(__name__)
@@ -109,8 +108,7 @@ def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool =
     """
     check_supported(config)
     bind_to_parent()
-    tune_allocator()
-    configure_threads(config.system.num_threads or 1)
+    configure_process(config.system.num_threads or 1)
     state = build_state(config, shard, num_shards, resume)
     # Long-polls hold a thread each: room for every worker's push, pull and status call.
     server = ShardServer(state, bind, max_threads=max(32, 4 * config.system.num_workers + 8), token=token,

@@ -24,7 +24,6 @@ from disttrain.config import Config, SystemConfig, TrainingConfig
 from disttrain.coordinator.reports import LatestMetrics, NodeProgress
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
-from disttrain.core.allocator import tune_allocator
 from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import bind_to_parent
 from disttrain.data import ArrayDataset, PlannedSampler, ShardedSampler, load_datasets
@@ -44,7 +43,7 @@ from disttrain.strategies.ps.worker.participant import WorkerParticipant
 from disttrain.strategies.ps.worker.takeover import Away
 from disttrain.training.balance import warmup_speed
 from disttrain.training.checkpoints import LocalCheckpoints
-from disttrain.training.engine import configure_threads
+from disttrain.training.engine import configure_process
 from disttrain.training.loading import prefetch
 from disttrain.training.local_updates import LocalUpdates
 from disttrain.training.loop import LoopSettings, TrainingLoop
@@ -93,8 +92,7 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
     started = time.perf_counter()
     check_supported(config)
     bind_to_parent()
-    tune_allocator()
-    configure_threads(system.num_threads or 1)
+    configure_process(system.num_threads or 1)
     own = object_store.join(system.checkpoint_dir, f"worker{requested_rank}") if requested_rank >= 0 else None
     if own is not None:  # refuse an earlier run's folder before taking a rank on the servers
         ckpt.prepare_checkpoint_dir(own, options.resume)
