@@ -26,11 +26,27 @@ def dirs(tmp_path):
 def test_kill_from_a_plan_lands_right_after_its_step(tmp_path, cli):
     plan = tmp_path / "plan.yaml"
     plan.write_text("faults:\n  - {action: kill, target: worker, index: 0, step: 3}\n")
-    # Worker 1's fault is not this process's: it must not fire at step 2.
-    killed = cli(*RUN, *dirs(tmp_path), "--checkpoint-interval", "1", "--fault-plan", plan,
-                 "--inject", "kill:worker=1:step=2", timeout=50)
+    killed = cli(*RUN, *dirs(tmp_path), "--checkpoint-interval", "1", "--fault-plan", plan, timeout=50)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert ckpt.checkpoint_step(ckpt.latest_checkpoint(tmp_path / "ckpt")) == 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("command", "fault", "said"), [
+    (["ddp", "--world-size", "2"], "kill:worker=1:step=2", "has no worker; its processes are rank=0..1"),
+    (["ps", "--workers", "2"], "kill:server=3:step=2", "has 1 server(s), so server=3 does not exist"),
+    ([], "kill:worker=0:step=17", "step 17 is past the run's end (a worker reaches step 16 at most)"),
+    ([], "kill:worker=0:step=3:attempt=1", "attempt 1 never comes: the baseline run does not restart"),
+    (["ps", "--workers", "2"], "stop:worker=1:step=3:for=1s:attempt=2",
+     "no fault of the plan restarts that worker on its attempt 1"),
+])
+def test_a_fault_that_can_never_fire_is_refused_before_anything_starts(tmp_path, cli, command, fault, said):
+    run = [command[0], *RUN[1:], *command[1:]] if command else RUN
+    result = cli(*run, *dirs(tmp_path), "--inject", fault, timeout=50)
+    assert result.returncode == 2, result.stderr[-2000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert fault in line and said in line, line
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "logs").exists()
 
 
 @pytest.mark.timeout(60)

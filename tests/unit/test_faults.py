@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from disttrain.cli.flags import add_fault_flags, options_from_args
 from disttrain.core import faults as faults_module
-from disttrain.core.fault_spec import ACTIONS
+from disttrain.core.fault_spec import ACTIONS, OPTIONAL
 from disttrain.core.faults import Fault, FaultInjector, format_fault, load_fault_plan, parse_fault
 
 
@@ -60,8 +60,8 @@ def fault_strategy():
             Fault, st.just(action), role=st.just(r),
             index=st.none() if r == "coordinator" else st.none() | st.integers(0, 64),
             attempt=st.integers(0, 5),
-            step=st.integers(0, 10**9) if "step" in required or action == "slow" else st.just(0),
-            until=st.integers(0, 10**9) if action == "slow" else st.just(0),
+            step=st.integers(0, 10**9) if "step" in required or action in OPTIONAL else st.just(0),
+            until=st.integers(0, 10**9) if action in OPTIONAL else st.just(0),
             seconds=st.floats(1e-6, 1e6) if "for" in required else st.just(0.0),
             factor=st.floats(1.0, 1e3) if "factor" in required else st.just(1.0)))
 
@@ -74,8 +74,10 @@ def test_format_round_trips(fault):
 
 
 def test_format_writes_the_one_grammar():
-    assert format_fault(parse_fault("kill:rank=1:step=7")) == "kill:rank=1:step=7:attempt=0"
-    assert format_fault(parse_fault("slow-eval:worker:for=500ms")) == "slow-eval:worker:for=0.5s:attempt=0"
+    assert format_fault(parse_fault("kill:rank=1:step=7")) == "kill:rank=1:step=7"
+    assert format_fault(parse_fault("kill:rank=1:step=7:attempt=2")) == "kill:rank=1:step=7:attempt=2"
+    assert format_fault(parse_fault("slow-eval:worker:for=500ms")) == "slow-eval:worker:for=0.5s"
+    assert format_fault(parse_fault("partition:server=1:step=4:for=2")) == "partition:server=1:step=4:for=2s"
 
 
 def test_fault_plan_mixes_strings_and_mappings(tmp_path):

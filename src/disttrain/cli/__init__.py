@@ -19,7 +19,7 @@ from disttrain import __version__
 from disttrain.cli.check import dry_run, wants_check
 from disttrain.core.errors import DisttrainError, error_lines
 from disttrain.core.logs import setup_logging
-from disttrain.core.processes import bind_to_parent
+from disttrain.core.processes import bind_to_parent, report_error
 from disttrain.metrics.summary import RunSummary
 
 DESCRIPTION = ("Train one PyTorch model several ways from one config (a single process, a "
@@ -44,6 +44,7 @@ COMMANDS: dict[str, str] = {
     "report": "disttrain.cli.report",
     "configs": "disttrain.cli.configs",
     "advise": "disttrain.cli.advise",
+    "chaos": "disttrain.cli.chaos",
     "token": "disttrain.cli.token",
     "tls": "disttrain.cli.tls",
     "completion": "disttrain.cli.completion",
@@ -114,10 +115,14 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, "artifacts_dir", None):
                 print(write_artifacts(result, args.artifacts_dir))
     except DisttrainError as e:
+        report_error(e)  # a launcher's supervisor: a user's error is not restarted
         for line in error_lines(e):
             print(f"error: {line}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        report_error(e)
+        raise
     return 0

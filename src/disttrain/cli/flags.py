@@ -16,7 +16,9 @@ from disttrain.cli.check import add_check_flag
 from disttrain.cli.config_warnings import warn_about_run_config
 from disttrain.config import Config, load_config
 from disttrain.core.auth import TOKEN_ENV, resolve_token
-from disttrain.core.faults import Fault, load_fault_plan, parse_fault
+from disttrain.core.errors import ConfigError
+from disttrain.core.fault_spec import RunShape, check_faults
+from disttrain.core.faults import Fault, arm_fault_points, load_fault_plan, parse_fault
 from disttrain.core.process_spec import FLAGS
 from disttrain.core.rpc_server import INSECURE_FLAG, require_credentials
 from disttrain.core.tls import TlsFiles
@@ -269,8 +271,11 @@ def add_fault_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def faults_from_args(args: argparse.Namespace) -> tuple[Fault, ...]:
-    """The faults of a parsed command line: `--inject` ones, then each `--fault-plan` file's."""
-    return (*args.faults, *chain.from_iterable(args.fault_plans))
+    """The faults of a parsed command line: `--inject` ones, then each `--fault-plan` file's.
+    The process's fault points are armed for them (`arm_fault_points`)."""
+    faults = (*args.faults, *chain.from_iterable(args.fault_plans))
+    arm_fault_points(faults)
+    return faults
 
 
 def add_training_flags(parser: argparse.ArgumentParser,
@@ -296,16 +301,19 @@ def _fault_plan(path: str) -> list[Fault]:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    """Resolve the config of a parsed command line.
+    """Resolve the config of a parsed command line, and set this process's retry window
+    for a failing checkpoint store from it (`system.checkpoint_retry_s`).
 
     Raises:
         ConfigError: one line per problem (an unknown model among them).
     """
+    from disttrain.core import store_retry
     from disttrain.training.models import check_model_name
     flags = {name[len(CONFIG_PREFIX):]: value for name, value in vars(args).items()
              if name.startswith(CONFIG_PREFIX) and value is not None}
     config = load_config(args.config, flags, args.set)
     check_model_name(config.training.model_architecture)
+    store_retry.set_window(config.system.checkpoint_retry_s)
     return config
 
 
@@ -334,4 +342,36 @@ def prepare_run(args: argparse.Namespace, command: str, env: Mapping[str, str] |
     """
     config = config_from_args(args)
     warn_about_run_config(config, command, env)
-    return config.run_by(command), options_from_args(args, env)
+    options = options_from_args(args, env)
+    if options.faults:
+        try:
+            check_faults(options.faults, run_shape(config, command))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+    return config.run_by(command), options
+
+
+def run_shape(config: Config, command: str) -> RunShape:
+    """The processes and steps of a run of `command` (baseline, ps or ddp), to check its
+    faults against (`check_faults`). Loads the training set to count its steps.
+
+    Raises:
+        ConfigError: the data set cannot be loaded.
+    """
+    from disttrain.data.datasets import load_datasets
+    system, training = config.system, config.training
+    world = 1 if command == "baseline" else system.num_workers
+    train, _ = load_datasets(training)
+    steps = training.num_epochs * -(-(len(train) // world) // training.batch_size)
+    if command == "baseline":
+        return RunShape("the baseline run", {"worker": 1}, {"worker": steps}, restarted=())
+    coordinator = 0 if config.coordinator.address else 1
+    if command == "ps":
+        return RunShape("this parameter-server run", {"worker": world, "server": config.ps.num_servers,
+                                                      "coordinator": coordinator},
+                        {"worker": steps, "server": world * steps, "coordinator": world * steps})
+    live = config.ddp.recovery == "live"
+    return RunShape(f"this DDP run ({config.ddp.recovery} recovery)",
+                    {"rank": world, "coordinator": coordinator if config.ddp.num_nodes == 1 else 0},
+                    {"rank": steps, "coordinator": steps},
+                    restarted=("rank",) if live or config.ddp.max_restarts else (), group_restart=not live)

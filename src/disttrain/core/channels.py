@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import grpc
 
+from disttrain.core import rpc_faults
 from disttrain.core.auth import with_token
 from disttrain.core.tls import TlsFiles
 
@@ -27,7 +28,8 @@ def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
 def open_channel(address: str, tls: TlsFiles | None = None, token: str | None = None,
                  options: list | None = None) -> grpc.Channel:
     """A channel to `address`: TLS with `tls` when enabled, else plain TCP; every call
-    carries `token` when given.
+    carries `token` when given, and passes the network fault points (`core.failpoints`)
+    when a network fault is meant for this process.
 
     Raises:
         ConfigError: a TLS file cannot be read.
@@ -37,4 +39,4 @@ def open_channel(address: str, tls: TlsFiles | None = None, token: str | None = 
         channel = grpc.secure_channel(address, channel_credentials(tls), options=options)
     else:
         channel = grpc.insecure_channel(address, options=options)
-    return with_token(channel, token)
+    return with_token(rpc_faults.wrap_channel(channel), token)

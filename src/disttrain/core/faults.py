@@ -13,7 +13,12 @@ for it and fires them where the process calls it:
 - `at_evaluation()`: inside each evaluation. Fires slow-eval.
 - `drops_reply(step)`: before each gradient push. True when the push's reply is to be
   lost; the client then sends it and raises a transient error, so the retry meets the
-  server's deduplication.
+  server's deduplication. It also arms delay-rpc: the push's reply comes back late.
+
+The faults that reach code the process does not build itself (partition, slow-link and
+delay-rpc on every gRPC channel and server; store-error and crash-checkpoint on every
+checkpoint write) fire through `core.failpoints`; a process whose run has network faults
+arms its channels for them at its start (`arm_fault_points`).
 
 The grammar, the fault plan files and `Fault` itself live in `fault_spec` and are
 re-exported here.
@@ -30,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from disttrain.core import failpoints
 from disttrain.core.fault_spec import (
     ROLES,
     Fault,
@@ -38,7 +44,19 @@ from disttrain.core.fault_spec import (
     parse_fault,
 )
 
-__all__ = ["ROLES", "Fault", "FaultInjector", "format_fault", "load_fault_plan", "parse_fault"]
+__all__ = ["ROLES", "Fault", "FaultInjector", "arm_fault_points", "format_fault", "load_fault_plan",
+           "parse_fault"]
+
+NETWORK_ACTIONS = ("partition", "slow-link", "delay-rpc")
+# The calls that carry a worker's push: a delayed reply is the reply to one of them.
+PUSH_METHODS = ("/PushGradients", "/SendGradients", "/Step")
+
+
+def arm_fault_points(faults: Iterable[Fault]) -> None:
+    """Call at a process's start, before it opens any channel: with a network fault in
+    the run (for whichever process), its channels and servers carry the fault points."""
+    if any(f.action in NETWORK_ACTIONS for f in faults):
+        failpoints.arm_network()
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +129,14 @@ class FaultInjector:
         entered = self._clock()
         now = entered if train_time_s is None else train_time_s
         self._straggle(step, now, waited_s)
+        self._slow_link(step)
+        for fault in self._due(step, ("partition", "store-error", "crash-checkpoint")):
+            if fault.action == "partition":
+                failpoints.partition(fault.seconds)
+            elif fault.action == "store-error":
+                failpoints.fail_checkpoints(fault.seconds)
+            else:
+                failpoints.die_in_next_checkpoint()
         for fault in self._due(step, ("kill", "stop")):
             if fault.action == "kill":
                 self._kill(step)
@@ -129,6 +155,8 @@ class FaultInjector:
     def drops_reply(self, step: int) -> bool:
         """Call before sending the gradient push of `step`: True (once per drop-rpc fault)
         when the reply to this push is to be lost."""
+        for fault in self._due(step, ("delay-rpc",)):
+            failpoints.delay_next_reply(PUSH_METHODS, fault.seconds)
         dropped = bool(self._due(step, ("drop-rpc",)))
         if dropped:
             logger.warning("injected fault: the reply to the push of step %d is lost", step)
@@ -152,6 +180,11 @@ class FaultInjector:
         if extra:
             time.sleep(extra)
         return extra
+
+    def _slow_link(self, step: int) -> None:
+        latency_s = max((f.seconds for f in self._faults if f.slows(step, "slow-link")), default=0.0)
+        if latency_s or failpoints.network.latency_s:
+            failpoints.slow_link(latency_s)
 
     def _straggle(self, step: int, now: float, waited_s: float = 0.0) -> None:
         factor = max((f.factor for f in self._faults if f.slows(step)), default=1.0)

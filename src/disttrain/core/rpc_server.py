@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from disttrain.core import rpc_faults
 from disttrain.core.addresses import parse_address
 from disttrain.core.auth import TokenInterceptor
 from disttrain.core.errors import ConfigError
@@ -99,7 +100,10 @@ class RpcServer:
         credentials = server_credentials(tls) if tls.enabled else None  # a bad file fails before binding
         # The health service stays open without the token (the interceptor lets it through),
         # so orchestrators' probes work.
-        interceptors = [TokenInterceptor(token)] if token is not None else []
+        # The network fault points first: a partitioned server refuses even a bad token's call.
+        interceptors = rpc_faults.server_interceptors()
+        if token is not None:
+            interceptors.append(TokenInterceptor(token))
         self.server = grpc.server(futures.ThreadPoolExecutor(max_threads, thread_name_prefix="rpc"),
                                   interceptors=interceptors, options=[*(options or []), *SERVER_OPTIONS],
                                   maximum_concurrent_rpcs=maximum_concurrent_rpcs)

@@ -1,0 +1,73 @@
+"""Many schedules in a row, and the JSON that sums them up.
+
+Schedule `i` of a campaign from seed `s` runs scenario `scenarios[i % len(scenarios)]`
+with seed `s + i`, so a campaign reproduces from its first seed and any one schedule from
+its own (`disttrain chaos --scenarios NAME --seed SEED --schedules 1`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from disttrain.chaos.runner import Reference, reference, run_schedule
+from disttrain.chaos.scenarios import Scenario
+from disttrain.chaos.schedule import draw
+
+
+def run_campaign(scenarios: list[Scenario], first_seed: int, count: int, work_dir: Path,
+                 on_result: Callable[[dict[str, Any]], None] = lambda result: None,
+                 keep: bool = False, max_patterns: int = 2) -> dict[str, Any]:
+    """Run `count` schedules over `scenarios`; the campaign's JSON (see `summarize`).
+
+    Raises:
+        RuntimeError: a scenario's fault-free run failed (nothing to compare against).
+    """
+    started = time.monotonic()
+    references: dict[str, Reference] = {}
+    results = []
+    for i in range(count):
+        scenario = scenarios[i % len(scenarios)]
+        if scenario.name not in references:
+            references[scenario.name] = reference(scenario, work_dir)
+        schedule = draw(scenario, first_seed + i, max_patterns)
+        result = run_schedule(scenario, schedule, work_dir, references[scenario.name], keep)
+        results.append(result)
+        on_result(result)
+    summary = summarize(results, references)
+    summary["first_seed"], summary["wall_s"] = first_seed, round(time.monotonic() - started, 1)
+    return summary
+
+
+def summarize(results: list[dict[str, Any]], references: dict[str, Reference]) -> dict[str, Any]:
+    """Counts (run, finished, stopped then resumed, violated), the slowdown against the
+    fault-free runs, the longest recovery, the patterns and faults drawn, every violation
+    with its schedule, and every result."""
+    outcomes = Counter(r["outcome"] for r in results)
+    slowdowns = [r["slowdown"] for r in results if r["exit_code"] == 0]
+    recoveries = [r["longest_recovery_s"] for r in results if r.get("longest_recovery_s")]
+    lines = [line for r in results for line in r["schedule"]]
+    faults = Counter(line.split(":")[0] for line in lines if "from outside" not in line)
+    faults["kill from outside"] = sum(1 for line in lines if "from outside" in line)
+    return {
+        "schedules_run": len(results),
+        "finished": outcomes["finished"],
+        "stopped_with_reason": outcomes["stopped-then-resumed"],
+        "invariant_violations": outcomes["violated"],
+        "slowdown": {"median": statistics.median(slowdowns) if slowdowns else None,
+                     "max": max(slowdowns, default=None)},
+        "longest_recovery_s": max(recoveries, default=None),
+        "by_scenario": {name: dict(Counter(r["outcome"] for r in results if r["scenario"] == name))
+                        for name in dict.fromkeys(r["scenario"] for r in results)},
+        "patterns": dict(Counter(p for r in results for p in r["patterns"])),
+        "faults": dict(faults),
+        "references": {name: {"accuracy": ref.accuracy, "wall_s": round(ref.wall_s, 2)}
+                       for name, ref in references.items()},
+        "violations": [{"scenario": r["scenario"], "seed": r["seed"], "violations": r["violations"],
+                        "schedule": r["schedule"]} for r in results if r["violations"]],
+        "results": results,
+    }

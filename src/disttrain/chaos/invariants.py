@@ -1,0 +1,149 @@
+"""What every run under faults must keep, read from what it left on disk.
+
+The figures come from the run's own records of what it did (each shard's newest
+checkpoint: its data ledger, the samples it applied and the step it reached; a live DDP
+group's ledger of global batches; the final model; the coordinator's registry), never
+from counters a process reports about itself. Each check returns the violations it
+found, one line each (none: the invariant holds).
+
+- `check_exit`: the run finished (exit 0, a summary), or stopped with a last line that
+  names the cause and the command that continues it (`--resume`).
+- `check_ps_ledgers`: every shard applied every sample of every epoch exactly once (its
+  applied samples are the run's, its ledger the same blocks as every other shard's), every
+  worker done, and in sync mode every shard at one step.
+- `check_ddp`: restart mode: the final model bit-identical to the fault-free run's;
+  live mode: every global batch of every epoch applied once, by the ledger of the final
+  checkpoint, and no rank restarted that no fault touched (survivors keep their processes).
+- `check_accuracy`: within 1 point of the fault-free run of the same seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from disttrain.chaos.scenarios import Scenario
+from disttrain.coordinator.registry import RegistryError, read_status
+from disttrain.core.checkpoint import latest_checkpoint, load_checkpoint
+from disttrain.core.errors import CheckpointError
+
+MAX_ACCURACY_GAP = 0.01
+FINAL_MODELS = {"ps": "parameter_server_final.pt", "ddp": "ddp_final.pt"}
+
+
+def check_exit(code: int, last_line: str, summary_found: bool) -> list[str]:
+    """A finished run left its summary; a stopped one says why and how to go on."""
+    if code == 0:
+        return [] if summary_found else ["exited 0 without writing summary.json"]
+    problems = []
+    if not last_line.strip():
+        problems.append(f"stopped (exit {code}) without a last line saying why")
+    elif "Traceback" in last_line or last_line.lstrip().startswith(("File ", "raise ")):
+        problems.append(f"stopped (exit {code}) with a traceback, not a message: {last_line!r}")
+    elif "--resume" not in last_line:
+        problems.append(f"stopped (exit {code}) without the command that continues it (--resume): "
+                        f"{last_line!r}")
+    return problems
+
+
+def _newest(folder: Path) -> tuple[Path | None, dict[str, Any] | None, str | None]:
+    """The newest complete checkpoint in `folder` and its state, or why there is none."""
+    try:
+        path = latest_checkpoint(folder)
+        return (path, load_checkpoint(path), None) if path is not None else (None, None, "no checkpoint")
+    except (CheckpointError, OSError) as e:
+        return None, None, str(e)
+
+
+def check_ps_ledgers(scenario: Scenario, checkpoint_dir: Path) -> list[str]:
+    """Every shard's newest checkpoint holds every sample once (see the module docstring)."""
+    problems, ledgers, steps = [], {}, {}
+    for shard in range(scenario.servers):
+        path, state, why = _newest(checkpoint_dir / f"server{shard}")
+        if state is None:
+            problems.append(f"shard {shard}: {why} in {checkpoint_dir / f'server{shard}'}")
+            continue
+        rules = state["rules"]
+        applied = int(rules["counts"]["samples"])
+        if applied != scenario.total_samples:
+            kind = "lost" if applied < scenario.total_samples else "applied twice"
+            problems.append(f"shard {shard} ({path.name}): {applied} samples applied, not "
+                            f"{scenario.total_samples} (samples {kind})")
+        done = set(rules["done"])
+        if len(done) != scenario.workers:
+            problems.append(f"shard {shard}: workers {sorted(done)} done of {scenario.workers}")
+        ledgers[shard] = set(rules["ledger"]["blocks"])
+        steps[shard] = int(rules.get("sync_step", 0))
+    if ledgers and len({frozenset(blocks) for blocks in ledgers.values()}) > 1:
+        union = set().union(*ledgers.values())
+        missing = {shard: sorted(union - blocks)[:5] for shard, blocks in ledgers.items() if union - blocks}
+        problems.append(f"the shards' ledgers differ: blocks missing by shard {missing}")
+    if scenario.mode == "sync" and len(set(steps.values())) > 1:
+        problems.append(f"the shards ended at different steps: {steps}")
+    return problems
+
+
+def check_final_model(scenario: Scenario, checkpoint_dir: Path) -> tuple[list[str], dict[str, Any] | None]:
+    """The final model is there and loads; its state."""
+    path = checkpoint_dir / FINAL_MODELS[scenario.command]
+    try:
+        return [], load_checkpoint(path)
+    except (CheckpointError, OSError) as e:
+        return [f"the final model {path} cannot be read: {e}"], None
+
+
+def check_ddp(scenario: Scenario, checkpoint_dir: Path, log_dir: Path, reference_model: dict | None,
+              restarted: Iterable[int]) -> list[str]:
+    """DDP's promise for its recovery mode (see the module docstring); `restarted`: the
+    ranks a fault may have restarted."""
+    problems, model = check_final_model(scenario, checkpoint_dir)
+    if scenario.exact and model is not None and reference_model is not None:
+        different = [name for name, tensor in model["model"].items()
+                     if not torch.equal(tensor, reference_model["model"][name])]
+        if different:
+            problems.append(f"the final model differs from the fault-free run's in {len(different)} "
+                            f"tensor(s) ({', '.join(different[:3])}); restart mode promises it bit-identical")
+    if scenario.mode == "live":
+        problems += _live_ledger(scenario, checkpoint_dir)
+        problems += _survivors_kept(log_dir, set(restarted))
+    return problems
+
+
+def _live_ledger(scenario: Scenario, checkpoint_dir: Path) -> list[str]:
+    path, state, why = _newest(checkpoint_dir)
+    if state is None:
+        return [f"no live checkpoint to read the ledger from: {why}"]
+    ledger = state.get("ledger")
+    if ledger is None:
+        return [f"{path.name} holds no ledger"]
+    ledger = torch.as_tensor(ledger)
+    if ledger.shape[0] != scenario.epochs:
+        return [f"{path.name}: a ledger of {ledger.shape[0]} epochs, not {scenario.epochs}"]
+    lost, twice = int((ledger == 0).sum()), int((ledger > 1).sum())
+    if lost or twice:
+        return [f"{path.name}: {lost} global batch(es) never applied and {twice} applied more than once"]
+    return []
+
+
+def _survivors_kept(log_dir: Path, restarted: set[int]) -> list[str]:
+    try:
+        nodes = read_status(log_dir / "cluster.db").nodes
+    except RegistryError as e:
+        return [f"the registry cannot be read: {e}"]
+    return [f"{node['node_id']} restarted {node['restarts']} time(s) though no fault touched it "
+            "(live recovery keeps the survivors' processes)"
+            for node in nodes if node["role"] == "rank" and node["restarts"]
+            and node["rank"] not in restarted]
+
+
+def check_accuracy(accuracy: float | None, reference: float | None) -> list[str]:
+    """Within `MAX_ACCURACY_GAP` of the fault-free run's, either way."""
+    if accuracy is None or reference is None:
+        return [] if reference is None else ["the summary holds no final accuracy"]
+    if abs(accuracy - reference) > MAX_ACCURACY_GAP:
+        return [f"final accuracy {accuracy:.4f} is more than 1 point from the fault-free run's "
+                f"{reference:.4f}"]
+    return []

@@ -1,0 +1,132 @@
+"""The configurations fault schedules run on: small real runs of `disttrain ps` and
+`disttrain ddp` on the bundled digits data set (no download), each named, with what a
+schedule needs to know of it (its processes, its steps, its checkpoints).
+
+Every scenario trains the same MLP with the same seed and sizes, so a fault-free run of
+it is the reference its faulty runs are measured against (accuracy, time).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One configuration.
+
+    Attributes:
+        name: how schedules and results name it.
+        command: `ps` or `ddp`.
+        mode: PS: the aggregation mode (sync, ssp, async); DDP: the recovery (restart, live).
+        flags: further flags of the command (compression, overlap, local updates, ...).
+        workers: PS workers, or DDP ranks.
+        servers: PS shards (0 for DDP).
+        epochs, train_samples, batch_size: the run's size (digits has 1,438 samples).
+        checkpoint_interval: steps (a shard: versions) between checkpoints.
+        reassign: PS: a worker past its restarts is left out, the others take its blocks.
+        group_restart: every process of the group restarts when one fails (DDP restart).
+        exact: the final model is bit-identical to the fault-free run's (DDP restart on CPU).
+        max_restarts: the crash-loop budget of each process.
+    """
+
+    name: str
+    command: str
+    mode: str
+    flags: tuple[str, ...] = ()
+    workers: int = 2
+    servers: int = 0
+    epochs: int = 3
+    train_samples: int = 768
+    batch_size: int = 16
+    checkpoint_interval: int = 8
+    reassign: bool = False
+    group_restart: bool = False
+    exact: bool = False
+    max_restarts: int = 3
+    heartbeat_interval_s: float = 0.2
+    heartbeat_timeout_s: float = 1.5
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Each worker's (rank's) steps in one epoch."""
+        return math.ceil((self.train_samples // self.workers) / self.batch_size)
+
+    @property
+    def total_steps(self) -> int:
+        """Each worker's (rank's) steps in the run."""
+        return self.epochs * self.steps_per_epoch
+
+    @property
+    def total_samples(self) -> int:
+        """The samples the run applies, every one once: every worker's share of every epoch."""
+        return self.epochs * (self.train_samples // self.workers) * self.workers
+
+    def processes(self) -> dict[str, int]:
+        """role -> how many processes of it the run has (faults may target each)."""
+        if self.command == "ps":
+            return {"worker": self.workers, "server": self.servers, "coordinator": 1}
+        return {"rank": self.workers}
+
+    def role_step(self, role: str, step: int) -> int:
+        """The step a fault on `role` names for the moment workers reach `step`: a
+        shard's (and the coordinator's) steps are versions, one per push in async mode."""
+        if role in ("server", "coordinator") and self.mode == "async":
+            return step * self.workers
+        return step
+
+    def command_line(self, log_dir: Path, checkpoint_dir: Path, seed: int) -> list[str]:
+        """The `disttrain` command of a run of this scenario, faults aside."""
+        line = [sys.executable, "-m", "disttrain", self.command, "--dataset", "digits", "--model", "mlp",
+                "--num-epochs", str(self.epochs), "--max-train-samples", str(self.train_samples),
+                "--batch-size", str(self.batch_size), "--checkpoint-interval", str(self.checkpoint_interval),
+                "--num-threads", "1", "--seed", str(seed), "--max-restarts", str(self.max_restarts),
+                "--log-dir", str(log_dir), "--checkpoint-dir", str(checkpoint_dir),
+                "--set", f"coordinator.heartbeat_interval={self.heartbeat_interval_s}",
+                "--set", f"coordinator.heartbeat_timeout={self.heartbeat_timeout_s}"]
+        if self.command == "ps":
+            line += ["--workers", str(self.workers), "--servers", str(self.servers),
+                     "--aggregation-mode", self.mode]
+            if self.reassign:
+                line += ["--reassign-after", "2"]
+        else:
+            line += ["--world-size", str(self.workers), "--ddp-recovery", self.mode]
+        return line + list(self.flags)
+
+
+def _ps(name: str, mode: str = "sync", *flags: str, **fields) -> Scenario:
+    return Scenario(name, "ps", mode, tuple(flags), servers=fields.pop("servers", 2), **fields)
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    _ps("ps-sync"),
+    _ps("ps-ssp", "ssp", "--staleness", "2"),
+    _ps("ps-async", "async"),
+    _ps("ps-sync-overlap", "sync", "--set", "ps.overlap=true"),
+    _ps("ps-sync-topk", "sync", "--compression-enabled", "--compression-type", "topk",
+        "--compression-ratio", "0.1"),
+    _ps("ps-sync-pull", "sync", "--pull-compression", "topk", "--pull-ratio", "0.1"),
+    _ps("ps-async-int8", "async", "--compression-enabled", "--compression-type", "quantization"),
+    _ps("ps-local", "sync", "--sync-every", "4"),
+    _ps("ps-reassign", "sync", reassign=True, max_restarts=1),
+    _ps("ps-3shards", "sync", servers=3),
+    Scenario("ddp-restart", "ddp", "restart", group_restart=True, exact=True),
+    Scenario("ddp-live", "ddp", "live"),
+)}
+# A few minutes inside the test suite: one of each strategy's recoveries.
+QUICK = ("ps-sync", "ps-async", "ddp-live")
+
+
+def scenario(name: str) -> Scenario:
+    """The scenario called `name`.
+
+    Raises:
+        ValueError: no such scenario (the known ones are named).
+    """
+    try:
+        return SCENARIOS[name]
+    except KeyError:
+        raise ValueError(f"no scenario {name!r}; choose among {', '.join(SCENARIOS)}") from None

@@ -1,0 +1,252 @@
+"""Fault schedules drawn from a seed: which faults a run meets, against which process, when.
+
+A schedule is a handful of *patterns*, each one of the interactions faults have with
+recovery, drawn with `random.Random(seed)` against a scenario's processes and steps:
+
+- `single`: one fault of any kind at any step (kill, hang, partition, a delayed or lost
+  reply, a slow link, a full store, a crash in the middle of a checkpoint write).
+- `twice-before-checkpoint`: a process killed, then killed again after its restart and
+  before its next checkpoint (it comes back from the same checkpoint twice).
+- `during-recovery`: a process killed, then again at its first step back, or another
+  process killed while the first one recovers.
+- `epoch-boundary`: a fault on the last step of an epoch, before its evaluation.
+- `in-checkpoint`: a process killed while it writes a checkpoint.
+- `hostile`: from outside, by the clock: a random process SIGKILLed every few seconds,
+  as a hostile world does (the run must go on as long as it makes progress).
+
+Step-triggered faults travel as `--inject` specs (they fire inside the process at an
+exact step, so they reproduce); clock-triggered ones (`TimedFault`) are sent from
+outside. Each process's restarts are counted as the schedule is drawn, so a fault meant
+for a restarted process names the start it fires on (`attempt`). Pure: no process, no
+clock; `lines()` is what is printed and saved with a result.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from disttrain.chaos.scenarios import Scenario
+from disttrain.core.fault_spec import Fault, format_fault, parse_fault
+
+PATTERNS = ("single", "twice-before-checkpoint", "during-recovery", "epoch-boundary", "in-checkpoint",
+            "hostile")
+# One fault of any kind: (action, roles it applies to).
+KINDS = (("kill", ("worker", "server", "rank", "coordinator")),
+         ("stop", ("worker", "server", "rank", "coordinator")),
+         ("partition", ("worker", "server", "coordinator")),
+         ("drop-rpc", ("worker",)),
+         ("delay-rpc", ("worker",)),
+         ("slow-link", ("worker", "server")),
+         ("slow", ("worker", "rank")),
+         ("store-error", ("worker", "server", "rank")),
+         ("crash-checkpoint", ("worker", "server", "rank")))
+# Hangs and cuts are either short (well within the heartbeat timeout: the process is
+# waited for) or long (several timeouts: it is declared failed, killed and restarted).
+SHORT, LONG = 0.4, 3.0
+
+
+@dataclass(frozen=True)
+class TimedFault:
+    """A fault sent from outside at `at_s` seconds after every worker joined: SIGKILL
+    (`kill`) or SIGSTOP then SIGCONT `seconds` later (`stop`), to process `index` of
+    `role` as it runs then."""
+
+    at_s: float
+    action: str
+    role: str
+    index: int
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        hang = f" for {self.seconds:g}s" if self.action == "stop" else ""
+        return f"at {self.at_s:.1f}s: {self.action} {self.role} {self.index}{hang} (from outside)"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The faults of one run: `faults` inside the processes, `timed` from outside."""
+
+    scenario: str
+    seed: int
+    patterns: tuple[str, ...]
+    faults: tuple[Fault, ...] = ()
+    timed: tuple[TimedFault, ...] = ()
+
+    def lines(self) -> list[str]:
+        """The schedule as printed: one line per fault."""
+        return [*(format_fault(f) for f in self.faults), *(t.describe() for t in self.timed)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scenario": self.scenario, "seed": self.seed, "patterns": list(self.patterns),
+                "inject": [format_fault(f) for f in self.faults],
+                "timed": [vars(t) for t in self.timed]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Schedule:
+        return cls(data["scenario"], int(data["seed"]), tuple(data["patterns"]),
+                   tuple(parse_fault(text) for text in data["inject"]),
+                   tuple(TimedFault(**t) for t in data["timed"]))
+
+
+@dataclass
+class _Draw:
+    """The state of one schedule being drawn: its random source and each process's start."""
+
+    scenario: Scenario
+    rng: random.Random
+    attempts: dict[tuple[str, int], int] = field(default_factory=dict)
+    faults: list[Fault] = field(default_factory=list)
+    timed: list[TimedFault] = field(default_factory=list)
+
+    def process(self, roles: tuple[str, ...]) -> tuple[str, int] | None:
+        """A random process of one of `roles` that the scenario has, or None."""
+        present = [(role, index) for role, count in self.scenario.processes().items() if role in roles
+                   for index in range(count)]
+        return self.rng.choice(present) if present else None
+
+    def step(self, low: int = 2, high: int | None = None) -> int:
+        """A random worker step in [low, high] (default: up to two before the end)."""
+        high = self.scenario.total_steps - 2 if high is None else high
+        return self.rng.randint(min(low, high), high)
+
+    def add(self, action: str, target: tuple[str, int], step: int, seconds: float = 0.0,
+            factor: float = 1.0, until: int = 0, own_step: bool = False) -> Fault:
+        """A fault at worker step `step` (`own_step`: at the target's own step, a shard's
+        version) on the process's current start; a fault that restarts the process (a
+        kill, a crash, a hang or cut past the heartbeat timeout) moves it to its next start."""
+        role, index = target
+        scenario = self.scenario
+        convert = (lambda s: s) if own_step else (lambda s: scenario.role_step(role, s))
+        fault = Fault(action, convert(step), round(seconds, 3), None if role == "coordinator" else index,
+                      self.attempts.get(target, 0), role=role, factor=factor,
+                      until=convert(until) if until else 0)
+        self.faults.append(fault)
+        if restarts(action, seconds, scenario):
+            for process in ([(role, i) for i in range(scenario.processes()[role])] if scenario.group_restart
+                            else [target]):
+                self.attempts[process] = self.attempts.get(process, 0) + 1
+        return fault
+
+    def spent(self, target: tuple[str, int]) -> bool:
+        """Whether the process has no restart left to spend on a crash loop."""
+        return self.attempts.get(target, 0) >= self.scenario.max_restarts
+
+
+def restarts(action: str, seconds: float, scenario: Scenario) -> bool:
+    """Whether a fault of `action` lasting `seconds` ends with the process restarted."""
+    if action in ("kill", "crash-checkpoint"):
+        return True
+    return action in ("stop", "partition") and seconds > scenario.heartbeat_timeout_s
+
+
+def draw(scenario: Scenario, seed: int, max_patterns: int = 2) -> Schedule:
+    """The schedule of `seed` for `scenario`: 1 to `max_patterns` patterns.
+
+    The same scenario and seed always give the same schedule.
+    """
+    rng = random.Random(f"{scenario.name}/{seed}")
+    state = _Draw(scenario, rng)
+    patterns = tuple(rng.choice(PATTERNS) for _ in range(rng.randint(1, max_patterns)))
+    for pattern in patterns:
+        DRAWERS[pattern](state)
+    return Schedule(scenario.name, seed, patterns, tuple(state.faults), tuple(state.timed))
+
+
+def _any_fault(state: _Draw, step: int | None = None, target: tuple[str, int] | None = None) -> None:
+    """One fault of a random kind the target (or a random process) can take."""
+    rng, scenario = state.rng, state.scenario
+    kinds = [(action, roles) for action, roles in KINDS
+             if (target[0] in roles if target else any(r in roles for r in scenario.processes()))]
+    action, roles = rng.choice(kinds)
+    target = target or state.process(roles)
+    if target is None:
+        return
+    if state.spent(target) and restarts(action, LONG, scenario):
+        action = "slow-link" if target[0] in ("worker", "server") else "slow"
+        if target[0] not in ("worker", "server", "rank"):
+            return
+    step = state.step() if step is None else step
+    if action in ("stop", "partition"):
+        state.add(action, target, step, rng.choice((SHORT, LONG)) * scenario.heartbeat_timeout_s)
+    elif action in ("delay-rpc", "store-error"):
+        state.add(action, target, step, round(rng.uniform(0.2, 3.0), 2))
+    elif action == "slow-link":
+        state.add(action, target, step, round(rng.uniform(0.002, 0.02), 3), until=step + rng.randint(2, 8))
+    elif action == "slow":
+        state.add(action, target, step, factor=round(rng.uniform(1.5, 4.0), 1),
+                  until=step + rng.randint(2, 8))
+    else:
+        state.add(action, target, step)
+
+
+def _single(state: _Draw) -> None:
+    _any_fault(state)
+
+
+def _killable(state: _Draw) -> tuple[str, int] | None:
+    """A random process that can still be killed without ending the run."""
+    for _ in range(8):
+        target = state.process(("worker", "server", "rank", "coordinator"))
+        if target is not None and not state.spent(target):
+            return target
+    return None
+
+
+def _twice_before_checkpoint(state: _Draw) -> None:
+    target = _killable(state)
+    if target is None or target[0] == "coordinator":
+        return _single(state)
+    scenario = state.scenario
+    interval = scenario.checkpoint_interval
+    step = scenario.role_step(target[0], state.step(interval + 1, scenario.total_steps - interval))
+    state.add("kill", target, step, own_step=True)
+    if not state.spent(target):
+        # Back from its checkpoint at or before `step`, killed again before its next one
+        # (both in its own steps: a shard checkpoints by versions).
+        restored = step - step % interval
+        state.add("kill", target, state.rng.randint(restored + 1, restored + interval - 1), own_step=True)
+
+
+def _during_recovery(state: _Draw) -> None:
+    target = _killable(state)
+    if target is None:
+        return _single(state)
+    step = state.step()
+    state.add("kill", target, step)
+    other = _killable(state)
+    if state.rng.random() < 0.5 and not state.spent(target):
+        again = "kill" if target[0] == "coordinator" else state.rng.choice(("kill", "crash-checkpoint"))
+        state.add(again, target, 0)  # at its first step back
+    elif other is not None and other != target:
+        _any_fault(state, step + 1, other)
+
+
+def _epoch_boundary(state: _Draw) -> None:
+    scenario = state.scenario
+    epoch = state.rng.randint(1, scenario.epochs - 1)
+    _any_fault(state, epoch * scenario.steps_per_epoch)
+
+
+def _in_checkpoint(state: _Draw) -> None:
+    target = state.process(("worker", "server", "rank"))
+    if target is None or state.spent(target):
+        return _single(state)
+    state.add("crash-checkpoint", target, state.step())
+
+
+def _hostile(state: _Draw) -> None:
+    """A SIGKILL of a random worker, server or rank every 2-6 s, from outside, four to
+    eight times: more than any one process's restart budget if it lands on it often."""
+    at_s = 0.0
+    for _ in range(state.rng.randint(4, 8)):
+        at_s += state.rng.uniform(2.0, 6.0)
+        target = state.process(("worker", "server", "rank"))
+        if target is not None:
+            state.timed.append(TimedFault(round(at_s, 2), "kill", *target))
+
+
+DRAWERS = {"single": _single, "twice-before-checkpoint": _twice_before_checkpoint,
+           "during-recovery": _during_recovery, "epoch-boundary": _epoch_boundary,
+           "in-checkpoint": _in_checkpoint, "hostile": _hostile}
