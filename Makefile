@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install lock demo test test-fast test-slow test-bench test-extended bench bench-quick lint proto metrics-table clean
+.PHONY: install lock demo test test-fast test-slow test-bench test-extended bench bench-quick chaos lint proto metrics-table clean
 
 install: $(STAMP)
 
@@ -108,6 +108,17 @@ bench: install
 # all): the same JSON keys as `make bench`, under runs/bench-quick/.
 bench-quick: install
 	$(call run_benchmarks,runs/bench-quick,--quick)
+
+# Generated fault schedules over real runs (`disttrain chaos --help`): CHAOS_SCHEDULES of
+# them over every scenario in turn, from seed CHAOS_SEED; the campaign's JSON (schedules
+# run, finished, stopped with a reason, invariant violations, slowdown, longest recovery)
+# in runs/chaos/chaos.json. About 30 s a schedule on 2 cores; a broken invariant fails it.
+CHAOS_SCHEDULES ?= 240
+CHAOS_SEED ?= 0
+chaos: install
+	rm -rf runs/chaos
+	$(VENV)/bin/disttrain chaos --schedules $(CHAOS_SCHEDULES) --seed $(CHAOS_SEED) --work-dir runs/chaos \
+		--output runs/chaos/chaos.json
 
 # Style, and the import contracts of pyproject.toml (layers; strategies as peers).
 lint: install
