@@ -214,6 +214,17 @@ class FakeCluster:
 
     def spawn(self, name, spec):
         self.spawned.append(name)
+        self.children[name] = Silent()
+
+
+class Silent:
+    """A child that reported no progress and no error."""
+
+    furthest = error = None
+    log_path = "silent.log"
+
+    def tail(self, lines):
+        return ""
 
 
 def test_an_expendable_worker_past_its_restarts_is_left_out_and_another_process_stops_the_run():
@@ -225,7 +236,7 @@ def test_an_expendable_worker_past_its_restarts_is_left_out_and_another_process_
     assert supervisor.processes["worker2"].given_up and cluster.spawned == ["worker2", "server0"]
     assert [f.name for f in supervisor.failures] == ["worker2"]
 
-    class Child:
+    class Child(Silent):
         log_path = "server0.log"
 
         def tail(self, lines):

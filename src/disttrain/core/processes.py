@@ -3,10 +3,12 @@
 Each child is described by a `ProcessSpec` (`core.process_spec`) and runs in its own
 session (so a Ctrl-C reaches only the launcher, which then stops the children in order),
 with its stdout and stderr in `<log_dir>/<name>.log`. Children report to the launcher
-with event lines on stdout (`emit_event`): the address a server bound, progress. A child
-calls `bind_to_parent()` first thing: on Linux the kernel then kills it when the launcher
-dies, however the launcher dies (SIGKILL included); elsewhere a watchdog thread does the
-same.
+with event lines on stdout (`emit_event`): the address a server bound, progress. Two
+kinds the cluster keeps on each child for its supervisor: `progress` with a `point` (the
+furthest step, or a shard's version, the process reached: `ProgressReport`) and `error`
+(the error it fails with: `report_error`). A child calls `bind_to_parent()` first thing:
+on Linux the kernel then kills it when the launcher dies, however the launcher dies
+(SIGKILL included); elsewhere a watchdog thread does the same.
 """
 
 from __future__ import annotations
@@ -28,15 +30,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from disttrain.core.errors import DistributedError
+from disttrain.core.errors import DistributedError, DisttrainError
 from disttrain.core.process_spec import ProcessSpec, command_line
 
 logger = logging.getLogger(__name__)
 
 EVENT_PREFIX = "@disttrain-event "
 PARENT_ENV = "DISTTRAIN_PARENT_PID"
+PROGRESS_EVENT = "progress"  # with `point`: how far the process got (more fields for a display)
+ERROR_EVENT = "error"  # the error the process fails with: exception, message, recoverable
 _PR_SET_PDEATHSIG = 1
-_QUIET_EVENTS = {"progress"}  # frequent events stay out of the log files
+_QUIET_EVENTS = {PROGRESS_EVENT, ERROR_EVENT}  # out of the log files: frequent, or told there already
 # How long a child may take to report the address it listens on (importing torch, loading
 # a model and data on a loaded machine can take tens of seconds).
 STARTUP_TIMEOUT_S = 120.0
@@ -46,6 +50,33 @@ def emit_event(kind: str, **fields: Any) -> None:
     """Tell the launcher something (one JSON line on stdout); a no-op when not launched."""
     if PARENT_ENV in os.environ:
         print(EVENT_PREFIX + json.dumps({"event": kind, **fields}), flush=True)
+
+
+class ProgressReport:
+    """Tells the launcher the furthest point this process reached (a step, a shard's
+    version), once for each new furthest point: what its supervisor's restart budget
+    measures progress by (`coordinator.budget`). Callable from any thread."""
+
+    def __init__(self) -> None:
+        self.furthest: int | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, point: int) -> None:
+        with self._lock:
+            if self.furthest is not None and point <= self.furthest:
+                return
+            self.furthest = point
+        emit_event(PROGRESS_EVENT, point=int(point))
+
+
+def report_error(error: BaseException) -> None:
+    """Tell the launcher the error this process is about to fail with: its class, its first
+    line, and whether it says a restart may mend it (`DisttrainError.recoverable`; None for
+    an exception the code did not expect). Call in the entry point's handler, before exiting."""
+    recoverable = error.recoverable if isinstance(error, DisttrainError) else None
+    text = str(error).strip()
+    emit_event(ERROR_EVENT, exception=type(error).__name__, recoverable=recoverable,
+               message=(text.splitlines()[0] if text else type(error).__name__)[:1000])
 
 
 def bind_to_parent() -> None:
@@ -73,11 +104,24 @@ def _watch_parent(parent_pid: int) -> None:
 
 @dataclass
 class Child:
+    """One process of the cluster. `furthest` and `error` hold what it reported (its
+    furthest `progress` point, its `error` event's fields); both are final once its exit
+    event is out."""
+
     name: str
     process: subprocess.Popen
     log_path: Path
     exit_code: int | None = None
     threads: list[threading.Thread] = field(default_factory=list)
+    furthest: int | None = None
+    error: dict[str, Any] | None = None
+
+    def heard(self, kind: str, fields: dict[str, Any]) -> None:
+        """Keep what an event of this child tells its supervisor."""
+        if kind == PROGRESS_EVENT and isinstance(fields.get("point"), int):
+            self.furthest = fields["point"] if self.furthest is None else max(self.furthest, fields["point"])
+        elif kind == ERROR_EVENT:
+            self.error = fields
 
     def tail(self, lines: int = 5) -> str:
         try:
@@ -152,6 +196,7 @@ class Cluster:
                         fields = None
                     if isinstance(fields, dict):
                         kind = str(fields.pop("event", ""))
+                        child.heard(kind, fields)
                         self.events.put(Event(child.name, kind, fields))
                         if kind in _QUIET_EVENTS:
                             continue
