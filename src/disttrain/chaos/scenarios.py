@@ -30,6 +30,8 @@ class Scenario:
         reassign: PS: a worker past its restarts is left out, the others take its blocks.
         group_restart: every process of the group restarts when one fails (DDP restart).
         exact: the final model is bit-identical to the fault-free run's (DDP restart on CPU).
+        (The sizes make each epoch a whole number of checkpoint intervals, so the last
+        checkpoint holds the whole run.)
         max_restarts: the crash-loop budget of each process.
     """
 
@@ -40,15 +42,21 @@ class Scenario:
     workers: int = 2
     servers: int = 0
     epochs: int = 3
-    train_samples: int = 768
+    train_samples: int = 1408
     batch_size: int = 16
-    checkpoint_interval: int = 8
+    checkpoint_interval: int = 12
     reassign: bool = False
     group_restart: bool = False
     exact: bool = False
     max_restarts: int = 3
     heartbeat_interval_s: float = 0.2
     heartbeat_timeout_s: float = 1.5
+
+    @property
+    def references(self) -> int:
+        """Fault-free runs to measure against: several where the order pushes arrive in
+        changes the result (async, SSP), else one (a run is deterministic)."""
+        return 3 if self.mode in ("async", "ssp") else 1
 
     @property
     def steps_per_epoch(self) -> int:
