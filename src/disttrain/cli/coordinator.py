@@ -27,7 +27,7 @@ from disttrain.coordinator.launch import REGISTRY_FILE
 from disttrain.coordinator.service import CoordinatorServer
 from disttrain.core.faults import FaultInjector
 from disttrain.core.process_spec import FLAGS
-from disttrain.core.processes import bind_to_parent, emit_event
+from disttrain.core.processes import ProgressReport, bind_to_parent, emit_event
 from disttrain.training.options import RunOptions
 
 logger = logging.getLogger(__name__)
@@ -103,8 +103,10 @@ def run(args: argparse.Namespace) -> None:
     plan = prepare(args)
     bind, registry = plan.bind, plan.registry
     faults = FaultInjector(plan.options.faults, "coordinator", 0, plan.options.attempt)
+    progress = ProgressReport()  # the furthest step heard of, for the launcher's restart budget
     server = CoordinatorServer(plan.config.coordinator, bind, registry,
-                               on_step=faults.at_step if faults.faults else None,
+                               on_step=(lambda step: (progress(step), faults.at_step(step))) if faults.faults
+                               else progress,
                                token=plan.options.token, tls=plan.options.tls)
     server.on_failure = lambda node_id, reason: _announce_failure(server, node_id, reason)
     stopped = threading.Event()

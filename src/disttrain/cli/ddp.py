@@ -242,7 +242,7 @@ def live_rank_main(argv: list[str], env: Mapping[str, str]) -> int:
     """Run one rank of a live-recovery run (started by `disttrain ddp --ddp-recovery live`,
     which passes its slot as --rank, its restart as --attempt, and its store in the
     environment). Returns the exit code: 0, 2 for bad input, 1 for a failure."""
-    from disttrain.core.processes import bind_to_parent
+    from disttrain.core.processes import bind_to_parent, report_error
     from disttrain.strategies.ddp.heartbeats import LIVE_RESTART, LoopProgress, coordinator_link
     from disttrain.strategies.ddp.live import LIVE_STORE_ENV, run_live_rank, store_address
     from disttrain.training.checkpoints import Position
@@ -261,9 +261,13 @@ def live_rank_main(argv: list[str], env: Mapping[str, str]) -> int:
         if summary is not None and args.summary_json:
             summary.write(args.summary_json)
     except DisttrainError as e:
+        report_error(e)  # the launcher's supervisor: a user's error is not restarted
         for line in error_lines(e):
             print(f"error: rank {args.rank}: {line}", file=sys.stderr)
         return e.exit_code
+    except Exception as e:
+        report_error(e)
+        raise
     return 0
 
 

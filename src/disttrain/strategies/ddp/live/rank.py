@@ -28,6 +28,7 @@ from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
 from disttrain.core.errors import ConfigError, DistributedError
 from disttrain.core.faults import FaultInjector
+from disttrain.core.processes import ProgressReport
 from disttrain.metrics.logger import MetricsLogger
 from disttrain.metrics.summary import RunSummary
 from disttrain.strategies.ddp.heartbeats import LoopProgress
@@ -79,6 +80,7 @@ class LiveRank:
         self.resume = options.resume
         self.faults = FaultInjector(options.faults, "rank", slot, attempt)
         self.heartbeat_progress = progress
+        self.launcher_progress = ProgressReport()
         self.metrics: MetricsLogger | None = None
         self.pending: dict[str, Any] | None = None  # the recovery being made, recorded once synced
 
@@ -236,6 +238,7 @@ class LiveRank:
         p, position = self.trainer.progress, self.heartbeat_progress.position
         position.epoch, position.step = p.epoch, p.step
         position.samples_processed = self.trainer.samples_trained
+        self.launcher_progress(p.step)  # the group's step, for the launcher's restart budget
 
     def _finish(self) -> RunSummary | None:
         """The run is over: every member's process id, then the leader writes the results."""

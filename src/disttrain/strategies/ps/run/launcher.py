@@ -5,10 +5,12 @@ Starts a coordinator (unless `coordinator.address` names a running one), then
 `system.num_workers` workers pointed at them; shows one progress display for the
 cluster; streams every process's output to `<log_dir>/<name>.log`. Every process
 registers with the coordinator and heartbeats. A process that fails (exits with an
-error, or stops heartbeating) is restarted where it was, up to
-`coordinator.max_restarts` times, while the others train on; a worker failing past that
-is left out, and the others take over its blocks once the coordinator reassigns it
-(`coordinator.reassign_after`; null: the run stops instead). A coordinator that dies is
+error, or stops heartbeating) is restarted where it was, while the others train on: for
+free when it had made progress, else spending one of `coordinator.max_restarts`
+restarts in a row (`coordinator.budget`); one failing with a user's error stops the run
+at once. A worker failing past its budget is left out, and the others take over its
+blocks once the coordinator reassigns it (`coordinator.reassign_after`; null: the run
+stops instead). A coordinator that dies is
 restarted on its registry (`<log_dir>/cluster.db`). Worker 0 writes
 `parameter_server_final.pt` and `summary.json` (strategy ps-sync, ps-ssp or ps-async)
 when every worker is done; the launcher adds each failure and its recovery. Every
@@ -54,8 +56,10 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
     Raises:
         ConfigError: bad input found before any process starts (an unknown model,
             checkpoints of an earlier run in the folder without `--resume`).
-        DistributedError: a process failed more often than `coordinator.max_restarts`
-            (its name, exit code and log are named), or did not start.
+        DistributedError: a process failed more often in a row without progress than
+            `coordinator.max_restarts` (its name, exit code and log are named), or did not start.
+        ConfigError, DataError, CheckpointError, TrainingError: a process failed with a
+            user's error, or with the same unexpected error on a fresh start (not restarted).
     """
     started = time.perf_counter()
     preflight(config, options)

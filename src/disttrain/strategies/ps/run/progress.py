@@ -1,12 +1,13 @@
 """The progress of a whole parameter-server run: each worker tells it as event lines
 (`EventProgress`: its plan of steps, then one line per step), and the launcher shows one
-display for the cluster (`ClusterWatch`)."""
+display for the cluster (`ClusterWatch`; the servers' progress lines, which carry only
+their version for the supervisor, are not shown)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disttrain.core.processes import Event, emit_event
+from disttrain.core.processes import PROGRESS_EVENT, Event, emit_event
 from disttrain.metrics.progress import Progress
 
 
@@ -14,11 +15,14 @@ class EventProgress:
     """Progress told to the launcher as event lines (it shows one display for all)."""
 
     def __init__(self, rank: int, total: int, done: int):
-        self.rank = rank
+        self.rank, self.step = rank, done
         emit_event("plan", rank=rank, total_steps=total, done_steps=done)
 
     def update(self, n: int = 1, **postfix: float) -> None:
-        emit_event("progress", rank=self.rank, steps=n, loss=round(postfix.get("loss", 0.0), 4))
+        # `point`, the step reached, is what the supervisor's restart budget reads.
+        self.step += n
+        emit_event(PROGRESS_EVENT, rank=self.rank, steps=n, loss=round(postfix.get("loss", 0.0), 4),
+                   point=self.step)
 
     def close(self) -> None:
         """Nothing to close: the launcher's display ends with the run."""
@@ -42,7 +46,7 @@ class ClusterWatch:
             self.steps += int(event.fields.get("done_steps", 0))
             if len(self.plans) == self.num_workers:
                 self.progress = Progress(sum(self.plans.values()), self.description, initial=self.steps)
-        elif event.kind == "progress" and self.progress is not None:
+        elif event.kind == PROGRESS_EVENT and "steps" in event.fields and self.progress is not None:
             self.progress.update(1, loss=float(event.fields.get("loss", 0.0)))
 
     def worker_done(self) -> bool:

@@ -22,7 +22,7 @@ from disttrain.coordinator.reports import NodeProgress
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
 from disttrain.core.faults import FaultInjector
-from disttrain.core.processes import bind_to_parent, emit_event
+from disttrain.core.processes import ProgressReport, bind_to_parent, emit_event
 from disttrain.core.tls import TlsFiles
 from disttrain.strategies.ps.run.launcher import check_supported
 from disttrain.strategies.ps.run.link import join
@@ -118,8 +118,9 @@ def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool =
     logger.info("shard %d/%d (%d parameters, %.2f MB) listening on %s (%s)", shard, num_shards,
                 state.plan.numel, state.plan.nbytes / 1e6, server.address, socket.gethostname())
     logger.info("%s", state.plan.describe())
-    if faults is not None:
-        state.on_version = faults.at_step
+    progress = ProgressReport()  # each version reached, for the launcher's restart budget
+    state.on_version = progress if faults is None else lambda version: (progress(version),
+                                                                        faults.at_step(version))
     emit_event("listening", address=server.address, shard=shard)
     link = join(config.coordinator, f"server{shard}", "server", shard,
                 lambda: NodeProgress(0, state.version, 0), server.address,

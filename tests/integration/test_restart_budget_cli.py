@@ -1,0 +1,127 @@
+"""The restart budget of a whole parameter-server run (`coordinator.budget`): real
+processes, faults injected at exact points. A process killed after making progress is
+restarted however often it dies; one that dies again without progress spends the budget
+and stops the run with one line; a user's error stops the run at once. Each test ends by
+checking state (the servers' ledgers through the summary, the coordinator's registry,
+the checkpoints), and the one line a user reads.
+
+The run is small (digits, an MLP, 2 workers x 10 steps per epoch) with short heartbeats.
+"""
+
+import json
+import re
+
+import pytest
+
+from disttrain.coordinator.registry import read_status
+from disttrain.core.checkpoint import checkpoint_step, latest_checkpoint
+
+TRAIN, BATCH, WORKERS = 640, 32, 2
+ARGS = ["--dataset", "digits", "--model", "mlp", "--workers", str(WORKERS), "--max-train-samples", str(TRAIN),
+        "--max-test-samples", "200", "--batch-size", str(BATCH), "--num-threads", "1",
+        "--checkpoint-interval", "5", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5",
+        "--seed", "3", "--max-restarts", "1",
+        # a worker past its budget stops the run (it is not left out for the others to cover)
+        "--set", "coordinator.reassign_after=null"]
+
+
+def run_ps(cli, folder, *extra):
+    return cli("ps", *ARGS, "--log-dir", folder / "logs", "--checkpoint-dir", folder / "ckpt", *extra,
+               timeout=200)
+
+
+def restarts(folder):
+    return {n["node_id"]: n["restarts"] for n in read_status(folder / "logs" / "cluster.db").nodes}
+
+
+def last_line(result):
+    return result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.timeout(300)
+def test_processes_killed_after_progress_more_often_than_max_restarts_are_restarted_and_the_run_finishes(
+        tmp_path, cli):
+    # worker 1 killed 4 times and the server twice, each start a little further than the one
+    # before (a step past the furthest any earlier start reached), under a budget of 1
+    kills = [f"kill:worker=1:step={step}:attempt={attempt}" for attempt, step in enumerate((5, 9, 13, 17))]
+    kills += ["kill:server=0:step=8", "kill:server=0:step=14:attempt=1"]
+    result = run_ps(cli, tmp_path, "--num-epochs", "2", *[a for kill in kills for a in ("--inject", kill)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["samples_lost"] == 0 and summary["samples_applied"] == 2 * TRAIN
+    failed = [(f["process"], f["reason"]) for f in summary["failures"]]
+    assert sorted(failed) == [("server0", "killed by SIGKILL")] * 2 + [("worker1", "killed by SIGKILL")] * 4
+    assert all(f["restart_s"] >= 0 for f in summary["failures"])  # every one of them was started again
+    counts = restarts(tmp_path)
+    assert counts["worker1"] == 4 and counts["worker0"] == 0  # worker 1 registered again after each kill
+
+
+@pytest.mark.timeout(300)
+def test_a_process_that_dies_again_without_progress_stops_the_run_after_max_restarts_in_a_row(tmp_path, cli):
+    # killed at step 7 (its step-5 checkpoint written), then on each start at step 6, before
+    # it ever gets past step 7 again: the first restart is free, the next two are a crash loop
+    result = run_ps(cli, tmp_path, "--num-epochs", "1", "--inject", "kill:worker=1:step=7",
+                    "--inject", "kill:worker=1:step=6:attempt=1", "--inject", "kill:worker=1:step=6:attempt=2")
+    assert result.returncode == 1
+    line = last_line(result)
+    assert line.startswith("error: worker1 killed by SIGKILL without progress (never past step 7, its "
+                           "furthest), 2 time(s) in a row (coordinator.max_restarts=1): a crash loop; the "
+                           "cluster was stopped"), line
+    assert "--resume" in line and "worker1.log" in line
+    assert restarts(tmp_path)["worker1"] == 2  # started three times in all, never a fourth
+    # no start of it checkpointed past step 5: each resumed from there
+    assert checkpoint_step(latest_checkpoint(tmp_path / "ckpt" / "worker1")) == 5
+    assert not (tmp_path / "logs" / "summary.json").exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_users_error_stops_the_run_at_once_with_it_in_the_last_line_and_nothing_is_restarted(tmp_path, cli):
+    result = run_ps(cli, tmp_path, "--num-epochs", "1", "--optimizer", "sgd", "--learning-rate", "1e30")
+    assert result.returncode == 1
+    assert re.fullmatch(r"error: worker[01]: the gradient of step \d+ holds NaN or infinity, .*training "
+                        r"diverged; lower the learning rate or check the data \(not restarted: a restart would "
+                        r"fail the same way\); fix it, then run the same command with --resume", last_line(result))
+    assert "Traceback" not in result.stderr
+    assert set(restarts(tmp_path).values()) == {0}  # no process was started a second time
+
+
+USER_MODEL = '''
+import math
+from torch import nn
+
+
+class FailsAtItsFourthBatch(nn.Module):
+    """A user's model with a bug that shows at its fourth training batch, every time."""
+
+    def __init__(self, features, classes):
+        super().__init__()
+        self.linear = nn.Linear(features, classes)
+        self.batches = 0
+
+    def forward(self, x):
+        if self.training:
+            self.batches += 1
+            if self.batches == 4:
+                raise ValueError("batch 4 does not fit this model")
+        return self.linear(x.flatten(1))
+
+
+def model(description):
+    return FailsAtItsFourthBatch(math.prod(description.input_shape), description.num_classes)
+'''
+
+
+@pytest.mark.slow  # the budget's rule is stepped in unit tests, the error event by the user's error above
+@pytest.mark.timeout(300)
+def test_the_same_unexpected_error_at_the_same_step_on_a_fresh_start_stops_the_run(tmp_path, cli):
+    plugin = tmp_path / "user_model.py"
+    plugin.write_text(USER_MODEL)
+    result = run_ps(cli, tmp_path, "--num-epochs", "1", "--model", f"{plugin}:model", "--max-restarts", "3")
+    assert result.returncode == 1
+    # each worker: the error after step 3 may be a fault once (restarted, from scratch: no
+    # checkpoint yet); the same error after step 3 again is a bug, whatever budget is left
+    assert re.fullmatch(r"error: worker[01] failed with the same error after step 3 on a fresh start, so it "
+                        r"is a bug, not a fault \(not restarted again\): ValueError: batch 4 does not fit this "
+                        r"model; fix it, then run the same command with --resume; its log: .*worker[01]\.log",
+                        last_line(result))
+    assert max(restarts(tmp_path).values()) == 1
