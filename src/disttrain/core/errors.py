@@ -1,6 +1,9 @@
 """The project's exception hierarchy.
 
-Each class says whether the error is recoverable. The CLI maps them to exit codes:
+Each class says whether the error is recoverable, in its docstring and in `recoverable`,
+which a supervisor reads (`coordinator.budget`): False, a restart would fail the same way
+(a user's error: the run stops at once); True, a restart may mend it; None, not said. The
+CLI maps them to exit codes:
 `ConfigError` and `InputFileError` exit with 2 (bad usage, config or input file), every
 other `DisttrainError` with 1.
 """
@@ -10,6 +13,7 @@ class DisttrainError(Exception):
     """Base class. Carries a one-line message meant for the user."""
 
     exit_code = 1
+    recoverable: bool | None = None
 
 
 class ConfigError(DisttrainError, ValueError):
@@ -19,6 +23,7 @@ class ConfigError(DisttrainError, ValueError):
     """
 
     exit_code = 2
+    recoverable = False
 
     def __init__(self, problems: list[str] | str):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
@@ -32,24 +37,33 @@ class InputFileError(DisttrainError):
     the path or write the file again."""
 
     exit_code = 2
+    recoverable = False
 
 
 class DataError(DisttrainError):
     """A data set is missing, truncated or malformed. Not recoverable without user action."""
+
+    recoverable = False
 
 
 class CheckpointError(DisttrainError):
     """A checkpoint cannot be read or does not match the run. Not recoverable automatically:
     the message names the file; delete it to fall back to an older one."""
 
+    recoverable = False
+
 
 class TrainingError(DisttrainError):
     """Training cannot go on as configured (e.g. it diverged). Not recoverable by a
     restart: change the config."""
 
+    recoverable = False
+
 
 class DistributedError(DisttrainError):
     """A peer process failed or could not be reached. Recoverable by a supervisor restart."""
+
+    recoverable = True
 
 
 def error_lines(error: DisttrainError) -> list[str]:
