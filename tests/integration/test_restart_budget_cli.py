@@ -60,8 +60,8 @@ def test_processes_killed_after_progress_more_often_than_max_restarts_are_restar
 def test_a_process_that_dies_again_without_progress_stops_the_run_after_max_restarts_in_a_row(tmp_path, cli):
     # killed at step 7 (its step-5 checkpoint written), then on each start at step 6, before
     # it ever gets past step 7 again: the first restart is free, the next two are a crash loop
-    result = run_ps(cli, tmp_path, "--num-epochs", "1", "--inject", "kill:worker=1:step=7",
-                    "--inject", "kill:worker=1:step=6:attempt=1", "--inject", "kill:worker=1:step=6:attempt=2")
+    kills = ["kill:worker=1:step=7", "kill:worker=1:step=6:attempt=1", "kill:worker=1:step=6:attempt=2"]
+    result = run_ps(cli, tmp_path, "--num-epochs", "1", *[a for kill in kills for a in ("--inject", kill)])
     assert result.returncode == 1
     line = last_line(result)
     assert line.startswith("error: worker1 killed by SIGKILL without progress (never past step 7, its "
@@ -79,8 +79,9 @@ def test_a_users_error_stops_the_run_at_once_with_it_in_the_last_line_and_nothin
     result = run_ps(cli, tmp_path, "--num-epochs", "1", "--optimizer", "sgd", "--learning-rate", "1e30")
     assert result.returncode == 1
     assert re.fullmatch(r"error: worker[01]: the gradient of step \d+ holds NaN or infinity, .*training "
-                        r"diverged; lower the learning rate or check the data \(not restarted: a restart would "
-                        r"fail the same way\); fix it, then run the same command with --resume", last_line(result))
+                        r"diverged; lower the learning rate or check the data \(not restarted: a restart "
+                        r"would fail the same way\); fix it, then run the same command with --resume",
+                        last_line(result))
     assert "Traceback" not in result.stderr
     assert set(restarts(tmp_path).values()) == {0}  # no process was started a second time
 
@@ -120,8 +121,48 @@ def test_the_same_unexpected_error_at_the_same_step_on_a_fresh_start_stops_the_r
     assert result.returncode == 1
     # each worker: the error after step 3 may be a fault once (restarted, from scratch: no
     # checkpoint yet); the same error after step 3 again is a bug, whatever budget is left
-    assert re.fullmatch(r"error: worker[01] failed with the same error after step 3 on a fresh start, so it "
-                        r"is a bug, not a fault \(not restarted again\): ValueError: batch 4 does not fit this "
-                        r"model; fix it, then run the same command with --resume; its log: .*worker[01]\.log",
+    assert re.fullmatch(r"error: worker[01] failed with the same error after step 3 on a fresh start, so "
+                        r"it is a bug, not a fault \(not restarted again\): ValueError: batch 4 does not fit "
+                        r"this model; fix it, then run the same command with --resume; its log: "
+                        r".*worker[01]\.log",
                         last_line(result))
     assert max(restarts(tmp_path).values()) == 1
+
+
+# -- DDP, restart mode: torch's elastic agent restarts the whole group as the budget grants --------
+
+DDP_ARGS = ["--world-size", "2", "--dataset", "digits", "--model", "mlp", "--max-train-samples", str(TRAIN),
+            "--max-test-samples", "200", "--batch-size", str(BATCH), "--num-threads", "1",
+            "--checkpoint-interval", "5", "--seed", "3", "--max-restarts", "1"]
+
+
+def run_ddp(cli, folder, *extra):
+    return cli("ddp", *DDP_ARGS, "--log-dir", folder / "logs", "--checkpoint-dir", folder / "ckpt", *extra,
+               timeout=250)
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_group_killed_after_each_new_checkpoint_more_often_than_max_restarts_finishes(tmp_path, cli):
+    # rank 1 killed on each start two steps past a checkpoint (5, 10, 15): every restart resumes
+    # from a checkpoint newer than the one before, so none spends the budget of 1
+    kills = [f"kill:rank=1:step={step}:attempt={attempt}" for attempt, step in enumerate((7, 12, 17))]
+    result = run_ddp(cli, tmp_path, "--num-epochs", "2", *[a for kill in kills for a in ("--inject", kill)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["restarts"] == 3 and summary["resumed_from_step"] == 15  # the group's last start
+    assert summary["steps"] == 2 * TRAIN // (2 * BATCH) and summary["samples_processed"] == 2 * TRAIN
+    assert checkpoint_step(latest_checkpoint(tmp_path / "ckpt")) == 20
+
+
+@pytest.mark.slow  # the budget's stop is run end to end by the parameter server's crash loop above
+@pytest.mark.timeout(300)
+def test_a_rank_group_that_dies_again_before_its_next_checkpoint_stops_after_max_restarts_in_a_row(
+        tmp_path, cli):
+    result = run_ddp(cli, tmp_path, "--num-epochs", "1", "--inject", "kill:rank=1:step=7",
+                     "--inject", "kill:rank=1:step=6:attempt=1", "--inject", "kill:rank=1:step=6:attempt=2")
+    assert result.returncode == 1
+    line = last_line(result)
+    assert line.startswith("error: the rank group failed (rank 1 killed by SIGKILL) without progress "
+                           "(never past checkpoint step 5, its furthest), 2 time(s) in a row "
+                           "(ddp.max_restarts=1): a crash loop"), line
+    assert checkpoint_step(latest_checkpoint(tmp_path / "ckpt")) == 5

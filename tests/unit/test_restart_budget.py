@@ -2,15 +2,22 @@
 making progress is restarted for free, one that dies again without progress spends the
 budget, a user's error stops at once, the same unexpected error at the same step on a
 fresh start stops at once. Also the event lines that carry a process's progress and error
-to its supervisor (`core.processes`)."""
+to its supervisor (`core.processes`), and the budget of a DDP rank group under torch's
+elastic agent (`strategies.ddp.agent`)."""
 
+import inspect
 import json
 
 import pytest
+import torch.distributed.launcher.api as launcher_api
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from disttrain.coordinator.budget import Decision, ErrorReport, RestartBudget
+from disttrain.core.checkpoint import save_checkpoint
 from disttrain.core.errors import (
     CheckpointError,
     ConfigError,
@@ -20,6 +27,7 @@ from disttrain.core.errors import (
     TrainingError,
 )
 from disttrain.core.processes import EVENT_PREFIX, PARENT_ENV, Child, ProgressReport, report_error
+from disttrain.strategies.ddp.agent import GroupBudget, budgeted_agent, group_failure, rank_error
 
 KEY = "coordinator.max_restarts"
 
@@ -222,3 +230,76 @@ def test_nothing_is_printed_outside_a_launcher(monkeypatch, capsys):
     ProgressReport()(4)
     report_error(TrainingError("diverged"))
     assert capsys.readouterr().out == ""
+
+
+# -- DDP restart mode: torch's agent restarts the group as the budget grants ---------------------
+
+def failure(tmp_path, rank, exitcode, message=None):
+    """torch's record of a failed rank, with the error file the rank left (`Kind: message`)."""
+    error_file = tmp_path / f"error{rank}.json"
+    if message is not None:
+        error_file.write_text(json.dumps({"message": {"message": message, "extraInfo": {
+            "py_callstack": "", "timestamp": "0"}}}))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
+
+
+def test_a_group_with_a_killed_rank_failed_from_outside_whatever_the_others_said(tmp_path):
+    reason, error = group_failure({0: failure(tmp_path, 0, 1, "DistributedError: lost contact with rank 1"),
+                                   1: failure(tmp_path, 1, -9)})
+    assert (reason, error) == ("failed (rank 1 killed by SIGKILL)", None)
+
+
+def test_a_groups_error_is_a_users_first_then_an_unexpected_one_then_a_fault(tmp_path):
+    lost = failure(tmp_path, 0, 1, "DistributedError: lost contact with another rank")
+    bug = failure(tmp_path, 1, 1, "ValueError: batch 4 does not fit this model")
+    diverged = failure(tmp_path, 2, 1, "disttrain.core.errors.TrainingError: diverged at step 3")
+    assert group_failure({0: lost, 1: bug, 2: diverged}) == (
+        "failed (rank 2 exited with code 1)", ErrorReport("TrainingError", "diverged at step 3", False))
+    assert group_failure({0: lost, 1: bug}) == (
+        "failed (rank 1 exited with code 1)", ErrorReport("ValueError", "batch 4 does not fit this model"))
+    assert group_failure({0: lost})[1] == ErrorReport("DistributedError", "lost contact with another rank",
+                                                      True)
+    # exit code 2 without a file: bad input; nothing said: not classed
+    assert rank_error(2, "") == ErrorReport("ConfigError", "exit code 2", False)
+    assert rank_error(1, "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html") \
+        is None
+
+
+def test_the_group_budget_counts_checkpoints_past_the_newest_as_progress_and_stops_a_crash_loop(tmp_path):
+    folder = tmp_path / "ckpt"
+    save_checkpoint(folder, 5, {"step": 5})  # a resumed run's: where it starts, not progress
+    clock = iter(float(t) for t in range(100))
+    budget = GroupBudget(1, str(folder), clock=lambda: next(clock))
+    killed = {1: failure(tmp_path, 1, -9)}
+    assert budget.failed(killed).decision is Decision.RESTART_SPENDING  # no checkpoint since: spends
+    save_checkpoint(folder, 10, {"step": 10})
+    assert budget.failed(killed).decision is Decision.RESTART  # checkpointed past 5: whole again
+    assert budget.failed(killed).decision is Decision.RESTART_SPENDING
+    assert budget.stop_error() is None
+    assert budget.failed(killed).decision is Decision.STOP_CRASH_LOOP
+    error = budget.stop_error()
+    assert isinstance(error, DistributedError) and str(error).startswith(
+        "the rank group failed (rank 1 killed by SIGKILL) without progress (never past checkpoint step 10, "
+        "its furthest), 2 time(s) in a row (ddp.max_restarts=1): a crash loop")
+
+
+def test_the_group_budget_stops_at_once_on_a_ranks_users_error(tmp_path):
+    budget = GroupBudget(3, str(tmp_path / "ckpt"))
+    verdict = budget.failed({0: failure(tmp_path, 0, 1, "TrainingError: diverged at step 3"),
+                             1: failure(tmp_path, 1, 1, "DistributedError: lost contact with rank 0")})
+    assert verdict.decision is Decision.STOP_USER_ERROR
+    error = budget.stop_error()
+    assert isinstance(error, TrainingError)
+    assert str(error).startswith("rank 0: diverged at step 3 (not restarted: a restart would fail the same "
+                                 "way)")
+
+
+def test_torchs_agent_still_has_what_the_budgeted_agent_relies_on():
+    assert callable(getattr(LocalElasticAgent, "_monitor_workers", None))
+    assert "_remaining_restarts" in inspect.getsource(SimpleElasticAgent._invoke_run)
+    # the restart count the ranks get (their attempt) goes on counting up
+    assert "max_restarts - self._remaining_restarts" in inspect.getsource(SimpleElasticAgent)
+    assert hasattr(launcher_api, "LocalElasticAgent")
+    with budgeted_agent(GroupBudget(1, "unused")):
+        assert launcher_api.LocalElasticAgent is not LocalElasticAgent
+    assert launcher_api.LocalElasticAgent is LocalElasticAgent

@@ -3,8 +3,10 @@
 The ranks are started by `torch.distributed.launcher.api.elastic_launch`, the engine
 behind torchrun: a c10d rendezvous (a private TCP store on a free port for a single node,
 or the `HOST:PORT` of `ddp.rdzv_endpoint` shared by all nodes), one process per rank
-running `python -m disttrain.torchrun`, monitoring, and up to `ddp.max_restarts` restarts
-of the whole group when a rank dies. Each rank is then the same program torchrun would
+running `python -m disttrain.torchrun`, monitoring, and restarts of the whole group when
+a rank dies, as the restart budget grants them (`agent`: free when the group checkpointed
+past its newest checkpoint before it died, else one of `ddp.max_restarts` in a row; none
+after a user's error). Each rank is then the same program torchrun would
 start, so one code path serves both. A coordinator watches the ranks (`coordination`):
 each registers and heartbeats, so `disttrain status` shows the run and its restarts.
 
@@ -47,6 +49,7 @@ from disttrain.core.processes import thread_count
 from disttrain.data import load_datasets
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
 from disttrain.strategies.ddp import runtime as rt
+from disttrain.strategies.ddp.agent import GroupBudget, budgeted_agent
 from disttrain.strategies.ddp.coordination import RunCoordinator, run_coordinator
 from disttrain.strategies.ddp.endpoint import wait_for_endpoint
 from disttrain.strategies.ddp.live import launch_live
@@ -178,14 +181,18 @@ def run_ranks(coordinator: RunCoordinator, plan: LaunchPlan, error_dir: Path, ar
     """
     config = coordinator.config
     given_token = os.environ.get(TOKEN_ENV)
+    # Restarts the budget grants (`agent`): free after progress, none after a user's error.
+    ddp = config.ddp
+    budget = GroupBudget(ddp.max_restarts, config.system.checkpoint_dir) if ddp.max_restarts else None
     try:
         os.environ.update(FRESH_STORE_PER_ROUND)
         os.environ["OMP_NUM_THREADS"] = str(thread_count(config.system.num_threads, plan.ranks_per_node))
         if coordinator.token is not None:  # the agent hands its environment to the ranks (never argv)
             os.environ[TOKEN_ENV] = coordinator.token
-        elastic_launch(launch_config(config.ddp, plan.ranks_per_node, error_dir), sys.executable)(*args)
+        with budgeted_agent(budget):
+            elastic_launch(launch_config(config.ddp, plan.ranks_per_node, error_dir), sys.executable)(*args)
     except ChildFailedError as e:
-        error = child_failure(e, config.ddp.max_restarts)
+        error = (budget and budget.stop_error()) or child_failure(e, config.ddp.max_restarts)
         coordinator.stopped("stopped by the elastic agent after another rank failed",
                             {rank: (failure.exitcode or 1, _exit_reason(failure))
                              for rank, failure in e.failures.items()})

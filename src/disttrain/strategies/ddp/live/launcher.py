@@ -4,7 +4,9 @@ joins the running group (`rank`).
 
 The store lives in this process, so it outlives every rank. Each rank is a child
 process (`python -m disttrain.torchrun --rank R [--attempt A]`) under the supervisor,
-restarted up to `ddp.max_restarts` times; the store's address reaches the ranks in
+restarted as its restart budget allows (`coordinator.budget`: a rank that died after the
+group's step passed its furthest is restarted for free, `ddp.max_restarts` failures in a
+row without progress are allowed); the store's address reaches the ranks in
 their environment (`LIVE_STORE_ENV`). The run ends when every rank has finished. The
 summary gains the launcher's view: each rank's process ids in order, and for each
 recovery the seconds from the death of a process to its detection, to the re-formed
@@ -21,7 +23,6 @@ have ended. The last leader's node writes the summary.
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 import tempfile
 import time
@@ -275,40 +276,34 @@ def nodes_done(store: dist.Store, node: int, num_nodes: int, timeout_s: float) -
 
 def supervise(cluster: Cluster, config: Config, options: RunOptions, paths: tuple[Path, Path],
               processes: RankProcesses, store: dist.Store, slots: range) -> None:
-    """Start this node's ranks (`slots`), restart each that dies (up to `ddp.max_restarts`; past that the
-    others finish without it), until all have ended; a death is marked in `store` at once
+    """Start this node's ranks (`slots`), restart each that dies as its restart budget
+    allows (`coordinator.budget`: for free when the group's step had passed its furthest
+    since it joined, else spending one of `ddp.max_restarts` in a row; past that the others
+    finish without it), until all have ended; a death is marked in `store` at once
     (`group.mark_dead`).
 
     Args:
         paths: the config the ranks read, and where the last leader writes the summary.
 
     Raises:
-        ConfigError: a rank refused its input (exit code 2): restarting would not help.
+        ConfigError, DataError, CheckpointError, TrainingError: a rank failed with a user's
+            error, or with the same unexpected error on a fresh start: restarting would not help.
     """
     config_path, summary_path = paths
-    supervisor = Supervisor(cluster, config.ddp.max_restarts)
+    supervisor = Supervisor(cluster, config.ddp.max_restarts, budget_key="ddp.max_restarts",
+                            without_it="the others finish the run without it")
     for slot in slots:
         supervisor.start(Managed(f"rank{slot}", node_id(slot), lambda attempt, s=slot: rank_spec(
-            config_path, summary_path, options, s, attempt)))
+            config_path, summary_path, options, s, attempt), expendable=True))
         processes.started(slot, cluster.children[f"rank{slot}"].process.pid)
-    while not all(p.finished for p in supervisor.processes.values()):
+    while not all(p.finished or p.given_up for p in supervisor.processes.values()):
         event = cluster.next_event(EVENT_WAIT_S)
         if event is None or event.kind != "exit" or event.child not in supervisor.processes:
             continue
         code, slot = int(event.fields["code"]), int(event.child.removeprefix("rank"))
-        if code == ConfigError.exit_code:
-            raise ConfigError(f"rank {slot}: {cluster.children[event.child].tail(1)}")
         if code != 0:
             mark_dead(store, slot)
             processes.deaths.append((time.time(), slot))
-            reason = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            logger.warning("rank %d %s; the others go on without it", slot, reason)
-            managed = supervisor.processes[event.child]
-            if managed.attempts >= config.ddp.max_restarts:  # the survivors finish the run alone
-                logger.warning("rank %d is not started again (ddp.max_restarts=%d)", slot,
-                               config.ddp.max_restarts)
-                managed.finished = True
-                continue
         if supervisor.exited(event.child, code):
             processes.started(slot, cluster.children[event.child].process.pid)
 
