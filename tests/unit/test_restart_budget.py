@@ -16,7 +16,7 @@ from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from disttrain.coordinator.budget import Decision, ErrorReport, RestartBudget
+from disttrain.coordinator.budget import Decision, ErrorReport, RestartBudget, error_class
 from disttrain.core.checkpoint import save_checkpoint
 from disttrain.core.errors import (
     CheckpointError,
@@ -303,3 +303,10 @@ def test_torchs_agent_still_has_what_the_budgeted_agent_relies_on():
     with budgeted_agent(GroupBudget(1, "unused")):
         assert launcher_api.LocalElasticAgent is not LocalElasticAgent
     assert launcher_api.LocalElasticAgent is LocalElasticAgent
+
+
+def test_an_error_report_is_read_back_as_the_projects_error_class_of_its_name():
+    assert error_class("TrainingError") is TrainingError and error_class("ConfigError") is ConfigError
+    assert error_class("ValueError") is None and error_class("error_lines") is None  # not an error class
+    report = rank_error(1, "DataError: digits: no such file")
+    assert report == ErrorReport("DataError", "digits: no such file", False)

@@ -29,6 +29,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from disttrain.core import errors
+
 
 @dataclass(frozen=True)
 class ErrorReport:
@@ -48,6 +50,13 @@ class ErrorReport:
 
     def describe(self) -> str:
         return f"{self.kind}: {self.message}"
+
+
+def error_class(kind: str) -> type[errors.DisttrainError] | None:
+    """The project's error class named `kind` (`core.errors`), None for any other name: what
+    a process's error report is read back as (whether a restart may mend it, its exit code)."""
+    found = getattr(errors, kind, None)
+    return found if isinstance(found, type) and issubclass(found, errors.DisttrainError) else None
 
 
 class Decision(enum.Enum):

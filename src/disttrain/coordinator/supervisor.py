@@ -26,25 +26,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from disttrain.coordinator.budget import Decision, ErrorReport, RestartBudget, Verdict
-from disttrain.core.errors import (
-    CheckpointError,
-    ConfigError,
-    DataError,
-    DistributedError,
-    DisttrainError,
-    InputFileError,
-    TrainingError,
-)
+from disttrain.coordinator.budget import Decision, ErrorReport, RestartBudget, Verdict, error_class
+from disttrain.core.errors import ConfigError, DistributedError, TrainingError
 from disttrain.core.process_spec import ProcessSpec
 from disttrain.core.processes import Child, Cluster
 
 logger = logging.getLogger(__name__)
-
-# A user's error stops the run as the error it is (a ConfigError exits with 2).
-_USER_ERRORS: dict[str, type[DisttrainError]] = {
-    cls.__name__: cls for cls in (ConfigError, InputFileError, DataError, CheckpointError, TrainingError)}
-
 
 @dataclass
 class Managed:
@@ -171,7 +158,7 @@ class Supervisor:
         line = verdict.stop_line(process.name, reason, self.budget_key, given_up)
         if verdict.decision is Decision.STOP_USER_ERROR:
             assert verdict.error is not None
-            raise _USER_ERRORS.get(verdict.error.kind, TrainingError)(line)
+            raise (error_class(verdict.error.kind) or TrainingError)(line)  # a ConfigError exits with 2
         if verdict.decision is Decision.STOP_REPEATED_ERROR:
             raise TrainingError(f"{line}; its log: {child.log_path}")
         if given_up:

@@ -43,17 +43,9 @@ import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from disttrain.coordinator.budget import Decision, ErrorReport, RestartBudget, Verdict
+from disttrain.coordinator.budget import Decision, ErrorReport, RestartBudget, Verdict, error_class
 from disttrain.core import checkpoint as ckpt
-from disttrain.core.errors import (
-    CheckpointError,
-    ConfigError,
-    DataError,
-    DistributedError,
-    DisttrainError,
-    InputFileError,
-    TrainingError,
-)
+from disttrain.core.errors import ConfigError, DistributedError, DisttrainError, TrainingError
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +53,6 @@ AGENT_MAX_RESTARTS = 1_000_000  # torch's own count: never the one that stops a 
 BUDGET_KEY = "ddp.max_restarts"
 GROUP = "the rank group"
 POINT = "checkpoint step"
-_KNOWN: dict[str, type[DisttrainError]] = {cls.__name__: cls for cls in (
-    ConfigError, InputFileError, DataError, CheckpointError, TrainingError, DistributedError)}
 _ORDER = {False: 0, None: 1, True: 2}  # the error that stands for a group's: a user's, unexpected, a fault
 _HEAD = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception)): (.*)$")
 
@@ -87,7 +77,7 @@ def rank_error(exitcode: int, message: Any) -> ErrorReport | None:
     match = _HEAD.match(text.splitlines()[0]) if text else None
     if match is not None:
         kind = match.group(1)
-        known = _KNOWN.get(kind)
+        known = error_class(kind)
         return ErrorReport(kind, match.group(2), None if known is None else known.recoverable)
     if exitcode == ConfigError.exit_code:
         return ErrorReport(ConfigError.__name__, f"exit code {exitcode}", recoverable=False)
@@ -149,7 +139,8 @@ class GroupBudget:
         if verdict.decision is Decision.STOP_USER_ERROR:
             assert verdict.error is not None
             name = re.sub(r"^failed \((rank \d+) .*", r"\1", reason)
-            return _KNOWN.get(verdict.error.kind, TrainingError)(verdict.stop_line(name, reason, BUDGET_KEY))
+            return (error_class(verdict.error.kind) or TrainingError)(  # a ConfigError exits with 2
+                verdict.stop_line(name, reason, BUDGET_KEY))
         line = verdict.stop_line(GROUP, reason, BUDGET_KEY, point=POINT)
         if verdict.decision is Decision.STOP_REPEATED_ERROR:
             return TrainingError(line)
