@@ -74,8 +74,9 @@ heartbeat age, restarts, step and throughput, during the run or after it.
 DDP_FLAGS = {
     "--world-size": ("system.num_workers", int, "ranks in all, over every node"),
     "--backend": ("ddp.backend", str, "auto (NCCL when every rank has a GPU, else gloo), gloo or nccl"),
-    "--max-restarts": ("ddp.max_restarts", int, "restarts of the rank group after a failure; "
-                       "each resumes from the newest checkpoint"),
+    "--max-restarts": ("ddp.max_restarts", int, "restarts of the rank group in a row without "
+                       "progress (a new checkpoint; live: a step past the rank's furthest), each from "
+                       "the newest checkpoint; one after progress is free; 0: no restarts"),
     "--bucket-cap-mb": ("ddp.bucket_cap_mb", float, "gradient bucket size for all-reduce"),
     "--gradient-as-bucket-view": ("ddp.gradient_as_bucket_view", bool,
                                   "gradients are views into the buckets (saves a copy)"),

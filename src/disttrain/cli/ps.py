@@ -30,7 +30,8 @@ HELP = "parameter server: servers and workers on this machine"
 DESCRIPTION = """Train with a parameter server on this machine: start a coordinator, the shard
 servers on free ports and the workers, and show one progress display. Every process
 heartbeats to the coordinator; one that dies or hangs is restarted where it left off
-(up to --max-restarts times) while the others train on, and no sample is lost or
+(for free when it had made progress, else up to --max-restarts times in a row; a
+user's error stops the run at once) while the others train on, and no sample is lost or
 applied twice. A worker away for longer than --reassign-after seconds has its blocks
 taken over by the others (it takes back what is left if it returns), so a worker past
 its restarts no longer stops the run. Watch it with `disttrain status --registry <log_dir>/cluster.db`. Each
@@ -72,8 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workers": ("system.num_workers", int, "worker processes"),
         "--servers": ("ps.num_servers", int, "parameter-server shards"),
         "--bind-host": ("ps.bind_host", str, "address the servers listen on"),
-        "--max-restarts": ("coordinator.max_restarts", int, "restarts of one failed process before "
-                           "the run stops"),
+        "--max-restarts": ("coordinator.max_restarts", int, "restarts of one process in a row "
+                           "without progress before the run stops (one that died after progress "
+                           "is restarted for free); 0: no restarts"),
         **PS_FLAGS,
     })
     add_token_flag(parser)

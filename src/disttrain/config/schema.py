@@ -255,7 +255,9 @@ class CoordinatorConfig:
     heartbeat_interval: float = field(default=1.0, metadata=POSITIVE)
     # Seconds without a heartbeat after which a process is declared failed.
     heartbeat_timeout: float = field(default=5.0, metadata=POSITIVE)
-    # How often one process is restarted after failures before the run stops.
+    # How often one process is restarted in a row after failures without progress before
+    # the run stops (one that died after progress is restarted for free: coordinator.budget);
+    # 0: no restarts.
     max_restarts: int = field(default=3, metadata=NON_NEGATIVE)
     # A node whose step time exceeds the median of its role by this factor is a straggler.
     straggler_factor: float = field(default=2.0, metadata=_rule(lambda v: v > 1, "must be > 1"))
