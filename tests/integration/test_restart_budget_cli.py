@@ -166,3 +166,25 @@ def test_a_rank_group_that_dies_again_before_its_next_checkpoint_stops_after_max
                            "(never past checkpoint step 5, its furthest), 2 time(s) in a row "
                            "(ddp.max_restarts=1): a crash loop"), line
     assert checkpoint_step(latest_checkpoint(tmp_path / "ckpt")) == 5
+
+
+# -- DDP, live mode: the launcher restarts a rank, which rejoins the running group -----------------
+
+@pytest.mark.slow  # a live rank's rejoin is run end to end in test_ddp_live_cli; this adds the budget
+@pytest.mark.timeout(500)
+def test_a_live_rank_killed_after_progress_more_often_than_max_restarts_rejoins_each_time(tmp_path, cli):
+    # Rank 1 is killed at step 10, and its next process at its first step in the group (the
+    # group's step by then, past 10): both after progress, under a budget of 1. Rank 0
+    # straggles so the run outlasts two restarts.
+    result = cli("ddp", "--world-size", 3, "--ddp-recovery", "live", "--dataset", "digits", "--model", "mlp",
+                 "--num-epochs", 8, "--batch-size", 16, "--seed", 1, "--timeout-s", 60, "--max-restarts", 1,
+                 "--set", "coordinator.heartbeat_interval=0.2", "--set", "coordinator.heartbeat_timeout=1",
+                 "--inject", "kill:rank=1:step=10", "--inject", "kill:rank=1:step=10:attempt=1",
+                 "--inject", "slow:rank=0:factor=10", "--log-dir", tmp_path / "logs",
+                 "--checkpoint-dir", tmp_path / "ckpt", timeout=450)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    pids = summary["rank_pids"]
+    assert len(pids["1"]) == 3 and summary["final_pids"]["1"] == pids["1"][2]  # two restarts, in at the end
+    assert len(pids["0"]) == len(pids["2"]) == 1  # the survivors kept their processes
+    assert (summary["samples_lost"], summary["samples_applied_twice"]) == (0, 0)
