@@ -33,6 +33,7 @@ from disttrain.core.processes import Child, Cluster
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class Managed:
     """One supervised process.

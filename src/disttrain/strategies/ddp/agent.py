@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed.launcher.api as launcher_api
-from torch.distributed.elastic.agent.server.api import WorkerState
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from disttrain.coordinator.budget import Decision, ErrorReport, RestartBudget, Verdict, error_class
@@ -156,7 +156,7 @@ class BudgetedAgent(LocalElasticAgent):
         super().__init__(**kwargs)
         self.budget = budget
 
-    def _monitor_workers(self, worker_group):  # noqa: ANN001, ANN202 (torch's signature)
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and \
                 not self.budget.failed(result.failures).restart:
