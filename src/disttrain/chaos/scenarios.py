@@ -125,7 +125,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("ddp-live", "ddp", "live"),
 )}
 # A few minutes inside the test suite: one of each strategy's recoveries.
-QUICK = ("ps-sync", "ps-async", "ddp-live")
+QUICK = ("ps-sync", "ddp-live")
 
 
 def scenario(name: str) -> Scenario:
