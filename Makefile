@@ -135,5 +135,16 @@ proto: install
 metrics-table: install
 	$(PY) tools/metrics_table.py
 
+# The GPU check (tools/gpu_check.sh): on a CUDA machine every CUDA path once, in one go, into
+# one JSON ($OUT/gpu_check.json, else runs/gpu_check/); without CUDA, one line and exit 0.
+# GPU_CHECK_FLAGS=--cpu runs its steps on the CPU. Needs no install: a GPU machine has no network.
+.PHONY: gpu-check gpu-wheels
+gpu-check:
+	tools/gpu_check.sh $(GPU_CHECK_FLAGS)
+
+# The wheels gpu-check installs on a GPU machine (what its image lacks), into .whl/ (git-ignored).
+gpu-wheels:
+	tools/gpu_wheels.sh
+
 clean:
 	rm -rf runs .pytest_cache build
