@@ -185,6 +185,9 @@ class SystemConfig:
     checkpoint_dir: str = field(default="checkpoints", metadata=NON_EMPTY)
     log_dir: str = field(default="logs", metadata=NON_EMPTY)
     checkpoint_keep: int = field(default=3, metadata=POSITIVE)
+    # Seconds a failing checkpoint store (unreachable, full) is retried, with back-off,
+    # before the run stops with one line saying how to --resume; 0: no retry.
+    checkpoint_retry_s: float = field(default=60.0, metadata=NON_NEGATIVE)
     num_threads: int = field(default=0, metadata=_rule(lambda v: v >= 0, "must be >= 0 (0 = auto)"))
     balance: str = field(default="none", metadata=_choice(BALANCES))
     balance_margin: float = field(default=0.2, metadata=_rule(lambda v: 0 < v < 1, "must be in (0, 1)"))

@@ -27,18 +27,41 @@ HEX_DIGITS = frozenset("0123456789abcdef")
 
 
 class HashingWriter:
-    """A binary file wrapper that hashes every byte written through it (for `torch.save`)."""
+    """A binary file wrapper that hashes every byte written through it (for `torch.save`).
+
+    It keeps the first error its file raised: `torch.save` turns a failed write (a full
+    disk) into a `RuntimeError` of its own ("unexpected pos"), and `fill` raises the file's
+    error instead, so the disk's error is seen, and retried, as the disk's.
+    """
 
     def __init__(self, handle: BinaryIO):
         self._handle = handle
         self._sha256 = hashlib.sha256()
+        self.error: BaseException | None = None
 
     def write(self, data: bytes) -> int:
         self._sha256.update(data)
-        return self._handle.write(data)
+        try:
+            return self._handle.write(data)
+        except BaseException as e:
+            self.error = self.error or e
+            raise
 
     def flush(self) -> None:
-        self._handle.flush()
+        try:
+            self._handle.flush()
+        except BaseException as e:
+            self.error = self.error or e
+            raise
+
+    def fill(self, write: Callable[[HashingWriter], Any]) -> None:
+        """Call `write(self)`; when it fails after the file failed, raise the file's error."""
+        try:
+            write(self)
+        except Exception:
+            if self.error is not None:
+                raise self.error from self.error.__cause__
+            raise
 
     def hexdigest(self) -> str:
         return self._sha256.hexdigest()
@@ -86,6 +109,22 @@ def atomic_torch_save(obj: Any, path: str | Path) -> Path:
     return path
 
 
+def write_file_atomic(path: str | Path, write: Callable[[HashingWriter], Any]) -> str:
+    """Let `write` fill a temporary file beside `path` (its folder made as needed), fsynced
+    and renamed into place, readable by its owner only; returns the SHA-256 of its bytes.
+    A `file://` store writes its objects so (see `object_store.StoreFolder`).
+
+    Raises:
+        OSError: the folder is not writable or the disk is full (`path` is left as it was);
+            whatever `write` raises.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary, digest = _write_temporary(path, write)
+    _rename_into_place(temporary, path)
+    return digest
+
+
 def write_bytes_atomic(path: str | Path, data: bytes, mode: int = 0o644) -> Path:
     """Write `data` at `path` atomically, without a sidecar (reports, manifests): the
     folder is created; the file gets `mode` (the temporary file's 0600 would otherwise
@@ -109,7 +148,7 @@ def _write_temporary(path: Path, write: Callable[[HashingWriter], Any]) -> tuple
     try:
         with os.fdopen(fd, "wb") as handle:
             hashing = HashingWriter(handle)
-            write(hashing)
+            hashing.fill(write)
             handle.flush()
             os.fsync(handle.fileno())
     except BaseException:

@@ -9,6 +9,9 @@ SHA-256 (see `atomic_files`), which loading verifies before `torch.load(weights_
 reads the file: no code runs on load, and a damaged file is named as such. Resuming takes
 the newest checkpoint that passes both and warns about each newer one it skips.
 
+Every write, listing and store read is retried with back-off while the store fails, and
+past the process's retry window stops the run with one line (`store_retry`).
+
 A folder may also be a store's URL (`s3://bucket/run`, any fsspec URL; see `object_store`):
 there a checkpoint is complete only once its sidecar is up and matches, so listing,
 "latest", pruning and resuming see complete checkpoints only. A plain path keeps the
@@ -26,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from disttrain.core import object_store
+from disttrain.core import object_store, store_retry
 from disttrain.core.atomic_files import SIDECAR_SUFFIX, atomic_torch_save, sidecar_path, verify_sha256
 from disttrain.core.errors import CheckpointError, ConfigError
 
@@ -42,10 +45,20 @@ def checkpoint_name(step: int) -> str:
 
 
 def list_checkpoints(folder: str | Path) -> list[Any]:
-    """Checkpoint files in `folder`, oldest step first (on a store: the complete ones, as URLs)."""
+    """Checkpoint files in `folder`, oldest step first (on a store: the complete ones, as URLs).
+
+    Raises:
+        CheckpointStoreError: the folder could not be listed through the retry window.
+    """
     if object_store.is_url(folder):
-        return [object_store.join(folder, name) for name in _store_checkpoints(str(folder))[0]]
-    folder = Path(folder)
+        found = [object_store.join(folder, name) for name in _store_checkpoints(str(folder))[0]]
+    else:
+        found = store_retry.retried(lambda: _local_checkpoints(Path(folder)), folder, "listing the folder")
+    store_retry.remember(folder, [checkpoint_step(path) for path in found])
+    return found
+
+
+def _local_checkpoints(folder: Path) -> list[Path]:
     if not folder.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := CHECKPOINT_PATTERN.match(p.name))]
@@ -68,23 +81,40 @@ def latest_checkpoint(folder: str | Path) -> Any:
 
 
 def save_checkpoint(folder: str | Path, step: int, state: dict[str, Any], keep: int = 3) -> Path:
-    """Save `state` as the checkpoint of `step` and prune all but the newest `keep`.
+    """Save `state` as the checkpoint of `step` and prune all but the newest `keep`; the
+    folder is made as needed. A store that fails is retried (see the module's docstring).
 
     Returns:
         The path written.
+
+    Raises:
+        CheckpointStoreError: the store failed through the retry window; the checkpoints
+            already complete there are untouched.
+        Whatever `torch.save` raises for a state it cannot save, at once.
     """
+    name = checkpoint_name(step)
     if object_store.is_url(folder):
-        path = object_store.save(state, str(object_store.join(folder, checkpoint_name(step))))
+        store_retry.incomplete(folder, step)  # overwriting it removes its sum first
+        path = object_store.save(state, str(object_store.join(folder, name)))
+        store_retry.completed(folder, step)
         store = object_store.StoreFolder(str(folder))
         for old in _store_checkpoints(str(folder))[0][:-keep]:
+            store_retry.incomplete(folder, checkpoint_step(old))
             store.remove(old + SIDECAR_SUFFIX)  # the sum first: without it the object is no checkpoint
             store.remove(old)
         logger.debug("saved checkpoint %s", path)
         return path
-    path = atomic_torch_save(state, Path(folder) / checkpoint_name(step))
-    for old in list_checkpoints(folder)[:-keep]:
-        old.unlink(missing_ok=True)  # the file first: a checkpoint never stands without its sum
-        sidecar_path(old).unlink(missing_ok=True)
+    path = store_retry.retried(lambda: atomic_torch_save(state, Path(folder) / name), folder,
+                               f"writing {name}")
+    store_retry.completed(folder, step)
+
+    def prune() -> None:
+        for old in _local_checkpoints(Path(folder))[:-keep]:
+            store_retry.incomplete(folder, checkpoint_step(old))
+            old.unlink(missing_ok=True)  # the file first: a checkpoint never stands without its sum
+            sidecar_path(old).unlink(missing_ok=True)
+
+    store_retry.retried(prune, folder, "removing older checkpoints")
     logger.debug("saved checkpoint %s", path)
     return path
 
@@ -173,7 +203,10 @@ def clean_temporary_files(folder: str | Path) -> list[Any]:
         if incomplete:
             logger.info("removed %d checkpoint(s) whose upload never finished from %s: %s",
                         len(incomplete), folder, ", ".join(incomplete))
-        return [object_store.join(folder, name) for name in incomplete]
+        removed = [object_store.join(folder, name) for name in incomplete]
+        if store.local_root is None:
+            return removed
+        return removed + clean_temporary_files(store.local_root)  # a file:// folder's are files
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -188,11 +221,17 @@ def clean_temporary_files(folder: str | Path) -> list[Any]:
 
 
 def save_final_model(path: str | Path, model_state: dict[str, Any], config: Any) -> Any:
-    """Write the trained model (and the config that made it) for later evaluation."""
+    """Write the trained model (and the config that made it) for later evaluation.
+
+    Raises:
+        CheckpointStoreError: the store failed through the retry window.
+    """
     state = {"model": model_state, "config": config.to_dict()}
     if object_store.is_url(path):
         return object_store.save(state, str(path))
-    return atomic_torch_save(state, path)
+    path = Path(path)
+    return store_retry.retried(lambda: atomic_torch_save(state, path), path.parent,
+                               f"writing {path.name}")
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

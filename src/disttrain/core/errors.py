@@ -4,8 +4,9 @@ Each class says whether the error is recoverable, in its docstring and in `recov
 which a supervisor reads (`coordinator.budget`): False, a restart would fail the same way
 (a user's error: the run stops at once); True, a restart may mend it; None, not said. The
 CLI maps them to exit codes:
-`ConfigError` and `InputFileError` exit with 2 (bad usage, config or input file), every
-other `DisttrainError` with 1.
+`ConfigError` and `InputFileError` exit with 2 (bad usage, config or input file),
+`CheckpointStoreError` with 74 (a checkpoint store that failed for good), every other
+`DisttrainError` with 1.
 """
 
 
@@ -53,6 +54,19 @@ class CheckpointError(DisttrainError):
     recoverable = False
 
 
+class CheckpointStoreError(DisttrainError):
+    """The checkpoint store failed for good: a write or read kept failing through its retry
+    window (the store unreachable, its disk full, access to it refused). Not recoverable by
+    a restart: a process started again on the same store fails the same way, so the run
+    stops. The one-line message names the store, the operation, the error, the newest
+    complete checkpoint there, and says to continue with `--resume` once the store works.
+    Not a `CheckpointError`: a checkpoint that cannot be *reached* is not a damaged one to
+    skip for an older one."""
+
+    exit_code = 74  # sysexits.h EX_IOERR: a launcher tells it from a crash worth a restart
+    recoverable = False
+
+
 class TrainingError(DisttrainError):
     """Training cannot go on as configured (e.g. it diverged). Not recoverable by a
     restart: change the config."""
@@ -69,3 +83,20 @@ class DistributedError(DisttrainError):
 def error_lines(error: DisttrainError) -> list[str]:
     """The lines to show a user for `error`: one per problem, each without a traceback."""
     return list(getattr(error, "problems", None) or [str(error)])
+
+
+def reported_error(output: str) -> str | None:
+    """The last `error: ...` line a disttrain process printed in `output` (its log's tail),
+    without that prefix; None when it printed none."""
+    for line in reversed(output.splitlines()):
+        if line.startswith("error: "):
+            return line[len("error: "):].strip()
+    return None
+
+
+def store_failure(name: str, output: str, log: object) -> CheckpointStoreError:
+    """What a launcher stops the run with when its process `name` exited with
+    `CheckpointStoreError.exit_code`: that process's own line (the last `error:` line of
+    its `output`), named; restarting it would only fail again."""
+    line = reported_error(output) or f"its checkpoint store failed for good; see its log {log}"
+    return CheckpointStoreError(f"{name}: {line.removeprefix(f'{name}: ')}")

@@ -13,6 +13,11 @@ Objects are streamed as they are written (`torch.save` into the store's file), h
 the way, so no second copy of the state is held in memory; they are read back whole
 (`cat_file`) and loaded from those bytes with `torch.load(weights_only=True)`.
 
+Every operation on a store is retried with back-off while the store fails, for the
+process's retry window, then stops the process with one line (`store_retry`); a backend's
+own errors (botocore's...) count as store errors (`StoreError`). A store with folders
+(`file://`, `memory://`) gets its folder made before a write; a bucket is never created.
+
 A plain path (no `scheme://`) is never a URL here: local folders keep their own code
 (`atomic_files`, rename and fsync). `join`, `exists`, `read_bytes` and `write_bytes` take
 either, so the strategies' code names one location whatever it is (a parameter-server
@@ -21,19 +26,22 @@ worker's key file, the object a DDP rank checks before loading).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from disttrain.core import store_retry
 from disttrain.core.atomic_files import (
     SIDECAR_SUFFIX,
     HashingWriter,
     parse_sidecar,
     sidecar_text,
     write_bytes_atomic,
+    write_file_atomic,
 )
 from disttrain.core.errors import CheckpointError
 
@@ -41,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 # The extra of this package that installs a scheme's fsspec backend.
 EXTRA_OF_SCHEME = {"s3": "s3", "s3a": "s3"}
+# Protocols of stores whose folders are only key prefixes: nothing to make before a write
+# (s3fs's makedirs would create a missing bucket).
+BUCKET_STORES = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl", "oss", "oci", "r2"})
 
 
 def is_url(location: str | Path) -> bool:
@@ -83,7 +94,11 @@ def backend_problem(url: str) -> str | None:
 
 
 def exists(location: str | Path) -> bool:
-    """Whether the file or object at `location` is there (on a store: listed in its folder)."""
+    """Whether the file or object at `location` is there (on a store: listed in its folder).
+
+    Raises:
+        CheckpointStoreError: the store could not be listed through the retry window.
+    """
     if not is_url(location):
         return Path(location).is_file()
     folder, name = _split(str(location))
@@ -94,8 +109,9 @@ def read_bytes(location: str | Path) -> bytes:
     """The bytes of a small file or object that is not a checkpoint (no sidecar: a key, a note).
 
     Raises:
-        OSError: it cannot be read (FileNotFoundError when absent); on a store, the store's
-            own errors as s3fs and the like translate them.
+        FileNotFoundError: it is absent.
+        OSError: a local file cannot be read.
+        CheckpointStoreError: the store failed through the retry window.
     """
     if not is_url(location):
         return Path(location).read_bytes()
@@ -106,18 +122,20 @@ def read_bytes(location: str | Path) -> bytes:
 def write_bytes(location: str | Path, data: bytes, mode: int = 0o644) -> str | Path:
     """Write a small file or object that is not a checkpoint, whole or not at all.
 
-    A local file is written atomically with `mode` (`atomic_files.write_bytes_atomic`). On a
-    store it is one object, which a store shows whole or not at all; `mode` does not apply
-    there: who may read it is the bucket's policy.
+    A local file is written atomically with `mode` (`atomic_files.write_bytes_atomic`), its
+    folder made as needed. On a store it is one object, which a store shows whole or not at
+    all; `mode` does not apply there: who may read it is the bucket's policy.
 
     Returns:
         `location`.
 
     Raises:
-        OSError (or the store's own errors): the write failed.
+        CheckpointStoreError: the write kept failing through the retry window.
     """
     if not is_url(location):
-        return write_bytes_atomic(location, data, mode=mode)
+        path = Path(location)
+        return store_retry.retried(lambda: write_bytes_atomic(path, data, mode=mode), path.parent,
+                                   f"writing {path.name}")
     folder, name = _split(str(location))
     StoreFolder(folder).write(name, lambda handle: handle.write(data))
     return location
@@ -129,8 +147,50 @@ def _split(url: str) -> tuple[str, str]:
     return folder, name
 
 
+class StoreError(OSError):
+    """An error a store's backend raised in its own type (botocore's, aiohttp's...), as an
+    `OSError`, so it is retried like any other store error: its type and message are in the
+    text, the original is the cause."""
+
+
+@contextlib.contextmanager
+def _backend_errors() -> Iterator[None]:
+    """Let `OSError` and Python's own errors through; turn a backend's own into `StoreError`."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as e:
+        if type(e).__module__ == "builtins":  # a ValueError or TypeError is a bug, not the store
+            raise
+        raise StoreError(store_retry.describe(e)) from e
+
+
+class _GuardedHandle:
+    """A store's file whose write errors come out as `StoreError` (see `_backend_errors`)."""
+
+    def __init__(self, handle: Any):
+        self._handle = handle
+
+    def write(self, data: bytes) -> int:
+        with _backend_errors():
+            return self._handle.write(data)
+
+    def flush(self) -> None:
+        with _backend_errors():
+            self._handle.flush()
+
+
 class StoreFolder:
     """One folder (a key prefix) of a store, with the few operations checkpoints need.
+
+    Each operation is retried through the process's retry window while the store fails
+    (`store_retry.retried`), then raises `CheckpointStoreError`; its `_once` form tries once.
+    A store with folders (`memory://`, sftp...) gets the folder made before a write; a
+    bucket store (`s3://`, `gs://`...) has none, and its bucket is never created here (a
+    wrong bucket name must fail, not make a bucket). A `file://` folder is this machine's:
+    its objects are written as a local folder's files are (`atomic_files`: a temporary
+    file renamed into place, fsynced, readable by its owner only; the folder made).
 
     Args:
         url: the folder, e.g. `s3://bucket/run/checkpoints`.
@@ -147,45 +207,113 @@ class StoreFolder:
 
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        self._has_folders = not BUCKET_STORES.intersection(protocols)
+        # This machine's folder, for a `file://` URL (None for any other store).
+        self.local_root = Path(self.root) if "file" in protocols else None
+        _quiet_background_errors(self.fs)
 
     def names(self) -> list[str]:
         """The names of the objects directly in the folder (none when it does not exist)."""
-        self.fs.invalidate_cache(self.root)  # another process may have written since we looked
-        try:
-            entries = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return []
+        return store_retry.retried(self.names_once, self.url, "listing the folder")
+
+    def names_once(self) -> list[str]:
+        """`names`, tried once."""
+        with _backend_errors():
+            self.fs.invalidate_cache(self.root)  # another process may have written since we looked
+            try:
+                entries = self.fs.ls(self.root, detail=False)
+            except FileNotFoundError:
+                return []
         return sorted(basename(entry) for entry in entries)
 
     def read(self, name: str) -> bytes:
-        """The object's bytes. Raises FileNotFoundError when it is absent."""
-        return self.fs.cat_file(self._path(name))
+        """The object's bytes. Raises FileNotFoundError at once when it is absent."""
+        return store_retry.retried(lambda: self.read_once(name), self.url, f"reading {name}",
+                                   retry_if=_absent_is_no_failure)
+
+    def read_once(self, name: str) -> bytes:
+        """`read`, tried once."""
+        with _backend_errors():
+            return self.fs.cat_file(self._path(name))
 
     def write(self, name: str, fill: Callable[[Any], Any]) -> str:
         """Let `fill` stream the object `name` into the store; returns the SHA-256 of its bytes.
 
         A failed write is removed where the store let a part of it through (a reader would
-        skip it anyway: it has no sidecar).
+        skip it anyway: it has no sidecar). An error of `fill` itself (an object that
+        cannot be pickled) is raised at once, not retried.
         """
+        return store_retry.retried(lambda: self.write_once(name, fill), self.url, f"writing {name}")
+
+    def write_once(self, name: str, fill: Callable[[Any], Any]) -> str:
+        """`write`, tried once."""
         path = self._path(name)
+        if self.local_root is not None:
+            return write_file_atomic(self.local_root / name, fill)
         try:
-            with self.fs.open(path, "wb") as handle:
-                hashing = HashingWriter(handle)
-                fill(hashing)
+            with _backend_errors():
+                if self._has_folders:
+                    self.fs.makedirs(self.root, exist_ok=True)
+                handle = self.fs.open(path, "wb")
+            try:
+                hashing = HashingWriter(_GuardedHandle(handle))
+                hashing.fill(fill)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    handle.close()  # whatever part it sends is removed below
+                raise
+            with _backend_errors():
+                handle.close()  # a store's upload happens here
         except BaseException:
-            self.remove(name)
+            self._remove_quietly(name)
             raise
         return hashing.hexdigest()
 
     def remove(self, name: str) -> None:
         """Remove the object; nothing when it is absent."""
+        store_retry.retried(lambda: self.remove_once(name), self.url, f"removing {name}")
+
+    def remove_once(self, name: str) -> None:
+        """`remove`, tried once."""
+        with _backend_errors():
+            try:
+                self.fs.rm_file(self._path(name))
+            except FileNotFoundError:
+                pass
+
+    def _remove_quietly(self, name: str) -> None:
+        """Remove what a failed write left, if the store lets us now (it may be the store
+        that failed: the error to report is the write's)."""
         try:
-            self.fs.rm_file(self._path(name))
-        except FileNotFoundError:
-            pass
+            self.remove_once(name)
+        except Exception as e:
+            logger.debug("could not remove %s/%s after a failed write: %s", self.url, name, e)
 
     def _path(self, name: str) -> str:
         return f"{self.root.rstrip('/')}/{name}"
+
+
+def _quiet_background_errors(fs: Any) -> None:
+    """An async backend's event loop (s3fs's aiohttp) logs an upload cut short a second
+    time, as a task whose exception nobody retrieved, with its traceback. The error the
+    call raised is the one the run retries and reports; that echo goes to DEBUG."""
+    loop = getattr(fs, "loop", None)
+    if loop is None or not hasattr(loop, "set_exception_handler") or loop.get_exception_handler() is not None:
+        return
+
+    def handler(loop: Any, context: dict[str, Any]) -> None:
+        error = context.get("exception")
+        logger.debug("store backend: %s%s", context.get("message", "an error in its event loop"),
+                     f" ({store_retry.describe(error)})" if error is not None else "",
+                     exc_info=error if logger.isEnabledFor(logging.DEBUG) else None)
+
+    loop.set_exception_handler(handler)
+
+
+def _absent_is_no_failure(error: BaseException) -> bool:
+    """Retry a read on a store error, but not on the object's absence: that is an answer."""
+    return store_retry.is_store_error(error) and not isinstance(error, FileNotFoundError)
 
 
 def save(obj: Any, url: str) -> str:
@@ -195,8 +323,9 @@ def save(obj: Any, url: str) -> str:
         `url`.
 
     Raises:
-        OSError (or the store's own errors): the store refused or could not be reached;
-            the checkpoint is then not complete, and never read as one.
+        CheckpointStoreError: the store refused or could not be reached through the retry
+            window; the checkpoint is then not complete, and never read as one.
+        Whatever `torch.save` raises for an object it cannot save, at once.
     """
     import torch  # here, not above: `disttrain report --help` and the like never load torch
 
@@ -209,18 +338,13 @@ def save(obj: Any, url: str) -> str:
     return url
 
 
-def complete_names(store: StoreFolder, names: list[str]) -> list[str]:
-    """Those of `names` whose sidecar is in the folder too (checked, not yet verified)."""
-    present = set(store.names())
-    return [name for name in names if name + SIDECAR_SUFFIX in present]
-
-
 def load_bytes(url: str) -> bytes:
     """The bytes of the checkpoint at `url`, verified against its sidecar.
 
     Raises:
         CheckpointError: the object or its sidecar is missing (an upload that did not
             finish), the sidecar is malformed, or the sum does not match.
+        CheckpointStoreError: the store could not be read through the retry window.
     """
     folder, name = _split(url)
     store = StoreFolder(folder)

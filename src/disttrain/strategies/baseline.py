@@ -16,6 +16,7 @@ from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
 from disttrain.core.faults import FaultInjector
+from disttrain.core.store_check import check_checkpoint_dir
 from disttrain.data import ArrayDataset, ShardedSampler, load_datasets
 from disttrain.metrics.hparams import write_hparams
 from disttrain.metrics.progress import Progress
@@ -102,6 +103,7 @@ class Baseline:
         """
         training, system = config.training, config.system
         started = time.perf_counter()
+        check_checkpoint_dir(system.checkpoint_dir, self.name, in_this_process=True)
         configure_process(system.num_threads)
         train_set, test_set = load_datasets(training)
         model = init_model(training)

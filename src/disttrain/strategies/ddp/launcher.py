@@ -43,9 +43,10 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from disttrain.config import Config, DDPConfig
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.auth import TOKEN_ENV
-from disttrain.core.errors import ConfigError, DistributedError
+from disttrain.core.errors import CheckpointStoreError, ConfigError, DistributedError
 from disttrain.core.process_spec import RANK_ENTRY, ProcessSpec, command_line
 from disttrain.core.processes import thread_count
+from disttrain.core.store_check import check_checkpoint_dir
 from disttrain.data import load_datasets
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
 from disttrain.strategies.ddp import runtime as rt
@@ -87,6 +88,7 @@ def preflight(config: Config, resume: bool) -> LaunchPlan:
     """
     ddp, system, training = config.ddp, config.system, config.training
     rt.check_supported(config)
+    check_checkpoint_dir(system.checkpoint_dir, "ddp", in_this_process=False)
     if system.num_workers % ddp.num_nodes:
         raise ConfigError(f"system.num_workers: world size {system.num_workers} does not split evenly "
                           f"over ddp.num_nodes={ddp.num_nodes}; use a multiple of {ddp.num_nodes}")
@@ -141,6 +143,7 @@ def launch(config: Config, options: RunOptions) -> RunSummary | None:
 
     Raises:
         ConfigError: bad input found before or by the ranks (exit code 2).
+        CheckpointStoreError: a rank's checkpoint store failed for good (exit code 74).
         DistributedError: a rank failed after its restarts, or the rendezvous failed.
     """
     started = time.perf_counter()
@@ -221,10 +224,16 @@ def _exit_reason(failure) -> str:
     return f"exit code {failure.exitcode}" + (f": {message}" if message else "")
 
 
-def child_failure(error: ChildFailedError, max_restarts: int) -> ConfigError | DistributedError:
+def child_failure(error: ChildFailedError, max_restarts: int
+                  ) -> ConfigError | CheckpointStoreError | DistributedError:
     """One line naming every rank that failed in the last attempt, a killed one first
-    (the others usually only lost contact with it)."""
+    (the others usually only lost contact with it); a rank whose checkpoint store failed
+    for good is the cause, named alone with its line."""
     failures = sorted(error.failures.items(), key=lambda item: (item[1].exitcode >= 0, item[0]))
+    stored = [(rank, f) for rank, f in failures if f.exitcode == CheckpointStoreError.exit_code]
+    if stored:
+        rank, failure = stored[0]
+        return CheckpointStoreError(f"rank {rank}: {_failure_message(failure)}")
     if all(failure.exitcode == ConfigError.exit_code for _, failure in failures):
         rank, failure = failures[0]
         return ConfigError(f"rank {rank}: {_failure_message(failure)}")

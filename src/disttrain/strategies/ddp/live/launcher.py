@@ -37,7 +37,7 @@ import torch.distributed as dist
 from disttrain.config import Config
 from disttrain.coordinator.supervisor import Managed, Supervisor
 from disttrain.core.auth import TOKEN_ENV
-from disttrain.core.errors import ConfigError, DistributedError
+from disttrain.core.errors import CheckpointStoreError, ConfigError, DistributedError, store_failure
 from disttrain.core.identity import node_token
 from disttrain.core.process_spec import RANK_ENTRY, ProcessSpec
 from disttrain.core.processes import Cluster, thread_count
@@ -167,7 +167,7 @@ def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary | 
             try:
                 with Cluster(log_dir, env=env, env_of=rank_tokens(coordinator.token)) as cluster:
                     supervise(cluster, config, options, (config_path, summary_path), processes, store, slots)
-            except (ConfigError, DistributedError) as e:
+            except (ConfigError, CheckpointStoreError, DistributedError) as e:
                 coordinator.stopped(str(e).splitlines()[0])
                 raise
             finally:
@@ -301,6 +301,9 @@ def supervise(cluster: Cluster, config: Config, options: RunOptions, paths: tupl
         if event is None or event.kind != "exit" or event.child not in supervisor.processes:
             continue
         code, slot = int(event.fields["code"]), int(event.child.removeprefix("rank"))
+        if code == CheckpointStoreError.exit_code:  # a restart would fail the same way
+            child = cluster.children[event.child]
+            raise store_failure(f"rank {slot}", child.tail(20), child.log_path)
         if code != 0:
             mark_dead(store, slot)
             processes.deaths.append((time.time(), slot))

@@ -34,9 +34,10 @@ from disttrain.coordinator.supervisor import Managed, Supervisor
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
 from disttrain.core.auth import new_token
-from disttrain.core.errors import ConfigError, DistributedError
+from disttrain.core.errors import CheckpointStoreError, ConfigError, DistributedError, store_failure
 from disttrain.core.process_spec import ProcessSpec
 from disttrain.core.processes import Cluster, raise_on_sigterm
+from disttrain.core.store_check import check_checkpoint_dir
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
 from disttrain.strategies.ps.run.progress import ClusterWatch
 from disttrain.strategies.ps.run.recovery import recovery_summary
@@ -60,6 +61,7 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
             `coordinator.max_restarts` (its name, exit code and log are named), or did not start.
         ConfigError, DataError, CheckpointError, TrainingError: a process failed with a
             user's error, or with the same unexpected error on a fresh start (not restarted).
+        CheckpointStoreError: a process's checkpoint store failed for good (its line, named).
     """
     started = time.perf_counter()
     preflight(config, options)
@@ -128,6 +130,7 @@ def preflight(config: Config, options: RunOptions) -> None:
         raise ConfigError(f"the parameter server cannot shard this model: {e}") from e
     log_plan(plans)
     folder = config.system.checkpoint_dir  # a path or a store's URL
+    check_checkpoint_dir(folder, "ps", in_this_process=False)
     for name in [f"server{s}" for s in range(config.ps.num_servers)] + \
             [f"worker{r}" for r in range(config.system.num_workers)]:
         ckpt.prepare_checkpoint_dir(object_store.join(folder, name), resume=options.resume)
@@ -216,8 +219,22 @@ class ClusterRun:
             DistributedError: it failed more often than allowed before it listened, or did
                 not report in time.
         """
-        bind[0] = self.cluster.wait_listening(name, restarted=self.supervisor.exited)
+        bind[0] = self.cluster.wait_listening(name, restarted=self._exited)
         return bind[0]
+
+    def _exited(self, name: str, code: int) -> bool:
+        """The supervisor's handling of an exit (True: restarted), but a process whose
+        checkpoint store failed for good stops the run with its line: a restart would
+        fail the same way.
+
+        Raises:
+            CheckpointStoreError: `name` exited with its code.
+            DisttrainError: see `Supervisor.exited`.
+        """
+        if code == CheckpointStoreError.exit_code:
+            child = self.cluster.children[name]
+            raise store_failure(name, child.tail(20), child.log_path)
+        return self.supervisor.exited(name, code)
 
     def _report_exit(self, node_id: str, code: int, reason: str) -> None:
         """Tell the coordinator (once it runs), which keeps the news while it is down."""
@@ -242,11 +259,13 @@ class ClusterRun:
                                                 int(fields.get("pid", 0)))
             elif event.kind == "exit":
                 code = int(event.fields["code"])
+                if code == CheckpointStoreError.exit_code:  # even after the work: a checkpoint is missing
+                    self._exited(event.child, code)
                 if deadline is None and event.child.startswith("server") and code == 0:
                     deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S  # worker 0 stopped the servers
                 if deadline is not None and event.child != "coordinator":  # nothing left to restart for
                     running.discard(event.child)
-                elif self.supervisor.exited(event.child, code) or event.child == "coordinator":
+                elif self._exited(event.child, code) or event.child == "coordinator":
                     continue
                 running.discard(event.child)
                 if event.child.startswith("worker") and watch.worker_done():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+from collections.abc import Callable
 
 from torch.nn.utils import parameters_to_vector
 
@@ -45,9 +46,13 @@ from disttrain.training.models import init_model
 logger = logging.getLogger(__name__)
 
 
-def build_state(config: Config, shard: int, num_shards: int, resume: bool = False) -> ShardState:
+def build_state(config: Config, shard: int, num_shards: int, resume: bool = False,
+                on_checkpoint_failure: Callable[[Exception], None] | None = None) -> ShardState:
     """The state of shard `shard` of `num_shards`: the model's initial slice (from the
     training seed), restored from this shard's newest checkpoint when resuming.
+
+    Args:
+        on_checkpoint_failure: told of a checkpoint write that failed for good.
 
     Raises:
         ConfigError: the checkpoint dir holds an earlier run (and not resuming).
@@ -69,7 +74,7 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
         * (training.sync_every if training.local_update_mode else 1)
     decoder = PushDecoder(plan, config.compression, max_samples)
     checkpoints = CheckpointPolicy(folder, training.checkpoint_interval, system.checkpoint_keep,
-                                   config.to_dict())
+                                   config.to_dict(), on_checkpoint_failure)
     state = ShardState(plan, flat, rules, decoder, training, checkpoints,
                        buffers=initial_buffers(model, plan), model_numel=sum(p.numel for p in plans),
                        broadcast=broadcast_copy(config, plan, flat))
@@ -105,11 +110,18 @@ def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool =
     Raises:
         ConfigError: the address cannot be bound, or the checkpoint dir holds an earlier run.
         CheckpointError: the newest checkpoint cannot be used (with `resume`).
+        CheckpointStoreError: the checkpoint store failed for good (the shard stops serving).
     """
     check_supported(config)
     bind_to_parent()
     configure_process(config.system.num_threads or 1)
-    state = build_state(config, shard, num_shards, resume)
+    store_failures: list[Exception] = []
+
+    def store_failed(error: Exception) -> None:  # a write follows a push: `server` serves by then
+        store_failures.append(error)
+        server.stopped.set()
+
+    state = build_state(config, shard, num_shards, resume, store_failed)
     # Long-polls hold a thread each: room for every worker's push, pull and status call.
     server = ShardServer(state, bind, max_threads=max(32, 4 * config.system.num_workers + 8), token=token,
                          tls=tls)
@@ -130,6 +142,10 @@ def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool =
         server.stopped.wait()
     finally:
         server.stop()
-        if link is not None:
+        if link is not None and store_failures:
+            link.close()  # not "finished": its exit, with the store's line, tells the launcher
+        elif link is not None:
             link.leave()
         logger.info("shard %d stopped at version %d", shard, state.version)
+    if store_failures:
+        raise store_failures[0]

@@ -86,12 +86,14 @@ class CheckpointPolicy:
         every_versions: a checkpoint each time the version reaches a multiple of this.
         keep: how many of the newest checkpoints stay in `folder`.
         run_config: the run's resolved config, saved in every checkpoint.
+        on_failure: told of a write that failed for good (see `core.saver.CheckpointWriter`).
     """
 
     folder: str | Path
     every_versions: int
     keep: int
     run_config: dict[str, Any] = field(default_factory=dict)
+    on_failure: Callable[[Exception], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,8 @@ class ShardState:
         self._changed = threading.Condition(self._lock)
         self._snapshot: Snapshot | None = None
         # Bounded: a slow disk makes saves wait, never piles up copies of the state.
-        self._writer = None if checkpoints is None else CheckpointWriter(checkpoints.folder, checkpoints.keep)
+        self._writer = None if checkpoints is None else CheckpointWriter(checkpoints.folder, checkpoints.keep,
+                                                                          checkpoints.on_failure)
         self.segments = WorkerSegments(plan.nbytes, plan.dtype)
         self.barriers = Barriers(rules.world_size)
         self.update = GuardedUpdate(self.param, self.optimizer, self.shard_optimizer)
