@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from disttrain.core import checkpoint as ckpt
-from disttrain.core import object_store, store_retry
+from disttrain.core import failpoints, object_store, store_retry
 from disttrain.core.atomic_files import HashingWriter
 from disttrain.core.errors import CheckpointError, CheckpointStoreError, ConfigError, store_failure
 from disttrain.core.saver import CheckpointWriter
@@ -296,3 +296,25 @@ def test_a_launcher_names_the_process_and_keeps_its_line():
     assert str(store_failure("rank 1", "error: rank 1: checkpoint store b: ...", "x")) == \
         "rank 1: checkpoint store b: ..."
     assert "see its log logs/w.log" in str(store_failure("w", "Traceback ...", "logs/w.log"))
+
+
+@pytest.mark.parametrize("where", ["local", "file-url", "memory"])
+def test_an_injected_store_error_is_retried_like_a_real_one(tmp_path, folder, monkeypatch, window, where):
+    """`store-error` faults (`core.failpoints`) fail every checkpoint write with ENOSPC for a
+    while: within the window the write goes through once they stop; past it, the line."""
+    location = {"local": tmp_path / "ckpt", "file-url": f"file://{tmp_path}/ckpt", "memory": folder}[where]
+    monkeypatch.setattr(failpoints.checkpoints, "fail_until", 0.0)
+    window(30)
+    failpoints.fail_checkpoints(0.2)
+    ckpt.save_checkpoint(location, 5, state(5))
+    assert steps(location) == [5]
+    window(0.1)
+    failpoints.fail_checkpoints(30)
+    full = r"writing checkpoint_step00000010\.pt failed .*No space left on device \(injected fault\).*step 5"
+    with pytest.raises(CheckpointStoreError, match=full):
+        ckpt.save_checkpoint(location, 10, state(10))
+    assert steps(location) == [5]
+
+
+def steps(location):
+    return [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(location)]

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from disttrain.core import failpoints
 from disttrain.core.errors import CheckpointError
 
 SIDECAR_SUFFIX = ".sha256"
@@ -89,6 +90,9 @@ def atomic_torch_save(obj: Any, path: str | Path) -> Path:
     sum: loading then reports a checksum mismatch and resuming falls back to the previous
     checkpoint, so the window costs at most one checkpoint, never wrong data.
 
+    The injected checkpoint faults (`core.failpoints`) fire here: a write that fails with
+    ENOSPC, a process that dies once the bytes are down and before either rename.
+
     Raises:
         OSError: the folder is not writable or the disk is full; whatever `torch.save`
             raises for an object it cannot save. Either way `path` is left as it was.
@@ -97,7 +101,9 @@ def atomic_torch_save(obj: Any, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     import torch  # here, not above: `disttrain report --help` and the like never load torch
 
+    failpoints.checkpoint_write(path)
     temporary, digest = _write_temporary(path, lambda handle: torch.save(obj, handle))
+    failpoints.checkpoint_written_partly()  # the bytes are down, nothing is complete yet
     try:
         text = sidecar_text(path.name, digest).encode("ascii")
         sidecar = sidecar_path(path)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from disttrain.core import store_retry
+from disttrain.core import failpoints, store_retry
 from disttrain.core.atomic_files import (
     SIDECAR_SUFFIX,
     HashingWriter,
@@ -332,7 +332,13 @@ def save(obj: Any, url: str) -> str:
     folder, name = _split(url)
     store = StoreFolder(folder)
     store.remove(name + SIDECAR_SUFFIX)  # the old sum must not vouch for the new bytes
-    digest = store.write(name, lambda handle: torch.save(obj, handle))
+
+    def fill(handle: Any) -> None:
+        failpoints.checkpoint_write(url)  # an injected full store fails each try, as a real one
+        torch.save(obj, handle)
+
+    digest = store.write(name, fill)
+    failpoints.checkpoint_written_partly()  # the data is up, its sidecar not: no checkpoint yet
     text = sidecar_text(name, digest).encode("ascii")
     store.write(name + SIDECAR_SUFFIX, lambda handle: handle.write(text))
     return url
