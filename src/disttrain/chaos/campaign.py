@@ -65,7 +65,7 @@ def summarize(results: list[dict[str, Any]], references: dict[str, Reference]) -
                         for name in dict.fromkeys(r["scenario"] for r in results)},
         "patterns": dict(Counter(p for r in results for p in r["patterns"])),
         "faults": dict(faults),
-        "references": {name: {"accuracy": ref.accuracy, "wall_s": round(ref.wall_s, 2)}
+        "references": {name: {"accuracies": ref.accuracies, "wall_s": round(ref.wall_s, 2)}
                        for name, ref in references.items()},
         "violations": [{"scenario": r["scenario"], "seed": r["seed"], "violations": r["violations"],
                         "schedule": r["schedule"]} for r in results if r["violations"]],
