@@ -7,7 +7,8 @@
   and averages them in rank order, so all ranks hold the same bits. (A sum of compressed
   payloads means nothing, hence all-gather rather than all-reduce.)
 - `fp16`, `bf16`: PyTorch's half-precision all-reduce hooks.
-- `powersgd`: PyTorch's `powerSGD_hook`, its state kept by parameter (`powersgd`).
+- `powersgd`: PyTorch's `powerSGD_hook`, its state kept by parameter (`powersgd`); on a
+  bucket in host memory, without the CUDA synchronize it makes wherever CUDA is available.
 
 Each hook records per step the dense bytes, the payload bytes this rank hands to the
 collective, the tensors that went uncompressed and the seconds spent compressing, in a
@@ -30,10 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, fp16_compress_hook
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 
 from disttrain.compression.compressor import Compressor, Counters
-from disttrain.compression.powersgd import PowerSGDBuckets
+from disttrain.compression.powersgd import PowerSGDBuckets, powersgd_hook_for
 from disttrain.config import CompressionConfig
 
 Future = torch.futures.Future
@@ -279,7 +279,8 @@ class PowerSGDHook(CompressionHook):
         layout = tuple((name, tuple(gradient.shape)) for name, gradient in self.gradients(bucket))
         plan = self.buckets.fit(bucket.index(), layout, buffer)
         compressing = self.buckets.compressing
-        future = powerSGD_hook(self.buckets.state, MatrixBucket(bucket))
+        # PyTorch's hook; for a bucket in host memory, without its CUDA synchronize.
+        future = powersgd_hook_for(buffer.device)(self.buckets.state, MatrixBucket(bucket))
         # Bytes by the hook's own rule (`plan_bucket`): P and Q of each compressed matrix,
         # the rest all-reduced as it is; the first iterations all-reduce the whole bucket.
         # Counted once each, like comm/bytes_allreduced, though a ring sends about twice that.

@@ -16,18 +16,27 @@ and PowerSGD starts that bucket afresh, as it does in a run's first compressed s
 
 `state_dict` holds tensors only (for a `weights_only` checkpoint), with the same names
 and shapes on every rank, so the ranks' states can be all-gathered.
+
+`powersgd_hook_for` picks the hook for a bucket's device: PyTorch's own hook synchronizes
+CUDA whenever CUDA is available, whatever device the bucket is on, which fails for a bucket
+in host memory on a machine with a GPU (gloo on the CPU there, the CPU rank of a mixed group).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _should_compress
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
+    PowerSGDState,
+    _should_compress,
+    powerSGD_hook,
+)
 
 from disttrain.config import CompressionConfig
 
@@ -38,6 +47,49 @@ logger = logging.getLogger(__name__)
 START_ITERATION = 2
 
 Layout = tuple[tuple[str, tuple[int, ...]], ...]  # a bucket's (parameter name, shape), in order
+
+
+class _NoDevice:
+    """A device module of torch (`torch.cuda`, `torch.accelerator`) that says none is available."""
+
+    def __init__(self, module: types.ModuleType):
+        self._module = module
+
+    @staticmethod
+    def is_available() -> bool:
+        return False
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+class _HostTorch:
+    """`torch` as the hook of a bucket in host memory should see it: no device available.
+    PyTorch's `powerSGD_hook` calls `torch.cuda.synchronize(bucket device)` when
+    `torch.cuda.is_available()` (a proposed change upstream asks `torch.accelerator` the same,
+    hidden here too), and a CPU device makes that raise. A host bucket has nothing to wait for."""
+
+    def __init__(self) -> None:
+        self.cuda = _NoDevice(torch.cuda)
+        if hasattr(torch, "accelerator"):  # torch 2.6 and later
+            self.accelerator = _NoDevice(torch.accelerator)
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+# PyTorch's own function (one algorithm, kept by PyTorch) with `torch` in its globals bound
+# to the host view: the callbacks it makes (`decompress` holds the synchronize) take their
+# globals from it, so they see the same view.
+_HOST_POWERSGD_HOOK = types.FunctionType(
+    powerSGD_hook.__code__, {**powerSGD_hook.__globals__, "torch": _HostTorch()}, powerSGD_hook.__name__,
+    powerSGD_hook.__defaults__, powerSGD_hook.__closure__)
+
+
+def powersgd_hook_for(device: torch.device):
+    """PyTorch's `powerSGD_hook` for a bucket on `device`: as it is for a device's memory,
+    and for host memory one that never synchronizes a device (which raised there)."""
+    return _HOST_POWERSGD_HOOK if device.type == "cpu" else powerSGD_hook
 
 
 @dataclass(frozen=True)
