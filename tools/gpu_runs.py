@@ -76,6 +76,13 @@ class Run:
         state = torch.load(self.folder / "ckpt" / name, map_location="cpu", weights_only=True)
         return state["model"]
 
+    def training_losses(self) -> list[float]:
+        """Rank 0's logged training loss (`loss/train`), one value per logging window."""
+        path = self.folder / "logs" / "rank0" / "metrics.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] \
+            if path.is_file() else []
+        return [record["loss/train"] for record in records if "loss/train" in record]
+
     def last_checkpoint(self) -> dict[str, Any]:
         paths = sorted((self.folder / "ckpt").glob("checkpoint_step*.pt"))
         return torch.load(paths[-1], map_location="cpu", weights_only=True) if paths else {}
