@@ -86,5 +86,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"{summary['schedules_run']} schedules: {summary['finished']} finished, "
           f"{summary['stopped_with_reason']} stopped with a reason and resumed, "
           f"{summary['invariant_violations']} broke an invariant; slowdown median "
-          f"{summary['slowdown']['median']}, longest recovery {summary['longest_recovery_s']}s")
+          f"{summary['slowdown']['median']}, longest recovery {summary['longest_recovery_s'] or 0:g}s")
     return 1 if summary["invariant_violations"] else 0

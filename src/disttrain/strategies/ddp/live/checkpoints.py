@@ -38,6 +38,7 @@ class LiveCheckpoints:
     def __init__(self, folder: str | Path, interval: int, keep: int):
         self.folder, self.interval, self.keep = folder, interval, keep
         self._writer: CheckpointWriter | None = None
+        self._queued: int | None = None  # the step of the newest checkpoint this rank queued
 
     def due(self, step: int) -> bool:
         return step > 0 and step % self.interval == 0
@@ -51,6 +52,15 @@ class LiveCheckpoints:
         if self._writer is None:
             self._writer = CheckpointWriter(self.folder, self.keep)
         self._writer.submit(step, snapshot(state))
+        self._queued = step
+
+    def save_final(self, step: int, state: dict[str, Any]) -> None:
+        """The run's last step: queue its checkpoint unless this rank already did. A leader
+        that took over near the end writes it too, so the newest checkpoint of a finished
+        run holds the whole run (its ledger complete; `--resume` finds nothing left to do),
+        even when the leader before it died in the middle of writing it."""
+        if self._queued != step:
+            self.save(step, state)
 
     def close(self) -> None:
         """Wait for the write in flight (the run's last checkpoint is then complete).

@@ -248,6 +248,8 @@ class LiveRank:
         dist.all_reduce(pids)
         trained = torch.tensor([trainer.samples_trained, trainer.samples_redone], dtype=torch.int64)
         dist.all_reduce(trained)
+        if group.is_leader:
+            self.checkpoints.save_final(trainer.progress.step, trainer.state_dict())
         self.checkpoints.close()  # the last checkpoint complete before the run reports done
         group.finish()
         dist.barrier()
