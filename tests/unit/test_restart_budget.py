@@ -113,6 +113,18 @@ def test_a_users_error_stops_at_once_whatever_the_budget_and_the_progress(error)
     assert line.startswith(f"worker1: {error}") and "not restarted" in line
 
 
+def test_a_users_error_that_says_how_to_go_on_is_not_told_it_twice():
+    budget = RestartBudget(max_restarts=5)
+    budget.started(0.0)
+    message = ("checkpoint store s3://b/run/worker1: writing checkpoint_step00000010.pt failed for 60s; the "
+               "newest complete checkpoint there is step 5; once the store works again, run the same "
+               "command with --resume")
+    verdict = budget.exited(2.0, 30, ErrorReport("CheckpointStoreError", message, False))
+    line = verdict.stop_line("worker1", "exited with code 74", KEY)
+    assert line == f"worker1: {message} (not restarted: a restart would fail the same way)"
+    assert line.count("--resume") == 1
+
+
 def test_the_same_unexpected_error_at_the_same_step_on_a_fresh_start_stops_at_once():
     budget = RestartBudget(max_restarts=5)
     budget.started(0.0)

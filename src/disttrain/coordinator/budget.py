@@ -127,6 +127,8 @@ class Verdict:
         cause and what to do."""
         if self.decision is Decision.STOP_USER_ERROR:
             assert self.error is not None
+            if "--resume" in self.error.message:  # the error says already how to go on (a store's line)
+                return f"{name}: {self.error.message} (not restarted: a restart would fail the same way)"
             return (f"{name}: {self.error.message} (not restarted: a restart would fail the same way); fix "
                     "it, then run the same command with --resume")
         if self.decision is Decision.STOP_REPEATED_ERROR:
