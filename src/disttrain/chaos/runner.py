@@ -297,5 +297,10 @@ def _outcome(result: dict[str, Any], violations: list[str]) -> str:
 
 
 def _longest_recovery(summary: dict[str, Any] | None) -> float | None:
-    times = [f.get("recover_s") for f in (summary or {}).get("failures", []) if f.get("recover_s")]
+    """The longest time from a failure to the run training again: a restarted process
+    back at work (the coordinator's recovery records), or a live group's survivors
+    training again (`live_resume_s`)."""
+    summary = summary or {}
+    times = [f.get("recover_s") for f in summary.get("failures", [])] + [summary.get("live_resume_s")]
+    times = [t for t in times if t]
     return max(times) if times else None
