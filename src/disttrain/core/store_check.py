@@ -83,6 +83,7 @@ def check_writable(folder: str | Path) -> None:
         if read != data:
             raise OSError(f"{name} read back other bytes than were written")
 
+    made = _missing_folders(folder)
     try:
         store_retry.retried(probe, folder, "writing a test object",
                             retry_if=lambda e: store_retry.is_store_error(e) and store_retry.is_transient(e))
@@ -92,3 +93,22 @@ def check_writable(folder: str | Path) -> None:
                           f"({store_retry.describe(error)}); check the bucket or folder name, that it is "
                           "writable with the credentials given and has space, or choose another "
                           "--checkpoint-dir") from e
+    finally:
+        for path in made:  # the check leaves nothing behind: a run refused later writes nothing
+            try:
+                path.rmdir()
+            except OSError:
+                break  # not empty (written meanwhile), or not ours to remove
+
+
+def _missing_folders(folder: str | Path) -> list[Path]:
+    """The folders of a local (or file://) `folder` that do not exist yet, deepest first."""
+    text = str(folder)
+    if object_store.is_url(folder) and not text.startswith("file://"):
+        return []
+    path = Path(text.removeprefix("file://"))
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
