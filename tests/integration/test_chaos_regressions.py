@@ -5,13 +5,18 @@ and seed (the schedule is drawn again from them): each failed on the code before
   (an earlier write held up by a full store, a crash in the next one); the survivor
   finished the run without writing one, so the newest checkpoint held a ledger missing
   96 global batches and a `--resume` would have trained them again.
+- ddp-live 421: every rank died while the launcher lived (rank 0 in a checkpoint write at
+  step 108, then rank 1, alone, in the last one at step 132); both came back and asked to
+  join a group that had no member left to admit them, and waited until the run was
+  killed. The waiting ranks now start the next generation themselves, from the newest
+  checkpoint.
 """
 
 from __future__ import annotations
 
 import pytest
 
-CASES = [("ddp-live", 321)]
+CASES = [("ddp-live", 321), ("ddp-live", 421)]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@ their group and train on, and the rank, started again, joins them at a step boun
 
 Modules: `membership` (the pure rules: settling, members, the batch split, whose state
 everyone takes), `group` (generations of process groups agreed through the launcher's
-store), `forming` (a generation's rendezvous cut short when a member dies), `state` (a
+store), `forming` (a generation's rendezvous cut short when a member dies), `restart`
+(the next generation started by the ranks waiting to join when every member died), `state` (a
 state handed from a live peer, without pickle), `trainer` (model, optimizer, position
 and data ledger), `checkpoints` (the leader's periodic checkpoints and `--resume`),
 `compression` (the DDP compression hooks on the flat gradient buffer), `rank` (the

@@ -9,6 +9,8 @@ a store's URL, as in restart mode. A run started with `--resume` gives its first
 generation's leader the newest good checkpoint; the others take it from that leader
 the way a joiner takes a live peer's state, so a whole-run crash loses at most the
 steps since the last checkpoint, and the ledger carried in it keeps `samples_lost` at 0.
+A generation started by restarted ranks after every member died while the launcher
+lived (`restart`) reads it the same way.
 """
 
 from __future__ import annotations
@@ -78,9 +80,9 @@ def snapshot(state: dict[str, Any]) -> dict[str, Any]:
     return unflatten(*flatten(state))
 
 
-def load_resume_state(folder: str | Path) -> dict[str, Any] | None:
+def load_resume_state(folder: str | Path, why: str = "--resume") -> dict[str, Any] | None:
     """The newest good checkpoint of `folder`, checked to be a live run's; None when there
-    is none yet (the run starts from the beginning).
+    is none yet (the run starts from the beginning). `why` names who reads it, in the log.
 
     Raises:
         CheckpointError: every checkpoint is damaged, or the newest good one was not
@@ -91,5 +93,5 @@ def load_resume_state(folder: str | Path) -> dict[str, Any] | None:
         return None
     path, state = chosen
     ckpt.require_keys(state, LIVE_KEYS, path)
-    logger.info("--resume: taking the run's state from %s (step %d)", path, int(state["progress"]["step"]))
+    logger.info("%s: taking the run's state from %s (step %d)", why, path, int(state["progress"]["step"]))
     return state

@@ -14,6 +14,8 @@ The launcher hosts a TCP store that outlives every rank. Through it the ranks:
 - take a rank back: a joiner takes a ticket (`joins` counter, `join/<n>` = its slot) and
   waits for `admit/<n>`; the group's leader reads the counter at each step boundary and
   broadcasts it, the members then form g+1 with the joiners, and the leader admits them.
+  When every member of the newest generation has died, the waiting ranks fix the next
+  one themselves (`restart`), and it goes on from the run's newest checkpoint.
 
 Each generation's process group lives under its own prefix (`gen<g>/pg`), so a new group
 never reads a dead one's addresses.
@@ -41,6 +43,15 @@ from disttrain.strategies.ddp.live.membership import (
     parse_members,
     settled,
 )
+from disttrain.strategies.ddp.live.restart import (
+    JOINS_KEY,
+    admit_key,
+    admitted_so_far,
+    members_key,
+    restart_if_gone,
+    ticket_attempt_key,
+    ticket_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +59,6 @@ POLL_S = 0.05  # how often a settling survivor or a waiting joiner looks at the 
 RELEASE_WAIT_S = 2.0  # the longest `leave` waits for a collective's callbacks to let a group go
 RELEASE_POLL_S = 0.001
 DONE_KEY = "done"
-JOINS_KEY = "joins"
 
 
 def connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -129,13 +139,17 @@ class LiveGroup:
         stale_s: a member silent this long counts as dead.
         window_s: the longest survivors wait for each other before re-forming.
         attempt: how often the launcher started this slot before (`forming`).
+        first_members: generation 0's members, the run's slots (a waiting rank reads them
+            to tell whether any member is left to admit it; `restart`).
     """
 
     def __init__(self, store: dist.TCPStore, slot: int, timeout_s: float, stale_s: float,
-                 window_s: float, clock: Callable[[], float] = time.time, attempt: int = 0):
+                 window_s: float, clock: Callable[[], float] = time.time, attempt: int = 0,
+                 first_members: tuple[int, ...] = ()):
         self.store, self.slot, self.timeout_s = store, slot, timeout_s
         self.stale_s, self.window_s, self.clock = stale_s, window_s, clock
-        self.attempt = attempt
+        self.attempt, self.first_members = attempt, first_members
+        self.newest = 0  # the newest generation this process saw fixed (while waiting to join)
         self.generation = -1
         self.members: tuple[int, ...] = ()
         self.attempts: dict[int, int] = {}  # each member's attempt, in this generation
@@ -213,16 +227,16 @@ class LiveGroup:
         self.store.set(attempt_key(generation, self.slot), str(self.attempt))  # before proposing
         self.store.set(f"{prefix}/propose/{self.slot}", "1")
         started = self.clock()
-        members_key = f"{prefix}/members"
-        while not self.store.check([members_key]):
+        key = members_key(generation)
+        while not self.store.check([key]):
             proposed = [s for s in previous if self.store.check([f"{prefix}/propose/{s}"])]
             if settled(self.clock(), started, previous, proposed, self._last_seen(previous),
                        self.stale_s, self.window_s):
                 offer = format_members(next_members(previous, proposed))
-                self.store.compare_set(members_key, "", offer)
+                self.store.compare_set(key, "", offer)
                 break
             time.sleep(POLL_S)
-        members = parse_members(self.store.get(members_key).decode())
+        members = parse_members(self.store.get(key).decode())
         if self.slot not in members:
             logger.warning("slot %d was left out of generation %d (members %s); it joins again",
                            self.slot, generation, format_members(members))
@@ -251,47 +265,63 @@ class LiveGroup:
         failure) or the list leaves this process out."""
         self.leave()
         generation = self.generation + 1
-        members_key = f"gen{generation}/members"
+        key = members_key(generation)
         if self.is_leader:
             attempts = dict(self.attempts)
             for n in range(admitted + 1, tickets + 1):
-                joiner = int(self.store.get(f"join/{n}").decode())
-                attempts[joiner] = int(self.store.get(f"join/{n}/attempt").decode())
+                joiner = int(self.store.get(ticket_key(n)).decode())
+                attempts[joiner] = int(self.store.get(ticket_attempt_key(n)).decode())
             for slot, attempt in attempts.items():  # before the members: whoever reads those finds these
                 self.store.set(attempt_key(generation, slot), str(attempt))
-            self.store.compare_set(members_key, "", format_members(attempts))
+            self.store.compare_set(key, "", format_members(attempts))
             for n in range(admitted + 1, tickets + 1):
-                self.store.set(f"admit/{n}", str(generation))
+                self.store.set(admit_key(n), str(generation))
         leader = self.members[0]
-        while not self.store.check([members_key]):
+        while not self.store.check([key]):
             if self.clock() - self._last_seen((leader,)).get(leader, float("-inf")) >= self.stale_s:
                 return None
             time.sleep(POLL_S)
-        members = parse_members(self.store.get(members_key).decode())
+        members = parse_members(self.store.get(key).decode())
         return (generation, members) if self.slot in members else None
 
     def request_join(self) -> tuple[int, tuple[int, ...]] | None:
-        """Take a ticket and wait to be admitted: (generation, members), or None when the
-        run ended meanwhile.
+        """Take a ticket and wait to be admitted, by the group's leader or, when every
+        member of the newest generation has died, by the waiting ranks themselves
+        (`restart`): (generation, members), or None when the run ended meanwhile.
 
         Raises:
             DistributedError: not admitted within the timeout.
         """
         ticket = self.store.add(JOINS_KEY, 1)
-        self.store.set(f"join/{ticket}/attempt", str(self.attempt))  # before the slot the leader reads
-        self.store.set(f"join/{ticket}", str(self.slot))
+        self.store.set(ticket_attempt_key(ticket), str(self.attempt))  # before the slot the leader reads
+        self.store.set(ticket_key(ticket), str(self.slot))
         logger.info("slot %d asks to join the running group (ticket %d)", self.slot, ticket)
         deadline = self.clock() + self.timeout_s
-        admit_key = f"admit/{ticket}"
-        while not self.store.check([admit_key]):
+        admitted = admit_key(ticket)
+        while not self.store.check([admitted]):
             if self.store.check([DONE_KEY]):
                 return None
+            self._restart_if_gone()
+            if self.store.check([admitted]):
+                break
             if self.clock() > deadline:
                 raise DistributedError(f"slot {self.slot} was not taken back into the group within "
                                        f"{self.timeout_s:g}s (ddp.timeout_s)")
             time.sleep(POLL_S)
-        generation = int(self.store.get(admit_key).decode())
-        return generation, parse_members(self.store.get(f"gen{generation}/members").decode())
+        generation = int(self.store.get(admitted).decode())
+        return generation, parse_members(self.store.get(members_key(generation)).decode())
+
+    def _restart_if_gone(self) -> None:
+        self.newest, restart = restart_if_gone(self.store, self.newest, self.first_members, self.stale_s)
+        if restart is not None:
+            logger.warning("slot %d: every member of generation %d died; the ranks waiting to join start "
+                           "generation %d (members %s) from the run's newest checkpoint", self.slot,
+                           restart.generation - 1, restart.generation, format_members(restart.members))
+
+    def admitted_so_far(self) -> int:
+        """The join tickets taken care of, as the store says (for a state read from a
+        checkpoint, whose own count may be behind, or of another run's store)."""
+        return admitted_so_far(self.store, self.generation)
 
     def finish(self) -> None:
         """The run is over: a rank still waiting to join leaves."""

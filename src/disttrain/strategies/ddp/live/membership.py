@@ -1,6 +1,7 @@
 """The pure rules of live recovery: when the survivors of a generation have all spoken,
-who the next generation's members are, how a global batch splits over them, and whose
-state they all take.
+who the next generation's members are, how a global batch splits over them, whose
+state they all take, and, when every member of a generation has died, which waiting
+ranks start the next one from the run's newest checkpoint.
 
 A *generation* is one process group. Its members are *slots* (the ranks the run was
 started with, 0 to N-1, each kept by one process at a time); a member's rank in the
@@ -11,7 +12,7 @@ them in, so tests step time by hand.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -98,15 +99,62 @@ class Holding:
     evaluations: int = 0
 
 
-def choose_source(holdings: Sequence[Holding]) -> int:
+def choose_source(holdings: Sequence[Holding]) -> int | None:
     """The group rank every member takes its state from: the furthest holder (a survivor
     that finished the failed step's all-reduce has applied it; its peers that did not
     take its state, so the step is neither lost nor applied twice), the lowest on a tie.
 
-    Raises:
-        ValueError: no member holds state (every holder died: the run cannot go on).
+    Returns:
+        None when no member holds state: every holder died (the group was restarted by
+        the ranks waiting to join, or its only holder died before handing its state
+        over), and the group goes on from the run's newest checkpoint, which its leader
+        reads and hands to the others.
     """
     holders = [(h.step, h.evaluations, -rank) for rank, h in enumerate(holdings) if h.has_state]
     if not holders:
-        raise ValueError("no member of the group holds training state")
+        return None
     return -max(holders)[2]
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A request to join the running group: its number (the store's `joins` count), and
+    the slot and attempt of the process that took it."""
+
+    number: int
+    slot: int
+    attempt: int
+
+
+def is_dead(attempt: int, deaths: int) -> bool:
+    """Whether the process of a slot started for the `attempt`-th time (from 0) has died:
+    the launcher counted more deaths of its slot (restarts follow deaths one for one, see
+    `forming`)."""
+    return deaths > attempt
+
+
+def all_dead(attempts: Mapping[int, int], deaths: Mapping[int, int]) -> bool:
+    """Whether every member of a generation (slot -> the attempt it joined with) has died,
+    by the launcher's count of each slot's deaths: nobody is left to take a waiting rank
+    back, nor will be."""
+    return all(is_dead(attempt, deaths.get(slot, 0)) for slot, attempt in attempts.items())
+
+
+def restart_tickets(tickets: Iterable[Ticket], admitted: Collection[int],
+                    deaths: Mapping[int, int]) -> tuple[Ticket, ...]:
+    """Whom a generation started by waiting ranks takes, once every member of the newest
+    one has died: each slot's newest ticket, unless it was admitted already (that process
+    went into a group, and is a member of it or dead) or its process has died.
+
+    Args:
+        tickets: the tickets taken so far (each one's slot and attempt known).
+        admitted: the numbers of the tickets admitted to some generation.
+        deaths: each slot's death count (the launcher's).
+    Returns:
+        The chosen tickets by number (one per slot).
+    """
+    newest: dict[int, Ticket] = {}
+    for ticket in sorted(tickets, key=lambda t: t.number):
+        newest[ticket.slot] = ticket
+    return tuple(ticket for ticket in sorted(newest.values(), key=lambda t: t.number)
+                 if ticket.number not in admitted and not is_dead(ticket.attempt, deaths.get(ticket.slot, 0)))

@@ -10,7 +10,9 @@ A rank started again by the launcher (`attempt` > 0) holds no state: it asks to 
 and its first generation hands it the weights, optimizer and position of a live peer.
 Rank 0 of each generation writes the periodic checkpoints (`checkpoints`), and rank 0 of
 the last one the final model and the summary; with `--resume`, slot 0 starts from the
-newest checkpoint and its first generation hands that state to the others.
+newest checkpoint and its first generation hands that state to the others. A generation
+in which nobody holds state (every holder died: the ranks waiting to join started it,
+see `restart`) does the same: its leader reads the newest checkpoint and hands it over.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ class LiveRank:
         coordinator, timeout_s = config.coordinator, config.ddp.timeout_s
         self.group = LiveGroup(connect(*store_address, timeout_s), slot, timeout_s,
                                stale_s=coordinator.heartbeat_timeout,
-                               window_s=2 * coordinator.heartbeat_timeout, attempt=attempt)
+                               window_s=2 * coordinator.heartbeat_timeout, attempt=attempt,
+                               first_members=tuple(range(config.system.num_workers)))
         self.beats = Beats(connect(*store_address, timeout_s), slot, coordinator.heartbeat_interval)
         self.trainer = LiveTrainer(config, slot)
         system = config.system
@@ -88,7 +91,7 @@ class LiveRank:
         """Train to the end with whoever is alive; the last leader returns the summary.
 
         Raises:
-            DistributedError: every state holder was lost, or joining timed out.
+            DistributedError: joining timed out.
         """
         try:
             if self.attempt == 0:
@@ -135,13 +138,33 @@ class LiveRank:
 
     def _resume(self) -> None:
         """`--resume`: slot 0 holds the newest checkpoint's state, the others none (were
-        slot 0 lost before handing it over, they must not train on from step 0)."""
+        slot 0 lost before handing it over, they must not train on from step 0: their
+        group reads the checkpoint again, see `_restore`)."""
         if self.slot != 0:
             self.trainer.drop_state()
             return
         state = load_resume_state(self.config.system.checkpoint_dir)
         if state is not None:
             self.trainer.load_state_dict(state)
+            # The checkpoint counts the tickets of its run's store; this run's has none yet.
+            self.trainer.progress.admitted = self.group.admitted_so_far()
+
+    def _restore(self) -> None:
+        """Nobody alive holds the run's state: take the newest good checkpoint's, with the
+        join tickets the store says were taken care of (the checkpoint's count is behind
+        when ranks were admitted since it was written). With no checkpoint yet, this
+        process's own state goes on: a restarted process's is the run's start, and one a
+        survivor dropped when left out of a group is still whole (model, position and
+        ledger of one moment)."""
+        generation = self.group.generation
+        state = load_resume_state(self.config.system.checkpoint_dir, why=f"generation {generation}")
+        if state is not None:
+            self.trainer.load_state_dict(state)
+        else:
+            self.trainer.has_state = True
+            logger.warning("generation %d: no checkpoint yet in %s; the run goes on from step %d",
+                           generation, self.config.system.checkpoint_dir, self.trainer.progress.step)
+        self.trainer.progress.admitted = self.group.admitted_so_far()
 
     def _join(self) -> tuple[int, tuple[int, ...]] | None:
         self.pending = {"kind": "grow", "failed_at": time.time()}
@@ -160,13 +183,22 @@ class LiveRank:
         return joined
 
     def _sync(self) -> None:
-        """Everyone takes the furthest holder's state; record the recovery that led here."""
-        group, trainer = self.group, self.trainer
-        p = trainer.progress
-        mine = torch.tensor([int(trainer.has_state), p.step, len(p.evaluations)], dtype=torch.int64)
+        """Everyone takes the furthest holder's state (nobody holds any: the leader reads
+        the newest checkpoint); record the recovery that led here."""
+        group = self.group
+        p = self.trainer.progress
+        mine = torch.tensor([int(self.trainer.has_state), p.step, len(p.evaluations)], dtype=torch.int64)
         gathered = [torch.zeros_like(mine) for _ in range(group.world_size)]
         dist.all_gather(gathered, mine)
         source = choose_source([Holding(bool(t[0]), int(t[1]), int(t[2])) for t in gathered])
+        if source is None:  # every holder died
+            source = 0
+            if self.pending is not None:
+                self.pending["kind"] = "restore"
+            if group.is_leader:
+                self._restore()
+        trainer = self.trainer
+        p = trainer.progress
         state = share_state(trainer.state_dict() if group.rank == source else None, source, group.rank,
                             group.watched(group.store), f"gen{group.generation}/state", group.timeout_s)
         if group.rank != source:
@@ -299,11 +331,11 @@ def run_live_rank(config: Config, slot: int, attempt: int, store_address: tuple[
 
     Raises:
         ConfigError: the state resumed from was written with another compression scheme.
-        DistributedError: the run cannot go on (no state holder left, or not admitted).
+        DistributedError: the run cannot go on (not admitted, or no member left to re-form).
     """
     try:
         return LiveRank(config, slot, attempt, store_address, options, progress).run()
     except ConfigError:  # bad input (a checkpoint of another compression scheme): exit code 2
         raise
-    except ValueError as e:  # choose_source: every holder is gone
+    except ValueError as e:  # next_members: nobody left to form the next generation
         raise DistributedError(f"slot {slot}: {e}; the run cannot go on") from e
