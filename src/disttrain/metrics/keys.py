@@ -199,8 +199,9 @@ OPTIONAL_SUMMARY: dict[str, Metric] = {m.key: m for m in [
     Metric("final_pids", "process ids", RUN, "per rank in the last group, the id of its process", DDP_LIVE),
     Metric("num_rejoins", "count", RUN, "times the group took a rank back", DDP_LIVE),
     Metric("live_recoveries", "list", RUN, "each re-forming of the group: `kind` (`shrink` after a "
-           "loss, `grow` to take ranks back), `generation`, `members`, `step`, and its seconds "
-           "`detect_s`, `reform_s`, `resume_s` (shrink) or `rejoin_s` (grow)", DDP_LIVE),
+           "loss, `grow` to take ranks back, `restore` when every member was lost and the restarted "
+           "ranks formed a group from the newest checkpoint), `generation`, `members`, `step`, and its "
+           "seconds `detect_s`, `reform_s`, `resume_s` (shrink) or `rejoin_s` (grow, restore)", DDP_LIVE),
     Metric("live_detect_s", "s", RUN, "the longest from a rank's death (its launcher saw the exit) to "
            "the survivors noticing it (0 when they noticed first)", DDP_LIVE),
     Metric("live_reform_s", "s", RUN, "the longest from the survivors noticing a loss to their new "
