@@ -99,7 +99,7 @@ class ParameterRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., min_version: _Optional[int] = ..., shard: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., incarnation: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class ParameterMessage(_message.Message):
-    __slots__ = ("version", "shard", "layout", "payload", "compressed", "compression_type", "shared_memory", "incarnation", "push", "buffers", "sync_step")
+    __slots__ = ("version", "shard", "layout", "payload", "compressed", "compression_type", "shared_memory", "incarnation", "push", "buffers", "sync_step", "restored")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class ParameterMessage(_message.Message):
     PUSH_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FIELD_NUMBER: _ClassVar[int]
     version: int
     shard: int
     layout: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.SliceSpec]
@@ -122,10 +123,11 @@ class ParameterMessage(_message.Message):
     push: PushReply
     buffers: _tensor_pb2.TensorProto
     sync_step: int
-    def __init__(self, version: _Optional[int] = ..., shard: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., incarnation: _Optional[int] = ..., push: _Optional[_Union[PushReply, _Mapping]] = ..., buffers: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., sync_step: _Optional[int] = ...) -> None: ...
+    restored: bool
+    def __init__(self, version: _Optional[int] = ..., shard: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[_tensor_pb2.SliceSpec, _Mapping]]] = ..., payload: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., compressed: _Optional[bool] = ..., compression_type: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., incarnation: _Optional[int] = ..., push: _Optional[_Union[PushReply, _Mapping]] = ..., buffers: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., sync_step: _Optional[int] = ..., restored: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "requested_rank", "hostname", "pid", "shared_memory", "generation", "key")
+    __slots__ = ("worker_id", "requested_rank", "hostname", "pid", "shared_memory", "generation", "key", "epochs_done", "sync_step")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_RANK_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +135,8 @@ class RegisterRequest(_message.Message):
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_DONE_FIELD_NUMBER: _ClassVar[int]
+    SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     requested_rank: int
     hostname: str
@@ -140,7 +144,9 @@ class RegisterRequest(_message.Message):
     shared_memory: bool
     generation: int
     key: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., requested_rank: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., generation: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
+    epochs_done: int
+    sync_step: int
+    def __init__(self, worker_id: _Optional[str] = ..., requested_rank: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., generation: _Optional[int] = ..., key: _Optional[bytes] = ..., epochs_done: _Optional[int] = ..., sync_step: _Optional[int] = ...) -> None: ...
 
 class SharedMemoryOffer(_message.Message):
     __slots__ = ("gradient_path", "parameter_path", "nonce")

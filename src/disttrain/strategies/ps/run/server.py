@@ -78,7 +78,7 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
     state = ShardState(plan, flat, rules, decoder, training, checkpoints,
                        buffers=initial_buffers(model, plan), model_numel=sum(p.numel for p in plans),
                        broadcast=broadcast_copy(config, plan, flat))
-    if resumed_from is not None:
+    if resume:  # a restart, or the run resumed (the other shards may be at another step)
         state.restore(resumed_from)
     return state
 

@@ -25,9 +25,14 @@ an older checkpoint) is answered ROLLED_BACK: the worker pulls again and recompu
 
 Sync mode counts the run's steps (`sync_step`): one per synchronous step completed,
 none for a block redone or applied on arrival, so every shard gives a step the same
-number and workers compare their shards' answers by it (see `worker.agreement`). A
-shard restored from an older checkpoint has lost steps the others kept: it counts on
-from the highest step a completed step's pushes were computed on, so the numbers agree
+number and workers compare their shards' answers by it (see `worker.agreement`). A push
+belongs to the pending step when it was computed on parameters of the shard's current
+step, whatever blocks were redone on them since (`step_version`: the version the step
+began at): a redo moves the version on within a step, and a push computed before it is
+no later for that (dropped as late, its worker would wait for a step that waits for
+it). A shard restored from an older checkpoint has lost steps the others kept: it is
+`restored` (every answer says so) until it completes a synchronous step, and counts
+that step on from the highest step its pushes were computed on, so the numbers agree
 again from its first step after the restart (the steps it lost are redone as blocks).
 A stand-in (`Push.stand_in`) from a worker that restarted in the middle of a step
 counts for it, with no samples, in a pending step that waits for it, and changes
@@ -87,6 +92,13 @@ class AggregationRules:
         self.layout = layout or BlockLayout(world_size)
         self.version = 0
         self.sync_step = 0
+        self.step_version = 0  # sync: the version the current step began at (redone blocks move on from it)
+        # sync: per rank, the step its pushes are computed on now (`Push.sync_step` of its
+        # latest push, or what it said registering); kept in memory only, told again
+        self.stepping: dict[int, int] = {}
+        # sync: came back from a checkpoint (or from nothing) after a restart and completed
+        # no synchronous step since: `sync_step` may lag the other shards' by steps it lost
+        self.restored = False
         self.ranks: dict[str, int] = {}
         self.done: set[int] = set()
         self.last_step: dict[int, int] = {}
@@ -151,6 +163,23 @@ class AggregationRules:
             self.roster.resolve(self.ranks)
         return self._maybe_complete_round(now, Decision(Outcome.BUFFERED, self.version, 0))
 
+    def joined(self, worker_id: str, epochs_done: int, now: float, sync_step: int = 0) -> Decision:
+        """After `register`: `worker_id` says it has trained `epochs_done` epochs to their
+        end (at most the run's epochs, when known), and that its pushes are computed on
+        step `sync_step` now (0: none yet). Steps of those epochs stop waiting for it, as
+        its pushes of their last blocks said (a shard restored from before them lost that),
+        and so does a step before `sync_step` on a shard `restored` (see `_this_step`).
+        Its registration may complete the pending synchronous step (then `advanced`): a
+        step waits for every live worker to have registered here."""
+        rank, count = self.rank_of(worker_id), epochs_done
+        self.stepping.pop(rank, None)  # a restarted worker says anew (0: it has pushed nothing yet)
+        if sync_step > 0:
+            self.stepping[rank] = sync_step
+        if count > 0:
+            last = count - 1 if self.layout.num_epochs is None else min(count, self.layout.num_epochs) - 1
+            self.roster.park(rank, last)
+        return self._maybe_complete_round(now, Decision(Outcome.BUFFERED, self.version, 0))
+
     def all_done(self) -> bool:
         return self._num_done() >= self.world_size
 
@@ -188,22 +217,25 @@ class AggregationRules:
         if push.redo:  # named by its block, not its step
             return self._offer(rank, push, payload, now)
         self.order.check(rank, push.step, self.last_step.get(rank, 0))
+        if not push.stand_in:
+            self.stepping[rank] = push.sync_step
         decision = self._offer(rank, push, payload, now)
         self.order.record(rank, push.step)
         return decision
 
     def _offer(self, rank: int, push: Push, payload: Any, now: float) -> Decision:
         staleness = self.version - push.base_version
+        in_step = self.mode == "sync" and self._of_current_step(push)
         if push.stand_in:  # never applied; it stands in for the worker where a step waits for it
             decision = Decision(Outcome.DUPLICATE, self.version, max(staleness, 0))
-            if self.mode == "sync" and rank not in self.pending and staleness == 0:
+            if in_step and rank not in self.pending:
                 return self._enter_round(rank, push, None, now, decision)
             return decision
         if self._is_duplicate(rank, push):
             self.counts["duplicates"] += 1
             self.ledger.samples_duplicate += int(push.weight)
             decision = Decision(Outcome.DUPLICATE, self.version, max(staleness, 0))
-            if self.mode == "sync" and not push.redo and rank not in self.pending and staleness == 0:
+            if in_step and not push.redo and rank not in self.pending:
                 return self._enter_round(rank, push, None, now, decision)
             return self._park(rank, push, now, decision)
         if staleness < 0:
@@ -215,14 +247,20 @@ class AggregationRules:
             return Decision(Outcome.STALE, self.version, staleness)
         if self.mode != "sync":
             return self._park(rank, push, now, self._apply_now(rank, push, payload, staleness))
-        if staleness > 0:
+        if not in_step:
             self.counts["dropped_late"] += 1
             return Decision(Outcome.LATE, self.version, staleness)
         if rank in self.pending:
             raise PushRefused(f"worker rank {rank} already pushed a gradient for version "
                               f"{self.version}; wait for the next version")
-        self.staleness_histogram[0] += 1
-        return self._enter_round(rank, push, payload, now, Decision(Outcome.BUFFERED, self.version, 0))
+        self.staleness_histogram[staleness] += 1  # > 0: blocks were redone since it was computed
+        decision = Decision(Outcome.BUFFERED, self.version, staleness)
+        return self._enter_round(rank, push, payload, now, decision)
+
+    def _of_current_step(self, push: Push) -> bool:
+        """Sync: `push` was computed on parameters of the current step (before or after
+        blocks redone in it), so it joins the pending step."""
+        return self.step_version <= push.base_version <= self.version
 
     def _is_duplicate(self, rank: int, push: Push) -> bool:
         if push.step <= self.last_step.get(rank, 0) and not push.redo:
@@ -255,40 +293,84 @@ class AggregationRules:
     def _park(self, rank: int, push: Push, now: float, decision: Decision) -> Decision:
         if push.last_in_epoch:
             self.roster.park(rank, push.epoch)
-        return self._maybe_complete_round(now, decision)
+        return self._maybe_complete_round(now, decision, rank)
 
-    def _maybe_complete_round(self, now: float, decision: Decision) -> Decision:
+    def next_step(self, now: float) -> Decision:
+        """Sync: apply the pending step when what is pending completes it already (pushes
+        held over for a later step, see `_this_step`, may do after a step was applied);
+        `advanced` says whether it did. Call after applying any decision that advanced."""
+        return self._maybe_complete_round(now, Decision(Outcome.BUFFERED, self.version, 0))
+
+    def _this_step(self) -> list[int]:
+        """The ranks whose pending pushes the pending step applies: all of them, but on a
+        shard `restored`, pushes computed on a later step than another's (`Push.sync_step`)
+        are held over for the step after. Their worker holds that later step on the other
+        shards already: the step the others' pushes are for went on without it there (it
+        was restarted, and its push of that step lost), and the restored shard, which
+        lost that with the steps, must not wait for it either (`_accounted`). Put into
+        one step, the pushes of two steps would count as one of them: a step apart from
+        the other shards for the workers of the other, each then waiting for a step that
+        waits for its own next push. (A shard that was not restored saw each step go on:
+        every push it holds is of its pending step. Backup workers are off the agreement.)"""
+        if not self.restored or self.backup_workers:
+            return sorted(self.pending)
+        lowest = min(c.sync_step for c in self.pending.values())
+        return sorted(r for r, c in self.pending.items() if c.sync_step == lowest)
+
+    def _accounted(self) -> set[int]:
+        """The ranks the pending step does not wait for a push of any more: those that
+        pushed, and on a shard `restored`, those whose pushes are computed on a later step
+        than the pending step's already (held over, or told when registering again: a
+        worker blocked on the other shards' next step, which waits for the workers this
+        one waits for, cannot push it again until they go on)."""
+        present = set(self.pending)
+        if self.restored and not self.backup_workers:
+            lowest = min(c.sync_step for c in self.pending.values())
+            present |= {r for r, step in self.stepping.items() if step > lowest}
+        return present
+
+    def _maybe_complete_round(self, now: float, decision: Decision, rank: int | None = None) -> Decision:
         if self.mode != "sync" or not self.pending:
             return decision
         if not self.done and self.roster.live is None and not self.roster.parked:
             # Every rank counts (no coordinator, nobody done or parked): the same test as
             # below without building the set of n ranks on every push, which made a step
             # of 1,024 workers cost a third of a second here.
-            if len(self.pending) < max(1, self.world_size - self.backup_workers):
+            needed = max(1, self.world_size - self.backup_workers)
+            if len(self.pending) < needed and (not self.restored or len(self._accounted()) < needed):
                 return decision
         else:
             epoch = min(c.epoch for c in self.pending.values())
             waiting = self._waiting_for(epoch)
-            if waiting and len(waiting & set(self.pending)) < max(1, len(waiting) - self.backup_workers):
+            if waiting and len(waiting & self._accounted()) < max(1, len(waiting) - self.backup_workers):
                 return decision
-        contributions = [self.pending[rank] for rank in sorted(self.pending)]
+            if self.roster.unregistered and not self.backup_workers:
+                # A live worker this shard does not know yet (it restarted before its first
+                # checkpoint): its push of this step is to come once it registers again.
+                # Gone on without it, the step would be a step apart from the other
+                # shards' for it, and it waited for one that waits for its next push.
+                return decision
+        ranks = self._this_step()
+        contributions = [self.pending.pop(r) for r in ranks]
         real = [c for c in contributions if c.payload is not None]
         total = sum(c.weight for c in real)
         self.counts["samples"] += int(total)
         for c in real:
             c.weight /= total
             self._record(c.block)
-        self.pending.clear()
         waited = now - (self.round_started if self.round_started is not None else now)
         self.round_wait_s += waited
         self.max_round_wait_s = max(self.max_round_wait_s, waited)
-        self.round_started = None
+        self.round_started = now if self.pending else None  # pushes held over start the next step
         self.counts["applied"] += len(real)
         self.counts["steps"] += 1
         # max: a shard restored from an older checkpoint takes the run's count back
         self.sync_step = max([self.sync_step] + [c.sync_step for c in contributions]) + 1
         self.version += 1
-        outcome = Outcome.APPLIED if decision.outcome is Outcome.BUFFERED else decision.outcome
+        self.step_version, self.restored = self.version, False
+        outcome = decision.outcome
+        if outcome is Outcome.BUFFERED and (rank is None or rank in ranks):
+            outcome = Outcome.APPLIED
         return Decision(outcome, self.version, decision.staleness, real, True, int(total))
 
     def status(self) -> dict[str, Any]:
@@ -337,14 +419,26 @@ class AggregationRules:
         return {**self._core_state(), "ledger": self.ledger.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Raises ValueError when the state was written in another mode."""
+        """Come back from a checkpoint: the shard is `restored` until its next synchronous
+        step (the others may have gone on meanwhile).
+
+        Raises:
+            ValueError: the state was written in another mode.
+        """
         if state["mode"] != self.mode:
             raise ValueError(f"the checkpoint was written in {state['mode']} mode, not {self.mode}")
         self._load_core_state(state)
         self.ledger.load_state_dict(state["ledger"])
+        self.restart()
+
+    def restart(self) -> None:
+        """The shard's server restarted (from a checkpoint, or from nothing when it had
+        written none): its step may lag the others' until its next synchronous step."""
+        self.restored = self.mode == "sync"
 
     def _core_state(self) -> dict[str, Any]:
         return {"mode": self.mode, "version": self.version, "sync_step": self.sync_step,
+                "step_version": self.step_version, "restored": self.restored,
                 "ranks": dict(self.ranks),
                 "done": sorted(self.done), "last_step": dict(self.last_step),
                 "round_wait_s": self.round_wait_s, "roster": self.roster.state_dict(),
@@ -354,6 +448,9 @@ class AggregationRules:
         self.version = int(state["version"])
         # absent from checkpoints written before steps were counted apart from versions
         self.sync_step = int(state.get("sync_step", state["counts"].get("steps", 0)))
+        # absent from checkpoints written before redone blocks were told apart within a step
+        self.step_version = int(state.get("step_version", self.version))
+        self.restored = bool(state.get("restored", False))
         self.ranks = {str(k): int(v) for k, v in state["ranks"].items()}
         self.done = {int(r) for r in state["done"]}
         self.last_step = {int(k): int(v) for k, v in state["last_step"].items()}

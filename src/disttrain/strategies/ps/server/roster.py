@@ -5,8 +5,10 @@
   missing from it after a failure are redone. It is saved with the shard's checkpoint,
   so parameters, version and ledger never disagree.
 - The **roster** is the shard's view of the run's membership. Without a coordinator every
-  registered worker counts. With one, the coordinator's membership decides: a worker it
-  declared failed leaves the synchronous quorum at once, and a push stamped with a
+  registered worker counts. With one, the coordinator's membership decides: a live worker
+  counts, registered here or not yet (a shard restarted before its first checkpoint
+  learns each one's rank only as it registers again), a worker it declared failed leaves
+  the synchronous quorum at once, and a push stamped with a
   generation its worker has since been declared failed in is refused (a worker that hung
   and woke up cannot apply its late gradients). A worker that sent its last block of an
   epoch is *parked* for that epoch: synchronous steps of that epoch stop waiting for it,
@@ -89,6 +91,9 @@ class Roster:
     away: frozenset[str] = frozenset()  # ids of the workers reassigned
     reassigned: set[int] = field(default_factory=set)  # their ranks here
     joined: dict[int, int] = field(default_factory=dict)
+    # live worker ids not registered here (yet): a shard restarted before its first
+    # checkpoint knows no worker's rank until each registers again
+    unregistered: frozenset[str] = frozenset()
     parked: dict[int, int] = field(default_factory=dict)
     num_fenced: int = 0
 
@@ -105,6 +110,7 @@ class Roster:
         if self.members is not None:
             self.joined = {ranks[w]: g for w, g in self.members.items() if w in ranks}
             self.live = set(self.joined)
+            self.unregistered = frozenset(w for w in self.members if w not in ranks)
             self.reassigned = {ranks[w] for w in self.away if w in ranks} - self.live
 
     def is_live(self, rank: int) -> bool:

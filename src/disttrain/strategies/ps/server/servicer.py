@@ -9,8 +9,9 @@ ALREADY_EXISTS), fix the call (INVALID_ARGUMENT), or follow the protocol
 Step trades a push for the parameters it leads to in one round trip, on a stream the
 worker keeps open for the run: each request is handled as PushGradients handles it (the
 same decoding, bounds, session check and rules); its reply then waits, as a pull would,
-for the version the push leads to: in sync mode the step the push joined
-(`base_version + 1`), otherwise none (the parameters as they are, this push included).
+for the version the push leads to: in sync mode the step the push joined, once applied
+(`ShardState.step_applied`), otherwise none (the parameters as they are, this push
+included).
 The stream holds one of the worker's long-poll slots while it is open, taken once its
 first push passed the session check.
 
@@ -209,9 +210,16 @@ class ParameterServicer:
                 yield service.step_answer(reply, self._parameters_after(payload.header, reply, context))
 
     def _parameters_after(self, header: pb.GradientMessage, reply: pb.PushReply, context) -> bytes:
-        """The parameter message that follows `reply` to the push of `header`."""
-        joined = self.state.rules.mode == "sync" and reply.outcome in _JOINED
-        wanted = header.base_version + 1 if joined else 0
+        """The parameter message that follows `reply` to the push of `header`: in sync
+        mode the result of the step the push joined."""
+        wanted = 0
+        if self.state.rules.mode == "sync" and reply.outcome in _JOINED:
+            wanted = self.state.step_applied(header.worker_id, self.wait_s(context))
+            if wanted is None:
+                state = self.state
+                code = grpc.StatusCode.UNAVAILABLE if state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
+                context.abort(code, f"shard {state.plan.shard} did not apply the step of this push in time "
+                                    f"(now at version {state.version})")
         return self._parameters(header.worker_id, wanted, header.shared_memory, context,
                                 header.holds_version)[0]
 
@@ -276,7 +284,8 @@ class ParameterServicer:
         local = request.shared_memory and peer_is_local(peer)
         with self.refusals(context):
             joined = state.register(request.worker_id, request.requested_rank, request.key,
-                                    request.generation, shared_memory=local)
+                                    request.generation, shared_memory=local, epochs_done=request.epochs_done,
+                                    sync_step=request.sync_step)
         plan, rules = state.plan, state.rules
         logger.info("worker %s (%s pid %d, from %s) registered as rank %d", request.worker_id,
                     request.hostname[:64], request.pid, peer, joined.rank)

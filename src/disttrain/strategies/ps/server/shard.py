@@ -13,9 +13,12 @@ the data ledger, the rules' counters, the completed barriers and who holds each 
 id, together, so they never disagree.
 
 Every parameter answer carries, beside its version, the run's step it is the result of
-(`AggregationRules.sync_step` in sync mode): the number a worker compares its shards'
-answers by (`worker.agreement`). It changes only with the version, so a snapshot
-carries the step of its version.
+(`AggregationRules.sync_step` in sync mode), and whether the shard was restored and has
+completed no synchronous step since (`AggregationRules.restored`): what a worker compares
+its shards' answers by (`worker.agreement`). Both change only with the version (or a
+restore), so a snapshot carries those of its version. A push that joined a synchronous
+step is answered once that step is applied (`step_applied`), not at the next version:
+a block redone meanwhile moves the version on within the step.
 
 Pull compression (`broadcast`): every answer is then the shard's broadcast copy, which
 every worker holds exactly; a step's answer is its compressed change for a worker that
@@ -166,8 +169,10 @@ class ShardState:
         self.broadcast = broadcast
 
     def register(self, worker_id: str, requested_rank: int, key: bytes, generation: int,
-                 shared_memory: bool = False) -> Registration:
-        """Register `worker_id`, holding `key`, joined in `generation`; with
+                 shared_memory: bool = False, epochs_done: int = 0, sync_step: int = 0) -> Registration:
+        """Register `worker_id`, holding `key`, joined in `generation`, having trained
+        `epochs_done` epochs to their end, its pushes computed on step `sync_step` now
+        (see `AggregationRules.joined`); with
         `shared_memory` (the worker asked, from this host) fresh segments are made for
         it, else any it had are dropped.
 
@@ -179,6 +184,7 @@ class ShardState:
             self.identities.check_claim(worker_id, key, generation, self.rules.roster)
             rank = self.rules.register(worker_id, requested_rank)
             session = self.identities.bind(worker_id, key, generation)
+            self._apply_or_void(self.rules.joined(worker_id, epochs_done, self.clock(), sync_step))
             self.barriers.give_up_pending()  # a restarted worker is behind: no check waits for it
             self._changed.notify_all()
             version = self.rules.version
@@ -320,6 +326,8 @@ class ShardState:
         if self.checkpoints is not None and self.rules.version % self.checkpoints.every_versions == 0:
             self._save_async(self._state())
         self.on_version(self.rules.version)
+        if self.rules.pending:  # pushes held over for the next step may complete it already
+            self._apply_or_void(self.rules.next_step(self.clock()))
         return True
 
     def _move_buffers(self, contributions: list) -> None:
@@ -346,13 +354,15 @@ class ShardState:
                 return None
             if self._snapshot is None or self._snapshot.version != self.rules.version:
                 version, step, buffers = self.rules.version, self.rules.sync_step, self._buffer_message()
+                restored = self.rules.restored
                 frames = service.parameter_frames(self.plan, version, tensor_bytes(self._served()),
-                                                  self.incarnation, buffers, sync_step=step)
+                                                  self.incarnation, buffers, sync_step=step,
+                                                  restored=restored)
                 change = None if self.broadcast is None else self.broadcast.change_for(version - 1, version)
                 if change is not None:
                     change = list(service.parameter_frames(self.plan, version, memoryview(change),
                                                            self.incarnation, buffers,
-                                                           self.broadcast.changes.scheme, step))
+                                                           self.broadcast.changes.scheme, step, restored))
                 self._snapshot = Snapshot(version, list(frames), change)
             return self._snapshot
 
@@ -370,7 +380,18 @@ class ShardState:
                 return None
             pair.parameter_tensor.copy_(self._served())
             return service.parameter_notice(self.plan, self.rules.version, self.incarnation,
-                                            self._buffer_message(), self.rules.sync_step)
+                                            self._buffer_message(), self.rules.sync_step, self.rules.restored)
+
+    def step_applied(self, worker_id: str, timeout_s: float | None) -> int | None:
+        """Sync mode, after a push of `worker_id` joined the pending step: wait until that
+        step is applied (at once when the push completed it); the version then, or None
+        on timeout or stop. Its answer must be the step's result: a block redone in the
+        meantime moves the version on, but not the step."""
+        with self._changed:
+            rank = self.rules.ranks.get(worker_id)
+            applied = self._changed.wait_for(lambda: rank not in self.rules.pending or self.stopping,
+                                             timeout_s)
+            return self.rules.version if applied and not self.stopping else None
 
     def _served(self) -> torch.Tensor:
         """The parameters as answers carry them (lock held): the broadcast copy under pull
@@ -446,12 +467,20 @@ class ShardState:
             self._snapshot = None
             self._changed.notify_all()
 
-    def restore(self, path: str | Path) -> None:
-        """Load a checkpoint file written by this shard (a restart of it).
+    def restore(self, path: str | Path | None) -> None:
+        """Load a checkpoint file written by this shard (a restart of it); None: it
+        restarted before writing any, and comes back from the initial parameters (in sync
+        mode it is then `restored` as well: the others may have gone on).
 
         Raises:
             CheckpointError: unreadable, or written by another shard layout or mode.
         """
+        if path is None:
+            with self._changed:
+                self.rules.restart()
+            logger.info("shard %d restarted before its first checkpoint: from the initial parameters",
+                        self.plan.shard)
+            return
         state = ckpt.load_checkpoint(path)
         ckpt.require_keys(state, REQUIRED_KEYS, path)
         try:

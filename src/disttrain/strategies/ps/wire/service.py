@@ -137,27 +137,30 @@ def gradient_frames(header: pb.GradientMessage, plan: ShardPlan, data: memoryvie
 
 def parameter_frames(plan: ShardPlan, version: int, data: memoryview, incarnation: int = 0,
                      buffers: tensor_pb2.TensorProto | None = None, compression_type: str = "",
-                     sync_step: int = 0) -> Iterator[bytes]:
+                     sync_step: int = 0, restored: bool = False) -> Iterator[bytes]:
     """The wire messages of one pull answer, cut like a push's; the shard's `buffers`
     (`buffer_proto`; None: it holds none) ride in the first. With `compression_type`,
     `data` is pull compression's change from version - 1 (`payloads.ParameterChanges`).
-    `sync_step`: the run's step the parameters are the result of (sync mode)."""
+    `sync_step`: the run's step the parameters are the result of (sync mode);
+    `restored`: the shard came back from a checkpoint and has applied no step since."""
     chunk_bytes = _chunk_bytes(memoryview(data).nbytes if compression_type else plan.nbytes)
     header = pb.ParameterMessage(version=version, shard=plan.shard, layout=slice_specs(plan),
                                  incarnation=incarnation, buffers=buffers, sync_step=sync_step,
-                                 compressed=bool(compression_type), compression_type=compression_type)
+                                 restored=restored, compressed=bool(compression_type),
+                                 compression_type=compression_type)
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
     return encode_frames(header, PARAMETER_PAYLOAD_FIELD, meta, data, chunk_bytes)
 
 
 def parameter_notice(plan: ShardPlan, version: int, incarnation: int = 0,
-                     buffers: tensor_pb2.TensorProto | None = None, sync_step: int = 0) -> bytes:
+                     buffers: tensor_pb2.TensorProto | None = None, sync_step: int = 0,
+                     restored: bool = False) -> bytes:
     """The one message of a pull answered through shared memory: no payload bytes (the
     shard's `buffers`, small, still travel in it)."""
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
     return pb.ParameterMessage(version=version, shard=plan.shard, payload=meta, shared_memory=True,
-                               incarnation=incarnation, buffers=buffers,
-                               sync_step=sync_step).SerializeToString()
+                               incarnation=incarnation, buffers=buffers, sync_step=sync_step,
+                               restored=restored).SerializeToString()
 
 
 def step_answer(push: pb.PushReply, parameters: bytes = b"") -> bytes:

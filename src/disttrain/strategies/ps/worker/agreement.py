@@ -23,9 +23,21 @@ not come (a stand-in, `SyncExchange.stand_in`), and B applies the step without i
 
 One case keeps parameters of different steps by design: a shard restored from an older
 checkpoint has lost steps the others kept, and no wait brings them back (they are redone
-as blocks, `WorkerParticipant.redo_missing`). Its first step after the restore is
-computed on what it came back with (the shard then counts on from the others' step, so
-the steps agree again from the next one); `Agreement` is told of it (`forgive`).
+as blocks, `WorkerParticipant.redo_missing`). The shard says so itself: every answer of
+it is `restored` until it applies a synchronous step. Such a shard is never waited for:
+its first step after the restore is computed on what it came back with; the pushes of
+that step name the highest step their worker holds, and the shard counts that step on
+from there (see `server.aggregation`), so the steps agree again from the next one. The
+decision rests on the shard's answer, the same for every worker, not on what a worker
+remembers: a worker restarted after the restore, or one that learnt of it by a pull
+rather than by a push turned back, decides as the others do. A shard that turned a
+worker's push back is not waited for either before the worker pushes its part again
+(`SyncExchange.agree`'s `pushing`): restored, it may have gone on a step without that
+worker (restarted then, a step on elsewhere) and wait for that very push.
+
+After a step, every shard must have applied it (`floor`: one past the step the pushes
+were computed on): an answer that came before the step was applied on some shard (a
+block redone there moved its version on meanwhile) is pulled again like a shard behind.
 
 Pure: the clock is passed in; the exchange does the pulls (`SyncExchange.agree`).
 """
@@ -52,19 +64,23 @@ class Lag:
     wait_for: dict[int, int]
 
 
-def lag(steps: Sequence[int], versions: Sequence[int]) -> Lag:
-    """Which shards are behind the highest of `steps`, and the version each must reach.
+def lag(steps: Sequence[int], versions: Sequence[int], restored: Sequence[int] = (), floor: int = 0) -> Lag:
+    """Which shards are behind the highest of `steps` (and of `floor`), and the version
+    each must reach; a shard in `restored` lags by design and is never waited for.
 
     Args:
         steps: per shard, the step of the parameters held (`sync_step` of its answer).
         versions: per shard, the version of the parameters held.
+        restored: the shards whose answer said they were restored (`restored`).
+        floor: the lowest step every shard must be at (0: none).
     Raises:
         ValueError: the lists differ in length, or are empty.
     """
     if len(steps) != len(versions) or not steps:
         raise ValueError(f"{len(steps)} steps for {len(versions)} versions")
-    target = max(steps)
-    return Lag(target, {s: versions[s] + target - step for s, step in enumerate(steps) if step < target})
+    target = max(max(steps), floor)
+    return Lag(target, {s: versions[s] + target - step for s, step in enumerate(steps)
+                        if step < target and s not in restored})
 
 
 class Agreement:
@@ -80,38 +96,33 @@ class Agreement:
             raise ValueError(f"the deadline must be positive, got {deadline_s}")
         self.deadline_s = deadline_s
         self.num_waits = 0  # waits for a shard behind (each ended in agreement or a failure)
-        self._forgiven: set[int] = set()
         self._since: float | None = None
 
-    def forgive(self, shards: Sequence[int]) -> None:
-        """`shards` came back from an older checkpoint: the next check lets them lag."""
-        self._forgiven.update(shards)
-
-    def check(self, steps: Sequence[int], versions: Sequence[int], now: float) -> Lag:
+    def check(self, steps: Sequence[int], versions: Sequence[int], now: float, restored: Sequence[int] = (),
+              floor: int = 0) -> Lag:
         """What to pull before computing: an empty `wait_for` once every shard is at one
-        step (or lags only because it was restored: see `forgive`).
+        step, at `floor` at least, but those `restored` (see `lag`).
 
         Raises:
             StepsDisagree: the shards still disagree `deadline_s` after this wait began;
                 the message names each shard's step and version.
         """
-        behind = lag(steps, versions)
-        wait_for = {s: v for s, v in behind.wait_for.items() if s not in self._forgiven}
-        if not wait_for:
-            self._forgiven.clear()
+        behind = lag(steps, versions, restored, floor)
+        if not behind.wait_for:
             self._since = None
-            return Lag(behind.target, {})
+            return behind
         if self._since is None:
             self._since = now
             self.num_waits += 1
         elif now - self._since >= self.deadline_s:
-            raise self.failure(steps, versions)
-        return Lag(behind.target, wait_for)
+            raise self.failure(steps, versions, restored=restored, floor=floor)
+        return behind
 
-    def failure(self, steps: Sequence[int], versions: Sequence[int], cause: str = "") -> StepsDisagree:
+    def failure(self, steps: Sequence[int], versions: Sequence[int], cause: str = "",
+                restored: Sequence[int] = (), floor: int = 0) -> StepsDisagree:
         """The error that ends a wait the shards did not agree in (the wait is over)."""
         self._since = None
-        behind = lag(steps, versions)
+        behind = lag(steps, versions, restored, floor)
         held = ", ".join(f"shard {s} step {step} (version {versions[s]})" for s, step in enumerate(steps))
         return StepsDisagree(
             f"the shards did not reach one step within {self.deadline_s:g}s ({held}): shard(s) "

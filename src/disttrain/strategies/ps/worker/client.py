@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["PSClient", "RetryPolicy", "ShardClient"]
 
+RESTART_CHECK_S = 1.0  # how often a worker waiting at a barrier checks the other shards for a restart
+
 
 class PSClient:
     """All shards of a run, with their plans; calls fan out concurrently.
@@ -208,11 +210,36 @@ class PSClient:
                 ) -> list[list[float]]:
         """Meet every worker at barrier `name` (on shard 0); every worker's values, in rank
         order. Waits as long as the slowest worker takes, retrying each deadline; a
-        barrier of a `step` is given up instead when a worker is behind: then []."""
-        reply = self.shards[0].unary("Barrier", pb.BarrierRequest(worker_id=worker_id, name=name,
-                                                                  values=list(values), step=step))
+        barrier of a `step` is given up instead when a worker is behind: then [].
+
+        While it waits, the other shards are watched (`watch_restarts`): one restored meanwhile
+        may have lost this worker's last push of an epoch, and a worker still training that
+        epoch waits on it for this one."""
+        stop = threading.Event()
+        watcher = self._pool.submit(self.watch_restarts, stop) if len(self.shards) > 1 else None
+        try:
+            reply = self.shards[0].unary("Barrier", pb.BarrierRequest(worker_id=worker_id, name=name,
+                                                                      values=list(values), step=step))
+        finally:
+            stop.set()
+            if watcher is not None:
+                watcher.result()
         width = len(reply.values) // max(reply.world_size, 1)
         return [list(reply.values[r * width:(r + 1) * width]) for r in range(reply.world_size)]
+
+    def watch_restarts(self, stop: threading.Event, interval_s: float = RESTART_CHECK_S) -> None:
+        """Until `stop`, every `interval_s`: register again with each shard but shard 0 that
+        restarted (`ShardClient.check_restart`), telling it the epochs this worker has
+        trained to their end (`finished_epochs`)."""
+        while not stop.wait(interval_s):
+            for shard in self.shards[1:]:
+                shard.check_restart(interval_s)
+
+    def finished_epochs(self, count: int) -> None:
+        """This worker has trained `count` epochs to their end: every registration says so
+        from now on (see `RegisterRequest.epochs_done`)."""
+        for shard in self.shards:
+            shard.epochs_done = max(shard.epochs_done, count)
 
     def worker_done(self, worker_id: str) -> list[pb.ShardStatus]:
         """Tell every shard this worker finished training; their statuses."""

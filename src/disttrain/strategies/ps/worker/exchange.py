@@ -27,9 +27,10 @@ pulled again until they reach the highest, within `ps.rpc_timeout_s`; past it th
 fails with `StepsDisagree`, and nothing was computed on the mix. A worker that restarted
 while a shard still waits for its push of the step it was in first tells that shard the
 push will not come (`SyncExchange.stand_in`). A shard restored from an older checkpoint
-is the one exception, by design: the step that finds it is computed on what it came
-back with. Each step logs the step its gradient was computed on and how far apart its
-shards were (`ps/sync_step`, `ps/step_spread`).
+is the one exception, by design: its answers say so (`restored`), and the step that
+finds it is computed on what it came back with, whichever worker computes it. A step
+ends once every shard applied it. Each step logs the step its gradient was computed on
+and how far apart its shards were (`ps/sync_step`, `ps/step_spread`).
 
 In every mode, a shard that did not take the gradient (a synchronous step that went on
 without it, a server that restarted from an older checkpoint) gets it again, computed
@@ -45,7 +46,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, replace
 
@@ -247,6 +248,10 @@ class SyncExchange(Exchange):
         """Per shard, the run's step of the parameters held."""
         return [shard.sync_step for shard in self.client.shards]
 
+    def restored(self) -> list[int]:
+        """The shards whose parameters held were answered as restored (see `agreement`)."""
+        return [s for s, shard in enumerate(self.client.shards) if shard.restored]
+
     def start(self) -> None:
         """Pull the initial parameters; the first step makes them of one step on every
         shard before it computes (see `catch_up`)."""
@@ -254,15 +259,16 @@ class SyncExchange(Exchange):
         self._started = True
 
     def catch_up(self, block: Block, timer: StepTimer) -> None:
-        """Before the first step after `start`: when a shard is a step behind the others,
-        this worker (restarted) may be what it waits for, its push of the step it was in
-        lost with it. It stands in for that step on each such shard (`stand_in`), which
-        then applies the step without it (its block stays missing there, to be redone
-        like any block a failure lost), and waits for every shard to reach one step."""
+        """Before the first step after `start`: when a shard is a step behind the others
+        (and not restored: see `agreement`), this worker (restarted) may be what it waits
+        for, its push of the step it was in lost with it. It stands in for that step on
+        each such shard (`stand_in`), which then applies the step without it (its block
+        stays missing there, to be redone like any block a failure lost), and waits for
+        every shard to reach one step."""
         from_start, self._started = self._started, False
         if not from_start or self.agreement is None or block.redo:
             return
-        behind = sorted(lag(self.sync_steps(), self.versions).wait_for)
+        behind = sorted(lag(self.sync_steps(), self.versions, self.restored()).wait_for)
         if behind:
             logger.warning("shard(s) %s are a step behind the others after this worker started; standing in "
                            "for the step they wait for, and waiting for them", behind)
@@ -274,13 +280,14 @@ class SyncExchange(Exchange):
         """Tell `shards` that this worker's push of the step they wait for will not come
         (`GradientMessage.stand_in`, named by the step before `block`'s, or the first): it changes
         nothing on a shard that holds this worker's push of its pending step, and counts
-        for this worker, with no samples, on a shard that waits for it. The payload is
+        for this worker, with no samples, on a shard that waits for it (named by the
+        step the shard holds: the one its pending step is computed on). The payload is
         zeros, never applied (compressed without keeping its residuals)."""
         zeros = torch.zeros_like(self.grads)
         headers = [pb.GradientMessage(worker_id=self.worker_id, step=max(block.step - 1, 1), shard=s,
                                       base_version=self.versions[s], block_id=-1, num_samples=1,
                                       generation=self.generation, epoch=block.epoch,
-                                      sync_step=self.from_step, stand_in=True)
+                                      sync_step=self.client.shards[s].sync_step, stand_in=True)
                    for s in shards]
         for header in headers:
             plan = self.client.plans[header.shard]
@@ -293,9 +300,12 @@ class SyncExchange(Exchange):
                 header.compressed, header.compression_type = True, self.encoder.scheme
         return self.client.push(headers, zeros, shards, payloads)
 
-    def agree(self, now: Callable[[], float] = time.monotonic) -> None:
-        """Pull the shards whose parameters are of an earlier step than another's again,
-        until every shard's are of one step (see `agreement`); nothing without an agreement.
+    def agree(self, now: Callable[[], float] = time.monotonic, floor: int = 0, pushing: Sequence[int] = ()
+              ) -> None:
+        """Pull the shards whose parameters are of an earlier step than another's (or than
+        `floor`) again, until every shard's are of one step, but those restored (see
+        `agreement`) and those this worker is about to push to again (`pushing`: they may
+        wait for that very push); nothing without an agreement.
 
         Raises:
             StepsDisagree: they are not within the agreement's deadline (a shard that
@@ -304,8 +314,8 @@ class SyncExchange(Exchange):
         if self.agreement is None:
             return
         while True:
-            steps, started = self.sync_steps(), now()
-            behind = self.agreement.check(steps, self.versions, started)
+            steps, restored, started = self.sync_steps(), sorted(set(self.restored()) | set(pushing)), now()
+            behind = self.agreement.check(steps, self.versions, started, restored, floor)
             if not behind.wait_for:
                 return
             remaining = self.agreement.remaining_s(started)
@@ -316,7 +326,7 @@ class SyncExchange(Exchange):
                 self.versions = self.client.pull(self.worker_id, self.flat, wanted, sorted(behind.wait_for),
                                                  policy)
             except DistributedError as e:  # the shard did not answer that version within the deadline
-                raise self.agreement.failure(steps, self.versions, str(e)) from e
+                raise self.agreement.failure(steps, self.versions, str(e), restored, floor) from e
 
     def scalars(self) -> dict[str, float]:
         if self.agreement is None:
@@ -340,6 +350,7 @@ class SyncExchange(Exchange):
         # Every push of this step names the step it starts from, a shard restored from an
         # older checkpoint too, so that it counts on from there (see `server.aggregation`).
         self.from_step = max(self.sync_steps())
+        taken = False  # a shard took this step's push: the step is under way
         while True:
             wanted = [v + 1 for v in self.versions]
             if overlap:
@@ -356,16 +367,26 @@ class SyncExchange(Exchange):
             again = set(self._untaken(shards, replies, outcomes)) | behind
             if not again:
                 with timer.phase("comm_blocked"):
-                    self.agree()  # the next gradient is computed on these
+                    self.agree(floor=self.from_step + 1)  # the next gradient is computed on these
                 return result, staleness
             self.num_rejected += len(again)
-            restored = set(self._untaken(shards, replies, (ROLLED_BACK,))) | behind
+            taken = taken or len(again) < len(shards)
+            restarted = sorted(set(self._untaken(shards, replies, (ROLLED_BACK,))) | behind)
             shards = sorted(again)
             with timer.phase("comm_blocked"):
                 self.pull_current(shards)
-                if self.agreement is not None:  # a restored shard lost steps no wait brings back
-                    self.agreement.forgive(sorted(restored))
-                self.agree()
+                if not taken:
+                    # No shard took it (the step went on without this worker everywhere: a
+                    # worker that finished its epoch while a restarted one caught up): the
+                    # step starts again from what the shards hold now, named by their step.
+                    self.agree(pushing=restarted)
+                    self.from_step = max(self.sync_steps())
+                    continue
+                # A shard that did not take the push was restored (it says so: no wait for
+                # the steps it lost), or is still in the step, waiting for this very push
+                # (restored, it went on without this worker, restarted then): either way its
+                # part is computed on what it holds now.
+                self.agree(pushing=shards)
 
     def trade(self, block: Block, shards: list[int], timer: StepTimer, wanted: list[int]
               ) -> tuple[list[pb.PushReply], list[int]]:

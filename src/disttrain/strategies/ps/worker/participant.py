@@ -91,6 +91,7 @@ class WorkerParticipant:
         (indices,) = batches
         compute, step, num_samples = self._compute(indices), info.step, len(indices)
         client, exchange = self.client, self.exchange
+        client.finished_epochs(info.epoch)  # the epochs before this one (a resumed worker's too)
         sent, received, rejected = client.bytes_sent, client.bytes_received, exchange.num_rejected
         entered = time.perf_counter()
         if self.rounds is not None:
@@ -252,6 +253,7 @@ class WorkerParticipant:
     def evaluate(self, epoch: int) -> EvalResult:
         """Every worker evaluates the servers' model, as it stands once all have finished
         the epoch, on its slice of the test set; the counts are added up at a barrier."""
+        self.client.finished_epochs(epoch + 1)
         self.redo_missing(epoch)
         away = self._meet_at_epoch_end(epoch)
         self.exchange.refresh()

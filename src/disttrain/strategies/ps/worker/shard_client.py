@@ -4,8 +4,9 @@ leads to in one round trip), their bytes through gRPC messages or, once the shar
 them and they map from here (same machine), the shard's shared-memory segments.
 
 Every call carries a deadline and is retried while it fails transiently (`retry`). A
-call refused for its session, by a server that restarted since this worker registered,
-is made again once after registering anew.
+call refused for its session (or its worker id unknown), by a server that restarted since
+this worker registered, is made again after registering anew (again after each further
+restart, a few times).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from disttrain.strategies.ps.worker.step_stream import StepStream
 logger = logging.getLogger(__name__)
 
 ROLLED_BACK = pb.PushReply.Outcome.Value("ROLLED_BACK")
+MAX_RENEWALS = 5  # registrations anew within one call, each after another restart of its server
+# refusals a restarted server gives a worker registered with an earlier incarnation of it
+RENEWABLE = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 class ShardClient:
@@ -51,8 +55,16 @@ class ShardClient:
         # The server's incarnation as last heard: another one means it restarted.
         self.incarnation = 0
         # The run's step of the parameters last landed (`sync_step` of the answer; 0 in
-        # ssp and async mode), and how many times this shard was found restarted.
+        # ssp and async mode), whether the shard answered as restored and not stepped
+        # since (`restored`: its step may lag for good), and how many times this shard
+        # was found restarted.
         self.sync_step = 0
+        self.restored = False
+        # How many epochs this worker has trained to their end, and the step its latest
+        # push of a step was computed on: told again with every registration (a restored
+        # shard may have lost the pushes that said it).
+        self.epochs_done = 0
+        self.pushing_step = 0
         self.num_restarts_seen = 0
         self.session = b""  # this worker's session on the shard, from its registration
         self._joined: tuple | None = None
@@ -77,11 +89,15 @@ class ShardClient:
                 service.method_path(name), request_serializer=serialize, response_deserializer=deserialize)
         self.stream = StepStream(lambda requests: self._calls["Step"](requests, wait_for_ready=True))
 
-    def _retry(self, what: str, fn: Callable[[], object], renew: bool = True,
+    def _retry(self, what: str, fn: Callable[[], object], renewals: int = MAX_RENEWALS,
                policy: RetryPolicy | None = None):
         """`fn` until it answers (see `retry.with_retries`; `policy`: another than the
-        shard's). A call refused for its session, by a server that restarted since this
-        worker registered, is made again once after registering anew.
+        shard's). A call refused for its session, or for naming a worker the server does
+        not know, by a server that restarted since this worker registered (from a
+        checkpoint, or from nothing), is made again after registering anew: again each
+        time the server restarted once more meanwhile (a long wait, at a barrier, may
+        span two restarts of a shard killed again before its next checkpoint),
+        `renewals` times at most.
 
         Raises:
             DistributedError: the call failed for good (its status code and message named).
@@ -90,8 +106,8 @@ class ShardClient:
         try:
             return with_retries(policy or self.policy, f"{what} on {self.address}", fn)
         except grpc.RpcError as e:
-            if renew and e.code() == grpc.StatusCode.PERMISSION_DENIED and self._renew(session):
-                return self._retry(what, fn, renew=False, policy=policy)
+            if renewals > 0 and e.code() in RENEWABLE and self._renew(session):
+                return self._retry(what, fn, renewals - 1, policy=policy)
             raise DistributedError(f"{what} on shard {self.shard} at {self.address} failed: "
                                    f"{describe(e)}") from e
 
@@ -104,7 +120,7 @@ class ShardClient:
         if self.session != refused:
             return True
         status = self._retry("GetStatus", lambda: self._calls["GetStatus"](
-            pb.StatusRequest(), timeout=self.policy.timeout_s, wait_for_ready=True), renew=False)
+            pb.StatusRequest(), timeout=self.policy.timeout_s, wait_for_ready=True), renewals=0)
         if status.incarnation == self.incarnation:
             return False
         self.rejoin(status.incarnation)
@@ -135,7 +151,10 @@ class ShardClient:
         Raises:
             DistributedError: the server holds another shard or model than `plan`.
         """
-        assignment = self.unary("RegisterWorker", request)
+        stamped = pb.RegisterRequest()
+        stamped.CopyFrom(request)
+        stamped.epochs_done, stamped.sync_step = self.epochs_done, self.pushing_step
+        assignment = self.unary("RegisterWorker", stamped)
         if assignment.num_shards != num_shards or assignment.shard != self.shard:
             raise DistributedError(f"server {self.address} holds shard {assignment.shard}/"
                                    f"{assignment.num_shards}, but it was given as shard "
@@ -165,6 +184,22 @@ class ShardClient:
                                self.address)
                 self.join(*self._joined)
                 self.num_restarts_seen += 1
+
+    def check_restart(self, timeout_s: float) -> None:
+        """Register again if the server restarted since this worker last heard from it
+        (one status call, not retried: an unreachable server is left to the next check or
+        the next call)."""
+        if self._joined is None:
+            return
+        try:
+            status = self._calls["GetStatus"](pb.StatusRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return
+        if status.incarnation not in (0, self.incarnation):
+            try:
+                self.rejoin(status.incarnation)
+            except DistributedError as e:  # down again: the next check or call tries again
+                logger.warning("%s", e)
 
     def attach(self, offer: pb.SharedMemoryOffer, plan: ShardPlan, required: bool) -> None:
         """Map the server's shared-memory segments, or stay with gRPC bytes when they
@@ -204,6 +239,8 @@ class ShardClient:
         header_copy.shared_memory = self.segments is not None
         header_copy.incarnation, header_copy.session = self.incarnation, self.session
         header_copy.holds_version = self.holds_version
+        if not header.redo and not header.stand_in:
+            self.pushing_step = header.sync_step
         return list(service.gradient_frames(header_copy, plan, data))
 
     def _lose_reply(self, step: int) -> None:
@@ -327,7 +364,7 @@ class ShardClient:
         if buffers is not None:
             self.buffers = buffers
         self.holds_version = answer.header.version + 1
-        self.sync_step = answer.header.sync_step
+        self.sync_step, self.restored = answer.header.sync_step, answer.header.restored
         return answer.header.version
 
     def _land_change(self, answer: Payload | Frame, plan: ShardPlan, chunks: list[memoryview],
@@ -358,7 +395,7 @@ class ShardClient:
         if buffers is not None:
             self.buffers = buffers
         self.holds_version = header.version + 1
-        self.sync_step = header.sync_step
+        self.sync_step, self.restored = header.sync_step, header.restored
         return header.version
 
     def close(self) -> None:
