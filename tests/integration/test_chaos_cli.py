@@ -25,8 +25,8 @@ def test_quick_schedules_keep_every_invariant_and_say_what_they_ran(tmp_path, cl
     assert scenarios == ["ps-sync", "ddp-live", "ps-sync"]
     first, live, hostile = campaign["results"]
     # what was drawn is printed and saved with every result, so each reproduces from its seed
-    assert first["schedule"] == ["kill:server=0:step=118", "kill:server=0:step=116:attempt=1"]
-    assert live["schedule"] == ["kill:rank=0:step=79", "kill:rank=0:step=76:attempt=1"]
+    assert first["schedule"] == ["kill:server=0:step=133", "kill:server=0:step=142:attempt=1"]
+    assert live["schedule"] == ["kill:rank=0:step=144", "kill:rank=0:step=147:attempt=1"]
     assert hostile["patterns"] == ["hostile"]
     assert any("sent to pid" in sent for sent in hostile["timed_faults_sent"])
     for line in first["schedule"]:
