@@ -124,6 +124,7 @@ chaos: install
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks tools
 	$(VENV)/bin/lint-imports
+	$(PY) tools/test_names.py
 
 # Regenerate src/disttrain/proto/ from proto/disttrain/v1/*.proto (commit the result;
 # tests/unit/test_proto_stubs.py fails while the committed stubs are stale).
