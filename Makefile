@@ -113,7 +113,7 @@ bench-quick: install
 # them over every scenario in turn, from seed CHAOS_SEED; the campaign's JSON (schedules
 # run, finished, stopped with a reason, invariant violations, slowdown, longest recovery)
 # in runs/chaos/chaos.json. About 30 s a schedule on 2 cores; a broken invariant fails it.
-CHAOS_SCHEDULES ?= 240
+CHAOS_SCHEDULES ?= 204
 CHAOS_SEED ?= 0
 chaos: install
 	rm -rf runs/chaos
