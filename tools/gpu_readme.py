@@ -1,8 +1,9 @@
-"""Write the README's GPU figures from a GPU check's JSON (tools/gpu_check.sh's output).
+"""Write the GPU figures of docs/benchmarks.md from a GPU check's JSON (tools/gpu_check.sh's output).
 
     python tools/gpu_readme.py [benchmarks/results/gpu_check_h200.json]
 
-The figures stand between `<!-- gpu-check:begin -->` and `<!-- gpu-check:end -->`;
+The figures stand between `<!-- gpu-check:begin -->` and `<!-- gpu-check:end -->` in the
+page's "On a GPU" section;
 tests/unit/test_gpu_readme.py fails while they differ from `render` of the committed run.
 Every figure comes from the JSON: what ran on which machine, each step's status, the
 NCCL-against-gloo agreement, the precision runs, the parameter-server wire and the
@@ -18,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-README = REPO_ROOT / "README.md"
+PAGE = REPO_ROOT / "docs" / "benchmarks.md"
 RESULT = REPO_ROOT / "benchmarks" / "results" / "gpu_check_h200.json"
 BEGIN, END = "<!-- gpu-check:begin -->\n", "<!-- gpu-check:end -->\n"
-WIDTH = 90  # the README's line length
+WIDTH = 90  # the docs' line length
 STEP_ORDER = ("gpu_tests", "ddp_backends", "precision", "ps_wire", "workloads")
 WORKLOAD_COLUMNS = ("ddp_per_gpu", "baseline", "ddp", "ps_sync", "ps_async")
 
@@ -117,7 +118,7 @@ def _workloads(step: dict[str, Any], num_gpus: int) -> list[str]:
 
 
 def render(report: dict[str, Any]) -> str:
-    """The README's GPU figures (markdown) from a GPU check's JSON."""
+    """The page's GPU figures (markdown) from a GPU check's JSON."""
     lines = [*textwrap.wrap(_machine(report), WIDTH), "", "| step | status | figures |", "|---|---|---|"]
     for name in STEP_ORDER:
         step = report["steps"].get(name)
@@ -134,14 +135,14 @@ def render(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     result = Path(argv[0]) if argv else RESULT
-    text = README.read_text()
+    text = PAGE.read_text()
     if BEGIN not in text or END not in text:
-        print(f"{README}: the markers {BEGIN.strip()} and {END.strip()} are missing", file=sys.stderr)
+        print(f"{PAGE}: the markers {BEGIN.strip()} and {END.strip()} are missing", file=sys.stderr)
         return 1
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    README.write_text(head + BEGIN + render(json.loads(result.read_text())) + END + tail)
-    print(f"wrote the GPU figures of {result} into {README}")
+    PAGE.write_text(head + BEGIN + render(json.loads(result.read_text())) + END + tail)
+    print(f"wrote the GPU figures of {result} into {PAGE}")
     return 0
 
 

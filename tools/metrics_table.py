@@ -1,4 +1,4 @@
-"""Write the README's metrics tables from the metrics vocabulary (`make metrics-table`).
+"""Write docs/metrics.md's tables from the metrics vocabulary (`make metrics-table`).
 
 The tables stand between the markers `<!-- metrics:begin -->` and `<!-- metrics:end -->`;
 tests/unit/test_metrics.py fails while they differ from `disttrain.metrics.keys.markdown()`.
@@ -11,19 +11,19 @@ from pathlib import Path
 
 from disttrain.metrics import keys
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 BEGIN, END = "<!-- metrics:begin -->\n", "<!-- metrics:end -->\n"
 
 
 def main() -> int:
-    text = README.read_text()
+    text = PAGE.read_text()
     if BEGIN not in text or END not in text:
-        print(f"{README}: the markers {BEGIN.strip()} and {END.strip()} are missing", file=sys.stderr)
+        print(f"{PAGE}: the markers {BEGIN.strip()} and {END.strip()} are missing", file=sys.stderr)
         return 1
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    README.write_text(head + BEGIN + "\n" + keys.markdown() + "\n" + END + tail)
-    print(f"wrote the metrics tables into {README}")
+    PAGE.write_text(head + BEGIN + "\n" + keys.markdown() + "\n" + END + tail)
+    print(f"wrote the metrics tables into {PAGE}")
     return 0
 
 

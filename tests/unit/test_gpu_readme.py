@@ -1,4 +1,4 @@
-"""The README's GPU figures are those of the committed GPU check run
+"""The GPU figures of docs/benchmarks.md are those of the committed GPU check run
 (benchmarks/results/gpu_check_h200.json), as tools/gpu_readme.py writes them; every
 figure of the section comes from the JSON, so another run's JSON gives other figures."""
 
@@ -30,9 +30,9 @@ def report() -> dict:
     return json.loads(RESULT.read_text())
 
 
-def test_the_readme_holds_the_committed_runs_figures(gpu_readme, report):
-    readme = (REPO_ROOT / "README.md").read_text()
-    block = readme.split(gpu_readme.BEGIN, 1)[1].split(gpu_readme.END, 1)[0]
+def test_the_benchmarks_page_holds_the_committed_runs_figures(gpu_readme, report):
+    page = (REPO_ROOT / "docs" / "benchmarks.md").read_text()
+    block = page.split(gpu_readme.BEGIN, 1)[1].split(gpu_readme.END, 1)[0]
     assert block == gpu_readme.render(report), "run: python tools/gpu_readme.py"
 
 
@@ -68,11 +68,11 @@ def test_another_run_gives_other_figures(gpu_readme, report):
 
 
 def test_it_writes_between_the_markers_alone(gpu_readme, report, monkeypatch, tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"before\n{gpu_readme.BEGIN}stale\n{gpu_readme.END}after\n")
-    monkeypatch.setattr(gpu_readme, "README", readme)
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"before\n{gpu_readme.BEGIN}stale\n{gpu_readme.END}after\n")
+    monkeypatch.setattr(gpu_readme, "PAGE", page)
     assert gpu_readme.main([str(RESULT)]) == 0
     rendered = gpu_readme.render(report)
-    assert readme.read_text() == f"before\n{gpu_readme.BEGIN}{rendered}{gpu_readme.END}after\n"
-    readme.write_text("no markers\n")
-    assert gpu_readme.main([str(RESULT)]) == 1 and readme.read_text() == "no markers\n"
+    assert page.read_text() == f"before\n{gpu_readme.BEGIN}{rendered}{gpu_readme.END}after\n"
+    page.write_text("no markers\n")
+    assert gpu_readme.main([str(RESULT)]) == 1 and page.read_text() == "no markers\n"

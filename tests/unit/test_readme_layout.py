@@ -1,4 +1,4 @@
-"""The README's layout section tells the tree as it is: it names every package of
+"""The layout section of docs/architecture.md tells the tree as it is: it names every package of
 src/disttrain (each folder with an `__init__.py`), and every folder or module it names
 under src/disttrain exists."""
 
@@ -10,15 +10,16 @@ from pathlib import Path
 from conftest import REPO_ROOT
 
 SOURCE = REPO_ROOT / "src" / "disttrain"
+LAYOUT_PAGE = REPO_ROOT / "docs" / "architecture.md"
 ROOT = "src/disttrain/"
 # An entry of the tree: a folder or module name at the start of its line, then its
 # description after two spaces or more (a description's wrapped lines have no such name).
 ENTRY = re.compile(r"^( *)(\S+/|\S+\.py)(?: {2,}|$)")
 
 
-def layout_block(readme: str) -> str:
-    """The code block of the README's `## Layout` section."""
-    section = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+def layout_block(page: str) -> str:
+    """The code block of the page's `## Layout` section."""
+    section = page.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     return section.split("```\n", 2)[1]
 
 
@@ -46,13 +47,13 @@ def packages(source: Path = SOURCE) -> set[str]:
 
 
 def test_the_layout_names_every_package():
-    named = named_paths(layout_block((REPO_ROOT / "README.md").read_text()))
+    named = named_paths(layout_block(LAYOUT_PAGE.read_text()))
     assert {f"strategies/ps/{part}/" for part in ("wire", "server", "worker", "run")} <= named
     assert sorted(packages() - named) == []
 
 
 def test_everything_the_layout_names_exists():
-    named = named_paths(layout_block((REPO_ROOT / "README.md").read_text()))
+    named = named_paths(layout_block(LAYOUT_PAGE.read_text()))
     assert sorted(path for path in named if not (SOURCE / path).exists()) == []
 
 

@@ -22,6 +22,9 @@ from disttrain.core.logs import setup_logging
 from disttrain.core.processes import bind_to_parent, report_error
 from disttrain.metrics.summary import RunSummary
 
+# The face tools/ may use (the reference pages are generated from the parsers).
+__all__ = ["COMMANDS", "build_parser", "main"]
+
 DESCRIPTION = ("Train one PyTorch model several ways from one config (a single process, a "
                "parameter server over gRPC, DDP all-reduce) and measure what each costs.")
 
