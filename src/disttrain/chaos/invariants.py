@@ -59,9 +59,24 @@ def _newest(folder: Path) -> tuple[Path | None, dict[str, Any] | None, str | Non
         return None, None, str(e)
 
 
-def check_ps_ledgers(scenario: Scenario, checkpoint_dir: Path) -> list[str]:
-    """Every shard's newest checkpoint holds every sample once (see the module docstring)."""
+def reassigned_workers(log_dir: Path) -> set[int]:
+    """The ranks of the workers the coordinator reassigned at some point of the run (their
+    blocks were taken over by the others), from its registry's events."""
+    try:
+        snapshot = read_status(log_dir / "cluster.db", max_events=1_000_000)
+    except RegistryError:
+        return set()
+    ranks = {node["node_id"]: node["rank"] for node in snapshot.nodes}
+    return {ranks[e["node_id"]] for e in snapshot.events
+            if e["kind"] == "reassigned" and e["node_id"] in ranks}
+
+
+def check_ps_ledgers(scenario: Scenario, checkpoint_dir: Path, reassigned: Iterable[int] = ()) -> list[str]:
+    """Every shard's newest checkpoint holds every sample once (see the module docstring).
+    Every worker is done on every shard, but one `reassigned` (taken over while away) that
+    came back after the others ended, or never: its samples are in the counts all the same."""
     problems, ledgers, steps = [], {}, {}
+    taken_over = set(reassigned)
     for shard in range(scenario.servers):
         path, state, why = _newest(checkpoint_dir / f"server{shard}")
         if state is None:
@@ -74,7 +89,7 @@ def check_ps_ledgers(scenario: Scenario, checkpoint_dir: Path) -> list[str]:
             problems.append(f"shard {shard} ({path.name}): {applied} samples applied, not "
                             f"{scenario.total_samples} (samples {kind})")
         done = set(rules["done"])
-        if len(done) != scenario.workers:
+        if done | taken_over != set(range(scenario.workers)):
             problems.append(f"shard {shard}: workers {sorted(done)} done of {scenario.workers}")
         ledgers[shard] = set(rules["ledger"]["blocks"])
         steps[shard] = int(rules.get("sync_step", 0))

@@ -279,7 +279,8 @@ def _state_violations(scenario: Scenario, schedule: Schedule, run_dir: Path, ref
                       summary: dict[str, Any] | None) -> list[str]:
     checkpoint_dir = run_dir / "ckpt"
     if scenario.command == "ps":
-        problems = invariants.check_ps_ledgers(scenario, checkpoint_dir)
+        reassigned = invariants.reassigned_workers(run_dir / "logs") if scenario.reassign else set()
+        problems = invariants.check_ps_ledgers(scenario, checkpoint_dir, reassigned)
         problems += invariants.check_final_model(scenario, checkpoint_dir)[0]
     else:
         touched = {f.index for f in schedule.faults

@@ -329,6 +329,13 @@ class Membership:
         """Every node ever registered, by role, rank and id."""
         return sorted(self._nodes.values(), key=lambda n: (n.role, n.rank, n.node_id))
 
+    @property
+    def run_finished(self) -> bool:
+        """Whether the run's work is over: it has shard servers, and every one is done (the
+        first worker stops them once every worker finished or was taken over)."""
+        servers = [node for node in self._nodes.values() if node.role == "server"]
+        return bool(servers) and all(node.state == DONE for node in servers)
+
     def stragglers(self) -> set[str]:
         """Live nodes slower than `straggler_factor` x the median step time of the other
         live nodes of their role (nodes with no step time yet left out; >= 2 needed)."""

@@ -103,7 +103,8 @@ class CoordinatorState:
             self._save()
             return pb.RegisterNodeReply(generation=node.joined_generation, restarts=node.restarts,
                                         heartbeat_interval_s=self.config.heartbeat_interval,
-                                        heartbeat_timeout_s=self.config.heartbeat_timeout)
+                                        heartbeat_timeout_s=self.config.heartbeat_timeout,
+                                        run_finished=self.membership.run_finished)
 
     def heartbeat(self, request: pb.HeartbeatMessage) -> pb.HeartbeatReply:
         """Raises UnknownNode (a node never registered), ValueError (a figure negative or not

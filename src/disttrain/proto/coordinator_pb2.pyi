@@ -37,16 +37,18 @@ class RegisterNodeRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
 
 class RegisterNodeReply(_message.Message):
-    __slots__ = ("generation", "restarts", "heartbeat_interval_s", "heartbeat_timeout_s")
+    __slots__ = ("generation", "restarts", "heartbeat_interval_s", "heartbeat_timeout_s", "run_finished")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    RUN_FINISHED_FIELD_NUMBER: _ClassVar[int]
     generation: int
     restarts: int
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
-    def __init__(self, generation: _Optional[int] = ..., restarts: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+    run_finished: bool
+    def __init__(self, generation: _Optional[int] = ..., restarts: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., run_finished: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatMessage(_message.Message):
     __slots__ = ("node_id", "timestamp", "epoch", "step", "role", "throughput", "step_time_s", "pid", "generation", "batch_size", "warmup_speed", "plans")

@@ -31,6 +31,7 @@ class Link:
     generation: int
     heartbeats: HeartbeatSender
     watcher: MembershipWatcher | None = None
+    run_finished: bool = False  # every shard was done when this process joined
 
     def leave(self) -> None:
         """Send a last heartbeat and the latest metrics (best effort), so the coordinator
@@ -105,4 +106,4 @@ def join(settings: CoordinatorConfig, node_id: str, role: str, rank: int,
 
         watcher = MembershipWatcher(client, changed)
         watcher.start()
-    return Link(client, reply.generation, heartbeats, watcher)
+    return Link(client, reply.generation, heartbeats, watcher, run_finished=reply.run_finished)

@@ -117,6 +117,14 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
     try:
         link = join(config.coordinator, worker_id, "worker", requested_rank, progress, metrics=metrics.latest,
                     on_membership=away.update, token=options.token, tls=options.tls)
+        if link is not None and link.run_finished:
+            # Restarted after the others ended (taken over while away, say): no shard is
+            # left to take a push, and waiting for one would only hold the run's end up.
+            logger.info("the run finished while %s was away (every shard is done): nothing left to do",
+                        worker_id)
+            link.leave()
+            link = None
+            return None
         assignment = client.register(worker_id, requested_rank, link.generation if link else 0, key)
         rank, world_size = assignment.rank, assignment.world_size
         keep_key(object_store.join(system.checkpoint_dir, f"worker{rank}"), key)
