@@ -258,7 +258,10 @@ def test_a_restarted_coordinator_shows_the_same_cluster(tmp_path):
 
 
 def test_a_flood_of_membership_watches_leaves_threads_for_heartbeats(tmp_path):
-    server = CoordinatorServer(CONFIG, "127.0.0.1:0", tmp_path / "registry.db", max_threads=16)
+    # worker-0 must stay alive while the flood is refused: a membership change would answer
+    # the admitted watches (OK) among the refusals, as it did on a loaded machine
+    config = CoordinatorConfig(heartbeat_interval=INTERVAL_S, heartbeat_timeout=60.0)
+    server = CoordinatorServer(config, "127.0.0.1:0", tmp_path / "registry.db", max_threads=16)
     client = CoordinatorClient(server.address, timeout_s=5.0)
     try:
         client.register("worker-0", "worker")
