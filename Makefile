@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install lock demo test test-fast test-slow test-bench test-extended bench bench-quick chaos lint proto metrics-table clean
+.PHONY: install lock demo test test-fast test-slow test-bench test-extended bench bench-quick chaos lint proto metrics-table docs docs-reference clean
 
 install: $(STAMP)
 
@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	if [ "$(TORCH_INDEX)" = "$(TORCH_CPU_INDEX)" ] \
 		&& $(PIP) install --quiet --no-index --no-deps torch==$(TORCH_VERSION) 2>/dev/null; then :; \
 	else $(PIP) install --quiet --index-url $(TORCH_INDEX) torch==$(TORCH_VERSION); fi
-	$(PIP) install --quiet -c $(LOCK) -e '.[test]'
+	$(PIP) install --quiet -c $(LOCK) -e '.[test,docs]'
 	touch $(STAMP)
 
 # Resolve pyproject.toml's ranges again in a fresh environment and pin the result.
@@ -36,7 +36,7 @@ lock:
 	$(PYTHON) -m venv build/lock-venv
 	build/lock-venv/bin/pip install --quiet torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX) \
 		--extra-index-url https://pypi.org/simple
-	build/lock-venv/bin/pip install --quiet '.[test]'
+	build/lock-venv/bin/pip install --quiet '.[test,docs]'
 	( echo "# Exact versions installed by make (pip install -c $(LOCK)); regenerate with make lock."; \
 	  build/lock-venv/bin/pip freeze --exclude disttrain | sed -E 's/^(torch==[^+]*)\+.*/\1/' ) > $(LOCK)
 	rm -rf build/lock-venv
@@ -131,10 +131,23 @@ lint: install
 proto: install
 	$(PY) tools/proto.py
 
-# Rewrite the README's metrics tables from src/disttrain/metrics/keys.py (commit the result;
+# Rewrite docs/metrics.md's tables from src/disttrain/metrics/keys.py (commit the result;
 # tests/unit/test_metrics.py fails while they differ).
 metrics-table: install
 	$(PY) tools/metrics_table.py
+
+# Rewrite docs/reference/config.md and flags.md from the config schema, the usage rules and
+# the command line's parsers (commit the result; tests/unit/test_docs_reference.py fails
+# while they differ).
+docs-reference: install
+	$(PY) tools/docs_reference.py
+
+# The docs site (mkdocs.yml: docs/, the README as its home page, the changelog) into
+# build/site, with --strict: a broken link or anchor fails it. The generated pages are
+# checked first.
+docs: install
+	$(PY) tools/docs_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The GPU check (tools/gpu_check.sh): on a CUDA machine every CUDA path once, in one go, into
 # one JSON ($OUT/gpu_check.json, else runs/gpu_check/); without CUDA, one line and exit 0.

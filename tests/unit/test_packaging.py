@@ -22,7 +22,8 @@ def requirement_names(requirements: list[str]) -> list[str]:
 
 def test_lock_pins_every_dependency_of_pyproject():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    wanted = requirement_names(project["dependencies"] + project["optional-dependencies"]["test"])
+    extras = project["optional-dependencies"]
+    wanted = requirement_names(project["dependencies"] + extras["test"] + extras["docs"])
     missing = [name for name in wanted if name not in pins()]
     assert wanted and not missing, f"not pinned in requirements.lock: {missing} (run make lock)"
 
