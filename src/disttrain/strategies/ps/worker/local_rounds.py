@@ -13,9 +13,20 @@ pulls the result and opens its next round there; its inner optimizer state stays
 A round's push is named by the round (its `step` is the round's number, 1 on), and
 carries the block of the round's last batch: the servers' ledgers hold one block per
 round, which stands for every batch of that round (`round_end`). A worker lost mid-round
-redoes the round from its checkpoint (nothing of it was applied). The model's buffers
-(BatchNorm statistics) are taken from the servers at a round's start and the round's
-change to them goes with its push.
+redoes the round from its checkpoint (nothing of it was applied).
+
+A *redone* round is one a shard lost after applying it (it came back from an older
+checkpoint), or one of a worker given up on (reassigned), found missing from a ledger at
+an epoch's end. A worker trains the round's batches again as inner steps from the
+parameters of the moment, with its inner optimizer as it stands then (`redo`), and
+pushes the pseudo-gradient as a redo of the round's block (its last batch's) to the
+shards that lack it, standing for the round's samples: each shard applies it on arrival
+with its outer optimizer, as a lost block is redone without local updates. It is an
+extra push beside the worker's own rounds, which it leaves as they were (`aside`): their
+inner optimizer state, schedule, round-start copy and place in the round.
+
+The model's buffers (BatchNorm statistics) are taken from the servers at a round's start
+and the round's change to them goes with its push.
 
 The overlapped push during backward (`ps.overlap`) is off in this mode: a push leaves
 once per round, after the round's last inner step, not during a backward pass.
@@ -24,6 +35,8 @@ once per round, after the round's last inner step, not during a backward pass.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -32,7 +45,7 @@ from torch import nn
 
 from disttrain.config import TrainingConfig
 from disttrain.strategies.ps.wire.sharding import trainable_parameters
-from disttrain.training.engine import build_optimizer
+from disttrain.training.engine import StepResult, build_optimizer
 from disttrain.training.local_updates import LocalUpdates, OuterOptimizer
 from disttrain.training.stepping import OptimizerStep
 
@@ -62,6 +75,7 @@ class WorkerRounds:
         self.settings = settings
         self.flat, self.grads = flat, grads
         self.params = [p for _, p in trainable_parameters(model)]
+        self.buffers = list(model.buffers())
         self.optimizer = build_optimizer(self.params, training)
         self.stepper = OptimizerStep(self.optimizer, training)
         # The outer step runs on the servers: this copy needs no momentum buffer.
@@ -100,6 +114,38 @@ class WorkerRounds:
         """The round's push was taken and the model holds the servers' parameters after it."""
         self.outer.rounds += 1
         self.open()
+
+    @contextmanager
+    def aside(self) -> Iterator[None]:
+        """Leave this worker's own training as it was before the block, whatever the block
+        does with the model (a redone round): its parameters and buffers, its inner
+        optimizer's state, its schedule, its round-start copy and place in the round."""
+        saved, grad_norm = self.state_dict(), self.stepper.last_grad_norm
+        buffers = [b.detach().clone() for b in self.buffers]
+        try:
+            yield
+        finally:
+            self.load_state_dict(saved)
+            self.stepper.last_grad_norm = grad_norm
+            with torch.no_grad():
+                for buffer, value in zip(self.buffers, buffers, strict=True):
+                    buffer.copy_(value)
+
+    def redo(self, steps: Sequence[Callable[[], StepResult]]) -> StepResult:
+        """Train a redone round (see the module's docstring) from the parameters the model
+        holds: each of `steps` computes one batch's gradient into `grads`, applied as an
+        inner step. Leaves the round's pseudo-gradient (the parameters before it minus
+        after) in `grads` and returns the last step's result. Call inside `aside`: it moves
+        the model, the inner optimizer and its schedule."""
+        if not steps:
+            raise ValueError("a redone round needs one batch at least")
+        start = self.flat.detach().clone()
+        for step in steps:
+            result = step()
+            self.stepper.step()
+        with torch.no_grad():
+            torch.sub(start, self.flat, out=self.grads)
+        return result
 
     def scalars(self, ended: bool) -> dict[str, float]:
         """The step's figures: the inner optimizer's, and whether it ended a round."""

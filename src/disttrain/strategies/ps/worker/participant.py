@@ -13,7 +13,10 @@ present.
 With local updates (`rounds`, see `local_rounds`) a step within a round is an inner step
 on the worker's own model that touches no network; a round's last step pushes the
 round's pseudo-gradient instead of its gradient, and the block of the round's last
-batch stands for the round's batches in the ledgers.
+batch stands for the round's batches in the ledgers. So a round a shard lacks (or one of
+a reassigned worker) is redone whole, by the worker whose share holds its last batch:
+its batches trained again as inner steps, aside from the worker's own round, and its
+pseudo-gradient pushed as the redo of that block (`WorkerRounds.redo`).
 """
 
 from __future__ import annotations
@@ -184,29 +187,26 @@ class WorkerParticipant:
 
     def redo_missing(self, last_epoch: int) -> int:
         """Apply this worker's blocks of epochs up to `last_epoch` that a shard lacks (it
-        restarted from a checkpoint older than them); returns the samples redone."""
+        restarted from a checkpoint older than them), with local updates their rounds;
+        returns the samples redone."""
         end = (last_epoch + 1) * self.world_size * self.batches_per_epoch
         applied = self.client.ledger(0, end)
         redone = 0
         for epoch in range(last_epoch + 1):
             for index in range(self.batches_per_epoch):
                 block_id = self.block_id(epoch, index)
+                if self.ledger_block(block_id) != block_id:
+                    continue  # a batch within a round: the round is redone at its last batch
                 missing = [s for s, blocks in enumerate(applied) if block_id not in blocks]
                 if not missing or block_id in self.exchange.dropped:
                     continue
-                if self.rounds is not None:
-                    if self.ledger_block(block_id) == block_id:
-                        # A round is not redone on its own: its samples count as lost.
-                        logger.error("round of block %d (epoch %d, batch %d) is missing on shard(s) %s "
-                                     "and local updates cannot redo it", block_id, epoch, index, missing)
-                    continue
-                indices = block_indices(self.sampler, self.batch_size, epoch, index)
-                logger.warning("block %d (epoch %d, batch %d) is missing on shard(s) %s: redoing it",
-                               block_id, epoch, index, missing)
-                step = max(1, self.progress.step)  # a redo is named by its block, not its step
-                block = Block(step, block_id, epoch, len(indices), redo=True)
-                self.exchange.redo(self._compute(indices), block, missing, self.timer)
-                redone += len(indices)
+                logger.warning("%s %d (epoch %d, batch %d) is missing on shard(s) %s: redoing it",
+                               "block" if self.rounds is None else "round of block", block_id, epoch, index,
+                               missing)
+                compute, num_samples = self._redo_compute(epoch, index)
+                block = self._redo_block(block_id, epoch, num_samples)
+                self.exchange.redo(compute, block, missing, self.timer)
+                redone += num_samples
         self.samples_redone += redone
         return redone
 
@@ -222,25 +222,63 @@ class WorkerParticipant:
         for epoch in range(last_epoch + 1):
             for owner, index in mine:
                 number = block_id(epoch, owner, index, self.world_size, self.batches_per_epoch)
-                missing = [s for s, blocks in enumerate(applied) if self.ledger_block(number) not in blocks]
+                if self.ledger_block(number) != number:
+                    continue  # a batch within a round: whoever's share holds its last batch takes it
+                missing = [s for s, blocks in enumerate(applied) if number not in blocks]
                 if not missing:
                     continue
                 if self.away.is_back(owner):
                     logger.info("worker %d is back: block %d (epoch %d, batch %d) is left to it", owner,
                                 number, epoch, index)
                     continue
-                if self.rounds is not None:
-                    logger.error("block %d of reassigned worker %d (epoch %d, batch %d) is missing and local "
-                                 "updates cannot take a block over alone", number, owner, epoch, index)
-                    continue
-                indices = block_indices(self.sampler, self.batch_size, epoch, index, rank=owner)
-                logger.warning("taking over block %d (epoch %d, batch %d) of reassigned worker %d",
-                               number, epoch, index, owner)
-                block = Block(max(1, self.progress.step), number, epoch, len(indices), redo=True)
-                self.exchange.redo(self._compute(indices), block, missing, self.timer)
-                taken += len(indices)
+                logger.warning("taking over %s %d (epoch %d, batch %d) of reassigned worker %d",
+                               "block" if self.rounds is None else "the round of block", number, epoch, index,
+                               owner)
+                compute, num_samples = self._redo_compute(epoch, index, rank=owner)
+                block = self._redo_block(number, epoch, num_samples)
+                self.exchange.redo(compute, block, missing, self.timer)
+                taken += num_samples
         self.samples_taken_over += taken
         return taken
+
+    def _redo_compute(self, epoch: int, index: int, rank: int | None = None
+                      ) -> tuple[Callable[[], StepResult], int]:
+        """What a redo of batch `index` of `epoch` of worker `rank` (default: this one)
+        computes into `grads`, and the samples it stands for: the batch's gradient; with
+        local updates, the round that batch ends, trained again from the parameters of the
+        moment, as its pseudo-gradient (see `local_rounds`)."""
+        rounds = self.rounds
+        if rounds is None:
+            indices = block_indices(self.sampler, self.batch_size, epoch, index, rank=rank)
+            return self._compute(indices), len(indices)
+        # Redos come at an epoch's end, where every round has ended: nothing of the
+        # worker's own round is held apart from the servers' parameters that a redo pulls.
+        assert rounds.opening, "a round is redone between rounds only"
+        first = index - index % rounds.settings.sync_every
+        batches = [block_indices(self.sampler, self.batch_size, epoch, i, rank=rank)
+                   for i in range(first, index + 1)]
+        steps = [self._compute(indices) for indices in batches]
+        buffers = self.exchange.buffers
+
+        def redo() -> StepResult:
+            if buffers is not None:  # the servers' buffers, kept as the parameters pulled are
+                buffers.adopt()
+            with rounds.aside():
+                if buffers is not None:  # the round's change to them goes with its push
+                    buffers.begin()
+                result = rounds.redo(steps)
+                if buffers is not None:
+                    buffers.finish()
+            return result
+
+        return redo, sum(len(indices) for indices in batches)
+
+    def _redo_block(self, number: int, epoch: int, num_samples: int) -> Block:
+        """The block of a redo: named by its block, with a step no later than this worker's
+        last push, whose step a shard keeps as the worker's last (a later push numbered at
+        or below it is answered DUPLICATE): its step, or with local updates its round."""
+        step = self.progress.step if self.rounds is None else self.rounds.outer.rounds
+        return Block(max(1, step), number, epoch, num_samples, redo=True)
 
     def ledger_block(self, block: int) -> int:
         """The block the ledgers record for `block` (any worker's): itself, or with local
