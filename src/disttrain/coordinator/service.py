@@ -32,9 +32,8 @@ from disttrain.coordinator.nodes import ALIVE, Event, Node, Recovery
 from disttrain.coordinator.registry import Registry, RegistryError
 from disttrain.coordinator.reports import BalanceState
 from disttrain.core.addresses import parse_address
-from disttrain.core.auth import caller_of
 from disttrain.core.errors import ConfigError
-from disttrain.core.identity import NotPermitted, check_acts_as, check_role
+from disttrain.core.identity import NotPermitted
 from disttrain.core.poll_slots import PollLimitExceeded, PollSlots
 from disttrain.core.refusal_log import RefusalLog
 from disttrain.core.rpc_server import RpcServer, refusals
@@ -248,17 +247,17 @@ class CoordinatorServicer:
         self.watches = watches or PollSlots.for_pool(128, per_key=128)  # slots of membership watches
         self.refusal_log = refusal_log or RefusalLog()
 
-    # A node registers, heartbeats and reports in its own name only (`core.identity`); the
-    # end of a node is told by the node, its launcher (the operator) or a coordinator.
+    # Who may make each call, in whose name, is the authorization table's (`core.access`),
+    # checked before a method runs: a node registers, heartbeats and reports in its own
+    # name only; the end of a node is told by the node, its launcher (the operator) or a
+    # coordinator.
 
     def RegisterNode(self, request, context):
         with refusals(context, CODES, self.refusal_log, "RegisterNode"):
-            check_acts_as(caller_of(context), request.node_id, "RegisterNode", request.role)
             return self.state.register(request)
 
     def SendHeartbeat(self, request, context):
         with refusals(context, CODES, self.refusal_log, "SendHeartbeat"):
-            check_acts_as(caller_of(context), request.node_id, "SendHeartbeat")
             reply = self.state.heartbeat(request)
         if self.on_step is not None:
             self.on_step(self.state.max_step)
@@ -266,14 +265,10 @@ class CoordinatorServicer:
 
     def ReportMetrics(self, request, context):
         with refusals(context, CODES, self.refusal_log, "ReportMetrics"):
-            check_acts_as(caller_of(context), request.node_id, "ReportMetrics")
             return self.state.report_metrics(request)
 
     def ReportExit(self, request, context):
         with refusals(context, CODES, self.refusal_log, "ReportExit"):
-            caller = caller_of(context)
-            if caller is None or caller.node_id != request.node_id:
-                check_role(caller, ("coordinator",), f"ReportExit of node {request.node_id!r}")
             return self.state.exited(request)
 
     def WatchMembership(self, request, context):

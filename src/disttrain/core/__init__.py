@@ -4,9 +4,11 @@ shared token, TLS, deadlines). It imports nothing else of the project.
 
 Its face, for scripts and users (the project's own modules import the submodules): the
 error hierarchy, `Cluster` (child processes that never outlive their parent), the
-shared-token helpers of gRPC, and `tune_allocator` (at a training process's start).
+shared-token helpers of gRPC, `access` (the authorization table: who may call what), and
+`tune_allocator` (at a training process's start).
 """
 
+from disttrain.core import access
 from disttrain.core.allocator import tune_allocator
 from disttrain.core.auth import TokenInterceptor, new_token, with_token, write_token_file
 from disttrain.core.errors import (
@@ -21,5 +23,5 @@ from disttrain.core.errors import (
 from disttrain.core.processes import Cluster
 
 __all__ = ["CheckpointError", "Cluster", "ConfigError", "DataError", "DistributedError", "DisttrainError",
-           "InputFileError", "TokenInterceptor", "TrainingError", "new_token", "tune_allocator",
+           "InputFileError", "TokenInterceptor", "TrainingError", "access", "new_token", "tune_allocator",
            "with_token", "write_token_file"]

@@ -30,6 +30,7 @@ from typing import Any, cast
 
 import grpc
 
+from disttrain.core.access import open_paths
 from disttrain.core.errors import ConfigError
 from disttrain.core.identity import Caller, certificate_caller, verify_token
 from disttrain.core.refusal_log import RateLimitedLog
@@ -39,9 +40,10 @@ logger = logging.getLogger(__name__)
 TOKEN_ENV = "DISTTRAIN_TOKEN"
 METADATA_KEY = "authorization"
 SCHEME = "Bearer "
-# Probes of orchestrators (Kubernetes, load balancers) carry no token; health says only
-# whether a server serves, so it stays open.
-OPEN_SERVICES = ("/grpc.health.v1.Health/",)
+# Probes of orchestrators (Kubernetes, load balancers) carry no token: the RPCs the
+# authorization table opens to anyone (the health service's Check, which says only whether
+# a server serves) need none.
+OPEN_METHODS = open_paths()
 REFUSED = (f"missing or wrong token: give this run's token in the {TOKEN_ENV} environment variable "
            f"or with --token-file PATH (a file holding it)")
 
@@ -144,18 +146,30 @@ def _caller(metadata: Any, secret: str) -> Caller | None:
     return None
 
 
-def _attach(behavior: Callable, caller: Caller) -> Callable:
-    def handle(request_or_iterator, context):
-        setattr(context, CALLER_ATTRIBUTE, caller)
-        return behavior(request_or_iterator, context)
-    return handle
+def replace_behavior(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable], Callable]
+                     ) -> grpc.RpcMethodHandler:
+    """`handler` of the same kind, its behavior replaced by `wrap(behavior)`: a function
+    of (request or request iterator, context, *more) that calls `behavior` with them or
+    refuses the call. A non-blocking behavior (the health service's Watch, which holds no
+    thread while it waits) stays non-blocking: `more` is then the callback it answers by."""
+    kind = (("stream_" if handler.request_streaming else "unary_")
+            + ("stream" if handler.response_streaming else "unary"))
+    behavior = getattr(handler, kind)
+    replaced = wrap(behavior)
+    if getattr(behavior, "experimental_non_blocking", False):
+        replaced.experimental_non_blocking = True
+        replaced.experimental_thread_pool = getattr(behavior, "experimental_thread_pool", None)
+    return cast(Any, handler)._replace(**{kind: replaced})
 
 
 def _with_caller(handler: grpc.RpcMethodHandler, caller: Caller) -> grpc.RpcMethodHandler:
     """`handler` with `caller` set on each call's context before its behavior runs."""
-    kind = (("stream_" if handler.request_streaming else "unary_")
-            + ("stream" if handler.response_streaming else "unary"))
-    return cast(Any, handler)._replace(**{kind: _attach(getattr(handler, kind), caller)})
+    def attach(behavior: Callable) -> Callable:
+        def handle(request_or_iterator, context, *more):
+            setattr(context, CALLER_ATTRIBUTE, caller)
+            return behavior(request_or_iterator, context, *more)
+        return handle
+    return replace_behavior(handler, attach)
 
 
 def caller_of(context: grpc.ServicerContext) -> Caller | None:
@@ -214,7 +228,7 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 class TokenInterceptor(grpc.ServerInterceptor):
     """Refuses, with UNAUTHENTICATED, every call that carries neither the run's secret
     `token` nor a node token made from it, before its handler runs; tells the handler who
-    calls (`caller_of`). The health service (`OPEN_SERVICES`) stays open."""
+    calls (`caller_of`). The RPCs open to anyone (`OPEN_METHODS`: health checks) need none."""
 
     def __init__(self, token: str):
         self._secret = token
@@ -222,7 +236,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
         handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(OPEN_SERVICES):
+        if handler is None or handler_call_details.method in OPEN_METHODS:
             return handler
         caller = _caller(handler_call_details.invocation_metadata, self._secret)
         if caller is not None:

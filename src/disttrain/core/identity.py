@@ -54,7 +54,7 @@ def node_token(secret: str, node_id: str, role: str) -> str:
     Raises:
         ValueError: an empty node id, a role not of the run, or a separator in either.
     """
-    if not node_id or SEPARATOR in node_id or not all("!" <= c <= "~" for c in node_id):
+    if not _plain(node_id):
         raise ValueError(f"node id {node_id!r}: printable, without spaces or {SEPARATOR!r}, e.g. worker0")
     if role not in NODE_ROLES:
         raise ValueError(f"role {role!r}: one of {', '.join(NODE_ROLES)}")
@@ -66,6 +66,11 @@ def own_token(token: str, node_id: str, role: str) -> str:
     is the run's secret (a process handed the secret, as torch's elastic agent hands every
     rank the same environment, then calls in its own name only); a node token unchanged."""
     return token if named_in(token) is not None else node_token(token, node_id, role)
+
+
+def _plain(node_id: str) -> bool:
+    """Whether `node_id` may be named by a node token: printable, without spaces or separator."""
+    return bool(node_id) and SEPARATOR not in node_id and all("!" <= c <= "~" for c in node_id)
 
 
 def _mac(secret: str, node_id: str, role: str) -> str:
@@ -89,12 +94,13 @@ def verify_token(secret: str, presented: str) -> Caller | None:
 
 def named_in(token: str) -> Caller | None:
     """The node a node token names, read without checking it (a client cannot: it lacks
-    the secret; the servers check it); None for any other token."""
+    the secret; the servers check it); None for any other token, a malformed one included
+    (an id no node token can name: empty, with spaces or a separator)."""
     if not token.startswith(PREFIX):
         return None
     role, _, rest = token[len(PREFIX):].partition(SEPARATOR)
     node_id, _, _ = rest.rpartition(SEPARATOR)
-    return Caller(node_id, role) if role in NODE_ROLES and node_id else None
+    return Caller(node_id, role) if role in NODE_ROLES and _plain(node_id) else None
 
 
 def certificate_caller(common_name: str, unit: str) -> Caller:

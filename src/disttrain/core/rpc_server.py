@@ -1,7 +1,8 @@
 """Every gRPC server of the project started one way: its port bound exclusively, the
 standard health service (`grpc.health.v1.Health`) beside its own for orchestrators'
-probes, every other call checked for the run's token when it has one (`auth`), TLS when
-given certificates (`tls`; mutual with a CA), and a warning when it listens beyond this
+probes, every other call checked for the run's token when it has one (`auth`), every
+call checked against the authorization table (`rpc_access`, `access`), TLS when given
+certificates (`tls`; mutual with a CA), and a warning when it listens beyond this
 machine without a token or client certificates.
 """
 
@@ -23,6 +24,7 @@ from disttrain.core.addresses import parse_address
 from disttrain.core.auth import TokenInterceptor
 from disttrain.core.errors import ConfigError
 from disttrain.core.refusal_log import RefusalLog, printable
+from disttrain.core.rpc_access import AccessInterceptor, check_service
 from disttrain.core.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
@@ -87,14 +89,20 @@ class RpcServer:
         maximum_concurrent_rpcs: calls in progress or queued at once; a call over it is
             refused RESOURCE_EXHAUSTED at once (None: unbounded).
 
+    Every call is checked against its row of the authorization table (`core.access`); a
+    call of a method without one is refused.
+
     Raises:
         ConfigError: the address is malformed or cannot be listened on, or a TLS file
             cannot be read.
+        ValueError: a method of `service` (in the proto descriptors) has no row in the
+            authorization table.
     """
 
     def __init__(self, handler: grpc.GenericRpcHandler, service: str, bind: str, max_threads: int,
                  options: list[tuple[str, Any]] | None = None, token: str | None = None,
                  tls: TlsFiles | None = None, maximum_concurrent_rpcs: int | None = None):
+        check_service(service)
         host, port = parse_address(bind, "--bind")
         tls = tls or TlsFiles()
         credentials = server_credentials(tls) if tls.enabled else None  # a bad file fails before binding
@@ -104,6 +112,7 @@ class RpcServer:
         interceptors = rpc_faults.server_interceptors()
         if token is not None:
             interceptors.append(TokenInterceptor(token))
+        interceptors.append(AccessInterceptor())  # who calls is known from here on
         self.server = grpc.server(futures.ThreadPoolExecutor(max_threads, thread_name_prefix="rpc"),
                                   interceptors=interceptors, options=[*(options or []), *SERVER_OPTIONS],
                                   maximum_concurrent_rpcs=maximum_concurrent_rpcs)

@@ -31,11 +31,11 @@ from contextlib import ExitStack, nullcontext
 import grpc
 
 from disttrain.core.addresses import peer_is_local
-from disttrain.core.auth import caller_of
 from disttrain.core.deadlines import Deadlines
-from disttrain.core.identity import NotPermitted, check_acts_as, check_role
+from disttrain.core.identity import NotPermitted
 from disttrain.core.poll_slots import PollLimitExceeded, PollSlots
 from disttrain.core.refusal_log import RefusalLog
+from disttrain.core.rpc_access import Unread, authorize_message
 from disttrain.core.rpc_server import RpcServer
 from disttrain.core.rpc_server import refusals as rpc_refusals
 from disttrain.core.tls import TlsFiles
@@ -108,11 +108,13 @@ class ParameterServicer:
         message, and log it (rate-limited: an outsider's calls must not flood the log)."""
         return rpc_refusals(context, CODES, self.refused_log)
 
-    def acts_as(self, context, worker_id: str, call: str) -> None:
-        """Refuse (PERMISSION_DENIED) a call made in the name of `worker_id` by a caller that
-        is another node, or no worker (`core.identity`); before anything else is read."""
+    def authorized(self, context, header: pb.GradientMessage) -> None:
+        """Refuse (PERMISSION_DENIED) a push whose header its caller may not send (another
+        worker's, or not a worker's: the authorization table, `core.access`); before
+        anything else of it is read. The table checks every other call before its
+        method runs."""
         with self.refusals(context):
-            check_acts_as(caller_of(context), worker_id, call, "worker")
+            authorize_message(context, header)
 
     def long_poll(self, key: str, context, per_key: int | None = None):
         """The slot one long-poll of `key` holds while it waits; aborts when none is left."""
@@ -157,7 +159,7 @@ class ParameterServicer:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty stream: no message arrived")
             first = service.read_gradient(raw, limits.max_fields)
             header = first.header
-            self.acts_as(context, header.worker_id, "a push")
+            self.authorized(context, header)
             if header.incarnation not in (0, self.state.incarnation):
                 return None  # answered ROLLED_BACK: the worker registers again
             with self.refusals(context):
@@ -240,7 +242,6 @@ class ParameterServicer:
         """The messages that answer a pull, once the version is there: only the worker's
         own session may wait, on one of its long-poll slots."""
         state = self.state
-        self.acts_as(context, request.worker_id, "a pull")
         if request.shard != state.plan.shard:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"pull for shard {request.shard} reached shard {state.plan.shard}")
@@ -279,7 +280,6 @@ class ParameterServicer:
         """Register the worker; shared-memory segments only for a peer on this host: a
         remote worker could never map them, and would leave them in /dev/shm until the
         shard stops."""
-        self.acts_as(context, request.worker_id, "RegisterWorker")
         state, peer = self.state, context.peer()
         local = request.shared_memory and peer_is_local(peer)
         with self.refusals(context):
@@ -301,7 +301,6 @@ class ParameterServicer:
         return assignment
 
     def WorkerDone(self, request, context):
-        self.acts_as(context, request.worker_id, "WorkerDone")
         with self.refusals(context):
             self.state.worker_done(request.worker_id, request.session)
         return pb.ShardStatus(**self.state.status())
@@ -313,7 +312,6 @@ class ParameterServicer:
         if request.wait_all_done:
             key = _OBSERVERS
             if request.session:
-                self.acts_as(context, request.worker_id, "GetStatus")
                 with self.refusals(context):
                     self.state.identities.check(request.worker_id, request.session)
                 key = f"{request.worker_id} (all done)"
@@ -322,7 +320,6 @@ class ParameterServicer:
         return pb.ShardStatus(**self.state.status())
 
     def Barrier(self, request, context):
-        self.acts_as(context, request.worker_id, "Barrier")
         with self.refusals(context):  # before a slot is taken in its name
             self.state.identities.check(request.worker_id, request.session)
         with self.refusals(context), self.long_poll(request.worker_id, context):
@@ -336,7 +333,6 @@ class ParameterServicer:
         return pb.BarrierReply(world_size=len(rows), values=[v for row in rows for v in row])
 
     def GetLedger(self, request, context):
-        self.acts_as(context, request.worker_id, "GetLedger")
         with self.refusals(context):
             self.state.identities.check(request.worker_id, request.session)
         return pb.LedgerReply(block_ids=self.state.ledger(request.first_block, request.end_block))
@@ -347,9 +343,6 @@ class ParameterServicer:
         Anyone else (another worker, an outsider with the run's token) is refused, so the
         shard is never stopped before that worker's final pull; an operator stops a
         shard with SIGTERM."""
-        with self.refusals(context):
-            check_role(caller_of(context), ("worker",), "Shutdown")
-        self.acts_as(context, request.worker_id, "Shutdown")
         with self.refusals(context):
             self.state.check_finisher(request.worker_id, request.session)
         self.stopped.set()
@@ -372,7 +365,7 @@ def _handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(service.SERVICE, handlers)
 
 
-class _Oversize:
+class _Oversize(Unread):
     """A request over its method's size limit, left unparsed (the handler refuses it)."""
 
     def __init__(self, nbytes: int, limit: int):
