@@ -5,7 +5,9 @@ beside them) is called as every kind of caller (the operator, a coordinator, the
 of this shard, another server, the worker itself, another worker, a rank, a node of
 another run, no credentials, malformed credentials, the worker itself with an expired
 session), once with the caller's own ids and once with the victim's (worker0's id, rank,
-key and current session: the strongest an insider can steal short of its credential).
+key and current session: the strongest an insider can steal short of its credential);
+with node tokens of the run's secret, and again with client certificates of the run's CA
+(mutual TLS, where an outsider gets no connection at all).
 
 Each cell is expected allowed or refused from the table (its roles and ids), the shard's
 session and holder rules: an allowed cell must pass authorization (it answers OK, or a
@@ -27,6 +29,7 @@ import struct
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import grpc
 import pytest
@@ -40,9 +43,12 @@ from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.service import CoordinatorServer
 from disttrain.core import access
 from disttrain.core.auth import METADATA_KEY, SCHEME, new_token
+from disttrain.core.channels import channel_credentials
 from disttrain.core.identity import OPERATOR, Caller, NotPermitted, node_token
+from disttrain.core.pki import NodeName, write_run_pki
 from disttrain.core.rpc_access import check_service
 from disttrain.core.rpc_server import RpcServer
+from disttrain.core.tls import TlsFiles
 from disttrain.proto import coordinator_pb2 as cpb
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.proto import tensor_pb2
@@ -112,6 +118,84 @@ KINDS = (
 )
 
 
+# The same callers with client certificates of `disttrain tls new` (mutual TLS, no token):
+# the run's CA's certificate of each node, the operator's (server.pem), another run's CA's
+# certificate of worker0, and none at all. A malformed certificate is no certificate.
+CERTIFICATES = {"the operator": "server", "a coordinator": "coordinator0",
+                "the server of this shard": "server0", "another server": "server1",
+                "the worker itself": VICTIM, "another worker": "worker1", "a rank": "rank0",
+                "a node of another run": "another run", "no credentials": None,
+                "the worker itself, its session expired": VICTIM}
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How callers prove who they are: node tokens of the run's secret (`certificates`
+    None), or client certificates of the run's CA in `certificates` (a stranger's in
+    `strangers`). What an outsider is answered: UNAUTHENTICATED by the token check, or
+    no connection at all (UNAVAILABLE: mutual TLS refuses the handshake, health checks
+    included)."""
+
+    name: str
+    certificates: Path | None = None
+    strangers: Path | None = None
+
+    @property
+    def outsider_code(self) -> grpc.StatusCode:
+        return UNAUTHENTICATED if self.certificates is None else grpc.StatusCode.UNAVAILABLE
+
+    def outsiders_get(self, rule: access.Rule) -> grpc.StatusCode:
+        return OK if not rule.authenticated and self.certificates is None else self.outsider_code
+
+    def credentials(self, kind: Kind) -> tuple:
+        """What `kind` presents, each tried in turn (none: this mode has no such caller)."""
+        if self.certificates is None:
+            return kind.credentials
+        if kind.name not in CERTIFICATES:
+            return ()
+        name = CERTIFICATES[kind.name]
+        return (self.as_node(name) if name != "another run" else self._files(self.strangers, VICTIM),)
+
+    def as_node(self, node_id: str | None, role: str = "worker"):
+        """The credential of node `node_id` in `role` (None: none; "server": the operator's
+        certificate)."""
+        if self.certificates is None:
+            return bearer(node_token(SECRET, node_id, role))
+        return TlsFiles(ca=str(self.certificates / "ca.pem")) if node_id is None \
+            else self._files(self.certificates, node_id)
+
+    def _files(self, folder: Path, name: str) -> TlsFiles:
+        return TlsFiles(str(folder / f"{name}.pem"), str(folder / f"{name}.key"),
+                        str(self.certificates / "ca.pem"))
+
+    def server_options(self) -> dict:
+        if self.certificates is None:
+            return {"token": SECRET}
+        return {"tls": self._files(self.certificates, "server")}
+
+    def channel(self, address: str, credential) -> tuple[grpc.Channel, list | None]:
+        if self.certificates is None:
+            metadata = None if credential is None else [(METADATA_KEY, credential)]
+            return grpc.insecure_channel(address), metadata
+        return grpc.secure_channel(address, channel_credentials(credential)), None
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory) -> tuple[Path, Path]:
+    """The run's CA and a certificate for each node kind; another run's CA and its worker0."""
+    run, strangers = tmp_path_factory.mktemp("run"), tmp_path_factory.mktemp("strangers")
+    hosts = ["localhost", "127.0.0.1"]
+    write_run_pki(run, hosts, [NodeName(name, name.rstrip("0123456789")) for name in
+                               ("coordinator0", "server0", "server1", VICTIM, "worker1", "rank0")], days=1)
+    write_run_pki(strangers, hosts, [NodeName(VICTIM, "worker")], days=1)
+    return run, strangers
+
+
+@pytest.fixture(params=["node tokens", "client certificates"])
+def mode(request, certificates) -> Mode:
+    return Mode(request.param) if request.param == "node tokens" else Mode(request.param, *certificates)
+
+
 @dataclass(frozen=True)
 class Ids:
     """What a cell's request names: a node, its role and rank, and a worker's key and session."""
@@ -145,6 +229,7 @@ class Target:
 
     address: str
     snapshot: Callable[[], object]
+    mode: Mode
     sessions: dict[str, bytes] = field(default_factory=dict)
     expired: dict[str, bytes] = field(default_factory=dict)
     generations: dict[str, int] = field(default_factory=dict)
@@ -182,7 +267,7 @@ def gradient(ids: Ids, target: Target) -> list[bytes]:
 def all_done(target: Target) -> None:
     """Every worker tells the shard it is done (so waits for that answer at once)."""
     for worker_id in (VICTIM, "worker1"):
-        raw(target.address, node_token(SECRET, worker_id, "worker"), access.SHARD_SERVICE, "WorkerDone",
+        raw(target, worker_id, access.SHARD_SERVICE, "WorkerDone",
             pb.WorkerDoneRequest(worker_id=worker_id, session=target.sessions[worker_id]))
 
 
@@ -271,10 +356,10 @@ def variants(kind: Kind, service: str) -> list[tuple[str, bool]]:
 def expected(rule: access.Rule, probe: Probe, kind: Kind, ids: Ids, request: object, target: Target
              ) -> grpc.StatusCode:
     """What the table (and the shard's session and holder rules) says of a cell."""
+    if kind.outsider:
+        return target.mode.outsiders_get(rule)
     if not rule.authenticated:
         return OK
-    if kind.outsider:
-        return UNAUTHENTICATED
     header = pb.GradientMessage.FromString(request[0] if isinstance(request, list) else request) \
         if rule.framed else request
     try:
@@ -289,16 +374,15 @@ def expected(rule: access.Rule, probe: Probe, kind: Kind, ids: Ids, request: obj
     return OK
 
 
-def call(address: str, service: str, method, request, credential: str | None
-         ) -> tuple[grpc.StatusCode, object]:
-    """One raw call of `method` (a descriptor) carrying `credential`; its code and reply
-    (a streamed reply's first message: a watch never ends)."""
-    metadata = None if credential is None else [(METADATA_KEY, credential)]
+def call(target: Target, service: str, method, request, credential) -> tuple[grpc.StatusCode, object]:
+    """One raw call of `method` (a descriptor) on a channel of its own, presenting
+    `credential`; its code and reply (a streamed reply's first message: a watch never ends)."""
     path = f"/{service}/{method.name}"
     kind = (("stream_" if method.client_streaming else "unary_")
             + ("stream" if method.server_streaming else "unary"))
     serialize = wire.identity if isinstance(request, (bytes, list)) else type(request).SerializeToString
-    with grpc.insecure_channel(address) as channel:
+    channel, metadata = target.mode.channel(target.address, credential)
+    with channel:
         stub = getattr(channel, kind)(path, request_serializer=serialize, response_deserializer=wire.identity)
         argument = iter(request) if method.client_streaming else request
         try:
@@ -324,7 +408,7 @@ def run_matrix(service: str, method_name: str, target: Target) -> list[Cell]:
     method = SERVICES[service].methods_by_name[method_name]
     planned = []
     for kind in KINDS:
-        for variant, victim in variants(kind, service):
+        for variant, victim in variants(kind, service) if target.mode.credentials(kind) else ():
             ids = ids_of(kind, victim, target)
             planned.append((kind, variant, ids))
     cells = []
@@ -337,15 +421,15 @@ def run_matrix(service: str, method_name: str, target: Target) -> list[Cell]:
         request = probe.build(ids, target)
         cell = Cell(method_name, kind, variant, ids, expected(rule, probe, kind, ids, request, target),
                     named_in_request(request))
-        for credential in kind.credentials:  # every one must answer as the cell expects
+        for credential in target.mode.credentials(kind):  # every one must answer as the cell expects
             before = target.snapshot()
-            code, reply = call(target.address, service, method, request, credential)
+            code, reply = call(target, service, method, request, credential)
             cell.got, cell.detail = code, reply if isinstance(reply, str) else ""
             if code in (DENIED, UNAUTHENTICATED):
                 assert_same(before, target.snapshot(), cell)
             elif code == OK:
                 _note(method_name, ids, reply, target)
-            if verdict([cell], rule, probe):
+            if verdict([cell], rule, probe, target.mode):
                 break
         cells.append(cell)
     return cells
@@ -380,7 +464,7 @@ def _equal(a: object, b: object) -> bool:
     return a == b
 
 
-def verdict(cells: list[Cell], rule: access.Rule, probe: Probe) -> list[str]:
+def verdict(cells: list[Cell], rule: access.Rule, probe: Probe, mode: Mode) -> list[str]:
     """The cells whose answer is not what the table says, and the cells that break the two
     rules that hold whatever the table says; empty when all is well."""
     wrong = []
@@ -389,7 +473,7 @@ def verdict(cells: list[Cell], rule: access.Rule, probe: Probe) -> list[str]:
         if (cell.expected == OK) != allowed or (cell.expected != OK and cell.got != cell.expected):
             wrong.append(f"{cell.rpc} by {cell.kind.name} with {cell.variant}: expected "
                          f"{cell.expected.name}, got {cell.got.name} {cell.detail}")
-        if rule.authenticated and cell.kind.outsider and cell.got != UNAUTHENTICATED:
+        if cell.kind.outsider and allowed and (rule.authenticated or mode.certificates is not None):
             wrong.append(f"{cell.rpc} by {cell.kind.name}: an outsider got {cell.got.name}")
         caller = cell.kind.caller
         if caller is not None and not caller.is_operator and cell.named not in ("", caller.node_id) \
@@ -412,19 +496,20 @@ def named_in_request(request: object) -> str:
 
 # --- the servers -------------------------------------------------------------------------
 
-def raw(address: str, credential: str, service: str, method_name: str, request):
-    code, reply = call(address, service, SERVICES[service].methods_by_name[method_name], request,
-                       bearer(credential))
+def raw(target: Target, node_id: str, service: str, method_name: str, request, role: str = "worker"):
+    """A call made as node `node_id` in `role` that must pass: its reply."""
+    code, reply = call(target, service, SERVICES[service].methods_by_name[method_name], request,
+                       target.mode.as_node(node_id, role))
     assert code == OK, (method_name, code, reply)
     return reply
 
 
 @pytest.fixture
-def coordinator(tmp_path) -> Iterator[Target]:
-    """A coordinator requiring the run's secret or a node token of it, with every node kind
+def coordinator(tmp_path, mode) -> Iterator[Target]:
+    """A coordinator requiring the run's credentials (`mode`), with every node kind
     registered by itself."""
     config = CoordinatorConfig(heartbeat_interval=60.0, heartbeat_timeout=3600.0, reassign_after=None)
-    server = CoordinatorServer(config, "127.0.0.1:0", tmp_path / "cluster.db", token=SECRET)
+    server = CoordinatorServer(config, "127.0.0.1:0", tmp_path / "cluster.db", **mode.server_options())
 
     def snapshot():
         status = copy.deepcopy(server.state.status())
@@ -432,22 +517,22 @@ def coordinator(tmp_path) -> Iterator[Target]:
             node_status.heartbeat_age_s = 0.0
         return status.SerializeToString(deterministic=True)
 
-    target = Target(server.address, snapshot)
+    target = Target(server.address, snapshot, mode)
     for kind in KINDS:
         if kind.caller is not None and not kind.caller.is_operator and not kind.expired:
             role = kind.caller.role
             reply = cpb.RegisterNodeReply.FromString(raw(
-                server.address, node_token(SECRET, kind.own_id, role), access.COORDINATOR_SERVICE,
-                "RegisterNode", cpb.RegisterNodeRequest(node_id=kind.own_id, role=role, rank=kind.rank,
-                                                        pid=os.getpid())))
+                target, kind.own_id, access.COORDINATOR_SERVICE, "RegisterNode",
+                cpb.RegisterNodeRequest(node_id=kind.own_id, role=role, rank=kind.rank, pid=os.getpid()),
+                role))
             target.generations[kind.own_id] = reply.generation
     yield target
     server.stop(0)
 
 
 @pytest.fixture
-def shard(tmp_path) -> Iterator[tuple[ShardServer, Target]]:
-    """A shard (async mode, two workers) requiring the run's secret or a node token of it:
+def shard(tmp_path, mode) -> Iterator[tuple[ShardServer, Target]]:
+    """A shard (async mode, two workers) requiring the run's credentials (`mode`):
     worker0 and worker1 registered by themselves (worker0 twice: its first session is
     expired), worker0 has pushed once, and both have met at barrier "matrix"."""
     config = config_from_dict({
@@ -455,27 +540,25 @@ def shard(tmp_path) -> Iterator[tuple[ShardServer, Target]]:
                      "learning_rate": 0.1, "checkpoint_interval": 1000},
         "system": {"num_workers": 2, "checkpoint_dir": str(tmp_path / "ckpt")},
         "ps": {"aggregation_mode": "async"}})
-    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", token=SECRET, long_poll_cap_s=5.0)
+    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", long_poll_cap_s=5.0,
+                         **mode.server_options())
     state = server.state
     target = Target(server.address, lambda: (state.state_dict(), state.status(),
                                              dict(state.identities._sessions), server.stopped.is_set()),
-                    plan=plan_shards(init_model(config.training), 1)[0])
+                    mode, plan=plan_shards(init_model(config.training), 1)[0])
     register = PROBES[access.SHARD_SERVICE]["RegisterWorker"]
     for worker_id in (VICTIM, "worker1", VICTIM):
         ids = Ids(worker_id, "worker", -1, KEYS[worker_id])
-        reply = raw(server.address, node_token(SECRET, worker_id, "worker"), access.SHARD_SERVICE,
-                    "RegisterWorker", register.build(ids, target))
+        reply = raw(target, worker_id, access.SHARD_SERVICE, "RegisterWorker", register.build(ids, target))
         if worker_id in target.sessions:
             target.expired[worker_id] = target.sessions[worker_id]
         target.sessions[worker_id] = pb.WorkerAssignment.FromString(reply).session
     victim = Ids(VICTIM, "worker", VICTIM_RANK, KEYS[VICTIM], target.sessions[VICTIM])
-    raw(server.address, node_token(SECRET, VICTIM, "worker"), access.SHARD_SERVICE, "PushGradients",
-        b"".join(gradient(victim, target)))
+    raw(target, VICTIM, access.SHARD_SERVICE, "PushGradients", b"".join(gradient(victim, target)))
     target.steps[VICTIM] = 1
     barrier = PROBES[access.SHARD_SERVICE]["Barrier"]
     with ThreadPoolExecutor(2) as pool:  # both at the barrier: it completes, and answers at once since
-        meetings = [pool.submit(raw, server.address, node_token(SECRET, worker_id, "worker"),
-                                access.SHARD_SERVICE, "Barrier",
+        meetings = [pool.submit(raw, target, worker_id, access.SHARD_SERVICE, "Barrier",
                                 barrier.build(Ids(worker_id, "worker", rank, KEYS[worker_id],
                                                   target.sessions[worker_id]), target))
                     for worker_id, rank in ((VICTIM, 0), ("worker1", 1))]
@@ -512,11 +595,12 @@ def check(service: str, method_name: str, target: Target) -> None:
         probe.prepare(target)
     cells = run_matrix(service, method_name, target)
     rule = access.rule_of(f"/{service}/{method_name}")
-    wrong = verdict(cells, rule, PROBES[service][method_name])
+    wrong = verdict(cells, rule, PROBES[service][method_name], target.mode)
     assert not wrong, "\n".join(wrong)
     # each kind of caller is tried, and the matrix holds refusals and (but for Shutdown,
     # whose holder's call waits for the others) calls that get through
-    assert {cell.kind.name for cell in cells} >= {kind.name for kind in KINDS if not kind.expired}
+    assert {cell.kind.name for cell in cells} >= {kind.name for kind in KINDS
+                                                  if not kind.expired and target.mode.credentials(kind)}
     assert any(cell.expected != OK for cell in cells) or not rule.authenticated
     assert any(cell.got == OK for cell in cells) or PROBES[service][method_name].allowed != {OK}
 
