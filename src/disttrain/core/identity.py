@@ -1,6 +1,5 @@
-"""Who calls a server of the run: an identity per node, and the rules that bind a call
-to it. Pure: no gRPC (`core.auth` reads the identity off a call; the servicers ask the
-rules here).
+"""Who calls a server of the run: an identity per node. Pure: no gRPC (`core.auth` reads
+the identity off a call; `core.access` says what each identity may call, on what).
 
 The run's secret (`disttrain token new`) makes every identity: node `worker1` of role
 `worker` holds the token `node~worker~worker1~<HMAC-SHA256(secret, "worker:worker1")>`,
@@ -44,8 +43,9 @@ OPERATOR = Caller("", OPERATOR_ROLE)
 
 
 class NotPermitted(PermissionError):
-    """The caller may not make this call (another node's, or not its role's). Not
-    recoverable for that caller: the call changes nothing."""
+    """The caller may not make this call (another node's, or not its role's: the
+    authorization table, `core.access`). Not recoverable for that caller: the call
+    changes nothing."""
 
 
 def node_token(secret: str, node_id: str, role: str) -> str:
@@ -107,31 +107,3 @@ def certificate_caller(common_name: str, unit: str) -> Caller:
     """The caller a client certificate names: node `common_name` when its organizational
     unit `unit` is a role of the run, else the operator."""
     return Caller(common_name, unit) if unit in NODE_ROLES and common_name else OPERATOR
-
-
-def check_acts_as(caller: Caller | None, node_id: str, call: str, role: str | None = None) -> None:
-    """Let `caller` make `call` in the name of `node_id` (of `role`, when given) only if it
-    is that node, or the operator (None: a server that checks no identity).
-
-    Raises:
-        NotPermitted: naming the caller and the node it named.
-    """
-    if caller is None or caller.is_operator:
-        return
-    if caller.node_id != node_id:
-        raise NotPermitted(f"{call}: the caller is {caller} and may not act for node {node_id!r}; each "
-                           f"node makes calls in its own name only")
-    if role is not None and caller.role != role:
-        raise NotPermitted(f"{call}: the caller is {caller}, not a {role}")
-
-
-def check_role(caller: Caller | None, roles: tuple[str, ...], call: str) -> None:
-    """Let `caller` make `call` only in one of `roles`, or as the operator.
-
-    Raises:
-        NotPermitted: naming the caller's role and the roles allowed.
-    """
-    if caller is None or caller.is_operator or caller.role in roles:
-        return
-    raise NotPermitted(f"{call}: the caller is {caller}; only {' or '.join(roles)} nodes or the "
-                       f"operator may make it")
