@@ -215,14 +215,13 @@ def _refuse_stream(request: Any, context: grpc.ServicerContext):
 
 
 def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s kind that refuses the call without reading its request."""
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_refuse_stream)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_refuse)
+    """A handler that refuses the call without reading its request: a request-streaming
+    one whatever `handler`'s kind (the wire does not tell them apart), because gRPC reads a
+    unary request whole before its handler runs (an outsider's 60 MB message was held in
+    memory before it was refused); a stream is read only when its handler asks."""
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_refuse_stream)
-    return grpc.unary_unary_rpc_method_handler(_refuse)
+        return grpc.stream_stream_rpc_method_handler(_refuse_stream)
+    return grpc.stream_unary_rpc_method_handler(_refuse)
 
 
 class TokenInterceptor(grpc.ServerInterceptor):

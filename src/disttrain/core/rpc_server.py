@@ -32,7 +32,24 @@ logger = logging.getLogger(__name__)
 # A second server on a port already taken must fail, not share it silently (gRPC turns
 # SO_REUSEPORT on by default on Linux).
 SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
+# The bytes a client may send on one call before the server reads any (HTTP/2's stream
+# window, when an option sets it): what an unauthenticated caller can make a server hold,
+# since a refused call is never read (`auth`): with the parameter server's 64 MB (its
+# clients' setting, for pulls) an outsider's refused 60 MB message still sat in memory.
+# Measured on a shard's options: 16 outsiders' 60 MB messages at once grew the server by
+# 570 MB (kept after) before, by 6 MB with both. A message a handler reads widens the
+# window to its size, so an authenticated push is not held back (its time on loopback
+# changed within the noise).
+LOOKAHEAD_OPTION = "grpc.http2.lookahead_bytes"
+MAX_LOOKAHEAD_BYTES = 1 << 20
 
+
+def server_options(options: list[tuple[str, Any]] | None) -> list[tuple[str, Any]]:
+    """`options` for a server: a stream window they set capped at `MAX_LOOKAHEAD_BYTES`,
+    the port bound exclusively."""
+    capped = [(key, min(value, MAX_LOOKAHEAD_BYTES) if key == LOOKAHEAD_OPTION else value)
+              for key, value in options or ()]
+    return [*capped, *SERVER_OPTIONS]
 
 
 @contextmanager
@@ -114,7 +131,7 @@ class RpcServer:
             interceptors.append(TokenInterceptor(token))
         interceptors.append(AccessInterceptor())  # who calls is known from here on
         self.server = grpc.server(futures.ThreadPoolExecutor(max_threads, thread_name_prefix="rpc"),
-                                  interceptors=interceptors, options=[*(options or []), *SERVER_OPTIONS],
+                                  interceptors=interceptors, options=server_options(options),
                                   maximum_concurrent_rpcs=maximum_concurrent_rpcs)
         self.server.add_generic_rpc_handlers((handler,))
         self.health = health.HealthServicer()
