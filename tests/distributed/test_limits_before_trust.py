@@ -4,15 +4,26 @@ logged, and that text a caller chose cannot forge a line of a server's log."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
+from disttrain.config.schema import CoordinatorConfig
+from disttrain.coordinator.client import method_path
+from disttrain.coordinator.service import CoordinatorServer
+from disttrain.core import auth
 from disttrain.core.auth import METADATA_KEY, SCHEME
+from disttrain.core.identity import PREFIX, SEPARATOR
+from disttrain.core.refusal_log import PERIOD_S
+from disttrain.proto import coordinator_pb2 as cpb
 from disttrain.strategies.ps.wire import service as wire
 from tests.conftest import REPO_ROOT
 
@@ -82,3 +93,75 @@ def test_an_outsiders_large_messages_are_not_read_before_the_token_is_checked(tm
         server.stdin.close()
         server.terminate()
         server.wait(timeout=30)
+
+
+# --- malformed credentials --------------------------------------------------------------
+
+SECRET = "the-secret-of-this-run"
+PIECES = st.sampled_from(["node", "worker", "server", "rank", "coordinator", "operator", "", " ", "~",
+                          "worker0", "a b", "0" * 64, SECRET, "é", "\\x1b[31m"])
+# What gRPC metadata can carry (printable ASCII); the server's parser must take anything in it.
+METADATA_TEXT = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=120)
+CREDENTIALS = st.one_of(
+    METADATA_TEXT,
+    METADATA_TEXT.map(lambda text: SCHEME + text),
+    METADATA_TEXT.map(lambda text: SCHEME + PREFIX + text),
+    st.lists(st.one_of(PIECES, METADATA_TEXT), max_size=6).map(
+        lambda parts: SCHEME + PREFIX + SEPARATOR.join(parts)),
+).map(lambda text: text.encode("ascii", "replace").decode("ascii"))
+
+
+@pytest.fixture(scope="module")
+def coordinator(tmp_path_factory):
+    server = CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0",
+                               tmp_path_factory.mktemp("malformed") / "registry.db", token=SECRET)
+    channel = grpc.insecure_channel(server.address)
+    yield server, channel
+    channel.close()
+    server.stop(0)
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(credential=CREDENTIALS)
+def test_a_malformed_credential_is_answered_unauthenticated_with_one_line(coordinator, caplog, credential):
+    """Whatever an `authorization` value holds (a node token's pieces in any order, any
+    text gRPC metadata can carry), the call is refused UNAUTHENTICATED, by a line of its
+    own at most once per method every period, never a traceback."""
+    server, channel = coordinator
+    assume(credential != SCHEME + SECRET)  # a node token's HMAC is beyond a guess
+    status = channel.unary_unary(method_path("GetClusterStatus"),
+                                 request_serializer=cpb.ClusterStatusRequest.SerializeToString,
+                                 response_deserializer=cpb.ClusterStatus.FromString)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        with pytest.raises(grpc.RpcError) as refused:
+            status(cpb.ClusterStatusRequest(), timeout=10, metadata=[(METADATA_KEY, credential)])
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value.details()
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) <= 1 and all("\n" not in r.getMessage() for r in warned)
+
+
+def test_a_credential_its_parser_chokes_on_names_nobody(coordinator, caplog, monkeypatch):
+    """A credential that makes the token check raise (as a node token naming an id with
+    a space once did) is refused UNAUTHENTICATED like any wrong one, logged in one line
+    per method and period however many arrive, never with a traceback."""
+    server, channel = coordinator
+
+    def choke(secret: str, presented: str):
+        raise ValueError(f"node id {presented!r}:\nforged line")
+    monkeypatch.setattr(auth, "verify_token", choke)
+    status = channel.unary_unary(method_path("GetClusterStatus"),
+                                 request_serializer=cpb.ClusterStatusRequest.SerializeToString,
+                                 response_deserializer=cpb.ClusterStatus.FromString)
+    started = time.monotonic()
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(20):
+            with pytest.raises(grpc.RpcError) as refused:
+                status(cpb.ClusterStatusRequest(), timeout=10, metadata=[(METADATA_KEY, SCHEME + "node~x")])
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    periods = 1 + int((time.monotonic() - started) // PERIOD_S)
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert 1 <= len(warned) <= periods and all("\n" not in line for line in warned), warned

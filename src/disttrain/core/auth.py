@@ -33,7 +33,7 @@ import grpc
 from disttrain.core.access import open_paths
 from disttrain.core.errors import ConfigError
 from disttrain.core.identity import Caller, certificate_caller, verify_token
-from disttrain.core.refusal_log import RateLimitedLog
+from disttrain.core.refusal_log import RateLimitedLog, printable
 
 logger = logging.getLogger(__name__)
 
@@ -237,11 +237,16 @@ class TokenInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None or handler_call_details.method in OPEN_METHODS:
             return handler
-        caller = _caller(handler_call_details.invocation_metadata, self._secret)
+        method = handler_call_details.method
+        try:
+            caller = _caller(handler_call_details.invocation_metadata, self._secret)
+        except (ValueError, TypeError) as e:  # a credential no rule foresaw still names nobody
+            self._refusals.warning(f"{method} malformed", "refused %s: malformed credentials (%s)", method,
+                                   printable(str(e)))
+            return _refusal(handler)
         if caller is not None:
             return _with_caller(handler, caller)
-        self._refusals.warning(handler_call_details.method, "refused %s: missing or wrong token",
-                               handler_call_details.method)
+        self._refusals.warning(method, "refused %s: missing or wrong token", method)
         return _refusal(handler)
 
 
