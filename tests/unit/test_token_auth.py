@@ -114,21 +114,28 @@ def test_the_interceptor_refuses_without_running_the_handler(metadata):
     assert chosen is not handler
     context = FakeContext()
     with pytest.raises(Aborted):
-        chosen.unary_unary(b"request", context)
+        chosen.stream_unary(unread(), context)
     assert context.code == grpc.StatusCode.UNAUTHENTICATED and context.details == REFUSED and not ran
 
 
-@pytest.mark.parametrize("make", [grpc.unary_stream_rpc_method_handler, grpc.stream_unary_rpc_method_handler,
-                                  grpc.stream_stream_rpc_method_handler])
-def test_a_refusal_has_the_kind_of_the_refused_call(make):
+def unread():
+    raise AssertionError("a refused call's request was read")
+    yield  # a generator: the refusal must not start it
+
+
+@pytest.mark.parametrize("make", [grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler,
+                                  grpc.stream_unary_rpc_method_handler, grpc.stream_stream_rpc_method_handler])
+def test_a_refusal_reads_no_request_and_answers_as_the_refused_call(make):
+    """gRPC reads a unary request whole before its handler runs: a refusal is a
+    request-streaming handler whatever the call's kind (the wire does not tell them
+    apart), answering as the call does, its request never read."""
     handler = make(lambda request, context: None)
     _, chosen = intercept("/svc/Call", (), handler)
-    assert (chosen.request_streaming, chosen.response_streaming) == (handler.request_streaming,
-                                                                    handler.response_streaming)
-    behaviour = chosen.unary_stream or chosen.stream_unary or chosen.stream_stream
+    assert (chosen.request_streaming, chosen.response_streaming) == (True, handler.response_streaming)
+    behaviour = chosen.stream_unary or chosen.stream_stream
     context = FakeContext()
     with pytest.raises(Aborted):
-        result = behaviour(iter(()), context)
+        result = behaviour(unread(), context)
         list(result) if chosen.response_streaming else None
     assert context.code == grpc.StatusCode.UNAUTHENTICATED
 
