@@ -75,8 +75,29 @@ def test_bad_files_name_the_flag_and_the_file(tmp_path, pki):
     with pytest.raises(ConfigError, match=r"--tls-ca .*missing.pem: cannot be read"):
         channel_credentials(TlsFiles(ca=str(tmp_path / "missing.pem")))
     (tmp_path / "junk.pem").write_text("not a certificate")
+    (tmp_path / "junk.pem").chmod(0o600)  # a key file must be private before its content counts
     with pytest.raises(ConfigError, match=r"--tls-key .*junk.pem: is not a PEM file"):
         server_credentials(TlsFiles(cert=str(cert), key=str(tmp_path / "junk.pem")))
     with pytest.raises(ConfigError, match="needs --tls-cert and --tls-key"):
         server_credentials(TlsFiles(ca=str(pki["ca"].pem_path)))
     assert not TlsFiles().enabled and TlsFiles(ca="x").enabled
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o660])
+def test_a_private_key_others_may_read_is_refused_by_server_and_client(pki, mode):
+    """One line naming the flag, the file and the fix, before any socket: a server's key
+    and a client's (mutual TLS) alike."""
+    cert, key = pki["server"]
+    key.chmod(mode)
+    expected = (rf"^--tls-key {key}: other users may read it \(mode [-rwx]+\); "
+                rf"make it private with chmod 600 {key}$")
+    with pytest.raises(ConfigError, match=expected):
+        server_credentials(TlsFiles(cert=str(cert), key=str(key)))
+    with pytest.raises(ConfigError, match=expected):
+        channel_credentials(TlsFiles(ca=str(pki["ca"].pem_path), cert=str(cert), key=str(key)))
+    key.chmod(0o600)
+    server, address = serve(TlsFiles(cert=str(cert), key=str(key)))
+    try:
+        assert check(address, TlsFiles(ca=str(pki["ca"].pem_path))) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop(0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from types import SimpleNamespace
 
 import grpc
@@ -21,6 +22,7 @@ from disttrain.core.auth import (
 )
 from disttrain.core.errors import ConfigError
 from disttrain.core.identity import OPERATOR
+from disttrain.core.secret_files import private_problem
 from disttrain.training.options import RunOptions
 
 TOKEN = "the-token"
@@ -49,6 +51,26 @@ def test_a_token_file_others_may_read_is_refused(tmp_path, mode):
     os.chmod(path, mode)
     with pytest.raises(ConfigError, match="chmod 600"):
         read_token_file(path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
+def test_a_token_file_of_another_user_is_refused(tmp_path):
+    path = private_file(tmp_path / "token", TOKEN)
+    os.chown(path, 4242, 4242)
+    with pytest.raises(ConfigError, match=rf"^--token-file {path}: it belongs to user 4242, not to the user "
+                                          rf"reading it \(0\).*chmod 600 {path}$"):
+        read_token_file(path)
+
+
+@pytest.mark.parametrize(("mode", "owner", "reader", "problem"), [
+    (0o600, 1000, 1000, None), (0o400, 1000, 1000, None), (0o600, 0, 1000, None),  # a mounted secret
+    (0o640, 1000, 1000, "other users may read it"), (0o604, 0, 1000, "other users may read it"),
+    (0o610, 1000, 1000, "other users may read it"), (0o600, 1001, 1000, "belongs to user 1001"),
+    (0o600, 1000, 0, "belongs to user 1000"),  # root reads no other user's secret either
+])
+def test_a_secret_file_is_its_readers_own(mode, owner, reader, problem):
+    found = private_problem(stat.S_IFREG | mode, owner, reader)
+    assert (found is None) if problem is None else (problem in found and found.endswith("chmod 600"))
 
 
 def test_a_missing_token_file_is_an_error_naming_it(tmp_path):
@@ -124,7 +146,8 @@ def unread():
 
 
 @pytest.mark.parametrize("make", [grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler,
-                                  grpc.stream_unary_rpc_method_handler, grpc.stream_stream_rpc_method_handler])
+                                  grpc.stream_unary_rpc_method_handler,
+                                  grpc.stream_stream_rpc_method_handler])
 def test_a_refusal_reads_no_request_and_answers_as_the_refused_call(make):
     """gRPC reads a unary request whole before its handler runs: a refusal is a
     request-streaming handler whatever the call's kind (the wire does not tell them

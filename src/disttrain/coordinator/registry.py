@@ -11,6 +11,7 @@ to: the user decides what to do with it.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator
@@ -86,6 +87,12 @@ class Registry:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise RegistryError(f"cannot create the folder of registry {self.path}: {e}") from e
+        try:
+            # Private to its owner from its first byte (sqlite gives its -wal and -shm files
+            # the same mode): it names every node of the run, their hosts and pids.
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+        except OSError as e:
+            raise RegistryError(f"cannot create registry {self.path}: {e.strerror or e}") from e
         with _translated(self.path):
             self._db = sqlite3.connect(self.path, timeout=busy_timeout_ms / 1000,
                                        check_same_thread=False, isolation_level=None)

@@ -22,7 +22,6 @@ import functools
 import logging
 import os
 import secrets
-import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +33,7 @@ from disttrain.core.access import open_paths
 from disttrain.core.errors import ConfigError
 from disttrain.core.identity import Caller, certificate_caller, verify_token
 from disttrain.core.refusal_log import RateLimitedLog, printable
+from disttrain.core.secret_files import read_private
 
 logger = logging.getLogger(__name__)
 
@@ -102,18 +102,11 @@ def read_token_file(path: str | Path) -> str:
     """The token held in file `path`, stripped of surrounding whitespace.
 
     Raises:
-        ConfigError: the file cannot be read, is empty, holds a malformed token, or can be
-            read by other users (group or others), which would leak the token.
+        ConfigError: the file cannot be read, is empty, holds a malformed token, or is not
+            private to the user reading it (`secret_files`: another user owns it, or the
+            group or others may read it), which would leak the token.
     """
-    path = Path(path)
-    try:
-        mode = path.stat().st_mode
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--token-file {path}: cannot read it ({e})") from e
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"--token-file {path}: other users may read it (mode {stat.filemode(mode)}); "
-                          f"make it private with chmod 600 {path}")
+    text = read_private(path, "--token-file").decode("utf-8", "replace")  # not ASCII: check_token says so
     return check_token(text, f"--token-file {path}")
 
 

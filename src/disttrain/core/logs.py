@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -24,7 +25,14 @@ def setup_logging(role: str, rank: int | None = None, level: int | str = logging
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file is not None:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        open_log(log_file).close()  # created private, before logging opens it
         handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
     logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", handlers=handlers, force=True)
     for noisy in ("urllib3", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def open_log(path: str | Path):
+    """`path` opened for appending bytes, unbuffered; created readable by its owner only
+    (a log names hosts, nodes and what they were refused), whatever the umask allows."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab", buffering=0)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from disttrain.core.errors import DistributedError, DisttrainError
+from disttrain.core.logs import open_log
 from disttrain.core.process_spec import ProcessSpec, command_line
 
 logger = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ class Cluster:
         """Start the process `spec` describes as child `name` (call from the main thread:
         the kernel ties a child's death signal to the thread that forked it)."""
         log_path = self.log_dir / f"{name}.log"
-        log_file = log_path.open("ab", buffering=0)
+        log_file = open_log(log_path)
         own = self.env_of(spec) if self.env_of is not None else {}
         child_env = {**os.environ, **self.env, **own, **(env or {}), PARENT_ENV: str(os.getpid()),
                      "PYTHONUNBUFFERED": "1"}
@@ -186,7 +187,7 @@ class Cluster:
         return child
 
     def _read(self, child: Child) -> None:
-        with child.log_path.open("ab", buffering=0) as log:
+        with open_log(child.log_path) as log:
             for raw in child.process.stdout:
                 line = raw.decode(errors="replace")
                 if line.startswith(EVENT_PREFIX):

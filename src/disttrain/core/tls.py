@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disttrain.core.errors import ConfigError
+from disttrain.core.secret_files import read_private
 
 # field -> the flag a user names it with (in errors)
 FLAG_OF = {"cert": "--tls-cert", "key": "--tls-key", "ca": "--tls-ca"}
@@ -55,15 +56,19 @@ class TlsFiles:
         """The PEM bytes of file `name` ("cert", "key" or "ca"); None when not given.
 
         Raises:
-            ConfigError: the file cannot be read, or is not PEM (the flag and file named).
+            ConfigError: the file cannot be read, is not PEM, or is the private key and
+                not private to its reader (`secret_files`); the flag and file named.
         """
         path, flag = getattr(self, name), FLAG_OF[name]
         if not path:
             return None
-        try:
-            data = Path(path).read_bytes()
-        except OSError as e:
-            raise ConfigError(f"{flag} {path}: cannot be read ({e.strerror or e})") from e
+        if name == "key":  # a private key is its reader's own, as a token file is
+            data = read_private(path, flag)
+        else:
+            try:
+                data = Path(path).read_bytes()
+            except OSError as e:
+                raise ConfigError(f"{flag} {path}: cannot be read ({e.strerror or e})") from e
         if b"-----BEGIN" not in data:
             raise ConfigError(f"{flag} {path}: is not a PEM file (no -----BEGIN line)")
         return data
