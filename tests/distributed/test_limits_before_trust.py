@@ -22,10 +22,15 @@ from disttrain.coordinator.service import CoordinatorServer
 from disttrain.core import auth
 from disttrain.core.auth import METADATA_KEY, SCHEME
 from disttrain.core.identity import PREFIX, SEPARATOR
+from disttrain.core.logs import setup_logging
 from disttrain.core.refusal_log import PERIOD_S
 from disttrain.proto import coordinator_pb2 as cpb
+from disttrain.proto import parameter_server_pb2 as pb
+from disttrain.strategies.ps.run.server import build_state
+from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.wire import service as wire
 from tests.conftest import REPO_ROOT
+from tests.distributed.test_ps_server import make_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -165,3 +170,37 @@ def test_a_credential_its_parser_chokes_on_names_nobody(coordinator, caplog, mon
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert 1 <= len(warned) <= periods and all("\n" not in line for line in warned), warned
+
+
+# --- caller-supplied text in log lines --------------------------------------------------
+
+FORGED = "12:00:00 ERROR [server 0] shard 0 restored version 0 from /forged"
+
+
+@pytest.mark.parametrize("separator", ["\n", "\r", "\u2028", "\x1b[2K\r"])
+def test_a_callers_text_cannot_forge_a_log_line(tmp_path, separator):
+    """A worker registers with a host name holding a line break (or a terminal's erase
+    sequence) and a forged line after it: the shard's log file, as a process's entry
+    point sets it up, holds its line as one line, the break escaped."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    log_file = tmp_path / "server0.log"
+    setup_logging("server", 0, log_file=log_file)
+    server = ShardServer(build_state(make_config(tmp_path), 0, 1), "127.0.0.1:0")
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            register = channel.unary_unary(wire.method_path("RegisterWorker"),
+                                           request_serializer=pb.RegisterRequest.SerializeToString,
+                                           response_deserializer=pb.WorkerAssignment.FromString)
+            register(pb.RegisterRequest(worker_id="w0", key=b"k" * 32, hostname="host" + separator + FORGED,
+                                        pid=1), timeout=10)
+    finally:
+        server.stop(0)
+        for handler in root.handlers:
+            handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    lines = log_file.read_text(encoding="utf-8").split("\n")
+    assert not [line for line in lines if line.startswith(FORGED) or "\r" in line or "\u2028" in line]
+    (registered,) = [line for line in lines if "worker w0 (host" in line]
+    assert FORGED[:30] in registered  # the host name as sent (cut at 64 characters), its break escaped

@@ -7,9 +7,22 @@ import os
 import sys
 from pathlib import Path
 
+from disttrain.core.refusal_log import printable
+
 FORMAT = "%(asctime)s %(levelname)s [{role}{rank}] %(message)s"
 # With debug logging, each line also names the module that wrote it.
 DEBUG_FORMAT = "%(asctime)s %(levelname)s [{role}{rank}] %(name)s: %(message)s"
+
+
+class EscapingFormatter(logging.Formatter):
+    """A formatter whose lines are one line each: the message (which may hold what a caller
+    sent: a node id, a host name, a reason) with its non-printable characters escaped
+    (`printable`), so a newline or a terminal's control sequence in it cannot forge a
+    line; a traceback, appended after, keeps its own lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = printable(record.message)
+        return super().formatMessage(record)
 
 
 def setup_logging(role: str, rank: int | None = None, level: int | str = logging.INFO,
@@ -27,7 +40,9 @@ def setup_logging(role: str, rank: int | None = None, level: int | str = logging
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         open_log(log_file).close()  # created private, before logging opens it
         handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
-    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", handlers=handlers, force=True)
+    for handler in handlers:
+        handler.setFormatter(EscapingFormatter(fmt, datefmt="%H:%M:%S"))
+    logging.basicConfig(level=level, handlers=handlers, force=True)
     for noisy in ("urllib3", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

@@ -21,8 +21,12 @@ CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def printable(text: str) -> str:
-    """`text` with control characters escaped (\\x1b, \\n, ...), safe for a terminal or a log line."""
-    return CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+    """`text` with every character Python does not call printable escaped (controls such
+    as \\x1b and \\n, line and paragraph separators, bidirectional overrides: \\u2028,
+    \\u202e), safe for a terminal or a log line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 class RefusalLog:

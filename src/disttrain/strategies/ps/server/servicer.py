@@ -34,7 +34,7 @@ from disttrain.core.addresses import peer_is_local
 from disttrain.core.deadlines import Deadlines
 from disttrain.core.identity import NotPermitted
 from disttrain.core.poll_slots import PollLimitExceeded, PollSlots
-from disttrain.core.refusal_log import RefusalLog
+from disttrain.core.refusal_log import RefusalLog, printable
 from disttrain.core.rpc_access import Unread, authorize_message
 from disttrain.core.rpc_server import RpcServer
 from disttrain.core.rpc_server import refusals as rpc_refusals
@@ -288,7 +288,7 @@ class ParameterServicer:
                                     sync_step=request.sync_step)
         plan, rules = state.plan, state.rules
         logger.info("worker %s (%s pid %d, from %s) registered as rank %d", request.worker_id,
-                    request.hostname[:64], request.pid, peer, joined.rank)
+                    printable(request.hostname[:64]), request.pid, peer, joined.rank)
         assignment = pb.WorkerAssignment(
             rank=joined.rank, world_size=rules.world_size, worker_id=request.worker_id, shard=plan.shard,
             num_shards=plan.num_shards, aggregation_mode=rules.mode, staleness=rules.staleness_bound,
