@@ -160,5 +160,44 @@ gpu-check:
 gpu-wheels:
 	tools/gpu_wheels.sh
 
+# The project's image and the compose cluster (docs/deploy.md, "Containers"), with the
+# engine found here: podman, else docker (ENGINE=... to choose). The base is a minimal
+# Debian made by debootstrap (docker/base.sh, as root, once; BASE_IMAGE=python:3.11-slim
+# builds on a registry's instead), the wheels are fetched with this machine's pip
+# (docker/wheels.sh: none when nothing changed), and the engine's layer cache keeps a
+# build after a change to src/ under a minute (TORCH_INDEX as for install).
+.PHONY: image cluster-up cluster-down
+ifndef ENGINE
+ENGINE = $(eval ENGINE := $(shell for engine in podman docker; do \
+	$$engine info >/dev/null 2>&1 && { echo $$engine; break; }; done))$(ENGINE)
+endif
+COMPOSE ?= $(if $(filter podman,$(ENGINE)),podman-compose,$(ENGINE) compose)
+IMAGE ?= disttrain:latest
+DEBIAN_BASE := localhost/disttrain-base:bookworm
+BASE_IMAGE ?= $(DEBIAN_BASE)
+# The uid the containers run as: the owner of the cluster's shared folders (root's become its).
+APP_UID ?= $(if $(filter 0,$(shell id -u)),1000,$(shell id -u))
+NO_ENGINE = { echo "make: no container engine runs here (podman info and docker info both fail):" \
+	"install one (docker/podman_host.sh sets up podman on Debian) or name it: ENGINE=docker" >&2; exit 2; }
+
+image:
+	@test -n "$(ENGINE)" || $(NO_ENGINE)
+	if [ "$(BASE_IMAGE)" = "$(DEBIAN_BASE)" ]; then docker/base.sh $(ENGINE) $(BASE_IMAGE); fi
+	PYTHON=$(PYTHON) TORCH_INDEX=$(TORCH_INDEX) docker/wheels.sh $(ENGINE) $(BASE_IMAGE)
+	$(ENGINE) build -f docker/Dockerfile -t $(IMAGE) --build-arg BASE_IMAGE=$(BASE_IMAGE) \
+		--build-arg TORCH_INDEX=$(TORCH_INDEX) --build-arg APP_UID=$(APP_UID) .
+
+# The run's credentials (docker/cluster_env.sh: the secret for the coordinator and the
+# server, its own node token for each worker), then the cluster, in the background; its
+# checkpoints, logs and summary in runs/cluster/ (DISTTRAIN_RUN_DIR), its config
+# DISTTRAIN_CONFIG's (ps_sync_mnist unless set). `$(COMPOSE) logs` shows what it did.
+cluster-up: image
+	docker/cluster_env.sh $(ENGINE) $(IMAGE) $(APP_UID)
+	$(COMPOSE) up -d --no-build
+
+cluster-down:
+	@test -n "$(ENGINE)" || $(NO_ENGINE)
+	$(COMPOSE) down
+
 clean:
 	rm -rf runs .pytest_cache build

@@ -71,26 +71,48 @@ def test_dockerfile_parses_into_the_expected_instructions():
     by_name = {}
     for name, value in instructions:
         by_name.setdefault(name, []).append(value)
-    assert instructions[0] == ("ARG", "BASE_IMAGE=python:3.11-slim") and by_name["FROM"] == ["${BASE_IMAGE}"]
+    # deps (the dependencies' environment), build (the project's files), then the image
+    assert instructions[0] == ("ARG", "BASE_IMAGE=python:3.11-slim")
+    assert by_name["FROM"] == ["${BASE_IMAGE} AS deps", "deps AS build", "${BASE_IMAGE}"]
     args = dict(value.split("=", 1) for value in by_name["ARG"])
     assert args["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
     lock = (REPO_ROOT / "requirements.lock").read_text()
     assert f"\ntorch=={args['TORCH_VERSION']}\n" in lock  # the image installs the tested torch
     runs = " ".join(by_name["RUN"])
     assert '"torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"' in runs
-    assert "pip install -c requirements.lock ." in runs  # and the tested versions of the rest
-    assert by_name["WORKDIR"] == ["/app"]
-    assert by_name["COPY"] == ["pyproject.toml README.md requirements.lock ./", "src ./src"]
+    # the tested versions of the rest, from docker/wheels/ (no network) or the indexes
+    assert runs.count("-c requirements.lock -r dependencies.txt") == 2
+    assert "--no-index --find-links wheels" in runs
+    assert "venv --without-pip /opt/disttrain" in runs  # pip never enters the image's environment
+    assert by_name["WORKDIR"][-1] == "/app"
+    assert by_name["COPY"] == ["pyproject.toml requirements.lock ./", "docker/wheels ./wheels",
+                               "README.md ./", "src ./src", "--from=deps /opt/disttrain /opt/disttrain",
+                               "--from=build /stage/ /"]
+    names = [name for name, _ in instructions]
+    final = names[len(names) - 1 - names[::-1].index("FROM"):]
+    assert final.count("RUN") == 1 and final.index("RUN") < final.index("COPY")  # the user, then the files
     assert len(by_name["USER"]) == 1 and by_name["USER"][0] not in ("root", "0")
     assert [name for name, _ in instructions].index("USER") > max(
         i for i, (name, _) in enumerate(instructions) if name == "RUN")  # nothing runs as root after
     assert json.loads(by_name["ENTRYPOINT"][0]) == ["disttrain"]
     ignore = (REPO_ROOT / ".dockerignore").read_text().split()
-    assert ignore[ignore.index("*"):][:5] == ["*", "!pyproject.toml", "!README.md", "!requirements.lock",
-                                             "!src/"]
+    assert ignore[ignore.index("*"):][:6] == ["*", "!pyproject.toml", "!README.md", "!requirements.lock",
+                                             "!src/", "!docker/wheels/"]
+    # the wheels fetched for the build never go into version control
+    ignored = subprocess.run(["git", "check-ignore", "-q", "docker/wheels/torch-0-cp311-none-any.whl"],
+                             cwd=REPO_ROOT, timeout=60)
+    assert ignored.returncode == 0
 
 
 # --- Compose ----------------------------------------------------------------------------
+
+RUN_DIR = "${DISTTRAIN_RUN_DIR:-./runs/cluster}"
+
+
+def interpolate(value: str) -> str:
+    """Compose's `${VAR:-default}` with VAR unset: the default."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value)
+
 
 def test_compose_services_network_volumes_and_token():
     services = COMPOSE["services"]
@@ -98,17 +120,25 @@ def test_compose_services_network_volumes_and_token():
     assert "training_net" in COMPOSE["networks"]
     for name, service in services.items():
         assert service["networks"] == ["training_net"], name
-        assert service["volumes"] == ["./checkpoints:/app/checkpoints", "./logs:/app/logs"], name
-        assert service["shm_size"], name
-        assert service["env_file"] == "disttrain.env", name  # the token never inline
-        assert "DISTTRAIN_TOKEN" not in service.get("environment", {}), name
+        assert service["volumes"] == [f"{RUN_DIR}/checkpoints:/app/checkpoints", f"{RUN_DIR}/logs:/app/logs",
+                                      f"{RUN_DIR}/config:/app/config:ro"], name
+        assert service["shm_size"] and service["restart"] == "on-failure:5", name
+        assert "DISTTRAIN_TOKEN" not in service.get("environment", {}), name  # the token never inline
         assert not any(arg.startswith("--token") for arg in service["command"]), name
+        assert flag(service["command"], "--config") == "${DISTTRAIN_CONFIG:-ps_sync_mnist}", name
+    # The secret for the servers, which check every caller; each worker its own node token.
+    for name in ("coordinator", "parameter_server"):
+        assert services[name]["env_file"] == f"{RUN_DIR}/secrets/disttrain.env", name
     server = services["parameter_server"]["command"]
     assert server[0] == "ps-server" and flag(server, "--bind") == "0.0.0.0:50051"
+    made = re.search(r"^workers=\((.*)\)", (REPO_ROOT / "docker" / "cluster_env.sh").read_text(), re.M)
+    assert made and made.group(1).split() == ["worker0", "worker1"]  # the node tokens cluster_env.sh makes
     for rank in (0, 1):
         worker = services[f"worker_{rank}"]["command"]
         assert worker[0] == "ps-worker" and flag(worker, "--servers") == "parameter_server:50051"
         assert flag(worker, "--rank") == str(rank) and "--resume" in worker
+        assert flag(worker, "--worker-id") == f"worker{rank}"
+        assert services[f"worker_{rank}"]["env_file"] == f"{RUN_DIR}/secrets/worker{rank}.env"
         assert services[f"worker_{rank}"]["depends_on"]["parameter_server"]["condition"] == "service_healthy"
 
 
@@ -118,11 +148,12 @@ def test_compose_health_checks_answer_from_a_real_server_and_fail_once_it_stops(
     from disttrain.core.rpc_server import RpcServer
 
     for name, port in (("parameter_server", "50051"), ("coordinator", "50050")):
-        test = COMPOSE["services"][name]["healthcheck"]["test"]
-        assert test[:3] == ["CMD", "python3", "-c"] and "grpc_health.v1" in test[3]
+        kind, line = COMPOSE["services"][name]["healthcheck"]["test"]
+        assert kind == "CMD-SHELL" and line.startswith("python3 -c ") and "grpc_health.v1" in line
         server = RpcServer(grpc.method_handlers_generic_handler("test.Nothing", {}), "test.Nothing",
                            "127.0.0.1:0", 4, token=TOKEN)  # the health service needs no token
-        probe = [sys.executable, "-c", test[3].replace(f"localhost:{port}", server.address)]
+        line = shlex.quote(sys.executable) + line.removeprefix("python3")
+        probe = ["sh", "-c", line.replace(f"localhost:{port}", server.address)]
         try:
             assert subprocess.run(probe, timeout=60).returncode == 0
         finally:
@@ -133,7 +164,7 @@ def test_compose_health_checks_answer_from_a_real_server_and_fail_once_it_stops(
 @pytest.mark.slow
 @pytest.mark.parametrize("service", sorted(COMPOSE["services"]))
 def test_compose_command_passes_check_config(cli, tmp_path, service):
-    command = COMPOSE["services"][service]["command"]
+    command = [interpolate(arg) for arg in COMPOSE["services"][service]["command"]]
     result = dry_run(cli, command, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"{command[0]}: ") and "with token" in result.stdout
@@ -265,7 +296,8 @@ def test_every_disttrain_command_of_the_guide_passes_check_config(cli, tmp_path)
 
 
 def test_every_file_the_guide_names_exists():
-    named = set(re.findall(r"\b((?:docker|deploy|docs)/[\w./-]+\.(?:yaml|py|md)|docker/Dockerfile)", GUIDE))
+    named = set(re.findall(r"\b((?:docker|deploy|docs|tests)/[\w./-]+\.(?:yaml|py|md|sh)|docker/Dockerfile)",
+                           GUIDE))
     assert named and all((REPO_ROOT / path).is_file() for path in named), named
     for args in guide_commands("kubectl"):
         files = [args[i + 1] for i, arg in enumerate(args) if arg == "-f" and args[i + 1] != "-"]
