@@ -331,3 +331,25 @@ def test_a_worker_whose_step_went_on_without_it_everywhere_starts_it_again_from_
         assert all(3 in s.state.ledger(0, 0) and 103 in s.state.ledger(0, 0) for s in servers)
     finally:
         stop(servers, [w0, w1] + ([restarted] if restarted else []))
+
+
+def test_a_worker_that_is_done_stays_done_on_a_shard_restored_after_it_left(tmp_path):
+    # Found by disttrain chaos, ps-local seed 91: worker 1 finished and exited; shard 1 was
+    # killed then and came back from its checkpoint of before worker 1's end, so it refused
+    # the final Shutdown ("workers are still training") for a worker that was gone.
+    config = make_config(tmp_path, num_workers=2).replace(training={"checkpoint_interval": 2})
+    servers = start_servers(config)
+    w0, w1 = (exchange_for(config, servers, f"w{rank}") for rank in (0, 1))
+    try:
+        for step in (1, 2, 3):  # shard checkpoints at version 2; version 3 is in none of them
+            assert step_together([w0, w1], step) == []
+        w1.client.worker_done("w1")  # answered: the mark is in a checkpoint on every shard
+        w1.client.close()
+        restart_server(config, servers, 1)
+        assert servers[1].state.rules.done == {1}
+        assert steps_of(servers) == [3, 3]
+        w0.client.worker_done("w0")  # re-registers with the restarted shard as it does
+        for server in servers:
+            assert server.state.rules.all_done()
+    finally:
+        stop(servers, [w0, w1])

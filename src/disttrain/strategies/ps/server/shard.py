@@ -218,7 +218,8 @@ class ShardState:
             return self.barriers.result(name)
 
     def worker_done(self, worker_id: str, session: bytes) -> None:
-        """`worker_id` finished training. Raises SessionRefused or UnknownWorker."""
+        """`worker_id` finished training; answered once that is in a checkpoint. Raises
+        SessionRefused, UnknownWorker, or CheckpointError (the write failed)."""
         with self._changed:
             self.identities.check(worker_id, session)
             self._apply_or_void(self.rules.mark_done(worker_id, self.clock()))
@@ -227,6 +228,14 @@ class ShardState:
                 self.broadcast.reset(self.param, self.rules.version)
                 self._snapshot = None
             self._changed.notify_all()
+            state = self._state() if self.checkpoints is not None and not self.stopping else None
+        if state is not None:
+            # A worker that is done exits, and no registration of it tells a shard restored
+            # later that it finished: the mark must be in a checkpoint before the worker
+            # hears it was taken, or a shard restored from an older one holds the run's end
+            # for a worker that is gone (found by disttrain chaos, ps-local seed 91).
+            self._save_async(state)
+            self.flush_checkpoints()
 
     def check_finisher(self, worker_id: str, session: bytes) -> None:
         """Raises SessionRefused, UnknownWorker, NotPermitted (not the worker that writes
