@@ -28,7 +28,14 @@ def test_quick_schedules_keep_every_invariant_and_say_what_they_ran(tmp_path, cl
     assert first["schedule"] == ["kill:server=0:step=133", "kill:server=0:step=142:attempt=1"]
     assert live["schedule"] == ["kill:rank=0:step=144", "kill:rank=0:step=147:attempt=1"]
     assert hostile["patterns"] == ["hostile"]
-    assert any("sent to pid" in sent for sent in hostile["timed_faults_sent"])
+    # each kill from outside that came due is recorded as sent, or skipped with why (the
+    # target was between restarts, or had ended): how many come due before the run ends
+    # depends on the machine's speed
+    drawn = [line for line in hostile["schedule"] if line.endswith("(from outside)")]
+    assert drawn and len(hostile["timed_faults_sent"]) <= len(drawn)
+    for line, sent in zip(drawn, hostile["timed_faults_sent"], strict=False):
+        assert sent.startswith(line)
+        assert ": sent to pid " in sent or ": skipped, " in sent
     for line in first["schedule"]:
         assert line in result.stdout
     # the restarts these faults caused were seen by the run itself

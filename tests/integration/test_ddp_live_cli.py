@@ -121,6 +121,7 @@ def test_linear_lr_scaling_scales_by_the_runs_world_size(cli, tmp_path, undistur
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # the split follows the speeds measured in the run: alone on the machine
 @pytest.mark.timeout(400)
 def test_balanced_live_run_gives_the_straggler_less_and_replans_after_a_loss(cli, tmp_path, undisturbed):
     """`system.balance proportional`: slot 2 straggles (4 times slower); the speed checks

@@ -259,6 +259,11 @@ def test_a_group_with_a_killed_rank_failed_from_outside_whatever_the_others_said
     reason, error = group_failure({0: failure(tmp_path, 0, 1, "DistributedError: lost contact with rank 1"),
                                    1: failure(tmp_path, 1, -9)})
     assert (reason, error) == ("failed (rank 1 killed by SIGKILL)", None)
+    # the group's stop (SIGTERM) of a lower rank, seen at the same time, is not the cause
+    assert group_failure({0: failure(tmp_path, 0, -15), 1: failure(tmp_path, 1, -9)})[0] == \
+        "failed (rank 1 killed by SIGKILL)"
+    assert group_failure({0: failure(tmp_path, 0, -15), 1: failure(tmp_path, 1, -15)})[0] == \
+        "failed (rank 0 killed by SIGTERM)"
 
 
 def test_a_groups_error_is_a_users_first_then_an_unexpected_one_then_a_fault(tmp_path):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -88,7 +89,11 @@ def group_failure(failures: Mapping[int, Any]) -> tuple[str, ErrorReport | None]
     """How the group failed (one phrase) and the error that stands for it: none when a rank
     was killed (the others only lost it); else a user's error first, then an unexpected
     one, then a fault."""
-    killed = sorted(rank for rank, failure in failures.items() if failure.exitcode < 0)
+    # A rank killed by SIGTERM is most often one the group's stop ended after another rank
+    # died (which of them the agent sees first depends on the machine's load): name first
+    # a rank killed by any other signal.
+    killed = sorted((rank for rank, failure in failures.items() if failure.exitcode < 0),
+                    key=lambda rank: (failures[rank].exitcode == -signal.SIGTERM, rank))
     if killed:
         failure = failures[killed[0]]
         return f"failed (rank {killed[0]} killed by {failure.signal_name()})", None
