@@ -168,7 +168,6 @@ def finish(config: Config, client: PSClient, participant: WorkerParticipant, res
     logger.info("final model (versions %s) -> %s", versions, final_path)
     # Read while the servers are still up.
     ledger = data_ledger(config.training.num_epochs, client, participant, totals, statuses)
-    client.call_all("Shutdown", pb.ShutdownRequest(worker_id=worker_id))
     workers = [{"rank": r, "samples": t.samples, "train_time_s": t.train_time_s, "bytes_sent": t.bytes_sent,
                 "bytes_received": t.bytes_received} for r, t in enumerate(totals)]
     summary = RunSummary.create(
@@ -189,4 +188,8 @@ def finish(config: Config, client: PSClient, participant: WorkerParticipant, res
                **compression_summary(totals, config.compression.pull != "none")})
     summary.write(config.system.log_dir)
     write_hparams(summary, config.system.log_dir)
+    # The servers stop last: this worker killed before the summary was written comes back
+    # to servers that still answer and ends the run again; stopped first, they were gone
+    # and the run ended without a summary (found by disttrain chaos, ps-3shards seed 201).
+    client.call_all("Shutdown", pb.ShutdownRequest(worker_id=worker_id))
     return summary
