@@ -18,6 +18,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from markers import write_block
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PAGE = REPO_ROOT / "docs" / "chaos.md"
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "chaos"
@@ -90,13 +92,8 @@ def committed() -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 def main() -> int:
-    text = PAGE.read_text()
-    if BEGIN not in text or END not in text:
-        print(f"{PAGE}: the markers {BEGIN.strip()} and {END.strip()} are missing", file=sys.stderr)
+    if not write_block(PAGE, BEGIN, END, render(*committed())):
         return 1
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    PAGE.write_text(head + BEGIN + render(*committed()) + END + tail)
     print(f"wrote the figures of {RESULTS} into {PAGE}")
     return 0
 

@@ -18,6 +18,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from markers import write_block
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PAGE = REPO_ROOT / "docs" / "benchmarks.md"
 RESULT = REPO_ROOT / "benchmarks" / "results" / "gpu_check_h200.json"
@@ -135,13 +137,8 @@ def render(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     result = Path(argv[0]) if argv else RESULT
-    text = PAGE.read_text()
-    if BEGIN not in text or END not in text:
-        print(f"{PAGE}: the markers {BEGIN.strip()} and {END.strip()} are missing", file=sys.stderr)
+    if not write_block(PAGE, BEGIN, END, render(json.loads(result.read_text()))):
         return 1
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    PAGE.write_text(head + BEGIN + render(json.loads(result.read_text())) + END + tail)
     print(f"wrote the GPU figures of {result} into {PAGE}")
     return 0
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from markers import write_block
+
 from disttrain.metrics import keys
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
@@ -16,13 +18,8 @@ BEGIN, END = "<!-- metrics:begin -->\n", "<!-- metrics:end -->\n"
 
 
 def main() -> int:
-    text = PAGE.read_text()
-    if BEGIN not in text or END not in text:
-        print(f"{PAGE}: the markers {BEGIN.strip()} and {END.strip()} are missing", file=sys.stderr)
+    if not write_block(PAGE, BEGIN, END, "\n" + keys.markdown() + "\n"):
         return 1
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    PAGE.write_text(head + BEGIN + "\n" + keys.markdown() + "\n" + END + tail)
     print(f"wrote the metrics tables into {PAGE}")
     return 0
 
