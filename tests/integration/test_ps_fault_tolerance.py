@@ -162,6 +162,13 @@ def test_a_stopped_run_resumes_as_a_whole_and_nothing_is_lost(tmp_path, cli):
     assert stopped.returncode == 1 and "max_restarts=0" in stopped.stderr
     summary = run_ps(cli, tmp_path, "--resume")
     assert_every_sample_applied_once(summary)
+    # The resumed launch's registry is its own: the processes the first one left behind ended
+    # with it, and are neither failures nor recoveries of this one.
+    snapshot = read_status(tmp_path / "logs" / "cluster.db", max_events=1000)
+    assert {node["node_id"]: node["restarts"] for node in snapshot.nodes} == {
+        "server0": 0, "worker0": 0, "worker1": 0}
+    assert [e for e in snapshot.events if e["kind"] in ("failed", "restarted", "recovered")] == []
+    assert summary["num_failures"] == 0
 
 
 BACKUP_WORKERS, BACKUP_TRAIN = 3, 960  # 320 samples a worker: 10 full batches an epoch

@@ -3,9 +3,9 @@ registry lives, the process that serves it, and the exits the launcher tells it 
 
 The parameter-server launcher starts the coordinator under its supervisor (restarted on
 its registry when it dies); the DDP launcher starts it beside the ranks. Both describe
-it with `coordinator_spec`, keep its registry at `<log_dir>/cluster.db` (emptied for a
-fresh run, kept with `--resume`), and report the ends of the processes that could not
-report their own (`ExitReports`).
+it with `coordinator_spec`, keep its registry at `<log_dir>/cluster.db` (emptied at each
+launch, `--resume` included; a coordinator restarted within a launch reloads it), and
+report the ends of the processes that could not report their own (`ExitReports`).
 """
 
 from __future__ import annotations
@@ -29,12 +29,17 @@ REGISTRY_FILE = "cluster.db"  # in the run's log dir
 PATIENCE_S = 120.0  # how long the last exits wait for a coordinator that is being restarted
 
 
-def run_registry(log_dir: Path, resume: bool) -> Path:
-    """The run's registry in `log_dir`; a fresh run starts with none (its WAL files gone too)."""
+def run_registry(log_dir: Path) -> Path:
+    """The registry of one launch in `log_dir`, which starts with none (its WAL files gone
+    too), `--resume` included: the processes an earlier launch registered ended with it. A
+    registry kept across launches held them as alive; the new coordinator then declared each
+    failed after one heartbeat timeout (a failure and a recovery that never happened, in
+    `status` and the summary), and reassigned a worker slow to start. A coordinator
+    restarted within a launch reloads the launch's own registry. What happened in an
+    earlier launch stays in the coordinator's log, which each launch appends to."""
     registry = Path(log_dir) / REGISTRY_FILE
-    if not resume:
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{registry}{suffix}").unlink(missing_ok=True)
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{registry}{suffix}").unlink(missing_ok=True)
     return registry
 
 

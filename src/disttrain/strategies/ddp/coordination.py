@@ -3,8 +3,8 @@ tell it how the ranks ended.
 
 A single-node run starts `disttrain coordinator` as a child process (bound to a free
 port on 127.0.0.1, its registry at `<log_dir>/cluster.db`) unless `coordinator.address`
-names a running one. A fresh run starts a fresh registry; `--resume` keeps it, less the
-ranks a killed launcher left alive in it. The ranks find the coordinator through
+names a running one. Each launch starts a fresh registry (`--resume` too: the ranks of an
+earlier launch ended with it). The ranks find the coordinator through
 `coordinator.address` in the config they read, register and heartbeat (`heartbeats`),
 and report their own end. The launcher reports the ends the ranks could not (a rank
 killed in the last attempt, the ranks the agent stopped, a stopped launcher), then
@@ -25,13 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from disttrain.config import Config
-from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.launch import ExitReports, coordinator_spec, run_registry
 from disttrain.core.auth import TOKEN_ENV, new_token
 from disttrain.core.faults import Fault
 from disttrain.core.processes import Cluster
 from disttrain.core.tls import TlsFiles
-from disttrain.strategies.ddp.heartbeats import ROLE, node_id
+from disttrain.strategies.ddp.heartbeats import node_id
 
 logger = logging.getLogger(__name__)
 
@@ -71,21 +70,6 @@ class RunCoordinator:
         known = dict(exits or {})
         self.report({**{rank: (1, reason) for rank in self.local_ranks if rank not in known}, **known})
 
-    def retire_earlier_ranks(self) -> None:
-        """Mark failed every rank an earlier run left alive in a kept registry (its launcher
-        was killed): none of this run's ranks has started, so no live process holds those
-        ids, and this run's ranks can register at once."""
-        client = CoordinatorClient(self.address, timeout_s=CALL_TIMEOUT_S, token=self.token, tls=self.tls)
-        try:
-            left = [node.node_id for node in client.status().nodes
-                    if node.role == ROLE and node.state == "alive"]
-            for node in left:
-                client.report_exit(node, 1, "its run ended without reporting it (the launcher was stopped)")
-        except CoordinatorError as e:
-            logger.warning("could not check the coordinator for ranks of an earlier run: %s", e)
-        finally:
-            client.close()
-
     def report(self, exits: Mapping[int, tuple[int, str]]) -> None:
         """Tell the coordinator each rank's (exit code, reason); best effort, one try each."""
         if not self.address or not exits:
@@ -97,7 +81,7 @@ class RunCoordinator:
 
 
 @contextmanager
-def run_coordinator(config: Config, config_path: Path, resume: bool, token: str | None = None,
+def run_coordinator(config: Config, config_path: Path, token: str | None = None,
                     tls: TlsFiles | None = None, faults: tuple[Fault, ...] = ()) -> Iterator[RunCoordinator]:
     """Have a coordinator for the run while the block runs; yields where the ranks find it.
 
@@ -122,13 +106,11 @@ def run_coordinator(config: Config, config_path: Path, resume: bool, token: str 
         return
     token = token or new_token()
     log_dir = Path(config.system.log_dir)
-    registry = run_registry(log_dir, resume)
+    registry = run_registry(log_dir)
     with Cluster(log_dir, env={TOKEN_ENV: token}) as cluster:
         cluster.spawn("coordinator", coordinator_spec(config_path, registry, BIND, faults, tls=tls))
         address = cluster.wait_listening("coordinator")
         logger.info("coordinator listening on %s (registry %s)", address, registry)
         coordinator = RunCoordinator(config.replace(coordinator={"address": address}), local_ranks, registry,
                                      token, tls)
-        if resume:
-            coordinator.retire_earlier_ranks()
         yield coordinator

@@ -158,7 +158,7 @@ def launch(config: Config, options: RunOptions) -> RunSummary | None:
     with tempfile.TemporaryDirectory(prefix="disttrain-ddp-") as folder:
         config_path, summary_path = Path(folder) / "config.yaml", Path(folder) / SUMMARY_FILE
         config.save(config_path)
-        with run_coordinator(config, config_path, options.resume, options.token, options.tls,
+        with run_coordinator(config, config_path, options.token, options.tls,
                              options.faults) as coordinator:
             coordinator.config.save(config_path)  # the ranks find the coordinator here
             args = command_line(rank_spec(config_path, summary_path, options))

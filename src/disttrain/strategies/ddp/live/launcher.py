@@ -157,7 +157,7 @@ def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary | 
     with tempfile.TemporaryDirectory(prefix="disttrain-ddp-live-") as folder:
         config_path, summary_path = Path(folder) / "config.yaml", Path(folder) / SUMMARY_FILE
         config.save(config_path)
-        with run_coordinator(config, config_path, False, options.token, options.tls,
+        with run_coordinator(config, config_path, options.token, options.tls,
                              options.faults) as coordinator:
             coordinator.config.save(config_path)
             env = {LIVE_STORE_ENV: store_at,

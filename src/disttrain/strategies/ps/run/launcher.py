@@ -39,6 +39,7 @@ from disttrain.core.process_spec import ProcessSpec
 from disttrain.core.processes import Cluster, raise_on_sigterm
 from disttrain.core.store_check import check_checkpoint_dir
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
+from disttrain.strategies.ps.run.layout import run_layout
 from disttrain.strategies.ps.run.progress import ClusterWatch
 from disttrain.strategies.ps.run.recovery import recovery_summary
 from disttrain.strategies.ps.wire.sharding import log_plan, plan_shards
@@ -55,8 +56,10 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
     """Run the coordinator, servers and workers as child processes until the run ends.
 
     Raises:
-        ConfigError: bad input found before any process starts (an unknown model,
-            checkpoints of an earlier run in the folder without `--resume`).
+        ConfigError: bad input found before any process starts (an unknown model, a
+            training set that makes no batch per worker, checkpoints of an earlier run in
+            the folder without `--resume`).
+        DataError: the training set cannot be read.
         DistributedError: a process failed more often in a row without progress than
             `coordinator.max_restarts` (its name, exit code and log are named), or did not start.
         ConfigError, DataError, CheckpointError, TrainingError: a process failed with a
@@ -68,7 +71,7 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
     log_dir = Path(config.system.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / SUMMARY_FILE).unlink(missing_ok=True)
-    registry = run_registry(log_dir, options.resume)
+    registry = run_registry(log_dir)
     raise_on_sigterm()
     # One secret per run unless the user gave one; children get their token through their
     # environment (a command line is readable by every user), restarted ones too.
@@ -129,6 +132,7 @@ def preflight(config: Config, options: RunOptions) -> None:
     except ValueError as e:
         raise ConfigError(f"the parameter server cannot shard this model: {e}") from e
     log_plan(plans)
+    run_layout(config)  # a training set that makes no batch per worker fails here, once
     folder = config.system.checkpoint_dir  # a path or a store's URL
     check_checkpoint_dir(folder, "ps", in_this_process=False)
     for name in [f"server{s}" for s in range(config.ps.num_servers)] + \
