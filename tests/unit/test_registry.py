@@ -184,3 +184,23 @@ def test_save_deletes_forgotten_nodes_and_keeps_the_latest_events_and_recoveries
     assert [n["node_id"] for n in snapshot.nodes] == ["worker-0"]
     assert [e["detail"] for e in snapshot.events] == [str(i) for i in range(18, 30)]
     assert [r.reason for r in snapshot.recoveries] == [f"r{i}" for i in range(18, 30)]
+
+
+def test_a_new_launch_starts_a_registry_of_its_own_whose_generations_go_on(tmp_path):
+    """`run_registry`: the nodes and events of an earlier launch are gone (its processes
+    ended with it), and its generation is where the new one starts: the shards'
+    checkpoints hold the generations their workers registered in."""
+    from disttrain.coordinator.launch import run_registry
+
+    path = run_registry(tmp_path)
+    membership = cluster()
+    earlier = Registry(path)
+    save(earlier, membership)
+    earlier.close()
+    assert read_status(path).events
+    assert run_registry(tmp_path) == path
+    snapshot = read_status(path)
+    assert (snapshot.nodes, snapshot.events, snapshot.generation) == ([], [], membership.generation)
+    assert membership.generation >= 2
+    path.unlink()
+    assert run_registry(tmp_path) == path and not path.exists()  # nothing before it: nothing made

@@ -17,6 +17,7 @@ from pathlib import Path
 import tenacity
 
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
+from disttrain.coordinator.registry import Registry, RegistryError, read_status
 from disttrain.core.auth import TOKEN_ENV
 from disttrain.core.faults import Fault
 from disttrain.core.identity import node_token
@@ -36,10 +37,28 @@ def run_registry(log_dir: Path) -> Path:
     failed after one heartbeat timeout (a failure and a recovery that never happened, in
     `status` and the summary), and reassigned a worker slow to start. A coordinator
     restarted within a launch reloads the launch's own registry. What happened in an
-    earlier launch stays in the coordinator's log, which each launch appends to."""
+    earlier launch stays in the coordinator's log, which each launch appends to.
+
+    The generation goes on from the earlier launch's: the shards' checkpoints hold the
+    generation each worker registered in, and a shard refuses a registration of an older
+    generation than the one it holds for that worker (it reads as a process the run has
+    since replaced)."""
     registry = Path(log_dir) / REGISTRY_FILE
+    generation = 0
+    if registry.exists():
+        try:
+            generation = read_status(registry, max_events=0).generation
+        except RegistryError as e:  # not a registry we can read: the new one starts from 0
+            logger.warning("the earlier launch's registry %s cannot be read (%s); generations start "
+                           "again from 0", registry, e)
     for suffix in ("", "-wal", "-shm"):
         Path(f"{registry}{suffix}").unlink(missing_ok=True)
+    if generation:
+        fresh = Registry(registry)
+        try:
+            fresh.save([], [], generation)
+        finally:
+            fresh.close()
     return registry
 
 
