@@ -48,10 +48,28 @@ def mnist_or_digits() -> list:
 
 def run_cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None,
             cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m disttrain ARGS` in a fresh process; capture its output."""
+    """Run `python -m disttrain ARGS` in a fresh process; capture its output. A run past
+    `timeout` fails the test with the end of what it printed and of each log in its
+    `--log-dir` (a hang must say where it hung)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "disttrain", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=full_env, cwd=cwd)
+    try:
+        return subprocess.run([sys.executable, "-m", "disttrain", *map(str, args)], capture_output=True,
+                              text=True, timeout=timeout, env=full_env, cwd=cwd)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"disttrain {' '.join(map(str, args))} ran past {timeout}s\n{_hang_report(args, e)}")
+
+
+def _hang_report(args, error: subprocess.TimeoutExpired) -> str:
+    def tail(text, lines: int = 25) -> str:
+        text = text.decode(errors="replace") if isinstance(text, bytes) else (text or "")
+        return "\n".join(text.splitlines()[-lines:])
+
+    parts = [f"--- its stderr ---\n{tail(error.stderr)}"]
+    args = list(map(str, args))
+    if "--log-dir" in args and args.index("--log-dir") + 1 < len(args):
+        for log in sorted(Path(args[args.index("--log-dir") + 1]).glob("*.log")):
+            parts.append(f"--- {log.name} ---\n{tail(log.read_text(errors='replace'))}")
+    return "\n".join(parts)
 
 
 @pytest.fixture
