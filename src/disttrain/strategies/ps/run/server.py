@@ -2,7 +2,8 @@
 
 `build_state` is where the config meets the shard: it hands each part its own settings
 (the aggregation rules their `ps` keys, the decoder the `compression` section, the
-optimizer the `training` section, the checkpoints their folder and cadence). `serve`
+optimizer the `training` section, the checkpoints their folder and cadence, the
+ownership checks the run's block layout, `run_layout`). `serve`
 binds `--bind HOST:PORT` (port 0 picks a free one), reports the address it bound on its
 log and, under the cluster launcher, as an event line on stdout, and stops on
 SIGTERM/SIGINT or on a Shutdown call once every worker is done, writing a final
@@ -26,10 +27,10 @@ from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import ProgressReport, bind_to_parent, emit_event
 from disttrain.core.tls import TlsFiles
 from disttrain.strategies.ps.run.launcher import check_supported
+from disttrain.strategies.ps.run.layout import run_layout
 from disttrain.strategies.ps.run.link import join
 from disttrain.strategies.ps.server.aggregation import AggregationRules
 from disttrain.strategies.ps.server.broadcast import BroadcastCopy
-from disttrain.strategies.ps.server.ownership import BlockLayout
 from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.server.shard import CheckpointPolicy, ShardState
 from disttrain.strategies.ps.server.validation import PushDecoder
@@ -55,7 +56,9 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
         on_checkpoint_failure: told of a checkpoint write that failed for good.
 
     Raises:
-        ConfigError: the checkpoint dir holds an earlier run (and not resuming).
+        ConfigError: the checkpoint dir holds an earlier run (and not resuming), or the
+            training set does not make one batch per worker (`run_layout`).
+        DataError: the training set cannot be read (`run_layout`).
         CheckpointError: the newest checkpoint cannot be used.
     """
     training, system, ps = config.training, config.system, config.ps
@@ -67,7 +70,7 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
     folder = object_store.join(system.checkpoint_dir, f"server{shard}")  # a path or a store's URL
     resumed_from = ckpt.prepare_checkpoint_dir(folder, resume)
     rules = AggregationRules(ps.aggregation_mode, system.num_workers, ps.staleness, ps.backup_workers,
-                             BlockLayout(system.num_workers, training.num_epochs))
+                             run_layout(config))
     # Under a balance plan one worker's batch may be up to the whole global batch; with local
     # updates one push stands for a round's batches.
     max_samples = training.batch_size * (1 if system.balance == "none" else system.num_workers) \

@@ -9,13 +9,20 @@ negative epoch, or park itself for every later epoch with a huge one.
 
 - `epoch` is in [0, num_epochs) (when the run's epochs are known), whatever else the
   push says: `last_in_epoch` of an epoch the run never reaches is refused.
-- `block` is -1 (no block: recorded nowhere) or a block of the caller's own rank and of
-  the push's epoch; when the shard does not know `batches_per_epoch`, only the bounds
-  that hold whatever it is (a block of rank r of epoch e is at least e * workers + r).
-- A `redo` names a real block (never -1) of the caller's own rank, or of a rank the
-  coordinator reassigned (`worker.takeover`); a redo of a live worker's block is answered
-  as a membership not heard of yet (retry), since this shard may learn of a reassignment
-  after the survivor that takes the block over.
+- `block` is -1 (no block: recorded nowhere) or a block of the run's plan: of an epoch of
+  the run, and with local updates the block of a round's last batch (`round_length`: the
+  ledgers hold one block per round). A push names a block of the caller's own rank and
+  of the push's epoch, and says `last_in_epoch` only with its epoch's last block.
+- A `redo` names a block of the plan (never -1) of the push's epoch, of the caller's own
+  rank or of a rank the coordinator reassigned (`worker.takeover`); a redo of a live
+  worker's block is answered as a membership not heard of yet (retry), since this shard
+  may learn of a reassignment after the survivor that takes the block over. (A redo of
+  a block the ledger holds is a duplicate: the rules answer it DUPLICATE, applied never.)
+
+The layout of a real shard is the run's (`BlockLayout.of_run`, built by `run.server`
+from the run's config); a layout without `batches_per_epoch` (rules built bare, in
+tests and simulations) checks only the bounds that hold whatever it is (a block of rank
+r of epoch e is at least e * workers + r).
 
 Pure: the rules call `check` with the caller's rank and the ranks reassigned.
 """
@@ -36,6 +43,17 @@ class NotReassigned(UnknownGeneration):
     """A redo of another rank's block that this shard has not seen reassigned (retry)."""
 
 
+def batches_per_epoch(num_samples: int, batch_size: int, world_size: int, balanced: bool) -> int:
+    """Each worker's batches in an epoch, as its sampler counts them (`data.sampler`,
+    `data.planned`): equal shards of `num_samples // world_size` samples cut into batches
+    of `batch_size`, the last one possibly shorter; under a balance plan, one batch per
+    global batch of `batch_size * world_size` samples (the tail left out), however a plan
+    splits it. 0 when the samples do not make one batch per worker."""
+    if balanced:
+        return num_samples // (batch_size * world_size)
+    return -(-(num_samples // world_size) // batch_size)
+
+
 @dataclass(frozen=True)
 class BlockLayout:
     """The run's numbering of data blocks, as far as this shard knows it.
@@ -44,18 +62,54 @@ class BlockLayout:
         world_size: workers in the run.
         num_epochs: epochs of the run (None: not bounded here).
         batches_per_epoch: each worker's batches in an epoch (None: unknown to the shard).
+        round_length: with local updates, the batches of a round (`training.sync_every`):
+            a push names the block of its round's last batch; 1 without.
     """
 
     world_size: int
     num_epochs: int | None = None
     batches_per_epoch: int | None = None
+    round_length: int = 1
+
+    @classmethod
+    def of_run(cls, world_size: int, num_epochs: int, num_samples: int, batch_size: int, balanced: bool,
+               round_length: int = 1) -> BlockLayout:
+        """The layout of a run of `num_samples` training samples (after
+        `training.max_train_samples`) in batches of `batch_size` per worker, with a balance
+        plan or not, and rounds of `round_length` batches (local updates; 1 without)."""
+        return cls(world_size, num_epochs, batches_per_epoch(num_samples, batch_size, world_size, balanced),
+                   round_length)
+
+    def describe(self) -> str:
+        bpe = "?" if self.batches_per_epoch is None else self.batches_per_epoch
+        rounds = f", rounds of {self.round_length}" if self.round_length > 1 else ""
+        return f"{self.world_size} worker(s) x {bpe} batch(es) per epoch x {self.num_epochs} epoch(s){rounds}"
 
     def owner(self, block: int) -> tuple[int, int] | None:
         """(epoch, rank) of `block`, or None when the batches per epoch are unknown."""
+        place = self.place(block)
+        return None if place is None else place[:2]
+
+    def place(self, block: int) -> tuple[int, int, int] | None:
+        """(epoch, rank, index) of `block`, or None when the batches per epoch are unknown."""
         if self.batches_per_epoch is None:
             return None
-        epoch, rank = divmod(block // self.batches_per_epoch, self.world_size)
-        return epoch, rank
+        epoch_rank, index = divmod(block, self.batches_per_epoch)
+        epoch, rank = divmod(epoch_rank, self.world_size)
+        return epoch, rank, index
+
+    def round_end(self, index: int) -> int:
+        """The index of the last batch of the round that holds batch `index` of an epoch
+        (each batch without local updates; rounds start at each epoch's first batch, and
+        the epoch's last batch ends one)."""
+        return min(self.batches_per_epoch - 1, (index // self.round_length + 1) * self.round_length - 1)
+
+    def blocks(self) -> list[int]:
+        """Every block the ledgers of the run may hold, in order (needs the batches per
+        epoch and the epochs)."""
+        bpe = self.batches_per_epoch
+        return [block for block in range(self.num_epochs * self.world_size * bpe)
+                if self.round_end(block % bpe) == block % bpe]
 
     def check(self, rank: int, push: Push, reassigned: set[int] | frozenset[int] = frozenset()) -> None:
         """Raises InvalidBlock when `rank` may not push `push`'s block or epoch, and
@@ -69,18 +123,30 @@ class BlockLayout:
                                f"{' (a redo names its block)' if push.redo else ''}; nothing changed")
         if push.block < 0:
             return
-        owner = self.owner(push.block)
-        if owner is None:  # the lower bound, whatever the batches per epoch
+        place = self.place(push.block)
+        if place is None:  # the lower bound, whatever the batches per epoch
             if not push.redo and push.block < push.epoch * self.world_size + rank:
                 raise InvalidBlock(f"block {push.block} is not rank {rank}'s in epoch {push.epoch}")
             return
-        epoch, owner_rank = owner
+        epoch, owner_rank, index = place
+        plan = f"(this shard's plan: {self.describe()}; a worker of another config or training set numbers " \
+               "its blocks otherwise); nothing changed"
         if self.num_epochs is not None and epoch >= self.num_epochs:
-            raise InvalidBlock(f"block {push.block} is of epoch {epoch}, past the run's {self.num_epochs}")
+            raise InvalidBlock(f"block {push.block} is of epoch {epoch}, past the run's {self.num_epochs}: "
+                               f"no block of the run {plan}")
+        if self.round_end(index) != index:
+            raise InvalidBlock(f"block {push.block} is batch {index} of its epoch, which ends no round of "
+                               f"{self.round_length}: a push names its round's last batch {plan}")
+        if epoch != push.epoch:
+            raise InvalidBlock(f"block {push.block} is of epoch {epoch}, not of the push's epoch "
+                               f"{push.epoch} {plan}")
         if not push.redo:
-            if (epoch, owner_rank) != (push.epoch, rank):
+            if owner_rank != rank:
                 raise InvalidBlock(f"block {push.block} is rank {owner_rank}'s of epoch {epoch}, not rank "
-                                   f"{rank}'s of epoch {push.epoch}: a worker pushes its own blocks")
+                                   f"{rank}'s: a worker pushes its own blocks {plan}")
+            if push.last_in_epoch and index != self.batches_per_epoch - 1:
+                raise InvalidBlock(f"block {push.block} is batch {index} of epoch {epoch}, not its last: "
+                                   f"the push cannot end the epoch {plan}")
         elif owner_rank != rank and owner_rank not in reassigned:
             raise NotReassigned(f"block {push.block} belongs to rank {owner_rank}, which this shard has "
                                 "not seen reassigned; retry once the membership arrives")

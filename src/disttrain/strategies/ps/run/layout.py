@@ -1,0 +1,64 @@
+"""The run's block layout, as a shard learns it: from the run's config (see `run_layout`)."""
+
+from __future__ import annotations
+
+from disttrain.config import Config
+from disttrain.core.errors import ConfigError
+from disttrain.data import load_datasets
+from disttrain.data.datasets import synthetic_shape
+from disttrain.strategies.ps.server.ownership import BlockLayout
+
+
+def run_layout(config: Config, num_samples: int | None = None) -> BlockLayout:
+    """The run's block layout, which the shard checks every push's block against
+    (`server.ownership`): which worker may push which block, in every mode, for a balance
+    plan (whatever its split: the global batches are fixed) and local-update rounds.
+
+    It is computed here, from the run's config, as the workers number their blocks
+    (`worker.blocks`: the training set's length after `training.max_train_samples`, the
+    batch size, the workers, the balance and `training.sync_every`), never taken from a
+    worker, which is the party it guards against. The config is what every documented
+    deployment hands each `ps-server` already (the launcher its `config.yaml`, a server
+    started by hand, in Compose or in Kubernetes its `--config`), so the layout needs no
+    new channel and holds in each of them; a coordinator, by contrast, is optional (a
+    shard may run without one), and a layout passed on a command line could disagree
+    with the config the workers read. The one input the config does not spell is the
+    training set's length: the shard reads the training set the way a worker does
+    (`data.load_datasets`: the server's host needs the data set, as the workers' hosts
+    do) and keeps only its length; a synthetic set's length is its `num_samples`, read
+    from nothing. (The launcher computes it once before it starts any process, so a
+    training set that makes no batch per worker stops the run there.)
+
+    Args:
+        num_samples: the training set's length, when the caller knows it (read otherwise).
+
+    Raises:
+        ConfigError: the training set does not make one batch per worker (or the
+            data set's plug-in cannot be found or fails).
+        DataError: the training set cannot be read.
+    """
+    training, system = config.training, config.system
+    if num_samples is None:
+        num_samples = train_length(config)
+    balanced = system.balance != "none"
+    layout = BlockLayout.of_run(system.num_workers, training.num_epochs, num_samples, training.batch_size,
+                                balanced, training.sync_every if training.local_update_mode else 1)
+    if not layout.batches_per_epoch:
+        need = training.batch_size * system.num_workers if balanced else system.num_workers
+        raise ConfigError(f"training.dataset: {training.dataset}'s {num_samples} training samples (after "
+                          f"training.max_train_samples) make no batch for each of {system.num_workers} "
+                          f"workers{' under a balance plan' if balanced else ''} (at least {need} needed); "
+                          "use more data or fewer workers" + (", or a smaller batch" if balanced else ""))
+    return layout
+
+
+def train_length(config: Config) -> int:
+    """The training set's length after `training.max_train_samples`, as a worker's sampler
+    sees it."""
+    training = config.training
+    if training.dataset == "synthetic" or synthetic_shape(training.dataset) is not None:
+        length = training.num_samples  # drawn, not read: `data.datasets.synthetic`
+    else:
+        length = len(load_datasets(training)[0])
+    limit = training.max_train_samples
+    return length if limit is None else min(length, limit)
