@@ -2,19 +2,23 @@
 times round trips and bulk transfers against it (`--peer HOST:PORT`, or this machine's
 loopback).
 
-The protocol, plain TCP and nothing to unpickle: the client opens with `DTADV1`, a u16
-length and the run's token (empty without one); the server answers `Y`, or `N` with a
-u16-length reason and closes. Then commands, one byte each: `P` (ping, echoed), `U` +
-u64 n (the client sends n bytes, the server answers `D` once it has them all), `G` +
-u64 n (the server sends n bytes), `Q` (quit). The token is compared in constant time;
-like the project's gRPC token it keeps out whoever reaches the port by chance, not an
-eavesdropper.
+The protocol, plain TCP and nothing to unpickle: the client opens with `DTADV2`; the
+server answers with a fresh random challenge of 32 bytes; the client proves it holds the
+run's token with a u16 length and HMAC-SHA256(token, `PROOF_CONTEXT` + challenge) (empty
+without a token); the server answers `Y`, or `N` with a u16-length reason and closes.
+Then commands, one byte each: `P` (ping, echoed), `U` + u64 n (the client sends n bytes,
+the server answers `D` once it has them all), `G` + u64 n (the server sends n bytes), `Q`
+(quit). The token itself never crosses the network: whoever listens sees a challenge and
+a proof good for that challenge alone (a new connection gets a new one), so it can
+neither learn the token nor replay the proof. The proof is compared in constant time.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
+import secrets
 import socket
 import statistics
 import struct
@@ -27,12 +31,21 @@ from disttrain.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"DTADV1"
+MAGIC = b"DTADV2"
+CHALLENGE_BYTES = 32
+PROOF_CONTEXT = b"disttrain advise probe v2\0"  # a proof made here serves no other protocol
 _LENGTH = struct.Struct("<H")
 _SIZE = struct.Struct("<Q")
 MAX_TRANSFER_BYTES = 1 << 30
 _CHUNK = 1 << 20
 _ZEROS = bytes(_CHUNK)
+
+
+def prove(token: str | None, challenge: bytes) -> bytes:
+    """The proof that a client holds `token`, for the server's `challenge` (empty without a token)."""
+    if token is None:
+        return b""
+    return hmac.new(token.encode(), PROOF_CONTEXT + challenge, hashlib.sha256).digest()
 
 
 def _read_exactly(conn: socket.socket, count: int) -> bytes:
@@ -123,9 +136,11 @@ class ProbeServer:
     def _answer(self, conn: socket.socket) -> None:
         if _read_exactly(conn, len(MAGIC)) != MAGIC:
             return
+        challenge = secrets.token_bytes(CHALLENGE_BYTES)
+        conn.sendall(challenge)
         (length,) = _LENGTH.unpack(_read_exactly(conn, _LENGTH.size))
         offered = _read_exactly(conn, length)
-        if self.token is not None and not hmac.compare_digest(offered, self.token.encode()):
+        if self.token is not None and not hmac.compare_digest(offered, prove(self.token, challenge)):
             reason = REFUSED.encode()
             conn.sendall(b"N" + _LENGTH.pack(len(reason)) + reason)
             return
@@ -166,8 +181,9 @@ def measure_link(address: str, token: str | None = None, num_pings: int = 20,
     with conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            secret = (token or "").encode()
-            conn.sendall(MAGIC + _LENGTH.pack(len(secret)) + secret)
+            conn.sendall(MAGIC)
+            proof = prove(token, _read_exactly(conn, CHALLENGE_BYTES))  # never the token itself
+            conn.sendall(_LENGTH.pack(len(proof)) + proof)
             answer = _read_exactly(conn, 1)
             if answer == b"N":
                 (length,) = _LENGTH.unpack(_read_exactly(conn, _LENGTH.size))

@@ -218,7 +218,8 @@ SOCKETS: tuple[SocketRule, ...] = (
     SocketRule("link probe (`disttrain advise --serve`)", "`disttrain advise --serve`",
                "127.0.0.1 unless --bind; an address other machines reach needs a token",
                "the operator: whoever holds the token it was started with",
-               "that token, compared in constant time, before any command",
+               "a proof of that token (HMAC-SHA256 over a fresh challenge of the server's; the "
+               "token itself never crosses the network), compared in constant time, before any command",
                "one connection at a time; a silent one dropped after 30 s; transfers of at most 1 GiB",
                roles=(OPERATOR,)),
 )
