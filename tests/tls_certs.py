@@ -64,3 +64,27 @@ def issue(authority: Authority, folder: Path, name: str, addresses: tuple[str, .
     key_path = _write(folder / f"{name}.key", key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
     return cert, key_path
+
+
+def run_authority(folder: Path) -> Authority:
+    """The CA `disttrain tls new` (core.pki.write_run_pki) wrote into `folder`."""
+    path = folder / "ca.pem"
+    key = serialization.load_pem_private_key((folder / "ca.key").read_bytes(), password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    return Authority("ca", key, x509.load_pem_x509_certificate(path.read_bytes()), path)
+
+
+def issue_for_run(authority: Authority, folder: Path, node_id: str, role: str, run_id: str
+                  ) -> tuple[Path, Path]:
+    """A certificate of `authority` as `disttrain tls new` makes them, for node `node_id` in
+    `role` of run `run_id` (another run than the CA's, say); (cert, key) paths."""
+    from disttrain.core.pki import NodeName
+    from disttrain.core.pki import issue as issue_node
+    key = ec.generate_private_key(ec.SECP256R1())
+    certificate = issue_node(authority.certificate, authority.key, key, NodeName(node_id, role), run_id,
+                             ["localhost", "127.0.0.1"], days=1)
+    name = f"{node_id}-{run_id}"
+    cert = _write(folder / f"{name}.crt", certificate.public_bytes(serialization.Encoding.PEM))
+    key_path = _write(folder / f"{name}.key", key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return cert, key_path

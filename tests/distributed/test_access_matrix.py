@@ -7,7 +7,8 @@ another run, no credentials, malformed credentials, the worker itself with an ex
 session), once with the caller's own ids and once with the victim's (worker0's id, rank,
 key and current session: the strongest an insider can steal short of its credential);
 with node tokens of the run's secret, and again with client certificates of the run's CA
-(mutual TLS, where an outsider gets no connection at all).
+(mutual TLS, where an outsider gets no connection at all, and a certificate of the run's
+CA naming no role of the run, or another run, is refused UNAUTHENTICATED).
 
 Each cell is expected allowed or refused from the table (its roles and ids), the shard's
 session and holder rules: an allowed cell must pass authorization (it answers OK, or a
@@ -36,8 +37,9 @@ import pytest
 import torch
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2
+from tls_certs import issue, issue_for_run, run_authority
 
-from disttrain.advise.probe import MAGIC, ProbeServer
+from disttrain.advise.probe import CHALLENGE_BYTES, MAGIC, ProbeServer, prove
 from disttrain.config import config_from_dict
 from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.service import CoordinatorServer
@@ -85,6 +87,7 @@ class Kind:
     own_id: str | None = None
     rank: int = -1
     expired: bool = False
+    handshake: bool = False  # an outsider whose certificate the run's CA signed: TLS lets it in
 
     @property
     def outsider(self) -> bool:
@@ -115,6 +118,10 @@ KINDS = (
                                    bearer("node~~worker0~00"), SECRET, "Basic " + SECRET, "Bearer"), None),
     Kind("the worker itself, its session expired", (bearer(node_token(SECRET, VICTIM, "worker")),),
          Caller(VICTIM, "worker"), VICTIM, VICTIM_RANK, expired=True),
+    # certificates only (no token has such a form): signed by the run's CA, but naming no role
+    # of the run (it was the operator's), or naming another run
+    Kind("a certificate of the run's CA naming no role", (), None, handshake=True),
+    Kind("a node of another run, certified by this run's CA", (), None, VICTIM, VICTIM_RANK, handshake=True),
 )
 
 
@@ -125,7 +132,10 @@ CERTIFICATES = {"the operator": "server", "a coordinator": "coordinator0",
                 "the server of this shard": "server0", "another server": "server1",
                 "the worker itself": VICTIM, "another worker": "worker1", "a rank": "rank0",
                 "a node of another run": "another run", "no credentials": None,
-                "the worker itself, its session expired": VICTIM}
+                "the worker itself, its session expired": VICTIM,
+                "a certificate of the run's CA naming no role": "no-role",
+                "a node of another run, certified by this run's CA": f"{VICTIM}-another-run"}
+HAND_MADE = ("no-role", f"{VICTIM}-another-run")  # by the test, with the run's CA's key
 
 
 @dataclass(frozen=True)
@@ -144,7 +154,9 @@ class Mode:
     def outsider_code(self) -> grpc.StatusCode:
         return UNAUTHENTICATED if self.certificates is None else grpc.StatusCode.UNAVAILABLE
 
-    def outsiders_get(self, rule: access.Rule) -> grpc.StatusCode:
+    def outsiders_get(self, rule: access.Rule, kind: Kind) -> grpc.StatusCode:
+        if kind.handshake and self.certificates is not None:  # connected, then refused
+            return UNAUTHENTICATED if rule.authenticated else OK
         return OK if not rule.authenticated and self.certificates is None else self.outsider_code
 
     def credentials(self, kind: Kind) -> tuple:
@@ -154,6 +166,9 @@ class Mode:
         if kind.name not in CERTIFICATES:
             return ()
         name = CERTIFICATES[kind.name]
+        if name in HAND_MADE:
+            return (TlsFiles(str(self.certificates / f"{name}.crt"), str(self.certificates / f"{name}.key"),
+                             str(self.certificates / "ca.pem")),)
         return (self.as_node(name) if name != "another run" else self._files(self.strangers, VICTIM),)
 
     def as_node(self, node_id: str | None, role: str = "worker"):
@@ -188,6 +203,9 @@ def certificates(tmp_path_factory) -> tuple[Path, Path]:
     write_run_pki(run, hosts, [NodeName(name, name.rstrip("0123456789")) for name in
                                ("coordinator0", "server0", "server1", VICTIM, "worker1", "rank0")], days=1)
     write_run_pki(strangers, hosts, [NodeName(VICTIM, "worker")], days=1)
+    authority = run_authority(run)
+    issue(authority, run, "no-role")
+    issue_for_run(authority, run, VICTIM, "worker", "another-run")
     return run, strangers
 
 
@@ -357,7 +375,7 @@ def expected(rule: access.Rule, probe: Probe, kind: Kind, ids: Ids, request: obj
              ) -> grpc.StatusCode:
     """What the table (and the shard's session and holder rules) says of a cell."""
     if kind.outsider:
-        return target.mode.outsiders_get(rule)
+        return target.mode.outsiders_get(rule, kind)
     if not rule.authenticated:
         return OK
     header = pb.GradientMessage.FromString(request[0] if isinstance(request, list) else request) \
@@ -473,7 +491,8 @@ def verdict(cells: list[Cell], rule: access.Rule, probe: Probe, mode: Mode) -> l
         if (cell.expected == OK) != allowed or (cell.expected != OK and cell.got != cell.expected):
             wrong.append(f"{cell.rpc} by {cell.kind.name} with {cell.variant}: expected "
                          f"{cell.expected.name}, got {cell.got.name} {cell.detail}")
-        if cell.kind.outsider and allowed and (rule.authenticated or mode.certificates is not None):
+        if cell.kind.outsider and allowed and (rule.authenticated or (mode.certificates is not None
+                                                                      and not cell.kind.handshake)):
             wrong.append(f"{cell.rpc} by {cell.kind.name}: an outsider got {cell.got.name}")
         caller = cell.kind.caller
         if caller is not None and not caller.is_operator and cell.named not in ("", caller.node_id) \
@@ -658,10 +677,15 @@ def test_a_method_without_a_row_is_refused_whoever_calls():
 
 # --- the link probe of `advise --serve` --------------------------------------------------
 
-def probe_answer(address: str, token: bytes) -> bytes:
+def probe_answer(address: str, token: str | None) -> bytes:
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as conn:
-        conn.sendall(MAGIC + struct.pack("<H", len(token)) + token)
+        conn.sendall(MAGIC)
+        challenge = b""
+        while len(challenge) < CHALLENGE_BYTES:
+            challenge += conn.recv(CHALLENGE_BYTES - len(challenge))
+        proof = prove(token, challenge)  # the probe's protocol proves the token, never sends it
+        conn.sendall(struct.pack("<H", len(proof)) + proof)
         return conn.recv(1)
 
 
@@ -674,7 +698,7 @@ def test_the_link_probe_as_every_caller():
             for credential in kind.credentials:
                 if credential is not None and not credential.startswith(SCHEME):
                     continue  # the probe's own protocol carries the bare token
-                token = b"" if credential is None else credential.removeprefix(SCHEME).encode()
+                token = None if credential is None else credential.removeprefix(SCHEME)
                 allowed = kind.caller is not None and kind.caller.role in rule.roles
                 answer = probe_answer(server.address, token)
                 assert answer == (b"Y" if allowed else b"N"), (kind.name, credential)

@@ -45,7 +45,8 @@ def pki(tmp_path):
     stranger_cert, stranger_key = issue(other, tmp_path, "stranger")
     return {
         "server": TlsFiles(str(server_cert), str(server_key)),
-        "mutual_server": TlsFiles(str(server_cert), str(server_key), str(ca.pem_path)),
+        # the client's certificate names no role of a run: the operator names it as its own
+        "mutual_server": TlsFiles(str(server_cert), str(server_key), str(ca.pem_path), operators=("client",)),
         "client": TlsFiles(str(client_cert), str(client_key), str(ca.pem_path)),
         "ca_only": TlsFiles(ca=str(ca.pem_path)),
         "stranger": TlsFiles(str(stranger_cert), str(stranger_key), str(other.pem_path)),

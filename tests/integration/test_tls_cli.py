@@ -23,8 +23,13 @@ COMMANDS = [["ps"], ["ps-server"], ["ps-worker", "--servers", "127.0.0.1:1"], ["
 @pytest.fixture
 def pki(tmp_path):
     authority = make_authority(tmp_path, "ca")
-    cert, key = issue(authority, tmp_path, "node")
+    cert, key = issue(authority, tmp_path, "node")  # a CA of the user's own: no role, no run named
     return {"cert": cert, "key": key, "ca": authority.pem_path}
+
+
+# The certificate names no role of a run: its servers take it only when the operator names it
+# as its own (passed on by the launcher to every process it starts).
+OPERATOR = ("--tls-operator", "node")
 
 
 @pytest.mark.slow
@@ -55,7 +60,7 @@ def test_a_ps_run_with_mutual_tls_finishes(cli, pki, tmp_path):
     logs, checkpoints = tmp_path / "logs", tmp_path / "ckpt"
     result = cli("ps", "--workers", "2", "--dataset", "digits", "--num-epochs", "1", "--max-train-samples",
                  "256", "--log-dir", logs, "--checkpoint-dir", checkpoints, "--tls-cert", pki["cert"],
-                 "--tls-key", pki["key"], "--tls-ca", pki["ca"], timeout=170)
+                 "--tls-key", pki["key"], "--tls-ca", pki["ca"], *OPERATOR, timeout=170)
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((logs / "summary.json").read_text())
     assert summary["strategy"] == "ps-sync" and summary["samples_lost"] == 0
@@ -72,7 +77,8 @@ def test_a_ddp_run_with_mutual_tls_reports_every_rank_to_its_coordinator(cli, pk
     logs = tmp_path / "logs"
     result = cli("ddp", "--world-size", "2", "--dataset", "digits", "--num-epochs", "1",
                  "--max-train-samples", "256", "--log-dir", logs, "--checkpoint-dir", tmp_path / "ckpt",
-                 "--tls-cert", pki["cert"], "--tls-key", pki["key"], "--tls-ca", pki["ca"], timeout=170)
+                 "--tls-cert", pki["cert"], "--tls-key", pki["key"], "--tls-ca", pki["ca"], *OPERATOR,
+                 timeout=170)
     assert result.returncode == 0, result.stderr[-2000:]
     # the ranks reached the coordinator (which required their certificate) and said they finished
     status = read_status(logs / "cluster.db", max_events=100)
@@ -85,7 +91,7 @@ def test_a_ddp_run_with_mutual_tls_reports_every_rank_to_its_coordinator(cli, pk
 
 @pytest.mark.timeout(120)
 def test_status_reads_a_coordinator_with_mutual_tls_only_with_the_files(cli, pki, tmp_path):
-    files = TlsFiles(str(pki["cert"]), str(pki["key"]), str(pki["ca"]))
+    files = TlsFiles(str(pki["cert"]), str(pki["key"]), str(pki["ca"]), operators=("node",))
     server = CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0", tmp_path / "registry.db", tls=files)
     try:
         client = CoordinatorClient(server.address, tls=files)

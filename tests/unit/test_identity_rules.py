@@ -13,6 +13,7 @@ from disttrain.core.errors import ConfigError
 from disttrain.core.identity import (
     OPERATOR,
     Caller,
+    CertificatePolicy,
     certificate_caller,
     named_in,
     node_token,
@@ -67,7 +68,19 @@ def test_a_malformed_node_token_names_nobody(token):
 def test_a_certificate_names_a_node_only_with_a_role_of_the_run():
     assert certificate_caller("worker3", "worker") == Caller("worker3", "worker")
     assert certificate_caller("server", "operator") == OPERATOR
-    assert certificate_caller("node", "") == OPERATOR  # a certificate of the run's CA without a role
+    # a certificate of the CA without a role was the operator's: it names nobody, unless the
+    # operator names it
+    assert certificate_caller("node", "") is None
+    assert certificate_caller("node", "", policy=CertificatePolicy(operators=("node",))) == OPERATOR
+    assert certificate_caller("worker3", "worker", policy=CertificatePolicy(operators=("worker3",))) == \
+        Caller("worker3", "worker")  # a node's certificate stays the node's
+    # under a CA of run r1, only certificates naming r1 name anyone
+    run = CertificatePolicy(run_id="r1")
+    assert certificate_caller("worker3", "worker", "r1", run) == Caller("worker3", "worker")
+    assert certificate_caller("server", "operator", "r1", run) == OPERATOR
+    for run_id in ("r2", None):
+        assert certificate_caller("worker3", "worker", run_id, run) is None
+        assert certificate_caller("server", "operator", run_id, run) is None
 
 
 def test_a_launcher_hands_each_worker_its_own_token_and_the_servers_the_secret():

@@ -225,6 +225,10 @@ def add_tls_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(FLAGS.tls_ca, metavar="FILE", default=None,
                        help="the CA (PEM) the peers' certificates must be signed by; servers then "
                             "also require client certificates (mutual TLS)")
+    group.add_argument(FLAGS.tls_operator, dest="tls_operators", action="append", default=[], metavar="NAME",
+                       help="a client certificate's common name that servers take as the operator's "
+                            "although it names no role of the run (repeatable; without it such "
+                            "certificates, and those of another run, are refused)")
 
 
 def tls_from_args(args: argparse.Namespace) -> TlsFiles:
@@ -234,7 +238,7 @@ def tls_from_args(args: argparse.Namespace) -> TlsFiles:
         ConfigError: a certificate without its key or the reverse, or a file that cannot be
             read or is not PEM (the flag and file are named).
     """
-    tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
+    tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca, tuple(args.tls_operators))
     tls.check()
     return tls
 

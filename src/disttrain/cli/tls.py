@@ -10,17 +10,19 @@ from disttrain.core.errors import ConfigError
 from disttrain.core.identity import NODE_ROLES as ROLES
 from disttrain.core.pki import DEFAULT_HOSTS, parse_node, write_run_pki
 
-HELP = "make a run's CA, server and node certificates (for --tls-cert/--tls-key/--tls-ca)"
+HELP = "make a run's CA, operator and node certificates (for --tls-cert/--tls-key/--tls-ca)"
 DESCRIPTION = """Make a certificate authority for one run and the certificates it signs, as PEM
 files in DIR: ca.pem (every process's --tls-ca), ca.key (the CA's key: keep it off the
-nodes), server.pem/server.key (for any server or client of the run), and for each
---node NAME[:ROLE] NAME.pem/NAME.key, whose subject names the node and its role. Every
-certificate is valid for the --host names and addresses the servers are reached by.
-Private keys are written with mode 600; nothing is overwritten.
+nodes), server.pem/server.key (the operator's: keep it on the operator's machine), and for
+each --node NAME[:ROLE] NAME.pem/NAME.key, whose subject names the node and its role, and
+which names the run (--run-id). Every certificate is valid for the --host names and
+addresses the servers are reached by; as a server's, only for its role's service (the
+coordinator's: --node coordinator; shard S's: --node serverS). Private keys are written
+with mode 600; nothing is overwritten.
 
-    disttrain tls new certs --host node0 --host 10.0.0.5 --node worker0 --node worker1
-    disttrain coordinator --bind 0.0.0.0:50050 --tls-cert certs/server.pem \\
-        --tls-key certs/server.key --tls-ca certs/ca.pem"""
+    disttrain tls new certs --host node0 --node coordinator --node server0 --node worker0
+    disttrain coordinator --bind 0.0.0.0:50050 --tls-cert certs/coordinator.pem \\
+        --tls-key certs/coordinator.key --tls-ca certs/ca.pem"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help=f"a certificate for node NAME (its node id, e.g. worker0) in ROLE (one of "
                           f"{', '.join(ROLES)}, operator; default: NAME without its digits) (repeatable)")
     new.add_argument("--days", type=int, default=365, help="how long the certificates are valid")
+    new.add_argument("--run-id", default=None, metavar="ID",
+                     help="the run the certificates name (letters, digits, '-'; default: a random one)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -46,8 +50,9 @@ def run(args: argparse.Namespace) -> None:
     except ImportError as e:
         raise ConfigError("disttrain tls new needs the cryptography package: pip install cryptography") from e
     nodes = [parse_node(text, ROLES) for text in args.nodes]
-    written = write_run_pki(Path(args.folder), args.hosts or DEFAULT_HOSTS, nodes, args.days)
+    written = write_run_pki(Path(args.folder), args.hosts or DEFAULT_HOSTS, nodes, args.days, args.run_id)
     for path in written:
         print(path)
-    print(f"servers: --tls-cert {args.folder}/server.pem --tls-key {args.folder}/server.key "
-          f"--tls-ca {args.folder}/ca.pem; keep ca.key off the nodes", file=sys.stderr)
+    print(f"each process: --tls-cert {args.folder}/NODE.pem --tls-key {args.folder}/NODE.key "
+          f"--tls-ca {args.folder}/ca.pem (its own node's); server.pem is the operator's; keep ca.key "
+          f"off the nodes", file=sys.stderr)

@@ -75,7 +75,8 @@ class CoordinatorClient:
         # Back within about a second of a restarted coordinator (gRPC's default backoff grows
         # to two minutes after a few failed attempts, and heartbeats would stay paused).
         self.channel = open_channel(address, tls, token, options=[
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)])
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)],
+            role="coordinator")  # under the run's CA, only a coordinator's certificate serves
         self._calls = {name: self.channel.unary_unary(method_path(name),
                                                       request_serializer=request.SerializeToString,
                                                       response_deserializer=reply.FromString)

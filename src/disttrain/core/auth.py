@@ -18,7 +18,6 @@ Environment variables are read by the CLI only; it hands `TOKEN_ENV`'s value her
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import os
 import secrets
@@ -31,9 +30,10 @@ import grpc
 
 from disttrain.core.access import open_paths
 from disttrain.core.errors import ConfigError
-from disttrain.core.identity import Caller, certificate_caller, verify_token
+from disttrain.core.identity import ROLES_ONLY, Caller, CertificatePolicy, certificate_caller, verify_token
 from disttrain.core.refusal_log import RateLimitedLog, printable
 from disttrain.core.secret_files import read_private
+from disttrain.core.tls import certificate_names
 
 logger = logging.getLogger(__name__)
 
@@ -165,37 +165,55 @@ def _with_caller(handler: grpc.RpcMethodHandler, caller: Caller) -> grpc.RpcMeth
     return replace_behavior(handler, attach)
 
 
-def caller_of(context: grpc.ServicerContext) -> Caller | None:
+class UnknownCertificate(PermissionError):
+    """The client certificate names nobody of the run: another run's, or one naming no role
+    of the run that the operator did not name (`core.identity.certificate_caller`). Not
+    recoverable for that certificate: the call is refused UNAUTHENTICATED, unread."""
+
+
+def caller_of(context: grpc.ServicerContext, policy: CertificatePolicy = ROLES_ONLY) -> Caller | None:
     """Who makes the call: the node its node token names, else the node its client
     certificate names (mutual TLS with a certificate of `disttrain tls new`), else the
     operator when it presented the run's secret or an operator's certificate; None on a
-    server that checks neither (anyone may call it, as anyone)."""
+    server that checks neither (anyone may call it, as anyone).
+
+    Raises:
+        UnknownCertificate: the call came with a client certificate that `policy` takes
+            from nobody (whatever token it carries).
+    """
     by_token: Caller | None = getattr(context, CALLER_ATTRIBUTE, None)
+    by_certificate = _certificate_caller(context, policy)
     if by_token is not None and not by_token.is_operator:
         return by_token
-    by_certificate = _certificate_caller(context)
     return by_certificate if by_certificate is not None and not by_certificate.is_operator \
         else by_token or by_certificate
 
 
-def _certificate_caller(context: grpc.ServicerContext) -> Caller | None:
+def _certificate_caller(context: grpc.ServicerContext, policy: CertificatePolicy) -> Caller | None:
     try:
         pem = (context.auth_context() or {}).get("x509_pem_cert")
     except (AttributeError, ValueError):
         return None
-    return _subject_caller(bytes(pem[0])) if pem else None
+    if not pem:
+        return None
+    caller = subject_caller(bytes(pem[0]), policy)
+    if caller is None:
+        raise UnknownCertificate("the client certificate names no role of this run (or another run); "
+                                 "use a certificate of `disttrain tls new --node NAME:ROLE` for this run, "
+                                 "or name it with --tls-operator on the server")
+    return caller
 
 
-@functools.lru_cache(maxsize=256)  # a client's certificate is the same on each of its calls
-def _subject_caller(pem: bytes) -> Caller:
-    from cryptography import x509
-    from cryptography.x509.oid import NameOID
-    subject = x509.load_pem_x509_certificate(pem).subject
-
-    def first(oid) -> str:
-        values = subject.get_attributes_for_oid(oid)
-        return str(values[0].value) if values else ""
-    return certificate_caller(first(NameOID.COMMON_NAME), first(NameOID.ORGANIZATIONAL_UNIT_NAME))
+def subject_caller(pem: bytes, policy: CertificatePolicy) -> Caller | None:
+    """The caller the certificate `pem` names under `policy`; None: nobody (refused). A
+    certificate whose run URI names another node or role than its subject names nobody."""
+    try:
+        names = certificate_names(pem)
+    except ValueError:
+        return None
+    if names.run_id is not None and (names.role, names.node_id) != (names.unit, names.common_name):
+        return None
+    return certificate_caller(names.common_name, names.unit, names.run_id, policy)
 
 
 def _refuse(request: Any, context: grpc.ServicerContext) -> None:

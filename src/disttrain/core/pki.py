@@ -1,11 +1,15 @@
-"""A run's own certificate authority and certificates, for `disttrain tls new`: a CA, a
-certificate for the servers (its subject alternative names the hosts they are reached
-by) and one certificate per node, whose subject names the node (CN = node id) and its
-role (OU), which is how a server with mutual TLS knows who calls it (`core.identity`).
+"""A run's own certificate authority and certificates, for `disttrain tls new`: a CA, the
+operator's certificate (server.pem) and one certificate per node, whose subject names the
+node (CN = node id) and its role (OU), and whose URI names its run, role and node
+(`disttrain://<run id>/<role>/<node id>`; the CA's names the run too): how a server with
+mutual TLS knows who calls it, and that the caller is of its run (`core.identity`).
 
 Every certificate serves both ways (server and client authentication) and carries the
-same host names, so a node's certificate is also its certificate as a server. Keys are
-EC P-256, written with mode 600 before any byte of them is; nothing is overwritten.
+host names the servers are reached by; as a server's it is valid only for the service its
+role names (DNS `<role>.<run id>.disttrain` and `<node id>.<role>.<run id>.disttrain`,
+which the run's clients check: `core.channels`): a worker's certificate serves nobody
+as a coordinator or a shard. The operator's serves any service of its run. Keys are EC
+P-256, written with mode 600 before any byte of them is; nothing is overwritten.
 """
 
 from __future__ import annotations
@@ -13,17 +17,36 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from disttrain.core.errors import ConfigError
-from disttrain.core.identity import NODE_ROLES
+from disttrain.core.identity import NODE_ROLES, SERVICE_ROLES, plain_label, run_uri, service_name
 from disttrain.core.identity import OPERATOR_ROLE as OPERATOR
 
 CA_FILES = ("ca.pem", "ca.key")
 SERVER_NAME = "server"  # server.pem / server.key: an operator's certificate, for any process
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
+CA_ROLE = "ca"  # the role the run's URI names in the CA's certificate
+
+
+def new_run_id() -> str:
+    """A fresh random run id (64 bits, hex): one DNS label."""
+    return secrets.token_hex(8)
+
+
+def check_run_id(run_id: str) -> str:
+    """`run_id` when it can name a run in certificates (one DNS label: letters, digits, '-').
+
+    Raises:
+        ConfigError: it cannot.
+    """
+    if not plain_label(run_id):
+        raise ConfigError(f"--run-id {run_id!r}: at most 63 letters, digits or '-' (not first or last), "
+                          f"e.g. mnist-0412")
+    return run_id.lower()
 
 
 @dataclass(frozen=True)
@@ -52,10 +75,12 @@ def parse_node(text: str, roles: Sequence[str] = NODE_ROLES) -> NodeName:
     return NodeName(name, role)
 
 
-def write_run_pki(folder: Path, hosts: Sequence[str], nodes: Sequence[NodeName], days: int) -> list[Path]:
-    """Write a new CA (ca.pem, ca.key), the servers' certificate (server.pem, server.key;
-    role operator) and each node's (<node_id>.pem, <node_id>.key) into `folder`, every
-    certificate valid for `days` days and for `hosts` (DNS names or IP addresses).
+def write_run_pki(folder: Path, hosts: Sequence[str], nodes: Sequence[NodeName], days: int,
+                  run_id: str | None = None) -> list[Path]:
+    """Write a new CA (ca.pem, ca.key), the operator's certificate (server.pem, server.key)
+    and each node's (<node_id>.pem, <node_id>.key) into `folder`, for run `run_id` (None: a
+    fresh one), every certificate valid for `days` days and for `hosts` (DNS names or IP
+    addresses) and, as a server's, for the services its role names.
 
     Returns:
         The files written.
@@ -77,19 +102,35 @@ def write_run_pki(folder: Path, hosts: Sequence[str], nodes: Sequence[NodeName],
         raise ConfigError(f"{', '.join(taken)}: already there; pick an empty folder (certificates of "
                           f"a run are made together, by one CA)")
     try:
+        run_id = check_run_id(run_id) if run_id is not None else new_run_id()
         folder.mkdir(parents=True, exist_ok=True)
         ca_key = ec.generate_private_key(ec.SECP256R1())
         ca_subject = _subject("disttrain run CA", OPERATOR)
-        ca_cert = _certificate(ca_subject, ca_key, ca_key, None, days, (), ca=True)
+        ca_cert = _certificate(ca_subject, ca_key, ca_key, None, days, [], [run_uri(run_id, CA_ROLE)],
+                               ca=True)
         written = [_write(folder / "ca.pem", _pem(ca_cert)), _write_key(folder / "ca.key", ca_key)]
         for node in names:
             key = ec.generate_private_key(ec.SECP256R1())
-            cert = _certificate(_subject(node.node_id, node.role), key, ca_key, ca_cert, days, hosts)
+            cert = issue(ca_cert, ca_key, key, node, run_id, hosts, days)
             written += [_write(folder / f"{node.node_id}.pem", _pem(cert)),
                         _write_key(folder / f"{node.node_id}.key", key)]
     except OSError as e:
         raise ConfigError(f"{folder}: cannot write the certificates there ({e.strerror or e})") from e
     return written
+
+
+def issue(ca_cert, ca_key, key, node: NodeName, run_id: str, hosts: Sequence[str], days: int):
+    """The certificate of `node` (its public `key`) in run `run_id`, signed by the run's CA:
+    valid for `hosts` and for the services its role names (the operator's: every service)."""
+    if node.role == OPERATOR:
+        services = [name for role in SERVICE_ROLES for name in (service_name(run_id, role),
+                                                                 service_name(run_id, role, "*"))]
+    else:
+        services = [service_name(run_id, node.role)]
+        if plain_label(node.node_id):
+            services.append(service_name(run_id, node.role, node.node_id.lower()))
+    return _certificate(_subject(node.node_id, node.role), key, ca_key, ca_cert, days, [*hosts, *services],
+                        [run_uri(run_id, node.role, node.node_id)])
 
 
 def _subject(common_name: str, role: str):
@@ -108,7 +149,8 @@ def _alternative_name(host: str):
         return x509.DNSName(host)
 
 
-def _certificate(subject, key, issuer_key, issuer_cert, days: int, hosts: Sequence[str], ca: bool = False):
+def _certificate(subject, key, issuer_key, issuer_cert, days: int, hosts: Sequence[str], uris: Sequence[str],
+                 ca: bool = False):
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID
@@ -119,16 +161,17 @@ def _certificate(subject, key, issuer_key, issuer_cert, days: int, hosts: Sequen
                .not_valid_before(now - datetime.timedelta(minutes=5))
                .not_valid_after(now + datetime.timedelta(days=days))
                .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True))
+    names = [*(_alternative_name(h) for h in hosts), *(x509.UniformResourceIdentifier(u) for u in uris)]
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     if ca:
         builder = builder.add_extension(x509.KeyUsage(
             digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
             key_encipherment=False, data_encipherment=False, key_agreement=False,
             encipher_only=False, decipher_only=False), critical=True)
     else:
-        builder = (builder.add_extension(x509.SubjectAlternativeName([_alternative_name(h) for h in hosts]),
-                                         critical=False)
-                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                         ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
+        usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
     return builder.sign(issuer_key, hashes.SHA256())
 
 

@@ -43,6 +43,7 @@ class Flags:
     tls_cert: str = "--tls-cert"
     tls_key: str = "--tls-key"
     tls_ca: str = "--tls-ca"
+    tls_operator: str = "--tls-operator"
     summary_json: str = "--summary-json"
     quiet_summary: str = "--quiet-summary"
 
@@ -130,6 +131,8 @@ def arguments(spec: ProcessSpec) -> list[str]:
     for key, value in spec.settings:
         args += [FLAGS.setting, f"{key}={value}"]
     args += [f"{FLAGS.inject}={format_fault(fault)}" for fault in spec.faults]
+    for name in spec.tls.operators:
+        args += [FLAGS.tls_operator, name]
     switches = ((FLAGS.resume, spec.resume), (FLAGS.verbose, spec.verbose),
                 (FLAGS.quiet_summary, spec.quiet_summary))
     return args + [flag for flag, on in switches if on]

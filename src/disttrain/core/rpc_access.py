@@ -18,8 +18,8 @@ import grpc
 from google.protobuf import descriptor_pool
 
 from disttrain.core.access import Rule, missing_rows, rule_of
-from disttrain.core.auth import caller_of, replace_behavior
-from disttrain.core.identity import Caller, NotPermitted
+from disttrain.core.auth import UnknownCertificate, caller_of, replace_behavior
+from disttrain.core.identity import ROLES_ONLY, Caller, CertificatePolicy, NotPermitted
 from disttrain.core.refusal_log import RateLimitedLog, printable
 
 logger = logging.getLogger(__name__)
@@ -58,10 +58,13 @@ class _Grant:
 
 
 class AccessInterceptor(grpc.ServerInterceptor):
-    """Checks every call against its row of `core.access.RULES` (see the module)."""
+    """Checks every call against its row of `core.access.RULES` (see the module); a call
+    with a client certificate that `policy` takes from nobody (another run's, or naming no
+    role of the run) is refused UNAUTHENTICATED, unread, whatever its row."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: CertificatePolicy = ROLES_ONLY) -> None:
         self._refusals = RateLimitedLog(logger)
+        self._policy = policy
 
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
         handler = continuation(handler_call_details)
@@ -73,11 +76,12 @@ class AccessInterceptor(grpc.ServerInterceptor):
             return replace_behavior(handler, lambda behavior: self._no_row(method))
         return replace_behavior(handler, lambda behavior: self._checking(rule, handler, behavior))
 
-    def _refuse(self, context: grpc.ServicerContext, method: str, message: str) -> None:
+    def _refuse(self, context: grpc.ServicerContext, method: str, message: str,
+                code: grpc.StatusCode = grpc.StatusCode.PERMISSION_DENIED) -> None:
         host = context.peer().rpartition(":")[0] or context.peer()  # its host: ports change
         self._refusals.warning(f"{method} {host}", "refused %s from %s: %s", method, printable(host),
                                printable(message))
-        context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+        context.abort(code, message)
 
     def _no_row(self, method: str) -> Callable:
         def refuse(request_or_iterator, context, *more):
@@ -89,7 +93,12 @@ class AccessInterceptor(grpc.ServerInterceptor):
         whole = not (rule.framed or handler.request_streaming)  # a request read whole, before the handler
 
         def check(request_or_iterator, context, *more):
-            caller = caller_of(context)
+            try:
+                caller = caller_of(context, self._policy)
+            except UnknownCertificate as e:
+                caller = None
+                if rule.authenticated:
+                    self._refuse(context, rule.path, str(e), grpc.StatusCode.UNAUTHENTICATED)
             message = request_or_iterator if whole and not isinstance(request_or_iterator, Unread) else None
             try:
                 rule.check(caller, message)

@@ -23,6 +23,7 @@ from disttrain.core import rpc_faults
 from disttrain.core.addresses import parse_address
 from disttrain.core.auth import TokenInterceptor
 from disttrain.core.errors import ConfigError
+from disttrain.core.identity import ROLES_ONLY
 from disttrain.core.refusal_log import RefusalLog, printable
 from disttrain.core.rpc_access import AccessInterceptor, check_service
 from disttrain.core.tls import TlsFiles
@@ -129,7 +130,8 @@ class RpcServer:
         interceptors = rpc_faults.server_interceptors()
         if token is not None:
             interceptors.append(TokenInterceptor(token))
-        interceptors.append(AccessInterceptor())  # who calls is known from here on
+        # who calls is known from here on (a client certificate: as its CA's run says)
+        interceptors.append(AccessInterceptor(tls.policy() if tls.mutual else ROLES_ONLY))
         self.server = grpc.server(futures.ThreadPoolExecutor(max_threads, thread_name_prefix="rpc"),
                                   interceptors=interceptors, options=server_options(options),
                                   maximum_concurrent_rpcs=maximum_concurrent_rpcs)

@@ -80,7 +80,9 @@ class ShardClient:
         self.holds_version = 0
         self._scratch: torch.Tensor | None = None
         self._join_lock = threading.Lock()
-        self.channel = open_channel(address, tls, token, options=service.CHANNEL_OPTIONS)
+        # under the run's CA, only shard S's certificate (node server<S>) or the operator's serves
+        self.channel = open_channel(address, tls, token, options=service.CHANNEL_OPTIONS, role="server",
+                                    node_id=f"server{shard}")
         self._calls = {}
         for name, (kind, request_type, response_type) in service.METHODS.items():
             serialize = service.identity if request_type is None else request_type.SerializeToString
