@@ -150,20 +150,28 @@ LIVE = ["ddp", "--ddp-recovery", "live", "--world-size", "2", "--dataset", "digi
         "--set", "coordinator.heartbeat_timeout=60"]
 
 
-def start_with_secret(cli, tmp_path: Path, run: list[str], name: str) -> tuple[str, Path, subprocess.Popen]:
-    """A new secret, and `disttrain RUN` started with it (rank 0 stopped for 6 s after step 2,
-    so the run outlasts what the test looks at): (secret, log dir, process; its output in
-    `<name>.out`)."""
+def start_with_secret(cli, tmp_path: Path, run: list[str], name: str, in_environment: bool = False
+                      ) -> tuple[str, Path, subprocess.Popen]:
+    """A new secret, and `disttrain RUN` started with it (in a file, or in its environment;
+    rank 0 stopped for 6 s after step 2, so the run outlasts what the test looks at):
+    (secret, log dir, process; its output in `<name>.out`)."""
     secret_file = tmp_path / "run.token"
     cli("token", "new", secret_file).check_returncode()
+    secret = secret_file.read_text().strip()
     log_dir = tmp_path / "logs"
+    given = [] if in_environment else ["--token-file", str(secret_file)]
+    env = {**environment(), TOKEN_ENV: secret} if in_environment else environment()
     with (tmp_path / f"{name}.out").open("wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "disttrain", *run,
-                                    "--token-file", str(secret_file), "--log-dir", str(log_dir),
-                                    "--checkpoint-dir", str(tmp_path / "ckpt"),
+        process = subprocess.Popen([sys.executable, "-m", "disttrain", *run, *given,
+                                    "--log-dir", str(log_dir), "--checkpoint-dir", str(tmp_path / "ckpt"),
                                     "--inject", "stop:rank=0:step=2:for=6s"],
-                                   stdout=out, stderr=subprocess.STDOUT, env=environment())
-    return secret_file.read_text().strip(), log_dir, process
+                                   stdout=out, stderr=subprocess.STDOUT, env=env)
+    return secret, log_dir, process
+
+
+def holds(pid: int, secret: str) -> bool:
+    """Whether process `pid` was started with `secret` in its environment or argv."""
+    return any(secret.encode() in Path(f"/proc/{pid}/{part}").read_bytes() for part in ("environ", "cmdline"))
 
 
 @pytest.mark.slow
@@ -212,21 +220,27 @@ RESTART = ["ddp", "--world-size", "2", "--dataset", "digits", "--num-epochs", "1
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_restart_mode_ranks_call_the_coordinator_in_their_own_name(tmp_path, cli):
-    """torch's elastic agent hands every rank the environment it was given, the run's secret
-    included: each rank makes its own node token from it and calls the coordinator with
-    that alone (the coordinator takes its calls as rank R's, and the run finishes), and the
-    processes a rank starts (its loader workers) get only that token."""
-    secret, log_dir, process = start_with_secret(cli, tmp_path, RESTART, "restart")
+    """torch's elastic agent hands every rank the environment it was given: the launcher
+    keeps the run's secret out of it (the secret was given in the launcher's environment
+    here, the way most likely to leak) and hands the ranks only the folder of their own
+    node tokens; each rank calls the coordinator with its own alone (the coordinator takes
+    its calls as rank R's, and the run finishes), and the processes a rank starts (its
+    loader workers) get only that token. Nothing a rank or a loader worker was started with
+    (environment, argv) holds the secret."""
+    secret, log_dir, process = start_with_secret(cli, tmp_path, RESTART, "restart", in_environment=True)
     try:
         nodes = nodes_once_up(log_dir / "cluster.db", {"rank0", "rank1"}, process)
         for name in ("rank0", "rank1"):
-            assert token_in_environment(nodes[name]["pid"]) == secret  # as the agent started it
+            pid = nodes[name]["pid"]
+            assert not holds(pid, secret), f"{name} was started with the run's secret"
+            assert token_in_environment(pid) is None  # its own token it reads from its own file
             workers = children(nodes[name]["pid"])
             while not workers:  # started once its data is loaded; bounded by the test's timeout
                 assert process.poll() is None, f"the run ended before {name}'s loader worker could be seen"
                 time.sleep(0.1)
                 workers = children(nodes[name]["pid"])
             assert {token_in_environment(pid) for pid in workers} == {node_token(secret, name, "rank")}
+            assert not any(holds(pid, secret) for pid in workers)
         assert process.wait(timeout=200) == 0, (tmp_path / "restart.out").read_text()[-3000:]
     finally:
         if process.poll() is None:

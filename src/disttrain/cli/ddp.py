@@ -206,7 +206,7 @@ def rank_main(argv: list[str], env: Mapping[str, str]) -> int:
                        "reads the dead group's addresses and cannot connect (pytorch/pytorch#135712); "
                        "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun --max-restarts")
     try:
-        options = own_identity(options_from_args(args, env), info.rank)
+        options = own_identity(options_from_args(args, env), info.rank, env)
         summary = run_rank(config_from_args(args), info, options)
         if summary is not None and args.summary_json:
             summary.write(args.summary_json)
@@ -223,18 +223,29 @@ def rank_main(argv: list[str], env: Mapping[str, str]) -> int:
     return 0
 
 
-def own_identity(options: RunOptions, rank: int) -> RunOptions:
-    """`options` with the token rank `rank` calls in its own name with: torch's elastic agent
-    hands every rank of a node the environment it was given, the run's secret included, so
-    the rank makes its own node token from it (node `rank<R>`, role rank: the coordinator
-    then lets it act as itself only), and leaves only that in the environment of the
-    processes it starts (its loader workers)."""
+def own_identity(options: RunOptions, rank: int, env: Mapping[str, str]) -> RunOptions:
+    """`options` with the token rank `rank` calls in its own name with (node `rank<R>`, role
+    rank: the coordinator then lets it act as itself only): read from the folder of rank
+    tokens its launcher named (`disttrain ddp`, which keeps the run's secret out of the
+    ranks' environment), else made from the secret when the rank was handed one (a user's
+    own torchrun, whose agent hands every rank its environment). Only that token is left in
+    the environment of the processes the rank starts (its loader workers).
+
+    Raises:
+        ConfigError: the rank's token file cannot be read.
+    """
     from disttrain.core.auth import TOKEN_ENV
     from disttrain.core.identity import own_token
     from disttrain.strategies.ddp.heartbeats import node_id
-    if options.token is None:
+    from disttrain.strategies.ddp.rank_tokens import RANK_TOKENS_ENV, read_rank_token
+    folder = env.get(RANK_TOKENS_ENV)
+    os.environ.pop(RANK_TOKENS_ENV, None)
+    if folder:
+        token: str | None = read_rank_token(folder, rank)
+    else:
+        token = None if options.token is None else own_token(options.token, node_id(rank), "rank")
+    if token is None:
         return options
-    token = own_token(options.token, node_id(rank), "rank")
     os.environ[TOKEN_ENV] = token
     return replace(options, token=token)
 

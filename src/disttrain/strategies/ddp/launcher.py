@@ -54,6 +54,7 @@ from disttrain.strategies.ddp.agent import GroupBudget, budgeted_agent
 from disttrain.strategies.ddp.coordination import RunCoordinator, run_coordinator
 from disttrain.strategies.ddp.endpoint import wait_for_endpoint
 from disttrain.strategies.ddp.live import launch_live
+from disttrain.strategies.ddp.rank_tokens import RANK_TOKENS_ENV, write_rank_tokens
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
 from disttrain.training.precision import plan_precision
@@ -162,7 +163,7 @@ def launch(config: Config, options: RunOptions) -> RunSummary | None:
                              options.faults) as coordinator:
             coordinator.config.save(config_path)  # the ranks find the coordinator here
             args = command_line(rank_spec(config_path, summary_path, options))
-            run_ranks(coordinator, plan, Path(folder) / "agent", args)
+            run_ranks(coordinator, plan, Path(folder) / "agent", args, Path(folder) / "tokens")
         if coordinator.registry is not None:
             logger.info("every rank's state, restarts and progress: disttrain status --registry %s",
                         coordinator.registry)
@@ -175,15 +176,19 @@ def launch(config: Config, options: RunOptions) -> RunSummary | None:
     return summary
 
 
-def run_ranks(coordinator: RunCoordinator, plan: LaunchPlan, error_dir: Path, args: list[str]) -> None:
+def run_ranks(coordinator: RunCoordinator, plan: LaunchPlan, error_dir: Path, args: list[str],
+              tokens_dir: Path) -> None:
     """Run the elastic agent until the ranks end; then report to the coordinator how they
-    ended (the ranks report it themselves, but a killed or stopped rank cannot).
+    ended (the ranks report it themselves, but a killed or stopped rank cannot). The ranks
+    get their own node tokens (`rank_tokens`, written into the new private folder
+    `tokens_dir`), never the run's secret: the agent hands them its environment, from which
+    the secret is kept out while it runs.
 
     Raises:
         ConfigError, DistributedError: see `launch`.
     """
     config = coordinator.config
-    given_token = os.environ.get(TOKEN_ENV)
+    given_token = os.environ.pop(TOKEN_ENV, None)  # the user's secret, if given so: not the ranks'
     # Restarts the budget grants (`agent`): free after progress, none after a user's error.
     ddp = config.ddp
     budget = GroupBudget(ddp.max_restarts, config.system.checkpoint_dir) if ddp.max_restarts else None
@@ -191,7 +196,8 @@ def run_ranks(coordinator: RunCoordinator, plan: LaunchPlan, error_dir: Path, ar
         os.environ.update(FRESH_STORE_PER_ROUND)
         os.environ["OMP_NUM_THREADS"] = str(thread_count(config.system.num_threads, plan.ranks_per_node))
         if coordinator.token is not None:  # the agent hands its environment to the ranks (never argv)
-            os.environ[TOKEN_ENV] = coordinator.token
+            os.environ[RANK_TOKENS_ENV] = str(write_rank_tokens(tokens_dir, coordinator.token,
+                                                                config.system.num_workers))
         with budgeted_agent(budget):
             elastic_launch(launch_config(config.ddp, plan.ranks_per_node, error_dir), sys.executable)(*args)
     except ChildFailedError as e:
@@ -209,8 +215,8 @@ def run_ranks(coordinator: RunCoordinator, plan: LaunchPlan, error_dir: Path, ar
     except SignalException as e:
         coordinator.stopped(f"the launcher was stopped by {e.sigval.name}")
         raise DistributedError(f"stopped by {e.sigval.name}; the ranks were stopped too") from None
-    finally:  # this launch's token stays out of later commands run in this process
-        os.environ.pop(TOKEN_ENV, None)
+    finally:  # this launch's tokens stay out of later commands run in this process
+        os.environ.pop(RANK_TOKENS_ENV, None)
         if given_token is not None:
             os.environ[TOKEN_ENV] = given_token
     coordinator.finished()
