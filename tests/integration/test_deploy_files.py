@@ -14,7 +14,8 @@ import sys
 import pytest
 import yaml
 from conftest import REPO_ROOT
-from tls_certs import issue, make_authority
+
+from disttrain.core.pki import DEFAULT_HOSTS, NodeName, write_run_pki
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -286,8 +287,7 @@ def guide_commands(program):
 def test_every_disttrain_command_of_the_guide_passes_check_config(cli, tmp_path):
     commands = guide_commands("disttrain")
     assert len(commands) >= 6
-    authority = make_authority(tmp_path, "ca")
-    issue(authority, tmp_path, "hostA")
+    write_run_pki(tmp_path, DEFAULT_HOSTS, [NodeName("server0", "server")], days=1)  # the guide's shard 0
     (tmp_path / "disttrain.token").write_text(TOKEN)
     (tmp_path / "disttrain.token").chmod(0o600)
     for args in commands:
