@@ -15,6 +15,7 @@ import pytest
 import yaml
 from conftest import REPO_ROOT
 
+from disttrain.core.identity import node_token
 from disttrain.core.pki import DEFAULT_HOSTS, NodeName, write_run_pki
 
 pytestmark = pytest.mark.timeout(240)
@@ -290,6 +291,8 @@ def test_every_disttrain_command_of_the_guide_passes_check_config(cli, tmp_path)
     write_run_pki(tmp_path, DEFAULT_HOSTS, [NodeName("server0", "server")], days=1)  # the guide's shard 0
     (tmp_path / "disttrain.token").write_text(TOKEN)
     (tmp_path / "disttrain.token").chmod(0o600)
+    (tmp_path / "worker0.token").write_text(node_token(TOKEN, "worker0", "worker"))  # a worker's own
+    (tmp_path / "worker0.token").chmod(0o600)
     for args in commands:
         result = dry_run(cli, args[1:], tmp_path)
         assert result.returncode == 0, f"{shlex.join(args)}: {result.stderr}"
