@@ -22,8 +22,9 @@ class Authority:
     pem_path: Path
 
 
-def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+def _name(common_name: str, unit: str = "") -> x509.Name:
+    unit_attribute = [x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, unit)] if unit else []
+    return x509.Name([*unit_attribute, x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
 def _write(path: Path, data: bytes) -> Path:
@@ -45,15 +46,16 @@ def make_authority(folder: Path, name: str = "test-ca") -> Authority:
     return Authority(name, key, certificate, path)
 
 
-def issue(authority: Authority, folder: Path, name: str, addresses: tuple[str, ...] = ()
+def issue(authority: Authority, folder: Path, name: str, addresses: tuple[str, ...] = (), unit: str = ""
           ) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1, localhost and `addresses` signed by `authority`; (cert,
-    key) paths."""
+    """A certificate for 127.0.0.1, localhost and `addresses` signed by `authority`, naming
+    `name` (CN) and, when given, `unit` (OU: a role of the run, or "operator"); (cert, key)
+    paths."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
     names = [x509.DNSName("localhost"), *(x509.IPAddress(ipaddress.ip_address(a))
                                           for a in ("127.0.0.1", *addresses))]
-    certificate = (x509.CertificateBuilder().subject_name(_name(name))
+    certificate = (x509.CertificateBuilder().subject_name(_name(name, unit))
                    .issuer_name(authority.certificate.subject).public_key(key.public_key())
                    .serial_number(x509.random_serial_number())
                    .not_valid_before(now - datetime.timedelta(minutes=5))

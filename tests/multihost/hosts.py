@@ -41,13 +41,15 @@ def network(namespaces_reason):
 
 @pytest.fixture
 def host_tls(tmp_path):
-    """`host_tls(host)`: the --tls-* flags for a host, its certificate naming its address."""
+    """`host_tls(host)`: the --tls-* flags for a host, its certificate naming its address.
+    Every process of these runs holds the run's secret, so each host's certificate is the
+    operator's (OU operator): one naming no role would be refused."""
     folder = tmp_path / "pki"
     folder.mkdir()
     authority = make_authority(folder, "run-ca")
 
     def flags(host) -> list[str]:
-        cert, key = issue(authority, folder, host.name, (host.address,))
+        cert, key = issue(authority, folder, host.name, (host.address,), unit="operator")
         return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(authority.pem_path)]
 
     return flags
