@@ -80,6 +80,7 @@ def test_only_a_coordinators_certificate_serves_as_the_coordinator(tmp_path, run
             with pytest.raises(CoordinatorError) as raised:
                 client.register("worker0", "worker", retry_s=0)
             assert raised.value.code == grpc.StatusCode.UNAVAILABLE  # no TLS session: nothing sent
+            assert "is not this run's coordinator" in str(raised.value)
             assert members(server) == []
     finally:
         client.close()

@@ -14,7 +14,7 @@ import tenacity
 
 from disttrain.coordinator.node_info import capabilities
 from disttrain.coordinator.reports import NodeMetrics
-from disttrain.core.channels import open_channel
+from disttrain.core.channels import open_channel, wrong_service
 from disttrain.core.errors import DisttrainError
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import coordinator_pb2 as pb
@@ -92,6 +92,11 @@ class CoordinatorClient:
 
     def _error(self, name: str, error: grpc.RpcError) -> CoordinatorError:
         code = error.code()
+        if code in UNREACHABLE and wrong_service(error):
+            return CoordinatorError(
+                f"the server at {self.address} is not this run's coordinator: its certificate does not "
+                "serve as the coordinator of the run of --tls-ca (one of `disttrain tls new --node "
+                "coordinator` does); check --coordinator and the server's --tls-cert", code)
         if code in UNREACHABLE:
             return CoordinatorError(f"cannot reach the coordinator at {self.address} ({code.name}); is "
                                     "`disttrain coordinator` running there?", code)

@@ -48,6 +48,13 @@ def expected_name(tls: TlsFiles, role: str | None, node_id: str = "") -> str | N
     return None if run_id is None or role is None else service_name(run_id, role, node_id.lower())
 
 
+def wrong_service(error: grpc.RpcError) -> bool:
+    """Whether `error` says the server's certificate does not serve the service the channel
+    asked for (`open_channel`'s `role`): TLS ended the connection before any call."""
+    details = error.details() if hasattr(error, "details") else ""
+    return "Hostname Verification Check failed" in (details or "")
+
+
 def open_channel(address: str, tls: TlsFiles | None = None, token: str | None = None,
                  options: list | None = None, role: str | None = None, node_id: str = "") -> grpc.Channel:
     """A channel to `address`: TLS with `tls` when enabled, else plain TCP; every call
