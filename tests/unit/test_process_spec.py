@@ -38,7 +38,8 @@ FAULTS = [parse_fault(text) for text in (
     "kill:rank:step=3:attempt=2")]
 paths = st.sampled_from([Path("/runs/a/config.yaml"), Path("/tmp/x y/c.yaml")])
 tls_files = st.sampled_from([TlsFiles(), TlsFiles("/pki/node.pem", "/pki/node.key", "/pki/ca.pem"),
-                             TlsFiles(ca="/pki/ca.pem")])
+                             TlsFiles(ca="/pki/ca.pem"),
+                             TlsFiles("/pki/node.pem", "/pki/node.key", "/pki/ca.pem", ("ops", "host-a"))])
 common = {"config": paths, "faults": st.lists(st.sampled_from(FAULTS), max_size=3).map(tuple),
           "attempt": st.integers(0, 5), "verbose": st.booleans(), "tls": tls_files}
 binds = st.sampled_from(["127.0.0.1:0", "0.0.0.0:50051", "[::1]:7000"])
@@ -59,7 +60,8 @@ def spec_of(entry: str, args: argparse.Namespace) -> ProcessSpec:
         checkpoint_dir=_path(has.get(f"{CONFIG_PREFIX}system.checkpoint_dir")),
         settings=sets, faults=tuple(has.get("faults", ())), resume=has.get("resume", False),
         attempt=has.get("attempt", 0), verbose=args.verbose,
-        tls=TlsFiles(has.get("tls_cert"), has.get("tls_key"), has.get("tls_ca")),
+        tls=TlsFiles(has.get("tls_cert"), has.get("tls_key"), has.get("tls_ca"),
+                     tuple(has.get("tls_operators", ()))),
         summary_json=_path(has.get("summary_json")), quiet_summary=has.get("quiet_summary", False))
 
 
