@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from disttrain.strategies.ps.server.barriers import MAX_KEPT, BarrierMismatch, Barriers
+from disttrain.strategies.ps.server.barriers import (
+    MAX_KEPT,
+    PENDING_PER_WORKER,
+    BarrierMismatch,
+    Barriers,
+    TooManyBarriers,
+)
 from disttrain.strategies.ps.server.decisions import PushRefused
 
 
@@ -55,3 +61,46 @@ def test_the_oldest_checks_make_room_before_the_barriers_a_restarted_worker_meet
         barriers.arrive(f"speeds@{step}", 0, [1.0], step=step, last_steps={0: step})
     assert barriers.result("speeds") == [[1.0]] and barriers.result("epoch0:trained") == [[]]
     assert barriers.result("speeds@1") is None and barriers.result(f"speeds@{MAX_KEPT + 9}") == [[1.0]]
+
+
+def test_a_worker_waits_at_only_its_share_of_pending_barriers_and_the_others_keep_theirs():
+    barriers = Barriers(3)
+    for i in range(PENDING_PER_WORKER):  # rank 2 makes up names nobody else will come to
+        barriers.arrive(f"made-up{i}", 2, [1.0], now=0.0)
+    with pytest.raises(TooManyBarriers, match="rank 2 already waits at 4 pending barriers"):
+        barriers.arrive("one more", 2, [1.0], now=1.0)
+    assert "one more" not in barriers.pending
+    barriers.arrive("made-up0", 2, [5.0], now=1.0)  # its own, again: renewed, not refused
+    barriers.arrive("epoch0:trained", 0, [1.0], now=1.0)  # the others are served beside it
+    barriers.arrive("epoch0:trained", 1, [1.0], now=1.0)
+    assert barriers.result("epoch0:trained") is None and barriers.waiting(0, 1.0) == ["epoch0:trained"]
+    with pytest.raises(TooManyBarriers):  # its own share is full, for any name
+        barriers.arrive("epoch0:trained", 2, [1.0], now=2.0)
+    for now in (60.0, 120.0):  # the others wait on (renewed); its made-up ones lapse
+        barriers.arrive("epoch0:trained", 0, [1.0], now=now)
+        barriers.arrive("epoch0:trained", 1, [1.0], now=now)
+    barriers.arrive("epoch0:trained", 2, [1.0], now=120.0)
+    assert barriers.result("epoch0:trained") == [[1.0]] * 3 and barriers.pending == []
+
+
+def test_a_barrier_nobody_waits_at_expires_and_a_waited_one_never_does():
+    barriers = Barriers(2, expiry_s=90.0)
+    barriers.arrive("made-up", 1, [1.0], now=0.0)  # left behind: its worker stopped waiting
+    barriers.arrive("epoch0:trained", 0, [1.0], now=0.0)
+    for now in range(30, 600, 30):  # rank 0 waits (its long-poll renews it), rank 1 is slow
+        barriers.arrive("epoch0:trained", 0, [1.0], now=float(now))
+    assert barriers.pending == ["epoch0:trained"] and barriers.num_expired == 1
+    barriers.arrive("epoch0:trained", 1, [2.0], now=600.0)
+    assert barriers.result("epoch0:trained") == [[1.0], [2.0]]
+    assert barriers.result("made-up") is None  # forgotten, not answered: arriving again starts it anew
+
+
+def test_a_lapsed_arrival_frees_its_share_but_still_counts_for_its_barrier():
+    barriers = Barriers(3, expiry_s=90.0)
+    for i in range(PENDING_PER_WORKER):
+        barriers.arrive(f"b{i}", 0, [float(i)], now=0.0)
+    barriers.arrive("b0", 1, [9.0], now=50.0)  # rank 1 waits at b0: rank 0's arrival stays there
+    barriers.arrive("b4", 0, [4.0], now=100.0)  # rank 0 died waiting; back, its share is free again
+    assert barriers.pending == ["b0", "b4"]  # b1..b3: nobody waits, expired
+    barriers.arrive("b0", 2, [8.0], now=120.0)  # rank 0's lapsed arrival completes it
+    assert barriers.result("b0") == [[0.0], [9.0], [8.0]]

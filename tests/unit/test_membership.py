@@ -12,6 +12,7 @@ from disttrain.coordinator.membership import (
     DuplicateNode,
     Membership,
     NodeTableFull,
+    RankTaken,
     UnknownNode,
     WrongProcess,
 )
@@ -303,14 +304,23 @@ def test_an_exit_report_of_another_process_or_generation_is_refused(membership):
     assert membership.get("worker-0").state == "failed"
 
 
-def test_a_rank_held_by_a_live_node_is_refused_and_freed_by_its_end(membership):
+def test_a_rank_stays_its_first_nodes_whatever_its_state(membership):
+    """Another node never takes a rank (found by an insider: a worker took the rank of one
+    that failed, whose restart was then refused), and a node never leaves its own."""
     membership.register("worker-0", "worker", now=0.0, rank=0, pid=1)
-    with pytest.raises(DuplicateNode, match="rank 0 is held by live node 'worker-0'"):
+    with pytest.raises(RankTaken, match="worker rank 0 is node 'worker-0''s"):
         membership.register("squatter", "worker", now=1.0, rank=0, pid=2)
     assert membership.get("squatter") is None
     membership.register("rank-0", "rank", now=1.0, rank=0, pid=3)  # another role: its own ranks
     membership.exited("worker-0", 1, "killed", now=2.0)
-    membership.register("worker-0b", "worker", now=3.0, rank=0, pid=4)
+    with pytest.raises(RankTaken, match=r"\(failed\)"):
+        membership.register("worker-0b", "worker", now=3.0, rank=0, pid=4)
+    membership.register("worker-1", "worker", now=3.0, rank=1, pid=5)
+    with pytest.raises(RankTaken, match="holds worker rank 1, not 0"):
+        membership.register("worker-1", "worker", now=4.0, rank=0, pid=5)
+    restarted = membership.register("worker-0", "worker", now=5.0, rank=0, pid=6)  # its own restart
+    assert restarted.rank == 0 and restarted.restarts == 1 and restarted.state == "alive"
+    assert membership.register("worker-0", "worker", now=6.0, rank=-1, pid=6).rank == 0  # kept
 
 
 def test_a_full_table_forgets_the_oldest_ended_nodes_done_first_and_refuses_when_all_live():

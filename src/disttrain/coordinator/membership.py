@@ -10,6 +10,11 @@ Rules:
 - A node registering again after a failure, or after its old process went silent
   (another pid, no heartbeat within the timeout), rejoins: `restarts` += 1. A live node's
   id claimed by another process is refused (`DuplicateNode`).
+- A rank of a role is its first node's for as long as the table holds that node, alive
+  or not: another node registering with it is refused (`RankTaken`), so a node cannot
+  take the rank of one that failed, is restarting or was taken over, nor of one the
+  coordinator reloaded and has not heard from since. A node keeps its own rank: it
+  registers again with it (or with -1, not known: it keeps it), never with another's.
 - A parameter-server worker (role "worker") failed for longer than `reassign_after_s`
   is *reassigned* (`check`): the other workers take over its blocks of the epoch not yet
   applied. It may still rejoin (a restart), and then takes back what is left.
@@ -53,6 +58,12 @@ MAX_METRICS = 256  # metric keys kept per node: its registry row stays small
 class DuplicateNode(DisttrainError):
     """Another live process already holds this node id. Not recoverable by retrying:
     stop the other process or pick another id."""
+
+
+class RankTaken(DuplicateNode):
+    """A rank held by another node of the role (its first node's, alive or not), or a
+    rank other than the node's own. Not recoverable by retrying: register with the
+    node's own rank."""
 
 
 class NodeTableFull(DisttrainError):
@@ -108,7 +119,9 @@ class Membership:
         Raises:
             ValueError: an empty id or an unknown role.
             DuplicateNode: a live process with another pid, heard within the timeout, holds
-                the id, or another live node holds the same rank of the role.
+                the id.
+            RankTaken: another node of the role holds `rank` (its first node's, in any
+                state), or the node holds another rank of its own.
             NodeTableFull: a new id, and `max_nodes` live nodes are held.
         """
         if not node_id:
@@ -116,6 +129,9 @@ class Membership:
         if role not in ROLES:
             raise ValueError(f"role {role!r} is unknown; use one of {', '.join(ROLES)}")
         node = self._nodes.get(node_id)
+        if node is not None and node.rank >= 0 and rank == -1:
+            rank = node.rank  # not known to the caller: the node's own
+        self._check_rank_free(node_id, role, rank, node)
         if node is not None and node.state == ALIVE and node.pid == pid:
             node.last_seen = now
             self._dirty.add(node_id)
@@ -127,7 +143,6 @@ class Membership:
             raise DuplicateNode(
                 f"node id {node_id!r} is held by a live process (pid {node.pid}, heard "
                 f"{age:.1f}s ago); stop that process, or give this one another id")
-        self._check_rank_free(node_id, role, rank, now)
         details = dict(role=role, rank=rank, address=address, hostname=hostname, pid=pid,
                        capabilities=dict(capabilities or {}))
         if node is None:
@@ -142,17 +157,20 @@ class Membership:
         self._dirty.add(node_id)
         return node
 
-    def _check_rank_free(self, node_id: str, role: str, rank: int, now: float) -> None:
-        """Raise DuplicateNode when another live node of `role`, heard within the timeout,
-        holds `rank` (-1: no rank, never held)."""
+    def _check_rank_free(self, node_id: str, role: str, rank: int, node: Node | None) -> None:
+        """Raise RankTaken when `node` (`node_id`'s, None: new) holds another rank of
+        `role`, or another node of `role` holds `rank` (-1: no rank, never held), in
+        whatever state: a rank is its first node's while the table holds that node."""
+        if node is not None and node.role == role and node.rank >= 0 and rank != node.rank:
+            raise RankTaken(f"node {node_id!r} holds {role} rank {node.rank}, not {rank}; a node registers "
+                            "again with its own rank (or -1)")
         if rank < 0:
             return
         for other in self._nodes.values():
-            if (other.node_id != node_id and other.role == role and other.rank == rank
-                    and other.state == ALIVE and not self._silent(other, now)
-                    and other.node_id not in self._unconfirmed):
-                raise DuplicateNode(f"{role} rank {rank} is held by live node {other.node_id!r}; stop "
-                                    "that process, or register this one with its own rank")
+            if other.node_id != node_id and other.role == role and other.rank == rank:
+                raise RankTaken(f"{role} rank {rank} is node {other.node_id!r}'s ({other.state}); a rank "
+                                "stays its node's, restarted or not: register this node with its own "
+                                "rank, or restart that node under its own id")
 
     def _make_room(self) -> None:
         """Forget the oldest ended node (done first, then failed or reassigned) when the

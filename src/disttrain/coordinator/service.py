@@ -5,6 +5,13 @@ change, event and recovery to the registry at once (progress from heartbeats and
 reports at the next monitor tick), and wakes the WatchMembership long-polls.
 `CoordinatorServer` serves it and runs the monitor thread that declares silent nodes
 failed. The coordinator never calls out.
+
+What callers share is shared per caller (the node its credentials name): each holds at
+most `WATCHES_PER_CALLER` membership watches (a node watches once, and a retry's
+abandoned attempt may still wait), all of them together leave a quarter of the handler
+threads free, and refusals are logged per caller. A node registers in its own name only
+(the authorization table), and with its own rank only (`Membership.register`: a rank
+stays its first node's).
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ from disttrain.coordinator.reports import BalanceState
 from disttrain.core.addresses import parse_address
 from disttrain.core.errors import ConfigError
 from disttrain.core.identity import NotPermitted
-from disttrain.core.poll_slots import PollLimitExceeded, PollSlots
+from disttrain.core.poll_slots import PollLimitExceeded, PollSlots, caller_key
 from disttrain.core.refusal_log import RefusalLog
+from disttrain.core.rpc_access import GRANT_ATTRIBUTE
 from disttrain.core.rpc_server import RpcServer, refusals
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import coordinator_pb2 as pb
@@ -50,6 +58,10 @@ CAPABILITIES = [f.name for f in pb.Capabilities.DESCRIPTOR.fields]  # cpus, memo
 # A status answer's nodes stop at this size: far under a client's 4 MB receive limit, with
 # the events and recoveries (each bounded) beside them.
 STATUS_BUDGET_BYTES = 1 << 20
+# A node's membership watches at once: its watcher's, and a retry's whose abandoned
+# attempt still waits. The trusted (the operator, any caller of a coordinator without
+# credentials) share the totals alone.
+WATCHES_PER_CALLER = 2
 
 
 class CoordinatorState:
@@ -244,8 +256,12 @@ class CoordinatorServicer:
                  watches: PollSlots | None = None, refusal_log: RefusalLog | None = None):
         self.state = state
         self.on_step = on_step
-        self.watches = watches or PollSlots.for_pool(128, per_key=128)  # slots of membership watches
+        self.watches = watches or watch_slots(128)
         self.refusal_log = refusal_log or RefusalLog()
+
+    def _log(self, context):
+        """The refusal log as seen by this call's caller (its refusals counted as its own)."""
+        return self.refusal_log.of(_owner(context))
 
     # Who may make each call, in whose name, is the authorization table's (`core.access`),
     # checked before a method runs: a node registers, heartbeats and reports in its own
@@ -253,29 +269,33 @@ class CoordinatorServicer:
     # coordinator.
 
     def RegisterNode(self, request, context):
-        with refusals(context, CODES, self.refusal_log, "RegisterNode"):
+        with refusals(context, CODES, self._log(context), "RegisterNode"):
             return self.state.register(request)
 
     def SendHeartbeat(self, request, context):
-        with refusals(context, CODES, self.refusal_log, "SendHeartbeat"):
+        with refusals(context, CODES, self._log(context), "SendHeartbeat"):
             reply = self.state.heartbeat(request)
         if self.on_step is not None:
             self.on_step(self.state.max_step)
         return reply
 
     def ReportMetrics(self, request, context):
-        with refusals(context, CODES, self.refusal_log, "ReportMetrics"):
+        with refusals(context, CODES, self._log(context), "ReportMetrics"):
             return self.state.report_metrics(request)
 
     def ReportExit(self, request, context):
-        with refusals(context, CODES, self.refusal_log, "ReportExit"):
+        with refusals(context, CODES, self._log(context), "ReportExit"):
             return self.state.exited(request)
 
     def WatchMembership(self, request, context):
         remaining = context.time_remaining()
         wait_s = MAX_WAIT_S if remaining is None else min(MAX_WAIT_S, remaining - REPLY_MARGIN_S)
+        owner = _owner(context)
         try:
-            slot = self.watches.take("watch")
+            if owner is None:  # the trusted share every slot
+                slot = self.watches.take("the trusted callers' watches", self.watches.max_total)
+            else:
+                slot = self.watches.take(f"{owner}'s watches", owner=owner)
         except PollLimitExceeded as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         with slot:
@@ -283,6 +303,18 @@ class CoordinatorServicer:
 
     def GetClusterStatus(self, request, context):
         return self.state.status()
+
+
+def watch_slots(max_threads: int) -> PollSlots:
+    """The membership watches of a coordinator of `max_threads` handler threads: at most
+    `WATCHES_PER_CALLER` per caller, a quarter of the pool left free for heartbeats."""
+    return PollSlots.for_pool(max_threads, per_key=WATCHES_PER_CALLER, per_owner=WATCHES_PER_CALLER)
+
+
+def _owner(context) -> str | None:
+    """The share a call is made under: the node its credentials name; None: trusted."""
+    grant = getattr(context, GRANT_ATTRIBUTE, None)
+    return caller_key(grant.caller if grant is not None else None)
 
 
 def _handler(servicer: CoordinatorServicer) -> grpc.GenericRpcHandler:
@@ -319,7 +351,7 @@ class CoordinatorServer:
         self.state = CoordinatorState(config, self.registry)
         self.on_failure = on_failure
         # Each watch holds a thread: many may wait, and a quarter of the pool stays free for heartbeats.
-        watches = PollSlots.for_pool(max_threads, per_key=max_threads)
+        watches = watch_slots(max_threads)
         self.servicer = CoordinatorServicer(self.state, on_step, watches)
         try:
             self._server = RpcServer(_handler(self.servicer), SERVICE, bind, max_threads, token=token,

@@ -132,15 +132,18 @@ class SocketRule:
 
 _SHARD_PUSH_LIMITS = ("bytes, frames and fields per frame bounded by the shard's largest legal push "
                       "(`push_limits`); refused pushes change nothing")
-_SHARD_STREAM_LIMITS = ("first message within FIRST_MESSAGE_S on a few opening slots shared by every "
-                        "caller; then on the worker's own slots (POLLS_PER_WORKER)")
-_LONG_POLL = "waits at most LONG_POLL_CAP_S, on one of the worker's POLLS_PER_WORKER slots"
+_SHARD_STREAM_LIMITS = ("first message within FIRST_MESSAGE_S on one of the caller's own OPENINGS_PER_CALLER "
+                        "opening slots (among a few all callers' share); then on the worker's own slots "
+                        "(POLLS_PER_WORKER); at most POLLS_PER_CALLER slots per caller")
+_LONG_POLL = ("waits at most LONG_POLL_CAP_S, on one of the worker's POLLS_PER_WORKER slots; at most "
+              "POLLS_PER_CALLER slots per caller")
 
 RULES: tuple[Rule, ...] = (
     # -- the coordinator: who is in the run, who is alive --------------------------------
     Rule(COORDINATOR_SERVICE, "RegisterNode", EVERYONE, acts_for="node_id", role_field="role",
-         limits="ids of at most 128 letters, digits and ._:@+/-; a live node's id or its role's rank "
-                "held by another live process: ALREADY_EXISTS; coordinator.max_nodes live nodes",
+         limits="ids of at most 128 letters, digits and ._:@+/-; a live node's id held by another live "
+                "process, or a rank of its role held by another node (a rank stays its first node's, alive "
+                "or not; a node keeps its own): ALREADY_EXISTS; coordinator.max_nodes live nodes",
          purpose="join or rejoin the run"),
     Rule(COORDINATOR_SERVICE, "SendHeartbeat", EVERYONE, acts_for="node_id",
          limits="the pid the node registered with; figures finite and not negative",
@@ -153,7 +156,8 @@ RULES: tuple[Rule, ...] = (
                 "printable characters",
          purpose="a node's process ended (the node itself, or its launcher)"),
     Rule(COORDINATOR_SERVICE, "WatchMembership", EVERYONE,
-         limits="a long-poll of at most 60 s on the coordinator's watch slots",
+         limits="a long-poll of at most 60 s; at most WATCHES_PER_CALLER at once per caller, a quarter "
+                "of the coordinator's threads left free",
          purpose="follow who is alive"),
     Rule(COORDINATOR_SERVICE, "GetClusterStatus", EVERYONE,
          limits="an answer of at most 1 MB (live nodes first)",
@@ -181,14 +185,16 @@ RULES: tuple[Rule, ...] = (
     Rule(SHARD_SERVICE, "GetStatus", EVERYONE, acts_for="worker_id", optional_subject=True,
          subject_role=WORKER, session=IF_GIVEN,
          limits="4 KB; a wait for every worker to be done on the worker's own slots (with its "
-                "session), else on a few slots shared by every observer",
+                "session), else on the caller's own observing slots; at most POLLS_PER_CALLER per caller",
          purpose="the shard's counters; for a worker, wait until all are done"),
     Rule(SHARD_SERVICE, "Shutdown", (OPERATOR, WORKER), acts_for="worker_id", session=REQUIRED,
          holder="the worker that writes the final model (the lowest rank not reassigned), once every "
                 "worker is done",
          limits="1 KB", purpose="stop the shard at the run's end"),
     Rule(SHARD_SERVICE, "Barrier", (OPERATOR, WORKER), acts_for="worker_id", session=REQUIRED,
-         limits=f"16 KB; {_LONG_POLL}", purpose="meet every worker of the run (an all-gather)"),
+         limits=f"16 KB; {_LONG_POLL}; a worker waits at most at PENDING_PER_WORKER pending barriers "
+                "(RESOURCE_EXHAUSTED); a barrier nobody waited at for EXPIRY_S is forgotten",
+         purpose="meet every worker of the run (an all-gather)"),
     Rule(SHARD_SERVICE, "GetLedger", (OPERATOR, WORKER), acts_for="worker_id", session=REQUIRED,
          limits="4 KB", purpose="read the blocks the shard applied"),
     # -- the standard health service, beside each of the above ---------------------------

@@ -2,7 +2,12 @@
 one warning per key (a caller, or a kind of refusal) per period, which counts the
 refusals it stands for, and what a caller sent printed with its control characters
 escaped (`printable`). `RefusalLog` is the rule, its clock passed in; `RateLimitedLog`
-writes a logger's lines by it. Both thread-safe (a server's handler threads share one)."""
+writes a logger's lines by it. Both thread-safe (a server's handler threads share one).
+
+A caller the server knows (the node its credentials name) has a key of its own
+(`RefusalLog.of`), wherever it calls from: one caller's refusals never silence another's
+line, even from the same host, and it cannot make the log forget others by calling from
+many addresses; a caller the server cannot tell apart is keyed by its host."""
 
 from __future__ import annotations
 
@@ -55,6 +60,22 @@ class RefusalLog:
                 del self._callers[min(self._callers, key=lambda c: self._callers[c][0])]
             self._callers[caller] = (now, 0)
             return quiet + 1
+
+    def of(self, who: str | None) -> RefusalLog | _CallerView:
+        """The log as seen by the calls of `who` (a caller's node, `poll_slots.caller_key`;
+        None: a caller not told apart): its refusals are counted under its own key, not
+        its host's."""
+        return self if who is None else _CallerView(self, who)
+
+
+class _CallerView:
+    """`RefusalLog.refused` for one known caller: keyed by the caller, whatever host is given."""
+
+    def __init__(self, log: RefusalLog, who: str):
+        self._log, self._who = log, who
+
+    def refused(self, host: str, now: float) -> int:
+        return self._log.refused(self._who, now)
 
 
 class RateLimitedLog:

@@ -18,6 +18,21 @@ A barrier of no step does not wait for the workers the run reassigned (`excuse`:
 on, their blocks taken over by the others): it completes once all the others arrived, and
 an excused worker's row is NaN (as wide as the others'), so every worker learns from the
 answer who was away.
+
+Shared per worker, and nothing pending for ever: a rank may be waiting at no more than
+`PENDING_PER_WORKER` pending barriers at once (a worker is at one barrier at a time; the
+rest is room for restarts), so a worker that makes up names takes only its own share of
+the table and the others' barriers are never refused for it (`TooManyBarriers`,
+RESOURCE_EXHAUSTED, names the worker and its barriers). An arrival is held by its
+worker's wait: a waiting worker arrives again at every long-poll (at most every
+`LONG_POLL_CAP_S`, and its client retries within seconds), and an arrival not renewed
+for `EXPIRY_S` has lapsed: it still counts for the barrier (a worker that died waiting
+is answered when it comes back, as before), but no longer for its worker's share. A
+pending barrier at which every arrival has lapsed (nobody waits at it any more) expires:
+it is forgotten, and a worker that arrives at it later starts it again (its values
+taken again). Honest waits are never cut: a barrier waits as long as any worker waits at
+it, and a worker absent for good (restarting, or taken over) is waited for until it
+comes back or the run excuses it, as before; an expired one's late arrival waits anew.
 """
 
 from __future__ import annotations
@@ -25,6 +40,7 @@ from __future__ import annotations
 import math
 
 from disttrain.strategies.ps.server.decisions import PushRefused
+from disttrain.strategies.ps.server.limits import LONG_POLL_CAP_S
 
 # Completed barriers are kept for late arrivals, bounded so a long run's memory stays
 # flat. The speed checks come every few dozen steps and only a worker redoing the steps
@@ -38,6 +54,10 @@ MAX_KEPT = 256
 MAX_NAME_CHARS = 128
 MAX_VALUES = 32
 PENDING_PER_WORKER = 4
+# An arrival not renewed for this long has lapsed: its worker stopped waiting. A worker
+# waiting renews it at every long-poll (at most LONG_POLL_CAP_S, plus its client's backoff
+# of at most a few seconds): three long-polls missed is not a wait.
+EXPIRY_S = 3 * LONG_POLL_CAP_S
 
 
 class BarrierMismatch(PushRefused):
@@ -50,8 +70,9 @@ class InvalidBarrier(ValueError):
 
 
 class TooManyBarriers(PushRefused):
-    """A new barrier while as many are pending as the run allows: refused, nothing changes
-    (retry once those complete)."""
+    """A worker arrives at a new barrier while it waits at as many pending ones as a worker
+    may (`PENDING_PER_WORKER`): refused (RESOURCE_EXHAUSTED), nothing changes.
+    Recoverable: retry once one of them completes or lapses (`EXPIRY_S`)."""
 
 
 def check_arrival(name: str, values: list[float]) -> None:
@@ -68,36 +89,53 @@ def check_arrival(name: str, values: list[float]) -> None:
 
 
 class Barriers:
-    def __init__(self, world_size: int):
+    """The barriers of a run of `world_size` workers; an arrival lapses once not renewed
+    for `expiry_s` (see the module)."""
+
+    def __init__(self, world_size: int, expiry_s: float = EXPIRY_S):
+        if expiry_s <= 0:
+            raise ValueError(f"expiry_s must be > 0, got {expiry_s}")
         self.world_size = world_size
+        self.expiry_s = expiry_s
         self._arrived: dict[str, dict[int, list[float]]] = {}
+        self._renewed: dict[str, dict[int, float]] = {}  # pending barrier -> rank -> its last arrival
+        self.num_expired = 0
         self._done: dict[str, list[list[float]]] = {}  # a given-up barrier: []
         self._checks: set[str] = set()  # the barriers of a step, pending or done
         self.excused: frozenset[int] = frozenset()  # ranks no barrier of no step waits for
 
     def arrive(self, name: str, rank: int, values: list[float], step: int = 0,
-               last_steps: dict[int, int] | None = None) -> None:
-        """Record `rank` at barrier `name` (again: its values are replaced). With `step`,
-        the barrier is given up at once if a rank that has not arrived has a last step
-        (`last_steps`) before it.
+               last_steps: dict[int, int] | None = None, now: float = 0.0) -> None:
+        """Record `rank` at barrier `name` at time `now` (again: its values are replaced,
+        its arrival renewed). With `step`, the barrier is given up at once if a rank that
+        has not arrived has a last step (`last_steps`) before it. Barriers nobody waits at
+        any more expire first (`expire`).
 
         Raises:
             InvalidBarrier: the name or values are out of bounds (`check_arrival`).
             BarrierMismatch: `values` differ in length from the others'.
-            TooManyBarriers: `name` would be one pending barrier too many.
+            TooManyBarriers: `rank` already waits at `PENDING_PER_WORKER` other pending barriers.
         """
         check_arrival(name, values)
         if name in self._done:
             return
-        if name not in self._arrived and len(self._arrived) >= PENDING_PER_WORKER * self.world_size:
-            raise TooManyBarriers(f"{len(self._arrived)} barriers are pending; barrier {name!r} must wait "
-                                  "until one completes")
-        arrived = self._arrived.setdefault(name, {})
+        self.expire(now)
+        arrived = self._arrived.get(name, {})
+        if rank not in arrived:
+            waiting = self.waiting(rank, now)
+            if len(waiting) >= PENDING_PER_WORKER:
+                shown = ", ".join(repr(n) for n in waiting)
+                raise TooManyBarriers(f"rank {rank} already waits at {len(waiting)} pending barriers "
+                                      f"({shown}), at most {PENDING_PER_WORKER} per worker; barrier {name!r} "
+                                      f"must wait until one completes, or lapses {self.expiry_s:.0f}s after "
+                                      "its last arrival")
         lengths = {len(v) for r, v in arrived.items() if r != rank}
         if lengths and lengths != {len(values)}:
             raise BarrierMismatch(f"barrier {name!r}: rank {rank} brought {len(values)} values, the "
                                   f"others {lengths.pop()}")
+        arrived = self._arrived.setdefault(name, arrived)
         arrived[rank] = list(values)
+        self._renewed.setdefault(name, {})[rank] = now
         if step > 0:
             self._checks.add(name)
         if len(arrived) == self.world_size:
@@ -109,9 +147,31 @@ class Barriers:
             if any(last.get(r, 0) < step for r in range(self.world_size) if r not in arrived):
                 self._finish(name, [])
 
+    def waiting(self, rank: int, now: float) -> list[str]:
+        """The pending barriers at which `rank`'s arrival has not lapsed at `now`: its share."""
+        return [name for name, renewed in self._renewed.items()
+                if rank in renewed and now - renewed[rank] <= self.expiry_s]
+
+    def expire(self, now: float) -> list[str]:
+        """Forget the pending barriers at which every arrival lapsed at `now` (nobody waits
+        at them any more); their names."""
+        gone = [name for name, renewed in self._renewed.items()
+                if all(now - t > self.expiry_s for t in renewed.values())]
+        for name in gone:
+            del self._arrived[name], self._renewed[name]
+            self._checks.discard(name)
+        self.num_expired += len(gone)
+        return gone
+
+    @property
+    def pending(self) -> list[str]:
+        """The names of the barriers pending now."""
+        return list(self._arrived)
+
     def _finish(self, name: str, rows: list[list[float]]) -> None:
         self._done[name] = rows
         del self._arrived[name]
+        self._renewed.pop(name, None)
         while len(self._done) > MAX_KEPT:
             oldest = next((n for n in self._done if n in self._checks), next(iter(self._done)))
             del self._done[oldest]

@@ -20,10 +20,14 @@ the session of a registered worker, and each worker streams at most `POLLS_PER_W
 pushes at once, on the same slots as long-polls.
 
 A stream's first message must come within `FIRST_MESSAGE_S` (a worker opens its streams
-when it has a push to send), and while it has not come the stream holds one of a few
-slots shared by every caller (`OPENING_SHARE` of the long-poll slots): idle streams,
-which show no identity yet, never hold more handler threads than that. Calls in progress
-at once are capped (`max_concurrent_rpcs`), so a flood is refused rather than queued.
+when it has a push to send), and while it has not come the stream holds one of its
+caller's `OPENINGS_PER_CALLER` opening slots (the caller: the node its credentials
+name), among the few that every caller's opening streams may hold together
+(`OPENING_SHARE` of the long-poll slots): idle streams never hold more handler threads
+than that, and one caller's never more than its own few. Every caller holds at most
+`POLLS_PER_CALLER` long-polls over all its keys, so one caller with a valid credential
+takes only its own share of the server. Calls in progress at once are capped
+(`max_concurrent_rpcs`), so a flood is refused rather than queued.
 """
 
 from __future__ import annotations
@@ -41,6 +45,13 @@ POLLS_PER_WORKER = 2
 FIRST_MESSAGE_S = 5.0
 # The share of the long-poll slots that streams waiting for their first message may hold.
 OPENING_SHARE = 4
+# One caller's streams waiting for their first message: a worker's Step stream and a
+# streamed push opened at once, or one of them opened again while the last is let go.
+OPENINGS_PER_CALLER = 2
+# One caller's long-polls over all its keys (pulls, pushes, steps, waits for all done,
+# openings): what a worker holds at its busiest (a step stream, a streamed push, a pull
+# and a barrier, each with one retry whose abandoned attempt still waits), and no more.
+POLLS_PER_CALLER = 4 * POLLS_PER_WORKER
 # A Step stream may be answered ROLLED_BACK this many times in a row before a push
 # passes the session check (a worker registers again after the first).
 MAX_UNVERIFIED_PUSHES = 4

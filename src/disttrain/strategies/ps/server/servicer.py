@@ -15,10 +15,18 @@ included).
 The stream holds one of the worker's long-poll slots while it is open, taken once its
 first push passed the session check.
 
-A stream shows no identity until its first message: that must come within
-`first_message_s`, on one of a few slots shared by every caller (`limits`), and a push
-of an earlier server incarnation is answered ROLLED_BACK from its first frame, the rest
-unread (a Step stream gets a few of those before a push passes the session check).
+A stream shows no worker until its first message: that must come within
+`first_message_s`, on one of its caller's few opening slots (the node its credentials
+name: `limits.OPENINGS_PER_CALLER`) among the few all callers' opening streams may hold
+(`limits.opening_slots`), and a push of an earlier server incarnation is answered
+ROLLED_BACK from its first frame, the rest unread (a Step stream gets a few of those
+before a push passes the session check).
+
+Every long-poll is held under its caller's share (`core.poll_slots`): per key (a
+worker's pulls, pushes, steps, waits), per caller over all its keys
+(`limits.POLLS_PER_CALLER`), and in total; refusals are logged per caller
+(`RefusalLog.of`). One caller holding a valid credential thus takes only its own share of
+the server, whatever it opens and leaves silent.
 """
 
 from __future__ import annotations
@@ -33,19 +41,22 @@ import grpc
 from disttrain.core.addresses import peer_is_local
 from disttrain.core.deadlines import Deadlines
 from disttrain.core.identity import NotPermitted
-from disttrain.core.poll_slots import PollLimitExceeded, PollSlots
+from disttrain.core.poll_slots import PollLimitExceeded, PollSlots, caller_key
 from disttrain.core.refusal_log import RefusalLog, printable
-from disttrain.core.rpc_access import Unread, authorize_message
+from disttrain.core.rpc_access import GRANT_ATTRIBUTE, Unread, authorize_message
 from disttrain.core.rpc_server import RpcServer
 from disttrain.core.rpc_server import refusals as rpc_refusals
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import parameter_server_pb2 as pb
+from disttrain.strategies.ps.server.barriers import TooManyBarriers
 from disttrain.strategies.ps.server.decisions import PushRefused
 from disttrain.strategies.ps.server.identity import IdentityTaken, SessionRefused, UnknownWorker
 from disttrain.strategies.ps.server.limits import (
     FIRST_MESSAGE_S,
     LONG_POLL_CAP_S,
     MAX_UNVERIFIED_PUSHES,
+    OPENINGS_PER_CALLER,
+    POLLS_PER_CALLER,
     POLLS_PER_WORKER,
     long_poll_wait_s,
     max_concurrent_rpcs,
@@ -66,6 +77,7 @@ CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (IdentityTaken, grpc.StatusCode.ALREADY_EXISTS),
     (UnknownGeneration, grpc.StatusCode.UNAVAILABLE),  # the membership is on its way: retry
     (ShardStopping, grpc.StatusCode.UNAVAILABLE),
+    (TooManyBarriers, grpc.StatusCode.RESOURCE_EXHAUSTED),  # the worker's share of the barriers
     (WorkersNotDone, grpc.StatusCode.FAILED_PRECONDITION),
     (UnknownWorker, grpc.StatusCode.FAILED_PRECONDITION),
     (FencedPush, grpc.StatusCode.FAILED_PRECONDITION),
@@ -77,10 +89,20 @@ Outcome = pb.PushReply.Outcome
 # Sync outcomes after which the worker's step is the version its push joined.
 _JOINED = {Outcome.Value("APPLIED"), Outcome.Value("BUFFERED"), Outcome.Value("DUPLICATE")}
 _ROLLED_BACK = Outcome.Value("ROLLED_BACK")
-# The slots of streams whose first message has not come: no caller is known yet.
+# The slots of a caller's streams whose first message has not come: no worker is known yet.
 _OPENING = "(streams awaiting their first message)"
-# The slots of waits for every worker to be done by callers that are not workers.
-_OBSERVERS = "(observers waiting for all done)"
+# The slots of a caller's waits for every worker to be done, made for no worker.
+_OBSERVERS = "(observing until all done)"
+# The share of every caller the server cannot tell apart (the operator, or anyone on a
+# server without credentials): trusted, bounded by the totals alone.
+_TRUSTED = "the trusted callers"
+
+
+def call_owner(context) -> str | None:
+    """The share a call is made under: the node its credentials name (None: a trusted
+    caller, see `caller_key`), as the authorization table's check found it."""
+    grant = getattr(context, GRANT_ATTRIBUTE, None)
+    return caller_key(grant.caller if grant is not None else None)
 
 
 class ParameterServicer:
@@ -95,6 +117,9 @@ class ParameterServicer:
         self.state = state
         self.first_message_s = first_message_s
         self.max_opening = opening_slots(polls.max_total)
+        # what all callers' streams awaiting their first message hold together, each
+        # caller's few among them
+        self.openings = PollSlots(self.max_opening, OPENINGS_PER_CALLER)
         self.stopped = stopped
         self.polls = polls
         self.wait_cap_s = wait_cap_s
@@ -106,7 +131,7 @@ class ParameterServicer:
     def refusals(self, context):
         """Answer a refusal raised in the block with its status code (`CODES`) and
         message, and log it (rate-limited: an outsider's calls must not flood the log)."""
-        return rpc_refusals(context, CODES, self.refused_log)
+        return rpc_refusals(context, CODES, self.refused_log.of(call_owner(context)))
 
     def authorized(self, context, header: pb.GradientMessage) -> None:
         """Refuse (PERMISSION_DENIED) a push whose header its caller may not send (another
@@ -117,18 +142,31 @@ class ParameterServicer:
             authorize_message(context, header)
 
     def long_poll(self, key: str, context, per_key: int | None = None):
-        """The slot one long-poll of `key` holds while it waits; aborts when none is left."""
+        """The slot one long-poll of `key` holds while it waits, under its caller's share;
+        aborts (RESOURCE_EXHAUSTED) when the key, the caller or the server has none left."""
         try:
-            return self.polls.take(key, per_key)
+            return self.polls.take(key, per_key, owner=call_owner(context))
         except PollLimitExceeded as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
+    def opening(self, context) -> ExitStack:
+        """The slots a stream awaiting its first message holds: one of its caller's opening
+        slots (the trusted share them all) and a long-poll slot of its caller."""
+        owner = call_owner(context)
+        key = f"{owner or _TRUSTED} {_OPENING}"
+        with ExitStack() as stack:  # on a refusal, what was taken is let go
+            try:
+                stack.enter_context(self.openings.take(key, None if owner else self.max_opening))
+            except PollLimitExceeded as e:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            stack.enter_context(self.long_poll(key, context, self.max_opening))
+            return stack.pop_all()
+
     def first_message(self, requests, context):
-        """The next message of a stream that has shown no identity yet (None: it ended, or
-        was cancelled), waited for on a shared opening slot and within `first_message_s`;
-        the call is cancelled when it does not come in time."""
-        with self.long_poll(_OPENING, context, self.max_opening), \
-                self.deadlines.limit(context, self.first_message_s):
+        """The next message of a stream that has shown no worker yet (None: it ended, or
+        was cancelled), waited for on one of its caller's opening slots and within
+        `first_message_s`; the call is cancelled when it does not come in time."""
+        with self.opening(context), self.deadlines.limit(context, self.first_message_s):
             try:
                 return next(requests, None)
             except grpc.RpcError:  # cancelled: by the deadline, or the client went away
@@ -308,9 +346,9 @@ class ParameterServicer:
     def GetStatus(self, request, context):
         """The shard's counters; with `wait_all_done`, once every worker is done: a
         worker's wait (with its session, checked) on one of its own slots, an observer's
-        (no session) on the few slots all observers share, never a worker's."""
+        (no session) on its caller's own observing slots, never a worker's."""
         if request.wait_all_done:
-            key = _OBSERVERS
+            key = f"{call_owner(context) or _TRUSTED} {_OBSERVERS}"
             if request.session:
                 with self.refusals(context):
                     self.state.identities.check(request.worker_id, request.session)
@@ -399,7 +437,7 @@ class ShardServer:
                  first_message_s: float = FIRST_MESSAGE_S):
         self.state = state
         self.stopped = threading.Event()
-        self.polls = PollSlots.for_pool(max_threads, POLLS_PER_WORKER)
+        self.polls = PollSlots.for_pool(max_threads, POLLS_PER_WORKER, POLLS_PER_CALLER)
         self.servicer = servicer = ParameterServicer(state, self.stopped, self.polls, long_poll_cap_s,
                                                      first_message_s)
         self._server = RpcServer(_handler(servicer), service.SERVICE, bind,

@@ -208,7 +208,7 @@ class ShardState:
             self.identities.check(worker_id, session)
             rank = self.rules.rank_of(worker_id)
             complete = self.barriers.result(name) is not None
-            self.barriers.arrive(name, rank, values, step, self.rules.last_step)
+            self.barriers.arrive(name, rank, values, step, self.rules.last_step, self.clock())
             if not complete and self.barriers.result(name) is not None and self._writer is not None:
                 # Kept, so a worker whose answer a crash lost is answered again after a restart.
                 self._save_async(self._state())
