@@ -204,3 +204,13 @@ def test_the_rules_take_only_blocks_of_the_plan_and_a_redo_of_a_held_block_is_a_
         decision = rules.offer(Push("w0", 2, version, 16.0, block=block, redo=True), "again", now=2.0)
         assert decision.outcome is Outcome.DUPLICATE and decision.apply == []
     assert rules.version == version and rules.ledger.blocks == {0, 2}
+
+
+@pytest.mark.parametrize("dataset, limit, length", [("mnist", None, 60_000), ("fashion_mnist", 512, 512),
+                                                    ("cifar10", None, 50_000)])
+def test_a_public_sets_length_is_its_published_size_read_from_nothing(tmp_path, dataset, limit, length):
+    """A shard of a run on a built-in public set needs no copy of it on its host."""
+    config = config_from_dict({"training": {"dataset": dataset, "data_dir": str(tmp_path / "absent"),
+                                            "download": False, "max_train_samples": limit}})
+    assert train_length(config) == length
+    assert not (tmp_path / "absent").exists()

@@ -23,10 +23,12 @@ def run_layout(config: Config, num_samples: int | None = None) -> BlockLayout:
     new channel and holds in each of them; a coordinator, by contrast, is optional (a
     shard may run without one), and a layout passed on a command line could disagree
     with the config the workers read. The one input the config does not spell is the
-    training set's length: the shard reads the training set the way a worker does
-    (`data.load_datasets`: the server's host needs the data set, as the workers' hosts
-    do) and keeps only its length; a synthetic set's length is its `num_samples`, read
-    from nothing. (The launcher computes it once before it starts any process, so a
+    training set's length (`train_length`): a synthetic set's is its `num_samples`, a
+    built-in public set's (MNIST, Fashion-MNIST, CIFAR-10) its published size, so a shard
+    of those needs no data on its host; any other set (the shipped digits, a plug-in, an
+    image folder, text, torchvision's) the shard reads the way a worker does
+    (`data.load_datasets`), keeping only its length, so its host needs the data set as
+    the workers' hosts do. (The launcher computes it once before it starts any process, so a
     training set that makes no batch per worker stops the run there.)
 
     Args:
@@ -52,12 +54,21 @@ def run_layout(config: Config, num_samples: int | None = None) -> BlockLayout:
     return layout
 
 
+# The training splits of the built-in public sets, whose downloads are checked against
+# their published checksums: the workers read this many samples, and a shard need not
+# read (or hold) the files to know it.
+PUBLISHED_TRAIN_SAMPLES = {"mnist": 60_000, "fashion_mnist": 60_000, "cifar10": 50_000}
+
+
 def train_length(config: Config) -> int:
     """The training set's length after `training.max_train_samples`, as a worker's sampler
-    sees it."""
+    sees it: a synthetic set's `num_samples` and a built-in public set's published size,
+    read from nothing; any other set's, read as a worker reads it."""
     training = config.training
     if training.dataset == "synthetic" or synthetic_shape(training.dataset) is not None:
         length = training.num_samples  # drawn, not read: `data.datasets.synthetic`
+    elif training.dataset in PUBLISHED_TRAIN_SAMPLES:
+        length = PUBLISHED_TRAIN_SAMPLES[training.dataset]
     else:
         length = len(load_datasets(training)[0])
     limit = training.max_train_samples

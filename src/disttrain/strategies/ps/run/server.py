@@ -3,7 +3,7 @@
 `build_state` is where the config meets the shard: it hands each part its own settings
 (the aggregation rules their `ps` keys, the decoder the `compression` section, the
 optimizer the `training` section, the checkpoints their folder and cadence, the
-ownership checks the run's block layout, `run_layout`). `serve`
+ownership checks the run's block layout, which `serve` computes, `run_layout`). `serve`
 binds `--bind HOST:PORT` (port 0 picks a free one), reports the address it bound on its
 log and, under the cluster launcher, as an event line on stdout, and stops on
 SIGTERM/SIGINT or on a Shutdown call once every worker is done, writing a final
@@ -31,6 +31,7 @@ from disttrain.strategies.ps.run.layout import run_layout
 from disttrain.strategies.ps.run.link import join
 from disttrain.strategies.ps.server.aggregation import AggregationRules
 from disttrain.strategies.ps.server.broadcast import BroadcastCopy
+from disttrain.strategies.ps.server.ownership import BlockLayout
 from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.server.shard import CheckpointPolicy, ShardState
 from disttrain.strategies.ps.server.validation import PushDecoder
@@ -48,17 +49,20 @@ logger = logging.getLogger(__name__)
 
 
 def build_state(config: Config, shard: int, num_shards: int, resume: bool = False,
-                on_checkpoint_failure: Callable[[Exception], None] | None = None) -> ShardState:
+                on_checkpoint_failure: Callable[[Exception], None] | None = None,
+                layout: BlockLayout | None = None) -> ShardState:
     """The state of shard `shard` of `num_shards`: the model's initial slice (from the
     training seed), restored from this shard's newest checkpoint when resuming.
 
     Args:
         on_checkpoint_failure: told of a checkpoint write that failed for good.
+        layout: the run's block layout, which the ownership checks hold every push to
+            (`run_layout`; `serve`, the `ps-server` process of every deployment, always
+            passes it). None: only the bounds that hold in any run's layout, for a shard
+            built in-process around made-up pushes (tests of other parts).
 
     Raises:
-        ConfigError: the checkpoint dir holds an earlier run (and not resuming), or the
-            training set does not make one batch per worker (`run_layout`).
-        DataError: the training set cannot be read (`run_layout`).
+        ConfigError: the checkpoint dir holds an earlier run (and not resuming).
         CheckpointError: the newest checkpoint cannot be used.
     """
     training, system, ps = config.training, config.system, config.ps
@@ -70,7 +74,7 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
     folder = object_store.join(system.checkpoint_dir, f"server{shard}")  # a path or a store's URL
     resumed_from = ckpt.prepare_checkpoint_dir(folder, resume)
     rules = AggregationRules(ps.aggregation_mode, system.num_workers, ps.staleness, ps.backup_workers,
-                             run_layout(config))
+                             layout or BlockLayout(system.num_workers, training.num_epochs))
     # Under a balance plan one worker's batch may be up to the whole global batch; with local
     # updates one push stands for a round's batches.
     max_samples = training.batch_size * (1 if system.balance == "none" else system.num_workers) \
@@ -111,7 +115,9 @@ def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool =
     With `tls`, it listens with TLS and reaches the coordinator with the same files.
 
     Raises:
-        ConfigError: the address cannot be bound, or the checkpoint dir holds an earlier run.
+        ConfigError: the address cannot be bound, the checkpoint dir holds an earlier run, or
+            the training set makes no batch per worker (`run_layout`).
+        DataError: the training set cannot be read (`run_layout`).
         CheckpointError: the newest checkpoint cannot be used (with `resume`).
         CheckpointStoreError: the checkpoint store failed for good (the shard stops serving).
     """
@@ -124,7 +130,7 @@ def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool =
         store_failures.append(error)
         server.stopped.set()
 
-    state = build_state(config, shard, num_shards, resume, store_failed)
+    state = build_state(config, shard, num_shards, resume, store_failed, layout=run_layout(config))
     # Long-polls hold a thread each: room for every worker's push, pull and status call.
     server = ShardServer(state, bind, max_threads=max(32, 4 * config.system.num_workers + 8), token=token,
                          tls=tls)

@@ -19,10 +19,10 @@ negative epoch, or park itself for every later epoch with a huge one.
   may learn of a reassignment after the survivor that takes the block over. (A redo of
   a block the ledger holds is a duplicate: the rules answer it DUPLICATE, applied never.)
 
-The layout of a real shard is the run's (`BlockLayout.of_run`, built by `run.server`
-from the run's config); a layout without `batches_per_epoch` (rules built bare, in
-tests and simulations) checks only the bounds that hold whatever it is (a block of rank
-r of epoch e is at least e * workers + r).
+The layout of a real shard is the run's (`BlockLayout.of_run`, which `run.layout` builds
+from the run's config for every `ps-server`); a layout without `batches_per_epoch`
+(rules or shards built bare, in tests of other parts and simulations) checks only the
+bounds that hold whatever it is (a block of rank r of epoch e is at least e * workers + r).
 
 Pure: the rules call `check` with the caller's rank and the ranks reassigned.
 """
