@@ -184,14 +184,17 @@ def test_kubernetes_ps_job_structure():
     replicas = servers["spec"]["replicas"]
     server_args = servers["spec"]["template"]["spec"]["containers"][0]["args"]
     assert flag(server_args, "--shard") == f"$(SHARD_INDEX)/{replicas}"
-    workers = manifest("Job", "ps-worker")
-    assert workers["spec"]["completionMode"] == "Indexed"
-    worker_args = workers["spec"]["template"]["spec"]["containers"][0]["args"]
     names = [f"ps-server-{i}.ps-server:50051" for i in range(replicas)]
-    assert flag(worker_args, "--servers") == ",".join(names)
     coordinator = manifest("Deployment", "coordinator")["spec"]["selector"]["matchLabels"]
     assert manifest("Service", "coordinator")["spec"]["selector"] == coordinator
-    assert flag(worker_args, "--coordinator") == flag(server_args, "--coordinator") == "coordinator:50050"
+    tokens = manifest("Secret", "disttrain-node-tokens")["stringData"]
+    assert tokens == {f"worker{rank}": "" for rank in range(len(tokens))}  # shipped empty too
+    for rank in range(len(tokens)):  # a Job per worker: its pod reads only its own token
+        pod = manifest("Job", f"ps-worker-{rank}")["spec"]["template"]["spec"]
+        worker_args = pod["containers"][0]["args"]
+        assert flag(worker_args, "--servers") == ",".join(names)
+        assert flag(worker_args, "--coordinator") == flag(server_args, "--coordinator") == "coordinator:50050"
+        assert (flag(worker_args, "--rank"), flag(worker_args, "--worker-id")) == (str(rank), f"worker{rank}")
 
 
 def test_kubernetes_ddp_job_rendezvous_at_the_first_pod():
@@ -204,11 +207,21 @@ def test_kubernetes_ddp_job_rendezvous_at_the_first_pod():
     assert int(flag(args, "--nnodes")) == job["spec"]["completions"] == job["spec"]["parallelism"]
 
 
-def test_every_container_takes_the_token_from_the_secret():
+def test_every_container_takes_its_own_credentials_from_a_secret():
+    """The pods that check callers read the run's secret; a worker's pod only its own node
+    token, and no other key of any Secret."""
     for doc, container, _, _ in containers():
         env = {item["name"]: item for item in container["env"]}
-        reference = {"secretKeyRef": {"name": "disttrain-token", "key": "token"}}
+        args = container["args"]
+        if args[0] == "ps-worker":
+            reference = {"secretKeyRef": {"name": "disttrain-node-tokens", "key": flag(args, "--worker-id")}}
+        else:
+            reference = {"secretKeyRef": {"name": "disttrain-token", "key": "token"}}
         assert env["DISTTRAIN_TOKEN"]["valueFrom"] == reference, doc["metadata"]["name"]
+        assert [item for item in container["env"] if "secretKeyRef" in item.get("valueFrom", {})] \
+            == [env["DISTTRAIN_TOKEN"]], doc["metadata"]["name"]
+        assert "volumes" not in doc["spec"]["template"]["spec"] or not any(
+            "secret" in volume for volume in doc["spec"]["template"]["spec"]["volumes"])
         assert doc["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
@@ -225,7 +238,9 @@ def kubernetes_commands():
 @pytest.mark.slow
 @pytest.mark.parametrize("name,args", kubernetes_commands())
 def test_kubernetes_command_passes_check_config(cli, tmp_path, name, args):
-    result = dry_run(cli, args, tmp_path)
+    worker = args[0] == "ps-worker"  # with its own node token, as its pod gets it
+    result = dry_run(cli, args, tmp_path, token=node_token(TOKEN, flag(args, "--worker-id"), "worker")
+                     if worker else TOKEN)
     assert result.returncode == 0, f"{name}: {result.stderr}"
     assert "with token" in result.stdout and list(tmp_path.iterdir()) == []
 
@@ -293,8 +308,13 @@ def test_every_disttrain_command_of_the_guide_passes_check_config(cli, tmp_path)
     (tmp_path / "disttrain.token").chmod(0o600)
     (tmp_path / "worker0.token").write_text(node_token(TOKEN, "worker0", "worker"))  # a worker's own
     (tmp_path / "worker0.token").chmod(0o600)
+    made = tmp_path / "made"  # where the guide's token commands make their files, in its order
+    made.mkdir()
     for args in commands:
-        result = dry_run(cli, args[1:], tmp_path)
+        if args[1] == "token":  # makes a file and starts nothing: run as written
+            result = cli(*args[1:], cwd=made, timeout=60)
+        else:
+            result = dry_run(cli, args[1:], tmp_path)
         assert result.returncode == 0, f"{shlex.join(args)}: {result.stderr}"
 
 
