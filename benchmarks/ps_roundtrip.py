@@ -23,6 +23,7 @@ from ps_helpers import make_config, role_flags, servers
 from disttrain.core import Cluster, tune_allocator
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps import PSClient, RetryPolicy, flat_parameters, plan_shards
+from disttrain.strategies.ps.run.layout import run_layout
 from disttrain.training import init_model
 
 
@@ -50,7 +51,7 @@ def main() -> None:
     tune_allocator()
     with tempfile.TemporaryDirectory() as tmp, Cluster(Path(tmp) / "logs") as cluster:
         # Only the input shape of mnist matters here; no data is read.
-        training = {"optimizer": "sgd", "dataset": "mnist"}
+        training = {"optimizer": "sgd", "dataset": "mnist", "num_epochs": 1000}  # epochs: room for every step
         if args.quick:
             training["mlp_hidden_size"] = 256
         config = make_config(Path(tmp), model="mlp", training=training, num_workers=1,
@@ -63,11 +64,13 @@ def main() -> None:
         client.register("bench")
         nbytes = plans[0].nbytes
         state = {"step": 0, "version": 0}
+        batches = run_layout(config).batches_per_epoch  # the shard takes only the worker's own blocks
 
         def next_header() -> pb.GradientMessage:
             state["step"] += 1
             return pb.GradientMessage(worker_id="bench", step=state["step"], base_version=state["version"],
-                                      shard=0, num_samples=64, block_id=state["step"])
+                                      shard=0, num_samples=64, block_id=state["step"] - 1,
+                                      epoch=(state["step"] - 1) // batches)  # its batch of the step
 
         # As a worker does, the model lives in the shard's segments (the two calls below
         # copy from and to memory of their own, as before Step).

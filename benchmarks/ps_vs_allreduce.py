@@ -45,6 +45,8 @@ from disttrain.strategies.ps import (
     flat_parameters,
     plan_shards,
 )
+from disttrain.strategies.ps.run.layout import run_layout
+from disttrain.strategies.ps.worker.blocks import block_id
 from disttrain.training import StepResult, init_model
 
 WARMUP_STEPS = 3
@@ -78,9 +80,12 @@ def ps_worker(args: argparse.Namespace) -> None:
     exchange = SyncExchange(client, f"worker{args.rank}", flat, grads, 0)
     exchange.start()
     timer, times = StepTimer(), []
+    batches = run_layout(config).batches_per_epoch  # the shard takes only this worker's own blocks
     for step in range(1, WARMUP_STEPS + args.steps + 1):
         start = time.perf_counter()
-        block = Block(step, block_id=step * args.world + args.rank, epoch=0, num_samples=64)
+        epoch, index = divmod(step - 1, batches)  # its batch of the step
+        block = Block(step, block_id=block_id(epoch, args.rank, index, args.world, batches), epoch=epoch,
+                      num_samples=64)
         exchange.step(lambda: StepResult(0.0, 0, 64), block, timer)
         times.append(time.perf_counter() - start)
     client.close()
@@ -105,7 +110,7 @@ def gloo_rank(args: argparse.Namespace) -> None:
 def ps_step_s(nbytes: int | None, workers: int, steps: int, variant: str, folder: Path) -> tuple[float, int]:
     """(median sync step communication of worker 0, the model's bytes)."""
     model = "simplecnn" if nbytes is None else "mlp"
-    training = {"dataset": "mnist"}  # the input shape only; no data is read
+    training = {"dataset": "mnist", "num_epochs": 1000}  # the input shape only; no data is read
     if nbytes is not None:
         training["mlp_hidden_size"] = hidden_for(nbytes)
     config = make_config(folder, model=model, training=training, num_workers=workers,
