@@ -22,8 +22,7 @@ from ps_helpers import make_config, role_flags, servers
 
 from disttrain.core import Cluster, tune_allocator
 from disttrain.proto import parameter_server_pb2 as pb
-from disttrain.strategies.ps import PSClient, RetryPolicy, flat_parameters, plan_shards
-from disttrain.strategies.ps.run.layout import run_layout
+from disttrain.strategies.ps import PSClient, RetryPolicy, flat_parameters, plan_shards, run_layout
 from disttrain.training import init_model
 
 

@@ -42,11 +42,11 @@ from disttrain.strategies.ps import (
     PSClient,
     RetryPolicy,
     SyncExchange,
+    block_id,
     flat_parameters,
     plan_shards,
+    run_layout,
 )
-from disttrain.strategies.ps.run.layout import run_layout
-from disttrain.strategies.ps.worker.blocks import block_id
 from disttrain.training import StepResult, init_model
 
 WARMUP_STEPS = 3
