@@ -5,12 +5,15 @@ secret as `disttrain ps` hands it to worker 0, and its key). It pushes a block o
 1's batch, and redos of blocks the run's plan does not hold. Each is refused
 INVALID_ARGUMENT by every shard, whose version and ledger stay as they were; then the
 real workers train the run to its end, and every sample is applied exactly once (no push
-of worker 1 turned away as a duplicate, nothing lost).
+of worker 1 turned away as a duplicate, nothing lost). A training set that gives no worker
+a batch (no layout) stops `disttrain ps` before it starts a process.
 """
 
 from __future__ import annotations
 
 import secrets
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -141,3 +144,14 @@ def test_an_insider_with_worker0s_credentials_cannot_push_or_redo_outside_its_bl
     assert summary["samples_applied"] == SAMPLES * EPOCHS, summary
     assert summary["samples_lost"] == 0 and summary["samples_redone"] == 0, summary
 
+
+
+def test_a_training_set_that_gives_no_worker_a_batch_stops_the_run_before_any_process_starts(tmp_path):
+    flags = ["--workers", "4", "--balance", "proportional", "--dataset", "digits",
+             "--max-train-samples", "40", "--batch-size", "16",
+             "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt")]
+    result = subprocess.run([sys.executable, "-m", "disttrain", "ps", *flags],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "40 training samples" in result.stderr and "at least 64 needed" in result.stderr, result.stderr
+    assert not (tmp_path / "logs").exists()  # no process started, nothing written
