@@ -4,8 +4,9 @@ shared token, TLS, deadlines). It imports nothing else of the project.
 
 Its face, for scripts and users (the project's own modules import the submodules): the
 error hierarchy, `Cluster` (child processes that never outlive their parent), the
-shared-token helpers of gRPC, `access` (the authorization table: who may call what), and
-`tune_allocator` (at a training process's start).
+shared-token helpers of gRPC and `node_token` (a node's own token, made from the run's
+secret), `access` (the authorization table: who may call what), and `tune_allocator`
+(at a training process's start).
 """
 
 from disttrain.core import access
@@ -20,8 +21,9 @@ from disttrain.core.errors import (
     InputFileError,
     TrainingError,
 )
+from disttrain.core.identity import node_token
 from disttrain.core.processes import Cluster
 
 __all__ = ["CheckpointError", "Cluster", "ConfigError", "DataError", "DistributedError", "DisttrainError",
-           "InputFileError", "TokenInterceptor", "TrainingError", "access", "new_token", "tune_allocator",
-           "with_token", "write_token_file"]
+           "InputFileError", "TokenInterceptor", "TrainingError", "access", "new_token", "node_token",
+           "tune_allocator", "with_token", "write_token_file"]
