@@ -94,6 +94,27 @@ def test_a_users_model_and_data_train_on_two_parameter_server_shards(tmp_path, c
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+def test_a_plugin_file_imports_the_modules_beside_it_in_every_process(tmp_path, cli):
+    """Run from another folder, the parameter server's launcher, shards and workers each
+    import the user's file, which imports a module of its own folder."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "layers.py").write_text("import torch.nn as nn\n\n"
+                                      "def head(width, classes):\n    return nn.Linear(width, classes)\n")
+    (folder / "net.py").write_text("import torch.nn as nn\n\nfrom layers import head\n\n"
+                                   "def build(description):\n"
+                                   "    classes = description.num_classes\n"
+                                   "    return nn.Sequential(nn.Flatten(), head(64, classes))\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = cli("ps", "--dataset", "digits", "--model", folder / "net.py:build", "--max-train-samples",
+                 "128", *SMALL, "--workers", "2", *dirs(tmp_path, "ps"), cwd=elsewhere)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert summary_of(tmp_path, "ps")["samples_applied"] == 128
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_compare_runs_a_users_model_under_baseline_ps_async_and_ddp(tmp_path, cli):
     # Its first layer frozen (random features, wide enough for the head to read), with
     # weight decay and momentum: nothing may move that layer.

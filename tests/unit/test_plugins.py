@@ -144,6 +144,13 @@ def test_each_model_error_is_one_line_and_exit_2(case, plugin, tmp_path, capsys)
     assert "training.model_architecture: " in line and message in line, line
 
 
+def test_a_factorys_bug_is_shown_at_its_file_and_line(tmp_path, capsys):
+    user = tmp_path / "mine.py"
+    user.write_text("def build(description):\n    settings = {}\n    return settings['width']\n")
+    line = run_failing(["baseline", "--model", f"{user}:build", "--dataset", "digits"], tmp_path, capsys)
+    assert line.endswith(f":build raised KeyError: 'width' (at {user}:3, in build)"), line
+
+
 @pytest.mark.parametrize("case", list(DATASET_ERRORS))
 def test_each_data_set_error_is_one_line_and_exit_2(case, plugin, tmp_path, capsys):
     spec, message = (text.format(tmp=tmp_path, plugin=plugin) for text in DATASET_ERRORS[case])

@@ -13,7 +13,9 @@ import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -73,14 +75,18 @@ def _import_file(path: str, key: str) -> ModuleType:
     try:
         return import_plugin_file(module_name, str(file))
     except Exception as e:  # the user's file: any error it raises is theirs to see
-        raise ConfigError(f"{key}: importing {path} failed: {one_line(e)}") from e
+        raise ConfigError(f"{key}: importing {path} failed: {one_line(e)}{user_frame(e)}") from e
 
 
 def import_plugin_file(module_name: str, path: str) -> ModuleType:
     """Import the file at `path` as `module_name`, once per process (a failed import leaves
-    no module behind)."""
+    no module behind). Its folder goes first on `sys.path`, as Python puts a script's, so
+    that it imports the modules beside it, in every process that imports it."""
     if module_name in sys.modules:
         return sys.modules[module_name]
+    folder = str(Path(path).parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
@@ -135,11 +141,28 @@ def call_factory(factory: Callable[..., Any], spec: str, key: str, *args: Any, *
         return factory(*args, **kwargs)
     except ConfigError:  # already one line that names the key (a builder's own check)
         raise
-    except Exception as e:  # the user's factory: its message is the useful part
-        raise ConfigError(f"{key}: {spec} raised {one_line(e)}") from e
+    except Exception as e:  # the user's factory: its message and its place are the useful part
+        raise ConfigError(f"{key}: {spec} raised {one_line(e)}{user_frame(e)}") from e
 
 
 def one_line(error: BaseException) -> str:
     """`Type: first line of the message`, for an error of code not ours shown in one line."""
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+_OURS = str(Path(__file__).resolve().parents[1])  # the disttrain package
+_INSTALLED = tuple(str(Path(p).resolve()) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})
+
+
+def user_frame(error: BaseException) -> str:
+    """` (at FILE:LINE, in FUNCTION)`: the innermost place of `error`'s traceback in the
+    user's code (neither disttrain's nor an installed package's nor Python's), where a
+    factory's bug is; "" when there is none."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        file = str(Path(frame.filename).resolve())
+        if frame.filename.startswith("<") or file.startswith(_OURS) or file.startswith(_INSTALLED):
+            continue
+        shown = os.path.relpath(file) if file.startswith(os.getcwd() + os.sep) else file
+        return f" (at {shown}:{frame.lineno}, in {frame.name})"
+    return ""
