@@ -28,13 +28,27 @@ from disttrain.training.local_updates import LocalUpdates, OuterOptimizer
     ({"outer_momentum": 1.0}, "training.outer_momentum: 1.0 must be in [0, 1)"),
     ({"outer_momentum": -0.1}, "training.outer_momentum: -0.1 must be in [0, 1)"),
     ({"outer_optimizer": "adam"}, "training.outer_optimizer: 'adam' must be one of sgd, nesterov"),
-    ({"outer_optimizer": "nesterov"}, "training.outer_momentum: nesterov needs a momentum in (0, 1)"),
+    ({"outer_optimizer": "nesterov", "outer_momentum": 0.0},
+     "training.outer_momentum: nesterov needs a momentum in (0, 1)"),
 ])
 def test_bad_local_update_settings_are_one_line_naming_the_key(training, fragment):
     with pytest.raises(ConfigError) as info:
         config_from_dict({"training": {"sync_every": 4, **training}})
     assert any(fragment in line for line in info.value.problems), info.value.problems
     assert all("\n" not in line for line in info.value.problems)
+
+
+def test_the_outer_momentum_defaults_to_the_outer_optimizers_own():
+    """nesterov alone takes DiLoCo's momentum (0.9); sgd alone averages (0); a momentum given
+    is kept, and the config written out holds the one the run used."""
+    nesterov = config_from_dict({"training": {"sync_every": 4, "outer_optimizer": "nesterov"}})
+    assert LocalUpdates.of(nesterov.training) == LocalUpdates(4, "nesterov", 1.0, 0.9)
+    assert nesterov.to_dict()["training"]["outer_momentum"] == 0.9
+    assert config_from_dict({"training": {"sync_every": 4}}).training.outer_momentum == 0.0
+    given = config_from_dict({"training": {"sync_every": 4, "outer_optimizer": "nesterov",
+                                           "outer_momentum": 0.5}})
+    assert given.training.outer_momentum == 0.5
+    assert config_from_dict(nesterov.to_dict()) == nesterov  # read back as written
 
 
 def test_the_mode_is_off_at_sync_every_one_unless_asked_for():

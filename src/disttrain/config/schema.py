@@ -150,7 +150,13 @@ class TrainingConfig:
     # 0.7, momentum 0.9); sgd at rate 1 without momentum averages the models (LocalSGD).
     outer_optimizer: str = field(default="sgd", metadata=_choice(OUTER_OPTIMIZERS))
     outer_learning_rate: float = field(default=1.0, metadata=POSITIVE)
-    outer_momentum: float = field(default=0.0, metadata=_rule(lambda v: 0 <= v < 1, "must be in [0, 1)"))
+    # null: the outer optimizer's own (nesterov: DiLoCo's 0.9; sgd: 0, plain averaging).
+    outer_momentum: float | None = field(default=None, metadata=_rule(
+        lambda v: v is None or 0 <= v < 1, "must be in [0, 1), or null (0.9 for nesterov, else 0)"))
+
+    def __post_init__(self) -> None:
+        if self.outer_momentum is None:  # frozen: set once, as the config is built
+            object.__setattr__(self, "outer_momentum", 0.9 if self.outer_optimizer == "nesterov" else 0.0)
 
     @property
     def local_update_mode(self) -> bool:
