@@ -115,6 +115,22 @@ def test_a_run_of_one_epoch_still_has_a_curve(tmp_path):
     assert run["speedup"] is None  # no baseline run
 
 
+def test_a_run_of_one_logged_window_is_a_point_and_the_loss_plot_says_why():
+    from disttrain.report.plots import loss_vs_step
+
+    def row(name, steps):
+        return {"name": name, "series": {"train": [{"step": s, "loss": 2.0 / s} for s in steps]}}
+
+    colors = {"short": "C0", "long": "C1"}
+    figure = loss_vs_step([row("short", [5]), row("long", range(5, 200, 5))], colors)
+    (axes,) = figure.axes
+    short, long = axes.get_lines()
+    assert short.get_marker() == "o" and long.get_marker() in (None, "None", "")  # one point is visible
+    (note,) = [text.get_text() for text in axes.texts]
+    assert note.startswith("one logged window for short: ") and "training.log_interval" in note
+    assert not loss_vs_step([row("long", range(5, 200, 5))], colors).axes[0].texts
+
+
 @pytest.mark.parametrize("setup, fragment", [
     (lambda folder: None, "no such folder"),
     (lambda folder: folder.mkdir(), "has no comparison.json"),

@@ -112,14 +112,27 @@ def perplexity_vs_time(rows: Sequence[Row], colors: dict[str, str]) -> Figure | 
 
 
 def loss_vs_step(rows: Sequence[Row], colors: dict[str, str]) -> Figure | None:
+    """Each run's training loss per logged window; a run of fewer than `FEW_WINDOWS`
+    windows is drawn as points, and one of a single window says why it is no curve (a line
+    through one point draws nothing)."""
     figure, axes = _figure()
-    drawn = False
+    drawn, single = False, []
     for row in rows:
         points = [(w["step"], w["loss"]) for w in row["series"]["train"] if w["loss"] is not None]
         if points:
-            axes.plot(*zip(*points, strict=True), color=colors[row["name"]], label=row["name"])
+            axes.plot(*zip(*points, strict=True), color=colors[row["name"]], label=row["name"],
+                      marker="o" if len(points) < FEW_WINDOWS else None)
             drawn = True
+            single += [row["name"]] if len(points) == 1 else []
+    if single:
+        axes.text(0.5, 0.02, f"one logged window for {', '.join(single)}: the run was shorter than two "
+                  "windows of training.log_interval steps (--set training.log_interval=N)",
+                  transform=axes.transAxes,
+                  ha="center", va="bottom", fontsize="small", wrap=True)
     return _line_plot(figure, axes, drawn, "step", "training loss (nats, window mean)")
+
+
+FEW_WINDOWS = 20  # fewer logged windows than this: each drawn as a point too
 
 
 def _line_plot(figure: Figure, axes, drawn: bool, xlabel: str, ylabel: str) -> Figure | None:
