@@ -22,13 +22,33 @@ def all_reduce_values(values: list[float], device: torch.device,
     return tensor.tolist()
 
 
+def broadcast_buffers(module: nn.Module) -> None:
+    """Rank 0's floating-point buffers (BatchNorm's running statistics) on every rank, as
+    DDP does before each forward; nothing for a model without them. A collective."""
+    buffers = [b for b in module.buffers() if b.is_floating_point()]
+    if not buffers:
+        return
+    flat = torch.cat([b.reshape(-1) for b in buffers])
+    dist.broadcast(flat, src=0)
+    offset = 0
+    for buffer in buffers:
+        buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
+        offset += buffer.numel()
+
+
 def evaluate_sharded(model: nn.Module, dataset: BatchedDataset, batch_size: int, rank: int,
                      world_size: int, device: torch.device) -> EvalResult:
     """Loss and accuracy on the whole of `dataset`, each rank evaluating a slice. A collective.
 
+    Every rank first takes rank 0's buffers: each rank's forward of the last step updated
+    its own running statistics with its own batch (DDP hands out rank 0's only at the next
+    forward), so a rank evaluating with its own would score another model than the one the
+    run saves, rank 0's. Training is unchanged by it: the next forward takes rank 0's anyway.
+
     Args:
         model: the plain module (not the DDP wrapper, whose forward may communicate).
     """
+    broadcast_buffers(model)
     local = evaluate(model, dataset, batch_size, indices=eval_slice(len(dataset), world_size, rank),
                      device=device)
     return EvalResult.from_sums(all_reduce_values(local.sums(), device))

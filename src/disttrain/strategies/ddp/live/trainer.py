@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from disttrain.compression.ddp_hooks import CompressionHook
 from disttrain.config import Config
@@ -46,7 +45,7 @@ from disttrain.strategies.ddp.live.compression import (
 from disttrain.strategies.ddp.live.membership import split_batch
 from disttrain.strategies.ddp.live.rounds import LiveRounds
 from disttrain.strategies.ddp.rank import scaled_learning_rate
-from disttrain.strategies.ddp.reduce import evaluate_sharded
+from disttrain.strategies.ddp.reduce import broadcast_buffers, evaluate_sharded
 from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward
 from disttrain.training.loading import prefetch
 from disttrain.training.local_updates import LocalUpdates
@@ -378,17 +377,3 @@ def average_gradients(params: list[torch.nn.Parameter], world_size: int,
         size = grad.numel()
         param.grad = flat[offset:offset + size].view_as(param)
         offset += size
-
-
-def broadcast_buffers(module: torch.nn.Module) -> None:
-    """Rank 0's buffers (BatchNorm's running statistics) on every rank, as DDP does before
-    each forward; nothing for a model without buffers."""
-    buffers = [b for b in module.buffers() if b.is_floating_point()]
-    if not buffers:
-        return
-    flat = torch.cat([b.reshape(-1) for b in buffers])
-    dist.broadcast(flat, src=0)
-    offset = 0
-    for buffer in buffers:
-        buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
-        offset += buffer.numel()
