@@ -61,10 +61,14 @@ def check_finished(folder: Path, undisturbed: dict) -> dict:
     assert (summary["samples_lost"], summary["samples_applied_twice"]) == (0, 0)
     ledger = newest_ledger(folder)
     assert ledger.shape == (EPOCHS, steps_per_epoch()) and bool((ledger == 1).all())
-    # Every rank was started again once, and those processes finished the run.
+    # Every rank was started again once, and those processes finished the run: the group's
+    # last members are restarted processes. Which slots are in it depends on the clock: the
+    # first restarted rank trains on at once, and one that comes back only after the last
+    # step (a loaded machine) finds the run over.
     pids = summary["rank_pids"]
     assert all(len(pids[str(slot)]) == 2 for slot in range(WORLD_SIZE))
-    assert summary["final_pids"] == {str(slot): pids[str(slot)][1] for slot in range(WORLD_SIZE)}
+    final = summary["final_pids"]
+    assert final and all(pid == pids[slot][1] for slot, pid in final.items()), (final, pids)
     assert abs(summary["final_accuracy"] - undisturbed["final_accuracy"]) <= 0.005
     return summary
 
