@@ -102,12 +102,18 @@ def runs(draw):
     return num_samples, batch_size, world_size, draw(st.integers(1, 3)), shares, round_length
 
 
+def layout_of(run) -> BlockLayout:
+    """The layout a shard computes for a drawn run."""
+    num_samples, batch_size, world_size, num_epochs, shares, round_length = run
+    return BlockLayout.of_run(world_size, num_epochs, num_samples, batch_size, shares is not None,
+                              round_length)
+
+
 @settings(max_examples=150, deadline=None)
 @given(runs())
 def test_the_shards_layout_is_the_workers_block_numbering(run):
     num_samples, batch_size, world_size, num_epochs, shares, round_length = run
-    layout = BlockLayout.of_run(world_size, num_epochs, num_samples, batch_size, shares is not None,
-                                round_length)
+    layout = layout_of(run)
     pushes = workers_blocks(num_samples, batch_size, world_size, num_epochs, shares, round_length)
     # every block a worker pushes is in the plan, and the plan holds nothing else
     assert sorted(block for _, block, _, _ in pushes) == layout.blocks()
@@ -136,8 +142,7 @@ def test_the_shards_layout_is_the_workers_block_numbering(run):
 @given(runs())
 def test_with_local_updates_a_batch_within_a_round_is_no_block_of_the_plan(run):
     num_samples, batch_size, world_size, num_epochs, shares, round_length = run
-    layout = BlockLayout.of_run(world_size, num_epochs, num_samples, batch_size, shares is not None,
-                                round_length)
+    layout = layout_of(run)
     held = set(layout.blocks())
     for block in range(world_size * num_epochs * layout.batches_per_epoch):
         if block in held:
