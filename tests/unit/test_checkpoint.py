@@ -70,3 +70,25 @@ def test_fresh_runs_refuse_a_folder_with_checkpoints(tmp_path):
     with pytest.raises(ConfigError, match="--resume"):
         ckpt.prepare_checkpoint_dir(tmp_path, resume=False)
     assert ckpt.prepare_checkpoint_dir(tmp_path, resume=True).name == "checkpoint_step00000003.pt"
+
+
+def test_a_checkpoint_that_does_not_fit_is_passed_over_for_the_newest_older_one_that_does(tmp_path, caplog):
+    """`LocalCheckpoints(fits=...)`: the newest intact checkpoint the check accepts is the one
+    resumed from; a damaged one on the way is skipped; with none accepted, nothing is."""
+    from disttrain.training.checkpoints import LocalCheckpoints
+
+    for step in (5, 10, 15, 20):
+        ckpt.save_checkpoint(tmp_path, step, {"step": step}, keep=10)
+    (tmp_path / ckpt.checkpoint_name(10)).write_bytes(b"damaged")
+
+    def ahead_of(limit):
+        return lambda state: None if state["step"] <= limit else f"step {state['step']} is past {limit}"
+
+    assert LocalCheckpoints(tmp_path, 10).choose(resume=True) == tmp_path / ckpt.checkpoint_name(20)
+    store = LocalCheckpoints(tmp_path, 10, fits=ahead_of(12))
+    chosen = store.choose(resume=True)
+    assert chosen == tmp_path / ckpt.checkpoint_name(5)  # 20 and 15 do not fit, 10 is damaged
+    assert store.load(chosen) == {"step": 5}
+    assert "step 20 is past 12" in caplog.text and "step 15 is past 12" in caplog.text
+    assert LocalCheckpoints(tmp_path, 10, fits=ahead_of(0)).choose(resume=True) is None
+    assert "starts from the beginning" in caplog.text

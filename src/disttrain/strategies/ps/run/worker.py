@@ -164,7 +164,7 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
         if local_updates is not None and rank == 0:
             logger.info("%s", local_updates.describe())
         checkpoints = LocalCheckpoints(object_store.join(system.checkpoint_dir, f"worker{rank}"),
-                                       system.checkpoint_keep)
+                                       system.checkpoint_keep, fits=participant.unapplied)
         loop = TrainingLoop(LoopSettings.of(training, config.to_dict()), participant, sampler, checkpoints,
                             Path(system.log_dir) / f"worker{rank}", faults,
                             lambda total, done: EventProgress(rank, total, done), announce=rank == 0,

@@ -77,6 +77,9 @@ class WorkerParticipant:
     precision: Precision | None = None  # bf16 autocast of the forward pass (None: float32)
     rounds: WorkerRounds | None = None  # local updates (None: every step trades its gradient)
     _round_result: StepResult | None = None  # the last inner step's, pushed with its round
+    # The block of this worker's last push the exchange saw taken (-1: none yet); saved in
+    # its checkpoints, so a resume can tell a checkpoint ahead of the shards (`unapplied`).
+    last_block: int = -1
 
     @property
     def batches_per_epoch(self) -> int:
@@ -107,6 +110,7 @@ class WorkerParticipant:
         if self.faults.drops_reply(info.step):
             client.lose_next_replies()
         result, staleness = exchange.step(compute, block, self.timer)
+        self.last_block = block.block_id
         if self.rounds is not None:
             self.rounds.close()
         result = self._stepped(result, info, len(indices), entered)
@@ -328,6 +332,27 @@ class WorkerParticipant:
         if self.exchange.buffers is not None:
             self.exchange.buffers.adopt()
 
+    def unapplied(self, state: dict[str, Any]) -> str | None:
+        """Why this worker must not resume from the checkpoint `state`, or None: its last
+        push before that checkpoint is missing on some shard, which came back from a
+        checkpoint older than it (a run resumed after its store failed, or a shard and
+        this worker restarted together). Going on from there would leave every block of
+        this worker between the two missing until the epoch's end, while the other
+        workers, resumed from older checkpoints, are still in an epoch this worker has
+        left: they wait at its end for this worker, and a synchronous step of this
+        worker waits for them. An older checkpoint whose blocks every shard holds
+        resumes in step with them; the blocks after it are pushed again, as new where a
+        shard lacks them and as duplicates where it has them.
+        """
+        block = int(state.get("last_block", -1))  # a checkpoint of an earlier version holds none
+        if block < 0 or block in {int(b) for b in state.get("dropped_blocks", [])}:
+            return None
+        missing = [s for s, blocks in enumerate(self.client.ledger(block, block + 1)) if block not in blocks]
+        if not missing:
+            return None
+        return (f"its last push (block {block}) is missing on shard(s) {missing}, which came back from an "
+                "older checkpoint")
+
     def state_dict(self) -> dict[str, Any]:
         encoder = self.exchange.encoder
         return {"worker_id": self.worker_id, "rank": self.rank, "world_size": self.world_size,
@@ -335,7 +360,7 @@ class WorkerParticipant:
                 "bytes_received_dense": self.client.bytes_received_dense,
                 "compression": None if encoder is None else encoder.state_dict(),
                 "samples_redone": self.samples_redone, "samples_taken_over": self.samples_taken_over,
-                "dropped_blocks": sorted(self.exchange.dropped),
+                "dropped_blocks": sorted(self.exchange.dropped), "last_block": self.last_block,
                 **({} if self.rounds is None else {"local": self.rounds.state_dict()})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -350,6 +375,7 @@ class WorkerParticipant:
         self.samples_redone = int(state.get("samples_redone", 0))
         self.samples_taken_over = int(state.get("samples_taken_over", 0))
         self.exchange.dropped = {int(b) for b in state.get("dropped_blocks", [])}
+        self.last_block = int(state.get("last_block", -1))
         encoder, saved = self.exchange.encoder, state.get("compression")
         if (encoder is None) != (saved is None):
             raise CheckpointError("the checkpoint was written with compression "
