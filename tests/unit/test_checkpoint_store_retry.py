@@ -289,6 +289,28 @@ def test_a_folder_that_cannot_be_written_is_refused_before_the_run(tmp_path, whe
             check_checkpoint_dir(location, "baseline", in_this_process=True)
 
 
+def test_a_folder_another_hosts_check_removes_is_made_again(tmp_path, monkeypatch):
+    """Two hosts sharing a checkpoint folder check it at once, and each removes the folders
+    it made: one's removal may fall between the other making the folder and writing its
+    probe there (FileNotFoundError; a DDP node refused the run for it). The check makes
+    the folder again; it leaves nothing behind."""
+    from disttrain.core import store_check
+
+    real, calls = store_check.write_bytes_atomic, []
+
+    def raced(path, data, mode):
+        calls.append(path)
+        if len(calls) == 1:  # as tempfile.mkstemp raised when the folder had gone
+            path.parent.mkdir(parents=True)
+            path.parent.rmdir()
+            raise FileNotFoundError(2, "No such file or directory", str(path.parent))
+        return real(path, data, mode=mode)
+
+    monkeypatch.setattr(store_check, "write_bytes_atomic", raced)
+    check_checkpoint_dir(tmp_path / "shared" / "ckpt", "ddp", in_this_process=False)
+    assert len(calls) == 2 and not (tmp_path / "shared").exists()
+
+
 def test_a_launcher_names_the_process_and_keeps_its_line():
     output = "INFO starting\nerror: checkpoint store s3://b/run: writing x failed ...; --resume\nbye\n"
     error = store_failure("worker1", output, "logs/worker1.log")

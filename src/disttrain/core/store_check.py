@@ -75,7 +75,7 @@ def check_writable(folder: str | Path) -> None:
             finally:
                 store.remove_once(name)
         else:
-            path = write_bytes_atomic(Path(folder) / name, data, mode=0o600)
+            path = _write_probe(Path(folder) / name, data)
             try:
                 read = path.read_bytes()
             finally:
@@ -99,6 +99,22 @@ def check_writable(folder: str | Path) -> None:
                 path.rmdir()
             except OSError:
                 break  # not empty (written meanwhile), or not ours to remove
+
+
+# Hosts that share a checkpoint folder check it at once; each removes the folders it made
+# (see `check_writable`), which may be the very folder another is writing its probe into.
+PROBE_ATTEMPTS = 3
+
+
+def _write_probe(path: Path, data: bytes) -> Path:
+    """Write the probe at `path`, its folder made again should another host's check have
+    removed it between this one making it and writing into it."""
+    for _ in range(PROBE_ATTEMPTS - 1):
+        try:
+            return write_bytes_atomic(path, data, mode=0o600)
+        except FileNotFoundError:
+            logger.debug("the folder of %s went away while it was being written: making it again", path)
+    return write_bytes_atomic(path, data, mode=0o600)
 
 
 def _missing_folders(folder: str | Path) -> list[Path]:
