@@ -27,7 +27,7 @@ from disttrain.config import Config
 from disttrain.core.errors import ConfigError
 from disttrain.data import LANGUAGE_MODEL, DatasetDescription, describe_dataset
 from disttrain.training import build_optimizer, init_model
-from disttrain.training.engine import configure_process, task_loss
+from disttrain.training.engine import configure_process, logits_of, task_loss
 
 # Measured repeats of each timing after one warm-up; the median is kept.
 NUM_REPEATS = 3
@@ -161,7 +161,7 @@ def _time_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
     for attempt in range(repeats + 1):
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        loss = task_loss(model(inputs), targets)
+        loss = task_loss(logits_of(model(inputs)), targets)
         middle = time.perf_counter()
         loss.backward()
         end = time.perf_counter()

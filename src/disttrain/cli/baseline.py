@@ -32,11 +32,11 @@ def prepare(args: argparse.Namespace) -> tuple[Config, RunOptions]:
 
 def check(args: argparse.Namespace) -> str:
     from disttrain.strategies.baseline import baseline_precision
-    from disttrain.training.models import init_model
+    from disttrain.training.first_step import dry_run_step
     config, options = prepare(args)
-    init_model(config.training)  # as the run builds it: a model that cannot take the data fails
+    step = dry_run_step(config.training)  # as the run does: a model that cannot take the data fails
     baseline_precision(config.training.precision)
-    return f"train {describe_training(config)} in one process; {describe_folders(config, options)}"
+    return f"train {describe_training(config)} in one process ({step}); {describe_folders(config, options)}"
 
 
 def run(args: argparse.Namespace) -> RunSummary:

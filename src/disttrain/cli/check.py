@@ -5,8 +5,10 @@ real run parses and validates (the config with its flags and `--set` overrides, 
 token file, the TLS files, addresses, the shard), through the same functions its `run`
 uses, and returns what would run in a few words. `main` then prints
 `<command>: <what would run>; config OK` and exits 0, or the real run's error and exit
-code 2. Nothing is bound, started, read from the data sets or written: checkpoint folders
-are not looked at either, so a run that would resume or refuse them is not judged here.
+code 2. The commands that train also run one real step of the model on the first batch
+of the training set, in this process (`training.first_step`), as their runs do before
+starting anything. Nothing is bound, started or written: checkpoint folders are not
+looked at either, so a run that would resume or refuse them is not judged here.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from disttrain.config import Config, TrainingConfig
 from disttrain.training.options import RunOptions
 
 HELP = ("check the flags and the config as the run would (addresses, token and TLS files "
-        "included), print what would run and exit: 0 when all is well, 2 with the error "
-        "otherwise. Binds no port, reads no data or checkpoint, starts nothing")
+        "included) and run one step of the model on the first batch, print what would run and "
+        "exit: 0 when all is well, 2 with the error otherwise. Binds no port, reads no "
+        "checkpoint, starts nothing")
 
 
 def add_check_flag(parser: argparse.ArgumentParser) -> None:

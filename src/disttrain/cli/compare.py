@@ -93,11 +93,13 @@ def prepare(args: argparse.Namespace) -> tuple[Config, list[PlannedRun], Path]:
 
 
 def check(args: argparse.Namespace) -> str:
+    from disttrain.training.first_step import dry_run_step
     config, runs, folder = prepare(args)
+    step = dry_run_step(config.training)
     return (f"{count(len(runs), 'run')} in turn ({', '.join(run.name for run in runs)}), "
             f"{count(config.system.num_workers, 'worker')} each, "
             f"{count(config.system.num_threads, 'torch thread')} per process; "
-            f"{describe_training(config)}; into {folder}")
+            f"{describe_training(config)} ({step}); into {folder}")
 
 
 def run(args: argparse.Namespace) -> None:

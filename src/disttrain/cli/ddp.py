@@ -129,7 +129,7 @@ def check(args: argparse.Namespace) -> str:
     import torch
 
     from disttrain.strategies.ddp import runtime as rt
-    from disttrain.training.models import init_model
+    from disttrain.training.first_step import dry_run_step
     from disttrain.training.precision import plan_precision
     config, options = prepare(args)
     ddp, world_size = config.ddp, config.system.num_workers
@@ -147,7 +147,7 @@ def check(args: argparse.Namespace) -> str:
     precision = config.training.precision
     plan_precision(precision, rt.select_device(backend, 0).type,
                    precision == "bf16" and backend == "nccl" and torch.cuda.is_bf16_supported())
-    init_model(config.training)
+    step = dry_run_step(config.training)
     nodes = (f"{count(ddp.num_nodes, 'node')}, rendezvous at {ddp.rdzv_endpoint}" if ddp.rdzv_endpoint
              else "this node only")
     if ddp.backend == "auto" and backend == "nccl" and ddp.num_nodes > 1:
@@ -155,8 +155,8 @@ def check(args: argparse.Namespace) -> str:
     return (f"{count(world_size // ddp.num_nodes, 'rank')} on this node of {world_size} ({nodes}; "
             f"{backend}), up to {count(ddp.max_restarts, 'restart')}{describe_recovery(config)}, "
             f"{describe_coordinator(config, 'with its own coordinator')}{describe_security(options)}; "
-            f"{describe_training(config)}{describe_compression(config)}{describe_local_updates(config)}; "
-            f"{describe_folders(config, options)}")
+            f"{describe_training(config)}{describe_compression(config)}{describe_local_updates(config)} "
+            f"({step}); {describe_folders(config, options)}")
 
 
 def describe_recovery(config: Config) -> str:

@@ -95,14 +95,15 @@ def describe_ps_run(config: Config) -> str:
 
 def check(args: argparse.Namespace) -> str:
     from disttrain.strategies.ps.run.launcher import check_supported
-    from disttrain.training.models import init_model
+    from disttrain.training.first_step import dry_run_step
     config, options = prepare(args)
     check_supported(config)
-    init_model(config.training)
+    step = dry_run_step(config.training)
     coordinator = describe_coordinator(config, "with its own coordinator")
     return (f"{describe_ps_run(config)} with {count(config.ps.num_servers, 'server shard')} on "
             f"{config.ps.bind_host}, {coordinator}{describe_security(options)}; "
-            f"{describe_training(config)}{describe_compression(config)}; {describe_folders(config, options)}")
+            f"{describe_training(config)}{describe_compression(config)} ({step}); "
+            f"{describe_folders(config, options)}")
 
 
 def run(args: argparse.Namespace) -> RunSummary:

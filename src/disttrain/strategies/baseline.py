@@ -30,6 +30,7 @@ from disttrain.training.engine import (
     evaluate,
     forward_backward,
 )
+from disttrain.training.first_step import check_first_step
 from disttrain.training.loading import BatchSource, prefetch
 from disttrain.training.loop import LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
@@ -105,6 +106,7 @@ class Baseline:
         started = time.perf_counter()
         check_checkpoint_dir(system.checkpoint_dir, self.name, in_this_process=True)
         configure_process(system.num_threads)
+        check_first_step(training)  # one line, exit code 2, for a model that cannot take the data
         train_set, test_set = load_datasets(training)
         model = init_model(training)
         seed_training(training.seed, rank=0)

@@ -8,11 +8,16 @@ The loss is the task's: for classification, logits (B, C) against class indices 
 a language model, logits (B, T, V) against next-token ids (B, T), the mean cross-entropy
 over every token. Both are one `cross_entropy` over the flattened predictions, so the
 step, its gradient and every strategy's aggregation are the same code for both.
+
+A model's forward may return its logits as a tensor, as the first item of a tuple or list,
+or as the `logits` of a mapping or of an output object (Hugging Face models' `ModelOutput`
+is both): `logits_of` takes them out, the same way in training and evaluation.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +102,35 @@ def task_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mea
                            reduction=reduction)
 
 
+class ModelOutputError(TypeError):
+    """A model's forward returned something that holds no logits (`logits_of`)."""
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits in what a model's forward returned: the tensor itself, the first item of
+    a tuple or list, or the `logits` of a mapping or an output object.
+
+    Raises:
+        ModelOutputError: none of these is a tensor; the message says what came back.
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    found = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if isinstance(found, torch.Tensor):
+        return found
+    if isinstance(output, Mapping):
+        what = f"a mapping with keys {sorted(map(str, output))[:8]}"
+    elif isinstance(output, (tuple, list)):
+        first = type(output[0]).__name__ if output else "nothing"
+        what = f"a {type(output).__name__} of {len(output)} item(s), the first a {first}"
+    else:
+        what = f"a {type(output).__name__}"
+    raise ModelOutputError(f"the model's forward returned {what}, which holds no logits; return a tensor, a "
+                           "tuple whose first item is one, or a mapping or output object with `logits`")
+
+
 def count_correct(logits: torch.Tensor, targets: torch.Tensor) -> int:
     """Predictions (samples, or tokens of a language model) whose top logit is the target."""
     return int((logits.argmax(dim=-1) == targets).sum())
@@ -125,7 +159,7 @@ def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tens
     """
     model.train()
     with precision.autocast() if precision is not None else nullcontext():
-        logits = model(inputs)
+        logits = logits_of(model(inputs))
     loss = task_loss(logits, targets)  # in float32, outside autocast
     weighted = loss * loss_scale if loss_scale != 1.0 else loss
     (precision.scale(weighted) if precision is not None else weighted).backward()
@@ -205,7 +239,7 @@ def evaluate(model: nn.Module, dataset: BatchedDataset, batch_size: int = 1000,
     for start in range(0, len(order), batch_size):
         inputs, targets = dataset.batch(order[start:start + batch_size])
         inputs, targets = inputs.to(device), targets.to(device)
-        logits = model(inputs)
+        logits = logits_of(model(inputs))
         loss_sum += float(task_loss(logits, targets, reduction="sum"))
         correct += count_correct(logits, targets)
         predictions += targets.numel()

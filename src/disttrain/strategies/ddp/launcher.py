@@ -55,7 +55,7 @@ from disttrain.strategies.ddp.coordination import RunCoordinator, run_coordinato
 from disttrain.strategies.ddp.endpoint import wait_for_endpoint
 from disttrain.strategies.ddp.live import launch_live
 from disttrain.strategies.ddp.rank_tokens import RANK_TOKENS_ENV, write_rank_tokens
-from disttrain.training.models import init_model
+from disttrain.training.first_step import check_first_step
 from disttrain.training.options import RunOptions
 from disttrain.training.precision import plan_precision
 
@@ -100,7 +100,7 @@ def preflight(config: Config, resume: bool) -> LaunchPlan:
     # Asked only for bf16: the question starts a CUDA context in this (launcher) process.
     plan_precision(training.precision, device.type, training.precision == "bf16"
                    and device.type == "cuda" and torch.cuda.is_bf16_supported())
-    init_model(training)  # an unknown model fails here, once
+    check_first_step(training)  # an unknown model, or one that cannot take the data, fails here, once
     train_set, _ = load_datasets(training)
     rt.check_world_size(len(train_set), system.num_workers)
     del train_set  # the ranks load their own copies

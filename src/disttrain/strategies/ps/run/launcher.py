@@ -43,6 +43,7 @@ from disttrain.strategies.ps.run.layout import run_layout
 from disttrain.strategies.ps.run.progress import ClusterWatch
 from disttrain.strategies.ps.run.recovery import recovery_summary
 from disttrain.strategies.ps.wire.sharding import log_plan, plan_shards
+from disttrain.training.first_step import check_first_step
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
 from disttrain.training.precision import PrecisionPlan, plan_precision
@@ -126,7 +127,8 @@ def preflight(config: Config, options: RunOptions) -> None:
         ConfigError: see `run_cluster`.
     """
     check_supported(config)
-    model = init_model(config.training)  # an unknown model or data set fails here, once
+    check_first_step(config.training)  # a model that cannot take the data fails here, once
+    model = init_model(config.training)
     try:
         plans = plan_shards(model, config.ps.num_servers)
     except ValueError as e:

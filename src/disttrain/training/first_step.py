@@ -1,0 +1,112 @@
+"""One real step before training: the model and the data are tried together once, in the
+process that launches the run, before any other process starts.
+
+A model that cannot take the data set's batches (a wrong input shape, fewer outputs than
+classes, floats into an embedding, a forward that returns no logits) otherwise fails at
+step 1 in every training process, as a torch traceback that never names the data. Here
+the model is built as every process builds it (`init_model`), the first batch of the
+training set is drawn, and forward, the loss and backward run on it, off the run's random
+streams (the run's model and batches are the same with or without the check). A failure
+is one line (`ConfigError`, exit code 2) naming what the model returned or raised against
+what the data set gives, and the user's file and line where the error is in their code.
+`--check-config` runs it too (`dry_run_step`), but for a data set it cannot read there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from disttrain.config import TrainingConfig
+from disttrain.core.errors import ConfigError, DataError
+from disttrain.data import LANGUAGE_MODEL, DatasetDescription, describe_dataset, load_datasets
+from disttrain.data.plugins import one_line, user_frame
+from disttrain.training.engine import ModelOutputError, logits_of, task_loss
+from disttrain.training.models import init_model
+
+KEY = "training.model_architecture"
+
+
+def check_first_step(training: TrainingConfig) -> str:
+    """Run one step of `training`'s model on the first batch of its training set.
+
+    Returns:
+        What the step saw, for `--check-config`: "one step on a batch of 64: logits
+        (64, 10), loss 2.31".
+    Raises:
+        ConfigError: the model, its data or the two together fail (one line).
+        DataError: the data set cannot be loaded.
+    """
+    description = describe_dataset(training)
+    with torch.random.fork_rng(devices=[]):
+        model = init_model(training)
+        train_set, _ = load_datasets(training)
+        size = min(training.batch_size, len(train_set))
+        try:
+            inputs, targets = train_set.batch(torch.arange(size))
+        except (ConfigError, DataError):
+            raise
+        except Exception as e:  # the user's items, or their collation
+            raise ConfigError(f"training.dataset: the first batch of {training.dataset} cannot be drawn: "
+                              f"{one_line(e)}{user_frame(e)}") from e
+        given = describe_batch(inputs, targets, description)
+        model.train()
+        try:
+            output = model(inputs)
+        except Exception as e:
+            raise ConfigError(f"{KEY}: {training.model_architecture}'s forward failed on {given}: "
+                              f"{one_line(e)}{user_frame(e)}") from e
+        try:
+            logits = logits_of(output)
+        except ModelOutputError as e:
+            raise ConfigError(f"{KEY}: {training.model_architecture}, given {given}: {e}") from e
+        check_logits(logits, targets, description, training.model_architecture, given)
+        try:
+            loss = task_loss(logits, targets)
+            loss.backward()
+        except Exception as e:
+            raise ConfigError(f"{KEY}: the loss or backward of {training.model_architecture} failed on "
+                              f"{given}: {one_line(e)}{user_frame(e)}") from e
+    return f"one step on a batch of {size}: logits {tuple(logits.shape)}, loss {float(loss.detach()):.3g}"
+
+
+def dry_run_step(training: TrainingConfig) -> str:
+    """`check_first_step` for `--check-config`, which may run where the data set is not
+    (a launching machine, a container built without it): then no step is tried, and the
+    phrase says so; the run itself stops on the missing data as before.
+
+    Raises:
+        ConfigError: as `check_first_step`.
+    """
+    try:
+        return check_first_step(training)
+    except DataError:
+        return f"no step tried: {training.dataset} cannot be read on this machine"
+
+
+def describe_batch(inputs: torch.Tensor, targets: torch.Tensor, description: DatasetDescription) -> str:
+    """E.g. "a batch of inputs (64, 1, 8, 8) float32 with 10 classes"."""
+    dtype = str(inputs.dtype).removeprefix("torch.")
+    if description.task == LANGUAGE_MODEL:
+        return (f"a batch of token ids {tuple(inputs.shape)} {dtype} below a vocabulary of "
+                f"{description.vocab_size}")
+    return f"a batch of inputs {tuple(inputs.shape)} {dtype} with {description.num_classes} classes"
+
+
+def check_logits(logits: torch.Tensor, targets: torch.Tensor, description: DatasetDescription, name: str,
+                 given: str) -> None:
+    """Logits of the shape the loss takes: (B, C) for classes (B,), or (B, T, V) for next
+    tokens (B, T), with at least as many columns as classes (a vocabulary)."""
+    want = tuple(targets.shape)
+    if description.task == LANGUAGE_MODEL:
+        expected, what = f"{want + (description.vocab_size,)}", f"a vocabulary of {description.vocab_size}"
+    else:
+        expected, what = f"{want + (description.num_classes,)}", f"{description.num_classes} classes"
+    if logits.dim() != len(want) + 1 or tuple(logits.shape[:-1]) != want:
+        raise ConfigError(f"{KEY}: {name} returned logits {tuple(logits.shape)} for {given}; the loss needs "
+                          f"{expected} (one row of scores per target)")
+    if logits.shape[-1] < description.num_classes:
+        raise ConfigError(f"{KEY}: {name} returned {logits.shape[-1]} scores per target for {what}; give "
+                          f"its last layer {description.num_classes} outputs")
+    if not logits.is_floating_point():
+        raise ConfigError(f"{KEY}: {name} returned logits of {logits.dtype} for {given}; return float "
+                          "scores")
