@@ -27,7 +27,7 @@ from disttrain.config import Config
 from disttrain.core.errors import ConfigError
 from disttrain.data import LANGUAGE_MODEL, DatasetDescription, describe_dataset
 from disttrain.training import build_optimizer, init_model
-from disttrain.training.engine import configure_process, logits_of, task_loss
+from disttrain.training.engine import configure_process, logits_of, objective_of
 
 # Measured repeats of each timing after one warm-up; the median is kept.
 NUM_REPEATS = 3
@@ -157,11 +157,13 @@ def _time_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                repeats: int) -> tuple[list[float], list[float]]:
     """Forward (with the loss) and backward times of `repeats` steps, after one warm-up."""
     model.train()
+    objective = objective_of(model)
     forward, backward = [], []
     for attempt in range(repeats + 1):
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        loss = task_loss(logits_of(model(inputs)), targets)
+        output = objective.forward(model, inputs, targets)
+        loss = objective.loss(output, logits_of(output), targets)
         middle = time.perf_counter()
         loss.backward()
         end = time.perf_counter()

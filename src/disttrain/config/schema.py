@@ -116,6 +116,18 @@ class TrainingConfig:
     model_args: dict = field(default_factory=dict, metadata=MAPPING)
     # Keyword arguments of a user's data-set factory.
     dataset_args: dict = field(default_factory=dict, metadata=MAPPING)
+    # How a user's data set's items become a batch: "" (torch's default collation), pad
+    # (fields of different lengths padded to the longest: inputs with 0, targets with
+    # -100, which the loss leaves out), or a collate function of your own (PATH.py:FN,
+    # module:FN) taking the list of items and returning (inputs, targets) or a mapping.
+    collate_fn: str = ""
+    # The field of mapping items (the `datasets` library's rows) that holds the targets
+    # ("labels", else "label"); the other tensor fields go to forward as keyword arguments.
+    target_key: str = field(default="labels", metadata=NON_EMPTY)
+    # The loss: task (cross-entropy of the logits against the targets), model (the model's
+    # own: the targets passed to forward as labels=..., its output's `loss` used as it is),
+    # or a function of your own (PATH.py:FN, module:FN) called as fn(output, targets).
+    loss: str = field(default="task", metadata=NON_EMPTY)
     # Tokens per sample of a language-model data set (text:FILE's window).
     seq_len: int = field(default=128, metadata=POSITIVE)
     # -- training features: learning-rate schedule, clipping, precision, loader workers --

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 from disttrain.config import TrainingConfig
 from disttrain.core.errors import ConfigError, DataError
 from disttrain.data import image_folder, plugins, sources, text, vision
+from disttrain.data.batching import Collate, pad_collate
 from disttrain.data.description import DatasetDescription
 from disttrain.data.mapped import SUBSET_SEED, BatchedDataset, MappedDataset, subset_indices
 
@@ -238,9 +240,10 @@ def _plugin(spec: str, args_json: str) -> tuple[MappedDataset, MappedDataset, Da
         if len(data) == 0:
             raise ConfigError(f"{key}: {spec}'s {split} set is empty")
         item = plugins.call_factory(data.__getitem__, f"{spec} ({split}[0])", key, 0)
-        if not (isinstance(item, tuple | list) and len(item) == 2):
+        if not (isinstance(item, tuple | list) and len(item) == 2) and not isinstance(item, Mapping):
             raise ConfigError(f"{key}: {spec}'s {split}[0] is a {type(item).__name__}; each item must "
-                              "be a pair (input, target)")
+                              "be a pair (input, target) or a mapping of fields (the targets under "
+                              "training.target_key)")
     return (MappedDataset(spec, train, description), MappedDataset(spec, test, description),
             description)
 
@@ -267,7 +270,26 @@ def load_datasets(training: TrainingConfig) -> tuple[BatchedDataset, BatchedData
         train, test, _ = _plugin(name, _args_key(training.dataset_args))
     else:
         train, test = _load_builtin(training)
-    return train.subset(training.max_train_samples), test.subset(training.max_test_samples)
+    train, test = train.subset(training.max_train_samples), test.subset(training.max_test_samples)
+    if isinstance(train, MappedDataset) and isinstance(test, MappedDataset):  # items batched the user's way
+        collate = collate_function(training)
+        train, test = (split.batched_by(collate, training.target_key) for split in (train, test))
+    return train, test
+
+
+def collate_function(training: TrainingConfig) -> Collate | None:
+    """What makes a batch of a user's items (`training.collate_fn`): None for torch's
+    default collation, `pad_collate`, or the user's own function.
+
+    Raises:
+        ConfigError: the function cannot be found.
+    """
+    spec = training.collate_fn
+    if not spec:
+        return None
+    if spec == "pad":
+        return functools.partial(pad_collate, target_key=training.target_key)
+    return plugins.load_factory(spec, "training.collate_fn", plugins.COLLATE_GROUP)
 
 
 def _load_builtin(training: TrainingConfig) -> tuple[ArrayDataset, ArrayDataset]:

@@ -10,11 +10,13 @@ the data set's own order or state is involved. The built-in sets keep their fast
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch.utils.data import default_collate
 
+from disttrain.data.batching import Batch, split_batch
 from disttrain.data.description import DatasetDescription
 
 SUBSET_SEED = 0  # the subsets of max_*_samples are the same whatever the training seed
@@ -41,20 +43,31 @@ def subset_indices(length: int, limit: int | None) -> torch.Tensor | None:
 
 
 class MappedDataset:
-    """A map-style data set whose item `i` is `(input, target)`, batched by collating items.
+    """A map-style data set whose item `i` is `(input, target)` or a mapping of fields,
+    batched by collating items (see `batching`).
 
     Args:
-        dataset: anything with `__len__` and `__getitem__(i)` returning (input, target).
+        dataset: anything with `__len__` and `__getitem__(i)` returning (input, target) or a
+            mapping of fields.
         description: its task and shapes (for the model factory and the loss).
         indices: the items of `dataset` this one holds, in order (a subset), or all.
+        collate: makes a batch of a list of items (torch's default collation by default).
+        target_key: the field of mapping items that holds the targets.
     """
 
     def __init__(self, name: str, dataset: Any, description: DatasetDescription,
-                 indices: torch.Tensor | None = None):
+                 indices: torch.Tensor | None = None, collate: Callable[[list[Any]], Any] | None = None,
+                 target_key: str = "labels"):
         self.name = name
         self.dataset = dataset
         self.description = description
         self.indices = indices
+        self.collate = collate
+        self.target_key = target_key
+
+    def batched_by(self, collate: Callable[[list[Any]], Any] | None, target_key: str) -> MappedDataset:
+        """This data set, its batches made by `collate` and split by `target_key`."""
+        return MappedDataset(self.name, self.dataset, self.description, self.indices, collate, target_key)
 
     def __len__(self) -> int:
         return len(self.dataset) if self.indices is None else len(self.indices)
@@ -70,9 +83,12 @@ class MappedDataset:
     def num_classes(self) -> int:
         return self.description.num_classes
 
-    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = default_collate([self[int(i)] for i in indices])
-        return torch.as_tensor(inputs), torch.as_tensor(targets)
+    def batch(self, indices: torch.Tensor) -> Batch:
+        """(inputs, targets) of the items at `indices`: inputs a tensor, or a mapping of
+        tensors (the fields of mapping items but the targets)."""
+        items = [self[int(i)] for i in indices]
+        collated = (self.collate or default_collate)(items)
+        return split_batch(collated, self.target_key, f"a batch of {self.name}")
 
     def subset(self, limit: int | None) -> MappedDataset:
         """The first `limit` items of a fixed permutation (deterministic), or self."""
@@ -80,4 +96,4 @@ class MappedDataset:
         if keep is None:
             return self
         base = keep if self.indices is None else self.indices[keep]
-        return MappedDataset(self.name, self.dataset, self.description, base)
+        return MappedDataset(self.name, self.dataset, self.description, base, self.collate, self.target_key)

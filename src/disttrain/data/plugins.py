@@ -25,6 +25,8 @@ from disttrain.core.errors import ConfigError
 
 MODEL_GROUP = "disttrain.models"
 DATASET_GROUP = "disttrain.datasets"
+COLLATE_GROUP = "disttrain.collate"
+LOSS_GROUP = "disttrain.losses"
 PLUGIN_PREFIX = "disttrain_plugin_"  # the module names a user's files are imported under
 
 

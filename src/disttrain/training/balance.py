@@ -22,7 +22,7 @@ from disttrain.config import SystemConfig, TrainingConfig
 from disttrain.core.errors import ConfigError
 from disttrain.core.faults import FaultInjector
 from disttrain.data import ArrayDataset
-from disttrain.training.engine import forward_backward
+from disttrain.training.engine import forward_backward, to_device
 from disttrain.training.models import init_model
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def warmup_speed(training: TrainingConfig, device: torch.device, train_set: Arra
     of the model (`measure_speed`), on `device`."""
     model = init_model(training).to(device)
     inputs, targets = train_set.batch(torch.arange(min(training.batch_size, len(train_set))))
-    inputs, targets = inputs.to(device), targets.to(device)
+    inputs, targets = to_device(inputs, device), targets.to(device)
 
     def one_pass() -> int:
         forward_backward(model, inputs, targets)

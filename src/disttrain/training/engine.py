@@ -11,13 +11,20 @@ step, its gradient and every strategy's aggregation are the same code for both.
 
 A model's forward may return its logits as a tensor, as the first item of a tuple or list,
 or as the `logits` of a mapping or of an output object (Hugging Face models' `ModelOutput`
-is both): `logits_of` takes them out, the same way in training and evaluation.
+is both): `logits_of` takes them out, the same way in training and evaluation. Its inputs
+are a tensor, or a mapping of named tensors that forward takes as keyword arguments (a
+batch of `datasets` rows: `model(**inputs)`). What a step minimises is the model's
+`Objective` (`training.loss`): the task's cross-entropy, the loss the model computes
+itself given `labels=`, or a function of the user's; every strategy's step and evaluation
+ask the model's objective (`objective_of`), set once where the model is built. Targets
+of `IGNORE_INDEX` (padding) count in neither the loss nor the accuracy.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +36,8 @@ from torch import nn
 from disttrain.config import TrainingConfig
 from disttrain.core.allocator import tune_allocator
 from disttrain.core.processes import thread_count
-from disttrain.data import LANGUAGE_MODEL, BatchedDataset
+from disttrain.data import LANGUAGE_MODEL, BatchedDataset, plugins
+from disttrain.data.batching import IGNORE_INDEX
 from disttrain.training.precision import Precision
 from disttrain.training.schedule import remember_initial_rates
 
@@ -132,8 +140,97 @@ def logits_of(output: Any) -> torch.Tensor:
 
 
 def count_correct(logits: torch.Tensor, targets: torch.Tensor) -> int:
-    """Predictions (samples, or tokens of a language model) whose top logit is the target."""
-    return int((logits.argmax(dim=-1) == targets).sum())
+    """Predictions (samples, or tokens of a language model) whose top logit is the target,
+    padding (`IGNORE_INDEX`) left out; 0 where the logits do not score the targets' classes
+    (a user's loss of another kind of output)."""
+    if tuple(logits.shape[:-1]) != tuple(targets.shape) or targets.is_floating_point():
+        return 0
+    return int(((logits.argmax(dim=-1) == targets) & (targets != IGNORE_INDEX)).sum())
+
+
+def num_predictions(targets: torch.Tensor) -> int:
+    """What a batch's loss and accuracy count: its targets but padding (`IGNORE_INDEX`)."""
+    return targets.numel() if targets.is_floating_point() else int((targets != IGNORE_INDEX).sum())
+
+
+Inputs = torch.Tensor | Mapping[str, torch.Tensor]
+
+
+def to_device(inputs: Inputs, device: torch.device | str, non_blocking: bool = False) -> Inputs:
+    """`inputs` (a tensor, or a mapping of tensors) on `device`."""
+    if isinstance(inputs, Mapping):
+        return {key: value.to(device, non_blocking=non_blocking) for key, value in inputs.items()}
+    return inputs.to(device, non_blocking=non_blocking)
+
+
+OBJECTIVES = ("task", "model")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a step minimises (`training.loss`).
+
+    - `task`: the cross-entropy of the logits against the targets (`task_loss`).
+    - `model`: the model's own: the targets go to forward as `labels=...` (as Hugging Face
+      models take them) and its output's `loss` is used as it is.
+    - a user's function (PATH.py:FN, module:FN), called as `fn(output, targets)`.
+    """
+
+    name: str = "task"
+    function: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, spec: str) -> Objective:
+        """The objective `training.loss` names.
+
+        Raises:
+            ConfigError: a function that cannot be found.
+        """
+        if spec in OBJECTIVES:
+            return cls(spec)
+        return cls(spec, plugins.load_factory(spec, "training.loss", plugins.LOSS_GROUP))
+
+    def forward(self, model: nn.Module, inputs: Inputs, targets: torch.Tensor) -> Any:
+        """What the model returns for `inputs` (keyword arguments when a mapping)."""
+        labels = {"labels": targets} if self.name == "model" else {}
+        if isinstance(inputs, Mapping):
+            return model(**inputs, **labels)
+        return model(inputs, **labels)
+
+    def loss(self, output: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The batch's mean loss (a scalar)."""
+        if self.name == "task":
+            return task_loss(logits, targets)
+        if self.function is None:
+            loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+            if not isinstance(loss, torch.Tensor):
+                raise ModelOutputError("training.loss=model: the model's forward, given labels=..., returned "
+                                       "no `loss`; return one, or use training.loss=task")
+        else:
+            loss = self.function(output, targets)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                what = f"a tensor {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else \
+                    f"a {type(loss).__name__}"
+                raise ModelOutputError(f"training.loss: {self.name} returned {what}, not a scalar tensor")
+        return loss.float().reshape(())
+
+
+_OBJECTIVES: weakref.WeakKeyDictionary[nn.Module, Objective] = weakref.WeakKeyDictionary()
+
+
+def set_objective(model: nn.Module, objective: Objective) -> nn.Module:
+    """Give `model` its objective (where it is built); returns it."""
+    _OBJECTIVES[model] = objective
+    return model
+
+
+def objective_of(model: nn.Module) -> Objective:
+    """`model`'s objective, or that of the model it wraps (DDP's `.module`); the task's
+    for a model given none."""
+    for candidate in (model, getattr(model, "module", None)):
+        if isinstance(candidate, nn.Module) and candidate in _OBJECTIVES:
+            return _OBJECTIVES[candidate]
+    return Objective()
 
 
 @dataclass
@@ -148,9 +245,10 @@ class StepResult:
     scalars: dict[str, float] = field(default_factory=dict)
 
 
-def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+def forward_backward(model: nn.Module, inputs: Inputs, targets: torch.Tensor,
                      loss_scale: float = 1.0, precision: Precision | None = None) -> StepResult:
-    """Forward, loss (mean cross-entropy), backward: gradients accumulate into `.grad`.
+    """Forward, loss (the model's objective: by default the mean cross-entropy), backward:
+    gradients accumulate into `.grad`.
 
     Args:
         loss_scale: multiplies the loss before backward (1/k for k accumulated micro-batches).
@@ -158,9 +256,11 @@ def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tens
             outside it, fp16's loss scaled before backward (None: full precision).
     """
     model.train()
+    objective = objective_of(model)
     with precision.autocast() if precision is not None else nullcontext():
-        logits = logits_of(model(inputs))
-    loss = task_loss(logits, targets)  # in float32, outside autocast
+        output = objective.forward(model, inputs, targets)
+        logits = logits_of(output)
+    loss = objective.loss(output, logits, targets)  # in float32, outside autocast
     weighted = loss * loss_scale if loss_scale != 1.0 else loss
     (precision.scale(weighted) if precision is not None else weighted).backward()
     with torch.no_grad():
@@ -168,7 +268,7 @@ def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tens
     return StepResult(float(loss.detach()), correct, len(targets))
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Inputs,
                targets: torch.Tensor) -> StepResult:
     """One single-process step: zero grads, forward/backward, optimizer step."""
     optimizer.zero_grad(set_to_none=True)
@@ -234,14 +334,20 @@ def evaluate(model: nn.Module, dataset: BatchedDataset, batch_size: int = 1000,
     """Loss and accuracy of `model` on `dataset` (or on `indices` of it), in eval mode."""
     was_training = model.training
     model.eval()
+    objective = objective_of(model)
     order = torch.arange(len(dataset)) if indices is None else indices
     loss_sum, correct, predictions = 0.0, 0, 0
     for start in range(0, len(order), batch_size):
         inputs, targets = dataset.batch(order[start:start + batch_size])
-        inputs, targets = inputs.to(device), targets.to(device)
-        logits = logits_of(model(inputs))
-        loss_sum += float(task_loss(logits, targets, reduction="sum"))
+        inputs, targets = to_device(inputs, device), targets.to(device)
+        output = objective.forward(model, inputs, targets)
+        logits = logits_of(output)
+        counted = num_predictions(targets)
+        if objective.name == "task":
+            loss_sum += float(task_loss(logits, targets, reduction="sum"))
+        else:  # a mean over what the batch counts
+            loss_sum += float(objective.loss(output, logits, targets)) * counted
         correct += count_correct(logits, targets)
-        predictions += targets.numel()
+        predictions += counted
     model.train(was_training)
     return EvalResult(loss_sum, correct, len(order), predictions)

@@ -14,13 +14,15 @@ what the data set gives, and the user's file and line where the error is in thei
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from disttrain.config import TrainingConfig
 from disttrain.core.errors import ConfigError, DataError
 from disttrain.data import LANGUAGE_MODEL, DatasetDescription, describe_dataset, load_datasets
 from disttrain.data.plugins import one_line, user_frame
-from disttrain.training.engine import ModelOutputError, logits_of, task_loss
+from disttrain.training.engine import Inputs, ModelOutputError, logits_of, objective_of
 from disttrain.training.models import init_model
 
 KEY = "training.model_architecture"
@@ -49,9 +51,10 @@ def check_first_step(training: TrainingConfig) -> str:
             raise ConfigError(f"training.dataset: the first batch of {training.dataset} cannot be drawn: "
                               f"{one_line(e)}{user_frame(e)}") from e
         given = describe_batch(inputs, targets, description)
+        objective = objective_of(model)
         model.train()
         try:
-            output = model(inputs)
+            output = objective.forward(model, inputs, targets)
         except Exception as e:
             raise ConfigError(f"{KEY}: {training.model_architecture}'s forward failed on {given}: "
                               f"{one_line(e)}{user_frame(e)}") from e
@@ -59,13 +62,20 @@ def check_first_step(training: TrainingConfig) -> str:
             logits = logits_of(output)
         except ModelOutputError as e:
             raise ConfigError(f"{KEY}: {training.model_architecture}, given {given}: {e}") from e
-        check_logits(logits, targets, description, training.model_architecture, given)
+        if objective.name == "task":  # the task's loss takes logits of the targets' shape
+            check_logits(logits, targets, description, training.model_architecture, given)
         try:
-            loss = task_loss(logits, targets)
+            loss = objective.loss(output, logits, targets)
+        except ModelOutputError as e:
+            raise ConfigError(f"{e}, given {given}") from e
+        except Exception as e:
+            raise ConfigError(f"training.loss: the loss ({training.loss}) of {training.model_architecture} "
+                              f"failed on {given}: {one_line(e)}{user_frame(e)}") from e
+        try:
             loss.backward()
         except Exception as e:
-            raise ConfigError(f"{KEY}: the loss or backward of {training.model_architecture} failed on "
-                              f"{given}: {one_line(e)}{user_frame(e)}") from e
+            raise ConfigError(f"{KEY}: the backward of {training.model_architecture} failed on {given}: "
+                              f"{one_line(e)}{user_frame(e)}") from e
     return f"one step on a batch of {size}: logits {tuple(logits.shape)}, loss {float(loss.detach()):.3g}"
 
 
@@ -83,8 +93,15 @@ def dry_run_step(training: TrainingConfig) -> str:
         return f"no step tried: {training.dataset} cannot be read on this machine"
 
 
-def describe_batch(inputs: torch.Tensor, targets: torch.Tensor, description: DatasetDescription) -> str:
-    """E.g. "a batch of inputs (64, 1, 8, 8) float32 with 10 classes"."""
+def describe_batch(inputs: Inputs, targets: torch.Tensor, description: DatasetDescription) -> str:
+    """E.g. "a batch of inputs (64, 1, 8, 8) float32 with 10 classes"; for a batch of
+    fields, "a batch of fields input_ids (8, 12) int64, attention_mask (8, 12) int64 with
+    targets (8,) int64"."""
+    if isinstance(inputs, Mapping):
+        fields = ", ".join(f"{key} {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+                           for key, value in inputs.items())
+        return f"a batch of fields {fields} with targets {tuple(targets.shape)} " + \
+            str(targets.dtype).removeprefix("torch.")
     dtype = str(inputs.dtype).removeprefix("torch.")
     if description.task == LANGUAGE_MODEL:
         return (f"a batch of token ids {tuple(inputs.shape)} {dtype} below a vocabulary of "

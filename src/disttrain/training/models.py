@@ -25,6 +25,7 @@ from torch import nn
 from disttrain.config import TrainingConfig
 from disttrain.core.errors import ConfigError
 from disttrain.data import DatasetDescription, describe_dataset, plugins
+from disttrain.training.engine import Objective, set_objective
 from disttrain.training.seeding import seed_everything
 
 InputShape = tuple[int, int, int]
@@ -131,12 +132,15 @@ def init_model(training: TrainingConfig) -> nn.Module:
     for the data set's description (no data loaded for the built-in sets), weights from
     `training.seed`.
 
+    The model is given its objective (`training.loss`; see `engine.Objective`).
+
     Raises:
-        ConfigError: unknown or failing model or data-set plug-in. DataError: unknown data set.
+        ConfigError: unknown or failing model, data-set or loss plug-in. DataError: unknown data set.
     """
     description = describe_dataset(training)
+    objective = Objective.of(training.loss)  # a loss function that cannot be found fails before the build
     seed_everything(training.seed)
-    return build_for(training.model_architecture, description, training)
+    return set_objective(build_for(training.model_architecture, description, training), objective)
 
 
 def _classification_shape(description: DatasetDescription, name: str) -> InputShape:

@@ -42,7 +42,7 @@ from disttrain.strategies.ddp.local_updates import LocalRounds
 from disttrain.strategies.ddp.reduce import all_reduce_values, evaluate_sharded
 from disttrain.strategies.ddp.store import RankZeroCheckpoints
 from disttrain.training.checkpoints import Position
-from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward
+from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward, to_device
 from disttrain.training.loading import BatchSource, prefetch
 from disttrain.training.local_updates import LocalUpdates
 from disttrain.training.loop import LoopResult, LoopSettings, TrainingLoop
@@ -149,7 +149,7 @@ class RankParticipant:
         loss_sum, correct = 0.0, 0
         for i, indices in enumerate(batches):
             inputs, targets = self.train_set.batch(indices)
-            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            inputs, targets = to_device(inputs, device, True), targets.to(device, non_blocking=True)
             with self._sync_context(last=i == len(batches) - 1):
                 result = forward_backward(self.model, inputs, targets, weight * len(indices) / total,
                                           self.precision)
