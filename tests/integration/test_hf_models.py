@@ -1,0 +1,111 @@
+"""A Hugging Face model trains as it comes under every strategy from the command line: a
+user's file builds GPT-2 (`GPT2LMHeadModel` from a `GPT2Config`, no weights to download)
+for a byte-level text, whose forward returns an output object with `logits`, whose
+language-model head shares its weights with the token embedding, and whose dropout is on.
+The baseline, a synchronous parameter server of two workers over two shards and DDP of
+two ranks each lower its perplexity; one synchronous worker trains the baseline's very
+model (the same dropout masks, the tied weights updated once)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from disttrain.core.checkpoint import load_checkpoint
+from disttrain.metrics.logger import read_metrics
+from tests.plugin_files import write_text
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install 'disttrain[hf]')")
+
+# Written as a user would: the factory takes the data set's description, sizes GPT-2 to its
+# vocabulary (the text's 256 bytes) and sequence length, and returns the model unchanged.
+HF_MODELS_SOURCE = '''
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def gpt2(description, n_embd=32, n_layer=2, n_head=2):
+    # Bytes only: no special tokens (GPT-2's own ids lie past a vocabulary of 256).
+    config = GPT2Config(vocab_size=description.vocab_size, n_positions=description.seq_len,
+                        n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+                        bos_token_id=None, eos_token_id=None)
+    return GPT2LMHeadModel(config)
+'''
+
+SEQ_LEN = 16
+UNTRAINED_PERPLEXITY = 256  # a uniform guess over the byte vocabulary
+# Each strategy: its command line, the folder of its first training process's metrics and
+# the name of its final model.
+STRATEGIES = {
+    "baseline": (("baseline",), "baseline", "baseline_final.pt"),
+    "ps-sync": (("ps", "--workers", "2", "--servers", "2", "--aggregation-mode", "sync"), "worker0",
+                "parameter_server_final.pt"),
+    "ddp": (("ddp", "--world-size", "2"), "rank0", "ddp_final.pt"),
+}
+
+
+SMALL = ["--batch-size", "16", "--num-threads", "1"]
+
+
+def gpt2_on_a_text(tmp_path) -> list:
+    """The flags naming the user's GPT-2 file and a text file (a few KB), both written here."""
+    model_file = tmp_path / "hf_models.py"
+    model_file.write_text(HF_MODELS_SOURCE)
+    text = write_text(tmp_path)
+    return ["--model", f"{model_file}:gpt2", "--dataset", f"text:{text}", "--seq-len", SEQ_LEN]
+
+
+def train(cli, tmp_path, name, command, args):
+    """Run `command` with `args` into tmp_path/name; assert it succeeded, return its summary."""
+    result = cli(*command, *args, "--log-dir", tmp_path / name / "logs",
+                 "--checkpoint-dir", tmp_path / name / "ckpt", timeout=200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Final Perplexity:" in result.stdout
+    return json.loads((tmp_path / name / "logs" / "summary.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_gpt2_from_transformers_trains_under_every_strategy(tmp_path, cli, strategy):
+    command, first_process, final_model = STRATEGIES[strategy]
+    model_and_data = gpt2_on_a_text(tmp_path)
+    summary = train(cli, tmp_path, strategy, command,
+                    [*model_and_data, *SMALL, "--num-epochs", "2", "--learning-rate", "0.01"])
+    assert summary["task"] == "language-model" and summary["epochs"] == 2
+    assert math.isfinite(summary["final_loss"])
+    assert 1 < summary["final_perplexity"] < UNTRAINED_PERPLEXITY
+    records = read_metrics(tmp_path / strategy / "logs" / first_process / "metrics.jsonl")
+    perplexities = [r["perplexity/test"] for r in records if "perplexity/test" in r]
+    assert len(perplexities) == 2, perplexities  # one evaluation per epoch
+    assert perplexities[-1] < perplexities[0], perplexities
+    assert perplexities[-1] == pytest.approx(summary["final_perplexity"])
+    if strategy == "ps-sync":
+        assert summary["num_servers"] == 2 and summary["samples_lost"] == 0
+    # The saved model is the one reported: the tied head and embedding load back as one.
+    saved = load_checkpoint(tmp_path / strategy / "ckpt" / final_model)["model"]
+    torch.testing.assert_close(saved["lm_head.weight"], saved["transformer.wte.weight"], rtol=0, atol=0)
+    evaluated = cli("evaluate", *model_and_data, tmp_path / strategy / "ckpt" / final_model)
+    assert f"Test Perplexity: {summary['final_perplexity']:.3f}" in evaluated.stdout, evaluated.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_one_synchronous_worker_trains_the_baselines_gpt2(tmp_path, cli):
+    """With SGD, 20 steps of GPT-2 (dropout 0.1 everywhere) on one parameter-server worker end
+    where the baseline ends: the worker draws the baseline's dropout masks, and the shard
+    updates the tied embedding once per step, as the baseline's optimizer does."""
+    args = [*gpt2_on_a_text(tmp_path), *SMALL, "--num-epochs", "1", "--max-train-samples", "320",
+            "--optimizer", "sgd", "--learning-rate", "0.5", "--seed", "3"]
+    baseline = train(cli, tmp_path, "baseline", ("baseline",), args)
+    ps = train(cli, tmp_path, "ps", ("ps", "--workers", "1", "--aggregation-mode", "sync"), args)
+    assert baseline["steps"] == ps["steps"] == 20
+    assert ps["final_loss"] == pytest.approx(baseline["final_loss"], rel=1e-6, abs=0)
+    expected = load_checkpoint(tmp_path / "baseline" / "ckpt" / "baseline_final.pt")["model"]
+    trained = load_checkpoint(tmp_path / "ps" / "ckpt" / "parameter_server_final.pt")["model"]
+    assert trained.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-6,
+                                   msg=lambda m, k=key: f"parameter server vs baseline, {k}: {m}")
