@@ -4,7 +4,10 @@ for a byte-level text, whose forward returns an output object with `logits`, who
 language-model head shares its weights with the token embedding, and whose dropout is on.
 The baseline, a synchronous parameter server of two workers over two shards and DDP of
 two ranks each lower its perplexity; one synchronous worker trains the baseline's very
-model (the same dropout masks, the tied weights updated once)."""
+model (the same dropout masks, the tied weights updated once). BERT
+(`BertForSequenceClassification` from a `BertConfig`) learns from rows of fields of
+different lengths, padded (`training.collate_fn=pad`), with its own loss
+(`training.loss=model`)."""
 
 from __future__ import annotations
 
@@ -109,3 +112,60 @@ def test_one_synchronous_worker_trains_the_baselines_gpt2(tmp_path, cli):
     for key, value in expected.items():
         torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-6,
                                    msg=lambda m, k=key: f"parameter server vs baseline, {k}: {m}")
+
+
+# BERT as users have it: rows of fields from a `datasets`-style data set (token ids of
+# different lengths, an attention mask, labels), padded into batches, given to forward as
+# keyword arguments, with the loss the model computes itself from `labels=`.
+HF_BERT_SOURCE = '''
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+
+class Rows(torch.utils.data.Dataset):
+    """[CLS] (id 1) then 3 to 9 tokens; the label says whether token 7 is among them."""
+
+    def __init__(self, count, seed):
+        generator = torch.Generator().manual_seed(seed)
+        self.rows = []
+        for _ in range(count):
+            length = int(torch.randint(3, 10, (1,), generator=generator))
+            ids = torch.cat([torch.tensor([1]), torch.randint(2, 16, (length,), generator=generator)])
+            self.rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                              "labels": int((ids == 7).any())})
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return self.rows[index]
+
+
+def rows():
+    return Rows(256, 0), Rows(64, 1), {"task": "classification", "input_shape": [10], "num_classes": 2}
+
+
+def bert(description):
+    config = BertConfig(vocab_size=16, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=16, num_labels=description.num_classes)
+    return BertForSequenceClassification(config)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["baseline", pytest.param("ps-sync", marks=pytest.mark.extended),
+                                      pytest.param("ddp", marks=pytest.mark.extended)])
+def test_bert_from_transformers_trains_on_padded_rows_with_its_own_loss(tmp_path, cli, strategy):
+    command, _, final_model = STRATEGIES[strategy]
+    model_file = tmp_path / "hf_bert.py"
+    model_file.write_text(HF_BERT_SOURCE)
+    result = cli(*command, "--model", f"{model_file}:bert", "--dataset", f"{model_file}:rows", *SMALL,
+                 "--set", "training.collate_fn=pad", "--set", "training.loss=model", "--num-epochs", "3",
+                 "--learning-rate", "0.005", "--log-dir", tmp_path / "logs",
+                 "--checkpoint-dir", tmp_path / "ckpt", timeout=200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["samples_processed"] == 3 * 256 and summary["final_loss"] < math.log(2), summary  # learnt
+    saved = load_checkpoint(tmp_path / "ckpt" / final_model)["model"]
+    assert saved["classifier.weight"].shape == (2, 32)
