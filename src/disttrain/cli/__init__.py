@@ -1,5 +1,5 @@
 """The `disttrain` command line: the only module that knows every strategy, parses flags,
-reads the environment or prints. Nothing imports it.
+reads the environment or prints. Only the Python API (`disttrain.api`) imports it.
 
 Building the parser imports every command's module, so those modules import torch and
 the strategies inside `run` and `check`, never at the top: `--help` and `disttrain
