@@ -28,12 +28,12 @@ def runnable_blocks(text: str) -> list[tuple[str | None, str]]:
     return [(match["file"], match["body"]) for match in MARK.finditer(text)]
 
 
-def test_the_readme_marks_a_block_for_every_strategy_and_the_plugin_example():
+def test_the_readme_marks_a_block_for_every_strategy_and_the_plugin_examples():
     blocks = runnable_blocks(README.read_text())
     shell = "\n".join(body for file, body in blocks if file is None)
     for command in ("disttrain baseline", "disttrain ps", "disttrain ddp", "disttrain compare"):
         assert command in shell
-    assert [file for file, _ in blocks if file] == ["my_model.py"]
+    assert [file for file, _ in blocks if file] == ["my_model.py", "hf_gpt2.py"]
     assert README.read_text().count("<!-- runnable") == len(blocks), "a marker without a block after it"
 
 
