@@ -119,6 +119,15 @@ def test_child_failure_is_one_line_with_the_killed_rank_first(tmp_path):
     assert line.endswith("(after 1 restart(s))") and "\n" not in line
 
 
+def test_a_rank_the_agent_stopped_comes_after_the_rank_whose_error_stopped_the_group(tmp_path):
+    error = ChildFailedError("disttrain.torchrun", {
+        0: _failure(tmp_path, 0, 1, "ValueError: a bug at the fourth forward"),
+        1: _failure(tmp_path, 1, -15, None),
+    })
+    assert str(child_failure(error, max_restarts=0)) == \
+        "rank 0 failed with exit code 1: a bug at the fourth forward; rank 1 was killed by SIGTERM"
+
+
 def test_child_config_error_keeps_exit_code_two(tmp_path):
     error = ChildFailedError("disttrain.torchrun", {1: _failure(tmp_path, 1, 2, "ConfigError: bad value")})
     result = child_failure(error, max_restarts=0)

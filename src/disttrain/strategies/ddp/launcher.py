@@ -233,9 +233,10 @@ def _exit_reason(failure) -> str:
 def child_failure(error: ChildFailedError, max_restarts: int
                   ) -> ConfigError | CheckpointStoreError | DistributedError:
     """One line naming every rank that failed in the last attempt, a killed one first
-    (the others usually only lost contact with it); a rank whose checkpoint store failed
-    for good is the cause, named alone with its line."""
-    failures = sorted(error.failures.items(), key=lambda item: (item[1].exitcode >= 0, item[0]))
+    (the others usually only lost contact with it), but a rank the agent stopped itself
+    (SIGTERM, once another had failed) last: the cause comes first; a rank whose
+    checkpoint store failed for good is the cause, named alone with its line."""
+    failures = sorted(error.failures.items(), key=lambda item: (_failure_order(item[1]), item[0]))
     stored = [(rank, f) for rank, f in failures if f.exitcode == CheckpointStoreError.exit_code]
     if stored:
         rank, failure = stored[0]
@@ -253,6 +254,14 @@ def child_failure(error: ChildFailedError, max_restarts: int
         parts.append(f"rank {rank} failed with exit code {failure.exitcode}"
                      + (f": {message}" if message else ""))
     return DistributedError("; ".join(parts) + restarts)
+
+
+def _failure_order(failure) -> int:
+    """0: killed by a signal from outside (a fault); 1: failed with an exit code; 2: stopped
+    by the agent (SIGTERM), which tears the other ranks down once one failed."""
+    if failure.exitcode >= 0:
+        return 1
+    return 2 if failure.signal_name() == "SIGTERM" else 0
 
 
 def _failure_message(failure) -> str:
