@@ -169,3 +169,21 @@ def test_bert_from_transformers_trains_on_padded_rows_with_its_own_loss(tmp_path
     assert summary["samples_processed"] == 3 * 256 and summary["final_loss"] < math.log(2), summary  # learnt
     saved = load_checkpoint(tmp_path / "ckpt" / final_model)["model"]
     assert saved["classifier.weight"].shape == (2, 32)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["baseline", pytest.param("ddp", marks=pytest.mark.extended)])
+def test_gpt2_trains_through_the_python_api(tmp_path, strategy):
+    """`disttrain.fit` with the user's file named as the command line names it, GPT-2 on a
+    text: the run's summary comes back, its perplexity below a uniform guess's."""
+    import disttrain
+
+    model_file = tmp_path / "hf_models.py"
+    model_file.write_text(HF_MODELS_SOURCE)
+    text = write_text(tmp_path)
+    summary = disttrain.fit(f"{model_file}:gpt2", f"text:{text}", strategy=strategy, workers=2, epochs=1,
+                            seq_len=SEQ_LEN, batch_size=16, num_threads=1, learning_rate=0.01,
+                            log_dir=tmp_path / "logs", checkpoint_dir=tmp_path / "ckpt")
+    assert summary.strategy == strategy and summary.extra["task"] == "language-model"
+    assert 1 < summary.extra["final_perplexity"] < UNTRAINED_PERPLEXITY
