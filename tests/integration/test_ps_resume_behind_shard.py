@@ -31,13 +31,18 @@ def cut_after(folder, step):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.extended)])
-def test_a_worker_checkpoint_ahead_of_its_shard_resumes_from_one_the_shard_holds(tmp_path, cli, mode):
+@pytest.mark.parametrize("mode, shard_step", [("sync", 5), ("sync", 0),
+                                              pytest.param("async", 5, marks=pytest.mark.extended)],
+                         ids=["sync", "sync-shard-at-start", "async"])
+def test_a_worker_checkpoint_ahead_of_its_shard_resumes_from_one_the_shard_holds(tmp_path, cli, mode,
+                                                                                  shard_step):
+    """With the shard back at step 0 (its step-5 save was cut too), no worker checkpoint
+    fits: both workers start from the beginning, and the run still applies each sample once."""
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
     folders = ["--aggregation-mode", mode, "--checkpoint-dir", ckpt, "--log-dir", logs]
     first = cli("ps", *ARGS, *folders, timeout=120)
     assert first.returncode == 0, first.stderr[-3000:]
-    cut_after(ckpt / "server0", 5)
+    cut_after(ckpt / "server0", shard_step)
     cut_after(ckpt / "worker1", 5)
     cut_after(ckpt / "worker0", 10)
 
@@ -48,5 +53,7 @@ def test_a_worker_checkpoint_ahead_of_its_shard_resumes_from_one_the_shard_holds
     worker0 = (logs / "worker0.log").read_text()
     assert "checkpoint_step00000010.pt does not fit the run: its last push" in worker0
     assert "checkpoint_step00000010.pt (epoch" not in worker0  # never resumed from there
-    if mode == "sync":  # each sync step is one version: the shard's step 5 holds both workers' 5 steps
-        assert "checkpoint_step00000005.pt (epoch 0, step 5)" in worker0
+    if mode == "sync" and shard_step == 5:  # each sync step is one version: the shard holds 5 steps of both
+        assert "checkpoint_step00000005.pt (epoch 0, step 5)" in worker0 and summary["resumed_from_step"] == 5
+    if shard_step == 0:
+        assert "no checkpoint in" in worker0 and summary["resumed_from_step"] is None
