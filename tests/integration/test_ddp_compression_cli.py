@@ -106,6 +106,9 @@ LOCAL_UPDATES = ["--sync-every", 4, "--outer-optimizer", "nesterov", "--outer-lr
     # DDP's buckets come in does not matter.
     pytest.param("quantization", ["--stochastic-rounding", "--set", "ddp.bucket_cap_mb=0.05"],
                  marks=VARIANT),
+    # The two-phase int8 all-reduce: both roundings' residuals, kept per parameter, resume.
+    pytest.param("quantization", ["--set", "compression.ddp_collective=two_phase"],
+                 id="quantization-two-phase", marks=VARIANT),
     # Local updates in rounds of 4 steps (8 per epoch): the checkpoint at step 3 and the kill
     # at step 5 fall inside rounds; every rank's AdamW state and model differ there.
     pytest.param("topk", [*FEATURES, *LOCAL_UPDATES], id="topk-local-updates", marks=pytest.mark.slow),

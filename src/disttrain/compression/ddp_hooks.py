@@ -6,6 +6,9 @@
   `Compressor.blocks`), and all-gathers the payloads; every rank decodes every payload
   and averages them in rank order, so all ranks hold the same bits. (A sum of compressed
   payloads means nothing, hence all-gather rather than all-reduce.)
+- `quantization` with `compression.ddp_collective: two_phase`: a two-phase int8 all-reduce
+  (`two_phase`: an all-to-all of chunks, each averaged by its owner, an all-gather of the
+  means), whose bytes per rank stay flat as ranks are added.
 - `fp16`, `bf16`: PyTorch's half-precision all-reduce hooks.
 - `powersgd`: PyTorch's `powerSGD_hook`, its state kept by parameter (`powersgd`); on a
   bucket in host memory, without the CUDA synchronize it makes wherever CUDA is available.
@@ -32,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, fp16_compress_hook
 
+from disttrain.compression import two_phase
 from disttrain.compression.compressor import Compressor, Counters
 from disttrain.compression.powersgd import PowerSGDBuckets, powersgd_hook_for
 from disttrain.config import CompressionConfig
@@ -301,6 +305,106 @@ class PowerSGDHook(CompressionHook):
         self.buckets.load_state_dict(state)
 
 
+class TwoPhaseHook(CompressionHook):
+    """quantization as a two-phase all-reduce (`compression.ddp_collective: two_phase`; the
+    arithmetic in `two_phase`): each rank's error-corrected bucket cut into a chunk per
+    rank and quantized to int8, an all-to-all of the chunks, each chunk's owner averaging
+    its n copies in float32 and quantizing the mean again, an all-gather of the means.
+    Bytes per rank stay flat as ranks are added; every rank holds the same average bits.
+
+    Both roundings are fed back (`error_feedback`): phase 1's by every rank, phase 2's by
+    the chunk's owner, each kept per parameter, so residuals follow parameters whatever
+    buckets DDP cuts, as the all-gather hook's do (an element whose chunk changes owner
+    when DDP rebuilds its buckets leaves its phase-2 residual behind, once). The
+    collectives run inside the hook, one bucket at a time, in the same order on every
+    rank: no bucket's communication overlaps the backward pass yet.
+    """
+
+    def __init__(self, names: Mapping[int, str], error_feedback: bool):
+        super().__init__("quantization", names)
+        self.error_feedback = error_feedback
+        self.residuals: dict[str, torch.Tensor] = {}  # parameter name -> phase 1's error
+        # parameter name -> phase 2's error, where this rank owned the chunk (zero elsewhere)
+        self.owner_residuals: dict[str, torch.Tensor] = {}
+
+    def hook(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+        started = time.perf_counter()
+        buffer = bucket.buffer()
+        world_size = dist.get_world_size()
+        # Laid out by parameter name, not in the bucket's order, which DDP changes when it
+        # rebuilds its buckets after the first step (a resumed run's first step has the
+        # initial order): the chunks, their scales and their owners are those of an
+        # uninterrupted run.
+        gradients = sorted(self.gradients(bucket), key=lambda named: named[0])
+        flat = torch.cat([gradient.detach().reshape(-1).to(torch.float32) for _, gradient in gradients]) \
+            if gradients else torch.zeros(0)
+        if self.error_feedback:
+            flat += self._flat(self.residuals, gradients, flat.numel())
+        codes, scales = two_phase.quantize_chunks(flat, world_size)
+        if self.error_feedback:
+            sent = two_phase.dequantize_rows(codes, scales).reshape(-1)[:flat.numel()]
+            self._keep(self.residuals, flat - sent, gradients)
+        received, received_scales = torch.empty_like(codes), torch.empty_like(scales)
+        dist.all_to_all_single(received.view(-1), codes.view(-1))  # row r: rank r's chunk of mine
+        dist.all_to_all_single(received_scales, scales)
+        mean = two_phase.mean_of_chunks(received, received_scales)  # of the chunk this rank owns
+        owned = slice(dist.get_rank() * mean.numel(), (dist.get_rank() + 1) * mean.numel())
+        if self.error_feedback:  # phase 2's rounding, fed back by the chunk's owner
+            kept = self._flat(self.owner_residuals, gradients, codes.numel())
+            mean += kept[owned]
+        own_codes, own_scale = two_phase.quantize_rows(mean[None])
+        if self.error_feedback:
+            kept[owned] = mean - two_phase.dequantize_rows(own_codes, own_scale)[0]
+            self._keep(self.owner_residuals, kept[:flat.numel()], gradients)
+        means = [torch.empty_like(own_codes[0]) for _ in range(world_size)]
+        mean_scales = [torch.empty_like(own_scale) for _ in range(world_size)]
+        dist.all_gather(means, own_codes[0])
+        dist.all_gather(mean_scales, own_scale)
+        average = two_phase.dequantize_rows(torch.stack(means), torch.cat(mean_scales)).reshape(-1)
+        offset = 0
+        for _, gradient in gradients:  # views into the bucket's buffer
+            gradient.copy_(average[offset:offset + gradient.numel()].view_as(gradient))
+            offset += gradient.numel()
+        # What this rank hands to the collectives: every chunk and its scale, then its mean.
+        self.stats.record(buffer.numel() * buffer.element_size(),
+                          codes.numel() + 4 * world_size + own_codes.numel() + 4, 0,
+                          time.perf_counter() - started)
+        done: Future[torch.Tensor] = Future()
+        done.set_result(buffer)
+        return done
+
+    @staticmethod
+    def _flat(kept: dict[str, torch.Tensor], gradients: list[tuple[str, torch.Tensor]], numel: int
+              ) -> torch.Tensor:
+        """The residuals of the bucket's parameters laid out as the bucket, zero-padded to
+        `numel` (zeros for a parameter without one yet)."""
+        flat, offset = torch.zeros(numel, dtype=torch.float32), 0
+        for name, gradient in gradients:
+            if name in kept:
+                flat[offset:offset + gradient.numel()] = kept[name].reshape(-1)
+            offset += gradient.numel()
+        return flat.to(gradients[0][1].device) if gradients else flat
+
+    @staticmethod
+    def _keep(kept: dict[str, torch.Tensor], flat: torch.Tensor, gradients: list[tuple[str, torch.Tensor]]
+              ) -> None:
+        offset = 0
+        for name, gradient in gradients:
+            kept[name] = flat[offset:offset + gradient.numel()].reshape(gradient.shape).cpu()
+            offset += gradient.numel()
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        return {**{f"residual/{name}": value for name, value in self.residuals.items()},
+                **{f"owned/{name}": value for name, value in self.owner_residuals.items()}}
+
+    def _load(self, state: dict[str, torch.Tensor]) -> None:
+        def kept(prefix: str) -> dict[str, torch.Tensor]:
+            return {name[len(prefix):]: value.float() for name, value in state.items()
+                    if name.startswith(prefix)}
+
+        self.residuals, self.owner_residuals = kept("residual/"), kept("owned/")
+
+
 def build_ddp_hook(section: CompressionConfig, named_parameters: Iterable[tuple[str, nn.Parameter]],
                    seed: int, rank_seed: int) -> CompressionHook:
     """The hook and state of `section.type`.
@@ -313,6 +417,8 @@ def build_ddp_hook(section: CompressionConfig, named_parameters: Iterable[tuple[
         ValueError: an unknown compression type.
     """
     names = {id(parameter): name for name, parameter in named_parameters}
+    if section.type == "quantization" and section.ddp_collective == "two_phase":
+        return TwoPhaseHook(names, section.error_feedback)
     if section.type in ("quantization", "topk"):
         return GatherHook(Compressor.from_config(section, rank_seed), names)
     if section.type in HalfPrecisionHook.HOOKS:

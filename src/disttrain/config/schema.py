@@ -258,6 +258,11 @@ class CompressionConfig:
     stochastic_rounding: bool = False
     # powersgd (DDP): rank of the low-rank approximation of each gradient matrix.
     powersgd_rank: int = field(default=2, metadata=POSITIVE)
+    # quantization (DDP): how the ranks' int8 payloads are combined. gather: every rank
+    # receives every payload ((n - 1) x the payload); two_phase: chunks all-to-all, each
+    # averaged by its owner, the means all-gathered (about 2x the payload, whatever n;
+    # rounds to nearest, no stochastic rounding).
+    ddp_collective: str = field(default="gather", metadata=_choice(("gather", "two_phase")))
     # -- pull compression (parameter server, sync mode): the shards answer a step with the
     # compressed change of their broadcast copy, which every worker holds exactly.
     # none: dense parameters; topk, quantization, fp16 or bf16 (independent of `enabled`).
@@ -266,6 +271,13 @@ class CompressionConfig:
     pull_ratio: float = field(default=0.01, metadata=_rule(lambda v: 0 < v <= 1, "must be in (0, 1]"))
     # Every this many versions the broadcast copy is reset to the parameters and sent dense.
     pull_dense_every: int = field(default=100, metadata=POSITIVE)
+
+    def cross_problems(self, name: Callable[[str], str]) -> list[str]:
+        """Problems between keys; `name(key)` is the key as the user spelled it."""
+        if self.ddp_collective == "two_phase" and self.stochastic_rounding:
+            return [f"{name('stochastic_rounding')}: the two-phase collective "
+                    f"({name('ddp_collective')}: two_phase) rounds to nearest; turn one of them off"]
+        return []
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,10 @@ RULES: tuple[Rule, ...] = (
     Rule("compression.stochastic_rounding", _when(
         lambda c, s: c.compression.type != "quantization",
         lambda c: f"only quantization rounds (compression.type is {c.compression.type})")),
+    Rule("compression.ddp_collective", _when(
+        lambda c, s: s != "ddp" or c.compression.type != "quantization",
+        lambda c: "only DDP's quantization combines payloads by a collective of its choice "
+                  f"(compression.type is {c.compression.type})")),
     Rule("compression.powersgd_rank", _when(
         lambda c, s: c.compression.type != "powersgd",
         lambda c: f"only powersgd approximates by rank (compression.type is {c.compression.type})")),
