@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from dataclasses import replace
 
 import pytest
 import torch
@@ -178,7 +179,9 @@ def test_items_that_cannot_be_batched_are_the_data_sets_line(files):
 
 
 def test_check_config_where_the_data_set_is_not_tries_no_step_and_says_so(tmp_path):
-    config = TrainingConfig(dataset="mnist", data_dir=str(tmp_path), download=False)
+    config = TrainingConfig(dataset="mnist", data_dir=str(tmp_path / "data"), download=True)
     assert dry_run_step(config) == "no step tried: mnist cannot be read on this machine"
+    assert list(tmp_path.iterdir()) == []  # nothing downloaded, no folder made
+    config = replace(config, download=False)
     with pytest.raises(DataError):  # the run itself stops on it, as before
         check_first_step(config)

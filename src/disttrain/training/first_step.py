@@ -15,6 +15,7 @@ what the data set gives, and the user's file and line where the error is in thei
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -80,15 +81,16 @@ def check_first_step(training: TrainingConfig) -> str:
 
 
 def dry_run_step(training: TrainingConfig) -> str:
-    """`check_first_step` for `--check-config`, which may run where the data set is not
-    (a launching machine, a container built without it): then no step is tried, and the
-    phrase says so; the run itself stops on the missing data as before.
+    """`check_first_step` for `--check-config`, which writes nothing and may run where
+    the data set is not (a launching machine, a container built without it): nothing is
+    downloaded, and where the data cannot be read no step is tried and the phrase says
+    so; the run itself stops on the missing data as before.
 
     Raises:
         ConfigError: as `check_first_step`.
     """
     try:
-        return check_first_step(training)
+        return check_first_step(replace(training, download=False))
     except DataError:
         return f"no step tried: {training.dataset} cannot be read on this machine"
 
