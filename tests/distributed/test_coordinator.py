@@ -209,10 +209,13 @@ def test_the_sender_registers_again_with_a_coordinator_that_lost_its_registry(tm
     sender.start()
     first.stop(0)
     second = CoordinatorServer(CONFIG, first.address, tmp_path / "two.db")  # same port, empty registry
-    # A fresh channel to watch with: the sender's own channel may still be in gRPC's
-    # reconnect backoff from the stop (its beats retry at each interval until through).
+    # Another client to watch with. gRPC shares one connection per address between a
+    # process's channels, so it may still be in the reconnect backoff of the stop
+    # ("Connection refused", CI), as the sender's beats are: it waits until the channel is
+    # connected again, as the sender retries its beats at each interval until through.
     watcher = CoordinatorClient(second.address, timeout_s=1.0)
     try:
+        grpc.channel_ready_future(watcher.channel).result(timeout=30.0)
         member = wait_for_state(watcher, "worker-0", "alive", timeout_s=30.0)
         assert member.rank == 2
     finally:
