@@ -5,14 +5,14 @@ final model held against it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
 
 from disttrain.config import Config, load_config
 from disttrain.core.checkpoint import load_checkpoint
-from disttrain.data import ArrayDataset, load_datasets
+from disttrain.data import ArrayDataset, ShardedSampler, load_datasets
 from disttrain.training.engine import build_optimizer, forward_backward, task_loss
 from disttrain.training.models import init_model
 from disttrain.training.stepping import OptimizerStep
@@ -41,6 +41,15 @@ def assert_matches_one_process(tmp_path: Path,
     for name, expected in model.state_dict().items():
         torch.testing.assert_close(final[name], expected, rtol=0, atol=1e-5, msg=name)
     return config
+
+
+def concatenated(config: Config, train_set: ArrayDataset) -> Iterator[torch.Tensor]:
+    """Both workers' (or ranks') batches of each step, concatenated: what one process steps
+    on to match a 2-worker synchronous run."""
+    samplers = [ShardedSampler(len(train_set), world_size=2, rank=r, seed=config.training.seed)
+                for r in range(2)]
+    for batches in zip(*(s.batches(config.training.batch_size) for s in samplers), strict=True):
+        yield torch.cat(batches)
 
 
 def per_worker_reference(config: Config, train_set: ArrayDataset, steps: Iterable[list[torch.Tensor]],

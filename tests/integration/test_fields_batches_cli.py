@@ -9,12 +9,10 @@ before any process starts."""
 import json
 
 import pytest
-import torch
 from fields_plugin import write_fields_plugin
-from ps_reference import assert_matches_one_process
+from ps_reference import assert_matches_one_process, concatenated
 
 from disttrain.core.checkpoint import load_checkpoint
-from disttrain.data import ShardedSampler
 
 BASE = ["--optimizer", "sgd", "--set", "training.momentum=0", "--learning-rate", "0.1", "--batch-size", "16",
         "--num-epochs", "1", "--num-threads", "1", "--set", "training.collate_fn=pad"]
@@ -24,14 +22,6 @@ def fields(tmp_path, *extra):
     plugin = write_fields_plugin(tmp_path)
     return ["--model", f"{plugin}:model", "--dataset", f"{plugin}:data", *BASE, *extra,
             "--log-dir", tmp_path / "logs", "--checkpoint-dir", tmp_path / "ckpt"]
-
-
-def concatenated(config, train_set):
-    """Both ranks' batches of each step, concatenated."""
-    samplers = [ShardedSampler(len(train_set), world_size=2, rank=r, seed=config.training.seed)
-                for r in range(2)]
-    for batches in zip(*(s.batches(config.training.batch_size) for s in samplers), strict=True):
-        yield torch.cat(batches)
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from ps_reference import assert_matches_one_process
+from ps_reference import assert_matches_one_process, concatenated
 
 from disttrain.config import load_config
 from disttrain.core.checkpoint import load_checkpoint
@@ -47,14 +47,6 @@ EXACT_ARGS = [
     "--num-epochs",
     "1",
 ]
-
-
-def concatenated(config, train_set):
-    """Both workers' batches of each step, concatenated."""
-    samplers = [ShardedSampler(len(train_set), world_size=2, rank=r, seed=config.training.seed)
-                for r in range(2)]
-    for batches in zip(*(s.batches(config.training.batch_size) for s in samplers), strict=True):
-        yield torch.cat(batches)
 
 
 @pytest.mark.slow
