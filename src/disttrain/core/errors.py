@@ -67,6 +67,15 @@ class CheckpointStoreError(DisttrainError):
     recoverable = False
 
 
+class Preempted(DisttrainError):
+    """The process was asked to stop (SIGTERM: a scheduler's preemption, a spot machine
+    reclaimed) and stopped at a step's end with a checkpoint of that step. Nothing is lost:
+    the same command with `--resume` goes on from there. Exit code 143, as a shell reports a
+    process ended by SIGTERM."""
+
+    exit_code = 143
+
+
 class TrainingError(DisttrainError):
     """Training cannot go on as configured (e.g. it diverged). Not recoverable by a
     restart: change the config."""

@@ -52,6 +52,7 @@ CHECKPOINT_ROLES = ("worker", "server", "rank")  # the processes that write chec
 # action -> (keys it requires, roles it applies to)
 ACTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "kill": (("step",), ROLES),
+    "term": (("step",), TRAINING_ROLES),
     "stop": (("step", "for"), ROLES),
     "drop-rpc": (("step",), ("worker",)),
     "slow": (("factor",), TRAINING_ROLES),
@@ -65,7 +66,8 @@ ACTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # action -> (keys it may take besides `attempt`)
 OPTIONAL: dict[str, tuple[str, ...]] = {"slow": ("step", "until"), "slow-link": ("step", "until")}
 KEY_FIELDS = {"step": "step", "for": "seconds", "factor": "factor", "attempt": "attempt", "until": "until"}
-FORMS = ("kill:worker=1:step=30, stop:worker=0:step=10:for=5s, kill:server=0:step=40, "
+FORMS = ("kill:worker=1:step=30, term:worker=0:step=5, stop:worker=0:step=10:for=5s, "
+         "kill:server=0:step=40, "
          "kill:coordinator:step=20, drop-rpc:worker=1:step=15, slow:worker=1:factor=3[:step=N][:until=M], "
          "slow-eval:rank=0:for=2s, delay-rpc:worker=1:step=15:for=3s, partition:server=1:step=40:for=5s, "
          "slow-link:worker=0:for=20ms[:step=N][:until=M], store-error:server=0:step=40:for=10s, "
@@ -77,8 +79,8 @@ class Fault:
     """One fault to inject.
 
     Attributes:
-        action: kill, stop, drop-rpc, slow, slow-eval, delay-rpc, partition, slow-link,
-            store-error or crash-checkpoint.
+        action: kill, term (SIGTERM, as a preemption), stop, drop-rpc, slow, slow-eval,
+            delay-rpc, partition, slow-link, store-error or crash-checkpoint.
         step: the step (a server's version) at which the fault fires; the step from
             which slow and slow-link slow (0: from the start).
         seconds: how long stop, partition and store-error last; how much slow-eval adds to

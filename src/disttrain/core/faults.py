@@ -137,9 +137,12 @@ class FaultInjector:
                 failpoints.fail_checkpoints(fault.seconds)
             else:
                 failpoints.die_in_next_checkpoint()
-        for fault in self._due(step, ("kill", "stop")):
+        for fault in self._due(step, ("kill", "stop", "term")):
             if fault.action == "kill":
                 self._kill(step)
+            elif fault.action == "term":
+                logger.warning("injected fault: SIGTERM at step %d", step)
+                os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler preempting the process would
             else:
                 self._stop(step, fault.seconds)
         # Time spent in here (slowed, stopped) belongs to this step, not the next one.

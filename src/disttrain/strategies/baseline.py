@@ -6,7 +6,11 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +50,21 @@ __all__ = ["STRATEGY"]
 logger = logging.getLogger(__name__)
 
 FINAL_MODEL = "baseline_final.pt"
+
+
+@contextmanager
+def stop_on_sigterm(stop: threading.Event | None) -> Iterator[None]:
+    """Within the block, SIGTERM (a scheduler's preemption) sets `stop` instead of ending
+    the process: the loop stops at the step's end with a checkpoint (`Preempted`). Only
+    where signals can be handled (the main thread); elsewhere SIGTERM keeps its default."""
+    if stop is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class BaselineParticipant:
@@ -121,8 +140,10 @@ class Baseline:
                             LocalCheckpoints(checkpoint_dir, system.checkpoint_keep), log_dir / self.name,
                             FaultInjector(options.faults, "worker", 0),
                             lambda total, done: Progress(total, "train", initial=done),
-                            config_path=log_dir / "config.yaml", loader=loader)
-        result = loop.run(options.resume)
+                            config_path=log_dir / "config.yaml", loader=loader,
+                            stop_requested=threading.Event())
+        with stop_on_sigterm(loop.stop_requested):
+            result = loop.run(options.resume)
         ckpt.save_final_model(object_store.join(checkpoint_dir, FINAL_MODEL), model.state_dict(), config)
         summary = RunSummary.create(
             strategy=self.name, config=config, final_accuracy=result.evaluation.accuracy,

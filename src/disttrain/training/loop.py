@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ import torch
 from disttrain.config import TrainingConfig
 from disttrain.config.schema import write_config
 from disttrain.core import checkpoint as ckpt
-from disttrain.core.errors import CheckpointError
+from disttrain.core.errors import CheckpointError, Preempted
 from disttrain.core.faults import FaultInjector
 from disttrain.data import LANGUAGE_MODEL, PlannedSampler, ShardedSampler, describe_dataset
 from disttrain.metrics.logger import MetricsLogger, read_metrics
@@ -139,6 +140,9 @@ class TrainingLoop:
     rebalancer: Rebalancer | None = None
     on_metrics: Callable[[int, int, Mapping[str, float]], None] | None = None
     loader: PrefetchedBatches | None = None
+    # Set (by a SIGTERM handler) to stop at the next step's end with a checkpoint of that
+    # step (`Preempted`); a step that ends an epoch stops after its evaluation and checkpoint.
+    stop_requested: threading.Event | None = None
     position: Position = field(default_factory=Position)
     clock: TrainClock = field(default_factory=TrainClock)
 
@@ -192,11 +196,15 @@ class TrainingLoop:
                     else:
                         save_after_evaluation = True
                 self.faults.at_step(position.step, train_time_s=self.clock.elapsed(), waited_s=blocked_s)
+                if not sampler.exhausted:
+                    self._stop_if_asked(metrics, saved=position.step % s.checkpoint_interval == 0)
             evaluation = self._evaluate(metrics, epoch, evaluations)
             position.epoch = epoch + 1
             sampler.set_epoch(epoch + 1)
             if save_after_evaluation:
                 self._save(metrics)
+            if epoch + 1 < s.num_epochs:
+                self._stop_if_asked(metrics, saved=save_after_evaluation)
         self.clock.stop()
         display.close()
         if self.loader is not None:
@@ -251,6 +259,21 @@ class TrainingLoop:
             logger.info("epoch %d: test accuracy %.4f, test loss %.4f (%.2fs)", epoch, result.accuracy,
                         result.loss, seconds)
         return result
+
+    def _stop_if_asked(self, metrics: MetricsLogger, saved: bool) -> None:
+        """Stop here, with a checkpoint of this step (`saved`: already written), when asked.
+
+        Raises:
+            Preempted: asked to stop (the process's exit says so, code 143).
+        """
+        if self.stop_requested is None or not self.stop_requested.is_set():
+            return
+        if not saved:
+            self._save(metrics)
+        metrics.close()
+        step = self.position.step
+        raise Preempted(f"stopped by SIGTERM after step {step}, with its checkpoint "
+                        f"({ckpt.checkpoint_name(step)}); run the same command with --resume to go on")
 
     def _save(self, metrics: MetricsLogger) -> None:
         with self.clock.paused():
