@@ -30,9 +30,8 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import parse_args, report  # noqa: E402
 
-from disttrain.compression.ddp_hooks import build_ddp_hook, run_hook  # noqa: E402
 from disttrain.config import CompressionConfig  # noqa: E402
-from disttrain.strategies.ddp.comm_hooks import CommStats, register_comm_hook  # noqa: E402
+from disttrain.strategies.ddp import CommStats, build_ddp_hook, register_comm_hook, run_hook  # noqa: E402
 
 COLLECTIVES = ("dense", "gather", "two_phase")
 

@@ -9,6 +9,10 @@ and `rng` (checkpoints that resume exactly), `reduce` (figures over all ranks),
 re-form without restarting, a restarted rank rejoins; the launcher starts the ranks itself).
 """
 
+from disttrain.compression.ddp_hooks import build_ddp_hook, run_hook
+from disttrain.strategies.ddp.comm_hooks import CommStats, register_comm_hook
 from disttrain.strategies.ddp.launcher import STRATEGY
 
-__all__ = ["STRATEGY"]
+# With the strategy, what puts a compression hook on a DDP model of one's own (a benchmark
+# of the collectives): the hook of a `compression` section, and its registration.
+__all__ = ["STRATEGY", "CommStats", "build_ddp_hook", "register_comm_hook", "run_hook"]
