@@ -69,6 +69,9 @@ COMMON_FLAGS: dict[str, tuple[str, Any, str]] = {
     FLAGS.log_dir: ("system.log_dir", str, "where metrics, TensorBoard events, summary go"),
     "--checkpoint-interval": ("training.checkpoint_interval", int, "checkpoint every N steps"),
     "--num-threads": ("system.num_threads", int, "torch threads per process (0 = auto)"),
+    "--preemption-grace": ("system.preemption_grace_s", float, "seconds a run preempted by SIGTERM "
+                           "has to stop at a step its processes agree on, with that step's checkpoint, "
+                           "before they are killed"),
 }
 
 

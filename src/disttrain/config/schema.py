@@ -206,6 +206,9 @@ class SystemConfig:
     # Seconds a failing checkpoint store (unreachable, full) is retried, with back-off,
     # before the run stops with one line saying how to --resume; 0: no retry.
     checkpoint_retry_s: float = field(default=60.0, metadata=NON_NEGATIVE)
+    # Seconds a preempted run (SIGTERM) has to stop at a step its processes agree on, with
+    # that step's checkpoint, before they are killed (a second SIGTERM kills them at once).
+    preemption_grace_s: float = field(default=30.0, metadata=POSITIVE)
     num_threads: int = field(default=0, metadata=_rule(lambda v: v >= 0, "must be >= 0 (0 = auto)"))
     balance: str = field(default="none", metadata=_choice(BALANCES))
     balance_margin: float = field(default=0.2, metadata=_rule(lambda v: 0 < v < 1, "must be in (0, 1)"))

@@ -86,6 +86,8 @@ RULES: tuple[Rule, ...] = (
     Rule("coordinator.*", _when(lambda c, s: s == BASELINE, "the baseline runs without a coordinator")),
     Rule("compression.*", _when(lambda c, s: s == BASELINE, "the baseline sends no gradients to compress")),
     Rule("system.num_workers", _when(lambda c, s: s == BASELINE, "the baseline trains in one process")),
+    Rule("system.preemption_grace_s", _when(lambda c, s: s == BASELINE, "the baseline's one process "
+                                            "stops at the step's end, with no peers to wait for")),
     Rule("system.balance*", _when(lambda c, s: s == BASELINE,
                                   "the baseline's one process takes every batch")),
     Rule("compression.*", _when(lambda c, s: not c.compression.enabled, "compression.enabled is false"),
