@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -40,6 +39,15 @@ from disttrain.training.strategy import CheckpointStore, Participant, StepInfo
 logger = logging.getLogger(__name__)
 
 LOOP_KEYS = ("strategy", "position", "sampler", "rng")
+
+
+class StopRequest(Protocol):
+    """Whether to stop now (a `threading.Event` a SIGTERM handler sets, or an agreement of
+    every process's flag). Asked at the same points on every process of a run, once each:
+    every step's end but an epoch's last, and every epoch's end but the run's last; so an
+    agreement may be a collective."""
+
+    def is_set(self) -> bool: ...
 
 
 class ProgressDisplay(Protocol):
@@ -142,7 +150,7 @@ class TrainingLoop:
     loader: PrefetchedBatches | None = None
     # Set (by a SIGTERM handler) to stop at the next step's end with a checkpoint of that
     # step (`Preempted`); a step that ends an epoch stops after its evaluation and checkpoint.
-    stop_requested: threading.Event | None = None
+    stop_requested: StopRequest | None = None
     position: Position = field(default_factory=Position)
     clock: TrainClock = field(default_factory=TrainClock)
 
