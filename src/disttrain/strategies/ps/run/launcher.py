@@ -17,7 +17,9 @@ when every worker is done; the launcher adds each failure and its recovery. Ever
 server refuses calls without the run's token (the user's, else a random one per run):
 the servers and the coordinator get it through their environment, each worker only its
 own node token, so it can call only in its own name; with TLS files, every process serves
-and connects with the same ones. Each child is described by a `ProcessSpec`.
+and connects with the same ones. Each child is described by a `ProcessSpec`. SIGTERM to the
+launcher, or to one worker, preempts the run as a whole: every process stops with a
+checkpoint, the workers at one step, and the launcher exits 143 (`run.preemption`).
 """
 
 from __future__ import annotations
@@ -34,12 +36,19 @@ from disttrain.coordinator.supervisor import Managed, Supervisor
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
 from disttrain.core.auth import new_token
-from disttrain.core.errors import CheckpointStoreError, ConfigError, DistributedError, store_failure
+from disttrain.core.errors import (
+    CheckpointStoreError,
+    ConfigError,
+    DistributedError,
+    Preempted,
+    store_failure,
+)
 from disttrain.core.process_spec import ProcessSpec
 from disttrain.core.processes import Cluster, raise_on_sigterm
 from disttrain.core.store_check import check_checkpoint_dir
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
 from disttrain.strategies.ps.run.layout import run_layout
+from disttrain.strategies.ps.run.preemption import preempted, preemption, sigterm_preempts, stop_in_order
 from disttrain.strategies.ps.run.progress import ClusterWatch
 from disttrain.strategies.ps.run.recovery import recovery_summary
 from disttrain.strategies.ps.wire.sharding import log_plan, plan_shards
@@ -66,6 +75,8 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
         ConfigError, DataError, CheckpointError, TrainingError: a process failed with a
             user's error, or with the same unexpected error on a fresh start (not restarted).
         CheckpointStoreError: a process's checkpoint store failed for good (its line, named).
+        Preempted: the launcher or a worker was sent SIGTERM; the run stopped with
+            checkpoints (see `run.preemption`).
     """
     started = time.perf_counter()
     preflight(config, options)
@@ -78,6 +89,7 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
     # environment (a command line is readable by every user), restarted ones too.
     options = replace(options, token=options.token or new_token())
     with Cluster(log_dir, env_of=token_env(options.token)) as cluster:
+        sigterm_preempts(cluster)  # the whole run stops at a step, with checkpoints (`run.preemption`)
         run = ClusterRun(cluster, config, options, log_dir / "config.yaml")
         run.start(registry)
         run.supervise()
@@ -259,6 +271,10 @@ class ClusterRun:
                 logger.warning("%s still running %.0fs after the workers finished; stopping them",
                                ", ".join(sorted(running)), SHUTDOWN_TIMEOUT_S)
                 break
+            reason = preemption(event) if deadline is None else None
+            if reason is not None:
+                watch.close()
+                raise self.preempt(reason)
             if event.kind == "node-failed":
                 fields = event.fields
                 self.supervisor.declared_failed(str(fields["node"]), str(fields.get("reason")),
@@ -281,3 +297,12 @@ class ClusterRun:
         watch.close()
         if self.exits is not None:
             self.exits.close()  # the registry ends with every exit (the coordinator may be restarting)
+
+    def preempt(self, reason: str) -> Preempted:
+        """Stop the workers, then the shards, then the coordinator, each with a checkpoint
+        where it keeps one; the error to exit with (`Preempted`: see `run.preemption`)."""
+        names = list(self.supervisor.processes)
+        groups = [[n for n in names if n.startswith(role)] for role in ("worker", "server", "coordinator")]
+        stop_in_order(self.cluster, groups, self.config.system.preemption_grace_s, reason)
+        return preempted(self.config.system.checkpoint_dir, groups[0] + groups[1])
+

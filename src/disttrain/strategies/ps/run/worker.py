@@ -7,6 +7,8 @@ the servers answer the steps they already applied as duplicates, so each step is
 once. Its key (see `server.identity`) is kept in that folder too, so a restart presents
 it again and takes its worker id back. `checkpoint_dir` may be a store's URL
 (`s3://bucket/run`; see `core.object_store`): the folder is then a key prefix there.
+In sync mode SIGTERM stops it, with the other workers, at a step they agree on, with its
+checkpoint of that step (`worker.preemption`); exit code 143.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,6 +43,7 @@ from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
 from disttrain.strategies.ps.worker.exchange import make_exchange
 from disttrain.strategies.ps.worker.local_rounds import WorkerRounds
 from disttrain.strategies.ps.worker.participant import WorkerParticipant
+from disttrain.strategies.ps.worker.preemption import PreemptionAgreement, sigterm_agrees_stop
 from disttrain.strategies.ps.worker.takeover import Away
 from disttrain.training.balance import warmup_speed
 from disttrain.training.checkpoints import LocalCheckpoints
@@ -168,8 +172,11 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
         loop = TrainingLoop(LoopSettings.of(training, config.to_dict()), participant, sampler, checkpoints,
                             Path(system.log_dir) / f"worker{rank}", faults,
                             lambda total, done: EventProgress(rank, total, done), announce=rank == 0,
-                            rebalancer=rebalancer, on_metrics=metrics.publish, loader=loader)
-        result = loop.run(options.resume)
+                            rebalancer=rebalancer, on_metrics=metrics.publish, loader=loader,
+                            stop_requested=preemption_agreement(config, assignment.aggregation_mode, client,
+                                                                worker_id, lambda: loop.position.step))
+        with sigterm_agrees_stop(loop.stop_requested):
+            result = loop.run(options.resume)
         summary = finish(config, client, participant, result, flat, started)
         if link is not None:
             link, leaving = None, link
@@ -179,6 +186,19 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
         if link is not None:
             link.close()
         client.close()
+
+
+def preemption_agreement(config: Config, mode: str, client: PSClient, worker_id: str,
+                         current_step: Callable[[], int]) -> PreemptionAgreement | None:
+    """How a synchronous worker stops on SIGTERM: at a step every worker agrees on, at a
+    barrier on shard 0 named by its incarnation (one per launch: a resumed run's shard
+    keeps the barriers of earlier ones). None in async and SSP mode, where SIGTERM keeps
+    its default (their workers wait for no peer's push; the shards' ledgers redo nothing)."""
+    if mode != "sync":
+        return None
+    name = f"preempt@{client.shards[0].incarnation}"
+    return PreemptionAgreement(lambda step: client.barrier(worker_id, name, [float(step)]), current_step,
+                               config.system.preemption_grace_s)
 
 
 def balance_sampler(system: SystemConfig, training: TrainingConfig, client: PSClient, worker_id: str,
