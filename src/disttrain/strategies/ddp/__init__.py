@@ -5,14 +5,18 @@ Modules: `launcher` (checks, elastic agent: `STRATEGY`), `runtime` (backend, dev
 process group), `rank` (a rank's participant in the training loop), `comm_hooks` (the one
 place DDP communication hooks are registered), `precision` (bf16/fp16 on CUDA), `store`
 and `rng` (checkpoints that resume exactly), `reduce` (figures over all ranks),
-`endpoint` (the rendezvous check); `live/` (live recovery, `ddp.recovery: live`: survivors
+`endpoint` (the rendezvous check), `preemption` (SIGTERM: the ranks agree on a step and
+stop there with its checkpoint); `live/` (live recovery, `ddp.recovery: live`: survivors
 re-form without restarting, a restarted rank rejoins; the launcher starts the ranks itself).
 """
 
 from disttrain.compression.ddp_hooks import build_ddp_hook, run_hook
 from disttrain.strategies.ddp.comm_hooks import CommStats, register_comm_hook
 from disttrain.strategies.ddp.launcher import STRATEGY
+from disttrain.strategies.ddp.preemption import StopAgreement, SyncStopAgreement
 
 # With the strategy, what puts a compression hook on a DDP model of one's own (a benchmark
-# of the collectives): the hook of a `compression` section, and its registration.
-__all__ = ["STRATEGY", "CommStats", "build_ddp_hook", "register_comm_hook", "run_hook"]
+# of the collectives): the hook of a `compression` section, and its registration; and the
+# ranks' agreement on a preemption's stop step (the benchmark of its cost per step).
+__all__ = ["STRATEGY", "CommStats", "StopAgreement", "SyncStopAgreement", "build_ddp_hook",
+           "register_comm_hook", "run_hook"]

@@ -12,6 +12,8 @@ so:
   it trained past it is trained again, so a group that wrote a checkpoint past the newest
   one before its start made progress (restarted for free), and one that did not spends
   one restart (`ddp.max_restarts` of those in a row are allowed);
+- a group whose ranks stopped preempted (`Preempted`, after a SIGTERM: `preemption`) is
+  not restarted: the launcher says how it ended and the run is resumed by the user;
 - a rank that failed with a user's error (its error file names a `DisttrainError` that
   says a restart cannot mend it) stops the group at once, and so does the same unexpected
   error at the same checkpoint on a fresh start; a group in which a rank was killed failed
@@ -47,6 +49,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from disttrain.coordinator.budget import Decision, ErrorReport, RestartBudget, Verdict, error_class
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import ConfigError, DistributedError, DisttrainError, TrainingError
+from disttrain.strategies.ddp.preemption import group_stop
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +166,9 @@ class BudgetedAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
-        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and \
+        if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            return result
+        if group_stop(failure.message for failure in result.failures.values()) is not None or \
                 not self.budget.failed(result.failures).restart:
             self._remaining_restarts = 0  # the agent stops the group and returns its failure
         return result

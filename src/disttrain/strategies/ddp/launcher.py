@@ -6,7 +6,10 @@ or the `HOST:PORT` of `ddp.rdzv_endpoint` shared by all nodes), one process per 
 running `python -m disttrain.torchrun`, monitoring, and restarts of the whole group when
 a rank dies, as the restart budget grants them (`agent`: free when the group checkpointed
 past its newest checkpoint before it died, else one of `ddp.max_restarts` in a row; none
-after a user's error). Each rank is then the same program torchrun would
+after a user's error). A preempted group (SIGTERM to a rank, or to this launcher, which
+the agent forwards to every rank) is not restarted: the ranks stop at a step they agree
+on with its checkpoint (`preemption`), and the launcher exits with code 143 and one line
+saying where to resume from. Each rank is then the same program torchrun would
 start, so one code path serves both. A coordinator watches the ranks (`coordination`):
 each registers and heartbeats, so `disttrain status` shows the run and its restarts.
 
@@ -27,6 +30,7 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -40,10 +44,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from disttrain.config import Config, DDPConfig
+from disttrain.config import Config, DDPConfig, SystemConfig
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.auth import TOKEN_ENV
-from disttrain.core.errors import CheckpointStoreError, ConfigError, DistributedError
+from disttrain.core.errors import CheckpointStoreError, ConfigError, DistributedError, Preempted
 from disttrain.core.process_spec import RANK_ENTRY, ProcessSpec, command_line
 from disttrain.core.processes import thread_count
 from disttrain.core.store_check import check_checkpoint_dir
@@ -54,6 +58,7 @@ from disttrain.strategies.ddp.agent import GroupBudget, budgeted_agent
 from disttrain.strategies.ddp.coordination import RunCoordinator, run_coordinator
 from disttrain.strategies.ddp.endpoint import wait_for_endpoint
 from disttrain.strategies.ddp.live import launch_live
+from disttrain.strategies.ddp.preemption import GroupStop, error_file_messages, group_stop
 from disttrain.strategies.ddp.rank_tokens import RANK_TOKENS_ENV, write_rank_tokens
 from disttrain.training.first_step import check_first_step
 from disttrain.training.options import RunOptions
@@ -67,6 +72,9 @@ logger = logging.getLogger(__name__)
 FRESH_STORE_PER_ROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 STANDALONE_ENDPOINT = "localhost:0"  # this node hosts the rendezvous store on a free port
 MONITOR_INTERVAL_S = 0.1
+# After its own grace period a rank ends itself, leaving a line; the agent kills the ranks
+# this much later than that (after forwarding a SIGTERM), so that line is there to read.
+SHUTDOWN_MARGIN_S = 5
 _NO_ERROR_FILE = "To enable traceback"  # torch's text when a rank left no error file
 _EXCEPTION_PREFIX = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): ")
 
@@ -109,11 +117,14 @@ def preflight(config: Config, resume: bool) -> LaunchPlan:
     return LaunchPlan(ranks_per_node, backend)
 
 
-def launch_config(ddp: DDPConfig, ranks_per_node: int, error_dir: Path) -> LaunchConfig:
+def launch_config(ddp: DDPConfig, ranks_per_node: int, error_dir: Path,
+                  grace_s: float = SystemConfig.preemption_grace_s) -> LaunchConfig:
     """The elastic agent's settings: c10d rendezvous, restarts and timeouts from `ddp`.
 
     Args:
         error_dir: where the agent keeps the ranks' error files (read when a rank fails).
+        grace_s: `system.preemption_grace_s`: how long the ranks have to stop after the
+            agent forwards a SIGTERM to them, before it kills them.
     """
     timeout_s = max(1, math.ceil(ddp.timeout_s))
     endpoint = ddp.rdzv_endpoint or STANDALONE_ENDPOINT
@@ -127,6 +138,7 @@ def launch_config(ddp: DDPConfig, ranks_per_node: int, error_dir: Path) -> Launc
         rdzv_configs=rdzv_configs, max_restarts=ddp.max_restarts,
         monitor_interval=MONITOR_INTERVAL_S, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(error_dir)),
+        shutdown_timeout=math.ceil(grace_s) + SHUTDOWN_MARGIN_S,
     )
 
 
@@ -146,6 +158,7 @@ def launch(config: Config, options: RunOptions) -> RunSummary | None:
         ConfigError: bad input found before or by the ranks (exit code 2).
         CheckpointStoreError: a rank's checkpoint store failed for good (exit code 74).
         DistributedError: a rank failed after its restarts, or the rendezvous failed.
+        Preempted: a SIGTERM (to a rank, or to this launcher) stopped the ranks (exit code 143).
     """
     started = time.perf_counter()
     plan = preflight(config, options.resume)
@@ -199,8 +212,12 @@ def run_ranks(coordinator: RunCoordinator, plan: LaunchPlan, error_dir: Path, ar
             os.environ[RANK_TOKENS_ENV] = str(write_rank_tokens(tokens_dir, coordinator.token,
                                                                 config.system.num_workers))
         with budgeted_agent(budget):
-            elastic_launch(launch_config(config.ddp, plan.ranks_per_node, error_dir), sys.executable)(*args)
+            elastic_launch(launch_config(config.ddp, plan.ranks_per_node, error_dir,
+                                         config.system.preemption_grace_s), sys.executable)(*args)
     except ChildFailedError as e:
+        stop = group_stop(failure.message for failure in e.failures.values())
+        if stop is not None:
+            raise preempted(coordinator, stop) from None
         error = (budget and budget.stop_error()) or child_failure(e, config.ddp.max_restarts)
         coordinator.stopped("stopped by the elastic agent after another rank failed",
                             {rank: (failure.exitcode or 1, _exit_reason(failure))
@@ -213,6 +230,11 @@ def run_ranks(coordinator: RunCoordinator, plan: LaunchPlan, error_dir: Path, ar
             f"within {config.ddp.timeout_s:g}s ({_first_line(e.__cause__ or e)}); check the host "
             "and port, that every node was started, and that they share ddp.rdzv_id") from None
     except SignalException as e:
+        # The agent forwarded the signal to the ranks and waited for them (the grace period).
+        stop = group_stop(error_file_messages(error_dir))
+        if e.sigval == signal.SIGTERM:
+            raise preempted(coordinator, stop or GroupStop(
+                None, "the ranks left no line within the grace period (system.preemption_grace_s)")) from None
         coordinator.stopped(f"the launcher was stopped by {e.sigval.name}")
         raise DistributedError(f"stopped by {e.sigval.name}; the ranks were stopped too") from None
     finally:  # this launch's tokens stay out of later commands run in this process
@@ -220,6 +242,13 @@ def run_ranks(coordinator: RunCoordinator, plan: LaunchPlan, error_dir: Path, ar
         if given_token is not None:
             os.environ[TOKEN_ENV] = given_token
     coordinator.finished()
+
+
+def preempted(coordinator: RunCoordinator, stop: GroupStop) -> Preempted:
+    """The launcher's error for a preempted group, told to the coordinator too."""
+    line = stop.line(coordinator.config.system.checkpoint_dir)
+    coordinator.report({rank: (Preempted.exit_code, line) for rank in coordinator.local_ranks})
+    return Preempted(line)
 
 
 def _exit_reason(failure) -> str:

@@ -3,7 +3,8 @@ group, build data, model, optimizer and precision, wrap the model in DDP with th
 communication hook (around a gradient-compression hook when `compression.enabled`), then
 run the training loop; rank 0 writes the final model and the summary. With a coordinator
 in the run (`coordinator.address`), the rank registers as `rank{R}` and heartbeats its
-progress meanwhile (`heartbeats`).
+progress meanwhile (`heartbeats`). SIGTERM (a preemption) stops every rank at a step they
+agree on, with its checkpoint (`preemption`).
 
 A step takes `grad_accumulation_steps` micro-batches; all but the last run under
 `no_sync()`, so gradients cross the network once per step. With local updates
@@ -28,7 +29,7 @@ from disttrain.compression.ddp_hooks import CompressionHook, build_ddp_hook, run
 from disttrain.config import CompressionConfig, Config, DDPConfig, TrainingConfig
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
-from disttrain.core.errors import ConfigError
+from disttrain.core.errors import ConfigError, Preempted
 from disttrain.core.faults import FaultInjector
 from disttrain.data import ArrayDataset, PlannedSampler, ShardedSampler, load_datasets
 from disttrain.metrics.hparams import write_hparams
@@ -39,6 +40,7 @@ from disttrain.strategies.ddp.balance import balance_sampler
 from disttrain.strategies.ddp.comm_hooks import CommStats, register_comm_hook
 from disttrain.strategies.ddp.heartbeats import LoopProgress, coordinator_link
 from disttrain.strategies.ddp.local_updates import LocalRounds
+from disttrain.strategies.ddp.preemption import RankSignal, StopAgreement, sigterm_requests_stop, stopped_line
 from disttrain.strategies.ddp.reduce import all_reduce_values, evaluate_sharded
 from disttrain.strategies.ddp.store import RankZeroCheckpoints
 from disttrain.training.checkpoints import Position
@@ -220,15 +222,18 @@ def run_rank(config: Config, info: rt.RankInfo, options: RunOptions) -> RunSumma
     Raises:
         ConfigError, DataError, CheckpointError, DistributedError: the rank exits with its
         message; the agent then stops the other ranks (and restarts them if allowed).
+        Preempted: the ranks stopped at a step they agreed on after a SIGTERM, with its
+            checkpoint (exit code 143: the agent does not restart them).
     """
     started = time.perf_counter()
     rt.check_supported(config)
     progress = LoopProgress(Position(), config.training.num_epochs)
-    with coordinator_link(config.coordinator, info.rank, info.restart_count, progress, options.token,
-                          options.tls):
+    rank_signal = RankSignal(info.rank, config.system.preemption_grace_s)
+    with sigterm_requests_stop(rank_signal), coordinator_link(
+            config.coordinator, info.rank, info.restart_count, progress, options.token, options.tls):
         runtime = rt.start(config.ddp, info, config.system.num_threads)
         try:
-            summary = _train(config, runtime, options, started, progress)
+            summary = _train(config, runtime, options, started, progress, rank_signal)
             rt.shutdown(runtime)
         except (RuntimeError, dist.DistError) as e:
             if rt.is_peer_loss(e):
@@ -238,7 +243,7 @@ def run_rank(config: Config, info: rt.RankInfo, options: RunOptions) -> RunSumma
 
 
 def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: float,
-           progress: LoopProgress) -> RunSummary | None:
+           progress: LoopProgress, rank_signal: RankSignal) -> RunSummary | None:
     training, system, info = config.training, config.system, runtime.info
     train_set, test_set = load_datasets(training)
     rt.check_world_size(len(train_set), info.world_size)
@@ -249,6 +254,7 @@ def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: fl
     participant = RankParticipant(training, config.ddp, config.compression, runtime,
                                   (loader or train_set, test_set), sampler)
     log_dir = Path(system.log_dir)
+    agreement = StopAgreement(rank_signal.requested, runtime.device)
     loop = TrainingLoop(
         LoopSettings.of(training, config.to_dict(), config.ddp.grad_accumulation_steps), participant,
         sampler, RankZeroCheckpoints(system.checkpoint_dir, system.checkpoint_keep, runtime),
@@ -256,8 +262,13 @@ def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: fl
         lambda total, done: Progress(total, "train", initial=done, enabled=info.is_main),
         announce=info.is_main, config_path=log_dir / "config.yaml" if info.is_main else None,
         rebalancer=rebalancer, on_metrics=progress.metrics.publish, position=progress.position,
-        loader=loader)
-    result = loop.run(options.resume or info.restart_count > 0)
+        loader=loader, stop_requested=agreement)
+    try:
+        result = loop.run(options.resume or info.restart_count > 0)
+    except Preempted:  # every rank, at the same point, past the checkpoint's write (a collective)
+        rank_signal.stopped()
+        raise Preempted(stopped_line(loop.position.step)) from None
+    agreement.settle()
     return finish(config, runtime, participant, result, started)
 
 
