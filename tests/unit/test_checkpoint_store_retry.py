@@ -6,6 +6,7 @@ makes of its store before it starts."""
 
 import errno
 import logging
+import socket
 import threading
 import uuid
 
@@ -340,3 +341,63 @@ def test_an_injected_store_error_is_retried_like_a_real_one(tmp_path, folder, mo
 
 def steps(location):
     return [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(location)]
+
+
+class ClosingServer:
+    """A socket that accepts each connection and closes it at once (a store's server going
+    away), counting them."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port, self.connections = self.listener.getsockname()[1], 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            client.close()
+
+
+@pytest.fixture
+def closing_s3(monkeypatch):
+    """An s3:// store whose server closes every connection; AWS_MAX_ATTEMPTS unset."""
+    pytest.importorskip("s3fs", reason="s3fs is not installed (the `s3` extra)")
+    import s3fs
+    server = ClosingServer()
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS", raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": f"http://127.0.0.1:{server.port}"})
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield server
+    server.listener.close()
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_an_s3_outage_reaches_the_retry_window_at_once(closing_s3):
+    """botocore's and s3fs's own retries would hide it (60 connections, 83 s for a listing):
+    the request is tried once (aiohttp reconnects a few times), and the error is the
+    store's, for `store_retry` to retry within its window."""
+    store = object_store.StoreFolder(f"s3://bucket-{uuid.uuid4().hex[:8]}/run")
+    with pytest.raises(OSError) as raised:
+        store.names_once()
+    assert store_retry.is_transient(raised.value), raised.value
+    assert closing_s3.connections <= 5
+    assert store.fs.retries == 1
+
+
+def test_the_users_own_s3_retries_are_kept(closing_s3, monkeypatch):
+    conf = dict(fsspec.config.conf["s3"], config_kwargs={"retries": {"max_attempts": 3}, "read_timeout": 7})
+    monkeypatch.setitem(fsspec.config.conf, "s3", conf)
+    store = object_store.StoreFolder(f"s3://bucket-{uuid.uuid4().hex[:8]}/run")
+    assert store.fs.config_kwargs == {"retries": {"max_attempts": 3}, "read_timeout": 7}
+    assert store.fs.retries == 5
+    monkeypatch.setitem(fsspec.config.conf, "s3", {**conf, "config_kwargs": {"read_timeout": 7}})
+    assert object_store.StoreFolder("s3://other/run").fs.config_kwargs == {
+        "retries": {"max_attempts": 1}, "read_timeout": 7}
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "4")
+    assert object_store.StoreFolder("s3://third/run").fs.config_kwargs == {"read_timeout": 7}
