@@ -5,6 +5,7 @@ as they were; long-polls wait for the version; checkpoints restore what was save
 """
 
 import threading
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -230,6 +231,7 @@ def test_ssp_worker_recomputes_a_rejected_gradient_on_fresh_parameters(tmp_path)
     from disttrain.training.engine import StepResult
 
     config = make_config(tmp_path, num_workers=2, aggregation_mode="ssp", staleness=0)
+    config = replace(config, ps=replace(config.ps, ssp_clock="versions"))  # the bound on versions refuses
     state = build_state(config, 0, 1)
     server = ShardServer(state, "127.0.0.1:0")
     plan = state.plan

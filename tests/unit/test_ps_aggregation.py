@@ -87,8 +87,8 @@ def test_async_applies_everything_and_records_staleness():
     assert r.staleness_histogram == {0: 3, 3: 1}
 
 
-def test_ssp_rejects_beyond_the_bound_and_accepts_within():
-    r = rules("ssp", staleness_bound=2)
+def test_ssp_by_versions_rejects_beyond_the_bound_and_accepts_within():
+    r = rules("ssp", staleness_bound=2, ssp_clock="versions")
     for step in range(1, 4):
         r.offer("w0", step, r.version, 1.0, "a", now=0.0)
     stale = r.offer("w1", 1, 0, 1.0, "b", now=0.0)
@@ -155,7 +155,7 @@ def test_a_step_from_far_ahead_is_refused_and_not_recorded():
 
 
 def test_a_step_answered_without_being_applied_still_counts_as_the_last_one():
-    r = rules("ssp", staleness_bound=0)
+    r = rules("ssp", staleness_bound=0, ssp_clock="versions")
     r.offer("w0", 1, 0, 4.0, "a", now=0.0)
     assert r.offer("w1", 1, 0, 4.0, "b", now=0.0).outcome is Outcome.STALE
     assert r.offer("w1", 1, 1, 4.0, "b", now=0.0).outcome is Outcome.APPLIED  # recomputed: the same step

@@ -7,8 +7,12 @@ communication of the cost model's `RoundTrip`), and the shard, one FIFO of work,
 the push for `service_s` before it offers it to the rules at that virtual instant. What
 the rules decide is what happens: a buffered push waits for its synchronous step; an
 applied update is published `apply_s` later and pulled by every worker waiting for it; a
-late push (sync, backup workers) or a stale one (SSP) is dropped and its worker pulls the
-current version and computes again. A failed worker loses its step; the run's membership
+late push (sync, backup workers) or a stale one (SSP by versions) is dropped and its
+worker pulls the current version and computes again. SSP by steps (the default, Ho et
+al.) drops nothing: a worker whose push leaves it more than tau steps ahead of the
+slowest worker that counts (`AggregationRules.may_go_on`) is held, as the shard holds its
+reply, and pulls once the slowest catches up (its push published); every other worker
+pulls at once, as in async. A failed worker loses its step; the run's membership
 drops it `detect_s` later (so a synchronous step stops waiting for it) and takes it back
 when it restarts. With constant step times and no failures the synchronous result is the
 cost model's step exactly (a test).
@@ -33,7 +37,7 @@ from typing import Any
 
 from disttrain.advise.costmodel import RoundTrip
 from disttrain.advise.step_times import StepTimes
-from disttrain.strategies.ps.server.aggregation import AggregationRules, Decision, Outcome, Push
+from disttrain.strategies.ps.server.aggregation import SSP_CLOCKS, AggregationRules, Decision, Outcome, Push
 
 MODES = ("sync", "ssp", "async")
 _FAILED, _ARRIVED, _OFFERED, _PULLED, _DETECTED, _RESTARTED = range(6)
@@ -53,6 +57,8 @@ class SimulationSetup:
         seed: of the draws.
         steps_per_worker: each worker's share of the data, in steps (None: without end;
             the run stops at `num_updates`).
+        ssp_clock: what ssp's tau counts: "steps" (a worker waits once tau steps ahead of
+            the slowest) or "versions" (a gradient more than tau versions old is refused).
     """
 
     mode: str
@@ -63,10 +69,13 @@ class SimulationSetup:
     batch_size: int = 64
     seed: int = 0
     steps_per_worker: int | None = None
+    ssp_clock: str = "steps"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"simulation mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.ssp_clock not in SSP_CLOCKS:
+            raise ValueError(f"ssp clock {self.ssp_clock!r} is not one of {', '.join(SSP_CLOCKS)}")
         if self.num_updates < 2:
             raise ValueError(f"num_updates {self.num_updates} must be >= 2")
         if self.steps_per_worker is not None and self.steps_per_worker < 1:
@@ -125,7 +134,11 @@ class Simulation:
         self.rng = random.Random(setup.seed)
         mode = "sync" if setup.mode == "sync" else setup.mode
         self.rules = AggregationRules(mode, setup.num_workers, setup.staleness_bound,
-                                      setup.backup_workers if mode == "sync" else 0)
+                                      setup.backup_workers if mode == "sync" else 0,
+                                      ssp_clock=setup.ssp_clock)
+        # SSP by steps: the workers whose replies are held, as (the slowest clock that lets
+        # each go on, its index), lowest first
+        self.held: list[tuple[int, int]] = []
         stragglers = step_times.stragglers(setup.num_workers, self.rng)
         self.workers = [_Worker(f"worker-{i}", i in stragglers) for i in range(setup.num_workers)]
         for worker in self.workers:
@@ -199,15 +212,32 @@ class Simulation:
             worker.waiting = True
         elif decision.outcome in (Outcome.LATE, Outcome.STALE):
             self._at(now + self.trip.pull_s, _PULLED, index)
+        elif self.rules.bounds_steps:  # applied on arrival; its worker pulls once within the bound
+            published = self._published(decision, now, [])
+            if self.rules.may_go_on(index, worker.step, 0):
+                self._at(published + self.trip.pull_s, _PULLED, index)
+            else:
+                heapq.heappush(self.held, (worker.step - self.setup.staleness_bound, index))
+            self._release(published)
         elif self.setup.mode != "sync":  # applied on arrival: this worker pulls the result
             self._published(decision, now, [index])
         if decision.outcome is Outcome.APPLIED and self.setup.mode == "sync":
             worker.waiting = True
             self._published(decision, now, None)
 
-    def _published(self, decision: Decision, now: float, readers: list[int] | None) -> None:
+    def _release(self, now: float) -> None:
+        """SSP by steps: the held workers the slowest clock now lets go on pull what is
+        published at `now` (the slowest worker's update, or a worker leaving the count)."""
+        if not self.held:
+            return
+        slowest = self.rules.slowest_clock(0)
+        while self.held and (slowest is None or self.held[0][0] <= slowest):
+            _, index = heapq.heappop(self.held)
+            self._at(now + self.trip.pull_s, _PULLED, index)
+
+    def _published(self, decision: Decision, now: float, readers: list[int] | None) -> float:
         """An update was applied: it is published `apply_s` later and pulled by `readers`
-        (None: every worker waiting for a synchronous step)."""
+        (None: every worker waiting for a synchronous step); when it is published."""
         published = now + self.trip.apply_s
         self.shard_free_s = max(self.shard_free_s, now) + self.trip.apply_s  # the pushes queued wait
         self.update_times.append(published)
@@ -216,6 +246,7 @@ class Simulation:
         for i in readers:
             self.workers[i].waiting = False
             self._at(published + self.trip.pull_s, _PULLED, i)
+        return published
 
     def _pulled(self, index: int, now: float) -> None:
         worker = self.workers[index]
@@ -228,6 +259,7 @@ class Simulation:
             decision = self.rules.mark_done(worker.worker_id, now)
             if decision.apply:  # the pending synchronous step no longer waits for it
                 self._published(decision, now, None)
+            self._release(now)  # nor does a worker it held
             return
         self._start_step(index, now)
 
@@ -238,6 +270,7 @@ class Simulation:
         decision = self.rules.set_membership(self.generation, self.members, now)
         if decision.advanced:
             self._published(decision, now, None)
+        self._release(now)
 
     def _restarted(self, index: int, now: float) -> None:
         worker = self.workers[index]

@@ -28,6 +28,7 @@ DATASETS = ("mnist", "fashion_mnist", "cifar10", "digits", "synthetic")
 STRATEGY_OF_ARCHITECTURE = {"baseline": "baseline", "parameter_server": "ps", "ddp": "ddp"}
 ARCHITECTURES = tuple(STRATEGY_OF_ARCHITECTURE)
 AGGREGATION_MODES = ("sync", "async", "ssp")
+SSP_CLOCKS = ("steps", "versions")
 COMPRESSION_TYPES = ("quantization", "topk", "fp16", "bf16", "powersgd")
 COMPRESSION_TYPES_PULL = ("quantization", "topk", "fp16", "bf16")  # payload schemes: no powersgd
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -234,6 +235,12 @@ class PSConfig:
 
     aggregation_mode: str = field(default="sync", metadata=_choice(AGGREGATION_MODES))
     staleness: int = field(default=2, metadata=NON_NEGATIVE)
+    # What ssp's bound counts. steps (SSP as Ho et al. define it): a worker that is
+    # `staleness` steps ahead of the slowest live worker still training the epoch waits for
+    # it; every gradient is applied, none recomputed (0: lockstep, as sync). versions: a
+    # gradient computed on parameters more than `staleness` versions old (every push makes
+    # one) is refused, and its worker pulls and computes it again.
+    ssp_clock: str = field(default="steps", metadata=_choice(SSP_CLOCKS))
     num_servers: int = field(default=1, metadata=POSITIVE)
     backup_workers: int = field(default=0, metadata=NON_NEGATIVE)
     rpc_timeout_s: float = field(default=60.0, metadata=POSITIVE)
@@ -261,11 +268,13 @@ class CompressionConfig:
     stochastic_rounding: bool = False
     # powersgd (DDP): rank of the low-rank approximation of each gradient matrix.
     powersgd_rank: int = field(default=2, metadata=POSITIVE)
-    # quantization (DDP): how the ranks' int8 payloads are combined. gather: every rank
-    # receives every payload ((n - 1) x the payload); two_phase: chunks all-to-all, each
-    # averaged by its owner, the means all-gathered (about 2x the payload, whatever n;
-    # rounds to nearest, no stochastic rounding).
-    ddp_collective: str = field(default="gather", metadata=_choice(("gather", "two_phase")))
+    # quantization, topk (DDP): how the ranks' payloads are combined. gather: every rank
+    # receives every payload ((n - 1) x the payload); two_phase (quantization): chunks
+    # all-to-all, each averaged by its owner, the means all-gathered (about 2x the payload,
+    # whatever n; rounds to nearest, no stochastic rounding); auto: the fewest bytes at the
+    # run's size, by the rule `advise` predicts with: two_phase for int8 beyond 2 ranks, and a
+    # bucket whose gathered payloads outgrow it all-reduced dense (top-k at (n - 1) x k).
+    ddp_collective: str = field(default="auto", metadata=_choice(("auto", "gather", "two_phase")))
     # -- pull compression (parameter server, sync mode): the shards answer a step with the
     # compressed change of their broadcast copy, which every worker holds exactly.
     # none: dense parameters; topk, quantization, fp16 or bf16 (independent of `enabled`).
@@ -277,6 +286,9 @@ class CompressionConfig:
 
     def cross_problems(self, name: Callable[[str], str]) -> list[str]:
         """Problems between keys; `name(key)` is the key as the user spelled it."""
+        if self.ddp_collective == "two_phase" and self.type == "topk":
+            return [f"{name('ddp_collective')}: two_phase carries int8 payloads (compression.type: "
+                    "quantization); top-k's payloads take gather or auto"]
         if self.ddp_collective == "two_phase" and self.stochastic_rounding:
             return [f"{name('stochastic_rounding')}: the two-phase collective "
                     f"({name('ddp_collective')}: two_phase) rounds to nearest; turn one of them off"]

@@ -110,8 +110,8 @@ RULES: tuple[Rule, ...] = (
         lambda c, s: c.compression.type != "quantization",
         lambda c: f"only quantization rounds (compression.type is {c.compression.type})")),
     Rule("compression.ddp_collective", _when(
-        lambda c, s: s != "ddp" or c.compression.type != "quantization",
-        lambda c: "only DDP's quantization combines payloads by a collective of its choice "
+        lambda c, s: s != "ddp" or c.compression.type not in ("quantization", "topk"),
+        lambda c: "only DDP's quantization and topk combine payloads by a collective of their choice "
                   f"(compression.type is {c.compression.type})")),
     Rule("compression.powersgd_rank", _when(
         lambda c, s: c.compression.type != "powersgd",
@@ -122,6 +122,10 @@ RULES: tuple[Rule, ...] = (
     Rule("ps.staleness", _when(
         lambda c, s: c.ps.aggregation_mode != "ssp",
         lambda c: f"only ssp bounds staleness (ps.aggregation_mode is {c.ps.aggregation_mode})")),
+    Rule("ps.ssp_clock", _when(
+        lambda c, s: c.ps.aggregation_mode != "ssp",
+        lambda c: f"only ssp counts its bound in steps or versions (ps.aggregation_mode is "
+                  f"{c.ps.aggregation_mode})")),
     Rule("ps.overlap", _when(
         lambda c, s: c.training.local_update_mode,
         "with local updates a worker pushes once per round, after its last inner step "

@@ -74,7 +74,7 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
     folder = object_store.join(system.checkpoint_dir, f"server{shard}")  # a path or a store's URL
     resumed_from = ckpt.prepare_checkpoint_dir(folder, resume)
     rules = AggregationRules(ps.aggregation_mode, system.num_workers, ps.staleness, ps.backup_workers,
-                             layout or BlockLayout(system.num_workers, training.num_epochs))
+                             layout or BlockLayout(system.num_workers, training.num_epochs), ps.ssp_clock)
     # Under a balance plan one worker's batch may be up to the whole global batch; with local
     # updates one push stands for a round's batches.
     max_samples = training.batch_size * (1 if system.balance == "none" else system.num_workers) \

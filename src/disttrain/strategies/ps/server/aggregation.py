@@ -9,8 +9,15 @@ passed in (`now`), so tests step a fake clock by hand.
   then they are applied together and the version goes up by one. A gradient for an
   older version arrives late and is dropped (counted; the worker computes it again, but
   with backup workers, whose slowest gradients are dropped by design).
-- `ssp`: a gradient computed on version v is applied on arrival when
-  `version - v <= staleness_bound`; otherwise it is rejected, and the worker refetches.
+- `ssp` (`ssp_clock` "steps", the default): SSP as Ho et al. define it. Every gradient
+  is applied on arrival, and none is refused for staleness; the bound tau
+  (`staleness_bound`) is on steps: a worker whose push of step s is more than tau steps
+  ahead of the slowest worker that still counts waits before it computes again
+  (`may_go_on`; the shard holds its reply), see `clocks`. tau = 0 is lockstep, as sync;
+  a tau beyond the run's steps is async.
+- `ssp` with `ssp_clock` "versions": a gradient computed on version v is applied on
+  arrival when `version - v <= staleness_bound`; otherwise it is rejected, and the
+  worker refetches and computes it again.
 - `async`: every gradient is applied on arrival.
 
 A push is named by (worker, step), and carries the data block it was computed from.
@@ -50,6 +57,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
+from disttrain.strategies.ps.server.clocks import StepClocks
 from disttrain.strategies.ps.server.decisions import (
     Contribution,
     Decision,
@@ -61,9 +69,13 @@ from disttrain.strategies.ps.server.decisions import (
 from disttrain.strategies.ps.server.ownership import BlockLayout
 from disttrain.strategies.ps.server.roster import Ledger, Roster
 
-__all__ = ["MODES", "AggregationRules", "Contribution", "Decision", "Outcome", "Push", "PushRefused"]
+__all__ = ["MODES", "SSP_CLOCKS", "AggregationRules", "Contribution", "Decision", "Outcome", "Push",
+           "PushRefused"]
 
 MODES = ("sync", "async", "ssp")
+# What SSP's bound counts: the steps a worker runs ahead of the slowest (Ho et al.), or
+# the versions a gradient's parameters are behind (refused beyond it, and recomputed).
+SSP_CLOCKS = ("steps", "versions")
 
 
 class AggregationRules:
@@ -73,21 +85,30 @@ class AggregationRules:
         mode: "sync", "async" or "ssp".
         world_size: workers in the run.
         staleness_bound: the ssp bound tau.
+        ssp_clock: what tau counts in ssp mode: "steps" (a worker waits once tau steps
+            ahead of the slowest) or "versions" (a gradient more than tau versions
+            behind is refused).
         backup_workers: sync only: a step is applied after all but b of its workers pushed.
         layout: the run's block numbering, which blocks and epochs each worker may push
             (`ownership`; default: only what holds in any run).
     """
 
     def __init__(self, mode: str, world_size: int, staleness_bound: int = 0, backup_workers: int = 0,
-                 layout: BlockLayout | None = None):
+                 layout: BlockLayout | None = None, ssp_clock: str = "steps"):
         if mode not in MODES:
             raise ValueError(f"aggregation mode {mode!r} is not one of {', '.join(MODES)}")
+        if ssp_clock not in SSP_CLOCKS:
+            raise ValueError(f"ssp clock {ssp_clock!r} is not one of {', '.join(SSP_CLOCKS)}")
         if world_size < 1 or staleness_bound < 0 or not 0 <= backup_workers < world_size:
             raise ValueError(f"invalid rules: world_size={world_size}, staleness={staleness_bound}, "
                              f"backup_workers={backup_workers}")
         self.mode = mode
         self.world_size = world_size
         self.staleness_bound = staleness_bound
+        self.ssp_clock = ssp_clock
+        # ssp by steps: pushes wait on clocks (`may_go_on`), none is refused as stale
+        self.bounds_steps = mode == "ssp" and ssp_clock == "steps"
+        self.clocks = StepClocks(world_size)
         self.backup_workers = backup_workers
         self.layout = layout or BlockLayout(world_size)
         self.version = 0
@@ -139,6 +160,7 @@ class AggregationRules:
             raise PushRefused(f"rank {requested_rank} is held by another worker")
         self.ranks[worker_id] = requested_rank
         self.roster.resolve(self.ranks)
+        self.clocks.changed()
         self.order.forget(requested_rank)
         return requested_rank
 
@@ -152,6 +174,7 @@ class AggregationRules:
         """`worker_id` has finished: it leaves the synchronous quorum, which may complete
         the pending step (then `apply` is not empty)."""
         self.done.add(self.rank_of(worker_id))
+        self.clocks.changed()
         return self._maybe_complete_round(now, Decision(Outcome.BUFFERED, self.version, 0))
 
     def set_membership(self, generation: int, live: dict[str, int], now: float,
@@ -161,6 +184,7 @@ class AggregationRules:
         pending synchronous step."""
         if self.roster.update(generation, live, away):
             self.roster.resolve(self.ranks)
+            self.clocks.changed()
         return self._maybe_complete_round(now, Decision(Outcome.BUFFERED, self.version, 0))
 
     def joined(self, worker_id: str, epochs_done: int, now: float, sync_step: int = 0) -> Decision:
@@ -196,6 +220,22 @@ class AggregationRules:
         """Ranks a synchronous step of `epoch` waits for."""
         return {r for r in range(self.world_size) if r not in self.done and self.roster.waits_for(r, epoch)}
 
+    def may_go_on(self, rank: int, step: int, epoch: int) -> bool:
+        """ssp by steps: whether `rank`, having pushed `step` of `epoch`, may compute its
+        next step: `step` is at most `staleness_bound` steps ahead of the slowest worker
+        that counts for `epoch` (see `clocks`; `_waiting_for`'s rule). True in every
+        other mode."""
+        if not self.bounds_steps:
+            return True
+        slowest = self.slowest_clock(epoch)
+        return slowest is None or step - slowest <= self.staleness_bound
+
+    def slowest_clock(self, epoch: int) -> int | None:
+        """The lowest clock of the workers a step of `epoch` counts on (None: none does):
+        not done, live, and not parked for `epoch`."""
+        parked = [r for r, last in self.roster.parked.items() if last >= epoch]
+        return self.clocks.slowest(lambda r: r not in self.done and self.roster.is_live(r), parked)
+
     def quorum(self, epoch: int = 0) -> int:
         """Gradients a synchronous step of `epoch` needs."""
         return max(1, len(self._waiting_for(epoch)) - self.backup_workers)
@@ -221,6 +261,8 @@ class AggregationRules:
             self.stepping[rank] = push.sync_step
         decision = self._offer(rank, push, payload, now)
         self.order.record(rank, push.step)
+        if self.bounds_steps and decision.outcome is not Outcome.ROLLED_BACK:
+            self.clocks.tick(rank, push.step)
         return decision
 
     def _offer(self, rank: int, push: Push, payload: Any, now: float) -> Decision:
@@ -242,7 +284,7 @@ class AggregationRules:
             return Decision(Outcome.ROLLED_BACK, self.version, 0)
         if push.redo:
             return self._park(rank, push, now, self._apply_now(rank, push, payload, staleness))
-        if self.mode == "ssp" and staleness > self.staleness_bound:
+        if self.mode == "ssp" and not self.bounds_steps and staleness > self.staleness_bound:
             self.counts["rejected_stale"] += 1
             return Decision(Outcome.STALE, self.version, staleness)
         if self.mode != "sync":
@@ -439,7 +481,7 @@ class AggregationRules:
     def _core_state(self) -> dict[str, Any]:
         return {"mode": self.mode, "version": self.version, "sync_step": self.sync_step,
                 "step_version": self.step_version, "restored": self.restored,
-                "ranks": dict(self.ranks),
+                "ranks": dict(self.ranks), "clocks": self.clocks.state_dict(),
                 "done": sorted(self.done), "last_step": dict(self.last_step),
                 "round_wait_s": self.round_wait_s, "roster": self.roster.state_dict(),
                 "staleness_histogram": dict(self.staleness_histogram), "counts": dict(self.counts)}
@@ -453,6 +495,7 @@ class AggregationRules:
         self.restored = bool(state.get("restored", False))
         self.ranks = {str(k): int(v) for k, v in state["ranks"].items()}
         self.done = {int(r) for r in state["done"]}
+        self.clocks.load_state_dict(state.get("clocks", {}))  # absent before SSP counted steps
         self.last_step = {int(k): int(v) for k, v in state["last_step"].items()}
         self.round_wait_s = float(state["round_wait_s"])
         self.roster.load_state_dict(state["roster"])

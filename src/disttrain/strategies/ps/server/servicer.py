@@ -11,7 +11,11 @@ worker keeps open for the run: each request is handled as PushGradients handles 
 same decoding, bounds, session check and rules); its reply then waits, as a pull would,
 for the version the push leads to: in sync mode the step the push joined, once applied
 (`ShardState.step_applied`), otherwise none (the parameters as they are, this push
-included).
+included). In SSP by steps, a push's reply (Step's, or a push's alone) is held while its
+worker is more than the bound ahead of the slowest (`ShardState.step_allowed`), on one
+of the worker's long-poll slots; past the long-poll cap the call ends DEADLINE_EXCEEDED
+and the worker's retry (a duplicate, changing nothing) waits again, as a synchronous
+step's does.
 The stream holds one of the worker's long-poll slots while it is open, taken once its
 first push passed the session check.
 
@@ -180,10 +184,34 @@ class ParameterServicer:
     def SendGradients(self, request_iterator, context):
         with self.deadlines.limit(context, self.push_limits.max_read_s):
             payload = self.collect(iter(request_iterator), context, stream=True)
-        return self.push(payload, context)
+        return self.held(payload, self.push(payload, context), context)
 
     def PushGradients(self, raw, context):
-        return self.push(self.collect(iter([raw]), context), context)
+        payload = self.collect(iter([raw]), context)
+        return self.held(payload, self.push(payload, context), context)
+
+    def held(self, payload: Payload | None, reply: pb.PushReply, context) -> pb.PushReply:
+        """`reply`, once its worker may go on (SSP by steps: see `step_allowed`), waited
+        for on one of the worker's long-poll slots."""
+        if payload is not None and self._bounded(payload.header, reply):
+            with self.long_poll(f"{payload.header.worker_id} (push)", context):
+                self._wait_to_go_on(payload.header, context)
+        return reply
+
+    def _bounded(self, header: pb.GradientMessage, reply: pb.PushReply) -> bool:
+        """Whether the reply to the push of `header` waits for the slowest worker."""
+        return self.state.rules.bounds_steps and not header.redo and reply.outcome != _ROLLED_BACK
+
+    def _wait_to_go_on(self, header: pb.GradientMessage, context) -> None:
+        """Wait until the worker of `header` may compute its next step; the call ends
+        (DEADLINE_EXCEEDED, UNAVAILABLE when stopping) when it may not in time."""
+        state = self.state
+        allowed = state.step_allowed(header.worker_id, header.step, header.epoch, self.wait_s(context))
+        if not allowed:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if allowed is False else grpc.StatusCode.UNAVAILABLE
+            context.abort(code, f"worker {printable(header.worker_id[:64])} at step {header.step} is still "
+                                f"more than the SSP bound ahead on shard {state.plan.shard} "
+                                f"({state.holding_back(header.epoch)}); push again to wait on")
 
     def collect(self, raws, context, stream: bool = False) -> Payload | None:
         """The push's frames, decoded here (not on gRPC's polling thread) within the
@@ -253,6 +281,8 @@ class ParameterServicer:
         """The parameter message that follows `reply` to the push of `header`: in sync
         mode the result of the step the push joined."""
         wanted = 0
+        if self._bounded(header, reply):
+            self._wait_to_go_on(header, context)
         if self.state.rules.mode == "sync" and reply.outcome in _JOINED:
             wanted = self.state.step_applied(header.worker_id, self.wait_s(context))
             if wanted is None:

@@ -289,6 +289,8 @@ class ShardState:
                 decision.learning_rate = self.shard_optimizer.rate_of(applied=True)
             elif decision.outcome is Outcome.BUFFERED:
                 decision.learning_rate = self.shard_optimizer.rate_of(applied=False)
+            if self.rules.bounds_steps:  # a clock moved on: a worker held by it may go on
+                self._changed.notify_all()
         return decision
 
     def _check_running(self) -> None:  # a push after the final checkpoint began would be lost
@@ -401,6 +403,25 @@ class ShardState:
             applied = self._changed.wait_for(lambda: rank not in self.rules.pending or self.stopping,
                                              timeout_s)
             return self.rules.version if applied and not self.stopping else None
+
+    def step_allowed(self, worker_id: str, step: int, epoch: int, timeout_s: float | None) -> bool | None:
+        """SSP by steps, after `worker_id` pushed `step` of `epoch`: wait until it is no
+        more than the bound ahead of the slowest worker that counts
+        (`AggregationRules.may_go_on`), so that it computes nothing further meanwhile.
+        True once it may go on (at once in every other mode), False on timeout, None on stop."""
+        with self._changed:
+            rank = self.rules.ranks.get(worker_id)
+            if rank is None:  # not registered here (anymore): nothing to hold it by
+                return True
+            allowed = self._changed.wait_for(
+                lambda: self.stopping or self.rules.may_go_on(rank, step, epoch), timeout_s)
+            return None if self.stopping else allowed
+
+    def holding_back(self, epoch: int) -> str:
+        """Words for who a held push waits for: the slowest counted clock of `epoch`."""
+        with self._lock:
+            slowest = self.rules.slowest_clock(epoch)
+            return f"the slowest worker is at step {slowest}, the bound is {self.rules.staleness_bound}"
 
     def _served(self) -> torch.Tensor:
         """The parameters as answers carry them (lock held): the broadcast copy under pull
