@@ -86,33 +86,71 @@ def test_a_rank_sigtermed_mid_epoch_stops_every_rank_at_one_step_and_resumes_bit
     resume_bit_identical(cli, cut, step, uninterrupted)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_the_launcher_sigtermed_stops_its_ranks_with_a_checkpoint_and_resumes_bit_identical(
-        cli, tmp_path, uninterrupted):
-    cut = tmp_path / "cut"
-    launcher = subprocess.Popen([sys.executable, "-m", "disttrain", "ddp", *map(str, TRAINING),
-                                 *map(str, folders(cut))], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    seen = []
+def start_launcher(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "disttrain", "ddp", *map(str, args)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def read_until(launcher: subprocess.Popen, pattern: str, seen: list[str]) -> None:
+    """Read the launcher's output (kept in `seen`) up to a line matching `pattern`."""
+    assert launcher.stderr is not None
+    for line in launcher.stderr:
+        seen.append(line)
+        if re.search(pattern, line):
+            return
+    pytest.fail(f"the launcher ended without a line matching {pattern!r}:\n{''.join(seen)[-3000:]}")
+
+
+def finish(launcher: subprocess.Popen, seen: list[str]) -> str:
+    """The rest of the launcher's output, once it has exited (killed if the test failed first)."""
     try:
-        assert launcher.stderr is not None
-        for line in launcher.stderr:  # the run has trained some steps once rank 0 logs its progress
-            seen.append(line)
-            if re.search(r"\[rank 0\] train \d+/", line):
-                break
-        assert launcher.poll() is None, "".join(seen)[-3000:]
-        launcher.send_signal(signal.SIGTERM)  # as a scheduler stopping the job
         _, rest = launcher.communicate(timeout=150)
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
-    stderr = "".join(seen) + rest
+    return "".join(seen) + rest
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_launcher_sigtermed_stops_its_ranks_with_a_checkpoint_and_resumes_bit_identical(
+        cli, tmp_path, uninterrupted):
+    cut = tmp_path / "cut"
+    launcher, seen = start_launcher(*TRAINING, *folders(cut)), []
+    try:
+        read_until(launcher, r"\[rank 0\] train \d+/", seen)  # the run has logged progress
+        launcher.send_signal(signal.SIGTERM)  # as a scheduler stopping the job
+    finally:
+        stderr = finish(launcher, seen)
     assert launcher.returncode == 143, stderr[-3000:]
     step = stopped_step(stderr, cut)
     assert 0 < step < STEPS
     resume_bit_identical(cli, cut, step, uninterrupted)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_second_sigterm_to_the_launcher_kills_the_ranks_at_once(tmp_path):
+    # Rank 0 is stopped (SIGSTOP) for a minute, and the grace is ten: the ranks cannot stop
+    # at a step in the test's time, so only the second signal can end them.
+    launcher, seen = start_launcher(*RUN, "--checkpoint-interval", 2, *folders(tmp_path),
+                                    "--preemption-grace", 600, "--inject", "stop:rank=0:step=3:for=60s"), []
+    try:
+        read_until(launcher, r"\[rank 0\] injected fault: stopped at step 3", seen)
+        launcher.send_signal(signal.SIGTERM)
+        read_until(launcher, r"\[rank 1\] SIGTERM: stopping", seen)  # forwarded to the ranks
+        launcher.send_signal(signal.SIGTERM)
+    finally:
+        stderr = finish(launcher, seen)
+    assert launcher.returncode == 143, stderr[-3000:]
+    newest = ckpt.latest_checkpoint(tmp_path / "ckpt")
+    assert newest is not None and ckpt.checkpoint_step(newest) == 2
+    assert stderr.strip().splitlines()[-1] == (
+        "error: preempted: a second SIGTERM came before the ranks stopped, and they were killed; no "
+        f"checkpoint was written for the stop; the newest checkpoint is {newest} (step 2): run the same "
+        "command with --resume to go on from it")
 
 
 @pytest.mark.slow

@@ -54,6 +54,7 @@ from disttrain.strategies.ddp.preemption import group_stop
 logger = logging.getLogger(__name__)
 
 AGENT_MAX_RESTARTS = 1_000_000  # torch's own count: never the one that stops a run
+KILL_WAIT_S = 5  # how long the agent waits for killed ranks to be reaped
 BUDGET_KEY = "ddp.max_restarts"
 GROUP = "the rank group"
 POINT = "checkpoint step"
@@ -155,7 +156,28 @@ class GroupBudget:
         return DistributedError(line)
 
 
-class BudgetedAgent(LocalElasticAgent):
+class PreemptibleAgent(LocalElasticAgent):
+    """torch's local agent, whose shutdown a second signal cuts short.
+
+    On a signal (SIGTERM: the job preempted) torch's agent forwards it to the ranks and
+    waits for them up to its shutdown timeout (the grace period). A second signal raises
+    inside that wait, and torch then shuts down again, waiting as long once more; here the
+    shutdown that follows an interrupted one kills the ranks at once (`second_signal`).
+    """
+
+    second_signal = False
+    _closing = False
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        if self._closing:  # the last shutdown did not return: a second signal cut it short
+            self.second_signal = True
+            death_sig, timeout = signal.SIGKILL, KILL_WAIT_S
+        self._closing = True
+        super()._shutdown(death_sig, timeout)
+        self._closing = False
+
+
+class BudgetedAgent(PreemptibleAgent):
     """torch's local agent whose every restart of a failed group is the budget's to grant."""
 
     def __init__(self, budget: GroupBudget, **kwargs: Any):
@@ -175,14 +197,18 @@ class BudgetedAgent(LocalElasticAgent):
 
 
 @contextmanager
-def budgeted_agent(budget: GroupBudget | None) -> Iterator[None]:
-    """Within the block, `elastic_launch` runs a `BudgetedAgent` of `budget` (None: torch's own)."""
-    if budget is None:
-        yield
-        return
+def budgeted_agent(budget: GroupBudget | None) -> Iterator[list[PreemptibleAgent]]:
+    """Within the block, `elastic_launch` runs a `BudgetedAgent` of `budget` (None: a
+    `PreemptibleAgent`, restarting as torch's own does); yields the agents made."""
+    made: list[PreemptibleAgent] = []
+
+    def make(**kwargs: Any) -> PreemptibleAgent:
+        made.append(PreemptibleAgent(**kwargs) if budget is None else BudgetedAgent(budget, **kwargs))
+        return made[-1]
+
     original = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = lambda **kwargs: BudgetedAgent(budget, **kwargs)
+    launcher_api.LocalElasticAgent = make
     try:
-        yield
+        yield made
     finally:
         launcher_api.LocalElasticAgent = original

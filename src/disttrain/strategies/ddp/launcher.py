@@ -54,11 +54,11 @@ from disttrain.core.store_check import check_checkpoint_dir
 from disttrain.data import load_datasets
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
 from disttrain.strategies.ddp import runtime as rt
-from disttrain.strategies.ddp.agent import GroupBudget, budgeted_agent
+from disttrain.strategies.ddp.agent import GroupBudget, PreemptibleAgent, budgeted_agent
 from disttrain.strategies.ddp.coordination import RunCoordinator, run_coordinator
 from disttrain.strategies.ddp.endpoint import wait_for_endpoint
 from disttrain.strategies.ddp.live import launch_live
-from disttrain.strategies.ddp.preemption import GroupStop, error_file_messages, group_stop
+from disttrain.strategies.ddp.preemption import NOT_SAVED, GroupStop, error_file_messages, group_stop
 from disttrain.strategies.ddp.rank_tokens import RANK_TOKENS_ENV, write_rank_tokens
 from disttrain.training.first_step import check_first_step
 from disttrain.training.options import RunOptions
@@ -176,7 +176,12 @@ def launch(config: Config, options: RunOptions) -> RunSummary | None:
                              options.faults) as coordinator:
             coordinator.config.save(config_path)  # the ranks find the coordinator here
             args = command_line(rank_spec(config_path, summary_path, options))
-            run_ranks(coordinator, plan, Path(folder) / "agent", args, Path(folder) / "tokens")
+            try:
+                run_ranks(coordinator, plan, Path(folder) / "agent", args, Path(folder) / "tokens")
+            except Preempted:
+                if not summary_path.is_file():  # rank 0 writes it only once the run has ended
+                    raise
+                logger.warning("SIGTERM came after the last step: the run had ended")
         if coordinator.registry is not None:
             logger.info("every rank's state, restarts and progress: disttrain status --registry %s",
                         coordinator.registry)
@@ -205,13 +210,15 @@ def run_ranks(coordinator: RunCoordinator, plan: LaunchPlan, error_dir: Path, ar
     # Restarts the budget grants (`agent`): free after progress, none after a user's error.
     ddp = config.ddp
     budget = GroupBudget(ddp.max_restarts, config.system.checkpoint_dir) if ddp.max_restarts else None
+    agents: list[PreemptibleAgent] = []
     try:
         os.environ.update(FRESH_STORE_PER_ROUND)
         os.environ["OMP_NUM_THREADS"] = str(thread_count(config.system.num_threads, plan.ranks_per_node))
         if coordinator.token is not None:  # the agent hands its environment to the ranks (never argv)
             os.environ[RANK_TOKENS_ENV] = str(write_rank_tokens(tokens_dir, coordinator.token,
                                                                 config.system.num_workers))
-        with budgeted_agent(budget):
+        with budgeted_agent(budget) as made:
+            agents = made
             elastic_launch(launch_config(config.ddp, plan.ranks_per_node, error_dir,
                                          config.system.preemption_grace_s), sys.executable)(*args)
     except ChildFailedError as e:
@@ -233,8 +240,11 @@ def run_ranks(coordinator: RunCoordinator, plan: LaunchPlan, error_dir: Path, ar
         # The agent forwarded the signal to the ranks and waited for them (the grace period).
         stop = group_stop(error_file_messages(error_dir))
         if e.sigval == signal.SIGTERM:
-            raise preempted(coordinator, stop or GroupStop(
-                None, "the ranks left no line within the grace period (system.preemption_grace_s)")) from None
+            killed = any(agent.second_signal for agent in agents)
+            raise preempted(coordinator, stop or GroupStop(None, (
+                "a second SIGTERM came before the ranks stopped, and they were killed" if killed else
+                "the ranks left no line within the grace period (system.preemption_grace_s)")
+                + f"; {NOT_SAVED}")) from None
         coordinator.stopped(f"the launcher was stopped by {e.sigval.name}")
         raise DistributedError(f"stopped by {e.sigval.name}; the ranks were stopped too") from None
     finally:  # this launch's tokens stay out of later commands run in this process
