@@ -78,12 +78,30 @@ def test_one_ddp_rank_runs_as_one_process_and_more_ranks_lose_efficiency():
     assert efficiencies == sorted(efficiencies, reverse=True) and efficiencies[-1] < 1
 
 
-def test_compressed_all_gather_grows_with_the_ranks_where_the_ring_does_not():
+def test_top_k_gathers_until_its_payloads_outgrow_the_ring_then_goes_dense():
     model = CostModel(workload(), Link(1e8, 0.0))
+    # a payload of G / 50: (n - 1) G / 50 against the ring's 2 (n - 1) / n G
+    assert [model.ddp_collective("topk", n) for n in (2, 64, 100, 101, 1024)] == \
+        ["gather", "gather", "gather", "dense", "dense"]
     ring = [model.ddp_exchange_s("none", n)[0] for n in (2, 64, 1024)]
-    gather = [model.ddp_exchange_s("topk", n)[0] for n in (2, 64, 1024)]
+    topk = [model.ddp_exchange_s("topk", n)[0] for n in (2, 64, 1024)]
     assert ring[2] < 2 * ring[0]  # 2(n-1)/n of the bytes: bounded
-    assert gather[2] > 100 * gather[0]  # (n-1) payloads
+    assert topk[1] > 20 * topk[0]  # (n-1) payloads, and as many decodes, while they are the cheaper
+    encode_s, decode_s = model.codec_s("topk")
+    assert topk[2] == pytest.approx(ring[2] + encode_s + decode_s)  # then the ring's bytes
+
+
+def test_int8_takes_two_phases_whose_bytes_stay_flat_and_the_table_says_so():
+    model = CostModel(workload(), Link(1e8, 0.0))
+    assert model.ddp_collective("quantization", 2) == "gather"
+    assert {model.ddp_collective("quantization", n) for n in (3, 64, 1024)} == {"two_phase"}
+    sizes = [model.ddp_exchange_s("quantization", n)[1] for n in (3, 64, 1024)]
+    assert max(sizes) < 1.5 * min(sizes) and max(sizes) < 4 * model.payload_bytes("quantization")
+    prediction = model.predict(Candidate("ddp", "quantization"), 64)
+    assert prediction.label() == "ddp +quantization (two-phase)"
+    assert prediction.to_dict()["collective"] == "two_phase"
+    assert model.predict(Candidate("ddp", "topk"), 1024).label() == "ddp +topk (dense all-reduce)"
+    assert model.predict(Candidate("ddp"), 64).label() == "ddp"
 
 
 def test_parameter_server_shard_links_carry_n_over_s_of_the_traffic():

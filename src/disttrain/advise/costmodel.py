@@ -9,11 +9,14 @@ gradient, `t_opt` one optimizer step over every parameter. The formulas (the REA
 
 - **DDP, ring all-reduce** over n ranks in K = ceil(G / bucket_cap) buckets:
   `T_ar = 2(n-1)/n · G/β + 2(n-1)·K·α`; fp16/bf16 halve G and cost e+d. Quantization and
-  top-k all-gather their payloads (the project's DDP hook): `T = (n-1)·P/β + (n-1)·K·α`,
-  plus `e + n·d`. PowerSGD all-reduces the uncompressed gradients, then P, then Q (its
-  payload P is their sum, `advise.payloads`): `T = 2(n-1)/n · P/β + 3·2(n-1)·K·α + e + d`.
-  Buckets overlap with backward: the k-th of K is ready at `t_b·k/K`, so
-  the backward-and-communication tail is `max(t_b + T/K, t_b/K + T)`. Step:
+  top-k take the collective of fewest bytes (`compression.collectives`, the rule the
+  hook's `ddp_collective: auto` runs): all-gather their payloads, `T = (n-1)·P/β +
+  (n-1)·K·α + e + n·d`; int8's two phases (all-to-all, all-gather), `T = 2(n-1)/n · P/β +
+  2(n-1)·K·α + e + 2d`; or, once (n-1)·P outgrows the ring, each rank's payload decoded
+  and all-reduced dense, `T = T_ar + e + d`. PowerSGD all-reduces the uncompressed
+  gradients, then P, then Q (its payload P is their sum, `advise.payloads`):
+  `T = 2(n-1)/n · P/β + 3·2(n-1)·K·α + e + d`. Buckets overlap with backward: the k-th
+  of K is ready at `t_b·k/K`, so the backward-and-communication tail is `max(t_b + T/K, t_b/K + T)`. Step:
   `t_f + tail + t_opt`.
 - **Parameter server, S shards, sync**: each worker pushes P (to S shards, 1/S each) and
   pulls G; a shard's link carries n/S of everyone's traffic, so
@@ -52,6 +55,7 @@ from typing import Any
 from disttrain.advise.link import Link
 from disttrain.advise.payloads import pull_bytes_per_step
 from disttrain.advise.workload import Workload
+from disttrain.compression import collectives
 
 STRATEGIES = ("ddp", "ps-sync", "ps-async")
 COMPRESSIONS = ("none", "fp16", "bf16", "quantization", "topk", "powersgd")
@@ -134,10 +138,17 @@ class Prediction:
     bytes_per_step: float
     comm_s: float  # the step's time beyond compute that nothing hides
     details: dict[str, float] = field(default_factory=dict)
+    collective: str = ""  # DDP's for a payload that cannot be summed (`compression.collectives`)
+
+    def label(self) -> str:
+        """The candidate's label, with the collective where it is not the plain all-gather."""
+        shown = {collectives.TWO_PHASE: "two-phase", collectives.DENSE: "dense all-reduce"}
+        return self.candidate.label() + (f" ({shown[self.collective]})" if self.collective in shown else "")
 
     def to_dict(self) -> dict[str, Any]:
         c = self.candidate
-        return {"configuration": c.label(), "strategy": c.strategy, "compression": c.compression,
+        return {"configuration": self.label(), "collective": self.collective, "strategy": c.strategy,
+                "compression": c.compression,
                 "pull_compression": c.pull, "num_servers": c.num_servers, "sync_every": c.sync_every,
                 "num_workers": self.num_workers,
                 "step_time_s": self.step_time_s, "samples_per_s": self.samples_per_s,
@@ -237,16 +248,27 @@ class CostModel:
             comm = link.transfer_s(wire) + 3 * 2 * (n - 1) * buckets * link.latency_s + encode_s + decode_s
             return comm, 2 * wire, buckets
         if compression in ("quantization", "topk"):
-            payload = self.payload_bytes(compression)
+            payload, collective = self.payload_bytes(compression), self.ddp_collective(compression, n)
             buckets = max(1, math.ceil(g / self.bucket_cap_bytes))
-            wire = (n - 1) * payload
-            comm = link.transfer_s(wire) + (n - 1) * buckets * link.latency_s + encode_s + n * decode_s
+            wire = collectives.received_bytes(collective, n, payload, g)
+            phases, decodes = {collectives.GATHER: (1, n), collectives.TWO_PHASE: (2, 2),
+                               collectives.DENSE: (2, 1)}[collective]
+            comm = (link.transfer_s(wire) + phases * (n - 1) * buckets * link.latency_s + encode_s
+                    + decodes * decode_s)
             return comm, 2 * wire, buckets
         size = g / 2 if compression in _HALF else g
         buckets = max(1, math.ceil(size / self.bucket_cap_bytes))
         wire = 2 * (n - 1) / n * size
         comm = link.transfer_s(wire) + 2 * (n - 1) * buckets * link.latency_s + encode_s + decode_s
         return comm, 2 * wire, buckets
+
+    def ddp_collective(self, compression: str, n: int) -> str:
+        """The collective DDP's `compression.ddp_collective: auto` combines `compression`'s
+        payloads with at `n` ranks ("" for a compression that all-reduces)."""
+        if compression not in ("quantization", "topk"):
+            return ""
+        return collectives.cheapest(n, self.payload_bytes(compression), float(self.workload.gradient_bytes),
+                                    compression == "quantization")
 
     def _ddp(self, c: Candidate, n: int) -> tuple[float, float, float, dict[str, float]]:
         w = self.workload
@@ -310,4 +332,5 @@ class CostModel:
         single = self.single_step_s()
         efficiency = samples / (n * self.workload.batch_size / single)
         comm = max(0.0, step - (self.workload.compute_s if c.strategy == "ps-async" else single))
-        return Prediction(c, n, step, samples, efficiency, wire, comm, details)
+        collective = self.ddp_collective(c.compression, n) if c.strategy == "ddp" and n > 1 else ""
+        return Prediction(c, n, step, samples, efficiency, wire, comm, details, collective)

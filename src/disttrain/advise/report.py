@@ -43,7 +43,7 @@ def workload_lines(workload: Workload, link: Link) -> list[str]:
 def advice_lines(workload: Workload, link: Link, advice: Sequence[Advice]) -> list[str]:
     """The terminal table."""
     # as wide as the longest configuration named (pull compression makes them long)
-    w = max([26, *(len(p.candidate.label()) for a in advice for p in (a.fastest, a.cheapest))])
+    w = max([26, *(len(p.label()) for a in advice for p in (a.fastest, a.cheapest))])
     header = (f"{'workers':>7}  {'fastest':<{w}} {'samples/s':>10} {'step':>9} {'eff.':>5} {'MB/step':>8}  "
               f"{'cheapest within 10%':<{w}} {'samples/s':>10}  "
               + "  ".join(f"{s:>9}" for s in STRATEGIES))
@@ -51,9 +51,9 @@ def advice_lines(workload: Workload, link: Link, advice: Sequence[Advice]) -> li
     for a in advice:
         f, c = a.fastest, a.cheapest
         best = "  ".join(f"{a.best_by_strategy[s].samples_per_s:>9.4g}" for s in STRATEGIES)
-        lines.append(f"{a.num_workers:>7}  {f.candidate.label():<{w}} {f.samples_per_s:>10.4g} "
+        lines.append(f"{a.num_workers:>7}  {f.label():<{w}} {f.samples_per_s:>10.4g} "
                      f"{_ms(f.step_time_s):>9} {f.efficiency:>5.0%} {f.bytes_per_step / 1e6:>8.3g}  "
-                     f"{c.candidate.label():<{w}} {c.samples_per_s:>10.4g}  {best}")
+                     f"{c.label():<{w}} {c.samples_per_s:>10.4g}  {best}")
     lines.append("")
     lines.append("samples/s of the best configuration of each strategy on the right; eff.: samples/s over "
                  "n times one process alone; MB/step: what one worker sends and receives per step")
@@ -64,10 +64,10 @@ def recommendation(advice: Sequence[Advice], num_workers: int) -> str:
     """One sentence for `num_workers` (the nearest size predicted)."""
     a = min(advice, key=lambda x: abs(x.num_workers - num_workers))
     f, c = a.fastest, a.cheapest
-    text = (f"at {a.num_workers} workers: fastest {f.candidate.label()} ({f.samples_per_s:.4g} samples/s, "
+    text = (f"at {a.num_workers} workers: fastest {f.label()} ({f.samples_per_s:.4g} samples/s, "
             f"{f.efficiency:.0%} efficiency)")
     if c.candidate != f.candidate:
-        text += f"; {c.candidate.label()} is within 10% ({c.samples_per_s:.4g} samples/s) for less"
+        text += f"; {c.label()} is within 10% ({c.samples_per_s:.4g} samples/s) for less"
     return text
 
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, fp16_compress_hook
 
-from disttrain.compression import two_phase
+from disttrain.compression import collectives, two_phase
 from disttrain.compression.compressor import Compressor, Counters
 from disttrain.compression.powersgd import PowerSGDBuckets, powersgd_hook_for
 from disttrain.config import CompressionConfig
@@ -161,11 +161,19 @@ def run_hook(state: CompressionHook, bucket: dist.GradBucket) -> Future[torch.Te
 
 
 class GatherHook(CompressionHook):
-    """quantization, topk: encode, all-gather the payloads, decode and average them all."""
+    """quantization, topk: encode, all-gather the payloads, decode and average them all.
 
-    def __init__(self, compressor: Compressor, names: Mapping[int, str]):
+    `dense_when_cheaper`: a bucket whose payloads would cost more to all-gather than the
+    dense tensor to all-reduce (`collectives.cheapest`: top-k once (n - 1)·k outgrows the
+    tensor) goes dense instead: each rank decodes its own payload and the decoded tensors
+    are all-reduced. The error feedback is the payload's either way; the decision depends
+    only on the bucket's sizes and the world size, so every rank takes the same path.
+    """
+
+    def __init__(self, compressor: Compressor, names: Mapping[int, str], dense_when_cheaper: bool = False):
         super().__init__(compressor.scheme, names)
         self.compressor = compressor
+        self.dense_when_cheaper = dense_when_cheaper
 
     def hook(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
         started = time.perf_counter()
@@ -175,13 +183,17 @@ class GatherHook(CompressionHook):
         # Committed at once: a payload handed to the collective is never refused in DDP, and
         # a failed collective ends the run, which resumes from a checkpoint before this step.
         self.compressor.commit(encoded)
+        n, dense_bytes = dist.get_world_size(), buffer.numel() * buffer.element_size()
+        if self.dense_when_cheaper and collectives.cheapest(n, encoded.nbytes, dense_bytes, False) == \
+                collectives.DENSE:
+            return self._dense(buffer, encoded, segments, started)
         # A bucket of zero-size gradients has an empty payload, which frombuffer refuses.
         payload = torch.frombuffer(bytearray(encoded.data), dtype=torch.uint8) if encoded.data \
             else torch.empty(0, dtype=torch.uint8)
         payload = payload.to(buffer.device)
         self.stats.record(encoded.dense_bytes, encoded.nbytes, encoded.dense_segments,
                           time.perf_counter() - started)
-        parts = [torch.empty_like(payload) for _ in range(dist.get_world_size())]
+        parts = [torch.empty_like(payload) for _ in range(n)]
         gathered = dist.all_gather(parts, payload, async_op=True).get_future()
 
         def average(done: Future) -> torch.Tensor:
@@ -197,6 +209,25 @@ class GatherHook(CompressionHook):
             return buffer
 
         return gathered.then(average)
+
+    def _dense(self, buffer: torch.Tensor, encoded: Any, segments: list[tuple[str, int]],
+               started: float) -> Future[torch.Tensor]:
+        """This rank's payload decoded, all-reduced dense: the same average of the payloads
+        (the ring's reduction gives every rank the same bits), in dense bytes."""
+        decoded = torch.zeros(buffer.numel(), dtype=buffer.dtype)
+        if encoded.data:
+            self.compressor.decode(memoryview(bytes(encoded.data)), segments, decoded)
+        decoded = decoded.to(buffer.device)
+        self.stats.record(encoded.dense_bytes, decoded.numel() * decoded.element_size(),
+                          encoded.dense_segments, time.perf_counter() - started)
+        reduced = dist.all_reduce(decoded, async_op=True).get_future()
+
+        def average(done: Future) -> torch.Tensor:
+            done.value()
+            buffer.copy_(decoded.div_(dist.get_world_size()))
+            return buffer
+
+        return reduced.then(average)
 
     def _state(self) -> dict[str, torch.Tensor]:
         state = self.compressor.state_dict()
@@ -406,24 +437,40 @@ class TwoPhaseHook(CompressionHook):
 
 
 def build_ddp_hook(section: CompressionConfig, named_parameters: Iterable[tuple[str, nn.Parameter]],
-                   seed: int, rank_seed: int) -> CompressionHook:
+                   seed: int, rank_seed: int, world_size: int | None = None) -> CompressionHook:
     """The hook and state of `section.type`.
 
     Args:
         named_parameters: the model's (the module DDP wraps); names key the state.
         seed: the same on every rank (PowerSGD's random start of Q must agree).
         rank_seed: this rank's own (quantization's stochastic rounding, drawn per rank).
+        world_size: the ranks the run starts with, for `compression.ddp_collective: auto`
+            (default: the process group's size, else 1).
     Raises:
         ValueError: an unknown compression type.
     """
     names = {id(parameter): name for name, parameter in named_parameters}
-    if section.type == "quantization" and section.ddp_collective == "two_phase":
+    if section.type == "quantization" and resolved_collective(section, world_size) == collectives.TWO_PHASE:
         return TwoPhaseHook(names, section.error_feedback)
     if section.type in ("quantization", "topk"):
-        return GatherHook(Compressor.from_config(section, rank_seed), names)
+        return GatherHook(Compressor.from_config(section, rank_seed), names,
+                          dense_when_cheaper=section.ddp_collective == "auto")
     if section.type in HalfPrecisionHook.HOOKS:
         return HalfPrecisionHook(section.type, names)
     if section.type == "powersgd":
         return PowerSGDHook(section, seed, names)
     raise ValueError(f"compression.type: unknown type {section.type!r}; use quantization, topk, fp16, "
                      "bf16 or powersgd")
+
+
+def resolved_collective(section: CompressionConfig, world_size: int | None = None) -> str:
+    """`compression.ddp_collective` as the hook runs it: `auto` is two-phase for int8
+    rounded to nearest where it moves fewer bytes than gathering (more than 2 ranks), else
+    gather (whose buckets may still go dense, `GatherHook`). Decided once, at the start:
+    a hook keeps one error-feedback state for the run."""
+    if section.ddp_collective != "auto":
+        return section.ddp_collective
+    n = world_size if world_size is not None else (dist.get_world_size() if dist.is_initialized() else 1)
+    # int8's payload is a quarter of fp32's: only the ratio matters between gather and two-phase
+    two_phase_ok = section.type == "quantization" and not section.stochastic_rounding
+    return collectives.cheapest(n, 1.0, 4.0, two_phase_ok) if two_phase_ok else collectives.GATHER

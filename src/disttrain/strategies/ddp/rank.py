@@ -78,13 +78,13 @@ def wrap_model(module: torch.nn.Module, ddp: DDPConfig, runtime: rt.Runtime) -> 
                                    static_graph=ddp.static_graph)
 
 
-def compression_hook(compression: CompressionConfig, seed: int, module: torch.nn.Module, rank: int
-                     ) -> CompressionHook | None:
+def compression_hook(compression: CompressionConfig, seed: int, module: torch.nn.Module, rank: int,
+                     world_size: int) -> CompressionHook | None:
     """The run's gradient-compression hook (`seed`: the training seed), or None when
     compression is off."""
     if not compression.enabled:
         return None
-    return build_ddp_hook(compression, module.named_parameters(), seed, training_seed(seed, rank))
+    return build_ddp_hook(compression, module.named_parameters(), seed, training_seed(seed, rank), world_size)
 
 
 class RankParticipant:
@@ -114,7 +114,8 @@ class RankParticipant:
         # last backward, whose all-reduce (and compression hook) has finished by then.
         self.stepper = OptimizerStep(self.optimizer, training, self.precision.scaler)
         self.comm = CommStats()
-        self.compression = compression_hook(compression, training.seed, self.module, runtime.info.rank)
+        self.compression = compression_hook(compression, training.seed, self.module, runtime.info.rank,
+                                            runtime.info.world_size)
         local_updates = LocalUpdates.of(training)
         # With local updates the rank steps its plain model: nothing crosses the network in a round.
         self.rounds = None if local_updates is None else LocalRounds(local_updates, self.module,

@@ -56,7 +56,9 @@ def live_compression(config: Config, module: torch.nn.Module, slot: int) -> Comp
     if not config.compression.enabled:
         return None
     seed = config.training.seed
-    return build_ddp_hook(config.compression, module.named_parameters(), seed, training_seed(seed, slot))
+    # `auto` chooses the collective once, for the size the run starts at
+    return build_ddp_hook(config.compression, module.named_parameters(), seed, training_seed(seed, slot),
+                          config.system.num_workers)
 
 
 def compressed_average(hook: CompressionHook, flat: torch.Tensor,
