@@ -20,7 +20,9 @@ import torch.multiprocessing as mp
 
 from disttrain.config import CompressionConfig, Config
 
-SCHEMES = ("topk", "quantization", "fp16", "bf16", "powersgd")
+SCHEMES = ("topk", "quantization", "two_phase", "fp16", "bf16", "powersgd")
+# two_phase: int8 combined by the two-phase collective (`compression.ddp_collective`)
+SECTIONS = {"two_phase": {"type": "quantization", "ddp_collective": "two_phase"}}
 STEPS = 4
 
 
@@ -34,7 +36,8 @@ def rank_main(rank: int, port: int, scheme: str, out_dir: str) -> None:
     )
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    config = replace(Config(), compression=CompressionConfig(enabled=True, type=scheme, ratio=0.25))
+    section = SECTIONS.get(scheme, {"type": scheme})
+    config = replace(Config(), compression=CompressionConfig(enabled=True, ratio=0.25, **section))
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(32, 24), torch.nn.ReLU(), torch.nn.Linear(24, 3))
     params = list(module.parameters())
@@ -85,6 +88,8 @@ def test_every_scheme_averages_the_flat_buffer_alike_on_every_rank(tmp_path, sch
         assert record["left_after_load"] == []
         if scheme in ("topk", "quantization"):
             assert record["residual_names"] and all("/residual/" in n for n in record["residual_names"])
+        if scheme == "two_phase":  # phase 1's rounding and the owned chunk's: both this rank's own
+            assert {n.split("/")[1] for n in record["residual_names"]} == {"residual", "owned"}
         if scheme == "powersgd":  # after the plain first iterations, P and Q are shared
             assert any("/q/" in name for name in record["shared_names"])
 

@@ -22,7 +22,8 @@ takes the same copy, so they still agree, and a warm start only seeds the next p
 iteration.
 
 What is not handed over: each member's own error-feedback residual (top-k's and
-quantization's `residual/...`, PowerSGD's `error/...`). After every change of group (a
+quantization's `residual/...`, the two-phase collective's `owned/...` too, PowerSGD's
+`error/...`). After every change of group (a
 re-form, a rejoin, a resume) every member starts again from a zero residual
 (`clear_residuals`), the source of the state included. That is sound: a residual is the
 gradient mass this rank's earlier payloads left out, and error feedback converges from
@@ -45,6 +46,7 @@ from disttrain.compression.ddp_hooks import (
     FlatBucket,
     GatherHook,
     PowerSGDHook,
+    TwoPhaseHook,
     build_ddp_hook,
 )
 from disttrain.config import Config
@@ -90,6 +92,9 @@ def clear_residuals(hook: CompressionHook) -> None:
     in flight from a group that is gone is waited for."""
     if isinstance(hook, GatherHook):
         hook.compressor.residuals.clear()  # a missing residual reads as zeros
+    elif isinstance(hook, TwoPhaseHook):  # both roundings', the owner's laid out for the old group
+        hook.residuals.clear()
+        hook.owner_residuals.clear()
     elif isinstance(hook, PowerSGDHook):
         hook.buckets.state.error_dict.clear()  # the hook starts a missing one at zeros
         hook.buckets.pending.errors.clear()
@@ -113,4 +118,4 @@ def load_shared_state(hook: CompressionHook, state: dict[str, Any]) -> None:
 
 def _is_residual(name: str) -> bool:
     _, _, rest = name.partition("/")
-    return rest.startswith(("residual/", "error/"))
+    return rest.startswith(("residual/", "error/", "owned/"))
