@@ -7,8 +7,8 @@ the servers answer the steps they already applied as duplicates, so each step is
 once. Its key (see `server.identity`) is kept in that folder too, so a restart presents
 it again and takes its worker id back. `checkpoint_dir` may be a store's URL
 (`s3://bucket/run`; see `core.object_store`): the folder is then a key prefix there.
-In sync mode SIGTERM stops it, with the other workers, at a step they agree on, with its
-checkpoint of that step (`worker.preemption`); exit code 143.
+SIGTERM stops it, with the other workers, at a step they agree on, with its checkpoint of
+that step (`worker.preemption`); exit code 143.
 """
 
 from __future__ import annotations
@@ -164,7 +164,8 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                                         training.batch_size, faults,
                                         precision=Precision(worker_precision(training.precision)), away=away,
                                         rounds=None if local_updates is None
-                                        else WorkerRounds(local_updates, model, flat, grads, training))
+                                        else WorkerRounds(local_updates, model, flat, grads, training),
+                                        start_barrier=start_barrier(config))
         if local_updates is not None and rank == 0:
             logger.info("%s", local_updates.describe())
         checkpoints = LocalCheckpoints(object_store.join(system.checkpoint_dir, f"worker{rank}"),
@@ -173,8 +174,8 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                             Path(system.log_dir) / f"worker{rank}", faults,
                             lambda total, done: EventProgress(rank, total, done), announce=rank == 0,
                             rebalancer=rebalancer, on_metrics=metrics.publish, loader=loader,
-                            stop_requested=preemption_agreement(config, assignment.aggregation_mode, client,
-                                                                worker_id, lambda: loop.position.step))
+                            stop_requested=preemption_agreement(config, client, worker_id,
+                                                                lambda: loop.position.step))
         with sigterm_agrees_stop(loop.stop_requested):
             result = loop.run(options.resume)
         summary = finish(config, client, participant, result, flat, started)
@@ -188,17 +189,26 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
         client.close()
 
 
-def preemption_agreement(config: Config, mode: str, client: PSClient, worker_id: str,
-                         current_step: Callable[[], int]) -> PreemptionAgreement | None:
-    """How a synchronous worker stops on SIGTERM: at a step every worker agrees on, at a
-    barrier on shard 0 named by its incarnation (one per launch: a resumed run's shard
-    keeps the barriers of earlier ones). None in async and SSP mode, where SIGTERM keeps
-    its default (their workers wait for no peer's push; the shards' ledgers redo nothing)."""
-    if mode != "sync":
-        return None
-    name = f"preempt@{client.shards[0].incarnation}"
-    return PreemptionAgreement(lambda step: client.barrier(worker_id, name, [float(step)]), current_step,
-                               config.system.preemption_grace_s)
+def start_barrier(config: Config) -> str:
+    """The barrier the workers of one launch meet at before their first step, named by the
+    launch's coordinator (a launcher's own listens on a port of its own): a run resumed as
+    a whole meets again, where a name kept from the earlier launch would let the first
+    worker to start step alone on the shards (the others not yet live there), unlike the
+    uninterrupted run. Without a coordinator the one name of every launch, kept as before
+    (as it is under a coordinator the user runs at one address)."""
+    address = config.coordinator.address
+    return "start" if not address else f"start@{address}"
+
+
+def preemption_agreement(config: Config, client: PSClient, worker_id: str, current_step: Callable[[], int]
+                         ) -> PreemptionAgreement:
+    """How a worker stops on SIGTERM: at a step every worker agrees on, at a barrier on
+    shard 0 named by its incarnation as the worker knows it when the signal comes (one per
+    start of the shard: a resumed run's shard keeps the barriers of earlier launches)."""
+    def agree(step: int) -> list[list[float]]:
+        return client.barrier(worker_id, f"preempt@{client.shards[0].incarnation}", [float(step)])
+
+    return PreemptionAgreement(agree, current_step, config.system.preemption_grace_s)
 
 
 def balance_sampler(system: SystemConfig, training: TrainingConfig, client: PSClient, worker_id: str,

@@ -80,6 +80,10 @@ class WorkerParticipant:
     # The block of this worker's last push the exchange saw taken (-1: none yet); saved in
     # its checkpoints, so a resume can tell a checkpoint ahead of the shards (`unapplied`).
     last_block: int = -1
+    # Where the workers meet before their first step: every start of a worker arrives, a
+    # restarted one finding it passed. One per launch (`run.worker`): a run resumed as a
+    # whole meets again, or a worker starting early would step alone on the shards.
+    start_barrier: str = "start"
 
     @property
     def batches_per_epoch(self) -> int:
@@ -91,7 +95,7 @@ class WorkerParticipant:
         return sum(block_length(self.sampler, self.batch_size, b) for b in self.exchange.dropped)
 
     def start(self) -> None:
-        self.client.barrier(self.worker_id, "start")
+        self.client.barrier(self.worker_id, self.start_barrier)
 
     def step(self, batches: list[torch.Tensor], info: StepInfo) -> StepResult:
         (indices,) = batches

@@ -1,11 +1,12 @@
-"""Preemption of a synchronous parameter-server worker: SIGTERM (a scheduler reclaiming the
-machine, or the launcher forwarding its own) stops every worker at one step, each with its
-checkpoint of that step, so the shards' ledgers and every worker's checkpoint agree and
-`--resume` goes on bit-identical.
+"""Preemption of a parameter-server worker: SIGTERM (a scheduler reclaiming the machine, or
+the launcher forwarding its own) stops every worker at one step, each with its checkpoint
+of that step, so the shards' ledgers and every worker's checkpoint agree and `--resume`
+goes on (bit-identical in sync mode).
 
 The signal reaches the workers at different points of their steps, and a synchronous step
 needs every worker's push: a worker that stopped a step before the others would leave them
-waiting for ever. So a worker does not stop where it is told: it agrees with the others.
+waiting for ever (in every mode, at an epoch's end, where all meet to evaluate). So a
+worker does not stop where it is told: it agrees with the others.
 Its handler notes the step it has committed to finish (the one it is in, or the next if it
 passed its last stop point) and, on a thread of its own, arrives at a barrier on shard 0
 with it (`PSClient.barrier`: an all-gather). The barrier completes once every worker has
@@ -23,8 +24,8 @@ signalled: workers started by hand) stops at its next stop point once
 when it runs the workers. A second SIGTERM changes nothing: a worker may get one from the
 machine's shutdown and one forwarded by the launcher.
 
-Asynchronous and SSP workers need no agreement and are not covered: they keep SIGTERM's
-default (see `run.worker`).
+In async and SSP mode the workers' steps drift apart: one behind goes on alone to the step
+agreed (no push of it waits for the others'), one ahead waits for none at its own.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ GRACE_KEY = "system.preemption_grace_s"
 
 
 class PreemptionAgreement:
-    """The training loop's `stop_requested` of a synchronous worker (see the module).
+    """The training loop's `stop_requested` of a worker (see the module).
 
     Args:
         agree: arrives at the run's preemption barrier with the step this worker committed
