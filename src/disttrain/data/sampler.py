@@ -6,6 +6,13 @@ evenly is left out of that epoch; the next permutation puts other samples there)
 sampler remembers how far into its shard it has gone, so a run resumed from its
 `state_dict()` continues at the next sample: none repeated, none skipped.
 
+A DDP run resumed on another number of ranks re-splits the epoch it stopped in
+(`resplit_state`): the samples the epoch still owes (the rest of every old shard) become
+that epoch's list, cut into the new number of shards the same way (its tail of fewer than
+`world_size` samples is left out of the epoch, as a permutation's is). The list travels in
+the state (`order`), so a run stopped again within that epoch re-splits it again, on any
+size, and every sample of the epoch is still trained once.
+
 A run that splits its batches by speed (`system.balance`) draws from `PlannedSampler`
 (`data.planned`) instead.
 """
@@ -13,6 +20,7 @@ A run that splits its batches by speed (`system.balance`) draws from `PlannedSam
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -47,10 +55,14 @@ class ShardedSampler:
         self.shuffle = shuffle
         self.epoch = 0
         self.position = 0
+        # The current epoch's samples when a resize re-split it (`resplit_state`); None
+        # while the epoch is its whole permutation.
+        self.order: torch.Tensor | None = None
 
     def __len__(self) -> int:
-        """Samples in this rank's shard per epoch."""
-        return self.num_samples // self.world_size
+        """Samples in this rank's shard of the current epoch."""
+        total = self.num_samples if self.order is None else len(self.order)
+        return total // self.world_size
 
     def batch_size(self, default: int) -> int:
         """This rank's batch: `default` (a balanced run's sampler decides it by its plan)."""
@@ -71,15 +83,18 @@ class ShardedSampler:
         if epoch != self.epoch:
             self.epoch = epoch
             self.position = 0
+            self.order = None
 
     def shard(self, epoch: int | None = None) -> torch.Tensor:
         """All indices of this rank's shard for `epoch` (default: the current one)."""
         epoch = self.epoch if epoch is None else epoch
-        if self.shuffle:
+        if self.order is not None and epoch == self.epoch:
+            order = self.order
+        elif self.shuffle:
             order = epoch_permutation(self.num_samples, self.seed, epoch)
         else:
             order = torch.arange(self.num_samples)
-        length = len(self)
+        length = len(order) // self.world_size
         return order[self.rank * length:(self.rank + 1) * length]
 
     def consumed(self) -> torch.Tensor:
@@ -104,11 +119,15 @@ class ShardedSampler:
             self.position += len(batch)
             yield batch
 
-    def state_dict(self) -> dict[str, int]:
-        return {"num_samples": self.num_samples, "world_size": self.world_size, "rank": self.rank,
-                "seed": self.seed, "epoch": self.epoch, "position": self.position}
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"num_samples": self.num_samples, "world_size": self.world_size,
+                                 "rank": self.rank, "seed": self.seed, "epoch": self.epoch,
+                                 "position": self.position}
+        if self.order is not None:  # only a re-split epoch carries its list
+            state["order"] = self.order.clone()
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position (another rank's too: DDP saves rank 0's). The data set size,
         world size and seed must match, or the saved position would name other samples.
 
@@ -122,8 +141,64 @@ class ShardedSampler:
         if "plans" in state or "shares" in state:
             raise ValueError("sampler state has a balance plan but this run has none; resume with "
                              "the run's system.balance")
+        order = state.get("order")
+        if order is not None:
+            order = _checked_order(order, self.num_samples)
+        length = (self.num_samples if order is None else len(order)) // self.world_size
         position = int(state["position"])
-        if not 0 <= position <= len(self):
-            raise ValueError(f"sampler position {position} is outside [0, {len(self)}]")
+        if not 0 <= position <= length:
+            raise ValueError(f"sampler position {position} is outside [0, {length}]")
         self.epoch = int(state["epoch"])
         self.position = position
+        self.order = order
+
+
+def _checked_order(order: Any, num_samples: int) -> torch.Tensor:
+    """A re-split epoch's list from a checkpoint: distinct indices of the data set."""
+    if not isinstance(order, torch.Tensor) or order.dim() != 1 or order.is_floating_point():
+        raise ValueError("sampler state's order is not a list of sample indices")
+    order = order.to(torch.int64)
+    if len(order) and (int(order.min()) < 0 or int(order.max()) >= num_samples):
+        raise ValueError(f"sampler state's order names samples outside [0, {num_samples})")
+    if len(torch.unique(order)) != len(order):
+        raise ValueError("sampler state's order names a sample twice")
+    return order
+
+
+def owed(state: dict[str, Any]) -> torch.Tensor:
+    """The samples of the state's epoch not yet handed out by any of its ranks: the rest
+    of every rank's shard past the common position, in rank order.
+
+    Raises:
+        ValueError: the state is not a valid sampler state.
+    """
+    layout = ShardedSampler(int(state["num_samples"]), world_size=int(state["world_size"]),
+                            seed=int(state["seed"]))
+    layout.load_state_dict(state)
+    rest = []
+    for rank in range(layout.world_size):
+        layout.rank = rank
+        rest.append(layout.remaining())
+    return torch.cat(rest)
+
+
+def resplit_state(state: dict[str, Any], world_size: int, rank: int) -> dict[str, Any]:
+    """The sampler state of rank `rank` of `world_size` that goes on from `state`, written
+    by another number of ranks (all at one position, as DDP's are).
+
+    At the start of an epoch the new layout is the epoch's permutation, cut as usual.
+    Within an epoch, the epoch's list becomes what it still owes (`owed`), cut into
+    `world_size` contiguous shards at position 0; its last `len % world_size` samples are
+    left out of the epoch, as a permutation's tail is.
+
+    Raises:
+        ValueError: the state is not a valid sampler state, or it has a balance plan.
+    """
+    if "plans" in state or "shares" in state:
+        raise ValueError("sampler state has a balance plan, which is made for its number of ranks; "
+                         f"resume with --world-size {int(state['world_size'])}")
+    base = {"num_samples": int(state["num_samples"]), "world_size": world_size, "rank": rank,
+            "seed": int(state["seed"]), "epoch": int(state["epoch"]), "position": 0}
+    if int(state["position"]) == 0 and "order" not in state:
+        return base
+    return {**base, "order": owed(state)}
