@@ -53,6 +53,7 @@ from disttrain.core.processes import thread_count
 from disttrain.core.store_check import check_checkpoint_dir
 from disttrain.data import load_datasets
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
+from disttrain.strategies.ddp import resize
 from disttrain.strategies.ddp import runtime as rt
 from disttrain.strategies.ddp.agent import GroupBudget, PreemptibleAgent, budgeted_agent
 from disttrain.strategies.ddp.coordination import RunCoordinator, run_coordinator
@@ -162,6 +163,8 @@ def launch(config: Config, options: RunOptions) -> RunSummary | None:
     """
     started = time.perf_counter()
     plan = preflight(config, options.resume)
+    if options.resume:  # a checkpoint of another number of ranks keeps its global batch
+        config = resize.resumed_config(config)
     if config.ddp.rdzv_endpoint:
         wait_for_endpoint(config.ddp.rdzv_endpoint, config.ddp.timeout_s)
     log_dir = Path(config.system.log_dir)

@@ -10,7 +10,7 @@ A step takes `grad_accumulation_steps` micro-batches; all but the last run under
 `no_sync()`, so gradients cross the network once per step. With local updates
 (`training.sync_every` > 1) the rank trains its plain model and synchronises once per
 round instead (`local_updates`). An elastic restart (`restart_count > 0`) resumes from
-the newest checkpoint.
+the newest checkpoint, one of another number of ranks too (`resize`).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
 from disttrain.training.precision import Precision, plan_precision
 from disttrain.training.rebalance import plan_summary
+from disttrain.training.schedule import INITIAL_LR
 from disttrain.training.seeding import seed_training, training_seed
 from disttrain.training.stepping import OptimizerStep
 from disttrain.training.strategy import StepInfo
@@ -121,6 +122,8 @@ class RankParticipant:
         self.rounds = None if local_updates is None else LocalRounds(local_updates, self.module,
                                                                      self.compression)
         self.model = self.module if self.rounds is not None else self._wrap(ddp)
+        self.resized_from: int | None = None  # the world size of a resized checkpoint
+        self.samples_extra = 0  # rank 0's samples over the others' since a resize
         if local_updates is not None and runtime.info.is_main:
             logger.info("%s", local_updates.describe())
 
@@ -176,10 +179,13 @@ class RankParticipant:
         return self.model.no_sync()
 
     def summary_fields(self) -> dict[str, Any]:
-        """The summary's local-update fields: the settings and the rounds completed ({} without)."""
+        """The summary's local-update fields (the settings and the rounds completed), and the
+        world size a resized checkpoint was written by."""
+        fields: dict[str, Any] = {} if self.resized_from is None else {
+            "resized_from_world_size": self.resized_from}
         if self.rounds is None:
-            return {}
-        return {**self.rounds.settings.summary_fields(), "local_rounds": self.rounds.rounds}
+            return fields
+        return {**fields, **self.rounds.settings.summary_fields(), "local_rounds": self.rounds.rounds}
 
     def evaluate(self, epoch: int) -> EvalResult:
         info = self.runtime.info
@@ -194,6 +200,10 @@ class RankParticipant:
         if self.rounds is not None:  # the outer state is every rank's; the local state its own
             state["outer"] = self.rounds.outer.state_dict()
             state["local"] = self.rounds.local_state(self.optimizer)
+        if self.samples_extra:  # what a later resize needs to count the run's samples
+            state["samples_extra"] = self.samples_extra
+        if self.resized_from is not None:  # its batch was resized: a later resume keeps it
+            state["resized_from"] = self.resized_from
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -210,11 +220,16 @@ class RankParticipant:
             self.rounds.outer.take_start(self.rounds.params)
         self.stepper.load_state_dict(state)
         self.precision.load_state_dict(state["grad_scaler"])
-        if self.compression is not None:
-            if "compression" not in state:
-                raise ValueError("it was written without gradient compression; resume with "
-                                 "compression.enabled=false")
+        self.samples_extra = int(state.get("samples_extra", 0))
+        if "resized_from" in state:  # the checkpoint's rate goes on: the global batch is kept
+            self.resized_from = int(state["resized_from"])
+            self.learning_rate = float(self.optimizer.param_groups[0].get(INITIAL_LR, self.learning_rate))
+        # A resize dropped the old ranks' residuals (`resize`): this hook's fresh state goes on.
+        if self.compression is not None and "compression" in state:
             self.compression.load_state_dict(state["compression"])
+        elif self.compression is not None and self.resized_from is None:
+            raise ValueError("it was written without gradient compression; resume with "
+                             "compression.enabled=false")
 
 
 def run_rank(config: Config, info: rt.RankInfo, options: RunOptions) -> RunSummary | None:
@@ -258,7 +273,8 @@ def _train(config: Config, runtime: rt.Runtime, options: RunOptions, started: fl
     agreement = StopAgreement(rank_signal.requested, runtime.device)
     loop = TrainingLoop(
         LoopSettings.of(training, config.to_dict(), config.ddp.grad_accumulation_steps), participant,
-        sampler, RankZeroCheckpoints(system.checkpoint_dir, system.checkpoint_keep, runtime),
+        sampler, RankZeroCheckpoints(system.checkpoint_dir, system.checkpoint_keep, runtime,
+                                     seed=training.seed, batch_size=training.batch_size),
         log_dir / f"rank{info.rank}", faults,
         lambda total, done: Progress(total, "train", initial=done, enabled=info.is_main),
         announce=info.is_main, config_path=log_dir / "config.yaml" if info.is_main else None,

@@ -6,7 +6,8 @@ into a plain module) stands for all. The sampler position is the same on every r
 too (equal shards, equal batches). The entries of `PER_RANK` (RNG states, a compression
 hook's state, and with local updates each rank's own model and inner optimizer within a
 round) differ per rank: every rank's is kept, in rank order, gathered as tensors
-(never pickled over the network), and each rank loads its own.
+(never pickled over the network), and each rank loads its own. A checkpoint of another
+number of ranks is resized as it loads (`resize`).
 
 The folder may be a store's URL (`s3://bucket/run`; see `core.object_store`): every
 rank then reads the checkpoint rank 0 chose from the store, so nodes need no shared file
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
 from disttrain.core.errors import CheckpointError
-from disttrain.strategies.ddp import rng
+from disttrain.strategies.ddp import resize, rng
 from disttrain.strategies.ddp import runtime as rt
 
 NO_CHECKPOINT = -1
@@ -39,10 +40,15 @@ PER_RANK: dict[str, Codec] = {"rng": (rng.encode, rng.decode), "compression": (d
 class RankZeroCheckpoints:
     """The checkpoint store of one rank; `choose` and `save` are collectives."""
 
-    def __init__(self, folder: str | Path, keep: int, runtime: rt.Runtime):
+    def __init__(self, folder: str | Path, keep: int, runtime: rt.Runtime, *, seed: int = 0,
+                 batch_size: int = 0):
+        """`seed` and `batch_size` (the run's training seed and per-rank batch) are what a
+        resize needs: the new ranks' RNG seeds, and the check that the global batch is kept."""
         self.folder = folder if object_store.is_url(folder) else Path(folder)
         self.keep = keep
         self.runtime = runtime
+        self.seed = seed
+        self.batch_size = batch_size
 
     def choose(self, resume: bool) -> Path | str | None:
         """Rank 0 picks the checkpoint and tells the others (one broadcast), so every rank
@@ -73,11 +79,17 @@ class RankZeroCheckpoints:
         """The checkpoint, with each `PER_RANK` entry holding this rank's own.
 
         Raises:
-            CheckpointError: unreadable, or written by another number of ranks.
+            CheckpointError: unreadable, or its per-rank entries do not match its ranks.
+            ConfigError: written by another number of ranks, and it cannot be resized to
+                this run's (see `resize.resize_state`).
         """
         state = ckpt.load_checkpoint(path)
         ckpt.require_keys(state, ("rng",), path)
         world_size, rank = self.runtime.info.world_size, self.runtime.info.rank
+        written = resize.written_world_size(state)
+        if written != world_size and state.get("strategy") == "ddp":
+            ckpt.require_keys(state, ("position", "sampler", "config"), path)
+            return resize.resize_state(state, world_size, rank, self.seed, self.batch_size)
         for key in PER_RANK.keys() & state.keys():
             if not isinstance(state[key], list) or len(state[key]) != world_size:
                 written = len(state[key]) if isinstance(state[key], list) else 1
