@@ -2,11 +2,12 @@
 
 The built-in image sets are small enough to hold in memory, so a batch is one indexed
 gather (`images[indices]`), with no loader processes to start or to shut down. Beside
-them: `text:FILE` (`data.text`), `image-folder:DIR` (`data.image_folder`),
-`torchvision:NAME` (`data.vision`, the sets of torchvision.datasets), the synthetic
-sets of any image shape (`synthetic:3x32x32`) and of tokens (`synthetic:text`), and a user's
-factory, `PATH.py:NAME`, `module:NAME` or an entry point of group `disttrain.datasets`,
-which returns `(train, test, description)`: two map-style data sets of `(input, target)`
+them: `text:FILE` (`data.text`; FILE a path or any fsspec URL, cached by
+`data.store_cache`), `image-folder:DIR` (`data.image_folder`), `torchvision:NAME`
+(`data.vision`, the sets of torchvision.datasets), the synthetic sets of any image shape
+(`synthetic:3x32x32`) and of tokens (`synthetic:text`), and a user's factory,
+`PATH.py:NAME`, `module:NAME` or an entry point of group `disttrain.datasets`, which
+returns `(train, test, description)`: two map-style data sets of `(input, target)`
 items and a `DatasetDescription` (or a dict of its fields).
 """
 
@@ -24,8 +25,9 @@ import numpy as np
 import torch
 
 from disttrain.config import TrainingConfig
+from disttrain.core import object_store
 from disttrain.core.errors import ConfigError, DataError
-from disttrain.data import image_folder, plugins, sources, text, vision
+from disttrain.data import image_folder, plugins, sources, store_cache, text, vision
 from disttrain.data.batching import Collate, pad_collate
 from disttrain.data.description import DatasetDescription
 from disttrain.data.mapped import SUBSET_SEED, BatchedDataset, MappedDataset, subset_indices
@@ -257,7 +259,7 @@ def load_datasets(training: TrainingConfig) -> tuple[BatchedDataset, BatchedData
     """
     name = training.dataset
     if name.startswith(text.PREFIX):
-        train, test = text.load_text(name[len(text.PREFIX):], training.seq_len)
+        train, test = _load_text(name[len(text.PREFIX):], training)
     elif name == SYNTHETIC_TEXT:
         train, test = text.synthetic_text(training.num_samples, training.seq_len)
     elif synthetic_shape(name) is not None:
@@ -275,6 +277,15 @@ def load_datasets(training: TrainingConfig) -> tuple[BatchedDataset, BatchedData
         collate = collate_function(training)
         train, test = (split.batched_by(collate, training.target_key) for split in (train, test))
     return train, test
+
+
+def _load_text(location: str, training: TrainingConfig) -> tuple[text.TextWindows, text.TextWindows]:
+    """`text:FILE` of a local path, or of a URL through its cached copy (the same bytes, so
+    the same windows, in every process)."""
+    if not object_store.is_url(location):
+        return text.load_text(location, training.seq_len)
+    copy = store_cache.local_copy(location, training.data_dir, training.download)
+    return text.load_text(copy, training.seq_len, name=object_store.basename(location))
 
 
 def collate_function(training: TrainingConfig) -> Collate | None:

@@ -1,5 +1,8 @@
 """`text:FILE`: any UTF-8 text as a byte-level language-modelling data set.
 
+FILE is a local path or any fsspec URL (`text:s3://bucket/corpus.txt`), which is read
+from its copy in the data folder's cache (`data.store_cache`).
+
 Tokens are the file's bytes (vocabulary 256, so any text and any language, no tokenizer
 to ship). The stream is cut into consecutive windows of `seq_len + 1` tokens that overlap
 by one: a sample's input is a window's first `seq_len` tokens and its target the same
@@ -61,8 +64,12 @@ class TextWindows:
         return self if keep is None else TextWindows(self.name, self.tokens, self.starts[keep], self.seq_len)
 
 
-def load_text(path: str, seq_len: int) -> tuple[TextWindows, TextWindows]:
+def load_text(path: str | Path, seq_len: int, name: str | None = None) -> tuple[TextWindows, TextWindows]:
     """The train and test windows of the UTF-8 file at `path`.
+
+    Args:
+        name: the file's name in the data set's name (`text:NAME`); by default `path`'s
+            (a cached copy of an object passes the object's).
 
     Raises:
         DataError: the file is missing, unreadable, not UTF-8, or too short for one train
@@ -85,7 +92,7 @@ def load_text(path: str, seq_len: int) -> tuple[TextWindows, TextWindows]:
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
     starts = torch.arange(num_windows) * seq_len
     num_test = max(1, int(num_windows * TEST_FRACTION))
-    name = f"{PREFIX}{file.name}"
+    name = f"{PREFIX}{name or file.name}"
     return (TextWindows(name, tokens, starts[:-num_test], seq_len),
             TextWindows(name, tokens, starts[-num_test:], seq_len))
 

@@ -1,0 +1,132 @@
+"""`text:s3://...` against a real S3-compatible server (moto's, started here on a free
+port): a baseline run reads the object through its cached copy and ends bit for bit where a
+run on the same text as a local file does; preempted mid-epoch and resumed, it ends there
+too; a second run on the same data folder fetches nothing, and a changed object is fetched
+again; a 2-worker parameter-server run applies every sample once; a missing object is one
+line, exit code 2, before the run. Skipped, with the reason, where moto's server or s3fs is
+missing."""
+
+import json
+import random
+import re
+
+import pytest
+import test_checkpoint_store_cli as store_cli
+import torch
+
+# The checkpoint store's fixtures: moto's server (one for this module) and a fresh bucket
+# that this process reaches as the runs do.
+moto_port, bucket, endpoint_env = store_cli.moto_port, store_cli.bucket, store_cli.endpoint_env
+
+s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'disttrain[s3]')")
+
+TINY_GPT = "training.model_args={n_layer: 1, n_head: 2, n_embd: 16}"
+SEQ_LEN, BATCH = 16, 16
+TRAIN = 224  # of the 230 training windows of TEXT (256 windows of 16, the last tenth held out)
+ARGS = ["--model", "gpt_small", "--set", TINY_GPT, "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH),
+        "--max-train-samples", str(TRAIN), "--max-test-samples", "16", "--num-epochs", "2",
+        "--num-threads", "1", "--checkpoint-interval", "1000", "--seed", "7", "--optimizer", "sgd",
+        "--learning-rate", "0.05"]
+STEPS_PER_EPOCH = TRAIN // BATCH
+FETCHED = re.compile(r"training\.dataset: fetched (\S+) \((\d+) bytes\) into ")
+
+
+def corpus(seed: int) -> bytes:
+    """4,097 bytes of words: 256 windows of 16 tokens and the one byte the last target needs."""
+    words = ["store", "cache", "worker", "shard", "step", "ledger", "block", "bucket", "epoch", "rank"]
+    rng = random.Random(seed)
+    text = ""
+    while len(text) < 4097:
+        text += rng.choice(words) + rng.choice([" ", " ", ", ", ".\n"])
+    return text[:4097].encode()
+
+
+def put(url: str, data: bytes) -> None:
+    s3fs.S3FileSystem(skip_instance_cache=True).pipe(url, data)
+
+
+def run(cli, folder, dataset, port, *extra, command="baseline"):
+    folders = ["--data-dir", folder / "data", "--log-dir", folder / "logs", "--checkpoint-dir",
+               folder / "ckpt"]
+    return cli(command, *ARGS, "--dataset", dataset, *folders, *extra, env=endpoint_env(port), timeout=150)
+
+
+def fetches(result) -> list[tuple[str, int]]:
+    return [(url, int(size)) for url, size in FETCHED.findall(result.stderr)]
+
+
+def final_model(folder):
+    return torch.load(folder / "ckpt" / "baseline_final.pt", weights_only=True)["model"]
+
+
+def same(one, other) -> bool:
+    return one.keys() == other.keys() and all(torch.equal(one[k], other[k]) for k in one)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_baseline_on_s3_text_resumes_bit_identical_and_matches_the_local_file(tmp_path, cli, moto_port,
+                                                                                 bucket):
+    url, text = f"s3://{bucket}/corpus.txt", corpus(1)
+    put(url, text)
+    whole = run(cli, tmp_path / "whole", f"text:{url}", moto_port)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert fetches(whole) == [(url, len(text))]  # fetched once: the step before the run and the run share it
+
+    local = tmp_path / "corpus.txt"
+    local.write_bytes(text)
+    from_file = run(cli, tmp_path / "file", f"text:{local}", moto_port)
+    assert from_file.returncode == 0, from_file.stderr[-3000:]
+    assert same(final_model(tmp_path / "whole"), final_model(tmp_path / "file"))
+
+    # Preempted mid-epoch, on the first run's data folder: its copy is read, nothing fetched.
+    cut = tmp_path / "cut"
+    shared = ["--data-dir", tmp_path / "whole" / "data"]
+    stopped = run(cli, cut, f"text:{url}", moto_port, *shared, "--inject", "term:worker=0:step=5")
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert fetches(stopped) == [] and f"training.dataset: {url} read from its cached copy" in stopped.stderr
+    resumed = run(cli, cut, f"text:{url}", moto_port, *shared, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert fetches(resumed) == []
+    summary = json.loads((cut / "logs" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 5 and summary["steps"] == 2 * STEPS_PER_EPOCH
+    assert same(final_model(tmp_path / "whole"), final_model(cut))
+
+    # The object replaced: the next run on that data folder notices and fetches it again.
+    put(url, corpus(2))
+    changed = run(cli, tmp_path / "changed", f"text:{url}", moto_port, *shared, "--num-epochs", "1")
+    assert changed.returncode == 0, changed.stderr[-3000:]
+    assert fetches(changed) == [(url, len(corpus(2)))]
+    assert f"training.dataset: {url} changed in the store since it was cached; fetching it again" in \
+        changed.stderr
+    copies = list((tmp_path / "whole" / "data" / "cache").glob("*/*"))
+    assert [p.read_bytes() for p in copies] == [corpus(2)]  # the old version is gone
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_parameter_server_run_on_s3_text_applies_every_sample_once(tmp_path, cli, moto_port, bucket):
+    url = f"s3://{bucket}/corpus.txt"
+    put(url, corpus(3))
+    result = run(cli, tmp_path, f"text:{url}", moto_port, "--workers", "2", "--heartbeat-interval", "0.2",
+                 command="ps")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["samples_lost"] == 0 and summary["samples_applied"] == 2 * TRAIN
+    # The launcher fetched it (its step before the run); each worker read that copy.
+    logs = {log.name: log.read_text() for log in (tmp_path / "logs").glob("*.log")}
+    workers = [text for name, text in logs.items() if name.startswith("worker")]
+    assert [url for url, _ in fetches(result)] == [url], sorted(logs)
+    assert len(workers) == 2 and all(f"training.dataset: {url} read from its cached copy" in text
+                                     and not FETCHED.search(text) for text in workers), sorted(logs)
+
+
+@pytest.mark.timeout(120)
+def test_a_missing_object_is_one_line_before_the_run(tmp_path, cli, moto_port, bucket):
+    url = f"s3://{bucket}/absent.txt"
+    result = run(cli, tmp_path, f"text:{url}", moto_port)
+    assert result.returncode == 2, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: training.dataset: {url} cannot be read (FileNotFoundError"), last
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "ckpt").exists()  # refused before the run began
