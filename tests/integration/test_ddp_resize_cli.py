@@ -200,3 +200,20 @@ def test_two_ranks_resumed_on_one_train_every_sample_once_and_a_size_off_the_bat
     assert summary["config"]["training"]["batch_size"] == 2 * BATCH_SIZE
     assert summary["samples_processed"] == NUM_EPOCHS * NUM_SAMPLES
     assert summary["resumed_from_step"] == stopped[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_compressed_run_resumed_on_another_size_drops_the_old_ranks_residuals(tmp_path):
+    config_file(tmp_path)
+    topk = ["--compression-enabled", "--compression-type", "topk"]
+    step = stopped_at(ddp(tmp_path, "two", 2, *topk, "--inject", "term:rank=0:step=5"), tmp_path)
+    state = ckpt.load_checkpoint(tmp_path / "ckpt" / ckpt.checkpoint_name(step))
+    assert len(state["compression"]) == 2  # each old rank's residuals, in the checkpoint
+    one = ddp(tmp_path, "one", 1, *topk, "--resume")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert ("compression residuals of the 2 old ranks dropped: they belong to ranks that are gone "
+            "(error feedback starts again from zero)") in one.stderr
+    assert "each rank's RNG re-derived from the seed" in one.stderr
+    assert_each_sample_once_an_epoch(epochs_trained(tmp_path, [("two", 0), ("one", 0)]))
+    assert summary_of(tmp_path)["compression_bytes_sent"] > 0

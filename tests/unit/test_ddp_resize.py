@@ -27,7 +27,8 @@ def test_a_rank_of_another_size_gets_the_re_split_a_derived_rng_and_no_residuals
     seed_training(4, 5 * 3 + 2)  # step 5, rank 2 of 3
     assert torch.equal(states[2]["rng"]["torch"], torch.get_rng_state())
     assert not torch.equal(states[0]["rng"]["torch"], states[2]["rng"]["torch"])
-    assert all("compression" not in state and state["resized_from"] == 2 for state in states)
+    assert all("compression" not in state and state["compression_dropped"] and state["resized_from"] == 2
+               for state in states)
     assert [state["sampler"]["rank"] for state in states] == [0, 1, 2]
     assert len(states[0]["sampler"]["order"]) == 2 * (50 - 30)
     assert sum(state["position"]["samples_processed"] for state in states) == 60

@@ -227,7 +227,7 @@ class RankParticipant:
         # A resize dropped the old ranks' residuals (`resize`): this hook's fresh state goes on.
         if self.compression is not None and "compression" in state:
             self.compression.load_state_dict(state["compression"])
-        elif self.compression is not None and self.resized_from is None:
+        elif self.compression is not None and not state.get("compression_dropped"):
             raise ValueError("it was written without gradient compression; resume with "
                              "compression.enabled=false")
 

@@ -95,6 +95,7 @@ def resize_state(state: dict[str, Any], world_size: int, rank: int, seed: int, b
     resized["sampler"] = resplit_state(state["sampler"], world_size, rank)
     resized["position"], resized["samples_extra"] = spread_samples(state, written, world_size, rank)
     resized["resized_from"] = written
+    resized["compression_dropped"] = "compression" in state
     if rank == 0:
         logger.info("resuming %d ranks' checkpoint (step %d) on %d: model and optimizer kept, the "
                     "epoch's remaining samples re-split, each rank's RNG re-derived from the seed",
