@@ -1,10 +1,11 @@
-"""`text:s3://...` against a real S3-compatible server (moto's, started here on a free
-port): a baseline run reads the object through its cached copy and ends bit for bit where a
-run on the same text as a local file does; preempted mid-epoch and resumed, it ends there
-too; a second run on the same data folder fetches nothing, and a changed object is fetched
-again; a 2-worker parameter-server run applies every sample once; a missing object is one
-line, exit code 2, before the run. Skipped, with the reason, where moto's server or s3fs is
-missing."""
+"""`text:s3://...` and `image-folder:s3://...` against a real S3-compatible server (moto's,
+started here on a free port): a baseline run reads the object through its cached copy and
+ends bit for bit where a run on the same text as a local file does; preempted mid-epoch and
+resumed, it ends there too; a second run on the same data folder fetches nothing, and a
+changed object is fetched again; a 2-worker parameter-server run applies every sample once;
+a missing object is one line, exit code 2, before the run; an image folder in the bucket
+trains as the same local folder does. Skipped, with the reason, where moto's server or s3fs
+is missing."""
 
 import json
 import random
@@ -13,6 +14,8 @@ import re
 import pytest
 import test_checkpoint_store_cli as store_cli
 import torch
+
+from tests.unit.test_text_and_images import write_images
 
 # The checkpoint store's fixtures: moto's server (one for this module) and a fresh bucket
 # that this process reaches as the runs do.
@@ -130,3 +133,25 @@ def test_a_missing_object_is_one_line_before_the_run(tmp_path, cli, moto_port, b
     assert last.startswith(f"error: training.dataset: {url} cannot be read (FileNotFoundError"), last
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "ckpt").exists()  # refused before the run began
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_baseline_on_an_s3_image_folder_matches_the_local_folder(tmp_path, cli, moto_port, bucket):
+    local = tmp_path / "pets"
+    write_images(local, per_class=8)
+    url = f"s3://{bucket}/pets"
+    s3fs.S3FileSystem(skip_instance_cache=True).put(str(local), f"{bucket}/pets", recursive=True)
+    args = ["--model", "mlp", "--batch-size", "4", "--num-epochs", "2", "--num-threads", "1", "--seed", "7",
+            "--optimizer", "sgd", "--learning-rate", "0.05", "--checkpoint-interval", "1000"]
+    results = {}
+    for kind, spec in (("store", f"image-folder:{url}"), ("local", f"image-folder:{local}")):
+        folder = tmp_path / kind
+        results[kind] = cli("baseline", *args, "--dataset", spec, "--data-dir", folder / "data", "--log-dir",
+                            folder / "logs", "--checkpoint-dir", folder / "ckpt", env=endpoint_env(moto_port),
+                            timeout=150)
+        assert results[kind].returncode == 0, results[kind].stderr[-3000:]
+    assert same(final_model(tmp_path / "store"), final_model(tmp_path / "local"))
+    num_bytes = sum(p.stat().st_size for p in local.rglob("*.png"))
+    assert f"training.dataset: fetched {url} (16 objects, {num_bytes} bytes) into " in results["store"].stderr
+    assert len(re.findall("training.dataset: fetched", results["store"].stderr)) == 1

@@ -1,13 +1,15 @@
-"""`text:URL`: the object fetched once into the data folder's cache, read from there while
-the store says it is the same, fetched again when it changed; a fetch that fails leaves
-nothing that looks complete; an outage within the retry window is ridden out, one past it
-is one line; a missing object or an unknown scheme is one line with exit code 2. On
-fsspec's real in-memory and local stores, and one whose reads fail as a cut connection."""
+"""`text:URL` and `image-folder:URL`: the object (or folder) fetched once into the data
+folder's cache, read from there while the store says it is the same, fetched again when it
+changed; a fetch that fails leaves nothing that looks complete; an outage within the retry
+window is ridden out, one past it is one line; a missing object or an unknown scheme is
+one line with exit code 2. On fsspec's real in-memory and local stores, and one whose
+reads fail as a cut connection."""
 
 from __future__ import annotations
 
 import logging
 import uuid
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -16,7 +18,8 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from disttrain.config import TrainingConfig
 from disttrain.core import store_retry
-from disttrain.data import load_datasets, store_cache
+from disttrain.data import describe_dataset, load_datasets, store_cache
+from tests.unit.test_text_and_images import write_images
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 40).encode()
 
@@ -169,3 +172,48 @@ def test_a_store_down_past_the_window_is_one_line_and_leaves_no_copy(tmp_path, c
                                         "(system.checkpoint_retry_s=0): ConnectionResetError")
     folder = store_cache.cache_folder(cut_url, tmp_path)
     assert not folder.exists() or list(folder.iterdir()) == []  # nothing that looks complete
+
+
+@pytest.fixture
+def folder_url(tmp_path):
+    """A fresh folder of 2 classes of 5 PNG images each on fsspec's in-memory store, and
+    its local original."""
+    local = tmp_path / "original" / "pets"
+    write_images(local)
+    location = f"memory://images-{uuid.uuid4().hex[:8]}/pets"
+    fsspec.filesystem("memory").put(str(local), location, recursive=True)
+    yield location, local
+    fsspec.filesystem("memory").rm(location.rsplit("/", 1)[0], recursive=True)
+
+
+def test_an_image_folder_url_loads_as_the_local_folder_once_fetched(tmp_path, folder_url, caplog):
+    caplog.set_level(logging.INFO, logger="disttrain.data.store_cache")
+    url, local = folder_url
+    config = TrainingConfig(dataset=f"image-folder:{url}", data_dir=str(tmp_path / "data"))
+    assert describe_dataset(config) == describe_dataset(TrainingConfig(dataset=f"image-folder:{local}"))
+    from_store = load_datasets(config)
+    from_folder = load_datasets(TrainingConfig(dataset=f"image-folder:{local}"))
+    for remote, here in zip(from_store, from_folder, strict=True):
+        assert remote.name == here.name == "image-folder:pets"
+        assert torch.equal(remote.images, here.images) and torch.equal(remote.labels, here.labels)
+    num_bytes = sum(p.stat().st_size for p in local.rglob("*.png"))
+    assert fetched_lines(caplog) == [f"training.dataset: fetched {url} (10 objects, {num_bytes} bytes) into "
+                                     f"{store_cache.local_folder(url, tmp_path / 'data')}"]
+
+
+def test_a_changed_image_folder_is_fetched_again(tmp_path, folder_url):
+    url, local = folder_url
+    first = store_cache.local_folder(url, tmp_path)
+    fsspec.filesystem("memory").pipe(f"{url}/cat/extra.png", (local / "cat" / "0.png").read_bytes())
+    second = store_cache.local_folder(url, tmp_path)
+    assert second != first and not first.exists() and (second / "cat" / "extra.png").is_file()
+    assert sorted(p.relative_to(second) for p in second.rglob("*.png")) == \
+        sorted([p.relative_to(local) for p in local.rglob("*.png")] + [Path("cat/extra.png")])
+
+
+def test_a_missing_image_folder_is_one_line_with_exit_code_2(tmp_path, folder_url):
+    absent = folder_url[0].replace("pets", "absent")
+    with pytest.raises(store_cache.DataSourceError) as raised:
+        store_cache.local_folder(absent, tmp_path)
+    assert raised.value.exit_code == 2 and str(raised.value).startswith(
+        f"training.dataset: {absent} cannot be read (FileNotFoundError")

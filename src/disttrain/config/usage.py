@@ -61,7 +61,7 @@ class Rule:
 def _reads_data_dir(dataset: str) -> bool:
     """Whether data set `dataset` is read from (and downloaded into) `training.data_dir`."""
     return (dataset in ("mnist", "fashion_mnist", "cifar10") or dataset.startswith("torchvision:")
-            or (dataset.startswith("text:") and "://" in dataset))  # text:URL: its copy is cached there
+            or (dataset.startswith(("text:", "image-folder:")) and "://" in dataset))  # a URL's copy
 
 
 def _when(condition: Callable[[Config, str], bool], reason: str | Callable[[Config], str]

@@ -2,8 +2,8 @@
 
 The built-in image sets are small enough to hold in memory, so a batch is one indexed
 gather (`images[indices]`), with no loader processes to start or to shut down. Beside
-them: `text:FILE` (`data.text`; FILE a path or any fsspec URL, cached by
-`data.store_cache`), `image-folder:DIR` (`data.image_folder`), `torchvision:NAME`
+them: `text:FILE` and `image-folder:DIR` (`data.text`, `data.image_folder`; FILE or DIR
+a path or any fsspec URL, cached by `data.store_cache`), `torchvision:NAME`
 (`data.vision`, the sets of torchvision.datasets), the synthetic sets of any image shape
 (`synthetic:3x32x32`) and of tokens (`synthetic:text`), and a user's factory,
 `PATH.py:NAME`, `module:NAME` or an entry point of group `disttrain.datasets`, which
@@ -205,7 +205,7 @@ def describe_dataset(training: TrainingConfig) -> DatasetDescription:
     if synthetic_shape(name) is not None:
         return DatasetDescription.classification(synthetic_shape(name), NUM_CLASSES)
     if name.startswith(image_folder.PREFIX):
-        return image_folder.describe_image_folder(name)
+        return image_folder.describe_image_folder(_image_folder_spec(training))
     if name.startswith(vision.PREFIX):
         return _torchvision(training)[2]
     return _plugin(name, _args_key(training.dataset_args))[2]
@@ -265,7 +265,7 @@ def load_datasets(training: TrainingConfig) -> tuple[BatchedDataset, BatchedData
     elif synthetic_shape(name) is not None:
         train, test = synthetic(training.num_samples, synthetic_shape(name), name)
     elif name.startswith(image_folder.PREFIX):
-        train, test = image_folder.load_image_folder(name)
+        train, test = image_folder.load_image_folder(_image_folder_spec(training))
     elif name.startswith(vision.PREFIX):
         train, test, _ = _torchvision(training)
     elif not is_builtin(name):
@@ -286,6 +286,15 @@ def _load_text(location: str, training: TrainingConfig) -> tuple[text.TextWindow
         return text.load_text(location, training.seq_len)
     copy = store_cache.local_copy(location, training.data_dir, training.download)
     return text.load_text(copy, training.seq_len, name=object_store.basename(location))
+
+
+def _image_folder_spec(training: TrainingConfig) -> str:
+    """`image-folder:DIR` of a local folder, or of a URL's cached copy (which keeps the
+    folder's name)."""
+    location = training.dataset[len(image_folder.PREFIX):]
+    if not object_store.is_url(location):
+        return training.dataset
+    return image_folder.PREFIX + str(store_cache.local_folder(location, training.data_dir, training.download))
 
 
 def collate_function(training: TrainingConfig) -> Collate | None:

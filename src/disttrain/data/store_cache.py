@@ -1,6 +1,6 @@
 """Data sets on object storage: a file at any fsspec URL (`s3://bucket/corpus.txt`,
-`gs://...`, `memory://...`, `file://...`), fetched once into a cache on this machine and
-read from there as a local file is.
+`gs://...`, `memory://...`, `file://...`), or a folder of them (`image-folder:`), fetched
+once into a cache on this machine and read from there as a local file or folder is.
 
 The copy of a URL lives in `training.data_dir`/cache/<key>/<version>, where <key> is
 the URL's SHA-256 (its first 16 hex digits) and its last part, and <version> is a digest
@@ -9,6 +9,9 @@ change its fsspec backend reports). Each process asks the store for that once (o
 on S3); a copy of the same version is read as it is, so a run's processes fetch the
 object once between them, and a second run none. A changed object has another version,
 so it is fetched again (and said in the log); older versions of the URL are then removed.
+A folder's version is a digest of every object's under it (`local_folder`: one listing),
+and its copy, `<key>/<version>/<folder's name>/...`, is filled in a temporary folder
+renamed into place whole.
 
 A copy is written as a checkpoint is (`atomic_files`): into a temporary file beside it,
 fsynced, then renamed into place. Two processes of one machine fetching at once each
@@ -31,8 +34,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
+import shutil
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +104,13 @@ def object_version(info: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def folder_version(listing: dict[str, dict[str, Any]]) -> str:
+    """A digest of every object's version under a folder, by its path in it: an object
+    added, removed, renamed or changed gives another digest."""
+    text = "\n".join(f"{path}={object_version(info)}" for path, info in sorted(listing.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def expected_md5(info: dict[str, Any]) -> str | None:
     """The MD5 of the object's bytes where the store gives it: an S3 ETag of a single-part
     upload is one (a multipart upload's, `...-N`, is not)."""
@@ -121,13 +135,18 @@ def local_copy(url: str, data_dir: str | Path, download: bool = True) -> Path:
         DataStoreError: the store kept failing through the retry window.
         DataError: the cache folder cannot be written.
     """
+    return _cached(url, data_dir, lambda folder: _fetch_object_once(url, folder, download))
+
+
+def _cached(url: str, data_dir: str | Path, attempt: Callable[[Path], Path]) -> Path:
+    """`attempt(cache folder of url)` through the retry window, its errors as one line."""
     problem = object_store.backend_problem(url)
     if problem is not None:
         raise DataSourceError(f"training.dataset: {problem}")
     folder = cache_folder(url, data_dir)
     started = time.monotonic()
     try:
-        return store_retry.retried(lambda: _fetch_once(url, folder, download), url, "fetching the data set",
+        return store_retry.retried(lambda: attempt(folder), url, "fetching the data set",
                                    retry_if=_worth_retrying)
     except CheckpointStoreError as e:
         cause = e.__cause__ if e.__cause__ is not None else e
@@ -154,8 +173,8 @@ def _what(error: BaseException) -> str:
     return store_retry.describe(error.__cause__ if isinstance(error, _LocalError) else error)
 
 
-def _fetch_once(url: str, folder: Path, download: bool) -> Path:
-    """One attempt: ask the store for the object's version; return the cached copy of
+def _fetch_object_once(url: str, folder: Path, download: bool) -> Path:
+    """One attempt at one object: ask the store for its version; return the cached copy of
     that version, or fetch it."""
     store = _store_of(url)
     path = _path_in(store, url)
@@ -167,14 +186,40 @@ def _fetch_once(url: str, folder: Path, download: bool) -> Path:
     if copy.is_file() and copy.stat().st_size == info.get("size", copy.stat().st_size):
         logger.info("training.dataset: %s read from its cached copy %s", url, copy)
         return copy
+    older = _before_fetching(url, folder, download)
+    size = _fetch_file(store, path, info, copy, url)
+    _remove(older, keep=copy)
+    logger.info("training.dataset: fetched %s (%d bytes) into %s", url, size, copy)
+    return copy
+
+
+def _before_fetching(url: str, folder: Path, download: bool) -> list[Path]:
+    """Refuse a fetch with downloads off; say when an older version is cached, and return
+    the copies of the older versions (removed once the new one is in place)."""
     if not download:
         raise DataSourceError(f"training.dataset: {url} has no copy of its current version under {folder} "
                               "and training.download is false; set training.download=true to fetch it")
-    older = [p for p in folder.glob("*") if p.is_file() and not p.name.startswith(".")] if folder.is_dir() \
-        else []
+    older = [p for p in folder.iterdir() if not p.name.startswith(".")] if folder.is_dir() else []
     if older:
         logger.warning("training.dataset: %s changed in the store since it was cached; fetching it again",
                        url)
+    return older
+
+
+def _remove(copies: list[Path], keep: Path) -> None:
+    for old in copies:
+        if old == keep:
+            continue
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+
+def _fetch_file(store: object_store.StoreFolder, path: str, info: dict[str, Any], copy: Path,
+                url: str) -> int:
+    """Stream the object at `path` into `copy` atomically, checked against `info`; returns
+    its size in bytes."""
     md5 = hashlib.md5(usedforsecurity=False)
     size = 0
     store_failed = False
@@ -208,11 +253,72 @@ def _fetch_once(url: str, folder: Path, download: bool) -> Path:
         if store_failed:
             raise
         raise _LocalError(str(e)) from e
-    for old in older:
-        if old != copy:
-            old.unlink(missing_ok=True)
-    logger.info("training.dataset: fetched %s (%d bytes) into %s", url, size, copy)
+    return size
+
+
+def local_folder(url: str, data_dir: str | Path, download: bool = True) -> Path:
+    """The path of a complete local copy of the folder (key prefix) at `url` and every
+    object under it, fetched if the cache has none of its current version. The copy keeps
+    the folder's own name (`.../<version>/<name>`), so it reads as the folder does.
+
+    Args:
+        url: any fsspec URL of a folder (`s3://bucket/pets`).
+        data_dir: `training.data_dir`; the copy goes to its `cache/` folder.
+        download: `training.download`; False: only a cached copy is read, none is fetched.
+
+    Raises:
+        DataSourceError, DataStoreError, DataError: as `local_copy`; an empty or absent
+            folder is `DataSourceError`.
+    """
+    url = url.rstrip("/")
+    return _cached(url, data_dir, lambda folder: _fetch_folder_once(url, folder, download))
+
+
+def _fetch_folder_once(url: str, folder: Path, download: bool) -> Path:
+    """One attempt at a folder: list it, return the cached copy of that listing or fetch
+    every object into a temporary folder renamed into place."""
+    store = object_store.StoreFolder(url)
+    root = store.root.rstrip("/")
+    listing = _backend(lambda: _find(store.fs, root))
+    if not listing:
+        raise FileNotFoundError(f"{url} holds no objects")
+    for relative in listing:
+        if any(part in ("", ".", "..") for part in relative.split("/")):  # the copy must stay in its folder
+            raise _Refused(f"the object {relative!r} has a name that is no path inside the folder")
+    version = folder_version(listing)
+    name = object_store.basename(url) or "folder"
+    copy = folder / version / name
+    if copy.is_dir():
+        logger.info("training.dataset: %s read from its cached copy %s", url, copy)
+        return copy
+    older = _before_fetching(url, folder, download)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder, prefix=f".{version}.", suffix=".tmp"))
+    except OSError as e:
+        raise _LocalError(str(e)) from e
+    try:
+        size = 0
+        for rel, info in sorted(listing.items()):
+            size += _fetch_file(store, f"{root}/{rel}", info, staging / name / rel, f"{url}/{rel}")
+        try:
+            os.rename(staging, folder / version)
+        except OSError as e:
+            if not copy.is_dir():  # another process renamed the same version in first: take theirs
+                raise _LocalError(str(e)) from e
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    _remove(older, keep=folder / version)
+    logger.info("training.dataset: fetched %s (%d objects, %d bytes) into %s", url, len(listing), size, copy)
     return copy
+
+
+def _find(fs: Any, root: str) -> dict[str, dict[str, Any]]:
+    """Every object under `root`, by its path relative to it."""
+    fs.invalidate_cache(root)
+    found = fs.find(root, detail=True)
+    return {path[len(root):].lstrip("/"): info for path, info in found.items()
+            if info.get("type", "file") == "file" and path.startswith(root + "/")}
 
 
 def _store_of(url: str) -> object_store.StoreFolder:
