@@ -124,6 +124,7 @@ def test_a_parameter_server_run_on_s3_text_applies_every_sample_once(tmp_path, c
                                      and not FETCHED.search(text) for text in workers), sorted(logs)
 
 
+@pytest.mark.slow  # moto's server and a command: about 11 s on two busy cores
 @pytest.mark.timeout(120)
 def test_a_missing_object_is_one_line_before_the_run(tmp_path, cli, moto_port, bucket):
     url = f"s3://{bucket}/absent.txt"
