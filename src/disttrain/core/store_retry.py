@@ -136,11 +136,13 @@ def describe(error: BaseException) -> str:
 
 def retried(call: Callable[[], T], store: str | Path, doing: str,
             retry_if: Callable[[BaseException], bool] = is_store_error,
-            sleep: Callable[[float], None] = tenacity.nap.sleep, window: float | None = None) -> T:
+            sleep: Callable[[float], None] = tenacity.nap.sleep, window: float | None = None,
+            kind: str = "checkpoint store") -> T:
     """`call()`, tried again with back-off while it raises an error `retry_if` accepts.
 
     Args:
         store: the folder or URL the call works on (named in the messages).
+        kind: what the store holds, as the log lines name it ("data set store"...).
         doing: what the call does, e.g. "writing checkpoint_step00000010.pt".
         window: seconds to go on trying (default: this process's window, `set_window`).
 
@@ -155,10 +157,10 @@ def retried(call: Callable[[], T], store: str | Path, doing: str,
         error = state.outcome.exception()
         wait = state.next_action.sleep if state.next_action else 0.0
         if state.attempt_number == 1:
-            logger.warning("checkpoint store %s: %s failed (%s); retrying with back-off for up to %.0fs",
+            logger.warning("%s %s: %s failed (%s); retrying with back-off for up to %.0fs", kind,
                            store, doing, describe(error), window)
         else:
-            logger.info("checkpoint store %s: %s failed again, attempt %d (%s); next in %.1fs", store,
+            logger.info("%s %s: %s failed again, attempt %d (%s); next in %.1fs", kind, store,
                         doing, state.attempt_number, describe(error), wait)
 
     retrying = tenacity.Retrying(
@@ -182,10 +184,10 @@ def retried(call: Callable[[], T], store: str | Path, doing: str,
             raise
         elapsed_s = time.monotonic() - started
         raise CheckpointStoreError(
-            f"checkpoint store {store}: {doing} failed for {elapsed_s:.0f}s ({attempts} attempt(s), "
+            f"{kind} {store}: {doing} failed for {elapsed_s:.0f}s ({attempts} attempt(s), "
             f"system.checkpoint_retry_s={window:g}): {describe(error)}; {newest_checkpoint(store)}; "
             "once the store works again, run the same command with --resume") from error
     if attempts > 1:
-        logger.info("checkpoint store %s: %s succeeded at attempt %d, after %.1fs", store, doing, attempts,
+        logger.info("%s %s: %s succeeded at attempt %d, after %.1fs", kind, store, doing, attempts,
                     time.monotonic() - started)
     return result

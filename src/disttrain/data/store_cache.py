@@ -147,7 +147,7 @@ def _cached(url: str, data_dir: str | Path, attempt: Callable[[Path], Path]) -> 
     started = time.monotonic()
     try:
         return store_retry.retried(lambda: attempt(folder), url, "fetching the data set",
-                                   retry_if=_worth_retrying)
+                                   retry_if=_worth_retrying, kind="data set store")
     except CheckpointStoreError as e:
         cause = e.__cause__ if e.__cause__ is not None else e
         raise DataStoreError(
