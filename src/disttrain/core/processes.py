@@ -13,6 +13,7 @@ on Linux the kernel then kills it when the launcher dies, however the launcher d
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import json
@@ -25,7 +26,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,6 +286,22 @@ def _signal_group(process: subprocess.Popen, signum: int) -> None:
         os.killpg(process.pid, signum)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+@contextlib.contextmanager
+def sigterm_handled_by(handler: Callable[[int, Any], None] | None) -> Iterator[None]:
+    """Within the block, SIGTERM (a scheduler's preemption) calls `handler` instead of
+    ending the process: each strategy's handler asks its training loop to stop at a step.
+    Only where signals can be handled (the main thread); elsewhere, or with no handler,
+    SIGTERM keeps its default."""
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def raise_on_sigterm() -> None:

@@ -6,11 +6,8 @@
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +17,7 @@ from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
 from disttrain.core.faults import FaultInjector
+from disttrain.core.processes import sigterm_handled_by
 from disttrain.core.store_check import check_checkpoint_dir
 from disttrain.data import ArrayDataset, ShardedSampler, load_datasets
 from disttrain.metrics.hparams import write_hparams
@@ -50,21 +48,6 @@ __all__ = ["STRATEGY"]
 logger = logging.getLogger(__name__)
 
 FINAL_MODEL = "baseline_final.pt"
-
-
-@contextmanager
-def stop_on_sigterm(stop: threading.Event | None) -> Iterator[None]:
-    """Within the block, SIGTERM (a scheduler's preemption) sets `stop` instead of ending
-    the process: the loop stops at the step's end with a checkpoint (`Preempted`). Only
-    where signals can be handled (the main thread); elsewhere SIGTERM keeps its default."""
-    if stop is None or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 class BaselineParticipant:
@@ -142,7 +125,8 @@ class Baseline:
                             lambda total, done: Progress(total, "train", initial=done),
                             config_path=log_dir / "config.yaml", loader=loader,
                             stop_requested=threading.Event())
-        with stop_on_sigterm(loop.stop_requested):
+        stop = loop.stop_requested  # set by SIGTERM: the loop stops at the step's end with a checkpoint
+        with sigterm_handled_by(lambda signum, frame: stop.set()):
             result = loop.run(options.resume)
         ckpt.save_final_model(object_store.join(checkpoint_dir, FINAL_MODEL), model.state_dict(), config)
         summary = RunSummary.create(

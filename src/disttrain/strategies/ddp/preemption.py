@@ -32,8 +32,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,20 +112,6 @@ class RankSignal:
         AtomicErrorHandler().record_exception(Preempted(line))
         logging.shutdown()
         os._exit(Preempted.exit_code)
-
-
-@contextmanager
-def sigterm_requests_stop(rank_signal: RankSignal) -> Iterator[None]:
-    """Within the block, SIGTERM goes to `rank_signal` instead of ending the process (the
-    main thread only: elsewhere signals cannot be handled, and SIGTERM keeps its default)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, rank_signal.handle)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def proposed_spacing(elapsed_s: float, num_points: int, interval_s: float) -> int:

@@ -31,6 +31,7 @@ from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
 from disttrain.core.errors import ConfigError, Preempted
 from disttrain.core.faults import FaultInjector
+from disttrain.core.processes import sigterm_handled_by
 from disttrain.data import ArrayDataset, PlannedSampler, ShardedSampler, load_datasets
 from disttrain.metrics.hparams import write_hparams
 from disttrain.metrics.progress import Progress
@@ -40,7 +41,7 @@ from disttrain.strategies.ddp.balance import balance_sampler
 from disttrain.strategies.ddp.comm_hooks import CommStats, register_comm_hook
 from disttrain.strategies.ddp.heartbeats import LoopProgress, coordinator_link
 from disttrain.strategies.ddp.local_updates import LocalRounds
-from disttrain.strategies.ddp.preemption import RankSignal, StopAgreement, sigterm_requests_stop, stopped_line
+from disttrain.strategies.ddp.preemption import RankSignal, StopAgreement, stopped_line
 from disttrain.strategies.ddp.reduce import all_reduce_values, evaluate_sharded
 from disttrain.strategies.ddp.store import RankZeroCheckpoints
 from disttrain.training.checkpoints import Position
@@ -245,7 +246,7 @@ def run_rank(config: Config, info: rt.RankInfo, options: RunOptions) -> RunSumma
     rt.check_supported(config)
     progress = LoopProgress(Position(), config.training.num_epochs)
     rank_signal = RankSignal(info.rank, config.system.preemption_grace_s)
-    with sigterm_requests_stop(rank_signal), coordinator_link(
+    with sigterm_handled_by(rank_signal.handle), coordinator_link(
             config.coordinator, info.rank, info.restart_count, progress, options.token, options.tls):
         runtime = rt.start(config.ddp, info, config.system.num_threads)
         try:

@@ -28,7 +28,7 @@ from disttrain.coordinator.reports import LatestMetrics, NodeProgress
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
 from disttrain.core.faults import FaultInjector
-from disttrain.core.processes import bind_to_parent
+from disttrain.core.processes import bind_to_parent, sigterm_handled_by
 from disttrain.data import ArrayDataset, PlannedSampler, ShardedSampler, load_datasets
 from disttrain.metrics.summary import RunSummary
 from disttrain.strategies.ps.run.finalize import finish
@@ -43,7 +43,7 @@ from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
 from disttrain.strategies.ps.worker.exchange import make_exchange
 from disttrain.strategies.ps.worker.local_rounds import WorkerRounds
 from disttrain.strategies.ps.worker.participant import WorkerParticipant
-from disttrain.strategies.ps.worker.preemption import PreemptionAgreement, sigterm_agrees_stop
+from disttrain.strategies.ps.worker.preemption import PreemptionAgreement
 from disttrain.strategies.ps.worker.takeover import Away
 from disttrain.training.balance import warmup_speed
 from disttrain.training.checkpoints import LocalCheckpoints
@@ -176,7 +176,8 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                             rebalancer=rebalancer, on_metrics=metrics.publish, loader=loader,
                             stop_requested=preemption_agreement(config, client, worker_id,
                                                                 lambda: loop.position.step))
-        with sigterm_agrees_stop(loop.stop_requested):
+        agreement = loop.stop_requested
+        with sigterm_handled_by(None if agreement is None else agreement.handle):
             result = loop.run(options.resume)
         summary = finish(config, client, participant, result, flat, started)
         if link is not None:

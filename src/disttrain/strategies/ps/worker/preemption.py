@@ -34,8 +34,7 @@ import logging
 import math
 import signal
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 from disttrain.core.errors import DisttrainError
 from disttrain.core.processes import emit_event
@@ -102,17 +101,3 @@ class PreemptionAgreement:
                            "step %d", self.grace_s, GRACE_KEY, step)
             return True
         return self.stop_step is None or step >= self.stop_step
-
-
-@contextmanager
-def sigterm_agrees_stop(agreement: PreemptionAgreement | None) -> Iterator[None]:
-    """Within the block, SIGTERM goes to `agreement` instead of ending the process (the main
-    thread only: elsewhere signals cannot be handled, and SIGTERM keeps its default)."""
-    if agreement is None or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, agreement.handle)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
