@@ -481,7 +481,9 @@ class AggregationRules:
     def _core_state(self) -> dict[str, Any]:
         return {"mode": self.mode, "version": self.version, "sync_step": self.sync_step,
                 "step_version": self.step_version, "restored": self.restored,
-                "ranks": dict(self.ranks), "clocks": self.clocks.state_dict(),
+                "ranks": dict(self.ranks),
+                # only SSP on steps keeps clocks: a sync or async step does not touch them
+                **({"clocks": self.clocks.state_dict()} if self.bounds_steps else {}),
                 "done": sorted(self.done), "last_step": dict(self.last_step),
                 "round_wait_s": self.round_wait_s, "roster": self.roster.state_dict(),
                 "staleness_histogram": dict(self.staleness_histogram), "counts": dict(self.counts)}
@@ -495,7 +497,7 @@ class AggregationRules:
         self.restored = bool(state.get("restored", False))
         self.ranks = {str(k): int(v) for k, v in state["ranks"].items()}
         self.done = {int(r) for r in state["done"]}
-        self.clocks.load_state_dict(state.get("clocks", {}))  # absent before SSP counted steps
+        self.clocks.load_state_dict(state.get("clocks", {}))  # kept by SSP on steps only
         self.last_step = {int(k): int(v) for k, v in state["last_step"].items()}
         self.round_wait_s = float(state["round_wait_s"])
         self.roster.load_state_dict(state["roster"])
