@@ -44,7 +44,10 @@ def endpoint_env(port):
 
 # A short retry window for runs whose store stays down (the default is a minute).
 SHORT_WINDOW = ["--set", "system.checkpoint_retry_s=1"]
-STORE_LINE = (r"checkpoint store s3://{bucket}/run{sub}: writing checkpoint_step\d{{8}}\.pt(\.sha256)? "
+# What the process was doing when its window ran out: writing a checkpoint, or listing and
+# pruning the folder right after writing one (which comes first depends on where the cut falls).
+STORE_LINE = (r"checkpoint store s3://{bucket}/run{sub}: (?:(?:writing|removing) checkpoint_step\d{{8}}\.pt"
+              r"(?:\.sha256)?|listing the folder) "
               r"failed for \d+s \(\d+ attempt\(s\), system\.checkpoint_retry_s=1\): [^;]+; the newest "
               r"complete checkpoint there is step {step}; once the store works again, run the same command "
               r"with --resume")
