@@ -43,7 +43,7 @@ def make_config(folder: Path, model: str = "simplecnn", training: dict[str, Any]
                 **system: Any) -> Config:
     """A PS config for benchmarks: MNIST when at hand (synthetic otherwise), one thread
     per process, no checkpoints during the run. `training` overrides training keys;
-    `system` takes system keys and the seed's `system.*` spelling of the ps keys."""
+    `system` takes system keys and the original config's `system.aggregation_mode`."""
     found = data_dir()
     base = {
         "dataset": "mnist" if found else "synthetic",

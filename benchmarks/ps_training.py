@@ -68,7 +68,7 @@ def ps_samples_per_s(metrics_path: Path, num_workers: int) -> float:
 def measure_ps(steps: int, folder: Path, mode: str = "sync") -> float:
     training = {"max_train_samples": 2 * 64 * (WARMUP_STEPS + steps), "max_test_samples": 100,
                 "log_interval": LOG_INTERVAL}
-    config = make_config(folder, training=training, num_workers=2, num_servers=1, aggregation_mode=mode)
+    config = make_config(folder, training=training, num_workers=2, aggregation_mode=mode)
     STRATEGY.run(config, RunOptions())
     return ps_samples_per_s(folder / "logs" / "worker0" / "metrics.jsonl", 2)
 

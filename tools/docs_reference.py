@@ -5,9 +5,10 @@
 
 docs/reference/config.md: every key of the config schema (`disttrain.config.Config`'s
 sections): its type, default and rule (the field's metadata), the note the schema's
-comments give it, its earlier spellings, the strategies that act on it (found from the
-usage rules, `disttrain.config.ignored_keys`: the fewest other keys to set for a run of
-that strategy to act on it), and the flags that set it (from the command line's parsers).
+comments give it, its spelling in the original config's `system` section, the
+strategies that act on it (found from the usage rules, `disttrain.config.ignored_keys`:
+the fewest other keys to set for a run of that strategy to act on it), and the flags
+that set it (from the command line's parsers).
 
 docs/reference/flags.md: every command of `disttrain` with each of its flags, from the
 argparse parsers themselves (`disttrain.cli.build_parser`).
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from disttrain.cli import build_parser
-from disttrain.config import MOVED_KEYS, NOT_JUDGED, STRATEGIES, SYSTEM_ALIASES, Config, ignored_keys
+from disttrain.config import NOT_JUDGED, STRATEGIES, SYSTEM_ALIASES, Config, ignored_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_PAGE = REPO_ROOT / "docs" / "reference" / "config.md"
@@ -119,10 +120,9 @@ def schema_keys(config: Config | None = None) -> list[Key]:
     return keys
 
 
-def earlier_spellings(key: str) -> list[str]:
-    """The spellings of earlier configs that still mean `key`."""
-    spellings = [f"system.{old}" for old, new in SYSTEM_ALIASES.items() if new == key]
-    return spellings + [old for old, new in MOVED_KEYS.items() if new == key]
+def original_spellings(key: str) -> list[str]:
+    """The original config's `system.*` spellings that also mean `key`."""
+    return [f"system.{old}" for old, new in SYSTEM_ALIASES.items() if new == key]
 
 
 def _other_value(key: Key) -> Any:
@@ -226,9 +226,9 @@ def render_config(keys: Iterable[Key] | None = None, parser: argparse.ArgumentPa
         by_flag = flags.get(key.name, {})
         flag_text = ", ".join(f"`{flag}`" for flag in by_flag)
         note = key.note
-        if earlier := [spelling for spelling in earlier_spellings(key.name) if spelling not in note]:
-            spelled = ", ".join(f"`{spelling}`" for spelling in earlier)
-            note = f"{note} Earlier spelling: {spelled}.".strip()
+        if original := [spelling for spelling in original_spellings(key.name) if spelling not in note]:
+            spelled = ", ".join(f"`{spelling}`" for spelling in original)
+            note = f"{note} Also spelled {spelled} (the original config's spelling).".strip()
         lines.append(f"| `{key.name}` | {_cell(key.type)} | `{_cell(shown(key.default))}` "
                      f"| {_text(key.rule)} | {_cell(acted_on_by(key))} | {flag_text} | {_text(note)} |")
     return "\n".join(lines) + "\n"

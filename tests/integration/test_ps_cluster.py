@@ -66,7 +66,7 @@ def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path
         "2",
         *EXACT_ARGS,
         "--set",
-        f"system.payload_transport={transport}",
+        f"ps.payload_transport={transport}",
         *(["--local-updates"] if local else []),
         "--log-dir",
         tmp_path / "logs",
@@ -297,7 +297,7 @@ def test_stopping_the_launcher_leaves_no_process_behind(tmp_path, signum):
 def test_pull_compression_receives_fewer_bytes_and_ends_on_the_servers_parameters(tmp_path, cli):
     # gRPC bytes: through shared memory the answers stay dense (no socket to save).
     result = cli("ps", "--workers", "2", "--servers", "2", *EXACT_ARGS, "--max-train-samples", "160",
-                 "--set", "system.payload_transport=grpc", "--pull-compression", "topk",
+                 "--set", "ps.payload_transport=grpc", "--pull-compression", "topk",
                  "--pull-ratio", "0.05", "--dense-pull-every", "3",
                  "--log-dir", tmp_path / "logs", "--checkpoint-dir", tmp_path / "ckpt", timeout=110)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from conftest import VARIANT
 
+from disttrain.config import load_config
 from tests.plugin_files import write_text
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
@@ -58,5 +59,5 @@ def test_shipped_config_runs_to_the_end(cli, tmp_path, path, mnist_or_digits):
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
     assert summary["strategy"].startswith(SUMMARY_STRATEGY[architecture(path)])
     assert summary["samples_processed"] == 512 and 0 <= summary["final_accuracy"] <= 1
-    if config["system"].get("compression_enabled"):
+    if load_config(path).compression.enabled:
         assert summary["compression_ratio"] > 1.5 and summary["compression_bytes_sent"] > 0

@@ -164,8 +164,9 @@ def test_every_bad_keyword_is_said_at_once():
 
 def test_a_config_mapping_is_a_layer_of_keys_with_its_factories_named(monkeypatch):
     assert config_layer("example") == ("example", {})
-    assert config_layer({"training": {"model_architecture": build}, "system": {"staleness": 2}},) == (
-        None, {"training.model_architecture": f"{HERE}:build", "ps.staleness": 2})
+    layer = {"training": {"model_architecture": build}, "system": {"aggregation_mode": "ssp"}}
+    assert config_layer(layer) == (
+        None, {"training.model_architecture": f"{HERE}:build", "ps.aggregation_mode": "ssp"})
     with pytest.raises(ConfigError, match="trainig: unknown section; did you mean training"):
         config_layer({"trainig": {}})
 

@@ -1,12 +1,14 @@
-"""Config schema: defaults, precedence, sections and the seed's `system.*` spellings,
-unknown keys, the seed's rules, error lines."""
+"""Config schema: defaults, precedence, sections and the original config's `system.*`
+spellings, renamed and unknown keys, the original rules, error lines."""
 
 import dataclasses
 import json
 
 import pytest
 
+from disttrain import cli
 from disttrain.config import Config, config_from_dict, load_config, parse_set_expression
+from disttrain.config.loading import RENAMED
 from disttrain.core.errors import ConfigError
 
 
@@ -33,13 +35,37 @@ def test_json_files_load(tmp_path):
     assert config.system.num_workers == 4 and config.ps.aggregation_mode == "ssp"
 
 
-def test_the_seeds_system_keys_reach_their_components():
-    config = config_from_dict({"system": {
-        "aggregation_mode": "async", "staleness": 3, "num_servers": 2, "payload_transport": "grpc",
-        "compression_enabled": True, "compression_type": "topk", "compression_ratio": 0.1,
-        "heartbeat_interval": 2.0, "heartbeat_timeout": 9.0, "num_workers": 4}})
-    assert (config.ps.aggregation_mode, config.ps.staleness, config.ps.num_servers) == ("async", 3, 2)
-    assert config.ps.payload_transport == "grpc"
+# Every field of the original config, spelled as its README gives it.
+ORIGINAL_CONFIG = """
+training:
+  batch_size: 32
+  learning_rate: 0.01
+  num_epochs: 3
+  dataset: mnist
+  model_architecture: simplecnn
+  checkpoint_interval: 50
+system:
+  num_workers: 4
+  architecture: parameter_server
+  aggregation_mode: async
+  compression_enabled: true
+  compression_type: topk
+  compression_ratio: 0.1
+  heartbeat_interval: 2.0
+  heartbeat_timeout: 9.0
+  checkpoint_dir: ckpt
+  log_dir: logs
+"""
+
+
+def test_the_original_configs_system_keys_reach_their_components(tmp_path):
+    path = tmp_path / "original.yaml"
+    path.write_text(ORIGINAL_CONFIG)
+    config = load_config(path)
+    assert (config.training.batch_size, config.training.checkpoint_interval) == (32, 50)
+    assert (config.system.num_workers, config.system.architecture) == (4, "parameter_server")
+    assert (config.system.checkpoint_dir, config.system.log_dir) == ("ckpt", "logs")
+    assert config.ps.aggregation_mode == "async"
     assert (config.compression.enabled, config.compression.type, config.compression.ratio) == (
         True, "topk", 0.1)
     assert (config.coordinator.heartbeat_interval, config.coordinator.heartbeat_timeout) == (2.0, 9.0)
@@ -47,16 +73,39 @@ def test_the_seeds_system_keys_reach_their_components():
 
 
 def test_a_later_layer_overrides_either_spelling(tmp_path):
-    path = tmp_path / "seed.yaml"
-    path.write_text("system:\n  aggregation_mode: sync\n  staleness: 1\n")
-    config = load_config(path, {"ps.aggregation_mode": "ssp"}, ["system.staleness=4"])
-    assert (config.ps.aggregation_mode, config.ps.staleness) == ("ssp", 4)
+    path = tmp_path / "original.yaml"
+    path.write_text("system:\n  aggregation_mode: sync\n  compression_ratio: 0.5\n")
+    config = load_config(path, {"ps.aggregation_mode": "ssp"}, ["system.compression_ratio=0.25"])
+    assert (config.ps.aggregation_mode, config.compression.ratio) == ("ssp", 0.25)
 
 
 def test_one_key_given_twice_in_one_file_is_refused():
-    with pytest.raises(ConfigError, match="ps.staleness: the config also sets it as system.staleness"):
-        config_from_dict({"system": {"staleness": 1}, "ps": {"staleness": 2}})
-    assert config_from_dict({"system": {"staleness": 2}, "ps": {"staleness": 2}}).ps.staleness == 2
+    with pytest.raises(ConfigError, match="ps.aggregation_mode: the config also sets it as "
+                                          "system.aggregation_mode"):
+        config_from_dict({"system": {"aggregation_mode": "sync"}, "ps": {"aggregation_mode": "async"}})
+    assert config_from_dict({"system": {"aggregation_mode": "ssp"},
+                             "ps": {"aggregation_mode": "ssp"}}).ps.aggregation_mode == "ssp"
+
+
+@pytest.mark.parametrize("renamed", sorted(RENAMED))
+def test_a_renamed_key_is_one_line_naming_its_spelling_now(renamed):
+    section, _, key = renamed.partition(".")
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({section: {key: 1}})
+    assert info.value.problems == [
+        f"{renamed}: unknown key; it is {RENAMED[renamed]} now (write that instead)"]
+
+
+def test_a_config_file_with_a_renamed_key_fails_its_check_with_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "setup_logging", lambda *args, **kwargs: None)
+    path = tmp_path / "old.yaml"
+    path.write_text("system:\n  num_workers: 2\n  staleness: 3\n")
+    assert cli.main(["ps", "--config", str(path), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                     "--log-dir", str(tmp_path / "logs"), "--check-config"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip().splitlines() == [
+        "error: system.staleness: unknown key; it is ps.staleness now (write that instead)"]
 
 
 def test_nothing_writes_into_a_config():
@@ -87,7 +136,7 @@ def test_a_config_run_by_a_strategy_names_it():
      "system.heartbeat_timeout: 5.0 must be greater than system.heartbeat_interval"),
     ({"system": {"aggregation_mode": "lazy"}}, "system.aggregation_mode: 'lazy' must be one of sync"),
     ({"ps": {"aggregation_mode": "lazy"}}, "ps.aggregation_mode: 'lazy' must be one of sync"),
-    ({"system": {"backup_workers": 2}}, "system.backup_workers: 2 must be less than system.num_workers"),
+    ({"ps": {"backup_workers": 2}}, "ps.backup_workers: 2 must be less than system.num_workers"),
     ({"coordinator": {"heartbeat_timeout": 0.5}},
      "coordinator.heartbeat_timeout: 0.5 must be greater than coordinator.heartbeat_interval"),
     ({"system": {"compresion_ratio": 0.1}}, "did you mean system.compression_ratio"),

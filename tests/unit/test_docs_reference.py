@@ -65,7 +65,9 @@ def test_each_row_says_what_the_schema_and_the_parsers_say(reference):
     row = {line.split(" | ")[0].strip("| `"): line for line in page.splitlines() if line.startswith("| `")}
     assert "| `training.batch_size` | int | `64` | must be > 0 | baseline, ps, ddp | `--batch-size` |" in page
     assert "`--workers`, `--world-size`" in row["system.num_workers"]
-    assert "Earlier spelling: `system.staleness`." in row["ps.staleness"]
+    original = "Also spelled `system.aggregation_mode` (the original config's spelling)."
+    assert original in row["ps.aggregation_mode"]
+    assert "system.staleness" not in row["ps.staleness"]  # never the original config's
     assert "| must be in (0, 1] |" in row["compression.ratio"]
 
 

@@ -38,12 +38,6 @@ def test_refusals_name_the_key(args, fragment):
         plan_precision(*args)
 
 
-def test_the_earlier_ddp_key_is_the_training_key():
-    assert config_from_dict({"ddp": {"mixed_precision": "bf16"}}).training.precision == "bf16"
-    with pytest.raises(ConfigError, match="give it once"):
-        config_from_dict({"ddp": {"mixed_precision": "bf16"}, "training": {"precision": "none"}})
-
-
 def batch():
     generator = torch.Generator().manual_seed(1)
     return torch.randn(16, 1, 28, 28, generator=generator), torch.randint(0, 10, (16,), generator=generator)

@@ -84,8 +84,6 @@ DDP_FLAGS = {
     "--grad-accumulation-steps": ("ddp.grad_accumulation_steps", int,
                                   "micro-batches per optimizer step (one all-reduce per step)"),
     "--lr-scaling": ("ddp.lr_scaling", str, "none, or linear (learning rate x world size)"),
-    "--mixed-precision": ("training.precision", str, "the earlier spelling of --precision: none, bf16 "
-                          "or fp16 (fp16: CUDA only)"),
     "--timeout-s": ("ddp.timeout_s", float, "rendezvous and collective timeout"),
     "--ddp-recovery": ("ddp.recovery", str, "what a rank's death does: restart (torch's elastic agent "
                        "restarts every rank from the newest checkpoint) or live (the survivors re-form "

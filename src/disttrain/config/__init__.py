@@ -2,7 +2,6 @@
 `--set` overrides, validated with one line per problem."""
 
 from disttrain.config.loading import (
-    MOVED_KEYS,
     SYSTEM_ALIASES,
     config_from_dict,
     load_config,
@@ -20,6 +19,6 @@ from disttrain.config.schema import (
 )
 from disttrain.config.usage import NOT_JUDGED, STRATEGIES, ignored_keys
 
-__all__ = ["MOVED_KEYS", "NOT_JUDGED", "STRATEGIES", "STRATEGY_OF_ARCHITECTURE", "SYSTEM_ALIASES",
+__all__ = ["NOT_JUDGED", "STRATEGIES", "STRATEGY_OF_ARCHITECTURE", "SYSTEM_ALIASES",
            "CompressionConfig", "Config", "CoordinatorConfig", "DDPConfig", "PSConfig", "SystemConfig",
            "TrainingConfig", "config_from_dict", "ignored_keys", "load_config", "parse_set_expression"]

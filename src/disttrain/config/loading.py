@@ -1,4 +1,5 @@
-"""Loading the run configuration: YAML or JSON files, overrides, aliases, validation.
+"""Loading the run configuration: YAML or JSON files, overrides, the original config's
+`system.*` spellings, validation.
 
 Precedence, lowest first: dataclass defaults < config file < CLI flags < `--set
 section.key=value`. Unknown keys are errors, so a typo never passes silently. Validation
@@ -21,11 +22,10 @@ from disttrain.config.schema import SECTIONS, Config
 from disttrain.config.shipped import find_shipped, shipped_configs
 from disttrain.core.errors import ConfigError
 
-# Earlier configs kept every run-wide key under `system`; those spellings stay valid and mean
-# the key of the component that now owns it.
+# The original config (the seed implementation's README) keeps these run-wide keys under
+# `system`; that spelling stays valid and means the key of the component that now owns it.
 SYSTEM_ALIASES: dict[str, str] = {
-    **{key: f"ps.{key}" for key in ("aggregation_mode", "staleness", "num_servers", "backup_workers",
-                                    "rpc_timeout_s", "bind_host", "payload_transport")},
+    "aggregation_mode": "ps.aggregation_mode",
     "compression_enabled": "compression.enabled",
     "compression_type": "compression.type",
     "compression_ratio": "compression.ratio",
@@ -33,18 +33,22 @@ SYSTEM_ALIASES: dict[str, str] = {
     "heartbeat_timeout": "coordinator.heartbeat_timeout",
 }
 
-# Keys that moved to another section; the earlier spelling stays valid.
-MOVED_KEYS: dict[str, str] = {"ddp.mixed_precision": "training.precision"}
+# Spellings that never were the original config's and were renamed before any release. Not
+# read: a config using one is refused, and the error names the key's spelling now.
+RENAMED: dict[str, str] = {
+    **{f"system.{key}": f"ps.{key}" for key in ("staleness", "num_servers", "backup_workers",
+                                                "rpc_timeout_s", "bind_host", "payload_transport")},
+    "ddp.mixed_precision": "training.precision",
+}
 
 Flat = dict[str, Any]          # "section.key" -> value
 Spelling = dict[str, str]      # canonical "section.key" -> as the user wrote it
 
 
 def canonical_key(dotted: str) -> str:
-    """The owning component's spelling of `dotted` (`system.staleness` -> `ps.staleness`)."""
+    """The owning component's spelling of `dotted` (`system.aggregation_mode` ->
+    `ps.aggregation_mode`)."""
     section, _, key = dotted.partition(".")
-    if dotted in MOVED_KEYS:
-        return MOVED_KEYS[dotted]
     return SYSTEM_ALIASES.get(key, dotted) if section == "system" else dotted
 
 
@@ -134,6 +138,9 @@ def build(flat: Flat, spelled: Spelling, problems: list[str] | None = None) -> C
             continue
         cls = SECTIONS[section]
         fields = {f.name: f for f in dataclasses.fields(cls)}
+        if dotted in RENAMED:
+            problems.append(f"{name(dotted)}: unknown key; it is {RENAMED[dotted]} now (write that instead)")
+            continue
         if key not in fields:
             known = list(fields) + (list(SYSTEM_ALIASES) if section == "system" else [])
             problems.append(_unknown(name(dotted), known, "key"))
@@ -160,7 +167,8 @@ def build(flat: Flat, spelled: Spelling, problems: list[str] | None = None) -> C
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
-    """Build and validate a `Config` from a nested mapping (either spelling of a key).
+    """Build and validate a `Config` from a nested mapping (a key in its section, or in the
+    original config's `system.*` spelling).
 
     Raises:
         ConfigError: with one line per problem.

@@ -2,8 +2,9 @@
 
 Each component reads its own section: `training` (data, model, optimizer, schedule),
 `system` (processes and output folders), `ps` (the parameter server), `ddp`,
-`compression` and `coordinator`. The flat `system.*` spelling of earlier configs for the parameter
-server, compression and heartbeat keys stays valid (see `loading.SYSTEM_ALIASES`).
+`compression` and `coordinator`. The original config's `system.*` spelling of
+`aggregation_mode`, the compression and the heartbeat keys stays valid (see
+`loading.SYSTEM_ALIASES`).
 
 A field's metadata holds its rule (`check`, `rule`). Every key is acted on by some run;
 which keys a run of each strategy ignores, and why, is `usage`'s to say.
@@ -144,7 +145,7 @@ class TrainingConfig:
     # Scale the applied gradient down to this global L2 norm when above it (0: off).
     clip_grad_norm: float = field(default=0.0, metadata=NON_NEGATIVE)
     # Mixed precision of the forward pass: bf16 autocast (CPU or CUDA), fp16 (CUDA, with
-    # loss scaling; not under the parameter server), or none. Earlier: ddp.mixed_precision.
+    # loss scaling; not under the parameter server), or none.
     precision: str = field(default="none", metadata=_choice(PRECISIONS))
     # Processes that load training batches ahead of the steps (0: the training process
     # loads each batch itself); pinned memory on CUDA. The order and resume are the sampler's.
@@ -255,8 +256,8 @@ class PSConfig:
 
 @dataclass(frozen=True)
 class CompressionConfig:
-    """Gradient compression on the parameter-server wire and in DDP's all-reduce (earlier
-    configs' `system.compression_*` keys)."""
+    """Gradient compression on the parameter-server wire and in DDP's all-reduce (the
+    original config's `system.compression_*` keys)."""
 
     enabled: bool = False
     type: str = field(default="quantization", metadata=_choice(COMPRESSION_TYPES))
@@ -297,7 +298,8 @@ class CompressionConfig:
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    """Failure detection by heartbeat and recovery (earlier configs' `system.heartbeat_*` keys)."""
+    """Failure detection by heartbeat and recovery (the original config's `system.heartbeat_*`
+    keys)."""
 
     # Seconds between two heartbeats of every process.
     heartbeat_interval: float = field(default=1.0, metadata=POSITIVE)
