@@ -322,8 +322,8 @@ def resolve_keys(given: Mapping[str, Any], flags: Mapping[str, tuple[str, Any]])
 
 @functools.cache
 def _key_owners() -> dict[str, tuple[str, ...]]:
-    """Each key name -> the dotted keys of that name, over every section (the earlier
-    `system.` spellings count as their owners' keys)."""
+    """Each key name -> the dotted keys of that name, over every section (the original
+    config's `system.` spellings count as their owners' keys)."""
     owners: dict[str, list[str]] = {}
     for section, cls in SECTIONS.items():
         for field in dataclasses.fields(cls):
