@@ -28,8 +28,8 @@ pytestmark = pytest.mark.timeout(60)
 KEY = b"k" * 32  # worker w0's key in the shard fixture
 
 
-def make_config(tmp_path, **system):
-    return config_from_dict({
+def make_config(tmp_path, ps=None, **system):
+    return config_from_dict({"ps": ps or {},
         "training": {"dataset": "digits", "model_architecture": "mlp", "optimizer": "sgd", "momentum": 0.0,
                      "learning_rate": 0.5, "checkpoint_interval": 2},
         "system": {"num_workers": 1, "checkpoint_dir": str(tmp_path / "ckpt"), **system}})
@@ -230,7 +230,7 @@ def test_ssp_worker_recomputes_a_rejected_gradient_on_fresh_parameters(tmp_path)
     from disttrain.strategies.ps.worker.exchange import Block, make_exchange
     from disttrain.training.engine import StepResult
 
-    config = make_config(tmp_path, num_workers=2, aggregation_mode="ssp", staleness=0)
+    config = make_config(tmp_path, num_workers=2, ps={"aggregation_mode": "ssp", "staleness": 0})
     config = replace(config, ps=replace(config.ps, ssp_clock="versions"))  # the bound on versions refuses
     state = build_state(config, 0, 1)
     server = ShardServer(state, "127.0.0.1:0")
