@@ -173,19 +173,32 @@ def test_a_corrupt_registry_is_refused_and_left_as_it_was(tmp_path, cli):
     assert registry.read_bytes() == content
 
 
-def test_status_of_a_registry_an_older_coordinator_wrote_with_nan_and_control_characters(tmp_path, cli):
+def test_status_of_a_registry_escapes_what_a_terminal_would_act_on(tmp_path, cli):
     registry = tmp_path / "cluster.db"
-    membership = Membership(heartbeat_timeout_s=5.0)
+    membership = Membership(heartbeat_timeout_s=5.0)  # written past the coordinator's bounds
     membership.register("evil\x1b[2J", "worker", now=0.0, pid=1, hostname="host\rX")
-    membership.get("evil\x1b[2J").throughput = math.nan  # SQLite stores a NaN as NULL
-    membership.exited("evil\x1b[2J", 1, "killed\x1b]0;owned\x07", now=1.0)
+    membership.exited("evil\x1b[2J", 1, "killed\x1b]0;owned\x07 \u202eoverride", now=1.0)
     with_events = Registry(registry)
     with_events.save(membership.to_rows(), [vars(e) for e in membership.take_events()], membership.generation)
     with_events.close()
     result = cli("status", "--registry", registry, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert "\x1b" not in result.stdout and "\r" not in result.stdout and "\x07" not in result.stdout
-    assert "evil\\x1b[2J" in result.stdout and "killed\\x1b]0;owned\\x07" in result.stdout
+    assert not {"\x1b", "\r", "\x07", "\u202e"} & set(result.stdout)
+    assert "evil\\x1b[2J" in result.stdout and "killed\\x1b]0;owned\\x07 \\u202eoverride" in result.stdout
+
+
+def test_status_refuses_in_one_line_a_registry_an_earlier_disttrain_wrote_with_nan(tmp_path, cli):
+    registry = tmp_path / "cluster.db"
+    membership = Membership(heartbeat_timeout_s=5.0)
+    membership.register("worker-0", "worker", now=0.0, pid=1)
+    membership.get("worker-0").throughput = math.nan  # SQLite stores a NaN as NULL
+    written = Registry(registry)
+    written.save(membership.to_rows(), [], membership.generation)
+    written.close()
+    result = cli("status", "--registry", registry, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "was written by an earlier disttrain (node worker-0 has no throughput" in result.stderr
+    assert "pass the --registry of a run of this one" in result.stderr
 
 
 def test_status_errors_say_what_is_wrong(tmp_path, cli):

@@ -78,8 +78,8 @@ def test_adamw_groups_decay_weights_and_leave_biases_and_norm_weights_alone():
     optimizer.step()
     moved = [not torch.equal(b, p) for b, p in zip(before, net.parameters(), strict=True)]
     assert moved == [p.dim() >= 2 for p in net.parameters()]
-    # Without weight decay: one group, as checkpoints of earlier runs hold.
-    assert len(parameter_groups(net.parameters(), 0.0)) == 1
+    # Without weight decay the same two groups, so a checkpoint fits whatever the decay.
+    assert [len(g["params"]) for g in parameter_groups(net.parameters(), 0.0)] == [2, 4]
 
 
 def test_optimizer_step_sets_each_steps_rate_clips_and_resumes_its_count():
@@ -101,7 +101,24 @@ def test_optimizer_step_sets_each_steps_rate_clips_and_resumes_its_count():
     resumed = OptimizerStep(build_optimizer(model().parameters(), config), config)
     resumed.load_state_dict(stepper.state_dict())
     assert resumed.state.num_steps == 4
-    for p in resumed.optimizer.param_groups[0]["params"]:
+    for p in (p for group in resumed.optimizer.param_groups for p in group["params"]):
         p.grad = torch.zeros_like(p)
     resumed.step()
     assert resumed.learning_rate == pytest.approx(0.05)  # step 4: halfway down from step 2 to 6
+
+
+@pytest.mark.parametrize("earlier, fragment", [
+    (lambda state: {**state, "optimizer": {**state["optimizer"], "param_groups": [
+        {**state["optimizer"]["param_groups"][0], "params": list(range(6))}]}},
+     "its optimizer has 1 parameter group"),  # one group: written before groups existed
+    (lambda state: {k: v for k, v in state.items() if k != "schedule"},
+     "holds no learning-rate schedule"),  # written before schedules were saved
+])
+def test_an_earlier_disttrains_optimizer_state_is_refused_in_one_line(earlier, fragment):
+    config = training(optimizer="sgd")
+    stepper = OptimizerStep(build_optimizer(model().parameters(), config), config)
+    state = earlier(stepper.state_dict())
+    with pytest.raises(ValueError, match=fragment) as info:
+        OptimizerStep(build_optimizer(model().parameters(), config), config).load_state_dict(state)
+    assert "earlier disttrain" in str(info.value) and "start a fresh run" in str(info.value)
+    assert "\n" not in str(info.value)

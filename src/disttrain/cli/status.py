@@ -13,7 +13,7 @@ from typing import Any
 
 from disttrain.cli.flags import add_tls_flags, add_token_flag, tls_from_args, token_from_args
 from disttrain.coordinator.client import CoordinatorClient
-from disttrain.coordinator.registry import read_status
+from disttrain.coordinator.registry import RegistryError, read_status
 from disttrain.core.addresses import parse_address
 from disttrain.core.errors import DisttrainError, error_lines
 from disttrain.core.refusal_log import printable
@@ -111,7 +111,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         omitted = status.omitted_nodes
     else:
         snapshot = read_status(args.registry, NUM_EVENTS, NUM_RECOVERIES)
-        nodes = [_registry_node(row, time.time()) for row in snapshot.nodes]
+        nodes = [_registry_node(row, time.time(), args.registry) for row in snapshot.nodes]
         events = [{key: event[key] for key in EVENT_KEYS} for event in snapshot.events]
         recoveries = [asdict(recovery) for recovery in snapshot.recoveries]
         generation, source = snapshot.generation, f"registry {args.registry}"
@@ -135,13 +135,17 @@ def _message_dict(message) -> dict[str, Any]:
     return out
 
 
-def _registry_node(row: dict[str, Any], wall_now: float) -> dict[str, Any]:
-    """A registry row in the shape of the coordinator's answer (heartbeat age from now)."""
+def _registry_node(row: dict[str, Any], wall_now: float, registry: str) -> dict[str, Any]:
+    """A registry row in the shape of the coordinator's answer (heartbeat age from now).
+
+    Raises:
+        RegistryError: a figure is NULL (a NaN, which only an earlier disttrain stored).
+    """
     node = {key: row.get(key) for key in NODE_KEYS}
-    for key in ("throughput", "step_time_s", "warmup_speed"):  # NULL: a NaN an older coordinator stored
-        node[key] = node[key] or 0.0
-    # A node registered by an older disttrain has fewer capabilities: the others read 0.
-    node["capabilities"] = {**_message_dict(pb.Capabilities()), **(row.get("capabilities") or {})}
+    if any(node[key] is None for key in ("throughput", "step_time_s", "warmup_speed")):
+        raise RegistryError(f"{registry} was written by an earlier disttrain (node "
+                            f"{printable(node['node_id'])} has no throughput figures); pass the "
+                            "--registry of a run of this one")
     last = row.get("last_heartbeat")
     node["heartbeat_age_s"] = -1.0 if last is None else max(0.0, wall_now - last)
     return node
@@ -155,8 +159,8 @@ def show(cluster: dict[str, Any], as_json: bool) -> None:
 
 
 def render(cluster: dict[str, Any]) -> list[str]:
-    """The human view: a header, the node table, stragglers, the latest events; control
-    characters (in ids or reasons an older coordinator took) escaped."""
+    """The human view: a header, the node table, stragglers, the latest events; characters
+    a terminal would act on (a bidirectional override in a reason) escaped."""
     nodes = cluster["nodes"]
     counts = {state: sum(node["state"] == state for node in nodes) for state in ("alive", "failed", "done")}
     lines = [f"cluster generation {cluster['generation']}: {len(nodes)} nodes "

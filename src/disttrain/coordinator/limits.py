@@ -4,8 +4,7 @@ membership (and its registry, and every status answer) nor put control character
 logs and terminals.
 
 Each check raises ValueError naming the field and its limit (the servicer answers
-INVALID_ARGUMENT); `printable` (core's) escapes what was stored before these bounds
-existed (an older registry) for a terminal.
+INVALID_ARGUMENT); `printable` (core's) escapes the refused value it quotes.
 """
 
 from __future__ import annotations

@@ -225,8 +225,7 @@ class CoordinatorState:
 
 
 def _node_status(node: Node, now: float) -> pb.NodeStatus:
-    # A node registered by an older disttrain has fewer keys: the others read 0.
-    capabilities = pb.Capabilities(**{k: v for k, v in node.capabilities.items() if k in CAPABILITIES})
+    capabilities = pb.Capabilities(**node.capabilities)
     age = -1.0 if node.last_heartbeat is None else max(0.0, now - node.last_heartbeat)
     return pb.NodeStatus(node_id=node.node_id, role=node.role, rank=node.rank, address=node.address,
                          hostname=node.hostname, pid=node.pid, capabilities=capabilities, state=node.state,

@@ -57,8 +57,6 @@ def parameter_groups(params, weight_decay: float) -> list[dict[str, Any]]:
     `weight_decay`, one-dimensional parameters (biases, normalisation weights) do not, as
     users of AdamW expect. Empty groups are left out; order within a group is kept."""
     params = [p for p in params if p.requires_grad]
-    if not weight_decay:  # one group, as before groups: checkpoints of earlier runs still load
-        return [{"params": params, "weight_decay": 0.0}]
     decayed = [p for p in params if p.dim() >= 2]
     kept = [p for p in params if p.dim() < 2]
     return [g for g in ({"params": decayed, "weight_decay": weight_decay},

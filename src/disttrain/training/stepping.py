@@ -73,8 +73,17 @@ class OptimizerStep:
         return {"optimizer": self.optimizer.state_dict(), "schedule": self.state.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take back `state_dict()`'s pieces from a checkpoint. A checkpoint written before
-        schedules were saved counts its loop steps (`position.step`), one optimizer step each."""
+        """Take back `state_dict()`'s pieces from a checkpoint.
+
+        Raises:
+            ValueError: the checkpoint holds no schedule, or its optimizer other parameter
+                groups than this run's (a checkpoint of an earlier disttrain).
+        """
+        earlier = "(a checkpoint of an earlier disttrain); start a fresh run in another --checkpoint-dir"
+        if "schedule" not in state:
+            raise ValueError(f"it holds no learning-rate schedule {earlier}")
+        saved, groups = len(state["optimizer"]["param_groups"]), len(self.optimizer.param_groups)
+        if saved != groups:
+            raise ValueError(f"its optimizer has {saved} parameter group(s), this run's {groups} {earlier}")
         self.optimizer.load_state_dict(state["optimizer"])
-        schedule = state.get("schedule") or {"num_steps": state.get("position", {}).get("step", 0)}
-        self.state.load_state_dict(schedule)
+        self.state.load_state_dict(state["schedule"])
