@@ -11,7 +11,9 @@ A DDP run resumed on another number of ranks re-splits the epoch it stopped in
 that epoch's list, cut into the new number of shards the same way (its tail of fewer than
 `world_size` samples is left out of the epoch, as a permutation's is). The list travels in
 the state (`order`), so a run stopped again within that epoch re-splits it again, on any
-size, and every sample of the epoch is still trained once.
+size, and every sample of the epoch is still trained once. A parameter-server run re-splits
+it keeping the position (`keep_position`): the samples already handed out are dealt to the
+front of the new shards, so the index of a batch in the epoch still counts its steps.
 
 A run that splits its batches by speed (`system.balance`) draws from `PlannedSampler`
 (`data.planned`) instead.
@@ -182,7 +184,8 @@ def owed(state: dict[str, Any]) -> torch.Tensor:
     return torch.cat(rest)
 
 
-def resplit_state(state: dict[str, Any], world_size: int, rank: int) -> dict[str, Any]:
+def resplit_state(state: dict[str, Any], world_size: int, rank: int, keep_position: bool = False
+                  ) -> dict[str, Any]:
     """The sampler state of rank `rank` of `world_size` that goes on from `state`, written
     by another number of ranks (all at one position, as DDP's are).
 
@@ -191,8 +194,15 @@ def resplit_state(state: dict[str, Any], world_size: int, rank: int) -> dict[str
     `world_size` contiguous shards at position 0; its last `len % world_size` samples are
     left out of the epoch, as a permutation's tail is.
 
+    With `keep_position`, each new shard starts with its share of the samples the old
+    ranks already handed out, and the new position is past them: the epoch reads as if
+    `world_size` ranks had taken it from its start, so a batch's index in the epoch (the
+    parameter server's data blocks) still counts the steps taken. The old ranks' samples
+    handed out must then divide evenly over `world_size`.
+
     Raises:
-        ValueError: the state is not a valid sampler state, or it has a balance plan.
+        ValueError: the state is not a valid sampler state, or it has a balance plan, or
+            (`keep_position`) the samples handed out do not divide over `world_size`.
     """
     if "plans" in state or "shares" in state:
         raise ValueError("sampler state has a balance plan, which is made for its number of ranks; "
@@ -201,4 +211,27 @@ def resplit_state(state: dict[str, Any], world_size: int, rank: int) -> dict[str
             "seed": int(state["seed"]), "epoch": int(state["epoch"]), "position": 0}
     if int(state["position"]) == 0 and "order" not in state:
         return base
-    return {**base, "order": owed(state)}
+    rest = owed(state)
+    if not keep_position:
+        return {**base, "order": rest}
+    written, position = int(state["world_size"]), int(state["position"])
+    if position * written % world_size:
+        raise ValueError(f"the {written} ranks' {position * written} samples handed out in the epoch do "
+                         f"not divide over {world_size} ranks")
+    done = _handed_out(state)
+    share, length = len(done) // world_size, len(rest) // world_size
+    order = torch.cat([torch.cat([done[r * share:(r + 1) * share], rest[r * length:(r + 1) * length]])
+                       for r in range(world_size)])
+    return {**base, "order": order, "position": share}
+
+
+def _handed_out(state: dict[str, Any]) -> torch.Tensor:
+    """The samples of the state's epoch its ranks handed out (`owed`'s complement), in rank order."""
+    layout = ShardedSampler(int(state["num_samples"]), world_size=int(state["world_size"]),
+                            seed=int(state["seed"]))
+    layout.load_state_dict(state)
+    done = []
+    for rank in range(layout.world_size):
+        layout.rank = rank
+        done.append(layout.consumed())
+    return torch.cat(done)

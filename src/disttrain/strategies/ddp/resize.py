@@ -3,7 +3,8 @@ batch rule (the pure part; the store and the launcher call it).
 
 The model and optimizer are every rank's (rank 0's copy stands for all), so they are kept.
 The epoch's data is re-split over the new ranks by position, not by rank
-(`data.sampler.resplit_state`): the samples each old rank had not yet taken are what the
+(`data.sampler.resplit_state`; the batch rule and the RNG are `training.resize`'s, which
+the parameter server shares): the samples each old rank had not yet taken are what the
 epoch still owes. The global batch stays the same: each rank takes `B·N/M`, where `B` is
 the checkpoint's per-rank batch. What belongs to an old rank cannot be given to a new one:
 each new rank's RNG is re-derived from the seed, and compression residuals are dropped.
@@ -20,12 +21,9 @@ from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import ConfigError
 from disttrain.data.sampler import resplit_state
-from disttrain.training.seeding import seed_training
+from disttrain.training.resize import rederived_rng, resized_batch_size
 
 logger = logging.getLogger(__name__)
-
-# How many of the world sizes that keep a global batch an error names.
-_NUM_SIZES_NAMED = 8
 
 
 def written_world_size(state: dict[str, Any]) -> int:
@@ -38,23 +36,6 @@ def written_world_size(state: dict[str, Any]) -> int:
 def written_batch_size(state: dict[str, Any]) -> int:
     """The per-rank batch of the run that wrote the checkpoint (its recorded config)."""
     return int(state["config"]["training"]["batch_size"])
-
-
-def resized_batch_size(batch_size: int, written: int, world_size: int) -> int:
-    """The per-rank batch that keeps the global batch of `written` ranks of `batch_size`
-    on `world_size` ranks.
-
-    Raises:
-        ConfigError: the global batch does not divide over `world_size`.
-    """
-    global_batch = batch_size * written
-    if global_batch % world_size:
-        sizes = [n for n in range(1, global_batch + 1) if global_batch % n == 0][:_NUM_SIZES_NAMED]
-        raise ConfigError(f"system.num_workers: the checkpoint's global batch of {global_batch} "
-                          f"({written} ranks x {batch_size}) does not divide over {world_size} ranks; "
-                          f"resume with --world-size in {', '.join(map(str, sizes))}"
-                          f"{', ...' if len(sizes) == _NUM_SIZES_NAMED else ''} (each keeps it)")
-    return global_batch // world_size
 
 
 def check_resizable(state: dict[str, Any], written: int) -> None:
@@ -89,9 +70,9 @@ def resize_state(state: dict[str, Any], world_size: int, rank: int, seed: int, b
                           f"checkpoint's global batch of {expected * world_size} ({written} ranks); "
                           f"resume with --batch-size {expected}")
     step = int(state["position"]["step"])
-    seed_training(seed, step * world_size + rank)
     resized = {key: value for key, value in state.items() if key != "compression"}
-    resized["rng"] = ckpt.rng_state()
+    resized["rng"] = rederived_rng(seed, step, world_size, rank)
+    ckpt.set_rng_state(resized["rng"])
     resized["sampler"] = resplit_state(state["sampler"], world_size, rank)
     resized["position"], resized["samples_extra"] = spread_samples(state, written, world_size, rank)
     resized["resized_from"] = written

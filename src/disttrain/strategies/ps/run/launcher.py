@@ -20,6 +20,8 @@ own node token, so it can call only in its own name; with TLS files, every proce
 and connects with the same ones. Each child is described by a `ProcessSpec`. SIGTERM to the
 launcher, or to one worker, preempts the run as a whole: every process stops with a
 checkpoint, the workers at one step, and the launcher exits 143 (`run.preemption`).
+Resumed with another number of workers, the checkpoints are rewritten for them first
+(`run.resize`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from disttrain.strategies.ps.run.layout import run_layout
 from disttrain.strategies.ps.run.preemption import preempted, preemption, sigterm_preempts, stop_in_order
 from disttrain.strategies.ps.run.progress import ClusterWatch
 from disttrain.strategies.ps.run.recovery import recovery_summary
+from disttrain.strategies.ps.run.resize import resize_checkpoints, resumed_config
 from disttrain.strategies.ps.wire.sharding import log_plan, plan_shards
 from disttrain.training.first_step import check_first_step
 from disttrain.training.models import init_model
@@ -68,7 +71,8 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
     Raises:
         ConfigError: bad input found before any process starts (an unknown model, a
             training set that makes no batch per worker, checkpoints of an earlier run in
-            the folder without `--resume`).
+            the folder without `--resume`, a checkpoint of another number of workers that
+            cannot be resumed on this one: see `run.resize`).
         DataError: the training set cannot be read.
         DistributedError: a process failed more often in a row without progress than
             `coordinator.max_restarts` (its name, exit code and log are named), or did not start.
@@ -79,6 +83,8 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
             checkpoints (see `run.preemption`).
     """
     started = time.perf_counter()
+    if options.resume:  # the batch that keeps a checkpoint's global batch (`run.resize`)
+        config = resumed_config(config)
     preflight(config, options)
     log_dir = Path(config.system.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -149,6 +155,8 @@ def preflight(config: Config, options: RunOptions) -> None:
     run_layout(config)  # a training set that makes no batch per worker fails here, once
     folder = config.system.checkpoint_dir  # a path or a store's URL
     check_checkpoint_dir(folder, "ps", in_this_process=False)
+    if options.resume:  # a checkpoint of another number of workers, rewritten for this run's
+        resize_checkpoints(config)
     for name in [f"server{s}" for s in range(config.ps.num_servers)] + \
             [f"worker{r}" for r in range(config.system.num_workers)]:
         ckpt.prepare_checkpoint_dir(object_store.join(folder, name), resume=options.resume)

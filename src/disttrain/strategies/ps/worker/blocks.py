@@ -5,6 +5,8 @@ piece of a global batch under the balance plan in force at that batch."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from disttrain.data import PlannedSampler, ShardedSampler
@@ -38,7 +40,7 @@ def block_indices(sampler: Sampler, batch_size: int, epoch: int, index: int, ran
     worker's, the sampler's own rank)."""
     if isinstance(sampler, PlannedSampler):
         return sampler.block(epoch, index, rank)
-    if rank is not None and rank != sampler.rank:  # the same split, seen from `rank`
-        sampler = ShardedSampler(sampler.num_samples, world_size=sampler.world_size, rank=rank,
-                                 seed=sampler.seed, shuffle=sampler.shuffle)
+    if rank is not None and rank != sampler.rank:  # the same split (a re-split epoch's too), seen from `rank`
+        sampler = copy.copy(sampler)
+        sampler.rank = rank
     return sampler.shard(epoch)[index * batch_size:(index + 1) * batch_size]

@@ -1,0 +1,235 @@
+"""A parameter-server checkpoint of N workers resumed on M (`disttrain ps --workers M
+--resume`, sync mode): the launcher turns the stopped run's checkpoints into those of M
+workers before any process starts, and the run resumes from them as from its own.
+
+Where it starts from: every worker and shard stopped at one step `s` (a preemption's
+checkpoints), the workers `k` batches into epoch `e`, and every shard's ledger holds
+exactly the blocks of the steps taken (every block of the epochs before `e`, and the first
+`k` of every worker in `e`). Anything else (a run killed between checkpoints, a shard
+behind) is refused: resume it on N, stop it with SIGTERM, and resume that on M.
+
+What the M workers get (the batch rule and RNG are `training.resize`'s, shared with DDP):
+
+- The global batch is kept: each worker takes `B·N/M`; a global batch that does not divide
+  over M is refused, naming the sizes that keep it.
+- The epoch is re-split by position, not by rank (`data.sampler.resplit_state` with
+  `keep_position`): the samples the N handed out are dealt to the front of the M shards and
+  the samples the epoch still owes after them, so each new worker is `k` batches into its
+  shard, the ledger's blocks still count the steps taken, and no sample of the epoch is
+  applied twice or left out (but a tail of fewer than M owed samples, as a permutation's).
+- The ledger is written in the M workers' numbering of blocks (`worker.blocks`): the same
+  steps, every worker's first `k` blocks of the epoch and every block before it.
+- Each worker's RNG is re-derived from the seed; the run's samples processed are shared
+  over the M; the old workers' traffic counters stay with the workers that keep their rank.
+- The shards keep their parameters, optimizer state, version and counters; they forget the
+  ranks above M and the barriers of the earlier launch.
+
+Each rewritten checkpoint replaces the newest one (atomically) and the older ones of its
+folder are removed, so no process can fall back to a checkpoint of the other numbering.
+Workers the run no longer has keep their folders; a later resize past them overwrites them.
+Async and SSP mode, compression, local updates, a balance plan and backup workers are
+refused (exit 2): their state belongs to the old workers' numbering.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from disttrain.config import Config
+from disttrain.core import checkpoint as ckpt
+from disttrain.core import object_store
+from disttrain.core.errors import ConfigError
+from disttrain.data.sampler import resplit_state
+from disttrain.strategies.ps.run.layout import train_length
+from disttrain.strategies.ps.server.ownership import batches_per_epoch
+from disttrain.strategies.ps.worker.blocks import block_id
+from disttrain.training.resize import rederived_rng, resized_batch_size
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Numbering:
+    """A run's numbering of data blocks: `world_size` workers of `batches_per_epoch` each."""
+
+    world_size: int
+    batches_per_epoch: int
+
+    def steps_taken(self, epoch: int, batches: int) -> set[int]:
+        """The blocks of every worker's first `batches` of `epoch`, and of every epoch before."""
+        return {block_id(e, rank, index, self.world_size, self.batches_per_epoch)
+                for e in range(epoch + 1) for rank in range(self.world_size)
+                for index in range(self.batches_per_epoch if e < epoch else batches)}
+
+
+def resumed_config(config: Config) -> Config:
+    """The config a resumed run's processes take: the per-worker batch that keeps the
+    checkpoint's global batch (said in the log when it is not the config's). The launcher
+    calls it before any process starts, then `resize_checkpoints`.
+
+    Raises:
+        ConfigError: the checkpoint cannot be resumed on `system.num_workers` workers.
+        CheckpointError: every checkpoint of worker 0 is damaged.
+    """
+    folder = config.system.checkpoint_dir
+    chosen = ckpt.load_latest_good_checkpoint(object_store.join(folder, "worker0"))
+    if chosen is None or chosen[1].get("strategy") != "ps-worker":
+        return config
+    state, world_size = chosen[1], config.system.num_workers
+    written = int(state["world_size"])
+    written_batch = state.get("config", {}).get("training", {}).get("batch_size", config.training.batch_size)
+    batch_size = resized_batch_size(int(written_batch), written, world_size, flag="--workers", noun="workers")
+    if written == world_size and batch_size == config.training.batch_size:
+        return config
+    if written != world_size:
+        check_resizable(config, written)
+    logger.info("resuming a checkpoint of %d workers on %d: per-worker batch %d keeps the global batch of %d",
+                written, world_size, batch_size, batch_size * world_size)
+    return config.replace(training={"batch_size": batch_size})
+
+
+def resize_checkpoints(config: Config) -> None:
+    """Rewrite the checkpoints of a run of another number of workers for this one's
+    (`rewrite_checkpoints`; nothing when they are this run's). Call it with the config
+    `resumed_config` returned, before any process starts.
+
+    Raises:
+        ConfigError: they cannot be rewritten (see `rewrite_checkpoints`).
+    """
+    chosen = ckpt.load_latest_good_checkpoint(object_store.join(config.system.checkpoint_dir, "worker0"))
+    if chosen is not None and chosen[1].get("strategy") == "ps-worker" \
+            and int(chosen[1]["world_size"]) != config.system.num_workers:
+        rewrite_checkpoints(config, int(chosen[1]["world_size"]))
+
+
+def check_resizable(config: Config, written: int) -> None:
+    """Raises ConfigError for a run whose state belongs to its workers' numbering."""
+    refused = [(config.ps.aggregation_mode != "sync", f"ps.aggregation_mode: {config.ps.aggregation_mode}"),
+               (config.compression.enabled, "compression (its residuals are the old workers')"),
+               (config.compression.pull != "none", f"compression.pull: {config.compression.pull}"),
+               (config.training.local_update_mode, "local updates (training.sync_every > 1)"),
+               (config.system.balance != "none", f"system.balance: {config.system.balance}"),
+               (config.ps.backup_workers > 0, "ps.backup_workers > 0")]
+    reasons = [reason for refuse, reason in refused if refuse]
+    if reasons:
+        raise ConfigError(f"system.num_workers: a parameter-server checkpoint of {written} workers resumes "
+                          f"on {config.system.num_workers} in sync mode without compression, local updates, "
+                          f"balance or backup workers, and this run has {', '.join(reasons)}; resume with "
+                          f"--workers {written}")
+
+
+def rewrite_checkpoints(config: Config, written: int) -> None:
+    """Rewrite the newest checkpoints of the `written` workers and every shard as those
+    of `system.num_workers` workers with `training.batch_size` each (the module's docstring).
+
+    Raises:
+        ConfigError: they are not of one step, or the epoch cannot be re-split.
+    """
+    folder, world_size = config.system.checkpoint_dir, config.system.num_workers
+    workers = [_newest(folder, f"worker{rank}") for rank in range(written)]
+    shards = [_newest(folder, f"server{shard}") for shard in range(config.ps.num_servers)]
+    retry = (f"resume with --workers {written}, stop that run with SIGTERM (its checkpoints are of one step) "
+             f"and resume those on {world_size}")
+    stops = {(int(s["position"]["step"]), int(s["sampler"]["epoch"]), int(s["sampler"]["position"]))
+             for _, s in workers}
+    if len(stops) != 1:
+        raise ConfigError(f"the workers' newest checkpoints are of different steps or positions "
+                          f"({sorted(stops)}); {retry}")
+    ((step, epoch, position),) = stops
+    old_batch = int(workers[0][1]["config"]["training"]["batch_size"])
+    num_samples = train_length(config)
+    old = Numbering(written, batches_per_epoch(num_samples, old_batch, written, False))
+    new = Numbering(world_size, batches_per_epoch(num_samples, config.training.batch_size, world_size, False))
+    done = -(-position // old_batch)  # batches of the epoch taken (the last may be short)
+    expected = old.steps_taken(epoch, done)
+    for name, state in shards:
+        if {int(b) for b in state["rules"]["ledger"]["blocks"]} != expected:
+            raise ConfigError(f"{name}'s newest checkpoint (version {state['version']}) has not applied "
+                              f"exactly the workers' {step} steps; {retry}")
+    samplers = [_resplit(workers[0][1]["sampler"], world_size, rank, done == old.batches_per_epoch)
+                for rank in range(world_size)]
+    order = samplers[0].get("order")
+    length = (num_samples if order is None else len(order)) // world_size
+    if -(-length // config.training.batch_size) != new.batches_per_epoch:
+        raise ConfigError(f"the rest of epoch {epoch} re-split over {world_size} workers makes "
+                          f"{-(-length // config.training.batch_size)} batches each, not the "
+                          f"{new.batches_per_epoch} of the run's other epochs; {retry}")
+    taken = -(-int(samplers[0]["position"]) // config.training.batch_size)
+    ledger = sorted(new.steps_taken(epoch, taken))
+    total = sum(int(s["position"]["samples_processed"]) for _, s in workers)
+    for rank in range(world_size):
+        state = _worker_state(workers[rank if rank < written else 0][1], config, rank, samplers[rank])
+        extra = total % world_size if rank == 0 else 0  # the total's remainder is rank 0's
+        state["position"]["samples_processed"] = total // world_size + extra
+        state["last_block"] = block_id(epoch, rank, taken - 1, world_size, new.batches_per_epoch) \
+            if taken else -1
+        if rank >= written:  # a new worker: the run's traffic so far is the old workers'
+            state.update(worker_id=f"worker{rank}", bytes_sent=0, bytes_received=0, bytes_received_dense=0,
+                         samples_redone=0, samples_taken_over=0)
+        ckpt.save_checkpoint(object_store.join(folder, f"worker{rank}"), step, state, keep=1)
+    for name, state in shards:
+        ckpt.save_checkpoint(object_store.join(folder, name), int(state["version"]),
+                             _shard_state(state, config, step, ledger), keep=1)
+    logger.info("rewrote the checkpoints of %d workers (step %d, epoch %d) for %d: the epoch's remaining "
+                "samples re-split, the ledger renumbered, each worker's RNG re-derived from the seed",
+                written, step, epoch, world_size)
+
+
+def _newest(folder: str, name: str) -> tuple[str, dict[str, Any]]:
+    chosen = ckpt.load_latest_good_checkpoint(object_store.join(folder, name))
+    if chosen is None:
+        raise ConfigError(f"--resume: {name} has no checkpoint in {folder}, so the run cannot be resized; "
+                          "resume it with the number of workers it was started with")
+    return name, chosen[1]
+
+
+def _resplit(state: dict[str, Any], world_size: int, rank: int, finished: bool) -> dict[str, Any]:
+    """Rank `rank`'s sampler: the epoch re-split keeping the position; an epoch every
+    worker finished is the new layout's permutation, finished."""
+    if finished:
+        num, seed = int(state["num_samples"]), int(state["seed"])
+        return {"num_samples": num, "world_size": world_size, "rank": rank, "seed": seed,
+                "epoch": int(state["epoch"]), "position": num // world_size}
+    try:
+        return resplit_state(state, world_size, rank, keep_position=True)
+    except ValueError as e:
+        raise ConfigError(f"the checkpoint's epoch cannot be re-split: {e}; resume with --workers "
+                          f"{int(state['world_size'])}") from e
+
+
+def _resized_config(record: dict[str, Any], config: Config) -> dict[str, Any]:
+    record = copy.deepcopy(record)
+    record.setdefault("system", {})["num_workers"] = config.system.num_workers
+    record.setdefault("training", {})["batch_size"] = config.training.batch_size
+    return record
+
+
+def _worker_state(state: dict[str, Any], config: Config, rank: int, sampler: dict[str, Any]
+                  ) -> dict[str, Any]:
+    """Worker `rank`'s checkpoint, from `state` (its own, or worker 0's for a new worker)."""
+    world_size, step = config.system.num_workers, int(state["position"]["step"])
+    return {**state, "rank": rank, "world_size": world_size, "sampler": sampler,
+            "rng": rederived_rng(config.training.seed, step, world_size, rank),
+            "position": dict(state["position"]), "dropped_blocks": [],
+            "resized_from": int(state["world_size"]),
+            "config": _resized_config(state.get("config", {}), config)}
+
+
+def _shard_state(state: dict[str, Any], config: Config, step: int, ledger: list[int]) -> dict[str, Any]:
+    """A shard's checkpoint for the new workers: the ranks above them and the earlier
+    launch's barriers forgotten, every worker at `step`, the ledger renumbered."""
+    world_size = config.system.num_workers
+    rules = dict(state["rules"])
+    ranks = {str(w): int(r) for w, r in rules["ranks"].items() if int(r) < world_size}
+    parked = rules["roster"]["parked"]
+    rules.update(ranks=ranks, done=[int(r) for r in rules["done"] if int(r) < world_size],
+                 last_step={rank: step for rank in range(world_size)},
+                 roster={**rules["roster"], "parked": dict.fromkeys(range(world_size), max(parked.values()))
+                         if parked else {}},
+                 ledger={**rules["ledger"], "blocks": ledger})
+    identities = {w: b for w, b in state.get("identities", {}).items() if w in ranks}
+    return {**state, "rules": rules, "barriers": {}, "identities": identities,
+            "config": _resized_config(state.get("config", {}), config)}
