@@ -123,6 +123,7 @@ DDP_TOPK = FakeRun("ddp", ["rank0", "rank1"], step_s=0.025, comm_s=0.005, accura
                    extra={"compression_ratio": 50.0, "compression_bytes_sent": 4_000.0 * 60})
 RUNS = {"baseline": BASELINE, "ps-sync": PS_SYNC, "ddp": DDP, "ddp+topk": DDP_TOPK}
 THRESHOLDS = [0.9, 0.95, 0.97, 0.98]
+PERPLEXITY_TARGETS = [32, 16, 8, 4]
 
 # Language models on byte-level text: perplexity per epoch, timed to `PERPLEXITY_TARGETS`.
 LM_BASELINE = FakeRun("baseline", ["baseline"], step_s=0.04, accuracies=[], perplexities=[40.0, 14.0, 7.5])
@@ -154,5 +155,6 @@ def write_comparison(folder: Path, runs: dict[str, FakeRun] | None = None,
                         "command": ["disttrain", "ps"]})
     (folder / "comparison.json").write_text(json.dumps({
         "version": 1, "created": "2026-12-01T04:00:00+00:00", "command": ["disttrain", "compare"],
-        "dataset": "digits", "thresholds": THRESHOLDS, "runs": entries}))
+        "dataset": "digits", "thresholds": THRESHOLDS, "perplexity_targets": PERPLEXITY_TARGETS,
+        "runs": entries}))
     return folder

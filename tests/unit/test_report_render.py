@@ -67,7 +67,7 @@ def test_a_comparison_renders_json_plots_html_and_markdown(tmp_path):
 
 
 def test_a_language_models_comparison_shows_perplexity_and_the_time_to_each_target(tmp_path):
-    folder = write_comparison(tmp_path / "cmp", runs=LM_RUNS)  # without perplexity_targets: the defaults
+    folder = write_comparison(tmp_path / "cmp", runs=LM_RUNS)
     rendered = render_comparison(folder)
     report = json.loads(rendered.json_path.read_text())
     assert report["thresholds"] == [] and report["perplexity_targets"] == [32, 16, 8, 4]
@@ -135,10 +135,15 @@ def test_a_run_of_one_logged_window_is_a_point_and_the_loss_plot_says_why():
     (lambda folder: None, "no such folder"),
     (lambda folder: folder.mkdir(), "has no comparison.json"),
     (lambda folder: (folder.mkdir(), (folder / "comparison.json").write_text("{")), "is not valid JSON"),
-    (lambda folder: (folder.mkdir(), (folder / "comparison.json").write_text('{"runs": [{"name": "a"}]}')),
+    (lambda folder: (folder.mkdir(), (folder / "comparison.json").write_text(
+        '{"runs": [{"name": "a"}], "thresholds": [0.9], "perplexity_targets": [8]}')),
      "status should be one of"),
     (lambda folder: (folder.mkdir(), (folder / "comparison.json").write_text(
-        '{"runs": [{"name": "a", "status": "ok", "log_dir": "a/logs"}]}')), "summary.json: does not exist"),
+        '{"runs": [], "thresholds": [0.9]}')),
+     "has no perplexity_targets .a comparison an earlier disttrain wrote.; run disttrain compare again"),
+    (lambda folder: (folder.mkdir(), (folder / "comparison.json").write_text(
+        '{"runs": [{"name": "a", "status": "ok", "log_dir": "a/logs"}], "thresholds": [0.9], '
+        '"perplexity_targets": [8]}')), "summary.json: does not exist"),
 ])
 def test_a_bad_comparison_folder_names_what_is_wrong(tmp_path, setup, fragment):
     folder = tmp_path / "cmp"

@@ -102,8 +102,7 @@ def render_comparison(folder: str | Path, advisor: Advisor | None = None) -> Ren
 
 
 def read_comparison(folder: Path) -> dict[str, Any]:
-    """comparison.json of `folder`, checked, with thresholds and perplexity targets
-    defaulted (a comparison written before it recorded them).
+    """comparison.json of `folder`, checked, its thresholds and perplexity targets as floats.
 
     Raises:
         InputFileError: one line naming the file (or folder) and what is wrong.
@@ -118,11 +117,15 @@ def read_comparison(folder: Path) -> dict[str, Any]:
     data = read_json_file(path, "comparison file")
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
         raise InputFileError(f"{path}: is not a comparison file (expected an object with a \"runs\" list)")
-    thresholds = data.get("thresholds", list(ACCURACY.targets))
+    missing = [key for key in ("thresholds", "perplexity_targets") if key not in data]
+    if missing:
+        raise InputFileError(f"{path}: has no {' or '.join(missing)} (a comparison an earlier disttrain "
+                             "wrote); run disttrain compare again")
+    thresholds = data["thresholds"]
     if not isinstance(thresholds, list) or not all(is_number(t) and 0 < t <= 1 for t in thresholds):
         raise InputFileError(f"{path}: thresholds should be a list of accuracies in (0, 1], "
                              f"not {thresholds!r}")
-    perplexity_targets = data.get("perplexity_targets", list(PERPLEXITY.targets))
+    perplexity_targets = data["perplexity_targets"]
     if not isinstance(perplexity_targets, list) or not all(is_number(t) and t >= 1
                                                            for t in perplexity_targets):
         raise InputFileError(f"{path}: perplexity_targets should be a list of perplexities >= 1 "
