@@ -1,10 +1,12 @@
 """Gradient compression as DDP communication hooks, one per `compression.type`.
 
 - `quantization`, `topk`: each rank encodes its bucket with a `Compressor`, one segment
-  per parameter named by the parameter, so error-feedback residuals follow parameters
-  whatever buckets DDP cuts (top-k picks its k over the whole bucket: see
-  `Compressor.blocks`), and all-gathers the payloads; every rank decodes every payload
-  and averages them in rank order, so all ranks hold the same bits. (A sum of compressed
+  per parameter named by the parameter, so error-feedback residuals (and DGC's
+  velocities) follow parameters whatever buckets DDP cuts (top-k picks its k over the
+  whole bucket: see `Compressor.blocks`), and all-gathers the payloads; every rank
+  decodes every payload and averages them in rank order, so all ranks hold the same
+  bits. Self-describing top-k payloads (compact, warm-up) differ in length between
+  ranks: their lengths are all-gathered first and each is padded to the longest. (A sum of compressed
   payloads means nothing, hence all-gather rather than all-reduce.)
 - `quantization` with `compression.ddp_collective: two_phase`: a two-phase int8 all-reduce
   (`two_phase`: an all-to-all of chunks, each averaged by its owner, an all-gather of the
@@ -184,11 +186,16 @@ class GatherHook(CompressionHook):
         # a failed collective ends the run, which resumes from a checkpoint before this step.
         self.compressor.commit(encoded)
         n, dense_bytes = dist.get_world_size(), buffer.numel() * buffer.element_size()
-        if self.dense_when_cheaper and collectives.cheapest(n, encoded.nbytes, dense_bytes, False) == \
+        sizes = self._sizes(encoded.nbytes, buffer.device) if self.compressor.variable \
+            else [encoded.nbytes] * n
+        # The largest payload decides, so every rank takes the same path (they are equal but
+        # for self-describing top-k blocks, whose lengths differ from rank to rank).
+        if self.dense_when_cheaper and collectives.cheapest(n, max(sizes), dense_bytes, False) == \
                 collectives.DENSE:
             return self._dense(buffer, encoded, segments, started)
         # A bucket of zero-size gradients has an empty payload, which frombuffer refuses.
-        payload = torch.frombuffer(bytearray(encoded.data), dtype=torch.uint8) if encoded.data \
+        data = encoded.data + bytes(max(sizes) - encoded.nbytes)  # all-gather takes equal sizes
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data \
             else torch.empty(0, dtype=torch.uint8)
         payload = payload.to(buffer.device)
         self.stats.record(encoded.dense_bytes, encoded.nbytes, encoded.dense_segments,
@@ -201,14 +208,22 @@ class GatherHook(CompressionHook):
             started = time.perf_counter()
             total = torch.zeros(buffer.numel(), dtype=buffer.dtype)
             scratch = torch.empty_like(total)
-            for part in parts:  # in rank order: every rank adds the same numbers the same way
-                self.compressor.decode(memoryview(part.cpu().numpy()), segments, scratch)
+            for part, size in zip(parts, sizes, strict=True):  # in rank order: the same sum everywhere
+                self.compressor.decode(memoryview(part.cpu().numpy())[:size], segments, scratch)
                 total += scratch
             buffer.copy_(total.div_(len(parts)))
             self.stats.record(seconds=time.perf_counter() - started)
             return buffer
 
         return gathered.then(average)
+
+    @staticmethod
+    def _sizes(nbytes: int, device: torch.device) -> list[int]:
+        """Every rank's payload length, in rank order (one small all-gather)."""
+        mine = torch.tensor([nbytes], dtype=torch.int64, device=device)
+        sizes = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(sizes, mine)
+        return [int(size) for size in sizes]
 
     def _dense(self, buffer: torch.Tensor, encoded: Any, segments: list[tuple[str, int]],
                started: float) -> Future[torch.Tensor]:
@@ -235,6 +250,9 @@ class GatherHook(CompressionHook):
         tensors["counters"] = torch.tensor(state["counters"], dtype=torch.float64)
         tensors.update({f"draws/{name}": torch.tensor(count, dtype=torch.int64)
                         for name, count in state.get("draws", {}).items()})
+        tensors.update({f"velocity/{name}": value for name, value in state.get("velocities", {}).items()})
+        tensors.update({f"steps/{name}": torch.tensor(count, dtype=torch.int64)
+                        for name, count in state.get("steps", {}).items()})
         return tensors
 
     def _load(self, state: dict[str, torch.Tensor]) -> None:
@@ -244,6 +262,10 @@ class GatherHook(CompressionHook):
                                   "counters": state["counters"].tolist()}
         loaded["draws"] = {name[len("draws/"):]: int(value) for name, value in state.items()
                            if name.startswith("draws/")}
+        loaded["velocities"] = {name[len("velocity/"):]: value for name, value in state.items()
+                                if name.startswith("velocity/")}
+        loaded["steps"] = {name[len("steps/"):]: int(value) for name, value in state.items()
+                           if name.startswith("steps/")}
         self.compressor.load_state_dict(loaded)
 
 
@@ -453,7 +475,8 @@ def build_ddp_hook(section: CompressionConfig, named_parameters: Iterable[tuple[
     if section.type == "quantization" and resolved_collective(section, world_size) == collectives.TWO_PHASE:
         return TwoPhaseHook(names, section.error_feedback)
     if section.type in ("quantization", "topk"):
-        return GatherHook(Compressor.from_config(section, rank_seed), names,
+        num_ranks = world_size or (dist.get_world_size() if dist.is_initialized() else 1)
+        return GatherHook(Compressor.from_config(section, rank_seed, num_ranks), names,
                           dense_when_cheaper=section.ddp_collective == "auto")
     if section.type in HalfPrecisionHook.HOOKS:
         return HalfPrecisionHook(section.type, names)

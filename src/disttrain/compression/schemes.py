@@ -187,8 +187,10 @@ def _top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(torch.topk(magnitudes, k, sorted=False).indices).values
 
 
-def _encode_topk(x: torch.Tensor, k: int) -> tuple[list[bytes], torch.Tensor]:
-    indices = _top_indices(x, k)
+def _encode_topk(x: torch.Tensor, k: int, indices: torch.Tensor | None = None
+                 ) -> tuple[list[bytes], torch.Tensor]:
+    """Top-k's fixed block; `indices`: the k already chosen (ascending), else the largest."""
+    indices = _top_indices(x, k) if indices is None else indices
     values = x[indices]
     decoded = torch.zeros_like(x)
     decoded[indices] = values

@@ -276,6 +276,25 @@ class CompressionConfig:
     # run's size, by the rule `advise` predicts with: two_phase for int8 beyond 2 ranks, and a
     # bucket whose gathered payloads outgrow it all-reduced dense (top-k at (n - 1) x k).
     ddp_collective: str = field(default="auto", metadata=_choice(("auto", "gather", "two_phase")))
+    # -- topk: Deep Gradient Compression's training rules (docs/compression.md).
+    # Momentum correction's factor: each worker accumulates a velocity u = m u + g and sends
+    # top-k of the sum of its velocities; 0: off. The applied update is then plain SGD
+    # (training.optimizer: sgd, training.momentum: 0), or momentum would count twice.
+    momentum_correction: float = field(default=0.0, metadata=_rule(lambda v: 0 <= v < 1,
+                                                                   "must be in [0, 1); 0 turns it off"))
+    # Momentum factor masking: the entries sent are zeroed in the velocity too.
+    momentum_masking: bool = True
+    # Local clipping: each tensor's gradient norm on a worker is clipped to this bound
+    # times num_workers^-1/2 before it is accumulated; 0: no clipping.
+    local_clip_norm: float = field(default=0.0, metadata=NON_NEGATIVE)
+    # Sparsity warm-up: over this many steps the share kept falls exponentially from
+    # warmup_ratio to ratio; 0: ratio from the first step.
+    warmup_steps: int = field(default=0, metadata=NON_NEGATIVE)
+    # The share kept at the warm-up's first step.
+    warmup_ratio: float = field(default=0.25, metadata=_rule(lambda v: 0 < v <= 1, "must be in (0, 1]"))
+    # Compact top-k payloads: values in fp16, indices as varint gaps (about 3 bytes an
+    # element kept at ratio 0.01, against 8).
+    compact: bool = False
     # -- pull compression (parameter server, sync mode): the shards answer a step with the
     # compressed change of their broadcast copy, which every worker holds exactly.
     # none: dense parameters; topk, quantization, fp16 or bf16 (independent of `enabled`).
@@ -293,6 +312,12 @@ class CompressionConfig:
         if self.ddp_collective == "two_phase" and self.stochastic_rounding:
             return [f"{name('stochastic_rounding')}: the two-phase collective "
                     f"({name('ddp_collective')}: two_phase) rounds to nearest; turn one of them off"]
+        if self.type == "topk" and self.momentum_correction and not self.error_feedback:
+            return [f"{name('momentum_correction')}: momentum correction accumulates what was not sent; "
+                    f"set {name('error_feedback')}: true"]
+        if self.type == "topk" and self.warmup_steps and self.warmup_ratio < self.ratio:
+            return [f"{name('warmup_ratio')}: {self.warmup_ratio} is below {name('ratio')} ({self.ratio}); "
+                    "the warm-up starts denser: set it above the ratio (e.g. 0.25)"]
         return []
 
 
@@ -403,6 +428,12 @@ class Config:
         if self.ps.backup_workers >= self.system.num_workers:
             return [f"{name('ps.backup_workers')}: {self.ps.backup_workers} must be less than "
                     f"system.num_workers ({self.system.num_workers})"]
+        c, t = self.compression, self.training
+        if c.enabled and c.type == "topk" and c.momentum_correction and (t.optimizer != "sgd" or t.momentum):
+            return [f"{name('compression.momentum_correction')}: the workers already apply momentum "
+                    f"({c.momentum_correction}); the optimizer must not apply it again: set "
+                    f"training.optimizer: sgd and training.momentum: 0 (now {t.optimizer}"
+                    f"{f', momentum {t.momentum:g}' if t.optimizer == 'sgd' else ''})"]
         return []
 
 

@@ -107,6 +107,12 @@ RULES: tuple[Rule, ...] = (
     Rule("compression.ratio", _when(
         lambda c, s: c.compression.type != "topk",
         lambda c: f"only topk sends a share of each tensor (compression.type is {c.compression.type})")),
+    *(Rule(f"compression.{key}", _when(
+        lambda c, s: c.compression.type != "topk",
+        lambda c: f"only topk applies DGC's rules and compact payloads (compression.type is "
+                  f"{c.compression.type})"))
+      for key in ("momentum_correction", "momentum_masking", "local_clip_norm", "warmup_steps",
+                  "warmup_ratio", "compact")),
     Rule("compression.stochastic_rounding", _when(
         lambda c, s: c.compression.type != "quantization",
         lambda c: f"only quantization rounds (compression.type is {c.compression.type})")),

@@ -92,6 +92,7 @@ def clear_residuals(hook: CompressionHook) -> None:
     in flight from a group that is gone is waited for."""
     if isinstance(hook, GatherHook):
         hook.compressor.residuals.clear()  # a missing residual reads as zeros
+        hook.compressor.velocities.clear()  # DGC's momentum correction: the same reasoning
     elif isinstance(hook, TwoPhaseHook):  # both roundings', the owner's laid out for the old group
         hook.residuals.clear()
         hook.owner_residuals.clear()

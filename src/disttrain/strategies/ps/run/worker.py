@@ -146,7 +146,8 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
             client.compress_pulls(config.compression.pull, config.compression.pull_ratio)
         encoder = None
         if config.compression.enabled:
-            compressor = Compressor.from_config(config.compression, training_seed(training.seed, rank))
+            compressor = Compressor.from_config(config.compression, training_seed(training.seed, rank),
+                                                world_size)
             encoder = GradientEncoder(compressor, client.plans)
         buffers = WorkerBuffers(model, client.plans, client.shards)
         exchange = make_exchange(assignment.aggregation_mode, client, worker_id, flat, grads,

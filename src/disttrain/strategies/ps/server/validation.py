@@ -135,7 +135,7 @@ class PushDecoder:
         self.max_samples = max_samples
         self.compressor = None
         if compression.enabled and compression.type != "powersgd":
-            self.compressor = Compressor(compression.type, compression.ratio, error_feedback=False)
+            self.compressor = Compressor.from_config(compression, seed=0)  # decodes only
         self.segments = shard_segments(plan)
         itemsize = torch.empty((), dtype=to_dtype(plan.dtype)).element_size()
         self.compressed_nbytes = None if self.compressor is None else \
@@ -172,7 +172,8 @@ class PushDecoder:
             data = payload.chunks[0] if len(payload.chunks) == 1 else b"".join(payload.chunks)
             out = torch.empty(self.plan.numel, dtype=to_dtype(self.plan.dtype))
             try:
-                self.compressor.decode(data, self.segments, out)
+                # From shared memory: read as the most bytes a payload may take.
+                self.compressor.decode(data, self.segments, out, padded=payload.header.shared_memory)
             except InvalidPayload as e:
                 raise InvalidPush(f"{self.scheme} payload: {e}") from e
             gradient = bounded([out])
