@@ -135,7 +135,7 @@ def test_child_config_error_keeps_exit_code_two(tmp_path):
 
 
 def test_summary_round_trip(tmp_path):
-    summary = RunSummary("ddp", "digits", 0.9, 0.3, 5.0, 4.0, 100.0, 500, 8, 1, 2, {"a": 1},
+    summary = RunSummary("ddp", "digits", 0.9, 0.3, 5.0, 4.0, 100.0, 500, 8, 1, 2, {"a": 1}, {"0.90": 3.0},
                          extra={"backend": "gloo", "restarts": 1})
     summary.write(tmp_path)
     assert RunSummary.read(tmp_path) == summary

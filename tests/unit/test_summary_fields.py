@@ -1,6 +1,6 @@
 """The run summary's time to accuracy, and a language model's time to perplexity (written,
-read back, printed; older files without them still read) and the hyper-parameters written
-for TensorBoard's HPARAMS tab."""
+read back, printed; a file without them refused in one line) and the hyper-parameters
+written for TensorBoard's HPARAMS tab."""
 
 from __future__ import annotations
 
@@ -32,18 +32,14 @@ def test_time_to_accuracy_is_written_and_read_back(tmp_path):
     assert "Time to accuracy: 90% 1.2s, 95% 2.5s, 97% -, 98% -" in summary.lines()
 
 
-def test_a_summary_written_before_time_to_accuracy_still_reads(tmp_path):
+def test_a_summary_an_earlier_disttrain_wrote_is_refused_in_one_line(tmp_path):
     data = make_summary([(1.0, 0.99)]).to_dict()
-    del data["time_to_accuracy_s"]
+    del data["time_to_accuracy_s"]  # written before summaries recorded it
     (tmp_path / "summary.json").write_text(json.dumps(data))
-    old = RunSummary.read(tmp_path)
-    assert old.time_to_accuracy_s == {} and old.final_accuracy == 0.96
-    assert "time_to_accuracy_s" not in old.extra
-    assert not any(line.startswith("Time to accuracy") for line in old.lines())  # not known: no line
-    del data["final_loss"]  # a field that every summary has is still required
-    (tmp_path / "summary.json").write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="not a run summary"):
+    expected = "not a run summary of this disttrain .it has no time_to_accuracy_s.; if an earlier disttrain"
+    with pytest.raises(ValueError, match=expected + " wrote it, run it again") as info:
         RunSummary.read(tmp_path)
+    assert "\n" not in str(info.value)
 
 
 def test_a_language_models_summary_records_its_time_to_perplexity(tmp_path):
@@ -63,13 +59,11 @@ def test_a_language_models_summary_records_its_time_to_perplexity(tmp_path):
     assert {k: v for k, v in figures.items() if k.startswith("hparam/time_to_")} == {
         "hparam/time_to_perplexity_32_s": 2.0, "hparam/time_to_perplexity_16_s": 3.0,
         "hparam/time_to_perplexity_8_s": 3.0}
-    # A language model's summary written before it recorded the times: not known, no line.
+    # A language model's summary written before it recorded the times: refused.
     del data["time_to_perplexity_s"]
     (tmp_path / "summary.json").write_text(json.dumps(data))
-    old = RunSummary.read(tmp_path)
-    assert old.is_language_model and old.time_to_perplexity_s == {}
-    assert not any(line.startswith("Time to") for line in old.lines())
-    assert not any(key.startswith("hparam/time_to_") for key in metric_values(old))
+    with pytest.raises(ValueError, match="it has no time_to_perplexity_s"):
+        RunSummary.read(tmp_path)
     assert make_summary([(1.0, 0.99)]).time_to_perplexity_s == {}  # a classifier has none
     assert "time_to_perplexity_s" not in make_summary().to_dict()
 

@@ -8,7 +8,7 @@ import json
 import math
 import os
 from collections.abc import Iterable
-from dataclasses import MISSING, asdict, dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +23,8 @@ class RunSummary:
     """The fields of `keys.SUMMARY`, plus strategy-specific figures in `extra` (written at
     the top level of summary.json beside the others).
 
-    `time_to_accuracy_s` is empty in a summary read from a file written before it existed
-    (not known, unlike None: not reached), and in a language model's, which records
-    `time_to_perplexity_s` in `extra` instead (absent from files written before it)."""
+    `time_to_accuracy_s` is empty in a language model's, which records
+    `time_to_perplexity_s` in `extra` instead."""
 
     strategy: str
     dataset: str
@@ -39,7 +38,7 @@ class RunSummary:
     epochs: int
     world_size: int
     config: dict[str, Any]
-    time_to_accuracy_s: dict[str, float | None] = field(default_factory=dict)
+    time_to_accuracy_s: dict[str, float | None]
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -84,8 +83,7 @@ class RunSummary:
 
     @property
     def time_to_perplexity_s(self) -> dict[str, float | None]:
-        """A language model's times to each perplexity target; empty for a classifier and
-        in a summary written before they were recorded (not known)."""
+        """A language model's times to each perplexity target; empty for a classifier."""
         times = self.extra.get(PERPLEXITY.field)
         return dict(times) if isinstance(times, dict) else {}
 
@@ -184,15 +182,20 @@ class RunSummary:
         """Read a summary.json (or the one in folder `path`).
 
         Raises:
-            OSError: the file cannot be read. ValueError: it is not a summary.
+            OSError: the file cannot be read. ValueError: it is not a summary of this
+                disttrain (one an earlier build wrote lacks fields), in one line.
         """
         path = Path(path)
         if path.is_dir():
             path = path / SUMMARY_FILE
         data = json.loads(path.read_text(encoding="utf-8"))
-        fields = [f for f in dataclasses.fields(cls) if f.name != "extra"]
-        # Fields with a default came later; a file written before them still reads.
-        required = {f.name for f in fields if f.default is MISSING and f.default_factory is MISSING}
-        if not isinstance(data, dict) or not required <= set(data):
-            raise ValueError(f"{path} is not a run summary")
-        return cls(**{f.name: data.pop(f.name) for f in fields if f.name in data}, extra=data)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} is not a run summary (expected a JSON object)")
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+        missing = [name for name in fields if name not in data]
+        if data.get("task") == LANGUAGE_MODEL and PERPLEXITY.field not in data:
+            missing.append(PERPLEXITY.field)
+        if missing:
+            raise ValueError(f"{path} is not a run summary of this disttrain (it has no "
+                             f"{', '.join(missing)}); if an earlier disttrain wrote it, run it again")
+        return cls(**{name: data.pop(name) for name in fields}, extra=data)
