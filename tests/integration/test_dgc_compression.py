@@ -82,6 +82,8 @@ def test_ddp_with_dgc_trains_and_resumes_bit_identical(cli, tmp_path):
     assert steps and set(steps) == {60}
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.slow  # a process start: seconds on a busy machine
 def test_ddp_refuses_momentum_applied_twice(cli, tmp_path):
     result = cli("ddp", *DDP_ARGS, "--set", "training.momentum=0.9", *ddp_dirs(tmp_path), timeout=60)
     assert result.returncode == 2
