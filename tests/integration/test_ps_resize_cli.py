@@ -1,5 +1,6 @@
 """`disttrain ps --resume` on another number of workers: a 2-worker synchronous run
-preempted mid-epoch (`--inject term:worker=1:step=S`) goes on on 3 workers, or on 1. Every
+preempted mid-epoch (`--inject term:worker=1:step=S`) goes on on 3 workers, or on 1, or on 3
+preempted again within the epoch and then on 1. Every
 sample of each epoch is applied exactly once across the change (the shards' ledgers, through
 the summary, and what the model's forward was given in every worker process of both runs),
 the global batch is kept (per-worker batch = B·N/M, said in the launcher's log), and the
@@ -152,24 +153,34 @@ def stopped(tmp_path_factory) -> tuple[Path, int]:
     return path, step
 
 
-def resumed_on(stopped: tuple[Path, int], tmp_path: Path, workers: int) -> tuple[Path, dict]:
-    """The stopped run resumed on `workers`: it finishes, its launcher says the per-worker
-    batch, and every sample of each epoch was applied once, from the ledgers and the forwards."""
-    path = tmp_path / "run"
-    shutil.copytree(stopped[0], path)
-    result = ps(path, "resumed", workers, "--resume")
-    assert result.returncode == 0, logs(path, result)
+def batch_line(result, path: Path, written: int, workers: int) -> None:
     per_worker = BATCH_SIZE * 2 // workers
-    assert (f"resuming a checkpoint of 2 workers on {workers}: per-worker batch {per_worker} keeps the "
-            f"global batch of {BATCH_SIZE * 2}") in result.stderr, logs(path, result)
+    assert (f"resuming a checkpoint of {written} workers on {workers}: per-worker batch {per_worker} keeps "
+            f"the global batch of {BATCH_SIZE * 2}") in result.stderr, logs(path, result)
+
+
+def finished(path: Path, result, workers: int, resumed_from: int, runs: list[tuple[str, int]]) -> dict:
+    """The run finished on `workers`, every sample of each epoch applied once, from the
+    ledgers and the forwards of the `runs`; its summary."""
+    assert result.returncode == 0, logs(path, result)
     summary = json.loads((path / "logs" / "summary.json").read_text())
     assert summary["samples_applied"] == NUM_EPOCHS * NUM_SAMPLES and summary["samples_lost"] == 0, summary
     assert summary["samples_redone"] == 0 and summary["num_failures"] == 0, summary
+    per_worker = BATCH_SIZE * 2 // workers
     assert summary["world_size"] == workers and summary["config"]["training"]["batch_size"] == per_worker
-    assert summary["resumed_from_step"] == stopped[1] and summary["steps"] == NUM_EPOCHS * 50, summary
+    assert summary["resumed_from_step"] == resumed_from and summary["steps"] == NUM_EPOCHS * 50, summary
     assert summary["samples_processed"] == NUM_EPOCHS * NUM_SAMPLES, summary
-    assert_each_sample_once_an_epoch(epochs_trained(path, [("two", 0), ("resumed", 1)]))
-    return path, summary
+    assert_each_sample_once_an_epoch(epochs_trained(path, runs))
+    return summary
+
+
+def resumed_on(stopped: tuple[Path, int], tmp_path: Path, workers: int) -> tuple[Path, dict]:
+    """The stopped run resumed on `workers`: it finishes, and its launcher says the per-worker batch."""
+    path = tmp_path / "run"
+    shutil.copytree(stopped[0], path)
+    result = ps(path, "resumed", workers, "--resume")
+    batch_line(result, path, 2, workers)
+    return path, finished(path, result, workers, stopped[1], [("two", 0), ("resumed", 1)])
 
 
 @pytest.mark.slow
@@ -197,3 +208,21 @@ def test_two_workers_resumed_on_one_apply_every_sample_once_and_sizes_off_the_ba
     assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(path / "ckpt" / "worker0")] == [stopped[1]]
     _, summary = resumed_on(stopped, tmp_path, 1)
     assert [w["rank"] for w in summary["workers"]] == [0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_workers_resumed_on_three_preempted_again_then_on_one_apply_every_sample_once(stopped, tmp_path):
+    # The second stop is within epoch 1 too: its re-split epoch is re-split again.
+    path = tmp_path / "run"
+    shutil.copytree(stopped[0], path)
+    three = ps(path, "three", 3, "--resume", "--inject", "term:worker=2:step=64")
+    assert three.returncode == 143, logs(path, three)
+    batch_line(three, path, 2, 3)
+    match = STOPPED.match(three.stderr.strip().splitlines()[-1])
+    assert match, logs(path, three)
+    second = int(match.group(1))
+    assert 64 <= second < 100
+    one = ps(path, "one", 1, "--resume")
+    batch_line(one, path, 3, 1)
+    finished(path, one, 1, second, [("two", 0), ("three", 1), ("one", 1)])
