@@ -16,16 +16,19 @@ lived (`restart`) reads it the same way.
 from __future__ import annotations
 
 import logging
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.saver import CheckpointWriter
 from disttrain.strategies.ddp.live.state import flatten, unflatten
+from disttrain.strategies.ddp.live.trainer import Progress
 
 logger = logging.getLogger(__name__)
 
 LIVE_KEYS = ("model", "progress", "ledger")
+PROGRESS_KEYS = tuple(f.name for f in fields(Progress))
 
 
 class LiveCheckpoints:
@@ -93,5 +96,6 @@ def load_resume_state(folder: str | Path, why: str = "--resume") -> dict[str, An
         return None
     path, state = chosen
     ckpt.require_keys(state, LIVE_KEYS, path)
+    ckpt.require_keys(state["progress"], PROGRESS_KEYS, path)  # an earlier build's lacks some
     logger.info("%s: taking the run's state from %s (step %d)", why, path, int(state["progress"]["step"]))
     return state

@@ -82,8 +82,8 @@ class Progress:
         self.train_time_s, self.admitted = float(state["train_time_s"]), int(state["admitted"])
         self.evaluations = [list(e) for e in state["evaluations"]]
         self.recoveries = [dict(r) for r in state["recoveries"]]
-        self.plans = [list(plan) for plan in state.get("plans", [])]
-        self.replans = int(state.get("replans", 0))
+        self.plans = [list(plan) for plan in state["plans"]]
+        self.replans = int(state["replans"])
 
 
 class LiveTrainer:
