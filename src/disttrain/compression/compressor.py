@@ -239,8 +239,7 @@ class Compressor:
                 if rules.masking:  # momentum factor masking: what was sent stops pushing
                     if dense:
                         velocity = torch.zeros_like(velocity)
-                    else:
-                        velocity = velocity.clone()
+                    else:  # the block's own copy (`_kept` concatenates), not x: x is v + u
                         velocity[indices] = 0.0
                 velocities.update(self._split(velocity, parts))
         self._check_covered(offset, flat)
@@ -249,7 +248,8 @@ class Compressor:
 
     @staticmethod
     def _kept(kept: dict[str, torch.Tensor], parts: Sequence[Segment], like: torch.Tensor) -> torch.Tensor:
-        """The block's state laid out as the block (zeros for a part without one yet)."""
+        """The block's state laid out as the block (zeros for a part without one yet): a new
+        tensor, which the caller may write."""
         return torch.cat([kept[part] if part in kept else like.new_zeros(size) for part, size in parts]) \
             if parts else like.new_zeros(0)
 

@@ -79,8 +79,9 @@ def accumulate(gradient: torch.Tensor, velocity: torch.Tensor | None, residual: 
                momentum: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Momentum correction's step: `u = m * u + g` (None without momentum correction) and
     what is sparsified, `v + u` (`v`: the residual, what earlier payloads left out).
-    Returns (accumulated, new velocity)."""
+    Returns (accumulated, new velocity). `velocity` and `residual` are the caller's own
+    copies and are written in place (1.2M-value gradients: no allocation per step)."""
     if momentum:
-        velocity = gradient.clone() if velocity is None else velocity * momentum + gradient
+        velocity = gradient.clone() if velocity is None else velocity.mul_(momentum).add_(gradient)
         gradient = velocity
-    return (gradient if residual is None else gradient + residual), velocity
+    return (gradient if residual is None else residual.add_(gradient)), velocity
