@@ -120,17 +120,6 @@ def test_a_restored_shard_counts_on_from_the_step_its_pushes_were_computed_on():
     assert (restored.version, restored.sync_step) == (2, 7)
 
 
-def test_a_checkpoint_without_the_count_takes_its_completed_steps():
-    rules = sync_rules()
-    push(rules, 0, 1)
-    push(rules, 1, 1)
-    saved = rules.state_dict()
-    del saved["sync_step"]
-    again = sync_rules()
-    again.load_state_dict(saved)
-    assert again.sync_step == 1
-
-
 def test_a_refused_update_takes_the_count_back():
     rules = sync_rules()
     push(rules, 0, 1)

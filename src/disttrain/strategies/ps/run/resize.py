@@ -41,7 +41,7 @@ from typing import Any
 from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
-from disttrain.core.errors import ConfigError
+from disttrain.core.errors import CheckpointError, ConfigError
 from disttrain.data.sampler import resplit_state
 from disttrain.strategies.ps.run.layout import train_length
 from disttrain.strategies.ps.server.ownership import batches_per_epoch
@@ -72,15 +72,19 @@ def resumed_config(config: Config) -> Config:
 
     Raises:
         ConfigError: the checkpoint cannot be resumed on `system.num_workers` workers.
-        CheckpointError: every checkpoint of worker 0 is damaged.
+        CheckpointError: every checkpoint of worker 0 is damaged, or the newest lacks its
+            run's config (an earlier build's).
     """
     folder = config.system.checkpoint_dir
     chosen = ckpt.load_latest_good_checkpoint(object_store.join(folder, "worker0"))
     if chosen is None or chosen[1].get("strategy") != "ps-worker":
         return config
     state, world_size = chosen[1], config.system.num_workers
+    if "config" not in state:
+        raise CheckpointError(f"checkpoint {chosen[0]} lacks its run's config (a checkpoint of an earlier "
+                              "disttrain); start a fresh run in another --checkpoint-dir")
     written = int(state["world_size"])
-    written_batch = state.get("config", {}).get("training", {}).get("batch_size", config.training.batch_size)
+    written_batch = state["config"]["training"]["batch_size"]
     batch_size = resized_batch_size(int(written_batch), written, world_size, flag="--workers", noun="workers")
     if written == world_size and batch_size == config.training.batch_size:
         return config
@@ -215,7 +219,7 @@ def _worker_state(state: dict[str, Any], config: Config, rank: int, sampler: dic
             "rng": rederived_rng(config.training.seed, step, world_size, rank),
             "position": dict(state["position"]), "dropped_blocks": [],
             "resized_from": int(state["world_size"]),
-            "config": _resized_config(state.get("config", {}), config)}
+            "config": _resized_config(state["config"], config)}
 
 
 def _shard_state(state: dict[str, Any], config: Config, step: int, ledger: list[int]) -> dict[str, Any]:
@@ -230,6 +234,6 @@ def _shard_state(state: dict[str, Any], config: Config, step: int, ledger: list[
                  roster={**rules["roster"], "parked": dict.fromkeys(range(world_size), max(parked.values()))
                          if parked else {}},
                  ledger={**rules["ledger"], "blocks": ledger})
-    identities = {w: b for w, b in state.get("identities", {}).items() if w in ranks}
+    identities = {w: b for w, b in state["identities"].items() if w in ranks}
     return {**state, "rules": rules, "barriers": {}, "identities": identities,
-            "config": _resized_config(state.get("config", {}), config)}
+            "config": _resized_config(state["config"], config)}

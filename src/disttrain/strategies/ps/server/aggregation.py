@@ -490,11 +490,9 @@ class AggregationRules:
 
     def _load_core_state(self, state: dict[str, Any]) -> None:
         self.version = int(state["version"])
-        # absent from checkpoints written before steps were counted apart from versions
-        self.sync_step = int(state.get("sync_step", state["counts"].get("steps", 0)))
-        # absent from checkpoints written before redone blocks were told apart within a step
-        self.step_version = int(state.get("step_version", self.version))
-        self.restored = bool(state.get("restored", False))
+        self.sync_step = int(state["sync_step"])
+        self.step_version = int(state["step_version"])
+        self.restored = bool(state["restored"])
         self.ranks = {str(k): int(v) for k, v in state["ranks"].items()}
         self.done = {int(r) for r in state["done"]}
         self.clocks.load_state_dict(state.get("clocks", {}))  # kept by SSP on steps only

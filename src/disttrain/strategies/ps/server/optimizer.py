@@ -158,8 +158,7 @@ class ShardOptimizer:
                                     for k, s in optimizer_state["state"].items()}
         return {"optimizer": optimizer_state, "schedule": self.state.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any], default_updates: int) -> None:
-        """Take back `state_dict()`'s pieces; a checkpoint written before schedules were
-        saved counts `default_updates` (its version)."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back `state_dict()`'s pieces (the shard checks that both are there)."""
         self.optimizer.load_state_dict(state["optimizer"])
-        self.state.load_state_dict(state.get("schedule") or {"num_steps": default_updates})
+        self.state.load_state_dict(state["schedule"])

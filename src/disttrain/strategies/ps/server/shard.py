@@ -70,6 +70,10 @@ logger = logging.getLogger(__name__)
 
 STRATEGY = "ps-server"  # the tag of a shard's checkpoints
 REQUIRED_KEYS = ("strategy", "shard", "numel", "params", "optimizer", "rules")
+# What a shard's checkpoint and its rules hold besides: one without them is an earlier
+# build's, which no release wrote.
+CURRENT_KEYS = ("schedule", "buffers", "barriers", "identities")
+CURRENT_RULES_KEYS = ("sync_step", "step_version", "restored")
 
 
 class ShardStopping(RuntimeError):
@@ -489,8 +493,9 @@ class ShardState:
         """Take back what `state_dict` returned.
 
         Raises:
-            CheckpointError: the state is of another shard, model or aggregation mode, or
-                does not fit this shard's optimizer.
+            CheckpointError: the state is of another shard, model or aggregation mode,
+                does not fit this shard's optimizer, or lacks what every release writes
+                (an earlier build's).
         """
         with self._changed:
             self._load(state)
@@ -535,21 +540,25 @@ class ShardState:
                 or state["numel"] != self.plan.numel:
             raise CheckpointError(f"it belongs to another shard or model (shard {state['shard']}, "
                                   f"{state['numel']} elements); use the checkpoint dir of this shard")
+        lacking = [key for key in CURRENT_KEYS if key not in state] \
+            + [f"rules.{key}" for key in CURRENT_RULES_KEYS if key not in state["rules"]]
+        if lacking:
+            raise CheckpointError(f"it lacks {', '.join(lacking)} (a checkpoint of an earlier disttrain); "
+                                  "start a fresh run in another --checkpoint-dir")
         try:
             self.rules.load_state_dict(state["rules"])
-            self.shard_optimizer.load_state_dict(state, self.rules.version)
-            self.barriers.load_state_dict(state.get("barriers", {}))
-            self.identities.load_state_dict(state.get("identities", {}))
+            self.shard_optimizer.load_state_dict(state)
+            self.barriers.load_state_dict(state["barriers"])
+            self.identities.load_state_dict(state["identities"])
         except (ValueError, KeyError, RuntimeError) as e:
             raise CheckpointError(f"it does not fit this run: {e}") from e
-        buffers = state.get("buffers")  # absent from checkpoints of before buffers were kept
-        if buffers is not None and buffers.numel() != self.plan.buffer_numel:
+        buffers = state["buffers"]
+        if buffers.numel() != self.plan.buffer_numel:
             raise CheckpointError(f"it holds {buffers.numel()} buffer elements and this shard "
                                   f"{self.plan.buffer_numel}; use the checkpoint dir of this model")
         with torch.no_grad():
             self.param.copy_(state["params"])
-            if buffers is not None:
-                self.buffers.copy_(buffers)
+            self.buffers.copy_(buffers)
         self.update.forget_bounds()
         if self.broadcast is not None:  # the workers register again and pull it dense
             self.broadcast.reset(self.param, self.rules.version)

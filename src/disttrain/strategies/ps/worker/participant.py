@@ -46,6 +46,11 @@ from disttrain.training.strategy import StepInfo
 
 logger = logging.getLogger(__name__)
 
+# What a worker's checkpoint holds besides its rank and traffic: one without them is an
+# earlier build's, which no release wrote.
+CURRENT_KEYS = ("bytes_received_dense", "samples_redone", "samples_taken_over", "dropped_blocks",
+                "last_block", "compression")
+
 
 @dataclass
 class WorkerParticipant:
@@ -348,8 +353,10 @@ class WorkerParticipant:
         resumes in step with them; the blocks after it are pushed again, as new where a
         shard lacks them and as duplicates where it has them.
         """
-        block = int(state.get("last_block", -1))  # a checkpoint of an earlier version holds none
-        if block < 0 or block in {int(b) for b in state.get("dropped_blocks", [])}:
+        if "last_block" not in state:  # not this build's worker checkpoint: `load_state_dict` says so
+            return None
+        block = int(state["last_block"])
+        if block < 0 or block in {int(b) for b in state["dropped_blocks"]}:
             return None
         missing = [s for s, blocks in enumerate(self.client.ledger(block, block + 1)) if block not in blocks]
         if not missing:
@@ -372,15 +379,19 @@ class WorkerParticipant:
             raise CheckpointError(f"the checkpoint is of rank {state['rank']} of {state['world_size']} "
                                   f"workers, and this worker is rank {self.rank} of {self.world_size}; "
                                   "restart it with --rank and the run's config")
+        lacking = [key for key in CURRENT_KEYS if key not in state]
+        if lacking:
+            raise CheckpointError(f"it lacks {', '.join(lacking)} (a checkpoint of an earlier disttrain); "
+                                  "start a fresh run in another --checkpoint-dir")
         # The run's totals go on from the checkpoint, like its samples and training time.
         self.client.bytes_sent = int(state["bytes_sent"])
         self.client.bytes_received = int(state["bytes_received"])
-        self.client.bytes_received_dense = int(state.get("bytes_received_dense", state["bytes_received"]))
-        self.samples_redone = int(state.get("samples_redone", 0))
-        self.samples_taken_over = int(state.get("samples_taken_over", 0))
-        self.exchange.dropped = {int(b) for b in state.get("dropped_blocks", [])}
-        self.last_block = int(state.get("last_block", -1))
-        encoder, saved = self.exchange.encoder, state.get("compression")
+        self.client.bytes_received_dense = int(state["bytes_received_dense"])
+        self.samples_redone = int(state["samples_redone"])
+        self.samples_taken_over = int(state["samples_taken_over"])
+        self.exchange.dropped = {int(b) for b in state["dropped_blocks"]}
+        self.last_block = int(state["last_block"])
+        encoder, saved = self.exchange.encoder, state["compression"]
         if (encoder is None) != (saved is None):
             raise CheckpointError("the checkpoint was written with compression "
                                   f"{'off' if saved is None else 'on'} and this run has it "
