@@ -345,31 +345,37 @@ def prepare_run(args: argparse.Namespace, command: str, env: Mapping[str, str] |
     checked, warned about (the keys the run ignores), and recording the strategy that runs.
 
     Raises:
-        ConfigError: see `config_from_args` and `options_from_args`.
+        ConfigError: see `config_from_args`, `options_from_args` and `run_shape`; a fault
+            the run would never reach.
+        CheckpointError: see `run_shape`.
     """
     config = config_from_args(args)
     warn_about_run_config(config, command, env)
     options = options_from_args(args, env)
     if options.faults:
         try:
-            check_faults(options.faults, run_shape(config, command))
+            check_faults(options.faults, run_shape(config, command, resume=options.resume))
         except ValueError as e:
             raise ConfigError(str(e)) from e
     return config.run_by(command), options
 
 
-def run_shape(config: Config, command: str) -> RunShape:
+def run_shape(config: Config, command: str, resume: bool = False) -> RunShape:
     """The processes and steps of a run of `command` (baseline, ps or ddp), to check its
-    faults against (`check_faults`). Loads the training set to count its steps.
+    faults against (`check_faults`). Loads the training set to count its steps, taken with
+    the batch the run will use (`resumed_batch_size` when resuming).
 
     Raises:
-        ConfigError: the data set cannot be loaded.
+        ConfigError: the data set cannot be loaded, or the checkpoint resumed cannot be
+            resized to this run's workers.
+        CheckpointError: every checkpoint resumed from is damaged.
     """
     from disttrain.data.datasets import load_datasets
     system, training = config.system, config.training
     world = 1 if command == "baseline" else system.num_workers
     train, _ = load_datasets(training)
-    steps = training.num_epochs * -(-(len(train) // world) // training.batch_size)
+    batch_size = resumed_batch_size(config, command) if resume else training.batch_size
+    steps = training.num_epochs * -(-(len(train) // world) // batch_size)
     if command == "baseline":
         return RunShape("the baseline run", {"worker": 1}, {"worker": steps}, restarted=())
     coordinator = 0 if config.coordinator.address else 1
@@ -382,3 +388,20 @@ def run_shape(config: Config, command: str) -> RunShape:
                     {"rank": world, "coordinator": coordinator if config.ddp.num_nodes == 1 else 0},
                     {"rank": steps, "coordinator": steps},
                     restarted=("rank",) if live or config.ddp.max_restarts else (), group_restart=not live)
+
+
+def resumed_batch_size(config: Config, command: str) -> int:
+    """The per-worker batch a resumed run of `command` takes: the one that keeps its
+    checkpoint's global batch when that was written by another number of workers or
+    ranks (the launchers resize it before any process starts), else the config's.
+
+    Raises:
+        ConfigError, CheckpointError: as the strategy's `resize.resumed_config`.
+    """
+    if command == "ps":
+        from disttrain.strategies.ps.run.resize import resumed_batch_size as strategy_batch_size
+    elif command == "ddp":
+        from disttrain.strategies.ddp.resize import resumed_batch_size as strategy_batch_size
+    else:
+        return config.training.batch_size
+    return strategy_batch_size(config)

@@ -112,16 +112,34 @@ def resumed_config(config: Config) -> Config:
         ConfigError: the checkpoint cannot be resized to `system.num_workers` ranks.
         CheckpointError: every checkpoint in the folder is damaged.
     """
+    (written, batch_size), world_size = _resumed(config), config.system.num_workers
+    if written == world_size and batch_size == config.training.batch_size:
+        return config
+    logger.info("resuming a checkpoint of %d ranks on %d: per-rank batch %d keeps the global batch "
+                "of %d", written, world_size, batch_size, batch_size * world_size)
+    return config.replace(training={"batch_size": batch_size})
+
+
+def resumed_batch_size(config: Config) -> int:
+    """The per-rank batch of `resumed_config`, logging nothing: for what is checked
+    before the launcher runs (the steps a fault may name).
+
+    Raises:
+        ConfigError, CheckpointError: as `resumed_config`.
+    """
+    return _resumed(config)[1]
+
+
+def _resumed(config: Config) -> tuple[int, int]:
+    """The number of ranks that wrote the newest checkpoint and the per-rank batch this
+    run takes (this run's size and batch without a DDP checkpoint, or with one of as many
+    ranks never resized)."""
     chosen = ckpt.load_latest_good_checkpoint(config.system.checkpoint_dir)
     if chosen is None or chosen[1].get("strategy") != "ddp":
-        return config
+        return config.system.num_workers, config.training.batch_size
     state, world_size = chosen[1], config.system.num_workers
     written = written_world_size(state)
     if written == world_size and "resized_from" not in state:
-        return config
+        return written, config.training.batch_size
     check_resizable(state, written)
-    batch_size = resized_batch_size(written_batch_size(state), written, world_size)
-    if written != world_size or batch_size != config.training.batch_size:
-        logger.info("resuming a checkpoint of %d ranks on %d: per-rank batch %d keeps the global batch "
-                    "of %d", written, world_size, batch_size, batch_size * world_size)
-    return config.replace(training={"batch_size": batch_size})
+    return written, resized_batch_size(written_batch_size(state), written, world_size)

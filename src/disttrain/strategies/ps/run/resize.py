@@ -75,10 +75,35 @@ def resumed_config(config: Config) -> Config:
         CheckpointError: every checkpoint of worker 0 is damaged, or the newest lacks its
             run's config (an earlier build's).
     """
+    resumed = _resumed(config)
+    if resumed is None:
+        return config
+    (written, batch_size), world_size = resumed, config.system.num_workers
+    if written == world_size and batch_size == config.training.batch_size:
+        return config
+    logger.info("resuming a checkpoint of %d workers on %d: per-worker batch %d keeps the global batch of %d",
+                written, world_size, batch_size, batch_size * world_size)
+    return config.replace(training={"batch_size": batch_size})
+
+
+def resumed_batch_size(config: Config) -> int:
+    """The per-worker batch of `resumed_config`, logging nothing: for what is checked
+    before the launcher runs (the steps a fault may name).
+
+    Raises:
+        ConfigError, CheckpointError: as `resumed_config`.
+    """
+    resumed = _resumed(config)
+    return config.training.batch_size if resumed is None else resumed[1]
+
+
+def _resumed(config: Config) -> tuple[int, int] | None:
+    """The number of workers that wrote worker 0's newest checkpoint and the per-worker
+    batch that keeps its global batch on this run's; None without such a checkpoint."""
     folder = config.system.checkpoint_dir
     chosen = ckpt.load_latest_good_checkpoint(object_store.join(folder, "worker0"))
     if chosen is None or chosen[1].get("strategy") != "ps-worker":
-        return config
+        return None
     state, world_size = chosen[1], config.system.num_workers
     if "config" not in state:
         raise CheckpointError(f"checkpoint {chosen[0]} lacks its run's config (a checkpoint of an earlier "
@@ -86,13 +111,9 @@ def resumed_config(config: Config) -> Config:
     written = int(state["world_size"])
     written_batch = state["config"]["training"]["batch_size"]
     batch_size = resized_batch_size(int(written_batch), written, world_size, flag="--workers", noun="workers")
-    if written == world_size and batch_size == config.training.batch_size:
-        return config
     if written != world_size:
         check_resizable(config, written)
-    logger.info("resuming a checkpoint of %d workers on %d: per-worker batch %d keeps the global batch of %d",
-                written, world_size, batch_size, batch_size * world_size)
-    return config.replace(training={"batch_size": batch_size})
+    return written, batch_size
 
 
 def resize_checkpoints(config: Config) -> None:
