@@ -380,8 +380,8 @@ class WorkerParticipant:
                                   f"workers, and this worker is rank {self.rank} of {self.world_size}; "
                                   "restart it with --rank and the run's config")
         lacking = [key for key in CURRENT_KEYS if key not in state]
-        if lacking:
-            raise CheckpointError(f"it lacks {', '.join(lacking)} (a checkpoint of an earlier disttrain); "
+        if lacking:  # a ValueError: the loop names the checkpoint's file in its line
+            raise ValueError(f"it lacks {', '.join(lacking)} (a checkpoint of an earlier disttrain); "
                                   "start a fresh run in another --checkpoint-dir")
         # The run's totals go on from the checkpoint, like its samples and training time.
         self.client.bytes_sent = int(state["bytes_sent"])
