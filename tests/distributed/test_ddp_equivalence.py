@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from disttrain.config import load_config
+from disttrain.core.addresses import unclaimed_port
 from disttrain.data import ShardedSampler, load_datasets
 from disttrain.metrics.logger import read_metrics
 from disttrain.training.engine import build_optimizer, evaluate, forward_backward
@@ -66,12 +66,6 @@ def reference_model(training, world_size: int, micro_batch: int, accumulation: i
     return model
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ddp(cli, tmp_path, accumulation: int, nodes: int, features: tuple[str, ...] = ()):
     """Train with `disttrain ddp`: one launcher for 2 ranks, or one launcher per "node" (1 rank
     each) meeting at a c10d rendezvous on a free local port."""
@@ -85,7 +79,7 @@ def run_ddp(cli, tmp_path, accumulation: int, nodes: int, features: tuple[str, .
             "--checkpoint-dir", tmp_path / "ckpt", *features]
     if nodes == 1:
         return [cli(*args, timeout=150)]
-    args += ["--nnodes", nodes, "--rdzv-endpoint", f"localhost:{free_port()}", "--timeout-s", 60]
+    args += ["--nnodes", nodes, "--rdzv-endpoint", f"localhost:{unclaimed_port()}", "--timeout-s", 60]
     with ThreadPoolExecutor(nodes) as pool:
         return list(pool.map(lambda _: cli(*args, timeout=150), range(nodes)))
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from disttrain.core.addresses import unclaimed_port
 from disttrain.core.checkpoint import rng_state
 from disttrain.core.errors import DistributedError
 from disttrain.strategies.ddp import rng
@@ -103,15 +103,9 @@ def test_per_rank_state_of_different_names_and_sizes_is_gathered_intact(ranks):
         assert "'shared' in different or unknown dtypes" in rank["dtype_error"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_two_nodes(cli, tmp_path: Path, node_envs: list[dict[str, str]]) -> list:
     """`disttrain ddp --nnodes 2`, one rank per node, each node with its own environment."""
-    args = ["ddp", "--world-size", 2, "--nnodes", 2, "--rdzv-endpoint", f"localhost:{free_port()}",
+    args = ["ddp", "--world-size", 2, "--nnodes", 2, "--rdzv-endpoint", f"localhost:{unclaimed_port()}",
             "--timeout-s", 60, "--dataset", "digits", "--num-epochs", 1, "--max-train-samples", 256,
             "--max-test-samples", 100, "--batch-size", 32, "--num-threads", 1, "--checkpoint-interval", 2,
             "--log-dir", tmp_path / "logs", "--checkpoint-dir", tmp_path / "ckpt"]

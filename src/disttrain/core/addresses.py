@@ -4,6 +4,7 @@ and whether a peer is on this host."""
 from __future__ import annotations
 
 import ipaddress
+import random
 import socket
 
 from disttrain.core.errors import ConfigError
@@ -67,5 +68,56 @@ def peer_is_local(peer: str) -> bool:
         try:
             probe.bind((str(address), 0))
         except OSError:  # EADDRNOTAVAIL: no interface here holds it
+            return False
+    return True
+
+
+# Ports below the kernel's ephemeral range that `unclaimed_port` draws from (their floor).
+UNCLAIMED_FLOOR = 20000
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int] | None:
+    """The ports the kernel hands out for port 0 and outgoing connections, or None where
+    the range cannot be read (not Linux)."""
+    try:
+        with open(path) as file:
+            low, high = (int(part) for part in file.read().split())
+    except (OSError, ValueError):
+        return None
+    return low, high
+
+
+def unclaimed_port(rng: random.Random | None = None, attempts: int = 64,
+                   ephemeral: tuple[int, int] | None = None) -> int:
+    """A free port for a server another process will open later, below the ephemeral range.
+
+    A port found by binding port 0 and closing the socket is free for a moment only: it is
+    drawn from the ephemeral range, from which the kernel also gives every other process's
+    port 0 and outgoing connections, and on a busy machine one of them can take it before
+    the server listens (torch's `get_free_port`, which its elastic agent uses for rank 0's
+    store: rank 0 then failed with EADDRINUSE seconds later, in the suite under load). The
+    kernel hands a port below that range to nobody: only a process binding that very number
+    can take it. Where the range is unknown, or leaves no room below it, this falls back to
+    port 0's pick.
+    """
+    rng = rng or random.Random()
+    known = ephemeral if ephemeral is not None else ephemeral_range()
+    if known is not None and known[0] - UNCLAIMED_FLOOR >= 1024:
+        for _ in range(attempts):
+            port = rng.randrange(UNCLAIMED_FLOOR, known[0])
+            if _bindable(port):
+                return port
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    """Whether nothing on this host holds `port` (TCP, every IPv4 address)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
             return False
     return True

@@ -42,10 +42,12 @@ import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.elastic.rendezvous import api as rendezvous_api
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from disttrain.config import Config, DDPConfig, SystemConfig
 from disttrain.core import checkpoint as ckpt
+from disttrain.core.addresses import unclaimed_port
 from disttrain.core.auth import TOKEN_ENV
 from disttrain.core.errors import CheckpointStoreError, ConfigError, DistributedError, Preempted
 from disttrain.core.process_spec import RANK_ENTRY, ProcessSpec, command_line
@@ -216,6 +218,7 @@ def run_ranks(coordinator: RunCoordinator, plan: LaunchPlan, error_dir: Path, ar
     agents: list[PreemptibleAgent] = []
     try:
         os.environ.update(FRESH_STORE_PER_ROUND)
+        unclaimed_store_ports()
         os.environ["OMP_NUM_THREADS"] = str(thread_count(config.system.num_threads, plan.ranks_per_node))
         if coordinator.token is not None:  # the agent hands its environment to the ranks (never argv)
             os.environ[RANK_TOKENS_ENV] = str(write_rank_tokens(tokens_dir, coordinator.token,
@@ -255,6 +258,18 @@ def run_ranks(coordinator: RunCoordinator, plan: LaunchPlan, error_dir: Path, ar
         if given_token is not None:
             os.environ[TOKEN_ENV] = given_token
     coordinator.finished()
+
+
+def unclaimed_store_ports() -> None:
+    """Have the agent pick rank 0's store port below the ephemeral range (`unclaimed_port`).
+
+    With a fresh store per round, the agent chooses that port with torch's `get_free_port`
+    (bind port 0, close) and rank 0 listens on it only once its process has started: another
+    socket of the machine could take it in between, and the group failed to form with
+    EADDRINUSE. torch offers no setting for the choice, so the agent's module-level name is
+    replaced (tests/unit/test_unclaimed_port.py fails if torch stops looking it up there).
+    """
+    rendezvous_api.get_free_port = unclaimed_port
 
 
 def preempted(coordinator: RunCoordinator, stop: GroupStop) -> Preempted:
