@@ -112,6 +112,22 @@ def groups(batches: Iterator[torch.Tensor], size: int) -> Iterator[list[torch.Te
         yield group
 
 
+def window_record(window: MetricsWindow, clock_s: float, samples: int) -> dict[str, float]:
+    """A training record: the window's figures at training-clock reading `clock_s`, the
+    samples this process trained on so far, and that reading. Every strategy and recovery
+    mode logs its windows through this, so they all log the same keys."""
+    return {**window.scalars(clock_s), "progress/samples": samples, "progress/train_time_s": clock_s}
+
+
+def evaluation_record(result: EvalResult, task: str, eval_s: float, samples: int,
+                      train_time_s: float) -> dict[str, float]:
+    """An epoch-end evaluation record: the test figures of the data set's `task`, the
+    evaluation's seconds (off the training clock), the samples trained on so far and the
+    training clock's reading. Every strategy and recovery mode logs evaluations through this."""
+    return {**result.figures(task), "time/eval_s": eval_s, "progress/samples": samples,
+            "progress/train_time_s": train_time_s}
+
+
 @dataclass
 class TrainingLoop:
     """Runs a participant from its checkpoint (or the start) to the last epoch.
@@ -232,11 +248,7 @@ class TrainingLoop:
         """Log the window; returns the clock reading it closed at (the next one opens there)."""
         now = self.clock.elapsed()
         epoch = min(self.position.epoch, self.settings.num_epochs - 1)  # after the last epoch ended
-        self._log(metrics, epoch, {
-            **window.scalars(now),
-            "progress/samples": self.position.samples_processed,
-            "progress/train_time_s": now,
-        })
+        self._log(metrics, epoch, window_record(window, now, self.position.samples_processed))
         return now
 
     def _log(self, metrics: MetricsLogger, epoch: int, scalars: dict[str, float]) -> None:
@@ -254,11 +266,10 @@ class TrainingLoop:
             result = self.participant.evaluate(epoch)
             seconds = time.perf_counter() - started
             train_time_s = self.clock.elapsed()
-        figures = result.figures(self.settings.task)
-        evaluations.append((train_time_s, figures[self.settings.target.metric]))
-        self._log(metrics, epoch, {**figures, "time/eval_s": seconds,
-                                   "progress/samples": self.position.samples_processed,
-                                   "progress/train_time_s": train_time_s})
+        record = evaluation_record(result, self.settings.task, seconds, self.position.samples_processed,
+                                   train_time_s)
+        evaluations.append((train_time_s, record[self.settings.target.metric]))
+        self._log(metrics, epoch, record)
         metrics.flush()
         if self.announce and self.settings.perplexity:
             logger.info("epoch %d: test perplexity %.3f, test loss %.4f (%.2fs)", epoch,

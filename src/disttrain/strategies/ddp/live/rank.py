@@ -31,8 +31,10 @@ from disttrain.core import object_store
 from disttrain.core.errors import ConfigError, DistributedError
 from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import ProgressReport
+from disttrain.data import LANGUAGE_MODEL, describe_dataset
 from disttrain.metrics.logger import MetricsLogger
 from disttrain.metrics.summary import RunSummary
+from disttrain.metrics.window import MetricsWindow
 from disttrain.strategies.ddp.heartbeats import LoopProgress
 from disttrain.strategies.ddp.live.checkpoints import LiveCheckpoints, load_resume_state
 from disttrain.strategies.ddp.live.forming import is_member_lost
@@ -41,6 +43,7 @@ from disttrain.strategies.ddp.live.membership import Holding, choose_source
 from disttrain.strategies.ddp.live.state import share_state
 from disttrain.strategies.ddp.live.trainer import LiveTrainer
 from disttrain.strategies.ddp.runtime import is_peer_loss
+from disttrain.training.loop import evaluation_record, window_record
 from disttrain.training.options import RunOptions
 
 logger = logging.getLogger(__name__)
@@ -85,6 +88,7 @@ class LiveRank:
         self.heartbeat_progress = progress
         self.launcher_progress = ProgressReport()
         self.metrics: MetricsLogger | None = None
+        self.task = describe_dataset(config.training).task  # a language model logs perplexity
         self.pending: dict[str, Any] | None = None  # the recovery being made, recorded once synced
 
     def run(self) -> RunSummary | None:
@@ -225,11 +229,15 @@ class LiveRank:
                 "resumed_at": time.time(), "step": self.trainer.progress.step}
 
     def _train(self) -> int | None:
-        """Train this generation until the run ends (None) or joiners wait (their tickets)."""
+        """Train this generation until the run ends (None) or joiners wait (their tickets).
+
+        The records are the shared loop's (`training.loop`): a window's figures every
+        `training.log_interval` steps, and each epoch's evaluation."""
         trainer, group = self.trainer, self.group
         p = trainer.progress
         log_interval = self.config.training.log_interval
-        loss_sum, correct, samples = 0.0, 0, 0
+        perplexity = self.task == LANGUAGE_MODEL
+        window = MetricsWindow(trainer.train_time_s(), perplexity)
         while not trainer.finished:
             while not trainer.epoch_done:
                 joins_wait_s = 0.0
@@ -241,30 +249,34 @@ class LiveRank:
                         p.admitted = tickets
                         return tickets
                 result = trainer.step()
-                loss_sum += result.loss * result.num_samples
-                correct, samples = correct + result.num_correct, samples + result.num_samples
+                window.add(result.loss, result.num_correct, result.num_samples, result.scalars)
                 self._report()
                 if group.is_leader and self.checkpoints.due(p.step):
                     self.checkpoints.save(p.step, trainer.state_dict())
-                if p.step % log_interval == 0 and samples:
-                    self._log({"loss/train": loss_sum / samples, "accuracy/train": correct / samples})
-                    loss_sum, correct, samples = 0.0, 0, 0
+                if p.step % log_interval == 0:
+                    now = trainer.train_time_s()
+                    self._log(window_record(window, now, trainer.samples_trained))
+                    window = MetricsWindow(now, perplexity)
                 # A straggler slows its whole step, its waits for peers included.
                 self.faults.at_step(p.step, train_time_s=trainer.train_time_s())
                 trainer.after_step(result.num_samples, joins_wait_s)  # balanced: this member's speed
             epoch = p.epoch
             evaluation = trainer.evaluate(group.rank, group.world_size)
-            self._log({"loss/test": evaluation.loss, "accuracy/test": evaluation.accuracy}, epoch)
+            self._log(evaluation_record(evaluation, self.task, trainer.last_eval_s, trainer.samples_trained,
+                                        trainer.train_time_s()), epoch)
             if group.is_leader:
-                logger.info("epoch %d: test accuracy %.4f, test loss %.4f", epoch, evaluation.accuracy,
-                            evaluation.loss)
+                name, figure = (("perplexity", evaluation.perplexity) if perplexity
+                                else ("accuracy", evaluation.accuracy))
+                logger.info("epoch %d: test %s %.4f, test loss %.4f", epoch, name, figure, evaluation.loss)
+        if window.num_steps:
+            self._log(window_record(window, trainer.train_time_s(), trainer.samples_trained))
         return None
 
     def _log(self, scalars: dict[str, float], epoch: int | None = None) -> None:
         p = self.trainer.progress
         assert self.metrics is not None
-        self.metrics.log(p.step, min(p.epoch if epoch is None else epoch, self.trainer.num_epochs - 1),
-                         {**scalars, "progress/train_time_s": self.trainer.train_time_s()})
+        epoch = min(p.epoch if epoch is None else epoch, self.trainer.num_epochs - 1)  # after the last ended
+        self.metrics.log(p.step, epoch, scalars)
 
     def _report(self) -> None:
         p, position = self.trainer.progress, self.heartbeat_progress.position

@@ -123,6 +123,9 @@ class LiveTrainer:
         balanced = config.system.balance != "none"
         self.balance = LiveBalance(config.system, self.global_batch) if balanced else None
         self.blocked_s = 0.0  # the last step's wait in the all-reduce
+        # What one all-reduce of the flat buffer (or a round's pseudo-gradient) hands over.
+        self.bytes_allreduced = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        self.last_eval_s = 0.0  # the last evaluation's seconds, off the training clock
         self.samples_trained = 0  # by this process, failed steps included
         self.samples_redone = 0  # of steps whose all-reduce failed here (the group redoes them)
         self._in_flight = 0
@@ -278,7 +281,8 @@ class LiveTrainer:
         """Train on this member's pieces of the step's global batches (one, or up to
         `ddp.grad_accumulation_steps`: the epoch's last step takes what is left); one
         all-reduce; apply. With local updates: step this member's model, and average at
-        the round's end.
+        the round's end. The result's scalars are the metric keys of a DDP rank's step
+        (communication, optimizer, compression), as restart mode's.
 
         Raises:
             RuntimeError, dist.DistError: a peer was lost in the all-reduce (nothing applied;
@@ -310,17 +314,28 @@ class LiveTrainer:
             self._in_flight = 0
             self.stepper.step()
             self.ledger[p.epoch, p.index:p.index + batches] += 1
+            scalars = self._comm_scalars(self.blocked_s)
         else:
             self.stepper.step()
-            self._end_of_local_step(p.index + batches)
+            scalars = self._end_of_local_step(p.index + batches)
         p.index += batches
         p.step += 1
         self._follow(self.sampler)
-        return StepResult(loss_sum / max(samples, 1), correct, samples)
+        scalars.update(self.stepper.scalars())
+        if self.compression is not None:
+            scalars.update(self.compression.stats.drain().scalars())
+        return StepResult(loss_sum / max(samples, 1), correct, samples, scalars)
 
-    def _end_of_local_step(self, next_index: int) -> None:
+    def _comm_scalars(self, blocked_s: float) -> dict[str, float]:
+        """A step's communication figures: one all-reduce after backward, so nothing of it
+        overlaps the computation."""
+        return {"time/comm_blocked_s": blocked_s, "time/comm_overlapped_s": 0.0,
+                "comm/bytes_allreduced": self.bytes_allreduced}
+
+    def _end_of_local_step(self, next_index: int) -> dict[str, float]:
         """After a local step that ends before global batch `next_index`: at the round's
-        end, average and count the round's global batches in the ledger."""
+        end, average and count the round's global batches in the ledger. Returns the step's
+        communication figures (zero within a round)."""
         assert self.rounds is not None
         start = self.rounds.start_state
         assert start is not None
@@ -329,11 +344,13 @@ class LiveTrainer:
         blocked = self.rounds.end_of_step(list(self.module.parameters()), ends_epoch, self.world_size,
                                           self.compression)
         if blocked is None:
-            return
+            return {"time/comm_blocked_s": 0.0, "time/comm_overlapped_s": 0.0, "comm/bytes_allreduced": 0,
+                    "local/rounds": 0}
         broadcast_buffers(self.module)  # the buffers a round ends with are rank 0's
         self.blocked_s = blocked
         self.ledger[self.progress.epoch, first:next_index] += 1
         self._in_flight = 0
+        return {**self._comm_scalars(blocked), "local/rounds": 1}
 
     def evaluate(self, rank: int, world_size: int) -> EvalResult:
         """The epoch-end evaluation (a collective), recorded; then the next epoch begins."""
@@ -341,7 +358,8 @@ class LiveTrainer:
         started = time.perf_counter()
         result = evaluate_sharded(self.module, self.test_set, training.eval_batch_size, rank,
                                   world_size, torch.device("cpu"))
-        self._clock_from += time.perf_counter() - started  # the training clock stops during evaluation
+        self.last_eval_s = time.perf_counter() - started
+        self._clock_from += self.last_eval_s  # the training clock stops during evaluation
         p = self.progress
         p.evaluations.append([self.train_time_s(), result.accuracy, result.loss])
         p.epoch, p.index = p.epoch + 1, 0
