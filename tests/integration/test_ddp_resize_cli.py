@@ -85,7 +85,7 @@ def config_file(path: Path) -> Path:
     config.write_text(yaml.safe_dump({"training": {
         "model_architecture": f"{plugin}:model", "dataset": f"{plugin}:data", "optimizer": "sgd",
         "learning_rate": 0.05, "batch_size": BATCH_SIZE, "num_epochs": NUM_EPOCHS, "seed": 5,
-        "checkpoint_interval": 1000}}))
+        "checkpoint_interval": 1000}, "ddp": {"lr_scaling": "linear"}}))  # 0.05 x 2 ranks
     return config
 
 
@@ -200,6 +200,9 @@ def test_two_ranks_resumed_on_one_train_every_sample_once_and_a_size_off_the_bat
     assert summary["config"]["training"]["batch_size"] == 2 * BATCH_SIZE
     assert summary["samples_processed"] == NUM_EPOCHS * NUM_SAMPLES
     assert summary["resumed_from_step"] == stopped[1]
+    # The rate goes on as the 2 ranks' linear scaling set it (the global batch is kept), not 0.05 x 1.
+    newest = ckpt.load_checkpoint(ckpt.list_checkpoints(path / "ckpt")[-1])
+    assert [group["lr"] for group in newest["optimizer"]["param_groups"]] == pytest.approx([0.1, 0.1])
 
 
 @pytest.mark.slow
