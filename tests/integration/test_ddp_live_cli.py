@@ -148,11 +148,15 @@ def test_balanced_live_run_gives_the_straggler_less_and_replans_after_a_loss(cli
     shrunk = next(i for i, (_, _, batches) in enumerate(plans) if len(batches) == 2)
     pair = plans[shrunk][2]
     assert pair[1] < pair[0] / 2
-    # Once rejoined (whether before the run's end depends on the machine's load: nothing
-    # holds the run back for it here), a re-plan gives slot 1 a piece like slot 0's: it
-    # was measured from its second step.
+    # Until slot 1 is back, a check may re-plan the pair again (as above). Once rejoined
+    # (whether before the run's end depends on the machine's load: nothing holds the run
+    # back for it here), a re-plan gives slot 1 a piece like slot 0's: it was measured from
+    # its second step.
     for _, _, batches in plans[shrunk + 1:]:
-        assert batches[1] > batches[0] / 2 > batches[2]
+        if len(batches) == 2:
+            assert batches[1] < batches[0] / 2
+        else:
+            assert batches[1] > batches[0] / 2 > batches[2]
     assert summary["samples_applied"] == EPOCHS * samples_per_epoch()
     assert (summary["samples_lost"], summary["samples_applied_twice"]) == (0, 0)
     assert summary["steps"] == undisturbed["steps"]
