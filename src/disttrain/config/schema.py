@@ -84,8 +84,8 @@ def _is_dataset(name: str) -> bool:
 
 
 DATASET_RULE = _rule(_is_dataset, "must be one of " + ", ".join(DATASETS) + ", synthetic:CxHxW, "
-                     "synthetic:text, text:FILE, image-folder:DIR, torchvision:NAME, PATH.py:FACTORY, "
-                     "module:FACTORY or a disttrain.datasets entry point's name")
+                     "synthetic:text, text:FILE, image-folder:DIR, shards:DIR, torchvision:NAME, "
+                     "PATH.py:FACTORY, module:FACTORY or a disttrain.datasets entry point's name")
 OPTIONAL_POSITIVE = _rule(lambda v: v is None or v > 0, "must be a positive integer or null (all)")
 
 
@@ -132,6 +132,15 @@ class TrainingConfig:
     loss: str = field(default="task", metadata=NON_EMPTY)
     # Tokens per sample of a language-model data set (text:FILE's window).
     seq_len: int = field(default=128, metadata=POSITIVE)
+    # -- a data set of array shards read as training reaches them (shards:URL) --
+    # Bytes of the shards' copies kept on disk (in data_dir/cache/), the least recently
+    # used removed first; 0: no bound.
+    shard_cache_bytes: int = field(default=0, metadata=NON_NEGATIVE)
+    # Shards held in memory at once, those read ahead included (least recently used dropped).
+    num_shards_in_memory: int = field(default=4, metadata=POSITIVE)
+    # Shards of this process's order fetched and read ahead by a background thread (0: none);
+    # less than num_shards_in_memory.
+    num_shards_ahead: int = field(default=2, metadata=NON_NEGATIVE)
     # -- training features: learning-rate schedule, clipping, precision, loader workers --
     # The rate by optimizer step: constant, step (x lr_gamma every lr_step_size steps), or
     # cosine / linear decay to lr_min at step lr_decay_steps; any of them after
@@ -187,6 +196,10 @@ class TrainingConfig:
         if self.lr_min > self.learning_rate:
             problems.append(f"{name('lr_min')}: {self.lr_min} must be at most "
                             f"{name('learning_rate')} ({self.learning_rate})")
+        if self.num_shards_ahead >= self.num_shards_in_memory:
+            problems.append(f"{name('num_shards_ahead')}: {self.num_shards_ahead} must be less than "
+                            f"{name('num_shards_in_memory')} ({self.num_shards_in_memory}): the shards read "
+                            "ahead are held in memory beside the one being read")
         if self.outer_optimizer == "nesterov" and self.outer_momentum == 0:
             problems.append(f"{name('outer_momentum')}: nesterov needs a momentum in (0, 1), e.g. 0.9 "
                             f"(or set {name('outer_optimizer')} to sgd)")

@@ -3,7 +3,8 @@
 The built-in image sets are small enough to hold in memory, so a batch is one indexed
 gather (`images[indices]`), with no loader processes to start or to shut down. Beside
 them: `text:FILE` and `image-folder:DIR` (`data.text`, `data.image_folder`; FILE or DIR
-a path or any fsspec URL, cached by `data.store_cache`), `torchvision:NAME`
+a path or any fsspec URL, cached by `data.store_cache`), `shards:DIR` (`data.shards`: array
+shards larger than memory, read shard by shard as training reaches them), `torchvision:NAME`
 (`data.vision`, the sets of torchvision.datasets), the synthetic sets of any image shape
 (`synthetic:3x32x32`) and of tokens (`synthetic:text`), and a user's factory,
 `PATH.py:NAME`, `module:NAME` or an entry point of group `disttrain.datasets`, which
@@ -27,7 +28,7 @@ import torch
 from disttrain.config import TrainingConfig
 from disttrain.core import object_store
 from disttrain.core.errors import ConfigError, DataError
-from disttrain.data import image_folder, plugins, sources, store_cache, text, vision
+from disttrain.data import image_folder, plugins, shards, sources, store_cache, text, vision
 from disttrain.data.batching import Collate, pad_collate
 from disttrain.data.description import DatasetDescription
 from disttrain.data.mapped import SUBSET_SEED, BatchedDataset, MappedDataset, subset_indices
@@ -206,6 +207,8 @@ def describe_dataset(training: TrainingConfig) -> DatasetDescription:
         return DatasetDescription.classification(synthetic_shape(name), NUM_CLASSES)
     if name.startswith(image_folder.PREFIX):
         return image_folder.describe_image_folder(_image_folder_spec(training))
+    if name.startswith(shards.PREFIX):
+        return shards.describe_shards(training)
     if name.startswith(vision.PREFIX):
         return _torchvision(training)[2]
     return _plugin(name, _args_key(training.dataset_args))[2]
@@ -266,6 +269,8 @@ def load_datasets(training: TrainingConfig) -> tuple[BatchedDataset, BatchedData
         train, test = synthetic(training.num_samples, synthetic_shape(name), name)
     elif name.startswith(image_folder.PREFIX):
         train, test = image_folder.load_image_folder(_image_folder_spec(training))
+    elif name.startswith(shards.PREFIX):
+        train, test = shards.load_shards(training)
     elif name.startswith(vision.PREFIX):
         train, test, _ = _torchvision(training)
     elif not is_builtin(name):

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from disttrain.data.sampler import epoch_permutation
+from disttrain.data.sampler import check_shard_sizes, epoch_permutation
+from disttrain.data.shard_order import checked_sizes
 
 Plan = tuple[int, int, tuple[int, ...]]  # (epoch, batch index, each rank's batch) from then on
 
@@ -33,7 +34,7 @@ class PlannedSampler:
     """
 
     def __init__(self, num_samples: int, *, world_size: int, rank: int, seed: int = 0,
-                 shares: Sequence[int], shuffle: bool = True):
+                 shares: Sequence[int], shuffle: bool = True, shard_sizes: Sequence[int] | None = None):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         self.num_samples, self.world_size, self.rank = num_samples, world_size, rank
@@ -44,6 +45,14 @@ class PlannedSampler:
         self.epoch = 0
         self.index = 0  # batches of this epoch handed out
         self._order: tuple[int, torch.Tensor] | None = None
+        self.shard_sizes: tuple[int, ...] | None = None
+        if shard_sizes is not None:
+            self.read_by_shards(shard_sizes)
+
+    def read_by_shards(self, shard_sizes: Sequence[int]) -> None:
+        """Order each epoch shard by shard (`data.shard_order`), as `ShardedSampler` does."""
+        self.shard_sizes = checked_sizes(shard_sizes, self.num_samples)
+        self._order = None
 
     def _checked(self, shares: Sequence[int], global_batch: int) -> tuple[int, ...]:
         shares = tuple(int(s) for s in shares)
@@ -93,7 +102,7 @@ class PlannedSampler:
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         if self._order is None or self._order[0] != epoch:
-            order = epoch_permutation(self.num_samples, self.seed, epoch) if self.shuffle \
+            order = epoch_permutation(self.num_samples, self.seed, epoch, self.shard_sizes) if self.shuffle \
                 else torch.arange(self.num_samples)
             self._order = (epoch, order)
         return self._order[1]
@@ -128,9 +137,12 @@ class PlannedSampler:
         return True
 
     def state_dict(self) -> dict[str, Any]:
-        return {"num_samples": self.num_samples, "world_size": self.world_size, "rank": self.rank,
-                "seed": self.seed, "epoch": self.epoch, "position": self.index,
-                "plans": [[e, i, list(s)] for e, i, s in self.plans]}
+        state = {"num_samples": self.num_samples, "world_size": self.world_size, "rank": self.rank,
+                 "seed": self.seed, "epoch": self.epoch, "position": self.index,
+                 "plans": [[e, i, list(s)] for e, i, s in self.plans]}
+        if self.shard_sizes is not None:
+            state["shard_sizes"] = list(self.shard_sizes)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position and the plans so far (another rank's too: DDP saves rank 0's).
@@ -146,6 +158,7 @@ class PlannedSampler:
         if "plans" not in state:
             raise ValueError("sampler state has no balance plan but this run has one; resume with "
                              "system.balance: none")
+        check_shard_sizes(state, self.shard_sizes)
         plans = [(int(e), int(i), tuple(int(s) for s in shares)) for e, i, shares in state["plans"]]
         global_batch = sum(plans[0][2])
         plans = [(e, i, self._checked(shares, global_batch)) for e, i, shares in plans]

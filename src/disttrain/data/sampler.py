@@ -15,6 +15,11 @@ size, and every sample of the epoch is still trained once. A parameter-server ru
 it keeping the position (`keep_position`): the samples already handed out are dealt to the
 front of the new shards, so the index of a batch in the epoch still counts its steps.
 
+A data set read shard by shard from a store (`shards:URL`) gives the sampler its shards'
+sizes (`shard_sizes`): each epoch's order is then `data.shard_order`'s, the shards shuffled
+and the samples within each, so a rank's contiguous part of it reads a few shards whole.
+The sizes travel in the state, so a resume or a re-split rebuilds the same order.
+
 A run that splits its batches by speed (`system.balance`) draws from `PlannedSampler`
 (`data.planned`) instead.
 """
@@ -26,12 +31,16 @@ from typing import Any
 
 import torch
 
-# Large odd constant so (seed, epoch) pairs never collide for realistic values.
-_EPOCH_STRIDE = 1_000_003
+from disttrain.data.shard_order import EPOCH_STRIDE, checked_sizes, shard_permutation
 
 
-def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed * _EPOCH_STRIDE + epoch)
+def epoch_permutation(num_samples: int, seed: int, epoch: int,
+                      shard_sizes: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The epoch's order of the samples: a permutation from `(seed, epoch)` alone, shard by
+    shard when the data set is read by shards (`shard_sizes`, summing to `num_samples`)."""
+    if shard_sizes is not None:
+        return shard_permutation(shard_sizes, seed, epoch)
+    gen = torch.Generator().manual_seed(seed * EPOCH_STRIDE + epoch)
     return torch.randperm(num_samples, generator=gen)
 
 
@@ -44,7 +53,7 @@ class ShardedSampler:
     """
 
     def __init__(self, num_samples: int, *, world_size: int = 1, rank: int = 0, seed: int = 0,
-                 shuffle: bool = True):
+                 shuffle: bool = True, shard_sizes: tuple[int, ...] | None = None):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if num_samples < world_size:
@@ -60,6 +69,17 @@ class ShardedSampler:
         # The current epoch's samples when a resize re-split it (`resplit_state`); None
         # while the epoch is its whole permutation.
         self.order: torch.Tensor | None = None
+        self.shard_sizes: tuple[int, ...] | None = None
+        if shard_sizes is not None:
+            self.read_by_shards(shard_sizes)
+
+    def read_by_shards(self, shard_sizes: tuple[int, ...] | list[int]) -> None:
+        """Order each epoch shard by shard (`data.shard_order`); call before any batch.
+
+        Raises:
+            ValueError: the sizes do not sum to the data set's length.
+        """
+        self.shard_sizes = checked_sizes(shard_sizes, self.num_samples)
 
     def __len__(self) -> int:
         """Samples in this rank's shard of the current epoch."""
@@ -93,7 +113,7 @@ class ShardedSampler:
         if self.order is not None and epoch == self.epoch:
             order = self.order
         elif self.shuffle:
-            order = epoch_permutation(self.num_samples, self.seed, epoch)
+            order = epoch_permutation(self.num_samples, self.seed, epoch, self.shard_sizes)
         else:
             order = torch.arange(self.num_samples)
         length = len(order) // self.world_size
@@ -127,6 +147,8 @@ class ShardedSampler:
                                  "position": self.position}
         if self.order is not None:  # only a re-split epoch carries its list
             state["order"] = self.order.clone()
+        if self.shard_sizes is not None:  # only a data set read by shards has them
+            state["shard_sizes"] = list(self.shard_sizes)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -143,6 +165,7 @@ class ShardedSampler:
         if "plans" in state or "shares" in state:
             raise ValueError("sampler state has a balance plan but this run has none; resume with "
                              "the run's system.balance")
+        check_shard_sizes(state, self.shard_sizes)
         order = state.get("order")
         if order is not None:
             order = _checked_order(order, self.num_samples)
@@ -153,6 +176,33 @@ class ShardedSampler:
         self.epoch = int(state["epoch"])
         self.position = position
         self.order = order
+
+
+def check_shard_sizes(state: dict[str, Any], shard_sizes: tuple[int, ...] | None) -> None:
+    """Refuse a state whose order was made over other shards (or none) than this run's.
+
+    Raises:
+        ValueError: naming what differs.
+    """
+    saved = state.get("shard_sizes")
+    saved = None if saved is None else tuple(int(n) for n in saved)
+    if saved != shard_sizes:
+        raise ValueError(f"sampler state orders {_shards(saved)} but this run reads {_shards(shard_sizes)}; "
+                         "resume with the same data")
+
+
+def _shards(sizes: tuple[int, ...] | None) -> str:
+    return "no shards" if sizes is None else f"{len(sizes)} shards of sizes {list(sizes[:4])}" + \
+        ("..." if len(sizes) > 4 else "")
+
+
+def _layout(state: dict[str, Any]) -> ShardedSampler:
+    """A sampler of the state's layout and position (rank 0's)."""
+    sizes = state.get("shard_sizes")
+    layout = ShardedSampler(int(state["num_samples"]), world_size=int(state["world_size"]),
+                            seed=int(state["seed"]), shard_sizes=None if sizes is None else tuple(sizes))
+    layout.load_state_dict(state)
+    return layout
 
 
 def _checked_order(order: Any, num_samples: int) -> torch.Tensor:
@@ -174,9 +224,7 @@ def owed(state: dict[str, Any]) -> torch.Tensor:
     Raises:
         ValueError: the state is not a valid sampler state.
     """
-    layout = ShardedSampler(int(state["num_samples"]), world_size=int(state["world_size"]),
-                            seed=int(state["seed"]))
-    layout.load_state_dict(state)
+    layout = _layout(state)
     rest = []
     for rank in range(layout.world_size):
         layout.rank = rank
@@ -209,6 +257,8 @@ def resplit_state(state: dict[str, Any], world_size: int, rank: int, keep_positi
                          f"resume with --world-size {int(state['world_size'])}")
     base = {"num_samples": int(state["num_samples"]), "world_size": world_size, "rank": rank,
             "seed": int(state["seed"]), "epoch": int(state["epoch"]), "position": 0}
+    if state.get("shard_sizes") is not None:
+        base["shard_sizes"] = [int(n) for n in state["shard_sizes"]]
     if int(state["position"]) == 0 and "order" not in state:
         return base
     rest = owed(state)
@@ -227,9 +277,7 @@ def resplit_state(state: dict[str, Any], world_size: int, rank: int, keep_positi
 
 def _handed_out(state: dict[str, Any]) -> torch.Tensor:
     """The samples of the state's epoch its ranks handed out (`owed`'s complement), in rank order."""
-    layout = ShardedSampler(int(state["num_samples"]), world_size=int(state["world_size"]),
-                            seed=int(state["seed"]))
-    layout.load_state_dict(state)
+    layout = _layout(state)
     done = []
     for rank in range(layout.world_size):
         layout.rank = rank

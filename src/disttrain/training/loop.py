@@ -27,6 +27,7 @@ from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import CheckpointError, Preempted
 from disttrain.core.faults import FaultInjector
 from disttrain.data import LANGUAGE_MODEL, PlannedSampler, ShardedSampler, describe_dataset
+from disttrain.data.shards import ShardLayout, shard_layout
 from disttrain.metrics.logger import MetricsLogger, read_metrics
 from disttrain.metrics.time_to_target import Evaluation, TimeToTarget, time_to_target
 from disttrain.metrics.window import MetricsWindow, TrainClock
@@ -67,11 +68,14 @@ class LoopSettings:
     micro_batches: int = 1  # batches per step (gradient accumulation)
     record: Mapping[str, Any] = field(default_factory=dict, compare=False)
     task: str = "classification"  # the data set's: a language model logs perplexity, not accuracy
+    # A data set read by shards (`shards:`): the sampler orders by them, the reader reads ahead.
+    shards: ShardLayout | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, training: TrainingConfig, record: Mapping[str, Any], micro_batches: int = 1) -> LoopSettings:
         return cls(training.num_epochs, training.batch_size, training.log_interval,
-                   training.checkpoint_interval, micro_batches, record, describe_dataset(training).task)
+                   training.checkpoint_interval, micro_batches, record, describe_dataset(training).task,
+                   shard_layout(training))
 
     @property
     def perplexity(self) -> bool:
@@ -170,6 +174,10 @@ class TrainingLoop:
     position: Position = field(default_factory=Position)
     clock: TrainClock = field(default_factory=TrainClock)
 
+    def __post_init__(self) -> None:
+        if self.settings.shards is not None:  # before a checkpoint's position is read into it
+            self.sampler.read_by_shards(self.settings.shards.shard_sizes)
+
     def run(self, resume: bool) -> LoopResult:
         """Train to the end. Raises CheckpointError when the chosen checkpoint does not fit."""
         s, position, sampler = self.settings, self.position, self.sampler
@@ -199,6 +207,8 @@ class TrainingLoop:
                 self.rebalancer.at_epoch_start(position.step, epoch)
             if self.loader is not None:  # read ahead on a copy: the sampler's position is the steps'
                 self.loader.start_epoch(lambda: list(copy.deepcopy(sampler).batches(s.batch_size)))
+            if s.shards is not None:
+                s.shards.read_ahead(list(copy.deepcopy(sampler).batches(s.batch_size)))
             for index, batches in enumerate(groups(sampler.batches(s.batch_size), s.micro_batches),
                                             start=first):
                 # The sampler hands out a step's batches before the step: exhausted now is

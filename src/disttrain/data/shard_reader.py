@@ -1,0 +1,256 @@
+"""Reading array shards lazily from a store: a bounded cache on disk, a bounded set of shards
+in memory, and the next shards of this process's order fetched ahead by a thread.
+
+A shard is fetched whole the first time a batch needs it (or ahead of that) into
+`training.data_dir`/cache/ through `store_cache.local_copy` (atomic, checked against the
+store's size and ETag, retried through `system.checkpoint_retry_s`), then its arrays are
+read with `numpy.load(allow_pickle=False)` (no code in a shard can run) and held in memory.
+
+Bounds:
+
+- disk (`training.shard_cache_bytes`, 0: none): after each fetch, the copies of this data
+  set's shards on disk are summed, and the least recently used (by this process; copies
+  it has not used first, oldest first) are removed until the sum is within the bound. A
+  shard being read is never removed by its own process; one removed by another process
+  of the machine between its fetch and its read is fetched again.
+- memory (`training.num_shards_in_memory`): the least recently used shard is dropped once
+  more are held.
+
+Read-ahead (`training.num_shards_ahead`, 0: none): `plan(shards)` gives the order this
+process will read its shards in (the training loop gives it each epoch's batches); each
+batch moves a cursor along it, and the next shards after the cursor that are not in
+memory are fetched and read by one background thread. Without a plan (the test split, a
+redone block) the next shards by number are read ahead. A step that needs a shard being
+read ahead waits for that read; one that needs a shard nobody is reading reads it itself.
+`stats` counts both, and each shard read ahead is logged, so a test sees the read-ahead.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import shutil
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from disttrain.core import object_store
+from disttrain.core.errors import DataError
+from disttrain.data import store_cache
+
+logger = logging.getLogger(__name__)
+
+Arrays = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class ReaderLimits:
+    """The reader's bounds (`training.shard_cache_bytes`, `num_shards_in_memory`,
+    `num_shards_ahead`)."""
+
+    cache_bytes: int = 0
+    num_in_memory: int = 4
+    num_ahead: int = 2
+
+
+@dataclass
+class ReaderStats:
+    """What the reader did: shards read by the read-ahead thread, read by a step itself, and
+    steps that waited for a read-ahead in flight."""
+
+    read_ahead: int = 0
+    read_on_demand: int = 0
+    waited: int = 0
+    names_read_ahead: list[str] = field(default_factory=list)
+
+
+class ShardReader:
+    """The shards of one data set (`files`, under `location`: a local folder or any fsspec
+    URL), read lazily within `limits`. Thread-safe; picklable (a copy starts empty)."""
+
+    def __init__(self, location: str, files: list[str], fields: tuple[str, ...], data_dir: str,
+                 download: bool, limits: ReaderLimits):
+        self.location, self.files, self.fields = location, list(files), tuple(fields)
+        self.data_dir, self.download, self.limits = data_dir, download, limits
+        self._start()
+
+    def _start(self) -> None:
+        self._lock = threading.Lock()
+        self._memory: OrderedDict[int, Arrays] = OrderedDict()
+        self._loading: dict[int, Future] = {}
+        self._pinned: set[int] = set()
+        self._last_use: OrderedDict[int, None] = OrderedDict()  # on disk, by this process's last use
+        self._plan: list[int] = []
+        self._cursor = -1
+        self._executor: ThreadPoolExecutor | None = None
+        self.stats = ReaderStats()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in ("location", "files", "fields", "data_dir", "download",
+                                                     "limits")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._start()
+
+    def plan(self, shards: list[int]) -> None:
+        """The shards this process will read next, in order (consecutive repeats allowed)."""
+        with self._lock:
+            self._plan = [s for i, s in enumerate(shards) if i == 0 or shards[i - 1] != s]
+            self._cursor = -1
+        if self._plan:
+            self._read_ahead(self._plan[:self.limits.num_ahead + 1])
+
+    def arrays(self, shard: int) -> Arrays:
+        """Shard `shard`'s arrays: from memory, from a read-ahead in flight, or read now.
+
+        Raises:
+            DataError: the shard is missing, unreadable or not as its index says (and the
+                store's errors, as `store_cache.local_copy`'s).
+        """
+        with self._lock:
+            if shard in self._memory:
+                self._memory.move_to_end(shard)
+                return self._memory[shard]
+            pending = self._loading.get(shard)
+            if pending is not None:
+                self.stats.waited += 1
+        if pending is not None:
+            return pending.result()
+        arrays = self._load(shard)
+        with self._lock:
+            self.stats.read_on_demand += 1
+        return arrays
+
+    def touched(self, shards: list[int]) -> None:
+        """A batch read `shards`: move the cursor along the plan and read the next ones ahead."""
+        if self.limits.num_ahead == 0:
+            return
+        with self._lock:
+            plan, start = self._plan, max(self._cursor, 0)
+            found = []
+            for shard in shards:
+                try:
+                    found.append(plan.index(shard, start))
+                except ValueError:
+                    pass
+            if found:
+                self._cursor = max(found)
+                following = plan[self._cursor + 1:self._cursor + 1 + self.limits.num_ahead]
+            else:  # off the plan: the next shards by number
+                last = max(shards)
+                following = list(range(last + 1, min(last + 1 + self.limits.num_ahead, len(self.files))))
+        self._read_ahead(following)
+
+    def _read_ahead(self, shards: list[int]) -> None:
+        if self.limits.num_ahead == 0:
+            return
+        with self._lock:
+            wanted = [s for s in shards if s not in self._memory and s not in self._loading]
+            if self._executor is None and wanted:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-read-ahead")
+            for shard in wanted:
+                self._loading[shard] = self._executor.submit(self._ahead, shard)
+
+    def _ahead(self, shard: int) -> Arrays:
+        arrays = self._load(shard)
+        with self._lock:
+            self.stats.read_ahead += 1
+            self.stats.names_read_ahead.append(self.files[shard])
+        logger.info("training.dataset: shard %s read ahead", self.files[shard])
+        return arrays
+
+    def _load(self, shard: int) -> Arrays:
+        """Fetch (on a store) and read shard `shard`, then hold it in memory."""
+        with self._lock:
+            self._pinned.add(shard)
+        try:
+            try:
+                arrays = self._read(self._local(shard), shard)
+            except FileNotFoundError:  # removed by another process's bound between fetch and read
+                arrays = self._read(self._local(shard), shard)
+        except BaseException:
+            with self._lock:
+                self._pinned.discard(shard)
+                self._loading.pop(shard, None)
+            raise
+        with self._lock:  # in memory before it leaves `_loading`: no step reads it twice
+            self._memory[shard] = arrays
+            self._memory.move_to_end(shard)
+            while len(self._memory) > self.limits.num_in_memory:
+                self._memory.popitem(last=False)
+            self._pinned.discard(shard)
+            self._loading.pop(shard, None)
+        return arrays
+
+    def _local(self, shard: int) -> Path:
+        where = object_store.join(self.location, self.files[shard])
+        if not object_store.is_url(self.location):
+            return Path(where)
+        copy = store_cache.local_copy(str(where), self.data_dir, self.download)
+        with self._lock:
+            self._last_use[shard] = None
+            self._last_use.move_to_end(shard)
+        if self.limits.cache_bytes:
+            self._bound_disk(keep=shard)
+        return copy
+
+    def _folder(self, shard: int) -> Path:
+        url = str(object_store.join(self.location, self.files[shard]))
+        return store_cache.cache_folder(url, self.data_dir)
+
+    def _bound_disk(self, keep: int) -> None:
+        """Remove the least recently used copies of this data set's shards until their bytes
+        on disk are within `limits.cache_bytes`."""
+        sizes = {}
+        for shard in range(len(self.files)):
+            folder = self._folder(shard)
+            if folder.is_dir():
+                sizes[shard] = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        total = sum(sizes.values())
+        with self._lock:
+            used = list(self._last_use)
+            busy = self._pinned | {keep}
+        never = sorted((s for s in sizes if s not in used), key=lambda s: self._folder(s).stat().st_mtime)
+        for shard in never + used:
+            if total <= self.limits.cache_bytes:
+                break
+            if shard in busy or shard not in sizes:
+                continue
+            shutil.rmtree(self._folder(shard), ignore_errors=True)
+            total -= sizes.pop(shard)
+            with self._lock:
+                self._last_use.pop(shard, None)
+
+    def _read(self, path: Path, shard: int) -> Arrays:
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                missing = [name for name in self.fields if name not in data.files]
+                if missing:
+                    raise DataError(f"training.dataset: shard {self.files[shard]} has no array "
+                                    f"{missing[0]!r} (it has {sorted(data.files)}); write it with the "
+                                    "index's fields")
+                return {name: data[name] for name in self.fields}
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError, EOFError) as e:
+            raise DataError(f"training.dataset: shard {self.files[shard]} is not a readable .npz of plain "
+                            f"arrays ({e}); write it again with disttrain.data.shards.write_shards") from e
+
+    def wait(self) -> None:
+        """Return once the reads ahead asked for so far are done (their errors are the
+        steps' to meet)."""
+        with self._lock:
+            pending = list(self._loading.values())
+        concurrent.futures.wait(pending)
+
+    def close(self) -> None:
+        """Stop the read-ahead thread (reads in flight finish)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None

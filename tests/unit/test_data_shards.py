@@ -1,0 +1,166 @@
+"""`shards:DIR` (`data.shards`, `data.shard_reader`): a folder of `.npz` shards and its index,
+on disk or at a URL (fsspec's in-memory store here; a real S3 server in the integration
+tests), read shard by shard: batches equal the arrays written, within the bounds of the
+disk cache and of memory, the next shards of the plan read ahead by the thread, and bad
+folders refused in one line."""
+
+import io
+import json
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from disttrain.config import TrainingConfig
+from disttrain.config.loading import load_config
+from disttrain.core.errors import ConfigError, DataError
+from disttrain.data import load_datasets
+from disttrain.data.shard_reader import ReaderLimits, ShardReader
+from disttrain.data.shards import load_shards, parse_index, shard_layout, write_shards
+
+fsspec = pytest.importorskip("fsspec")
+
+
+def arrays(num: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((num, 2, 3)).astype(np.float32), rng.integers(0, 5, num)
+
+
+def training(location, tmp_path, **keys) -> TrainingConfig:
+    return TrainingConfig(dataset=f"shards:{location}", data_dir=str(tmp_path / "data"), **keys)
+
+
+def memory_url() -> str:
+    return f"memory://shards-{uuid.uuid4().hex[:8]}/set"
+
+
+def cached_bytes(tmp_path) -> int:
+    return sum(p.stat().st_size for p in (tmp_path / "data" / "cache").rglob("*") if p.is_file()
+               and "index.json" not in p.parent.name)
+
+
+def test_batches_are_the_rows_written_in_any_order_of_indices(tmp_path):
+    train, test = arrays(50), arrays(12, seed=1)
+    spec = write_shards(tmp_path / "set", train, test, samples_per_shard=8)
+    assert spec == f"shards:{tmp_path / 'set'}"
+    train_set, test_set = load_datasets(training(tmp_path / "set", tmp_path))
+    assert len(train_set) == 50 and len(test_set) == 12
+    assert train_set.description.input_shape == (2, 3) and train_set.description.num_classes == 5
+    indices = torch.tensor([49, 0, 17, 8, 8, 33, 7])
+    x, y = train_set.batch(indices)
+    assert x.dtype == torch.float32 and y.dtype == torch.int64
+    assert torch.equal(x, torch.from_numpy(train[0][indices.numpy()]))
+    assert torch.equal(y, torch.from_numpy(train[1][indices.numpy()]))
+    assert torch.equal(test_set.batch(torch.arange(12))[1], torch.from_numpy(test[1]))
+
+
+def test_a_subset_is_the_first_samples_and_the_layout_its_shards(tmp_path):
+    write_shards(tmp_path / "set", arrays(50), arrays(10), samples_per_shard=8)
+    config = training(tmp_path / "set", tmp_path, max_train_samples=20)
+    train_set, _ = load_datasets(config)
+    assert len(train_set) == 20 and train_set.shard_sizes == (8, 8, 4)
+    assert shard_layout(config).shard_sizes == (8, 8, 4)
+    assert shard_layout(TrainingConfig(dataset="digits")) is None
+
+
+def test_memory_holds_at_most_its_bound(tmp_path):
+    write_shards(tmp_path / "set", arrays(64), arrays(8), samples_per_shard=8)
+    train_set, _ = load_datasets(training(tmp_path / "set", tmp_path, num_shards_in_memory=2,
+                                          num_shards_ahead=0))
+    for start in range(0, 64, 8):
+        train_set.batch(torch.arange(start, start + 8))
+        assert len(train_set.reader._memory) <= 2
+    assert train_set.reader.stats.read_on_demand == 8 and train_set.reader.stats.read_ahead == 0
+
+
+def test_the_disk_cache_of_a_store_stays_within_its_bound_and_reads_every_row(tmp_path):
+    url = memory_url()
+    train, test = arrays(96), arrays(8)
+    write_shards(url, train, test, samples_per_shard=8)
+    shard_bytes = len(fsspec.filesystem("memory").cat(f"{url}/train-00000.npz"))
+    bound = 3 * shard_bytes
+    train_set, _ = load_datasets(training(url, tmp_path, shard_cache_bytes=bound, num_shards_in_memory=2,
+                                          num_shards_ahead=1))
+    order = torch.randperm(96, generator=torch.Generator().manual_seed(0))
+    for start in range(0, 96, 16):
+        batch = order[start:start + 16]
+        x, _ = train_set.batch(batch)
+        assert torch.equal(x, torch.from_numpy(train[0][batch.numpy()]))
+        assert cached_bytes(tmp_path) <= bound
+    train_set.reader.close()
+    assert 0 < cached_bytes(tmp_path) <= bound < 12 * shard_bytes
+
+
+def test_the_next_shards_of_the_plan_are_read_ahead_by_the_thread(tmp_path):
+    url = memory_url()
+    write_shards(url, arrays(80), arrays(8), samples_per_shard=8)
+    config = training(url, tmp_path, num_shards_in_memory=4, num_shards_ahead=2)
+    train_set, _ = load_datasets(config)
+    plan = [3, 7, 1, 0, 9, 2]  # shards in this process's order
+    batches = [torch.arange(s * 8, s * 8 + 8) for s in plan]
+    shard_layout(config).read_ahead(batches)  # the loop's call: the same reader
+    train_set.batch(batches[0])
+    train_set.batch(batches[1])
+    reader = train_set.reader
+    reader.wait()  # for the reads in flight: no timing involved
+    ahead = reader.stats.names_read_ahead
+    # The plan's first three when it was given, then one more as each batch moved the cursor:
+    # the thread read, in the plan's order, every shard the two batches asked for and the
+    # next two after the second; the steps read none themselves.
+    assert ahead == [f"train-{s:05d}.npz" for s in plan[:4]]
+    assert reader.stats.read_on_demand == 0 and reader.stats.read_ahead == 4
+
+
+def test_a_reader_pickles_empty_and_reads_again(tmp_path):
+    write_shards(tmp_path / "set", arrays(16), arrays(8), samples_per_shard=8)
+    train_set, _ = load_datasets(training(tmp_path / "set", tmp_path))
+    train_set.batch(torch.arange(16))
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(train_set))
+    assert not copy.reader._memory
+    assert torch.equal(copy.batch(torch.arange(16))[0], train_set.batch(torch.arange(16))[0])
+
+
+def test_a_folder_without_index_or_with_a_bad_one_is_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"index.json cannot be read .*write_shards"):
+        load_shards(training(tmp_path / "empty", tmp_path))
+    with pytest.raises(DataError, match="is not a shard index"):
+        parse_index(json.dumps({"format": "other"}), "x/index.json")
+    with pytest.raises(DataError, match="no file name in the folder"):
+        parse_index(json.dumps({"format": "disttrain-shards", "version": 1,
+                                "description": {"input_shape": [1], "num_classes": 2},
+                                "train": [{"file": "../a.npz", "num_samples": 1}],
+                                "test": [{"file": "b.npz", "num_samples": 1}]}), "x/index.json")
+
+
+def test_a_shard_with_a_pickled_object_or_without_its_array_is_refused(tmp_path):
+    write_shards(tmp_path / "set", arrays(16), arrays(8), samples_per_shard=8)
+    buffer = io.BytesIO()
+    np.savez(buffer, x=np.array([{"code": 1}] * 8, dtype=object), y=np.zeros(8))
+    (tmp_path / "set" / "train-00000.npz").write_bytes(buffer.getvalue())
+    buffer = io.BytesIO()
+    np.savez(buffer, z=np.zeros(8))
+    (tmp_path / "set" / "train-00001.npz").write_bytes(buffer.getvalue())
+    train_set, _ = load_datasets(training(tmp_path / "set", tmp_path, num_shards_ahead=0))
+    with pytest.raises(DataError, match=r"shard train-00000.npz is not a readable .npz of plain arrays"):
+        train_set.batch(torch.tensor([0]))
+    with pytest.raises(DataError, match=r"shard train-00001.npz has no array 'x'"):
+        train_set.batch(torch.tensor([8]))
+
+
+def test_the_shard_keys_are_checked_together(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("training: {num_shards_in_memory: 2, num_shards_ahead: 2}\n")
+    with pytest.raises(ConfigError, match=r"num_shards_ahead: 2 must be less than .*in_memory \(2\)"):
+        load_config(path)
+
+
+def test_a_reader_of_a_local_folder_reads_in_place(tmp_path):
+    write_shards(tmp_path / "set", arrays(16), arrays(8), samples_per_shard=8)
+    reader = ShardReader(str(tmp_path / "set"), ["train-00000.npz"], ("x", "y"), str(tmp_path / "data"), True,
+                         ReaderLimits(num_ahead=0))
+    assert len(reader.arrays(0)["x"]) == 8
+    assert not (tmp_path / "data").exists()  # nothing copied
