@@ -51,7 +51,7 @@ ENABLERS: tuple[dict[str, Any], ...] = (
     *({"training.lr_schedule": schedule} for schedule in ("step", "cosine")),
     {"training.model_architecture": "mlp"},
     *({"training.dataset": dataset} for dataset in ("synthetic", "text:input.txt", "mnist",
-                                                    "my_data.py:load")),
+                                                    "my_data.py:load", "shards:s3://bucket/set")),
 )
 
 

@@ -60,8 +60,8 @@ class Rule:
 
 def _reads_data_dir(dataset: str) -> bool:
     """Whether data set `dataset` is read from (and downloaded into) `training.data_dir`."""
-    return (dataset in ("mnist", "fashion_mnist", "cifar10") or dataset.startswith("torchvision:")
-            or (dataset.startswith(("text:", "image-folder:")) and "://" in dataset))  # a URL's copy
+    url_copy = dataset.startswith(("text:", "image-folder:", "shards:")) and "://" in dataset
+    return dataset in ("mnist", "fashion_mnist", "cifar10") or dataset.startswith("torchvision:") or url_copy
 
 
 def _when(condition: Callable[[Config, str], bool], reason: str | Callable[[Config], str]
@@ -204,8 +204,12 @@ RULES: tuple[Rule, ...] = (
         lambda c: f"it cuts text:FILE into windows (training.dataset is {c.training.dataset})")),
     Rule("training.dataset_args", _when(
         lambda c, s: (c.training.dataset in DATASETS or c.training.dataset.startswith(
-            ("text:", "image-folder:", "synthetic:", "torchvision:"))),
+            ("text:", "image-folder:", "synthetic:", "torchvision:", "shards:"))),
         lambda c: f"only a data-set factory takes them (training.dataset is {c.training.dataset})")),
+    *(Rule(f"training.{key}", _when(
+        lambda c, s: not c.training.dataset.startswith("shards:"),
+        lambda c: f"it bounds the reading of shards:DIR (training.dataset is {c.training.dataset})"))
+      for key in ("shard_cache_bytes", "num_shards_in_memory", "num_shards_ahead")),
     Rule("training.data_dir", _when(
         lambda c, s: not _reads_data_dir(c.training.dataset),
         lambda c: f"{c.training.dataset} is read from no folder (training.dataset is {c.training.dataset})")),

@@ -14,7 +14,8 @@ Bounds:
   shard being read is never removed by its own process; one removed by another process
   of the machine between its fetch and its read is fetched again.
 - memory (`training.num_shards_in_memory`): the least recently used shard is dropped once
-  more are held.
+  more are held, but never one the batch being read needs or one read ahead for the next
+  batches (a batch spanning two shards may hold one more for its time).
 
 Read-ahead (`training.num_shards_ahead`, 0: none): `plan(shards)` gives the order this
 process will read its shards in (the training loop gives it each epoch's batches); each
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import shutil
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -86,6 +86,7 @@ class ShardReader:
         self._pinned: set[int] = set()
         self._last_use: OrderedDict[int, None] = OrderedDict()  # on disk, by this process's last use
         self._plan: list[int] = []
+        self._wanted: set[int] = set()  # the batch's shards and those read ahead for it: kept in memory
         self._cursor = -1
         self._executor: ThreadPoolExecutor | None = None
         self.stats = ReaderStats()
@@ -99,10 +100,17 @@ class ShardReader:
         self._start()
 
     def plan(self, shards: list[int]) -> None:
-        """The shards this process will read next, in order (consecutive repeats allowed)."""
+        """The shards this process will read next, in order (consecutive repeats allowed).
+        Logs what the reader did since the last plan (the last epoch's start), and counts
+        afresh."""
         with self._lock:
+            done, self.stats = self.stats, ReaderStats()
             self._plan = [s for i, s in enumerate(shards) if i == 0 or shards[i - 1] != s]
             self._cursor = -1
+        if done.read_ahead or done.read_on_demand:
+            logger.info("training.dataset: %d shards read ahead, %d read by the steps themselves (%d steps "
+                        "waited for a read ahead) since the last plan", done.read_ahead, done.read_on_demand,
+                        done.waited)
         if self._plan:
             self._read_ahead(self._plan[:self.limits.num_ahead + 1])
 
@@ -128,8 +136,11 @@ class ShardReader:
         return arrays
 
     def touched(self, shards: list[int]) -> None:
-        """A batch read `shards`: move the cursor along the plan and read the next ones ahead."""
+        """A batch is about to read `shards`: move the cursor along the plan and read the next
+        ones ahead."""
         if self.limits.num_ahead == 0:
+            with self._lock:
+                self._wanted = set(shards)
             return
         with self._lock:
             plan, start = self._plan, max(self._cursor, 0)
@@ -145,6 +156,7 @@ class ShardReader:
             else:  # off the plan: the next shards by number
                 last = max(shards)
                 following = list(range(last + 1, min(last + 1 + self.limits.num_ahead, len(self.files))))
+            self._wanted = set(shards) | set(following)
         self._read_ahead(following)
 
     def _read_ahead(self, shards: list[int]) -> None:
@@ -162,7 +174,7 @@ class ShardReader:
         with self._lock:
             self.stats.read_ahead += 1
             self.stats.names_read_ahead.append(self.files[shard])
-        logger.info("training.dataset: shard %s read ahead", self.files[shard])
+        logger.debug("training.dataset: shard %s read ahead", self.files[shard])
         return arrays
 
     def _load(self, shard: int) -> Arrays:
@@ -182,8 +194,9 @@ class ShardReader:
         with self._lock:  # in memory before it leaves `_loading`: no step reads it twice
             self._memory[shard] = arrays
             self._memory.move_to_end(shard)
-            while len(self._memory) > self.limits.num_in_memory:
-                self._memory.popitem(last=False)
+            spare = [s for s in self._memory if s not in self._wanted]  # least recently used first
+            for old in spare[:max(0, len(self._memory) - self.limits.num_in_memory)]:
+                del self._memory[old]
             self._pinned.discard(shard)
             self._loading.pop(shard, None)
         return arrays
@@ -222,7 +235,9 @@ class ShardReader:
                 break
             if shard in busy or shard not in sizes:
                 continue
-            shutil.rmtree(self._folder(shard), ignore_errors=True)
+            for copy in self._folder(shard).iterdir():  # not the folder: another process may fill it now
+                if not copy.name.startswith("."):  # nor a fetch's temporary file
+                    copy.unlink(missing_ok=True)
             total -= sizes.pop(shard)
             with self._lock:
                 self._last_use.pop(shard, None)
