@@ -5,7 +5,8 @@ sample of each epoch is applied exactly once across the change (the shards' ledg
 the summary, and what the model's forward was given in every worker process of both runs),
 the global batch is kept (per-worker batch = B·N/M, said in the launcher's log), and the
 run finishes. A number of workers that cannot keep the global batch is refused before any
-process starts (exit 2), as is a mode the resize does not cover."""
+process starts (exit 2), as is a resume in another aggregation mode (async and SSP
+runs resized: `test_ps_resize_async_cli`)."""
 
 from __future__ import annotations
 
@@ -159,16 +160,18 @@ def batch_line(result, path: Path, written: int, workers: int) -> None:
             f"the global batch of {BATCH_SIZE * 2}") in result.stderr, logs(path, result)
 
 
-def finished(path: Path, result, workers: int, resumed_from: int, runs: list[tuple[str, int]]) -> dict:
-    """The run finished on `workers`, every sample of each epoch applied once, from the
-    ledgers and the forwards of the `runs`; its summary."""
+def finished(path: Path, result, workers: int, resumed_from: int, runs: list[tuple[str, int]],
+             steps: int = NUM_EPOCHS * 50) -> dict:
+    """The run finished on `workers` after `steps` (sync: steps of the run; async and
+    SSP: pushes applied), every sample of each epoch applied once, from the ledgers and
+    the forwards of the `runs`; its summary."""
     assert result.returncode == 0, logs(path, result)
     summary = json.loads((path / "logs" / "summary.json").read_text())
     assert summary["samples_applied"] == NUM_EPOCHS * NUM_SAMPLES and summary["samples_lost"] == 0, summary
     assert summary["samples_redone"] == 0 and summary["num_failures"] == 0, summary
     per_worker = BATCH_SIZE * 2 // workers
     assert summary["world_size"] == workers and summary["config"]["training"]["batch_size"] == per_worker
-    assert summary["resumed_from_step"] == resumed_from and summary["steps"] == NUM_EPOCHS * 50, summary
+    assert summary["resumed_from_step"] == resumed_from and summary["steps"] == steps, summary
     assert summary["samples_processed"] == NUM_EPOCHS * NUM_SAMPLES, summary
     assert_each_sample_once_an_epoch(epochs_trained(path, runs))
     return summary
@@ -203,7 +206,9 @@ def test_two_workers_resumed_on_one_apply_every_sample_once_and_sizes_off_the_ba
         "over 5 workers; resume with --workers in 1, 2, 3, 4, 6, 12 (each keeps it)")
     async_mode = ps(path, "async", 3, "--resume", "--aggregation-mode", "async")
     assert async_mode.returncode == 2, logs(path, async_mode)
-    assert "in sync mode" in async_mode.stderr.strip().splitlines()[-1]
+    assert async_mode.stderr.strip().splitlines()[-1] == (
+        "error: ps.aggregation_mode: the checkpoint was written in sync mode and this run is async; resume "
+        "with --aggregation-mode sync")
     assert not list((path / "records").glob("five-*")) and not list((path / "records").glob("async-*"))
     assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(path / "ckpt" / "worker0")] == [stopped[1]]
     _, summary = resumed_on(stopped, tmp_path, 1)

@@ -149,12 +149,11 @@ def test_a_number_of_workers_off_the_global_batch_is_refused_naming_those_that_k
 
 
 @pytest.mark.parametrize("sections, named", [
-    ({"ps": {"aggregation_mode": "async"}}, "ps.aggregation_mode: async"),
     ({"compression": {"enabled": True}}, "compression"),
     ({"ps": {"backup_workers": 1}}, "ps.backup_workers")])
 def test_what_belongs_to_the_old_workers_numbering_is_refused(tmp_path, sections, named):
     stopped_run(tmp_path)
-    with pytest.raises(ConfigError, match=f"in sync mode .*{named}.*; resume with --workers 2$"):
+    with pytest.raises(ConfigError, match=f"without compression, .*{named}.*; resume with --workers 2$"):
         resize.resumed_config(synthetic_config(tmp_path, 3, 6, **sections))
 
 
