@@ -164,3 +164,22 @@ def test_a_reader_of_a_local_folder_reads_in_place(tmp_path):
                          ReaderLimits(num_ahead=0))
     assert len(reader.arrays(0)["x"]) == 8
     assert not (tmp_path / "data").exists()  # nothing copied
+
+
+def test_text_written_as_shards_gives_text_files_windows(tmp_path):
+    from disttrain.data.shards import write_text_shards
+    from disttrain.data.text import load_text
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(np.random.default_rng(3).integers(32, 127, 5001).astype(np.uint8)))
+    spec = write_text_shards(corpus, tmp_path / "set", seq_len=16, samples_per_shard=40)
+    config = TrainingConfig(dataset=spec, data_dir=str(tmp_path / "data"), seq_len=16)
+    shard_train, shard_test = load_datasets(config)
+    file_train, file_test = load_text(corpus, 16)
+    assert (len(shard_train), len(shard_test)) == (len(file_train), len(file_test)) == (281, 31)
+    assert shard_train.description == file_train.description
+    for shard_split, file_split in ((shard_train, file_train), (shard_test, file_test)):
+        every = torch.arange(len(file_split))
+        x, y = shard_split.batch(every)
+        assert x.dtype == torch.int64 and torch.equal(x, file_split.batch(every)[0])
+        assert torch.equal(y, file_split.batch(every)[1])

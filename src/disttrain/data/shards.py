@@ -38,7 +38,7 @@ import torch
 from disttrain.config import TrainingConfig
 from disttrain.core import object_store
 from disttrain.core.errors import DataError
-from disttrain.data import store_cache
+from disttrain.data import store_cache, text
 from disttrain.data.description import LANGUAGE_MODEL, DatasetDescription
 from disttrain.data.shard_order import shard_starts
 from disttrain.data.shard_reader import ReaderLimits, ShardReader
@@ -130,6 +130,58 @@ def write_shards(location: str | Path, train: Split, test: Split, samples_per_sh
             index[split].append({"file": file, "num_samples": len(x[start:start + samples_per_shard])})
     object_store.write_bytes(object_store.join(location, INDEX), json.dumps(index, indent=1).encode())
     return f"{PREFIX}{location}"
+
+
+def write_text_shards(source: str | Path, location: str | Path, seq_len: int, samples_per_shard: int
+                      ) -> str | Path:
+    """Cut the text at `source` (a local path or any fsspec URL) into `text:FILE`'s windows
+    of `seq_len` tokens (bytes) and write them as shards into `location`, reading the text
+    one shard's bytes at a time (a corpus larger than memory): the same samples, the same
+    last tenth held out for the test, as `text:FILE` makes of it, stored as bytes (uint8).
+
+    Returns:
+        The spec to train on: `shards:<location>`.
+
+    Raises:
+        ValueError: too little text for a train and a test window, or a bad size.
+        OSError: the text cannot be read.
+    """
+    if seq_len < 1 or samples_per_shard < 1:
+        raise ValueError(f"seq_len {seq_len} and samples_per_shard {samples_per_shard} must be >= 1")
+    handle = _open_bytes(source)
+    with handle:
+        size = handle.seek(0, io.SEEK_END)
+        num_windows = (size - 1) // seq_len
+        if num_windows < 2:
+            raise ValueError(f"{source} has {size} bytes, too few for a train and a test window of "
+                             f"{seq_len}")
+        num_test = max(1, int(num_windows * text.TEST_FRACTION))
+        splits = {"train": range(0, num_windows - num_test),
+                  "test": range(num_windows - num_test, num_windows)}
+        index: dict[str, Any] = {"format": FORMAT, "version": VERSION, "inputs": "x", "targets": "y",
+                                 "description": _description_fields(text.describe_text(seq_len))}
+        for split, windows in splits.items():
+            index[split] = []
+            for number, first in enumerate(range(windows.start, windows.stop, samples_per_shard)):
+                count = min(samples_per_shard, windows.stop - first)
+                handle.seek(first * seq_len)
+                data = np.frombuffer(handle.read(count * seq_len + 1), dtype=np.uint8)
+                rows = np.lib.stride_tricks.sliding_window_view(data, seq_len + 1)[::seq_len]
+                file = f"{split}-{number:05d}.npz"
+                buffer = io.BytesIO()
+                np.savez(buffer, x=np.ascontiguousarray(rows[:, :-1]), y=np.ascontiguousarray(rows[:, 1:]))
+                object_store.write_bytes(object_store.join(location, file), buffer.getvalue())
+                index[split].append({"file": file, "num_samples": count})
+    object_store.write_bytes(object_store.join(location, INDEX), json.dumps(index, indent=1).encode())
+    return f"{PREFIX}{location}"
+
+
+def _open_bytes(source: str | Path) -> Any:
+    if object_store.is_url(source):
+        import fsspec
+
+        return fsspec.open(str(source), "rb").open()
+    return Path(source).open("rb")
 
 
 def _description_fields(description: DatasetDescription) -> dict[str, Any]:
