@@ -27,6 +27,7 @@ from disttrain.cli.check import (
 )
 from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
+    CONFIG_PREFIX,
     LOCAL_UPDATE_FLAGS,
     add_config_flag,
     add_insecure_flag,
@@ -40,7 +41,7 @@ from disttrain.cli.flags import (
     prepare_run,
 )
 from disttrain.config import Config
-from disttrain.core.errors import ConfigError, DisttrainError, error_lines
+from disttrain.core.errors import ConfigError, DisttrainError, Preempted, error_lines
 from disttrain.core.logs import setup_logging
 from disttrain.core.process_spec import FLAGS
 from disttrain.metrics.summary import RunSummary
@@ -68,11 +69,44 @@ heartbeat age, restarts, step and throughput, during the run or after it.
         --outer-momentum 0.9
     disttrain ddp --world-size 8 --nnodes 2 --rdzv-endpoint node0:29400 --config ddp.yaml \
         --coordinator node0:50050
+    disttrain ddp --ddp-recovery live --world-size 2:3 --rdzv-endpoint node0:29400 --config ddp.yaml
+    disttrain ddp --ddp-recovery live --world-size 2:3 --rdzv-endpoint node0:29400 --config ddp.yaml --join
     torchrun --standalone --nproc-per-node 2 -m disttrain.torchrun --config ddp.yaml"""
+
+WORLD_SIZE_KEY = CONFIG_PREFIX + "system.num_workers"
+MAX_WORLD_SIZE_KEY = CONFIG_PREFIX + "ddp.max_world_size"
+
+
+def world_size_arg(text: str) -> int | tuple[int, int]:
+    """`--world-size`: N, or MIN:MAX (an elastic run; its range is checked in `prepare`)."""
+    low, colon, high = text.partition(":")
+    try:
+        return (int(low), int(high)) if colon else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX (e.g. 4, or 2:4)") from None
+
+
+def split_world_size(args: argparse.Namespace) -> None:
+    """`--world-size MIN:MAX` as its keys: system.num_workers MIN, ddp.max_world_size MAX.
+
+    Raises:
+        ConfigError: MIN < 1 or MIN > MAX.
+    """
+    value = getattr(args, WORLD_SIZE_KEY, None)
+    if not isinstance(value, tuple):
+        return
+    low, high = value
+    if low < 1 or low > high:
+        raise ConfigError(f"--world-size {low}:{high}: MIN must be at least 1 and at most MAX (e.g. 2:4)")
+    setattr(args, WORLD_SIZE_KEY, low)
+    setattr(args, MAX_WORLD_SIZE_KEY, high)
+
 
 # flag -> (config key, type, help): the DDP knobs on top of the common training flags.
 DDP_FLAGS = {
-    "--world-size": ("system.num_workers", int, "ranks in all, over every node"),
+    "--world-size": ("system.num_workers", world_size_arg, "ranks in all, over every node; MIN:MAX (live "
+                     "recovery): an elastic run that starts MIN ranks, takes ranks started with --join up to "
+                     "MAX (ddp.max_world_size) and trains while at least MIN remain"),
     "--backend": ("ddp.backend", str, "auto (NCCL when every rank has a GPU, else gloo), gloo or nccl"),
     "--max-restarts": ("ddp.max_restarts", int, "restarts of the rank group in a row without "
                        "progress (a new checkpoint; live: a step past the rank's furthest), each from "
@@ -92,6 +126,8 @@ DDP_FLAGS = {
     "--nnodes": ("ddp.num_nodes", int, "nodes taking part (each runs this command)"),
     "--rdzv-endpoint": ("ddp.rdzv_endpoint", str, "HOST:PORT of the rendezvous for several nodes"),
     "--rdzv-id": ("ddp.rdzv_id", str, "run id every node of one run shares"),
+    "--join": ("ddp.join", bool, "add one rank to the running elastic run whose live store is at "
+               "--rdzv-endpoint (give the run's --world-size MIN:MAX and settings)"),
     **balance_flags("rank"),
     **COMPRESSION_FLAGS,
     **LOCAL_UPDATE_FLAGS,
@@ -113,7 +149,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def prepare(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> tuple[Config, RunOptions]:
     """The run's config and options, checked (a ConfigError otherwise); warns about keys
     the run ignores; refuses to report to a coordinator on another machine without the
-    run's token or client certificates (unless --insecure)."""
+    run's token or client certificates (unless --insecure); `--world-size MIN:MAX` is
+    split into its keys first (`split_world_size`)."""
+    split_world_size(args)
     config, options = prepare_run(args, "ddp", env)
     if config.coordinator.address:
         check_exposure(args, config.coordinator.address, "--coordinator",
@@ -159,8 +197,14 @@ def check(args: argparse.Namespace) -> str:
 
 def describe_recovery(config: Config) -> str:
     """" (live recovery: ...)" when ranks recover live; empty for torch's restart."""
-    if config.ddp.recovery != "live":
+    ddp = config.ddp
+    if ddp.recovery != "live":
         return ""
+    if ddp.join:
+        return f" (live recovery: one rank joins the elastic run at {ddp.rdzv_endpoint})"
+    if ddp.max_world_size:
+        return (f" (live recovery, elastic: {config.system.num_workers} to {ddp.max_world_size} ranks, "
+                "--join adds one, a SIGTERMed rank leaves)")
     return " (live recovery: the survivors train on, a restarted rank rejoins)"
 
 
@@ -270,6 +314,9 @@ def live_rank_main(argv: list[str], env: Mapping[str, str]) -> int:
                                     options, progress)
         if summary is not None and args.summary_json:
             summary.write(args.summary_json)
+    except Preempted as e:  # SIGTERMed: a planned leave, not an error (the launcher does not restart it)
+        print(f"rank {args.rank}: {e}", file=sys.stderr)
+        return e.exit_code
     except DisttrainError as e:
         report_error(e)  # the launcher's supervisor: a user's error is not restarted
         for line in error_lines(e):

@@ -393,12 +393,24 @@ class DDPConfig:
     # group re-formed among themselves, and the restarted rank joins them at a step boundary
     # (see strategies/ddp/live).
     recovery: str = field(default="restart", metadata=_choice(DDP_RECOVERIES))
+    # An elastic live run (`--world-size MIN:MAX`): system.num_workers is MIN (the ranks
+    # started, the fewest it trains with, and the scale of the global batch); ranks started
+    # by hand (`join`) take places up to this. 0: the run's size is fixed.
+    max_world_size: int = field(default=0, metadata=NON_NEGATIVE)
+    # This launcher adds one rank to the running elastic run whose store is at rdzv_endpoint.
+    join: bool = False
 
     def cross_problems(self, name: Callable[[str], str]) -> list[str]:
         problems = _address_problems(name("rdzv_endpoint"), self.rdzv_endpoint, "node0.example.com:29400")
         if self.num_nodes > 1 and not self.rdzv_endpoint:
             problems.append(f"{name('rdzv_endpoint')}: ddp.num_nodes is {self.num_nodes}, so every "
                             "node needs the HOST:PORT of the rendezvous (pass --rdzv-endpoint)")
+        if self.max_world_size and self.recovery != "live":
+            problems.append(f"{name('max_world_size')}: a run that grows and shrinks (--world-size MIN:MAX) "
+                            "needs ddp.recovery: live (pass --ddp-recovery live)")
+        if self.join and not (self.max_world_size and self.rdzv_endpoint):
+            problems.append(f"{name('join')}: joining a running run needs its range and its store: pass "
+                            "--world-size MIN:MAX and --rdzv-endpoint HOST:PORT as its launcher logged them")
         return problems
 
 
@@ -438,6 +450,10 @@ class Config:
         if self.system.balance_batches and self.system.balance == "none":
             return [f"{name('system.balance_batches')}: a fixed plan needs system.balance: proportional "
                     "(or auto)"]
+        if self.ddp.max_world_size and self.ddp.max_world_size < self.system.num_workers:
+            return [f"{name('ddp.max_world_size')}: {self.ddp.max_world_size} is less than "
+                    f"system.num_workers ({self.system.num_workers}), the run's minimum; give "
+                    "--world-size MIN:MAX with MIN <= MAX"]
         if self.ps.backup_workers >= self.system.num_workers:
             return [f"{name('ps.backup_workers')}: {self.ps.backup_workers} must be less than "
                     f"system.num_workers ({self.system.num_workers})"]

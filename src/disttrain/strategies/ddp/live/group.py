@@ -16,6 +16,10 @@ The launcher hosts a TCP store that outlives every rank. Through it the ranks:
   broadcasts it, the members then form g+1 with the joiners, and the leader admits them.
   When every member of the newest generation has died, the waiting ranks fix the next
   one themselves (`restart`), and it goes on from the run's newest checkpoint.
+- let a member go: at each step boundary the members gather the leader's ticket count
+  and whether each was SIGTERMed (`pending_changes`); the members that stay form g+1
+  without the leavers (and with any joiners), offered by the lowest of them, while the
+  leavers drop the group and exit. Nobody waits for a death to be detected.
 
 Each generation's process group lives under its own prefix (`gen<g>/pg`), so a new group
 never reads a dead one's addresses.
@@ -37,6 +41,8 @@ from torch.distributed import distributed_c10d
 from disttrain.core.errors import DistributedError
 from disttrain.strategies.ddp.live.forming import WatchedStore, attempt_key, deaths_key
 from disttrain.strategies.ddp.live.membership import (
+    Change,
+    after_leave,
     format_members,
     group_rank,
     next_members,
@@ -154,6 +160,7 @@ class LiveGroup:
         self.members: tuple[int, ...] = ()
         self.attempts: dict[int, int] = {}  # each member's attempt, in this generation
         self._left: list[dist.ProcessGroup] = []  # groups of past generations not yet freed
+        self.leave_requested = False  # SIGTERMed: leave at the next step boundary (set by a handler)
 
     @property
     def rank(self) -> int:
@@ -258,16 +265,47 @@ class LiveGroup:
         dist.broadcast(count, src=0)
         return max(int(count.item()), admitted)
 
+    def pending_changes(self, admitted: int, leaving: bool, wait_s: float = 0.0) -> Change:
+        """What changes at this step boundary (a collective: every member gets the same):
+        the join tickets taken so far as the leader read them, and the slots that leave
+        (each member says whether it was SIGTERMed).
+
+        Args:
+            admitted: the tickets taken care of.
+            leaving: this member leaves at this boundary.
+            wait_s: the leader first waits up to this long for a new ticket (a group below
+                its minimum waiting for arrivals; the others wait in the collective).
+        """
+        if self.is_leader and wait_s > 0:
+            deadline = self.clock() + wait_s
+            while self.store.add(JOINS_KEY, 0) <= admitted and self.clock() < deadline:
+                time.sleep(POLL_S)
+        mine = torch.tensor([self.store.add(JOINS_KEY, 0) if self.is_leader else 0, int(leaving)],
+                            dtype=torch.int64)
+        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine)
+        leavers = tuple(slot for slot, said in zip(sorted(self.members), gathered, strict=True) if said[1])
+        return Change(max(int(gathered[0][0]), admitted), leavers)
+
     def grow(self, admitted: int, tickets: int) -> tuple[int, tuple[int, ...]] | None:
-        """The next generation with the joiners of tickets `admitted+1 .. tickets`: the
-        leader offers it (compare-and-set) and admits them; the others read it. None when
-        the leader went silent before offering it (the caller then re-forms as after a
-        failure) or the list leaves this process out."""
+        """`change` with joiners only."""
+        return self.change(admitted, tickets)
+
+    def change(self, admitted: int, tickets: int, leavers: tuple[int, ...] = ()
+               ) -> tuple[int, tuple[int, ...]] | None:
+        """The next generation: the members that stay (all but `leavers`, who leave at this
+        boundary and must not call this) with the joiners of tickets `admitted+1 ..
+        tickets`. The lowest member that stays offers it (compare-and-set) and admits the
+        joiners; the others read it. None when that member went silent before offering it
+        (the caller then re-forms as after a failure) or the list leaves this process out."""
         self.leave()
         generation = self.generation + 1
         key = members_key(generation)
-        if self.is_leader:
-            attempts = dict(self.attempts)
+        staying = after_leave(self.members, leavers)
+        assert self.slot in staying, "a member that leaves does not form the next generation"
+        leader = staying[0]
+        if self.slot == leader:
+            attempts = {slot: attempt for slot, attempt in self.attempts.items() if slot in staying}
             for n in range(admitted + 1, tickets + 1):
                 joiner = int(self.store.get(ticket_key(n)).decode())
                 attempts[joiner] = int(self.store.get(ticket_attempt_key(n)).decode())
@@ -276,7 +314,6 @@ class LiveGroup:
             self.store.compare_set(key, "", format_members(attempts))
             for n in range(admitted + 1, tickets + 1):
                 self.store.set(admit_key(n), str(generation))
-        leader = self.members[0]
         while not self.store.check([key]):
             if self.clock() - self._last_seen((leader,)).get(leader, float("-inf")) >= self.stale_s:
                 return None
@@ -289,6 +326,10 @@ class LiveGroup:
         member of the newest generation has died, by the waiting ranks themselves
         (`restart`): (generation, members), or None when the run ended meanwhile.
 
+        A SIGTERM meanwhile (`leave_requested`) returns None too: the process leaves (were
+        its ticket admitted meanwhile, the launcher marks its exit, and the forming group
+        goes on without it, see `forming`).
+
         Raises:
             DistributedError: not admitted within the timeout.
         """
@@ -299,7 +340,7 @@ class LiveGroup:
         deadline = self.clock() + self.timeout_s
         admitted = admit_key(ticket)
         while not self.store.check([admitted]):
-            if self.store.check([DONE_KEY]):
+            if self.store.check([DONE_KEY]) or self.leave_requested:
                 return None
             self._restart_if_gone()
             if self.store.check([admitted]):

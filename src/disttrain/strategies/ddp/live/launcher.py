@@ -18,15 +18,27 @@ endpoint's address hosts it (node 0, slots 0..k-1), the others reach it and take
 next node numbers in the order they come. Each launcher restarts its own ranks and marks
 their deaths in the shared store; the host keeps the store up until every node's ranks
 have ended. The last leader's node writes the summary.
+
+An elastic run (`--world-size MIN:MAX`, `ddp.max_world_size`) starts MIN ranks and counts
+its places in the store (`open_places`). A launcher started with `--join` reaches that
+store at `--rdzv-endpoint`, takes a place (up to MAX) and a new slot (`claim_arrival`),
+and runs that one rank, which joins the group at a step boundary. A rank that exits with
+143 left the group on SIGTERM (`rank`): it is not started again, its restart budget is
+untouched, and its place is free. A SIGTERM to an arrival's launcher is passed to its
+rank (a leave); one to the host launcher stops the run as before (its ranks die with it;
+`--resume` goes on from the newest checkpoint).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -37,14 +49,21 @@ import torch.distributed as dist
 from disttrain.config import Config
 from disttrain.coordinator.supervisor import Managed, Supervisor
 from disttrain.core.auth import TOKEN_ENV
-from disttrain.core.errors import CheckpointStoreError, ConfigError, DistributedError, store_failure
+from disttrain.core.errors import (
+    CheckpointStoreError,
+    ConfigError,
+    DistributedError,
+    Preempted,
+    store_failure,
+)
 from disttrain.core.identity import node_token
 from disttrain.core.process_spec import RANK_ENTRY, ProcessSpec
-from disttrain.core.processes import Cluster, thread_count
+from disttrain.core.processes import Cluster, sigterm_handled_by, thread_count
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
-from disttrain.strategies.ddp.coordination import run_coordinator
+from disttrain.strategies.ddp.coordination import RunCoordinator, run_coordinator
 from disttrain.strategies.ddp.heartbeats import node_id
-from disttrain.strategies.ddp.live.group import mark_dead
+from disttrain.strategies.ddp.live.group import DONE_KEY, mark_dead
+from disttrain.strategies.ddp.live.membership import arrival_slot, format_members, may_arrive
 from disttrain.training.options import RunOptions
 
 logger = logging.getLogger(__name__)
@@ -54,6 +73,10 @@ STORE_HOST = "127.0.0.1"
 NODES_KEY = "launcher/nodes"  # nodes other than the store's host count themselves in here
 NODE_DONE_PREFIX = "launcher/done/"  # + node number: that node's ranks have all ended
 EVENT_WAIT_S = 1.0
+PLACES_KEY = "elastic/places"  # places taken in an elastic run (members, restarting or joining ranks)
+ARRIVALS_KEY = "elastic/arrivals"  # ranks started by hand so far (their slots: `arrival_slot`)
+RANGE_KEY = "elastic/range"  # MIN:MAX, as the host launcher was started
+ARRIVAL_WAIT_S = 30.0  # how long an arrival waits for the host to publish the range
 
 
 def live_problems(config: Config) -> list[str]:
@@ -92,6 +115,7 @@ class RankProcesses:
     pids: dict[int, list[int]] = field(default_factory=dict)
     started_at: dict[int, list[float]] = field(default_factory=dict)
     deaths: list[tuple[float, int]] = field(default_factory=list)  # (when, slot)
+    left: list[int] = field(default_factory=list)  # slots SIGTERMed that left the group
 
     def started(self, slot: int, pid: int) -> None:
         self.pids.setdefault(slot, []).append(pid)
@@ -148,24 +172,33 @@ def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary | 
     problems = live_problems(config)
     if problems:
         raise ConfigError("; ".join(problems))
-    preflight(config, options.resume)
+    joining = config.ddp.join
+    preflight(config, options.resume or joining)  # an arrival leaves the run's checkpoints alone
     world_size, log_dir = config.system.num_workers, Path(config.system.log_dir)
     store, store_at, node = node_store(config)
-    per_node = world_size // config.ddp.num_nodes
-    slots = range(node * per_node, (node + 1) * per_node)
+    if joining:
+        slot = claim_arrival(store, config)
+        slots = range(slot, slot + 1)
+    else:
+        per_node = world_size // config.ddp.num_nodes
+        slots = range(node * per_node, (node + 1) * per_node)
+        if config.ddp.max_world_size and node == 0:
+            open_places(store, config, store_at)
     processes = RankProcesses()
     with tempfile.TemporaryDirectory(prefix="disttrain-ddp-live-") as folder:
         config_path, summary_path = Path(folder) / "config.yaml", Path(folder) / SUMMARY_FILE
         config.save(config_path)
-        with run_coordinator(config, config_path, options.token, options.tls,
-                             options.faults) as coordinator:
+        with arrival_coordinator(config) if joining else run_coordinator(
+                config, config_path, options.token, options.tls, options.faults) as coordinator:
             coordinator.config.save(config_path)
             env = {LIVE_STORE_ENV: store_at,
-                   "OMP_NUM_THREADS": str(thread_count(config.system.num_threads, per_node))}
-            logger.info("starting rank(s) %d-%d of %d with live recovery (store %s), up to %d restart(s) "
-                        "each", slots[0], slots[-1], world_size, store_at, config.ddp.max_restarts)
+                   "OMP_NUM_THREADS": str(thread_count(config.system.num_threads, len(slots)))}
+            logger.info("starting rank(s) %d-%d of %s with live recovery (store %s), up to %d restart(s) "
+                        "each", slots[0], slots[-1], f"{world_size}-{config.ddp.max_world_size}"
+                        if config.ddp.max_world_size else world_size, store_at, config.ddp.max_restarts)
             try:
-                with Cluster(log_dir, env=env, env_of=rank_tokens(coordinator.token)) as cluster:
+                with Cluster(log_dir, env=env, env_of=rank_tokens(coordinator.token)) as cluster, \
+                        sigterm_handled_by(leave_on_sigterm(cluster) if joining else None):
                     supervise(cluster, config, options, (config_path, summary_path), processes, store, slots)
             except (ConfigError, CheckpointStoreError, DistributedError) as e:
                 coordinator.stopped(str(e).splitlines()[0])
@@ -174,17 +207,102 @@ def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary | 
                 nodes_done(store, node, config.ddp.num_nodes, config.ddp.timeout_s)
             coordinator.finished()
         if not summary_path.is_file():
-            if config.ddp.num_nodes > 1:
-                logger.info("the run's last leader ran on another node; its summary is in that node's "
-                            "log dir")
-                return None
-            raise DistributedError("the ranks finished but the last leader wrote no summary; see "
-                                   f"{log_dir}/rank*.log")
+            return without_summary(config, store, processes, log_dir)
         summary = RunSummary.read(summary_path)
     summary.extra.update(processes.summary_fields(summary.extra.get("live_recoveries", [])))
     summary.total_time_s = time.perf_counter() - started
     summary.write(log_dir)
     return summary
+
+
+def without_summary(config: Config, store: dist.Store, processes: RankProcesses, log_dir: Path) -> None:
+    """This launcher's ranks have ended and none wrote the summary: the run's last leader
+    ran under another launcher (another node, an arrival, or the host when this launcher
+    is an arrival), or every rank left.
+
+    Raises:
+        Preempted: every rank of this launcher left (SIGTERM) before the run ended.
+        DistributedError: the ranks finished but none wrote the summary.
+    """
+    if processes.left and not run_done(store):
+        raise Preempted(f"rank(s) {format_members(processes.left)} left (SIGTERM) before the run ended; "
+                        f"`--resume` goes on from the newest checkpoint in {config.system.checkpoint_dir}")
+    if config.ddp.num_nodes > 1 or config.ddp.join or processes.left:
+        logger.info("the run's last leader ran under another launcher; its summary is in that launcher's "
+                    "log dir")
+        return None
+    raise DistributedError("the ranks finished but the last leader wrote no summary; see "
+                           f"{log_dir}/rank*.log")
+
+
+def run_done(store: dist.Store) -> bool:
+    """Whether the run's last group finished (its ranks said so in the store)."""
+    try:
+        return store.check([DONE_KEY])
+    except (RuntimeError, dist.DistError):  # the store's host is gone: the run is over
+        return True
+
+
+def open_places(store: dist.Store, config: Config, store_at: str) -> None:
+    """An elastic run (`--world-size MIN:MAX`): count the run's first ranks as taken places
+    and publish the range, which an arrival checks against its own (`claim_arrival`)."""
+    store.add(PLACES_KEY, config.system.num_workers)
+    store.set(RANGE_KEY, f"{config.system.num_workers}:{config.ddp.max_world_size}")
+    logger.info("an elastic run of %d to %d ranks: add one with `disttrain ddp --ddp-recovery live "
+                "--world-size %d:%d --join --rdzv-endpoint %s` and the run's settings (a SIGTERM to a rank "
+                "makes it leave)", config.system.num_workers, config.ddp.max_world_size,
+                config.system.num_workers, config.ddp.max_world_size, store_at)
+
+
+def claim_arrival(store: dist.Store, config: Config) -> int:
+    """A place in the running elastic run for this launcher's one rank, and its slot
+    (`membership.arrival_slot`).
+
+    Raises:
+        ConfigError: the run's range is not this command's.
+        DistributedError: the run is not elastic, has ended, or is at its maximum.
+    """
+    endpoint, mine = config.ddp.rdzv_endpoint, f"{config.system.num_workers}:{config.ddp.max_world_size}"
+    try:
+        store.wait([RANGE_KEY], timedelta(seconds=min(config.ddp.timeout_s, ARRIVAL_WAIT_S)))
+    except (RuntimeError, dist.DistError) as e:
+        raise DistributedError(f"the live store at {endpoint} holds no elastic run (started with "
+                               "--world-size MIN:MAX); check --rdzv-endpoint") from e
+    theirs = store.get(RANGE_KEY).decode()
+    if theirs != mine:
+        raise ConfigError(f"--world-size {mine}: the run at {endpoint} was started with --world-size "
+                          f"{theirs}; pass --world-size {theirs}")
+    if store.check([DONE_KEY]):
+        raise DistributedError(f"the run at {endpoint} has ended; nothing to join")
+    places = int(store.add(PLACES_KEY, 1))
+    if not may_arrive(places, config.ddp.max_world_size):
+        store.add(PLACES_KEY, -1)
+        raise DistributedError(f"the run at {endpoint} has its maximum of {config.ddp.max_world_size} ranks "
+                               "(--world-size MIN:MAX); start this one when a rank has left")
+    slot = arrival_slot(config.system.num_workers, int(store.add(ARRIVALS_KEY, 1)))
+    logger.info("joining the run at %s as slot %d (place %d of at most %d)", endpoint, slot, places,
+                config.ddp.max_world_size)
+    return slot
+
+
+@contextmanager
+def arrival_coordinator(config: Config) -> Iterator[RunCoordinator]:
+    """An arrival's coordinator: the run's (`--coordinator`), else none (one of its own
+    would watch this rank alone, and take the run's registry in a shared log dir)."""
+    if not config.coordinator.address:
+        logger.info("no coordinator watches this arrival; pass the run's --coordinator HOST:PORT to see it "
+                    "in `disttrain status`")
+    yield RunCoordinator(config, ())
+
+
+def leave_on_sigterm(cluster: Cluster) -> Callable[[int, Any], None]:
+    """An arrival's launcher SIGTERMed (a scheduler taking its machine back): each of its
+    ranks is SIGTERMed too, so it leaves the group at a step boundary; the launcher ends
+    when they have."""
+    def handler(signum: int, frame: Any) -> None:
+        for child in cluster.alive():
+            os.kill(child.process.pid, signal.SIGTERM)
+    return handler
 
 
 def rank_tokens(secret: str | None) -> Callable[[ProcessSpec], dict[str, str]]:
@@ -198,20 +316,23 @@ def rank_tokens(secret: str | None) -> Callable[[ProcessSpec], dict[str, str]]:
 
 def node_store(config: Config) -> tuple[dist.TCPStore, str, int]:
     """The store the ranks agree through, its HOST:PORT as the ranks reach it, and this
-    node's number. One node: a store of this launcher on loopback. Several: the store at
+    node's number. One node: a store of this launcher on loopback (an elastic run given
+    `ddp.rdzv_endpoint`: there, for arrivals from other machines). Several: the store at
     `ddp.rdzv_endpoint`, hosted by the launcher of the machine that has its address (node
-    0), reached by the others (nodes 1, 2, ... in the order they come).
+    0), reached by the others (nodes 1, 2, ... in the order they come). An arrival
+    (`ddp.join`) reaches the run's store there (node -1).
 
     Raises:
         DistributedError: the store could not be hosted or reached within `ddp.timeout_s`.
     """
     timeout = timedelta(seconds=config.ddp.timeout_s)
-    if config.ddp.num_nodes == 1:
+    ddp = config.ddp
+    if ddp.num_nodes == 1 and not ddp.join and not (ddp.max_world_size and ddp.rdzv_endpoint):
         store = hosted_store(STORE_HOST, 0, timeout)
         return store, f"{STORE_HOST}:{store.port}", 0
     endpoint = config.ddp.rdzv_endpoint
     host, port = store_address(endpoint)
-    address = local_address(host)
+    address = None if ddp.join else local_address(host)  # an arrival reaches the run's store
     try:
         store = hosted_store(address, port, timeout) if address else \
             dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
@@ -220,6 +341,8 @@ def node_store(config: Config) -> tuple[dist.TCPStore, str, int]:
         raise DistributedError(f"could not {what} ddp.rdzv_endpoint {endpoint} within {timeout.seconds}s "
                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); start the "
                                f"node that has that address, and check the port is free there") from e
+    if ddp.join:
+        return store, endpoint, -1  # not a node of the run's first ones
     node = 0 if address else int(store.add(NODES_KEY, 1))
     if node >= config.ddp.num_nodes:
         raise DistributedError(f"node {node + 1} came to the live store at {endpoint}, but ddp.num_nodes is "
@@ -304,11 +427,26 @@ def supervise(cluster: Cluster, config: Config, options: RunOptions, paths: tupl
         if code == CheckpointStoreError.exit_code:  # a restart would fail the same way
             child = cluster.children[event.child]
             raise store_failure(f"rank {slot}", child.tail(20), child.log_path)
+        if code == Preempted.exit_code:  # SIGTERMed, it left: not restarted, no budget spent
+            left(store, slot)
+            processes.left.append(slot)
+            supervisor.processes[event.child].finished = True
+            logger.info("rank %d left the run (SIGTERM); it is not started again", slot)
+            continue
         if code != 0:
             mark_dead(store, slot)
             processes.deaths.append((time.time(), slot))
         if supervisor.exited(event.child, code):
             processes.started(slot, cluster.children[event.child].process.pid)
+        elif supervisor.processes[event.child].given_up:
+            store.add(PLACES_KEY, -1)  # its place is free for an arrival
+
+
+def left(store: dist.Store, slot: int) -> None:
+    """`slot`'s process left the group: a generation forming with it (it was admitted as it
+    left) stops waiting for it, as for a death (`group.mark_dead`), and its place is free."""
+    mark_dead(store, slot)
+    store.add(PLACES_KEY, -1)
 
 
 def store_address(value: str) -> tuple[str, int]:

@@ -8,6 +8,11 @@ started with, 0 to N-1, each kept by one process at a time); a member's rank in 
 group is its place among the sorted members, so the lowest slot leads. Nothing here
 touches a store, a socket or a clock: the I/O shell (`group`) reads them and passes
 them in, so tests step time by hand.
+
+An elastic run (`--world-size MIN:MAX`) adds: the slots of ranks started by hand
+(`arrival_slot`), the places up to MAX (`may_arrive`), the members that stay when some
+leave at a step boundary (`Change`, `after_leave`), the minimum (`below_minimum`), and
+the line and the list of sizes a change of size leaves (`size_change`, `world_sizes`).
 """
 
 from __future__ import annotations
@@ -158,3 +163,81 @@ def restart_tickets(tickets: Iterable[Ticket], admitted: Collection[int],
         newest[ticket.slot] = ticket
     return tuple(ticket for ticket in sorted(newest.values(), key=lambda t: t.number)
                  if ticket.number not in admitted and not is_dead(ticket.attempt, deaths.get(ticket.slot, 0)))
+
+
+# Elastic runs (`--world-size MIN:MAX`): ranks arrive by hand and leave on SIGTERM.
+
+
+def arrival_slot(num_workers: int, arrival: int) -> int:
+    """The slot of the `arrival`-th rank (from 1) started by hand into a running elastic
+    run: the slots after the run's first `num_workers`, one per arrival, never reused (a
+    slot's death count tells its processes apart, see `forming`).
+
+    Raises:
+        ValueError: `arrival` is not 1 or more.
+    """
+    if arrival < 1:
+        raise ValueError(f"arrivals are counted from 1, not {arrival}")
+    return num_workers + arrival - 1
+
+
+def may_arrive(places: int, max_world_size: int) -> bool:
+    """Whether a rank arriving by hand may take a place: `places` counts the run's places
+    with it (members, ranks restarting or waiting to join; a place is given back when its
+    rank leaves or is given up)."""
+    return places <= max_world_size
+
+
+@dataclass(frozen=True)
+class Change:
+    """What a step boundary changes in a generation, as every member agreed on it: the
+    join tickets taken so far (the leader's count) and the slots leaving (SIGTERMed)."""
+
+    tickets: int
+    leavers: tuple[int, ...] = ()
+
+    def changes(self, admitted: int) -> bool:
+        """Whether the group must change (joiners wait, or members leave)."""
+        return self.tickets > admitted or bool(self.leavers)
+
+
+def after_leave(members: Sequence[int], leavers: Iterable[int]) -> tuple[int, ...]:
+    """The members that stay when `leavers` leave at a step boundary (empty: every member
+    left, the run is preempted)."""
+    gone = set(leavers)
+    return tuple(sorted(slot for slot in members if slot not in gone))
+
+
+def below_minimum(world_size: int, min_world_size: int) -> bool:
+    """Whether a group of `world_size` must wait for arrivals before training (an elastic
+    run trains while at least its minimum remain; `min_world_size` 0: no minimum)."""
+    return world_size < min_world_size
+
+
+def size_change(before: Sequence[int], after: Sequence[int], shares: Sequence[int]) -> str:
+    """One line saying what a change of group did: `2 -> 3 ranks (slot 2 joined): the
+    global batch of 32 split 11,11,10`.
+
+    Args:
+        before, after: the members of the two generations.
+        shares: each member's piece of the global batch in the new generation (rank order).
+    """
+    joined = sorted(set(after) - set(before))
+    left = sorted(set(before) - set(after))
+    what = [f"slot{'s' if len(joined) > 1 else ''} {format_members(joined)} joined"] if joined else []
+    what += [f"slot{'s' if len(left) > 1 else ''} {format_members(left)} left"] if left else []
+    why = f" ({', '.join(what)})" if what else ""
+    return (f"{len(before)} -> {len(after)} ranks{why}: the global batch of {sum(shares)} split "
+            f"{','.join(str(share) for share in shares)}")
+
+
+def world_sizes(first: int, recoveries: Iterable[Mapping[str, object]]) -> list[int]:
+    """The sizes a run trained at, in order (a change that kept the size is not repeated):
+    its first generation's, then each recovery's members'."""
+    sizes = [first]
+    for recovery in recoveries:
+        members = recovery["members"]
+        assert isinstance(members, Collection)
+        if len(members) != sizes[-1]:
+            sizes.append(len(members))
+    return sizes

@@ -13,6 +13,11 @@ the last one the final model and the summary; with `--resume`, slot 0 starts fro
 newest checkpoint and its first generation hands that state to the others. A generation
 in which nobody holds state (every holder died: the ranks waiting to join started it,
 see `restart`) does the same: its leader reads the newest checkpoint and hands it over.
+
+In an elastic run (`--world-size MIN:MAX`) a rank started by hand (a slot past the run's
+first ones) joins like a restarted rank; a SIGTERM sets a flag, and at the next step
+boundary the member leaves (`_leave`, exit code 143) while the others form the next
+generation without it; a group below MIN waits at a step boundary for a rank to join.
 """
 
 from __future__ import annotations
@@ -28,9 +33,9 @@ import torch.distributed as dist
 from disttrain.config import Config
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
-from disttrain.core.errors import ConfigError, DistributedError
+from disttrain.core.errors import ConfigError, DistributedError, Preempted
 from disttrain.core.faults import FaultInjector
-from disttrain.core.processes import ProgressReport
+from disttrain.core.processes import ProgressReport, sigterm_handled_by
 from disttrain.data import LANGUAGE_MODEL, describe_dataset
 from disttrain.metrics.logger import MetricsLogger
 from disttrain.metrics.summary import RunSummary
@@ -39,7 +44,16 @@ from disttrain.strategies.ddp.heartbeats import LoopProgress
 from disttrain.strategies.ddp.live.checkpoints import LiveCheckpoints, load_resume_state
 from disttrain.strategies.ddp.live.forming import is_member_lost
 from disttrain.strategies.ddp.live.group import Beats, LiveGroup, connect
-from disttrain.strategies.ddp.live.membership import Holding, choose_source
+from disttrain.strategies.ddp.live.membership import (
+    Change,
+    Holding,
+    after_leave,
+    below_minimum,
+    choose_source,
+    format_members,
+    size_change,
+    world_sizes,
+)
 from disttrain.strategies.ddp.live.state import share_state
 from disttrain.strategies.ddp.live.trainer import LiveTrainer
 from disttrain.strategies.ddp.runtime import is_peer_loss
@@ -50,6 +64,7 @@ logger = logging.getLogger(__name__)
 
 FINAL_MODEL = "ddp_final.pt"
 TIMEOUT_SIGNS = ("Timed out", "timed out", "Timeout", "timeout")
+MINIMUM_POLL_S = 1.0  # a group below its minimum looks for arrivals this often (a collective each)
 
 
 def is_lost_peer(error: BaseException) -> bool:
@@ -90,6 +105,9 @@ class LiveRank:
         self.metrics: MetricsLogger | None = None
         self.task = describe_dataset(config.training).task  # a language model logs perplexity
         self.pending: dict[str, Any] | None = None  # the recovery being made, recorded once synced
+        # An elastic run (`--world-size MIN:MAX`) trains while at least MIN remain.
+        self.min_world_size = config.system.num_workers if config.ddp.max_world_size else 0
+        self.last_members: tuple[int, ...] = ()  # the generation trained before this one
 
     def run(self) -> RunSummary | None:
         """Train to the end with whoever is alive; the last leader returns the summary.
@@ -98,7 +116,7 @@ class LiveRank:
             DistributedError: joining timed out.
         """
         try:
-            if self.attempt == 0:
+            if self.attempt == 0 and self.slot < self.config.system.num_workers:
                 generation, members = 0, tuple(range(self.config.system.num_workers))
                 if self.resume:  # slot 0 reads the checkpoint; the others take it from slot 0
                     self._resume()
@@ -114,16 +132,18 @@ class LiveRank:
                     self.beats.start()  # a member now: its peers watch its beats
                     self._sync()
                     admitted = self.trainer.progress.admitted
-                    tickets = self._train()
-                    if tickets is None:
+                    change = self._train()
+                    if change is None:
                         return self._finish()
-                    self.pending = {"kind": "grow", "failed_at": time.time()}
+                    if self.slot in change.leavers:
+                        self._leave(change.leavers)  # raises Preempted
+                    self.pending = {"kind": "leave" if change.leavers else "grow", "failed_at": time.time()}
                     self.trainer.detach()
-                    grown = self.group.grow(admitted, tickets)
+                    grown = self.group.change(admitted, change.tickets, change.leavers)
                     if grown is not None:
                         generation, members = grown
                         continue
-                    lost = "the group's leader was lost while taking a rank back"
+                    lost = "the group's leader was lost while changing the group"
                 except (RuntimeError, dist.DistError) as e:
                     if not is_lost_peer(e):
                         raise
@@ -171,8 +191,44 @@ class LiveRank:
         self.trainer.progress.admitted = self.group.admitted_so_far()
 
     def _join(self) -> tuple[int, tuple[int, ...]] | None:
+        """Ask to join the running group (None: the run ended meanwhile).
+
+        Raises:
+            Preempted: SIGTERMed while waiting: this process leaves before it joined.
+        """
         self.pending = {"kind": "grow", "failed_at": time.time()}
-        return self.group.request_join()
+        joined = self.group.request_join()
+        if joined is None and self.group.leave_requested:
+            raise Preempted(f"slot {self.slot} left (SIGTERM) before it joined the group; the others "
+                            "train on without it")
+        return joined
+
+    def request_leave(self) -> None:
+        """SIGTERM: leave the group at the next step boundary (a signal handler: sets a
+        flag only)."""
+        self.group.leave_requested = True
+
+    def _leave(self, leavers: tuple[int, ...]) -> None:
+        """This member leaves at this step boundary (SIGTERMed): it drops the group and its
+        process ends; the others form the next generation without it. When every member
+        leaves, the leader first writes a checkpoint of this step, for `--resume`.
+
+        Raises:
+            Preempted: always (exit code 143: the launcher does not start it again).
+        """
+        group, p = self.group, self.trainer.progress
+        everyone = set(leavers) >= set(group.members)
+        if everyone and group.is_leader:
+            self.checkpoints.save(p.step, self.trainer.state_dict())
+        self.checkpoints.close()  # a checkpoint under way is complete before the process ends
+        group.leave()
+        if everyone:
+            raise Preempted(f"slot {self.slot}: every member left the group at step {p.step} (SIGTERM); "
+                            f"--resume goes on from the checkpoint of that step in "
+                            f"{self.config.system.checkpoint_dir}")
+        logger.info("slot %d leaves the group at step %d (SIGTERM): a planned leave; %s train on", self.slot,
+                    p.step, format_members(after_leave(group.members, leavers)))
+        raise Preempted(f"slot {self.slot} left the group at step {p.step} (SIGTERM); the others train on")
 
     def _recover(self, reason: str) -> tuple[int, tuple[int, ...]] | None:
         detected = time.time()
@@ -220,6 +276,11 @@ class LiveRank:
         logger.info("generation %d trains from step %d (epoch %d, batch %d) on %d rank(s)",
                     group.generation, trainer.progress.step, trainer.progress.epoch,
                     trainer.progress.index, group.world_size)
+        if self.last_members and len(self.last_members) != group.world_size and group.is_leader:
+            assert trainer.sampler is not None
+            shares = trainer.sampler.shares
+            logger.info("world size %s", size_change(self.last_members, group.members, shares))
+        self.last_members = group.members
 
     def _recovery(self, pending: dict[str, Any]) -> dict[str, Any]:
         """One recovery as the summary lists it (wall-clock times; the launcher adds when the
@@ -228,8 +289,9 @@ class LiveRank:
                 "members": list(self.group.members), "failed_at": pending["failed_at"],
                 "resumed_at": time.time(), "step": self.trainer.progress.step}
 
-    def _train(self) -> int | None:
-        """Train this generation until the run ends (None) or joiners wait (their tickets).
+    def _train(self) -> Change | None:
+        """Train this generation until the run ends (None), or joiners wait or members leave
+        (what changes: `_boundary`).
 
         The records are the shared loop's (`training.loop`): a window's figures every
         `training.log_interval` steps, and each epoch's evaluation."""
@@ -243,11 +305,11 @@ class LiveRank:
                 joins_wait_s = 0.0
                 if trainer.at_round_boundary:  # with local updates, joiners come between rounds
                     started = time.perf_counter()
-                    tickets = group.pending_joins(p.admitted)
+                    change = self._boundary()
                     joins_wait_s = time.perf_counter() - started  # mostly waiting for the slowest member
-                    if tickets > p.admitted:  # every member sees the same count: all go to grow
-                        p.admitted = tickets
-                        return tickets
+                    if change.changes(p.admitted):  # every member sees the same: all change the group
+                        p.admitted = change.tickets
+                        return change
                 result = trainer.step()
                 window.add(result.loss, result.num_correct, result.num_samples, result.scalars)
                 self._report()
@@ -272,6 +334,30 @@ class LiveRank:
             self._log(window_record(window, trainer.train_time_s(), trainer.samples_trained))
         return None
 
+    def _boundary(self) -> Change:
+        """What changes at this step boundary (a collective). A group of an elastic run
+        below its minimum (`--world-size MIN:MAX`) trains nothing until a rank joins (a
+        restarted one, or one started by hand), within `ddp.timeout_s`.
+
+        Raises:
+            DistributedError: nobody joined within `ddp.timeout_s`.
+        """
+        group, p = self.group, self.trainer.progress
+        change = group.pending_changes(p.admitted, group.leave_requested)
+        deadline = None
+        while not change.changes(p.admitted) and below_minimum(group.world_size, self.min_world_size):
+            if deadline is None:
+                deadline = time.monotonic() + group.timeout_s
+                logger.warning("generation %d has %d rank(s), below the run's minimum of %d: it waits for a "
+                               "rank to join before training on", group.generation, group.world_size,
+                               self.min_world_size)
+            elif time.monotonic() > deadline:
+                raise DistributedError(f"the group has {group.world_size} rank(s), below the minimum of "
+                                       f"{self.min_world_size} (--world-size MIN:MAX), and none joined "
+                                       f"within {group.timeout_s:g}s (ddp.timeout_s); start one with --join")
+            change = group.pending_changes(p.admitted, group.leave_requested, wait_s=MINIMUM_POLL_S)
+        return change
+
     def _log(self, scalars: dict[str, float], epoch: int | None = None) -> None:
         p = self.trainer.progress
         assert self.metrics is not None
@@ -287,9 +373,9 @@ class LiveRank:
     def _finish(self) -> RunSummary | None:
         """The run is over: every member's process id, then the leader writes the results."""
         group, trainer = self.group, self.trainer
-        pids = torch.zeros(self.config.system.num_workers, dtype=torch.int64)
-        pids[self.slot] = os.getpid()
-        dist.all_reduce(pids)
+        mine = torch.tensor([self.slot, os.getpid()], dtype=torch.int64)
+        pids = [torch.zeros_like(mine) for _ in range(group.world_size)]
+        dist.all_gather(pids, mine)
         trained = torch.tensor([trainer.samples_trained, trainer.samples_redone], dtype=torch.int64)
         dist.all_reduce(trained)
         if group.is_leader:
@@ -301,7 +387,7 @@ class LiveRank:
         self.heartbeat_progress.position.train_time_s = trainer.train_time_s()
         if not group.is_leader:
             return None
-        return self._summary({str(slot): int(pid) for slot, pid in enumerate(pids.tolist()) if pid},
+        return self._summary({str(int(slot)): int(pid) for slot, pid in (t.tolist() for t in pids)},
                              *(int(n) for n in trained.tolist()))
 
     def _summary(self, pids: dict[str, int], samples_trained: int, samples_redone: int) -> RunSummary:
@@ -321,7 +407,16 @@ class LiveRank:
                    "samples_applied_twice": twice, "samples_redone": samples_redone,
                    "samples_trained": samples_trained,
                    "final_pids": pids, "live_recoveries": p.recoveries, **self._balance_fields(),
+                   "live_world_sizes": world_sizes(config.system.num_workers, p.recoveries),
+                   **self._elastic_fields(),
                    **({} if trainer.rounds is None else trainer.rounds.summary_fields())})
+
+    def _elastic_fields(self) -> dict[str, Any]:
+        """An elastic run's range: `min_world_size` and `max_world_size`."""
+        config = self.config
+        if not config.ddp.max_world_size:
+            return {}
+        return {"min_world_size": config.system.num_workers, "max_world_size": config.ddp.max_world_size}
 
     def _balance_fields(self) -> dict[str, Any]:
         """Under `system.balance`: `balance_plans` ([epoch, batch, batches] of every balanced
@@ -344,9 +439,13 @@ def run_live_rank(config: Config, slot: int, attempt: int, store_address: tuple[
     Raises:
         ConfigError: the state resumed from was written with another compression scheme.
         DistributedError: the run cannot go on (not admitted, or no member left to re-form).
+        Preempted: SIGTERMed, this rank left the group (exit code 143: not restarted).
     """
+    rank = LiveRank(config, slot, attempt, store_address, options, progress)
     try:
-        return LiveRank(config, slot, attempt, store_address, options, progress).run()
+        # SIGTERM to this rank is a planned leave at the next step boundary (`LiveRank._leave`).
+        with sigterm_handled_by(lambda signum, frame: rank.request_leave()):
+            return rank.run()
     except ConfigError:  # bad input (a checkpoint of another compression scheme): exit code 2
         raise
     except ValueError as e:  # next_members: nobody left to form the next generation

@@ -1,0 +1,159 @@
+"""An elastic live DDP run as a user drives it: `disttrain ddp --ddp-recovery live
+--world-size 2:3` starts 2 ranks; a second `disttrain ddp ... --join --rdzv-endpoint` (the
+store address the first launcher logged) adds a third, which joins at a step boundary
+with a live peer's state; then rank 1 is SIGTERMed and leaves at a step boundary, not
+restarted though restarts are allowed. A fourth rank, while the run is at its maximum, is
+refused before anything starts. The summary says the sizes the run trained at
+(2, 3, 2), and the ledger shows every global batch of every epoch applied exactly once.
+
+Pacing without sleeps: the test holds the group (SIGSTOP to rank 0) until the arrival has
+taken its join ticket, so the join cannot come after the run's end however slowly the
+arrival starts; every other wait is on a log line, with a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from disttrain.config import TrainingConfig
+from disttrain.data import load_datasets
+
+MIN, MAX, BATCH, EPOCHS = 2, 3, 16, 6
+ARGS = ["--ddp-recovery", "live", "--world-size", f"{MIN}:{MAX}", "--dataset", "digits",
+        "--num-epochs", EPOCHS, "--batch-size", BATCH, "--seed", 1, "--timeout-s", 120,
+        "--num-threads", 1, "--max-restarts", 2,
+        "--set", "training.model_architecture=mlp", "--set", "training.learning_rate=0.003",
+        "--set", "coordinator.heartbeat_interval=0.2", "--set", "coordinator.heartbeat_timeout=2"]
+JOIN_LINE = re.compile(r"--join --rdzv-endpoint (\S+)`")
+WAIT_S = 150.0
+POLL_S = 0.05  # how often a log is read again while waiting for a line
+
+
+def samples_per_epoch() -> int:
+    """The samples of an epoch's whole global batches (the global batch is MIN's)."""
+    train_set, _ = load_datasets(TrainingConfig(dataset="digits"))
+    global_batch = BATCH * MIN
+    return len(train_set) // global_batch * global_batch
+
+
+def start(args: list, output: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with output.open("w") as sink:
+        return subprocess.Popen([sys.executable, "-m", "disttrain", "ddp", *map(str, args)], stdout=sink,
+                                stderr=subprocess.STDOUT, env=env)
+
+
+def wait_for(path: Path, pattern: str | re.Pattern, *processes: subprocess.Popen) -> re.Match:
+    """The first match of `pattern` in the file at `path`, once written; fails at the
+    deadline, or when one of `processes` ends first."""
+    deadline = time.monotonic() + WAIT_S
+    pattern = re.compile(pattern) if isinstance(pattern, str) else pattern
+    while time.monotonic() < deadline:
+        found = pattern.search(path.read_text(errors="replace")) if path.exists() else None
+        if found:
+            return found
+        ended = [p for p in processes if p.poll() is not None]
+        assert not ended, f"{ended[0].args} ended ({ended[0].returncode}) before {pattern.pattern!r} " \
+                          f"in {path}"
+        time.sleep(POLL_S)
+    pytest.fail(f"no {pattern.pattern!r} in {path} within {WAIT_S:.0f}s")
+
+
+def rank_pid(launcher: subprocess.Popen, slot: int) -> int:
+    """The process id of `launcher`'s rank `slot` (a child running the rank entry point)."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            if (parent == launcher.pid and b"disttrain.torchrun" in argv
+                    and argv[argv.index(b"--rank") + 1] == str(slot).encode()):
+                return int(entry.name)
+        assert launcher.poll() is None, f"the launcher ended ({launcher.returncode}) before rank {slot}"
+        time.sleep(POLL_S)
+    pytest.fail(f"rank {slot} of {launcher.args} did not start within {WAIT_S:.0f}s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_live_run_grows_with_a_rank_started_by_hand_and_shrinks_when_one_is_sigtermed(cli, tmp_path):
+    host_logs, arrival_logs = tmp_path / "logs", tmp_path / "arrival-logs"
+    host_out, arrival_out = tmp_path / "host.out", tmp_path / "arrival.out"
+    shared = ["--checkpoint-dir", tmp_path / "ckpt"]
+    host = start([*ARGS, *shared, "--log-dir", host_logs], host_out)
+    arrival = None
+    try:
+        endpoint = wait_for(host_out, JOIN_LINE, host).group(1)
+        wait_for(host_logs / "rank0.log", "generation 0 trains from step 0", host)
+        leader = rank_pid(host, 0)
+        os.kill(leader, signal.SIGSTOP)  # the group waits in its next all-reduce
+        try:
+            joining = ["--join", "--rdzv-endpoint", endpoint]
+            arrival = start([*ARGS, *shared, "--log-dir", arrival_logs, *joining], arrival_out)
+            wait_for(arrival_out, "joining the run at .* as slot 2", arrival, host)
+            wait_for(arrival_logs / "rank2.log", r"slot 2 asks to join the running group \(ticket 1\)",
+                     arrival)
+        finally:
+            os.kill(leader, signal.SIGCONT)
+        grown = wait_for(host_logs / "rank0.log", r"world size 2 -> 3 ranks \(slot 2 joined\): the global "
+                         r"batch of 32 split (\S+)", host, arrival)
+        assert grown.group(1) == "11,11,10"
+
+        # A fourth rank finds the run at its maximum: refused in one line, nothing started
+        # (the group held meanwhile, so it is still at 3).
+        os.kill(leader, signal.SIGSTOP)
+        try:
+            refused = cli("ddp", *ARGS, *shared, "--log-dir", tmp_path / "refused-logs", *joining,
+                              timeout=WAIT_S)
+        finally:
+            os.kill(leader, signal.SIGCONT)
+        assert refused.returncode == 1, refused.stderr[-3000:]
+        assert refused.stderr.strip().splitlines()[-1] == (
+            f"error: the run at {endpoint} has its maximum of 3 ranks (--world-size MIN:MAX); start this "
+            "one when a rank has left")
+        assert not list((tmp_path / "refused-logs").glob("rank*.log"))
+
+        leaver = rank_pid(host, 1)
+        os.kill(leaver, signal.SIGTERM)
+        shrunk = wait_for(host_logs / "rank0.log", r"world size 3 -> 2 ranks \(slot 1 left\): the global "
+                          r"batch of 32 split (\S+)", host, arrival)
+        assert shrunk.group(1) == "16,16"
+        assert host.wait(timeout=WAIT_S) == 0, host_out.read_text()[-3000:]
+        assert arrival.wait(timeout=WAIT_S) == 0, arrival_out.read_text()[-3000:]
+    finally:
+        for process in (host, arrival):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+
+    summary = json.loads((host_logs / "summary.json").read_text())
+    assert summary["live_world_sizes"] == [2, 3, 2]
+    assert (summary["min_world_size"], summary["max_world_size"]) == (MIN, MAX)
+    assert [r["kind"] for r in summary["live_recoveries"]] == ["grow", "leave"]
+    assert [r["members"] for r in summary["live_recoveries"]] == [[0, 1, 2], [0, 2]]
+    # The leaver was not started again (restarts were allowed): one process, and it is
+    # not among the last group's.
+    assert summary["rank_pids"]["1"] == [leaver] and set(summary["final_pids"]) == {"0", "2"}
+    assert summary["final_pids"]["0"] == leader and summary["rank_pids"]["0"] == [leader]
+    assert "left the group at step" in (host_logs / "rank1.log").read_text()
+    assert "rank 1 left the run (SIGTERM); it is not started again" in host_out.read_text()
+    # Every global batch of every epoch applied exactly once, across the three sizes.
+    assert summary["samples_applied"] == EPOCHS * samples_per_epoch()
+    assert (summary["samples_lost"], summary["samples_applied_twice"]) == (0, 0)
+    assert summary["steps"] * BATCH * MIN == summary["samples_applied"]
+    assert summary["final_accuracy"] > 0.8

@@ -1,0 +1,90 @@
+"""The pure rules of an elastic live run (`--world-size MIN:MAX`): the slots of ranks
+started by hand, the places up to MAX, who stays when members leave, the minimum, the
+line each size change logs and the sizes the summary lists; and the config's refusals of
+a bad range."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from disttrain.config import Config
+from disttrain.config.loading import config_from_dict
+from disttrain.core.errors import ConfigError
+from disttrain.strategies.ddp.live.membership import (
+    Change,
+    after_leave,
+    arrival_slot,
+    below_minimum,
+    may_arrive,
+    size_change,
+    split_batch,
+    world_sizes,
+)
+
+
+def test_arrivals_take_the_slots_after_the_runs_first_ones_never_reused():
+    assert [arrival_slot(2, n) for n in (1, 2, 3)] == [2, 3, 4]
+    with pytest.raises(ValueError, match="from 1"):
+        arrival_slot(2, 0)
+
+
+def test_an_arrival_takes_a_place_up_to_the_maximum():
+    assert may_arrive(3, 3) and not may_arrive(4, 3)
+
+
+@given(members=st.sets(st.integers(0, 9), min_size=1, max_size=6), data=st.data())
+def test_those_who_stay_are_the_members_but_the_leavers_sorted(members, data):
+    leavers = data.draw(st.sets(st.sampled_from(sorted(members))))
+    staying = after_leave(tuple(members), leavers)
+    assert staying == tuple(sorted(members - leavers))
+    assert not set(staying) & leavers
+
+
+def test_every_member_leaving_leaves_nobody():
+    assert after_leave((0, 2), (2, 0)) == ()
+
+
+def test_a_change_is_a_new_ticket_or_a_leaver():
+    assert not Change(3).changes(3)
+    assert Change(4).changes(3)
+    assert Change(3, (1,)).changes(3)
+
+
+def test_below_the_minimum_only_when_one_is_set():
+    assert below_minimum(1, 2) and not below_minimum(2, 2) and not below_minimum(1, 0)
+
+
+def test_a_size_change_says_who_came_or_went_and_the_split_of_the_kept_global_batch():
+    assert size_change((0, 1), (0, 1, 2), split_batch(32, 3)) == \
+        "2 -> 3 ranks (slot 2 joined): the global batch of 32 split 11,11,10"
+    assert size_change((0, 1, 2), (0, 2), split_batch(32, 2)) == \
+        "3 -> 2 ranks (slot 1 left): the global batch of 32 split 16,16"
+    assert size_change((0, 1, 2), (0, 3), (16, 16)) == \
+        "3 -> 2 ranks (slot 3 joined, slots 1,2 left): the global batch of 32 split 16,16"
+
+
+def test_the_sizes_a_run_trained_at_without_repeats():
+    recoveries = [{"members": [0, 1, 2]}, {"members": [0, 2]}, {"members": [0, 1]}, {"members": [0]}]
+    assert world_sizes(2, recoveries) == [2, 3, 2, 1]
+    assert world_sizes(3, []) == [3]
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"ddp": {"max_world_size": 3}}, "ddp.max_world_size: a run that grows and shrinks"),
+    ({"ddp": {"recovery": "live", "max_world_size": 1}, "system": {"num_workers": 2}},
+     "ddp.max_world_size: 1 is less than system.num_workers (2)"),
+    ({"ddp": {"recovery": "live", "join": True}}, "ddp.join: joining a running run needs"),
+    ({"ddp": {"recovery": "live", "join": True, "max_world_size": 3}},
+     "ddp.join: joining a running run needs"),
+])
+def test_a_bad_range_is_refused_naming_the_key(values, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        config_from_dict(values)
+
+
+def test_a_good_range_is_taken():
+    config = config_from_dict({"ddp": {"recovery": "live", "max_world_size": 3},
+                               "system": {"num_workers": 2}})
+    assert isinstance(config, Config) and config.ddp.max_world_size == 3
