@@ -28,10 +28,11 @@ import torch
 from disttrain.config import TrainingConfig
 from disttrain.core import object_store
 from disttrain.core.errors import ConfigError, DataError
-from disttrain.data import image_folder, plugins, shards, sources, store_cache, text, vision
+from disttrain.data import image_folder, plugins, shards, sources, store_cache, text, user_shards, vision
 from disttrain.data.batching import Collate, pad_collate
 from disttrain.data.description import DatasetDescription
 from disttrain.data.mapped import SUBSET_SEED, BatchedDataset, MappedDataset, subset_indices
+from disttrain.data.shard_reader import ReaderLimits
 
 # Per-channel (mean, std) of the training images scaled to [0, 1].
 NORMALISATION = {
@@ -211,7 +212,7 @@ def describe_dataset(training: TrainingConfig) -> DatasetDescription:
         return shards.describe_shards(training)
     if name.startswith(vision.PREFIX):
         return _torchvision(training)[2]
-    return _plugin(name, _args_key(training.dataset_args))[2]
+    return _plugin(name, _args_key(training.dataset_args), shards.limits_of(training))[2]
 
 
 def _torchvision(training: TrainingConfig) -> tuple[MappedDataset, MappedDataset, DatasetDescription]:
@@ -224,9 +225,11 @@ def _args_key(args: Any) -> str:
 
 
 @functools.cache
-def _plugin(spec: str, args_json: str) -> tuple[MappedDataset, MappedDataset, DatasetDescription]:
+def _plugin(spec: str, args_json: str, limits: ReaderLimits
+            ) -> tuple[MappedDataset, MappedDataset, DatasetDescription]:
     """Call a user's data-set factory with `training.dataset_args` and check what it returns.
-    Cached: a process asks for the description (to build the model) and then the data."""
+    Cached: a process asks for the description (to build the model) and then the data. A
+    split that lists its shards (`data.user_shards`) is read by them, within `limits`."""
     key = "training.dataset"
     factory = plugins.load_factory(spec, key, plugins.DATASET_GROUP)
     returned = plugins.call_factory(factory, spec, key, **json.loads(args_json))
@@ -238,7 +241,12 @@ def _plugin(spec: str, args_json: str) -> tuple[MappedDataset, MappedDataset, Da
         description = DatasetDescription.coerce(raw, f"{key}: {spec}")
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    splits = []
     for split, data in (("train", train), ("test", test)):
+        if user_shards.lists_shards(data):
+            data = user_shards.UserShards(f"{spec}'s {split} set", data, limits)
+        user_shards.refuse_plain_iterable(data, f"{spec}'s {split} set")
+        splits.append(data)
         if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
             raise ConfigError(f"{key}: {spec}'s {split} set is a {type(data).__name__}, not a map-style "
                               "data set (it needs __len__ and __getitem__)")
@@ -249,7 +257,7 @@ def _plugin(spec: str, args_json: str) -> tuple[MappedDataset, MappedDataset, Da
             raise ConfigError(f"{key}: {spec}'s {split}[0] is a {type(item).__name__}; each item must "
                               "be a pair (input, target) or a mapping of fields (the targets under "
                               "training.target_key)")
-    return (MappedDataset(spec, train, description), MappedDataset(spec, test, description),
+    return (MappedDataset(spec, splits[0], description), MappedDataset(spec, splits[1], description),
             description)
 
 
@@ -274,7 +282,7 @@ def load_datasets(training: TrainingConfig) -> tuple[BatchedDataset, BatchedData
     elif name.startswith(vision.PREFIX):
         train, test, _ = _torchvision(training)
     elif not is_builtin(name):
-        train, test, _ = _plugin(name, _args_key(training.dataset_args))
+        train, test, _ = _plugin(name, _args_key(training.dataset_args), shards.limits_of(training))
     else:
         train, test = _load_builtin(training)
     train, test = train.subset(training.max_train_samples), test.subset(training.max_test_samples)
@@ -300,6 +308,23 @@ def _image_folder_spec(training: TrainingConfig) -> str:
     if not object_store.is_url(location):
         return training.dataset
     return image_folder.PREFIX + str(store_cache.local_folder(location, training.data_dir, training.download))
+
+
+def shard_layout(training: TrainingConfig) -> shards.ShardLayout | None:
+    """What the training loop needs of `training.dataset` when it is read by shards
+    (`shards:DIR`, or a user's data set that lists its shards, whole: a
+    `max_train_samples` subset of it is a plain one); None for any other data set."""
+    name = training.dataset
+    if name.startswith(shards.PREFIX):
+        return shards.shard_layout(training)
+    if is_builtin(name) or name == SYNTHETIC_TEXT or name.startswith(
+            (text.PREFIX, image_folder.PREFIX, vision.PREFIX, SYNTHETIC_PREFIX)):
+        return None
+    train = load_datasets(training)[0]
+    data = getattr(train, "dataset", None)
+    if not isinstance(data, user_shards.UserShards) or train.indices is not None:
+        return None
+    return shards.ShardLayout(data.shard_sizes, data.read_ahead)
 
 
 def collate_function(training: TrainingConfig) -> Collate | None:

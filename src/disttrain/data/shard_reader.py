@@ -32,6 +32,7 @@ import concurrent.futures
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,9 +75,10 @@ class ShardReader:
     URL), read lazily within `limits`. Thread-safe; picklable (a copy starts empty)."""
 
     def __init__(self, location: str, files: list[str], fields: tuple[str, ...], data_dir: str,
-                 download: bool, limits: ReaderLimits):
+                 download: bool, limits: ReaderLimits, read: Callable[[int], Any] | None = None):
         self.location, self.files, self.fields = location, list(files), tuple(fields)
         self.data_dir, self.download, self.limits = data_dir, download, limits
+        self.read = read  # a shard's contents by its number, in place of fetching and reading a .npz
         self._start()
 
     def _start(self) -> None:
@@ -93,7 +95,7 @@ class ShardReader:
 
     def __getstate__(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in ("location", "files", "fields", "data_dir", "download",
-                                                     "limits")}
+                                                     "limits", "read")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -182,10 +184,13 @@ class ShardReader:
         with self._lock:
             self._pinned.add(shard)
         try:
-            try:
-                arrays = self._read(self._local(shard), shard)
-            except FileNotFoundError:  # removed by another process's bound between fetch and read
-                arrays = self._read(self._local(shard), shard)
+            if self.read is not None:
+                arrays = self.read(shard)
+            else:
+                try:
+                    arrays = self._read(self._local(shard), shard)
+                except FileNotFoundError:  # removed by another process's bound between fetch and read
+                    arrays = self._read(self._local(shard), shard)
         except BaseException:
             with self._lock:
                 self._pinned.discard(shard)

@@ -27,7 +27,8 @@ from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import CheckpointError, Preempted
 from disttrain.core.faults import FaultInjector
 from disttrain.data import LANGUAGE_MODEL, PlannedSampler, ShardedSampler, describe_dataset
-from disttrain.data.shards import ShardLayout, shard_layout
+from disttrain.data.datasets import shard_layout
+from disttrain.data.shards import ShardLayout
 from disttrain.metrics.logger import MetricsLogger, read_metrics
 from disttrain.metrics.time_to_target import Evaluation, TimeToTarget, time_to_target
 from disttrain.metrics.window import MetricsWindow, TrainClock
