@@ -12,6 +12,7 @@ order the rank knows ahead (what the shard reader prefetches).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -39,9 +40,16 @@ def shard_permutation(shard_sizes: Sequence[int], seed: int, epoch: int) -> torc
     consecutive and in a random order of their own.
 
     Vectorised: every sample's key is (its shard's place, a random rank among all), so one
-    sort orders a corpus of millions of samples without a loop over shards.
+    sort orders a corpus of millions of samples without a loop over shards. The last few
+    orders are kept (a parameter-server worker asks for its epoch's at every block); each
+    call gets its own copy.
     """
-    sizes = torch.as_tensor([int(n) for n in shard_sizes], dtype=torch.int64)
+    return _ordered(tuple(int(n) for n in shard_sizes), int(seed), int(epoch)).clone()
+
+
+@functools.lru_cache(maxsize=4)
+def _ordered(shard_sizes: tuple[int, ...], seed: int, epoch: int) -> torch.Tensor:
+    sizes = torch.as_tensor(shard_sizes, dtype=torch.int64)
     num_samples = int(sizes.sum())
     gen = torch.Generator().manual_seed(seed * EPOCH_STRIDE + epoch)
     place = torch.empty(len(sizes), dtype=torch.int64)
