@@ -32,3 +32,18 @@ def test_a_campaign_counts_outcomes_and_keeps_each_violation_with_its_schedule()
     (violation,) = summary["violations"]
     assert violation["seed"] == 2 and violation["schedule"][1].endswith("(from outside)")
     assert summary["references"]["ps-sync"] == {"accuracies": [0.95], "wall_s": 12.0}
+
+
+def test_preemptions_are_counted_apart_from_the_kills_from_outside():
+    preempted = result("ps-sync", 3, "finished", schedule=(
+        "at 2.0s: kill worker 1 (from outside)",
+        "preempt at step 40: SIGTERM to the launcher, resumed on 4 workers (from outside)",
+        "preempt at step 90: SIGTERM to worker 2, resumed on 4 workers (from outside)"))
+    preempted["preemptions_sent"] = ["preempt at step 40: SIGTERM to the launcher (pid 7) at step 42",
+                                     "preempt at step 90: SIGTERM to worker 2 (pid 9) at step 93"]
+    preempted["launches"] = [{"workers": 2, "exit_code": 143, "preempted": "..."},
+                             {"workers": 4, "exit_code": 0, "preempted": "..."}]
+    summary = summarize([preempted, result("ps-sync", 4, "finished")], {})
+    assert summary["faults"] == {"kill": 1, "kill from outside": 1, "preemption": 2}
+    assert summary["preemptions"] == {"drawn": 2, "sent": 2, "launches_stopped": 1, "ended_within_grace": 1,
+                                      "runs_resized": 1}

@@ -101,3 +101,51 @@ def test_a_worker_taken_over_that_never_finished_on_the_shards_is_no_violation(t
     assert invariants.check_ps_ledgers(PS, tmp_path, reassigned={1}) == []
     (problem,) = invariants.check_ps_ledgers(PS, tmp_path, reassigned={0})[:1]
     assert "workers [0] done of 2" in problem
+
+
+def test_a_resumed_run_is_checked_against_the_workers_of_its_last_launch_and_the_runs_last_step(tmp_path):
+    # a run of 2 workers resumed on 1: shard ledgers say worker 0 alone is done
+    for shard in range(PS.servers):
+        write_shard(tmp_path, shard, done=(0,))
+    assert invariants.check_ps_ledgers(PS, tmp_path, workers=1, end_step=PS.total_steps) == []
+    assert "workers [0] done of 2" in invariants.check_ps_ledgers(PS, tmp_path)[0]
+    for shard in range(PS.servers):
+        write_shard(tmp_path / "short", shard, sync_step=PS.total_steps - 11)
+    (problem,) = invariants.check_ps_ledgers(PS, tmp_path / "short", end_step=PS.total_steps)
+    assert f"ended at step {PS.total_steps - 11}, not at the run's last, {PS.total_steps}" in problem
+
+
+def test_a_model_one_bit_off_is_named_with_who_promised_it():
+    reference = {"model": {"w": torch.ones(4)}}
+    model = {"model": {"w": torch.ones(4)}}
+    assert invariants.check_identical(model, reference, "a sync run preempted and resumed") == []
+    model["model"]["w"][2] = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    (problem,) = invariants.check_identical(model, reference, "a sync run preempted and resumed")
+    assert "in 1 tensor(s) (w); a sync run preempted and resumed promises it bit-identical" in problem
+
+
+RESTART = scenario("ddp-restart")
+
+
+def write_ddp_end(folder, step=RESTART.total_steps, epoch=RESTART.epochs, position=0, world_size=4):
+    state = {"position": {"epoch": epoch, "step": step}, "sampler": {"epoch": epoch, "position": position},
+             "world_size": world_size}
+    save_checkpoint(folder, step, state)
+
+
+ALL = RESTART.epochs * RESTART.train_samples
+
+
+@pytest.mark.parametrize(("change", "samples", "said"), [
+    ({}, ALL, None),
+    ({"step": 175, "epoch": RESTART.epochs - 1, "position": 96}, None, "ended at step 175"),
+    ({"position": 32}, ALL, "a sampler at position 32"),
+    ({"world_size": 2}, ALL, "of 2 ranks, not 0 of 4"),
+    ({}, ALL - 32, "processed 5600 samples, not 5632"),
+])
+def test_a_ddp_run_resumed_on_another_size_must_end_at_the_runs_end_with_every_sample(
+        tmp_path, change, samples, said):
+    write_ddp_end(tmp_path, **change)
+    summary = {"samples_processed": samples} if samples is not None else {}
+    problems = invariants.check_ddp_end(RESTART, tmp_path, summary, world_size=4)
+    assert (problems == []) if said is None else any(said in p for p in problems), problems

@@ -2,16 +2,29 @@
 draws is one the run accepts (`check_faults`: every target exists, every step is inside
 the run, every attempt is brought about by an earlier fault of the plan); the patterns do
 what they say (a second kill between the restore and the next checkpoint, a fault on an
-epoch's last step); schedules survive their JSON."""
+epoch's last step); schedules survive their JSON. Preemptions: drawn only for preemptible
+scenarios, at increasing steps inside the run and after every other fault, to the
+launcher or a member of the launch they stop, resumed on a size that keeps the global
+batch (another size only where the scenario is resizable)."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from disttrain.chaos.runner import slowed_flags
 from disttrain.chaos.scenarios import SCENARIOS, scenario
-from disttrain.chaos.schedule import PATTERNS, Schedule, draw
-from disttrain.core.fault_spec import RunShape, check_faults
+from disttrain.chaos.schedule import (
+    LAUNCHER,
+    PATTERNS,
+    PREEMPTION_MARGIN_STEPS,
+    Preemption,
+    Schedule,
+    draw,
+    last_preemption_step,
+    worker_step,
+)
+from disttrain.core.fault_spec import RunShape, check_faults, parse_fault
 
 names = st.sampled_from(sorted(SCENARIOS))
 seeds = st.integers(0, 2**31)
@@ -33,7 +46,9 @@ def test_every_schedule_drawn_is_one_the_run_accepts(name, seed):
     s = scenario(name)
     schedule = draw(s, seed)
     check_faults(schedule.faults, shape(s))  # raises on a fault that could never fire
-    assert 1 <= len(schedule.patterns) <= 2 and set(schedule.patterns) <= set(PATTERNS)
+    others = [p for p in schedule.patterns if p != "preemption"]
+    assert len(others) <= 2 and set(others) <= set(PATTERNS)
+    assert others or schedule.patterns == ("preemption",)
     for timed in schedule.timed:
         assert timed.role in s.processes() and timed.index < s.processes()[timed.role]
 
@@ -96,3 +111,72 @@ def test_hostile_schedules_kill_from_outside_more_often_than_one_budget_allows()
     assert all(0 < gap <= 6.0 for gap in gaps)
     assert any(max(sum(1 for t in d.timed if (t.role, t.index) == (u.role, u.index)) for u in d.timed)
                > s.max_restarts for d in schedules)
+
+
+@settings(max_examples=300, deadline=None)
+@given(names, seeds)
+def test_drawn_preemptions_fall_inside_the_run_after_every_fault_on_sizes_that_keep_the_batch(name, seed):
+    s = scenario(name)
+    schedule = draw(s, seed)
+    assert bool(schedule.preemptions) == ("preemption" in schedule.patterns)
+    if not s.preemptible:
+        assert not schedule.preemptions
+        return
+    if schedule.patterns == ("preemption",):
+        assert not schedule.faults and not schedule.timed
+    size, step = s.workers, max((worker_step(s, f) for f in schedule.faults), default=0)
+    for preemption in schedule.preemptions:
+        assert step + PREEMPTION_MARGIN_STEPS <= preemption.step <= last_preemption_step(s)
+        assert last_preemption_step(s) <= s.total_steps - PREEMPTION_MARGIN_STEPS
+        assert preemption.target in (LAUNCHER, s.member_role)
+        assert 0 <= preemption.index < size  # a member of the launch it stops
+        assert preemption.size in s.sizes()
+        assert (s.batch_size * s.workers) % preemption.size == 0 and s.train_samples % preemption.size == 0
+        step, size = preemption.step, preemption.size
+    if not s.resizable:
+        assert {p.size for p in schedule.preemptions} <= {s.workers}
+
+
+def test_sizes_keep_the_global_batch_only_where_the_scenario_resizes():
+    assert scenario("ps-sync").sizes() == (1, 2, 4) and scenario("ddp-restart").sizes() == (1, 2, 4)
+    assert scenario("ps-async").sizes() == (2,) and scenario("ddp-live").sizes() == (2,)
+
+
+def test_preemptions_are_drawn_in_proportion_alone_and_after_other_faults_with_joins_and_leaves():
+    for name in ("ps-sync", "ddp-restart"):
+        s = scenario(name)
+        schedules = [draw(s, seed) for seed in range(400)]
+        preempted = [d for d in schedules if d.preemptions]
+        assert 0.2 * len(schedules) < len(preempted) < 0.4 * len(schedules)
+        assert any(d.patterns == ("preemption",) for d in preempted)
+        assert any(len(d.patterns) > 1 and d.faults for d in preempted)
+        preemptions = [p for d in preempted for p in d.preemptions]
+        assert {p.target for p in preemptions} == {LAUNCHER, s.member_role}
+        assert {p.size for p in preemptions} == set(s.sizes())
+        assert any(len(d.preemptions) == 2 for d in preempted)
+    assert not any(draw(scenario("ddp-live"), seed).preemptions for seed in range(200))
+
+
+def test_a_preemption_reads_as_what_it_sends_and_survives_json():
+    schedule = Schedule("ddp-restart", 7, ("preemption",),
+                        preemptions=(Preemption(30, "rank", 1, 4), Preemption(90, LAUNCHER, 0, 1)))
+    assert schedule.lines() == [
+        "preempt at step 30: SIGTERM to rank 1, resumed on 4 ranks (from outside)",
+        "preempt at step 90: SIGTERM to the launcher, resumed on 1 rank (from outside)"]
+    assert Schedule.from_dict(schedule.to_dict()) == schedule
+    old = {k: v for k, v in schedule.to_dict().items() if k != "preemptions"}  # a result saved before them
+    assert Schedule.from_dict(old).preemptions == ()
+
+
+@settings(max_examples=200, deadline=None)
+@given(seeds)
+def test_a_preempted_ddp_run_isslowed_flags_on_every_start_its_faults_bring_about_and_accepts_it(seed):
+    s = scenario("ddp-restart")
+    schedule = draw(s, seed)
+    slowed = [parse_fault(flag.removeprefix("--inject=")) for flag in slowed_flags(s, schedule.faults)]
+    assert {f.attempt for f in slowed} >= {0} and all(f.action == "slow" and f.index is None for f in slowed)
+    restarting = [f for f in schedule.faults if f.action in ("kill", "crash-checkpoint")
+                  or (f.action == "stop" and f.seconds > s.heartbeat_timeout_s)]
+    assert {f.attempt for f in slowed} == {0} | {f.attempt + 1 for f in restarting}
+    check_faults([*schedule.faults, *slowed], shape(s))  # the run accepts them all
+    assert slowed_flags(scenario("ps-sync"), schedule.faults) == []

@@ -14,8 +14,11 @@ the final model, the registry), not from what the processes say of themselves.
 - `schedule`: from a seed and a scenario, the faults (pure; printed and saved with every
   result, so any failure reproduces from its seed).
 - `invariants`: the checks on a finished or stopped run.
+- `outside`: the signals sent from outside: kills and hangs by the clock, and
+  preemptions (SIGTERM to the launcher or to one member once the run reaches a step).
 - `runner`: runs one schedule (the timed faults from outside, the step-triggered ones by
-  `--inject`), reaps, and checks.
+  `--inject`; a preempted run resumed with `--resume`, maybe on another number of
+  workers or ranks, as a chain of launches), reaps, and checks.
 
 `disttrain chaos` runs them; `make chaos` runs hundreds and writes the JSON.
 """

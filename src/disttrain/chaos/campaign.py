@@ -43,16 +43,25 @@ def run_campaign(scenarios: list[Scenario], first_seed: int, count: int, work_di
     return summary
 
 
+PREEMPTION_LINE = "preempt at step"  # how a schedule prints a preemption
+
+
 def summarize(results: list[dict[str, Any]], references: dict[str, Reference]) -> dict[str, Any]:
     """Counts (run, finished, stopped then resumed, violated), the slowdown against the
-    fault-free runs, the longest recovery, the patterns and faults drawn, every violation
-    with its schedule, and every result."""
+    fault-free runs, the longest recovery, the patterns and faults drawn, the preemptions
+    (drawn, sent, launches they stopped with exit 143, launches that ended within the
+    grace instead, runs resumed on another size), every violation with its schedule, and
+    every result."""
     outcomes = Counter(r["outcome"] for r in results)
     slowdowns = [r["slowdown"] for r in results if r["exit_code"] == 0]
     recoveries = [r["longest_recovery_s"] for r in results if r.get("longest_recovery_s")]
     lines = [line for r in results for line in r["schedule"]]
+    preemptions = [line for line in lines if line.startswith(PREEMPTION_LINE)]
     faults = Counter(line.split(":")[0] for line in lines if "from outside" not in line)
-    faults["kill from outside"] = sum(1 for line in lines if "from outside" in line)
+    faults["kill from outside"] = sum(1 for line in lines if "from outside" in line) - len(preemptions)
+    if preemptions:
+        faults["preemption"] = len(preemptions)
+    launches = [launch for r in results for launch in r.get("launches", [])]
     return {
         "schedules_run": len(results),
         "finished": outcomes["finished"],
@@ -64,6 +73,13 @@ def summarize(results: list[dict[str, Any]], references: dict[str, Reference]) -
         "by_scenario": {name: dict(Counter(r["outcome"] for r in results if r["scenario"] == name))
                         for name in dict.fromkeys(r["scenario"] for r in results)},
         "patterns": dict(Counter(p for r in results for p in r["patterns"])),
+        "preemptions": {"drawn": len(preemptions),
+                        "sent": sum(len(r.get("preemptions_sent", [])) for r in results),
+                        "launches_stopped": sum(1 for launch in launches
+                                                if launch["preempted"] and launch["exit_code"] == 143),
+                        "ended_within_grace": sum(1 for launch in launches
+                                                  if launch["preempted"] and launch["exit_code"] == 0),
+                        "runs_resized": sum(1 for r in results if _resized(r))},
         "faults": dict(faults),
         "references": {name: {"accuracies": ref.accuracies, "wall_s": round(ref.wall_s, 2)}
                        for name, ref in references.items()},
@@ -71,3 +87,8 @@ def summarize(results: list[dict[str, Any]], references: dict[str, Reference]) -
                         "schedule": r["schedule"]} for r in results if r["violations"]],
         "results": results,
     }
+
+
+def _resized(result: dict[str, Any]) -> bool:
+    """Whether a run's launches did not all have one number of workers (ranks)."""
+    return len({launch["workers"] for launch in result.get("launches", [])}) > 1

@@ -14,6 +14,11 @@ found, one line each (none: the invariant holds).
 - `check_ddp`: restart mode: the final model bit-identical to the fault-free run's;
   live mode: every global batch of every epoch applied once, by the ledger of the final
   checkpoint, and no rank restarted that no fault touched (survivors keep their processes).
+- `check_identical`: a final model bit-identical to the fault-free run's (restart mode; a
+  sync run only preempted and resumed on its own size).
+- `check_ddp_end`: a run resumed on another number of ranks ended where the run ends: its
+  newest checkpoint at the last step, past the last epoch, of the ranks it ended on, and
+  every sample of every epoch counted once.
 - `check_accuracy`: within 1 point of the fault-free run of the same seed (of the
   spread of several, for a mode whose runs differ by the order pushes arrive in).
 """
@@ -71,12 +76,16 @@ def reassigned_workers(log_dir: Path) -> set[int]:
             if e["kind"] == "reassigned" and e["node_id"] in ranks}
 
 
-def check_ps_ledgers(scenario: Scenario, checkpoint_dir: Path, reassigned: Iterable[int] = ()) -> list[str]:
+def check_ps_ledgers(scenario: Scenario, checkpoint_dir: Path, reassigned: Iterable[int] = (), *,
+                     workers: int | None = None, end_step: int | None = None) -> list[str]:
     """Every shard's newest checkpoint holds every sample once (see the module docstring).
     Every worker is done on every shard, but one `reassigned` (taken over while away) that
-    came back after the others ended, or never: its samples are in the counts all the same."""
+    came back after the others ended, or never: its samples are in the counts all the same.
+    `workers`: the workers of the run's last launch (a resumed run may have another
+    number); `end_step`: the step every shard of a sync run must have ended at."""
     problems, ledgers, steps = [], {}, {}
     taken_over = set(reassigned)
+    workers = scenario.workers if workers is None else workers
     for shard in range(scenario.servers):
         path, state, why = _newest(checkpoint_dir / f"server{shard}")
         if state is None:
@@ -89,8 +98,8 @@ def check_ps_ledgers(scenario: Scenario, checkpoint_dir: Path, reassigned: Itera
             problems.append(f"shard {shard} ({path.name}): {applied} samples applied, not "
                             f"{scenario.total_samples} (samples {kind})")
         done = set(rules["done"])
-        if done | taken_over != set(range(scenario.workers)):
-            problems.append(f"shard {shard}: workers {sorted(done)} done of {scenario.workers}")
+        if done | taken_over != set(range(workers)):
+            problems.append(f"shard {shard}: workers {sorted(done)} done of {workers}")
         ledgers[shard] = set(rules["ledger"]["blocks"])
         steps[shard] = int(rules.get("sync_step", 0))
     if ledgers and len({frozenset(blocks) for blocks in ledgers.values()}) > 1:
@@ -99,6 +108,8 @@ def check_ps_ledgers(scenario: Scenario, checkpoint_dir: Path, reassigned: Itera
         problems.append(f"the shards' ledgers differ: blocks missing by shard {missing}")
     if scenario.mode == "sync" and len(set(steps.values())) > 1:
         problems.append(f"the shards ended at different steps: {steps}")
+    elif scenario.mode == "sync" and end_step is not None and steps and set(steps.values()) != {end_step}:
+        problems.append(f"the shards ended at step {max(steps.values())}, not at the run's last, {end_step}")
     return problems
 
 
@@ -111,20 +122,56 @@ def check_final_model(scenario: Scenario, checkpoint_dir: Path) -> tuple[list[st
         return [f"the final model {path} cannot be read: {e}"], None
 
 
+def check_identical(model: dict[str, Any] | None, reference_model: dict[str, Any] | None,
+                    promise: str) -> list[str]:
+    """The final `model` bit-identical to the fault-free run's (`promise`: who promises it,
+    as the violation says); nothing to compare when either is missing (its own check says so)."""
+    if model is None or reference_model is None:
+        return []
+    different = [name for name, tensor in model["model"].items()
+                 if not torch.equal(tensor, reference_model["model"][name])]
+    if different:
+        return [f"the final model differs from the fault-free run's in {len(different)} "
+                f"tensor(s) ({', '.join(different[:3])}); {promise} promises it bit-identical"]
+    return []
+
+
 def check_ddp(scenario: Scenario, checkpoint_dir: Path, log_dir: Path, reference_model: dict | None,
-              restarted: Iterable[int]) -> list[str]:
+              restarted: Iterable[int], exact: bool | None = None) -> list[str]:
     """DDP's promise for its recovery mode (see the module docstring); `restarted`: the
-    ranks a fault may have restarted."""
+    ranks a fault may have restarted; `exact`: whether the final model must be the
+    fault-free run's (default: the scenario's; not across a change of the number of ranks)."""
     problems, model = check_final_model(scenario, checkpoint_dir)
-    if scenario.exact and model is not None and reference_model is not None:
-        different = [name for name, tensor in model["model"].items()
-                     if not torch.equal(tensor, reference_model["model"][name])]
-        if different:
-            problems.append(f"the final model differs from the fault-free run's in {len(different)} "
-                            f"tensor(s) ({', '.join(different[:3])}); restart mode promises it bit-identical")
+    if scenario.exact if exact is None else exact:
+        problems += check_identical(model, reference_model, "restart mode")
     if scenario.mode == "live":
         problems += _live_ledger(scenario, checkpoint_dir)
         problems += _survivors_kept(log_dir, set(restarted))
+    return problems
+
+
+def check_ddp_end(scenario: Scenario, checkpoint_dir: Path, summary: dict[str, Any] | None,
+                  world_size: int) -> list[str]:
+    """A DDP run that ended on `world_size` ranks (maybe not its first launch's) ended where
+    the run ends: its newest checkpoint at the last step and past the last epoch, its
+    sampler at the start of no further epoch, of `world_size` ranks; and its summary
+    counts every sample of every epoch once (the global batch is kept across a resize)."""
+    path, state, why = _newest(checkpoint_dir)
+    if state is None:
+        return [f"no checkpoint to read the run's end from: {why}"]
+    problems = []
+    position, sampler = state.get("position", {}), state.get("sampler", {})
+    if (position.get("step"), position.get("epoch")) != (scenario.total_steps, scenario.epochs):
+        problems.append(f"{path.name}: the run ended at step {position.get('step')} of epoch "
+                        f"{position.get('epoch')}, not step {scenario.total_steps} after epoch "
+                        f"{scenario.epochs}")
+    if sampler.get("position") != 0 or state.get("world_size") != world_size:
+        problems.append(f"{path.name}: a sampler at position {sampler.get('position')} of "
+                        f"{state.get('world_size')} ranks, not 0 of {world_size}")
+    samples, expected = (summary or {}).get("samples_processed"), scenario.epochs * scenario.train_samples
+    if samples != expected:
+        problems.append(f"the run processed {samples} samples, not {expected} ({scenario.epochs} epochs "
+                        f"of {scenario.train_samples})")
     return problems
 
 

@@ -2,10 +2,16 @@
 outside, wait for it within a bound, check that every process it started was reaped, and
 check the invariants; a run that stopped is resumed, fault-free, and must then finish.
 
-Every process of a run carries a tag in its environment (`TAG_ENV`, inherited by every
-child and grandchild), so the processes it left behind are found whatever started them.
-Timed faults find their target's pid in the coordinator's registry and send it only to a
-process that carries the run's tag.
+A schedule with preemptions runs as a chain of launches: each launch is sent its
+preemption (`outside.PreemptionSender`), must stop with exit code 143 and a last line
+naming `--resume`, and is resumed with `--resume` on the number of workers (ranks) the
+preemption drew; the invariants are checked once the chain has finished, over what every
+launch left on disk (the ledgers carry every launch's samples).
+
+Every process of a run carries a tag in its environment (`outside.TAG_ENV`, inherited by
+every child and grandchild), so the processes it left behind are found whatever started
+them. Timed faults find their target's pid in the coordinator's registry and send it only
+to a process that carries the launch's tag.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,17 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from disttrain.chaos import invariants
+from disttrain.chaos.outside import POLL_S, TAG_ENV, PreemptionSender, TimedFaults, tagged_pids
 from disttrain.chaos.scenarios import Scenario
-from disttrain.chaos.schedule import Schedule, TimedFault, restarts
-from disttrain.coordinator.registry import RegistryError, read_status
-from disttrain.core.fault_spec import format_fault
+from disttrain.chaos.schedule import Preemption, Schedule, TimedFault, restarts
+from disttrain.core.fault_spec import Fault, format_fault
 
 logger = logging.getLogger(__name__)
 
-TAG_ENV = "DISTTRAIN_CHAOS_RUN"
 TRAINING_SEED = 3  # every run of a scenario trains the same way; the schedule's seed draws its faults
 REAP_GRACE_S = 15.0
-POLL_S = 0.1
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Launch:
     last_line: str
     leftovers: list[int] = field(default_factory=list)  # pids of the run still alive after it ended
     faults_sent: list[str] = field(default_factory=list)
+    preempted: str | None = None  # the preemption sent to it (what, to which pid, at which step)
 
     @property
     def timed_out(self) -> bool:
@@ -63,92 +67,15 @@ class Reference:
     model: dict[str, Any] | None
 
 
-def tagged_pids(tag: str) -> list[int]:
-    """The live processes whose environment carries `tag` (zombies aside)."""
-    needle = f"{TAG_ENV}={tag}".encode() + b"\0"
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes() + b"\0" \
-                    and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                found.append(int(entry.name))
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-    return found
-
-
 def _last_line(path: Path) -> str:
     lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
     return lines[-1] if lines else ""
 
 
-class TimedFaults:
-    """Sends a schedule's timed faults to the processes of a run from a thread: the clock
-    starts once every worker (rank) of the run is alive in the registry."""
-
-    def __init__(self, scenario: Scenario, faults: tuple[TimedFault, ...], log_dir: Path, tag: str):
-        self.scenario, self.faults, self.log_dir, self.tag = scenario, faults, log_dir, tag
-        self.sent: list[str] = []
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="chaos-timed-faults", daemon=True)
-
-    def start(self) -> None:
-        if self.faults:
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._done.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def _nodes(self) -> list[dict[str, Any]]:
-        try:
-            return read_status(self.log_dir / "cluster.db").nodes
-        except RegistryError:
-            return []  # not there yet, or busy: the next poll
-
-    def _run(self) -> None:
-        trainers = {"worker", "rank"}
-        started = None
-        while started is None and not self._done.wait(POLL_S):
-            nodes = [n for n in self._nodes() if n["role"] in trainers]
-            if len(nodes) >= self.scenario.workers and all(n["state"] == "alive" for n in nodes):
-                started = time.monotonic()
-        for fault in self.faults:
-            if self._done.wait(max(0.0, started + fault.at_s - time.monotonic()) if started else 0.0) \
-                    or started is None:
-                return
-            self._send(fault)
-
-    def _send(self, fault: TimedFault) -> None:
-        node_id = f"{fault.role}{fault.index}"
-        node = next((n for n in self._nodes() if n["node_id"] == node_id), None)
-        pid = node["pid"] if node and node["state"] == "alive" else None
-        if not pid or pid not in tagged_pids(self.tag):
-            self.sent.append(f"{fault.describe()}: skipped, {node_id} not running")
-            return
-        try:
-            os.kill(pid, signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
-        except ProcessLookupError:
-            self.sent.append(f"{fault.describe()}: skipped, {node_id} ended")
-            return
-        self.sent.append(f"{fault.describe()}: sent to pid {pid}")
-        if fault.action == "stop":
-            threading.Timer(fault.seconds, lambda: _continue(pid)).start()
-
-
-def _continue(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGCONT)
-    except ProcessLookupError:
-        pass
-
-
 def launch(command: list[str], run_dir: Path, timeout_s: float, scenario: Scenario,
-           timed: tuple[TimedFault, ...] = ()) -> Launch:
-    """Run `command` (output in `run_dir`), sending `timed` faults; kill it past `timeout_s`."""
+           timed: tuple[TimedFault, ...] = (), preemption: Preemption | None = None) -> Launch:
+    """Run `command` (output in `run_dir`), sending `timed` faults and `preemption`; kill it
+    past `timeout_s`."""
     run_dir.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex
     env = {**os.environ, TAG_ENV: tag, "PYTHONUNBUFFERED": "1"}
@@ -158,7 +85,9 @@ def launch(command: list[str], run_dir: Path, timeout_s: float, scenario: Scenar
         process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
                                    start_new_session=True)
         sender = TimedFaults(scenario, timed, run_dir / "logs", tag)
+        preempter = PreemptionSender(preemption, process.pid, run_dir / "logs", tag)
         sender.start()
+        preempter.start()
         try:
             code: int | None = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -167,9 +96,10 @@ def launch(command: list[str], run_dir: Path, timeout_s: float, scenario: Scenar
             process.wait()
         finally:
             sender.stop()
+            preempter.stop()
     wall_s = time.monotonic() - started
     leftovers = _reap(tag)
-    return Launch(code, wall_s, _last_line(stderr), leftovers, sender.sent)
+    return Launch(code, wall_s, _last_line(stderr), leftovers, sender.sent, preempter.sent)
 
 
 def _reap(tag: str) -> list[int]:
@@ -233,28 +163,19 @@ def run_schedule(scenario: Scenario, schedule: Schedule, work_dir: Path, ref: Re
     broke an invariant or `keep`."""
     run_dir = work_dir / scenario.name / f"seed{schedule.seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    log_dir, checkpoint_dir = run_dir / "logs", run_dir / "ckpt"
-    command = scenario.command_line(log_dir, checkpoint_dir, TRAINING_SEED)
-    inject = [f"--inject={format_fault(f)}" for f in schedule.faults]
-    limit = bound_s(scenario, schedule, ref)
-    done = launch(command + inject, run_dir, limit, scenario, schedule.timed)
+    chain = _Chain(scenario, schedule, run_dir, ref)
+    first = chain.run()
     result: dict[str, Any] = {
         "scenario": scenario.name, "seed": schedule.seed, "patterns": list(schedule.patterns),
-        "schedule": schedule.lines(), "exit_code": done.code, "wall_s": round(done.wall_s, 2),
-        "slowdown": round(done.wall_s / ref.wall_s, 2), "last_line": done.last_line,
-        "timed_faults_sent": done.faults_sent, "resumed": False}
-    violations = _process_violations(done, limit)
-    if done.code is not None and done.code != 0 and not violations:
-        violations += invariants.check_exit(done.code, done.last_line, False)
-        if not violations:  # stopped with its reason: the command it names must finish the run
-            result["resumed"] = True
-            done = launch(command + ["--resume"], run_dir,
-                          bound_s(scenario, Schedule(scenario.name, 0, ()), ref), scenario)
-            violations += [f"resumed: {v}" for v in _process_violations(done, limit)]
-    summary = _summary(log_dir)
-    if done.code == 0:
-        violations += invariants.check_exit(0, done.last_line, summary is not None)
-        violations += _state_violations(scenario, schedule, run_dir, ref, summary)
+        "schedule": schedule.lines(), "exit_code": chain.last.code, "wall_s": round(chain.wall_s, 2),
+        "slowdown": round(chain.wall_s / ref.wall_s, 2), "last_line": chain.last.last_line,
+        "timed_faults_sent": first.faults_sent, "resumed": chain.resumed,
+        "preemptions_sent": chain.preemptions_sent, "launches": chain.launches}
+    violations = chain.violations
+    summary = _summary(run_dir / "logs")
+    if not violations and chain.last.code == 0:
+        violations += invariants.check_exit(0, chain.last.last_line, summary is not None)
+        violations += _state_violations(scenario, schedule, run_dir, ref, summary, chain.sizes)
     result.update(outcome=_outcome(result, violations), violations=violations,
                   accuracy=summary.get("final_accuracy") if summary else None,
                   num_failures=summary.get("num_failures") if summary else None,
@@ -262,6 +183,91 @@ def run_schedule(scenario: Scenario, schedule: Schedule, work_dir: Path, ref: Re
     if not violations and not keep:
         shutil.rmtree(run_dir, ignore_errors=True)
     return result
+
+
+PREEMPTED_EXIT = 143  # 128 + SIGTERM: what a preempted launcher exits with
+
+
+class _Chain:
+    """The launches of one schedule: the first with its faults; each one preempted (or
+    stopped with a reason) resumed with `--resume`, on the size its preemption drew."""
+
+    def __init__(self, scenario: Scenario, schedule: Schedule, run_dir: Path, ref: Reference):
+        self.scenario, self.schedule, self.run_dir, self.ref = scenario, schedule, run_dir, ref
+        self.sizes = [scenario.workers]  # the workers (ranks) of each launch
+        self.launches: list[dict[str, Any]] = []
+        self.violations: list[str] = []
+        self.preemptions_sent: list[str] = []
+        self.resumed = False  # stopped with a reason (not a preemption) and resumed
+        self.wall_s = 0.0
+        self.last: Launch
+
+    def run(self) -> Launch:
+        """Run the launches until one finishes or breaks an invariant; the first launch."""
+        scenario, schedule = self.scenario, self.schedule
+        pending = list(schedule.preemptions)
+        inject = [f"--inject={format_fault(f)}" for f in schedule.faults]
+        timed, resume, first = schedule.timed, False, None
+        for number in range(len(pending) + 2):  # each preemption, a stop with a reason, the end
+            preemption = pending[0] if pending else None
+            command = scenario.command_line(self.run_dir / "logs", self.run_dir / "ckpt", TRAINING_SEED,
+                                            self.sizes[-1]) + (["--resume"] if resume else inject)
+            if schedule.preemptions:
+                command += slowed_flags(scenario, () if resume else schedule.faults)
+            limit = bound_s(scenario, schedule if number == 0 else Schedule(scenario.name, 0, ()), self.ref)
+            self.last = done = launch(command, self.run_dir, limit, scenario, () if resume else timed,
+                                      preemption)
+            first = first or done
+            self.wall_s += done.wall_s
+            if done.preempted is not None:  # a run may also end within the grace, exit 0
+                self.preemptions_sent.append(done.preempted)
+            self.launches.append({"workers": self.sizes[-1], "exit_code": done.code,
+                                  "wall_s": round(done.wall_s, 2), "last_line": done.last_line,
+                                  "preempted": done.preempted})
+            prefix = f"launch {number + 1}: " if schedule.preemptions or number else ""
+            problems = _process_violations(done, limit)
+            if not problems and done.code not in (0, None):
+                problems = self._stopped(done, preemption, pending)
+            if problems or done.code == 0:
+                self.violations += [prefix + problem for problem in problems]
+                return first
+            resume = True
+        self.violations.append(f"not finished after {len(self.launches)} launches; the last said "
+                               f"{self.last.last_line!r}")
+        return first
+
+    def _stopped(self, done: Launch, preemption: Preemption | None, pending: list[Preemption]) -> list[str]:
+        """A launch that stopped: preempted (exit 143, resumed on the drawn size), or with a
+        reason (resumed once, fault-free); what it broke, if anything."""
+        problems = invariants.check_exit(done.code, done.last_line, False)
+        if done.preempted is not None:
+            assert preemption is not None
+            pending.pop(0)
+            if done.code != PREEMPTED_EXIT:
+                problems.insert(0, f"preempted ({done.preempted}) but exited {done.code}, not "
+                                   f"{PREEMPTED_EXIT}: {done.last_line!r}")
+            self.sizes.append(preemption.size)
+        elif self.resumed:
+            problems.append(f"stopped a second time (exit {done.code}) without a preemption: "
+                            f"{done.last_line!r}")
+        else:
+            self.resumed = True
+            self.sizes.append(self.sizes[-1])
+        return problems
+
+
+def slowed_flags(scenario: Scenario, faults: tuple[Fault, ...]) -> list[str]:
+    """The `--inject` flags that slow every member of a preempted launch by the scenario's
+    `preempted_slowdown`, on its first start and on each start a fault of `faults` brings
+    about (a restart by a kill from outside, unplanned, runs at full speed: a preemption
+    then may find the run ended first, which is no violation)."""
+    if scenario.preempted_slowdown == 1.0:
+        return []
+    role, factor = scenario.member_role, scenario.preempted_slowdown
+    attempts = {0} | {f.attempt + 1 for f in faults
+                      if f.role == role and restarts(f.action, f.seconds, scenario)}
+    return [f"--inject={format_fault(Fault('slow', role=role, factor=factor, attempt=attempt))}"
+            for attempt in sorted(attempts)]
 
 
 def _process_violations(done: Launch, limit: float) -> list[str]:
@@ -276,17 +282,28 @@ def _process_violations(done: Launch, limit: float) -> list[str]:
 
 
 def _state_violations(scenario: Scenario, schedule: Schedule, run_dir: Path, ref: Reference,
-                      summary: dict[str, Any] | None) -> list[str]:
+                      summary: dict[str, Any] | None, sizes: list[int]) -> list[str]:
+    """The invariants of what the run (every launch of it) left on disk; `sizes`: the
+    workers (ranks) of each launch."""
     checkpoint_dir = run_dir / "ckpt"
+    resized = len(set(sizes)) > 1
     if scenario.command == "ps":
         reassigned = invariants.reassigned_workers(run_dir / "logs") if scenario.reassign else set()
-        problems = invariants.check_ps_ledgers(scenario, checkpoint_dir, reassigned)
-        problems += invariants.check_final_model(scenario, checkpoint_dir)[0]
+        problems = invariants.check_ps_ledgers(scenario, checkpoint_dir, reassigned, workers=sizes[-1],
+                                               end_step=scenario.total_steps if len(sizes) > 1 else None)
+        final, model = invariants.check_final_model(scenario, checkpoint_dir)
+        problems += final
+        if scenario.exact_resume and len(sizes) > 1 and not resized and not schedule.faults \
+                and not schedule.timed:
+            problems += invariants.check_identical(model, ref.model, "a sync run preempted and resumed")
     else:
         touched = {f.index for f in schedule.faults
                    if f.role == "rank" and restarts(f.action, f.seconds, scenario)}
         touched |= {t.index for t in schedule.timed}
-        problems = invariants.check_ddp(scenario, checkpoint_dir, run_dir / "logs", ref.model, touched)
+        problems = invariants.check_ddp(scenario, checkpoint_dir, run_dir / "logs", ref.model, touched,
+                                        exact=scenario.exact and not resized)
+        if resized:
+            problems += invariants.check_ddp_end(scenario, checkpoint_dir, summary, sizes[-1])
     accuracy = summary.get("final_accuracy") if summary else None
     return problems + invariants.check_accuracy(accuracy, ref.accuracies)
 

@@ -40,6 +40,21 @@ class Scenario:
         (The sizes make each epoch a whole number of checkpoint intervals, so the last
         checkpoint holds the whole run.)
         max_restarts: the crash-loop budget of each process.
+        preemptible: schedules may preempt it (SIGTERM: it stops with checkpoints, exit
+            143) and resume it with `--resume`.
+        resizable: a preempted run may resume on another number of workers (ranks), one
+            of `sizes()` (PS sync, DDP restart mode).
+        exact_resume: a run only preempted and resumed on its own size ends bit-identical
+            to the fault-free run (sync mode: no other fault changed its path).
+        preempt_before: the share of the run its preemptions are drawn in (a preemption
+            late in it may let the run end first, within the grace).
+        preempted_slowdown: how many times longer each member's steps take in every
+            launch of a schedule with preemptions (`slow:rank:factor=F`, which changes no
+            number, only the time). A DDP group agrees on its stop step in rounds about
+            50 ms of training apart, up to 100 steps (`ddp.preemption`); this small
+            run's steps take about a millisecond, so a SIGTERM lets it end first (exit 0,
+            'SIGTERM came after the last step') unless its steps take as long as a real
+            model's: slowed tenfold, the group stops within a few steps of the signal.
     """
 
     name: str
@@ -59,6 +74,11 @@ class Scenario:
     max_restarts: int = 3
     heartbeat_interval_s: float = 0.2
     heartbeat_timeout_s: float = 1.5
+    preemptible: bool = False
+    resizable: bool = False
+    exact_resume: bool = False
+    preempt_before: float = 1.0
+    preempted_slowdown: float = 1.0
 
     @property
     def references(self) -> int:
@@ -81,6 +101,22 @@ class Scenario:
         """The samples the run applies, every one once: every worker's share of every epoch."""
         return self.epochs * (self.train_samples // self.workers) * self.workers
 
+    @property
+    def member_role(self) -> str:
+        """The role of the processes that train: `worker` (PS) or `rank` (DDP)."""
+        return "worker" if self.command == "ps" else "rank"
+
+    def sizes(self) -> tuple[int, ...]:
+        """The numbers of workers (ranks) a preempted run may resume on: those that keep
+        its global batch and split the data set evenly (so every epoch has the same steps
+        and samples whatever the size), up to 4 (two cores run them). Only its own size
+        for a scenario that is not `resizable`."""
+        if not self.resizable:
+            return (self.workers,)
+        global_batch = self.batch_size * self.workers
+        return tuple(size for size in range(1, 5)
+                     if global_batch % size == 0 and self.train_samples % size == 0)
+
     def processes(self) -> dict[str, int]:
         """role -> how many processes of it the run has (faults may target each)."""
         if self.command == "ps":
@@ -94,8 +130,12 @@ class Scenario:
             return step * self.workers
         return step
 
-    def command_line(self, log_dir: Path, checkpoint_dir: Path, seed: int) -> list[str]:
-        """The `disttrain` command of a run of this scenario, faults aside."""
+    def command_line(self, log_dir: Path, checkpoint_dir: Path, seed: int, workers: int | None = None
+                     ) -> list[str]:
+        """The `disttrain` command of a run of this scenario, faults aside; `workers`: the
+        workers (ranks) of a resumed launch, when not the scenario's (`--batch-size` stays
+        the first launch's: a resumed run keeps its checkpoint's global batch)."""
+        workers = self.workers if workers is None else workers
         line = [sys.executable, "-m", "disttrain", self.command, "--dataset", "digits", "--model", "mlp",
                 "--num-epochs", str(self.epochs), "--max-train-samples", str(self.train_samples),
                 "--batch-size", str(self.batch_size), "--checkpoint-interval", str(self.checkpoint_interval),
@@ -106,12 +146,12 @@ class Scenario:
                 "--learning-rate", str(self.learning_rate), "--set", "training.lr_schedule=cosine",
                 "--set", f"training.lr_decay_steps={self.total_steps}"]
         if self.command == "ps":
-            line += ["--workers", str(self.workers), "--servers", str(self.servers),
+            line += ["--workers", str(workers), "--servers", str(self.servers),
                      "--aggregation-mode", self.mode]
             if self.reassign:
                 line += ["--reassign-after", "2"]
         else:
-            line += ["--world-size", str(self.workers), "--ddp-recovery", self.mode]
+            line += ["--world-size", str(workers), "--ddp-recovery", self.mode]
         return line + list(self.flags)
 
 
@@ -120,9 +160,9 @@ def _ps(name: str, mode: str = "sync", *flags: str, **fields) -> Scenario:
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
-    _ps("ps-sync"),
-    _ps("ps-ssp", "ssp", "--staleness", "2"),
-    _ps("ps-async", "async"),
+    _ps("ps-sync", preemptible=True, resizable=True, exact_resume=True),
+    _ps("ps-ssp", "ssp", "--staleness", "2", preemptible=True),
+    _ps("ps-async", "async", preemptible=True),
     _ps("ps-sync-overlap", "sync", "--set", "ps.overlap=true"),
     _ps("ps-sync-topk", "sync", "--compression-enabled", "--compression-type", "topk",
         "--compression-ratio", "0.1"),
@@ -130,8 +170,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     _ps("ps-async-int8", "async", "--compression-enabled", "--compression-type", "quantization"),
     _ps("ps-local", "sync", "--sync-every", "4"),
     _ps("ps-reassign", "sync", reassign=True, max_restarts=1),
-    _ps("ps-3shards", "sync", servers=3),
-    Scenario("ddp-restart", "ddp", "restart", group_restart=True, exact=True),
+    _ps("ps-3shards", "sync", servers=3, preemptible=True, resizable=True, exact_resume=True),
+    Scenario("ddp-restart", "ddp", "restart", group_restart=True, exact=True, preemptible=True,
+             resizable=True, exact_resume=True, preempt_before=0.75, preempted_slowdown=10.0),
     Scenario("ddp-live", "ddp", "live"),
 )}
 # A few minutes inside the test suite: one of each strategy's recoveries.

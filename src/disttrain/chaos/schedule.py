@@ -13,6 +13,13 @@ recovery, drawn with `random.Random(seed)` against a scenario's processes and st
 - `in-checkpoint`: a process killed while it writes a checkpoint.
 - `hostile`: from outside, by the clock: a random process SIGKILLed every few seconds,
   as a hostile world does (the run must go on as long as it makes progress).
+- `preemption`: drawn apart from the others, for a scenario that is `preemptible`: one or
+  two SIGTERMs from outside (to the launcher, or to one worker or rank) once the run
+  reaches a drawn step, each preempted launch resumed with `--resume`, on a number of
+  workers (ranks) drawn among those that keep the global batch where the scenario is
+  `resizable` (a planned leave when fewer, a join when more). Alone in its schedule half
+  the time or more (so what a preempted run promises alone, bit-identity, is checked),
+  else after the other patterns, whose faults all fire in the first launch.
 
 Step-triggered faults travel as `--inject` specs (they fire inside the process at an
 exact step, so they reproduce); clock-triggered ones (`TimedFault`) are sent from
@@ -30,6 +37,7 @@ from typing import Any
 from disttrain.chaos.scenarios import Scenario
 from disttrain.core.fault_spec import Fault, format_fault, parse_fault
 
+LAUNCHER = "launcher"
 PATTERNS = ("single", "twice-before-checkpoint", "during-recovery", "epoch-boundary", "in-checkpoint",
             "hostile")
 # One fault of any kind: (action, roles it applies to).
@@ -42,6 +50,13 @@ KINDS = (("kill", ("worker", "server", "rank", "coordinator")),
          ("slow", ("worker", "rank")),
          ("store-error", ("worker", "server", "rank")),
          ("crash-checkpoint", ("worker", "server", "rank")))
+# A preemptible scenario's schedules draw preemptions this often; alone half of those times.
+PREEMPTION_SHARE, PREEMPTION_ALONE = 0.3, 0.5
+MAX_PREEMPTIONS = 2
+# The worker steps a preemption is sent from: late enough that the run has trained, early
+# enough that it has not ended before the signal lands (the registry hears of a step a
+# heartbeat late), and apart enough that each resumed launch trains before its own.
+PREEMPTION_MARGIN_STEPS = 12
 # Hangs and cuts are either short (well within the heartbeat timeout: the process is
 # waited for) or long (several timeouts: it is declared failed, killed and restarted).
 SHORT, LONG = 0.4, 3.0
@@ -65,29 +80,52 @@ class TimedFault:
 
 
 @dataclass(frozen=True)
+class Preemption:
+    """A SIGTERM sent from outside to `target` (`launcher`, or the role of the members:
+    `worker` or `rank`, number `index`) once a member of the launch has reported worker
+    step `step`; the run, stopped, is resumed with `--resume` on `size` workers (ranks)."""
+
+    step: int
+    target: str
+    index: int
+    size: int
+
+    def describe(self, unit: str = "worker") -> str:
+        whom = "the launcher" if self.target == LAUNCHER else f"{self.target} {self.index}"
+        unit += "" if self.size == 1 else "s"
+        return f"preempt at step {self.step}: SIGTERM to {whom}, resumed on {self.size} {unit} (from outside)"
+
+
+@dataclass(frozen=True)
 class Schedule:
-    """The faults of one run: `faults` inside the processes, `timed` from outside."""
+    """The faults of one run: `faults` inside the processes, `timed` from outside, and
+    the `preemptions` that end its launches one after the other."""
 
     scenario: str
     seed: int
     patterns: tuple[str, ...]
     faults: tuple[Fault, ...] = ()
     timed: tuple[TimedFault, ...] = ()
+    preemptions: tuple[Preemption, ...] = ()
 
     def lines(self) -> list[str]:
         """The schedule as printed: one line per fault."""
-        return [*(format_fault(f) for f in self.faults), *(t.describe() for t in self.timed)]
+        unit = "rank" if self.scenario.startswith("ddp") else "worker"
+        return [*(format_fault(f) for f in self.faults), *(t.describe() for t in self.timed),
+                *(p.describe(unit) for p in self.preemptions)]
 
     def to_dict(self) -> dict[str, Any]:
         return {"scenario": self.scenario, "seed": self.seed, "patterns": list(self.patterns),
                 "inject": [format_fault(f) for f in self.faults],
-                "timed": [vars(t) for t in self.timed]}
+                "timed": [vars(t) for t in self.timed],
+                "preemptions": [vars(p) for p in self.preemptions]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Schedule:
         return cls(data["scenario"], int(data["seed"]), tuple(data["patterns"]),
                    tuple(parse_fault(text) for text in data["inject"]),
-                   tuple(TimedFault(**t) for t in data["timed"]))
+                   tuple(TimedFault(**t) for t in data["timed"]),
+                   tuple(Preemption(**p) for p in data.get("preemptions", ())))
 
 
 @dataclass
@@ -142,16 +180,66 @@ def restarts(action: str, seconds: float, scenario: Scenario) -> bool:
 
 
 def draw(scenario: Scenario, seed: int, max_patterns: int = 2) -> Schedule:
-    """The schedule of `seed` for `scenario`: 1 to `max_patterns` patterns.
+    """The schedule of `seed` for `scenario`: 1 to `max_patterns` patterns, and for a
+    preemptible scenario, sometimes preemptions (alone, or after those patterns).
 
-    The same scenario and seed always give the same schedule.
+    The same scenario and seed always give the same schedule. The preemptions are drawn
+    from a random source of their own, so the other patterns of a seed are those it drew
+    before preemptions existed (the regression tests named by a seed keep their faults).
     """
     rng = random.Random(f"{scenario.name}/{seed}")
     state = _Draw(scenario, rng)
     patterns = tuple(rng.choice(PATTERNS) for _ in range(rng.randint(1, max_patterns)))
     for pattern in patterns:
         DRAWERS[pattern](state)
-    return Schedule(scenario.name, seed, patterns, tuple(state.faults), tuple(state.timed))
+    preempting = random.Random(f"{scenario.name}/{seed}/preemption")
+    if not scenario.preemptible or preempting.random() >= PREEMPTION_SHARE:
+        return Schedule(scenario.name, seed, patterns, tuple(state.faults), tuple(state.timed))
+    alone = preempting.random() < PREEMPTION_ALONE
+    # With other patterns, the preemptions come after their last step-triggered fault (every
+    # fault fires in the first launch, whose processes count their starts from 0 as drawn);
+    # where there is no room left for one, the preemptions are alone.
+    after = max((worker_step(scenario, f) for f in state.faults), default=0)
+    if not alone and after + PREEMPTION_MARGIN_STEPS <= last_preemption_step(scenario):
+        return Schedule(scenario.name, seed, (*patterns, "preemption"), tuple(state.faults),
+                        tuple(state.timed), draw_preemptions(scenario, preempting, after))
+    return Schedule(scenario.name, seed, ("preemption",), preemptions=draw_preemptions(scenario, preempting))
+
+
+def worker_step(scenario: Scenario, fault: Fault) -> int:
+    """The worker step at which `fault` fires (a shard's steps are versions: see `role_step`),
+    or at which a slow one ends."""
+    step = max(fault.step, fault.until)
+    return step // scenario.workers if scenario.role_step(fault.role, 1) != 1 else step
+
+
+def last_preemption_step(scenario: Scenario) -> int:
+    """The latest worker step a preemption of `scenario` is drawn at."""
+    return min(scenario.total_steps - PREEMPTION_MARGIN_STEPS,
+               int(scenario.total_steps * scenario.preempt_before))
+
+
+def draw_preemptions(scenario: Scenario, rng: random.Random, after: int = 0) -> tuple[Preemption, ...]:
+    """One or two preemptions of `scenario` at increasing worker steps past `after`, each
+    `PREEMPTION_MARGIN_STEPS` or more from the start, the end and the one before, each to
+    the launcher or to one member of the launch it stops (whose size the preemption before
+    it chose), each resumed on one of `scenario.sizes()`."""
+    margin, last = PREEMPTION_MARGIN_STEPS, last_preemption_step(scenario)
+    preemptions: list[Preemption] = []
+    size, step = scenario.workers, after
+    for _ in range(rng.randint(1, MAX_PREEMPTIONS)):
+        if step + margin > last:
+            break
+        step = rng.randint(step + margin, step + margin + (last - step - margin) // 2)
+        target = rng.choice((LAUNCHER, scenario.member_role))
+        index = rng.randrange(size) if target != LAUNCHER else 0
+        # Half the time on its own size (a resumed run that must end as if never stopped),
+        # else a join (more) or a planned leave (fewer).
+        others = [other for other in scenario.sizes() if other != size]
+        size_next = rng.choice(others) if others and rng.random() < 0.5 else size
+        preemptions.append(Preemption(step, target, index, size_next))
+        size = size_next
+    return tuple(preemptions)
 
 
 def _any_fault(state: _Draw, step: int | None = None, target: tuple[str, int] | None = None) -> None:
