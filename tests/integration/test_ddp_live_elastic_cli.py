@@ -26,6 +26,7 @@ import pytest
 
 from disttrain.config import TrainingConfig
 from disttrain.data import load_datasets
+from disttrain.metrics.logger import METRICS_FILE
 
 MIN, MAX, BATCH, EPOCHS = 2, 3, 16, 6
 ARGS = ["--ddp-recovery", "live", "--world-size", f"{MIN}:{MAX}", "--dataset", "digits",
@@ -157,3 +158,46 @@ def test_a_live_run_grows_with_a_rank_started_by_hand_and_shrinks_when_one_is_si
     assert (summary["samples_lost"], summary["samples_applied_twice"]) == (0, 0)
     assert summary["steps"] * BATCH * MIN == summary["samples_applied"]
     assert summary["final_accuracy"] > 0.8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_when_every_rank_is_sigtermed_the_run_stops_at_a_checkpoint_and_resume_finishes_it(cli, tmp_path):
+    """Every rank leaves (a scheduler preempting the whole run through its ranks): the last
+    to leave is alone in its group and, its leader, writes a checkpoint of that step; the
+    launcher exits 143 with one line naming the folder; `--resume` trains the rest, and the
+    ledger shows every global batch of every epoch applied exactly once over both runs."""
+    logs, output = tmp_path / "logs", tmp_path / "first.out"
+    folders = ["--log-dir", logs, "--checkpoint-dir", tmp_path / "ckpt"]
+    first = start([*ARGS, *folders, "--set", "training.log_interval=2"], output)
+    try:
+        # A few steps in (rank 0's metrics record of step 4), wherever that is in time.
+        wait_for(logs / "rank0" / METRICS_FILE, '"step": 4,', first)
+        ranks = [rank_pid(first, slot) for slot in (0, 1)]
+        os.kill(ranks[0], signal.SIGSTOP)  # both SIGTERMed mid-run, whatever the machine's speed
+        for pid in ranks:
+            os.kill(pid, signal.SIGTERM)
+        os.kill(ranks[0], signal.SIGCONT)
+        assert first.wait(timeout=WAIT_S) == 143, output.read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    last_line = output.read_text().strip().splitlines()[-1]
+    expected = f"left (SIGTERM) before the run ended; `--resume` goes on from the newest checkpoint in " \
+               f"{tmp_path / 'ckpt'}"
+    assert last_line.startswith("error: rank(s) ") and expected in last_line, last_line
+    assert not (logs / "summary.json").exists()
+    stopped = re.search(r"every member left the group at step (\d+)", (logs / "rank0.log").read_text()
+                        + (logs / "rank1.log").read_text())
+    assert stopped and int(stopped.group(1)) >= 4, "no rank wrote the checkpoint of a step mid-run"
+
+    resumed = cli("ddp", *ARGS, *folders, "--resume", timeout=WAIT_S)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((logs / "summary.json").read_text())
+    assert summary["samples_applied"] == EPOCHS * samples_per_epoch()
+    assert (summary["samples_lost"], summary["samples_applied_twice"]) == (0, 0)
+    assert summary["steps"] * BATCH * MIN == summary["samples_applied"]
+    assert f"from step {stopped.group(1)} " in (logs / "rank0.log").read_text()
+    assert summary["live_world_sizes"][0] == 2 and summary["live_world_sizes"][-1] == 2  # resumed on 2
+    assert summary["live_recoveries"][-1]["kind"] == "resume"

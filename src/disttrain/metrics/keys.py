@@ -199,9 +199,15 @@ OPTIONAL_SUMMARY: dict[str, Metric] = {m.key: m for m in [
     Metric("final_pids", "process ids", RUN, "per rank in the last group, the id of its process", DDP_LIVE),
     Metric("num_rejoins", "count", RUN, "times the group took a rank back", DDP_LIVE),
     Metric("live_recoveries", "list", RUN, "each re-forming of the group: `kind` (`shrink` after a "
-           "loss, `grow` to take ranks back, `restore` when every member was lost and the restarted "
-           "ranks formed a group from the newest checkpoint), `generation`, `members`, `step`, and its "
-           "seconds `detect_s`, `reform_s`, `resume_s` (shrink) or `rejoin_s` (grow, restore)", DDP_LIVE),
+           "loss, `grow` to take ranks back or in, `leave` when SIGTERMed ranks left, `restore` when "
+           "every member was lost and the restarted ranks formed a group from the newest checkpoint, "
+           "`resume` for the first group of a `--resume`), `generation`, `members`, `step`, and its "
+           "seconds `detect_s`, `reform_s`, `resume_s` (shrink) or `rejoin_s` (the others)", DDP_LIVE),
+    Metric("live_world_sizes", "ranks", RUN, "the sizes the group trained at, in order: the run's "
+           "first, then the size after each re-forming that changed it", DDP_LIVE),
+    Metric("min_world_size", "ranks", RUN, "an elastic run's MIN (--world-size MIN:MAX): the ranks "
+           "it started and the fewest it trains with", DDP_LIVE),
+    Metric("max_world_size", "ranks", RUN, "an elastic run's MAX: the most ranks it takes", DDP_LIVE),
     Metric("live_detect_s", "s", RUN, "the longest from a rank's death (its launcher saw the exit) to "
            "the survivors noticing it (0 when they noticed first)", DDP_LIVE),
     Metric("live_reform_s", "s", RUN, "the longest from the survivors noticing a loss to their new "

@@ -170,6 +170,8 @@ class LiveRank:
         state = load_resume_state(self.config.system.checkpoint_dir)
         if state is not None:
             self.trainer.load_state_dict(state)
+            # The run goes on at this launch's size: recorded, so the sizes it ran at read on.
+            self.pending = {"kind": "resume", "failed_at": time.time()}
             # The checkpoint counts the tickets of its run's store; this run's has none yet.
             self.trainer.progress.admitted = self.group.admitted_so_far()
 
