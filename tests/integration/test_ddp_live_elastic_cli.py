@@ -3,8 +3,9 @@
 store address the first launcher logged) adds a third, which joins at a step boundary
 with a live peer's state; then rank 1 is SIGTERMed and leaves at a step boundary, not
 restarted though restarts are allowed. A fourth rank, while the run is at its maximum, is
-refused before anything starts. The summary says the sizes the run trained at
-(2, 3, 2), and the ledger shows every global batch of every epoch applied exactly once.
+refused before anything starts; once rank 1 has left, another arrival takes the free
+place and leaves again when its launcher is SIGTERMed. The summary says the sizes the run
+trained at (2, 3, 2, 3, 2), and the ledger shows every global batch of every epoch applied exactly once.
 
 Pacing without sleeps: the test holds the group (SIGSTOP to rank 0) until the arrival has
 taken its join ticket, so the join cannot come after the run's end however slowly the
@@ -97,7 +98,8 @@ def test_a_live_run_grows_with_a_rank_started_by_hand_and_shrinks_when_one_is_si
     host_out, arrival_out = tmp_path / "host.out", tmp_path / "arrival.out"
     shared = ["--checkpoint-dir", tmp_path / "ckpt"]
     host = start([*ARGS, *shared, "--log-dir", host_logs], host_out)
-    arrival = None
+    second_logs, second_out = tmp_path / "second-logs", tmp_path / "second.out"
+    arrival = second = None
     try:
         endpoint = wait_for(host_out, JOIN_LINE, host).group(1)
         wait_for(host_logs / "rank0.log", "generation 0 trains from step 0", host)
@@ -134,19 +136,40 @@ def test_a_live_run_grows_with_a_rank_started_by_hand_and_shrinks_when_one_is_si
         shrunk = wait_for(host_logs / "rank0.log", r"world size 3 -> 2 ranks \(slot 1 left\): the global "
                           r"batch of 32 split (\S+)", host, arrival)
         assert shrunk.group(1) == "16,16"
+
+        # The place is free again: another arrival takes it (slot 3); a SIGTERM to its
+        # launcher (a scheduler taking that machine back) makes its rank leave, and that
+        # launcher ends well. The group is held while each signal goes out.
+        os.kill(leader, signal.SIGSTOP)
+        try:
+            second = start([*ARGS, *shared, "--log-dir", second_logs, *joining], second_out)
+            wait_for(second_logs / "rank3.log", r"slot 3 asks to join the running group \(ticket 2\)",
+                     second)
+        finally:
+            os.kill(leader, signal.SIGCONT)
+        wait_for(host_logs / "rank0.log", r"world size 2 -> 3 ranks \(slot 3 joined\)", host, arrival, second)
+        os.kill(leader, signal.SIGSTOP)
+        try:
+            second.send_signal(signal.SIGTERM)
+        finally:
+            os.kill(leader, signal.SIGCONT)
+        wait_for(host_logs / "rank0.log", r"world size 3 -> 2 ranks \(slot 3 left\)", host, arrival)
+        assert second.wait(timeout=WAIT_S) == 0, second_out.read_text()[-3000:]
+        assert "rank 3 left the run (SIGTERM); it is not started again" in second_out.read_text()
+
         assert host.wait(timeout=WAIT_S) == 0, host_out.read_text()[-3000:]
         assert arrival.wait(timeout=WAIT_S) == 0, arrival_out.read_text()[-3000:]
     finally:
-        for process in (host, arrival):
+        for process in (host, arrival, second):
             if process is not None and process.poll() is None:
                 process.kill()
                 process.wait()
 
     summary = json.loads((host_logs / "summary.json").read_text())
-    assert summary["live_world_sizes"] == [2, 3, 2]
+    assert summary["live_world_sizes"] == [2, 3, 2, 3, 2]
     assert (summary["min_world_size"], summary["max_world_size"]) == (MIN, MAX)
-    assert [r["kind"] for r in summary["live_recoveries"]] == ["grow", "leave"]
-    assert [r["members"] for r in summary["live_recoveries"]] == [[0, 1, 2], [0, 2]]
+    assert [r["kind"] for r in summary["live_recoveries"]] == ["grow", "leave", "grow", "leave"]
+    assert [r["members"] for r in summary["live_recoveries"]] == [[0, 1, 2], [0, 2], [0, 2, 3], [0, 2]]
     # The leaver was not started again (restarts were allowed): one process, and it is
     # not among the last group's.
     assert summary["rank_pids"]["1"] == [leaver] and set(summary["final_pids"]) == {"0", "2"}

@@ -221,9 +221,14 @@ def without_summary(config: Config, store: dist.Store, processes: RankProcesses,
     is an arrival), or every rank left.
 
     Raises:
-        Preempted: every rank of this launcher left (SIGTERM) before the run ended.
+        Preempted: every rank of this launcher (not an arrival's, whose leave is its end)
+            left (SIGTERM) before the run ended.
         DistributedError: the ranks finished but none wrote the summary.
     """
+    if processes.left and config.ddp.join:
+        logger.info("rank(s) %s left the run (SIGTERM); it goes on without them",
+                    format_members(processes.left))
+        return None
     if processes.left and not run_done(store):
         raise Preempted(f"rank(s) {format_members(processes.left)} left (SIGTERM) before the run ended; "
                         f"`--resume` goes on from the newest checkpoint in {config.system.checkpoint_dir}")
