@@ -380,7 +380,8 @@ def run_shape(config: Config, command: str, resume: bool = False) -> RunShape:
         return RunShape("the baseline run", {"worker": 1}, {"worker": steps}, restarted=())
     coordinator = 0 if config.coordinator.address else 1
     if command == "ps":
-        return RunShape("this parameter-server run", {"worker": world, "server": config.ps.num_servers,
+        workers = max(world, config.ps.max_workers)  # an elastic run's workers, up to its most
+        return RunShape("this parameter-server run", {"worker": workers, "server": config.ps.num_servers,
                                                       "coordinator": coordinator},
                         {"worker": steps, "server": world * steps, "coordinator": world * steps})
     live = config.ddp.recovery == "live"

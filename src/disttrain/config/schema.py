@@ -257,6 +257,11 @@ class PSConfig:
     ssp_clock: str = field(default="steps", metadata=_choice(SSP_CLOCKS))
     num_servers: int = field(default=1, metadata=POSITIVE)
     backup_workers: int = field(default=0, metadata=NON_NEGATIVE)
+    # A run that grows and shrinks (`--workers MIN:MAX`): system.num_workers is MIN (the
+    # workers started, the fewest it trains with, and the scale of the global batch); a
+    # worker sent SIGTERM leaves (down to MIN), SIGUSR1 to the launcher adds one (up to
+    # this), each through a checkpoint rewritten for the new size. 0: the run's size is fixed.
+    max_workers: int = field(default=0, metadata=NON_NEGATIVE)
     rpc_timeout_s: float = field(default=60.0, metadata=POSITIVE)
     bind_host: str = field(default="127.0.0.1", metadata=NON_EMPTY)
     payload_transport: str = field(default="auto", metadata=_choice(PAYLOAD_TRANSPORTS))
@@ -454,6 +459,9 @@ class Config:
             return [f"{name('ddp.max_world_size')}: {self.ddp.max_world_size} is less than "
                     f"system.num_workers ({self.system.num_workers}), the run's minimum; give "
                     "--world-size MIN:MAX with MIN <= MAX"]
+        if self.ps.max_workers and self.ps.max_workers < self.system.num_workers:
+            return [f"{name('ps.max_workers')}: {self.ps.max_workers} is less than system.num_workers "
+                    f"({self.system.num_workers}), the run's minimum; give --workers MIN:MAX with MIN <= MAX"]
         if self.ps.backup_workers >= self.system.num_workers:
             return [f"{name('ps.backup_workers')}: {self.ps.backup_workers} must be less than "
                     f"system.num_workers ({self.system.num_workers})"]

@@ -21,7 +21,9 @@ and connects with the same ones. Each child is described by a `ProcessSpec`. SIG
 launcher, or to one worker, preempts the run as a whole: every process stops with a
 checkpoint, the workers at one step, and the launcher exits 143 (`run.preemption`).
 Resumed with another number of workers, the checkpoints are rewritten for them first
-(`run.resize`).
+(`run.resize`). An elastic run (`--workers MIN:MAX`) goes through that rewrite by itself
+when a worker is sent SIGTERM (one fewer, down to MIN) or the launcher SIGUSR1 (one more,
+up to MAX), starting every process again on the new size (`run.elastic`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,15 @@ from disttrain.core.process_spec import ProcessSpec
 from disttrain.core.processes import Cluster, raise_on_sigterm
 from disttrain.core.store_check import check_checkpoint_dir
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
+from disttrain.strategies.ps.run.elastic import (
+    Range,
+    SizeChange,
+    check_elastic,
+    faults_after,
+    grow_on_sigusr1,
+    ignore_grow_requests,
+    stop_step,
+)
 from disttrain.strategies.ps.run.layout import run_layout
 from disttrain.strategies.ps.run.preemption import preempted, preemption, sigterm_preempts, stop_in_order
 from disttrain.strategies.ps.run.progress import ClusterWatch
@@ -80,9 +91,40 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
             user's error, or with the same unexpected error on a fresh start (not restarted).
         CheckpointStoreError: a process's checkpoint store failed for good (its line, named).
         Preempted: the launcher or a worker was sent SIGTERM; the run stopped with
-            checkpoints (see `run.preemption`).
+            checkpoints (see `run.preemption`); in an elastic run, a worker only when the
+            run is at its fewest workers.
+        ConfigError: an elastic run with state a resize cannot carry over (see
+            `run.elastic`), or whose stop left checkpoints that cannot be resized.
     """
     started = time.perf_counter()
+    sizes = Range.of(config)
+    if sizes is not None:
+        check_elastic(config)
+        ignore_grow_requests()  # until the run trains: SIGUSR1 would end this process
+    while True:
+        run, change = _launch(config, options, sizes)
+        if change is None:
+            break
+        # The run stopped with checkpoints of one stop: go on from them on the new size.
+        stopped = stop_step(config.system.checkpoint_dir, config.system.num_workers)
+        config = config.replace(system={"num_workers": change.size})
+        options = replace(options, resume=True, faults=faults_after(list(options.faults), stopped))
+        logger.warning("%s: the run stopped at step %d with its checkpoints; starting it again on %d workers "
+                       "from them", change.reason, stopped, change.size)
+    log_dir = Path(config.system.log_dir)
+    try:
+        summary = RunSummary.read(log_dir / SUMMARY_FILE)
+    except (OSError, ValueError) as e:
+        raise DistributedError(f"worker 0 did not write the run summary in {log_dir}: {e}") from e
+    summary.total_time_s = time.perf_counter() - started  # the whole command, start-up included
+    summary.extra.update(recovery_summary(run.supervisor.failures, run.registry))
+    summary.write(log_dir)
+    return summary
+
+
+def _launch(config: Config, options: RunOptions, sizes: Range | None) -> tuple[ClusterRun, SizeChange | None]:
+    """Start the run's processes and supervise them until the run ends (None) or stops to
+    change size (`run.elastic`: the change asked for). Raises as `run_cluster`."""
     if options.resume:  # the batch that keeps a checkpoint's global batch (`run.resize`)
         config = resumed_config(config)
     preflight(config, options)
@@ -96,17 +138,18 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
     options = replace(options, token=options.token or new_token())
     with Cluster(log_dir, env_of=token_env(options.token)) as cluster:
         sigterm_preempts(cluster)  # the whole run stops at a step, with checkpoints (`run.preemption`)
-        run = ClusterRun(cluster, config, options, log_dir / "config.yaml")
+        if sizes is not None:
+            grow_on_sigusr1(cluster)
+        run = ClusterRun(cluster, config, options, log_dir / "config.yaml", sizes)
         run.start(registry)
-        run.supervise()
-    try:
-        summary = RunSummary.read(log_dir / SUMMARY_FILE)
-    except (OSError, ValueError) as e:
-        raise DistributedError(f"worker 0 did not write the run summary in {log_dir}: {e}") from e
-    summary.total_time_s = time.perf_counter() - started  # the whole command, start-up included
-    summary.extra.update(recovery_summary(run.supervisor.failures, registry))
-    summary.write(log_dir)
-    return summary
+        try:
+            run.supervise()
+        except SizeChange as change:
+            return run, change
+        finally:
+            if sizes is not None:
+                ignore_grow_requests()
+    return run, None
 
 
 def check_supported(config: Config) -> None:
@@ -191,10 +234,12 @@ class ClusterRun:
     config: Config
     options: RunOptions
     config_path: Path
+    sizes: Range | None = None  # an elastic run's (`run.elastic`)
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(self.cluster, self.config.coordinator.max_restarts, self._report_exit)
         self.exits: ExitReports | None = None
+        self.registry: Path | None = None  # the launch's, once started
 
     def _spec(self, command: str, attempt: int, **fields) -> ProcessSpec:
         """A server or worker of this run (attempt > 0: a restart, resuming)."""
@@ -205,6 +250,7 @@ class ClusterRun:
 
     def start(self, registry: Path) -> None:
         """Start the coordinator (unless one runs already), the servers, then the workers."""
+        self.registry = registry
         config = self.config
         config.save(self.config_path)
         address = config.coordinator.address or self._start_coordinator(registry)
@@ -279,6 +325,12 @@ class ClusterRun:
                 logger.warning("%s still running %.0fs after the workers finished; stopping them",
                                ", ".join(sorted(running)), SHUTDOWN_TIMEOUT_S)
                 break
+            change = self.sizes.change(event, self.config.system.num_workers) \
+                if self.sizes is not None and deadline is None else None
+            if change is not None:
+                watch.close()
+                self.stop(change[1])
+                raise SizeChange(*change)
             reason = preemption(event) if deadline is None else None
             if reason is not None:
                 watch.close()
@@ -307,10 +359,15 @@ class ClusterRun:
             self.exits.close()  # the registry ends with every exit (the coordinator may be restarting)
 
     def preempt(self, reason: str) -> Preempted:
+        """Stop the run (`stop`); the error to exit with (`Preempted`: see `run.preemption`)."""
+        groups = self.stop(reason)
+        return preempted(self.config.system.checkpoint_dir, groups[0] + groups[1])
+
+    def stop(self, reason: str) -> list[list[str]]:
         """Stop the workers, then the shards, then the coordinator, each with a checkpoint
-        where it keeps one; the error to exit with (`Preempted`: see `run.preemption`)."""
+        where it keeps one; the names of each group."""
         names = list(self.supervisor.processes)
         groups = [[n for n in names if n.startswith(role)] for role in ("worker", "server", "coordinator")]
         stop_in_order(self.cluster, groups, self.config.system.preemption_grace_s, reason)
-        return preempted(self.config.system.checkpoint_dir, groups[0] + groups[1])
+        return groups
 
