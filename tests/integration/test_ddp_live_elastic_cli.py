@@ -224,3 +224,38 @@ def test_when_every_rank_is_sigtermed_the_run_stops_at_a_checkpoint_and_resume_f
     assert f"from step {stopped.group(1)} " in (logs / "rank0.log").read_text()
     assert summary["live_world_sizes"][0] == 2 and summary["live_world_sizes"][-1] == 2  # resumed on 2
     assert summary["live_recoveries"][-1]["kind"] == "resume"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_below_its_minimum_a_run_trains_nothing_until_a_rank_joins(tmp_path):
+    """Rank 1 of a 2:3 run leaves: the one left is below MIN, so it waits at the step
+    boundary, training nothing, until a rank started by hand joins; the run then ends
+    with every global batch of every epoch applied once."""
+    logs, output = tmp_path / "logs", tmp_path / "host.out"
+    arrival_logs, arrival_out = tmp_path / "arrival-logs", tmp_path / "arrival.out"
+    shared = ["--checkpoint-dir", tmp_path / "ckpt"]
+    host = start([*ARGS, *shared, "--log-dir", logs, "--set", "training.log_interval=2"], output)
+    arrival = None
+    try:
+        endpoint = wait_for(output, JOIN_LINE, host).group(1)
+        wait_for(logs / "rank0" / METRICS_FILE, '"step": 4,', host)
+        os.kill(rank_pid(host, 1), signal.SIGTERM)
+        wait_for(logs / "rank0.log", "has 1 rank.s., below the run's minimum of 2: it waits", host)
+        arrival = start([*ARGS, *shared, "--log-dir", arrival_logs, "--join", "--rdzv-endpoint", endpoint],
+                        arrival_out)
+        wait_for(logs / "rank0.log", r"world size 1 -> 2 ranks \(slot 2 joined\)", host, arrival)
+        assert host.wait(timeout=WAIT_S) == 0, output.read_text()[-3000:]
+        assert arrival.wait(timeout=WAIT_S) == 0, arrival_out.read_text()[-3000:]
+    finally:
+        for process in (host, arrival):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+    summary = json.loads((logs / "summary.json").read_text())
+    assert summary["live_world_sizes"] == [2, 1, 2]
+    leave, grow = summary["live_recoveries"]
+    assert (leave["kind"], leave["members"], grow["kind"], grow["members"]) == ("leave", [0], "grow", [0, 2])
+    assert leave["step"] == grow["step"]  # nothing trained by the one rank left
+    assert summary["samples_applied"] == EPOCHS * samples_per_epoch()
+    assert (summary["samples_lost"], summary["samples_applied_twice"]) == (0, 0)
