@@ -160,18 +160,19 @@ def batch_line(result, path: Path, written: int, workers: int) -> None:
             f"the global batch of {BATCH_SIZE * 2}") in result.stderr, logs(path, result)
 
 
-def finished(path: Path, result, workers: int, resumed_from: int, runs: list[tuple[str, int]],
+def finished(path: Path, result, workers: int, resumed_from: int | None, runs: list[tuple[str, int]],
              steps: int = NUM_EPOCHS * 50) -> dict:
     """The run finished on `workers` after `steps` (sync: steps of the run; async and
-    SSP: pushes applied), every sample of each epoch applied once, from the ledgers and
-    the forwards of the `runs`; its summary."""
+    SSP: pushes applied), resumed from step `resumed_from` (None: not checked), every
+    sample of each epoch applied once, from the ledgers and the forwards of the `runs`;
+    its summary."""
     assert result.returncode == 0, logs(path, result)
     summary = json.loads((path / "logs" / "summary.json").read_text())
     assert summary["samples_applied"] == NUM_EPOCHS * NUM_SAMPLES and summary["samples_lost"] == 0, summary
     assert summary["samples_redone"] == 0 and summary["num_failures"] == 0, summary
     per_worker = BATCH_SIZE * 2 // workers
     assert summary["world_size"] == workers and summary["config"]["training"]["batch_size"] == per_worker
-    assert summary["resumed_from_step"] == resumed_from and summary["steps"] == steps, summary
+    assert resumed_from in (None, summary["resumed_from_step"]) and summary["steps"] == steps, summary
     assert summary["samples_processed"] == NUM_EPOCHS * NUM_SAMPLES, summary
     assert_each_sample_once_an_epoch(epochs_trained(path, runs))
     return summary
