@@ -139,7 +139,8 @@ def test_drawn_preemptions_fall_inside_the_run_after_every_fault_on_sizes_that_k
 
 def test_sizes_keep_the_global_batch_only_where_the_scenario_resizes():
     assert scenario("ps-sync").sizes() == (1, 2, 4) and scenario("ddp-restart").sizes() == (1, 2, 4)
-    assert scenario("ps-async").sizes() == (2,) and scenario("ddp-live").sizes() == (2,)
+    assert scenario("ps-async").sizes() == (1, 2, 4) and scenario("ps-ssp").sizes() == (1, 2, 4)
+    assert scenario("ps-local").sizes() == (2,) and scenario("ddp-live").sizes() == (2,)
 
 
 def test_preemptions_are_drawn_in_proportion_alone_and_after_other_faults_with_joins_and_leaves():

@@ -43,7 +43,7 @@ class Scenario:
         preemptible: schedules may preempt it (SIGTERM: it stops with checkpoints, exit
             143) and resume it with `--resume`.
         resizable: a preempted run may resume on another number of workers (ranks), one
-            of `sizes()` (PS sync, DDP restart mode).
+            of `sizes()` (PS in every aggregation mode, DDP restart mode).
         exact_resume: a run only preempted and resumed on its own size ends bit-identical
             to the fault-free run (sync mode: no other fault changed its path).
         preempt_before: the share of the run its preemptions are drawn in (a preemption
@@ -161,8 +161,8 @@ def _ps(name: str, mode: str = "sync", *flags: str, **fields) -> Scenario:
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     _ps("ps-sync", preemptible=True, resizable=True, exact_resume=True),
-    _ps("ps-ssp", "ssp", "--staleness", "2", preemptible=True),
-    _ps("ps-async", "async", preemptible=True),
+    _ps("ps-ssp", "ssp", "--staleness", "2", preemptible=True, resizable=True),
+    _ps("ps-async", "async", preemptible=True, resizable=True),
     _ps("ps-sync-overlap", "sync", "--set", "ps.overlap=true"),
     _ps("ps-sync-topk", "sync", "--compression-enabled", "--compression-type", "topk",
         "--compression-ratio", "0.1"),
