@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from disttrain.cli import ps as ps_cli
+from disttrain.cli.flags import CONFIG_PREFIX, size_arg, split_size_range
 from disttrain.config import Config
 from disttrain.config.loading import load_config
 from disttrain.core.errors import ConfigError
@@ -50,18 +50,21 @@ def test_an_elastic_run_with_state_of_its_workers_numbering_is_refused():
         check_elastic(elastic_config(2, 3, backup_workers=1))
 
 
+WORKERS_KEY = CONFIG_PREFIX + "system.num_workers"
+
+
 @pytest.mark.parametrize("text, keys", [("3", (3, None)), ("2:4", (2, 4))])
 def test_workers_min_max_is_split_into_its_keys(text, keys):
-    args = argparse.Namespace(**{ps_cli.WORKERS_KEY: ps_cli.workers_arg(text)})
-    ps_cli.split_workers(args)
-    assert (getattr(args, ps_cli.WORKERS_KEY), getattr(args, ps_cli.MAX_WORKERS_KEY, None)) == keys
+    args = argparse.Namespace(**{WORKERS_KEY: size_arg(text)})
+    split_size_range(args, "--workers", "ps.max_workers")
+    assert (getattr(args, WORKERS_KEY), getattr(args, CONFIG_PREFIX + "ps.max_workers", None)) == keys
 
 
 def test_workers_min_max_out_of_order_or_not_numbers_are_refused():
     with pytest.raises(ConfigError, match=r"^--workers 3:2: MIN must be at least 1 and at most MAX"):
-        ps_cli.split_workers(argparse.Namespace(**{ps_cli.WORKERS_KEY: (3, 2)}))
+        split_size_range(argparse.Namespace(**{WORKERS_KEY: (3, 2)}), "--workers", "ps.max_workers")
     with pytest.raises(argparse.ArgumentTypeError, match="is not N or MIN:MAX"):
-        ps_cli.workers_arg("2:x")
+        size_arg("2:x")
 
 
 def test_faults_of_worker_steps_passed_are_dropped_at_a_change():

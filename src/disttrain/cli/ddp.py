@@ -27,7 +27,6 @@ from disttrain.cli.check import (
 )
 from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
-    CONFIG_PREFIX,
     LOCAL_UPDATE_FLAGS,
     add_config_flag,
     add_insecure_flag,
@@ -39,6 +38,8 @@ from disttrain.cli.flags import (
     config_from_args,
     options_from_args,
     prepare_run,
+    size_arg,
+    split_size_range,
 )
 from disttrain.config import Config
 from disttrain.core.errors import ConfigError, DisttrainError, Preempted, error_lines
@@ -73,38 +74,11 @@ heartbeat age, restarts, step and throughput, during the run or after it.
     disttrain ddp --ddp-recovery live --world-size 2:3 --rdzv-endpoint node0:29400 --config ddp.yaml --join
     torchrun --standalone --nproc-per-node 2 -m disttrain.torchrun --config ddp.yaml"""
 
-WORLD_SIZE_KEY = CONFIG_PREFIX + "system.num_workers"
-MAX_WORLD_SIZE_KEY = CONFIG_PREFIX + "ddp.max_world_size"
-
-
-def world_size_arg(text: str) -> int | tuple[int, int]:
-    """`--world-size`: N, or MIN:MAX (an elastic run; its range is checked in `prepare`)."""
-    low, colon, high = text.partition(":")
-    try:
-        return (int(low), int(high)) if colon else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX (e.g. 4, or 2:4)") from None
-
-
-def split_world_size(args: argparse.Namespace) -> None:
-    """`--world-size MIN:MAX` as its keys: system.num_workers MIN, ddp.max_world_size MAX.
-
-    Raises:
-        ConfigError: MIN < 1 or MIN > MAX.
-    """
-    value = getattr(args, WORLD_SIZE_KEY, None)
-    if not isinstance(value, tuple):
-        return
-    low, high = value
-    if low < 1 or low > high:
-        raise ConfigError(f"--world-size {low}:{high}: MIN must be at least 1 and at most MAX (e.g. 2:4)")
-    setattr(args, WORLD_SIZE_KEY, low)
-    setattr(args, MAX_WORLD_SIZE_KEY, high)
 
 
 # flag -> (config key, type, help): the DDP knobs on top of the common training flags.
 DDP_FLAGS = {
-    "--world-size": ("system.num_workers", world_size_arg, "ranks in all, over every node; MIN:MAX (live "
+    "--world-size": ("system.num_workers", size_arg, "ranks in all, over every node; MIN:MAX (live "
                      "recovery): an elastic run that starts MIN ranks, takes ranks started with --join up to "
                      "MAX (ddp.max_world_size) and trains while at least MIN remain"),
     "--backend": ("ddp.backend", str, "auto (NCCL when every rank has a GPU, else gloo), gloo or nccl"),
@@ -150,8 +124,8 @@ def prepare(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> t
     """The run's config and options, checked (a ConfigError otherwise); warns about keys
     the run ignores; refuses to report to a coordinator on another machine without the
     run's token or client certificates (unless --insecure); `--world-size MIN:MAX` is
-    split into its keys first (`split_world_size`)."""
-    split_world_size(args)
+    split into its keys first (`split_size_range`)."""
+    split_size_range(args, "--world-size", "ddp.max_world_size")
     config, options = prepare_run(args, "ddp", env)
     if config.coordinator.address:
         check_exposure(args, config.coordinator.address, "--coordinator",

@@ -406,3 +406,29 @@ def resumed_batch_size(config: Config, command: str) -> int:
     else:
         return config.training.batch_size
     return strategy_batch_size(config)
+
+
+def size_arg(text: str) -> int | tuple[int, int]:
+    """`--workers` / `--world-size`: N, or MIN:MAX (an elastic run; see `split_size_range`)."""
+    low, colon, high = text.partition(":")
+    try:
+        return (int(low), int(high)) if colon else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX (e.g. 4, or 2:4)") from None
+
+
+def split_size_range(args: argparse.Namespace, flag: str, max_key: str) -> None:
+    """A `size_arg` range as its keys: system.num_workers MIN, `max_key` (a config key) MAX.
+
+    Raises:
+        ConfigError: MIN < 1 or MIN > MAX.
+    """
+    size_key = CONFIG_PREFIX + "system.num_workers"
+    value = getattr(args, size_key, None)
+    if not isinstance(value, tuple):
+        return
+    low, high = value
+    if low < 1 or low > high:
+        raise ConfigError(f"{flag} {low}:{high}: MIN must be at least 1 and at most MAX (e.g. 2:4)")
+    setattr(args, size_key, low)
+    setattr(args, CONFIG_PREFIX + max_key, high)

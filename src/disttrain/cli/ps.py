@@ -15,16 +15,16 @@ from disttrain.cli.check import (
 )
 from disttrain.cli.flags import (
     COMPRESSION_FLAGS,
-    CONFIG_PREFIX,
     LOCAL_UPDATE_FLAGS,
     add_tls_flags,
     add_token_flag,
     add_training_flags,
     balance_flags,
     prepare_run,
+    size_arg,
+    split_size_range,
 )
 from disttrain.config import Config
-from disttrain.core.errors import ConfigError
 from disttrain.metrics.summary import RunSummary
 from disttrain.training.options import RunOptions
 
@@ -66,17 +66,7 @@ PS_FLAGS = {
     **COMPRESSION_FLAGS,
     **LOCAL_UPDATE_FLAGS,
 }
-WORKERS_KEY = CONFIG_PREFIX + "system.num_workers"
-MAX_WORKERS_KEY = CONFIG_PREFIX + "ps.max_workers"
 
-
-def workers_arg(text: str) -> int | tuple[int, int]:
-    """`--workers`: N, or MIN:MAX (an elastic run; its range is checked in `prepare`)."""
-    low, colon, high = text.partition(":")
-    try:
-        return (int(low), int(high)) if colon else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX (e.g. 4, or 2:4)") from None
 
 # The coordinator of a run across machines (`disttrain coordinator`).
 COORDINATOR_FLAG = {"--coordinator": ("coordinator.address", str, "HOST:PORT of the run's coordinator: "
@@ -85,7 +75,7 @@ COORDINATOR_FLAG = {"--coordinator": ("coordinator.address", str, "HOST:PORT of 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_training_flags(parser, {
-        "--workers": ("system.num_workers", workers_arg, "worker processes; MIN:MAX: a run that starts MIN "
+        "--workers": ("system.num_workers", size_arg, "worker processes; MIN:MAX: a run that starts MIN "
                       "workers, shrinks by one when a worker is sent SIGTERM (down to MIN) and grows by one "
                       "on SIGUSR1 to this launcher (up to MAX, ps.max_workers), each through a checkpoint"),
         "--servers": ("ps.num_servers", int, "parameter-server shards"),
@@ -102,24 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def prepare(args: argparse.Namespace) -> tuple[Config, RunOptions]:
     """The run's config and options, checked (a ConfigError otherwise); warns about keys
     the run ignores. `--workers MIN:MAX` is split into its keys first."""
-    split_workers(args)
+    split_size_range(args, "--workers", "ps.max_workers")
     return prepare_run(args, "ps")
-
-
-def split_workers(args: argparse.Namespace) -> None:
-    """`--workers MIN:MAX` as its keys: system.num_workers MIN, ps.max_workers MAX.
-
-    Raises:
-        ConfigError: MIN < 1 or MIN > MAX.
-    """
-    value = getattr(args, WORKERS_KEY, None)
-    if not isinstance(value, tuple):
-        return
-    low, high = value
-    if low < 1 or low > high:
-        raise ConfigError(f"--workers {low}:{high}: MIN must be at least 1 and at most MAX (e.g. 2:4)")
-    setattr(args, WORKERS_KEY, low)
-    setattr(args, MAX_WORKERS_KEY, high)
 
 
 def describe_ps_run(config: Config) -> str:
