@@ -28,7 +28,9 @@ from disttrain.strategies.ddp.live.trainer import Progress
 logger = logging.getLogger(__name__)
 
 LIVE_KEYS = ("model", "progress", "ledger")
-PROGRESS_KEYS = tuple(f.name for f in fields(Progress))
+# every piece of the position but the global batch and first size, which an earlier
+# build's checkpoint lacks and which the trainer then takes as its run's
+PROGRESS_KEYS = tuple(f.name for f in fields(Progress) if f.name not in ("global_batch", "first_world_size"))
 
 
 class LiveCheckpoints:

@@ -70,12 +70,17 @@ class Progress:
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     plans: list[list[Any]] = field(default_factory=list)  # balanced splits: [epoch, batch, batches]
     replans: int = 0  # of those, made by a speed check within a generation
+    # The run's global batch and first size, kept when it resumes on another size (0: a
+    # checkpoint of an earlier build, which holds neither).
+    global_batch: int = 0
+    first_world_size: int = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "index": self.index, "step": self.step,
                 "train_time_s": self.train_time_s, "admitted": self.admitted,
                 "evaluations": self.evaluations, "recoveries": self.recoveries,
-                "plans": self.plans, "replans": self.replans}
+                "plans": self.plans, "replans": self.replans, "global_batch": self.global_batch,
+                "first_world_size": self.first_world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.index, self.step = int(state["epoch"]), int(state["index"]), int(state["step"])
@@ -84,6 +89,8 @@ class Progress:
         self.recoveries = [dict(r) for r in state["recoveries"]]
         self.plans = [list(plan) for plan in state["plans"]]
         self.replans = int(state["replans"])
+        self.global_batch = int(state.get("global_batch", 0))
+        self.first_world_size = int(state.get("first_world_size", 0))
 
 
 class LiveTrainer:
@@ -116,7 +123,8 @@ class LiveTrainer:
         self.batches_per_epoch = len(self.train_set) // self.global_batch
         self.micro_batches = config.ddp.grad_accumulation_steps  # global batches per step
         self.num_epochs = training.num_epochs
-        self.progress = Progress()
+        self.progress = Progress(global_batch=self.global_batch,
+                                 first_world_size=config.system.num_workers)
         self.ledger = torch.zeros(self.num_epochs, self.batches_per_epoch, dtype=torch.int32)
         self.has_state = True
         self.sampler: PlannedSampler | None = None
@@ -193,13 +201,41 @@ class LiveTrainer:
         self.has_state = True
 
     def _load_training(self, state: dict[str, Any]) -> None:
-        """Model, optimizer, position and ledger from `state`."""
+        """Model, optimizer, position and ledger from `state`.
+
+        Raises:
+            ConfigError: a checkpoint of an earlier build, without its global batch, whose
+                epochs hold another number of global batches than this run's.
+        """
         self.module.load_state_dict(state["model"])
         self.optimizer.state.clear()
         self.stepper.load_state_dict(state)
         self.progress.load_state_dict(state["progress"])
         self.ledger = state["ledger"].clone()
+        self._keep_global_batch(self.progress, tuple(self.ledger.shape))
         self._clock_from = time.perf_counter()
+
+    def _keep_global_batch(self, progress: Progress, ledger_shape: tuple[int, ...]) -> None:
+        """The state's global batch becomes this process's: a run resumed on another size
+        (or joined by a rank of another range) trains the global batches of the run that
+        wrote it, each size splitting them over its members, as a run that shrank or grew
+        while it ran. Its learning rate is the state's too (the optimizer's groups)."""
+        if not progress.global_batch:  # an earlier build's: only this run's batch fits it
+            if ledger_shape != (self.num_epochs, self.batches_per_epoch):
+                raise ConfigError(
+                    f"the checkpoint's ledger {list(ledger_shape)} does not fit this run's global batch of "
+                    f"{self.global_batch} ({self.batches_per_epoch} per epoch): it was written by an earlier "
+                    f"build with another world size; resume it with its own --world-size")
+            progress.global_batch = self.global_batch
+            progress.first_world_size = self.config.system.num_workers
+            return
+        if progress.global_batch != self.global_batch:
+            logger.info("the run's global batch of %d is kept (this launch's size alone would make it %d)",
+                        progress.global_batch, self.global_batch)
+            self.global_batch = progress.global_batch
+            self.batches_per_epoch = len(self.train_set) // self.global_batch
+            if self.balance is not None:
+                self.balance = LiveBalance(self.config.system, self.global_batch)
 
     def drop_state(self) -> None:
         """Left out of a generation: this process's state is no longer the run's."""
