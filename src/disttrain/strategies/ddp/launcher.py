@@ -186,7 +186,8 @@ def launch(config: Config, options: RunOptions) -> RunSummary | None:
             except Preempted:
                 if not summary_path.is_file():  # rank 0 writes it only once the run has ended
                     raise
-                logger.warning("SIGTERM came after the last step: the run had ended")
+                logger.warning("SIGTERM came too late to stop the run early: its ranks reached the last "
+                               "step before they agreed on a stop, so it ended as a whole")
         if coordinator.registry is not None:
             logger.info("every rank's state, restarts and progress: disttrain status --registry %s",
                         coordinator.registry)
