@@ -34,6 +34,7 @@ from disttrain.compression.ddp_hooks import CompressionHook
 from disttrain.config import Config
 from disttrain.core.errors import ConfigError
 from disttrain.data import PlannedSampler, load_datasets
+from disttrain.data.datasets import shard_layout
 from disttrain.strategies.ddp.live.balance import LiveBalance
 from disttrain.strategies.ddp.live.compression import (
     clear_residuals,
@@ -105,6 +106,9 @@ class LiveTrainer:
         training = config.training
         self.config, self.slot = config, slot
         self.train_set, self.test_set = load_datasets(training)
+        # A data set read by shards (`shards:`): its epochs ordered shard by shard, its
+        # reader told the shards this member's pieces will read, as the training loop does.
+        self.shards = shard_layout(training)
         self.module = init_model(training)
         seed_training(training.seed, slot)
         # The global batch stays the run's (survivors take a lost member's share), so
@@ -252,7 +256,8 @@ class LiveTrainer:
                             self.progress.step)
         self.sampler = PlannedSampler(len(self.train_set), world_size=world_size, rank=rank,
                                       seed=self.config.training.seed,
-                                      shares=shares or split_batch(self.global_batch, world_size))
+                                      shares=shares or split_batch(self.global_batch, world_size),
+                                      shard_sizes=None if self.shards is None else self.shards.shard_sizes)
         self._follow(self.sampler)
         self.world_size = world_size
         if self.balance is not None:
@@ -284,16 +289,23 @@ class LiveTrainer:
 
     def _load_ahead(self) -> None:
         """Have the loader workers (`training.loader_workers`) load this member's pieces of
-        the epoch's remaining global batches, in the order `step` asks for them. Planned
-        again at each attach: a redone step's batches are cut by the new split, and a batch
+        the epoch's remaining global batches, in the order `step` asks for them, and a shard
+        reader read ahead the shards they come from. Planned again at each attach and
+        epoch start: a redone step's batches are cut by the new split, and a batch
         off the plan is loaded in this process anyway, so what a step trains on never
         depends on the workers."""
         sampler, p = self.sampler, self.progress
-        if self.loader is None or sampler is None or self.finished:
+        if sampler is None or self.finished:
             return
-        epoch, start = p.epoch, p.index
-        self.loader.start_epoch(lambda: [sampler.block(epoch, index)
-                                         for index in range(start, self.batches_per_epoch)])
+        epoch, start, end = p.epoch, p.index, self.batches_per_epoch
+
+        def pieces() -> list[torch.Tensor]:
+            return [sampler.block(epoch, index) for index in range(start, end)]
+
+        if self.shards is not None:
+            self.shards.read_ahead(pieces())
+        if self.loader is not None:
+            self.loader.start_epoch(pieces)
 
     def close(self) -> None:
         """Stop the loader workers, if any (call once, when the run is over for this process)."""
