@@ -47,3 +47,14 @@ def test_preemptions_are_counted_apart_from_the_kills_from_outside():
     assert summary["faults"] == {"kill": 1, "kill from outside": 1, "preemption": 2}
     assert summary["preemptions"] == {"drawn": 2, "sent": 2, "launches_stopped": 1, "ended_within_grace": 1,
                                       "runs_resized": 1}
+
+
+def test_an_elastic_runs_changes_of_size_are_counted_as_grows_and_leaves_not_kills():
+    elastic = result("ps-elastic", 4, "finished", schedule=(
+        "resize at step 70: SIGUSR1 to the launcher (grow), 2 to 3 workers (from outside)",
+        "resize at step 151: SIGTERM to worker 1 (planned leave), 3 to 2 workers (from outside)"))
+    elastic["sizes"] = [2, 3, 2]
+    elastic["launches"] = [{"workers": 2, "exit_code": 0, "preempted": None, "resized_to": [3, 2]}]
+    summary = summarize([elastic], {})
+    assert summary["faults"] == {"kill from outside": 0, "grow": 1, "planned leave": 1}
+    assert summary["preemptions"]["drawn"] == 0 and summary["preemptions"]["runs_resized"] == 1

@@ -10,7 +10,8 @@ invariants are read from what the run left on disk (the shards' ledgers, the che
 the final model, the registry), not from what the processes say of themselves.
 
 - `scenarios`: the configurations (PS sync, SSP, async; overlap, compression, pull
-  compression, local updates, reassignment, three shards; DDP restart and live).
+  compression, local updates, reassignment, three shards; DDP restart and live; and,
+  run when named, a PS run that grows and shrinks while it runs).
 - `schedule`: from a seed and a scenario, the faults (pure; printed and saved with every
   result, so any failure reproduces from its seed).
 - `invariants`: the checks on a finished or stopped run.

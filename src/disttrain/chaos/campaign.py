@@ -44,6 +44,7 @@ def run_campaign(scenarios: list[Scenario], first_seed: int, count: int, work_di
 
 
 PREEMPTION_LINE = "preempt at step"  # how a schedule prints a preemption
+RESIZE_LINE = "resize at step"  # and an elastic run's change of size
 
 
 def summarize(results: list[dict[str, Any]], references: dict[str, Reference]) -> dict[str, Any]:
@@ -57,10 +58,14 @@ def summarize(results: list[dict[str, Any]], references: dict[str, Reference]) -
     recoveries = [r["longest_recovery_s"] for r in results if r.get("longest_recovery_s")]
     lines = [line for r in results for line in r["schedule"]]
     preemptions = [line for line in lines if line.startswith(PREEMPTION_LINE)]
+    resizes = [line for line in lines if line.startswith(RESIZE_LINE)]
     faults = Counter(line.split(":")[0] for line in lines if "from outside" not in line)
-    faults["kill from outside"] = sum(1 for line in lines if "from outside" in line) - len(preemptions)
+    faults["kill from outside"] = sum(1 for line in lines if "from outside" in line) - len(preemptions) \
+        - len(resizes)
     if preemptions:
         faults["preemption"] = len(preemptions)
+    for line in resizes:
+        faults["grow" if "(grow)" in line else "planned leave"] += 1
     launches = [launch for r in results for launch in r.get("launches", [])]
     return {
         "schedules_run": len(results),
@@ -90,5 +95,7 @@ def summarize(results: list[dict[str, Any]], references: dict[str, Reference]) -
 
 
 def _resized(result: dict[str, Any]) -> bool:
-    """Whether a run's launches did not all have one number of workers (ranks)."""
-    return len({launch["workers"] for launch in result.get("launches", [])}) > 1
+    """Whether a run's launches did not all have one number of workers (ranks), or an
+    elastic run changed size while it ran (`sizes`)."""
+    sizes = result.get("sizes") or [launch["workers"] for launch in result.get("launches", [])]
+    return len(set(sizes)) > 1

@@ -202,15 +202,17 @@ def _survivors_kept(log_dir: Path, restarted: set[int]) -> list[str]:
             and node["rank"] not in restarted]
 
 
-def check_accuracy(accuracy: float | None, references: list[float]) -> list[str]:
-    """Within `MAX_ACCURACY_GAP` (either way) of the fault-free runs' accuracies (their
-    spread, where several were run)."""
+def check_accuracy(accuracy: float | None, references: list[float],
+                   gap: float = MAX_ACCURACY_GAP) -> list[str]:
+    """Within `gap` (either way) of the fault-free runs' accuracies (their spread, where
+    several were run)."""
     if not references:
         return []
     if accuracy is None:
         return ["the summary holds no final accuracy"]
     low, high = min(references), max(references)
-    if not low - MAX_ACCURACY_GAP <= accuracy <= high + MAX_ACCURACY_GAP:
+    if not low - gap <= accuracy <= high + gap:
         spread = f"{low:.4f}" if low == high else f"{low:.4f} to {high:.4f}"
-        return [f"final accuracy {accuracy:.4f} is more than 1 point from the fault-free run's {spread}"]
+        points = f"{100 * gap:g} point" + ("" if 100 * gap == 1 else "s")
+        return [f"final accuracy {accuracy:.4f} is more than {points} from the fault-free run's {spread}"]
     return []

@@ -1,6 +1,8 @@
 """Signals sent to a run from outside, as the world sends them: SIGKILLs and hangs by the
-clock (`TimedFaults`), and preemptions (`PreemptionSender`: SIGTERM to the launcher or to
-one member once the run has reached a step, as a scheduler reclaiming a machine does).
+clock (`TimedFaults`), preemptions (`PreemptionSender`: SIGTERM to the launcher or to
+one member once the run has reached a step, as a scheduler reclaiming a machine does), and
+an elastic run's changes of size (`ResizeSender`: SIGUSR1 to the launcher, SIGTERM to one
+worker).
 
 Every process of a run carries a tag in its environment (`TAG_ENV`, inherited by every
 child and grandchild), so a signal goes only to a process of this launch, whatever a
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from disttrain.chaos.scenarios import Scenario
-from disttrain.chaos.schedule import LAUNCHER, Preemption, TimedFault
+from disttrain.chaos.schedule import GROW, LAUNCHER, Preemption, Resize, TimedFault
 from disttrain.coordinator.registry import RegistryError, read_status
 
 TAG_ENV = "DISTTRAIN_CHAOS_RUN"
@@ -147,11 +149,64 @@ class PreemptionSender:
             return
 
     def _members(self) -> dict[str, dict[str, Any]]:
-        """The members (workers, ranks) of this launch alive in the registry, by node id."""
-        try:
-            nodes = read_status(self.log_dir / "cluster.db").nodes
-        except RegistryError:
-            return {}  # not there yet, or busy: the next poll
-        ours = set(tagged_pids(self.tag))
-        return {n["node_id"]: n for n in nodes
-                if n["role"] in ("worker", "rank") and n["state"] == "alive" and n["pid"] in ours}
+        return members(self.log_dir, self.tag)
+
+
+def members(log_dir: Path, tag: str) -> dict[str, dict[str, Any]]:
+    """The members (workers, ranks) of the launch tagged `tag` alive in its registry, by node id."""
+    try:
+        nodes = read_status(log_dir / "cluster.db").nodes
+    except RegistryError:
+        return {}  # not there yet, or busy: the next poll
+    ours = set(tagged_pids(tag))
+    return {n["node_id"]: n for n in nodes
+            if n["role"] in ("worker", "rank") and n["state"] == "alive" and n["pid"] in ours}
+
+
+class ResizeSender:
+    """Sends an elastic run's changes of size one after the other from a thread: each once
+    the run trains on the size before it (that many workers of this launch alive in the
+    registry, none of them a process of the launch a change was sent to before: a change
+    restarts every process) and one of them has reported the change's step, SIGUSR1 to
+    the launcher (`launcher_pid`) for a grow, SIGTERM to the worker for a planned leave. A
+    change sent earlier would land while the run restarts its processes, where a SIGUSR1
+    is ignored."""
+
+    def __init__(self, resizes: tuple[Resize, ...], launcher_pid: int, log_dir: Path, tag: str):
+        self.resizes, self.launcher_pid, self.log_dir, self.tag = resizes, launcher_pid, log_dir, tag
+        self.sent: list[str] = []  # what was sent, to which pid, at which step
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-resizes", daemon=True)
+
+    def start(self) -> None:
+        if self.resizes:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        pending, earlier = list(self.resizes), set()  # the pids of the launch sent the last change
+        while pending and not self._done.wait(POLL_S):
+            resize, workers = pending[0], members(self.log_dir, self.tag)
+            reached = max((node["step"] or 0 for node in workers.values()), default=-1)
+            pids = {node["pid"] for node in workers.values()}
+            if len(workers) != resize.before or pids & earlier or reached < resize.step:
+                continue
+            if resize.action == GROW:
+                pid, whom, signum = self.launcher_pid, "the launcher", signal.SIGUSR1
+            else:
+                node = workers.get(f"worker{resize.index}")
+                if node is None:
+                    continue
+                pid, whom, signum = node["pid"], f"worker {resize.index}", signal.SIGTERM
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                continue
+            self.sent.append(f"resize at step {resize.step}: {signal.Signals(signum).name} to {whom} "
+                             f"(pid {pid}) at step {reached}, {resize.before} to {resize.size} workers")
+            pending.pop(0)
+            earlier = pids

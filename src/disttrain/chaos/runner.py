@@ -8,6 +8,10 @@ naming `--resume`, and is resumed with `--resume` on the number of workers (rank
 preemption drew; the invariants are checked once the chain has finished, over what every
 launch left on disk (the ledgers carry every launch's samples).
 
+An elastic run's changes of size are sent to its one launch (`outside.ResizeSender`); the
+sizes it went through are read from its launcher's log (each change says the size it
+starts again on), and the invariants checked against the size it ended on.
+
 Every process of a run carries a tag in its environment (`outside.TAG_ENV`, inherited by
 every child and grandchild), so the processes it left behind are found whatever started
 them. Timed faults find their target's pid in the coordinator's registry and send it only
@@ -19,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -30,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from disttrain.chaos import invariants
-from disttrain.chaos.outside import POLL_S, TAG_ENV, PreemptionSender, TimedFaults, tagged_pids
+from disttrain.chaos.outside import POLL_S, TAG_ENV, PreemptionSender, ResizeSender, TimedFaults, tagged_pids
 from disttrain.chaos.scenarios import Scenario
-from disttrain.chaos.schedule import Preemption, Schedule, TimedFault, restarts
+from disttrain.chaos.schedule import Preemption, Resize, Schedule, TimedFault, restarts
 from disttrain.core.fault_spec import Fault, format_fault
 
 logger = logging.getLogger(__name__)
@@ -51,6 +56,8 @@ class Launch:
     leftovers: list[int] = field(default_factory=list)  # pids of the run still alive after it ended
     faults_sent: list[str] = field(default_factory=list)
     preempted: str | None = None  # the preemption sent to it (what, to which pid, at which step)
+    resizes_sent: list[str] = field(default_factory=list)
+    resized_to: list[int] = field(default_factory=list)  # an elastic run's sizes after each change
 
     @property
     def timed_out(self) -> bool:
@@ -73,21 +80,25 @@ def _last_line(path: Path) -> str:
 
 
 def launch(command: list[str], run_dir: Path, timeout_s: float, scenario: Scenario,
-           timed: tuple[TimedFault, ...] = (), preemption: Preemption | None = None) -> Launch:
-    """Run `command` (output in `run_dir`), sending `timed` faults and `preemption`; kill it
-    past `timeout_s`."""
+           timed: tuple[TimedFault, ...] = (), preemption: Preemption | None = None,
+           resizes: tuple[Resize, ...] = ()) -> Launch:
+    """Run `command` (output in `run_dir`), sending `timed` faults, `preemption` and
+    `resizes`; kill it past `timeout_s`."""
     run_dir.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex
     env = {**os.environ, TAG_ENV: tag, "PYTHONUNBUFFERED": "1"}
     stdout, stderr = run_dir / "stdout.txt", run_dir / "stderr.txt"
     started = time.monotonic()
+    offset = stderr.stat().st_size if stderr.exists() else 0
     with open(stdout, "ab") as out, open(stderr, "ab") as err:
         process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
                                    start_new_session=True)
         sender = TimedFaults(scenario, timed, run_dir / "logs", tag)
         preempter = PreemptionSender(preemption, process.pid, run_dir / "logs", tag)
+        resizer = ResizeSender(resizes, process.pid, run_dir / "logs", tag)
         sender.start()
         preempter.start()
+        resizer.start()
         try:
             code: int | None = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -97,9 +108,18 @@ def launch(command: list[str], run_dir: Path, timeout_s: float, scenario: Scenar
         finally:
             sender.stop()
             preempter.stop()
+            resizer.stop()
     wall_s = time.monotonic() - started
     leftovers = _reap(tag)
-    return Launch(code, wall_s, _last_line(stderr), leftovers, sender.sent, preempter.sent)
+    with open(stderr, "rb") as err:
+        err.seek(offset)
+        said = err.read().decode(errors="replace")
+    return Launch(code, wall_s, _last_line(stderr), leftovers, sender.sent, preempter.sent, resizer.sent,
+                  [int(size) for size in RESIZED.findall(said)])
+
+
+# What an elastic run's launcher says at each change of size (`ps.run.launcher`).
+RESIZED = re.compile(r"starting it again on (\d+) workers from them")
 
 
 def _reap(tag: str) -> list[int]:
@@ -153,7 +173,8 @@ def reference(scenario: Scenario, work_dir: Path) -> Reference:
 def bound_s(scenario: Scenario, schedule: Schedule, ref: Reference) -> float:
     """How long a run of `schedule` may take before it counts as hung."""
     waits = sum(f.seconds for f in schedule.faults) + sum(t.at_s for t in schedule.timed[-1:])
-    return 60.0 + 6 * ref.wall_s + 3 * waits + 10.0 * (len(schedule.faults) + len(schedule.timed))
+    return 60.0 + 6 * ref.wall_s + 3 * waits + 10.0 * (len(schedule.faults) + len(schedule.timed)) \
+        + 30.0 * len(schedule.resizes)
 
 
 def run_schedule(scenario: Scenario, schedule: Schedule, work_dir: Path, ref: Reference,
@@ -171,6 +192,8 @@ def run_schedule(scenario: Scenario, schedule: Schedule, work_dir: Path, ref: Re
         "slowdown": round(chain.wall_s / ref.wall_s, 2), "last_line": chain.last.last_line,
         "timed_faults_sent": first.faults_sent, "resumed": chain.resumed,
         "preemptions_sent": chain.preemptions_sent, "launches": chain.launches}
+    if schedule.resizes:
+        result.update(resizes_sent=first.resizes_sent, sizes=chain.sizes)
     violations = chain.violations
     summary = _summary(run_dir / "logs")
     if not violations and chain.last.code == 0:
@@ -216,7 +239,7 @@ class _Chain:
                 command += slowed_flags(scenario, () if resume else schedule.faults)
             limit = bound_s(scenario, schedule if number == 0 else Schedule(scenario.name, 0, ()), self.ref)
             self.last = done = launch(command, self.run_dir, limit, scenario, () if resume else timed,
-                                      preemption)
+                                      preemption, () if resume else schedule.resizes)
             first = first or done
             self.wall_s += done.wall_s
             if done.preempted is not None:  # a run may also end within the grace, exit 0
@@ -224,8 +247,11 @@ class _Chain:
             self.launches.append({"workers": self.sizes[-1], "exit_code": done.code,
                                   "wall_s": round(done.wall_s, 2), "last_line": done.last_line,
                                   "preempted": done.preempted})
+            if schedule.resizes:
+                self.launches[-1]["resized_to"] = done.resized_to
+            self.sizes += done.resized_to
             prefix = f"launch {number + 1}: " if schedule.preemptions or number else ""
-            problems = _process_violations(done, limit)
+            problems = _process_violations(done, limit) + resize_violations(done, resume, schedule)
             if not problems and done.code not in (0, None):
                 problems = self._stopped(done, preemption, pending)
             if problems or done.code == 0:
@@ -252,7 +278,8 @@ class _Chain:
                             f"{done.last_line!r}")
         else:
             self.resumed = True
-            self.sizes.append(self.sizes[-1])
+            # A `--resume` of an elastic run goes on on MIN workers.
+            self.sizes.append(self.scenario.workers if self.scenario.max_workers else self.sizes[-1])
         return problems
 
 
@@ -268,6 +295,19 @@ def slowed_flags(scenario: Scenario, faults: tuple[Fault, ...]) -> list[str]:
                       if f.role == role and restarts(f.action, f.seconds, scenario)}
     return [f"--inject={format_fault(Fault('slow', role=role, factor=factor, attempt=attempt))}"
             for attempt in sorted(attempts)]
+
+
+def resize_violations(done: Launch, resumed: bool, schedule: Schedule) -> list[str]:
+    """An elastic launch changed size once for each change sent to it, and to the size it
+    asked for; the last change may come after the run's last step (it ends first, on the
+    size before: no violation)."""
+    if resumed or not schedule.resizes or done.code != 0:
+        return []
+    wanted = [resize.size for resize in schedule.resizes[:len(done.resizes_sent)]]
+    if done.resized_to == wanted or (done.resized_to == wanted[:-1] and len(wanted) == len(schedule.resizes)):
+        return []
+    return [f"sent {len(done.resizes_sent)} change(s) of size ({', '.join(done.resizes_sent) or 'none'}), "
+            f"and the run went to {done.resized_to or 'no other size'}, not {wanted}"]
 
 
 def _process_violations(done: Launch, limit: float) -> list[str]:
@@ -305,7 +345,7 @@ def _state_violations(scenario: Scenario, schedule: Schedule, run_dir: Path, ref
         if resized:
             problems += invariants.check_ddp_end(scenario, checkpoint_dir, summary, sizes[-1])
     accuracy = summary.get("final_accuracy") if summary else None
-    return problems + invariants.check_accuracy(accuracy, ref.accuracies)
+    return problems + invariants.check_accuracy(accuracy, ref.accuracies, scenario.accuracy_gap)
 
 
 def _outcome(result: dict[str, Any], violations: list[str]) -> str:
