@@ -207,8 +207,10 @@ RULES: tuple[Rule, ...] = (
             ("text:", "image-folder:", "synthetic:", "torchvision:", "shards:"))),
         lambda c: f"only a data-set factory takes them (training.dataset is {c.training.dataset})")),
     *(Rule(f"training.{key}", _when(
-        lambda c, s: not c.training.dataset.startswith("shards:"),
-        lambda c: f"it bounds the reading of shards:DIR (training.dataset is {c.training.dataset})"))
+        lambda c, s: not c.training.dataset.startswith("shards:") and not (
+            c.training.dataset.startswith("image-folder:") and "://" in c.training.dataset),
+        lambda c: f"it bounds the reading of shards:DIR and image-folder:URL (training.dataset is "
+                  f"{c.training.dataset})"))
       for key in ("shard_cache_bytes", "num_shards_in_memory", "num_shards_ahead")),
     Rule("training.data_dir", _when(
         lambda c, s: not _reads_data_dir(c.training.dataset),

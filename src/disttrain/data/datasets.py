@@ -3,7 +3,8 @@
 The built-in image sets are small enough to hold in memory, so a batch is one indexed
 gather (`images[indices]`), with no loader processes to start or to shut down. Beside
 them: `text:FILE` and `image-folder:DIR` (`data.text`, `data.image_folder`; FILE or DIR
-a path or any fsspec URL, cached by `data.store_cache`), `shards:DIR` (`data.shards`: array
+a path or any fsspec URL, cached by `data.store_cache`; an image folder at a URL with a
+disk bound read group by group by `data.image_stream`), `shards:DIR` (`data.shards`: array
 shards larger than memory, read shard by shard as training reaches them), `torchvision:NAME`
 (`data.vision`, the sets of torchvision.datasets), the synthetic sets of any image shape
 (`synthetic:3x32x32`) and of tokens (`synthetic:text`), and a user's factory,
@@ -28,7 +29,17 @@ import torch
 from disttrain.config import TrainingConfig
 from disttrain.core import object_store
 from disttrain.core.errors import ConfigError, DataError
-from disttrain.data import image_folder, plugins, shards, sources, store_cache, text, user_shards, vision
+from disttrain.data import (
+    image_folder,
+    image_stream,
+    plugins,
+    shards,
+    sources,
+    store_cache,
+    text,
+    user_shards,
+    vision,
+)
 from disttrain.data.batching import Collate, pad_collate
 from disttrain.data.description import DatasetDescription
 from disttrain.data.mapped import SUBSET_SEED, BatchedDataset, MappedDataset, subset_indices
@@ -206,6 +217,8 @@ def describe_dataset(training: TrainingConfig) -> DatasetDescription:
         return text.describe_text(training.seq_len)
     if synthetic_shape(name) is not None:
         return DatasetDescription.classification(synthetic_shape(name), NUM_CLASSES)
+    if image_stream.is_streamed(training):
+        return image_stream.describe_image_stream(training)
     if name.startswith(image_folder.PREFIX):
         return image_folder.describe_image_folder(_image_folder_spec(training))
     if name.startswith(shards.PREFIX):
@@ -275,6 +288,8 @@ def load_datasets(training: TrainingConfig) -> tuple[BatchedDataset, BatchedData
         train, test = text.synthetic_text(training.num_samples, training.seq_len)
     elif synthetic_shape(name) is not None:
         train, test = synthetic(training.num_samples, synthetic_shape(name), name)
+    elif image_stream.is_streamed(training):
+        train, test = image_stream.load_image_stream(training)
     elif name.startswith(image_folder.PREFIX):
         train, test = image_folder.load_image_folder(_image_folder_spec(training))
     elif name.startswith(shards.PREFIX):
@@ -317,6 +332,8 @@ def shard_layout(training: TrainingConfig) -> shards.ShardLayout | None:
     name = training.dataset
     if name.startswith(shards.PREFIX):
         return shards.shard_layout(training)
+    if image_stream.is_streamed(training):
+        return image_stream.image_stream_layout(training)
     if is_builtin(name) or name == SYNTHETIC_TEXT or name.startswith(
             (text.PREFIX, image_folder.PREFIX, vision.PREFIX, SYNTHETIC_PREFIX)):
         return None

@@ -4,7 +4,9 @@
 and `test/`, each laid out so, they are the two splits, else a fixed fifth of the images
 is the test set. Every image is read as RGB, scaled to [0, 1] and normalised by the
 training split's per-channel mean and std; all must be of one size (resize them first).
-Reading images needs Pillow (installed with disttrain, through matplotlib).
+Reading images needs Pillow (installed with disttrain, through matplotlib). A folder at a
+URL is fetched whole into the cache first (`data.store_cache`), or, with
+`training.shard_cache_bytes` set, read group by group (`data.image_stream`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Reading array shards lazily from a store: a bounded cache on disk, a bounded set of shards
 in memory, and the next shards of this process's order fetched ahead by a thread.
 
-A shard is fetched whole the first time a batch needs it (or ahead of that) into
+A shard is fetched whole (every object of a shard of several, `members`: a group of
+images of `data.image_stream`) the first time a batch needs it (or ahead of that) into
 `training.data_dir`/cache/ through `store_cache.local_copy` (atomic, checked against the
 store's size and ETag, retried through `system.checkpoint_retry_s`), then its arrays are
-read with `numpy.load(allow_pickle=False)` (no code in a shard can run) and held in memory.
+read with `numpy.load(allow_pickle=False)` (no code in a shard can run; a shard of several
+objects by its `decode`) and held in memory.
 
 Bounds:
 
@@ -75,10 +77,16 @@ class ShardReader:
     URL), read lazily within `limits`. Thread-safe; picklable (a copy starts empty)."""
 
     def __init__(self, location: str, files: list[str], fields: tuple[str, ...], data_dir: str,
-                 download: bool, limits: ReaderLimits, read: Callable[[int], Any] | None = None):
+                 download: bool, limits: ReaderLimits, read: Callable[[int], Any] | None = None,
+                 members: list[list[str]] | None = None,
+                 decode: Callable[[list[Path], int], Arrays] | None = None):
         self.location, self.files, self.fields = location, list(files), tuple(fields)
         self.data_dir, self.download, self.limits = data_dir, download, limits
         self.read = read  # a shard's contents by its number, in place of fetching and reading a .npz
+        # A shard of several objects (a group of images): each one's name under `location`,
+        # all fetched (and bounded on disk) as the shard, then `decode(their copies, shard)`.
+        self.members = members
+        self.decode = decode
         self._start()
 
     def _start(self) -> None:
@@ -95,7 +103,7 @@ class ShardReader:
 
     def __getstate__(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in ("location", "files", "fields", "data_dir", "download",
-                                                     "limits", "read")}
+                                                     "limits", "read", "members", "decode")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -188,9 +196,9 @@ class ShardReader:
                 arrays = self.read(shard)
             else:
                 try:
-                    arrays = self._read(self._local(shard), shard)
+                    arrays = self._decoded(shard)
                 except FileNotFoundError:  # removed by another process's bound between fetch and read
-                    arrays = self._read(self._local(shard), shard)
+                    arrays = self._decoded(shard)
         except BaseException:
             with self._lock:
                 self._pinned.discard(shard)
@@ -206,43 +214,56 @@ class ShardReader:
             self._loading.pop(shard, None)
         return arrays
 
-    def _local(self, shard: int) -> Path:
-        where = object_store.join(self.location, self.files[shard])
+    def _decoded(self, shard: int) -> Arrays:
+        copies = self._local(shard)
+        if self.decode is not None:
+            return self.decode(copies, shard)
+        return self._read(copies[0], shard)
+
+    def _parts(self, shard: int) -> list[str]:
+        return self.members[shard] if self.members is not None else [self.files[shard]]
+
+    def _local(self, shard: int) -> list[Path]:
+        """The local paths of shard `shard`'s objects, fetched into the cache on a store."""
+        where = [object_store.join(self.location, part) for part in self._parts(shard)]
         if not object_store.is_url(self.location):
-            return Path(where)
-        copy = store_cache.local_copy(str(where), self.data_dir, self.download)
+            return [Path(w) for w in where]
+        copies = [store_cache.local_copy(str(w), self.data_dir, self.download) for w in where]
         with self._lock:
             self._last_use[shard] = None
             self._last_use.move_to_end(shard)
         if self.limits.cache_bytes:
             self._bound_disk(keep=shard)
-        return copy
+        return copies
 
-    def _folder(self, shard: int) -> Path:
-        url = str(object_store.join(self.location, self.files[shard]))
-        return store_cache.cache_folder(url, self.data_dir)
+    def _folders(self, shard: int) -> list[Path]:
+        return [store_cache.cache_folder(str(object_store.join(self.location, part)), self.data_dir)
+                for part in self._parts(shard)]
 
     def _bound_disk(self, keep: int) -> None:
         """Remove the least recently used copies of this data set's shards until their bytes
         on disk are within `limits.cache_bytes`."""
-        sizes = {}
+        sizes, changed = {}, {}
         for shard in range(len(self.files)):
-            folder = self._folder(shard)
-            if folder.is_dir():
-                sizes[shard] = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+            folders = [folder for folder in self._folders(shard) if folder.is_dir()]
+            if folders:
+                sizes[shard] = sum(p.stat().st_size for folder in folders for p in folder.iterdir()
+                                   if p.is_file())
+                changed[shard] = max(folder.stat().st_mtime for folder in folders)
         total = sum(sizes.values())
         with self._lock:
             used = list(self._last_use)
             busy = self._pinned | {keep}
-        never = sorted((s for s in sizes if s not in used), key=lambda s: self._folder(s).stat().st_mtime)
+        never = sorted((s for s in sizes if s not in used), key=lambda s: changed[s])
         for shard in never + used:
             if total <= self.limits.cache_bytes:
                 break
             if shard in busy or shard not in sizes:
                 continue
-            for copy in self._folder(shard).iterdir():  # not the folder: another process may fill it now
-                if not copy.name.startswith("."):  # nor a fetch's temporary file
-                    copy.unlink(missing_ok=True)
+            for folder in self._folders(shard):
+                for copy in folder.iterdir():  # not the folder: another process may fill it now
+                    if not copy.name.startswith("."):  # nor a fetch's temporary file
+                        copy.unlink(missing_ok=True)
             total -= sizes.pop(shard)
             with self._lock:
                 self._last_use.pop(shard, None)

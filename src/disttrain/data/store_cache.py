@@ -274,17 +274,36 @@ def local_folder(url: str, data_dir: str | Path, download: bool = True) -> Path:
     return _cached(url, data_dir, lambda folder: _fetch_folder_once(url, folder, download))
 
 
+def list_folder(url: str) -> dict[str, dict[str, Any]]:
+    """Every object under the folder (key prefix) at `url`, by its path relative to it,
+    with what the store says of it (size, ETag), fetching none (one listing, retried as
+    `local_copy`'s fetch is).
+
+    Raises:
+        DataSourceError, DataStoreError: as `local_copy`; an empty or absent folder is
+            `DataSourceError`.
+    """
+    url = url.rstrip("/")
+    return _cached(url, "", lambda _: _listing(url))  # type: ignore[return-value]
+
+
+def _listing(url: str) -> dict[str, dict[str, Any]]:
+    store = object_store.StoreFolder(url)
+    listing = _backend(lambda: _find(store.fs, store.root.rstrip("/")))
+    if not listing:
+        raise FileNotFoundError(f"{url} holds no objects")
+    for relative in listing:
+        if any(part in ("", ".", "..") for part in relative.split("/")):  # a copy must stay in its folder
+            raise _Refused(f"the object {relative!r} has a name that is no path inside the folder")
+    return listing
+
+
 def _fetch_folder_once(url: str, folder: Path, download: bool) -> Path:
     """One attempt at a folder: list it, return the cached copy of that listing or fetch
     every object into a temporary folder renamed into place."""
     store = object_store.StoreFolder(url)
     root = store.root.rstrip("/")
-    listing = _backend(lambda: _find(store.fs, root))
-    if not listing:
-        raise FileNotFoundError(f"{url} holds no objects")
-    for relative in listing:
-        if any(part in ("", ".", "..") for part in relative.split("/")):  # the copy must stay in its folder
-            raise _Refused(f"the object {relative!r} has a name that is no path inside the folder")
+    listing = _listing(url)
     version = folder_version(listing)
     name = object_store.basename(url) or "folder"
     copy = folder / version / name

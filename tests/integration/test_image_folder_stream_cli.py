@@ -1,0 +1,80 @@
+"""`image-folder:s3://...` with `training.shard_cache_bytes` against a real S3-compatible
+server (moto's, started here on a free port): the folder is listed once and its images are
+read group by group (the shards of the sampler's order), within a disk cache smaller than
+the folder. A baseline run keeps its cached images within the bound and fetches the
+folder's images lazily (read ahead by the reader's thread); preempted mid-epoch and resumed,
+it ends bit for bit where the uninterrupted run does. Skipped, with the reason, where moto's
+server or s3fs is missing."""
+
+import json
+import re
+
+import pytest
+import test_checkpoint_store_cli as store_cli
+import torch
+
+from disttrain.data import image_stream
+from tests.unit.test_text_and_images import write_images
+
+moto_port, bucket, endpoint_env = store_cli.moto_port, store_cli.bucket, store_cli.endpoint_env
+
+s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'disttrain[s3]')")
+
+PER_CLASS = 200  # 400 images: 80 held out (1 group of 64 and one of 16), 320 trained on (5 groups)
+TRAIN = 320
+BATCH = 16
+STEPS_PER_EPOCH = TRAIN // BATCH
+ARGS = ["--model", "mlp", "--batch-size", str(BATCH), "--num-epochs", "2", "--num-threads", "1",
+        "--seed", "7", "--optimizer", "sgd", "--learning-rate", "0.05", "--checkpoint-interval", "1000",
+        "--set", "training.num_shards_in_memory=3", "--set", "training.num_shards_ahead=1"]
+READER = re.compile(r"training\.dataset: (\d+) shards read ahead, (\d+) read by the steps themselves")
+
+
+def run(cli, folder, spec, port, *extra):
+    folders = ["--data-dir", folder / "data", "--log-dir", folder / "logs", "--checkpoint-dir",
+               folder / "ckpt"]
+    return cli("baseline", *ARGS, "--dataset", spec, *folders, *extra, env=endpoint_env(port), timeout=250)
+
+
+def final_model(folder):
+    return torch.load(folder / "ckpt" / "baseline_final.pt", weights_only=True)["model"]
+
+
+def same(one, other) -> bool:
+    return one.keys() == other.keys() and all(torch.equal(one[k], other[k]) for k in one)
+
+
+def cached_bytes(data) -> int:
+    return sum(p.stat().st_size for p in (data / "cache").glob("*/*") if p.is_file())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_an_s3_image_folder_streams_within_its_cache_bound_and_resumes_bit_identical(tmp_path, cli, moto_port,
+                                                                                     bucket):
+    assert image_stream.IMAGES_PER_SHARD == 64  # the group counts below
+    local = tmp_path / "pets"
+    write_images(local, per_class=PER_CLASS)
+    s3fs.S3FileSystem(skip_instance_cache=True).put(str(local), f"{bucket}/pets", recursive=True)
+    total = sum(p.stat().st_size for p in local.rglob("*.png"))
+    bound = total // 2  # about 3 of the 7 groups on disk at once
+    spec, limit = f"image-folder:s3://{bucket}/pets", ["--set", f"training.shard_cache_bytes={bound}"]
+
+    whole = run(cli, tmp_path / "whole", spec, moto_port, *limit)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert 0 < cached_bytes(tmp_path / "whole" / "data") <= bound < total
+    assert f"training.dataset: fetched s3://{bucket}/pets (" not in whole.stderr  # never the folder whole
+    assert f"training.dataset: fetched s3://{bucket}/pets/cat/0.png (" in whole.stderr  # image by image
+    # Epoch 1's start logs what epoch 0 read: the training groups read ahead by the thread.
+    counts = [(int(a), int(b)) for a, b in READER.findall(whole.stderr)]
+    assert counts and counts[-1][0] >= 3, (counts, whole.stderr[-3000:])
+
+    cut = tmp_path / "cut"
+    stopped = run(cli, cut, spec, moto_port, *limit, "--inject", "term:worker=0:step=27")
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    resumed = run(cli, cut, spec, moto_port, *limit, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((cut / "logs" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 27 and summary["steps"] == 2 * STEPS_PER_EPOCH
+    assert same(final_model(tmp_path / "whole"), final_model(cut))
+    assert 0 < cached_bytes(cut / "data") <= bound
