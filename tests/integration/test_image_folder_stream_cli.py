@@ -3,7 +3,8 @@ server (moto's, started here on a free port): the folder is listed once and its 
 read group by group (the shards of the sampler's order), within a disk cache smaller than
 the folder. A baseline run keeps its cached images within the bound and fetches the
 folder's images lazily (read ahead by the reader's thread); preempted mid-epoch and resumed,
-it ends bit for bit where the uninterrupted run does. Skipped, with the reason, where moto's
+it ends bit for bit where the uninterrupted run does; a 2-worker parameter-server run on
+it applies every sample once. Skipped, with the reason, where moto's
 server or s3fs is missing."""
 
 import json
@@ -30,10 +31,10 @@ ARGS = ["--model", "mlp", "--batch-size", str(BATCH), "--num-epochs", "2", "--nu
 READER = re.compile(r"training\.dataset: (\d+) shards read ahead, (\d+) read by the steps themselves")
 
 
-def run(cli, folder, spec, port, *extra):
+def run(cli, folder, spec, port, *extra, command="baseline"):
     folders = ["--data-dir", folder / "data", "--log-dir", folder / "logs", "--checkpoint-dir",
                folder / "ckpt"]
-    return cli("baseline", *ARGS, "--dataset", spec, *folders, *extra, env=endpoint_env(port), timeout=250)
+    return cli(command, *ARGS, "--dataset", spec, *folders, *extra, env=endpoint_env(port), timeout=250)
 
 
 def final_model(folder):
@@ -44,6 +45,15 @@ def same(one, other) -> bool:
     return one.keys() == other.keys() and all(torch.equal(one[k], other[k]) for k in one)
 
 
+def put_images(tmp_path, bucket_name: str) -> int:
+    """The images written into the bucket's `pets` folder; their bytes."""
+    assert image_stream.IMAGES_PER_SHARD == 64  # the group counts above
+    local = tmp_path / "pets"
+    write_images(local, per_class=PER_CLASS)
+    s3fs.S3FileSystem(skip_instance_cache=True).put(str(local), f"{bucket_name}/pets", recursive=True)
+    return sum(p.stat().st_size for p in local.rglob("*.png"))
+
+
 def cached_bytes(data) -> int:
     return sum(p.stat().st_size for p in (data / "cache").glob("*/*") if p.is_file())
 
@@ -52,11 +62,7 @@ def cached_bytes(data) -> int:
 @pytest.mark.timeout(900)
 def test_an_s3_image_folder_streams_within_its_cache_bound_and_resumes_bit_identical(tmp_path, cli, moto_port,
                                                                                      bucket):
-    assert image_stream.IMAGES_PER_SHARD == 64  # the group counts below
-    local = tmp_path / "pets"
-    write_images(local, per_class=PER_CLASS)
-    s3fs.S3FileSystem(skip_instance_cache=True).put(str(local), f"{bucket}/pets", recursive=True)
-    total = sum(p.stat().st_size for p in local.rglob("*.png"))
+    total = put_images(tmp_path, bucket)
     bound = total // 2  # about 3 of the 7 groups on disk at once
     spec, limit = f"image-folder:s3://{bucket}/pets", ["--set", f"training.shard_cache_bytes={bound}"]
 
@@ -78,3 +84,19 @@ def test_an_s3_image_folder_streams_within_its_cache_bound_and_resumes_bit_ident
     assert summary["resumed_from_step"] == 27 and summary["steps"] == 2 * STEPS_PER_EPOCH
     assert same(final_model(tmp_path / "whole"), final_model(cut))
     assert 0 < cached_bytes(cut / "data") <= bound
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_parameter_server_run_on_an_s3_image_folder_applies_every_sample_once(tmp_path, cli, moto_port,
+                                                                                bucket):
+    bound = put_images(tmp_path, bucket) // 2
+    result = run(cli, tmp_path, f"image-folder:s3://{bucket}/pets", moto_port, "--workers", "2",
+                 "--heartbeat-interval", "0.2", "--set", f"training.shard_cache_bytes={bound}", command="ps")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["samples_lost"] == 0 and summary["samples_redone"] == 0, summary
+    assert summary["samples_applied"] == summary["samples_processed"] == 2 * TRAIN, summary
+    logs = [log.read_text() for log in (tmp_path / "logs").glob("worker*.log")]
+    assert len(logs) == 2 and all(READER.search(text) for text in logs)
+    assert 0 < cached_bytes(tmp_path / "data") <= bound

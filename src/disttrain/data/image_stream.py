@@ -12,8 +12,9 @@ sorted order, files sorted within) are put in one fixed order (`SUBSET_SEED`), s
 mixes classes; without train/ and test/ the first fifth of that order is the test split,
 the same images `image_folder` holds out. Each split's images are then cut into groups of
 `IMAGES_PER_SHARD` in that order. A group's images are fetched when training reaches it (or
-ahead of that), each into the cache through `store_cache.local_copy`, within the reader's
-disk, memory and read-ahead bounds. Images are scaled to [0, 1] and normalised by a fixed
+ahead of that), each into the cache through `store_cache.local_copy` and read at once (so
+another process's disk bound removing a copy costs that image's fetch again), within the
+reader's disk, memory and read-ahead bounds. Images are scaled to [0, 1] and normalised by a fixed
 mean and std of 0.5 per channel (the whole split's statistics would need every image read
 first); all must be of the first image's size.
 """
@@ -21,6 +22,7 @@ first); all must be of the first image's size.
 from __future__ import annotations
 
 import functools
+import io
 from pathlib import Path
 
 import numpy as np
@@ -76,12 +78,10 @@ def _groups(split: str, images: Images) -> list[tuple[str, Images]]:
             for number, start in enumerate(range(0, len(images), IMAGES_PER_SHARD))]
 
 
-def _read(path: Path, name: str) -> np.ndarray:
+def _read(data: bytes, name: str) -> np.ndarray:
     try:
-        with _image_module().open(path) as image:
+        with _image_module().open(io.BytesIO(data)) as image:
             return np.asarray(image.convert("RGB"), dtype=np.uint8)
-    except FileNotFoundError:  # its copy removed by another process's disk bound: fetched again
-        raise
     except OSError as e:
         raise DataError(f"training.dataset: {name} is not a readable image ({e})") from e
 
@@ -92,10 +92,10 @@ class _DecodeGroup:
     def __init__(self, members: list[list[str]], labels: list[list[int]], shape: tuple[int, ...]):
         self.members, self.labels, self.shape = members, labels, shape
 
-    def __call__(self, copies: list[Path], shard: int) -> Arrays:
+    def __call__(self, contents: list[bytes], shard: int) -> Arrays:
         images = []
-        for copy, name in zip(copies, self.members[shard], strict=True):
-            pixels = _read(copy, name)
+        for data, name in zip(contents, self.members[shard], strict=True):
+            pixels = _read(data, name)
             if pixels.shape != self.shape:
                 raise DataError(f"training.dataset: {name} is {pixels.shape[1]}x{pixels.shape[0]}, the first "
                                 f"image {self.shape[1]}x{self.shape[0]}; every image must be of one size "
@@ -127,7 +127,7 @@ def _open(location: str, data_dir: str, download: bool, limits) -> tuple[ShardIn
     members = [[name for name, _ in images] for _, images in every]
     labels = [[label for _, label in images] for _, images in every]
     first = store_cache.local_copy(str(object_store.join(location, members[0][0])), data_dir, download)
-    height, width, channels = _read(first, members[0][0]).shape
+    height, width, channels = _read(first.read_bytes(), members[0][0]).shape
     description = DatasetDescription.classification((channels, height, width), len(classes))
     index = ShardIndex("x", "y", description,
                        {s: [(file, len(images)) for file, images in groups[s]] for s in SPLITS})

@@ -49,6 +49,7 @@ from disttrain.data import store_cache
 logger = logging.getLogger(__name__)
 
 Arrays = dict[str, np.ndarray]
+FETCH_ATTEMPTS = 3  # an object of a group removed by another process's bound before its read
 
 
 @dataclass(frozen=True)
@@ -79,12 +80,12 @@ class ShardReader:
     def __init__(self, location: str, files: list[str], fields: tuple[str, ...], data_dir: str,
                  download: bool, limits: ReaderLimits, read: Callable[[int], Any] | None = None,
                  members: list[list[str]] | None = None,
-                 decode: Callable[[list[Path], int], Arrays] | None = None):
+                 decode: Callable[[list[bytes], int], Arrays] | None = None):
         self.location, self.files, self.fields = location, list(files), tuple(fields)
         self.data_dir, self.download, self.limits = data_dir, download, limits
         self.read = read  # a shard's contents by its number, in place of fetching and reading a .npz
         # A shard of several objects (a group of images): each one's name under `location`,
-        # all fetched (and bounded on disk) as the shard, then `decode(their copies, shard)`.
+        # all fetched (and bounded on disk) as the shard, then `decode(their bytes, shard)`.
         self.members = members
         self.decode = decode
         self._start()
@@ -215,10 +216,35 @@ class ShardReader:
         return arrays
 
     def _decoded(self, shard: int) -> Arrays:
-        copies = self._local(shard)
         if self.decode is not None:
-            return self.decode(copies, shard)
-        return self._read(copies[0], shard)
+            return self.decode(self._contents(shard), shard)
+        return self._read(self._local(shard)[0], shard)
+
+    def _contents(self, shard: int) -> list[bytes]:
+        """The bytes of each of shard `shard`'s objects, each read as soon as it is fetched:
+        another process's disk bound may remove a copy between its fetch and its read, and
+        then costs only that object's fetch again (not the whole group's)."""
+        if not object_store.is_url(self.location):
+            return [path.read_bytes() for path in self._local(shard)]
+        contents = []
+        for part in self._parts(shard):
+            url = str(object_store.join(self.location, part))
+            for attempt in range(FETCH_ATTEMPTS):
+                try:
+                    contents.append(store_cache.local_copy(url, self.data_dir, self.download).read_bytes())
+                    break
+                except FileNotFoundError:
+                    if attempt == FETCH_ATTEMPTS - 1:
+                        raise
+        self._used(shard)
+        return contents
+
+    def _used(self, shard: int) -> None:
+        with self._lock:
+            self._last_use[shard] = None
+            self._last_use.move_to_end(shard)
+        if self.limits.cache_bytes:
+            self._bound_disk(keep=shard)
 
     def _parts(self, shard: int) -> list[str]:
         return self.members[shard] if self.members is not None else [self.files[shard]]
@@ -229,11 +255,7 @@ class ShardReader:
         if not object_store.is_url(self.location):
             return [Path(w) for w in where]
         copies = [store_cache.local_copy(str(w), self.data_dir, self.download) for w in where]
-        with self._lock:
-            self._last_use[shard] = None
-            self._last_use.move_to_end(shard)
-        if self.limits.cache_bytes:
-            self._bound_disk(keep=shard)
+        self._used(shard)
         return copies
 
     def _folders(self, shard: int) -> list[Path]:
