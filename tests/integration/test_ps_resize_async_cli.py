@@ -1,5 +1,6 @@
 """`disttrain ps --resume` on another number of workers in async and SSP mode: a 2-worker
-run preempted mid-epoch (`--inject term:worker=1:step=S`) goes on on 3 workers, or on 1.
+run preempted mid-epoch (`--inject term:worker=W:step=S` for both workers) goes on on 3
+workers, or on 1.
 Every sample of each epoch is applied exactly once across the change (the shards' ledgers,
 through the summary, and what the model's forward was given in every worker process of
 both runs), the global batch is kept (said in the launcher's log), the shards' step
@@ -25,7 +26,11 @@ def stopped(request, tmp_path_factory) -> tuple[Path, list[dict], str]:
     mode = request.param
     path = tmp_path_factory.mktemp(f"two-{mode}")
     config_file(path)
-    result = ps(path, "two", 2, *MODES[mode], "--inject", f"term:worker=1:step={STOP_STEP}")
+    # Both workers are signalled at the step: async workers drift apart, and on a loaded
+    # machine one alone may finish the run (100 steps in under a second) before the other
+    # reaches it; the first to get there stops both mid-epoch (a second SIGTERM changes nothing).
+    result = ps(path, "two", 2, *MODES[mode], "--inject", f"term:worker=0:step={STOP_STEP}",
+                "--inject", f"term:worker=1:step={STOP_STEP}")
     assert result.returncode == 143, logs(path, result)
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: preempted by SIGTERM: "), logs(path, result)
