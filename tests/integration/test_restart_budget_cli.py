@@ -175,10 +175,14 @@ def test_a_rank_group_that_dies_again_before_its_next_checkpoint_stops_after_max
 def test_a_live_rank_killed_after_progress_more_often_than_max_restarts_rejoins_each_time(tmp_path, cli):
     # Rank 1 is killed at step 10, and its next process at its first step in the group (the
     # group's step by then, past 10): both after progress, under a budget of 1. Rank 0
-    # straggles so the run outlasts two restarts.
+    # straggles so the run outlasts two restarts. A straggler's step is slowed with its waits
+    # for peers, and every member waits for all the others at each step boundary (the join
+    # and leave check), so its first step beside a rank that joins and dies can take seconds:
+    # the survivors' window to re-form (twice the heartbeat timeout) must outlast it, or the
+    # straggler is left out and the fast rank alone ends the run before anyone rejoins.
     result = cli("ddp", "--world-size", 3, "--ddp-recovery", "live", "--dataset", "digits", "--model", "mlp",
                  "--num-epochs", 8, "--batch-size", 16, "--seed", 1, "--timeout-s", 60, "--max-restarts", 1,
-                 "--set", "coordinator.heartbeat_interval=0.2", "--set", "coordinator.heartbeat_timeout=1",
+                 "--set", "coordinator.heartbeat_interval=0.2", "--set", "coordinator.heartbeat_timeout=4",
                  "--inject", "kill:rank=1:step=10", "--inject", "kill:rank=1:step=10:attempt=1",
                  "--inject", "slow:rank=0:factor=10", "--log-dir", tmp_path / "logs",
                  "--checkpoint-dir", tmp_path / "ckpt", timeout=450)
