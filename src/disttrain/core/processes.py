@@ -48,10 +48,21 @@ _QUIET_EVENTS = {PROGRESS_EVENT, ERROR_EVENT}  # out of the log files: frequent,
 STARTUP_TIMEOUT_S = 120.0
 
 
+_EMIT_LOCK = threading.Lock()
+
+
 def emit_event(kind: str, **fields: Any) -> None:
-    """Tell the launcher something (one JSON line on stdout); a no-op when not launched."""
+    """Tell the launcher something (one JSON line on stdout); a no-op when not launched.
+
+    Callable from any thread: the line and its newline go out in one write under a lock.
+    (`print` writes them apart, so two threads' events could share one line, which the
+    launcher cannot read: a worker's preemption was lost that way beside a progress report.)
+    """
     if PARENT_ENV in os.environ:
-        print(EVENT_PREFIX + json.dumps({"event": kind, **fields}), flush=True)
+        line = EVENT_PREFIX + json.dumps({"event": kind, **fields}) + "\n"
+        with _EMIT_LOCK:
+            sys.stdout.write(line)
+            sys.stdout.flush()
 
 
 class ProgressReport:
