@@ -45,6 +45,7 @@ PAYLOAD_TRANSPORTS = ("auto", "grpc", "shared_memory")
 BALANCES = ("none", "proportional", "auto")
 # Local-update training (LocalSGD / DiLoCo): how the averaged pseudo-gradient is applied.
 OUTER_OPTIMIZERS = ("sgd", "nesterov")
+OUTER_COMPRESSIONS = ("none", "fp16", "int8")
 
 
 def _rule(check, text: str, **extra: Any) -> dict[str, Any]:
@@ -176,6 +177,19 @@ class TrainingConfig:
     # null: the outer optimizer's own (nesterov: DiLoCo's 0.9; sgd: 0, plain averaging).
     outer_momentum: float | None = field(default=None, metadata=_rule(
         lambda v: v is None or 0 <= v < 1, "must be in [0, 1), or null (0.9 for nesterov, else 0)"))
+    # Streaming DiLoCo (DDP): the parameters cut into this many fragments (whole tensors in
+    # the model's order, balanced by bytes); fragment f is exchanged every sync_every steps,
+    # f * sync_every / outer_fragments steps after fragment 0, so one exchange carries
+    # about 1/outer_fragments of the model. 1: the whole model at once.
+    outer_fragments: int = field(default=1, metadata=_rule(lambda v: v >= 1, "must be >= 1 (1 = the "
+                                                           "whole model at once)"))
+    # After a fragment's outer step its parameters become outer_mixing x the worker's own
+    # + (1 - outer_mixing) x the outer result (0: the outer result, plain DiLoCo).
+    outer_mixing: float = field(default=0.0, metadata=_rule(lambda v: 0 <= v < 1, "must be in [0, 1) "
+                                                             "(0 = take the outer result)"))
+    # The pseudo-gradients exchanged as none (full precision), fp16 or int8, with error
+    # feedback (what a payload leaves out is added to the next one) (DDP).
+    outer_compression: str = field(default="none", metadata=_choice(OUTER_COMPRESSIONS))
 
     def __post_init__(self) -> None:
         if self.outer_momentum is None:  # frozen: set once, as the config is built
@@ -185,6 +199,12 @@ class TrainingConfig:
     def local_update_mode(self) -> bool:
         """Whether workers take local steps between synchronisations (see `sync_every`)."""
         return self.sync_every > 1 or self.local_updates
+
+    @property
+    def streaming_mode(self) -> bool:
+        """Whether Streaming DiLoCo's keys are set (`outer_fragments`, `outer_mixing`,
+        `outer_compression`); they act with local updates only."""
+        return self.outer_fragments > 1 or self.outer_mixing > 0 or self.outer_compression != "none"
 
     def cross_problems(self, name: Callable[[str], str]) -> list[str]:
         """Problems between keys; `name(key)` is the key as the user spelled it."""
@@ -203,6 +223,11 @@ class TrainingConfig:
         if self.outer_optimizer == "nesterov" and self.outer_momentum == 0:
             problems.append(f"{name('outer_momentum')}: nesterov needs a momentum in (0, 1), e.g. 0.9 "
                             f"(or set {name('outer_optimizer')} to sgd)")
+        if self.outer_fragments > 1 and self.outer_fragments > self.sync_every:
+            problems.append(f"{name('outer_fragments')}: {self.outer_fragments} fragments need at least as "
+                            f"many steps per round ({name('sync_every')} is {self.sync_every}) to be "
+                            f"exchanged at steps of their own; raise {name('sync_every')} or lower "
+                            f"{name('outer_fragments')}")
         return problems
 
 
@@ -466,6 +491,10 @@ class Config:
             return [f"{name('ps.backup_workers')}: {self.ps.backup_workers} must be less than "
                     f"system.num_workers ({self.system.num_workers})"]
         c, t = self.compression, self.training
+        if c.enabled and t.local_update_mode and t.outer_compression != "none":
+            return [f"{name('training.outer_compression')}: {t.outer_compression} compresses the "
+                    f"pseudo-gradients, and so would compression.type {c.type}; set one of them "
+                    "(training.outer_compression: none, or compression.enabled: false)"]
         if c.enabled and c.type == "topk" and c.momentum_correction and (t.optimizer != "sgd" or t.momentum):
             return [f"{name('compression.momentum_correction')}: the workers already apply momentum "
                     f"({c.momentum_correction}); the optimizer must not apply it again: set "

@@ -78,6 +78,9 @@ METRICS: dict[str, Metric] = {m.key: m for m in [
     Metric("local/rounds", "rounds", PER_STEP, "local-update rounds that ended (the pseudo-gradient "
            "averaged and the outer optimizer applied): per step, 1/`training.sync_every` but for "
            "rounds an epoch's end cut short", LOCAL_UPDATES),
+    Metric("local/exchange_bytes", "bytes", PER_STEP, "dense bytes of the largest pseudo-gradient "
+           "exchange of the step (with `training.outer_fragments` > 1 one fragment's; 0 within a round)",
+           "ddp (local updates)"),
     Metric("compression/bytes_dense", "bytes", PER_STEP, "gradient bytes before compression: "
            "what the same step sends uncompressed", COMPRESSED),
     Metric("compression/bytes_sent", "bytes", PER_STEP, "gradient payload bytes after compression, "
@@ -169,6 +172,13 @@ OPTIONAL_SUMMARY: dict[str, Metric] = {m.key: m for m in [
     Metric("local_rounds", "rounds", RUN, "local-update rounds completed (present with local "
            "updates, beside `sync_every`, `outer_optimizer`, `outer_learning_rate` and "
            "`outer_momentum`)", "ddp"),
+    Metric("outer_fragments", "fragments", RUN, "Streaming DiLoCo: the fragments the parameters are "
+           "exchanged in, beside `outer_mixing` and `outer_compression` (present with any of them set)",
+           "ddp (local updates)"),
+    Metric("outer_mixing", "ratio", RUN, "Streaming DiLoCo: the share of a worker's own parameters kept "
+           "after a fragment's outer step", "ddp (local updates)"),
+    Metric("outer_compression", "scheme", RUN, "Streaming DiLoCo: how pseudo-gradients were exchanged "
+           "(none, fp16, int8)", "ddp (local updates)"),
     Metric("samples_applied", "samples", RUN, "samples whose gradients the servers applied, from "
            "their data ledgers (every sample of every epoch once); DDP live recovery: samples of the "
            "global batches whose update the model holds, from the group's ledger", f"ps, {DDP_LIVE}"),

@@ -21,6 +21,9 @@ Call order: `OuterOptimizer(settings, params)` once the parameters hold the run'
 (or `load_state_dict` after a resume); after every inner step `end_of_step(ends_epoch)`;
 when it says the round ended: `pseudo_gradient(params)`, average it (transport),
 `step(average)`, then `copy_to(params)`.
+
+Streaming DiLoCo (`training.outer_fragments` > 1, `outer_mixing`, `outer_compression`) runs
+one `OuterOptimizer` per fragment of the parameters: see `training.fragments`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ class LocalUpdates:
     optimizer: str = "sgd"
     learning_rate: float = 1.0
     momentum: float = 0.0
+    # Streaming DiLoCo (see `training.fragments`): fragments, mixing, pseudo-gradient compression.
+    num_fragments: int = 1
+    mixing: float = 0.0
+    compression: str = "none"
 
     @classmethod
     def of(cls, training: TrainingConfig) -> LocalUpdates | None:
@@ -52,17 +59,31 @@ class LocalUpdates:
         if not training.local_update_mode:
             return None
         return cls(training.sync_every, training.outer_optimizer, training.outer_learning_rate,
-                   training.outer_momentum)
+                   training.outer_momentum, training.outer_fragments, training.outer_mixing,
+                   training.outer_compression)
+
+    @property
+    def streaming(self) -> bool:
+        """Whether Streaming DiLoCo's settings are in use (`TrainingConfig.streaming_mode`)."""
+        return self.num_fragments > 1 or self.mixing > 0 or self.compression != "none"
 
     def describe(self) -> str:
         """One line for the startup log and the summary."""
         momentum = f", momentum {self.momentum:g}" if self.momentum else ""
+        streaming = ""
+        if self.streaming:
+            streaming = (f"; streaming: {self.num_fragments} fragment(s) at staggered steps, mixing "
+                         f"{self.mixing:g}, pseudo-gradients {self.compression}")
         return (f"local updates: {self.sync_every} local step(s) per round, then outer {self.optimizer} "
-                f"(lr {self.learning_rate:g}{momentum}) on the averaged pseudo-gradient")
+                f"(lr {self.learning_rate:g}{momentum}) on the averaged pseudo-gradient{streaming}")
 
     def summary_fields(self) -> dict[str, Any]:
-        return {"sync_every": self.sync_every, "outer_optimizer": self.optimizer,
-                "outer_learning_rate": self.learning_rate, "outer_momentum": self.momentum}
+        fields: dict[str, Any] = {"sync_every": self.sync_every, "outer_optimizer": self.optimizer,
+                                  "outer_learning_rate": self.learning_rate, "outer_momentum": self.momentum}
+        if self.streaming:
+            fields.update(outer_fragments=self.num_fragments, outer_mixing=self.mixing,
+                          outer_compression=self.compression)
+        return fields
 
 
 class OuterOptimizer:

@@ -9,6 +9,12 @@ compress it as they compress gradients), every rank applies the outer optimizer 
 and the buffers (BatchNorm's running statistics) are broadcast from rank 0, as DDP
 broadcasts them before every forward: the buffers a round ends with are rank 0's.
 
+With Streaming DiLoCo's fragments (`training.fragments`) a step may end the round of one
+fragment: its pseudo-gradient alone is averaged, as above; an epoch's last step averages
+every fragment's, one exchange each. With `training.outer_compression` the average is an
+all-gather of each rank's fp16 or int8 payload (the compression hooks' `GatherHook`, with
+error feedback), each rank's residuals its own (in its `local_state`).
+
 Between two rounds the ranks' models and inner optimizers differ, so a checkpoint keeps
 each rank's own (`local_state`, gathered per rank like RNG states) beside the outer
 state (the same on every rank; rank 0's). A resumed run continues the round where the
@@ -26,8 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disttrain.compression.ddp_hooks import CompressionHook, FlatBucket
-from disttrain.training.local_updates import LocalUpdates, OuterOptimizer
+from disttrain.compression.ddp_hooks import CompressionHook, FlatBucket, GatherHook
+from disttrain.training.fragments import StreamingRounds, outer_compressor
+from disttrain.training.local_updates import LocalUpdates
 
 logger = logging.getLogger(__name__)
 
@@ -49,37 +56,51 @@ class LocalRounds:
         module: the rank's plain model, already on its device; its parameters and buffers
             are made rank 0's here (a collective).
         compression: the run's compression hook, or None for a plain all-reduce.
+        seed: this rank's training seed (`training.outer_compression`'s rounding).
     """
 
-    def __init__(self, settings: LocalUpdates, module: nn.Module, compression: CompressionHook | None):
+    def __init__(self, settings: LocalUpdates, module: nn.Module, compression: CompressionHook | None,
+                 seed: int = 0):
         self.settings = settings
         self.module = module
-        self.compression = compression
         self.params = [p for p in module.parameters() if p.requires_grad]
+        compressor = outer_compressor(settings, seed)
+        if compressor is not None:  # the config refuses it beside the run's compression
+            names = {id(param): name for name, param in module.named_parameters()}
+            compression = GatherHook(compressor, names)
+        self.compression = compression
+        self.own_compression = compressor is not None  # its state goes with the rank's own
         broadcast_module(module)
-        self.outer = OuterOptimizer(settings, self.params)
+        self.outer = StreamingRounds(settings, self.params)
 
     def end_of_step(self, ends_epoch: bool) -> dict[str, float]:
         """Call after each inner optimizer step (on every rank: a collective at a round's
-        end). Returns the step's communication figures (zero within a round)."""
-        if not self.outer.end_of_step(ends_epoch):
-            return {"time/comm_blocked_s": 0.0, "time/comm_overlapped_s": 0.0, "comm/bytes_allreduced": 0,
-                    "local/rounds": 0}
-        started = time.perf_counter()
-        delta = self.outer.pseudo_gradient(self.params)
-        average = self._average(delta)
-        self.outer.step(average)
-        self.outer.copy_to(self.params)
-        broadcast_module(self.module, parameters=False)
-        return {"time/comm_blocked_s": time.perf_counter() - started, "time/comm_overlapped_s": 0.0,
-                "comm/bytes_allreduced": delta.numel() * delta.element_size(), "local/rounds": 1}
+        end). Returns the step's communication figures (zero within a round);
+        `local/exchange_bytes` is the largest exchange's dense bytes."""
+        rounds, started = self.outer.rounds, time.perf_counter()
+        num_bytes, largest = 0, 0
+        for fragment in self.outer.end_of_step(ends_epoch):
+            delta = self.outer.pseudo_gradient(fragment)
+            self.outer.apply(fragment, self._average(delta, self.outer.tensors(fragment)), ends_epoch)
+            num_bytes += fragment.nbytes()
+            largest = max(largest, fragment.nbytes())
+        if num_bytes:
+            broadcast_module(self.module, parameters=False)
+        blocked = time.perf_counter() - started if num_bytes else 0.0
+        scalars = {"time/comm_blocked_s": blocked, "time/comm_overlapped_s": 0.0,
+                   "comm/bytes_allreduced": num_bytes, "local/rounds": self.outer.rounds - rounds,
+                   "local/exchange_bytes": largest}
+        if self.own_compression:  # the run's own hook, when there is one, is drained by the rank
+            assert self.compression is not None
+            scalars.update(self.compression.stats.drain().scalars())
+        return scalars
 
-    def _average(self, delta: torch.Tensor) -> torch.Tensor:
+    def _average(self, delta: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
         """The ranks' mean of `delta` (in place where the scheme allows), the same bits on every rank."""
         if self.compression is None:
             dist.all_reduce(delta.div_(dist.get_world_size()))
             return delta
-        bucket = FlatBucket(delta, self.params)
+        bucket = FlatBucket(delta, cast(list[nn.Parameter], params))
         return self.compression.hook(cast(dist.GradBucket, bucket)).wait()
 
     @property
@@ -90,6 +111,10 @@ class LocalRounds:
         """This rank's own: its model (parameters and buffers) and its inner optimizer's
         tensors, named `model/<name>` and `optimizer/<index>/<key>`."""
         state = {f"model/{name}": value for name, value in self.module.state_dict().items()}
+        if self.own_compression:  # this rank's error-feedback residuals
+            assert self.compression is not None
+            state.update({f"outer_compression/{name}": value
+                          for name, value in self.compression.state_dict().items()})
         for index, entries in optimizer.state_dict()["state"].items():
             state.update({f"optimizer/{index}/{key}": value for key, value in entries.items()
                           if isinstance(value, torch.Tensor)})
@@ -105,6 +130,14 @@ class LocalRounds:
         """
         model = {name[len("model/"):]: value for name, value in local.items() if name.startswith("model/")}
         self.module.load_state_dict(model)
+        if self.own_compression:
+            assert self.compression is not None
+            prefix = "outer_compression/"
+            own = {name[len(prefix):]: value for name, value in local.items() if name.startswith(prefix)}
+            if not own:
+                raise ValueError("it was written without training.outer_compression; resume with "
+                                 "training.outer_compression none")
+            self.compression.load_state_dict(own)
         own = {index: dict(entries) for index, entries in optimizer_state["state"].items()}
         for index, entries in own.items():
             for key, value in entries.items():

@@ -120,8 +120,8 @@ class RankParticipant:
                                             runtime.info.world_size)
         local_updates = LocalUpdates.of(training)
         # With local updates the rank steps its plain model: nothing crosses the network in a round.
-        self.rounds = None if local_updates is None else LocalRounds(local_updates, self.module,
-                                                                     self.compression)
+        self.rounds = None if local_updates is None else LocalRounds(
+            local_updates, self.module, self.compression, training_seed(training.seed, runtime.info.rank))
         self.model = self.module if self.rounds is not None else self._wrap(ddp)
         self.resized_from: int | None = None  # the world size of a resized checkpoint
         self.samples_extra = 0  # rank 0's samples over the others' since a resize
@@ -218,7 +218,7 @@ class RankParticipant:
             self.rounds.outer.load_state_dict(state["outer"])
             state = {**state, "optimizer": self.rounds.load_local_state(state["local"], state["optimizer"])}
         elif self.rounds is not None:  # written averaging every step: a round starts at its model
-            self.rounds.outer.take_start(self.rounds.params)
+            self.rounds.outer.take_start()
         self.stepper.load_state_dict(state)
         self.precision.load_state_dict(state["grad_scaler"])
         self.samples_extra = int(state.get("samples_extra", 0))

@@ -167,6 +167,11 @@ def check_supported(config: Config) -> None:
         # Rounds and the ledger's one block per round follow equal batches.
         raise ConfigError(f"system.balance: {config.system.balance} batches are not offered with local "
                           "updates (training.sync_every > 1); use system.balance none")
+    if config.training.local_update_mode and config.training.streaming_mode:
+        # The shards step the outer optimizer on whole slices, one round for all of them.
+        raise ConfigError("training.outer_fragments, outer_mixing and outer_compression (Streaming "
+                          "DiLoCo) are offered by DDP only; leave them at 1, 0 and none on the parameter "
+                          "server, or train with ddp")
     if config.training.local_update_mode and config.compression.pull != "none":
         # A pulled change is added to the copy the worker holds, which its local steps
         # have moved off the shard's broadcast copy.

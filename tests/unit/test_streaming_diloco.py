@@ -1,0 +1,256 @@
+"""Streaming DiLoCo without processes: fragments balanced by bytes, the staggered schedule
+(each fragment once per H steps, never two at one step but at an epoch's end), one
+fragment equal to plain local updates bit for bit, a fragment's outer step touching its
+own tensors only, mixing, the state mid-round, quantized pseudo-gradients with error
+feedback, and the config's one-line refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from disttrain.config import config_from_dict
+from disttrain.core.errors import ConfigError
+from disttrain.strategies.ddp.runtime import check_supported
+from disttrain.strategies.ps.run.launcher import check_supported as check_ps_supported
+from disttrain.training.fragments import StreamingRounds, check_fragments, outer_compressor, split_fragments
+from disttrain.training.local_updates import LocalUpdates, OuterOptimizer
+
+NESTEROV = LocalUpdates(4, "nesterov", 0.7, 0.9)
+
+
+def model_params(seed: int = 0) -> list[torch.Tensor]:
+    """Six tensors of unequal sizes (16, 4, 32, 8, 64, 2 values)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=generator) for shape in [(4, 4), (4,), (8, 4), (8,), (8, 8), (2,)]]
+
+
+def test_fragments_are_contiguous_whole_tensors_with_the_least_largest():
+    assert split_fragments([10, 10, 10, 10], 2) == [range(0, 2), range(2, 4)]
+    assert split_fragments([100, 1, 1, 1, 97], 2) == [range(0, 1), range(1, 5)]
+    # The least largest over every cut is 64, the largest tensor alone (20 | 40 | 66 is worse).
+    assert split_fragments([16, 4, 32, 8, 64, 2], 3) == [range(0, 4), range(4, 5), range(5, 6)]
+    assert split_fragments([5, 5, 5], 3) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert split_fragments([7], 1) == [range(0, 1)]
+    with pytest.raises(ValueError, match="4 fragment\\(s\\) of 3 parameter tensor\\(s\\)"):
+        split_fragments([1, 2, 3], 4)
+
+
+def due_steps(settings: LocalUpdates, num_steps: int, params: list[torch.Tensor]) -> dict[int, list[int]]:
+    """For one epoch of `num_steps`: fragment -> the steps its round ended at."""
+    rounds = StreamingRounds(settings, params)
+    ended: dict[int, list[int]] = {f.index: [] for f in rounds.fragments}
+    for step in range(1, num_steps + 1):
+        for fragment in rounds.end_of_step(ends_epoch=step == num_steps):
+            ended[fragment.index].append(step)
+            rounds.apply(fragment, rounds.pseudo_gradient(fragment), step == num_steps)
+    return ended
+
+
+@pytest.mark.parametrize("num_fragments, sync_every, expected", [
+    (1, 4, {0: [4, 8, 11]}),
+    (2, 4, {0: [4, 8, 11], 1: [2, 6, 10, 11]}),
+    (3, 6, {0: [6, 11], 1: [2, 8, 11], 2: [4, 10, 11]}),
+])
+def test_each_fragment_ends_a_round_every_h_steps_staggered(num_fragments, sync_every, expected):
+    settings = LocalUpdates(sync_every, num_fragments=num_fragments)
+    ended = due_steps(settings, 11, model_params())
+    assert ended == expected
+    # Within the epoch (its last step aside) no two fragments meet, and each goes H apart.
+    inside = [step for steps in ended.values() for step in steps if step != 11]
+    assert len(inside) == len(set(inside))
+    for steps in ended.values():
+        assert all(b - a == sync_every for a, b in zip(steps[:-1], steps[1:-1], strict=False))
+
+
+def inner_step(params: list[torch.Tensor], generator: torch.Generator) -> None:
+    for param in params:
+        param.sub_(0.1 * torch.randn(param.shape, generator=generator))
+
+
+def test_one_fragment_is_plain_local_updates_bit_for_bit():
+    """Two workers, 11 steps with rounds of 4: the same parameters, outer state and
+    checkpoint state as `OuterOptimizer` alone."""
+    workers = [model_params(), model_params()]
+    plain_workers = copy.deepcopy(workers)
+    streaming = [StreamingRounds(NESTEROV, w) for w in workers]
+    plain = [OuterOptimizer(NESTEROV, w) for w in plain_workers]
+    generators = [torch.Generator().manual_seed(r) for r in range(2)]
+    plain_generators = [torch.Generator().manual_seed(r) for r in range(2)]
+    for step in range(1, 12):
+        last = step == 11
+        for w, g, pw, pg in zip(workers, generators, plain_workers, plain_generators, strict=True):
+            inner_step(w, g)
+            inner_step(pw, pg)
+        due = [s.end_of_step(last) for s in streaming]
+        ended = [p.end_of_step(last) for p in plain]
+        assert [bool(d) for d in due] == ended
+        if ended[0]:
+            average = sum(s.pseudo_gradient(d[0]).clone() for s, d in zip(streaming, due, strict=True)) / 2
+            plain_average = sum(p.pseudo_gradient(pw).clone() for p, pw in zip(plain, plain_workers,
+                                                                               strict=True)) / 2
+            for s, d in zip(streaming, due, strict=True):
+                s.apply(d[0], average.clone(), last)
+            for p, pw in zip(plain, plain_workers, strict=True):
+                p.step(plain_average.clone())
+                p.copy_to(pw)
+        if step == 7:  # mid-round: the same checkpoint state
+            state, plain_state = streaming[0].state_dict(), plain[0].state_dict()
+            assert state.keys() == plain_state.keys()
+            assert all(torch.equal(state[k], plain_state[k]) if torch.is_tensor(state[k])
+                       else state[k] == plain_state[k] for k in state)
+    for w, pw in zip(workers, plain_workers, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(w, pw, strict=True))
+    assert streaming[0].rounds == plain[0].rounds == 3
+
+
+def test_a_fragments_exchange_moves_its_own_tensors_only():
+    params = model_params()
+    rounds = StreamingRounds(LocalUpdates(4, "sgd", 1.0, 0.0, num_fragments=2), params)
+    first, second = rounds.fragments
+    assert (first.members, second.members, second.offset) == (range(0, 4), range(4, 6), 2)
+    start = [p.clone() for p in params]
+    inner_step(params, torch.Generator().manual_seed(1))
+    moved = [p.clone() for p in params]
+    rounds.end_of_step(False)
+    due = rounds.end_of_step(False)  # step 2: the second fragment's first round ends
+    assert due == [second]
+    delta = rounds.pseudo_gradient(second)
+    assert delta.numel() == 64 + 2 and second.nbytes() == 4 * 66
+    rounds.apply(second, torch.zeros_like(delta), False)  # the workers' mean: no change
+    for index, param in enumerate(params):
+        assert torch.equal(param, start[index] if index >= 4 else moved[index]), index
+    # The second fragment's next round starts there; the first's still from the start.
+    assert second.outer.rounds == 1 and first.outer.rounds == 0 and rounds.rounds == 0
+
+
+def test_mixing_keeps_a_share_of_the_workers_own_but_at_an_epochs_end():
+    alpha = 0.25
+    params = model_params()
+    rounds = StreamingRounds(LocalUpdates(1, mixing=alpha), params)
+    start = [p.clone() for p in params]
+    inner_step(params, torch.Generator().manual_seed(2))
+    local = [p.clone() for p in params]
+    fragment, = rounds.end_of_step(False)
+    delta = rounds.pseudo_gradient(fragment).clone()
+    average = 0.5 * delta  # the other worker did not move
+    rounds.apply(fragment, average.clone(), False)
+    outer = [s - a.view_as(s) for s, a in zip(start, fragment.outer.views(average), strict=True)]
+    for param, own, result in zip(params, local, outer, strict=True):
+        torch.testing.assert_close(param, alpha * own + (1 - alpha) * result, rtol=0, atol=1e-6)
+    # The next round starts from the outer result: the kept share is in its pseudo-gradient.
+    for view, result in zip(fragment.outer.views(fragment.outer.start), outer, strict=True):
+        torch.testing.assert_close(view, result, rtol=0, atol=1e-6)
+    fragment, = rounds.end_of_step(True)
+    rounds.apply(fragment, rounds.pseudo_gradient(fragment).clone(), True)
+    assert all(torch.equal(p, s) for p, s in zip(params, fragment.outer.views(fragment.outer.start),
+                                                 strict=True))
+
+
+def run_steps(rounds: StreamingRounds, params: list[torch.Tensor], generator: torch.Generator,
+              steps: range, num_steps: int) -> None:
+    for step in steps:
+        inner_step(params, generator)
+        for fragment in rounds.end_of_step(step == num_steps):
+            rounds.apply(fragment, 0.5 * rounds.pseudo_gradient(fragment), step == num_steps)
+
+
+def test_the_state_mid_round_resumes_bit_identical_and_refuses_another_count():
+    settings = LocalUpdates(4, "nesterov", 0.7, 0.9, num_fragments=3)
+    params = model_params()
+    rounds, generator = StreamingRounds(settings, params), torch.Generator().manual_seed(3)
+    run_steps(rounds, params, generator, range(1, 6), 11)
+    state = copy.deepcopy(rounds.state_dict())
+    assert state["num_fragments"] == 3 and [s["steps_in_round"] for s in state["fragments"]] == [1, 0, 3]
+    saved_params, saved_generator = [p.clone() for p in params], generator.get_state()
+    run_steps(rounds, params, generator, range(6, 12), 11)
+
+    resumed_params = saved_params
+    resumed = StreamingRounds(settings, resumed_params)
+    resumed.load_state_dict(state)
+    run_steps(resumed, resumed_params, torch.Generator().set_state(saved_generator), range(6, 12), 11)
+    assert all(torch.equal(a, b) for a, b in zip(params, resumed_params, strict=True))
+    assert resumed.state_dict()["fragments"][2]["rounds"] == rounds.state_dict()["fragments"][2]["rounds"]
+    with pytest.raises(ValueError, match="written with training.outer_fragments=3 and this run has 2"):
+        StreamingRounds(LocalUpdates(4, num_fragments=2), model_params()).load_state_dict(state)
+    with pytest.raises(ValueError, match="outer_fragments=1 and this run has 3"):
+        StreamingRounds(settings, model_params()).load_state_dict(
+            StreamingRounds(LocalUpdates(4), model_params()).state_dict())
+
+
+@pytest.mark.parametrize("scheme, bytes_per_value", [("int8", 1), ("fp16", 2)])
+def test_quantized_pseudo_gradients_carry_what_they_left_out_into_the_next(scheme, bytes_per_value):
+    """Each worker encodes its pseudo-gradient; the mean of the decoded payloads is applied.
+    Error feedback: what a payload left out waits per parameter, so over the rounds the
+    sum of what was sent stays within one payload's rounding of the sum of the truth."""
+    settings = LocalUpdates(2, num_fragments=2, compression=scheme)
+    params = model_params()
+    rounds = StreamingRounds(settings, params)
+    compressor = outer_compressor(settings, seed=5)
+    assert compressor is not None and outer_compressor(LocalUpdates(2), 5) is None
+    names = [f"p{i}" for i in range(len(params))]
+    generator = torch.Generator().manual_seed(4)
+    truth = {f.index: torch.zeros_like(f.outer.start) for f in rounds.fragments}
+    sent = {f.index: torch.zeros_like(f.outer.start) for f in rounds.fragments}
+    last_error = {}
+    for step in range(1, 41):
+        inner_step(params, generator)
+        for fragment in rounds.end_of_step(False):
+            delta = rounds.pseudo_gradient(fragment)
+            segments = [(names[i], params[i].numel()) for i in fragment.members]
+            encoded = compressor.encode(delta, segments)
+            assert encoded.nbytes < delta.numel() * 4 and encoded.nbytes >= delta.numel() * bytes_per_value
+            compressor.commit(encoded)
+            decoded = torch.empty_like(delta)
+            compressor.decode(encoded.data, segments, decoded)
+            truth[fragment.index] += delta
+            sent[fragment.index] += decoded
+            last_error[fragment.index] = (delta - decoded).abs().max()
+            rounds.apply(fragment, decoded, False)
+    # Per parameter, whichever fragment holds it; int8 sends p5 (2 values) dense, exactly.
+    assert set(compressor.residuals) == set(names) - ({"p5"} if scheme == "int8" else set())
+    for index in truth:
+        residual = torch.cat([compressor.residuals.get(names[i], torch.zeros(params[i].numel()))
+                              for i in rounds.fragments[index].members])
+        # sent + residual == truth: nothing is lost, only delayed.
+        torch.testing.assert_close(sent[index] + residual, truth[index], rtol=0, atol=1e-4)
+        if scheme == "int8":
+            assert last_error[index] > 0  # the payload is really lossy
+
+
+@pytest.mark.parametrize("training, fragment", [
+    ({"outer_fragments": 0}, "training.outer_fragments: 0 must be >= 1"),
+    ({"outer_fragments": 5}, "training.outer_fragments: 5 fragments need at least as many steps per round"),
+    ({"outer_mixing": 1.0}, "training.outer_mixing: 1.0 must be in [0, 1)"),
+    ({"outer_compression": "int4"}, "training.outer_compression: 'int4' must be one of none, fp16, int8"),
+])
+def test_bad_streaming_settings_are_one_line_naming_the_key(training, fragment):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"training": {"sync_every": 4, **training}})
+    assert any(fragment in line for line in info.value.problems), info.value.problems
+    assert all("\n" not in line for line in info.value.problems)
+
+
+def test_the_run_refuses_two_compressions_of_the_pseudo_gradient():
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"training": {"sync_every": 4, "outer_compression": "int8"},
+                          "compression": {"enabled": True, "type": "topk"}})
+    assert any("training.outer_compression: int8 compresses the pseudo-gradients, and so would "
+               "compression.type topk" in line for line in info.value.problems), info.value.problems
+
+
+def test_more_fragments_than_tensors_and_the_other_paths_are_refused_before_starting():
+    config = config_from_dict({"training": {"sync_every": 16, "outer_fragments": 9, "dataset": "digits"}})
+    with pytest.raises(ConfigError, match="training.outer_fragments: 9 fragments of simplecnn, which holds 8 "
+                                          "trained tensors"):
+        check_fragments(config.training)
+    check_fragments(config_from_dict({"training": {"sync_every": 16, "outer_fragments": 8,
+                                                   "dataset": "digits"}}).training)
+    streaming = {"training": {"sync_every": 4, "outer_fragments": 2}}
+    with pytest.raises(ConfigError, match="are offered by DDP only"):
+        check_ps_supported(config_from_dict(streaming))
+    with pytest.raises(ConfigError, match="not offered with ddp.recovery live"):
+        check_supported(config_from_dict({**streaming, "ddp": {"recovery": "live"}}))
+    check_supported(config_from_dict(streaming))
