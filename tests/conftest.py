@@ -1,5 +1,5 @@
 """Shared fixtures: the real-data folder (skip when absent), a CLI runner, thread limits,
-the check of a benchmark's JSON keys."""
+the check of a benchmark's JSON keys, the test's S3 server (moto's) and a bucket on it."""
 
 from __future__ import annotations
 
@@ -92,3 +92,24 @@ def assert_full_run_keys(folder: Path) -> None:
     result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_shapes.py"), str(folder)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def moto_port():
+    """A real S3-compatible server (moto's) for the module, on a free port; skipped with the
+    reason where it cannot start."""
+    from s3_server import start_moto, stop_moto
+    try:
+        process, port = start_moto()
+    except (RuntimeError, OSError) as e:
+        pytest.skip(f"no S3-compatible server could start: {e}")
+    yield port
+    stop_moto(process)
+
+
+@pytest.fixture
+def bucket(moto_port, monkeypatch):
+    """A fresh bucket, which this process reaches as the runs do."""
+    from s3_runs import new_bucket, point_at
+    point_at(moto_port, monkeypatch)
+    return new_bucket(moto_port)

@@ -14,32 +14,16 @@ import json
 import re
 import uuid
 
-import fsspec.config
 import pytest
-from s3_server import CREDENTIALS, CuttingProxy, replay, start_moto, stop_moto
+from s3_runs import endpoint_env, new_bucket, point_at
+from s3_server import CuttingProxy, replay, start_moto, stop_moto
 
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
 
-s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'disttrain[s3]')")
-
 FAST = ["--dataset", "digits", "--batch-size", "64", "--num-epochs", "1", "--num-threads", "1",
         "--checkpoint-interval", "5", "--optimizer", "sgd", "--learning-rate", "0.05"]
 STEPS = 23  # digits: 1438 training samples in batches of 64
-
-
-@pytest.fixture(scope="module")
-def moto_port():
-    try:
-        process, port = start_moto()
-    except (RuntimeError, OSError) as e:
-        pytest.skip(f"no S3-compatible server could start: {e}")
-    yield port
-    stop_moto(process)
-
-
-def endpoint_env(port):
-    return {**CREDENTIALS, "FSSPEC_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
 
 
 # A short retry window for runs whose store stays down (the default is a minute).
@@ -55,29 +39,6 @@ STORE_LINE = (r"checkpoint store s3://{bucket}/run{sub}: (?:(?:writing|removing)
 
 def last_line(result):
     return result.stderr.strip().splitlines()[-1]
-
-
-def point_at(port, monkeypatch):
-    """This process reaches the server on `port` through the same env as the runs."""
-    for key, value in endpoint_env(port).items():
-        monkeypatch.setenv(key, value)
-    # fsspec read FSSPEC_S3_ENDPOINT_URL into its config when it was imported: set it there.
-    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": f"http://127.0.0.1:{port}"})
-    # The library's own instances (fsspec caches them) must reach this port too.
-    s3fs.S3FileSystem.clear_instance_cache()
-
-
-def new_bucket(port):
-    name = f"ckpt-{uuid.uuid4().hex[:12]}"
-    s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{port}", skip_instance_cache=True).mkdir(name)
-    return name
-
-
-@pytest.fixture
-def bucket(moto_port, monkeypatch):
-    """A fresh bucket, which this process reaches as the runs do."""
-    point_at(moto_port, monkeypatch)
-    return new_bucket(moto_port)
 
 
 def baseline(cli, tmp_path, url, port, *extra):

@@ -12,16 +12,9 @@ import random
 import re
 
 import pytest
-import test_checkpoint_store_cli as store_cli
-import torch
+from s3_runs import endpoint_env, final_model, run_on_store, s3fs, same
 
 from tests.unit.test_text_and_images import write_images
-
-# The checkpoint store's fixtures: moto's server (one for this module) and a fresh bucket
-# that this process reaches as the runs do.
-moto_port, bucket, endpoint_env = store_cli.moto_port, store_cli.bucket, store_cli.endpoint_env
-
-s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'disttrain[s3]')")
 
 TINY_GPT = "training.model_args={n_layer: 1, n_head: 2, n_embd: 16}"
 SEQ_LEN, BATCH = 16, 16
@@ -49,21 +42,11 @@ def put(url: str, data: bytes) -> None:
 
 
 def run(cli, folder, dataset, port, *extra, command="baseline"):
-    folders = ["--data-dir", folder / "data", "--log-dir", folder / "logs", "--checkpoint-dir",
-               folder / "ckpt"]
-    return cli(command, *ARGS, "--dataset", dataset, *folders, *extra, env=endpoint_env(port), timeout=150)
+    return run_on_store(cli, ARGS, folder, dataset, port, *extra, command=command, timeout=150)
 
 
 def fetches(result) -> list[tuple[str, int]]:
     return [(url, int(size)) for url, size in FETCHED.findall(result.stderr)]
-
-
-def final_model(folder):
-    return torch.load(folder / "ckpt" / "baseline_final.pt", weights_only=True)["model"]
-
-
-def same(one, other) -> bool:
-    return one.keys() == other.keys() and all(torch.equal(one[k], other[k]) for k in one)
 
 
 @pytest.mark.slow

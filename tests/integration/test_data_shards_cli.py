@@ -10,15 +10,10 @@ import json
 import re
 
 import pytest
-import test_checkpoint_store_cli as store_cli
-import torch
+from s3_runs import final_model, run_on_store, s3fs, same
 
 from disttrain.data.datasets import digits
 from disttrain.data.shards import write_shards
-
-moto_port, bucket, endpoint_env = store_cli.moto_port, store_cli.bucket, store_cli.endpoint_env
-
-s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'disttrain[s3]')")
 
 SHARD = 64  # samples per shard: digits' 1,437 training samples in 23 shards, its 360 test ones in 6
 BATCH = 32
@@ -43,17 +38,7 @@ def shard_bytes(bucket_name: str) -> int:
 
 
 def run(cli, folder, spec, port, *extra, command="baseline", data=None):
-    folders = ["--data-dir", data or folder / "data", "--log-dir", folder / "logs", "--checkpoint-dir",
-               folder / "ckpt"]
-    return cli(command, *ARGS, "--dataset", spec, *folders, *extra, env=endpoint_env(port), timeout=200)
-
-
-def final_model(folder):
-    return torch.load(folder / "ckpt" / "baseline_final.pt", weights_only=True)["model"]
-
-
-def same(one, other) -> bool:
-    return one.keys() == other.keys() and all(torch.equal(one[k], other[k]) for k in one)
+    return run_on_store(cli, ARGS, folder, spec, port, *extra, command=command, data=data, timeout=200)
 
 
 def cached_shard_bytes(data) -> int:

@@ -11,15 +11,10 @@ import json
 import re
 
 import pytest
-import test_checkpoint_store_cli as store_cli
-import torch
+from s3_runs import final_model, run_on_store, s3fs, same
 
 from disttrain.data import image_stream
 from tests.unit.test_text_and_images import write_images
-
-moto_port, bucket, endpoint_env = store_cli.moto_port, store_cli.bucket, store_cli.endpoint_env
-
-s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'disttrain[s3]')")
 
 PER_CLASS = 200  # 400 images: 80 held out (1 group of 64 and one of 16), 320 trained on (5 groups)
 TRAIN = 320
@@ -32,17 +27,7 @@ READER = re.compile(r"training\.dataset: (\d+) shards read ahead, (\d+) read by 
 
 
 def run(cli, folder, spec, port, *extra, command="baseline"):
-    folders = ["--data-dir", folder / "data", "--log-dir", folder / "logs", "--checkpoint-dir",
-               folder / "ckpt"]
-    return cli(command, *ARGS, "--dataset", spec, *folders, *extra, env=endpoint_env(port), timeout=250)
-
-
-def final_model(folder):
-    return torch.load(folder / "ckpt" / "baseline_final.pt", weights_only=True)["model"]
-
-
-def same(one, other) -> bool:
-    return one.keys() == other.keys() and all(torch.equal(one[k], other[k]) for k in one)
+    return run_on_store(cli, ARGS, folder, spec, port, *extra, command=command, timeout=250)
 
 
 def put_images(tmp_path, bucket_name: str) -> int:
