@@ -2,7 +2,8 @@
 (each fragment once per H steps, never two at one step but at an epoch's end), one
 fragment equal to plain local updates bit for bit, a fragment's outer step touching its
 own tensors only, mixing, the state mid-round, quantized pseudo-gradients with error
-feedback, and the config's one-line refusals."""
+feedback, and the config's one-line refusals. Fragments cut inside tensors where a
+layer is larger than a fragment's share."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from disttrain.config import config_from_dict
 from disttrain.core.errors import ConfigError
 from disttrain.strategies.ddp.runtime import check_supported
 from disttrain.strategies.ps.run.launcher import check_supported as check_ps_supported
-from disttrain.training.fragments import StreamingRounds, check_fragments, outer_compressor, split_fragments
+from disttrain.training.fragments import Piece, StreamingRounds, outer_compressor, split_fragments
 from disttrain.training.local_updates import LocalUpdates, OuterOptimizer
 
 NESTEROV = LocalUpdates(4, "nesterov", 0.7, 0.9)
@@ -27,15 +28,22 @@ def model_params(seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(*shape, generator=generator) for shape in [(4, 4), (4,), (8, 4), (8,), (8, 8), (2,)]]
 
 
-def test_fragments_are_contiguous_whole_tensors_with_the_least_largest():
-    assert split_fragments([10, 10, 10, 10], 2) == [range(0, 2), range(2, 4)]
-    assert split_fragments([100, 1, 1, 1, 97], 2) == [range(0, 1), range(1, 5)]
-    # The least largest over every cut is 64, the largest tensor alone (20 | 40 | 66 is worse).
-    assert split_fragments([16, 4, 32, 8, 64, 2], 3) == [range(0, 4), range(4, 5), range(5, 6)]
-    assert split_fragments([5, 5, 5], 3) == [range(0, 1), range(1, 2), range(2, 3)]
-    assert split_fragments([7], 1) == [range(0, 1)]
-    with pytest.raises(ValueError, match="4 fragment\\(s\\) of 3 parameter tensor\\(s\\)"):
-        split_fragments([1, 2, 3], 4)
+def test_fragments_are_equal_shares_in_order_whole_layers_where_a_boundary_is_near():
+    sizes = [16, 4, 32, 8, 64, 2]  # 126 values: a share of 63 for two, 42 for three
+    # The cut at 63 moves to the boundary at 60 (within 10% of a share): whole tensors.
+    assert split_fragments(sizes, 2) == [[Piece(0, 0, 16), Piece(1, 0, 4), Piece(2, 0, 32), Piece(3, 0, 8)],
+                                         [Piece(4, 0, 64), Piece(5, 0, 2)]]
+    # No boundary near 42 or 84: the cuts fall inside the third and the fifth tensors.
+    assert split_fragments(sizes, 3) == [[Piece(0, 0, 16), Piece(1, 0, 4), Piece(2, 0, 22)],
+                                         [Piece(2, 22, 32), Piece(3, 0, 8), Piece(4, 0, 24)],
+                                         [Piece(4, 24, 64), Piece(5, 0, 2)]]
+    # One large tensor (SimpleCNN's first linear layer holds 95% of its values) is shared out.
+    fragments = split_fragments([288, 32, 18432, 64, 1605632, 128, 1280, 10], 4)
+    totals = [sum(p.stop - p.start for p in pieces) for pieces in fragments]
+    assert sum(totals) == 1625866 and max(totals) - min(totals) <= 0.2 * 1625866 / 4
+    assert split_fragments([7], 1) == [[Piece(0, 0, 7)]]
+    with pytest.raises(ValueError, match="4 fragment\\(s\\) of 3 parameter value\\(s\\)"):
+        split_fragments([1, 1, 1], 4)
 
 
 def due_steps(settings: LocalUpdates, num_steps: int, params: list[torch.Tensor]) -> dict[int, list[int]]:
@@ -106,24 +114,30 @@ def test_one_fragment_is_plain_local_updates_bit_for_bit():
     assert streaming[0].rounds == plain[0].rounds == 3
 
 
-def test_a_fragments_exchange_moves_its_own_tensors_only():
+def test_a_fragments_exchange_moves_its_own_values_only():
+    """Three fragments cut inside tensors: a fragment's outer step writes its part of a
+    parameter and leaves the other part, another fragment's, as the worker had it."""
     params = model_params()
-    rounds = StreamingRounds(LocalUpdates(4, "sgd", 1.0, 0.0, num_fragments=2), params)
-    first, second = rounds.fragments
-    assert (first.members, second.members, second.offset) == (range(0, 4), range(4, 6), 2)
+    rounds = StreamingRounds(LocalUpdates(4, "sgd", 1.0, 0.0, num_fragments=3), params,
+                             [f"w{i}" for i in range(6)])
+    first, second, third = rounds.fragments
+    assert [f.offset for f in rounds.fragments] == [0, 1, 2]
+    assert second.names == ["w2[22:32]", "w3", "w4[0:24]"] and first.names == ["w0", "w1", "w2[0:22]"]
+    assert [f.nbytes() for f in rounds.fragments] == [4 * 42, 4 * 42, 4 * 42]
     start = [p.clone() for p in params]
     inner_step(params, torch.Generator().manual_seed(1))
     moved = [p.clone() for p in params]
-    rounds.end_of_step(False)
-    due = rounds.end_of_step(False)  # step 2: the second fragment's first round ends
+    due = rounds.end_of_step(False)  # step 1: the second fragment's first round ends
     assert due == [second]
     delta = rounds.pseudo_gradient(second)
-    assert delta.numel() == 64 + 2 and second.nbytes() == 4 * 66
+    assert delta.numel() == 42
     rounds.apply(second, torch.zeros_like(delta), False)  # the workers' mean: no change
-    for index, param in enumerate(params):
-        assert torch.equal(param, start[index] if index >= 4 else moved[index]), index
-    # The second fragment's next round starts there; the first's still from the start.
-    assert second.outer.rounds == 1 and first.outer.rounds == 0 and rounds.rounds == 0
+    now, moved, start = ([p.view(-1) for p in ps] for ps in (params, moved, start))
+    assert torch.equal(now[2][:22], moved[2][:22]) and torch.equal(now[2][22:], start[2][22:])
+    assert torch.equal(now[3], start[3]) and torch.equal(now[1], moved[1])
+    assert torch.equal(now[4][:24], start[4][:24]) and torch.equal(now[4][24:], moved[4][24:])
+    # The second fragment's next round starts there; the others' still from the start.
+    assert second.outer.rounds == 1 and first.outer.rounds == third.outer.rounds == 0 and rounds.rounds == 0
 
 
 def test_mixing_keeps_a_share_of_the_workers_own_but_at_an_epochs_end():
@@ -187,7 +201,7 @@ def test_quantized_pseudo_gradients_carry_what_they_left_out_into_the_next(schem
     sum of what was sent stays within one payload's rounding of the sum of the truth."""
     settings = LocalUpdates(2, num_fragments=2, compression=scheme)
     params = model_params()
-    rounds = StreamingRounds(settings, params)
+    rounds = StreamingRounds(settings, params, [f"p{i}" for i in range(len(params))])
     compressor = outer_compressor(settings, seed=5)
     assert compressor is not None and outer_compressor(LocalUpdates(2), 5) is None
     names = [f"p{i}" for i in range(len(params))]
@@ -195,11 +209,12 @@ def test_quantized_pseudo_gradients_carry_what_they_left_out_into_the_next(schem
     truth = {f.index: torch.zeros_like(f.outer.start) for f in rounds.fragments}
     sent = {f.index: torch.zeros_like(f.outer.start) for f in rounds.fragments}
     last_error = {}
-    for step in range(1, 41):
+    for _ in range(40):
         inner_step(params, generator)
         for fragment in rounds.end_of_step(False):
             delta = rounds.pseudo_gradient(fragment)
-            segments = [(names[i], params[i].numel()) for i in fragment.members]
+            segments = [(name, tensor.numel()) for name, tensor in zip(fragment.names, fragment.tensors,
+                                                                        strict=True)]
             encoded = compressor.encode(delta, segments)
             assert encoded.nbytes < delta.numel() * 4 and encoded.nbytes >= delta.numel() * bytes_per_value
             compressor.commit(encoded)
@@ -212,8 +227,9 @@ def test_quantized_pseudo_gradients_carry_what_they_left_out_into_the_next(schem
     # Per parameter, whichever fragment holds it; int8 sends p5 (2 values) dense, exactly.
     assert set(compressor.residuals) == set(names) - ({"p5"} if scheme == "int8" else set())
     for index in truth:
-        residual = torch.cat([compressor.residuals.get(names[i], torch.zeros(params[i].numel()))
-                              for i in rounds.fragments[index].members])
+        fragment = rounds.fragments[index]
+        residual = torch.cat([compressor.residuals.get(name, torch.zeros(tensor.numel()))
+                              for name, tensor in zip(fragment.names, fragment.tensors, strict=True)])
         # sent + residual == truth: nothing is lost, only delayed.
         torch.testing.assert_close(sent[index] + residual, truth[index], rtol=0, atol=1e-4)
         if scheme == "int8":
@@ -241,16 +257,11 @@ def test_the_run_refuses_two_compressions_of_the_pseudo_gradient():
                "compression.type topk" in line for line in info.value.problems), info.value.problems
 
 
-def test_more_fragments_than_tensors_and_the_other_paths_are_refused_before_starting():
-    config = config_from_dict({"training": {"sync_every": 16, "outer_fragments": 9, "dataset": "digits"}})
-    with pytest.raises(ConfigError, match="training.outer_fragments: 9 fragments of simplecnn, which holds 8 "
-                                          "trained tensors"):
-        check_fragments(config.training)
-    check_fragments(config_from_dict({"training": {"sync_every": 16, "outer_fragments": 8,
-                                                   "dataset": "digits"}}).training)
+def test_the_parameter_server_and_live_groups_refuse_the_keys():
     streaming = {"training": {"sync_every": 4, "outer_fragments": 2}}
-    with pytest.raises(ConfigError, match="are offered by DDP only"):
+    with pytest.raises(ConfigError, match="are offered by DDP only") as info:
         check_ps_supported(config_from_dict(streaming))
+    assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="not offered with ddp.recovery live"):
         check_supported(config_from_dict({**streaming, "ddp": {"recovery": "live"}}))
     check_supported(config_from_dict(streaming))

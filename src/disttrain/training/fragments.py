@@ -1,10 +1,11 @@
 """Streaming DiLoCo (Douillard et al., 2025): a local-update round exchanged in fragments
 at staggered steps, apart from any transport.
 
-The trained parameters are cut into F fragments (`training.outer_fragments`): whole
-tensors in the model's order, contiguous, cut where the largest fragment's bytes are the
-least they can be (`split_fragments`). Each fragment has its own round: its own
-round-start copy and outer optimizer state (an `OuterOptimizer` over its tensors).
+The trained parameters are cut into F fragments (`training.outer_fragments`) of about
+equal bytes, contiguous in the model's order: whole layers, but where a layer is larger
+than a fragment's share, which is then cut across fragments (`split_fragments`). Each
+fragment has its own round: its own round-start copy and outer optimizer state (an
+`OuterOptimizer` over its tensors).
 Fragment f ends its rounds at the steps s of an epoch (counted from 1) where
 
     (s - offset_f) % H == 0,    offset_f = f * H // F          (F <= H)
@@ -37,6 +38,7 @@ which names the fragments whose round ended; for each of them, in order:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,66 +46,54 @@ from typing import Any
 import torch
 
 from disttrain.compression.compressor import Compressor
-from disttrain.config import TrainingConfig
-from disttrain.core.errors import ConfigError
 from disttrain.training.local_updates import LocalUpdates, OuterOptimizer
-from disttrain.training.models import init_model
 
 # `training.outer_compression` -> the compression scheme that writes it.
 OUTER_SCHEMES = {"fp16": "fp16", "int8": "quantization"}
+# A cut between fragments moves to the nearest tensor boundary within this share of a
+# fragment's bytes; farther from one, it falls inside the tensor (a large layer is split).
+SNAP = 0.1
 
 
-def split_fragments(sizes: Sequence[int], num_fragments: int) -> list[range]:
-    """Cut tensors of `sizes` bytes, in order, into `num_fragments` contiguous, non-empty
-    groups whose largest byte total is the least it can be (ties: the earliest cuts).
+@dataclass(frozen=True)
+class Piece:
+    """A fragment's part of one parameter: values `start` to `stop` of it, flattened."""
+
+    index: int
+    start: int
+    stop: int
+
+
+def split_fragments(sizes: Sequence[int], num_fragments: int) -> list[list[Piece]]:
+    """Cut parameters of `sizes` values, in the model's order, into `num_fragments`
+    contiguous fragments of about equal size: each cut is at k/F of the values, moved to
+    the nearest tensor boundary where one lies within `SNAP` of a fragment's share, so
+    fragments hold whole layers but where a layer is larger than that.
 
     Returns:
-        The tensor indices of each group, in order.
+        The pieces of each fragment, in order.
     Raises:
-        ValueError: fewer tensors than fragments, or fewer than one fragment.
+        ValueError: fewer than one fragment, or more than the values.
     """
-    n = len(sizes)
-    if not 1 <= num_fragments <= n:
-        raise ValueError(f"{num_fragments} fragment(s) of {n} parameter tensor(s): a fragment holds "
-                         f"whole tensors; use at most {n} fragments")
-    prefix = [0]
+    total = sum(sizes)
+    if not 1 <= num_fragments <= total:
+        raise ValueError(f"{num_fragments} fragment(s) of {total} parameter value(s): use 1 to {total}")
+    boundaries = [0]
     for size in sizes:
-        prefix.append(prefix[-1] + size)
-    # best[k][i]: the least largest group over cuts of the first i tensors into k groups.
-    infinity = prefix[-1] + 1
-    best = [[infinity] * (n + 1) for _ in range(num_fragments + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_fragments + 1)]
-    best[0][0] = 0
-    for k in range(1, num_fragments + 1):
-        for i in range(k, n - (num_fragments - k) + 1):
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    bounds, end = [], n
-    for k in range(num_fragments, 0, -1):
-        start = cut[k][end]
-        bounds.append(range(start, end))
-        end = start
-    return bounds[::-1]
-
-
-def check_fragments(training: TrainingConfig) -> None:
-    """Before any process starts: the model holds at least `training.outer_fragments`
-    trained tensors (a fragment holds whole tensors).
-
-    Raises:
-        ConfigError: it holds fewer (one line).
-    """
-    if not training.local_update_mode or training.outer_fragments == 1:
-        return
-    with torch.random.fork_rng(devices=[]):  # the run's random streams are left as they were
-        model = init_model(training)
-    count = sum(1 for p in model.parameters() if p.requires_grad)
-    if training.outer_fragments > count:
-        raise ConfigError(f"training.outer_fragments: {training.outer_fragments} fragments of "
-                          f"{training.model_architecture}, which holds {count} trained tensors (a fragment "
-                          f"holds whole tensors); use at most {count}")
+        boundaries.append(boundaries[-1] + size)
+    share = total / num_fragments
+    cuts = [0]
+    for k in range(1, num_fragments):
+        ideal = round(k * share)
+        at = bisect.bisect_left(boundaries, ideal)
+        nearest = min(boundaries[max(at - 1, 0):at + 1], key=lambda b: (abs(b - ideal), b))
+        cut = nearest if abs(nearest - ideal) <= SNAP * share else ideal
+        cuts.append(min(max(cut, cuts[-1] + 1), total - (num_fragments - k)))  # none empty
+    cuts.append(total)
+    return [[Piece(i, max(low, begin) - begin, min(high, end) - begin)
+             for i, (begin, end) in enumerate(zip(boundaries[:-1], boundaries[1:], strict=True))
+             if begin < high and end > low]
+            for low, high in zip(cuts[:-1], cuts[1:], strict=True)]
 
 
 def outer_compressor(settings: LocalUpdates, seed: int) -> Compressor | None:
@@ -116,11 +106,12 @@ def outer_compressor(settings: LocalUpdates, seed: int) -> Compressor | None:
 
 @dataclass
 class Fragment:
-    """One fragment: its tensors (indices into the run's parameters), the step of a round
-    it ends at (`offset`), and its own outer optimizer over its tensors."""
+    """One fragment: its tensors (whole parameters, or flat views of a part of one) with
+    their names, the step of a round it ends at (`offset`), and its own outer optimizer."""
 
     index: int
-    members: range
+    tensors: list[torch.Tensor]
+    names: list[str]
     offset: int
     outer: OuterOptimizer
 
@@ -135,27 +126,38 @@ class StreamingRounds:
 
     Args:
         settings: H, the outer optimizer, F and mixing.
-        params: the model's trained parameters, in a fixed order (the same on every worker).
+        params: the model's trained parameters, in a fixed order (the same on every
+            worker), each contiguous (a fragment may hold a view of part of one).
+        names: the parameters' names (default `p0`, `p1`, ...); a part is named
+            `name[start:stop]`.
     Raises:
-        ValueError: more fragments than parameter tensors or than H, or parameters of
-            several dtypes or devices.
+        ValueError: more fragments than H, or parameters of several dtypes or devices.
     """
 
-    def __init__(self, settings: LocalUpdates, params: Sequence[torch.Tensor]):
+    def __init__(self, settings: LocalUpdates, params: Sequence[torch.Tensor],
+                 names: Sequence[str] | None = None):
         if settings.num_fragments > settings.sync_every and settings.num_fragments > 1:
             raise ValueError(f"{settings.num_fragments} fragments need rounds of as many steps at least "
                              f"(sync_every is {settings.sync_every})")
         self.settings = settings
         self.params = list(params)
-        groups = split_fragments([p.numel() * p.element_size() for p in self.params], settings.num_fragments)
-        self.fragments = [
-            Fragment(f, members, f * settings.sync_every // settings.num_fragments,
-                     OuterOptimizer(settings, self.params[members.start:members.stop]))
-            for f, members in enumerate(groups)]
+        names = list(names) if names is not None else [f"p{i}" for i in range(len(self.params))]
+        self.fragments: list[Fragment] = []
+        for f, pieces in enumerate(split_fragments([p.numel() for p in self.params], settings.num_fragments)):
+            tensors = [self._tensor(piece) for piece in pieces]
+            labels = [names[piece.index] if tensor is self.params[piece.index]
+                      else f"{names[piece.index]}[{piece.start}:{piece.stop}]"
+                      for piece, tensor in zip(pieces, tensors, strict=True)]
+            offset = f * settings.sync_every // settings.num_fragments
+            self.fragments.append(Fragment(f, tensors, labels, offset, OuterOptimizer(settings, tensors)))
 
-    def tensors(self, fragment: Fragment) -> list[torch.Tensor]:
-        """The parameters of `fragment`, in order."""
-        return self.params[fragment.members.start:fragment.members.stop]
+    def _tensor(self, piece: Piece) -> torch.Tensor:
+        """The parameter itself when the piece is all of it, else a flat view of the part
+        (writes go through to the parameter)."""
+        param = self.params[piece.index]
+        if piece.start == 0 and piece.stop == param.numel():
+            return param
+        return param.detach().view(-1)[piece.start:piece.stop]
 
     @property
     def rounds(self) -> int:
@@ -171,7 +173,7 @@ class StreamingRounds:
         """Start every fragment's round at the parameters of the moment (the run's start, or
         parameters loaded from elsewhere); the schedule starts again."""
         for fragment in self.fragments:
-            fragment.outer.take_start(self.tensors(fragment))
+            fragment.outer.take_start(fragment.tensors)
 
     def end_of_step(self, ends_epoch: bool) -> list[Fragment]:
         """Count one inner step; returns the fragments whose round it ends, in order."""
@@ -184,14 +186,14 @@ class StreamingRounds:
     def pseudo_gradient(self, fragment: Fragment) -> torch.Tensor:
         """This worker's pseudo-gradient of `fragment`, flat (a buffer the transport may
         average in place and hand back to `apply`)."""
-        return fragment.outer.pseudo_gradient(self.tensors(fragment))
+        return fragment.outer.pseudo_gradient(fragment.tensors)
 
     @torch.no_grad()
     def apply(self, fragment: Fragment, average: torch.Tensor, ends_epoch: bool) -> None:
         """Step `fragment`'s outer optimizer on the workers' mean pseudo-gradient and set
         its parameters (mixed with the worker's own, but at an epoch's end)."""
         fragment.outer.step(average)
-        tensors = self.tensors(fragment)
+        tensors = fragment.tensors
         if self.settings.mixing == 0 or ends_epoch:
             fragment.outer.copy_to(tensors)
             return

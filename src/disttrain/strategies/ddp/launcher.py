@@ -64,7 +64,6 @@ from disttrain.strategies.ddp.live import launch_live
 from disttrain.strategies.ddp.preemption import NOT_SAVED, GroupStop, error_file_messages, group_stop
 from disttrain.strategies.ddp.rank_tokens import RANK_TOKENS_ENV, write_rank_tokens
 from disttrain.training.first_step import check_first_step
-from disttrain.training.fragments import check_fragments
 from disttrain.training.options import RunOptions
 from disttrain.training.precision import plan_precision
 
@@ -113,7 +112,6 @@ def preflight(config: Config, resume: bool) -> LaunchPlan:
     plan_precision(training.precision, device.type, training.precision == "bf16"
                    and device.type == "cuda" and torch.cuda.is_bf16_supported())
     check_first_step(training)  # an unknown model, or one that cannot take the data, fails here, once
-    check_fragments(training)  # more Streaming DiLoCo fragments than the model has tensors
     train_set, _ = load_datasets(training)
     rt.check_world_size(len(train_set), system.num_workers)
     del train_set  # the ranks load their own copies

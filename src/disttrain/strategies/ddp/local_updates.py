@@ -63,15 +63,18 @@ class LocalRounds:
                  seed: int = 0):
         self.settings = settings
         self.module = module
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        broadcast_module(module)
+        self.outer = StreamingRounds(settings, self.params, [name for name, _ in named])
         compressor = outer_compressor(settings, seed)
         if compressor is not None:  # the config refuses it beside the run's compression
-            names = {id(param): name for name, param in module.named_parameters()}
+            # Residuals by the fragments' tensors (a part of a parameter is named as such).
+            names = {id(tensor): name for fragment in self.outer.fragments
+                     for tensor, name in zip(fragment.tensors, fragment.names, strict=True)}
             compression = GatherHook(compressor, names)
         self.compression = compression
         self.own_compression = compressor is not None  # its state goes with the rank's own
-        broadcast_module(module)
-        self.outer = StreamingRounds(settings, self.params)
 
     def end_of_step(self, ends_epoch: bool) -> dict[str, float]:
         """Call after each inner optimizer step (on every rank: a collective at a round's
@@ -81,7 +84,7 @@ class LocalRounds:
         num_bytes, largest = 0, 0
         for fragment in self.outer.end_of_step(ends_epoch):
             delta = self.outer.pseudo_gradient(fragment)
-            self.outer.apply(fragment, self._average(delta, self.outer.tensors(fragment)), ends_epoch)
+            self.outer.apply(fragment, self._average(delta, fragment.tensors), ends_epoch)
             num_bytes += fragment.nbytes()
             largest = max(largest, fragment.nbytes())
         if num_bytes:
