@@ -93,12 +93,8 @@ RULES: tuple[Rule, ...] = (
                                   "the baseline's one process takes every batch")),
     Rule("compression.*", _when(lambda c, s: not c.compression.enabled, "compression.enabled is false"),
          unless="compression.pull"),  # pull compression goes on and off by itself
-    # Pull compression: the parameter server in sync mode only (see server/broadcast.py).
+    # Pull compression: the parameter server, in every mode (see server/broadcast.py).
     Rule("compression.pull*", _when(lambda c, s: s != "ps", "only the parameter server pulls parameters")),
-    Rule("compression.pull*", _when(
-        lambda c, s: c.ps.aggregation_mode != "sync",
-        lambda c: f"pull compression needs every worker to receive every version, which only sync "
-                  f"mode gives (ps.aggregation_mode is {c.ps.aggregation_mode})")),
     Rule("compression.pull_ratio", _when(
         lambda c, s: c.compression.pull != "topk",
         lambda c: f"only topk sends a share of the elements (compression.pull is {c.compression.pull})")),

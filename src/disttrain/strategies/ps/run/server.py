@@ -91,16 +91,10 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
 
 
 def broadcast_copy(config: Config, plan: ShardPlan, flat) -> BroadcastCopy | None:
-    """Pull compression's broadcast copy of the shard, when the run asks for it: sync
-    mode only, where every worker receives every version in order (async and ssp answer
-    dense, with a warning)."""
+    """Pull compression's broadcast copy of the shard, when the run asks for it (every
+    mode: in async and ssp a worker behind is sent the changes it missed)."""
     section = config.compression
     if section.pull == "none":
-        return None
-    if config.ps.aggregation_mode != "sync":
-        logger.warning("compression.pull=%s is ignored in %s mode: pull compression needs every worker "
-                       "to receive every version (sync mode); answers go dense", section.pull,
-                       config.ps.aggregation_mode)
         return None
     return BroadcastCopy(flat, ParameterChanges(plan, section.pull, section.pull_ratio),
                          section.pull_dense_every)

@@ -323,8 +323,8 @@ class ParameterServicer:
     def _parameters(self, worker_id: str, version: int, shared_memory: bool, context,
                     holds_version: int = 0) -> list[bytes]:
         """The messages of the parameters once at `version`: through the worker's segment
-        (one notice) or as frames (under pull compression, the change alone for a worker
-        whose `holds_version`, 1 + the version it holds, is the one before); the call
+        (one notice) or as frames (under pull compression, the changes alone for a worker
+        whose `holds_version`, 1 + the version it holds, the shard kept them from); the call
         ends when the version does not come in time."""
         state, timeout = self.state, self.wait_s(context)
         if shared_memory:
@@ -333,11 +333,9 @@ class ParameterServicer:
             if notice is not None:
                 return [notice]
         else:
-            snapshot = state.wait_for_version(version, timeout)
-            if snapshot is not None:
-                if snapshot.change_frames is not None and holds_version == snapshot.version:
-                    return snapshot.change_frames
-                return snapshot.frames
+            frames = state.wait_for_version(version, timeout, holds_version - 1)
+            if frames is not None:
+                return frames
         code = grpc.StatusCode.UNAVAILABLE if state.stopping else grpc.StatusCode.DEADLINE_EXCEEDED
         context.abort(code, f"shard {state.plan.shard} did not reach version {version} in time "
                             f"(now {state.version})")

@@ -21,9 +21,11 @@ step is answered once that step is applied (`step_applied`), not at the next ver
 a block redone meanwhile moves the version on within the step.
 
 Pull compression (`broadcast`): every answer is then the shard's broadcast copy, which
-every worker holds exactly; a step's answer is its compressed change for a worker that
-holds the version before, and the copy becomes the parameters at every dense version
-and once every worker is done (so the final model is the parameters themselves).
+every worker holds exactly; a step's answer is the compressed changes to it from the
+version the worker holds, when the copy kept them (in sync mode the one change of the
+step; in async and SSP as many as the worker is behind), and the copy becomes the
+parameters at every dense version and once every worker is done (so the final model is
+the parameters themselves).
 
 The buffer rule: a shard holding model buffers (BatchNorm running statistics, batch
 counters) moves them, at each update, by the weighted sum of the changes the applied
@@ -362,24 +364,34 @@ class ShardState:
         ready = self._changed.wait_for(lambda: self.rules.version >= min_version or self.stopping, timeout_s)
         return ready and not self.stopping
 
-    def wait_for_version(self, min_version: int, timeout_s: float | None) -> Snapshot | None:
-        """The parameters once the version reaches `min_version`, or None on timeout or stop."""
+    def wait_for_version(self, min_version: int, timeout_s: float | None, holds: int = -1
+                         ) -> list[bytes] | None:
+        """The messages of the parameters once the version reaches `min_version`, or None
+        on timeout or stop. Under pull compression, for a worker that holds version
+        `holds` of the broadcast copy (-1: none), the changes from it when the copy kept
+        them (see `BroadcastCopy.change_for`), else the copy dense."""
         with self._changed:
             if not self._reached(min_version, timeout_s):
                 return None
-            if self._snapshot is None or self._snapshot.version != self.rules.version:
-                version, step, buffers = self.rules.version, self.rules.sync_step, self._buffer_message()
-                restored = self.rules.restored
+            version, step, buffers = self.rules.version, self.rules.sync_step, None
+            if self._snapshot is None or self._snapshot.version != version:
+                buffers = self._buffer_message()
                 frames = service.parameter_frames(self.plan, version, tensor_bytes(self._served()),
                                                   self.incarnation, buffers, sync_step=step,
-                                                  restored=restored)
-                change = None if self.broadcast is None else self.broadcast.change_for(version - 1, version)
-                if change is not None:
-                    change = list(service.parameter_frames(self.plan, version, memoryview(change),
-                                                           self.incarnation, buffers,
-                                                           self.broadcast.changes.scheme, step, restored))
-                self._snapshot = Snapshot(version, list(frames), change)
-            return self._snapshot
+                                                  restored=self.rules.restored)
+                self._snapshot = Snapshot(version, list(frames))
+            snapshot = self._snapshot
+            if self.broadcast is None or holds in snapshot.changes:
+                return snapshot.changes.get(holds, snapshot.frames)
+            change = self.broadcast.change_for(holds, version)
+            if change is None:
+                return snapshot.frames
+            # Kept for the next worker that holds the same version (in sync mode, all of them).
+            snapshot.changes[holds] = list(service.parameter_frames(
+                self.plan, version, memoryview(change), self.incarnation,
+                self._buffer_message() if buffers is None else buffers, self.broadcast.changes.scheme, step,
+                self.rules.restored))
+            return snapshot.changes[holds]
 
     def write_parameters(self, worker_id: str, min_version: int, timeout_s: float | None) -> bytes | None:
         """Once the version reaches `min_version`, copy the parameters into the worker's

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from disttrain.compression import Compressor, Counters, Encoded, Segment
+from disttrain.compression import Compressor, Counters, Encoded, InvalidPayload, Segment
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.wire.codec import to_dtype
 from disttrain.strategies.ps.wire.sharding import ShardPlan
@@ -110,3 +110,24 @@ class ParameterChanges:
         """
         self.compressor.decode(data, self.segments, scratch)
         held.add_(scratch)
+
+    def add_all(self, held: torch.Tensor, data: bytes | memoryview, count: int,
+                scratch: torch.Tensor) -> None:
+        """Add the `count` changes `data` holds one after another (each `nbytes` long, the
+        oldest first) into `held`, in their order, as the shard added them to its copy.
+
+        Raises:
+            InvalidPayload: `data` is not `count` changes, or one does not decode; `held`
+                is unchanged.
+        """
+        data = memoryview(data).cast("B")
+        if count < 1 or data.nbytes != count * self.nbytes:
+            raise InvalidPayload(f"{data.nbytes} bytes are not {count} {self.scheme} changes of "
+                                 f"{self.nbytes} bytes each")
+        if count == 1:
+            self.add(held, data, scratch)
+            return
+        result = held.clone()  # so that a change that does not decode leaves `held` as it was
+        for i in range(count):
+            self.add(result, data[i * self.nbytes:(i + 1) * self.nbytes], scratch)
+        held.copy_(result)

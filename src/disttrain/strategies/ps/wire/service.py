@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -87,8 +87,9 @@ class Snapshot:
 
     version: int
     frames: list[bytes]
-    # Pull compression: the change from version - 1, for a worker holding that version.
-    change_frames: list[bytes] | None = None
+    # Pull compression: the changes to `version` from the version a worker holds (the
+    # key), for each such version asked for yet; filled by the shard, under its lock.
+    changes: dict[int, list[bytes]] = field(default_factory=dict)
 
 
 def method_path(name: str) -> str:

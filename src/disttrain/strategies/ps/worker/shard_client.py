@@ -371,16 +371,18 @@ class ShardClient:
 
     def _land_change(self, answer: Payload | Frame, plan: ShardPlan, chunks: list[memoryview],
                      into: torch.Tensor) -> int:
-        """Add the change of a compressed answer into `into` (which holds the version
-        before it); its version.
+        """Add the changes of a compressed answer into `into`, which holds the version of
+        the shard's broadcast copy they start from (one change per version between it and
+        the answer's, oldest first: `ParameterChanges.add_all`); its version.
 
         Raises:
-            DistributedError: this worker does not expect changes, holds another version,
-                or the change does not decode.
+            DistributedError: this worker does not expect changes, holds no version before
+                the answer's, or the changes do not decode (`into` is then unchanged).
         """
         header, changes = answer.header, self.changes
+        behind = header.version - (self.holds_version - 1)
         if changes is None or header.compression_type != changes.scheme or self.segments is not None \
-                or self.holds_version != header.version:
+                or self.holds_version < 1 or behind < 1:
             raise DistributedError(
                 f"shard {plan.shard} answered version {header.version} with a {header.compression_type} "
                 f"change, but this worker holds version {self.holds_version - 1} and pulls "
@@ -391,7 +393,7 @@ class ShardClient:
             if self._scratch is None or self._scratch.numel() != into.numel():
                 self._scratch = torch.empty_like(into)
             data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            changes.add(into, data, self._scratch)
+            changes.add_all(into, data, behind, self._scratch)
         except (ValueError, InvalidPayload) as e:
             raise DistributedError(f"the answer of shard {plan.shard}: {e}") from e
         if buffers is not None:
