@@ -18,16 +18,12 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from disttrain.config import TrainingConfig
-from disttrain.data import load_datasets
 from disttrain.metrics.logger import METRICS_FILE
+from tests import live_runs
+from tests.live_runs import WAIT_S, rank_pid, start, wait_for
 
 MIN, MAX, BATCH, EPOCHS = 2, 3, 16, 6
 ARGS = ["--ddp-recovery", "live", "--world-size", f"{MIN}:{MAX}", "--dataset", "digits",
@@ -36,59 +32,11 @@ ARGS = ["--ddp-recovery", "live", "--world-size", f"{MIN}:{MAX}", "--dataset", "
         "--set", "training.model_architecture=mlp", "--set", "training.learning_rate=0.003",
         "--set", "coordinator.heartbeat_interval=0.2", "--set", "coordinator.heartbeat_timeout=2"]
 JOIN_LINE = re.compile(r"--join --rdzv-endpoint (\S+)`")
-WAIT_S = 150.0
-POLL_S = 0.05  # how often a log is read again while waiting for a line
 
 
 def samples_per_epoch() -> int:
     """The samples of an epoch's whole global batches (the global batch is MIN's)."""
-    train_set, _ = load_datasets(TrainingConfig(dataset="digits"))
-    global_batch = BATCH * MIN
-    return len(train_set) // global_batch * global_batch
-
-
-def start(args: list, output: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with output.open("w") as sink:
-        return subprocess.Popen([sys.executable, "-m", "disttrain", "ddp", *map(str, args)], stdout=sink,
-                                stderr=subprocess.STDOUT, env=env)
-
-
-def wait_for(path: Path, pattern: str | re.Pattern, *processes: subprocess.Popen) -> re.Match:
-    """The first match of `pattern` in the file at `path`, once written; fails at the
-    deadline, or when one of `processes` ends first."""
-    deadline = time.monotonic() + WAIT_S
-    pattern = re.compile(pattern) if isinstance(pattern, str) else pattern
-    while time.monotonic() < deadline:
-        found = pattern.search(path.read_text(errors="replace")) if path.exists() else None
-        if found:
-            return found
-        ended = [p for p in processes if p.poll() is not None]
-        assert not ended, f"{ended[0].args} ended ({ended[0].returncode}) before {pattern.pattern!r} " \
-                          f"in {path}"
-        time.sleep(POLL_S)
-    pytest.fail(f"no {pattern.pattern!r} in {path} within {WAIT_S:.0f}s")
-
-
-def rank_pid(launcher: subprocess.Popen, slot: int) -> int:
-    """The process id of `launcher`'s rank `slot` (a child running the rank entry point)."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            if (parent == launcher.pid and b"disttrain.torchrun" in argv
-                    and argv[argv.index(b"--rank") + 1] == str(slot).encode()):
-                return int(entry.name)
-        assert launcher.poll() is None, f"the launcher ended ({launcher.returncode}) before rank {slot}"
-        time.sleep(POLL_S)
-    pytest.fail(f"rank {slot} of {launcher.args} did not start within {WAIT_S:.0f}s")
+    return live_runs.samples_per_epoch(BATCH * MIN)
 
 
 @pytest.mark.slow
@@ -127,8 +75,8 @@ def test_a_live_run_grows_with_a_rank_started_by_hand_and_shrinks_when_one_is_si
             os.kill(leader, signal.SIGCONT)
         assert refused.returncode == 1, refused.stderr[-3000:]
         assert refused.stderr.strip().splitlines()[-1] == (
-            f"error: the run at {endpoint} has its maximum of 3 ranks (--world-size MIN:MAX); start this "
-            "one when a rank has left")
+            f"error: the run at {endpoint} has its maximum of 3 ranks (--world-size MIN:MAX) and no spares "
+            "(ddp.spares); start this one when a rank has left")
         assert not list((tmp_path / "refused-logs").glob("rank*.log"))
 
         leaver = rank_pid(host, 1)

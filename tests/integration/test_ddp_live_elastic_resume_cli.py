@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 
 from disttrain.metrics.logger import METRICS_FILE
-from tests.integration.test_ddp_live_elastic_cli import WAIT_S, rank_pid, samples_per_epoch, start, wait_for
+from tests import live_runs
+from tests.live_runs import WAIT_S, rank_pid, start, wait_for
 
-BATCH, EPOCHS, FIRST = 16, 6, 2  # samples_per_epoch() counts global batches of 16 x 2
+BATCH, EPOCHS, FIRST = 16, 6, 2
 ARGS = ["--ddp-recovery", "live", "--dataset", "digits",
         "--num-epochs", EPOCHS, "--batch-size", BATCH, "--seed", 1, "--timeout-s", 120,
         "--num-threads", 1, "--max-restarts", 2,
@@ -71,7 +72,7 @@ def test_a_stopped_live_run_resumes_on_another_size_and_trains_every_global_batc
                   "--resume", timeout=WAIT_S * 2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads((logs / "summary.json").read_text())
-    assert summary["samples_applied"] == EPOCHS * samples_per_epoch()
+    assert summary["samples_applied"] == EPOCHS * live_runs.samples_per_epoch(BATCH * FIRST)
     assert (summary["samples_lost"], summary["samples_applied_twice"]) == (0, 0)
     assert summary["steps"] * BATCH * FIRST == summary["samples_applied"]  # the global batch kept
     assert f"from step {step} " in (logs / "rank0.log").read_text()

@@ -17,9 +17,10 @@ from disttrain.strategies.ddp.live.membership import (
     after_leave,
     arrival_slot,
     below_minimum,
-    may_arrive,
+    place_to_take,
     size_change,
     split_batch,
+    stepped_in,
     world_sizes,
 )
 
@@ -30,8 +31,28 @@ def test_arrivals_take_the_slots_after_the_runs_first_ones_never_reused():
         arrival_slot(2, 0)
 
 
-def test_an_arrival_takes_a_place_up_to_the_maximum():
-    assert may_arrive(3, 3) and not may_arrive(4, 3)
+def test_a_rank_keeps_its_own_place_else_takes_the_first_free_one_else_waits_as_a_spare():
+    assert place_to_take(["0", "1", ""], 1) == 1  # its own (a first slot, or restarted keeping it)
+    assert place_to_take(["0", "", ""], 3) == 1  # the first free one
+    assert place_to_take(["", "1", "3"], 3) == 2  # its own before a free one
+    assert place_to_take(["0", "1", "2"], 3) is None  # every place held by another: a spare waits
+
+
+@given(holders=st.lists(st.sampled_from(["", "0", "1", "2", "3"]), min_size=1, max_size=5, unique=True),
+       slot=st.integers(0, 4))
+def test_the_place_taken_is_never_another_ranks(holders, slot):
+    index = place_to_take(holders, slot)
+    if index is None:
+        assert "" not in holders and str(slot) not in holders
+    else:
+        assert holders[index] in ("", str(slot))
+
+
+def test_the_spares_that_stepped_in_are_the_new_members_marked_as_spares():
+    # slot 1 died; spare 2 took its place and joined the survivor 0; slot 4 (an arrival
+    # whose launcher took a free place) joined too, not marked
+    assert stepped_in((0,), (0, 2, 4), {2}) == (2,)
+    assert stepped_in((0, 2), (0, 2), {2}) == ()  # a member already: not again
 
 
 @given(members=st.sets(st.integers(0, 9), min_size=1, max_size=6), data=st.data())
@@ -88,3 +109,23 @@ def test_a_good_range_is_taken():
     config = config_from_dict({"ddp": {"recovery": "live", "max_world_size": 3},
                                "system": {"num_workers": 2}})
     assert isinstance(config, Config) and config.ddp.max_world_size == 3
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"ddp": {"spares": 1}}, "ddp.spares: hot spares step into a live group; they need ddp.recovery: live"),
+    ({"ddp": {"recovery": "live", "spares": -1}}, "ddp.spares: -1 must be >= 0"),
+    ({"ddp": {"recovery": "live", "spares": 1, "join": True, "max_world_size": 3,
+              "rdzv_endpoint": "127.0.0.1:29400"}}, "ddp.spares: an arrival (--join) adds one rank"),
+    ({"ddp": {"recovery": "live", "spares": 1, "num_nodes": 2, "rdzv_endpoint": "127.0.0.1:29400"},
+      "system": {"num_workers": 2}}, "ddp.spares: hot spares of a run of several nodes"),
+])
+def test_spares_are_refused_where_nothing_would_take_them_in(values, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        config_from_dict(values)
+
+
+def test_spares_are_taken_by_a_live_run_of_fixed_size_or_a_range():
+    assert config_from_dict({"ddp": {"recovery": "live", "spares": 2}}).ddp.spares == 2
+    elastic = config_from_dict({"ddp": {"recovery": "live", "spares": 1, "max_world_size": 3},
+                                "system": {"num_workers": 2}})
+    assert elastic.ddp.spares == 1

@@ -102,6 +102,8 @@ DDP_FLAGS = {
     "--rdzv-id": ("ddp.rdzv_id", str, "run id every node of one run shares"),
     "--join": ("ddp.join", bool, "add one rank to the running elastic run whose live store is at "
                "--rdzv-endpoint (give the run's --world-size MIN:MAX and settings)"),
+    "--spares": ("ddp.spares", int, "hot spares (live recovery): ranks started beside the group that "
+                 "start up and wait; one steps in at a step boundary when a member dies or leaves"),
     **balance_flags("rank"),
     **COMPRESSION_FLAGS,
     **LOCAL_UPDATE_FLAGS,
@@ -176,10 +178,11 @@ def describe_recovery(config: Config) -> str:
         return ""
     if ddp.join:
         return f" (live recovery: one rank joins the elastic run at {ddp.rdzv_endpoint})"
+    spares = f", {count(ddp.spares, 'hot spare')} waiting to step in" if ddp.spares else ""
     if ddp.max_world_size:
         return (f" (live recovery, elastic: {config.system.num_workers} to {ddp.max_world_size} ranks, "
-                "--join adds one, a SIGTERMed rank leaves)")
-    return " (live recovery: the survivors train on, a restarted rank rejoins)"
+                f"--join adds one, a SIGTERMed rank leaves{spares})")
+    return f" (live recovery: the survivors train on, a restarted rank rejoins{spares})"
 
 
 def describe_local_updates(config: Config) -> str:

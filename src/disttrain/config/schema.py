@@ -429,6 +429,10 @@ class DDPConfig:
     max_world_size: int = field(default=0, metadata=NON_NEGATIVE)
     # This launcher adds one rank to the running elastic run whose store is at rdzv_endpoint.
     join: bool = False
+    # Hot spares (live recovery): ranks started beside the group that start up and wait,
+    # outside it; one steps in at a step boundary when a member dies or leaves and the
+    # group is below its maximum. Each costs a process with the model and data in memory.
+    spares: int = field(default=0, metadata=NON_NEGATIVE)
 
     def cross_problems(self, name: Callable[[str], str]) -> list[str]:
         problems = _address_problems(name("rdzv_endpoint"), self.rdzv_endpoint, "node0.example.com:29400")
@@ -441,6 +445,15 @@ class DDPConfig:
         if self.join and not (self.max_world_size and self.rdzv_endpoint):
             problems.append(f"{name('join')}: joining a running run needs its range and its store: pass "
                             "--world-size MIN:MAX and --rdzv-endpoint HOST:PORT as its launcher logged them")
+        if self.spares and self.recovery != "live":
+            problems.append(f"{name('spares')}: hot spares step into a live group; they need ddp.recovery: "
+                            "live (pass --ddp-recovery live)")
+        if self.spares and self.join:
+            problems.append(f"{name('spares')}: an arrival (--join) adds one rank; give --spares to the "
+                            "run's own launcher (an arrival at a run's maximum with spares waits as one)")
+        if self.spares and self.num_nodes > 1:
+            problems.append(f"{name('spares')}: hot spares of a run of several nodes (ddp.num_nodes "
+                            f"{self.num_nodes}) are not offered yet; leave --spares out")
         return problems
 
 

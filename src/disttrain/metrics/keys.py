@@ -211,8 +211,9 @@ OPTIONAL_SUMMARY: dict[str, Metric] = {m.key: m for m in [
     Metric("live_recoveries", "list", RUN, "each re-forming of the group: `kind` (`shrink` after a "
            "loss, `grow` to take ranks back or in, `leave` when SIGTERMed ranks left, `restore` when "
            "every member was lost and the restarted ranks formed a group from the newest checkpoint, "
-           "`resume` for the first group of a `--resume`), `generation`, `members`, `step`, and its "
-           "seconds `detect_s`, `reform_s`, `resume_s` (shrink) or `rejoin_s` (the others)", DDP_LIVE),
+           "`resume` for the first group of a `--resume`), `generation`, `members`, `step`, `spares` (the "
+           "hot spares it took in, when any), and its seconds `detect_s`, `reform_s`, `resume_s` "
+           "(shrink) or `rejoin_s` (the others)", DDP_LIVE),
     Metric("live_world_sizes", "ranks", RUN, "the sizes the group trained at, in order: the run's "
            "first, then the size after each re-forming that changed it", DDP_LIVE),
     Metric("min_world_size", "ranks", RUN, "an elastic run's MIN (--world-size MIN:MAX): the ranks "
@@ -226,6 +227,12 @@ OPTIONAL_SUMMARY: dict[str, Metric] = {m.key: m for m in [
            "again", DDP_LIVE),
     Metric("live_rejoin_s", "s", RUN, "the longest from a rank's restart to the group training with "
            "it (the restarted process's start-up included)", DDP_LIVE),
+    Metric("num_spares", "count", RUN, "hot spares started beside the group (`--spares`)", DDP_LIVE),
+    Metric("num_spares_started", "count", RUN, "spare processes started: the spares, and the lost ranks' "
+           "processes started again as spares", DDP_LIVE),
+    Metric("spare_step_ins", "list", RUN, "each spare that stepped in: `slot`, `step`, `generation`, `at` "
+           "(wall clock) and `after_loss_s` (from the death or leave before it to the group training "
+           "with it)", DDP_LIVE),
 ]}
 
 

@@ -8,8 +8,10 @@ store), `forming` (a generation's rendezvous cut short when a member dies), `res
 state handed from a live peer, without pickle), `trainer` (model, optimizer, position
 and data ledger), `checkpoints` (the leader's periodic checkpoints and `--resume`),
 `compression` (the DDP compression hooks on the flat gradient buffer), `rank` (the
-generations of one rank process; a SIGTERMed rank leaves at a step boundary), `launcher`
-(starts and restarts the ranks, hosts the store; `--join` adds a rank to an elastic run).
+generations of one rank process; a SIGTERMed rank leaves at a step boundary), `places`
+(the places of an elastic run or one with hot spares: arrivals and spares take free ones),
+`launcher` (starts and restarts the ranks and the spares, hosts the store; `--join` adds a
+rank to an elastic run).
 """
 
 from disttrain.strategies.ddp.live.launcher import LIVE_STORE_ENV, launch_live, store_address

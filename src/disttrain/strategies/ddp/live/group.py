@@ -359,6 +359,15 @@ class LiveGroup:
                            "generation %d (members %s) from the run's newest checkpoint", self.slot,
                            restart.generation - 1, restart.generation, format_members(restart.members))
 
+    def previous_members(self) -> tuple[int, ...]:
+        """The members of the generation before this one (none before generation 0)."""
+        before = self.generation - 1
+        if before < 0:
+            return ()
+        if before == 0:
+            return self.first_members
+        return parse_members(self.store.get(members_key(before)).decode())
+
     def admitted_so_far(self) -> int:
         """The join tickets taken care of, as the store says (for a state read from a
         checkpoint, whose own count may be behind, or of another run's store)."""

@@ -20,13 +20,16 @@ their deaths in the shared store; the host keeps the store up until every node's
 have ended. The last leader's node writes the summary.
 
 An elastic run (`--world-size MIN:MAX`, `ddp.max_world_size`) starts MIN ranks and counts
-its places in the store (`open_places`). A launcher started with `--join` reaches that
-store at `--rdzv-endpoint`, takes a place (up to MAX) and a new slot (`claim_arrival`),
-and runs that one rank, which joins the group at a step boundary. A rank that exits with
-143 left the group on SIGTERM (`rank`): it is not started again, its restart budget is
-untouched, and its place is free. A SIGTERM to an arrival's launcher is passed to its
-rank (a leave); one to the host launcher stops the run as before (its ranks die with it;
-`--resume` goes on from the newest checkpoint).
+its places in the store (`places`). A launcher started with `--join` reaches that store
+at `--rdzv-endpoint`, takes a new slot and a free place (`claim_arrival`), and runs that
+one rank, which joins the group at a step boundary. With hot spares (`ddp.spares`, in an
+elastic run or one of fixed size) the launcher also starts that many ranks on new slots
+that hold no place: each starts up and waits, and takes a place freed by a member that
+left or died (here the place is freed at once, and the dead rank's process started again
+waits as a spare). A rank that exits with 143 left the group on SIGTERM (`rank`): it is
+not started again, its restart budget is untouched, and its place is free. A SIGTERM to
+an arrival's launcher is passed to its rank (a leave); one to the host launcher stops the
+run as before (its ranks die with it; `--resume` goes on from the newest checkpoint).
 """
 
 from __future__ import annotations
@@ -63,7 +66,16 @@ from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
 from disttrain.strategies.ddp.coordination import RunCoordinator, run_coordinator
 from disttrain.strategies.ddp.heartbeats import node_id
 from disttrain.strategies.ddp.live.group import DONE_KEY, mark_dead
-from disttrain.strategies.ddp.live.membership import arrival_slot, format_members, may_arrive
+from disttrain.strategies.ddp.live.membership import format_members
+from disttrain.strategies.ddp.live.places import (
+    claim_arrival,
+    free_places,
+    has_spares,
+    left,
+    num_places,
+    open_places,
+    spare_slots,
+)
 from disttrain.training.options import RunOptions
 
 logger = logging.getLogger(__name__)
@@ -73,10 +85,6 @@ STORE_HOST = "127.0.0.1"
 NODES_KEY = "launcher/nodes"  # nodes other than the store's host count themselves in here
 NODE_DONE_PREFIX = "launcher/done/"  # + node number: that node's ranks have all ended
 EVENT_WAIT_S = 1.0
-PLACES_KEY = "elastic/places"  # places taken in an elastic run (members, restarting or joining ranks)
-ARRIVALS_KEY = "elastic/arrivals"  # ranks started by hand so far (their slots: `arrival_slot`)
-RANGE_KEY = "elastic/range"  # MIN:MAX, as the host launcher was started
-ARRIVAL_WAIT_S = 30.0  # how long an arrival waits for the host to publish the range
 
 
 def live_problems(config: Config) -> list[str]:
@@ -109,20 +117,24 @@ def rank_spec(config_path: Path, summary_path: Path, options: RunOptions, slot: 
 
 @dataclass
 class RankProcesses:
-    """What the launcher saw of each slot: its process ids and start times, and when each
-    process died (wall-clock seconds)."""
+    """What the launcher saw of each slot: its process ids and start times, when each
+    process died (wall-clock seconds), the slots that left, and the spares it started."""
 
     pids: dict[int, list[int]] = field(default_factory=dict)
     started_at: dict[int, list[float]] = field(default_factory=dict)
     deaths: list[tuple[float, int]] = field(default_factory=list)  # (when, slot)
     left: list[int] = field(default_factory=list)  # slots SIGTERMed that left the group
+    spares: list[int] = field(default_factory=list)  # slots started as hot spares
+    num_spares_started: int = 0  # spare processes: the spares, and lost members started again as spares
+    lost_at: list[float] = field(default_factory=list)  # when a member died or left (a spare's cue)
 
     def started(self, slot: int, pid: int) -> None:
         self.pids.setdefault(slot, []).append(pid)
         self.started_at.setdefault(slot, []).append(time.time())
 
-    def summary_fields(self, recoveries: list[dict[str, Any]]) -> dict[str, Any]:
-        """`rank_pids`, and each recovery with its seconds (see `recovery_times`)."""
+    def summary_fields(self, recoveries: list[dict[str, Any]], num_spares: int = 0) -> dict[str, Any]:
+        """`rank_pids`, each recovery with its seconds (see `recovery_times`), and with hot
+        spares the spares' fields (see `spare_fields`)."""
         timed = [recovery_times(r, self.deaths, self.started_at) for r in recoveries]
         shrinks = [r for r in timed if r["kind"] == "shrink"]
         grows = [r for r in timed if r["kind"] == "grow"]
@@ -134,7 +146,23 @@ class RankProcesses:
                 "live_resume_s": max((r["resume_s"] for r in shrinks if r.get("resume_s") is not None),
                                      default=None),
                 "live_rejoin_s": max((r["rejoin_s"] for r in grows if r.get("rejoin_s") is not None),
-                                     default=None)}
+                                     default=None),
+                **(self.spare_fields(timed) if num_spares else {})}
+
+    def spare_fields(self, recoveries: list[dict[str, Any]]) -> dict[str, Any]:
+        """`num_spares` (started beside the group), `num_spares_started` (with the lost
+        members' processes started again as spares), and `spare_step_ins`: each spare that
+        stepped in, with the step, the generation, and `after_loss_s` (from the latest
+        death or leave before it to the group training with it)."""
+        step_ins = []
+        for recovery in recoveries:
+            for slot in recovery.get("spares", []):
+                before = [when for when in self.lost_at if when <= recovery["resumed_at"]]
+                step_ins.append({"slot": slot, "step": recovery["step"], "generation": recovery["generation"],
+                                 "at": recovery["resumed_at"],
+                                 "after_loss_s": recovery["resumed_at"] - max(before) if before else None})
+        return {"num_spares": len(self.spares), "num_spares_started": self.num_spares_started,
+                "spare_step_ins": step_ins}
 
 
 def recovery_times(recovery: dict[str, Any], deaths: list[tuple[float, int]],
@@ -176,15 +204,16 @@ def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary | 
     preflight(config, options.resume or joining)  # an arrival leaves the run's checkpoints alone
     world_size, log_dir = config.system.num_workers, Path(config.system.log_dir)
     store, store_at, node = node_store(config)
+    spares: list[int] = []
     if joining:
-        slot = claim_arrival(store, config)
-        slots = range(slot, slot + 1)
+        slots = [claim_arrival(store, config)]
     else:
         per_node = world_size // config.ddp.num_nodes
-        slots = range(node * per_node, (node + 1) * per_node)
-        if config.ddp.max_world_size and node == 0:
+        slots = list(range(node * per_node, (node + 1) * per_node))
+        if num_places(config) and node == 0:
             open_places(store, config, store_at)
-    processes = RankProcesses()
+            spares = spare_slots(store, config)
+    processes = RankProcesses(spares=list(spares))
     with tempfile.TemporaryDirectory(prefix="disttrain-ddp-live-") as folder:
         config_path, summary_path = Path(folder) / "config.yaml", Path(folder) / SUMMARY_FILE
         config.save(config_path)
@@ -194,12 +223,15 @@ def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary | 
             env = {LIVE_STORE_ENV: store_at,
                    "OMP_NUM_THREADS": str(thread_count(config.system.num_threads, len(slots)))}
             logger.info("starting rank(s) %d-%d of %s with live recovery (store %s), up to %d restart(s) "
-                        "each", slots[0], slots[-1], f"{world_size}-{config.ddp.max_world_size}"
-                        if config.ddp.max_world_size else world_size, store_at, config.ddp.max_restarts)
+                        "each%s", slots[0], slots[-1], f"{world_size}-{config.ddp.max_world_size}"
+                        if config.ddp.max_world_size else world_size, store_at, config.ddp.max_restarts,
+                        f", and {len(spares)} hot spare(s) (slot(s) {format_members(spares)}) that wait "
+                        "and step in when a member is lost" if spares else "")
             try:
                 with Cluster(log_dir, env=env, env_of=rank_tokens(coordinator.token)) as cluster, \
                         sigterm_handled_by(leave_on_sigterm(cluster) if joining else None):
-                    supervise(cluster, config, options, (config_path, summary_path), processes, store, slots)
+                    supervise(cluster, config, options, (config_path, summary_path), processes, store,
+                              slots + spares)
             except (ConfigError, CheckpointStoreError, DistributedError) as e:
                 coordinator.stopped(str(e).splitlines()[0])
                 raise
@@ -209,7 +241,8 @@ def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary | 
         if not summary_path.is_file():
             return without_summary(config, store, processes, log_dir)
         summary = RunSummary.read(summary_path)
-    summary.extra.update(processes.summary_fields(summary.extra.get("live_recoveries", [])))
+    recoveries = summary.extra.get("live_recoveries", [])
+    summary.extra.update(processes.summary_fields(recoveries, config.ddp.spares))
     summary.total_time_s = time.perf_counter() - started
     summary.write(log_dir)
     return summary
@@ -246,48 +279,6 @@ def run_done(store: dist.Store) -> bool:
         return store.check([DONE_KEY])
     except (RuntimeError, dist.DistError):  # the store's host is gone: the run is over
         return True
-
-
-def open_places(store: dist.Store, config: Config, store_at: str) -> None:
-    """An elastic run (`--world-size MIN:MAX`): count the run's first ranks as taken places
-    and publish the range, which an arrival checks against its own (`claim_arrival`)."""
-    store.add(PLACES_KEY, config.system.num_workers)
-    store.set(RANGE_KEY, f"{config.system.num_workers}:{config.ddp.max_world_size}")
-    logger.info("an elastic run of %d to %d ranks: add one with `disttrain ddp --ddp-recovery live "
-                "--world-size %d:%d --join --rdzv-endpoint %s` and the run's settings (a SIGTERM to a rank "
-                "makes it leave)", config.system.num_workers, config.ddp.max_world_size,
-                config.system.num_workers, config.ddp.max_world_size, store_at)
-
-
-def claim_arrival(store: dist.Store, config: Config) -> int:
-    """A place in the running elastic run for this launcher's one rank, and its slot
-    (`membership.arrival_slot`).
-
-    Raises:
-        ConfigError: the run's range is not this command's.
-        DistributedError: the run is not elastic, has ended, or is at its maximum.
-    """
-    endpoint, mine = config.ddp.rdzv_endpoint, f"{config.system.num_workers}:{config.ddp.max_world_size}"
-    try:
-        store.wait([RANGE_KEY], timedelta(seconds=min(config.ddp.timeout_s, ARRIVAL_WAIT_S)))
-    except (RuntimeError, dist.DistError) as e:
-        raise DistributedError(f"the live store at {endpoint} holds no elastic run (started with "
-                               "--world-size MIN:MAX); check --rdzv-endpoint") from e
-    theirs = store.get(RANGE_KEY).decode()
-    if theirs != mine:
-        raise ConfigError(f"--world-size {mine}: the run at {endpoint} was started with --world-size "
-                          f"{theirs}; pass --world-size {theirs}")
-    if store.check([DONE_KEY]):
-        raise DistributedError(f"the run at {endpoint} has ended; nothing to join")
-    places = int(store.add(PLACES_KEY, 1))
-    if not may_arrive(places, config.ddp.max_world_size):
-        store.add(PLACES_KEY, -1)
-        raise DistributedError(f"the run at {endpoint} has its maximum of {config.ddp.max_world_size} ranks "
-                               "(--world-size MIN:MAX); start this one when a rank has left")
-    slot = arrival_slot(config.system.num_workers, int(store.add(ARRIVALS_KEY, 1)))
-    logger.info("joining the run at %s as slot %d (place %d of at most %d)", endpoint, slot, places,
-                config.ddp.max_world_size)
-    return slot
 
 
 @contextmanager
@@ -403,12 +394,13 @@ def nodes_done(store: dist.Store, node: int, num_nodes: int, timeout_s: float) -
 
 
 def supervise(cluster: Cluster, config: Config, options: RunOptions, paths: tuple[Path, Path],
-              processes: RankProcesses, store: dist.Store, slots: range) -> None:
-    """Start this node's ranks (`slots`), restart each that dies as its restart budget
-    allows (`coordinator.budget`: for free when the group's step had passed its furthest
-    since it joined, else spending one of `ddp.max_restarts` in a row; past that the others
-    finish without it), until all have ended; a death is marked in `store` at once
-    (`group.mark_dead`).
+              processes: RankProcesses, store: dist.Store, slots: list[int]) -> None:
+    """Start this node's ranks (`slots`, hot spares among them), restart each that dies as
+    its restart budget allows (`coordinator.budget`: for free when the group's step had
+    passed its furthest since it joined, else spending one of `ddp.max_restarts` in a row;
+    past that the others finish without it), until all have ended; a death is marked in
+    `store` at once (`group.mark_dead`). In a run with spares a dead rank's place is freed
+    at once, for a waiting spare, and its process started again waits as a spare.
 
     Args:
         paths: the config the ranks read, and where the last leader writes the summary.
@@ -420,10 +412,12 @@ def supervise(cluster: Cluster, config: Config, options: RunOptions, paths: tupl
     config_path, summary_path = paths
     supervisor = Supervisor(cluster, config.ddp.max_restarts, budget_key="ddp.max_restarts",
                             without_it="the others finish the run without it")
+    spares = has_spares(store)
     for slot in slots:
         supervisor.start(Managed(f"rank{slot}", node_id(slot), lambda attempt, s=slot: rank_spec(
             config_path, summary_path, options, s, attempt), expendable=True))
         processes.started(slot, cluster.children[f"rank{slot}"].process.pid)
+    processes.num_spares_started += len(processes.spares)
     while not all(p.finished or p.given_up for p in supervisor.processes.values()):
         event = cluster.next_event(EVENT_WAIT_S)
         if event is None or event.kind != "exit" or event.child not in supervisor.processes:
@@ -435,23 +429,21 @@ def supervise(cluster: Cluster, config: Config, options: RunOptions, paths: tupl
         if code == Preempted.exit_code:  # SIGTERMed, it left: not restarted, no budget spent
             left(store, slot)
             processes.left.append(slot)
+            processes.lost_at.append(time.time())
             supervisor.processes[event.child].finished = True
             logger.info("rank %d left the run (SIGTERM); it is not started again", slot)
             continue
         if code != 0:
             mark_dead(store, slot)
             processes.deaths.append((time.time(), slot))
+            processes.lost_at.append(time.time())
+            if spares:  # a waiting spare takes its place now, not after this slot's restart
+                free_places(store, slot)
         if supervisor.exited(event.child, code):
             processes.started(slot, cluster.children[event.child].process.pid)
+            processes.num_spares_started += int(spares)
         elif supervisor.processes[event.child].given_up:
-            store.add(PLACES_KEY, -1)  # its place is free for an arrival
-
-
-def left(store: dist.Store, slot: int) -> None:
-    """`slot`'s process left the group: a generation forming with it (it was admitted as it
-    left) stops waiting for it, as for a death (`group.mark_dead`), and its place is free."""
-    mark_dead(store, slot)
-    store.add(PLACES_KEY, -1)
+            free_places(store, slot)  # its place is free for an arrival or a spare
 
 
 def store_address(value: str) -> tuple[str, int]:

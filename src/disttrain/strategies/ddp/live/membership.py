@@ -9,10 +9,12 @@ group is its place among the sorted members, so the lowest slot leads. Nothing h
 touches a store, a socket or a clock: the I/O shell (`group`) reads them and passes
 them in, so tests step time by hand.
 
-An elastic run (`--world-size MIN:MAX`) adds: the slots of ranks started by hand
-(`arrival_slot`), the places up to MAX (`may_arrive`), the members that stay when some
-leave at a step boundary (`Change`, `after_leave`), the minimum (`below_minimum`), and
-the line and the list of sizes a change of size leaves (`size_change`, `world_sizes`).
+An elastic run (`--world-size MIN:MAX`) adds: the slots of ranks started by hand or as
+hot spares (`arrival_slot`), the place a rank holds or takes up to MAX (`place_to_take`;
+one that finds none waits as a spare, and `stepped_in` names the spares a change took
+in), the members that stay when some leave at a step boundary (`Change`, `after_leave`),
+the minimum (`below_minimum`), and the line and the list of sizes a change of size
+leaves (`size_change`, `world_sizes`).
 """
 
 from __future__ import annotations
@@ -181,11 +183,22 @@ def arrival_slot(num_workers: int, arrival: int) -> int:
     return num_workers + arrival - 1
 
 
-def may_arrive(places: int, max_world_size: int) -> bool:
-    """Whether a rank arriving by hand may take a place: `places` counts the run's places
-    with it (members, ranks restarting or waiting to join; a place is given back when its
-    rank leaves or is given up)."""
-    return places <= max_world_size
+def place_to_take(holders: Sequence[str], slot: int) -> int | None:
+    """The place `slot` holds or takes, by index: the one naming it already, else the first
+    free one (""); None when every place is held by another (it waits as a spare).
+
+    Args:
+        holders: each place's holder, a slot as text or "" when free (`places`).
+    """
+    if str(slot) in holders:
+        return list(holders).index(str(slot))
+    return list(holders).index("") if "" in holders else None
+
+
+def stepped_in(before: Sequence[int], after: Sequence[int], spares: Collection[int]) -> tuple[int, ...]:
+    """The spares that stepped in at a change of group: the members new in `after` whose
+    process took a free place (`spares`: the new members marked so in the store)."""
+    return tuple(sorted(slot for slot in set(after) - set(before) if slot in spares))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,10 @@ in which nobody holds state (every holder died: the ranks waiting to join starte
 see `restart`) does the same: its leader reads the newest checkpoint and hands it over.
 
 In an elastic run (`--world-size MIN:MAX`) a rank started by hand (a slot past the run's
-first ones) joins like a restarted rank; a SIGTERM sets a flag, and at the next step
+first ones) joins like a restarted rank; in a run that counts places (elastic, or with hot
+spares) a process that holds none waits first, started up but outside the group, until
+one is free (`places.wait_for_place`: a spare), and the leader logs each spare that
+steps in; a SIGTERM sets a flag, and at the next step
 boundary the member leaves (`_leave`, exit code 143) while the others form the next
 generation without it; a group below MIN waits at a step boundary for a rank to join.
 """
@@ -52,8 +55,10 @@ from disttrain.strategies.ddp.live.membership import (
     choose_source,
     format_members,
     size_change,
+    stepped_in,
     world_sizes,
 )
+from disttrain.strategies.ddp.live.places import spare_key, wait_for_place
 from disttrain.strategies.ddp.live.state import share_state
 from disttrain.strategies.ddp.live.trainer import LiveTrainer
 from disttrain.strategies.ddp.runtime import is_peer_loss
@@ -122,6 +127,9 @@ class LiveRank:
                     self._resume()
             else:
                 self.trainer.drop_state()
+                if not wait_for_place(self.group.store, self.slot, self.attempt,
+                                      lambda: self.group.leave_requested):
+                    return self._stop_waiting()
                 joined = self._join()
                 if joined is None:
                     return None
@@ -205,6 +213,19 @@ class LiveRank:
                             "train on without it")
         return joined
 
+    def _stop_waiting(self) -> None:
+        """A process waiting for a place (a hot spare) stops: the run ended (None), or
+        SIGTERM (it leaves).
+
+        Raises:
+            Preempted: SIGTERMed while waiting.
+        """
+        if self.group.leave_requested:
+            raise Preempted(f"slot {self.slot} left (SIGTERM) while it waited as a spare; the run goes on "
+                            "without it")
+        logger.info("slot %d: the run ended while it waited as a spare", self.slot)
+        return None
+
     def request_leave(self) -> None:
         """SIGTERM: leave the group at the next step boundary (a signal handler: sets a
         flag only)."""
@@ -266,7 +287,10 @@ class LiveRank:
         if group.rank != source:
             trainer.load_state_dict(state)
         pending, self.pending = self.pending, None
-        if pending is not None and group.is_leader:
+        # Every member records it (the leader's record is the summary's): the state handed
+        # over was read before, so a member that leads a later generation, its leader gone
+        # without handing its state on (it left, or died), still lists this change.
+        if pending is not None:
             trainer.progress.recoveries.append(self._recovery(pending))
         trainer.attach(group.rank, group.world_size)
         if trainer.balance is not None:  # its balance state goes into the heartbeats
@@ -286,10 +310,19 @@ class LiveRank:
 
     def _recovery(self, pending: dict[str, Any]) -> dict[str, Any]:
         """One recovery as the summary lists it (wall-clock times; the launcher adds when the
-        process died)."""
-        return {"kind": pending["kind"], "generation": self.group.generation,
-                "members": list(self.group.members), "failed_at": pending["failed_at"],
-                "resumed_at": time.time(), "step": self.trainer.progress.step}
+        process died); a grow names the hot spares that stepped in (`spares`), each in one
+        line of the log."""
+        group, step = self.group, self.trainer.progress.step
+        recovery = {"kind": pending["kind"], "generation": group.generation, "members": list(group.members),
+                    "failed_at": pending["failed_at"], "resumed_at": time.time(), "step": step}
+        before = group.previous_members()  # the leader may be new itself (a spare with a low slot)
+        marked = {slot for slot, attempt in group.attempts.items()
+                  if slot not in before and group.store.check([spare_key(slot, attempt)])}
+        spares = stepped_in(before, group.members, marked)
+        for slot in spares if group.is_leader else ():
+            logger.info("spare slot %d stepped in at step %d (generation %d, members %s)", slot, step,
+                        group.generation, format_members(group.members))
+        return {**recovery, "spares": list(spares)} if spares else recovery
 
     def _train(self) -> Change | None:
         """Train this generation until the run ends (None), or joiners wait or members leave

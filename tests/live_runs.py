@@ -1,0 +1,79 @@
+"""Helpers of the tests that drive live DDP runs from the command line: start `disttrain
+ddp` as a user would, wait for a line in a log (never a sleep as synchronisation), find a
+rank's process, and count the samples of an epoch's whole global batches."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from disttrain.config import TrainingConfig
+from disttrain.data import load_datasets
+
+WAIT_S = 150.0
+POLL_S = 0.05  # how often a log is read again while waiting for a line
+
+
+def samples_per_epoch(global_batch: int, dataset: str = "digits") -> int:
+    """The samples of an epoch's whole global batches."""
+    train_set, _ = load_datasets(TrainingConfig(dataset=dataset))
+    return len(train_set) // global_batch * global_batch
+
+
+def start(args: list, output: Path) -> subprocess.Popen:
+    """`disttrain ddp ARGS`, its output into the file at `output`."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with output.open("w") as sink:
+        return subprocess.Popen([sys.executable, "-m", "disttrain", "ddp", *map(str, args)], stdout=sink,
+                                stderr=subprocess.STDOUT, env=env)
+
+
+def wait_for(path: Path, pattern: str | re.Pattern, *processes: subprocess.Popen) -> re.Match:
+    """The first match of `pattern` in the file at `path`, once written; fails at the
+    deadline, or when one of `processes` ends first."""
+    deadline = time.monotonic() + WAIT_S
+    pattern = re.compile(pattern) if isinstance(pattern, str) else pattern
+    while time.monotonic() < deadline:
+        found = pattern.search(path.read_text(errors="replace")) if path.exists() else None
+        if found:
+            return found
+        ended = [p for p in processes if p.poll() is not None]
+        assert not ended, f"{ended[0].args} ended ({ended[0].returncode}) before {pattern.pattern!r} " \
+                          f"in {path}"
+        time.sleep(POLL_S)
+    pytest.fail(f"no {pattern.pattern!r} in {path} within {WAIT_S:.0f}s")
+
+
+def rank_pid(launcher: subprocess.Popen, slot: int) -> int:
+    """The process id of `launcher`'s rank `slot` (a child running the rank entry point)."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            if (parent == launcher.pid and b"disttrain.torchrun" in argv
+                    and argv[argv.index(b"--rank") + 1] == str(slot).encode()):
+                return int(entry.name)
+        assert launcher.poll() is None, f"the launcher ended ({launcher.returncode}) before rank {slot}"
+        time.sleep(POLL_S)
+    pytest.fail(f"rank {slot} of {launcher.args} did not start within {WAIT_S:.0f}s")
+
+
+def stop(*processes: subprocess.Popen | None) -> None:
+    """Kill whichever of `processes` still runs (a test's cleanup)."""
+    for process in processes:
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
