@@ -12,10 +12,11 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from disttrain.chaos.elastic import GROW, LEAVE, MAX_RESIZES, RESIZE_MARGIN_STEPS, Resize
 from disttrain.chaos.invariants import check_accuracy
 from disttrain.chaos.runner import Launch, resize_violations
 from disttrain.chaos.scenarios import SCENARIOS, scenario
-from disttrain.chaos.schedule import GROW, LEAVE, MAX_RESIZES, RESIZE_MARGIN_STEPS, Resize, Schedule, draw
+from disttrain.chaos.schedule import Schedule, draw
 
 ELASTIC = scenario("ps-elastic")
 seeds = st.integers(0, 2**31)

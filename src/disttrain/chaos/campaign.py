@@ -64,8 +64,10 @@ def summarize(results: list[dict[str, Any]], references: dict[str, Reference]) -
         - len(resizes)
     if preemptions:
         faults["preemption"] = len(preemptions)
-    for line in resizes:
-        faults["grow" if "(grow)" in line else "planned leave"] += 1
+    for line in resizes:  # a live group's rank killed from outside is counted as such above
+        if "(live recovery)" not in line:
+            faults["grow" if "(grow)" in line else "planned leave"] += 1
+    faults["kill from outside"] += sum(1 for line in resizes if "(live recovery)" in line)
     launches = [launch for r in results for launch in r.get("launches", [])]
     return {
         "schedules_run": len(results),

@@ -19,6 +19,9 @@ found, one line each (none: the invariant holds).
 - `check_ddp_end`: a run resumed on another number of ranks ended where the run ends: its
   newest checkpoint at the last step, past the last epoch, of the ranks it ended on, and
   every sample of every epoch counted once.
+- `check_live_end`: a live elastic group's summary: every global batch of every epoch
+  applied once (none lost, none twice), the run's last step reached, and no rank started
+  again that no fault touched (by its launcher's record).
 - `check_accuracy`: within 1 point of the fault-free run of the same seed (of the
   spread of several, for a mode whose runs differ by the order pushes arrive in).
 """
@@ -137,16 +140,20 @@ def check_identical(model: dict[str, Any] | None, reference_model: dict[str, Any
 
 
 def check_ddp(scenario: Scenario, checkpoint_dir: Path, log_dir: Path, reference_model: dict | None,
-              restarted: Iterable[int], exact: bool | None = None) -> list[str]:
+              restarted: Iterable[int], exact: bool | None = None, registry: bool = True) -> list[str]:
     """DDP's promise for its recovery mode (see the module docstring); `restarted`: the
     ranks a fault may have restarted; `exact`: whether the final model must be the
-    fault-free run's (default: the scenario's; not across a change of the number of ranks)."""
+    fault-free run's (default: the scenario's; not across a change of the number of ranks);
+    `registry`: whether the survivors' processes are read from the coordinator's registry
+    (not where a rank was held past the heartbeat timeout: the coordinator declares it
+    dead and counts its registering again as a restart; `check_live_end` reads the
+    launcher's own record instead)."""
     problems, model = check_final_model(scenario, checkpoint_dir)
     if scenario.exact if exact is None else exact:
         problems += check_identical(model, reference_model, "restart mode")
     if scenario.mode == "live":
         problems += _live_ledger(scenario, checkpoint_dir)
-        problems += _survivors_kept(log_dir, set(restarted))
+        problems += _survivors_kept(log_dir, set(restarted)) if registry else []
     return problems
 
 
@@ -172,6 +179,31 @@ def check_ddp_end(scenario: Scenario, checkpoint_dir: Path, summary: dict[str, A
     if samples != expected:
         problems.append(f"the run processed {samples} samples, not {expected} ({scenario.epochs} epochs "
                         f"of {scenario.train_samples})")
+    return problems
+
+
+def check_live_end(scenario: Scenario, summary: dict[str, Any] | None, killed: Iterable[int] = ()
+                   ) -> list[str]:
+    """A live group that changed size while it ran (its global batch kept: `--batch-size` x
+    MIN) applied every global batch of every epoch once by its summary's ledger figures,
+    ended at the run's last step, and the run's launcher started each of its ranks once
+    (`rank_pids`) but those `killed`."""
+    if summary is None:
+        return ["no summary to read the live group's ledger from"]
+    global_batch = scenario.batch_size * scenario.workers
+    expected = scenario.epochs * (scenario.train_samples // global_batch) * global_batch
+    problems = []
+    lost, twice = summary.get("samples_lost"), summary.get("samples_applied_twice")
+    if (lost, twice) != (0, 0) or summary.get("samples_applied") != expected:
+        problems.append(f"the group applied {summary.get('samples_applied')} samples, not {expected} "
+                        f"({lost} lost, {twice} applied twice)")
+    if summary.get("steps") != scenario.total_steps:
+        problems.append(f"the group ended at step {summary.get('steps')}, not the run's last, "
+                        f"{scenario.total_steps}")
+    restarted = {slot: pids for slot, pids in summary.get("rank_pids", {}).items()
+                 if len(pids) > 1 and int(slot) not in set(killed)}
+    problems += [f"rank {slot} was started {len(pids)} times (pids {pids}) though no fault touched it "
+                 "(live recovery keeps the survivors' processes)" for slot, pids in restarted.items()]
     return problems
 
 

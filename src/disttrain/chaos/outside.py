@@ -2,7 +2,8 @@
 clock (`TimedFaults`), preemptions (`PreemptionSender`: SIGTERM to the launcher or to
 one member once the run has reached a step, as a scheduler reclaiming a machine does), and
 an elastic run's changes of size (`ResizeSender`: SIGUSR1 to the launcher, SIGTERM to one
-worker).
+worker); each a `Sender`, a thread started with the run and stopped when it ends (a live
+DDP group's arrivals, leaves and deaths: `chaos.arrivals`).
 
 Every process of a run carries a tag in its environment (`TAG_ENV`, inherited by every
 child and grandchild), so a signal goes only to a process of this launch, whatever a
@@ -18,8 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from disttrain.chaos.elastic import GROW, Resize
 from disttrain.chaos.scenarios import Scenario
-from disttrain.chaos.schedule import GROW, LAUNCHER, Preemption, Resize, TimedFault
+from disttrain.chaos.schedule import LAUNCHER, Preemption, TimedFault
 from disttrain.coordinator.registry import RegistryError, read_status
 
 TAG_ENV = "DISTTRAIN_CHAOS_RUN"
@@ -42,24 +44,38 @@ def tagged_pids(tag: str) -> list[int]:
     return found
 
 
-class TimedFaults:
-    """Sends a schedule's timed faults to the processes of a run from a thread: the clock
-    starts once every worker (rank) of the run is alive in the registry."""
+class Sender:
+    """A thread that sends faults to a run from outside: `start` it with the run, `stop` it
+    once the run has ended (it ends at once, or when its `_run` finds nothing more to send).
+    Subclasses say whether they have anything to send (`active`) and send it in `_run`,
+    waiting with `self._done.wait(seconds)`, which is true once stopped."""
 
-    def __init__(self, scenario: Scenario, faults: tuple[TimedFault, ...], log_dir: Path, tag: str):
-        self.scenario, self.faults, self.log_dir, self.tag = scenario, faults, log_dir, tag
-        self.sent: list[str] = []
+    def __init__(self, name: str, active: bool):
+        self._active = active
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="chaos-timed-faults", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
-        if self.faults:
+        if self._active:
             self._thread.start()
 
     def stop(self) -> None:
         self._done.set()
         if self._thread.is_alive():
             self._thread.join()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class TimedFaults(Sender):
+    """Sends a schedule's timed faults to the processes of a run from a thread: the clock
+    starts once every worker (rank) of the run is alive in the registry."""
+
+    def __init__(self, scenario: Scenario, faults: tuple[TimedFault, ...], log_dir: Path, tag: str):
+        super().__init__("chaos-timed-faults", bool(faults))
+        self.scenario, self.faults, self.log_dir, self.tag = scenario, faults, log_dir, tag
+        self.sent: list[str] = []
 
     def _nodes(self) -> list[dict[str, Any]]:
         try:
@@ -104,26 +120,16 @@ def _continue(pid: int) -> None:
         pass
 
 
-class PreemptionSender:
+class PreemptionSender(Sender):
     """Sends one preemption to a launch from a thread: SIGTERM to the launcher (`pid`) or
     to its member, once a member of this launch (a process carrying its `tag`) has
     reported the preemption's step to the registry (a heartbeat late: the signal lands a
     few steps after it)."""
 
     def __init__(self, preemption: Preemption | None, launcher_pid: int, log_dir: Path, tag: str):
+        super().__init__("chaos-preemption", preemption is not None)
         self.preemption, self.launcher_pid, self.log_dir, self.tag = preemption, launcher_pid, log_dir, tag
         self.sent: str | None = None  # what was sent, to which pid, at which step
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="chaos-preemption", daemon=True)
-
-    def start(self) -> None:
-        if self.preemption is not None:
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._done.set()
-        if self._thread.is_alive():
-            self._thread.join()
 
     def _run(self) -> None:
         assert self.preemption is not None
@@ -163,7 +169,7 @@ def members(log_dir: Path, tag: str) -> dict[str, dict[str, Any]]:
             if n["role"] in ("worker", "rank") and n["state"] == "alive" and n["pid"] in ours}
 
 
-class ResizeSender:
+class ResizeSender(Sender):
     """Sends an elastic run's changes of size one after the other from a thread: each once
     the run trains on the size before it (that many workers of this launch alive in the
     registry, none of them a process of the launch a change was sent to before: a change
@@ -173,19 +179,9 @@ class ResizeSender:
     is ignored."""
 
     def __init__(self, resizes: tuple[Resize, ...], launcher_pid: int, log_dir: Path, tag: str):
+        super().__init__("chaos-resizes", bool(resizes))
         self.resizes, self.launcher_pid, self.log_dir, self.tag = resizes, launcher_pid, log_dir, tag
         self.sent: list[str] = []  # what was sent, to which pid, at which step
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="chaos-resizes", daemon=True)
-
-    def start(self) -> None:
-        if self.resizes:
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._done.set()
-        if self._thread.is_alive():
-            self._thread.join()
 
     def _run(self) -> None:
         pending, earlier = list(self.resizes), set()  # the pids of the launch sent the last change

@@ -10,7 +10,10 @@ launch left on disk (the ledgers carry every launch's samples).
 
 An elastic run's changes of size are sent to its one launch (`outside.ResizeSender`); the
 sizes it went through are read from its launcher's log (each change says the size it
-starts again on), and the invariants checked against the size it ended on.
+starts again on), and the invariants checked against the size it ended on. A live elastic
+DDP group's arrivals, leaves and deaths (`arrivals.LiveChangeSender`) start `--join`
+launchers beside the run's, which must end exit 0 with it; the sizes it trained at are its
+summary's (`live_world_sizes`).
 
 Every process of a run carries a tag in its environment (`outside.TAG_ENV`, inherited by
 every child and grandchild), so the processes it left behind are found whatever started
@@ -35,9 +38,11 @@ from pathlib import Path
 from typing import Any
 
 from disttrain.chaos import invariants
+from disttrain.chaos.arrivals import LiveChangeSender
+from disttrain.chaos.elastic import KILL, LiveChange, Resize, live_sizes
 from disttrain.chaos.outside import POLL_S, TAG_ENV, PreemptionSender, ResizeSender, TimedFaults, tagged_pids
 from disttrain.chaos.scenarios import Scenario
-from disttrain.chaos.schedule import Preemption, Resize, Schedule, TimedFault, restarts
+from disttrain.chaos.schedule import Preemption, Schedule, TimedFault, restarts
 from disttrain.core.fault_spec import Fault, format_fault
 
 logger = logging.getLogger(__name__)
@@ -58,6 +63,7 @@ class Launch:
     preempted: str | None = None  # the preemption sent to it (what, to which pid, at which step)
     resizes_sent: list[str] = field(default_factory=list)
     resized_to: list[int] = field(default_factory=list)  # an elastic run's sizes after each change
+    arrival_codes: dict[int, int | None] = field(default_factory=dict)  # a live group's arrivals' exits
 
     @property
     def timed_out(self) -> bool:
@@ -81,9 +87,9 @@ def _last_line(path: Path) -> str:
 
 def launch(command: list[str], run_dir: Path, timeout_s: float, scenario: Scenario,
            timed: tuple[TimedFault, ...] = (), preemption: Preemption | None = None,
-           resizes: tuple[Resize, ...] = ()) -> Launch:
-    """Run `command` (output in `run_dir`), sending `timed` faults, `preemption` and
-    `resizes`; kill it past `timeout_s`."""
+           resizes: tuple[Resize, ...] = (), live_changes: tuple[LiveChange, ...] = ()) -> Launch:
+    """Run `command` (output in `run_dir`), sending `timed` faults, `preemption`,
+    `resizes` and `live_changes`; kill it past `timeout_s`."""
     run_dir.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex
     env = {**os.environ, TAG_ENV: tag, "PYTHONUNBUFFERED": "1"}
@@ -96,9 +102,12 @@ def launch(command: list[str], run_dir: Path, timeout_s: float, scenario: Scenar
         sender = TimedFaults(scenario, timed, run_dir / "logs", tag)
         preempter = PreemptionSender(preemption, process.pid, run_dir / "logs", tag)
         resizer = ResizeSender(resizes, process.pid, run_dir / "logs", tag)
-        sender.start()
-        preempter.start()
-        resizer.start()
+        changer = LiveChangeSender(live_changes, lambda logs, at: arrival_command(scenario, run_dir, logs,
+                                                                                      at),
+                                   run_dir, tag, env)
+        senders = (sender, preempter, resizer, changer)
+        for each in senders:
+            each.start()
         try:
             code: int | None = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -106,16 +115,24 @@ def launch(command: list[str], run_dir: Path, timeout_s: float, scenario: Scenar
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         finally:
-            sender.stop()
-            preempter.stop()
-            resizer.stop()
+            for each in senders:
+                each.stop()
     wall_s = time.monotonic() - started
     leftovers = _reap(tag)
     with open(stderr, "rb") as err:
         err.seek(offset)
         said = err.read().decode(errors="replace")
-    return Launch(code, wall_s, _last_line(stderr), leftovers, sender.sent, preempter.sent, resizer.sent,
-                  [int(size) for size in RESIZED.findall(said)])
+    return Launch(code, wall_s, _last_line(stderr), leftovers, sender.sent, preempter.sent,
+                  resizer.sent + changer.sent, [int(size) for size in RESIZED.findall(said)],
+                  changer.arrival_codes)
+
+
+def arrival_command(scenario: Scenario, run_dir: Path, log_dir: Path, endpoint: str) -> list[str]:
+    """The command of an arrival into a live elastic run of `scenario` in `run_dir` (its
+    settings, its checkpoint folder, its own `log_dir`; no fault of the run's)."""
+    line = scenario.command_line(log_dir, run_dir / "ckpt", TRAINING_SEED)
+    line = [part for part in line if not part.startswith("--inject")]
+    return line + ["--join", "--rdzv-endpoint", endpoint]
 
 
 # What an elastic run's launcher says at each change of size (`ps.run.launcher`).
@@ -174,7 +191,7 @@ def bound_s(scenario: Scenario, schedule: Schedule, ref: Reference) -> float:
     """How long a run of `schedule` may take before it counts as hung."""
     waits = sum(f.seconds for f in schedule.faults) + sum(t.at_s for t in schedule.timed[-1:])
     return 60.0 + 6 * ref.wall_s + 3 * waits + 10.0 * (len(schedule.faults) + len(schedule.timed)) \
-        + 30.0 * len(schedule.resizes)
+        + 30.0 * len(schedule.resizes) + 60.0 * len(schedule.live_changes)
 
 
 def run_schedule(scenario: Scenario, schedule: Schedule, work_dir: Path, ref: Reference,
@@ -196,9 +213,14 @@ def run_schedule(scenario: Scenario, schedule: Schedule, work_dir: Path, ref: Re
         result.update(resizes_sent=first.resizes_sent, sizes=chain.sizes)
     violations = chain.violations
     summary = _summary(run_dir / "logs")
+    if schedule.live_changes:
+        result.update(resizes_sent=first.resizes_sent, sizes=(summary or {}).get("live_world_sizes"),
+                      arrival_exit_codes=first.arrival_codes)
     if not violations and chain.last.code == 0:
         violations += invariants.check_exit(0, chain.last.last_line, summary is not None)
         violations += _state_violations(scenario, schedule, run_dir, ref, summary, chain.sizes)
+        if schedule.live_changes:
+            violations += live_size_violations(scenario, schedule, len(first.resizes_sent), result["sizes"])
     result.update(outcome=_outcome(result, violations), violations=violations,
                   accuracy=summary.get("final_accuracy") if summary else None,
                   num_failures=summary.get("num_failures") if summary else None,
@@ -239,7 +261,8 @@ class _Chain:
                 command += slowed_flags(scenario, () if resume else schedule.faults)
             limit = bound_s(scenario, schedule if number == 0 else Schedule(scenario.name, 0, ()), self.ref)
             self.last = done = launch(command, self.run_dir, limit, scenario, () if resume else timed,
-                                      preemption, () if resume else schedule.resizes)
+                                      preemption, () if resume else schedule.resizes,
+                                      () if resume else schedule.live_changes)
             first = first or done
             self.wall_s += done.wall_s
             if done.preempted is not None:  # a run may also end within the grace, exit 0
@@ -251,7 +274,8 @@ class _Chain:
                 self.launches[-1]["resized_to"] = done.resized_to
             self.sizes += done.resized_to
             prefix = f"launch {number + 1}: " if schedule.preemptions or number else ""
-            problems = _process_violations(done, limit) + resize_violations(done, resume, schedule)
+            problems = _process_violations(done, limit) + resize_violations(done, resume, schedule) \
+                + arrival_violations(done)
             if not problems and done.code not in (0, None):
                 problems = self._stopped(done, preemption, pending)
             if problems or done.code == 0:
@@ -310,6 +334,27 @@ def resize_violations(done: Launch, resumed: bool, schedule: Schedule) -> list[s
             f"and the run went to {done.resized_to or 'no other size'}, not {wanted}"]
 
 
+def arrival_violations(done: Launch) -> list[str]:
+    """Every arrival's launcher of a live elastic run ended exit 0 (its rank left, or the
+    run ended), within `arrivals.ARRIVAL_END_S` of the run's."""
+    return [f"the arrival's launcher of slot {slot} " + ("did not end after the run (killed)" if code is None
+                                                          else f"exited {code}, not 0")
+            for slot, code in sorted(done.arrival_codes.items()) if code != 0]
+
+
+def live_size_violations(scenario: Scenario, schedule: Schedule, sent: int, sizes: list[int] | None
+                         ) -> list[str]:
+    """A live elastic group trained at the sizes its first `sent` changes lead to, in order
+    (its summary's `live_world_sizes`); the last change may come after the run's last step
+    boundary (the run ends first: without it, or a killed rank's rejoining)."""
+    wanted = live_sizes(scenario.workers, schedule.live_changes[:sent])
+    before = live_sizes(scenario.workers, schedule.live_changes[:sent - 1]) if sent else wanted
+    ended_first = [before, wanted[:-1]]
+    if sizes == wanted or sizes in ended_first:
+        return []
+    return [f"sent {sent} change(s) of the group, which trained at sizes {sizes}, not {wanted}"]
+
+
 def _process_violations(done: Launch, limit: float) -> list[str]:
     problems = []
     if done.timed_out:
@@ -340,8 +385,12 @@ def _state_violations(scenario: Scenario, schedule: Schedule, run_dir: Path, ref
         touched = {f.index for f in schedule.faults
                    if f.role == "rank" and restarts(f.action, f.seconds, scenario)}
         touched |= {t.index for t in schedule.timed}
+        killed = {c.slot for c in schedule.live_changes if c.action == KILL}
         problems = invariants.check_ddp(scenario, checkpoint_dir, run_dir / "logs", ref.model, touched,
-                                        exact=scenario.exact and not resized)
+                                        exact=scenario.exact and not resized,
+                                        registry=not schedule.live_changes)
+        if schedule.live_changes:
+            problems += invariants.check_live_end(scenario, summary, killed)
         if resized:
             problems += invariants.check_ddp_end(scenario, checkpoint_dir, summary, sizes[-1])
     accuracy = summary.get("final_accuracy") if summary else None

@@ -55,9 +55,9 @@ class Scenario:
             run's steps take about a millisecond, so a SIGTERM lets it end first (exit 0,
             'SIGTERM came after the last step') unless its steps take as long as a real
             model's: slowed tenfold, the group stops within a few steps of the signal.
-        max_workers: PS: an elastic run (`--workers WORKERS:MAX`) that grows and shrinks
-            while it runs; its schedules draw grows (SIGUSR1 to the launcher) and planned
-            leaves (SIGTERM to one worker) at steps (0: a run of a fixed size).
+        max_workers: an elastic run (PS: `--workers WORKERS:MAX`; DDP live:
+            `--world-size WORKERS:MAX`) that grows and shrinks while it runs; its schedules
+            draw its changes at steps (`chaos.elastic`; 0: a run of a fixed size).
         accuracy_gap: how far (either way) a faulty run's final accuracy may be from the
             fault-free run's. An elastic run's changes re-split each epoch's remaining
             samples over the new workers where the run stops, a step that varies with the
@@ -163,7 +163,8 @@ class Scenario:
             if self.reassign:
                 line += ["--reassign-after", "2"]
         else:
-            line += ["--world-size", str(workers), "--ddp-recovery", self.mode]
+            size = f"{workers}:{self.max_workers}" if self.max_workers else str(workers)
+            line += ["--world-size", size, "--ddp-recovery", self.mode]
         return line + list(self.flags)
 
 
@@ -187,12 +188,21 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              resizable=True, exact_resume=True, preempt_before=0.75, preempted_slowdown=10.0),
     Scenario("ddp-live", "ddp", "live"),
 )}
-# Run only when named (`--scenarios`), not by the default campaign: an elastic run restarts
-# every process at each change of size (about 11 s each on 2 cores), slower than the others.
-# Its global batch of 24 (12 a worker on 2) splits evenly on 2, 3 and 4 workers, and so does
-# each epoch of 1,320 samples (55 steps at every size, five checkpoint intervals).
+# A live elastic group's model: wider than the others' MLP (1.1M parameters, not 10k), so a
+# step is real work (about 20 ms on a quiet core, not 2) and a change sent from outside at a
+# drawn step, a heartbeat late, lands a few steps after it, inside the run. (A straggler's
+# slowdown would pace it too, but a live straggler's steps count its waits for peers, and
+# every hold of the group for an arrival would come back to it tenfold.)
+WIDE_MLP = "training.model_args={hidden_size: 1024, num_layers: 2}"
+# Run only when named (`--scenarios`), not by the default campaign: an elastic PS run restarts
+# every process at each change of size (about 11 s each on 2 cores), slower than the others;
+# a live elastic DDP run's arrivals start a launcher each, on a wider model.
+# ps-elastic's global batch of 24 (12 a worker on 2) splits evenly on 2, 3 and 4 workers, and
+# so does each epoch of 1,320 samples (55 steps at every size, five checkpoint intervals); a
+# live group keeps its global batch of 32 at every size (11,11,10 on 3: 44 steps an epoch).
 ON_REQUEST: dict[str, Scenario] = {s.name: s for s in (
     _ps("ps-elastic", max_workers=4, train_samples=1320, batch_size=12, accuracy_gap=0.02),
+    Scenario("ddp-elastic", "ddp", "live", ("--set", WIDE_MLP), max_workers=4),
 )}
 # A few minutes inside the test suite: one of each strategy's recoveries.
 QUICK = ("ps-sync", "ddp-live")

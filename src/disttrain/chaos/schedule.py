@@ -21,9 +21,11 @@ recovery, drawn with `random.Random(seed)` against a scenario's processes and st
   the time or more (so what a preempted run promises alone, bit-identity, is checked),
   else after the other patterns, whose faults all fire in the first launch.
 - `elastic`: for a scenario that grows and shrinks while it runs (`max_workers`), and
-  for it alone: one to three changes of size, each once the run reaches a drawn step, a
-  grow (SIGUSR1 to the launcher, up to MAX) or a planned leave (SIGTERM to one worker,
-  down to MIN); the run changes size by itself and must end normally.
+  for it alone: changes of size, each once the run reaches a drawn step (`chaos.elastic`):
+  for the parameter server a grow (SIGUSR1 to the launcher, up to MAX) or a planned leave
+  (SIGTERM to one worker, down to MIN); for a live DDP group an arrival (`--join`), a
+  planned leave (SIGTERM to a rank or to an arrival's launcher) or a rank's death. The run
+  changes size by itself and must end normally.
 
 Step-triggered faults travel as `--inject` specs (they fire inside the process at an
 exact step, so they reproduce); clock-triggered ones (`TimedFault`) are sent from
@@ -38,6 +40,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from disttrain.chaos.elastic import LiveChange, Resize, draw_live_changes, draw_resizes
 from disttrain.chaos.scenarios import Scenario
 from disttrain.core.fault_spec import Fault, format_fault, parse_fault
 
@@ -61,12 +64,6 @@ MAX_PREEMPTIONS = 2
 # enough that it has not ended before the signal lands (the registry hears of a step a
 # heartbeat late), and apart enough that each resumed launch trains before its own.
 PREEMPTION_MARGIN_STEPS = 12
-# An elastic scenario's changes of size: at most this many, this many worker steps or more
-# apart (and from the start and end): a change stops and restarts every process at a step
-# its workers agree on a few steps past the signal, and the next must find the run
-# training on its new size.
-MAX_RESIZES, RESIZE_MARGIN_STEPS = 3, 30
-GROW, LEAVE = "grow", "leave"
 # Hangs and cuts are either short (well within the heartbeat timeout: the process is
 # waited for) or long (several timeouts: it is declared failed, killed and restarted).
 SHORT, LONG = 0.4, 3.0
@@ -107,33 +104,10 @@ class Preemption:
 
 
 @dataclass(frozen=True)
-class Resize:
-    """A change of size of an elastic run, sent from outside once a worker of the run,
-    at `size - 1` workers for a grow (`size + 1` for a leave), has reported worker step
-    `step`: a `grow` (SIGUSR1 to the launcher) or a planned `leave` (SIGTERM to worker
-    `index`); the run goes on on `size` workers by itself."""
-
-    step: int
-    action: str
-    index: int
-    size: int
-
-    @property
-    def before(self) -> int:
-        """The workers of the run the change is sent to."""
-        return self.size - 1 if self.action == GROW else self.size + 1
-
-    def describe(self) -> str:
-        what = "SIGUSR1 to the launcher (grow)" if self.action == GROW else \
-            f"SIGTERM to worker {self.index} (planned leave)"
-        return f"resize at step {self.step}: {what}, {self.before} to {self.size} workers (from outside)"
-
-
-@dataclass(frozen=True)
 class Schedule:
     """The faults of one run: `faults` inside the processes, `timed` from outside, and
     the `preemptions` that end its launches one after the other, and the `resizes` of
-    an elastic run."""
+    an elastic PS run or the `live_changes` of an elastic live DDP group."""
 
     scenario: str
     seed: int
@@ -142,19 +116,22 @@ class Schedule:
     timed: tuple[TimedFault, ...] = ()
     preemptions: tuple[Preemption, ...] = ()
     resizes: tuple[Resize, ...] = ()
+    live_changes: tuple[LiveChange, ...] = ()
 
     def lines(self) -> list[str]:
         """The schedule as printed: one line per fault."""
         unit = "rank" if self.scenario.startswith("ddp") else "worker"
         return [*(format_fault(f) for f in self.faults), *(t.describe() for t in self.timed),
-                *(p.describe(unit) for p in self.preemptions), *(r.describe() for r in self.resizes)]
+                *(p.describe(unit) for p in self.preemptions), *(r.describe() for r in self.resizes),
+                *(c.describe() for c in self.live_changes)]
 
     def to_dict(self) -> dict[str, Any]:
         return {"scenario": self.scenario, "seed": self.seed, "patterns": list(self.patterns),
                 "inject": [format_fault(f) for f in self.faults],
                 "timed": [vars(t) for t in self.timed],
                 "preemptions": [vars(p) for p in self.preemptions],
-                "resizes": [vars(r) for r in self.resizes]}
+                "resizes": [vars(r) for r in self.resizes],
+                "live_changes": [vars(c) for c in self.live_changes]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Schedule:
@@ -162,7 +139,8 @@ class Schedule:
                    tuple(parse_fault(text) for text in data["inject"]),
                    tuple(TimedFault(**t) for t in data["timed"]),
                    tuple(Preemption(**p) for p in data.get("preemptions", ())),
-                   tuple(Resize(**r) for r in data.get("resizes", ())))
+                   tuple(Resize(**r) for r in data.get("resizes", ())),
+                   tuple(LiveChange(**c) for c in data.get("live_changes", ())))
 
 
 @dataclass
@@ -223,11 +201,14 @@ def draw(scenario: Scenario, seed: int, max_patterns: int = 2) -> Schedule:
     The same scenario and seed always give the same schedule. The preemptions are drawn
     from a random source of their own, so the other patterns of a seed are those it drew
     before preemptions existed (the regression tests named by a seed keep their faults).
-    An elastic scenario's schedules are its changes of size alone (`draw_resizes`).
+    An elastic scenario's schedules are its changes of size alone (`chaos.elastic`).
     """
     if scenario.max_workers:
-        return Schedule(scenario.name, seed, ("elastic",),
-                        resizes=draw_resizes(scenario, random.Random(f"{scenario.name}/{seed}/elastic")))
+        elastic = random.Random(f"{scenario.name}/{seed}/elastic")
+        if scenario.command == "ddp":
+            changes = draw_live_changes(scenario, elastic)
+            return Schedule(scenario.name, seed, ("elastic",), live_changes=changes)
+        return Schedule(scenario.name, seed, ("elastic",), resizes=draw_resizes(scenario, elastic))
     rng = random.Random(f"{scenario.name}/{seed}")
     state = _Draw(scenario, rng)
     patterns = tuple(rng.choice(PATTERNS) for _ in range(rng.randint(1, max_patterns)))
@@ -281,27 +262,6 @@ def draw_preemptions(scenario: Scenario, rng: random.Random, after: int = 0) -> 
         preemptions.append(Preemption(step, target, index, size_next))
         size = size_next
     return tuple(preemptions)
-
-
-def draw_resizes(scenario: Scenario, rng: random.Random) -> tuple[Resize, ...]:
-    """One to `MAX_RESIZES` changes of size of an elastic `scenario` at increasing worker
-    steps, each `RESIZE_MARGIN_STEPS` or more from the start, the end and the one before;
-    each a grow or a planned leave of a random worker, as the range allows (from
-    `scenario.workers`, MIN, to `scenario.max_workers`)."""
-    margin, last = RESIZE_MARGIN_STEPS, scenario.total_steps - RESIZE_MARGIN_STEPS
-    resizes: list[Resize] = []
-    size, step = scenario.workers, 0
-    for _ in range(rng.randint(1, MAX_RESIZES)):
-        if step + margin > last:
-            break
-        step = rng.randint(step + margin, step + margin + (last - step - margin) // 2)
-        actions = [action for action, possible in ((GROW, size < scenario.max_workers),
-                                                   (LEAVE, size > scenario.workers)) if possible]
-        action = rng.choice(actions)
-        index = rng.randrange(size) if action == LEAVE else 0
-        size += 1 if action == GROW else -1
-        resizes.append(Resize(step, action, index, size))
-    return tuple(resizes)
 
 
 def _any_fault(state: _Draw, step: int | None = None, target: tuple[str, int] | None = None) -> None:
