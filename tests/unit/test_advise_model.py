@@ -163,7 +163,8 @@ def test_candidates_never_have_more_shards_than_workers():
     assert {c.compression for c in found} == {"none", "fp16", "bf16", "quantization", "topk", "powersgd"}
     assert {c.strategy for c in found if c.compression == "powersgd"} == {"ddp"}
     pulled = candidates(4, pulls=("none", "topk"))
-    assert {c.strategy for c in pulled if c.pull != "none"} == {"ps-sync"}
+    assert {c.strategy for c in pulled if c.pull != "none"} == {"ps-sync", "ps-async"}
+    assert not any(c.pull != "none" and c.sync_every > 1 for c in pulled)
     assert len(pulled) == len(found) - len([c for c in found if c.sync_every > 1]) + len(
         [c for c in pulled if c.pull == "topk"])
 

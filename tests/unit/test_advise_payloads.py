@@ -118,5 +118,29 @@ def test_the_model_carries_the_formulas_into_a_step():
     assert ddp.bytes_per_step == pytest.approx(2 * 2 * 7 / 8 * 4 * powersgd_numel(sizes, 2))
     with pytest.raises(ValueError, match="DDP's all-reduce only"):
         Candidate("ps-sync", "powersgd", 1)
-    with pytest.raises(ValueError, match="sync mode"):
-        Candidate("ps-async", "none", 1, 1, "topk")
+    with pytest.raises(ValueError, match="without local updates"):
+        Candidate("ps-sync", "none", 1, 4, "topk")
+
+
+def test_async_pulls_are_priced_as_the_changes_a_worker_missed():
+    module = OddShapes()
+    sizes = shapes(module)
+    numel = sum(math.prod(s) for s in sizes)
+    pulls = {"topk": CompressionCost("topk", 0.03, 0, 2e-3, 1e-3)}
+    workload = Workload("odd", numel, 4 * numel, len(sizes), 8, 0.01, 0.02, 0.001, 0.0, "given", {},
+                        sizes, pulls)
+    model = CostModel(workload, Link(1e7, 1e-4), pull_ratio=0.03, pull_dense_every=50)
+    change = pull_change_bytes(sizes, 2, "topk", 0.03)
+    for n in (2, 4, 40, 100):  # the workers' updates leave each one n versions behind
+        plain = model.predict(Candidate("ps-async", "none", 2), n)
+        pulled = model.predict(Candidate("ps-async", "none", 2, 1, "topk"), n)
+        crossing = min(1.0, n / 50)
+        missed = crossing * 4 * numel + (1 - crossing) * min(n * change, 4 * numel)
+        assert pulled.bytes_per_step == pytest.approx(4 * numel + missed)
+        assert plain.bytes_per_step == 8 * numel
+        # the shards encode and add every update's change: fewer updates a second at most
+        assert pulled.details["shard_updates_per_s"] < plain.details["shard_updates_per_s"]
+        if n * change < 4 * numel:
+            assert pulled.bytes_per_step < plain.bytes_per_step
+        else:  # as far behind as the kept changes reach, or past them: dense
+            assert pulled.bytes_per_step == pytest.approx(plain.bytes_per_step)

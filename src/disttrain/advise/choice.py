@@ -34,7 +34,7 @@ def candidates(num_workers: int, max_servers: int = 64, sync_every: Sequence[int
     sync and async, with 1, 2, 4 ... shards (at most `max_servers` and no more than the
     workers); each compression (PowerSGD: DDP only); each local-step count H of
     `sync_every` for the sync ones; each pull compression of `pulls` for the parameter
-    server's sync mode at H = 1."""
+    server at H = 1 (sync and async)."""
     shard_counts = [s for s in (2**i for i in range(11)) if s <= min(max_servers, num_workers)]
     pulls = tuple(pulls)
     found = []
@@ -46,7 +46,8 @@ def candidates(num_workers: int, max_servers: int = 64, sync_every: Sequence[int
                 found.extend(Candidate("ps-sync", compression, s, h, pull) for s in shard_counts
                              for pull in (pulls if h == 1 else ("none",)))
         if ps:
-            found.extend(Candidate("ps-async", compression, s) for s in shard_counts)
+            found.extend(Candidate("ps-async", compression, s, 1, pull) for s in shard_counts
+                         for pull in pulls)
     return found
 
 

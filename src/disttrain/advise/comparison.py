@@ -117,7 +117,7 @@ def candidate_of(row: Row, config: Config) -> Candidate:
     compression = config.compression.type if config.compression.enabled else "none"
     sync_every = config.training.sync_every if strategy != "ps-async" else 1
     servers = config.ps.num_servers if strategy.startswith("ps") else 0
-    pull = config.compression.pull if strategy == "ps-sync" else "none"
+    pull = config.compression.pull if strategy.startswith("ps") and sync_every == 1 else "none"
     return Candidate(strategy, compression, servers, sync_every, pull)
 
 

@@ -24,7 +24,7 @@ gradient, `t_opt` one optimizer step over every parameter. The formulas (the REA
   decodes n slices (`n·d/S`) and applies its slice (`t_opt/S`). With overlap, the slices
   of all but the last shard go while backward finishes: a credit of
   `min(t_b, e + T_push)·(S-1)/S`. Step: `t_f + t_b + e + T_push + n·d/S + t_opt/S + T_pull
-  - credit`. With pull compression (sync only) the pull carries each shard's compressed
+  - credit`. With pull compression the pull carries each shard's compressed
   change instead of G (dense every D-th version: `((D-1)·P_pull + G)/D`, see
   `advise.payloads`), the shards encode and add the change (`(e_p + d_p)/S`), and the
   worker decodes it (`d_p`).
@@ -32,7 +32,11 @@ gradient, `t_opt` one optimizer step over every parameter. The formulas (the REA
   holds the shards' busiest resource for `s = max(P/(Sβ), G/(Sβ), (d + t_opt)/S)`, so
   they apply at most `1/s` updates a second; a worker cycles in `c = t_f + t_b + e + α +
   max(0, P/β - s) + s + G/β + α` (its own push beyond the shard's share, the shard's turn,
-  its pull). Updates per second: `min(n/c, 1/s)`.
+  its pull). Updates per second: `min(n/c, 1/s)`. With pull compression each update
+  costs the shards a change's encoding and adding (`(e_p + d_p)/S`, in `s`), and a
+  worker, which the n workers' updates left n versions behind, pulls the n changes it
+  missed, at most G: `G·p + min(n·P_pull, G)·(1 - p)`, dense with the chance `p =
+  min(1, n/D)` that a dense version fell among them; it decodes `min(n, G/P_pull)` changes.
 - **Local updates every H steps** (sync strategies): H-1 of H steps only compute and step
   locally; the H-th exchanges the parameters' change as a gradient, without overlap:
   `t_f + t_b + t_opt + T_exchange/H`.
@@ -53,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disttrain.advise.link import Link
-from disttrain.advise.payloads import pull_bytes_per_step
+from disttrain.advise.payloads import pull_change_bytes
 from disttrain.advise.workload import Workload
 from disttrain.compression import collectives
 
@@ -69,7 +73,7 @@ _HALF = ("fp16", "bf16")
 @dataclass(frozen=True)
 class Candidate:
     """One way to run: strategy, push compression, shards (ps), local steps H (sync),
-    pull compression (ps sync, H = 1)."""
+    pull compression (ps, H = 1)."""
 
     strategy: str
     compression: str = "none"
@@ -90,8 +94,8 @@ class Candidate:
             raise ValueError(f"{self.compression} compresses DDP's all-reduce only")
         if self.pull not in PULL_COMPRESSIONS:
             raise ValueError(f"pull compression {self.pull!r} is not one of {', '.join(PULL_COMPRESSIONS)}")
-        if self.pull != "none" and (self.strategy != "ps-sync" or self.sync_every != 1):
-            raise ValueError("pull compression is for the parameter server's sync mode without local updates")
+        if self.pull != "none" and (not self.strategy.startswith("ps") or self.sync_every != 1):
+            raise ValueError("pull compression is for the parameter server without local updates")
 
     def label(self) -> str:
         parts = [self.strategy if self.strategy == "ddp" else f"{self.strategy} S={self.num_servers}"]
@@ -201,24 +205,40 @@ class CostModel:
             raise ValueError(f"the workload has no measured cost for {'pull ' if pull else ''}compression "
                              f"{compression!r}") from e
 
-    def pull_bytes(self, pull: str, num_servers: int) -> float:
-        """Bytes one worker pulls per step (average over the dense versions)."""
+    def pull_change_bytes(self, pull: str, num_servers: int) -> float:
+        """Bytes of one version's pulled change over every shard (the parameters dense for none)."""
         if pull == "none":
             return float(self.workload.gradient_bytes)
         self._cost(pull, pull=True)
         if not self.workload.shapes:
             raise ValueError("the workload has no parameter shapes to size pulled changes by")
         itemsize = round(self.workload.gradient_bytes / max(1, self.workload.num_parameters))
-        return pull_bytes_per_step(self.workload.shapes, num_servers, pull, self.pull_ratio,
-                                   self.pull_dense_every, itemsize)
+        return float(pull_change_bytes(tuple(self.workload.shapes), num_servers, pull, self.pull_ratio,
+                                       itemsize))
 
-    def pull_codec_s(self, pull: str) -> tuple[float, float]:
-        """(encode, decode) seconds of a pulled change on the whole model, per step on
-        average (dense versions have none); 0 for none."""
+    def pull_bytes(self, pull: str, num_servers: int, behind: int = 1) -> float:
+        """Bytes one worker pulls per step on average, `behind` versions behind the shards
+        (sync: 1; async: each of the n workers moved them once since its last pull): the
+        changes it missed, no more than the parameters dense, and the parameters dense
+        when a dense version fell among them (see `server.broadcast`)."""
+        dense = float(self.workload.gradient_bytes)
+        if pull == "none":
+            return dense
+        crossing = min(1.0, behind / self.pull_dense_every)
+        missed = min(behind * self.pull_change_bytes(pull, num_servers), dense)
+        return crossing * dense + (1 - crossing) * missed
+
+    def pull_codec_s(self, pull: str, num_servers: int = 1, behind: int = 1) -> tuple[float, float]:
+        """(encode, decode) seconds of the pulled changes on the whole model, per step on
+        average (dense versions have none): one change encoded per version, the changes
+        a worker `behind` versions missed decoded (no more than a dense pull's worth); 0
+        for none."""
         if pull == "none":
             return 0.0, 0.0
         cost, share = self._cost(pull, pull=True), (self.pull_dense_every - 1) / self.pull_dense_every
-        return cost.encode_s * share, cost.decode_s * share
+        decoded = 1 if behind == 1 else min(behind, max(1, int(self.workload.gradient_bytes
+                                                               // self.pull_change_bytes(pull, num_servers))))
+        return cost.encode_s * share, cost.decode_s * share * decoded
 
     def slowest_compute_s(self, num_workers: int) -> float:
         """Expected compute of the slowest of `num_workers` (what a sync step waits for)."""
@@ -286,16 +306,20 @@ class CostModel:
     def round_trip(self, c: Candidate, n: int) -> RoundTrip:
         """The parameter server's communication at `n` workers (see `RoundTrip`)."""
         link, w, s = self.link, self.workload, c.num_servers
-        push_bytes, pull_bytes = self.payload_bytes(c.compression), self.pull_bytes(c.pull, s)
+        behind = n if c.strategy == "ps-async" else 1  # versions a worker's pull catches up
+        push_bytes, pull_bytes = self.payload_bytes(c.compression), self.pull_bytes(c.pull, s, behind)
         encode_s, decode_s = self.codec_s(c.compression)
-        pull_encode_s, pull_decode_s = self.pull_codec_s(c.pull)
+        pull_encode_s, pull_decode_s = self.pull_codec_s(c.pull, s, behind)
         if c.strategy == "ps-async":
+            # each update: the shards encode its change and add it to the broadcast copy
+            _, pull_add_s = self.pull_codec_s(c.pull, s)
             service = max(link.transfer_s(push_bytes / s), link.transfer_s(pull_bytes / s),
-                          (decode_s + w.optimizer_s) / s)
+                          (decode_s + w.optimizer_s + pull_encode_s + pull_add_s) / s)
             # the shard's share of the transfer runs beside the worker's: only what the
             # worker's own link takes beyond it comes before the shard's turn
             push = link.latency_s + max(0.0, link.transfer_s(push_bytes) - service)
-            return RoundTrip(encode_s, 0.0, push, service, 0.0, link.transfer_s(pull_bytes) + link.latency_s)
+            return RoundTrip(encode_s, 0.0, push, service, 0.0,
+                             link.transfer_s(pull_bytes) + link.latency_s + pull_decode_s)
         push = max(link.transfer_s(push_bytes), link.transfer_s(n * push_bytes / s)) + link.latency_s
         pull = (max(link.transfer_s(pull_bytes), link.transfer_s(n * pull_bytes / s)) + link.latency_s
                 + pull_decode_s)
@@ -308,7 +332,8 @@ class CostModel:
     def _ps(self, c: Candidate, n: int) -> tuple[float, float, float, dict[str, float]]:
         w = self.workload
         trip = self.round_trip(c, n)
-        wire = self.payload_bytes(c.compression) + self.pull_bytes(c.pull, c.num_servers)
+        behind = n if c.strategy == "ps-async" else 1
+        wire = self.payload_bytes(c.compression) + self.pull_bytes(c.pull, c.num_servers, behind)
         if c.strategy == "ps-async":
             cycle = w.compute_s + trip.encode_s + trip.push_s + trip.service_s + trip.pull_s
             updates_per_s = min(n / cycle, 1 / trip.service_s)
