@@ -42,6 +42,7 @@ def test_fragments_are_equal_shares_in_order_whole_layers_where_a_boundary_is_ne
     totals = [sum(p.stop - p.start for p in pieces) for pieces in fragments]
     assert sum(totals) == 1625866 and max(totals) - min(totals) <= 0.2 * 1625866 / 4
     assert split_fragments([7], 1) == [[Piece(0, 0, 7)]]
+    assert split_fragments([], 1) == [[]]
     with pytest.raises(ValueError, match="4 fragment\\(s\\) of 3 parameter value\\(s\\)"):
         split_fragments([1, 1, 1], 4)
 

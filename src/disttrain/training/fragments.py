@@ -76,7 +76,7 @@ def split_fragments(sizes: Sequence[int], num_fragments: int) -> list[list[Piece
         ValueError: fewer than one fragment, or more than the values.
     """
     total = sum(sizes)
-    if not 1 <= num_fragments <= total:
+    if not 1 <= num_fragments <= max(total, 1):  # a model without trained values: one, empty
         raise ValueError(f"{num_fragments} fragment(s) of {total} parameter value(s): use 1 to {total}")
     boundaries = [0]
     for size in sizes:
