@@ -50,7 +50,10 @@ def test_a_drawn_schedule_of_arrivals_a_kill_and_a_planned_leave_of_a_live_group
     arrival's rank (the others re-form, held until its launcher's new process asks to join
     again), a SIGTERM to the arrival's launcher (its rank leaves at a step boundary), and a
     second arrival (slot 3). The group goes through every size sent, in its one launch,
-    every launcher ends exit 0, and every global batch of every epoch is applied once."""
+    every launcher ends exit 0, and every global batch of every epoch is applied once.
+    (This seed first broke the check of survivors, not the run: read from the registry, the
+    leader held past the heartbeat timeout counted as restarted, though its process was
+    the same; the launcher's `rank_pids` are read instead.)"""
     output = tmp_path / "chaos.json"
     result = cli("chaos", "--scenarios", "ddp-elastic", "--seed", LIVE_SEED, "--schedules", 1,
                  "--work-dir", tmp_path / "work", "--output", output, timeout=580)
