@@ -18,13 +18,16 @@ import json
 import os
 import re
 import signal
+import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
 from disttrain.metrics.logger import METRICS_FILE
-from tests.live_runs import WAIT_S, rank_pid, samples_per_epoch, start, stop, wait_for
+from tests.live_runs import POLL_S, WAIT_S, rank_pid, samples_per_epoch, start, stop, wait_for
 
 SIZE, BATCH, EPOCHS = 2, 16, 6
 ARGS = ["--ddp-recovery", "live", "--world-size", SIZE, "--spares", 1, "--dataset", "digits",
@@ -97,3 +100,69 @@ def test_a_spare_steps_in_for_a_killed_rank_and_the_restarted_one_for_a_leaver(t
     assert (summary["samples_lost"], summary["samples_applied_twice"]) == (0, 0)
     assert summary["steps"] * BATCH * SIZE == summary["samples_applied"]
     assert summary["final_accuracy"] > 0.8
+
+
+def wait_for_either(paths: list[Path], pattern: str, *processes: subprocess.Popen) -> Path:
+    """The first of `paths` whose file holds `pattern` (deadline as `wait_for`'s)."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        for path in paths:
+            if path.exists() and re.search(pattern, path.read_text(errors="replace")):
+                return path
+        ended = [p for p in processes if p.poll() is not None]
+        assert not ended, f"{ended[0].args} ended ({ended[0].returncode}) before {pattern!r}"
+        time.sleep(POLL_S)
+    pytest.fail(f"no {pattern!r} in any of {paths} within {WAIT_S:.0f}s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_an_elastic_runs_spare_does_not_grow_it_and_an_arrival_at_its_maximum_waits_as_one(tmp_path):
+    """`--world-size 2:3 --spares 1`: the spare waits though a place is open (growing is the
+    scheduler's call); an arrival takes that place (3 ranks); a second arrival, at the
+    maximum, waits as a spare instead of being refused; rank 1 SIGTERMed, one of the two
+    spares steps in (back at 3), the other exits 0 at the end with its launcher."""
+    args = [*ARGS[:2], "--world-size", "2:3", *ARGS[4:]]
+    logs, output = tmp_path / "logs", tmp_path / "run.out"
+    shared = ["--checkpoint-dir", tmp_path / "ckpt"]
+    run = start([*args, *shared, "--log-dir", logs], output)
+    arrivals: list[subprocess.Popen] = []
+    try:
+        endpoint = wait_for(output, r"--join --rdzv-endpoint (\S+)`", run).group(1)
+        wait_for(logs / "rank2.log", "slot 2 waits as a spare: every place of the run is held", run)
+        wait_for(logs / "rank0" / METRICS_FILE, '"step": 2,', run)
+        leader = rank_pid(run, 0)
+        joining = [*args, *shared, "--join", "--rdzv-endpoint", endpoint]
+        with held(leader):  # the arrival asks to join before the run can end
+            arrivals.append(start([*joining, "--log-dir", tmp_path / "first-logs"], tmp_path / "first.out"))
+            wait_for(tmp_path / "first-logs" / "rank3.log", "slot 3 asks to join the running group",
+                     *arrivals)
+        wait_for(logs / "rank0.log", r"world size 2 -> 3 ranks \(slot 3 joined\)", run, *arrivals)
+        with held(leader):  # at the maximum: the second arrival waits as a spare
+            arrivals.append(start([*joining, "--log-dir", tmp_path / "second-logs"], tmp_path / "second.out"))
+            wait_for(tmp_path / "second.out", "has its maximum of 3 ranks: slot 4 waits as a spare",
+                     *arrivals)
+            wait_for(tmp_path / "second-logs" / "rank4.log", "slot 4 waits as a spare", *arrivals)
+            os.kill(rank_pid(run, 1), signal.SIGTERM)  # a planned leave at the next step boundary
+        wait_for(logs / "rank1.log", "slot 1 leaves the group at step", run)
+        with held(leader):  # one spare asks to join before the two left can end the run
+            stepping = wait_for_either([logs / "rank2.log", tmp_path / "second-logs" / "rank4.log"],
+                                       "asks to join the running group", run, *arrivals)
+        slot = int(stepping.stem.removeprefix("rank"))
+        wait_for(logs / "rank0.log", STEPPED_IN.format(slot, f"0,3,{slot}" if slot == 4 else "0,2,3"), run)
+        assert run.wait(timeout=WAIT_S) == 0, output.read_text()[-3000:]
+        for arrival in arrivals:
+            assert arrival.wait(timeout=WAIT_S) == 0, arrival.args
+    finally:
+        stop(run, *arrivals)
+
+    summary = json.loads((logs / "summary.json").read_text())
+    assert summary["live_world_sizes"] == [2, 3, 2, 3]
+    assert [r.get("spares", []) for r in summary["live_recoveries"]] == [[], [], [slot]]
+    assert [s["slot"] for s in summary["spare_step_ins"]] == [slot]
+    assert summary["num_spares"] == 1 and set(summary["final_pids"]) == {"0", "3", str(slot)}
+    other = ({2, 4} - {slot}).pop()  # the spare that never stepped in ended with the run
+    other_log = (logs if other == 2 else tmp_path / "second-logs") / f"rank{other}.log"
+    assert f"slot {other}: the run ended while it waited as a spare" in other_log.read_text()
+    assert summary["samples_applied"] == EPOCHS * samples_per_epoch(BATCH * SIZE)
+    assert (summary["samples_lost"], summary["samples_applied_twice"]) == (0, 0)

@@ -16,6 +16,7 @@ from disttrain.config import Config
 from disttrain.core.errors import ConfigError, DistributedError
 from disttrain.strategies.ddp.live.group import DONE_KEY
 from disttrain.strategies.ddp.live.launcher import hosted_store
+from disttrain.strategies.ddp.live.membership import FREED, OPEN
 from disttrain.strategies.ddp.live.places import (
     claim_arrival,
     free_places,
@@ -54,7 +55,7 @@ def test_arrivals_take_new_slots_up_to_the_maximum_and_a_leave_frees_a_place(sto
         claim_arrival(store, config(2, 4))
     assert holders(store) == ["0", "1", "2", "3"]  # the refused arrival took nothing
     left(store, 1)
-    assert holders(store) == ["0", "", "2", "3"]
+    assert holders(store) == ["0", FREED, "2", "3"]
     assert claim_arrival(store, config(2, 4)) == 4  # a new slot: slots are never reused
     assert holders(store) == ["0", "4", "2", "3"]  # in the freed place
     assert store.add("deaths/1", 0) == 1  # a leaver is marked as gone, for a group forming with it
@@ -96,6 +97,16 @@ def test_an_arrival_at_the_maximum_of_a_run_with_spares_waits_as_one(store):
     assert claim_arrival(store, config(2, 3)) == 3  # the free third place
     assert claim_arrival(store, config(2, 3)) == 4  # no place: not refused, it will wait
     assert holders(store) == ["0", "1", "3"] and spare == 2
+
+
+@pytest.mark.timeout(30)
+def test_a_spare_of_an_elastic_run_does_not_grow_it_but_takes_a_lost_members_place(store):
+    open_places(store, config(2, 3, spares=1), "127.0.0.1:1")
+    spare, = spare_slots(store, config(2, 3, spares=1))
+    assert take_place(store, spare) == "full"  # the open third place is room to grow, for arrivals
+    assert holders(store) == ["0", "1", OPEN]
+    left(store, 0)  # a member leaves: its place is the spare's to take
+    assert take_place(store, spare) == "taken" and holders(store) == [str(spare), "1", OPEN]
 
 
 @pytest.mark.timeout(30)

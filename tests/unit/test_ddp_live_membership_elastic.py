@@ -13,6 +13,8 @@ from disttrain.config import Config
 from disttrain.config.loading import config_from_dict
 from disttrain.core.errors import ConfigError
 from disttrain.strategies.ddp.live.membership import (
+    FREED,
+    OPEN,
     Change,
     after_leave,
     arrival_slot,
@@ -31,21 +33,25 @@ def test_arrivals_take_the_slots_after_the_runs_first_ones_never_reused():
         arrival_slot(2, 0)
 
 
-def test_a_rank_keeps_its_own_place_else_takes_the_first_free_one_else_waits_as_a_spare():
-    assert place_to_take(["0", "1", ""], 1) == 1  # its own (a first slot, or restarted keeping it)
-    assert place_to_take(["0", "", ""], 3) == 1  # the first free one
-    assert place_to_take(["", "1", "3"], 3) == 2  # its own before a free one
-    assert place_to_take(["0", "1", "2"], 3) is None  # every place held by another: a spare waits
+def test_a_rank_keeps_its_own_place_else_takes_a_free_one_else_waits_as_a_spare():
+    assert place_to_take(["0", "1", OPEN], 1, spare=True) == 1  # its own (restarted, its place kept)
+    assert place_to_take(["0", OPEN, FREED], 3, spare=False) == 1  # an arrival: the first free one
+    assert place_to_take(["0", OPEN, FREED], 3, spare=True) == 2  # a spare: a lost member's only
+    assert place_to_take(["0", "1", OPEN], 3, spare=True) is None  # room to grow is not a spare's
+    assert place_to_take([FREED, "1", "3"], 3, spare=True) == 2  # its own before a freed one
+    assert place_to_take(["0", "1", "2"], 3, spare=False) is None  # every place held: it waits
 
 
-@given(holders=st.lists(st.sampled_from(["", "0", "1", "2", "3"]), min_size=1, max_size=5, unique=True),
-       slot=st.integers(0, 4))
-def test_the_place_taken_is_never_another_ranks(holders, slot):
-    index = place_to_take(holders, slot)
+@given(holders=st.lists(st.sampled_from([OPEN, FREED, "0", "1", "2", "3"]), min_size=1, max_size=6),
+       slot=st.integers(0, 4), spare=st.booleans())
+def test_the_place_taken_is_never_another_ranks_and_a_spare_never_grows_the_run(holders, slot, spare):
+    holders = [h for i, h in enumerate(holders) if h in (OPEN, FREED) or h not in holders[:i]]  # one each
+    index = place_to_take(holders, slot, spare)
+    allowed = {str(slot), FREED} | (set() if spare else {OPEN})
     if index is None:
-        assert "" not in holders and str(slot) not in holders
+        assert not allowed & set(holders)
     else:
-        assert holders[index] in ("", str(slot))
+        assert holders[index] in allowed
 
 
 def test_the_spares_that_stepped_in_are_the_new_members_marked_as_spares():
@@ -114,8 +120,6 @@ def test_a_good_range_is_taken():
 @pytest.mark.parametrize("values, message", [
     ({"ddp": {"spares": 1}}, "ddp.spares: hot spares step into a live group; they need ddp.recovery: live"),
     ({"ddp": {"recovery": "live", "spares": -1}}, "ddp.spares: -1 must be >= 0"),
-    ({"ddp": {"recovery": "live", "spares": 1, "join": True, "max_world_size": 3,
-              "rdzv_endpoint": "127.0.0.1:29400"}}, "ddp.spares: an arrival (--join) adds one rank"),
     ({"ddp": {"recovery": "live", "spares": 1, "num_nodes": 2, "rdzv_endpoint": "127.0.0.1:29400"},
       "system": {"num_workers": 2}}, "ddp.spares: hot spares of a run of several nodes"),
 ])
@@ -129,3 +133,7 @@ def test_spares_are_taken_by_a_live_run_of_fixed_size_or_a_range():
     elastic = config_from_dict({"ddp": {"recovery": "live", "spares": 1, "max_world_size": 3},
                                 "system": {"num_workers": 2}})
     assert elastic.ddp.spares == 1
+    # An arrival shares the run's config: its launcher starts no spares of its own.
+    arrival = config_from_dict({"ddp": {"recovery": "live", "spares": 1, "max_world_size": 3, "join": True,
+                                        "rdzv_endpoint": "127.0.0.1:29400"}, "system": {"num_workers": 2}})
+    assert arrival.ddp.join and arrival.ddp.spares == 1

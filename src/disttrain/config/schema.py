@@ -433,6 +433,7 @@ class DDPConfig:
     # Hot spares (live recovery): ranks started beside the group that start up and wait,
     # outside it; one steps in at a step boundary when a member dies or leaves and the
     # group is below its maximum. Each costs a process with the model and data in memory.
+    # The run's launcher starts them; an arrival (`join`) sharing the run's config starts none.
     spares: int = field(default=0, metadata=NON_NEGATIVE)
 
     def cross_problems(self, name: Callable[[str], str]) -> list[str]:
@@ -449,9 +450,6 @@ class DDPConfig:
         if self.spares and self.recovery != "live":
             problems.append(f"{name('spares')}: hot spares step into a live group; they need ddp.recovery: "
                             "live (pass --ddp-recovery live)")
-        if self.spares and self.join:
-            problems.append(f"{name('spares')}: an arrival (--join) adds one rank; give --spares to the "
-                            "run's own launcher (an arrival at a run's maximum with spares waits as one)")
         if self.spares and self.num_nodes > 1:
             problems.append(f"{name('spares')}: hot spares of a run of several nodes (ddp.num_nodes "
                             f"{self.num_nodes}) are not offered yet; leave --spares out")

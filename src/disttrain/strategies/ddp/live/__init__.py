@@ -9,9 +9,9 @@ state handed from a live peer, without pickle), `trainer` (model, optimizer, pos
 and data ledger), `checkpoints` (the leader's periodic checkpoints and `--resume`),
 `compression` (the DDP compression hooks on the flat gradient buffer), `rank` (the
 generations of one rank process; a SIGTERMed rank leaves at a step boundary), `places`
-(the places of an elastic run or one with hot spares: arrivals and spares take free ones),
-`launcher` (starts and restarts the ranks and the spares, hosts the store; `--join` adds a
-rank to an elastic run).
+(the places of an elastic run or one with hot spares: an arrival takes a free one, a
+spare a lost member's), `launcher` (starts and restarts the ranks and the spares, hosts
+the store; `--join` adds a rank to an elastic run).
 """
 
 from disttrain.strategies.ddp.live.launcher import LIVE_STORE_ENV, launch_live, store_address

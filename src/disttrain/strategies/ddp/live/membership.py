@@ -10,8 +10,9 @@ touches a store, a socket or a clock: the I/O shell (`group`) reads them and pas
 them in, so tests step time by hand.
 
 An elastic run (`--world-size MIN:MAX`) adds: the slots of ranks started by hand or as
-hot spares (`arrival_slot`), the place a rank holds or takes up to MAX (`place_to_take`;
-one that finds none waits as a spare, and `stepped_in` names the spares a change took
+hot spares (`arrival_slot`), the place a rank holds or takes up to MAX (`place_to_take`: an
+arrival takes room to grow or a lost member's place, a spare only the latter; one that
+finds none waits as a spare, and `stepped_in` names the spares a change took
 in), the members that stay when some leave at a step boundary (`Change`, `after_leave`),
 the minimum (`below_minimum`), and the line and the list of sizes a change of size
 leaves (`size_change`, `world_sizes`).
@@ -183,21 +184,30 @@ def arrival_slot(num_workers: int, arrival: int) -> int:
     return num_workers + arrival - 1
 
 
-def place_to_take(holders: Sequence[str], slot: int) -> int | None:
+OPEN = ""  # a place never taken: the room an elastic run has to grow (arrivals take it)
+FREED = "-"  # a place a lost member held: a spare takes it, or an arrival
+
+
+def place_to_take(holders: Sequence[str], slot: int, spare: bool) -> int | None:
     """The place `slot` holds or takes, by index: the one naming it already, else the first
-    free one (""); None when every place is held by another (it waits as a spare).
+    freed one, or for an arrival (not a spare) the first open or freed one; None when there
+    is none (it waits as a spare). A spare restores the group's size after a loss: it never
+    takes an open place, which would grow an elastic run past what it was given.
 
     Args:
-        holders: each place's holder, a slot as text or "" when free (`places`).
+        holders: each place's holder: a slot as text, `OPEN` or `FREED` (`places`).
     """
+    holders = list(holders)
     if str(slot) in holders:
-        return list(holders).index(str(slot))
-    return list(holders).index("") if "" in holders else None
+        return holders.index(str(slot))
+    free = [index for index, holder in enumerate(holders)
+            if holder == FREED or (holder == OPEN and not spare)]
+    return free[0] if free else None
 
 
 def stepped_in(before: Sequence[int], after: Sequence[int], spares: Collection[int]) -> tuple[int, ...]:
     """The spares that stepped in at a change of group: the members new in `after` whose
-    process took a free place (`spares`: the new members marked so in the store)."""
+    process took a lost member's place (`spares`: the new members marked so in the store)."""
     return tuple(sorted(slot for slot in set(after) - set(before) if slot in spares))
 
 

@@ -2,13 +2,15 @@
 
 A run whose size has a ceiling that ranks compete for (an elastic run, `--world-size
 MIN:MAX`, or a run with hot spares, `ddp.spares`) counts its places: MAX of them (the
-run's size when it is not elastic), each a key `place/<i>` naming the slot that holds it
-("" when free). The run's first slots hold the first places from the start; an arrival
-(`--join`) or a spare takes a free one by compare-and-set, so two never take the same,
-and a place names its holder, so the launcher frees exactly the places of a process that
-left, was given up or (in a run with spares) died, whatever moment it went. A freed place
-is taken again by whoever comes first: a waiting spare (started beside the group and
-ready), an arrival, or the slot's own process started again.
+run's size when it is not elastic), each a key `place/<i>` naming the slot that holds it,
+`OPEN` (never taken: an elastic run's room to grow) or `FREED` (a lost member's). The
+run's first slots hold the first places from the start; an arrival (`--join`) takes an
+open or freed one, a spare a freed one only (it restores the group's size, it does not
+grow it), by compare-and-set, so two never take the same; and a place names its holder,
+so the launcher frees exactly the places of a process that left, was given up or (in a
+run with spares) died, whatever moment it went. A freed place is taken again by whoever
+comes first: a waiting spare (started beside the group and ready), an arrival, or the
+slot's own process started again.
 
 A process that holds no place when it starts (a spare, an arrival at the maximum of a run
 with spares, a lost member's process started again in a run with spares) waits for one
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from disttrain.config import Config
 from disttrain.core.errors import ConfigError, DistributedError
 from disttrain.strategies.ddp.live.group import DONE_KEY, mark_dead
-from disttrain.strategies.ddp.live.membership import arrival_slot, place_to_take
+from disttrain.strategies.ddp.live.membership import FREED, OPEN, arrival_slot, place_to_take
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ SPARES_KEY = "places/spares"  # the run's hot spares (an arrival at MAX waits as
 ARRIVALS_KEY = "elastic/arrivals"  # ranks started past the run's first ones (their slots: `arrival_slot`)
 RANGE_KEY = "elastic/range"  # MIN:MAX, as the host launcher was started
 ARRIVAL_WAIT_S = 30.0  # how long an arrival waits for the host to publish the range
-SPARE_POLL_S = 0.1  # how often a waiting process looks for a free place
+SPARE_POLL_S = 0.1  # how often a waiting process looks for a freed place
 
 
 def place_key(index: int) -> str:
@@ -45,7 +47,7 @@ def place_key(index: int) -> str:
 
 
 def spare_key(slot: int, attempt: int) -> str:
-    """Set when that process took a free place: a spare that steps in (when, wall clock)."""
+    """Set when that process took a freed place: a spare that steps in (when, wall clock)."""
     return f"spare/{slot}/{attempt}"
 
 
@@ -64,7 +66,7 @@ def open_places(store: dist.Store, config: Config, store_at: str) -> None:
     checks against its own (`claim_arrival`)."""
     count, first = num_places(config), config.system.num_workers
     for index in range(count):
-        store.set(place_key(index), str(index) if index < first else "")
+        store.set(place_key(index), str(index) if index < first else OPEN)
     store.set(SPARES_KEY, str(config.ddp.spares))
     store.set(NUM_PLACES_KEY, str(count))
     if not config.ddp.max_world_size:
@@ -84,25 +86,27 @@ def spare_slots(store: dist.Store, config: Config) -> list[int]:
 
 
 def holders(store: dist.Store) -> list[str]:
-    """Each place's holder ("" free), in place order; empty when the run counts none."""
+    """Each place's holder (a slot, `OPEN` or `FREED`), in place order; empty when the run
+    counts none."""
     if not store.check([NUM_PLACES_KEY]):
         return []
     return [store.get(place_key(index)).decode() for index in range(int(store.get(NUM_PLACES_KEY)))]
 
 
-def take_place(store: dist.Store, slot: int) -> str:
-    """Take a place for `slot`: "held" (it held one already), "taken" (a free one, now
-    its), "full" (none is free) or "uncounted" (the run counts no places)."""
+def take_place(store: dist.Store, slot: int, spare: bool = True) -> str:
+    """Take a place for `slot` (a spare: only a lost member's, see `place_to_take`):
+    "held" (it held one already), "taken" (a free one, now its), "full" (none it may take)
+    or "uncounted" (the run counts no places)."""
     while True:
         current = holders(store)
         if not current:
             return "uncounted"
-        index = place_to_take(current, slot)
+        index = place_to_take(current, slot, spare)
         if index is None:
             return "full"
         if current[index] == str(slot):
             return "held"
-        if store.compare_set(place_key(index), "", str(slot)).decode() == str(slot):
+        if store.compare_set(place_key(index), current[index], str(slot)).decode() == str(slot):
             return "taken"  # else another took it first: look again
 
 
@@ -111,7 +115,7 @@ def free_places(store: dist.Store, slot: int) -> None:
     a run with spares)."""
     for index, holder in enumerate(holders(store)):
         if holder == str(slot):
-            store.compare_set(place_key(index), str(slot), "")
+            store.compare_set(place_key(index), str(slot), FREED)
 
 
 def has_spares(store: dist.Store) -> bool:
@@ -148,12 +152,12 @@ def claim_arrival(store: dist.Store, config: Config) -> int:
                           f"{theirs}; pass --world-size {theirs}")
     if store.check([DONE_KEY]):
         raise DistributedError(f"the run at {endpoint} has ended; nothing to join")
-    if "" not in holders(store) and not has_spares(store):
+    if place_to_take(holders(store), -1, spare=False) is None and not has_spares(store):
         raise DistributedError(f"the run at {endpoint} has its maximum of {config.ddp.max_world_size} "
                                "ranks (--world-size MIN:MAX) and no spares (ddp.spares); start this one when "
                                "a rank has left")
     slot = arrival_slot(config.system.num_workers, int(store.add(ARRIVALS_KEY, 1)))
-    if take_place(store, slot) == "taken":
+    if take_place(store, slot, spare=False) == "taken":
         logger.info("joining the run at %s as slot %d (up to %d ranks)", endpoint, slot,
                     config.ddp.max_world_size)
     else:
@@ -175,7 +179,7 @@ def wait_for_place(store: dist.Store, slot: int, attempt: int, stop: Callable[[]
             return True
         if took == "taken":
             store.set(spare_key(slot, attempt), repr(clock()))
-            logger.info("slot %d steps in: it took a free place%s", slot,
+            logger.info("slot %d steps in: it took a lost member's place%s", slot,
                         ", after it waited as a spare" if waited else "")
             return True
         if store.check([DONE_KEY]) or stop():
