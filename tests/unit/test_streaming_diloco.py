@@ -258,11 +258,18 @@ def test_the_run_refuses_two_compressions_of_the_pseudo_gradient():
                "compression.type topk" in line for line in info.value.problems), info.value.problems
 
 
-def test_the_parameter_server_and_live_groups_refuse_the_keys():
+def test_the_parameter_server_takes_fragments_of_whole_shards_and_live_groups_refuse_the_keys():
     streaming = {"training": {"sync_every": 4, "outer_fragments": 2}}
-    with pytest.raises(ConfigError, match="are offered by DDP only") as info:
-        check_ps_supported(config_from_dict(streaming))
-    assert "\n" not in str(info.value)
+    check_ps_supported(config_from_dict({**streaming, "ps": {"num_servers": 2}}))
+    refusals = [({**streaming, "ps": {"num_servers": 1}}, "2 fragments need as many servers at least"),
+                ({**streaming, "ps": {"num_servers": 2, "backup_workers": 1}, "system": {"num_workers": 2}},
+                 "ps.backup_workers: 1 is not offered with training.outer_fragments > 1"),
+                ({"training": {"sync_every": 4, "outer_compression": "int8"}},
+                 "leave it none and set compression.type")]
+    for config, message in refusals:
+        with pytest.raises(ConfigError, match=message) as info:
+            check_ps_supported(config_from_dict(config))
+        assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="not offered with ddp.recovery live"):
         check_supported(config_from_dict({**streaming, "ddp": {"recovery": "live"}}))
     check_supported(config_from_dict(streaming))

@@ -78,9 +78,7 @@ def split_fragments(sizes: Sequence[int], num_fragments: int) -> list[list[Piece
     total = sum(sizes)
     if not 1 <= num_fragments <= max(total, 1):  # a model without trained values: one, empty
         raise ValueError(f"{num_fragments} fragment(s) of {total} parameter value(s): use 1 to {total}")
-    boundaries = [0]
-    for size in sizes:
-        boundaries.append(boundaries[-1] + size)
+    boundaries = _boundaries(sizes)
     share = total / num_fragments
     cuts = [0]
     for k in range(1, num_fragments):
@@ -90,10 +88,34 @@ def split_fragments(sizes: Sequence[int], num_fragments: int) -> list[list[Piece
         cut = nearest if abs(nearest - ideal) <= SNAP * share else ideal
         cuts.append(min(max(cut, cuts[-1] + 1), total - (num_fragments - k)))  # none empty
     cuts.append(total)
+    return pieces_between(sizes, cuts)
+
+
+def pieces_between(sizes: Sequence[int], cuts: Sequence[int]) -> list[list[Piece]]:
+    """The pieces of the fragments between `cuts` (value offsets into parameters of
+    `sizes` values in the model's order, from 0 to their total, ascending): fragment k
+    holds values `cuts[k]` to `cuts[k + 1]`.
+
+    Raises:
+        ValueError: the cuts do not start at 0, end at the total, or ascend.
+    """
+    total = sum(sizes)
+    # ([0, 0]: a model without trained values, one empty fragment)
+    ascending = all(a < b for a, b in zip(cuts, cuts[1:], strict=False)) or list(cuts) == [0, 0]
+    if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != total or not ascending:
+        raise ValueError(f"fragment cuts {list(cuts)} do not ascend from 0 to the {total} parameter values")
+    boundaries = _boundaries(sizes)
     return [[Piece(i, max(low, begin) - begin, min(high, end) - begin)
              for i, (begin, end) in enumerate(zip(boundaries[:-1], boundaries[1:], strict=True))
              if begin < high and end > low]
             for low, high in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
+def _boundaries(sizes: Sequence[int]) -> list[int]:
+    boundaries = [0]
+    for size in sizes:
+        boundaries.append(boundaries[-1] + size)
+    return boundaries
 
 
 def outer_compressor(settings: LocalUpdates, seed: int) -> Compressor | None:
@@ -130,12 +152,16 @@ class StreamingRounds:
             worker), each contiguous (a fragment may hold a view of part of one).
         names: the parameters' names (default `p0`, `p1`, ...); a part is named
             `name[start:stop]`.
+        cuts: where the fragments lie, as value offsets into the parameters in order
+            (`pieces_between`), when the transport fixes them (the parameter server's
+            shards); None: `split_fragments`.
     Raises:
-        ValueError: more fragments than H, or parameters of several dtypes or devices.
+        ValueError: more fragments than H, cuts that are not F fragments of the
+            parameters, or parameters of several dtypes or devices.
     """
 
     def __init__(self, settings: LocalUpdates, params: Sequence[torch.Tensor],
-                 names: Sequence[str] | None = None):
+                 names: Sequence[str] | None = None, cuts: Sequence[int] | None = None):
         if settings.num_fragments > settings.sync_every and settings.num_fragments > 1:
             raise ValueError(f"{settings.num_fragments} fragments need rounds of as many steps at least "
                              f"(sync_every is {settings.sync_every})")
@@ -143,7 +169,13 @@ class StreamingRounds:
         self.params = list(params)
         names = list(names) if names is not None else [f"p{i}" for i in range(len(self.params))]
         self.fragments: list[Fragment] = []
-        for f, pieces in enumerate(split_fragments([p.numel() for p in self.params], settings.num_fragments)):
+        sizes = [p.numel() for p in self.params]
+        if cuts is not None and len(cuts) != settings.num_fragments + 1:
+            raise ValueError(f"{len(cuts)} cuts make {len(cuts) - 1} fragment(s), not "
+                             f"{settings.num_fragments}")
+        split = split_fragments(sizes, settings.num_fragments) if cuts is None \
+            else pieces_between(sizes, cuts)
+        for f, pieces in enumerate(split):
             tensors = [self._tensor(piece) for piece in pieces]
             labels = [names[piece.index] if tensor is self.params[piece.index]
                       else f"{names[piece.index]}[{piece.start}:{piece.stop}]"
@@ -193,6 +225,27 @@ class StreamingRounds:
         """Step `fragment`'s outer optimizer on the workers' mean pseudo-gradient and set
         its parameters (mixed with the worker's own, but at an epoch's end)."""
         fragment.outer.step(average)
+        self._set(fragment, ends_epoch)
+
+    @torch.no_grad()
+    def take_outer(self, fragment: Fragment, result: torch.Tensor, ends_epoch: bool,
+                   own: torch.Tensor | None = None) -> None:
+        """For a transport that steps the outer optimizer itself (the parameter server's
+        shards, on the workers' pseudo-gradients): open `fragment`'s next round at its
+        result `result` (flat) and set its parameters as `apply` does. `own`: this
+        worker's parameters of the fragment before the exchange (flat), needed for mixing
+        where the transport wrote the result over them."""
+        outer = fragment.outer
+        outer.start.copy_(result)
+        outer.steps_in_round = 0
+        outer.rounds += 1
+        if own is not None:
+            for param, value in zip(fragment.tensors, outer.views(own), strict=True):
+                param.copy_(value)
+        self._set(fragment, ends_epoch)
+
+    def _set(self, fragment: Fragment, ends_epoch: bool) -> None:
+        """Set `fragment`'s parameters to its round start (just stepped), or mix them."""
         tensors = fragment.tensors
         if self.settings.mixing == 0 or ends_epoch:
             fragment.outer.copy_to(tensors)

@@ -107,8 +107,8 @@ def data_ledger(num_epochs: int, client: PSClient, participant: WorkerParticipan
     applied = client.ledger(0, epochs * world * bpe)
     missing = 0
     for block in range(epochs * world * bpe):
-        recorded = participant.ledger_block(block)  # with local updates, its round's
-        if any(recorded not in blocks for blocks in applied):
+        # with local updates, its round's (of each shard's fragment)
+        if any(participant.ledger_block(block, s) not in blocks for s, blocks in enumerate(applied)):
             missing += block_length(participant.sampler, participant.batch_size, block)
     dropped = sum(t.samples_dropped for t in totals)
     return {"samples_applied": statuses[0].num_samples_applied, "samples_dropped_late": dropped,

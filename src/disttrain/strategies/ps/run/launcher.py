@@ -167,11 +167,20 @@ def check_supported(config: Config) -> None:
         # Rounds and the ledger's one block per round follow equal batches.
         raise ConfigError(f"system.balance: {config.system.balance} batches are not offered with local "
                           "updates (training.sync_every > 1); use system.balance none")
-    if config.training.local_update_mode and config.training.streaming_mode:
-        # The shards step the outer optimizer on whole slices, one round for all of them.
-        raise ConfigError("training.outer_fragments, outer_mixing and outer_compression (Streaming "
-                          "DiLoCo) are offered by DDP only; leave them at 1, 0 and none on the parameter "
-                          "server, or train with ddp")
+    if config.training.local_update_mode and config.training.outer_compression != "none":
+        # The shards decode pushes by the run's compression: pseudo-gradients take the wire's.
+        raise ConfigError(f"training.outer_compression: {config.training.outer_compression} is DDP's; on the "
+                          "parameter server a fragment's pseudo-gradient is compressed as every push is: "
+                          "leave it none and set compression.type (quantization for int8, or fp16)")
+    if config.training.local_update_mode and config.training.outer_fragments > config.ps.num_servers:
+        # A fragment is a group of whole shards: its push goes to them alone.
+        fragments = config.training.outer_fragments
+        raise ConfigError(f"training.outer_fragments: {fragments} fragments need as many servers at least "
+                          f"(ps.num_servers is {config.ps.num_servers}): each fragment is a group of whole "
+                          f"shards; use --servers {fragments}")
+    if config.training.local_update_mode and config.training.outer_fragments > 1 and config.ps.backup_workers:
+        raise ConfigError(f"ps.backup_workers: {config.ps.backup_workers} is not offered with "
+                          "training.outer_fragments > 1 (Streaming DiLoCo); use 0")
     if config.training.local_update_mode and config.compression.pull != "none":
         # A pulled change is added to the copy the worker holds, which its local steps
         # have moved off the shard's broadcast copy.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from disttrain.config import Config
+from disttrain.config import Config, TrainingConfig
 from disttrain.core.errors import ConfigError
 from disttrain.data import load_datasets
 from disttrain.data.datasets import synthetic_shape
@@ -44,7 +44,7 @@ def run_layout(config: Config, num_samples: int | None = None) -> BlockLayout:
         num_samples = train_length(config)
     balanced = system.balance != "none"
     layout = BlockLayout.of_run(system.num_workers, training.num_epochs, num_samples, training.batch_size,
-                                balanced, training.sync_every if training.local_update_mode else 1)
+                                balanced, round_length(training))
     if not layout.batches_per_epoch:
         need = training.batch_size * system.num_workers if balanced else system.num_workers
         raise ConfigError(f"training.dataset: {training.dataset}'s {num_samples} training samples (after "
@@ -52,6 +52,15 @@ def run_layout(config: Config, num_samples: int | None = None) -> BlockLayout:
                           f"workers{' under a balance plan' if balanced else ''} (at least {need} needed); "
                           "use more data or fewer workers" + (", or a smaller batch" if balanced else ""))
     return layout
+
+
+def round_length(training: TrainingConfig) -> int:
+    """The rounds a shard checks pushes' blocks against: H with local updates, 1 without;
+    1 with Streaming DiLoCo's fragments too, whose rounds end at steps of their own (a
+    shard accepts a push naming any of its worker's batches, and its ledger records it)."""
+    if not training.local_update_mode or training.outer_fragments > 1:
+        return 1
+    return training.sync_every
 
 
 # The training splits of the built-in public sets, whose downloads are checked against

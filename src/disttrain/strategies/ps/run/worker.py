@@ -165,8 +165,11 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                                         training.batch_size, faults,
                                         precision=Precision(worker_precision(training.precision)), away=away,
                                         rounds=None if local_updates is None
-                                        else WorkerRounds(local_updates, model, flat, grads, training),
+                                        else WorkerRounds(local_updates, model, flat, grads, training,
+                                                          [plan.numel for plan in client.plans]),
                                         start_barrier=start_barrier(config))
+        if participant.rounds is not None and len(participant.rounds.groups) > 1:
+            exchange.groups = participant.rounds.groups  # Streaming DiLoCo: one step per fragment
         if local_updates is not None and rank == 0:
             logger.info("%s", local_updates.describe())
         checkpoints = LocalCheckpoints(object_store.join(system.checkpoint_dir, f"worker{rank}"),

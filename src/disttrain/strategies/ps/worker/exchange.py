@@ -81,6 +81,17 @@ class Block:
     num_samples: int
     last_in_epoch: bool = False
     redo: bool = False
+    # Per shard of the run, the push's step and the samples it stands for (None: `step`
+    # and `num_samples` on every shard): Streaming DiLoCo's fragments count their rounds,
+    # and end rounds of their own lengths together at an epoch's end.
+    shard_steps: tuple[int, ...] | None = None
+    shard_samples: tuple[int, ...] | None = None
+
+    def step_of(self, shard: int) -> int:
+        return self.step if self.shard_steps is None else self.shard_steps[shard]
+
+    def samples_of(self, shard: int) -> int:
+        return self.num_samples if self.shard_samples is None else self.shard_samples[shard]
 
 
 class Exchange:
@@ -163,9 +174,9 @@ class Exchange:
                 holds NaN or infinity; no shard but those in `sent` was sent any of it.
         """
         self.check_finite(block, checked, sent)
-        headers = [pb.GradientMessage(worker_id=self.worker_id, step=block.step, shard=s,
+        headers = [pb.GradientMessage(worker_id=self.worker_id, step=block.step_of(s), shard=s,
                                       base_version=self.versions[s], block_id=block.block_id,
-                                      num_samples=block.num_samples,
+                                      num_samples=block.samples_of(s),
                                       generation=self.generation, epoch=block.epoch,
                                       last_in_epoch=block.last_in_epoch, redo=block.redo,
                                       sync_step=self.from_step)
@@ -222,9 +233,11 @@ class Exchange:
     def _untaken(shards: list[int], replies: list[pb.PushReply], outcomes: tuple[int, ...]) -> list[int]:
         return [s for s, r in zip(shards, replies, strict=True) if r.outcome in outcomes]
 
-    def step(self, compute: Callable[[], StepResult], block: Block, timer: StepTimer
-             ) -> tuple[StepResult, int]:
-        """Compute one gradient and trade it. Returns the step's result and its staleness."""
+    def step(self, compute: Callable[[], StepResult], block: Block, timer: StepTimer,
+             shards: Sequence[int] | None = None) -> tuple[StepResult, int]:
+        """Compute one gradient and trade it with `shards` (None: every shard; a subset:
+        sync mode only, see `SyncExchange.groups`). Returns the step's result and its
+        staleness."""
         raise NotImplementedError
 
     def scalars(self) -> dict[str, float]:
@@ -241,6 +254,10 @@ class SyncExchange(Exchange):
 
     trigger: ShardTrigger | None = None
     agreement: Agreement | None = None
+    # Streaming DiLoCo: the shards of each fragment, whose steps go on apart from the
+    # other fragments' (a fragment's push goes to its shards alone): the steps must agree
+    # within each group, and do across groups after a push to every shard (an epoch's end).
+    groups: list[list[int]] | None = None
     trained_on: tuple[int, int] = (0, 0)  # the lowest and highest step of the last gradient's shards
     _started = False  # `start` pulled; the first step has not begun
 
@@ -268,7 +285,12 @@ class SyncExchange(Exchange):
         from_start, self._started = self._started, False
         if not from_start or self.agreement is None or block.redo:
             return
-        behind = sorted(lag(self.sync_steps(), self.versions, self.restored()).wait_for)
+        steps, restored, behind = self.sync_steps(), set(self.restored()), []
+        for group in self._groups():  # a step behind the others of its group (`groups`)
+            within = lag([steps[s] for s in group], [self.versions[s] for s in group],
+                         [k for k, s in enumerate(group) if s in restored])
+            behind += [group[k] for k in within.wait_for]
+        behind.sort()
         if behind:
             logger.warning("shard(s) %s are a step behind the others after this worker started; standing in "
                            "for the step they wait for, and waiting for them", behind)
@@ -284,7 +306,7 @@ class SyncExchange(Exchange):
         step the shard holds: the one its pending step is computed on). The payload is
         zeros, never applied (compressed without keeping its residuals)."""
         zeros = torch.zeros_like(self.grads)
-        headers = [pb.GradientMessage(worker_id=self.worker_id, step=max(block.step - 1, 1), shard=s,
+        headers = [pb.GradientMessage(worker_id=self.worker_id, step=max(block.step_of(s) - 1, 1), shard=s,
                                       base_version=self.versions[s], block_id=-1, num_samples=1,
                                       generation=self.generation, epoch=block.epoch,
                                       sync_step=self.client.shards[s].sync_step, stand_in=True)
@@ -300,12 +322,13 @@ class SyncExchange(Exchange):
                 header.compressed, header.compression_type = True, self.encoder.scheme
         return self.client.push(headers, zeros, shards, payloads)
 
-    def agree(self, now: Callable[[], float] = time.monotonic, floor: int = 0, pushing: Sequence[int] = ()
-              ) -> None:
+    def agree(self, now: Callable[[], float] = time.monotonic, floor: int = 0, pushing: Sequence[int] = (),
+              only: Sequence[int] | None = None) -> None:
         """Pull the shards whose parameters are of an earlier step than another's (or than
         `floor`) again, until every shard's are of one step, but those restored (see
         `agreement`) and those this worker is about to push to again (`pushing`: they may
-        wait for that very push); nothing without an agreement.
+        wait for that very push); nothing without an agreement. With `groups`, within each
+        group; `only`: among those shards alone.
 
         Raises:
             StepsDisagree: they are not within the agreement's deadline (a shard that
@@ -313,20 +336,31 @@ class SyncExchange(Exchange):
         """
         if self.agreement is None:
             return
+        for group in self._groups() if only is None else [list(only)]:
+            self._agree_within(group, now, floor, pushing)
+
+    def _groups(self) -> list[list[int]]:
+        return self.groups or [list(range(self.num_shards))]
+
+    def _agree_within(self, group: list[int], now: Callable[[], float], floor: int, pushing: Sequence[int]
+                      ) -> None:
+        """`agree` among the shards of `group` alone."""
         while True:
-            steps, restored, started = self.sync_steps(), sorted(set(self.restored()) | set(pushing)), now()
-            behind = self.agreement.check(steps, self.versions, started, restored, floor)
+            steps, restored, started = self.sync_steps(), set(self.restored()) | set(pushing), now()
+            steps, versions = [steps[s] for s in group], [self.versions[s] for s in group]
+            local = [k for k, s in enumerate(group) if s in restored]
+            behind = self.agreement.check(steps, versions, started, local, floor)
             if not behind.wait_for:
                 return
+            wait_for = {group[k]: v for k, v in behind.wait_for.items()}
             remaining = self.agreement.remaining_s(started)
-            wanted = [behind.wait_for.get(s, v) for s, v in enumerate(self.versions)]
+            wanted = [wait_for.get(s, v) for s, v in enumerate(self.versions)]
             policy = replace(self.client.shards[0].policy, timeout_s=max(remaining, 0.05),
                              max_total_s=remaining)
             try:
-                self.versions = self.client.pull(self.worker_id, self.flat, wanted, sorted(behind.wait_for),
-                                                 policy)
+                self.versions = self.client.pull(self.worker_id, self.flat, wanted, sorted(wait_for), policy)
             except DistributedError as e:  # the shard did not answer that version within the deadline
-                raise self.agreement.failure(steps, self.versions, str(e), restored, floor) from e
+                raise self.agreement.failure(steps, versions, str(e), local, floor) from e
 
     def scalars(self) -> dict[str, float]:
         if self.agreement is None:
@@ -343,8 +377,10 @@ class SyncExchange(Exchange):
 
         return noted
 
-    def step(self, compute, block, timer):
-        shards, staleness, overlap = list(range(self.num_shards)), 0, self.trigger is not None
+    def step(self, compute, block, timer, shards=None):
+        group = None if shards is None else list(shards)
+        shards, staleness, overlap = list(range(self.num_shards)) if group is None else group, 0, \
+            self.trigger is not None and group is None
         compute = self._noting(compute)
         self.catch_up(block, timer)
         # Every push of this step names the step it starts from, a shard restored from an
@@ -367,7 +403,7 @@ class SyncExchange(Exchange):
             again = set(self._untaken(shards, replies, outcomes)) | behind
             if not again:
                 with timer.phase("comm_blocked"):
-                    self.agree(floor=self.from_step + 1)  # the next gradient is computed on these
+                    self.agree(floor=self.from_step + 1, only=group)  # the next gradient is computed on these
                 return result, staleness
             self.num_rejected += len(again)
             taken = taken or len(again) < len(shards)
@@ -379,14 +415,14 @@ class SyncExchange(Exchange):
                     # No shard took it (the step went on without this worker everywhere: a
                     # worker that finished its epoch while a restarted one caught up): the
                     # step starts again from what the shards hold now, named by their step.
-                    self.agree(pushing=restarted)
+                    self.agree(pushing=restarted, only=group)
                     self.from_step = max(self.sync_steps())
                     continue
                 # A shard that did not take the push was restored (it says so: no wait for
                 # the steps it lost), or is still in the step, waiting for this very push
                 # (restored, it went on without this worker, restarted then): either way its
                 # part is computed on what it holds now.
-                self.agree(pushing=shards)
+                self.agree(pushing=shards, only=group)
 
     def trade(self, block: Block, shards: list[int], timer: StepTimer, wanted: list[int]
               ) -> tuple[list[pb.PushReply], list[int]]:
@@ -518,7 +554,8 @@ class AsyncExchange(Exchange):
                 self.pull_current(again)
             fetched, shards = None, again
 
-    def step(self, compute, block, timer):
+    def step(self, compute, block, timer, shards=None):
+        assert shards is None, "a push to some shards only is sync mode's (Streaming DiLoCo)"
         if self.client.one_round_trip:
             timer.add("comm_overlapped", 0.0)  # every push and pull goes after the computation
             return self.trade_until_taken(compute, block, timer)

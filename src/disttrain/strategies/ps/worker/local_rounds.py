@@ -30,6 +30,19 @@ and the round's change to them goes with its push.
 
 The overlapped push during backward (`ps.overlap`) is off in this mode: a push leaves
 once per round, after the round's last inner step, not during a backward pass.
+
+Streaming DiLoCo (`training.outer_fragments` F > 1, `outer_mixing`; see
+`training.fragments`, whose `StreamingRounds` keeps the rounds here for any F): each
+fragment is a group of whole shards (`shard_groups`: the shards in order, cut into F
+groups of about equal bytes; F <= the servers), so a fragment's push goes to its shards
+alone and carries its bytes alone, and its shards' outer optimizer is the fragment's own
+(its momentum, its count of rounds as their version). Fragment f ends its rounds at its
+own staggered steps; a push names the block of the step that ends it, which the ledgers
+of its shards hold for the batches of that round (`round_end` with the fragment's
+offset). An epoch's last step ends every fragment's round: one push to every shard, each
+carrying its fragment's pseudo-gradient and samples. After a fragment's push the worker
+pulls its shards (the outer result) and, with mixing, keeps `outer_mixing` of its own
+values (`StreamingRounds.take_outer`). A push to a shard is numbered by its fragment's round.
 """
 
 from __future__ import annotations
@@ -46,74 +59,168 @@ from torch import nn
 from disttrain.config import TrainingConfig
 from disttrain.strategies.ps.wire.sharding import trainable_parameters
 from disttrain.training.engine import StepResult, build_optimizer
-from disttrain.training.local_updates import LocalUpdates, OuterOptimizer
+from disttrain.training.fragments import Fragment, StreamingRounds
+from disttrain.training.local_updates import LocalUpdates
 from disttrain.training.stepping import OptimizerStep
 
 logger = logging.getLogger(__name__)
 
 
-def round_end(index: int, batches_per_epoch: int, sync_every: int) -> int:
+def round_end(index: int, batches_per_epoch: int, sync_every: int, offset: int = 0) -> int:
     """The index of the last batch of the round that holds batch `index` of an epoch
-    (rounds start at each epoch's first batch, and the epoch's last batch ends one)."""
-    return min(batches_per_epoch - 1, (index // sync_every + 1) * sync_every - 1)
+    (rounds start at each epoch's first batch and end where `(index + 1 - offset)` is a
+    multiple of H (`offset`: a fragment's, see `training.fragments`), and the epoch's last
+    batch ends one)."""
+    return min(batches_per_epoch - 1, index + (offset - index - 1) % sync_every)
+
+
+def round_start(index: int, sync_every: int, offset: int = 0) -> int:
+    """The index of the first batch of the round that holds batch `index` of an epoch."""
+    return max(0, index - (index - offset) % sync_every)
+
+
+def shard_groups(numels: Sequence[int], num_groups: int) -> list[list[int]]:
+    """Shards of `numels` elements, in order, cut into `num_groups` contiguous groups of
+    about equal elements (each cut at the shard boundary nearest k/num_groups of them).
+
+    Raises:
+        ValueError: more groups than shards.
+    """
+    if not 1 <= num_groups <= len(numels):
+        raise ValueError(f"{num_groups} fragment(s) of {len(numels)} shard(s): each fragment is a group of "
+                         f"whole shards; use ps.num_servers >= {num_groups}")
+    boundaries = [0]
+    for numel in numels:
+        boundaries.append(boundaries[-1] + numel)
+    total, cuts = boundaries[-1], [0]
+    for k in range(1, num_groups):
+        # a boundary past the last cut that leaves a shard for each group after it
+        choices = range(cuts[-1] + 1, len(numels) - (num_groups - k) + 1)
+        cuts.append(min(choices, key=lambda j: (abs(boundaries[j] - k * total / num_groups), j)))
+    cuts.append(len(numels))
+    return [list(range(low, high)) for low, high in zip(cuts[:-1], cuts[1:], strict=True)]
 
 
 class WorkerRounds:
-    """One worker's rounds: its inner optimizer, its round-start copy, its place in the
-    round and the samples the round has taken so far.
+    """One worker's rounds: its inner optimizer, its fragments' round-start copies and
+    places in their rounds (one fragment but with Streaming DiLoCo), and the samples each
+    round has taken so far.
 
     Args:
-        settings: H (the outer optimizer itself runs on the servers).
+        settings: H, F and mixing (the outer optimizer itself runs on the servers).
         model: the worker's model, whose trainable parameters are views of `flat` in
             `flat`'s order (`sharding.flat_parameters`).
         flat, grads: the model's flat parameters and gradients.
         training: the inner optimizer, its schedule and clipping.
+        shard_numels: the elements of each shard, in order (None: one shard); F > 1 needs
+            F of them at least.
+    Raises:
+        ValueError: more fragments than shards.
     """
 
     def __init__(self, settings: LocalUpdates, model: nn.Module, flat: torch.Tensor, grads: torch.Tensor,
-                 training: TrainingConfig):
+                 training: TrainingConfig, shard_numels: Sequence[int] | None = None):
         self.settings = settings
         self.flat, self.grads = flat, grads
-        self.params = [p for _, p in trainable_parameters(model)]
+        named = trainable_parameters(model)
+        self.params = [p for _, p in named]
         self.buffers = list(model.buffers())
         self.optimizer = build_optimizer(self.params, training)
         self.stepper = OptimizerStep(self.optimizer, training)
-        # The outer step runs on the servers: this copy needs no momentum buffer.
-        self.outer = OuterOptimizer(replace(settings, momentum=0.0), self.params)
-        self.samples = 0  # the samples of the round's steps so far
+        if settings.num_fragments > 1 and self.buffers:
+            # A push carries the change to the buffers of every shard that holds some.
+            raise ValueError("Streaming DiLoCo on the parameter server takes models without buffers "
+                             "(BatchNorm statistics); leave training.outer_fragments at 1, or train with ddp")
+        numels = list(shard_numels) if shard_numels is not None else [flat.numel()]
+        self.groups = shard_groups(numels, settings.num_fragments)
+        offsets = [0]
+        for numel in numels:
+            offsets.append(offsets[-1] + numel)
+        self.cuts = [offsets[group[0]] for group in self.groups] + [offsets[-1]]
+        # The outer step runs on the servers: these copies need no momentum buffer.
+        self.outer = StreamingRounds(replace(settings, momentum=0.0), self.params, [n for n, _ in named],
+                                     self.cuts)
+        self.fragment_of = {shard: f for f, group in enumerate(self.groups) for shard in group}
+        self.fragment_samples = [0] * settings.num_fragments  # of each fragment's round so far
+        self.due: list[Fragment] = []  # the fragments whose round the last inner step ended
+        self.ends_epoch = False
+        self.closed = 0  # rounds the last step's push completed (of every fragment: `outer.rounds`)
+        self._own: dict[int, torch.Tensor] = {}  # mixing: each due fragment's values before its push
 
     @property
     def opening(self) -> bool:
-        """Whether the next step opens a round."""
-        return self.outer.steps_in_round == 0
+        """Whether the next step opens every fragment's round (an epoch's first step)."""
+        return all(fragment.outer.steps_in_round == 0 for fragment in self.outer.fragments)
+
+    @property
+    def samples(self) -> int:
+        """The samples of fragment 0's round so far (plain local updates: the round's)."""
+        return self.fragment_samples[0]
 
     @property
     def round_number(self) -> int:
-        """The number of the round in progress (1 on): its push's `step`."""
-        return self.outer.rounds + 1
+        """The number of fragment 0's round in progress (1 on): its push's `step`."""
+        return self.outer.fragments[0].outer.rounds + 1
+
+    def shard_steps(self) -> list[int]:
+        """Per shard of the run, the number of its fragment's round in progress (1 on): the
+        `step` of its push (each shard takes a worker's pushes numbered one after another)."""
+        return [self.outer.fragments[self.fragment_of[shard]].outer.rounds + 1
+                for shard in sorted(self.fragment_of)]
+
+    def last_push(self, shard: int) -> int:
+        """The `step` of this worker's last push to `shard` (0: none)."""
+        return self.outer.fragments[self.fragment_of[shard]].outer.rounds
+
+    @property
+    def due_shards(self) -> list[int]:
+        """The shards the due fragments' push goes to."""
+        return [shard for fragment in self.due for shard in self.groups[fragment.index]]
+
+    def shard_samples(self) -> list[int]:
+        """Per shard of the run, the samples its fragment's round stands for."""
+        return [self.fragment_samples[self.fragment_of[shard]] for shard in sorted(self.fragment_of)]
+
+    def offset_of(self, shard: int) -> int:
+        """The step offset of the rounds of `shard`'s fragment (`training.fragments`)."""
+        return self.outer.fragments[self.fragment_of[shard]].offset
 
     def open(self) -> None:
-        """Start a round at the parameters the model holds (the servers' newest)."""
-        self.outer.take_start(self.params)
-        self.samples = 0
+        """Start every fragment's round at the parameters the model holds (the servers' newest)."""
+        self.outer.take_start()
+        self.fragment_samples = [0] * len(self.fragment_samples)
 
     def inner_step(self, num_samples: int, ends_epoch: bool) -> bool:
-        """Apply the gradient just computed with the inner optimizer; True when it ends the round."""
+        """Apply the gradient just computed with the inner optimizer; True when it ends a
+        fragment's round (then `due` names them)."""
         self.stepper.step()
-        self.samples += num_samples
-        return self.outer.end_of_step(ends_epoch)
+        self.fragment_samples = [n + num_samples for n in self.fragment_samples]
+        self.due, self.ends_epoch = self.outer.end_of_step(ends_epoch), ends_epoch
+        self.closed = 0
+        return bool(self.due)
 
     @torch.no_grad()
     def pseudo_gradient(self) -> torch.Tensor:
-        """Write the round's pseudo-gradient (round start minus now) into `grads`; returns a
-        copy, for a push that must be sent again."""
-        torch.sub(self.outer.start, self.flat, out=self.grads)
+        """Write the due fragments' pseudo-gradients (round start minus now) into their
+        places in `grads`; returns a copy, for a push that must be sent again."""
+        self._own = {}
+        for fragment in self.due:
+            low, high = self.cuts[fragment.index], self.cuts[fragment.index + 1]
+            self.grads[low:high].copy_(self.outer.pseudo_gradient(fragment))
+            if self.settings.mixing and not self.ends_epoch:
+                self._own[fragment.index] = self.flat[low:high].clone()
         return self.grads.clone()
 
     def close(self) -> None:
-        """The round's push was taken and the model holds the servers' parameters after it."""
-        self.outer.rounds += 1
-        self.open()
+        """The due fragments' push was taken and the model holds the servers' parameters
+        after it in their places: their next rounds start there (mixed, see `take_outer`)."""
+        completed = self.outer.rounds
+        for fragment in self.due:
+            low, high = self.cuts[fragment.index], self.cuts[fragment.index + 1]
+            self.outer.take_outer(fragment, self.flat[low:high].clone(), self.ends_epoch,
+                                  self._own.get(fragment.index))
+            self.fragment_samples[fragment.index] = 0
+        self.closed, self.due, self._own = self.outer.rounds - completed, [], {}
 
     @contextmanager
     def aside(self) -> Iterator[None]:
@@ -147,9 +254,9 @@ class WorkerRounds:
             torch.sub(start, self.flat, out=self.grads)
         return result
 
-    def scalars(self, ended: bool) -> dict[str, float]:
-        """The step's figures: the inner optimizer's, and whether it ended a round."""
-        return {**self.stepper.scalars(), "local/rounds": 1 if ended else 0}
+    def scalars(self) -> dict[str, float]:
+        """The step's figures: the inner optimizer's, and the rounds of every fragment it completed."""
+        return {**self.stepper.scalars(), "local/rounds": self.closed}
 
     def state_dict(self) -> dict[str, Any]:
         """The worker's own: its model's parameters (mid-round they are not the servers'),
@@ -158,7 +265,8 @@ class WorkerRounds:
         optimizer["state"] = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in entries.items()}
                               for k, entries in optimizer["state"].items()}
         return {"params": self.flat.clone(), "outer": self.outer.state_dict(), "optimizer": optimizer,
-                "schedule": self.stepper.state.state_dict(), "samples": self.samples}
+                "schedule": self.stepper.state.state_dict(),
+                "samples": self.samples if len(self.fragment_samples) == 1 else list(self.fragment_samples)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take back `state_dict()`.
@@ -173,4 +281,5 @@ class WorkerRounds:
         self.flat.copy_(state["params"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.stepper.state.load_state_dict(state["schedule"])
-        self.samples = int(state["samples"])
+        samples = state["samples"]
+        self.fragment_samples = [int(samples)] if isinstance(samples, int) else [int(n) for n in samples]

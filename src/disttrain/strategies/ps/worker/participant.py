@@ -37,7 +37,7 @@ from disttrain.metrics.window import StepTimer
 from disttrain.strategies.ps.worker.blocks import Sampler, block_id, block_indices, block_length
 from disttrain.strategies.ps.worker.client import PSClient
 from disttrain.strategies.ps.worker.exchange import Block, Exchange
-from disttrain.strategies.ps.worker.local_rounds import WorkerRounds, round_end
+from disttrain.strategies.ps.worker.local_rounds import WorkerRounds, round_end, round_start
 from disttrain.strategies.ps.worker.takeover import Away, away_ranks, present_slice, share
 from disttrain.training.engine import EvalResult, StepResult, eval_slice, evaluate, forward_backward
 from disttrain.training.loading import BatchSource
@@ -114,11 +114,18 @@ class WorkerParticipant:
             if local is not None:  # within a round: nothing crosses the network
                 return self._stepped(local, info, len(indices), entered)
             compute, step, num_samples = self._round_push(), self.rounds.round_number, self.rounds.samples
+            shards, shard_steps = None, None
+            shard_samples = tuple(self.rounds.shard_samples())
+            if len(self.rounds.groups) > 1:  # Streaming DiLoCo: the due fragments' shards alone
+                shards, shard_steps = self.rounds.due_shards, tuple(self.rounds.shard_steps())
+        else:
+            shards, shard_steps, shard_samples = None, None, None
         block = Block(step, self.block_id(info.epoch, info.index_in_epoch), info.epoch, num_samples,
-                      last_in_epoch=info.index_in_epoch == self.batches_per_epoch - 1)
+                      last_in_epoch=info.index_in_epoch == self.batches_per_epoch - 1,
+                      shard_steps=shard_steps, shard_samples=shard_samples)
         if self.faults.drops_reply(info.step):
             client.lose_next_replies()
-        result, staleness = exchange.step(compute, block, self.timer)
+        result, staleness = exchange.step(compute, block, self.timer, shards)
         self.last_block = block.block_id
         if self.rounds is not None:
             self.rounds.close()
@@ -145,7 +152,7 @@ class WorkerParticipant:
         self.progress = NodeProgress(info.epoch, info.step, progress.samples + num_samples,
                                      (progress.work_s or 0.0) + busy)
         result.scalars = timings if self.rounds is None else \
-            {**timings, **self.rounds.scalars(ended=self.rounds.opening)}
+            {**timings, **self.rounds.scalars()}
         return result
 
     def _inner_step(self, compute: Callable[[], StepResult], num_samples: int, info: StepInfo
@@ -208,18 +215,19 @@ class WorkerParticipant:
         for epoch in range(last_epoch + 1):
             for index in range(self.batches_per_epoch):
                 block_id = self.block_id(epoch, index)
-                if self.ledger_block(block_id) != block_id:
-                    continue  # a batch within a round: the round is redone at its last batch
-                missing = [s for s, blocks in enumerate(applied) if block_id not in blocks]
+                # (a batch within a round is redone with the round, at its last batch)
+                missing = [s for s, blocks in enumerate(applied)
+                           if block_id not in blocks and self.ledger_block(block_id, s) == block_id]
                 if not missing or block_id in self.exchange.dropped:
                     continue
-                logger.warning("%s %d (epoch %d, batch %d) is missing on shard(s) %s: redoing it",
-                               "block" if self.rounds is None else "round of block", block_id, epoch, index,
-                               missing)
-                compute, num_samples = self._redo_compute(epoch, index)
-                block = self._redo_block(block_id, epoch, num_samples)
-                self.exchange.redo(compute, block, missing, self.timer)
-                redone += num_samples
+                for shards in self._by_fragment(missing):
+                    logger.warning("%s %d (epoch %d, batch %d) is missing on shard(s) %s: redoing it",
+                                   "block" if self.rounds is None else "round of block", block_id, epoch,
+                                   index, shards)
+                    compute, num_samples = self._redo_compute(epoch, index, shard=shards[0])
+                    block = self._redo_block(block_id, epoch, num_samples, shards[0])
+                    self.exchange.redo(compute, block, shards, self.timer)
+                    redone += num_samples
         self.samples_redone += redone
         return redone
 
@@ -235,31 +243,41 @@ class WorkerParticipant:
         for epoch in range(last_epoch + 1):
             for owner, index in mine:
                 number = block_id(epoch, owner, index, self.world_size, self.batches_per_epoch)
-                if self.ledger_block(number) != number:
-                    continue  # a batch within a round: whoever's share holds its last batch takes it
-                missing = [s for s, blocks in enumerate(applied) if number not in blocks]
+                # (a batch within a round: whoever's share holds its last batch takes it)
+                missing = [s for s, blocks in enumerate(applied)
+                           if number not in blocks and self.ledger_block(number, s) == number]
                 if not missing:
                     continue
                 if self.away.is_back(owner):
                     logger.info("worker %d is back: block %d (epoch %d, batch %d) is left to it", owner,
                                 number, epoch, index)
                     continue
-                logger.warning("taking over %s %d (epoch %d, batch %d) of reassigned worker %d",
-                               "block" if self.rounds is None else "the round of block", number, epoch, index,
-                               owner)
-                compute, num_samples = self._redo_compute(epoch, index, rank=owner)
-                block = self._redo_block(number, epoch, num_samples)
-                self.exchange.redo(compute, block, missing, self.timer)
-                taken += num_samples
+                for shards in self._by_fragment(missing):
+                    logger.warning("taking over %s %d (epoch %d, batch %d) of reassigned worker %d",
+                                   "block" if self.rounds is None else "the round of block", number, epoch,
+                                   index, owner)
+                    compute, num_samples = self._redo_compute(epoch, index, rank=owner, shard=shards[0])
+                    block = self._redo_block(number, epoch, num_samples, shards[0])
+                    self.exchange.redo(compute, block, shards, self.timer)
+                    taken += num_samples
         self.samples_taken_over += taken
         return taken
 
-    def _redo_compute(self, epoch: int, index: int, rank: int | None = None
+    def _by_fragment(self, shards: list[int]) -> list[list[int]]:
+        """`shards` grouped by the fragment they hold (Streaming DiLoCo; one group otherwise)."""
+        if self.rounds is None:
+            return [shards]
+        groups: dict[int, list[int]] = {}
+        for shard in shards:
+            groups.setdefault(self.rounds.fragment_of[shard], []).append(shard)
+        return [groups[f] for f in sorted(groups)]
+
+    def _redo_compute(self, epoch: int, index: int, rank: int | None = None, shard: int = 0
                       ) -> tuple[Callable[[], StepResult], int]:
         """What a redo of batch `index` of `epoch` of worker `rank` (default: this one)
         computes into `grads`, and the samples it stands for: the batch's gradient; with
-        local updates, the round that batch ends, trained again from the parameters of the
-        moment, as its pseudo-gradient (see `local_rounds`)."""
+        local updates, the round that batch ends (of `shard`'s fragment), trained again
+        from the parameters of the moment, as its pseudo-gradient (see `local_rounds`)."""
         rounds = self.rounds
         if rounds is None:
             indices = block_indices(self.sampler, self.batch_size, epoch, index, rank=rank)
@@ -267,7 +285,7 @@ class WorkerParticipant:
         # Redos come at an epoch's end, where every round has ended: nothing of the
         # worker's own round is held apart from the servers' parameters that a redo pulls.
         assert rounds.opening, "a round is redone between rounds only"
-        first = index - index % rounds.settings.sync_every
+        first = round_start(index, rounds.settings.sync_every, rounds.offset_of(shard))
         batches = [block_indices(self.sampler, self.batch_size, epoch, i, rank=rank)
                    for i in range(first, index + 1)]
         steps = [self._compute(indices) for indices in batches]
@@ -286,20 +304,22 @@ class WorkerParticipant:
 
         return redo, sum(len(indices) for indices in batches)
 
-    def _redo_block(self, number: int, epoch: int, num_samples: int) -> Block:
+    def _redo_block(self, number: int, epoch: int, num_samples: int, shard: int = 0) -> Block:
         """The block of a redo: named by its block, with a step no later than this worker's
         last push, whose step a shard keeps as the worker's last (a later push numbered at
-        or below it is answered DUPLICATE): its step, or with local updates its round."""
-        step = self.progress.step if self.rounds is None else self.rounds.outer.rounds
+        or below it is answered DUPLICATE): its step, or with local updates its last push's
+        to `shard` (the same on every shard of its fragment)."""
+        step = self.progress.step if self.rounds is None else self.rounds.last_push(shard)
         return Block(max(1, step), number, epoch, num_samples, redo=True)
 
-    def ledger_block(self, block: int) -> int:
-        """The block the ledgers record for `block` (any worker's): itself, or with local
-        updates the last block of its round."""
+    def ledger_block(self, block: int, shard: int = 0) -> int:
+        """The block the ledger of `shard` records for `block` (any worker's): itself, or
+        with local updates the last block of its round (of the shard's fragment)."""
         if self.rounds is None:
             return block
         bpe = self.batches_per_epoch
-        return block - block % bpe + round_end(block % bpe, bpe, self.rounds.settings.sync_every)
+        return block - block % bpe + round_end(block % bpe, bpe, self.rounds.settings.sync_every,
+                                               self.rounds.offset_of(shard))
 
     def evaluate(self, epoch: int) -> EvalResult:
         """Every worker evaluates the servers' model, as it stands once all have finished
@@ -358,7 +378,8 @@ class WorkerParticipant:
         block = int(state["last_block"])
         if block < 0 or block in {int(b) for b in state["dropped_blocks"]}:
             return None
-        missing = [s for s, blocks in enumerate(self.client.ledger(block, block + 1)) if block not in blocks]
+        missing = [s for s, blocks in enumerate(self.client.ledger(block, block + 1))
+                   if block not in blocks and self.ledger_block(block, s) == block]  # the shards it went to
         if not missing:
             return None
         return (f"its last push (block {block}) is missing on shard(s) {missing}, which came back from an "
