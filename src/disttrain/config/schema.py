@@ -177,11 +177,11 @@ class TrainingConfig:
     # null: the outer optimizer's own (nesterov: DiLoCo's 0.9; sgd: 0, plain averaging).
     outer_momentum: float | None = field(default=None, metadata=_rule(
         lambda v: v is None or 0 <= v < 1, "must be in [0, 1), or null (0.9 for nesterov, else 0)"))
-    # Streaming DiLoCo (DDP): the parameters cut into this many fragments of about equal
-    # bytes in the model's order (whole layers, but a layer larger than a share); fragment f
-    # is exchanged every sync_every steps, f * sync_every / outer_fragments steps after
-    # fragment 0, so one exchange carries about 1/outer_fragments of the model. 1: the
-    # whole model at once.
+    # Streaming DiLoCo: the parameters cut into this many fragments of about equal bytes in
+    # the model's order (DDP: whole layers, but a layer larger than a share; the parameter
+    # server: groups of whole shards, at most ps.num_servers); fragment f is exchanged
+    # every sync_every steps, f * sync_every / outer_fragments steps after fragment 0, so
+    # one exchange carries about 1/outer_fragments of the model. 1: the whole model at once.
     outer_fragments: int = field(default=1, metadata=_rule(lambda v: v >= 1, "must be >= 1 (1 = the "
                                                            "whole model at once)"))
     # After a fragment's outer step its parameters become outer_mixing x the worker's own
@@ -189,7 +189,8 @@ class TrainingConfig:
     outer_mixing: float = field(default=0.0, metadata=_rule(lambda v: 0 <= v < 1, "must be in [0, 1) "
                                                              "(0 = take the outer result)"))
     # The pseudo-gradients exchanged as none (full precision), fp16 or int8, with error
-    # feedback (what a payload leaves out is added to the next one) (DDP).
+    # feedback (what a payload leaves out is added to the next one) (DDP; the parameter
+    # server compresses pushes by compression.type).
     outer_compression: str = field(default="none", metadata=_choice(OUTER_COMPRESSIONS))
 
     def __post_init__(self) -> None:
