@@ -124,3 +124,24 @@ def test_with_a_share_of_the_data_each_the_slowest_worker_ends_the_run(mode, bac
 def test_a_share_of_the_data_must_be_a_step_at_least():
     with pytest.raises(ValueError, match="steps_per_worker 0 must be >= 1"):
         SimulationSetup("sync", 2, 10, steps_per_worker=0)
+
+
+@pytest.mark.slow  # 1,024 workers, 100 steps each, twice: seconds of work
+def test_ssp_at_1024_workers_with_stragglers_drops_nothing_and_keeps_up_with_sync_in_bounded_work():
+    """The issue's run (SimpleCNN on digits, 50 ms steps, 1 Gbit/s, 5% stragglers 3x
+    slower, tau = 2): SSP by steps drops no push and reaches at least sync's samples/s;
+    the work is bounded by events counted, not by the machine's clock: each push is at
+    most three events (its arrival, its turn at the shard, its worker's pull)."""
+    workload = Workload("simplecnn", 53_002, 4 * 53_002, 8, 32, 0.05 / 3, 0.1 / 3, 0.0005, 0.0, "given")
+    model = CostModel(workload, Link(1.25e8, 2e-4))
+    n, steps = 1024, 100
+    best = max((model.predict(Candidate("ps-sync", "none", s), n) for s in (1, 2, 4, 8, 16, 32, 64)),
+               key=lambda p: p.samples_per_s).candidate
+    times = StepTimes(0.05, straggler_fraction=0.05)
+    sync = simulate(SimulationSetup("sync", n, steps, batch_size=32), times, model.round_trip(best, n))
+    async_trip = model.round_trip(Candidate("ps-async", "none", best.num_servers), n)
+    ssp = simulate(SimulationSetup("ssp", n, steps * n, staleness_bound=2, batch_size=32), times, async_trip)
+    assert ssp.num_rejected_stale == ssp.num_dropped_late == 0 and ssp.work_dropped_fraction == 0
+    assert ssp.num_updates == steps * n and ssp.samples_per_s >= sync.samples_per_s
+    for result in (sync, ssp):
+        assert 0 < result.num_events <= 3 * (result.num_pushes + n)

@@ -10,7 +10,7 @@ import pytest
 from plugin_files import write_plugin
 
 from disttrain.advise import Workload, measure_workload
-from disttrain.advise.payloads import powersgd_numel
+from disttrain.advise.payloads import compact_topk_nbytes, powersgd_numel
 from disttrain.compression import Compressor
 from disttrain.config import load_config
 from disttrain.core.errors import ConfigError
@@ -25,7 +25,7 @@ def test_measures_the_shipped_model_and_every_compressor():
     assert workload.source == "measured" and workload.batch_size == 8
     assert workload.gradient_bytes == 4 * workload.num_parameters
     assert workload.forward_s > 0 and workload.backward_s > 0 and workload.optimizer_s > 0
-    assert set(workload.compression) == {"quantization", "topk", "fp16", "bf16", "powersgd"}
+    assert set(workload.compression) == {"quantization", "topk", "topk-compact", "fp16", "bf16", "powersgd"}
     assert set(workload.pull_compression) == {"quantization", "topk", "fp16", "bf16"}
     assert workload.shapes and sum(math.prod(s) for s in workload.shapes) == workload.num_parameters
     powersgd = workload.compression["powersgd"]
@@ -35,6 +35,11 @@ def test_measures_the_shipped_model_and_every_compressor():
     whole = [("all", workload.num_parameters)]
     assert topk.payload_bytes == Compressor("topk", 0.01).payload_nbytes(whole, 4)
     assert workload.compression["fp16"].payload_bytes < workload.gradient_bytes
+    # the compact block as the compressor wrote it on the model's gradient: its top 1% lie
+    # closer together than at random, so a little under the formula's 3.3 bytes each
+    compact = workload.compression["topk-compact"]
+    assert compact.payload_bytes < 0.5 * topk.payload_bytes
+    assert 0.85 < compact.payload_bytes / compact_topk_nbytes(workload.num_parameters, 0.01) < 1.02
     given = workload.with_step_time(0.5)
     assert given.compute_s == pytest.approx(0.5) and given.source == "given" and given.compute_std_s == 0
 

@@ -16,6 +16,7 @@ from typing import Any
 from disttrain.advise.costmodel import (
     COMPRESSIONS,
     DDP_ONLY,
+    OUTER_COMPRESSIONS,
     PULL_COMPRESSIONS,
     STRATEGIES,
     Candidate,
@@ -29,19 +30,25 @@ CHEAPEST_MARGIN = 0.10
 
 def candidates(num_workers: int, max_servers: int = 64, sync_every: Sequence[int] = (1,),
                compressions: Iterable[str] = COMPRESSIONS,
-               pulls: Iterable[str] = ("none",)) -> list[Candidate]:
+               pulls: Iterable[str] = ("none",), outers: Iterable[str] = ("none",)) -> list[Candidate]:
     """Every configuration worth predicting at `num_workers`: DDP; the parameter server,
     sync and async, with 1, 2, 4 ... shards (at most `max_servers` and no more than the
     workers); each compression (PowerSGD: DDP only); each local-step count H of
     `sync_every` for the sync ones; each pull compression of `pulls` for the parameter
-    server at H = 1 (sync and async)."""
+    server at H = 1 (sync and async); for DDP at H > 1, Streaming DiLoCo's 2, 4 ... H
+    fragments, and each pseudo-gradient compression of `outers` (without the run's
+    compression, which it replaces)."""
     shard_counts = [s for s in (2**i for i in range(11)) if s <= min(max_servers, num_workers)]
-    pulls = tuple(pulls)
+    pulls, outers = tuple(pulls), tuple(outers)
     found = []
     for compression in compressions:
         ps = compression not in DDP_ONLY
         for h in sync_every:
-            found.append(Candidate("ddp", compression, 0, h))
+            fragment_counts = [f for f in (2**i for i in range(11)) if f <= h]
+            outer_options = outers if compression == "none" else ("none",)
+            found.extend(Candidate("ddp", compression, 0, h, fragments=f, outer=outer)
+                         for f in fragment_counts for outer in outer_options
+                         if h > 1 or (f == 1 and outer == "none"))
             if ps:
                 found.extend(Candidate("ps-sync", compression, s, h, pull) for s in shard_counts
                              for pull in (pulls if h == 1 else ("none",)))
@@ -86,23 +93,27 @@ def choose(predictions: Sequence[Prediction],
 
 def advise(model: CostModel, worker_counts: Sequence[int] = WORKER_COUNTS, max_servers: int = 64,
            sync_every: Sequence[int] = (1,), compressions: Iterable[str] | None = None,
-           pulls: Iterable[str] | None = None) -> list[Advice]:
+           pulls: Iterable[str] | None = None, outers: Iterable[str] | None = None) -> list[Advice]:
     """Predict every candidate at each size in `worker_counts` and choose.
 
     Args:
-        compressions, pulls: push and pull compressions to consider (default: each one
-            the workload has a measured cost of, and none).
+        compressions, pulls, outers: push, pull and pseudo-gradient compressions to
+            consider (default: each one the workload has a measured cost of, and none;
+            compact top-k wherever top-k is measured).
     """
     workload = model.workload
+    measured = set(workload.compression) | ({"topk-compact"} if "topk" in workload.compression else set())
     if compressions is None:
-        compressions = [c for c in COMPRESSIONS if c == "none" or c in workload.compression]
+        compressions = [c for c in COMPRESSIONS if c == "none" or c in measured]
     if pulls is None:
         pulls = [p for p in PULL_COMPRESSIONS if p == "none" or (p in workload.pull_compression
                                                                   and workload.shapes)]
-    compressions, pulls = tuple(compressions), tuple(pulls)
+    if outers is None:
+        outers = [o for o, scheme in OUTER_COMPRESSIONS.items() if o == "none" or scheme in measured]
+    compressions, pulls, outers = tuple(compressions), tuple(pulls), tuple(outers)
     advice = []
     for n in worker_counts:
-        found = candidates(n, max_servers, sync_every, compressions, pulls)
+        found = candidates(n, max_servers, sync_every, compressions, pulls, outers)
         predictions = [model.predict(c, n) for c in found]
         fastest, cheapest = choose(predictions)
         best = {strategy: max((p for p in predictions if p.candidate.strategy == strategy),

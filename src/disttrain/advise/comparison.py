@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from disttrain.advise.costmodel import Candidate, CostModel
+from disttrain.advise.costmodel import OUTER_COMPRESSIONS, Candidate, CostModel
 from disttrain.advise.link import Link
 from disttrain.advise.probe import measure_loopback
 from disttrain.advise.workload import CompressionCost, Workload, measure_compressor, measure_powersgd
@@ -114,11 +114,22 @@ def candidate_of(row: Row, config: Config) -> Candidate:
         strategy = f"ps-{config.ps.aggregation_mode}"
     if strategy == "ps-ssp":
         strategy = "ps-async"  # SSP's best case: nobody waits for the slowest
-    compression = config.compression.type if config.compression.enabled else "none"
+    compression = compression_of(config)
     sync_every = config.training.sync_every if strategy != "ps-async" else 1
     servers = config.ps.num_servers if strategy.startswith("ps") else 0
     pull = config.compression.pull if strategy.startswith("ps") and sync_every == 1 else "none"
-    return Candidate(strategy, compression, servers, sync_every, pull)
+    local = strategy == "ddp" and sync_every > 1
+    return Candidate(strategy, compression, servers, sync_every, pull,
+                     config.training.outer_fragments if local else 1,
+                     config.training.outer_compression if local else "none")
+
+
+def compression_of(config: Config) -> str:
+    """The cost model's name of a run's compression (topk-compact: `compression.compact`)."""
+    section = config.compression
+    if not section.enabled:
+        return "none"
+    return "topk-compact" if section.type == "topk" and section.compact else section.type
 
 
 def comparison_workload(config: Config, baseline: Row, rows: Sequence[Row], folder: Path) -> Workload:
@@ -139,17 +150,22 @@ def comparison_workload(config: Config, baseline: Row, rows: Sequence[Row], fold
         if row["status"] != OK or row["strategy"] == "baseline":
             continue
         try:
-            section = run_config(folder, row).compression
+            run = run_config(folder, row)
         except (InputFileError, ConfigError):
             continue
+        section, outer = run.compression, OUTER_COMPRESSIONS[run.training.outer_compression]
         if section.pull != "none" and section.pull not in pull_costs:
             pull_costs[section.pull] = measure_compressor(section.pull, section.pull_ratio, flat, segments, 1)
-        if not section.enabled or section.type in costs:
+        if outer != "none" and outer not in costs:  # Streaming DiLoCo's pseudo-gradients
+            costs[outer] = measure_compressor(outer, section.ratio, flat, segments, repeats=1)
+        name = compression_of(run)
+        if name == "none" or name in costs:
             continue
         cost = (measure_powersgd(gradients, section.powersgd_rank, repeats=1) if section.type == "powersgd"
-                else measure_compressor(section.type, section.ratio, flat, segments, repeats=1))
+                else measure_compressor(section.type, section.ratio, flat, segments, repeats=1,
+                                        compact=name == "topk-compact"))
         encode_s, ratio = row["step_time"].get("compression_s"), row.get("compression_ratio")
-        costs[section.type] = replace(
+        costs[name] = replace(
             cost, encode_s=float(encode_s) if encode_s else cost.encode_s,
             payload_bytes=round(gradient_bytes / ratio) if ratio else cost.payload_bytes)
     return Workload(config.training.model_architecture, sum(p.numel() for p in params), gradient_bytes,

@@ -11,13 +11,19 @@ gradient, `t_opt` one optimizer step over every parameter. The formulas (the REA
   `T_ar = 2(n-1)/n · G/β + 2(n-1)·K·α`; fp16/bf16 halve G and cost e+d. Quantization and
   top-k take the collective of fewest bytes (`compression.collectives`, the rule the
   hook's `ddp_collective: auto` runs): all-gather their payloads, `T = (n-1)·P/β +
-  (n-1)·K·α + e + n·d`; int8's two phases (all-to-all, all-gather), `T = 2(n-1)/n · P/β +
-  2(n-1)·K·α + e + 2d`; or, once (n-1)·P outgrows the ring, each rank's payload decoded
-  and all-reduced dense, `T = T_ar + e + d`. PowerSGD all-reduces the uncompressed
-  gradients, then P, then Q (its payload P is their sum, `advise.payloads`):
+  (n-1)·K·α + e + n·d` (compact top-k, whose length varies, all-gathers the lengths
+  first: one more `(n-1)·K·α`; its P is `advise.payloads.compact_topk_nbytes`, about 3.3
+  bytes per kept element at 1%); int8's two phases (an all-to-all of n chunks of each
+  bucket's int8 values with a float32 scale each, each chunk averaged by its owner, an
+  all-gather of the means), `T = 2(n-1)·(ceil(N/(nK)) + 4)·K/β + 4(n-1)·K·α + e + 2d`
+  for N parameters (about `2(n-1)/n · G/4`, flat in n; four collectives per bucket: each
+  phase's codes, then their scales); or, once (n-1)·P outgrows the ring, each rank's
+  payload decoded and all-reduced dense, `T = T_ar + e + d`. PowerSGD all-reduces the
+  uncompressed gradients, then P, then Q (its payload P is their sum, `advise.payloads`):
   `T = 2(n-1)/n · P/β + 3·2(n-1)·K·α + e + d`. Buckets overlap with backward: the k-th
-  of K is ready at `t_b·k/K`, so the backward-and-communication tail is `max(t_b + T/K, t_b/K + T)`. Step:
-  `t_f + tail + t_opt`.
+  of K is ready at `t_b·k/K`, so the backward-and-communication tail is `max(t_b + T/K,
+  t_b/K + T)`; the two-phase hook runs its collectives inside backward, so its tail is
+  `t_b + T`. Step: `t_f + tail + t_opt`.
 - **Parameter server, S shards, sync**: each worker pushes P (to S shards, 1/S each) and
   pulls G; a shard's link carries n/S of everyone's traffic, so
   `T_push = max(P/β, n·P/(S·β)) + α`, `T_pull = max(G/β, n·G/(S·β)) + α`; each shard
@@ -39,7 +45,13 @@ gradient, `t_opt` one optimizer step over every parameter. The formulas (the REA
   min(1, n/D)` that a dense version fell among them; it decodes `min(n, G/P_pull)` changes.
 - **Local updates every H steps** (sync strategies): H-1 of H steps only compute and step
   locally; the H-th exchanges the parameters' change as a gradient, without overlap:
-  `t_f + t_b + t_opt + T_exchange/H`.
+  `t_f + t_b + t_opt + T_exchange/H` (DDP: one flat piece, K = 1). **Streaming DiLoCo**
+  (DDP) with F fragments exchanges a 1/F share of the model every H/F steps: `t_f + t_b +
+  t_opt + F·T_exchange(G/F)/H`, the same bytes per step on average as F = 1 but 1/F of
+  them at once (`peak_bytes`), the longest step `t_f + t_b + t_opt + T_exchange(G/F)`
+  (`longest_step_s`): where a whole model's exchange stalls a step, fragments spread it
+  over H/F times as many. Pseudo-gradients in fp16 or int8 (`training.outer_compression`)
+  are all-gathered and each decoded: `T = (n-1)·P/F/β + (n-1)·α + (e + n·d)/F`.
 - **Sync waits for the slowest of n**: with step times of coefficient of variation cv,
   the expected slowest of n is about `t·(1 + cv·sqrt(2 ln n))` (normal tail); cv = 0
   (the default) assumes equal machines. The simulation (`advise.simulation`) answers
@@ -53,33 +65,41 @@ what one worker sends and receives per step.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from disttrain.advise.link import Link
-from disttrain.advise.payloads import pull_change_bytes
-from disttrain.advise.workload import Workload
+from disttrain.advise.payloads import compact_topk_nbytes, pull_change_bytes
+from disttrain.advise.workload import CompressionCost, Workload
 from disttrain.compression import collectives
 
 STRATEGIES = ("ddp", "ps-sync", "ps-async")
-COMPRESSIONS = ("none", "fp16", "bf16", "quantization", "topk", "powersgd")
+# topk-compact: top-k with `compression.compact` (fp16 values, varint index gaps)
+COMPRESSIONS = ("none", "fp16", "bf16", "quantization", "topk", "topk-compact", "powersgd")
 PULL_COMPRESSIONS = ("none", "fp16", "bf16", "quantization", "topk")
+# Streaming DiLoCo's pseudo-gradients (`training.outer_compression`) -> the payload scheme
+OUTER_COMPRESSIONS = {"none": "none", "fp16": "fp16", "int8": "quantization"}
 DDP_ONLY = ("powersgd",)
 # How far a compression departs from the exact gradient: the "cheapest" choice prefers less.
-_LOSSINESS = {"none": 0, "fp16": 1, "bf16": 1, "quantization": 2, "topk": 3, "powersgd": 3}
+_LOSSINESS = {"none": 0, "fp16": 1, "bf16": 1, "quantization": 2, "int8": 2, "topk": 3, "topk-compact": 3,
+              "powersgd": 3}
 _HALF = ("fp16", "bf16")
+_TOPK = ("topk", "topk-compact")
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One way to run: strategy, push compression, shards (ps), local steps H (sync),
-    pull compression (ps, H = 1)."""
+    pull compression (ps, H = 1), and Streaming DiLoCo's fragments F and pseudo-gradient
+    compression (DDP, H > 1: `training.outer_fragments`, `training.outer_compression`)."""
 
     strategy: str
     compression: str = "none"
     num_servers: int = 0
     sync_every: int = 1
     pull: str = "none"
+    fragments: int = 1
+    outer: str = "none"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -96,6 +116,15 @@ class Candidate:
             raise ValueError(f"pull compression {self.pull!r} is not one of {', '.join(PULL_COMPRESSIONS)}")
         if self.pull != "none" and (not self.strategy.startswith("ps") or self.sync_every != 1):
             raise ValueError("pull compression is for the parameter server without local updates")
+        if self.outer not in OUTER_COMPRESSIONS:
+            raise ValueError(f"outer compression {self.outer!r} is not one of "
+                             f"{', '.join(OUTER_COMPRESSIONS)}")
+        if (self.fragments != 1 or self.outer != "none") and (self.strategy != "ddp" or self.sync_every < 2):
+            raise ValueError("fragments and outer compression are Streaming DiLoCo's: DDP with local updates")
+        if not 1 <= self.fragments <= max(1, self.sync_every):
+            raise ValueError(f"{self.fragments} fragments need 1 to H = {self.sync_every} of them")
+        if self.outer != "none" and self.compression != "none":
+            raise ValueError("outer compression replaces the run's compression: one of them")
 
     def label(self) -> str:
         parts = [self.strategy if self.strategy == "ddp" else f"{self.strategy} S={self.num_servers}"]
@@ -105,13 +134,19 @@ class Candidate:
             parts.append(f"+pull-{self.pull}")
         if self.sync_every > 1:
             parts.append(f"H={self.sync_every}")
+        if self.fragments > 1:
+            parts.append(f"F={self.fragments}")
+        if self.outer != "none":
+            parts.append(f"+outer-{self.outer}")
         return " ".join(parts)
 
-    def cost_key(self) -> tuple[int, int, int, int]:
+    def cost_key(self) -> tuple[int, int, int, int, int]:
         """Lower is cheaper: fewer extra machines (shards), a more exact gradient and
-        parameters, fewer local steps between exchanges, synchronous before asynchronous."""
-        return (self.num_servers, _LOSSINESS[self.compression] + _LOSSINESS[self.pull], self.sync_every,
-                int(self.strategy == "ps-async"))
+        parameters, fewer local steps between exchanges, synchronous before asynchronous,
+        fewer fragments."""
+        lossiness = _LOSSINESS[self.compression] + _LOSSINESS[self.pull] + _LOSSINESS[self.outer]
+        return (self.num_servers, lossiness, self.sync_every, int(self.strategy == "ps-async"),
+                self.fragments)
 
 
 @dataclass(frozen=True)
@@ -154,6 +189,7 @@ class Prediction:
         return {"configuration": self.label(), "collective": self.collective, "strategy": c.strategy,
                 "compression": c.compression,
                 "pull_compression": c.pull, "num_servers": c.num_servers, "sync_every": c.sync_every,
+                "outer_fragments": c.fragments, "outer_compression": c.outer,
                 "num_workers": self.num_workers,
                 "step_time_s": self.step_time_s, "samples_per_s": self.samples_per_s,
                 "efficiency": self.efficiency, "bytes_per_step": self.bytes_per_step,
@@ -198,9 +234,16 @@ class CostModel:
         cost = self._cost(compression)
         return cost.encode_s, cost.decode_s
 
-    def _cost(self, compression: str, pull: bool = False):
+    def _cost(self, compression: str, pull: bool = False) -> CompressionCost:
+        costs = self.workload.pull_compression if pull else self.workload.compression
+        if compression == "topk-compact" and compression not in costs and "topk" in costs:
+            # not measured: top-k's times, the compact block's expected bytes at its ratio
+            topk = costs["topk"]
+            itemsize = round(self.workload.gradient_bytes / max(1, self.workload.num_parameters))
+            return replace(topk, scheme=compression, payload_bytes=round(compact_topk_nbytes(
+                self.workload.num_parameters, topk.ratio, itemsize)))
         try:
-            return (self.workload.pull_compression if pull else self.workload.compression)[compression]
+            return costs[compression]
         except KeyError as e:
             raise ValueError(f"the workload has no measured cost for {'pull ' if pull else ''}compression "
                              f"{compression!r}") from e
@@ -255,51 +298,96 @@ class CostModel:
 
     # -- DDP ---------------------------------------------------------------------------------
 
-    def ddp_exchange_s(self, compression: str, n: int) -> tuple[float, float, int]:
-        """(communication s, bytes one rank sends and receives, buckets) of one exchange."""
+    def ddp_exchange_s(self, compression: str, n: int, share: float = 1.0,
+                       pieces: int | None = None) -> tuple[float, float, int]:
+        """(communication s, bytes one rank sends and receives, buckets) of one exchange of
+        `share` of the gradient cut into `pieces` buckets (default: DDP's, by its cap)."""
         if n == 1:
             return 0.0, 0.0, 1
-        link, g = self.link, float(self.workload.gradient_bytes)
-        encode_s, decode_s = self.codec_s(compression)
+        link, g = self.link, share * self.workload.gradient_bytes
+        encode_s, decode_s = (share * t for t in self.codec_s(compression))
         if compression == "powersgd":
-            payload = self.payload_bytes(compression)
-            buckets = max(1, math.ceil(g / self.bucket_cap_bytes))
+            payload = share * self.payload_bytes(compression)
+            buckets = pieces or max(1, math.ceil(g / self.bucket_cap_bytes))
             wire = 2 * (n - 1) / n * payload
             comm = link.transfer_s(wire) + 3 * 2 * (n - 1) * buckets * link.latency_s + encode_s + decode_s
             return comm, 2 * wire, buckets
-        if compression in ("quantization", "topk"):
-            payload, collective = self.payload_bytes(compression), self.ddp_collective(compression, n)
-            buckets = max(1, math.ceil(g / self.bucket_cap_bytes))
-            wire = collectives.received_bytes(collective, n, payload, g)
-            phases, decodes = {collectives.GATHER: (1, n), collectives.TWO_PHASE: (2, 2),
-                               collectives.DENSE: (2, 1)}[collective]
-            comm = (link.transfer_s(wire) + phases * (n - 1) * buckets * link.latency_s + encode_s
+        if compression in ("quantization", *_TOPK):
+            payload, collective = share * self.payload_bytes(compression), self.ddp_collective(compression, n)
+            buckets = pieces or max(1, math.ceil(g / self.bucket_cap_bytes))
+            if collective == collectives.TWO_PHASE:
+                # the hook's own chunks: each bucket's int8 values cut into n chunks, each
+                # with a float32 scale, all-to-all then all-gather: (n - 1) chunks each way
+                numel = share * self.workload.num_parameters
+                wire = 2 * (n - 1) * (math.ceil(numel / (n * buckets)) + 4) * buckets
+            else:
+                wire = collectives.received_bytes(collective, n, payload, g)
+            # collectives per bucket: two-phase's four (each phase's codes, then their
+            # scales), a self-describing (compact) payload's lengths before its gather
+            calls, decodes = {collectives.GATHER: (1, n), collectives.TWO_PHASE: (4, 2),
+                              collectives.DENSE: (2, 1)}[collective]
+            if compression == "topk-compact" and collective == collectives.GATHER:
+                calls += 1
+            comm = (link.transfer_s(wire) + calls * (n - 1) * buckets * link.latency_s + encode_s
                     + decodes * decode_s)
             return comm, 2 * wire, buckets
         size = g / 2 if compression in _HALF else g
-        buckets = max(1, math.ceil(size / self.bucket_cap_bytes))
+        buckets = pieces or max(1, math.ceil(size / self.bucket_cap_bytes))
         wire = 2 * (n - 1) / n * size
         comm = link.transfer_s(wire) + 2 * (n - 1) * buckets * link.latency_s + encode_s + decode_s
         return comm, 2 * wire, buckets
 
+    def outer_exchange_s(self, outer: str, n: int, share: float) -> tuple[float, float]:
+        """(communication s, bytes one rank sends and receives) of one Streaming DiLoCo
+        exchange of `share` of the model's pseudo-gradient, in one piece: all-reduced
+        (none), or each rank's fp16/int8 payload all-gathered and every one decoded."""
+        if outer == "none":
+            comm, wire, _ = self.ddp_exchange_s("none", n, share, pieces=1)
+            return comm, wire
+        if n == 1:
+            return 0.0, 0.0
+        scheme = OUTER_COMPRESSIONS[outer]
+        payload = share * self.payload_bytes(scheme)
+        encode_s, decode_s = (share * t for t in self.codec_s(scheme))
+        wire = collectives.received_bytes(collectives.GATHER, n, payload, 0.0)
+        return link_s(self.link, wire, n - 1) + encode_s + n * decode_s, 2 * wire
+
     def ddp_collective(self, compression: str, n: int) -> str:
         """The collective DDP's `compression.ddp_collective: auto` combines `compression`'s
         payloads with at `n` ranks ("" for a compression that all-reduces)."""
-        if compression not in ("quantization", "topk"):
+        if compression not in ("quantization", *_TOPK):
             return ""
         return collectives.cheapest(n, self.payload_bytes(compression), float(self.workload.gradient_bytes),
                                     compression == "quantization")
 
     def _ddp(self, c: Candidate, n: int) -> tuple[float, float, float, dict[str, float]]:
         w = self.workload
-        comm, wire, buckets = self.ddp_exchange_s(c.compression, n)
         compute = self.slowest_compute_s(n)
         if c.sync_every > 1:
-            step = compute + w.optimizer_s + comm / c.sync_every
+            return self._local_updates(c, n, compute)
+        comm, wire, buckets = self.ddp_exchange_s(c.compression, n)
+        backward = compute - w.forward_s * compute / w.compute_s if w.compute_s else 0.0
+        if self.ddp_collective(c.compression, n) == collectives.TWO_PHASE:
+            tail = backward + comm  # its collectives run inside the hook: backward waits for them
         else:
-            backward = compute - w.forward_s * compute / w.compute_s if w.compute_s else 0.0
-            step = compute - backward + self.pipelined(backward, comm, buckets) + w.optimizer_s
-        return step, n * w.batch_size / step, wire / c.sync_every, {"exchange_s": comm, "buckets": buckets}
+            tail = self.pipelined(backward, comm, buckets)
+        step = compute - backward + tail + w.optimizer_s
+        return step, n * w.batch_size / step, wire, {"exchange_s": comm, "buckets": buckets}
+
+    def _local_updates(self, c: Candidate, n: int, compute: float
+                       ) -> tuple[float, float, float, dict[str, float]]:
+        """DDP with local updates every H steps: the pseudo-gradient exchanged as one flat
+        piece after the step that ends a round, nothing overlapping it; with F fragments
+        (Streaming DiLoCo) a 1/F share every H/F steps: the same bytes per step on average,
+        1/F of them at once, and the longest step shorter by as much of the exchange."""
+        w, f = self.workload, c.fragments
+        if c.outer != "none":
+            comm, wire = self.outer_exchange_s(c.outer, n, 1 / f)
+        else:
+            comm, wire, _ = self.ddp_exchange_s(c.compression, n, 1 / f, pieces=1)
+        step = compute + w.optimizer_s + f * comm / c.sync_every
+        details = {"exchange_s": comm, "peak_bytes": wire, "longest_step_s": compute + w.optimizer_s + comm}
+        return step, n * w.batch_size / step, f * wire / c.sync_every, details
 
     # -- parameter server ----------------------------------------------------------------------
 
@@ -359,3 +447,8 @@ class CostModel:
         comm = max(0.0, step - (self.workload.compute_s if c.strategy == "ps-async" else single))
         collective = self.ddp_collective(c.compression, n) if c.strategy == "ddp" and n > 1 else ""
         return Prediction(c, n, step, samples, efficiency, wire, comm, details, collective)
+
+
+def link_s(link: Link, num_bytes: float, num_latencies: int) -> float:
+    """Seconds `num_bytes` take on `link` behind `num_latencies` one-way latencies."""
+    return link.transfer_s(num_bytes) + num_latencies * link.latency_s

@@ -10,6 +10,12 @@ the rules the transports follow:
   change in the push format over its slices (`plan_shards` cuts the flat parameters at
   `floor(k·total/S)`); every `dense_every`-th version the shard sends its parameters
   dense, so a step pulls `((D-1)·Σ_s change_s + G) / D` on average.
+- **Compact top-k** (`compression.compact`): a block of n elements keeping k = ceil(ratio·n)
+  is a 9-byte header, k LEB128 varints of the index gaps and k fp16 values. Top-k of a
+  gradient keeps positions spread about at random, so a gap minus one is about geometric
+  with p = k/n and takes `1 + Σ_{b=7,14,21,28} (1 - p)^(2^b)` bytes on average: at 1%,
+  1.28 bytes, 3.28 bytes per kept element with its value (`compact_topk_nbytes`; the
+  plain top-k block takes 8).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from torch import nn
 
 from disttrain.compression import Compressor
 from disttrain.compression.powersgd import TensorPlan, plan_bucket
+from disttrain.compression.schemes import topk_count
 from disttrain.strategies.ps.wire.payloads import shard_segments
 from disttrain.strategies.ps.wire.sharding import plan_shards
 
@@ -73,3 +80,26 @@ def pull_bytes_per_step(shapes: Shapes, num_shards: int, scheme: str, ratio: flo
         return float(dense)
     change = pull_change_bytes(tuple(shapes), num_shards, scheme, ratio, itemsize)
     return ((dense_every - 1) * change + dense) / dense_every
+
+
+# Compact top-k's block: kind byte, count and index-byte length (`compression.compact`).
+COMPACT_HEADER_BYTES = 9
+_VARINT_STEPS = (7, 14, 21, 28)  # a gap of at least 2**b takes one more byte
+
+
+def compact_gap_bytes(keep_share: float) -> float:
+    """Mean bytes of one varint index gap where a share `keep_share` of the positions is
+    kept, spread at random."""
+    if keep_share >= 1:
+        return 1.0
+    return 1.0 + sum(math.exp((1 << b) * math.log1p(-keep_share)) for b in _VARINT_STEPS)
+
+
+def compact_topk_nbytes(numel: int, ratio: float, itemsize: int = 4) -> float:
+    """Expected bytes of a compact top-k block of `numel` elements at `ratio`: never more
+    than the dense values and a byte (the encoder keeps fewer then, `compact.encode_block`)."""
+    if numel == 0:
+        return 0.0
+    k = topk_count(numel, ratio)
+    sparse = COMPACT_HEADER_BYTES + k * (2 + compact_gap_bytes(k / numel))
+    return min(sparse, 1 + numel * itemsize)

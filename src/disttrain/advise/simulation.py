@@ -96,6 +96,7 @@ class SimulationResult:
     staleness_histogram: dict[int, int]
     wall_s: float
     counts: dict[str, int] = field(default_factory=dict)
+    num_events: int = 0  # events handled: the simulation's work, whatever the machine's speed
 
     @property
     def work_dropped_fraction(self) -> float:
@@ -112,7 +113,7 @@ class SimulationResult:
                 "num_rejected_stale": self.num_rejected_stale, "num_failures": self.num_failures,
                 "work_dropped_fraction": self.work_dropped_fraction,
                 "staleness_histogram": {str(k): v for k, v in sorted(self.staleness_histogram.items())},
-                "wall_s": self.wall_s}
+                "num_events": self.num_events, "wall_s": self.wall_s}
 
 
 @dataclass
@@ -159,6 +160,7 @@ class Simulation:
         self.num_pushes = 0
         self.num_failures = 0
         self.finished_s = 0.0  # when the last worker with a share ended it
+        self.num_events = 0
 
     def _at(self, when: float, kind: int, index: int) -> None:
         self.sequence += 1
@@ -185,6 +187,7 @@ class Simulation:
         now, shares = 0.0, self.setup.steps_per_worker is not None
         while self.events and (shares or self.rules.version < self.setup.num_updates):
             now, _, kind, index = heapq.heappop(self.events)
+            self.num_events += 1
             handlers[kind](index, now)
         return self._result(self.finished_s if shares else now, time.perf_counter() - started)
 
@@ -290,7 +293,7 @@ class Simulation:
         return SimulationResult(self.setup, self.rules.version, elapsed, per_update,
                                 samples / elapsed if elapsed > 0 else 0.0, self.num_pushes,
                                 counts["dropped_late"], counts["rejected_stale"], self.num_failures,
-                                dict(self.rules.staleness_histogram), wall_s, dict(counts))
+                                dict(self.rules.staleness_histogram), wall_s, dict(counts), self.num_events)
 
 
 def simulate(setup: SimulationSetup, step_times: StepTimes, trip: RoundTrip) -> SimulationResult:

@@ -1,9 +1,9 @@
 """What one worker's step costs on this machine: the model's gradient size and its forward,
 backward and optimizer times at the configured batch, and each compressor's payload and
-encode/decode time on the model's own gradients: the payload schemes (for pushes, and at
-`compression.pull_ratio` for pull compression) and PowerSGD at `compression.powersgd_rank`
-(its arithmetic on each gradient matrix, timed as PyTorch's hook does it: P = MQ,
-orthogonalise P, Q = MᵀP to encode; PQᵀ to decode).
+encode/decode time on the model's own gradients: the payload schemes (for pushes, with
+top-k's compact block as well, and at `compression.pull_ratio` for pull compression) and
+PowerSGD at `compression.powersgd_rank` (its arithmetic on each gradient matrix, timed as
+PyTorch's hook does it: P = MQ, orthogonalise P, Q = MᵀP to encode; PQᵀ to decode).
 
 The model and its input shapes come from the project's builders (`init_model`,
 `describe_dataset`), so a user's model file is measured as it would be trained. The batch
@@ -139,6 +139,7 @@ def measure_workload(config: Config, repeats: int = NUM_REPEATS,
     segments = [(name, p.numel()) for name, p in named]
     ratio = config.compression.ratio if compression_ratio is None else compression_ratio
     costs = {scheme: measure_compressor(scheme, ratio, flat, segments, repeats) for scheme in SCHEMES}
+    costs["topk-compact"] = measure_compressor("topk", ratio, flat, segments, repeats, compact=True)
     gradients = [p.grad for _, p in named]
     costs["powersgd"] = measure_powersgd(gradients, config.compression.powersgd_rank, repeats)
     pull_ratio = config.compression.pull_ratio
@@ -174,15 +175,16 @@ def _time_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
 
 
 def measure_compressor(scheme: str, ratio: float, flat: torch.Tensor, segments: list[tuple[str, int]],
-                       repeats: int = NUM_REPEATS) -> CompressionCost:
-    """Payload bytes and median encode and decode seconds of `scheme` on gradient `flat`."""
-    compressor = Compressor(scheme, ratio, error_feedback=True)
+                       repeats: int = NUM_REPEATS, compact: bool = False) -> CompressionCost:
+    """Payload bytes and median encode and decode seconds of `scheme` on gradient `flat`
+    (`compact`: top-k's compact block, named topk-compact)."""
+    compressor = Compressor(scheme, ratio, error_feedback=True, compact=compact)
     encoded = compressor.encode(flat, segments)
     out = torch.empty_like(flat)
     encode_s = statistics.median(_median_time(lambda: compressor.encode(flat, segments), repeats))
     decode_s = statistics.median(_median_time(lambda: compressor.decode(encoded.data, segments, out),
                                               repeats))
-    return CompressionCost(scheme, ratio, encoded.nbytes, encode_s, decode_s)
+    return CompressionCost("topk-compact" if compact else scheme, ratio, encoded.nbytes, encode_s, decode_s)
 
 
 def measure_powersgd(gradients: list[torch.Tensor], rank: int, repeats: int = NUM_REPEATS) -> CompressionCost:
