@@ -62,7 +62,8 @@ def spec_of(entry: str, args: argparse.Namespace) -> ProcessSpec:
         attempt=has.get("attempt", 0), verbose=args.verbose,
         tls=TlsFiles(has.get("tls_cert"), has.get("tls_key"), has.get("tls_ca"),
                      tuple(has.get("tls_operators", ()))),
-        summary_json=_path(has.get("summary_json")), quiet_summary=has.get("quiet_summary", False))
+        summary_json=_path(has.get("summary_json")), quiet_summary=has.get("quiet_summary", False),
+        handoff=_path(has.get("spare_handoff")))
 
 
 def _path(value: str | None) -> Path | None:
@@ -93,7 +94,8 @@ def test_a_shard_server_spec_parses_back(spec):
 @settings(max_examples=40, deadline=None)
 @given(st.builds(ProcessSpec, st.just("ps-worker"), resume=st.booleans(),
                  servers=st.lists(binds, min_size=1, max_size=3).map(tuple),
-                 rank=st.none() | st.integers(0, 7), worker_id=st.none() | st.just("worker1"), **common))
+                 rank=st.none() | st.integers(0, 7), worker_id=st.none() | st.just("worker1"),
+                 handoff=st.none() | st.just(Path("/runs/logs/spare0.handoff.json")), **common))
 def test_a_worker_spec_parses_back(spec):
     assert parsed(spec) == spec
 

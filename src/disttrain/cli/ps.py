@@ -83,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-restarts": ("coordinator.max_restarts", int, "restarts of one process in a row "
                            "without progress before the run stops (one that died after progress "
                            "is restarted for free); 0: no restarts"),
+        "--spares": ("ps.spares", int, "hot spares: worker processes started ahead that wait; a lost "
+                     "worker is restarted on one instead of a fresh process, and a new spare started"),
         **PS_FLAGS,
     })
     add_token_flag(parser)

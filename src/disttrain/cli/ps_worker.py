@@ -6,6 +6,7 @@ import argparse
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 from disttrain.cli.check import (
     describe_compression,
@@ -51,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="this worker's name (default: host:pid); a restarted worker reuses its name")
     parser.add_argument(FLAGS.rank, type=int, default=-1,
                         help="ask for this rank (default: the servers assign the lowest free one)")
+    parser.add_argument(FLAGS.handoff, type=Path, default=None, metavar="FILE",
+                        help="start as a hot spare of `disttrain ps` (which passes it): start up, then wait "
+                             "for SIGUSR1 and this file naming the lost worker to become")
 
 
 @dataclass(frozen=True)
@@ -94,4 +98,4 @@ def check(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> RunSummary | None:
     from disttrain.strategies.ps.run.worker import run_worker
     plan = prepare(args)
-    return run_worker(plan.config, plan.servers, plan.worker_id, args.rank, plan.options)
+    return run_worker(plan.config, plan.servers, plan.worker_id, args.rank, plan.options, args.spare_handoff)

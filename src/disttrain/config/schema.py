@@ -289,6 +289,10 @@ class PSConfig:
     # worker sent SIGTERM leaves (down to MIN), SIGUSR1 to the launcher adds one (up to
     # this), each through a checkpoint rewritten for the new size. 0: the run's size is fixed.
     max_workers: int = field(default=0, metadata=NON_NEGATIVE)
+    # Hot spares (`disttrain ps`): worker processes started ahead that do their whole
+    # start-up and wait; a lost worker is restarted on one (its identity handed over)
+    # instead of on a fresh process, and a new spare is started in its place. 0: none.
+    spares: int = field(default=0, metadata=NON_NEGATIVE)
     rpc_timeout_s: float = field(default=60.0, metadata=POSITIVE)
     bind_host: str = field(default="127.0.0.1", metadata=NON_EMPTY)
     payload_transport: str = field(default="auto", metadata=_choice(PAYLOAD_TRANSPORTS))

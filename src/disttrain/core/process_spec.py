@@ -46,6 +46,7 @@ class Flags:
     tls_operator: str = "--tls-operator"
     summary_json: str = "--summary-json"
     quiet_summary: str = "--quiet-summary"
+    handoff: str = "--spare-handoff"
 
 
 FLAGS = Flags()
@@ -75,6 +76,8 @@ class ProcessSpec:
         tls: the process's TLS files (empty: plain TCP).
         summary_json: where rank 0 of DDP also writes the summary.
         quiet_summary: the rank does not print the summary (its launcher does).
+        handoff: a `ps-worker` hot spare's hand-off file: it starts up, then waits to be
+            told there which worker to become (`strategies.ps.run.spares`).
     """
 
     command: str
@@ -96,6 +99,7 @@ class ProcessSpec:
     tls: TlsFiles = TlsFiles()
     summary_json: Path | None = None
     quiet_summary: bool = False
+    handoff: Path | None = None
 
 
 def command_line(spec: ProcessSpec) -> list[str]:
@@ -115,6 +119,7 @@ def arguments(spec: ProcessSpec) -> list[str]:
     args = [spec.command] if spec.command else []
     paths = ((FLAGS.config, spec.config), (FLAGS.registry, spec.registry), (FLAGS.log_dir, spec.log_dir),
              (FLAGS.checkpoint_dir, spec.checkpoint_dir), (FLAGS.summary_json, spec.summary_json),
+             (FLAGS.handoff, spec.handoff),
              # Absolute: paths are not secrets, and a child may start in another folder.
              (FLAGS.tls_cert, spec.tls.cert), (FLAGS.tls_key, spec.tls.key), (FLAGS.tls_ca, spec.tls.ca))
     for flag, path in paths:

@@ -197,7 +197,8 @@ OPTIONAL_SUMMARY: dict[str, Metric] = {m.key: m for m in [
            "first and last gradient", "ps"),
     Metric("num_failures", "count", RUN, "process failures the run recovered from; `failures` "
            "lists each with `detect_s` (to detect it), `recover_s` (until the process was back "
-           "at work) and `restart_s`", "ps"),
+           "at work), `restart_s`, and for a restarted worker `first_step_s` (from its exit to its first "
+           "step done again) and `spare` (the hot spare restarted as it, if any)", "ps"),
     # DDP live recovery (`ddp.recovery: live`); times are wall-clock seconds.
     Metric("ddp_recovery", "name", RUN, "`live`: the run's ranks recovered without a restart", DDP_LIVE),
     Metric("samples_applied_twice", "samples", RUN, "samples of global batches the ledger shows "
@@ -227,12 +228,14 @@ OPTIONAL_SUMMARY: dict[str, Metric] = {m.key: m for m in [
            "again", DDP_LIVE),
     Metric("live_rejoin_s", "s", RUN, "the longest from a rank's restart to the group training with "
            "it (the restarted process's start-up included)", DDP_LIVE),
-    Metric("num_spares", "count", RUN, "hot spares started beside the group (`--spares`)", DDP_LIVE),
+    Metric("num_spares", "count", RUN, "hot spares started beside the group (`--spares`; the parameter "
+           "server's too, beside its workers)", DDP_LIVE),
     Metric("num_spares_started", "count", RUN, "spare processes started: the spares, and the lost ranks' "
            "processes started again as spares", DDP_LIVE),
     Metric("spare_step_ins", "list", RUN, "each spare that stepped in: `slot`, `step`, `generation`, `at` "
            "(wall clock) and `after_loss_s` (from the death or leave before it to the group training "
-           "with it)", DDP_LIVE),
+           "with it); the parameter server's: `slot`, `spare`, `pid`, `attempt`, `at` and `after_loss_s` "
+           "(to the worker's first step done again)", DDP_LIVE),
 ]}
 
 

@@ -23,7 +23,9 @@ checkpoint, the workers at one step, and the launcher exits 143 (`run.preemption
 Resumed with another number of workers, the checkpoints are rewritten for them first
 (`run.resize`). An elastic run (`--workers MIN:MAX`) goes through that rewrite by itself
 when a worker is sent SIGTERM (one fewer, down to MIN) or the launcher SIGUSR1 (one more,
-up to MAX), starting every process again on the new size (`run.elastic`).
+up to MAX), starting every process again on the new size (`run.elastic`). With `ps.spares`, K spare
+workers start up beside the run and wait; a lost worker is restarted on one instead of a
+fresh process (`run.spares`).
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ from disttrain.strategies.ps.run.elastic import (
 from disttrain.strategies.ps.run.layout import run_layout
 from disttrain.strategies.ps.run.preemption import preempted, preemption, sigterm_preempts, stop_in_order
 from disttrain.strategies.ps.run.progress import ClusterWatch
-from disttrain.strategies.ps.run.recovery import recovery_summary
+from disttrain.strategies.ps.run.recovery import FirstSteps, recovery_summary
 from disttrain.strategies.ps.run.resize import resize_checkpoints, resumed_config
+from disttrain.strategies.ps.run.spares import SpareCluster, check_spares
 from disttrain.strategies.ps.wire.sharding import log_plan, plan_shards
 from disttrain.training.first_step import check_first_step
 from disttrain.training.models import init_model
@@ -98,6 +101,7 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
     """
     started = time.perf_counter()
     sizes = Range.of(config)
+    check_spares(config.ps.spares, sizes is not None)
     if sizes is not None:
         check_elastic(config)
         ignore_grow_requests()  # until the run trains: SIGUSR1 would end this process
@@ -117,7 +121,9 @@ def run_cluster(config: Config, options: RunOptions) -> RunSummary:
     except (OSError, ValueError) as e:
         raise DistributedError(f"worker 0 did not write the run summary in {log_dir}: {e}") from e
     summary.total_time_s = time.perf_counter() - started  # the whole command, start-up included
-    summary.extra.update(recovery_summary(run.supervisor.failures, run.registry))
+    summary.extra.update(recovery_summary(run.supervisor.failures, run.registry, run.first_steps))
+    if isinstance(run.cluster, SpareCluster):
+        summary.extra.update(run.cluster.summary(summary.extra["failures"]))
     summary.write(log_dir)
     return summary
 
@@ -136,7 +142,9 @@ def _launch(config: Config, options: RunOptions, sizes: Range | None) -> tuple[C
     # One secret per run unless the user gave one; children get their token through their
     # environment (a command line is readable by every user), restarted ones too.
     options = replace(options, token=options.token or new_token())
-    with Cluster(log_dir, env_of=token_env(options.token)) as cluster:
+    env_of = token_env(options.token)
+    with (SpareCluster(log_dir, config.ps.spares, env_of=env_of) if config.ps.spares  # `run.spares`
+          else Cluster(log_dir, env_of=env_of)) as cluster:
         sigterm_preempts(cluster)  # the whole run stops at a step, with checkpoints (`run.preemption`)
         if sizes is not None:
             grow_on_sigusr1(cluster)
@@ -254,6 +262,7 @@ class ClusterRun:
         self.supervisor = Supervisor(self.cluster, self.config.coordinator.max_restarts, self._report_exit)
         self.exits: ExitReports | None = None
         self.registry: Path | None = None  # the launch's, once started
+        self.first_steps = FirstSteps()
 
     def _spec(self, command: str, attempt: int, **fields) -> ProcessSpec:
         """A server or worker of this run (attempt > 0: a restart, resuming)."""
@@ -282,6 +291,8 @@ class ClusterRun:
             name = f"worker{rank}"
             self.supervisor.start(Managed(name, name, lambda attempt, r=rank, n=name: self._spec(
                 "ps-worker", attempt, servers=tuple(addresses), rank=r, worker_id=n), expendable))
+        if isinstance(self.cluster, SpareCluster):  # after the workers: they come first on the cores
+            self.cluster.start_spares(self._spec("ps-worker", 0, servers=tuple(addresses)))
 
     def _start_coordinator(self, registry: Path) -> str:
         options = self.options
@@ -368,6 +379,7 @@ class ClusterRun:
                     deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
             else:
                 watch.saw(event)
+                self.first_steps.saw(event, self.supervisor.failures)
         watch.close()
         if self.exits is not None:
             self.exits.close()  # the registry ends with every exit (the coordinator may be restarting)

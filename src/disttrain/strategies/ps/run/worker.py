@@ -35,6 +35,7 @@ from disttrain.strategies.ps.run.finalize import finish
 from disttrain.strategies.ps.run.launcher import check_supported, worker_precision
 from disttrain.strategies.ps.run.link import join
 from disttrain.strategies.ps.run.progress import EventProgress
+from disttrain.strategies.ps.run.spares import SpareWait
 from disttrain.strategies.ps.server.identity import MIN_KEY_BYTES
 from disttrain.strategies.ps.wire.payloads import GradientEncoder
 from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
@@ -84,8 +85,11 @@ def keep_key(folder: str | Path, key: bytes) -> None:
 
 
 def run_worker(config: Config, servers: list[str], worker_id: str, requested_rank: int,
-               options: RunOptions) -> RunSummary | None:
+               options: RunOptions, handoff: Path | None = None) -> RunSummary | None:
     """Train as one worker of a parameter-server run; rank 0 returns the run summary.
+
+    With `handoff`, a hot spare (`run.spares`): start up (data, model), then wait until
+    the launcher names there the lost worker to become, and resume as that worker.
 
     Raises:
         DistributedError: a server stayed unreachable through every retry, or disagrees
@@ -97,12 +101,20 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
     check_supported(config)
     bind_to_parent()
     configure_process(system.num_threads or 1)
+    data = model = None
+    if handoff is not None:
+        spare = SpareWait(handoff)  # first: a hand-off sent during the start-up waits for it
+        data, model = load_datasets(training), init_model(training)
+        identity = spare.identity()
+        worker_id, requested_rank = identity.worker_id, identity.rank
+        options = replace(options, token=identity.token or options.token, attempt=identity.attempt,
+                          resume=True)
     own = object_store.join(system.checkpoint_dir, f"worker{requested_rank}") if requested_rank >= 0 else None
     if own is not None:  # refuse an earlier run's folder before taking a rank on the servers
         ckpt.prepare_checkpoint_dir(own, options.resume)
     key = worker_key(own, options.resume)  # the same worker again when resuming
-    data = load_datasets(training)
-    model = init_model(training)
+    if data is None or model is None:
+        data, model = load_datasets(training), init_model(training)
     flat, grads = flat_parameters(model)
     client = PSClient(servers, plan_shards(model, len(servers)),
                       RetryPolicy(timeout_s=config.ps.rpc_timeout_s), config.ps.payload_transport,
