@@ -80,6 +80,8 @@ def test_streaming_pushes_one_fragment_to_its_shards_applies_every_sample_once_a
     steps = [r for r in read_metrics(logs / "worker0" / "metrics.jsonl") if "loss/train" in r]
     assert [r["step"] for r in steps] == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
     sent = {r["step"]: r.get("comm/bytes_sent", 0) for r in steps}
+    # Each push's gradient was computed on one step of its fragment's shards.
+    assert all(r["ps/step_spread"] == 0 for r in steps if "ps/step_spread" in r)
     pushes = sorted({s for f in range(num_fragments) for s in round_ends(f, num_fragments)})
     assert sorted(s for s in sent if sent[s] and s <= STEPS_PER_EPOCH) == pushes
     inside = [sent[s] for s in pushes if s != STEPS_PER_EPOCH]

@@ -368,11 +368,16 @@ class SyncExchange(Exchange):
         lowest, highest = self.trained_on
         return {"ps/sync_step": lowest, "ps/step_spread": highest - lowest}
 
-    def _noting(self, compute: Callable[[], StepResult]) -> Callable[[], StepResult]:
-        """`compute`, noting the steps of the parameters it computes on."""
+    def _noting(self, compute: Callable[[], StepResult], shards: Sequence[int]) -> Callable[[], StepResult]:
+        """`compute`, noting the steps of the parameters of `shards` it computes on: the
+        lowest, and the lowest plus the widest spread within a group (the groups' steps
+        part by design, see `groups`)."""
         def noted() -> StepResult:
             steps = self.sync_steps()
-            self.trained_on = (min(steps), max(steps))
+            spread = max(max(steps[s] for s in group) - min(steps[s] for s in group)
+                         for group in self._groups() if set(group) & set(shards))
+            lowest = min(steps[s] for s in shards)
+            self.trained_on = (lowest, lowest + spread)
             return compute()
 
         return noted
@@ -381,7 +386,7 @@ class SyncExchange(Exchange):
         group = None if shards is None else list(shards)
         shards, staleness, overlap = list(range(self.num_shards)) if group is None else group, 0, \
             self.trigger is not None and group is None
-        compute = self._noting(compute)
+        compute = self._noting(compute, shards)
         self.catch_up(block, timer)
         # Every push of this step names the step it starts from, a shard restored from an
         # older checkpoint too, so that it counts on from there (see `server.aggregation`).
