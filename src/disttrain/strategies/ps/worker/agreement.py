@@ -99,9 +99,10 @@ class Agreement:
         self._since: float | None = None
 
     def check(self, steps: Sequence[int], versions: Sequence[int], now: float, restored: Sequence[int] = (),
-              floor: int = 0) -> Lag:
+              floor: int = 0, shards: Sequence[int] | None = None) -> Lag:
         """What to pull before computing: an empty `wait_for` once every shard is at one
-        step, at `floor` at least, but those `restored` (see `lag`).
+        step, at `floor` at least, but those `restored` (see `lag`). `shards`: the run's
+        numbers of the shards the lists are of, for the message (None: 0 on).
 
         Raises:
             StepsDisagree: the shards still disagree `deadline_s` after this wait began;
@@ -115,19 +116,24 @@ class Agreement:
             self._since = now
             self.num_waits += 1
         elif now - self._since >= self.deadline_s:
-            raise self.failure(steps, versions, restored=restored, floor=floor)
+            raise self.failure(steps, versions, restored=restored, floor=floor, shards=shards)
         return behind
 
     def failure(self, steps: Sequence[int], versions: Sequence[int], cause: str = "",
-                restored: Sequence[int] = (), floor: int = 0) -> StepsDisagree:
-        """The error that ends a wait the shards did not agree in (the wait is over)."""
+                restored: Sequence[int] = (), floor: int = 0, shards: Sequence[int] | None = None
+                ) -> StepsDisagree:
+        """The error that ends a wait the shards did not agree in (the wait is over).
+        `shards`: the run's numbers of the shards the lists are of (None: 0 on)."""
         self._since = None
         behind = lag(steps, versions, restored, floor)
-        held = ", ".join(f"shard {s} step {step} (version {versions[s]})" for s, step in enumerate(steps))
+        names = list(shards) if shards is not None else list(range(len(steps)))
+        held = ", ".join(f"shard {names[s]} step {step} (version {versions[s]})"
+                         for s, step in enumerate(steps))
         return StepsDisagree(
             f"the shards did not reach one step within {self.deadline_s:g}s ({held}): shard(s) "
-            f"{sorted(behind.wait_for)} stayed behind step {behind.target}, so this worker stops rather than "
-            "compute a gradient on parameters of different steps; check the network to those servers"
+            f"{sorted(names[s] for s in behind.wait_for)} stayed behind step {behind.target}, so this worker "
+            "stops rather than compute a gradient on parameters of different steps; check the network to "
+            "those servers"
             + (f" ({cause})" if cause else ""))
 
     def remaining_s(self, now: float) -> float:

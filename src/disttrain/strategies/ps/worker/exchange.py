@@ -349,7 +349,7 @@ class SyncExchange(Exchange):
             steps, restored, started = self.sync_steps(), set(self.restored()) | set(pushing), now()
             steps, versions = [steps[s] for s in group], [self.versions[s] for s in group]
             local = [k for k, s in enumerate(group) if s in restored]
-            behind = self.agreement.check(steps, versions, started, local, floor)
+            behind = self.agreement.check(steps, versions, started, local, floor, group)
             if not behind.wait_for:
                 return
             wait_for = {group[k]: v for k, v in behind.wait_for.items()}
@@ -360,7 +360,7 @@ class SyncExchange(Exchange):
             try:
                 self.versions = self.client.pull(self.worker_id, self.flat, wanted, sorted(wait_for), policy)
             except DistributedError as e:  # the shard did not answer that version within the deadline
-                raise self.agreement.failure(steps, versions, str(e), local, floor) from e
+                raise self.agreement.failure(steps, versions, str(e), local, floor, group) from e
 
     def scalars(self) -> dict[str, float]:
         if self.agreement is None:
