@@ -92,6 +92,26 @@ def test_the_disk_cache_of_a_store_stays_within_its_bound_and_reads_every_row(tm
     assert 0 < cached_bytes(tmp_path) <= bound < 12 * shard_bytes
 
 
+def test_processes_sharing_a_bounded_cache_remove_the_least_recently_used_copy_of_any_of_them(tmp_path):
+    """Two readers of one cache (a run's two workers): the one that bounds the disk removes
+    the copy least recently used by either, never the other's fresh fetch, which the other
+    has still to read (a parameter-server run on S3 shards had a worker read a copy its
+    peer had just removed, twice in a row, and fail)."""
+    url = memory_url()
+    write_shards(url, arrays(40), arrays(8), samples_per_shard=8)
+    files = [f"train-{i:05d}.npz" for i in range(5)]
+    shard_bytes = len(fsspec.filesystem("memory").cat(f"{url}/{files[0]}"))
+    limits = ReaderLimits(cache_bytes=3 * shard_bytes, num_in_memory=1, num_ahead=0)
+    one, other = (ShardReader(url, files, ("x", "y"), str(tmp_path / "data"), True, limits) for _ in range(2))
+    for shard in (1, 2, 3):
+        other.arrays(shard)
+    one.arrays(0)  # over the bound: the oldest use goes, shard 1
+    other.arrays(4)  # over it again: shard 2, not the other reader's shard 0
+    on_disk = {f for f in files if any((tmp_path / "data" / "cache").glob(f"*-{f}/*"))}
+    assert on_disk == {files[0], files[3], files[4]}
+    assert cached_bytes(tmp_path) <= 3 * shard_bytes
+
+
 def test_the_next_shards_of_the_plan_are_read_ahead_by_the_thread(tmp_path):
     url = memory_url()
     write_shards(url, arrays(80), arrays(8), samples_per_shard=8)

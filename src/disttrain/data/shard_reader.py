@@ -31,8 +31,12 @@ read ahead waits for that read; one that needs a shard nobody is reading reads i
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import io
 import logging
+import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -95,7 +99,6 @@ class ShardReader:
         self._memory: OrderedDict[int, Arrays] = OrderedDict()
         self._loading: dict[int, Future] = {}
         self._pinned: set[int] = set()
-        self._last_use: OrderedDict[int, None] = OrderedDict()  # on disk, by this process's last use
         self._plan: list[int] = []
         self._wanted: set[int] = set()  # the batch's shards and those read ahead for it: kept in memory
         self._cursor = -1
@@ -196,10 +199,7 @@ class ShardReader:
             if self.read is not None:
                 arrays = self.read(shard)
             else:
-                try:
-                    arrays = self._decoded(shard)
-                except FileNotFoundError:  # removed by another process's bound between fetch and read
-                    arrays = self._decoded(shard)
+                arrays = self._decoded(shard)
         except BaseException:
             with self._lock:
                 self._pinned.discard(shard)
@@ -218,7 +218,8 @@ class ShardReader:
     def _decoded(self, shard: int) -> Arrays:
         if self.decode is not None:
             return self.decode(self._contents(shard), shard)
-        return self._read(self._local(shard)[0], shard)
+        # Its bytes, read as it is fetched: another process's bound may remove the copy then.
+        return self._read(io.BytesIO(self._contents(shard)[0]), shard)
 
     def _contents(self, shard: int) -> list[bytes]:
         """The bytes of each of shard `shard`'s objects, each read as soon as it is fetched:
@@ -240,10 +241,10 @@ class ShardReader:
         return contents
 
     def _used(self, shard: int) -> None:
-        with self._lock:
-            self._last_use[shard] = None
-            self._last_use.move_to_end(shard)
         if self.limits.cache_bytes:
+            for folder in self._folders(shard):  # its use seen by every process of the run
+                with contextlib.suppress(OSError):
+                    os.utime(folder, ns=(time.time_ns(), time.time_ns()))
             self._bound_disk(keep=shard)
 
     def _parts(self, shard: int) -> list[str]:
@@ -274,10 +275,11 @@ class ShardReader:
                 changed[shard] = max(folder.stat().st_mtime for folder in folders)
         total = sum(sizes.values())
         with self._lock:
-            used = list(self._last_use)
             busy = self._pinned | {keep}
-        never = sorted((s for s in sizes if s not in used), key=lambda s: changed[s])
-        for shard in never + used:
+        # Least recently used first by any process of the run (a use touches the folders):
+        # the processes share the cache, and one that removed the copies it had not used
+        # itself first took each other's fresh fetches before they were read.
+        for shard in sorted(sizes, key=lambda s: changed[s]):
             if total <= self.limits.cache_bytes:
                 break
             if shard in busy or shard not in sizes:
@@ -287,20 +289,16 @@ class ShardReader:
                     if not copy.name.startswith("."):  # nor a fetch's temporary file
                         copy.unlink(missing_ok=True)
             total -= sizes.pop(shard)
-            with self._lock:
-                self._last_use.pop(shard, None)
 
-    def _read(self, path: Path, shard: int) -> Arrays:
+    def _read(self, source: io.BytesIO, shard: int) -> Arrays:
         try:
-            with np.load(path, allow_pickle=False) as data:
+            with np.load(source, allow_pickle=False) as data:
                 missing = [name for name in self.fields if name not in data.files]
                 if missing:
                     raise DataError(f"training.dataset: shard {self.files[shard]} has no array "
                                     f"{missing[0]!r} (it has {sorted(data.files)}); write it with the "
                                     "index's fields")
                 return {name: data[name] for name in self.fields}
-        except FileNotFoundError:
-            raise
         except (OSError, ValueError, EOFError) as e:
             raise DataError(f"training.dataset: shard {self.files[shard]} is not a readable .npz of plain "
                             f"arrays ({e}); write it again with disttrain.data.shards.write_shards") from e
