@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from disttrain.core.atomic_files import write_bytes_atomic
 from disttrain.core.auth import TOKEN_ENV
 from disttrain.core.errors import ConfigError
 from disttrain.core.process_spec import ProcessSpec
@@ -51,12 +52,8 @@ class Identity:
 
 
 def write_handoff(path: Path, identity: Identity) -> None:
-    """Write `identity` to `path` atomically (a private temporary file renamed over it)."""
-    temporary = path.with_name(path.name + ".tmp")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as handle:
-        json.dump(asdict(identity), handle)
-    os.replace(temporary, path)
+    """Write `identity` to `path` atomically, readable by its owner only."""
+    write_bytes_atomic(path, json.dumps(asdict(identity)).encode(), mode=0o600)
 
 
 def read_handoff(path: Path) -> Identity:
