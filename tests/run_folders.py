@@ -12,7 +12,7 @@ from pathlib import Path
 
 from disttrain.config import config_from_dict
 from disttrain.metrics.logger import MetricsLogger
-from disttrain.metrics.summary import RunSummary
+from disttrain.metrics.summary import Outcome, RunSummary, Work
 
 STEPS_PER_EPOCH = 10
 LOG_INTERVAL = 5
@@ -92,16 +92,16 @@ def write_run(log_dir: Path, run: FakeRun) -> RunSummary:
                         **({"progress/train_time_s": run.clock_at(step)} if run.eval_clock else {})})
     config = config_from_dict({"system": {"log_dir": str(log_dir)},
                                "training": {"num_epochs": len(run.figures), "dataset": "digits"}})
-    summary = RunSummary.create(
-        strategy=run.strategy, config=config,
+    outcome = Outcome(
         final_accuracy=0.3 if run.language_model else run.accuracies[-1],  # a language model's: tokens right
         final_loss=math.log(run.perplexities[-1]) if run.language_model else 1.0 - run.accuracies[-1],
-        total_time_s=run.clock_at(run.num_steps) + 3.0, train_time_s=run.clock_at(run.num_steps),
-        samples_processed=len(run.processes) * run.num_steps * BATCH_SIZE, steps=run.num_steps,
-        world_size=len(run.processes), extra=run.extra,
-        task="language-model" if run.language_model else "classification",
-        evaluations=[(run.clock_at((epoch + 1) * STEPS_PER_EPOCH), figure)
-                     for epoch, figure in enumerate(run.figures)])
+        evaluations=tuple((run.clock_at((epoch + 1) * STEPS_PER_EPOCH), figure)
+                          for epoch, figure in enumerate(run.figures)),
+        task="language-model" if run.language_model else "classification")
+    work = Work(samples_processed=len(run.processes) * run.num_steps * BATCH_SIZE, steps=run.num_steps,
+                world_size=len(run.processes), total_time_s=run.clock_at(run.num_steps) + 3.0,
+                train_time_s=run.clock_at(run.num_steps))
+    summary = RunSummary.create(run.strategy, config, outcome, work, extra=run.extra)
     path = summary.write(log_dir)
     if not run.summary_times:
         data = json.loads(path.read_text())

@@ -194,10 +194,10 @@ def test_the_live_store_listens_on_its_address_alone():
 
 
 def test_summary_lines_tell_each_live_recovery():
-    from disttrain.metrics.summary import RunSummary
+    from disttrain.metrics.summary import Outcome, RunSummary, Work
     summary = RunSummary.create(
-        strategy="ddp", config=Config(), final_accuracy=0.9, final_loss=0.3, total_time_s=10.0,
-        train_time_s=8.0, samples_processed=96, steps=2, world_size=3,
+        "ddp", Config(), Outcome(0.9, 0.3),
+        Work(samples_processed=96, steps=2, world_size=3, total_time_s=10.0, train_time_s=8.0),
         extra={"samples_applied": 96, "samples_redone": 16, "samples_lost": 0, "live_recoveries": [
             {"kind": "shrink", "members": [0, 2], "step": 10, "resume_s": 0.17},
             {"kind": "grow", "members": [0, 1, 2], "step": 134, "rejoin_s": 12.5}]})

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from disttrain.config import TrainingConfig, config_from_dict
 from disttrain.data import DatasetDescription, load_datasets
 from disttrain.metrics.hparams import metric_values
-from disttrain.metrics.summary import RunSummary
+from disttrain.metrics.summary import Outcome, RunSummary, Work
 from disttrain.metrics.window import MetricsWindow
 from disttrain.training.engine import EvalResult, evaluate, forward_backward, task_loss, train_step
 from disttrain.training.models import build_for, count_parameters, init_model
@@ -67,9 +67,9 @@ def test_a_language_models_window_and_summary_report_perplexity():
     scalars = window.scalars(1.0)
     assert scalars["perplexity/train"] == pytest.approx(math.exp(1.5)) and "accuracy/train" not in scalars
     assert "accuracy/train" in MetricsWindow(0.0).scalars(1.0)
-    summary = RunSummary.create(strategy="baseline", config=config_from_dict({}), final_accuracy=0.4,
-                                final_loss=1.5, total_time_s=2, train_time_s=1, samples_processed=10,
-                                steps=2, world_size=1, task="language-model")
+    summary = RunSummary.create("baseline", config_from_dict({}), Outcome(0.4, 1.5, task="language-model"),
+                                Work(samples_processed=10, steps=2, world_size=1, total_time_s=2,
+                                     train_time_s=1))
     assert summary.to_dict()["final_perplexity"] == pytest.approx(math.exp(1.5))
     assert summary.to_dict()["task"] == "language-model"
     lines = summary.lines()

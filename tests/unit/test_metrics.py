@@ -11,7 +11,7 @@ from event_files import assert_tensorboard_mirrors_jsonl, tensorboard_scalars
 
 from disttrain.metrics import keys
 from disttrain.metrics.logger import MetricsLogger, read_metrics
-from disttrain.metrics.summary import RunSummary
+from disttrain.metrics.summary import Outcome, RunSummary, Work
 from disttrain.metrics.window import MetricsWindow, StepTimer, TrainClock
 
 
@@ -125,9 +125,9 @@ def test_window_figures_are_per_step_and_weighted_by_samples():
 def test_summary_throughput_is_samples_over_the_training_clock(tmp_path):
     from disttrain.config import config_from_dict
 
-    summary = RunSummary.create(strategy="baseline", config=config_from_dict({}), final_accuracy=0.9,
-                                final_loss=0.3, total_time_s=12.0, train_time_s=4.0,
-                                samples_processed=6000, steps=100, world_size=1,
+    summary = RunSummary.create("baseline", config_from_dict({}), Outcome(0.9, 0.3),
+                                Work(samples_processed=6000, steps=100, world_size=1, total_time_s=12.0,
+                                     train_time_s=4.0),
                                 extra={"resumed_from_step": None})
     assert summary.throughput_samples_per_s == 1500.0
     path = summary.write(tmp_path / "logs" / "summary.json")

@@ -11,13 +11,13 @@ import pytest
 from disttrain.config import config_from_dict
 from disttrain.metrics import hparams
 from disttrain.metrics.hparams import hparam_values, metric_values, read_hparams, write_hparams
-from disttrain.metrics.summary import RunSummary
+from disttrain.metrics.summary import Outcome, RunSummary, Work
 
 
 def make_summary(evaluations=(), strategy="baseline", extra=None, **config) -> RunSummary:
-    return RunSummary.create(strategy=strategy, config=config_from_dict(config), final_accuracy=0.96,
-                             final_loss=0.2, total_time_s=9.0, train_time_s=4.0, samples_processed=4000,
-                             steps=60, world_size=1, evaluations=evaluations,
+    return RunSummary.create(strategy, config_from_dict(config), Outcome(0.96, 0.2, tuple(evaluations)),
+                             Work(samples_processed=4000, steps=60, world_size=1, total_time_s=9.0,
+                                  train_time_s=4.0),
                              extra=extra or {"resumed_from_step": None})
 
 
@@ -43,10 +43,10 @@ def test_a_summary_an_earlier_disttrain_wrote_is_refused_in_one_line(tmp_path):
 
 
 def test_a_language_models_summary_records_its_time_to_perplexity(tmp_path):
-    summary = RunSummary.create(strategy="ddp", config=config_from_dict({}), final_accuracy=0.4,
-                                final_loss=2.0, total_time_s=9.0, train_time_s=4.0, samples_processed=4000,
-                                steps=60, world_size=2, task="language-model",
-                                evaluations=[(1.0, 60.0), (2.0, 18.0), (3.0, 7.39)])
+    summary = RunSummary.create("ddp", config_from_dict({}),
+                                Outcome(0.4, 2.0, ((1.0, 60.0), (2.0, 18.0), (3.0, 7.39)), "language-model"),
+                                Work(samples_processed=4000, steps=60, world_size=2, total_time_s=9.0,
+                                     train_time_s=4.0))
     times = {"32": 2.0, "16": 3.0, "8": 3.0, "4": None}  # 60 reaches none; 7.39 is below 8
     assert summary.time_to_perplexity_s == times and summary.time_to_accuracy_s == {}
     summary.write(tmp_path)

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,46 @@ from disttrain.metrics.time_to_target import ACCURACY, PERPLEXITY, Evaluation, T
 
 SUMMARY_FILE = "summary.json"
 LANGUAGE_MODEL = "language-model"  # the task whose summary reports perplexity (data.description's)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the final evaluation of a run found, and every evaluation on the way.
+
+    Attributes:
+        final_accuracy: the final model's test accuracy (a language model's: tokens right).
+        final_loss: the final model's test loss.
+        evaluations: `(train_time_s, figure)` of every evaluation of the run by the process
+            writing the summary (`LoopResult.evaluations`): test accuracy for
+            `time_to_accuracy_s`, a language model's test perplexity for
+            `time_to_perplexity_s`; none means no target reached.
+        task: the data set's; a language model's summary adds `task`, `final_perplexity`
+            and `time_to_perplexity_s`, and shows perplexity in place of accuracy.
+    """
+
+    final_accuracy: float
+    final_loss: float
+    evaluations: tuple[Evaluation, ...] = ()
+    task: str = "classification"
+
+
+@dataclass(frozen=True)
+class Work:
+    """How much a run did, and over how long.
+
+    Attributes:
+        samples_processed: the samples trained on by all the run's processes.
+        steps: the run's steps (a parameter server's: its shards' version).
+        world_size: the processes that trained.
+        total_time_s: the run's wall-clock time.
+        train_time_s: the longest training clock of the run's processes.
+    """
+
+    samples_processed: int
+    steps: int
+    world_size: int
+    total_time_s: float
+    train_time_s: float
 
 
 @dataclass
@@ -42,33 +81,28 @@ class RunSummary:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, *, strategy: str, config: Any, final_accuracy: float, final_loss: float,
-               total_time_s: float, train_time_s: float, samples_processed: int, steps: int,
-               world_size: int, evaluations: Iterable[Evaluation] = (),
-               extra: dict[str, Any] | None = None, task: str = "classification") -> RunSummary:
+    def create(cls, strategy: str, config: Any, outcome: Outcome, work: Work,
+               extra: dict[str, Any] | None = None) -> RunSummary:
         """The summary of a finished run; the throughput is samples over the training clock.
 
         Args:
+            strategy: the name the summary reports ("baseline", "ddp", "ps-sync").
             config: the run's `Config`.
-            train_time_s: the longest training clock of the run's processes.
-            evaluations: `(train_time_s, figure)` of every evaluation of the run by the
-                process writing the summary (`LoopResult.evaluations`): test accuracy for
-                `time_to_accuracy_s`, a language model's test perplexity for
-                `time_to_perplexity_s`; none means no target reached.
-            task: the data set's; a language model's summary adds `task`,
-                `final_perplexity` and `time_to_perplexity_s`, and shows perplexity in
-                place of accuracy.
+            outcome: what the run's evaluations found.
+            work: how much the run did, and over how long.
+            extra: strategy-specific figures, written at the top level of summary.json.
         """
-        time_to_accuracy_s = ACCURACY.times(evaluations)
-        if task == LANGUAGE_MODEL:
-            extra = {"task": task, "final_perplexity": math.exp(min(final_loss, 700.0)),
-                     PERPLEXITY.field: PERPLEXITY.times(evaluations), **(extra or {})}
+        time_to_accuracy_s = ACCURACY.times(outcome.evaluations)
+        if outcome.task == LANGUAGE_MODEL:
+            extra = {"task": outcome.task, "final_perplexity": math.exp(min(outcome.final_loss, 700.0)),
+                     PERPLEXITY.field: PERPLEXITY.times(outcome.evaluations), **(extra or {})}
             time_to_accuracy_s = {}  # a language model's figure is perplexity
-        return cls(strategy=strategy, dataset=config.training.dataset, final_accuracy=final_accuracy,
-                   final_loss=final_loss, total_time_s=total_time_s, train_time_s=train_time_s,
-                   throughput_samples_per_s=samples_processed / max(train_time_s, 1e-9),
-                   samples_processed=int(samples_processed), steps=int(steps),
-                   epochs=config.training.num_epochs, world_size=world_size,
+        return cls(strategy=strategy, dataset=config.training.dataset,
+                   final_accuracy=outcome.final_accuracy, final_loss=outcome.final_loss,
+                   total_time_s=work.total_time_s, train_time_s=work.train_time_s,
+                   throughput_samples_per_s=work.samples_processed / max(work.train_time_s, 1e-9),
+                   samples_processed=int(work.samples_processed), steps=int(work.steps),
+                   epochs=config.training.num_epochs, world_size=work.world_size,
                    config=config.to_dict(), time_to_accuracy_s=time_to_accuracy_s,
                    extra=dict(extra or {}))
 

@@ -22,7 +22,7 @@ from disttrain.core.store_check import check_checkpoint_dir
 from disttrain.data import ArrayDataset, ShardedSampler, load_datasets
 from disttrain.metrics.hparams import write_hparams
 from disttrain.metrics.progress import Progress
-from disttrain.metrics.summary import RunSummary
+from disttrain.metrics.summary import RunSummary, Work
 from disttrain.training.checkpoints import LocalCheckpoints
 from disttrain.training.engine import (
     EvalResult,
@@ -129,12 +129,11 @@ class Baseline:
         with sigterm_handled_by(lambda signum, frame: stop.set()):
             result = loop.run(options.resume)
         ckpt.save_final_model(object_store.join(checkpoint_dir, FINAL_MODEL), model.state_dict(), config)
+        work = Work(samples_processed=result.position.samples_processed, steps=result.position.step,
+                    world_size=1, total_time_s=time.perf_counter() - started,
+                    train_time_s=result.position.train_time_s)
         summary = RunSummary.create(
-            strategy=self.name, config=config, final_accuracy=result.evaluation.accuracy,
-            final_loss=result.evaluation.loss, task=result.task, total_time_s=time.perf_counter() - started,
-            train_time_s=result.position.train_time_s,
-            samples_processed=result.position.samples_processed, steps=result.position.step,
-            world_size=1, evaluations=result.evaluations,
+            self.name, config, result.outcome, work,
             extra={"resumed_from_step": result.resumed_from_step})
         summary.write(log_dir)
         write_hparams(summary, log_dir)

@@ -30,6 +30,7 @@ from disttrain.data import LANGUAGE_MODEL, PlannedSampler, ShardedSampler, descr
 from disttrain.data.datasets import shard_layout
 from disttrain.data.shards import ShardLayout
 from disttrain.metrics.logger import MetricsLogger, read_metrics
+from disttrain.metrics.summary import Outcome
 from disttrain.metrics.time_to_target import Evaluation, TimeToTarget, time_to_target
 from disttrain.metrics.window import MetricsWindow, TrainClock
 from disttrain.training.checkpoints import Position
@@ -103,6 +104,11 @@ class LoopResult:
     resumed_from_step: int | None
     evaluations: list[Evaluation] = field(default_factory=list)
     task: str = "classification"
+
+    @property
+    def outcome(self) -> Outcome:
+        """The final evaluation and every evaluation on the way, as a run summary takes them."""
+        return Outcome(self.evaluation.accuracy, self.evaluation.loss, tuple(self.evaluations), self.task)
 
 
 def groups(batches: Iterator[torch.Tensor], size: int) -> Iterator[list[torch.Tensor]]:

@@ -35,7 +35,7 @@ from disttrain.core.processes import sigterm_handled_by
 from disttrain.data import ArrayDataset, PlannedSampler, ShardedSampler, load_datasets
 from disttrain.metrics.hparams import write_hparams
 from disttrain.metrics.progress import Progress
-from disttrain.metrics.summary import RunSummary
+from disttrain.metrics.summary import RunSummary, Work
 from disttrain.strategies.ddp import runtime as rt
 from disttrain.strategies.ddp.balance import balance_sampler
 from disttrain.strategies.ddp.comm_hooks import CommStats, register_comm_hook
@@ -301,11 +301,10 @@ def finish(config: Config, runtime: rt.Runtime, participant: RankParticipant, re
         return None
     ckpt.save_final_model(object_store.join(config.system.checkpoint_dir, FINAL_MODEL),
                           participant.module.state_dict(), config)
+    work = Work(samples_processed=int(samples), steps=position.step, world_size=info.world_size,
+                total_time_s=time.perf_counter() - started, train_time_s=train_time_s)
     summary = RunSummary.create(
-        strategy="ddp", config=config, final_accuracy=result.evaluation.accuracy,
-        final_loss=result.evaluation.loss, task=result.task, total_time_s=time.perf_counter() - started,
-        train_time_s=train_time_s, samples_processed=int(samples), steps=position.step,
-        world_size=info.world_size, evaluations=result.evaluations,
+        "ddp", config, result.outcome, work,
         extra={"backend": runtime.backend, "device": str(runtime.device),
                "learning_rate": participant.learning_rate, "restarts": info.restart_count,
                "resumed_from_step": result.resumed_from_step, **plan_summary(participant.sampler),

@@ -41,7 +41,7 @@ from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import ProgressReport, sigterm_handled_by
 from disttrain.data import LANGUAGE_MODEL, describe_dataset
 from disttrain.metrics.logger import MetricsLogger
-from disttrain.metrics.summary import RunSummary
+from disttrain.metrics.summary import Outcome, RunSummary, Work
 from disttrain.metrics.window import MetricsWindow
 from disttrain.strategies.ddp.heartbeats import LoopProgress
 from disttrain.strategies.ddp.live.checkpoints import LiveCheckpoints, load_resume_state
@@ -432,11 +432,11 @@ class LiveRank:
                               trainer.module.state_dict(), config)
         applied, lost, twice = trainer.ledger_totals()
         _, accuracy, loss = p.evaluations[-1]
+        outcome = Outcome(accuracy, loss, tuple((t, a) for t, a, _ in p.evaluations))
+        work = Work(samples_processed=applied, steps=p.step, world_size=config.system.num_workers,
+                    total_time_s=trainer.train_time_s(), train_time_s=trainer.train_time_s())
         return RunSummary.create(
-            strategy="ddp", config=config, final_accuracy=accuracy, final_loss=loss,
-            total_time_s=trainer.train_time_s(), train_time_s=trainer.train_time_s(),
-            samples_processed=applied, steps=p.step, world_size=config.system.num_workers,
-            evaluations=[(t, a) for t, a, _ in p.evaluations],
+            "ddp", config, outcome, work,
             extra={"backend": "gloo", "device": "cpu", "learning_rate": config.training.learning_rate,
                    "ddp_recovery": "live", "samples_applied": applied, "samples_lost": lost,
                    "samples_applied_twice": twice, "samples_redone": samples_redone,

@@ -18,7 +18,7 @@ from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
 from disttrain.core.errors import DistributedError
 from disttrain.metrics.hparams import write_hparams
-from disttrain.metrics.summary import RunSummary
+from disttrain.metrics.summary import RunSummary, Work
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.worker.blocks import block_length
 from disttrain.strategies.ps.worker.client import PSClient
@@ -170,14 +170,13 @@ def finish(config: Config, client: PSClient, participant: WorkerParticipant, res
     ledger = data_ledger(config.training.num_epochs, client, participant, totals, statuses)
     workers = [{"rank": r, "samples": t.samples, "train_time_s": t.train_time_s, "bytes_sent": t.bytes_sent,
                 "bytes_received": t.bytes_received} for r, t in enumerate(totals)]
+    work = Work(samples_processed=sum(w["samples"] for w in workers),
+                # A shard's version counts its updates: with local updates, rounds of several steps.
+                steps=statuses[0].version if participant.rounds is None else position.step,
+                world_size=statuses[0].world_size, total_time_s=time.perf_counter() - started,
+                train_time_s=max(w["train_time_s"] for w in workers))
     summary = RunSummary.create(
-        strategy=f"ps-{statuses[0].aggregation_mode}", config=config,
-        final_accuracy=result.evaluation.accuracy, final_loss=result.evaluation.loss, task=result.task,
-        total_time_s=time.perf_counter() - started, train_time_s=max(w["train_time_s"] for w in workers),
-        samples_processed=sum(w["samples"] for w in workers),
-        # A shard's version counts its updates: with local updates, rounds of several steps.
-        steps=statuses[0].version if participant.rounds is None else position.step,
-        world_size=statuses[0].world_size, evaluations=result.evaluations,
+        f"ps-{statuses[0].aggregation_mode}", config, result.outcome, work,
         extra={"num_servers": len(statuses),
                **ledger,
                **({} if participant.rounds is None else
