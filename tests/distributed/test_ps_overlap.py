@@ -28,16 +28,16 @@ SHARDS = 2
 STEPS = 3
 
 
-def batches():
+def batches(count: int = STEPS):
     generator = torch.Generator().manual_seed(1)
     return [(torch.randn(8, 1, 8, 8, generator=generator), torch.randint(0, 10, (8,), generator=generator))
-            for _ in range(STEPS)]
+            for _ in range(count)]
 
 
 class Cluster:
     """Two shard servers and one registered worker with its model in flat buffers."""
 
-    def __init__(self, config, overlap: bool, compression: bool = False, before=None):
+    def __init__(self, config, overlap: bool, compression: bool = False, before=None, trial_steps: int = 0):
         self.servers = [ShardServer(build_state(config, s, SHARDS), "127.0.0.1:0") for s in range(SHARDS)]
         self.model = init_model(config.training)
         if before is not None:
@@ -51,7 +51,8 @@ class Cluster:
         if compression:
             encoder = GradientEncoder(Compressor.from_config(config.compression, 0), plans)
         self.exchange = make_exchange("sync", self.client, "w0", self.flat, self.grads, 0, encoder,
-                                      overlap=self.model if overlap else None)
+                                      overlap=self.model if overlap else None,
+                                      overlap_trial_steps=trial_steps)
         self.exchange.start()
 
     def step(self, step: int, inputs, targets, timer: StepTimer | None = None):
@@ -70,10 +71,10 @@ class Cluster:
             server.stop(0)
 
 
-def one_process(config) -> torch.Tensor:
+def one_process(config, count: int = STEPS) -> torch.Tensor:
     model = init_model(config.training)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.training.learning_rate)
-    for inputs, targets in batches():
+    for inputs, targets in batches(count):
         optimizer.zero_grad()
         forward_backward(model, inputs, targets)
         optimizer.step()
@@ -95,6 +96,32 @@ def test_overlapped_steps_match_one_process_and_overlap_backward(tmp_path):
         assert all("time/comm_overlapped_s" in d for d in drained)
         # shard 1 (the last layers) went out before backward ended
         assert sum(d["time/comm_overlapped_s"] for d in drained) > 0
+    finally:
+        cluster.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_trial_of_both_pushes_matches_one_process_and_keeps_one_side(tmp_path):
+    """The overlap trial (`ps.overlap_trial_steps`) alternates overlapped and plain steps
+    on real shards: what is trained is unchanged, both sides ran (overlapped steps send
+    during backward, plain ones do not), and after the trial every step takes one side."""
+    count = 2 + 2 * 2 + 3  # warm-up, two timed steps per side, then the side kept
+    config = make_config(tmp_path)
+    cluster = Cluster(config, overlap=True, trial_steps=2)
+    try:
+        used = []
+        for step, (inputs, targets) in enumerate(batches(count), start=1):
+            timer = StepTimer()
+            cluster.step(step, inputs, targets, timer)
+            used.append(timer.drain()["time/comm_overlapped_s"] > 0)
+        trial = cluster.exchange.trial
+        torch.testing.assert_close(cluster.parameters(), one_process(config, count), rtol=1e-5, atol=1e-6)
+        assert cluster.exchange.versions == [count] * SHARDS
+        assert trial.chosen is not None and all(len(t) == 2 for t in trial.timed.values())
+        assert used[2:6].count(False) == 2  # the plain steps of the trial sent nothing during backward
+        assert used[2:6].count(True) == 2  # the overlapped ones did (shard 1 leaves before backward ends)
+        assert used[6:] == [trial.chosen] * 3
+        assert trial.chosen == (trial.median(True) < trial.median(False))
     finally:
         cluster.close()
 

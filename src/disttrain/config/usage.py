@@ -137,6 +137,9 @@ RULES: tuple[Rule, ...] = (
         lambda c, s: c.ps.aggregation_mode != "sync",
         lambda c: f"only a synchronous step overlaps its pushes with backward (ps.aggregation_mode is "
                   f"{c.ps.aggregation_mode})")),
+    Rule("ps.overlap_trial_steps", _when(
+        lambda c, s: not c.ps.overlap or c.training.local_update_mode or c.ps.aggregation_mode != "sync",
+        "only a synchronous step with ps.overlap on (and no local updates) tries its pushes both ways")),
     Rule("ps.backup_workers", _when(
         lambda c, s: c.ps.aggregation_mode != "sync",
         lambda c: f"only a synchronous step has backup workers (ps.aggregation_mode is "

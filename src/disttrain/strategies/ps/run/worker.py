@@ -166,7 +166,8 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                                  assignment.staleness, encoder, link.generation if link else 0,
                                  retry_late=config.ps.backup_workers == 0,
                                  buffers=buffers if buffers.any else None,
-                                 overlap=model if config.ps.overlap and local_updates is None else None)
+                                 overlap=model if config.ps.overlap and local_updates is None else None,
+                                 overlap_trial_steps=config.ps.overlap_trial_steps)
         exchange.start()
         faults = FaultInjector(options.faults, "worker", rank, options.attempt)
         sampler, rebalancer = balance_sampler(system, training, client, worker_id, world_size, rank, data[0],

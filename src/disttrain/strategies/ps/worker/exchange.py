@@ -18,7 +18,10 @@ the parameters it leads to in the same round trip, leaves as soon as the backwar
 has produced that shard's whole gradient (`overlap.ShardTrigger`): the last layers'
 shard goes out while backward still computes the first layers. The step then waits only
 for what is still in flight (`time/comm_blocked_s`); what travelled during backward is
-`time/comm_overlapped_s`.
+`time/comm_overlapped_s`. With an `overlap_trial.OverlapTrial` (`ps.overlap_trial_steps`,
+the default), the first steps alternate overlapped and plain pushes and the worker keeps
+the faster, logged: on saturated cores the overlap's CPU work slows backward more than it
+hides.
 
 In sync mode (without backup workers) a worker computes every gradient on parameters
 of one step on every shard (`agreement`): each answer carries the run's step it is the
@@ -62,6 +65,7 @@ from disttrain.strategies.ps.worker.agreement import Agreement, lag
 from disttrain.strategies.ps.worker.buffers import WorkerBuffers
 from disttrain.strategies.ps.worker.client import PSClient
 from disttrain.strategies.ps.worker.overlap import ShardTrigger, overlapped_s
+from disttrain.strategies.ps.worker.overlap_trial import OverlapTrial
 from disttrain.training.engine import StepResult
 
 logger = logging.getLogger(__name__)
@@ -253,6 +257,7 @@ class SyncExchange(Exchange):
     shard (see the module's docstring)."""
 
     trigger: ShardTrigger | None = None
+    trial: OverlapTrial | None = None  # with a trigger: overlap only where it measured faster
     agreement: Agreement | None = None
     # Streaming DiLoCo: the shards of each fragment, whose steps go on apart from the
     # other fragments' (a fragment's push goes to its shards alone): the steps must agree
@@ -383,9 +388,20 @@ class SyncExchange(Exchange):
         return noted
 
     def step(self, compute, block, timer, shards=None):
+        overlap = self.trigger is not None and shards is None
+        if not overlap or self.trial is None:
+            return self._step(compute, block, timer, shards, overlap)
+        overlap = self.trial.overlaps(block.step)
+        started = time.perf_counter()
+        answer = self._step(compute, block, timer, shards, overlap)
+        if self.trial.record(overlap, time.perf_counter() - started):
+            logger.info("%s", self.trial.describe())
+        return answer
+
+    def _step(self, compute, block, timer, shards, overlap: bool):
+        """`step`, its first push overlapped with backward or not."""
         group = None if shards is None else list(shards)
-        shards, staleness, overlap = list(range(self.num_shards)) if group is None else group, 0, \
-            self.trigger is not None and group is None
+        shards, staleness = list(range(self.num_shards)) if group is None else group, 0
         compute = self._noting(compute, shards)
         self.catch_up(block, timer)
         # Every push of this step names the step it starts from, a shard restored from an
@@ -633,12 +649,15 @@ class SSPExchange(AsyncExchange):
 def make_exchange(mode: str, client: PSClient, worker_id: str, flat: torch.Tensor, grads: torch.Tensor,
                   staleness_bound: int, encoder: GradientEncoder | None = None, generation: int = 0,
                   retry_late: bool = True, buffers: WorkerBuffers | None = None,
-                  overlap: torch.nn.Module | None = None, agree_timeout_s: float | None = None) -> Exchange:
+                  overlap: torch.nn.Module | None = None, agree_timeout_s: float | None = None,
+                  overlap_trial_steps: int = 0) -> Exchange:
     """The exchange of aggregation mode `mode` ("sync", "async" or "ssp"); `encoder`
     compresses each push (None: raw values); `buffers` adds each step's buffer change;
     `overlap`, the worker's model, pushes each shard's gradient as backward produces it
-    (sync mode; None: after backward); `agree_timeout_s`, how long a sync worker waits
-    for its shards to reach one step (None: one RPC deadline)."""
+    (sync mode; None: after backward), with `overlap_trial_steps` > 0 only where the first
+    steps measured it faster, timed that many per side (`OverlapTrial`);
+    `agree_timeout_s`, how long a sync worker waits for its shards to reach one step
+    (None: one RPC deadline)."""
     classes = {"sync": SyncExchange, "async": AsyncExchange, "ssp": SSPExchange}
     if mode not in classes:
         raise ValueError(f"unknown aggregation mode {mode!r}")
@@ -646,6 +665,8 @@ def make_exchange(mode: str, client: PSClient, worker_id: str, flat: torch.Tenso
                              buffers)
     if overlap is not None and isinstance(exchange, SyncExchange):
         exchange.trigger = ShardTrigger(overlap, client.plans)
+        if overlap_trial_steps > 0:
+            exchange.trial = OverlapTrial(overlap_trial_steps)
     if isinstance(exchange, SyncExchange) and retry_late:  # backup workers let shards' steps part by design
         exchange.agreement = Agreement(agree_timeout_s or client.shards[0].policy.timeout_s)
     return exchange
