@@ -6,7 +6,10 @@ every fragment at an epoch's end), so the largest exchange is about 1/F of the m
 pseudo-gradients send about a quarter of the dense bytes; and a run killed inside the
 rounds and resumed with `--resume` ends bit-identical to one never stopped (every
 fragment's round start, outer momentum and place in its round, every rank's own model,
-inner optimizer and error-feedback residuals, in the checkpoint)."""
+inner optimizer and error-feedback residuals, in the checkpoint). With a delay
+(`training.outer_delay`) the exchanges start at the same steps and carry the same bytes,
+and the checkpoint taken while one is in flight keeps its average and steps left (the
+kill and resume fall across one: sent at step 2, checkpoint at 3, landing after 4)."""
 
 from __future__ import annotations
 
@@ -46,7 +49,8 @@ def steps_of(run_dir: Path, rank: int) -> list[dict]:
 @pytest.mark.parametrize(("num_fragments", "extra"), [
     (2, []),
     (4, ["--set", "training.outer_compression=int8", "--set", "training.outer_mixing=0.5"]),
-], ids=["fragments-2", "fragments-4-int8-mixing"])
+    (2, ["--set", "training.outer_delay=2", "--set", "training.outer_mixing=0.5"]),
+], ids=["fragments-2", "fragments-4-int8-mixing", "fragments-2-delay-2-mixing"])
 def test_streaming_run_exchanges_fragments_and_resumes_bit_identical(cli, tmp_path, num_fragments, extra):
     args = [*ARGS, "--set", f"training.outer_fragments={num_fragments}", *extra]
     reference = cli("ddp", *args, *dirs(tmp_path / "whole"), timeout=150)
@@ -75,13 +79,17 @@ def test_streaming_run_exchanges_fragments_and_resumes_bit_identical(cli, tmp_pa
         assert record["local/exchange_bytes"] == max(inside.values())
     peak = max(r["local/exchange_bytes"] for r in steps)
     assert model_bytes / num_fragments <= peak <= 1.1 * model_bytes / num_fragments
-    if extra:  # one byte per value, plus 8 per tensor (the smallest go dense)
+    compressed, delay = "training.outer_compression=int8" in extra, "training.outer_delay=2" in extra
+    if delay:
+        assert "each exchange overlapped with the next 2 step(s)" in reference.stderr
+    if compressed:  # one byte per value, plus 8 per tensor (the smallest go dense)
         sent = sum(r["compression/bytes_sent"] for r in steps)
         dense = sum(r["compression/bytes_dense"] for r in steps)
         assert dense == sum(r["comm/bytes_allreduced"] for r in steps)
         assert 3.5 < dense / sent <= 4
     summary = json.loads((tmp_path / "whole" / "logs" / "summary.json").read_text())
     assert summary["outer_fragments"] == num_fragments and summary["local_rounds"] == 4
+    assert summary["outer_delay"] == (2 if delay else 0)
     assert 0 < summary["final_accuracy"] <= 1
 
     killed = cli("ddp", *args, *dirs(tmp_path / "cut"), "--inject", "kill:rank=1:step=5", timeout=150)
@@ -99,5 +107,8 @@ def test_streaming_run_exchanges_fragments_and_resumes_bit_identical(cli, tmp_pa
     # Step 15 is the 7th of epoch 2: fragment 0's round began after step 12, 3 steps ago.
     assert outer["fragments"][0]["steps_in_round"] == 3
     assert len(checkpoint["local"]) == 2  # every rank's own
-    if extra:
+    # Fragment 1's exchange sent at step 14 lands after step 16: one step left.
+    in_flight = [(e["fragment"], e["steps_left"]) for e in outer.get("in_flight", [])]
+    assert in_flight == ([(1, 1)] if delay else [])
+    if compressed:
         assert any(name.startswith("outer_compression/") for name in checkpoint["local"][0])

@@ -3,7 +3,9 @@
 fragment equal to plain local updates bit for bit, a fragment's outer step touching its
 own tensors only, mixing, the state mid-round, quantized pseudo-gradients with error
 feedback, and the config's one-line refusals. Fragments cut inside tensors where a
-layer is larger than a fragment's share."""
+layer is larger than a fragment's share. A delay tau: the outer result of the
+pseudo-gradient sent at step s lands after step s + tau, mixed with the parameters of
+then, on the same schedule; a state taken with exchanges in flight resumes bit-identical."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from disttrain.config import config_from_dict
 from disttrain.core.errors import ConfigError
 from disttrain.strategies.ddp.runtime import check_supported
 from disttrain.strategies.ps.run.launcher import check_supported as check_ps_supported
-from disttrain.training.fragments import Piece, StreamingRounds, outer_compressor, split_fragments
+from disttrain.training.fragments import Piece, StreamingRounds, done, outer_compressor, split_fragments
 from disttrain.training.local_updates import LocalUpdates, OuterOptimizer
 
 NESTEROV = LocalUpdates(4, "nesterov", 0.7, 0.9)
@@ -195,6 +197,77 @@ def test_the_state_mid_round_resumes_bit_identical_and_refuses_another_count():
             StreamingRounds(LocalUpdates(4), model_params()).state_dict())
 
 
+def delayed_steps(rounds: StreamingRounds, params: list[torch.Tensor], generator: torch.Generator,
+                  steps: range, num_steps: int) -> dict[int, tuple[list[int], list[int]]]:
+    """`run_steps` through `send` and `land`: step -> (fragments sent, fragments landed)."""
+    events = {}
+    for step in steps:
+        inner_step(params, generator)
+        last = step == num_steps
+        due = rounds.end_of_step(last)
+        landed = rounds.land(last)
+        for fragment in due:
+            rounds.send(fragment, done(0.5 * rounds.pseudo_gradient(fragment)), last)
+        events[step] = ([f.index for f in due], [e.fragment.index for e in landed])
+    return events
+
+
+def test_a_delayed_exchange_lands_tau_steps_later_mixed_with_the_parameters_of_then():
+    tau, alpha = 2, 0.5
+    settings = LocalUpdates(4, "nesterov", 0.7, 0.9, num_fragments=2, mixing=alpha, delay=tau)
+    params, generator = model_params(), torch.Generator().manual_seed(4)
+    rounds = StreamingRounds(settings, params)
+    events = delayed_steps(rounds, params, generator, range(1, 12), 11)
+    # The same schedule as without delay; each lands tau steps after it was sent, and the
+    # epoch's last step lands what is in flight, then exchanges every fragment at once.
+    sent = {step: s for step, (s, _) in events.items() if s}
+    assert sent == {2: [1], 4: [0], 6: [1], 8: [0], 10: [1], 11: [0, 1]}
+    assert {step: landed for step, (_, landed) in events.items() if landed} == {
+        4: [1], 6: [0], 8: [1], 10: [0], 11: [1]}
+    assert not rounds.in_flight and rounds.rounds == 3
+
+    # By hand, fragment 1's first exchange: the pseudo-gradient of step 2, its outer step
+    # applied after step 4 to the parameters that moved on for 2 steps.
+    params, generator = model_params(), torch.Generator().manual_seed(4)
+    rounds = StreamingRounds(settings, params)
+    second = rounds.fragments[1]
+    start = second.outer.start.clone()
+    delayed_steps(rounds, params, generator, range(1, 3), 11)
+    average = 0.5 * (start - torch.cat([t.reshape(-1) for t in second.tensors]))
+    assert second.outer.steps_in_round == 0 and len(rounds.in_flight) == 1
+    delayed_steps(rounds, params, generator, range(3, 4), 11)
+    assert torch.equal(second.outer.start, start)  # not landed yet
+    inner_step(params, generator)
+    moved = torch.cat([t.reshape(-1) for t in second.tensors])
+    assert rounds.end_of_step(False) == [rounds.fragments[0]]
+    assert [e.fragment for e in rounds.land(False)] == [second]
+    outer = start - 0.7 * (average + 0.9 * average)  # nesterov's first step: buffer = average
+    torch.testing.assert_close(second.outer.start, outer, rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.cat([t.reshape(-1) for t in second.tensors]),
+                               alpha * moved + (1 - alpha) * outer, rtol=0, atol=1e-6)
+    assert second.outer.steps_in_round == 2  # its round counts from the step it was sent
+
+
+def test_a_state_with_exchanges_in_flight_resumes_bit_identical():
+    settings = LocalUpdates(4, "sgd", 1.0, 0.5, num_fragments=4, mixing=0.5, delay=3)
+    params = model_params()
+    rounds, generator = StreamingRounds(settings, params), torch.Generator().manual_seed(5)
+    delayed_steps(rounds, params, generator, range(1, 7), 11)
+    state = copy.deepcopy(rounds.state_dict())
+    # Sent at steps 4, 5 and 6 (fragments 0, 1, 2), landing after steps 7, 8 and 9.
+    assert [(e["fragment"], e["steps_left"]) for e in state["in_flight"]] == [(0, 1), (1, 2), (2, 3)]
+    saved_params, saved_generator = [p.clone() for p in params], generator.get_state()
+    delayed_steps(rounds, params, generator, range(7, 12), 11)
+
+    resumed = StreamingRounds(settings, saved_params)
+    resumed.load_state_dict(state)
+    delayed_steps(resumed, saved_params, torch.Generator().set_state(saved_generator), range(7, 12), 11)
+    assert all(torch.equal(a, b) for a, b in zip(params, saved_params, strict=True))
+    with pytest.raises(ValueError, match="resume with the run's training.outer_delay"):
+        StreamingRounds(LocalUpdates(4, "sgd", 1.0, 0.5, num_fragments=4),
+                        model_params()).load_state_dict(state)
+
+
 @pytest.mark.parametrize("scheme, bytes_per_value", [("int8", 1), ("fp16", 2)])
 def test_quantized_pseudo_gradients_carry_what_they_left_out_into_the_next(scheme, bytes_per_value):
     """Each worker encodes its pseudo-gradient; the mean of the decoded payloads is applied.
@@ -242,6 +315,8 @@ def test_quantized_pseudo_gradients_carry_what_they_left_out_into_the_next(schem
     ({"outer_fragments": 5}, "training.outer_fragments: 5 fragments need at least as many steps per round"),
     ({"outer_mixing": 1.0}, "training.outer_mixing: 1.0 must be in [0, 1)"),
     ({"outer_compression": "int4"}, "training.outer_compression: 'int4' must be one of none, fp16, int8"),
+    ({"outer_delay": 4}, "training.outer_delay: 4 must be less than training.sync_every (4)"),
+    ({"outer_delay": -1}, "training.outer_delay: -1 must be >= 0"),
 ])
 def test_bad_streaming_settings_are_one_line_naming_the_key(training, fragment):
     with pytest.raises(ConfigError) as info:
@@ -270,6 +345,15 @@ def test_the_parameter_server_takes_fragments_of_whole_shards_and_live_groups_re
         with pytest.raises(ConfigError, match=message) as info:
             check_ps_supported(config_from_dict(config))
         assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="training.outer_delay: 2 .* is DDP's"):
+        check_ps_supported(config_from_dict({"training": {"sync_every": 4, "outer_delay": 2}}))
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"training": {"sync_every": 4, "outer_delay": 2},
+                          "compression": {"enabled": True, "type": "powersgd"}})
+    assert any("training.outer_delay: 2 overlaps a plain all-reduce" in line for line in info.value.problems)
+    with pytest.raises(ConfigError, match="not offered with ddp.recovery live"):
+        check_supported(config_from_dict({"training": {"sync_every": 4, "outer_delay": 1},
+                                          "ddp": {"recovery": "live"}}))
     with pytest.raises(ConfigError, match="not offered with ddp.recovery live"):
         check_supported(config_from_dict({**streaming, "ddp": {"recovery": "live"}}))
     check_supported(config_from_dict(streaming))

@@ -192,6 +192,11 @@ class TrainingConfig:
     # feedback (what a payload leaves out is added to the next one) (DDP; the parameter
     # server compresses pushes by compression.type).
     outer_compression: str = field(default="none", metadata=_choice(OUTER_COMPRESSIONS))
+    # Inner steps a fragment's exchange overlaps (Streaming DiLoCo's tau; DDP): it starts
+    # at the fragment's sync step, training goes on, and outer_delay steps later its outer
+    # result is applied, mixed by outer_mixing with the parameters that moved on meanwhile
+    # (0.5 is the paper's choice with a delay). Less than sync_every; 0: the step waits.
+    outer_delay: int = field(default=0, metadata=NON_NEGATIVE)
 
     def __post_init__(self) -> None:
         if self.outer_momentum is None:  # frozen: set once, as the config is built
@@ -205,8 +210,9 @@ class TrainingConfig:
     @property
     def streaming_mode(self) -> bool:
         """Whether Streaming DiLoCo's keys are set (`outer_fragments`, `outer_mixing`,
-        `outer_compression`); they act with local updates only."""
-        return self.outer_fragments > 1 or self.outer_mixing > 0 or self.outer_compression != "none"
+        `outer_compression`, `outer_delay`); they act with local updates only."""
+        return (self.outer_fragments > 1 or self.outer_mixing > 0 or self.outer_compression != "none"
+                or self.outer_delay > 0)
 
     def cross_problems(self, name: Callable[[str], str]) -> list[str]:
         """Problems between keys; `name(key)` is the key as the user spelled it."""
@@ -230,6 +236,10 @@ class TrainingConfig:
                             f"many steps per round ({name('sync_every')} is {self.sync_every}) to be "
                             f"exchanged at steps of their own; raise {name('sync_every')} or lower "
                             f"{name('outer_fragments')}")
+        if self.outer_delay and self.outer_delay >= self.sync_every:
+            problems.append(f"{name('outer_delay')}: {self.outer_delay} must be less than "
+                            f"{name('sync_every')} ({self.sync_every}): a fragment's exchange lands before "
+                            "its next one starts; lower it or raise sync_every")
         return problems
 
 
@@ -517,6 +527,13 @@ class Config:
             return [f"{name('training.outer_compression')}: {t.outer_compression} compresses the "
                     f"pseudo-gradients, and so would compression.type {c.type}; set one of them "
                     "(training.outer_compression: none, or compression.enabled: false)"]
+        if c.enabled and t.local_update_mode and t.outer_delay:
+            # A hook may chain collectives in its callbacks, which would meet the next step's
+            # collectives in another order on each rank.
+            return [f"{name('training.outer_delay')}: {t.outer_delay} overlaps a plain all-reduce or "
+                    f"training.outer_compression's, not compression.type {c.type}; set "
+                    "compression.enabled: false (training.outer_compression: fp16 or int8 compresses "
+                    "pseudo-gradients), or training.outer_delay: 0"]
         if c.enabled and c.type == "topk" and c.momentum_correction and (t.optimizer != "sgd" or t.momentum):
             return [f"{name('compression.momentum_correction')}: the workers already apply momentum "
                     f"({c.momentum_correction}); the optimizer must not apply it again: set "

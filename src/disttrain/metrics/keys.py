@@ -179,6 +179,8 @@ OPTIONAL_SUMMARY: dict[str, Metric] = {m.key: m for m in [
            "after a fragment's outer step", "ddp (local updates)"),
     Metric("outer_compression", "scheme", RUN, "Streaming DiLoCo: how pseudo-gradients were exchanged "
            "(none, fp16, int8)", "ddp (local updates)"),
+    Metric("outer_delay", "steps", RUN, "Streaming DiLoCo: the inner steps each fragment's exchange "
+           "overlapped before its outer result was applied (0: the step waited)", "ddp (local updates)"),
     Metric("samples_applied", "samples", RUN, "samples whose gradients the servers applied, from "
            "their data ledgers (every sample of every epoch once); DDP live recovery: samples of the "
            "global batches whose update the model holds, from the group's ledger", f"ps, {DDP_LIVE}"),

@@ -29,11 +29,23 @@ transport encodes each worker's with `outer_compressor`'s `Compressor` (error fe
 what a payload leaves out, per parameter, is added to that parameter's next one) and
 averages the decoded payloads.
 
+With a delay tau (`training.outer_delay`, in inner steps, less than H) a fragment's
+exchange overlaps the next tau inner steps, as the paper's and torchft's do: at its sync
+step s the transport starts averaging the pseudo-gradient (`send` keeps its handle) and
+training goes on; after step s + tau the average is waited for and its outer result
+applied (`land`), mixed with the worker's parameters of that moment, which have moved on
+for tau steps. The fragment's next round counts from step s and starts from the outer
+result, so the schedule is the same as without delay. An epoch's last step lands every
+exchange in flight, then exchanges every fragment without delay. A checkpoint taken
+while exchanges are in flight waits for them and keeps their averages and the steps
+they have left (`state_dict`), so a resumed run applies each at the same step.
+
 Call order: `StreamingRounds(settings, params)` once the parameters hold the run's start
 (or `load_state_dict` after a resume); after every inner step `end_of_step(ends_epoch)`,
-which names the fragments whose round ended; for each of them, in order:
-`pseudo_gradient(fragment)`, average it over the workers (transport), then
-`apply(fragment, average, ends_epoch)`.
+which names the fragments whose round ended; then `land(ends_epoch)` (a delay's
+exchanges due now); then for each fragment named, in order: `pseudo_gradient(fragment)`,
+start averaging it over the workers (transport), then `send(fragment, handle,
+ends_epoch)`, or, without delay, wait and `apply(fragment, average, ends_epoch)`.
 """
 
 from __future__ import annotations
@@ -41,7 +53,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -142,6 +154,28 @@ class Fragment:
         return self.outer.start.numel() * self.outer.start.element_size()
 
 
+class Average(Protocol):
+    """A transport's average under way (a `torch.futures.Future` of the workers' mean)."""
+
+    def wait(self) -> torch.Tensor: ...
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A fragment's exchange under way: its average, and the inner steps left before it lands."""
+
+    fragment: Fragment
+    average: Average
+    steps_left: int
+
+
+def done(value: torch.Tensor) -> torch.futures.Future:
+    """An average already at hand (loaded from a checkpoint), as a transport's handle."""
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
 class StreamingRounds:
     """One worker's fragments and their rounds (the same on every worker after each
     exchange, but for mixing: see the module's docstring).
@@ -165,10 +199,14 @@ class StreamingRounds:
         if settings.num_fragments > settings.sync_every and settings.num_fragments > 1:
             raise ValueError(f"{settings.num_fragments} fragments need rounds of as many steps at least "
                              f"(sync_every is {settings.sync_every})")
+        if not 0 <= settings.delay < settings.sync_every:
+            raise ValueError(f"an exchange delayed by {settings.delay} step(s) must land before the "
+                             f"fragment's next one (sync_every is {settings.sync_every})")
         self.settings = settings
         self.params = list(params)
         names = list(names) if names is not None else [f"p{i}" for i in range(len(self.params))]
         self.fragments: list[Fragment] = []
+        self.in_flight: list[InFlight] = []  # in the order they were sent
         sizes = [p.numel() for p in self.params]
         if cuts is not None and len(cuts) != settings.num_fragments + 1:
             raise ValueError(f"{len(cuts)} cuts make {len(cuts) - 1} fragment(s), not "
@@ -211,6 +249,8 @@ class StreamingRounds:
         """Count one inner step; returns the fragments whose round it ends, in order."""
         for fragment in self.fragments:
             fragment.outer.end_of_step(ends_epoch)
+        for exchange in self.in_flight:
+            exchange.steps_left -= 1
         step, every = self.position, self.settings.sync_every
         return [fragment for fragment in self.fragments
                 if ends_epoch or (step - fragment.offset) % every == 0]
@@ -226,6 +266,30 @@ class StreamingRounds:
         its parameters (mixed with the worker's own, but at an epoch's end)."""
         fragment.outer.step(average)
         self._set(fragment, ends_epoch)
+
+    def send(self, fragment: Fragment, average: Average, ends_epoch: bool) -> None:
+        """`fragment`'s exchange has started (`average`: the transport's handle on the
+        workers' mean of its `pseudo_gradient`): it lands `settings.delay` steps later
+        (`land`); without delay, or at an epoch's end, it is waited for and applied now.
+        Its next round counts from this step either way."""
+        if self.settings.delay == 0 or ends_epoch:
+            self.apply(fragment, average.wait(), ends_epoch)
+            return
+        fragment.outer.steps_in_round = 0
+        self.in_flight.append(InFlight(fragment, average, self.settings.delay))
+
+    def land(self, ends_epoch: bool) -> list[InFlight]:
+        """Wait for the exchanges due at this step (at an epoch's end every one in flight)
+        and apply each, in the order sent; returns them. Call after `end_of_step`, before
+        this step's `send`s."""
+        due = [e for e in self.in_flight if ends_epoch or e.steps_left <= 0]
+        self.in_flight = [e for e in self.in_flight if e not in due]
+        for exchange in due:
+            outer = exchange.fragment.outer
+            steps = outer.steps_in_round  # its next round began when the exchange was sent
+            self.apply(exchange.fragment, exchange.average.wait(), ends_epoch)
+            outer.steps_in_round = steps
+        return due
 
     @torch.no_grad()
     def take_outer(self, fragment: Fragment, result: torch.Tensor, ends_epoch: bool,
@@ -255,11 +319,17 @@ class StreamingRounds:
 
     def state_dict(self) -> dict[str, Any]:
         """Tensors and integers only (a `weights_only` checkpoint). One fragment: the
-        `OuterOptimizer`'s own state, as plain local updates write it."""
+        `OuterOptimizer`'s own state, as plain local updates write it. Exchanges in flight
+        are waited for: their averages and steps left go in (`in_flight`)."""
         if len(self.fragments) == 1:
-            return self.fragments[0].outer.state_dict()
-        return {"num_fragments": len(self.fragments),
-                "fragments": [fragment.outer.state_dict() for fragment in self.fragments]}
+            state = self.fragments[0].outer.state_dict()
+        else:
+            state = {"num_fragments": len(self.fragments),
+                     "fragments": [fragment.outer.state_dict() for fragment in self.fragments]}
+        if self.in_flight:
+            state["in_flight"] = [{"fragment": e.fragment.index, "steps_left": e.steps_left,
+                                   "average": e.average.wait().clone()} for e in self.in_flight]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take back `state_dict()`.
@@ -275,3 +345,11 @@ class StreamingRounds:
         states = [state] if written == 1 else state["fragments"]
         for fragment, own in zip(self.fragments, states, strict=True):
             fragment.outer.load_state_dict(own)
+        self.in_flight = []
+        for entry in state.get("in_flight", []):
+            if self.settings.delay == 0:
+                raise ValueError("it was written with exchanges in flight (training.outer_delay > 0); "
+                                 "resume with the run's training.outer_delay")
+            fragment = self.fragments[int(entry["fragment"])]
+            average = fragment.outer.delta.copy_(entry["average"])
+            self.in_flight.append(InFlight(fragment, done(average), int(entry["steps_left"])))

@@ -22,7 +22,8 @@ Call order: `OuterOptimizer(settings, params)` once the parameters hold the run'
 when it says the round ended: `pseudo_gradient(params)`, average it (transport),
 `step(average)`, then `copy_to(params)`.
 
-Streaming DiLoCo (`training.outer_fragments` > 1, `outer_mixing`, `outer_compression`) runs
+Streaming DiLoCo (`training.outer_fragments` > 1, `outer_mixing`, `outer_compression`,
+`outer_delay`) runs
 one `OuterOptimizer` per fragment of the parameters: see `training.fragments`.
 """
 
@@ -52,6 +53,7 @@ class LocalUpdates:
     num_fragments: int = 1
     mixing: float = 0.0
     compression: str = "none"
+    delay: int = 0  # inner steps a fragment's exchange overlaps before it lands (tau)
 
     @classmethod
     def of(cls, training: TrainingConfig) -> LocalUpdates | None:
@@ -60,12 +62,12 @@ class LocalUpdates:
             return None
         return cls(training.sync_every, training.outer_optimizer, training.outer_learning_rate,
                    training.outer_momentum, training.outer_fragments, training.outer_mixing,
-                   training.outer_compression)
+                   training.outer_compression, training.outer_delay)
 
     @property
     def streaming(self) -> bool:
         """Whether Streaming DiLoCo's settings are in use (`TrainingConfig.streaming_mode`)."""
-        return self.num_fragments > 1 or self.mixing > 0 or self.compression != "none"
+        return self.num_fragments > 1 or self.mixing > 0 or self.compression != "none" or self.delay > 0
 
     def describe(self) -> str:
         """One line for the startup log and the summary."""
@@ -74,6 +76,8 @@ class LocalUpdates:
         if self.streaming:
             streaming = (f"; streaming: {self.num_fragments} fragment(s) at staggered steps, mixing "
                          f"{self.mixing:g}, pseudo-gradients {self.compression}")
+            if self.delay:
+                streaming += f", each exchange overlapped with the next {self.delay} step(s)"
         return (f"local updates: {self.sync_every} local step(s) per round, then outer {self.optimizer} "
                 f"(lr {self.learning_rate:g}{momentum}) on the averaged pseudo-gradient{streaming}")
 
@@ -82,7 +86,7 @@ class LocalUpdates:
                                   "outer_learning_rate": self.learning_rate, "outer_momentum": self.momentum}
         if self.streaming:
             fields.update(outer_fragments=self.num_fragments, outer_mixing=self.mixing,
-                          outer_compression=self.compression)
+                          outer_compression=self.compression, outer_delay=self.delay)
         return fields
 
 

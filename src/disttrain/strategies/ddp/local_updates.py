@@ -11,7 +11,10 @@ broadcasts them before every forward: the buffers a round ends with are rank 0's
 
 With Streaming DiLoCo's fragments (`training.fragments`) a step may end the round of one
 fragment: its pseudo-gradient alone is averaged, as above; an epoch's last step averages
-every fragment's, one exchange each. With `training.outer_compression` the average is an
+every fragment's, one exchange each. With `training.outer_delay` tau the average is an
+asynchronous collective whose result the rank waits for tau inner steps later (the
+buffers are broadcast at the step it lands); a checkpoint in between waits for it and
+keeps the average (`StreamingRounds.state_dict`). With `training.outer_compression` the average is an
 all-gather of each rank's fp16 or int8 payload (the compression hooks' `GatherHook`, with
 error feedback), each rank's residuals its own (in its `local_state`).
 
@@ -47,6 +50,30 @@ def broadcast_module(module: nn.Module, parameters: bool = True) -> None:
         dist.broadcast(tensor.data, src=0)
 
 
+class _Average:
+    """The ranks' mean of a pseudo-gradient under way: a collective's future, with the
+    times it was started and finished (`finished`: when it ended, or now while running)."""
+
+    def __init__(self, future: torch.futures.Future, result: torch.Tensor | None = None):
+        self.started = time.perf_counter()
+        self._finished: float | None = None
+        self._result = result  # the plain all-reduce's future holds a list: the buffer is the mean
+
+        def finish(done: torch.futures.Future) -> torch.Tensor:
+            self._finished = time.perf_counter()
+            value = done.value()
+            return value if self._result is None else self._result
+
+        self._future = future.then(finish)
+
+    @property
+    def finished(self) -> float:
+        return self._finished if self._finished is not None else time.perf_counter()
+
+    def wait(self) -> torch.Tensor:
+        return self._future.wait()
+
+
 class LocalRounds:
     """One rank's rounds: counts its steps, and at a round's end averages, steps the outer
     optimizer and hands back the round's figures.
@@ -78,19 +105,26 @@ class LocalRounds:
 
     def end_of_step(self, ends_epoch: bool) -> dict[str, float]:
         """Call after each inner optimizer step (on every rank: a collective at a round's
-        end). Returns the step's communication figures (zero within a round);
-        `local/exchange_bytes` is the largest exchange's dense bytes."""
+        end). Returns the step's communication figures (zero within a round):
+        `comm/bytes_allreduced` and `local/exchange_bytes` (the largest exchange's dense
+        bytes) at the step an exchange starts; `time/comm_blocked_s` the time the step spent
+        starting, waiting for and applying exchanges; `time/comm_overlapped_s` the time
+        delayed exchanges that landed at this step ran beside inner steps."""
         rounds, started = self.outer.rounds, time.perf_counter()
         num_bytes, largest = 0, 0
-        for fragment in self.outer.end_of_step(ends_epoch):
+        due = self.outer.end_of_step(ends_epoch)
+        landed = self.outer.land(ends_epoch)
+        overlapped = sum(max(0.0, min(exchange.average.finished, started) - exchange.average.started)
+                         for exchange in landed if isinstance(exchange.average, _Average))
+        for fragment in due:
             delta = self.outer.pseudo_gradient(fragment)
-            self.outer.apply(fragment, self._average(delta, fragment.tensors), ends_epoch)
+            self.outer.send(fragment, self._average(delta, fragment.tensors), ends_epoch)
             num_bytes += fragment.nbytes()
             largest = max(largest, fragment.nbytes())
-        if num_bytes:
+        if due or landed:
             broadcast_module(self.module, parameters=False)
-        blocked = time.perf_counter() - started if num_bytes else 0.0
-        scalars = {"time/comm_blocked_s": blocked, "time/comm_overlapped_s": 0.0,
+        blocked = time.perf_counter() - started if due or landed else 0.0
+        scalars = {"time/comm_blocked_s": blocked, "time/comm_overlapped_s": overlapped,
                    "comm/bytes_allreduced": num_bytes, "local/rounds": self.outer.rounds - rounds,
                    "local/exchange_bytes": largest}
         if self.own_compression:  # the run's own hook, when there is one, is drained by the rank
@@ -98,13 +132,14 @@ class LocalRounds:
             scalars.update(self.compression.stats.drain().scalars())
         return scalars
 
-    def _average(self, delta: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-        """The ranks' mean of `delta` (in place where the scheme allows), the same bits on every rank."""
+    def _average(self, delta: torch.Tensor, params: list[torch.Tensor]) -> _Average:
+        """Start averaging `delta` over the ranks (in place where the scheme allows; the
+        same bits on every rank); returns its handle."""
         if self.compression is None:
-            dist.all_reduce(delta.div_(dist.get_world_size()))
-            return delta
+            work = dist.all_reduce(delta.div_(dist.get_world_size()), async_op=True)
+            return _Average(work.get_future(), delta)
         bucket = FlatBucket(delta, cast(list[nn.Parameter], params))
-        return self.compression.hook(cast(dist.GradBucket, bucket)).wait()
+        return _Average(self.compression.hook(cast(dist.GradBucket, bucket)))
 
     @property
     def rounds(self) -> int:

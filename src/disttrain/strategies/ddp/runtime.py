@@ -137,9 +137,9 @@ def check_supported(config: Config) -> None:
                           "(training.sync_every > 1); use bf16 mixed precision")
     if training.local_update_mode and training.streaming_mode and config.ddp.recovery == "live":
         # A live group rolls a lost member back to its round's start: fragments have none in common.
-        raise ConfigError("training.outer_fragments, outer_mixing and outer_compression (Streaming "
-                          "DiLoCo) are not offered with ddp.recovery live; leave them at 1, 0 and none, "
-                          "or use ddp.recovery restart")
+        raise ConfigError("training.outer_fragments, outer_mixing, outer_compression and outer_delay "
+                          "(Streaming DiLoCo) are not offered with ddp.recovery live; leave them at 1, 0, "
+                          "none and 0, or use ddp.recovery restart")
     if training.local_update_mode and config.system.balance != "none":
         # Planned batches weight each rank's loss for a gradient average, not for local steps.
         raise ConfigError(f"system.balance: {config.system.balance} batches are not offered with local "
