@@ -7,6 +7,9 @@ Workloads, on synthetic data of their real shapes: `simplecnn` (1x28x28 images),
 process), `ps_sync` (each shard's push leaves during the backward pass: overlap, the
 default), `ps_sync_no_overlap` (`--no-overlap`: every push after backward) and
 `ps_async` (`disttrain ps`: 2 servers, 2 workers) and `ddp` (`disttrain ddp`, 2 ranks),
+and on request (`--strategies`) `ps_sync_overlap` (overlap forced on every step,
+`ps.overlap_trial_steps=0`; `ps_sync` is the default: overlap kept only if the first
+steps measured it faster),
 each run as a user runs it, through the `disttrain` command, with one torch thread per
 process and the same batch per process.
 
@@ -21,12 +24,15 @@ the processes' batches over the step time, summed over processes. Each figure is
 median over interleaved repeats (every strategy in turn, then again), and
 `ratio_to_baseline` divides it by the baseline's of the same model. `where_each_wins` is
 computed from these figures, and `ps_vs_ddp` holds, per model, each synchronous PS
-variant's samples/s over DDP's and its overlapped share (the issue's targets: at least
-1.0 and at least half).
+variant's samples/s over DDP's (its speed-up over the baseline over DDP's: the same
+baseline) and its overlapped share (the issue's targets: at least 1.0 and at least half);
+`overlap_vs_plain`, per model, each overlapped PS variant's samples/s over
+`ps_sync_no_overlap`'s.
 
 --quick keeps the keys and shrinks the models (`training.model_args`: resnet18 of width
 8, a 2-layer gpt_small of width 64), the batches and the steps. --repeats defaults to 2
-(--quick: 1).
+(--quick: 1). --models and --strategies pick a subset (the baseline always runs: the
+ratios need it); --steps sets the steps per process of every workload.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ from common import parse_args, report
 from disttrain.metrics import read_metrics
 
 STRATEGIES = ("baseline", "ps_sync", "ps_sync_no_overlap", "ps_async", "ddp")
-PS_SYNC = ("ps_sync", "ps_sync_no_overlap")
+PS_SYNC = ("ps_sync", "ps_sync_overlap", "ps_sync_no_overlap")
+OPTIONAL = ("ps_sync_overlap",)  # run only when --strategies names them
 WORKERS = 2          # PS workers and DDP ranks
 SERVERS = 2          # PS shards: the first one's push leaves during backward
 LOG_INTERVAL = 3     # steps per logged window; the first window is the warm-up left out
@@ -64,10 +71,11 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 
 
-def command(model: str, strategy: str, folder: Path, quick: bool) -> list[str]:
-    """The `disttrain` command line of one run; its logs go under `folder`."""
+def command(model: str, strategy: str, folder: Path, quick: bool, steps: int | None = None) -> list[str]:
+    """The `disttrain` command line of one run; its logs go under `folder` (`steps`: per
+    process, None: the workload's)."""
     workload = WORKLOADS[model]
-    steps = workload["quick_steps"] if quick else workload["steps"]
+    steps = steps or (workload["quick_steps"] if quick else workload["steps"])
     batch = workload["batch"] // 2 if quick else workload["batch"]
     processes = 1 if strategy == "baseline" else WORKERS
     samples = processes * steps * batch
@@ -89,6 +97,8 @@ def command(model: str, strategy: str, folder: Path, quick: bool) -> list[str]:
                  "--aggregation-mode", strategy.split("_")[1]]
         if strategy == "ps_sync_no_overlap":
             args += ["--no-overlap"]
+        elif strategy == "ps_sync_overlap":
+            args += ["--set", "ps.overlap_trial_steps=0"]
     elif strategy == "ddp":
         args += ["--world-size", str(WORKERS)]
     return args
@@ -117,7 +127,7 @@ def window_means(path: Path) -> dict[str, float]:
             "bytes_per_step": mean("comm/bytes_sent", "comm/bytes_received", "comm/bytes_allreduced")}
 
 
-def measure(model: str, strategy: str, quick: bool) -> dict[str, float]:
+def measure(model: str, strategy: str, quick: bool, steps: int | None = None) -> dict[str, float]:
     """Run one strategy on one workload; its figures, averaged over its processes.
 
     Raises:
@@ -125,7 +135,7 @@ def measure(model: str, strategy: str, quick: bool) -> dict[str, float]:
     """
     with tempfile.TemporaryDirectory(prefix="bench-workloads-") as tmp:
         folder = Path(tmp)
-        done = subprocess.run(command(model, strategy, folder, quick), capture_output=True, text=True,
+        done = subprocess.run(command(model, strategy, folder, quick, steps), capture_output=True, text=True,
                               timeout=TIMEOUT_S, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if done.returncode != 0:
             raise RuntimeError(f"{model} {strategy} failed ({done.returncode}): "
@@ -182,37 +192,63 @@ def ps_vs_ddp(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {model: {strategy: {"samples_per_s_ratio": figures[strategy]["samples_per_s"]
                                / figures["ddp"]["samples_per_s"],
                                "overlapped_share": figures[strategy]["overlapped_share"]}
-                    for strategy in PS_SYNC}
-            for model, figures in results.items()}
+                    for strategy in PS_SYNC if strategy in figures}
+            for model, figures in results.items() if "ddp" in figures}
+
+
+def overlap_vs_plain(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per model: each overlapped synchronous PS variant's samples/s over the plain one's
+    (`ps_sync_no_overlap`; the target: at least 1.0)."""
+    return {model: {strategy: figures[strategy]["samples_per_s"]
+                    / figures["ps_sync_no_overlap"]["samples_per_s"]
+                    for strategy in ("ps_sync", "ps_sync_overlap") if strategy in figures}
+            for model, figures in results.items() if "ps_sync_no_overlap" in figures}
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], lambda p: p.set_defaults(repeats=-1))
+    args = parse_args(__doc__.splitlines()[0], extra_args)
     # common.parse_args's default (5 repeats) would take most of an hour here: -1 marks "not given".
     repeats = args.repeats if args.repeats > 0 else (1 if args.quick else DEFAULT_REPEATS)
+    models = args.models.split(",") if args.models else list(WORKLOADS)
+    strategies = ["baseline", *(s for s in args.strategies.split(",") if s != "baseline")] \
+        if args.strategies else list(STRATEGIES)
+    unknown = sorted(set(models) - set(WORKLOADS)) + sorted(set(strategies) - set(STRATEGIES + OPTIONAL))
+    if unknown:
+        raise SystemExit(f"workloads: unknown model(s) or strategy(ies) {', '.join(unknown)} (models: "
+                         f"{', '.join(WORKLOADS)}; strategies: {', '.join(STRATEGIES + OPTIONAL)})")
     runs: dict[str, dict[str, list[dict[str, float]]]] = {
-        model: {s: [] for s in STRATEGIES} for model in WORKLOADS}
-    for model in WORKLOADS:
+        model: {s: [] for s in strategies} for model in models}
+    for model in models:
         for _ in range(repeats):  # interleaved: drift in the machine's load hits all alike
-            for strategy in STRATEGIES:
-                runs[model][strategy].append(measure(model, strategy, args.quick))
+            for strategy in strategies:
+                runs[model][strategy].append(measure(model, strategy, args.quick, args.steps))
     results: dict[str, dict[str, Any]] = {}
     for model, by_strategy in runs.items():
         baseline = summarise(by_strategy["baseline"], None)
         results[model] = {"baseline": baseline}
-        for strategy in STRATEGIES[1:]:
+        for strategy in strategies[1:]:
             results[model][strategy] = summarise(by_strategy[strategy], baseline)
     report("workloads", {
         "workers": WORKERS, "servers": SERVERS, "repeats": repeats, "threads_per_process": 1,
         "workloads": {model: {"dataset": w["dataset"],
                               "batch_per_process": w["batch"] // 2 if args.quick else w["batch"],
-                              "steps_per_process": w["quick_steps"] if args.quick else w["steps"],
+                              "steps_per_process": args.steps or (w["quick_steps"] if args.quick
+                                                                  else w["steps"]),
                               "model_args": w["quick_model_args"] if args.quick else None}
-                      for model, w in WORKLOADS.items()},
+                      for model, w in WORKLOADS.items() if model in models},
         "results": results,
         "where_each_wins": where_each_wins(results),
         "ps_vs_ddp": ps_vs_ddp(results),
+        "overlap_vs_plain": overlap_vs_plain(results),
     }, args.output)
+
+
+def extra_args(parser) -> None:
+    parser.set_defaults(repeats=-1)
+    parser.add_argument("--models", help=f"comma-separated subset of {', '.join(WORKLOADS)}")
+    parser.add_argument("--strategies", help=f"comma-separated subset of {', '.join(STRATEGIES + OPTIONAL)}")
+    parser.add_argument("--steps", type=int, help="steps per process of every workload (default: each "
+                        "workload's)")
 
 
 if __name__ == "__main__":
