@@ -91,7 +91,7 @@ def expected_bytes(held: int, version: int, change_nbytes: int, dense_nbytes: in
     return behind * change_nbytes
 
 
-@pytest.mark.parametrize("mode", ["async", "ssp"])
+@pytest.mark.parametrize("mode", ["async", pytest.param("ssp", marks=pytest.mark.extended)])
 def test_workers_at_different_speeds_hold_the_copy_exactly_within_the_sync_bound(tmp_path, mode):
     bound = FAST + 1  # SSP: the fast worker runs FAST steps ahead of the slow one, within it
     config = make_config(tmp_path, num_workers=2, ps={"aggregation_mode": mode, "staleness": bound}).replace(

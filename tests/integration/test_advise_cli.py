@@ -69,7 +69,7 @@ def test_a_share_of_the_data_each_makes_the_straggler_end_every_mode():
 @pytest.mark.slow  # builds and measures 11 M parameters: 20-30 s on two busy cores
 @pytest.mark.parametrize("model, dataset, extra", [
     ("resnet18", "synthetic:3x32x32", []),
-    ("gpt_small", "synthetic:text", ["--seq-len", "16"]),
+    pytest.param("gpt_small", "synthetic:text", ["--seq-len", "16"], marks=pytest.mark.extended),
 ])
 def test_answers_for_the_shipped_workloads(model, dataset, extra):
     report = advise_json("--model", model, "--dataset", dataset, *extra, *QUICK, "--link", "10gbit,50us",

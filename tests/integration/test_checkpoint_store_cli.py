@@ -119,7 +119,7 @@ def test_a_store_outage_that_heals_within_the_window_costs_nothing(tmp_path, cli
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("part", ["data", "sidecar"])
+@pytest.mark.parametrize("part", ["data", pytest.param("sidecar", marks=pytest.mark.extended)])
 def test_a_server_killed_mid_upload_keeps_no_torn_checkpoint(tmp_path, cli, monkeypatch, part):
     """The S3 server itself is SIGKILLed while step 10's checkpoint goes up: with its data
     half received, or with the data whole and the sidecar not begun. Started again on its
@@ -237,6 +237,7 @@ def test_a_parameter_server_run_checkpoints_to_s3_and_resumes_from_there(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
+@pytest.mark.extended  # an outage ridden out: the baseline's test above
 def test_a_parameter_server_run_rides_out_a_store_outage(tmp_path, cli, moto_port, bucket):
     """Shard 0's upload of a checkpoint from version 10 on is cut and the store refuses the
     next twenty connections (of any process), then comes back: the processes retry, the
@@ -268,6 +269,7 @@ def test_a_parameter_server_run_rides_out_a_store_outage(tmp_path, cli, moto_por
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
+@pytest.mark.extended  # a store failed for good: the baseline's and DDP's tests
 def test_a_parameter_server_run_whose_store_fails_for_good_stops_with_that_line(tmp_path, cli, moto_port,
                                                                                   bucket):
     """The store is cut at worker 1's checkpoint of step 10 and stays down: the first

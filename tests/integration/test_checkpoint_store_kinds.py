@@ -66,6 +66,7 @@ def test_a_parameter_server_run_on_a_new_file_url_folder_restarts_a_worker_from_
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.extended  # a file URL folder: the baseline's and the parameter server's tests
 def test_a_ddp_run_on_a_new_file_url_folder_stops_and_resumes(tmp_path, cli):
     url, logs = f"file://{tmp_path}/a/new/folder", tmp_path / "logs"
     args = ["ddp", *SMALL, "--world-size", "2", "--num-epochs", "2", "--checkpoint-interval", "3",

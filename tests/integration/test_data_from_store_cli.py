@@ -91,6 +91,7 @@ def test_a_baseline_on_s3_text_resumes_bit_identical_and_matches_the_local_file(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.extended  # a parameter server on a store: test_data_shards_cli
 def test_a_parameter_server_run_on_s3_text_applies_every_sample_once(tmp_path, cli, moto_port, bucket):
     url = f"s3://{bucket}/corpus.txt"
     put(url, corpus(3))

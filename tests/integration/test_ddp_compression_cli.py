@@ -111,7 +111,7 @@ LOCAL_UPDATES = ["--sync-every", 4, "--outer-optimizer", "nesterov", "--outer-lr
                  id="quantization-two-phase", marks=VARIANT),
     # Local updates in rounds of 4 steps (8 per epoch): the checkpoint at step 3 and the kill
     # at step 5 fall inside rounds; every rank's AdamW state and model differ there.
-    pytest.param("topk", [*FEATURES, *LOCAL_UPDATES], id="topk-local-updates", marks=pytest.mark.slow),
+    pytest.param("topk", [*FEATURES, *LOCAL_UPDATES], id="topk-local-updates", marks=VARIANT),
 ])
 @pytest.mark.slow
 def test_killed_compressed_run_resumes_bit_identical(cli, tmp_path, scheme, buckets):

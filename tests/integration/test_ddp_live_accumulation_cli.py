@@ -28,6 +28,7 @@ def batches_per_epoch() -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(560)
+@pytest.mark.extended  # live loss: test_ddp_live_cli; accumulation: test_ddp_equivalence
 def test_accumulated_steps_are_redone_whole_after_a_loss(tmp_path):
     undisturbed = run_ddp(tmp_path / "undisturbed", *ARGS)
     batches = batches_per_epoch()

@@ -109,6 +109,7 @@ def test_without_restarts_the_survivors_finish_the_run_alone(cli, tmp_path, undi
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.extended  # the scaling rule is unit-tested; live runs stay in make test
 def test_linear_lr_scaling_scales_by_the_runs_world_size(cli, tmp_path, undisturbed):
     """`--lr-scaling linear` at a third of the undisturbed run's rate (3 ranks) trains the
     same model: its test loss is the undisturbed run's (the rates differ in the last bit)."""

@@ -176,6 +176,7 @@ def test_when_every_rank_is_sigtermed_the_run_stops_at_a_checkpoint_and_resume_f
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.extended  # arrivals and leaves: the two tests above
 def test_below_its_minimum_a_run_trains_nothing_until_a_rank_joins(tmp_path):
     """Rank 1 of a 2:3 run leaves: the one left is below MIN, so it waits at the step
     boundary, training nothing, until a rank started by hand joins; the run then ends

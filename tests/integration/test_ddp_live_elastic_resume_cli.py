@@ -59,7 +59,8 @@ def stopped_run(tmp_path_factory) -> tuple[Path, int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world_size", ["3", "1", "3:4"])
+# 3 ranks: the elastic 3:4 starts 3
+@pytest.mark.parametrize("world_size", [pytest.param("3", marks=pytest.mark.extended), "1", "3:4"])
 def test_a_stopped_live_run_resumes_on_another_size_and_trains_every_global_batch_once(cli, stopped_run,
                                                                                        tmp_path, world_size):
     """Resumed on 3, on 1, and as an elastic run of 3:4 (it starts 3)."""

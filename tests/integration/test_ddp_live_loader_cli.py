@@ -18,6 +18,7 @@ ARGS = ["--world-size", WORLD_SIZE, "--ddp-recovery", "live", "--dataset", "digi
 
 @pytest.mark.slow
 @pytest.mark.timeout(560)
+@pytest.mark.extended  # live loss and rejoin: test_ddp_live_cli; loader workers: test_ps_cluster
 def test_loader_workers_survive_a_lost_rank_and_apply_each_batch_once(tmp_path):
     undisturbed = run_ddp(tmp_path / "undisturbed", *ARGS)
     summary = run_ddp(tmp_path / "killed", *ARGS, "--loader-workers", 1, "--max-restarts", 0,

@@ -19,6 +19,7 @@ ARGS = ["--world-size", WORLD_SIZE, "--ddp-recovery", "live", "--dataset", "digi
 
 @pytest.mark.slow
 @pytest.mark.timeout(560)
+@pytest.mark.extended  # live loss: test_ddp_live_cli; rounds redone: test_ps_local_round_redo
 def test_a_rank_killed_mid_round_sends_the_survivors_back_to_the_rounds_start(tmp_path):
     undisturbed = run_ddp(tmp_path / "undisturbed", *ARGS)
     steps_per_epoch = undisturbed["steps"] // EPOCHS

@@ -91,6 +91,7 @@ def test_every_rank_killed_at_once_restarts_the_group_from_its_newest_checkpoint
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.extended  # the group's restart: the test above
 def test_every_rank_killed_before_the_first_checkpoint_starts_the_run_again(cli, tmp_path, undisturbed):
     result = cli("ddp", *ARGS, *dirs(tmp_path), *every_rank_killed_at(INTERVAL // 2), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -37,6 +37,7 @@ def final_model(folder: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.extended  # a live run resumed: test_ddp_live_elastic_cli, test_ddp_live_elastic_resume_cli
 def test_whole_run_crash_resumes_from_the_leaders_checkpoint(cli, tmp_path):
     reference = tmp_path / "reference"
     result = cli("ddp", *ARGS, *dirs(reference), timeout=150)

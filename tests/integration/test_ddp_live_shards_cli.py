@@ -20,6 +20,7 @@ READER = re.compile(r"training\.dataset: (\d+) shards read ahead, (\d+) read by 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.extended  # live runs: test_ddp_live_cli; shard order: test_data_shards_cli
 def test_a_live_run_on_shards_reads_them_in_the_shard_order(cli, tmp_path):
     train, test = digits()
     spec = write_shards(tmp_path / "digits", (train.images.numpy(), train.labels.numpy()),

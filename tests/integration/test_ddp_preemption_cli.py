@@ -115,6 +115,7 @@ def finish(launcher: subprocess.Popen, seen: list[str]) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.extended  # the same stop and resume as a rank SIGTERMed, above
 def test_the_launcher_sigtermed_stops_its_ranks_with_a_checkpoint_and_resumes_bit_identical(
         cli, tmp_path, uninterrupted):
     cut = tmp_path / "cut"

@@ -183,6 +183,7 @@ def test_two_ranks_resumed_on_three_then_on_one_train_every_sample_once(stopped,
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.extended  # resumed on one: the test above
 def test_two_ranks_resumed_on_one_train_every_sample_once_and_a_size_off_the_batch_is_refused(
         stopped, tmp_path):
     path = copy_of(stopped, tmp_path)

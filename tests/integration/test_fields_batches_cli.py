@@ -27,7 +27,8 @@ def fields(tmp_path, *extra):
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("command, final", [
-    (["ps", "--workers", "2", "--servers", "2"], "parameter_server_final.pt"),
+    pytest.param(["ps", "--workers", "2", "--servers", "2"], "parameter_server_final.pt",
+                 marks=pytest.mark.extended),  # padded rows match one process: the DDP run below
     (["ddp", "--world-size", "2"], "ddp_final.pt"),
 ])
 def test_padded_rows_with_the_models_own_loss_match_one_process(tmp_path, cli, command, final):

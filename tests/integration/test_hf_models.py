@@ -71,7 +71,9 @@ def train(cli, tmp_path, name, command, args):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+# baseline and ps-sync: the GPT-2 of test_one_synchronous_worker_trains_the_baselines_gpt2
+@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.extended) if s != "ddp" else s
+                                      for s in STRATEGIES])
 def test_gpt2_from_transformers_trains_under_every_strategy(tmp_path, cli, strategy):
     command, first_process, final_model = STRATEGIES[strategy]
     model_and_data = gpt2_on_a_text(tmp_path)

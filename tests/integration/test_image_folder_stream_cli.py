@@ -73,6 +73,7 @@ def test_an_s3_image_folder_streams_within_its_cache_bound_and_resumes_bit_ident
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.extended  # a parameter server on a store: test_data_shards_cli
 def test_a_parameter_server_run_on_an_s3_image_folder_applies_every_sample_once(tmp_path, cli, moto_port,
                                                                                 bucket):
     bound = put_images(tmp_path, bucket) // 2

@@ -82,6 +82,7 @@ def test_an_installed_packages_entry_points_are_found_by_name(tmp_path, cli):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.extended  # a user's model on the parameter server: the compare test below
 def test_a_users_model_and_data_train_on_two_parameter_server_shards(tmp_path, cli):
     result = cli("ps", "--config", user_config(tmp_path), *SMALL, "--workers", "2", "--servers", "2",
                  *dirs(tmp_path, "ps"))
@@ -188,6 +189,7 @@ def test_validate_judges_a_language_model_by_its_perplexity(tmp_path, cli):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@pytest.mark.extended  # compare: the test of a user's model above; perplexity: the tests above
 def test_compare_on_a_text_file_shows_perplexity(tmp_path, cli):
     text = write_text(tmp_path)
     result = cli("compare", "--model", "gpt_small", "--dataset", f"text:{text}", "--seq-len", "16",

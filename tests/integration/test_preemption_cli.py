@@ -28,7 +28,8 @@ def final_model(path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("step", [5, STEPS_PER_EPOCH], ids=["mid-epoch", "epoch-end"])
+@pytest.mark.parametrize("step", [5, pytest.param(STEPS_PER_EPOCH, marks=pytest.mark.extended)],
+                         ids=["mid-epoch", "epoch-end"])
 def test_a_preempted_baseline_stops_with_a_checkpoint_and_resumes_bit_identical(tmp_path, cli, step):
     whole = cli("baseline", *ARGS, *folders(tmp_path / "whole"), timeout=120)
     assert whole.returncode == 0, whole.stderr[-3000:]

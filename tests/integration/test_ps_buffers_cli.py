@@ -42,7 +42,8 @@ def worker_batches(config, train_set):
 # Local updates at H = 1 (the local path forced; inner sgd, outer sgd at rate 1): each
 # push is a round's pseudo-gradient and the buffers' change over the round, the shards
 # average both by samples, and the result is the per-step one's.
-@pytest.mark.parametrize("local", [[], ["--local-updates"]], ids=["per-step", "local-h1"])
+@pytest.mark.parametrize("local", [[], pytest.param(["--local-updates"], marks=pytest.mark.extended)],
+                         ids=["per-step", "local-h1"])
 def test_sync_with_batch_norm_matches_one_process_and_keeps_the_buffer_rule(tmp_path, cli, local):
     result = cli("ps", *ARGS, *local, "--log-dir", tmp_path / "logs", "--checkpoint-dir", tmp_path / "ckpt",
                  timeout=110)

@@ -47,7 +47,7 @@ def registry_nodes(folder):
 
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=VARIANT),
-                                  pytest.param("local", marks=pytest.mark.slow)])
+                                  pytest.param("local", marks=VARIANT)])
 def test_a_killed_worker_is_restarted_and_every_sample_is_applied_once(tmp_path, cli, mode):
     # local: sync mode with rounds of 4 steps (ending at steps 4, 8 and 10 of each epoch);
     # killed at step 7, in its second round, the worker resumes from its step-5 checkpoint

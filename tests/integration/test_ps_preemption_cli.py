@@ -125,6 +125,7 @@ def test_a_preempted_worker_stops_the_run_as_a_whole_never_restarted_and_it_resu
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.extended  # an async run preempted and resumed: test_ps_resize_async_cli
 def test_a_preempted_async_run_stops_its_workers_at_one_step_and_resumes_with_every_sample_once(
         tmp_path, cli):
     # Asynchronous workers drift apart: the one behind goes on alone to the step agreed.

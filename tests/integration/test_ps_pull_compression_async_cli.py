@@ -31,7 +31,7 @@ def train(folder, mode: str, *extra: str) -> dict:
     return json.loads((folder / "logs" / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("mode", ["async", "ssp"])
+@pytest.mark.parametrize("mode", ["async", pytest.param("ssp", marks=pytest.mark.extended)])
 def test_pull_compression_trains_like_dense_on_fewer_bytes(tmp_path, mode):
     with ThreadPoolExecutor(2) as pool:
         dense_run = pool.submit(train, tmp_path / "dense", mode)

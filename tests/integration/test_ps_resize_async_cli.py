@@ -20,7 +20,8 @@ from disttrain.core import checkpoint as ckpt
 MODES = {"async": ("--aggregation-mode", "async"), "ssp": ("--aggregation-mode", "ssp", "--staleness", "1")}
 
 
-@pytest.fixture(scope="module", params=sorted(MODES))
+# SSP resizes as async does (one step count per worker): make test-extended runs it
+@pytest.fixture(scope="module", params=["async", pytest.param("ssp", marks=pytest.mark.extended)])
 def stopped(request, tmp_path_factory) -> tuple[Path, list[dict], str]:
     """A 2-worker run of the mode preempted mid-epoch 1 (its records labelled `two`)."""
     mode = request.param
@@ -44,7 +45,7 @@ def stopped(request, tmp_path_factory) -> tuple[Path, list[dict], str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("workers", [3, 1])
+@pytest.mark.parametrize("workers", [3, pytest.param(1, marks=pytest.mark.extended)])
 def test_an_async_or_ssp_run_of_two_resumed_on_three_or_one_applies_every_sample_once(stopped, tmp_path,
                                                                                       workers):
     source, stops, mode = stopped

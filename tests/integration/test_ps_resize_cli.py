@@ -189,6 +189,7 @@ def resumed_on(stopped: tuple[Path, int], tmp_path: Path, workers: int) -> tuple
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.extended  # resumed on three: the last test of this file
 def test_two_workers_resumed_on_three_apply_every_sample_once(stopped, tmp_path):
     path, _ = resumed_on(stopped, tmp_path, 3)
     assert len(list((path / "records").glob("resumed-*"))) == 3

@@ -31,7 +31,8 @@ def cut_after(folder, step):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode, shard_step", [("sync", 5), ("sync", 0),
+@pytest.mark.parametrize("mode, shard_step", [("sync", 5),
+                                              pytest.param("sync", 0, marks=pytest.mark.extended),
                                               pytest.param("async", 5, marks=pytest.mark.extended)],
                          ids=["sync", "sync-shard-at-start", "async"])
 def test_a_worker_checkpoint_ahead_of_its_shard_resumes_from_one_the_shard_holds(tmp_path, cli, mode,

@@ -43,6 +43,7 @@ def assert_only_the_injected_faults_and_nothing_lost(summary, faults, train, epo
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
+@pytest.mark.extended  # servers restored: the 3rd and 4th tests
 def test_a_server_restored_mid_epoch_lets_the_next_epoch_start(tmp_path, cli):
     # Both workers redo the blocks shard 1 lost at the epoch's end, one after the other:
     # the first holds shard 1 at a version before the second's redos. Its first push of
@@ -57,6 +58,7 @@ def test_a_server_restored_mid_epoch_lets_the_next_epoch_start(tmp_path, cli):
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
+@pytest.mark.extended  # servers restored among worker restarts: the 3rd and 4th tests
 def test_a_worker_restarted_after_a_server_restore_does_not_wait_for_the_steps_it_lost(tmp_path, cli):
     # Worker 1 dies, then server 1 (restored two steps back), then worker 0: a restarted
     # worker never saw the restore, and waited for shard 1 to reach the others' step by
@@ -99,6 +101,7 @@ def test_a_server_restored_twice_while_a_restarted_worker_replays_with_three_sha
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
+@pytest.mark.extended  # servers restored among worker restarts: the 3rd and 4th tests
 def test_servers_restored_while_a_worker_waits_at_the_epochs_end_for_a_restarted_one(tmp_path, cli):
     # Worker 0 dies and restarts from its step-10 checkpoint; worker 1 trains epoch 0 to its
     # end alone and waits at the epoch's barrier; server 1 is restored from its checkpoint

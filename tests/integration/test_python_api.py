@@ -87,7 +87,9 @@ def saved_model_accuracy(module: ModuleType, checkpoint: Path) -> float:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("strategy", "flags", "final_model", "steps"), [
     ("baseline", {}, "baseline_final.pt", SAMPLES // BATCH),
-    ("ps-sync", {"servers": 2}, "parameter_server_final.pt", SAMPLES // BATCH // 2),
+    # ps through fit: test_the_readme_example_runs_as_written
+    pytest.param("ps-sync", {"servers": 2}, "parameter_server_final.pt", SAMPLES // BATCH // 2,
+                 marks=pytest.mark.extended),
     ("ddp", {}, "ddp_final.pt", SAMPLES // BATCH // 2),
 ])
 def test_fit_trains_a_user_s_factories_and_returns_the_run_s_summary(factories, tmp_path, strategy, flags,

@@ -114,6 +114,7 @@ def model(description):
 
 @pytest.mark.slow  # the budget's rule is stepped in unit tests, the error event by the user's error above
 @pytest.mark.timeout(300)
+@pytest.mark.extended  # see the comment on the line above
 def test_the_same_unexpected_error_at_the_same_step_on_a_fresh_start_stops_the_run(tmp_path, cli):
     plugin = tmp_path / "user_model.py"
     plugin.write_text(USER_MODEL)
@@ -156,6 +157,7 @@ def test_a_rank_group_killed_after_each_new_checkpoint_more_often_than_max_resta
 
 @pytest.mark.slow  # the budget's stop is run end to end by the parameter server's crash loop above
 @pytest.mark.timeout(300)
+@pytest.mark.extended  # the budget's stop: the crash loop above
 def test_a_rank_group_that_dies_again_before_its_next_checkpoint_stops_after_max_restarts_in_a_row(
         tmp_path, cli):
     result = run_ddp(cli, tmp_path, "--num-epochs", "1", "--inject", "kill:rank=1:step=7",
@@ -172,6 +174,7 @@ def test_a_rank_group_that_dies_again_before_its_next_checkpoint_stops_after_max
 
 @pytest.mark.slow  # a live rank's rejoin is run end to end in test_ddp_live_cli; this adds the budget
 @pytest.mark.timeout(500)
+@pytest.mark.extended  # the budget: the tests above
 def test_a_live_rank_killed_after_progress_more_often_than_max_restarts_rejoins_each_time(tmp_path, cli):
     # Rank 1 is killed at step 10, and its next process at its first step in the group (the
     # group's step by then, past 10): both after progress, under a budget of 1. Rank 0

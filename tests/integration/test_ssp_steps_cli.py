@@ -59,6 +59,7 @@ def test_a_straggler_holds_the_fast_worker_within_the_bound_and_every_sample_is_
 
 @pytest.mark.slow
 @pytest.mark.timeout(260)
+@pytest.mark.extended  # a killed worker: test_ps_fault_tolerance
 def test_a_killed_worker_is_waited_for_restarted_and_every_sample_is_applied_once(tmp_path, cli):
     summary = run_ps(cli, tmp_path, "--inject", "kill:worker=1:step=7")
     assert summary["samples_lost"] == 0 and summary["samples_applied"] == EPOCHS * TRAIN
