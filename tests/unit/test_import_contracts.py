@@ -41,14 +41,19 @@ def broken_section(output: str) -> str:
     return output.split("Broken contracts", 1)[1] if "Broken contracts" in output else ""
 
 
+def copy_tree(root: Path) -> Path:
+    """The package, the contract types and the contracts, copied under `root`."""
+    shutil.copytree(REPO_ROOT / "src" / "disttrain", root / "src" / "disttrain",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "tools").mkdir()
+    shutil.copy(REPO_ROOT / "tools" / "import_contracts.py", root / "tools" / "import_contracts.py")
+    shutil.copy(REPO_ROOT / "pyproject.toml", root / "pyproject.toml")
+    return root
+
+
 @pytest.fixture
 def tree_copy(tmp_path) -> Path:
-    shutil.copytree(REPO_ROOT / "src" / "disttrain", tmp_path / "src" / "disttrain",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "tools").mkdir()
-    shutil.copy(REPO_ROOT / "tools" / "import_contracts.py", tmp_path / "tools" / "import_contracts.py")
-    shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    return tmp_path
+    return copy_tree(tmp_path)
 
 
 @pytest.mark.timeout(120)
@@ -87,15 +92,49 @@ BREAKAGES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def broken_tree(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict[tuple[str, str], int]]:
+    """One copy of the tree with every breakage appended, checked once (lint-imports takes
+    seconds, and it reports every broken contract with each import that breaks it): the
+    result, and the line number of each (module, line) appended."""
+    root = copy_tree(tmp_path_factory.mktemp("tree"))
+    numbers = {}
+    for module, line, _ in BREAKAGES:
+        path = root / "src" / "disttrain" / module
+        text = path.read_text()
+        path.write_text(text + f"\n{line}  # noqa: E402\n")
+        numbers[(module, line)] = text.count("\n") + 2
+    return lint_imports(root / "src", root / "pyproject.toml"), numbers
+
+
+def contract_section(output: str, prefix: str) -> str:
+    """The part of the report on broken contracts under the contract whose name starts with
+    `prefix`, up to the next contract's name, whitespace collapsed (the report wraps lines)."""
+    text = " ".join(broken_section(output).split())
+    contracts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    names = [" ".join(c["name"].split()) for c in contracts]
+    (name,) = [n for n in names if n.startswith(prefix)]
+    start = text.find(name)
+    assert start >= 0, f"{prefix} is not named broken: {text[-3000:]}"
+    ends = [text.find(other) for other in names if text.find(other) > start]
+    return text[start:min(ends, default=len(text))]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("module, line, broken", BREAKAGES, ids=[f"{m}: {line}" for m, line, _ in BREAKAGES])
-def test_breaking_a_contract_fails_the_check(tree_copy, module, line, broken):
-    path = tree_copy / "src" / "disttrain" / module
-    path.write_text(path.read_text() + f"\n{line}  # noqa: E402\n")
-    result = lint_imports(tree_copy / "src", tree_copy / "pyproject.toml")
+def test_breaking_a_contract_fails_the_check(broken_tree, module, line, broken):
+    """The appended line itself is named under the contract it breaks, by its line number."""
+    result, numbers = broken_tree
     assert result.returncode != 0
-    assert broken in broken_section(result.stdout), result.stdout[-3000:] + result.stderr[-3000:]
+    number = numbers[(module, line)]
+    section = contract_section(result.stdout, broken)
+    if broken == DISTRIBUTED:  # this contract names the offending line
+        named = f"line {number}: {line}" in section
+    else:  # the others name each import of a chain: importer -> imported (l.N)
+        importer = "disttrain." + module.removesuffix(".py").replace("/", ".")
+        named = re.search(rf"{re.escape(importer)} -> \S+ \(l\.{number}\b", section) is not None
+    assert named, section[-3000:] + result.stderr[-3000:]
 
 
 def test_every_contract_has_a_breakage():
