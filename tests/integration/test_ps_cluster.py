@@ -67,7 +67,7 @@ def test_sync_two_workers_match_one_process_on_the_concatenated_batches(tmp_path
         *EXACT_ARGS,
         "--set",
         f"ps.payload_transport={transport}",
-        *(["--local-updates"] if local else []),
+        *(["--local-updates"] if local else ["--set", "ps.overlap_trial_steps=0"]),  # overlap every step
         "--log-dir",
         tmp_path / "logs",
         "--checkpoint-dir",

@@ -66,7 +66,9 @@ STRATEGIES = [
     Strategy("baseline", ("baseline",), "baseline", ("baseline",), "baseline_final.pt",
              NUM_EPOCHS * TRAIN_SAMPLES // BATCH_SIZE),
     # Two shards: each one's push leaves during the backward pass (overlap, the default).
-    Strategy("ps-sync", ("ps", "--workers", 2, "--servers", 2, "--aggregation-mode", "sync"), "ps",
+    # overlap on every step (no trial of plain pushes): each window's overlap is checked
+    Strategy("ps-sync", ("ps", "--workers", 2, "--servers", 2, "--aggregation-mode", "sync",
+                         "--set", "ps.overlap_trial_steps=0"), "ps",
              ("worker0", "worker1"), "parameter_server_final.pt",
              NUM_EPOCHS * TRAIN_SAMPLES // BATCH_SIZE // 2),  # one version per round of 2 pushes
     Strategy("ps-async", ("ps", "--workers", 2, "--aggregation-mode", "async"), "ps",

@@ -176,7 +176,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     _ps("ps-sync", preemptible=True, resizable=True, exact_resume=True),
     _ps("ps-ssp", "ssp", "--staleness", "2", preemptible=True, resizable=True),
     _ps("ps-async", "async", preemptible=True, resizable=True),
-    _ps("ps-sync-overlap", "sync", "--set", "ps.overlap=true"),
+    _ps("ps-sync-overlap", "sync", "--set", "ps.overlap=true", "--set", "ps.overlap_trial_steps=0"),
     _ps("ps-sync-topk", "sync", "--compression-enabled", "--compression-type", "topk",
         "--compression-ratio", "0.1"),
     _ps("ps-sync-pull", "sync", "--pull-compression", "topk", "--pull-ratio", "0.1"),
