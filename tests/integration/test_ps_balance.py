@@ -76,7 +76,8 @@ def test_a_straggler_appearing_mid_run_is_re_planned_around_with_every_sample_ap
 
 @pytest.mark.slow
 @pytest.mark.timeout(160)
-@pytest.mark.parametrize("mode", ["async", "ssp"])
+# SSP balances as async does, within a bound: make test-extended runs it
+@pytest.mark.parametrize("mode", ["async", pytest.param("ssp", marks=pytest.mark.extended)])
 def test_asynchronous_workers_take_their_shares_of_every_epoch_once(tmp_path, cli, mode):
     summary = run(cli, tmp_path, "--max-train-samples", "320", "--num-epochs", "2",
                      "--aggregation-mode", mode, "--staleness", "2", "--balance", "proportional",
