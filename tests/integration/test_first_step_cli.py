@@ -70,7 +70,8 @@ def test_a_model_with_too_few_outputs_stops_before_any_process_with_its_line(tmp
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("command, returns", [
     (["baseline"], "tuple"),
-    (["ps", "--workers", "2", "--servers", "2"], "object"),
+    # an output object on the parameter server: the GPT-2 of test_hf_models; make test-extended runs it
+    pytest.param(["ps", "--workers", "2", "--servers", "2"], "object", marks=pytest.mark.extended),
     (["ddp", "--world-size", "2"], "dict"),
 ])
 def test_a_model_returning_an_output_object_a_mapping_or_a_tuple_trains_to_the_end(tmp_path, cli, model_file,

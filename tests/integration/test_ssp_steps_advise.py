@@ -14,6 +14,7 @@ ISSUE_RUN = ["advise", "--model", "simplecnn", "--dataset", "digits", "--link", 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.extended  # the same figures: tests/unit/test_advise_simulation
 def test_ssp_at_1024_workers_with_stragglers_drops_nothing_and_keeps_up_with_sync(cli):
     result = cli(*ISSUE_RUN, timeout=280)
     assert result.returncode == 0, result.stderr[-2000:]
