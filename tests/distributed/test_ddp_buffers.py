@@ -28,7 +28,9 @@ def rank_batches(config, train_set):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("local", [(), ("--local-updates", "--sync-every", 1)],
+# local updates at H = 1 with buffers: test_ddp_equivalence[local-updates-h1]; make test-extended runs it
+@pytest.mark.parametrize("local", [(), pytest.param(("--local-updates", "--sync-every", 1),
+                                                    marks=pytest.mark.extended)],
                          ids=["ddp", "local-updates-h1"])
 def test_ddp_broadcasts_rank_zero_buffers_and_matches_one_process(cli, tmp_path, local):
     result = cli("ddp", *local, "--world-size", 2, "--dataset", "digits", "--model", "mlp_bn",

@@ -175,7 +175,9 @@ def test_bert_from_transformers_trains_on_padded_rows_with_its_own_loss(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["baseline", pytest.param("ddp", marks=pytest.mark.extended)])
+# fit: test_python_api; GPT-2: the tests above
+@pytest.mark.parametrize("strategy", [pytest.param("baseline", marks=pytest.mark.extended),
+                                      pytest.param("ddp", marks=pytest.mark.extended)])
 def test_gpt2_trains_through_the_python_api(tmp_path, strategy):
     """`disttrain.fit` with the user's file named as the command line names it, GPT-2 on a
     text: the run's summary comes back, its perplexity below a uniform guess's."""
