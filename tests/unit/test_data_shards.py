@@ -16,7 +16,7 @@ from disttrain.config import TrainingConfig
 from disttrain.config.loading import load_config
 from disttrain.core.errors import ConfigError, DataError
 from disttrain.data import load_datasets
-from disttrain.data.shard_reader import ReaderLimits, ShardReader
+from disttrain.data.shard_reader import ReaderLimits, ShardFiles, ShardReader
 from disttrain.data.shards import load_shards, parse_index, shard_layout, write_shards
 
 fsspec = pytest.importorskip("fsspec")
@@ -102,7 +102,8 @@ def test_processes_sharing_a_bounded_cache_remove_the_least_recently_used_copy_o
     files = [f"train-{i:05d}.npz" for i in range(5)]
     shard_bytes = len(fsspec.filesystem("memory").cat(f"{url}/{files[0]}"))
     limits = ReaderLimits(cache_bytes=3 * shard_bytes, num_in_memory=1, num_ahead=0)
-    one, other = (ShardReader(url, files, ("x", "y"), str(tmp_path / "data"), True, limits) for _ in range(2))
+    one, other = (ShardReader(ShardFiles(url, tuple(files), ("x", "y")), str(tmp_path / "data"), True, limits)
+                  for _ in range(2))
     for shard in (1, 2, 3):
         other.arrays(shard)
     one.arrays(0)  # over the bound: the oldest use goes, shard 1
@@ -180,8 +181,8 @@ def test_the_shard_keys_are_checked_together(tmp_path):
 
 def test_a_reader_of_a_local_folder_reads_in_place(tmp_path):
     write_shards(tmp_path / "set", arrays(16), arrays(8), samples_per_shard=8)
-    reader = ShardReader(str(tmp_path / "set"), ["train-00000.npz"], ("x", "y"), str(tmp_path / "data"), True,
-                         ReaderLimits(num_ahead=0))
+    reader = ShardReader(ShardFiles(str(tmp_path / "set"), ("train-00000.npz",), ("x", "y")),
+                         str(tmp_path / "data"), True, ReaderLimits(num_ahead=0))
     assert len(reader.arrays(0)["x"]) == 8
     assert not (tmp_path / "data").exists()  # nothing copied
 

@@ -119,7 +119,8 @@ def test_a_state_of_other_shards_or_none_is_refused():
 
 def test_the_balanced_sampler_orders_by_shards_too():
     sizes = (7, 9, 8, 6)
-    planned = PlannedSampler(30, world_size=2, rank=0, seed=3, shares=(3, 2), shard_sizes=sizes)
+    planned = PlannedSampler(30, world_size=2, rank=0, seed=3, shares=(3, 2))
+    planned.read_by_shards(sizes)
     blocks = [planned.block(0, i, r) for i in range(planned.steps_per_epoch) for r in range(2)]
     assert torch.equal(torch.cat(blocks), shard_permutation(sizes, 3, 0)[:30])
     state = planned.state_dict()

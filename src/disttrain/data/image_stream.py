@@ -35,7 +35,7 @@ from disttrain.data import store_cache
 from disttrain.data.description import DatasetDescription
 from disttrain.data.image_folder import PREFIX, SPLITS, SUFFIXES, TEST_FRACTION, _image_module
 from disttrain.data.mapped import SUBSET_SEED
-from disttrain.data.shard_reader import Arrays, ShardReader
+from disttrain.data.shard_reader import Arrays, ShardContents, ShardFiles, ShardReader
 from disttrain.data.shards import ShardedArrays, ShardIndex, ShardLayout, limits_of
 
 IMAGES_PER_SHARD = 64
@@ -131,8 +131,9 @@ def _open(location: str, data_dir: str, download: bool, limits) -> tuple[ShardIn
     description = DatasetDescription.classification((channels, height, width), len(classes))
     index = ShardIndex("x", "y", description,
                        {s: [(file, len(images)) for file, images in groups[s]] for s in SPLITS})
-    reader = ShardReader(location, [file for file, _ in every], ("x", "y"), data_dir, download, limits,
-                         members=members, decode=_DecodeGroup(members, labels, (height, width, channels)))
+    contents = ShardContents(members=members, decode=_DecodeGroup(members, labels, (height, width, channels)))
+    reader = ShardReader(ShardFiles(location, tuple(file for file, _ in every), ("x", "y")), data_dir,
+                         download, limits, contents)
     return index, reader
 
 

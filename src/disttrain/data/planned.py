@@ -30,11 +30,13 @@ class PlannedSampler:
     """Rank `rank`'s pieces of the global batches, split by a plan that may change.
 
     Call `set_epoch(e)` at the start of each epoch, then iterate `batches()`; `replan()`
-    between two batches changes the split from the next one on.
+    between two batches changes the split from the next one on. A data set read shard by
+    shard is told its shards' sizes by `read_by_shards` before the first epoch (as the
+    training loop does for either sampler).
     """
 
     def __init__(self, num_samples: int, *, world_size: int, rank: int, seed: int = 0,
-                 shares: Sequence[int], shuffle: bool = True, shard_sizes: Sequence[int] | None = None):
+                 shares: Sequence[int], shuffle: bool = True):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         self.num_samples, self.world_size, self.rank = num_samples, world_size, rank
@@ -46,8 +48,6 @@ class PlannedSampler:
         self.index = 0  # batches of this epoch handed out
         self._order: tuple[int, torch.Tensor] | None = None
         self.shard_sizes: tuple[int, ...] | None = None
-        if shard_sizes is not None:
-            self.read_by_shards(shard_sizes)
 
     def read_by_shards(self, shard_sizes: Sequence[int]) -> None:
         """Order each epoch shard by shard (`data.shard_order`), as `ShardedSampler` does."""

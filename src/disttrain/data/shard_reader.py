@@ -77,21 +77,42 @@ class ReaderStats:
     names_read_ahead: list[str] = field(default_factory=list)
 
 
-class ShardReader:
-    """The shards of one data set (`files`, under `location`: a local folder or any fsspec
-    URL), read lazily within `limits`. Thread-safe; picklable (a copy starts empty)."""
+@dataclass(frozen=True)
+class ShardFiles:
+    """The shards of one data set: `files` under `location` (a local folder or any fsspec
+    URL), each holding the arrays `fields` (none: a shard's arrays are read another way,
+    see `ShardContents`)."""
 
-    def __init__(self, location: str, files: list[str], fields: tuple[str, ...], data_dir: str,
-                 download: bool, limits: ReaderLimits, read: Callable[[int], Any] | None = None,
-                 members: list[list[str]] | None = None,
-                 decode: Callable[[list[bytes], int], Arrays] | None = None):
-        self.location, self.files, self.fields = location, list(files), tuple(fields)
+    location: str
+    files: tuple[str, ...]
+    fields: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ShardContents:
+    """How a shard's arrays are had when not by reading a .npz (all None: they are).
+
+    Attributes:
+        read: a shard's contents by its number, in place of fetching and reading a .npz.
+        members: a shard of several objects (a group of images): each one's name under
+            the location, all fetched (and bounded on disk) as the shard...
+        decode: ...then `decode(their bytes, shard)`.
+    """
+
+    read: Callable[[int], Any] | None = None
+    members: list[list[str]] | None = None
+    decode: Callable[[list[bytes], int], Arrays] | None = None
+
+
+class ShardReader:
+    """The `shards` of one data set, read lazily within `limits`, fetched from a store into
+    `data_dir` when `download`. Thread-safe; picklable (a copy starts empty)."""
+
+    def __init__(self, shards: ShardFiles, data_dir: str, download: bool, limits: ReaderLimits,
+                 contents: ShardContents = ShardContents()):
+        self.location, self.files, self.fields = shards.location, list(shards.files), tuple(shards.fields)
         self.data_dir, self.download, self.limits = data_dir, download, limits
-        self.read = read  # a shard's contents by its number, in place of fetching and reading a .npz
-        # A shard of several objects (a group of images): each one's name under `location`,
-        # all fetched (and bounded on disk) as the shard, then `decode(their bytes, shard)`.
-        self.members = members
-        self.decode = decode
+        self.read, self.members, self.decode = contents.read, contents.members, contents.decode
         self._start()
 
     def _start(self) -> None:

@@ -41,7 +41,7 @@ from disttrain.core.errors import DataError
 from disttrain.data import store_cache, text
 from disttrain.data.description import LANGUAGE_MODEL, DatasetDescription
 from disttrain.data.shard_order import shard_starts
-from disttrain.data.shard_reader import ReaderLimits, ShardReader
+from disttrain.data.shard_reader import ReaderLimits, ShardFiles, ShardReader
 
 PREFIX = "shards:"
 INDEX = "index.json"
@@ -90,9 +90,17 @@ def parse_index(text: bytes | str, where: str) -> ShardIndex:
 Split = tuple[np.ndarray, np.ndarray]  # (inputs, targets)
 
 
+@dataclass(frozen=True)
+class ArrayNames:
+    """The names a shard's `.npz` gives its inputs and its targets (the index records them)."""
+
+    inputs: str = "x"
+    targets: str = "y"
+
+
 def write_shards(location: str | Path, train: Split, test: Split, samples_per_shard: int,
-                 description: DatasetDescription | dict[str, Any] | None = None, inputs: str = "x",
-                 targets: str = "y") -> str | Path:
+                 description: DatasetDescription | dict[str, Any] | None = None,
+                 names: ArrayNames = ArrayNames()) -> str | Path:
     """Write `train` and `test` (inputs, targets) as `.npz` shards of `samples_per_shard`
     rows and their `index.json` into `location` (a local folder or any fsspec URL), the
     index last, so a reader never sees an index of shards not yet written.
@@ -100,6 +108,7 @@ def write_shards(location: str | Path, train: Split, test: Split, samples_per_sh
     Args:
         description: the data set's task and shapes; by default classification of the
             inputs' row shape into `max(targets) + 1` classes.
+        names: the arrays' names in each shard.
 
     Returns:
         The spec to train on: `shards:<location>`.
@@ -114,6 +123,7 @@ def write_shards(location: str | Path, train: Split, test: Split, samples_per_sh
         classes = int(max(np.max(train[1]), np.max(test[1]))) + 1
         description = DatasetDescription.classification(tuple(train[0].shape[1:]), classes)
     description = DatasetDescription.coerce(description, "write_shards")
+    inputs, targets = names.inputs, names.targets
     index: dict[str, Any] = {"format": FORMAT, "version": VERSION, "inputs": inputs, "targets": targets,
                              "description": _description_fields(description)}
     for split, (x, y) in (("train", train), ("test", test)):
@@ -285,7 +295,8 @@ def _open(location: str, data_dir: str, download: bool, limits: ReaderLimits
                             "holds index.json (write it with disttrain.data.shards.write_shards)") from e
     index = parse_index(text, str(where))
     files = [file for split in SPLITS for file, _ in index.splits[split]]
-    reader = ShardReader(location, files, (index.inputs, index.targets), data_dir, download, limits)
+    reader = ShardReader(ShardFiles(location, tuple(files), (index.inputs, index.targets)), data_dir,
+                         download, limits)
     return index, reader
 
 

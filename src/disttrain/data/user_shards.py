@@ -28,7 +28,7 @@ import torch
 
 from disttrain.core.errors import ConfigError, DataError
 from disttrain.data.shard_order import shard_starts
-from disttrain.data.shard_reader import ReaderLimits, ShardReader
+from disttrain.data.shard_reader import ReaderLimits, ShardContents, ShardFiles, ShardReader
 
 
 def lists_shards(data: Any) -> bool:
@@ -63,8 +63,8 @@ class UserShards:
         shards = list(source.shards)
         if not shards:
             raise ConfigError(f"training.dataset: {name} lists no shards")
-        self.reader = ShardReader(name, [str(s) for s in shards], (), "", False, limits,
-                                  read=_ShardItems(source, shards))
+        self.reader = ShardReader(ShardFiles(name, tuple(str(s) for s in shards)), "", False, limits,
+                                  ShardContents(read=_ShardItems(source, shards)))
         sizes = getattr(source, "shard_sizes", None)
         if sizes is None:
             sizes = [len(self.reader.arrays(number)) for number in range(len(shards))]
