@@ -11,6 +11,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +20,28 @@ from disttrain.chaos.scenarios import Scenario
 from disttrain.chaos.schedule import draw
 
 
-def run_campaign(scenarios: list[Scenario], first_seed: int, count: int, work_dir: Path,
+@dataclass(frozen=True)
+class Campaign:
+    """Which schedules a campaign runs: `count` of them over `scenarios`, from `first_seed`,
+    each of 1 to `max_patterns` patterns."""
+
+    scenarios: tuple[Scenario, ...]
+    first_seed: int
+    count: int
+    max_patterns: int = 2
+
+
+def run_campaign(campaign: Campaign, work_dir: Path,
                  on_result: Callable[[dict[str, Any]], None] = lambda result: None,
-                 keep: bool = False, max_patterns: int = 2) -> dict[str, Any]:
-    """Run `count` schedules over `scenarios`; the campaign's JSON (see `summarize`).
+                 keep: bool = False) -> dict[str, Any]:
+    """Run the schedules of `campaign` (their runs under `work_dir`, kept with `keep`;
+    `on_result` told of each); the campaign's JSON (see `summarize`).
 
     Raises:
         RuntimeError: a scenario's fault-free run failed (nothing to compare against).
     """
+    scenarios, first_seed, count, max_patterns = (campaign.scenarios, campaign.first_seed, campaign.count,
+                                                  campaign.max_patterns)
     started = time.monotonic()
     references: dict[str, Reference] = {}
     results = []

@@ -29,6 +29,7 @@ found, one line each (none: the invariant holds).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -139,21 +140,34 @@ def check_identical(model: dict[str, Any] | None, reference_model: dict[str, Any
     return []
 
 
+@dataclass(frozen=True)
+class DdpExpectation:
+    """What the checks of a DDP run take from its schedule.
+
+    Attributes:
+        restarted: the ranks a fault may have restarted.
+        exact: whether the final model must be the fault-free run's (None: the
+            scenario's; not across a change of the number of ranks).
+        registry: whether the survivors' processes are read from the coordinator's
+            registry (not where a rank was held past the heartbeat timeout: the coordinator
+            declares it dead and counts its registering again as a restart;
+            `check_live_end` reads the launcher's own record instead).
+    """
+
+    restarted: frozenset[int] = frozenset()
+    exact: bool | None = None
+    registry: bool = True
+
+
 def check_ddp(scenario: Scenario, checkpoint_dir: Path, log_dir: Path, reference_model: dict | None,
-              restarted: Iterable[int], exact: bool | None = None, registry: bool = True) -> list[str]:
-    """DDP's promise for its recovery mode (see the module docstring); `restarted`: the
-    ranks a fault may have restarted; `exact`: whether the final model must be the
-    fault-free run's (default: the scenario's; not across a change of the number of ranks);
-    `registry`: whether the survivors' processes are read from the coordinator's registry
-    (not where a rank was held past the heartbeat timeout: the coordinator declares it
-    dead and counts its registering again as a restart; `check_live_end` reads the
-    launcher's own record instead)."""
+              expect: DdpExpectation = DdpExpectation()) -> list[str]:
+    """DDP's promise for its recovery mode (see the module docstring), as `expect` says."""
     problems, model = check_final_model(scenario, checkpoint_dir)
-    if scenario.exact if exact is None else exact:
+    if scenario.exact if expect.exact is None else expect.exact:
         problems += check_identical(model, reference_model, "restart mode")
     if scenario.mode == "live":
         problems += _live_ledger(scenario, checkpoint_dir)
-        problems += _survivors_kept(log_dir, set(restarted)) if registry else []
+        problems += _survivors_kept(log_dir, set(expect.restarted)) if expect.registry else []
     return problems
 
 

@@ -85,11 +85,23 @@ def _last_line(path: Path) -> str:
     return lines[-1] if lines else ""
 
 
+@dataclass(frozen=True)
+class FromOutside:
+    """What one launch is sent from outside while it runs: `timed` faults, a `preemption`,
+    `resizes` and `live_changes` (none: a fault-free launch)."""
+
+    timed: tuple[TimedFault, ...] = ()
+    preemption: Preemption | None = None
+    resizes: tuple[Resize, ...] = ()
+    live_changes: tuple[LiveChange, ...] = ()
+
+
 def launch(command: list[str], run_dir: Path, timeout_s: float, scenario: Scenario,
-           timed: tuple[TimedFault, ...] = (), preemption: Preemption | None = None,
-           resizes: tuple[Resize, ...] = (), live_changes: tuple[LiveChange, ...] = ()) -> Launch:
-    """Run `command` (output in `run_dir`), sending `timed` faults, `preemption`,
-    `resizes` and `live_changes`; kill it past `timeout_s`."""
+           outside: FromOutside = FromOutside()) -> Launch:
+    """Run `command` (output in `run_dir`), sending it what comes from `outside`; kill it
+    past `timeout_s`."""
+    timed, preemption, resizes, live_changes = (outside.timed, outside.preemption, outside.resizes,
+                                                outside.live_changes)
     run_dir.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex
     env = {**os.environ, TAG_ENV: tag, "PYTHONUNBUFFERED": "1"}
@@ -260,9 +272,9 @@ class _Chain:
             if schedule.preemptions:
                 command += slowed_flags(scenario, () if resume else schedule.faults)
             limit = bound_s(scenario, schedule if number == 0 else Schedule(scenario.name, 0, ()), self.ref)
-            self.last = done = launch(command, self.run_dir, limit, scenario, () if resume else timed,
-                                      preemption, () if resume else schedule.resizes,
-                                      () if resume else schedule.live_changes)
+            outside = (FromOutside(preemption=preemption) if resume else
+                       FromOutside(timed, preemption, schedule.resizes, schedule.live_changes))
+            self.last = done = launch(command, self.run_dir, limit, scenario, outside)
             first = first or done
             self.wall_s += done.wall_s
             if done.preempted is not None:  # a run may also end within the grace, exit 0
@@ -386,9 +398,9 @@ def _state_violations(scenario: Scenario, schedule: Schedule, run_dir: Path, ref
                    if f.role == "rank" and restarts(f.action, f.seconds, scenario)}
         touched |= {t.index for t in schedule.timed}
         killed = {c.slot for c in schedule.live_changes if c.action == KILL}
-        problems = invariants.check_ddp(scenario, checkpoint_dir, run_dir / "logs", ref.model, touched,
-                                        exact=scenario.exact and not resized,
-                                        registry=not schedule.live_changes)
+        expect = invariants.DdpExpectation(frozenset(touched), exact=scenario.exact and not resized,
+                                           registry=not schedule.live_changes)
+        problems = invariants.check_ddp(scenario, checkpoint_dir, run_dir / "logs", ref.model, expect)
         if schedule.live_changes:
             problems += invariants.check_live_end(scenario, summary, killed)
         if resized:

@@ -143,6 +143,17 @@ class Schedule:
                    tuple(LiveChange(**c) for c in data.get("live_changes", ())))
 
 
+@dataclass(frozen=True)
+class Extent:
+    """How long or how much a fault lasts: `seconds` (a stop, a partition, a delay; a slow
+    link's per-message delay), `factor` (a slowed process's), `until` (the worker step a
+    slowing ends at; 0: none)."""
+
+    seconds: float = 0.0
+    factor: float = 1.0
+    until: int = 0
+
+
 @dataclass
 class _Draw:
     """The state of one schedule being drawn: its random source and each process's start."""
@@ -164,16 +175,17 @@ class _Draw:
         high = self.scenario.total_steps - 2 if high is None else high
         return self.rng.randint(min(low, high), high)
 
-    def add(self, action: str, target: tuple[str, int], step: int, seconds: float = 0.0,
-            factor: float = 1.0, until: int = 0, own_step: bool = False) -> Fault:
+    def add(self, action: str, target: tuple[str, int], step: int, extent: Extent = Extent(),
+            own_step: bool = False) -> Fault:
         """A fault at worker step `step` (`own_step`: at the target's own step, a shard's
         version) on the process's current start; a fault that restarts the process (a
         kill, a crash, a hang or cut past the heartbeat timeout) moves it to its next start."""
         role, index = target
+        seconds, until = extent.seconds, extent.until
         scenario = self.scenario
         convert = (lambda s: s) if own_step else (lambda s: scenario.role_step(role, s))
         fault = Fault(action, convert(step), round(seconds, 3), None if role == "coordinator" else index,
-                      self.attempts.get(target, 0), role=role, factor=factor,
+                      self.attempts.get(target, 0), role=role, factor=extent.factor,
                       until=convert(until) if until else 0)
         self.faults.append(fault)
         if restarts(action, seconds, scenario):
@@ -279,14 +291,15 @@ def _any_fault(state: _Draw, step: int | None = None, target: tuple[str, int] | 
             return
     step = state.step() if step is None else step
     if action in ("stop", "partition"):
-        state.add(action, target, step, rng.choice((SHORT, LONG)) * scenario.heartbeat_timeout_s)
+        state.add(action, target, step, Extent(rng.choice((SHORT, LONG)) * scenario.heartbeat_timeout_s))
     elif action in ("delay-rpc", "store-error"):
-        state.add(action, target, step, round(rng.uniform(0.2, 3.0), 2))
+        state.add(action, target, step, Extent(round(rng.uniform(0.2, 3.0), 2)))
     elif action == "slow-link":
-        state.add(action, target, step, round(rng.uniform(0.002, 0.02), 3), until=step + rng.randint(2, 8))
+        state.add(action, target, step, Extent(round(rng.uniform(0.002, 0.02), 3),
+                                               until=step + rng.randint(2, 8)))
     elif action == "slow":
-        state.add(action, target, step, factor=round(rng.uniform(1.5, 4.0), 1),
-                  until=step + rng.randint(2, 8))
+        state.add(action, target, step, Extent(factor=round(rng.uniform(1.5, 4.0), 1),
+                                               until=step + rng.randint(2, 8)))
     else:
         state.add(action, target, step)
 

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     scenarios = _scenarios(args)
     if args.schedules < 1 or args.max_patterns < 1:
         raise ConfigError("--schedules and --max-patterns: give at least 1")
-    from disttrain.chaos.campaign import run_campaign
+    from disttrain.chaos.campaign import Campaign, run_campaign
     from disttrain.report.files import write_json_atomic
 
     def show(result: dict) -> None:
@@ -75,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"       violated: {violation}")
 
     try:
-        summary = run_campaign(scenarios, args.seed, args.schedules, args.work_dir, show, args.keep_runs,
-                               args.max_patterns)
+        campaign = Campaign(tuple(scenarios), args.seed, args.schedules, args.max_patterns)
+        summary = run_campaign(campaign, args.work_dir, show, args.keep_runs)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
