@@ -11,7 +11,16 @@ import math
 import pytest
 import torch
 
-from disttrain.advise import Candidate, CompressionCost, CostModel, Link, Workload, advise, candidates
+from disttrain.advise import (
+    Candidate,
+    CompressionChoices,
+    CompressionCost,
+    CostModel,
+    Link,
+    Workload,
+    advise,
+    candidates,
+)
 from disttrain.advise.comparison import candidate_of
 from disttrain.advise.payloads import compact_gap_bytes, compact_topk_nbytes
 from disttrain.compression import Compressor, two_phase
@@ -195,7 +204,8 @@ def test_the_candidates_include_every_option_the_workload_allows():
     slow = CostModel(workload(), Link(1e6, 1e-4))
     assert advise(slow, [8])[0].fastest.candidate == Candidate("ddp", "topk-compact")
     # quantization measured: int8 pseudo-gradients, gathered, half the ring's bytes at 4 ranks
-    local = advise(slow, [4], sync_every=(8,), compressions=("none",))[0].fastest.candidate
+    local = advise(slow, [4], sync_every=(8,),
+                   choices=CompressionChoices(pushes=("none",)))[0].fastest.candidate
     assert local == Candidate("ddp", "none", 0, 8, outer="int8")
 
 

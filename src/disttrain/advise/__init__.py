@@ -7,7 +7,7 @@ leave out: stragglers, backup workers, staleness, failures. `payloads` sizes Pow
 and pull compression's bytes from the model's shapes; `comparison` predicts a comparison
 report's scaling section from the comparison's own runs."""
 
-from disttrain.advise.choice import WORKER_COUNTS, Advice, advise, candidates, choose
+from disttrain.advise.choice import WORKER_COUNTS, Advice, CompressionChoices, advise, candidates, choose
 from disttrain.advise.costmodel import COMPRESSIONS, STRATEGIES, Candidate, CostModel, Prediction, RoundTrip
 from disttrain.advise.link import Link, parse_link
 from disttrain.advise.probe import ProbeServer, measure_link, measure_loopback
@@ -15,7 +15,7 @@ from disttrain.advise.simulation import SimulationResult, SimulationSetup, simul
 from disttrain.advise.step_times import StepTimes
 from disttrain.advise.workload import CompressionCost, Workload, measure_workload
 
-__all__ = ["COMPRESSIONS", "STRATEGIES", "WORKER_COUNTS", "Advice", "Candidate", "CompressionCost",
-           "CostModel", "Link", "Prediction", "ProbeServer", "RoundTrip", "SimulationResult",
-           "SimulationSetup", "StepTimes", "Workload", "advise", "candidates", "choose", "measure_link",
-           "measure_loopback", "measure_workload", "parse_link", "simulate"]
+__all__ = ["COMPRESSIONS", "STRATEGIES", "WORKER_COUNTS", "Advice", "Candidate", "CompressionChoices",
+           "CompressionCost", "CostModel", "Link", "Prediction", "ProbeServer", "RoundTrip",
+           "SimulationResult", "SimulationSetup", "StepTimes", "Workload", "advise", "candidates", "choose",
+           "measure_link", "measure_loopback", "measure_workload", "parse_link", "simulate"]

@@ -91,16 +91,24 @@ def choose(predictions: Sequence[Prediction],
     return fastest, cheapest
 
 
-def advise(model: CostModel, worker_counts: Sequence[int] = WORKER_COUNTS, max_servers: int = 64,
-           sync_every: Sequence[int] = (1,), compressions: Iterable[str] | None = None,
-           pulls: Iterable[str] | None = None, outers: Iterable[str] | None = None) -> list[Advice]:
-    """Predict every candidate at each size in `worker_counts` and choose.
+@dataclass(frozen=True)
+class CompressionChoices:
+    """The compressions advice considers: of pushes, of pulls and of pseudo-gradients (None:
+    each one the workload has a measured cost of, and none; compact top-k wherever top-k
+    is measured)."""
 
-    Args:
-        compressions, pulls, outers: push, pull and pseudo-gradient compressions to
-            consider (default: each one the workload has a measured cost of, and none;
-            compact top-k wherever top-k is measured).
-    """
+    pushes: tuple[str, ...] | None = None
+    pulls: tuple[str, ...] | None = None
+    outers: tuple[str, ...] | None = None
+
+
+def advise(model: CostModel, worker_counts: Sequence[int] = WORKER_COUNTS, max_servers: int = 64,
+           sync_every: Sequence[int] = (1,),
+           choices: CompressionChoices = CompressionChoices()) -> list[Advice]:
+    """Predict every candidate at each size in `worker_counts` (with at most `max_servers`
+    shards, each local-step count of `sync_every`, each compression of `choices`) and
+    choose."""
+    compressions, pulls, outers = choices.pushes, choices.pulls, choices.outers
     workload = model.workload
     measured = set(workload.compression) | ({"topk-compact"} if "topk" in workload.compression else set())
     if compressions is None:
