@@ -80,11 +80,11 @@ def issue_for_run(authority: Authority, folder: Path, node_id: str, role: str, r
                   ) -> tuple[Path, Path]:
     """A certificate of `authority` as `disttrain tls new` makes them, for node `node_id` in
     `role` of run `run_id` (another run than the CA's, say); (cert, key) paths."""
-    from disttrain.core.pki import NodeName
+    from disttrain.core.pki import NodeName, Signer
     from disttrain.core.pki import issue as issue_node
     key = ec.generate_private_key(ec.SECP256R1())
-    certificate = issue_node(authority.certificate, authority.key, key, NodeName(node_id, role), run_id,
-                             ["localhost", "127.0.0.1"], days=1)
+    certificate = issue_node(Signer(authority.key, authority.certificate), key, NodeName(node_id, role),
+                             run_id, ["localhost", "127.0.0.1"], days=1)
     name = f"{node_id}-{run_id}"
     cert = _write(folder / f"{name}.crt", certificate.public_bytes(serialization.Encoding.PEM))
     key_path = _write(folder / f"{name}.key", key.private_bytes(

@@ -21,6 +21,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from disttrain.core.errors import ConfigError
 from disttrain.core.identity import NODE_ROLES, SERVICE_ROLES, plain_label, run_uri, service_name
@@ -106,12 +107,12 @@ def write_run_pki(folder: Path, hosts: Sequence[str], nodes: Sequence[NodeName],
         folder.mkdir(parents=True, exist_ok=True)
         ca_key = ec.generate_private_key(ec.SECP256R1())
         ca_subject = _subject("disttrain run CA", OPERATOR)
-        ca_cert = _certificate(ca_subject, ca_key, ca_key, None, days, [], [run_uri(run_id, CA_ROLE)],
-                               ca=True)
+        ca_cert = _certificate(ca_subject, ca_key, Signer(ca_key), days,
+                               AltNames((), (run_uri(run_id, CA_ROLE),)), ca=True)
         written = [_write(folder / "ca.pem", _pem(ca_cert)), _write_key(folder / "ca.key", ca_key)]
         for node in names:
             key = ec.generate_private_key(ec.SECP256R1())
-            cert = issue(ca_cert, ca_key, key, node, run_id, hosts, days)
+            cert = issue(Signer(ca_key, ca_cert), key, node, run_id, hosts, days)
             written += [_write(folder / f"{node.node_id}.pem", _pem(cert)),
                         _write_key(folder / f"{node.node_id}.key", key)]
     except OSError as e:
@@ -119,9 +120,28 @@ def write_run_pki(folder: Path, hosts: Sequence[str], nodes: Sequence[NodeName],
     return written
 
 
-def issue(ca_cert, ca_key, key, node: NodeName, run_id: str, hosts: Sequence[str], days: int):
-    """The certificate of `node` (its public `key`) in run `run_id`, signed by the run's CA:
-    valid for `hosts` and for the services its role names (the operator's: every service)."""
+@dataclass(frozen=True)
+class Signer:
+    """Who signs a certificate: its private `key` and its certificate (None: the
+    certificate signed is its own, a CA's)."""
+
+    key: Any
+    cert: Any = None
+
+
+@dataclass(frozen=True)
+class AltNames:
+    """A certificate's subject alternative names: the `hosts` (names or addresses) and
+    `uris` it is valid for."""
+
+    hosts: tuple[str, ...]
+    uris: tuple[str, ...]
+
+
+def issue(ca: Signer, key, node: NodeName, run_id: str, hosts: Sequence[str], days: int):
+    """The certificate of `node` (its public `key`) in run `run_id`, signed by the run's
+    `ca`: valid for `hosts` and for the services its role names (the operator's: every
+    service)."""
     if node.role == OPERATOR:
         services = [name for role in SERVICE_ROLES for name in (service_name(run_id, role),
                                                                  service_name(run_id, role, "*"))]
@@ -129,8 +149,8 @@ def issue(ca_cert, ca_key, key, node: NodeName, run_id: str, hosts: Sequence[str
         services = [service_name(run_id, node.role)]
         if plain_label(node.node_id):
             services.append(service_name(run_id, node.role, node.node_id.lower()))
-    return _certificate(_subject(node.node_id, node.role), key, ca_key, ca_cert, days, [*hosts, *services],
-                        [run_uri(run_id, node.role, node.node_id)])
+    return _certificate(_subject(node.node_id, node.role), key, ca, days,
+                        AltNames((*hosts, *services), (run_uri(run_id, node.role, node.node_id),)))
 
 
 def _subject(common_name: str, role: str):
@@ -149,21 +169,21 @@ def _alternative_name(host: str):
         return x509.DNSName(host)
 
 
-def _certificate(subject, key, issuer_key, issuer_cert, days: int, hosts: Sequence[str], uris: Sequence[str],
-                 ca: bool = False):
+def _certificate(subject, key, signer: Signer, days: int, names: AltNames, ca: bool = False):
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID
     now = datetime.datetime.now(datetime.UTC)
     builder = (x509.CertificateBuilder().subject_name(subject)
-               .issuer_name(issuer_cert.subject if issuer_cert is not None else subject)
+               .issuer_name(signer.cert.subject if signer.cert is not None else subject)
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
                .not_valid_before(now - datetime.timedelta(minutes=5))
                .not_valid_after(now + datetime.timedelta(days=days))
                .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True))
-    names = [*(_alternative_name(h) for h in hosts), *(x509.UniformResourceIdentifier(u) for u in uris)]
-    if names:
-        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    alternatives = [*(_alternative_name(h) for h in names.hosts),
+                    *(x509.UniformResourceIdentifier(u) for u in names.uris)]
+    if alternatives:
+        builder = builder.add_extension(x509.SubjectAlternativeName(alternatives), critical=False)
     if ca:
         builder = builder.add_extension(x509.KeyUsage(
             digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
@@ -172,7 +192,7 @@ def _certificate(subject, key, issuer_key, issuer_cert, days: int, hosts: Sequen
     else:
         usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
         builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
+    return builder.sign(signer.key, hashes.SHA256())
 
 
 def _pem(certificate) -> bytes:
