@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
+from dataclasses import dataclass
 from html import escape
 from typing import Any
 
@@ -27,19 +28,32 @@ figure { margin: 1.5em 0; } img { max-width: 100%; height: auto; border: 1px sol
 """
 
 
-def html_page(meta: dict[str, Any], rows: Sequence[dict[str, Any]], target: TimeToTarget,
-              plots: Sequence[Plot], rankings: dict[str, Any], extra: str = "") -> str:
-    """The page.
+@dataclass(frozen=True)
+class ReportBody:
+    """What every page of a report shows.
 
-    Args:
+    Attributes:
         meta: dataset, created, command (a list) of the comparison.
-        rows, rankings: as in report.json; plots: the PNG files to inline.
+        rows, rankings: as in report.json.
         target: the figure the table times, with its targets.
-        extra: HTML of further sections, after the plots (the advice section).
+        plots: the PNG files drawn.
+    """
+
+    meta: dict[str, Any]
+    rows: Sequence[dict[str, Any]]
+    target: TimeToTarget
+    plots: Sequence[Plot]
+    rankings: dict[str, Any]
+
+
+def html_page(body: ReportBody, extra: str = "") -> str:
+    """The page of `body`, its plots inlined; `extra`: HTML of further sections, after the
+    plots (the advice section).
 
     Raises:
         OSError: a plot file cannot be read.
     """
+    meta, rows, target, plots, rankings = body.meta, body.rows, body.target, body.plots, body.rankings
     command = " ".join(meta.get("command") or [])
     parts = [
         "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',

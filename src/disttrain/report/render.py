@@ -12,13 +12,12 @@ status and error, and in no plot. Rendering again replaces every file it writes.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from disttrain.core.errors import InputFileError
-from disttrain.metrics.time_to_target import ACCURACY, PERPLEXITY, TimeToTarget
+from disttrain.metrics.time_to_target import ACCURACY, PERPLEXITY
 from disttrain.report.advice import AdviceSection, Advisor, advice_html, advice_markdown, draw_advice
 from disttrain.report.figures import (
     OK,
@@ -28,8 +27,8 @@ from disttrain.report.figures import (
     run_row,
 )
 from disttrain.report.files import read_json_file, write_file_atomic, write_json_atomic
-from disttrain.report.html import html_page
-from disttrain.report.plots import Plot, draw_plots, run_colors
+from disttrain.report.html import ReportBody, html_page
+from disttrain.report.plots import draw_plots, run_colors
 from disttrain.report.runs import is_number, load_run
 from disttrain.report.table import language_models, legend, markdown_table, ranking_lines, text_table
 
@@ -93,10 +92,9 @@ def render_comparison(folder: str | Path, advisor: Advisor | None = None) -> Ren
         "advice": advice.to_dict() if advice is not None else None,
     }
     json_path = write_json_atomic(folder / REPORT_JSON, report)
-    markdown_path = write_file_atomic(folder / REPORT_MARKDOWN,
-                                      markdown_page(meta, rows, target, plots, ranked, folder, advice))
-    html_path = write_file_atomic(folder / REPORT_HTML, html_page(meta, rows, target, plots, ranked,
-                                                                   advice_html(advice)))
+    body = ReportBody(meta, rows, target, plots, ranked)
+    markdown_path = write_file_atomic(folder / REPORT_MARKDOWN, markdown_page(body, folder, advice))
+    html_path = write_file_atomic(folder / REPORT_HTML, html_page(body, advice_html(advice)))
     return RenderedReport(table=text_table(rows, target), html_path=html_path, json_path=json_path,
                           markdown_path=markdown_path, plots=[plot.path for plot in plots])
 
@@ -155,10 +153,9 @@ def _check_entry(entry: Any, where: str) -> None:
                              f"not {entry['workers']!r}")
 
 
-def markdown_page(meta: dict[str, Any], rows: Sequence[dict[str, Any]], target: TimeToTarget,
-                  plots: Sequence[Plot], ranked: dict[str, Any], folder: Path,
-                  advice: AdviceSection | None = None) -> str:
-    """report.md: the table, the rankings and the plots linked (relative to the folder)."""
+def markdown_page(body: ReportBody, folder: Path, advice: AdviceSection | None = None) -> str:
+    """report.md: the table, the rankings and the plots linked (relative to `folder`)."""
+    meta, rows, target, plots, ranked = body.meta, body.rows, body.target, body.plots, body.rankings
     command = " ".join(meta.get("command") or [])
     lines = [f"# disttrain comparison on {meta.get('dataset') or '?'}", "",
              f"created {meta.get('created') or '?'}" + (f": `{command}`" if command else ""), "",
