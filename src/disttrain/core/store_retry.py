@@ -135,8 +135,7 @@ def describe(error: BaseException) -> str:
 
 
 def retried(call: Callable[[], T], store: str | Path, doing: str,
-            retry_if: Callable[[BaseException], bool] = is_store_error,
-            sleep: Callable[[float], None] = tenacity.nap.sleep, window: float | None = None,
+            retry_if: Callable[[BaseException], bool] = is_store_error, window: float | None = None,
             kind: str = "checkpoint store") -> T:
     """`call()`, tried again with back-off while it raises an error `retry_if` accepts.
 
@@ -169,7 +168,7 @@ def retried(call: Callable[[], T], store: str | Path, doing: str,
                                        max=min(LONGEST_WAIT_S, max(FIRST_WAIT_S, window / 4)))
         + tenacity.wait_random(0, FIRST_WAIT_S),
         stop=tenacity.stop_before_delay(window) if window > 0 else tenacity.stop_after_attempt(1),
-        before_sleep=before_sleep, sleep=sleep, reraise=True)
+        before_sleep=before_sleep, reraise=True)
     attempts = 0
 
     def counted() -> T:
