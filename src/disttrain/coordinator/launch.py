@@ -19,9 +19,8 @@ import tenacity
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.registry import Registry, RegistryError, read_status
 from disttrain.core.auth import TOKEN_ENV
-from disttrain.core.faults import Fault
 from disttrain.core.identity import node_token
-from disttrain.core.process_spec import ProcessSpec
+from disttrain.core.process_spec import PassedOn, ProcessSpec
 from disttrain.core.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
@@ -62,13 +61,14 @@ def run_registry(log_dir: Path) -> Path:
     return registry
 
 
-def coordinator_spec(config_path: Path, registry: Path, bind: str, faults: tuple[Fault, ...] = (),
-                     attempt: int = 0, tls: TlsFiles | None = None, verbose: bool = False) -> ProcessSpec:
+def coordinator_spec(config_path: Path, registry: Path, bind: str, attempt: int,
+                     passed: PassedOn) -> ProcessSpec:
     """The `disttrain coordinator` process of a run: its settings from `config_path`,
-    listening on `bind` (port 0: a free one, which it reports), its state in `registry`.
-    Of `faults`, it fires those meant for the coordinator (on its `attempt`-th start)."""
-    return ProcessSpec("coordinator", config=config_path, bind=bind, registry=registry, faults=faults,
-                       attempt=attempt, tls=tls or TlsFiles(), verbose=verbose)
+    listening on `bind` (port 0: a free one, which it reports), its state in `registry`,
+    with what its launcher `passed` on. Of the faults, it fires those meant for the
+    coordinator (on its `attempt`-th start)."""
+    return ProcessSpec("coordinator", config=config_path, bind=bind, registry=registry, faults=passed.faults,
+                       attempt=attempt, tls=passed.tls, verbose=passed.verbose)
 
 
 def token_env(secret: str) -> Callable[[ProcessSpec], dict[str, str]]:

@@ -53,6 +53,16 @@ FLAGS = Flags()
 
 
 @dataclass(frozen=True)
+class PassedOn:
+    """What a launcher passes on to each child it starts, from its own command line: the
+    faults to inject (each child keeps those meant for it), its TLS files, debug logging."""
+
+    faults: tuple[Fault, ...] = ()
+    tls: TlsFiles = TlsFiles()
+    verbose: bool = False
+
+
+@dataclass(frozen=True)
 class ProcessSpec:
     """One process to start.
 

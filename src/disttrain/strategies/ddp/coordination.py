@@ -28,6 +28,7 @@ from disttrain.config import Config
 from disttrain.coordinator.launch import ExitReports, coordinator_spec, run_registry
 from disttrain.core.auth import TOKEN_ENV, new_token
 from disttrain.core.faults import Fault
+from disttrain.core.process_spec import PassedOn
 from disttrain.core.processes import Cluster
 from disttrain.core.tls import TlsFiles
 from disttrain.strategies.ddp.heartbeats import node_id
@@ -108,7 +109,7 @@ def run_coordinator(config: Config, config_path: Path, token: str | None = None,
     log_dir = Path(config.system.log_dir)
     registry = run_registry(log_dir)
     with Cluster(log_dir, env={TOKEN_ENV: token}) as cluster:
-        cluster.spawn("coordinator", coordinator_spec(config_path, registry, BIND, faults, tls=tls))
+        cluster.spawn("coordinator", coordinator_spec(config_path, registry, BIND, 0, PassedOn(faults, tls)))
         address = cluster.wait_listening("coordinator")
         logger.info("coordinator listening on %s (registry %s)", address, registry)
         coordinator = RunCoordinator(config.replace(coordinator={"address": address}), local_ranks, registry,

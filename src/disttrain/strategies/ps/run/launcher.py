@@ -49,7 +49,7 @@ from disttrain.core.errors import (
     Preempted,
     store_failure,
 )
-from disttrain.core.process_spec import ProcessSpec
+from disttrain.core.process_spec import PassedOn, ProcessSpec
 from disttrain.core.processes import Cluster, raise_on_sigterm
 from disttrain.core.store_check import check_checkpoint_dir
 from disttrain.metrics.summary import SUMMARY_FILE, RunSummary
@@ -300,8 +300,9 @@ class ClusterRun:
 
     def _start_coordinator(self, registry: Path) -> str:
         options = self.options
+        passed = PassedOn(options.faults, options.tls, options.verbose)
         bind = self._start_server("coordinator", lambda attempt, bind: coordinator_spec(
-            self.config_path, registry, bind, options.faults, attempt, options.tls, options.verbose))
+            self.config_path, registry, bind, attempt, passed))
         address = self._listening("coordinator", bind)
         logger.info("coordinator listening on %s (registry %s)", address, registry)
         return address
