@@ -13,6 +13,10 @@ spec string (`mlp`, `digits`, `my_model.py:build`, `package.module:build`), or a
 (or class) defined at module level, which `factory_spec` turns into its spec. What
 cannot be imported by name in another process (a lambda, a nested function, a bound
 method, a model instance) is refused with one line saying what to do instead.
+
+`fit` and `compare` take keyword arguments, as Hugging Face's `Trainer` does: those
+keywords are the user-facing surface, so they stay keywords (the one exception to the
+project's rule of at most six parameters, which elsewhere a typed value carries).
 """
 
 from __future__ import annotations
