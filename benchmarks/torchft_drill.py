@@ -34,6 +34,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -51,6 +52,10 @@ from common import parse_args, report
 WORLD_SIZE, BATCH, SEED, LR = 3, 16, 1, 0.003
 KILLED, KILL_STEP, STRAGGLER, FACTOR = 1, 10, 0, 10.0
 HEARTBEAT_S, HEARTBEAT_TIMEOUT_S = 0.2, 1.0  # disttrain's coordinator; torchft's lighthouse alike
+# How long torchft's lighthouse waits for a live replica that has not asked to join a step's
+# quorum (its default): set to the heartbeat timeout, it left the straggler out of a quorum
+# at a step that took it longer, and the others finished the run without it.
+JOIN_TIMEOUT_S = 60.0
 COLLECTIVE_TIMEOUT_S = 60
 RUN_TIMEOUT_S = 900
 
@@ -117,13 +122,13 @@ def replica(slot: int, attempt: int, lighthouse: str, folder: Path, num_epochs: 
     from torch.distributed import TCPStore
     from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
 
-    from disttrain.training.models import build_for
+    from disttrain.training import build_model
 
     torch.set_num_threads(1)
     training, train, test = digits()
     total_steps = num_epochs * steps_per_epoch(len(train))
     torch.manual_seed(SEED)
-    model = build_for("mlp", train.description, training)
+    model = build_model("mlp", train.input_shape, train.num_classes, training)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     log = (folder / f"replica{slot}-{attempt}.jsonl").open("a", buffering=1)
 
@@ -206,9 +211,8 @@ def torchft_run(folder: Path, num_epochs: int, exchange: str) -> dict[str, Any]:
     from torchft.coordination import LighthouseServer
 
     folder.mkdir(parents=True, exist_ok=True)
-    ms = int(HEARTBEAT_TIMEOUT_S * 1000)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=ms, quorum_tick_ms=100,
-                                  heartbeat_timeout_ms=ms)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=int(JOIN_TIMEOUT_S * 1000),
+                                  quorum_tick_ms=100, heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000))
     started_at: dict[int, list[float]] = {}
     pids: dict[int, list[int]] = {}
     deaths: list[tuple[float, int, int]] = []  # (when, slot, exit status)
@@ -271,7 +275,13 @@ def torchft_run(folder: Path, num_epochs: int, exchange: str) -> dict[str, Any]:
 def last_error(folder: Path, slot: int) -> list[str]:
     """The lines of a replica's output that name an error, and the torchft frame it failed in."""
     text = (folder / f"replica{slot}-0.err").read_text().splitlines()
-    return [line.strip() for line in text if "Error" in line or "torchft/" in line][-4:]
+    return [package_path(line.strip()) for line in text if "Error" in line or "torchft/" in line][-4:]
+
+
+def package_path(line: str) -> str:
+    """A traceback line with its file named from the package down (`torchft/ddp.py`), not
+    by where this machine installed it."""
+    return re.sub(r'File "[^"]*/site-packages/', 'File "', line)
 
 
 def events(folder: Path, slot: int, attempt: int) -> list[dict[str, Any]]:
@@ -384,7 +394,8 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--epochs", type=int, default=8, help="epochs of the digits per drill (default 8)")
+    parser.add_argument("--epochs", type=int, help="epochs of the digits per drill (default 16, --quick 8: "
+                        "the run outlasts a new process starting up on a loaded machine)")
     parser.add_argument("--keep", type=Path, help="keep the runs' folders here (default: a temporary one)")
     for name, kind in (("--replica", int), ("--attempt", int), ("--lighthouse", str), ("--folder", Path),
                        ("--exchange", str)):  # a replica's process
@@ -393,6 +404,7 @@ def flags(parser: argparse.ArgumentParser) -> None:
 
 def main() -> None:
     args = parse_args(__doc__.split("\n\n")[0], flags)
+    args.epochs = args.epochs or (8 if args.quick else 16)
     if args.replica is not None:
         replica(args.replica, args.attempt or 0, args.lighthouse, args.folder, args.epochs, args.exchange)
         return
@@ -416,6 +428,7 @@ def main() -> None:
                   "epochs": args.epochs, "model": "mlp", "dataset": "digits", "killed": KILLED,
                   "kill_step": KILL_STEP, "straggler": STRAGGLER, "straggle_factor": FACTOR,
                   "heartbeat_s": HEARTBEAT_S, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+                  "torchft_join_timeout_s": JOIN_TIMEOUT_S,
                   "restarts": "the killed replica once, as soon as its exit is seen"},
         "torchft_version": torchft_version(),
         "runs": runs, "medians": {name: medians(value) for name, value in runs.items()},
