@@ -256,8 +256,9 @@ class LiveTrainer:
                             self.progress.step)
         self.sampler = PlannedSampler(len(self.train_set), world_size=world_size, rank=rank,
                                       seed=self.config.training.seed,
-                                      shares=shares or split_batch(self.global_batch, world_size),
-                                      shard_sizes=None if self.shards is None else self.shards.shard_sizes)
+                                      shares=shares or split_batch(self.global_batch, world_size))
+        if self.shards is not None:
+            self.sampler.read_by_shards(self.shards.shard_sizes)
         self._follow(self.sampler)
         self.world_size = world_size
         if self.balance is not None:
