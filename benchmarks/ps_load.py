@@ -43,7 +43,7 @@ from common import parse_args, report
 
 from disttrain.config import Config, CoordinatorConfig, config_from_dict
 from disttrain.coordinator import CoordinatorServer
-from disttrain.core import Cluster, DistributedError, new_token, node_token, with_token
+from disttrain.core import Cluster, Credentials, DistributedError, new_token, node_token, with_token
 from disttrain.proto import coordinator_pb2 as cpb
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.proto import tensor_pb2
@@ -413,7 +413,8 @@ def serve_coordinator(registry: Path, secret: str, stop, started) -> None:
     """A coordinator requiring the run's credentials, until `stop`; its address on `started`."""
     torch.set_num_threads(1)
     server = CoordinatorServer(CoordinatorConfig(heartbeat_interval=60.0, heartbeat_timeout=3600.0,
-                                                 reassign_after=None), "127.0.0.1:0", registry, token=secret)
+                                                 reassign_after=None), "127.0.0.1:0", registry,
+                               credentials=Credentials(secret))
     started.put(server.address)
     stop.wait()
     server.stop(0)

@@ -46,10 +46,11 @@ from disttrain.coordinator.service import CoordinatorServer
 from disttrain.core import access
 from disttrain.core.auth import METADATA_KEY, SCHEME, new_token
 from disttrain.core.channels import channel_credentials
+from disttrain.core.credentials import Credentials
 from disttrain.core.identity import OPERATOR, Caller, NotPermitted, node_token
 from disttrain.core.pki import NodeName, write_run_pki
 from disttrain.core.rpc_access import check_service
-from disttrain.core.rpc_server import RpcServer
+from disttrain.core.rpc_server import RpcServer, ServerLimits
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import coordinator_pb2 as cpb
 from disttrain.proto import parameter_server_pb2 as pb
@@ -528,7 +529,8 @@ def coordinator(tmp_path, mode) -> Iterator[Target]:
     """A coordinator requiring the run's credentials (`mode`), with every node kind
     registered by itself."""
     config = CoordinatorConfig(heartbeat_interval=60.0, heartbeat_timeout=3600.0, reassign_after=None)
-    server = CoordinatorServer(config, "127.0.0.1:0", tmp_path / "cluster.db", **mode.server_options())
+    server = CoordinatorServer(config, "127.0.0.1:0", tmp_path / "cluster.db",
+                               credentials=Credentials(**mode.server_options()))
 
     def snapshot():
         status = copy.deepcopy(server.state.status())
@@ -560,7 +562,7 @@ def shard(tmp_path, mode) -> Iterator[tuple[ShardServer, Target]]:
         "system": {"num_workers": 2, "checkpoint_dir": str(tmp_path / "ckpt")},
         "ps": {"aggregation_mode": "async"}})
     server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", long_poll_cap_s=5.0,
-                         **mode.server_options())
+                         credentials=Credentials(**mode.server_options()))
     state = server.state
     target = Target(server.address, lambda: (state.state_dict(), state.status(),
                                              dict(state.identities._sessions), server.stopped.is_set()),
@@ -664,7 +666,7 @@ def test_a_method_without_a_row_is_refused_whoever_calls():
                                                    response_serializer=wire.identity)
     handler = grpc.method_handlers_generic_handler("test.Unlisted", {"Anything": anything})
     for token, credential in ((SECRET, bearer(SECRET)), (None, None)):
-        server = RpcServer(handler, "test.Unlisted", "127.0.0.1:0", 2, token=token)
+        server = RpcServer(handler, "test.Unlisted", "127.0.0.1:0", ServerLimits(2), Credentials(token))
         try:
             metadata = None if credential is None else [(METADATA_KEY, credential)]
             with grpc.insecure_channel(server.address) as channel:

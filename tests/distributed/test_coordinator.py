@@ -18,8 +18,8 @@ from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.background import HeartbeatSender, MembershipWatcher
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.registry import read_status
-from disttrain.coordinator.reports import LatestMetrics, NodeMetrics, NodeProgress
-from disttrain.coordinator.service import CoordinatorServer
+from disttrain.coordinator.reports import LatestMetrics, NodeIdentity, NodeMetrics, NodeProgress, NodeReports
+from disttrain.coordinator.service import CoordinatorHooks, CoordinatorServer
 from disttrain.proto import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
@@ -50,7 +50,7 @@ class Recorder:
 def coordinator(tmp_path):
     recorder = Recorder()
     server = CoordinatorServer(CONFIG, "127.0.0.1:0", tmp_path / "registry.db",
-                               on_step=recorder.on_step, on_failure=recorder.on_failure)
+                               CoordinatorHooks(recorder.on_step, recorder.on_failure))
     client = CoordinatorClient(server.address, timeout_s=5.0)
     yield server, client, recorder
     client.close()
@@ -127,8 +127,8 @@ def test_bad_role_is_invalid_argument(coordinator):
 def test_a_second_live_process_cannot_take_an_id(coordinator):
     server, client, recorder = coordinator
     client.register("worker-0", "worker")
-    sender = HeartbeatSender(client, "worker-0", "worker", INTERVAL_S, lambda: NodeProgress(0, 0, 0),
-                             lambda: None)
+    sender = HeartbeatSender(client, NodeIdentity("worker-0", "worker"), INTERVAL_S,
+                             NodeReports(lambda: NodeProgress(0, 0, 0)), lambda: None)
     sender.start()
     try:
         code = ("import sys; from disttrain.coordinator.client import CoordinatorClient, CoordinatorError\n"
@@ -166,7 +166,8 @@ def test_the_sender_reports_progress_and_hears_it_was_declared_dead(coordinator)
         return NodeProgress(0, position["step"], 32 * position["step"])
 
     dead = threading.Event()
-    sender = HeartbeatSender(client, "worker-0", "worker", INTERVAL_S, progress, dead.set)
+    sender = HeartbeatSender(client, NodeIdentity("worker-0", "worker"), INTERVAL_S, NodeReports(progress),
+                             dead.set)
     sender.start()
     try:
         while recorder.max_step < 3:
@@ -189,7 +190,8 @@ def test_step_time_counts_seconds_of_work_when_given(coordinator):
         position["step"] += 2
         return NodeProgress(0, position["step"], 0, work_s=0.05 * position["step"])  # waits left out
 
-    sender = HeartbeatSender(client, "worker-0", "worker", INTERVAL_S, progress, lambda: None)
+    sender = HeartbeatSender(client, NodeIdentity("worker-0", "worker"), INTERVAL_S, NodeReports(progress),
+                             lambda: None)
     sender.start()
     try:
         while recorder.max_step < 4:
@@ -204,8 +206,8 @@ def test_the_sender_registers_again_with_a_coordinator_that_lost_its_registry(tm
     first = CoordinatorServer(CONFIG, "127.0.0.1:0", tmp_path / "one.db")
     client = CoordinatorClient(first.address, timeout_s=1.0)
     client.register("worker-0", "worker", rank=2)
-    sender = HeartbeatSender(client, "worker-0", "worker", INTERVAL_S, lambda: NodeProgress(0, 5, 0),
-                             lambda: None, rank=2)
+    sender = HeartbeatSender(client, NodeIdentity("worker-0", "worker", rank=2), INTERVAL_S,
+                             NodeReports(lambda: NodeProgress(0, 5, 0)), lambda: None)
     sender.start()
     first.stop(0)
     second = CoordinatorServer(CONFIG, first.address, tmp_path / "two.db")  # same port, empty registry
@@ -304,8 +306,8 @@ def test_the_sender_reports_new_metrics_once_and_status_and_registry_keep_the_la
     reported: list[int] = []
     report = client.report_metrics
     client.report_metrics = lambda node_id, latest: (reported.append(latest.step), report(node_id, latest))[1]
-    sender = HeartbeatSender(client, "worker-0", "worker", INTERVAL_S, lambda: NodeProgress(0, 0, 0),
-                             lambda: None, metrics=metrics.latest)
+    sender = HeartbeatSender(client, NodeIdentity("worker-0", "worker"), INTERVAL_S,
+                             NodeReports(lambda: NodeProgress(0, 0, 0), metrics.latest), lambda: None)
     assert sender._beat() and reported == []  # noqa: SLF001 - one heartbeat; nothing logged yet
     metrics.publish(10, 0, {"loss/train": 0.9, "throughput/samples_per_s": 512.0})
     metrics.publish(12, 0, {"loss/test": 0.8, "accuracy/test": 0.75})
@@ -327,8 +329,8 @@ def test_metrics_of_an_unknown_node_or_not_finite_are_refused_and_the_sender_tri
     _, client, _ = coordinator
     metrics = LatestMetrics()
     metrics.publish(5, 0, {"loss/train": 1.5})
-    sender = HeartbeatSender(client, "ghost", "worker", INTERVAL_S, lambda: NodeProgress(0, 5, 0),
-                             lambda: None, metrics=metrics.latest)
+    sender = HeartbeatSender(client, NodeIdentity("ghost", "worker"), INTERVAL_S,
+                             NodeReports(lambda: NodeProgress(0, 5, 0), metrics.latest), lambda: None)
     with pytest.raises(CoordinatorError, match="register") as caught:
         client.report_metrics("ghost", metrics.latest())
     assert caught.value.code == grpc.StatusCode.NOT_FOUND

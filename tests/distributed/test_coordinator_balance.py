@@ -14,12 +14,12 @@ import threading
 import pytest
 
 from disttrain.cli import status
-from disttrain.config.schema import CoordinatorConfig
+from disttrain.config.schema import CoordinatorConfig, SystemConfig
 from disttrain.coordinator.background import HeartbeatSender
 from disttrain.coordinator.client import CoordinatorClient
 from disttrain.coordinator.registry import read_status
-from disttrain.coordinator.reports import BalanceState, NodeProgress
-from disttrain.coordinator.service import CoordinatorServer
+from disttrain.coordinator.reports import BalanceState, NodeIdentity, NodeProgress, NodeReports
+from disttrain.coordinator.service import CoordinatorHooks, CoordinatorServer
 from disttrain.data import PlannedSampler
 from disttrain.strategies.ddp.heartbeats import LoopProgress, RankLink
 from disttrain.training.checkpoints import Position
@@ -47,8 +47,8 @@ class Node:
         client.register(node_id, "worker", rank=int(node_id.rpartition("-")[2]))
         self.step, self.timed = 0, timed
         self.balance: BalanceState | None = None
-        self.sender = HeartbeatSender(client, node_id, "worker", CONFIG.heartbeat_interval, self.progress,
-                                      lambda: None)
+        self.sender = HeartbeatSender(client, NodeIdentity(node_id, "worker"), CONFIG.heartbeat_interval,
+                                      NodeReports(self.progress), lambda: None)
 
     def progress(self) -> NodeProgress:
         work_s = 0.01 * self.step if self.timed else None
@@ -107,13 +107,14 @@ def test_progress_without_balance_still_heartbeats(coordinator, timed):
 
 def test_a_ddp_rank_sends_its_balance_state_and_its_final_heartbeat_its_metrics(tmp_path):
     heard = threading.Event()
-    server = CoordinatorServer(CONFIG, "127.0.0.1:0", tmp_path / "registry.db", on_step=lambda _: heard.set())
+    server = CoordinatorServer(CONFIG, "127.0.0.1:0", tmp_path / "registry.db",
+                               CoordinatorHooks(on_step=lambda _: heard.set()))
     client = CoordinatorClient(server.address, timeout_s=5.0)
     progress = LoopProgress(Position(), num_epochs=2)
     sampler = PlannedSampler(640, world_size=2, rank=0, seed=1, shares=(40, 24))
     speeds: list[float] = []  # what the re-plan's gather answers
-    progress.rebalancer = Rebalancer(sampler, "proportional", 0.2, 1, lambda name, mine, step: speeds,
-                                     warmup_speed=640.0)
+    system = SystemConfig(balance="proportional", balance_margin=0.2, balance_interval=1)
+    progress.rebalancer = Rebalancer(sampler, system, lambda name, mine, step: speeds, warmup_speed=640.0)
     # One heartbeat at its start, then none for 30 s: the next one is the final one.
     settings = CoordinatorConfig(heartbeat_interval=30.0, heartbeat_timeout=60.0)
     link = RankLink(CoordinatorClient(server.address, timeout_s=5.0), settings, 1, 0, progress)

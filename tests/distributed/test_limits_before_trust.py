@@ -21,6 +21,7 @@ from disttrain.coordinator.client import method_path
 from disttrain.coordinator.service import CoordinatorServer
 from disttrain.core import auth
 from disttrain.core.auth import METADATA_KEY, SCHEME
+from disttrain.core.credentials import Credentials
 from disttrain.core.identity import PREFIX, SEPARATOR
 from disttrain.core.logs import setup_logging
 from disttrain.core.refusal_log import PERIOD_S
@@ -44,12 +45,13 @@ SHARD = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     from disttrain.config import config_from_dict
+    from disttrain.core.credentials import Credentials
     from disttrain.strategies.ps.run.server import build_state
     from disttrain.strategies.ps.server.servicer import ShardServer
     config = config_from_dict({
         "training": {"dataset": "digits", "model_architecture": "mlp"},
         "system": {"num_workers": 1, "checkpoint_dir": sys.argv[1]}})
-    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", token="the-run-token")
+    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", credentials=Credentials("the-run-token"))
     print(server.address, flush=True)
     for _ in sys.stdin:
         status = open("/proc/self/status").read()
@@ -119,7 +121,8 @@ CREDENTIALS = st.one_of(
 @pytest.fixture(scope="module")
 def coordinator(tmp_path_factory):
     server = CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0",
-                               tmp_path_factory.mktemp("malformed") / "registry.db", token=SECRET)
+                               tmp_path_factory.mktemp("malformed") / "registry.db",
+                               credentials=Credentials(SECRET))
     channel = grpc.insecure_channel(server.address)
     yield server, channel
     channel.close()

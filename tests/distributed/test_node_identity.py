@@ -16,10 +16,11 @@ from disttrain.config import config_from_dict
 from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.node_info import heartbeat_message
-from disttrain.coordinator.reports import NodeProgress
+from disttrain.coordinator.reports import NodeIdentity, NodeProgress, NodeReports
 from disttrain.coordinator.service import CoordinatorServer
 from disttrain.core.auth import new_token
 from disttrain.core.channels import open_channel
+from disttrain.core.credentials import Credentials
 from disttrain.core.identity import node_token
 from disttrain.core.pki import NodeName, write_run_pki
 from disttrain.core.tls import TlsFiles
@@ -60,7 +61,8 @@ def coordinator(request, tmp_path):
     """A coordinator requiring the run's token or mutual TLS; worker A's and worker B's
     clients (each with its own identity), and the operator's."""
     if request.param == "node token":
-        server = CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0", tmp_path / "cluster.db", token=SECRET)
+        server = CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0", tmp_path / "cluster.db",
+                                   credentials=Credentials(SECRET))
         clients = {name: CoordinatorClient(server.address, token=node_token(SECRET, name, "worker"))
                    for name in ("worker0", "worker1")}
         clients["operator"] = CoordinatorClient(server.address, token=SECRET)
@@ -72,7 +74,7 @@ def coordinator(request, tmp_path):
         def files(name: str) -> TlsFiles:
             return TlsFiles(str(certs / f"{name}.pem"), str(certs / f"{name}.key"), str(certs / "ca.pem"))
         server = CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0", tmp_path / "cluster.db",
-                                   tls=files("server"))
+                                   credentials=Credentials(tls=files("server")))
         clients = {name: CoordinatorClient(server.address, tls=files(name))
                    for name in ("worker0", "worker1")}
         clients["operator"] = CoordinatorClient(server.address, tls=files("server"))
@@ -108,11 +110,13 @@ def test_a_shard_holding_the_secret_calls_the_coordinator_in_its_own_name(tmp_pa
     """A shard is handed the run's secret (it checks the workers' node tokens with it), but
     its tie to the coordinator calls as node server0 (role server), not as the operator:
     it cannot end a worker."""
-    server = CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0", tmp_path / "cluster.db", token=SECRET)
+    server = CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0", tmp_path / "cluster.db",
+                               credentials=Credentials(SECRET))
     operator = CoordinatorClient(server.address, token=SECRET)
     worker = CoordinatorClient(server.address, token=node_token(SECRET, "worker0", "worker"))
-    link = join(CoordinatorConfig(address=server.address, heartbeat_interval=60.0), "server0", "server", 0,
-                lambda: NodeProgress(0, 0, 0), "127.0.0.1:1", token=SECRET)
+    link = join(CoordinatorConfig(address=server.address, heartbeat_interval=60.0),
+                NodeIdentity("server0", "server", 0, "127.0.0.1:1"),
+                NodeReports(lambda: NodeProgress(0, 0, 0)), credentials=Credentials(SECRET))
     try:
         worker.register("worker0", "worker", retry_s=0)
         denied(lambda: link.client.report_exit("worker0", 1, "forged"), "server0 (server)", "'worker0'")
@@ -136,7 +140,7 @@ def shard(tmp_path):
                      "learning_rate": 0.1, "checkpoint_interval": 1},
         "system": {"num_workers": 2, "checkpoint_dir": str(tmp_path / "ckpt")},
         "ps": {"aggregation_mode": "async"}})
-    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", token=SECRET)
+    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", credentials=Credentials(SECRET))
     plan = plan_shards(init_model(config.training), 1)[0]
     clients = {}
     for name in ("worker0", "worker1"):

@@ -13,6 +13,7 @@ from disttrain.config import config_from_dict
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.run.server import build_state
 from disttrain.strategies.ps.server.servicer import ShardServer
+from disttrain.strategies.ps.server.shard import WorkerClaim
 from disttrain.strategies.ps.wire import service as wire
 from disttrain.strategies.ps.wire.sharding import plan_shards
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
@@ -222,7 +223,7 @@ def test_a_round_completed_by_a_leaving_worker_that_would_overflow_is_voided(tmp
     config = momentum_config(tmp_path).replace(ps={"aggregation_mode": "sync"},
                                                training={"learning_rate": 4.0})
     state = build_state(config, 0, 1)
-    sessions = [state.register(f"w{r}", r, bytes([65 + r]) * 32, 0).session for r in range(2)]
+    sessions = [state.register(WorkerClaim(f"w{r}", bytes([65 + r]) * 32, 0), r).session for r in range(2)]
     before = state.parameters()
     huge = frames(state.plan, torch.full((state.plan.numel,), 1e38), session=sessions[0])
     payload = wire.collect_payload((wire.read_gradient(raw) for raw in huge), 2 * state.plan.nbytes)

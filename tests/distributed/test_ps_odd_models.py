@@ -14,7 +14,7 @@ from disttrain.config import CompressionConfig, TrainingConfig
 from disttrain.metrics.window import StepTimer
 from disttrain.strategies.ps.server.aggregation import AggregationRules
 from disttrain.strategies.ps.server.servicer import ShardServer
-from disttrain.strategies.ps.server.shard import ShardState
+from disttrain.strategies.ps.server.shard import ShardCodecs, ShardState, ShardValues
 from disttrain.strategies.ps.server.validation import PushDecoder
 from disttrain.strategies.ps.wire import service
 from disttrain.strategies.ps.wire.sharding import flat_parameters, initial_buffers, plan_shards
@@ -49,9 +49,9 @@ def shard_servers(model: nn.Module, num_shards: int):
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     servers = []
     for plan in plans:
-        state = ShardState(plan, flat[plan.offset:plan.offset + plan.numel], AggregationRules("sync", 1),
-                           PushDecoder(plan, CompressionConfig()), training,
-                           buffers=initial_buffers(model, plan))
+        values = ShardValues(plan, flat[plan.offset:plan.offset + plan.numel], initial_buffers(model, plan))
+        state = ShardState(values, AggregationRules("sync", 1),
+                           ShardCodecs(PushDecoder(plan, CompressionConfig())), training)
         servers.append(ShardServer(state, "127.0.0.1:0"))
     return plans, servers
 

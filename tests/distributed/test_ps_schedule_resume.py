@@ -11,6 +11,7 @@ import torch
 from disttrain.config import config_from_dict
 from disttrain.core.checkpoint import latest_checkpoint, load_checkpoint
 from disttrain.strategies.ps.run.server import build_state
+from disttrain.strategies.ps.server.shard import WorkerClaim
 from disttrain.strategies.ps.wire import service as wire
 from tests.distributed.test_ps_server import frames
 
@@ -43,7 +44,7 @@ def test_a_restored_shard_continues_the_schedule_bit_identically(tmp_path):
     generator = torch.Generator().manual_seed(5)
     running = build_state(settings, 0, 1)
     gradients = [torch.randn(running.plan.numel, generator=generator) * 3 for _ in range(LAST)]
-    session = running.register("w0", 0, KEY, 0).session
+    session = running.register(WorkerClaim("w0", KEY, 0), 0).session
     rates = []
     for step in range(1, LAST + 1):
         told = push(running, session, step, gradients[step - 1])
@@ -59,7 +60,7 @@ def test_a_restored_shard_continues_the_schedule_bit_identically(tmp_path):
 
     restored = build_state(settings, 0, 1, resume=True)
     assert restored.version == SAVED_AT and restored.shard_optimizer.state.num_steps == SAVED_AT
-    session = restored.register("w0", 0, KEY, 0).session
+    session = restored.register(WorkerClaim("w0", KEY, 0), 0).session
     for step in range(SAVED_AT + 1, LAST + 1):
         assert push(restored, session, step, gradients[step - 1]) == rates[step - 1]
     assert restored.optimizer.param_groups[0]["lr"] == rates[-1]

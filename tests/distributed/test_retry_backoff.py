@@ -15,7 +15,7 @@ import pytest
 from disttrain.coordinator import client as coordinator_client
 from disttrain.coordinator.client import CoordinatorClient
 from disttrain.core.errors import DistributedError
-from disttrain.core.rpc_server import RpcServer
+from disttrain.core.rpc_server import RpcServer, ServerLimits
 from disttrain.proto import coordinator_pb2
 from disttrain.proto import parameter_server_pb2 as ps_pb
 from disttrain.strategies.ps.wire import service as wire
@@ -36,7 +36,7 @@ class Restarting:
             self._answer, request_deserializer=request_type.FromString,
             response_serializer=type(reply).SerializeToString)
         self.server = RpcServer(grpc.method_handlers_generic_handler(service, {method: handler}), service,
-                                "127.0.0.1:0", max_threads=4)
+                                "127.0.0.1:0", ServerLimits(4))
         self.address = self.server.address
 
     def _answer(self, request, context):

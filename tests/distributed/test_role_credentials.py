@@ -20,6 +20,7 @@ from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.service import CoordinatorServer
 from disttrain.core.channels import channel_credentials
+from disttrain.core.credentials import Credentials
 from disttrain.core.errors import DistributedError
 from disttrain.core.pki import NodeName, write_run_pki
 from disttrain.core.tls import TlsFiles
@@ -61,7 +62,8 @@ def members(server: CoordinatorServer) -> list:
 
 
 def coordinator_server(tmp_path, tls: TlsFiles) -> CoordinatorServer:
-    return CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0", tmp_path / f"{id(tls)}.db", tls=tls)
+    return CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0", tmp_path / f"{id(tls)}.db",
+                             credentials=Credentials(tls=tls))
 
 
 @pytest.mark.parametrize("served_by", ["worker1", "server0", "coordinator", "server"])
@@ -92,7 +94,8 @@ def test_only_shard_zeros_certificate_serves_as_shard_zero(tmp_path, run, served
     """A worker's client of shard 0 takes the certificate of node server0 (or the
     operator's), not a worker's, another shard's or the coordinator's."""
     config = make_config(tmp_path)
-    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", tls=run[served_by])
+    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0",
+                         credentials=Credentials(tls=run[served_by]))
     plan = plan_shards(init_model(config.training), 1)[0]
     client = PSClient([server.address], [plan], RetryPolicy(timeout_s=5.0, max_attempts=1), transport="grpc",
                       tls=run["worker0"])

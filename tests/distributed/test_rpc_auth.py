@@ -17,7 +17,8 @@ from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.service import SERVICE as COORDINATOR_SERVICE
 from disttrain.coordinator.service import CoordinatorServer
 from disttrain.core.auth import REFUSED, with_token
-from disttrain.core.rpc_server import RpcServer
+from disttrain.core.credentials import Credentials
+from disttrain.core.rpc_server import RpcServer, ServerLimits
 from disttrain.proto import coordinator_pb2 as cpb
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.run.server import build_state
@@ -37,7 +38,7 @@ NO_TOKEN, WRONG_TOKEN = None, "not-the-token"
 @pytest.fixture
 def shard(tmp_path):
     config = make_config(tmp_path)
-    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", token=TOKEN)
+    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", credentials=Credentials(TOKEN))
     plan = plan_shards(init_model(config.training), 1)[0]
     client = PSClient([server.address], [plan], RetryPolicy(timeout_s=10.0, max_attempts=2), token=TOKEN)
     client.register("w0")
@@ -113,7 +114,8 @@ def check_health(address: str) -> int:
 def test_health_answers_without_a_token(shard, tmp_path):
     server, _, _ = shard
     assert check_health(server.address) == health_pb2.HealthCheckResponse.SERVING
-    coordinator = CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0", tmp_path / "registry.db", token=TOKEN)
+    coordinator = CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0", tmp_path / "registry.db",
+                                    credentials=Credentials(TOKEN))
     try:
         assert check_health(coordinator.address) == health_pb2.HealthCheckResponse.SERVING
     finally:
@@ -122,7 +124,8 @@ def test_health_answers_without_a_token(shard, tmp_path):
 
 @pytest.mark.parametrize("token", [NO_TOKEN, WRONG_TOKEN], ids=["no token", "wrong token"])
 def test_coordinator_refuses_register_and_heartbeat_without_the_token(tmp_path, token):
-    server = CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0", tmp_path / "registry.db", token=TOKEN)
+    server = CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0", tmp_path / "registry.db",
+                               credentials=Credentials(TOKEN))
     intruder = CoordinatorClient(server.address, timeout_s=5.0, token=token)
     member = CoordinatorClient(server.address, timeout_s=5.0, token=TOKEN)
     try:
@@ -145,6 +148,6 @@ def test_coordinator_refuses_register_and_heartbeat_without_the_token(tmp_path, 
 def test_no_warning_beyond_loopback_with_a_token(caplog):
     handler = grpc.method_handlers_generic_handler(COORDINATOR_SERVICE, {})
     with caplog.at_level(logging.WARNING, logger="disttrain.core.rpc_server"):
-        server = RpcServer(handler, COORDINATOR_SERVICE, "0.0.0.0:0", 2, token=TOKEN)
+        server = RpcServer(handler, COORDINATOR_SERVICE, "0.0.0.0:0", ServerLimits(2), Credentials(TOKEN))
         server.stop(0)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

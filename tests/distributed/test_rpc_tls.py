@@ -18,8 +18,9 @@ from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.service import SERVICE as COORDINATOR_SERVICE
 from disttrain.coordinator.service import CoordinatorServer
 from disttrain.core.channels import open_channel
+from disttrain.core.credentials import Credentials
 from disttrain.core.errors import DistributedError
-from disttrain.core.rpc_server import RpcServer
+from disttrain.core.rpc_server import RpcServer, ServerLimits
 from disttrain.core.tls import TlsFiles
 from disttrain.proto import coordinator_pb2 as cpb
 from disttrain.proto import parameter_server_pb2 as pb
@@ -55,7 +56,7 @@ def pki(tmp_path):
 
 def start_shard(tmp_path, tls: TlsFiles):
     config = make_config(tmp_path)
-    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", token=TOKEN, tls=tls)
+    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", credentials=Credentials(TOKEN, tls))
     plan = plan_shards(init_model(config.training), 1)[0]
     return server, plan
 
@@ -119,7 +120,7 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path, pki):
 
 def test_the_coordinator_with_tls_serves_clients_with_the_ca_only(tmp_path, pki):
     server = CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0", tmp_path / "registry.db",
-                               token=TOKEN, tls=pki["mutual_server"])
+                               credentials=Credentials(TOKEN, pki["mutual_server"]))
     plain = CoordinatorClient(server.address, timeout_s=3.0, token=TOKEN)
     member = CoordinatorClient(server.address, timeout_s=10.0, token=TOKEN, tls=pki["client"])
     try:
@@ -140,7 +141,7 @@ def warnings_of(caplog, bind: str, **kwargs) -> list[str]:
     handler = grpc.method_handlers_generic_handler(COORDINATOR_SERVICE, {})
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="disttrain.core.rpc_server"):
-        RpcServer(handler, COORDINATOR_SERVICE, bind, 2, **kwargs).stop(0)
+        RpcServer(handler, COORDINATOR_SERVICE, bind, ServerLimits(2), Credentials(**kwargs)).stop(0)
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 

@@ -22,6 +22,7 @@ from disttrain.config import config_from_dict
 from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.service import WATCHES_PER_CALLER, CoordinatorServer
 from disttrain.core.auth import METADATA_KEY, SCHEME, new_token
+from disttrain.core.credentials import Credentials
 from disttrain.core.identity import node_token
 from disttrain.core.poll_slots import PollLimitExceeded, PollSlots
 from disttrain.proto import coordinator_pb2 as cpb
@@ -126,8 +127,8 @@ def shard(tmp_path) -> Iterator[Shard]:
                      "learning_rate": 0.1, "checkpoint_interval": 1000},
         "system": {"num_workers": 3, "checkpoint_dir": str(tmp_path / "ckpt")},
         "ps": {"aggregation_mode": "async"}})
-    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", max_threads=32, token=SECRET,
-                         long_poll_cap_s=30.0, first_message_s=30.0)
+    server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", max_threads=32,
+                         credentials=Credentials(SECRET), long_poll_cap_s=30.0, first_message_s=30.0)
     channel = grpc.insecure_channel(server.address)
     target = Shard(server, channel, {}, plan_shards(init_model(config.training), 1)[0])
     register = target.stub("RegisterWorker", response=pb.WorkerAssignment.FromString)
@@ -264,7 +265,8 @@ def test_a_pending_barrier_nobody_waits_at_expires(shard):
 @pytest.fixture
 def coordinator(tmp_path) -> Iterator[tuple[CoordinatorServer, grpc.Channel]]:
     config = CoordinatorConfig(heartbeat_interval=60.0, heartbeat_timeout=3600.0, reassign_after=None)
-    server = CoordinatorServer(config, "127.0.0.1:0", tmp_path / "cluster.db", max_threads=8, token=SECRET)
+    server = CoordinatorServer(config, "127.0.0.1:0", tmp_path / "cluster.db", max_threads=8,
+                               credentials=Credentials(SECRET))
     channel = grpc.insecure_channel(server.address)
     yield server, channel
     channel.close()

@@ -13,7 +13,7 @@ import pytest
 from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.background import HeartbeatSender
 from disttrain.coordinator.client import CoordinatorClient
-from disttrain.coordinator.reports import NodeProgress
+from disttrain.coordinator.reports import NodeIdentity, NodeProgress, NodeReports
 from disttrain.coordinator.service import CoordinatorServer
 
 # Speeds measured in the run decide what it does: no other test may share the cores (make test
@@ -32,8 +32,9 @@ class Worker:
         self.step, self.step_time_s = 0, step_time_s
         self.client = CoordinatorClient(address)
         self.client.register(node_id, "worker", rank=rank)
-        self.sender = HeartbeatSender(self.client, node_id, "worker", CONFIG.heartbeat_interval,
-                                      self.progress, on_declared_dead=lambda: None, rank=rank)
+        self.sender = HeartbeatSender(self.client, NodeIdentity(node_id, "worker", rank),
+                                      CONFIG.heartbeat_interval, NodeReports(self.progress),
+                                      on_declared_dead=lambda: None)
 
     def progress(self) -> NodeProgress:
         self.step += 1

@@ -20,7 +20,7 @@ import pytest
 from disttrain.coordinator.client import CoordinatorClient
 from disttrain.coordinator.membership import Membership
 from disttrain.coordinator.registry import Registry
-from disttrain.coordinator.reports import NodeMetrics
+from disttrain.coordinator.reports import NodeMetrics, NodeProcess
 from disttrain.core.processes import EVENT_PREFIX, PARENT_ENV
 from disttrain.proto import coordinator_pb2 as pb
 
@@ -176,7 +176,7 @@ def test_a_corrupt_registry_is_refused_and_left_as_it_was(tmp_path, cli):
 def test_status_of_a_registry_escapes_what_a_terminal_would_act_on(tmp_path, cli):
     registry = tmp_path / "cluster.db"
     membership = Membership(heartbeat_timeout_s=5.0)  # written past the coordinator's bounds
-    membership.register("evil\x1b[2J", "worker", now=0.0, pid=1, hostname="host\rX")
+    membership.register("evil\x1b[2J", "worker", now=0.0, process=NodeProcess(1, hostname="host\rX"))
     membership.exited("evil\x1b[2J", 1, "killed\x1b]0;owned\x07 \u202eoverride", now=1.0)
     with_events = Registry(registry)
     with_events.save(membership.to_rows(), [vars(e) for e in membership.take_events()], membership.generation)
@@ -190,7 +190,7 @@ def test_status_of_a_registry_escapes_what_a_terminal_would_act_on(tmp_path, cli
 def test_status_refuses_in_one_line_a_registry_an_earlier_disttrain_wrote_with_nan(tmp_path, cli):
     registry = tmp_path / "cluster.db"
     membership = Membership(heartbeat_timeout_s=5.0)
-    membership.register("worker-0", "worker", now=0.0, pid=1)
+    membership.register("worker-0", "worker", now=0.0, process=NodeProcess(1))
     membership.get("worker-0").throughput = math.nan  # SQLite stores a NaN as NULL
     written = Registry(registry)
     written.save(membership.to_rows(), [], membership.generation)

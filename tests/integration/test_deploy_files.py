@@ -15,6 +15,7 @@ import pytest
 import yaml
 from conftest import REPO_ROOT
 
+from disttrain.core.credentials import Credentials
 from disttrain.core.identity import node_token
 from disttrain.core.pki import DEFAULT_HOSTS, NodeName, write_run_pki
 
@@ -147,13 +148,14 @@ def test_compose_services_network_volumes_and_token():
 def test_compose_health_checks_answer_from_a_real_server_and_fail_once_it_stops():
     import grpc
 
-    from disttrain.core.rpc_server import RpcServer
+    from disttrain.core.rpc_server import RpcServer, ServerLimits
 
     for name, port in (("parameter_server", "50051"), ("coordinator", "50050")):
         kind, line = COMPOSE["services"][name]["healthcheck"]["test"]
         assert kind == "CMD-SHELL" and line.startswith("python3 -c ") and "grpc_health.v1" in line
         server = RpcServer(grpc.method_handlers_generic_handler("test.Nothing", {}), "test.Nothing",
-                           "127.0.0.1:0", 4, token=TOKEN)  # the health service needs no token
+                           "127.0.0.1:0", ServerLimits(4),
+                           Credentials(TOKEN))  # the health service needs no token
         line = shlex.quote(sys.executable) + line.removeprefix("python3")
         probe = ["sh", "-c", line.replace(f"localhost:{port}", server.address)]
         try:

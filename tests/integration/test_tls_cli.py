@@ -14,6 +14,7 @@ from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.client import CoordinatorClient
 from disttrain.coordinator.registry import read_status
 from disttrain.coordinator.service import CoordinatorServer
+from disttrain.core.credentials import Credentials
 from disttrain.core.tls import TlsFiles
 
 COMMANDS = [["ps"], ["ps-server"], ["ps-worker", "--servers", "127.0.0.1:1"], ["ddp"], ["coordinator"],
@@ -92,7 +93,8 @@ def test_a_ddp_run_with_mutual_tls_reports_every_rank_to_its_coordinator(cli, pk
 @pytest.mark.timeout(120)
 def test_status_reads_a_coordinator_with_mutual_tls_only_with_the_files(cli, pki, tmp_path):
     files = TlsFiles(str(pki["cert"]), str(pki["key"]), str(pki["ca"]), operators=("node",))
-    server = CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0", tmp_path / "registry.db", tls=files)
+    server = CoordinatorServer(CoordinatorConfig(), "127.0.0.1:0", tmp_path / "registry.db",
+                               credentials=Credentials(tls=files))
     try:
         client = CoordinatorClient(server.address, tls=files)
         client.register("worker0", "worker")

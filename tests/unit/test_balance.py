@@ -8,6 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from disttrain.config import SystemConfig
 from disttrain.coordinator.reports import BalanceState
 from disttrain.core.faults import FaultInjector, parse_fault
 from disttrain.data import PlannedSampler
@@ -67,9 +68,9 @@ class FakeRun:
         self.now, self.slow = 0.0, 1.0
         self.samplers = [PlannedSampler(2000, world_size=2, rank=r, seed=1, shares=(32, 32)) for r in (0, 1)]
         self.reported: list[list[float]] = [[], []]
-        self.rebalancers = [Rebalancer(s, "auto", 0.2, interval, self.gather_for(r), warmup_speed=900.0 + r,
-                                       clock=lambda: self.now)
-                            for r, s in enumerate(self.samplers)]
+        system = SystemConfig(balance="auto", balance_margin=0.2, balance_interval=interval)
+        self.rebalancers = [Rebalancer(s, system, self.gather_for(r), warmup_speed=900.0 + r,
+                                       clock=lambda: self.now) for r, s in enumerate(self.samplers)]
 
     def gather_for(self, rank: int):
         def gather(name: str, speed: float, step: int) -> list[float]:

@@ -17,6 +17,7 @@ from disttrain.coordinator.membership import (
     WrongProcess,
 )
 from disttrain.coordinator.nodes import Recovery
+from disttrain.coordinator.reports import HeartbeatReport, NodeProcess
 
 TIMEOUT_S = 5.0
 
@@ -31,7 +32,7 @@ def kinds(membership: Membership) -> list[tuple[str, str]]:
 
 
 def test_a_silent_node_fails_exactly_after_the_timeout(membership):
-    membership.register("worker-0", "worker", now=0.0, pid=10)
+    membership.register("worker-0", "worker", now=0.0, process=NodeProcess(10))
     membership.heartbeat("worker-0", now=1.0, pid=10)
     assert membership.check(now=1.0 + TIMEOUT_S) == []
     assert membership.get("worker-0").state == "alive"
@@ -42,14 +43,14 @@ def test_a_silent_node_fails_exactly_after_the_timeout(membership):
 
 
 def test_a_node_that_never_heartbeats_fails_from_its_registration(membership):
-    membership.register("server-0", "server", now=10.0, pid=1)
+    membership.register("server-0", "server", now=10.0, process=NodeProcess(1))
     assert membership.check(now=10.0 + TIMEOUT_S) == []
     assert [e.kind for e in membership.check(now=10.0 + TIMEOUT_S + 0.1)] == ["failed"]
 
 
 def test_exit_code_zero_is_done_and_any_other_code_fails_at_once(membership):
-    membership.register("worker-0", "worker", now=0.0, pid=1)
-    membership.register("worker-1", "worker", now=0.0, pid=2)
+    membership.register("worker-0", "worker", now=0.0, process=NodeProcess(1))
+    membership.register("worker-1", "worker", now=0.0, process=NodeProcess(2))
     assert membership.exited("worker-0", 0, "", now=1.0)
     assert membership.exited("worker-1", -9, "killed by SIGKILL", now=1.0)
     assert membership.get("worker-0").state == "done"
@@ -60,24 +61,24 @@ def test_exit_code_zero_is_done_and_any_other_code_fails_at_once(membership):
 
 
 def test_a_failed_node_is_told_to_exit(membership):
-    membership.register("worker-0", "worker", now=0.0, pid=1)
+    membership.register("worker-0", "worker", now=0.0, process=NodeProcess(1))
     membership.check(now=TIMEOUT_S + 1)
     assert membership.heartbeat("worker-0", now=TIMEOUT_S + 2, pid=1) is False
 
 
 def test_rejoin_counts_restarts_and_starts_a_generation(membership):
-    membership.register("worker-0", "worker", now=0.0, pid=1)
+    membership.register("worker-0", "worker", now=0.0, process=NodeProcess(1))
     membership.exited("worker-0", 1, "exit code 1", now=1.0)
     generation = membership.generation
-    node = membership.register("worker-0", "worker", now=2.0, pid=2)
+    node = membership.register("worker-0", "worker", now=2.0, process=NodeProcess(2))
     assert (node.state, node.restarts, node.pid) == ("alive", 1, 2)
     assert membership.generation == generation + 1 == node.joined_generation
     assert kinds(membership)[-1] == ("worker-0", "restarted")
 
 
 def test_a_new_process_replaces_a_silent_one_before_it_is_detected(membership):
-    membership.register("worker-0", "worker", now=0.0, pid=1)
-    node = membership.register("worker-0", "worker", now=TIMEOUT_S + 1, pid=2)
+    membership.register("worker-0", "worker", now=0.0, process=NodeProcess(1))
+    node = membership.register("worker-0", "worker", now=TIMEOUT_S + 1, process=NodeProcess(2))
     assert (node.restarts, node.pid) == (1, 2)
     assert kinds(membership)[-2:] == [("worker-0", "failed"), ("worker-0", "restarted")]
     with pytest.raises(WrongProcess, match="pid 1"):  # the old process: refused, it must stop
@@ -86,19 +87,19 @@ def test_a_new_process_replaces_a_silent_one_before_it_is_detected(membership):
 
 
 def test_a_live_id_claimed_by_another_process_is_refused(membership):
-    membership.register("worker-0", "worker", now=0.0, pid=1)
+    membership.register("worker-0", "worker", now=0.0, process=NodeProcess(1))
     membership.heartbeat("worker-0", now=3.0, pid=1)
     generation = membership.generation
     with pytest.raises(DuplicateNode, match=r"worker-0.*pid 1.*another id"):
-        membership.register("worker-0", "worker", now=4.0, pid=2)
+        membership.register("worker-0", "worker", now=4.0, process=NodeProcess(2))
     assert membership.generation == generation
     assert membership.get("worker-0").pid == 1
 
 
 def test_registering_again_from_the_same_process_changes_nothing(membership):
-    first = membership.register("worker-0", "worker", now=0.0, pid=1)
+    first = membership.register("worker-0", "worker", now=0.0, process=NodeProcess(1))
     generation = membership.generation
-    again = membership.register("worker-0", "worker", now=1.0, pid=1)
+    again = membership.register("worker-0", "worker", now=1.0, process=NodeProcess(1))
     assert again is first and again.restarts == 0 and membership.generation == generation
 
 
@@ -116,21 +117,21 @@ def test_bad_ids_and_roles_are_refused(membership):
 
 def test_every_membership_change_bumps_the_generation_and_heartbeats_do_not(membership):
     assert membership.generation == 0
-    membership.register("a", "worker", now=0.0, pid=1)  # join
-    membership.register("b", "worker", now=0.0, pid=2)  # join
-    membership.heartbeat("a", now=1.0, pid=1, step=3)
+    membership.register("a", "worker", now=0.0, process=NodeProcess(1))  # join
+    membership.register("b", "worker", now=0.0, process=NodeProcess(2))  # join
+    membership.heartbeat("a", now=1.0, pid=1, report=HeartbeatReport(step=3))
     assert membership.generation == 2
     membership.exited("b", 0, "", now=2.0)  # done
     membership.check(now=1.0 + TIMEOUT_S + 1)  # a fails
-    membership.register("a", "worker", now=20.0, pid=3)  # rejoin
+    membership.register("a", "worker", now=20.0, process=NodeProcess(3))  # rejoin
     assert membership.generation == 5
     assert [e.generation for e in membership.take_events()] == [1, 2, 3, 4, 5]
 
 
 def step_times(membership: Membership, times: dict[str, float], role: str = "worker") -> None:
     for pid, (node_id, step_time_s) in enumerate(times.items(), start=1):
-        membership.register(node_id, role, now=0.0, pid=pid)
-        membership.heartbeat(node_id, now=1.0, pid=pid, step_time_s=step_time_s)
+        membership.register(node_id, role, now=0.0, process=NodeProcess(pid))
+        membership.heartbeat(node_id, now=1.0, pid=pid, report=HeartbeatReport(step_time_s=step_time_s))
 
 
 def test_stragglers_are_slower_than_the_factor_times_the_median(membership):
@@ -140,7 +141,7 @@ def test_stragglers_are_slower_than_the_factor_times_the_median(membership):
     assert not [e for e in membership.check(now=1.5) if e.kind == "straggler"]
     for node_id in ("w0", "w1", "w2", "w3"):
         membership.heartbeat(node_id, now=1.0 + TIMEOUT_S, pid=int(node_id[1]) + 1,
-                             step_time_s={"w3": 0.25}.get(node_id, 0.1))
+                             report=HeartbeatReport(step_time_s={"w3": 0.25}.get(node_id, 0.1)))
     events = [e for e in membership.check(now=1.5 + TIMEOUT_S) if e.kind == "straggler"]
     assert [e.node_id for e in events] == ["w3"] and membership.get("w3").straggler
     assert membership.check(now=2.0 + TIMEOUT_S) == []  # announced once
@@ -161,10 +162,10 @@ def test_stragglers_compare_within_one_role(membership):
 
 
 def test_recovery_record_after_a_missed_heartbeat(membership):
-    membership.register("w0", "worker", now=0.0, pid=1)
+    membership.register("w0", "worker", now=0.0, process=NodeProcess(1))
     membership.heartbeat("w0", now=2.0, pid=1)
     membership.check(now=7.5)  # detected 5.5 s after the last heartbeat
-    membership.register("w0", "worker", now=9.0, pid=2)
+    membership.register("w0", "worker", now=9.0, process=NodeProcess(2))
     assert membership.take_recoveries() == []  # not before its first heartbeat
     membership.heartbeat("w0", now=10.0, pid=2)
     assert membership.take_recoveries(clock_offset_s=1000.0) == [
@@ -177,9 +178,9 @@ def test_recovery_record_after_a_missed_heartbeat(membership):
 
 
 def test_recovery_after_a_reported_exit_has_no_detection_delay(membership):
-    membership.register("w0", "worker", now=0.0, pid=1)
+    membership.register("w0", "worker", now=0.0, process=NodeProcess(1))
     membership.exited("w0", -9, "killed by SIGKILL", now=3.0)
-    membership.register("w0", "worker", now=4.0, pid=2)
+    membership.register("w0", "worker", now=4.0, process=NodeProcess(2))
     membership.heartbeat("w0", now=4.5, pid=2)
     (recovery,) = membership.take_recoveries()
     assert (recovery.node_id, recovery.reason, recovery.detect_s, recovery.recover_s, recovery.time) == (
@@ -189,21 +190,21 @@ def test_recovery_after_a_reported_exit_has_no_detection_delay(membership):
 
 
 def test_a_finished_node_that_rejoins_is_no_recovery(membership):
-    membership.register("w0", "worker", now=0.0, pid=1)
+    membership.register("w0", "worker", now=0.0, process=NodeProcess(1))
     membership.exited("w0", 0, "", now=1.0)
-    membership.register("w0", "worker", now=2.0, pid=2)
+    membership.register("w0", "worker", now=2.0, process=NodeProcess(2))
     membership.heartbeat("w0", now=3.0, pid=2)
     assert membership.take_recoveries() == []
 
 
 def test_metrics_keep_the_latest_value_of_each_key_across_a_restart(membership):
-    membership.register("w0", "worker", now=0.0, pid=1)
+    membership.register("w0", "worker", now=0.0, process=NodeProcess(1))
     membership.report_metrics("w0", 10, {"loss/train": 0.9, "accuracy/test": 0.7})
     membership.report_metrics("w0", 20, {"loss/train": 0.5})
     node = membership.get("w0")
     assert (node.metrics, node.metrics_step) == ({"loss/train": 0.5, "accuracy/test": 0.7}, 20)
     membership.exited("w0", -9, "killed by SIGKILL", now=1.0)
-    membership.register("w0", "worker", now=2.0, pid=2)  # its latest known figures stay
+    membership.register("w0", "worker", now=2.0, process=NodeProcess(2))  # its latest known figures stay
     assert membership.get("w0").metrics == {"loss/train": 0.5, "accuracy/test": 0.7}
     membership.report_metrics("w0", 12, {"loss/train": 0.6})  # the new process, resumed earlier
     assert (membership.get("w0").metrics["loss/train"], membership.get("w0").metrics_step) == (0.6, 12)
@@ -213,7 +214,7 @@ def test_metrics_keep_the_latest_value_of_each_key_across_a_restart(membership):
 
 
 def test_metrics_that_are_not_finite_or_too_many_are_refused_and_change_nothing(membership):
-    membership.register("w0", "worker", now=0.0, pid=1)
+    membership.register("w0", "worker", now=0.0, process=NodeProcess(1))
     membership.report_metrics("w0", 10, {"loss/train": 0.9})
     with pytest.raises(ValueError, match="loss/train not finite"):
         membership.report_metrics("w0", 11, {"loss/train": float("nan"), "accuracy/train": 0.5})
@@ -224,9 +225,9 @@ def test_metrics_that_are_not_finite_or_too_many_are_refused_and_change_nothing(
 
 
 def test_a_reload_keeps_everything_and_gives_live_nodes_a_fresh_window(membership):
-    membership.register("w0", "worker", now=0.0, pid=1, capabilities={"cpus": 4})
-    membership.register("w1", "worker", now=0.0, pid=2)
-    membership.heartbeat("w0", now=1.0, pid=1, epoch=1, step=42, throughput=100.0)
+    membership.register("w0", "worker", now=0.0, process=NodeProcess(1, capabilities={"cpus": 4}))
+    membership.register("w1", "worker", now=0.0, process=NodeProcess(2))
+    membership.heartbeat("w0", now=1.0, pid=1, report=HeartbeatReport(epoch=1, step=42, throughput=100.0))
     membership.report_metrics("w0", 40, {"loss/train": 0.25})
     membership.exited("w1", 1, "exit code 1", now=1.0)
     rows = membership.to_rows(clock_offset_s=1000.0)
@@ -254,7 +255,7 @@ def test_generation_never_decreases_and_counts_every_state_change(actions):
         node_id = f"w{index}"
         try:
             if action == "register":
-                membership.register(node_id, "worker", now=now, pid=pid)
+                membership.register(node_id, "worker", now=now, process=NodeProcess(pid))
             elif action == "heartbeat":
                 membership.heartbeat(node_id, now=now, pid=pid)
             elif action == "exit":
@@ -272,22 +273,22 @@ def test_generation_never_decreases_and_counts_every_state_change(actions):
 
 def test_after_a_reload_a_restarted_process_is_not_taken_for_a_duplicate():
     first = Membership(TIMEOUT_S, 2.0)
-    first.register("w0", "worker", now=0.0, pid=1)
+    first.register("w0", "worker", now=0.0, process=NodeProcess(1))
     reloaded = Membership(TIMEOUT_S, 2.0)
     reloaded.restore(first.to_rows(), first.generation, now=100.0)
     # pid 1 died while the coordinator was down; its restart registers before any heartbeat
-    node = reloaded.register("w0", "worker", now=100.5, pid=2)
+    node = reloaded.register("w0", "worker", now=100.5, process=NodeProcess(2))
     assert node.pid == 2 and node.restarts == 1
     with pytest.raises(DuplicateNode):  # heard from now: a second live process is refused
-        reloaded.register("w0", "worker", now=101.0, pid=3)
+        reloaded.register("w0", "worker", now=101.0, process=NodeProcess(3))
 
 
 def test_a_heartbeat_of_another_pid_or_none_is_refused_and_changes_nothing(membership):
-    membership.register("worker-0", "worker", now=0.0, pid=7)
+    membership.register("worker-0", "worker", now=0.0, process=NodeProcess(7))
     membership.take_events()
     for pid in (0, 8):
         with pytest.raises(WrongProcess):
-            membership.heartbeat("worker-0", now=1.0, pid=pid, step=99)
+            membership.heartbeat("worker-0", now=1.0, pid=pid, report=HeartbeatReport(step=99))
     node = membership.get("worker-0")
     assert (node.step, node.last_heartbeat, node.state) == (0, None, "alive")
     # a hung process heartbeating under pid 0 keeps nobody alive: silence still fails it
@@ -295,7 +296,7 @@ def test_a_heartbeat_of_another_pid_or_none_is_refused_and_changes_nothing(membe
 
 
 def test_an_exit_report_of_another_process_or_generation_is_refused(membership):
-    node = membership.register("worker-0", "worker", now=0.0, pid=7)
+    node = membership.register("worker-0", "worker", now=0.0, process=NodeProcess(7))
     for pid, generation in ((8, node.joined_generation), (7, node.joined_generation + 1)):
         with pytest.raises(WrongProcess):
             membership.exited("worker-0", 1, "forged", now=1.0, pid=pid, generation=generation)
@@ -307,46 +308,49 @@ def test_an_exit_report_of_another_process_or_generation_is_refused(membership):
 def test_a_rank_stays_its_first_nodes_whatever_its_state(membership):
     """Another node never takes a rank (found by an insider: a worker took the rank of one
     that failed, whose restart was then refused), and a node never leaves its own."""
-    membership.register("worker-0", "worker", now=0.0, rank=0, pid=1)
+    membership.register("worker-0", "worker", now=0.0, rank=0, process=NodeProcess(1))
     with pytest.raises(RankTaken, match="worker rank 0 is node 'worker-0''s"):
-        membership.register("squatter", "worker", now=1.0, rank=0, pid=2)
+        membership.register("squatter", "worker", now=1.0, rank=0, process=NodeProcess(2))
     assert membership.get("squatter") is None
-    membership.register("rank-0", "rank", now=1.0, rank=0, pid=3)  # another role: its own ranks
+    # another role: its own ranks
+    membership.register("rank-0", "rank", now=1.0, rank=0, process=NodeProcess(3))
     membership.exited("worker-0", 1, "killed", now=2.0)
     with pytest.raises(RankTaken, match=r"\(failed\)"):
-        membership.register("worker-0b", "worker", now=3.0, rank=0, pid=4)
-    membership.register("worker-1", "worker", now=3.0, rank=1, pid=5)
+        membership.register("worker-0b", "worker", now=3.0, rank=0, process=NodeProcess(4))
+    membership.register("worker-1", "worker", now=3.0, rank=1, process=NodeProcess(5))
     with pytest.raises(RankTaken, match="holds worker rank 1, not 0"):
-        membership.register("worker-1", "worker", now=4.0, rank=0, pid=5)
-    restarted = membership.register("worker-0", "worker", now=5.0, rank=0, pid=6)  # its own restart
+        membership.register("worker-1", "worker", now=4.0, rank=0, process=NodeProcess(5))
+    # its own restart
+    restarted = membership.register("worker-0", "worker", now=5.0, rank=0, process=NodeProcess(6))
     assert restarted.rank == 0 and restarted.restarts == 1 and restarted.state == "alive"
-    assert membership.register("worker-0", "worker", now=6.0, rank=-1, pid=6).rank == 0  # kept
+    assert membership.register("worker-0", "worker", now=6.0, rank=-1,
+                               process=NodeProcess(6)).rank == 0  # kept
 
 
 def test_a_full_table_forgets_the_oldest_ended_nodes_done_first_and_refuses_when_all_live():
     membership = Membership(TIMEOUT_S, max_nodes=3)
     for pid, node_id in enumerate(("a", "b", "c"), start=1):
-        membership.register(node_id, "worker", now=float(pid), pid=pid)
+        membership.register(node_id, "worker", now=float(pid), process=NodeProcess(pid))
     membership.exited("a", 1, "killed", now=4.0)  # failed, older
     membership.exited("b", 0, "", now=5.0)  # done: forgotten first
     membership.changes_saved()
-    membership.register("d", "worker", now=6.0, pid=4)
+    membership.register("d", "worker", now=6.0, process=NodeProcess(4))
     assert [n.node_id for n in membership.members()] == ["a", "c", "d"]
-    membership.register("e", "worker", now=7.0, pid=5)
+    membership.register("e", "worker", now=7.0, process=NodeProcess(5))
     assert [n.node_id for n in membership.members()] == ["c", "d", "e"]
     rows, forgotten = membership.changes()
     assert forgotten == ["a", "b"] and [row["node_id"] for row in rows] == ["d", "e"]
     with pytest.raises(NodeTableFull, match="max_nodes"):
-        membership.register("f", "worker", now=8.0, pid=6)
+        membership.register("f", "worker", now=8.0, process=NodeProcess(6))
     assert [n.node_id for n in membership.members()] == ["c", "d", "e"]
 
 
 def test_changes_name_only_the_nodes_changed_since_the_last_save(membership):
     for pid in range(1, 4):
-        membership.register(f"w{pid}", "worker", now=0.0, pid=pid)
+        membership.register(f"w{pid}", "worker", now=0.0, process=NodeProcess(pid))
     membership.changes_saved()
     assert membership.changes() == ([], [])
-    membership.heartbeat("w2", now=1.0, pid=2, step=5)
+    membership.heartbeat("w2", now=1.0, pid=2, report=HeartbeatReport(step=5))
     rows, _ = membership.changes()
     assert [(row["node_id"], row["step"]) for row in rows] == [("w2", 5)]
 
@@ -354,7 +358,7 @@ def test_changes_name_only_the_nodes_changed_since_the_last_save(membership):
 def test_a_registry_past_the_limit_reloads_its_live_and_latest_nodes_and_forgets_the_rest():
     large = Membership(TIMEOUT_S, max_nodes=10)
     for pid in range(1, 7):
-        large.register(f"w{pid}", "worker", now=float(pid), pid=pid)
+        large.register(f"w{pid}", "worker", now=float(pid), process=NodeProcess(pid))
         if pid != 2:
             large.exited(f"w{pid}", 1, "killed", now=float(pid))
     small = Membership(TIMEOUT_S, max_nodes=3)

@@ -136,7 +136,7 @@ def test_a_compressed_answer_says_so_and_carries_only_the_change():
     plan, w = shard()
     changes = ParameterChanges(plan, "topk", 0.05)
     data = changes.encode(w)
-    (raw,) = service.parameter_frames(plan, 7, memoryview(data), 5, None, "topk")
+    (raw,) = service.parameter_frames(plan, service.ParameterStamp(7, 5), memoryview(data), "topk")
     frame = service.read_parameters(raw)
     assert frame.header.compressed and frame.header.compression_type == "topk"
     assert frame.header.version == 7 and bytes(frame.data) == data

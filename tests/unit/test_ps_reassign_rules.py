@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from disttrain.coordinator.membership import Membership
+from disttrain.coordinator.reports import NodeProcess
 from disttrain.coordinator.supervisor import Managed, Supervisor
 from disttrain.core.errors import DistributedError
 from disttrain.data import PlannedSampler, ShardedSampler
@@ -163,9 +164,9 @@ def test_the_owner_finishing_first_makes_a_survivors_redo_a_duplicate():
 
 def test_a_failed_worker_is_reassigned_exactly_after_the_delay_and_may_rejoin():
     membership = Membership(TIMEOUT_S, reassign_after_s=REASSIGN_S)
-    membership.register("worker-0", "worker", now=0.0, pid=1)
-    membership.register("worker-2", "worker", now=0.0, pid=3)
-    membership.register("server-0", "server", now=0.0, pid=9)
+    membership.register("worker-0", "worker", now=0.0, process=NodeProcess(1))
+    membership.register("worker-2", "worker", now=0.0, process=NodeProcess(3))
+    membership.register("server-0", "server", now=0.0, process=NodeProcess(9))
     membership.exited("worker-2", -9, "killed by SIGKILL", now=10.0)
     membership.exited("server-0", -9, "killed by SIGKILL", now=10.0)
     membership.heartbeat("worker-0", now=39.0, pid=1)  # a survivor, heard within the timeout
@@ -178,13 +179,13 @@ def test_a_failed_worker_is_reassigned_exactly_after_the_delay_and_may_rejoin():
     membership.heartbeat("worker-0", now=99.0, pid=1)
     assert membership.check(now=100.0) == []  # once
     assert membership.heartbeat("worker-2", now=100.0, pid=3) is False  # its old process must exit
-    node = membership.register("worker-2", "worker", now=101.0, pid=4)  # a restart rejoins
+    node = membership.register("worker-2", "worker", now=101.0, process=NodeProcess(4))  # a restart rejoins
     assert node.state == "alive" and node.restarts == 1 and node.recovering
 
 
 def test_without_a_delay_a_failed_worker_is_never_reassigned():
     membership = Membership(TIMEOUT_S)
-    membership.register("worker-1", "worker", now=0.0, pid=1)
+    membership.register("worker-1", "worker", now=0.0, process=NodeProcess(1))
     membership.exited("worker-1", 1, "exited with code 1", now=1.0)
     assert membership.check(now=1e6) == [] and membership.get("worker-1").state == "failed"
     with pytest.raises(ValueError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from disttrain.coordinator.membership import Membership
 from disttrain.coordinator.registry import Registry
+from disttrain.coordinator.reports import HeartbeatReport, NodeProcess
 from disttrain.coordinator.supervisor import Failure
 from disttrain.strategies.ps.run.recovery import recovery_summary
 
@@ -23,18 +24,20 @@ def registry_of_a_run(path) -> None:
     def beat(now: float, *silent: str) -> None:
         for node_id, pid in pids.items():
             if node_id not in silent:
-                assert membership.heartbeat(node_id, now=now, pid=pid, step_time_s=slow.get(node_id, 0.1))
+                assert membership.heartbeat(node_id, now=now, pid=pid,
+                                            report=HeartbeatReport(step_time_s=slow.get(node_id, 0.1)))
 
     for node_id, pid in pids.items():
-        membership.register(node_id, "server" if node_id.startswith("server") else "worker", now=0.0, pid=pid)
+        membership.register(node_id, "server" if node_id.startswith("server") else "worker", now=0.0,
+                            process=NodeProcess(pid))
     membership.exited("worker1", -9, "killed by SIGKILL", now=1.0)
     pids["worker1"] = 20
-    membership.register("worker1", "worker", now=1.5, pid=20)
+    membership.register("worker1", "worker", now=1.5, process=NodeProcess(20))
     beat(2.25)  # worker1 back 1.25 s after its exit
     beat(4.0, "worker1")  # worker1 hangs
     membership.check(now=4.75)  # declared 2.5 s after its last heartbeat
     pids["worker1"] = 21
-    membership.register("worker1", "worker", now=6.0, pid=21)
+    membership.register("worker1", "worker", now=6.0, process=NodeProcess(21))
     beat(7.0)  # back 2.25 s after that
     membership.exited("server0", -9, "killed by SIGKILL", now=7.5)
     del pids["server0"]

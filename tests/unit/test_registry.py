@@ -17,14 +17,17 @@ from disttrain.coordinator.registry import (
     RegistryError,
     read_status,
 )
+from disttrain.coordinator.reports import HeartbeatReport, NodeProcess
 
 
 def cluster() -> Membership:
     membership = Membership(heartbeat_timeout_s=5.0)
-    membership.register("server-0", "server", now=0.0, rank=0, address="127.0.0.1:5000", pid=10,
-                        hostname="node0", capabilities={"cpus": 8, "memory_bytes": 2**33, "gpu": ""})
-    membership.register("worker-0", "worker", now=0.0, rank=0, pid=11)
-    membership.heartbeat("worker-0", now=1.0, pid=11, epoch=2, step=40, throughput=512.5, step_time_s=0.1)
+    membership.register("server-0", "server", now=0.0, rank=0, address="127.0.0.1:5000",
+                        process=NodeProcess(10, hostname="node0",
+                                            capabilities={"cpus": 8, "memory_bytes": 2**33, "gpu": ""}))
+    membership.register("worker-0", "worker", now=0.0, rank=0, process=NodeProcess(11))
+    membership.heartbeat("worker-0", now=1.0, pid=11,
+                         report=HeartbeatReport(epoch=2, step=40, throughput=512.5, step_time_s=0.1))
     membership.report_metrics("worker-0", 40, {"loss/train": 0.31, "accuracy/test": 0.88})
     membership.exited("server-0", -9, "killed by SIGKILL", now=2.0)
     return membership
@@ -34,7 +37,7 @@ def recover(membership: Membership, node_id: str, now: float) -> None:
     """`node_id` (failed) registers again and heartbeats: one recovery."""
     node = membership.get(node_id)
     pid = node.pid + 100  # its restarted process
-    membership.register(node_id, node.role, now=now, rank=node.rank, pid=pid)
+    membership.register(node_id, node.role, now=now, rank=node.rank, process=NodeProcess(pid))
     assert membership.heartbeat(node_id, now=now + 0.5, pid=pid)
 
 
@@ -83,7 +86,7 @@ def test_saving_again_updates_rows_in_place(tmp_path):
     registry = Registry(tmp_path / "r.db")
     membership = cluster()
     save(registry, membership)
-    membership.heartbeat("worker-0", now=3.0, pid=11, step=41)
+    membership.heartbeat("worker-0", now=3.0, pid=11, report=HeartbeatReport(step=41))
     save(registry, membership)
     nodes = {n["node_id"]: n for n in registry.load().nodes}
     assert len(nodes) == 2 and nodes["worker-0"]["step"] == 41

@@ -24,7 +24,7 @@ from disttrain.cli.flags import (
 )
 from disttrain.config import Config, load_config
 from disttrain.coordinator.launch import REGISTRY_FILE
-from disttrain.coordinator.service import CoordinatorServer
+from disttrain.coordinator.service import CoordinatorHooks, CoordinatorServer
 from disttrain.core.faults import FaultInjector
 from disttrain.core.process_spec import FLAGS
 from disttrain.core.processes import ProgressReport, bind_to_parent, emit_event
@@ -104,10 +104,9 @@ def run(args: argparse.Namespace) -> None:
     bind, registry = plan.bind, plan.registry
     faults = FaultInjector(plan.options.faults, "coordinator", 0, plan.options.attempt)
     progress = ProgressReport()  # the furthest step heard of, for the launcher's restart budget
-    server = CoordinatorServer(plan.config.coordinator, bind, registry,
-                               on_step=(lambda step: (progress(step), faults.at_step(step))) if faults.faults
-                               else progress,
-                               token=plan.options.token, tls=plan.options.tls)
+    on_step = (lambda step: (progress(step), faults.at_step(step))) if faults.faults else progress
+    server = CoordinatorServer(plan.config.coordinator, bind, registry, CoordinatorHooks(on_step=on_step),
+                               credentials=plan.options.credentials)
     server.on_failure = lambda node_id, reason: _announce_failure(server, node_id, reason)
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -285,8 +285,8 @@ def live_rank_main(argv: list[str], env: Mapping[str, str]) -> int:
         config, options = config_from_args(args), options_from_args(args, env)
         configure_process(config.system.num_threads, processes_per_machine=config.system.num_workers)
         progress = LoopProgress(Position(), config.training.num_epochs)
-        with coordinator_link(config.coordinator, args.rank, args.attempt, progress, options.token,
-                              options.tls, LIVE_RESTART):
+        with coordinator_link(config.coordinator, args.rank, args.attempt, progress, options.credentials,
+                              LIVE_RESTART):
             summary = run_live_rank(config, args.rank, args.attempt, store_address(env[LIVE_STORE_ENV]),
                                     options, progress)
         if summary is not None and args.summary_json:

@@ -22,7 +22,6 @@ from disttrain.cli.flags import (
 from disttrain.cli.ps import COORDINATOR_FLAG, PS_FLAGS, describe_ps_run
 from disttrain.config import Config
 from disttrain.core.errors import ConfigError
-from disttrain.core.faults import FaultInjector
 from disttrain.core.process_spec import FLAGS
 from disttrain.training.options import RunOptions
 
@@ -107,6 +106,4 @@ def check(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> None:
     from disttrain.strategies.ps.run.server import serve
     plan = prepare(args)
-    faults = FaultInjector(plan.options.faults, "server", plan.shard, plan.options.attempt)
-    serve(plan.config, plan.bind, plan.shard, plan.num_shards, plan.options.resume, faults,
-          token=plan.options.token, tls=plan.options.tls)
+    serve(plan.config, plan.bind, plan.shard, plan.num_shards, plan.options)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.node_info import heartbeat_message
-from disttrain.coordinator.reports import NodeMetrics, NodeProgress
+from disttrain.coordinator.reports import NodeIdentity, NodeMetrics, NodeReports
 from disttrain.proto import coordinator_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -25,11 +25,11 @@ logger = logging.getLogger(__name__)
 class HeartbeatSender:
     """A daemon thread heartbeating every `interval_s` with this node's progress.
 
-    Call `client.register` first, then `start()`. `progress()` returns the node's
+    Call `client.register` first, then `start()`. `reports.progress()` returns the node's
     `NodeProgress`; throughput and step time come from the change since the previous
     heartbeat (step time from the seconds of work when counted: a node that waits for
     slower peers then does not look slow itself), and the heartbeat carries its balance
-    state as it is. After each heartbeat answered, `metrics()` (when given) is read and,
+    state as it is. After each heartbeat answered, `reports.metrics()` (when given) is read and,
     when it returns metrics not reported yet, they are reported (best effort, like the
     heartbeat: a failed report is tried again at the next one). While the coordinator is
     unreachable the thread keeps trying (one warning, one info once it is back); when it
@@ -37,14 +37,12 @@ class HeartbeatSender:
     answers alive=False, `on_declared_dead()` is called once and the thread ends.
     """
 
-    def __init__(self, client: CoordinatorClient, node_id: str, role: str, interval_s: float,
-                 progress: Callable[[], NodeProgress], on_declared_dead: Callable[[], None],
-                 rank: int = -1, address: str = "", generation: int = 0,
-                 metrics: Callable[[], NodeMetrics | None] | None = None):
-        self.client, self.node_id, self.role = client, node_id, role
-        self.interval_s, self.progress, self.on_declared_dead = interval_s, progress, on_declared_dead
-        self.rank, self.address, self.generation = rank, address, generation
-        self.metrics = metrics
+    def __init__(self, client: CoordinatorClient, node: NodeIdentity, interval_s: float,
+                 reports: NodeReports, on_declared_dead: Callable[[], None], generation: int = 0):
+        self.client, self.node_id, self.role = client, node.node_id, node.role
+        self.interval_s, self.progress, self.on_declared_dead = interval_s, reports.progress, on_declared_dead
+        self.rank, self.address, self.generation = node.rank, node.address, generation
+        self.metrics = reports.metrics
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._previous: tuple[float, int, int, float] | None = None

@@ -47,7 +47,7 @@ from disttrain.coordinator.nodes import (
     Recovery,
     node_row,
 )
-from disttrain.coordinator.reports import BalanceState
+from disttrain.coordinator.reports import BalanceState, HeartbeatReport, NodeProcess
 from disttrain.core.errors import DisttrainError
 
 ROLES = ("worker", "server", "rank", "coordinator")
@@ -113,8 +113,9 @@ class Membership:
         self._forgotten: set[str] = set()  # nodes dropped from the table since `take_changes`
 
     def register(self, node_id: str, role: str, now: float, rank: int = -1, address: str = "",
-                 hostname: str = "", pid: int = 0, capabilities: dict[str, Any] | None = None) -> Node:
-        """Join, rejoin after a failure or restart, or repeat a registration (same pid: no change).
+                 process: NodeProcess | None = None) -> Node:
+        """Join, rejoin after a failure or restart, or repeat a registration (the same pid of
+        `process`: no change).
 
         Raises:
             ValueError: an empty id or an unknown role.
@@ -124,6 +125,8 @@ class Membership:
                 state), or the node holds another rank of its own.
             NodeTableFull: a new id, and `max_nodes` live nodes are held.
         """
+        process = process or NodeProcess()
+        pid, hostname, capabilities = process.pid, process.hostname, process.capabilities
         if not node_id:
             raise ValueError("node id is empty; give every process a unique id, e.g. worker-0")
         if role not in ROLES:
@@ -198,12 +201,11 @@ class Membership:
         node.restart()
         self._change(node, ALIVE, "restarted", f"restart {node.restarts}, pid {node.pid}", now)
 
-    def heartbeat(self, node_id: str, now: float, epoch: int = 0, step: int = 0,
-                  throughput: float = 0.0, step_time_s: float = 0.0, pid: int = 0,
-                  balance: BalanceState | None = None) -> bool:
-        """Record a heartbeat and the sender's balance state (None, or a field at 0: unknown,
-        the value held stays). Returns False when the sender is considered dead (failed): it
-        must exit.
+    def heartbeat(self, node_id: str, now: float, pid: int = 0,
+                  report: HeartbeatReport | None = None) -> bool:
+        """Record a heartbeat of process `pid` and what it reports (the sender's position,
+        speed and balance state). Returns False when the sender is considered dead (failed):
+        it must exit.
 
         Raises:
             UnknownNode: `node_id` never registered.
@@ -220,11 +222,12 @@ class Membership:
             return False
         self._unconfirmed.discard(node_id)
         self._dirty.add(node_id)
-        node.epoch, node.step, node.throughput = epoch, step, throughput
-        if step_time_s > 0:  # no step since the last heartbeat (an evaluation): the last one holds
-            node.step_time_s = step_time_s
+        report = report or HeartbeatReport()
+        node.epoch, node.step, node.throughput = report.epoch, report.step, report.throughput
+        if report.step_time_s > 0:  # no step since the last heartbeat (an evaluation): the last one holds
+            node.step_time_s = report.step_time_s
         node.last_heartbeat = node.last_seen = now
-        rebalanced = node.update_balance(balance or BalanceState())
+        rebalanced = node.update_balance(report.balance or BalanceState())
         if rebalanced is not None:
             self._emit(node, "rebalanced", rebalanced, now)
         if node.recovering:

@@ -9,9 +9,27 @@ heartbeat thread reading it at any moment sees a whole value, never half of an u
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    """Who a node is in the run, as it registers and heartbeats.
+
+    Attributes:
+        node_id: its id, unique in the run ("worker-0", "server1").
+        role: "worker", "server", "rank", ...
+        rank: its rank within its role (-1: none asked for).
+        address: the address it serves on ("" when it serves nothing).
+    """
+
+    node_id: str
+    role: str
+    rank: int = -1
+    address: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,6 +73,40 @@ class NodeProgress:
 
 
 @dataclass(frozen=True)
+class NodeProcess:
+    """The process a node registers from, and the machine it runs on.
+
+    Attributes:
+        pid: its process id (heartbeats must come from it; 0: not given).
+        hostname: the machine's name ("" when not told).
+        capabilities: the machine's (CPUs, memory, GPUs; see `node_info.capabilities`).
+    """
+
+    pid: int = 0
+    hostname: str = ""
+    capabilities: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HeartbeatReport:
+    """What a heartbeat tells of its node, as the coordinator keeps it.
+
+    Attributes:
+        epoch, step: the node's position.
+        throughput: samples/s since its last heartbeat (0: unknown).
+        step_time_s: seconds per step since its last heartbeat (0: no step finished, the
+            last one held stays).
+        balance: its balance state (None, or a field at 0: unknown, the value held stays).
+    """
+
+    epoch: int = 0
+    step: int = 0
+    throughput: float = 0.0
+    step_time_s: float = 0.0
+    balance: BalanceState | None = None
+
+
+@dataclass(frozen=True)
 class NodeMetrics:
     """A node's latest training metrics: namespaced scalars (`loss/train`,
     `accuracy/test`, `throughput/samples_per_s`, ...) and the step and epoch of the newest
@@ -63,6 +115,21 @@ class NodeMetrics:
     step: int
     epoch: int
     scalars: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NodeReports:
+    """Where a node's heartbeats read what it reports.
+
+    Attributes:
+        progress: the node's progress (and a worker's balance state), read at every
+            heartbeat.
+        metrics: its latest training metrics, read after every heartbeat and reported when
+            new (None: it reports none).
+    """
+
+    progress: Callable[[], NodeProgress]
+    metrics: Callable[[], NodeMetrics | None] | None = None
 
 
 class LatestMetrics:

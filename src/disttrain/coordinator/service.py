@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -37,15 +38,15 @@ from disttrain.coordinator.membership import (
 )
 from disttrain.coordinator.nodes import ALIVE, Event, Node, Recovery
 from disttrain.coordinator.registry import Registry, RegistryError
-from disttrain.coordinator.reports import BalanceState
+from disttrain.coordinator.reports import BalanceState, HeartbeatReport, NodeProcess
 from disttrain.core.addresses import parse_address
+from disttrain.core.credentials import Credentials
 from disttrain.core.errors import ConfigError
 from disttrain.core.identity import NotPermitted
 from disttrain.core.poll_slots import PollLimitExceeded, PollSlots, caller_key
 from disttrain.core.refusal_log import RefusalLog
 from disttrain.core.rpc_access import GRANT_ATTRIBUTE
-from disttrain.core.rpc_server import RpcServer, refusals
-from disttrain.core.tls import TlsFiles
+from disttrain.core.rpc_server import RpcServer, ServerLimits, refusals
 from disttrain.proto import coordinator_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -110,7 +111,8 @@ class CoordinatorState:
         capabilities = {name: getattr(request.capabilities, name) for name in CAPABILITIES}
         with self.changed:
             node = self.membership.register(request.node_id, request.role, self._clock(), request.rank,
-                                            request.address, request.hostname, request.pid, capabilities)
+                                            request.address,
+                                            NodeProcess(request.pid, request.hostname, capabilities))
             self._save()
             return pb.RegisterNodeReply(generation=node.joined_generation, restarts=node.restarts,
                                         heartbeat_interval_s=self.config.heartbeat_interval,
@@ -123,8 +125,9 @@ class CoordinatorState:
         limits.check_heartbeat(request)
         balance = BalanceState(request.batch_size, request.warmup_speed, request.plans)
         with self.changed:
-            alive = self.membership.heartbeat(request.node_id, self._clock(), request.epoch, request.step,
-                                              request.throughput, request.step_time_s, request.pid, balance)
+            report = HeartbeatReport(request.epoch, request.step, request.throughput, request.step_time_s,
+                                     balance)
+            alive = self.membership.heartbeat(request.node_id, self._clock(), request.pid, report)
             self.max_step = max(self.max_step, request.step)
             self._progress_unsaved = True
             if self.membership.has_events:  # a recovery or a re-plan: persist it now, progress can wait
@@ -324,6 +327,19 @@ def _handler(servicer: CoordinatorServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
+@dataclass(frozen=True)
+class CoordinatorHooks:
+    """What a coordinator's owner is told.
+
+    Attributes:
+        on_step: called after each heartbeat with the largest step any node reported.
+        on_failure: called with (node id, reason) for every node declared failed by timeout.
+    """
+
+    on_step: Callable[[int], None] | None = None
+    on_failure: Callable[[str, str], None] | None = None
+
+
 class CoordinatorServer:
     """A started coordinator: gRPC on `bind` ("HOST:PORT", port 0: a free one; the bound
     one is `.address`) and a monitor thread checking heartbeats every interval / 4.
@@ -331,10 +347,9 @@ class CoordinatorServer:
     Args:
         config: the `coordinator` config section.
         registry_path: the SQLite registry; loaded when it exists, created otherwise.
-        on_step: called after each heartbeat with the largest step any node reported.
-        on_failure: called with (node id, reason) for every node declared failed by timeout.
-        token: when given, every call but health checks must carry it (`core.auth`).
-        tls: when enabled, it listens with TLS (`core.tls`; mutual with a CA).
+        hooks: what the owner is told (the largest step heard, each node declared failed).
+        credentials: with a token, every call but health checks must carry it (`core.auth`);
+            with TLS files enabled, it listens with TLS (`core.tls`; mutual with a CA).
 
     Raises:
         ConfigError: `bind` is malformed or cannot be bound.
@@ -342,19 +357,18 @@ class CoordinatorServer:
     """
 
     def __init__(self, config: CoordinatorConfig, bind: str, registry_path: str | Path,
-                 on_step: Callable[[int], None] | None = None,
-                 on_failure: Callable[[str, str], None] | None = None, max_threads: int = 128,
-                 token: str | None = None, tls: TlsFiles | None = None):
+                 hooks: CoordinatorHooks = CoordinatorHooks(), max_threads: int = 128,
+                 credentials: Credentials | None = None):
         parse_address(bind, "--bind")  # a malformed address is refused before the registry opens
         self.registry = Registry(registry_path)
         self.state = CoordinatorState(config, self.registry)
-        self.on_failure = on_failure
+        self.on_failure = hooks.on_failure
         # Each watch holds a thread: many may wait, and a quarter of the pool stays free for heartbeats.
         watches = watch_slots(max_threads)
-        self.servicer = CoordinatorServicer(self.state, on_step, watches)
+        self.servicer = CoordinatorServicer(self.state, hooks.on_step, watches)
         try:
-            self._server = RpcServer(_handler(self.servicer), SERVICE, bind, max_threads, token=token,
-                                     tls=tls)
+            self._server = RpcServer(_handler(self.servicer), SERVICE, bind, ServerLimits(max_threads),
+                                     credentials)
         except ConfigError:
             self.registry.close()
             raise

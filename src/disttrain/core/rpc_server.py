@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -22,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from disttrain.core import rpc_faults
 from disttrain.core.addresses import parse_address
 from disttrain.core.auth import TokenInterceptor
+from disttrain.core.credentials import Credentials
 from disttrain.core.errors import ConfigError
 from disttrain.core.identity import ROLES_ONLY
 from disttrain.core.refusal_log import RefusalLog, printable
@@ -91,6 +93,22 @@ def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials(pair)
 
 
+@dataclass(frozen=True)
+class ServerLimits:
+    """How much a gRPC server takes at once.
+
+    Attributes:
+        max_threads: the handler threads (each long-poll holds one).
+        maximum_concurrent_rpcs: calls in progress or queued at once; a call over it is
+            refused RESOURCE_EXHAUSTED at once (None: unbounded).
+        options: further gRPC server options (message sizes).
+    """
+
+    max_threads: int
+    maximum_concurrent_rpcs: int | None = None
+    options: tuple[tuple[str, Any], ...] = ()
+
+
 class RpcServer:
     """A started gRPC server with the health service.
 
@@ -98,14 +116,12 @@ class RpcServer:
         handler: the service's generic handler.
         service: its full name, reported SERVING by the health service while it serves.
         bind: HOST:PORT to listen on (port 0: a free one; `address` says which).
-        max_threads: the handler threads (each long-poll holds one).
-        options: further gRPC server options.
-        token: when given, every call but the health service's must carry it (else it is
-            refused UNAUTHENTICATED before its handler runs); None: open to anyone.
-        tls: when enabled, listen with TLS (its certificate and key; with its CA, every
-            client must present a certificate that CA signed); None or empty: plain TCP.
-        maximum_concurrent_rpcs: calls in progress or queued at once; a call over it is
-            refused RESOURCE_EXHAUSTED at once (None: unbounded).
+        limits: its threads, calls at once and gRPC options.
+        credentials: with a token, every call but the health service's must carry it (else
+            it is refused UNAUTHENTICATED before its handler runs), without one it is open
+            to anyone; with TLS files enabled, it listens with TLS (its certificate and key;
+            with its CA, every client must present a certificate that CA signed), else plain
+            TCP.
 
     Every call is checked against its row of the authorization table (`core.access`); a
     call of a method without one is refused.
@@ -117,12 +133,12 @@ class RpcServer:
             authorization table.
     """
 
-    def __init__(self, handler: grpc.GenericRpcHandler, service: str, bind: str, max_threads: int,
-                 options: list[tuple[str, Any]] | None = None, token: str | None = None,
-                 tls: TlsFiles | None = None, maximum_concurrent_rpcs: int | None = None):
+    def __init__(self, handler: grpc.GenericRpcHandler, service: str, bind: str, limits: ServerLimits,
+                 credentials: Credentials | None = None):
         check_service(service)
         host, port = parse_address(bind, "--bind")
-        tls = tls or TlsFiles()
+        token = None if credentials is None else credentials.token
+        tls = (None if credentials is None else credentials.tls) or TlsFiles()
         credentials = server_credentials(tls) if tls.enabled else None  # a bad file fails before binding
         # The health service stays open without the token (the interceptor lets it through),
         # so orchestrators' probes work.
@@ -132,9 +148,9 @@ class RpcServer:
             interceptors.append(TokenInterceptor(token))
         # who calls is known from here on (a client certificate: as its CA's run says)
         interceptors.append(AccessInterceptor(tls.policy() if tls.mutual else ROLES_ONLY))
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_threads, thread_name_prefix="rpc"),
-                                  interceptors=interceptors, options=server_options(options),
-                                  maximum_concurrent_rpcs=maximum_concurrent_rpcs)
+        self.server = grpc.server(futures.ThreadPoolExecutor(limits.max_threads, thread_name_prefix="rpc"),
+                                  interceptors=interceptors, options=server_options(list(limits.options)),
+                                  maximum_concurrent_rpcs=limits.maximum_concurrent_rpcs)
         self.server.add_generic_rpc_handlers((handler,))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from disttrain.core.credentials import Credentials
 from disttrain.core.faults import Fault
 from disttrain.core.tls import TlsFiles
 
@@ -33,3 +34,8 @@ class RunOptions:
     attempt: int = 0
     token: str | None = field(default=None, repr=False)
     tls: TlsFiles = TlsFiles()
+
+    @property
+    def credentials(self) -> Credentials:
+        """The token and TLS files, as servers and clients take them."""
+        return Credentials(self.token, self.tls)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from disttrain.config import SystemConfig, TrainingConfig
@@ -61,10 +62,11 @@ class Rebalancer:
     at any time.
     """
 
-    def __init__(self, sampler: PlannedSampler, mode: str, margin: float, interval: int,
+    def __init__(self, sampler: PlannedSampler, system: SystemConfig,
                  gather: Callable[[str, float, int], list[float] | None], announce: bool = False,
                  warmup_speed: float = 0.0, clock: Callable[[], float] = time.perf_counter):
-        self.sampler, self.mode, self.margin, self.interval = sampler, mode, margin, interval
+        self.sampler, self.mode = sampler, system.balance
+        self.margin, self.interval = system.balance_margin, system.balance_interval
         self.gather, self.announce, self.clock = gather, announce, clock
         self.warmup_speed = warmup_speed
         self._since: float | None = None
@@ -121,24 +123,38 @@ class Rebalancer:
         return True
 
 
-def start_balance(system: SystemConfig, training: TrainingConfig, num_samples: int, world_size: int,
-                  rank: int, gather: Callable[[str, float, int], list[float] | None],
-                  speed: Callable[[], float],
-                  announce: str | None = None,
+@dataclass(frozen=True)
+class BalancePeers:
+    """The processes that balance together, as one of them sees them.
+
+    Attributes:
+        world_size: how many there are.
+        rank: this one's rank.
+        gather: `(name, value, step) -> every process's value` in rank order (None: the
+            check is given up); a collective, `name` unique to the step.
+    """
+
+    world_size: int
+    rank: int
+    gather: Callable[[str, float, int], list[float] | None]
+
+
+def start_balance(system: SystemConfig, training: TrainingConfig, num_samples: int, peers: BalancePeers,
+                  speed: Callable[[], float], announce: str | None = None,
                   ) -> tuple[ShardedSampler | PlannedSampler, Rebalancer | None]:
     """This process's sampler under `system.balance`, and what re-plans it mid-run and
     holds its balance state (None with balance none; with `balance_interval` 0 it never
     re-plans; a plan fixed by `balance_batches` is the first one, re-planned like a
-    measured one). A collective: every process calls it. `gather(name, value, step)`
-    returns every process's value in rank order; `speed()` measures this one."""
+    measured one). A collective: every process of `peers` calls it; `speed()` measures
+    this one."""
+    world_size, rank, gather = peers.world_size, peers.rank, peers.gather
     shares, mine = plan_shares(system, training.batch_size, world_size,
                                lambda v: gather("speeds", v, 0) or [], speed, announce)
     if shares is None:
         return ShardedSampler(num_samples, world_size=world_size, rank=rank, seed=training.seed), None
     sampler = PlannedSampler(num_samples, world_size=world_size, rank=rank, seed=training.seed,
                              shares=shares)
-    return sampler, Rebalancer(sampler, system.balance, system.balance_margin, system.balance_interval,
-                               gather, announce is not None, mine)
+    return sampler, Rebalancer(sampler, system, gather, announce is not None, mine)
 
 
 def plan_summary(sampler: ShardedSampler | PlannedSampler | None) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from disttrain.core.faults import FaultInjector
 from disttrain.data import ArrayDataset, PlannedSampler, ShardedSampler
 from disttrain.strategies.ddp import runtime as rt
 from disttrain.training.balance import warmup_speed
-from disttrain.training.rebalance import Rebalancer, start_balance
+from disttrain.training.rebalance import BalancePeers, Rebalancer, start_balance
 
 
 def balance_sampler(system: SystemConfig, training: TrainingConfig, runtime: rt.Runtime,
@@ -30,6 +30,6 @@ def balance_sampler(system: SystemConfig, training: TrainingConfig, runtime: rt.
         dist.all_gather(gathered, mine)
         return [float(t.item()) for t in gathered]
 
-    return start_balance(system, training, len(train_set), info.world_size, info.rank,
-                         gather, lambda: warmup_speed(training, runtime.device, train_set, faults),
+    return start_balance(system, training, len(train_set), BalancePeers(info.world_size, info.rank, gather),
+                         lambda: warmup_speed(training, runtime.device, train_set, faults),
                          announce="rank" if info.is_main else None)

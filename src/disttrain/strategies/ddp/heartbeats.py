@@ -28,9 +28,9 @@ from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.background import HeartbeatSender
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.node_info import heartbeat_message
-from disttrain.coordinator.reports import LatestMetrics, NodeProgress
+from disttrain.coordinator.reports import LatestMetrics, NodeIdentity, NodeProgress, NodeReports
+from disttrain.core.credentials import Credentials
 from disttrain.core.errors import DisttrainError, error_lines
-from disttrain.core.tls import TlsFiles
 from disttrain.proto import coordinator_pb2 as pb
 from disttrain.training.checkpoints import Position
 from disttrain.training.rebalance import Rebalancer
@@ -124,11 +124,10 @@ class RankLink:
         with self._lock:
             if self._stopped.is_set():
                 return True
-            self._heartbeats = HeartbeatSender(self.client, self.node_id, ROLE,
-                                               self.settings.heartbeat_interval, self.progress,
-                                               self._declared_failed, rank=self.rank,
-                                               generation=reply.generation,
-                                               metrics=self.progress.metrics.latest)
+            self._heartbeats = HeartbeatSender(self.client, NodeIdentity(self.node_id, ROLE, self.rank),
+                                               self.settings.heartbeat_interval,
+                                               NodeReports(self.progress, self.progress.metrics.latest),
+                                               self._declared_failed, generation=reply.generation)
             self._heartbeats.start()
         if self._warned:
             logger.info("%s joined the coordinator at %s at last", self.node_id, self.client.address)
@@ -201,11 +200,11 @@ class RankLink:
 
 @contextmanager
 def coordinator_link(settings: CoordinatorConfig, rank: int, restart_count: int,
-                     progress: LoopProgress, token: str | None = None,
-                     tls: TlsFiles | None = None, restarted_by: str = ELASTIC_RESTART
-                     ) -> Iterator[RankLink | None]:
+                     progress: LoopProgress, credentials: Credentials | None = None,
+                     restarted_by: str = ELASTIC_RESTART) -> Iterator[RankLink | None]:
     """Be registered with the run's coordinator while the block runs (nothing without one);
-    every call to it carries `token` when given, over TLS when `tls` is enabled;
+    every call to it carries the token of `credentials` when given, over TLS when its TLS
+    files are enabled;
     `restarted_by` says how a restarted rank's previous process was replaced.
 
     Leaving the block normally reports the rank done; by an exception, failed with the
@@ -215,7 +214,9 @@ def coordinator_link(settings: CoordinatorConfig, rank: int, restart_count: int,
     if not settings.address:
         yield None
         return
-    client = CoordinatorClient(settings.address, timeout_s=CALL_TIMEOUT_S, token=token, tls=tls)
+    credentials = credentials or Credentials()
+    client = CoordinatorClient(settings.address, timeout_s=CALL_TIMEOUT_S, token=credentials.token,
+                               tls=credentials.tls)
     link = RankLink(client, settings, rank, restart_count, progress, restarted_by)
     link.start()
     try:

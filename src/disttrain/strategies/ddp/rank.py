@@ -247,7 +247,7 @@ def run_rank(config: Config, info: rt.RankInfo, options: RunOptions) -> RunSumma
     progress = LoopProgress(Position(), config.training.num_epochs)
     rank_signal = RankSignal(info.rank, config.system.preemption_grace_s)
     with sigterm_handled_by(rank_signal.handle), coordinator_link(
-            config.coordinator, info.rank, info.restart_count, progress, options.token, options.tls):
+            config.coordinator, info.rank, info.restart_count, progress, options.credentials):
         runtime = rt.start(config.ddp, info, config.system.num_threads)
         try:
             summary = _train(config, runtime, options, started, progress, rank_signal)

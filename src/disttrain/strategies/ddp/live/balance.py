@@ -50,8 +50,7 @@ class LiveBalance:
     def start(self, sampler: PlannedSampler, rank: int) -> None:
         """Check `sampler`'s generation every interval (rank 0 logs each re-plan)."""
         system = self.system
-        self.rebalancer = Rebalancer(sampler, system.balance, system.balance_margin, system.balance_interval,
-                                     self._gather, rank == 0, self.speed)
+        self.rebalancer = Rebalancer(sampler, system, self._gather, rank == 0, self.speed)
 
     def stop(self) -> None:
         """The generation is gone."""

@@ -15,9 +15,9 @@ from disttrain.config.schema import CoordinatorConfig
 from disttrain.coordinator.background import HeartbeatSender, MembershipWatcher
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.nodes import REASSIGNED
-from disttrain.coordinator.reports import NodeMetrics, NodeProgress
+from disttrain.coordinator.reports import NodeIdentity, NodeReports
+from disttrain.core.credentials import Credentials
 from disttrain.core.identity import own_token
-from disttrain.core.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -62,38 +62,36 @@ def _declared_failed(node_id: str) -> Callable[[], None]:
     return exit_now
 
 
-def join(settings: CoordinatorConfig, node_id: str, role: str, rank: int,
-         progress: Callable[[], NodeProgress], address: str = "",
+def join(settings: CoordinatorConfig, node: NodeIdentity, reports: NodeReports,
          on_membership: Callable[[int, dict[str, int], dict[str, int]], None] | None = None,
-         token: str | None = None, tls: TlsFiles | None = None,
-         metrics: Callable[[], NodeMetrics | None] | None = None) -> Link | None:
+         credentials: Credentials | None = None) -> Link | None:
     """Register with the coordinator at `settings.address` and start heartbeats; None when
     the run has no coordinator.
 
     Args:
-        progress: this process's progress (and a worker's balance state), read at every
-            heartbeat.
-        metrics: a worker's latest training metrics, read after every heartbeat and
-            reported when new.
+        node: this process's id, role, rank and the address it serves on.
+        reports: this process's progress (and a worker's balance state), read at every
+            heartbeat, and a worker's latest training metrics, read after every heartbeat
+            and reported when new.
         on_membership: called with (generation, live worker ids -> the generation each
             joined in, reassigned worker ids -> their rank) at every change of membership.
-        token: the run's token. A node token is sent as it is; given the run's secret (a
-            shard holds it to check the workers' tokens), the process calls in its own
-            name, with the node token of `node_id` in `role` made from it.
-        tls: the TLS files to reach it with (None or empty: plain TCP).
+        credentials: the run's token and the TLS files to reach it with (None or empty:
+            plain TCP). A node token is sent as it is; given the run's secret (a shard
+            holds it to check the workers' tokens), the process calls in its own name, with
+            the node token of the node in its role made from it.
     Raises:
         CoordinatorError: the coordinator refused (another live process holds `node_id`).
     """
     if not settings.address:
         return None
-    client = CoordinatorClient(settings.address, token=own_token(token, node_id, role) if token else None,
-                               tls=tls)
-    reply = client.register(node_id, role, rank=rank, address=address)
+    token, tls = (None, None) if credentials is None else (credentials.token, credentials.tls)
+    client = CoordinatorClient(settings.address, tls=tls,
+                               token=own_token(token, node.node_id, node.role) if token else None)
+    reply = client.register(node.node_id, node.role, rank=node.rank, address=node.address)
     logger.info("joined the run's coordinator at %s as %s (generation %d, %d restart(s) before)",
-                settings.address, node_id, reply.generation, reply.restarts)
-    heartbeats = HeartbeatSender(client, node_id, role, settings.heartbeat_interval, progress,
-                                 _declared_failed(node_id), rank=rank, address=address,
-                                 generation=reply.generation, metrics=metrics)
+                settings.address, node.node_id, reply.generation, reply.restarts)
+    heartbeats = HeartbeatSender(client, node, settings.heartbeat_interval, reports,
+                                 _declared_failed(node.node_id), generation=reply.generation)
     heartbeats.start()
     watcher = None
     if on_membership is not None:

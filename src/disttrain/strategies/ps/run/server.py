@@ -20,12 +20,11 @@ from collections.abc import Callable
 from torch.nn.utils import parameters_to_vector
 
 from disttrain.config import Config
-from disttrain.coordinator.reports import NodeProgress
+from disttrain.coordinator.reports import NodeIdentity, NodeProgress, NodeReports
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
 from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import ProgressReport, bind_to_parent, emit_event
-from disttrain.core.tls import TlsFiles
 from disttrain.strategies.ps.run.launcher import check_supported
 from disttrain.strategies.ps.run.layout import run_layout
 from disttrain.strategies.ps.run.link import join
@@ -33,7 +32,7 @@ from disttrain.strategies.ps.server.aggregation import AggregationRules
 from disttrain.strategies.ps.server.broadcast import BroadcastCopy
 from disttrain.strategies.ps.server.ownership import BlockLayout
 from disttrain.strategies.ps.server.servicer import ShardServer
-from disttrain.strategies.ps.server.shard import CheckpointPolicy, ShardState
+from disttrain.strategies.ps.server.shard import CheckpointPolicy, ShardCodecs, ShardState, ShardValues
 from disttrain.strategies.ps.server.validation import PushDecoder
 from disttrain.strategies.ps.wire.payloads import ParameterChanges
 from disttrain.strategies.ps.wire.sharding import (
@@ -44,6 +43,7 @@ from disttrain.strategies.ps.wire.sharding import (
 )
 from disttrain.training.engine import configure_process
 from disttrain.training.models import init_model
+from disttrain.training.options import RunOptions
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +82,9 @@ def build_state(config: Config, shard: int, num_shards: int, resume: bool = Fals
     decoder = PushDecoder(plan, config.compression, max_samples)
     checkpoints = CheckpointPolicy(folder, training.checkpoint_interval, system.checkpoint_keep,
                                    config.to_dict(), on_checkpoint_failure)
-    state = ShardState(plan, flat, rules, decoder, training, checkpoints,
-                       buffers=initial_buffers(model, plan), model_numel=sum(p.numel for p in plans),
-                       broadcast=broadcast_copy(config, plan, flat))
+    values = ShardValues(plan, flat, initial_buffers(model, plan), sum(p.numel for p in plans))
+    state = ShardState(values, rules, ShardCodecs(decoder, broadcast_copy(config, plan, flat)), training,
+                       checkpoints)
     if resume:  # a restart, or the run resumed (the other shards may be at another step)
         state.restore(resumed_from)
     return state
@@ -100,13 +100,13 @@ def broadcast_copy(config: Config, plan: ShardPlan, flat) -> BroadcastCopy | Non
                          section.pull_dense_every)
 
 
-def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool = False,
-          faults: FaultInjector | None = None, token: str | None = None,
-          tls: TlsFiles | None = None) -> None:
+def serve(config: Config, bind: str, shard: int, num_shards: int, options: RunOptions) -> None:
     """Run one shard until SIGTERM/SIGINT or a Shutdown call; with a coordinator in the
-    config, registered with it, heartbeating, and following its membership. With a
-    `token`, calls without it are refused (but health checks), and it is sent to the coordinator.
-    With `tls`, it listens with TLS and reaches the coordinator with the same files.
+    config, registered with it, heartbeating, and following its membership. With the
+    `options`' token, calls without it are refused (but health checks), and it is sent to
+    the coordinator. With their TLS files, it listens with TLS and reaches the coordinator
+    with the same files. The options' faults fire at the versions they name; with
+    `options.resume`, the shard starts from its newest checkpoint.
 
     Raises:
         ConfigError: the address cannot be bound, the checkpoint dir holds an earlier run, or
@@ -124,23 +124,24 @@ def serve(config: Config, bind: str, shard: int, num_shards: int, resume: bool =
         store_failures.append(error)
         server.stopped.set()
 
-    state = build_state(config, shard, num_shards, resume, store_failed, layout=run_layout(config))
+    faults = FaultInjector(options.faults, "server", shard, options.attempt)
+    state = build_state(config, shard, num_shards, options.resume, store_failed, layout=run_layout(config))
     # Long-polls hold a thread each: room for every worker's push, pull and status call.
-    server = ShardServer(state, bind, max_threads=max(32, 4 * config.system.num_workers + 8), token=token,
-                         tls=tls)
+    server = ShardServer(state, bind, max_threads=max(32, 4 * config.system.num_workers + 8),
+                         credentials=options.credentials)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.stopped.set())
     logger.info("shard %d/%d (%d parameters, %.2f MB) listening on %s (%s)", shard, num_shards,
                 state.plan.numel, state.plan.nbytes / 1e6, server.address, socket.gethostname())
     logger.info("%s", state.plan.describe())
     progress = ProgressReport()  # each version reached, for the launcher's restart budget
-    state.on_version = progress if faults is None else lambda version: (progress(version),
-                                                                        faults.at_step(version))
+    state.on_version = progress if not faults.faults else lambda version: (progress(version),
+                                                                            faults.at_step(version))
     emit_event("listening", address=server.address, shard=shard)
-    link = join(config.coordinator, f"server{shard}", "server", shard,
-                lambda: NodeProgress(0, state.version, 0), server.address,
+    link = join(config.coordinator, NodeIdentity(f"server{shard}", "server", shard, server.address),
+                NodeReports(lambda: NodeProgress(0, state.version, 0)),
                 lambda generation, live, away: state.set_membership(generation, live, frozenset(away)),
-                token=token, tls=tls)
+                credentials=options.credentials)
     try:
         server.stopped.wait()
     finally:

@@ -23,14 +23,15 @@ from pathlib import Path
 import torch
 
 from disttrain.compression import Compressor
-from disttrain.config import Config, SystemConfig, TrainingConfig
-from disttrain.coordinator.reports import LatestMetrics, NodeProgress
+from disttrain.config import Config
+from disttrain.coordinator.reports import LatestMetrics, NodeIdentity, NodeProgress, NodeReports
 from disttrain.core import checkpoint as ckpt
 from disttrain.core import object_store
 from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import bind_to_parent, sigterm_handled_by
 from disttrain.data import ArrayDataset, PlannedSampler, ShardedSampler, load_datasets
 from disttrain.metrics.summary import RunSummary
+from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.run.finalize import finish
 from disttrain.strategies.ps.run.launcher import check_supported, worker_precision
 from disttrain.strategies.ps.run.link import join
@@ -55,7 +56,7 @@ from disttrain.training.loop import LoopSettings, TrainingLoop
 from disttrain.training.models import init_model
 from disttrain.training.options import RunOptions
 from disttrain.training.precision import Precision
-from disttrain.training.rebalance import Rebalancer, start_balance
+from disttrain.training.rebalance import BalancePeers, Rebalancer, start_balance
 from disttrain.training.seeding import seed_training, training_seed
 
 logger = logging.getLogger(__name__)
@@ -131,8 +132,9 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
     link = None
     away = Away()  # which reassigned workers are back, from the coordinator's membership
     try:
-        link = join(config.coordinator, worker_id, "worker", requested_rank, progress, metrics=metrics.latest,
-                    on_membership=away.update, token=options.token, tls=options.tls)
+        link = join(config.coordinator, NodeIdentity(worker_id, "worker", requested_rank),
+                    NodeReports(progress, metrics.latest), on_membership=away.update,
+                    credentials=options.credentials)
         if link is not None and link.run_finished:
             # Restarted after the others ended (taken over while away, say): no shard is
             # left to take a push, and waiting for one would only hold the run's end up.
@@ -170,8 +172,7 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                                  overlap_trial_steps=config.ps.overlap_trial_steps)
         exchange.start()
         faults = FaultInjector(options.faults, "worker", rank, options.attempt)
-        sampler, rebalancer = balance_sampler(system, training, client, worker_id, world_size, rank, data[0],
-                                              faults)
+        sampler, rebalancer = balance_sampler(config, client, worker_id, assignment, data[0], faults)
         loader = prefetch(data[0], training.loader_workers)
         participant = WorkerParticipant(client, exchange, worker_id, rank, world_size, model, grads,
                                         loader or data[0], data[1], training.eval_batch_size, sampler,
@@ -229,11 +230,11 @@ def preemption_agreement(config: Config, client: PSClient, worker_id: str, curre
     return PreemptionAgreement(agree, current_step, config.system.preemption_grace_s)
 
 
-def balance_sampler(system: SystemConfig, training: TrainingConfig, client: PSClient, worker_id: str,
-                    world_size: int, rank: int, train_set: ArrayDataset, faults: FaultInjector,
+def balance_sampler(config: Config, client: PSClient, worker_id: str, assignment: pb.WorkerAssignment,
+                    train_set: ArrayDataset, faults: FaultInjector,
                     ) -> tuple[ShardedSampler | PlannedSampler, Rebalancer | None]:
     """This worker's sampler, and what re-plans it and holds its balance state (every
-    worker calls it).
+    worker calls it, with the assignment its registration gave it: its rank of how many).
 
     The workers' balance plan (`system.balance`): each worker's speed, measured before
     training on a copy of the model and every `system.balance_interval` steps after, is
@@ -247,6 +248,8 @@ def balance_sampler(system: SystemConfig, training: TrainingConfig, client: PSCl
         rows = client.barrier(worker_id, name, [speed], step)  # a check gives up for a worker behind
         return [row[0] for row in rows] if rows else None
 
-    return start_balance(system, training, len(train_set), world_size, rank, gather,
+    training, rank = config.training, assignment.rank
+    peers = BalancePeers(assignment.world_size, rank, gather)
+    return start_balance(config.system, training, len(train_set), peers,
                          lambda: warmup_speed(training, torch.device("cpu"), train_set, faults),
                          announce="worker" if rank == 0 else None)

@@ -43,14 +43,14 @@ from contextlib import ExitStack, nullcontext
 import grpc
 
 from disttrain.core.addresses import peer_is_local
+from disttrain.core.credentials import Credentials
 from disttrain.core.deadlines import Deadlines
 from disttrain.core.identity import NotPermitted
 from disttrain.core.poll_slots import PollLimitExceeded, PollSlots, caller_key
 from disttrain.core.refusal_log import RefusalLog, printable
 from disttrain.core.rpc_access import GRANT_ATTRIBUTE, Unread, authorize_message
-from disttrain.core.rpc_server import RpcServer
+from disttrain.core.rpc_server import RpcServer, ServerLimits
 from disttrain.core.rpc_server import refusals as rpc_refusals
-from disttrain.core.tls import TlsFiles
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.server.barriers import TooManyBarriers
 from disttrain.strategies.ps.server.decisions import PushRefused
@@ -68,7 +68,7 @@ from disttrain.strategies.ps.server.limits import (
     push_limits,
 )
 from disttrain.strategies.ps.server.roster import FencedPush, UnknownGeneration
-from disttrain.strategies.ps.server.shard import ShardState, ShardStopping, WorkersNotDone
+from disttrain.strategies.ps.server.shard import ShardState, ShardStopping, WorkerClaim, WorkersNotDone
 from disttrain.strategies.ps.wire import service
 from disttrain.strategies.ps.wire.codec import Payload
 
@@ -314,7 +314,8 @@ class ParameterServicer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"pull for shard {request.shard} reached shard {state.plan.shard}")
         if request.incarnation not in (0, state.incarnation):  # it must register again first
-            return [service.parameter_notice(state.plan, state.version, state.incarnation)]
+            stamp = service.ParameterStamp(state.version, state.incarnation)
+            return [service.parameter_notice(state.plan, stamp)]
         with self.refusals(context):
             state.identities.check(request.worker_id, request.session)
         with self.long_poll(request.worker_id, context):
@@ -349,9 +350,9 @@ class ParameterServicer:
         state, peer = self.state, context.peer()
         local = request.shared_memory and peer_is_local(peer)
         with self.refusals(context):
-            joined = state.register(request.worker_id, request.requested_rank, request.key,
-                                    request.generation, shared_memory=local, epochs_done=request.epochs_done,
-                                    sync_step=request.sync_step)
+            joined = state.register(WorkerClaim(request.worker_id, request.key, request.generation),
+                                    request.requested_rank, shared_memory=local,
+                                    epochs_done=request.epochs_done, sync_step=request.sync_step)
         plan, rules = state.plan, state.rules
         logger.info("worker %s (%s pid %d, from %s) registered as rank %d", request.worker_id,
                     printable(request.hostname[:64]), request.pid, peer, joined.rank)
@@ -460,17 +461,16 @@ class ShardServer:
     `max_threads` less a reserve (see `limits`), so calls that answer at once always run.
     """
 
-    def __init__(self, state: ShardState, bind: str, max_threads: int = 32, token: str | None = None,
-                 long_poll_cap_s: float = LONG_POLL_CAP_S, tls: TlsFiles | None = None,
+    def __init__(self, state: ShardState, bind: str, max_threads: int = 32,
+                 credentials: Credentials | None = None, long_poll_cap_s: float = LONG_POLL_CAP_S,
                  first_message_s: float = FIRST_MESSAGE_S):
         self.state = state
         self.stopped = threading.Event()
         self.polls = PollSlots.for_pool(max_threads, POLLS_PER_WORKER, POLLS_PER_CALLER)
         self.servicer = servicer = ParameterServicer(state, self.stopped, self.polls, long_poll_cap_s,
                                                      first_message_s)
-        self._server = RpcServer(_handler(servicer), service.SERVICE, bind,
-                                 max_threads, options=service.CHANNEL_OPTIONS, token=token, tls=tls,
-                                 maximum_concurrent_rpcs=max_concurrent_rpcs(max_threads))
+        limits = ServerLimits(max_threads, max_concurrent_rpcs(max_threads), tuple(service.CHANNEL_OPTIONS))
+        self._server = RpcServer(_handler(servicer), service.SERVICE, bind, limits, credentials)
         self.address = self._server.address
 
     def stop(self, grace_s: float = 2.0) -> None:

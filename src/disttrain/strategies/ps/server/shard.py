@@ -106,6 +106,48 @@ class CheckpointPolicy:
 
 
 @dataclass(frozen=True)
+class ShardValues:
+    """The values a shard starts from.
+
+    Attributes:
+        plan: the slices this shard owns.
+        initial: the shard's initial flat parameters (1-D, plan.numel elements).
+        buffers: the initial values of the plan's buffers (float64, 1-D, plan.buffer_numel
+            elements; None: the plan holds none).
+        model_numel: elements of the whole model, of which clipping gives this shard its
+            share (None: the shard is the whole model).
+    """
+
+    plan: ShardPlan
+    initial: torch.Tensor
+    buffers: torch.Tensor | None = None
+    model_numel: int | None = None
+
+
+@dataclass(frozen=True)
+class ShardCodecs:
+    """How a shard reads pushes and answers pulls.
+
+    Attributes:
+        decoder: checks and decodes pushes (the run's compression and batch bound).
+        broadcast: pull compression's broadcast copy (None: answers are the parameters,
+            dense); every answer is then the copy (see `broadcast`).
+    """
+
+    decoder: PushDecoder
+    broadcast: BroadcastCopy | None = None
+
+
+@dataclass(frozen=True)
+class WorkerClaim:
+    """Who a worker says it is: its id, the key it holds, the generation it joined in."""
+
+    worker_id: str
+    key: bytes
+    generation: int
+
+
+@dataclass(frozen=True)
 class Registration:
     """What a worker's registration with a shard gave it: its rank, the shard's version,
     its session, and its shared-memory segments (None unless offered and made)."""
@@ -120,25 +162,17 @@ class ShardState:
     """One shard. Build it, optionally `restore()` it, then serve pushes and pulls.
 
     Args:
-        plan: the slices this shard owns.
-        initial: the shard's initial flat parameters (1-D, plan.numel elements).
-        buffers: the initial values of the plan's buffers (float64, 1-D, plan.buffer_numel
-            elements; None: the plan holds none).
+        values: the plan and the values the shard starts from.
         rules: the aggregation rules of the run (sync, ssp or async; its world size).
-        decoder: checks and decodes pushes (the run's compression and batch bound).
+        codecs: how the shard decodes pushes and answers pulls.
         training: the optimizer's settings (`training.optimizer`, learning rate, ...).
         checkpoints: where and how often the shard saves itself (None: never).
         clock: returns seconds; the aggregation rules measure synchronous waits with it.
-        model_numel: elements of the whole model, of which clipping gives this shard its
-            share (None: the shard is the whole model).
-        broadcast: pull compression's broadcast copy (None: answers are the parameters,
-            dense); every answer is then the copy (see `broadcast`).
     """
 
-    def __init__(self, plan: ShardPlan, initial: torch.Tensor, rules: AggregationRules, decoder: PushDecoder,
-                 training: TrainingConfig, checkpoints: CheckpointPolicy | None = None, clock=time.monotonic,
-                 buffers: torch.Tensor | None = None, model_numel: int | None = None,
-                 broadcast: BroadcastCopy | None = None):
+    def __init__(self, values: ShardValues, rules: AggregationRules, codecs: ShardCodecs,
+                 training: TrainingConfig, checkpoints: CheckpointPolicy | None = None, clock=time.monotonic):
+        plan, initial, buffers, model_numel = values.plan, values.initial, values.buffers, values.model_numel
         if initial.numel() != plan.numel:
             raise ValueError(f"shard {plan.shard} owns {plan.numel} elements, got {initial.numel()}")
         buffers = torch.zeros(0, dtype=torch.float64) if buffers is None else buffers
@@ -148,7 +182,7 @@ class ShardState:
         self.plan = plan
         self.buffers = buffers.detach().to(torch.float64).reshape(-1).clone()
         self.rules = rules
-        self.decoder = decoder
+        self.decoder = codecs.decoder
         self.param = nn.Parameter(initial.detach().clone().reshape(-1))
         self.shard_optimizer = ShardOptimizer(self.param, plan, training, model_numel or plan.numel,
                                               1 if rules.mode == "sync" else rules.world_size)
@@ -172,11 +206,11 @@ class ShardState:
         self.barriers = Barriers(rules.world_size)
         self.update = GuardedUpdate(self.param, self.optimizer, self.shard_optimizer)
         self.identities = Identities()
-        self.broadcast = broadcast
+        self.broadcast = codecs.broadcast
 
-    def register(self, worker_id: str, requested_rank: int, key: bytes, generation: int,
-                 shared_memory: bool = False, epochs_done: int = 0, sync_step: int = 0) -> Registration:
-        """Register `worker_id`, holding `key`, joined in `generation`, having trained
+    def register(self, claim: WorkerClaim, requested_rank: int, shared_memory: bool = False,
+                 epochs_done: int = 0, sync_step: int = 0) -> Registration:
+        """Register the worker of `claim` (its id, key and generation), having trained
         `epochs_done` epochs to their end, its pushes computed on step `sync_step` now
         (see `AggregationRules.joined`); with
         `shared_memory` (the worker asked, from this host) fresh segments are made for
@@ -186,10 +220,11 @@ class ShardState:
             InvalidIdentity, IdentityTaken, UnknownGeneration: see `Identities.check_claim`.
             PushRefused: no rank fits.
         """
+        worker_id = claim.worker_id
         with self._changed:
-            self.identities.check_claim(worker_id, key, generation, self.rules.roster)
+            self.identities.check_claim(worker_id, claim.key, claim.generation, self.rules.roster)
             rank = self.rules.register(worker_id, requested_rank)
-            session = self.identities.bind(worker_id, key, generation)
+            session = self.identities.bind(worker_id, claim.key, claim.generation)
             self._apply_or_void(self.rules.joined(worker_id, epochs_done, self.clock(), sync_step))
             self.barriers.give_up_pending()  # a restarted worker is behind: no check waits for it
             self._changed.notify_all()
@@ -376,9 +411,8 @@ class ShardState:
             version, step, buffers = self.rules.version, self.rules.sync_step, None
             if self._snapshot is None or self._snapshot.version != version:
                 buffers = self._buffer_message()
-                frames = service.parameter_frames(self.plan, version, tensor_bytes(self._served()),
-                                                  self.incarnation, buffers, sync_step=step,
-                                                  restored=self.rules.restored)
+                stamp = service.ParameterStamp(version, self.incarnation, buffers, step, self.rules.restored)
+                frames = service.parameter_frames(self.plan, stamp, tensor_bytes(self._served()))
                 self._snapshot = Snapshot(version, list(frames))
             snapshot = self._snapshot
             if self.broadcast is None or holds in snapshot.changes:
@@ -387,10 +421,11 @@ class ShardState:
             if change is None:
                 return snapshot.frames
             # Kept for the next worker that holds the same version (in sync mode, all of them).
-            snapshot.changes[holds] = list(service.parameter_frames(
-                self.plan, version, memoryview(change), self.incarnation,
-                self._buffer_message() if buffers is None else buffers, self.broadcast.changes.scheme, step,
-                self.rules.restored))
+            stamp = service.ParameterStamp(version, self.incarnation,
+                                           self._buffer_message() if buffers is None else buffers, step,
+                                           self.rules.restored)
+            snapshot.changes[holds] = list(service.parameter_frames(self.plan, stamp, memoryview(change),
+                                                                    self.broadcast.changes.scheme))
             return snapshot.changes[holds]
 
     def write_parameters(self, worker_id: str, min_version: int, timeout_s: float | None) -> bytes | None:
@@ -406,8 +441,9 @@ class ShardState:
             if not self._reached(min_version, timeout_s):
                 return None
             pair.parameter_tensor.copy_(self._served())
-            return service.parameter_notice(self.plan, self.rules.version, self.incarnation,
-                                            self._buffer_message(), self.rules.sync_step, self.rules.restored)
+            return service.parameter_notice(self.plan, service.ParameterStamp(
+                self.rules.version, self.incarnation, self._buffer_message(), self.rules.sync_step,
+                self.rules.restored))
 
     def step_applied(self, worker_id: str, timeout_s: float | None) -> int | None:
         """Sync mode, after a push of `worker_id` joined the pending step: wait until that

@@ -136,32 +136,46 @@ def gradient_frames(header: pb.GradientMessage, plan: ShardPlan, data: memoryvie
     return encode_frames(header, GRADIENT_PAYLOAD_FIELD, meta, data, _chunk_bytes(data.nbytes))
 
 
-def parameter_frames(plan: ShardPlan, version: int, data: memoryview, incarnation: int = 0,
-                     buffers: tensor_pb2.TensorProto | None = None, compression_type: str = "",
-                     sync_step: int = 0, restored: bool = False) -> Iterator[bytes]:
-    """The wire messages of one pull answer, cut like a push's; the shard's `buffers`
-    (`buffer_proto`; None: it holds none) ride in the first. With `compression_type`,
-    `data` is pull compression's change from version - 1 (`payloads.ParameterChanges`).
-    `sync_step`: the run's step the parameters are the result of (sync mode);
-    `restored`: the shard came back from a checkpoint and has applied no step since."""
+@dataclass(frozen=True)
+class ParameterStamp:
+    """What a pull answer says of the parameters it carries, beside their bytes.
+
+    Attributes:
+        version: the shard's version they are at.
+        incarnation: the shard's (tells a worker the shard restarted).
+        buffers: the shard's buffers (`buffer_proto`; None: it holds none).
+        sync_step: the run's step the parameters are the result of (sync mode).
+        restored: the shard came back from a checkpoint and has applied no step since.
+    """
+
+    version: int
+    incarnation: int = 0
+    buffers: tensor_pb2.TensorProto | None = None
+    sync_step: int = 0
+    restored: bool = False
+
+
+def parameter_frames(plan: ShardPlan, stamp: ParameterStamp, data: memoryview,
+                     compression_type: str = "") -> Iterator[bytes]:
+    """The wire messages of one pull answer, cut like a push's; the `stamp` (the shard's
+    buffers included) rides in the first. With `compression_type`, `data` is pull
+    compression's change from version - 1 (`payloads.ParameterChanges`)."""
     chunk_bytes = _chunk_bytes(memoryview(data).nbytes if compression_type else plan.nbytes)
-    header = pb.ParameterMessage(version=version, shard=plan.shard, layout=slice_specs(plan),
-                                 incarnation=incarnation, buffers=buffers, sync_step=sync_step,
-                                 restored=restored, compressed=bool(compression_type),
-                                 compression_type=compression_type)
+    header = pb.ParameterMessage(version=stamp.version, shard=plan.shard, layout=slice_specs(plan),
+                                 incarnation=stamp.incarnation, buffers=stamp.buffers,
+                                 sync_step=stamp.sync_step, restored=stamp.restored,
+                                 compressed=bool(compression_type), compression_type=compression_type)
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
     return encode_frames(header, PARAMETER_PAYLOAD_FIELD, meta, data, chunk_bytes)
 
 
-def parameter_notice(plan: ShardPlan, version: int, incarnation: int = 0,
-                     buffers: tensor_pb2.TensorProto | None = None, sync_step: int = 0,
-                     restored: bool = False) -> bytes:
+def parameter_notice(plan: ShardPlan, stamp: ParameterStamp) -> bytes:
     """The one message of a pull answered through shared memory: no payload bytes (the
-    shard's `buffers`, small, still travel in it)."""
+    stamp, the shard's buffers small, still travels in it)."""
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
-    return pb.ParameterMessage(version=version, shard=plan.shard, payload=meta, shared_memory=True,
-                               incarnation=incarnation, buffers=buffers, sync_step=sync_step,
-                               restored=restored).SerializeToString()
+    return pb.ParameterMessage(version=stamp.version, shard=plan.shard, payload=meta, shared_memory=True,
+                               incarnation=stamp.incarnation, buffers=stamp.buffers,
+                               sync_step=stamp.sync_step, restored=stamp.restored).SerializeToString()
 
 
 def step_answer(push: pb.PushReply, parameters: bytes = b"") -> bytes:
