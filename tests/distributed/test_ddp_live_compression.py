@@ -102,10 +102,11 @@ POWERSGD = {"training": {"dataset": "digits", "model_architecture": "mlp", "batc
 def powersgd_member(slot: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     from disttrain.strategies.ddp.live.group import LiveGroup, connect
+    from disttrain.strategies.ddp.live.membership import Patience
     from disttrain.strategies.ddp.live.state import share_state
     from disttrain.strategies.ddp.live.trainer import LiveTrainer
     trainer = LiveTrainer(Config().replace(**POWERSGD), slot)
-    group = LiveGroup(connect("127.0.0.1", port, 30.0), slot, 30.0, stale_s=1.0, window_s=5.0)
+    group = LiveGroup(connect("127.0.0.1", port, 30.0), slot, Patience(1.0, 5.0, 30.0))
     if slot == 0:  # alone in generation 0, it gets past PowerSGD's plain iterations
         group.form(0, (0,))
         trainer.attach(0, 1)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from disttrain.strategies.ddp.live.group import Beats, LiveGroup, connect, mark_dead
+from disttrain.strategies.ddp.live.membership import Patience
 
 TIMEOUT_S = 60.0  # what a member would wait without the launcher's mark
 
@@ -30,7 +31,8 @@ def total() -> int:
 
 def member(slot: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    group = LiveGroup(connect("127.0.0.1", port, TIMEOUT_S), slot, TIMEOUT_S, stale_s=1.0, window_s=20.0)
+    group = LiveGroup(connect("127.0.0.1", port, TIMEOUT_S), slot,
+                      Patience(stale_s=1.0, window_s=20.0, timeout_s=TIMEOUT_S))
     beats = Beats(connect("127.0.0.1", port, TIMEOUT_S), slot, interval_s=0.1)
     group.form(0, (0, 1, 2, 3))
     beats.start()

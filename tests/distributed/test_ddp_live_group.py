@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from disttrain.strategies.ddp.live.group import Beats, LiveGroup, connect
+from disttrain.strategies.ddp.live.membership import Patience
 from disttrain.strategies.ddp.live.state import share_state
 
 TIMEOUT_S = 30.0
@@ -33,7 +34,7 @@ def total(group: LiveGroup) -> int:
 
 def survivor(slot: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    group = LiveGroup(connect("127.0.0.1", port, TIMEOUT_S), slot, TIMEOUT_S, STALE_S, window_s=10.0)
+    group = LiveGroup(connect("127.0.0.1", port, TIMEOUT_S), slot, Patience(STALE_S, 10.0, TIMEOUT_S))
     beats = Beats(connect("127.0.0.1", port, TIMEOUT_S), slot, interval_s=0.1)
     group.form(0, (0, 1, 2))
     beats.start()
@@ -73,7 +74,7 @@ def survivor(slot: int, port: int, out_dir: str) -> None:
 
 def joiner(port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    group = LiveGroup(connect("127.0.0.1", port, TIMEOUT_S), 1, TIMEOUT_S, STALE_S, window_s=10.0)
+    group = LiveGroup(connect("127.0.0.1", port, TIMEOUT_S), 1, Patience(STALE_S, 10.0, TIMEOUT_S))
     admitted = group.request_join()
     assert admitted is not None
     group.form(*admitted)
@@ -134,7 +135,7 @@ class LateHolder:
 
 def leaves_while_a_callback_holds_the_group(port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    group = LiveGroup(connect("127.0.0.1", port, TIMEOUT_S), 0, TIMEOUT_S, STALE_S, window_s=10.0)
+    group = LiveGroup(connect("127.0.0.1", port, TIMEOUT_S), 0, Patience(STALE_S, 10.0, TIMEOUT_S))
     threads = []
     for generation in range(20):  # until the case arose a few times (not when the machine is busy)
         if sum(threads) >= 3:

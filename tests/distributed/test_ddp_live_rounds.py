@@ -26,12 +26,13 @@ def flat(module: torch.nn.Module) -> torch.Tensor:
 def member(port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     from disttrain.strategies.ddp.live.group import LiveGroup, connect
+    from disttrain.strategies.ddp.live.membership import Patience
     from disttrain.strategies.ddp.live.trainer import LiveTrainer
     config = Config().replace(training={"model_architecture": "mlp", "dataset": "digits", "batch_size": BATCH,
                                         "sync_every": SYNC_EVERY, "num_epochs": 1},
                               system={"num_workers": 1})
     trainer = LiveTrainer(config, 0)
-    group = LiveGroup(connect("127.0.0.1", port, 30.0), 0, 30.0, stale_s=1.0, window_s=5.0)
+    group = LiveGroup(connect("127.0.0.1", port, 30.0), 0, Patience(1.0, 5.0, 30.0))
     group.form(0, (0,))
     trainer.attach(0, 1)
     start = flat(trainer.module)

@@ -13,6 +13,7 @@ from disttrain.strategies.ddp.live.forming import attempt_key
 from disttrain.strategies.ddp.live.group import DONE_KEY, LiveGroup, mark_dead
 from disttrain.strategies.ddp.live.membership import (
     Holding,
+    Patience,
     Ticket,
     all_dead,
     choose_source,
@@ -155,7 +156,7 @@ def test_the_tickets_taken_care_of_are_the_stores_not_the_checkpoints():
 
 
 def joiner(store: dist.Store, slot: int, attempt: int) -> LiveGroup:
-    return LiveGroup(store, slot, timeout_s=5.0, stale_s=1.0, window_s=2.0, attempt=attempt,
+    return LiveGroup(store, slot, Patience(stale_s=1.0, window_s=2.0, timeout_s=5.0), attempt=attempt,
                      first_members=SLOTS)
 
 

@@ -11,6 +11,7 @@ from disttrain.config import Config
 from disttrain.strategies.ddp.live.launcher import live_problems, recovery_times
 from disttrain.strategies.ddp.live.membership import (
     Holding,
+    Patience,
     choose_source,
     format_members,
     group_rank,
@@ -31,28 +32,28 @@ def test_members_round_trip_sorted_and_unique():
 def test_not_settled_while_a_live_member_has_not_proposed():
     seen = {0: 10.0, 1: 10.0, 2: 10.0}
     # Slot 1 beat 0.5 s ago and has not proposed: wait for it.
-    assert not settled(10.5, 10.0, (0, 1, 2), {0, 2}, seen, stale_s=1.0, window_s=4.0)
+    assert not settled(10.5, 10.0, (0, 1, 2), {0, 2}, seen, Patience(1.0, 4.0, 5.0))
 
 
 def test_settled_once_every_member_proposed():
     seen = {0: 10.0, 1: 10.0, 2: 10.0}
-    assert settled(10.1, 10.0, (0, 1, 2), {0, 1, 2}, seen, stale_s=1.0, window_s=4.0)
+    assert settled(10.1, 10.0, (0, 1, 2), {0, 1, 2}, seen, Patience(1.0, 4.0, 5.0))
 
 
 def test_settled_when_the_silent_member_goes_stale():
     seen = {0: 11.0, 1: 10.0, 2: 11.0}  # slot 1 stopped beating at 10.0
-    assert not settled(10.9, 10.5, (0, 1, 2), {0, 2}, seen, stale_s=1.0, window_s=4.0)
-    assert settled(11.0, 10.5, (0, 1, 2), {0, 2}, seen, stale_s=1.0, window_s=4.0)
+    assert not settled(10.9, 10.5, (0, 1, 2), {0, 2}, seen, Patience(1.0, 4.0, 5.0))
+    assert settled(11.0, 10.5, (0, 1, 2), {0, 2}, seen, Patience(1.0, 4.0, 5.0))
 
 
 def test_settled_after_the_window_even_with_a_live_straggler():
     seen = {0: 14.4, 1: 14.4, 2: 14.4}
-    assert not settled(14.4, 10.5, (0, 1, 2), {0, 2}, seen, stale_s=1.0, window_s=4.0)
-    assert settled(14.5, 10.5, (0, 1, 2), {0, 2}, seen, stale_s=1.0, window_s=4.0)
+    assert not settled(14.4, 10.5, (0, 1, 2), {0, 2}, seen, Patience(1.0, 4.0, 5.0))
+    assert settled(14.5, 10.5, (0, 1, 2), {0, 2}, seen, Patience(1.0, 4.0, 5.0))
 
 
 def test_a_member_never_seen_counts_as_silent():
-    assert settled(10.0, 10.0, (0, 1), {0}, {0: 10.0}, stale_s=1.0, window_s=4.0)
+    assert settled(10.0, 10.0, (0, 1), {0}, {0: 10.0}, Patience(1.0, 4.0, 5.0))
 
 
 def test_next_members_keeps_proposers_of_the_previous_generation_and_adds_joiners():

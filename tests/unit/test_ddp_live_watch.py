@@ -11,10 +11,11 @@ import torch.distributed as dist
 
 from disttrain.strategies.ddp.live.forming import MemberLost, WatchedStore, attempt_key, is_member_lost
 from disttrain.strategies.ddp.live.group import LiveGroup, mark_dead
+from disttrain.strategies.ddp.live.membership import Patience
 
 
 def group_of(store: dist.Store, slot: int, attempt: int = 0) -> LiveGroup:
-    return LiveGroup(store, slot, timeout_s=5.0, stale_s=1.0, window_s=2.0, attempt=attempt)
+    return LiveGroup(store, slot, Patience(stale_s=1.0, window_s=2.0, timeout_s=5.0), attempt=attempt)
 
 
 def test_a_member_is_lost_once_its_slot_died_more_often_than_its_attempt():

@@ -239,13 +239,18 @@ def _join(action: Callable[[], _T], timeout_s: float) -> _T:
         raise DistributedError(f"could not join the process group within {timeout_s:g}s ({first})") from e
 
 
-# How a lost peer shows in a collective's error when the backend does not raise a DistError.
+# How a lost peer shows in a gloo collective's error. torch gives it no type: with torch
+# 2.13, gloo raises a plain RuntimeError when a peer's socket closes or resets in an
+# all-reduce ("... pair.cc: Connection closed by peer ...", "Read error ...: Connection
+# reset by peer"), so its text is what tells it apart. NCCL's errors (DistBackendError)
+# and the store's (DistStoreError: a wait timed out; DistNetworkError: no connection)
+# have types, read first.
 PEER_LOSS_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 def is_peer_loss(error: BaseException) -> bool:
     """Whether `error`, raised inside a collective, means another rank went away."""
-    if isinstance(error, dist.DistError):
+    if isinstance(error, dist.DistError):  # DistBackendError, DistNetworkError, DistStoreError
         return True
     return isinstance(error, RuntimeError) and any(sign in str(error) for sign in PEER_LOSS_SIGNS)
 

@@ -27,7 +27,10 @@ from datetime import timedelta
 import torch.distributed as dist
 
 POLL_S = 0.05
-LOST_SIGN = "died while generation"  # in every MemberLost's message, whatever type gloo hands back
+# In every MemberLost's message. A MemberLost raised by the store's wait while torch's C++
+# rendezvous called it comes back as a plain RuntimeError (only the message crosses):
+# torch gives no type there, so the text tells it apart.
+LOST_SIGN = "died while generation"
 
 
 class MemberLost(RuntimeError):
@@ -92,7 +95,8 @@ class WatchedStore(dist.Store):
 
         Raises:
             MemberLost: a member died meanwhile.
-            RuntimeError: the timeout passed (`Timed out ...`: a lost peer to the caller).
+            DistStoreError: the timeout passed (the type torch's own stores raise then; a lost
+                peer to the caller).
         """
         limit_s = self.timeout_s if timeout is None else timeout.total_seconds()
         deadline = self.clock() + limit_s
@@ -101,5 +105,6 @@ class WatchedStore(dist.Store):
             if lost is not None:
                 raise MemberLost(lost)
             if self.clock() > deadline:
-                raise RuntimeError(f"Timed out after {limit_s:g}s waiting for {', '.join(keys)} in the store")
+                raise dist.DistStoreError(f"Timed out after {limit_s:g}s waiting for {', '.join(keys)} "
+                                          "in the store")
             time.sleep(POLL_S)

@@ -42,6 +42,7 @@ from disttrain.core.errors import DistributedError
 from disttrain.strategies.ddp.live.forming import WatchedStore, attempt_key, deaths_key
 from disttrain.strategies.ddp.live.membership import (
     Change,
+    Patience,
     after_leave,
     format_members,
     group_rank,
@@ -141,19 +142,17 @@ class LiveGroup:
     Args:
         store: the launcher's store.
         slot: this process's rank in the run as started (0 to N-1).
-        timeout_s: bound of every collective and of forming a group.
-        stale_s: a member silent this long counts as dead.
-        window_s: the longest survivors wait for each other before re-forming.
+        patience: how long it waits on the members (collectives, silence, re-forming).
         attempt: how often the launcher started this slot before (`forming`).
         first_members: generation 0's members, the run's slots (a waiting rank reads them
             to tell whether any member is left to admit it; `restart`).
     """
 
-    def __init__(self, store: dist.TCPStore, slot: int, timeout_s: float, stale_s: float,
-                 window_s: float, clock: Callable[[], float] = time.time, attempt: int = 0,
+    def __init__(self, store: dist.TCPStore, slot: int, patience: Patience,
+                 clock: Callable[[], float] = time.time, attempt: int = 0,
                  first_members: tuple[int, ...] = ()):
-        self.store, self.slot, self.timeout_s = store, slot, timeout_s
-        self.stale_s, self.window_s, self.clock = stale_s, window_s, clock
+        self.store, self.slot, self.patience = store, slot, patience
+        self.timeout_s, self.stale_s, self.clock = patience.timeout_s, patience.stale_s, clock
         self.attempt, self.first_members = attempt, first_members
         self.newest = 0  # the newest generation this process saw fixed (while waiting to join)
         self.generation = -1
@@ -237,8 +236,7 @@ class LiveGroup:
         key = members_key(generation)
         while not self.store.check([key]):
             proposed = [s for s in previous if self.store.check([f"{prefix}/propose/{s}"])]
-            if settled(self.clock(), started, previous, proposed, self._last_seen(previous),
-                       self.stale_s, self.window_s):
+            if settled(self.clock(), started, previous, proposed, self._last_seen(previous), self.patience):
                 offer = format_members(next_members(previous, proposed))
                 self.store.compare_set(key, "", offer)
                 break

@@ -230,8 +230,8 @@ def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary | 
             try:
                 with Cluster(log_dir, env=env, env_of=rank_tokens(coordinator.token)) as cluster, \
                         sigterm_handled_by(leave_on_sigterm(cluster) if joining else None):
-                    supervise(cluster, config, options, (config_path, summary_path), processes, store,
-                              slots + spares)
+                    start = RankStart(config, options, config_path, summary_path)
+                    supervise(cluster, start, processes, store, slots + spares)
             except (ConfigError, CheckpointStoreError, DistributedError) as e:
                 coordinator.stopped(str(e).splitlines()[0])
                 raise
@@ -393,8 +393,19 @@ def nodes_done(store: dist.Store, node: int, num_nodes: int, timeout_s: float) -
         logger.warning("not every node said its ranks ended (%s); stopping the live store", e)
 
 
-def supervise(cluster: Cluster, config: Config, options: RunOptions, paths: tuple[Path, Path],
-              processes: RankProcesses, store: dist.Store, slots: list[int]) -> None:
+@dataclass(frozen=True)
+class RankStart:
+    """What this node's rank processes start from: the run's config and options, the
+    config file the ranks read, and where the last leader writes the summary."""
+
+    config: Config
+    options: RunOptions
+    config_path: Path
+    summary_path: Path
+
+
+def supervise(cluster: Cluster, start: RankStart, processes: RankProcesses, store: dist.Store,
+              slots: list[int]) -> None:
     """Start this node's ranks (`slots`, hot spares among them), restart each that dies as
     its restart budget allows (`coordinator.budget`: for free when the group's step had
     passed its furthest since it joined, else spending one of `ddp.max_restarts` in a row;
@@ -402,14 +413,12 @@ def supervise(cluster: Cluster, config: Config, options: RunOptions, paths: tupl
     `store` at once (`group.mark_dead`). In a run with spares a dead rank's place is freed
     at once, for a waiting spare, and its process started again waits as a spare.
 
-    Args:
-        paths: the config the ranks read, and where the last leader writes the summary.
-
     Raises:
         ConfigError, DataError, CheckpointError, TrainingError: a rank failed with a user's
             error, or with the same unexpected error on a fresh start: restarting would not help.
     """
-    config_path, summary_path = paths
+    config, options = start.config, start.options
+    config_path, summary_path = start.config_path, start.summary_path
     supervisor = Supervisor(cluster, config.ddp.max_restarts, budget_key="ddp.max_restarts",
                             without_it="the others finish the run without it")
     spares = has_spares(store)

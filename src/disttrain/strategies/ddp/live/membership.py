@@ -38,14 +38,29 @@ def parse_members(text: str) -> tuple[int, ...]:
     return tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
 
 
+@dataclass(frozen=True)
+class Patience:
+    """How long the live group waits on its members.
+
+    Attributes:
+        stale_s: a member silent this long counts as dead.
+        window_s: the longest survivors wait for each other before re-forming.
+        timeout_s: bound of every collective and of forming a group (`ddp.timeout_s`).
+    """
+
+    stale_s: float
+    window_s: float
+    timeout_s: float
+
+
 def settled(now: float, started: float, previous: Sequence[int], proposed: Iterable[int],
-            last_seen: Mapping[int, float], stale_s: float, window_s: float) -> bool:
+            last_seen: Mapping[int, float], patience: Patience) -> bool:
     """Whether the survivors of a failed generation may fix the next one's members.
 
     Every member of the previous generation has either proposed itself for the next one,
-    or has been silent (no liveness beat) for `stale_s` and counts as dead. After
-    `window_s` from `started` the survivors go on with whoever proposed by then (a member
-    alive but stuck is left out; it joins again later).
+    or has been silent (no liveness beat) for `patience.stale_s` and counts as dead. After
+    `patience.window_s` from `started` the survivors go on with whoever proposed by then
+    (a member alive but stuck is left out; it joins again later).
 
     Args:
         now, started: the clock now and when this survivor began to settle.
@@ -53,6 +68,7 @@ def settled(now: float, started: float, previous: Sequence[int], proposed: Itera
         proposed: the slots that proposed themselves for the next generation.
         last_seen: each slot's latest liveness beat (absent: never seen).
     """
+    stale_s, window_s = patience.stale_s, patience.window_s
     if now - started >= window_s:
         return True
     proposed = set(proposed)

@@ -50,6 +50,7 @@ from disttrain.strategies.ddp.live.group import Beats, LiveGroup, connect
 from disttrain.strategies.ddp.live.membership import (
     Change,
     Holding,
+    Patience,
     after_leave,
     below_minimum,
     choose_source,
@@ -68,6 +69,11 @@ from disttrain.training.options import RunOptions
 logger = logging.getLogger(__name__)
 
 FINAL_MODEL = "ddp_final.pt"
+# A gloo collective whose peer stalls past the timeout raises a plain RuntimeError ("...
+# unbound_buffer.cc: Timed out waiting 3000ms for recv operation to complete", torch 2.13):
+# torch gives it no type, so its text tells it apart. So does a store's timeout raised in
+# Python (`forming.WatchedStore`) that reaches here through torch's C++ (the rendezvous),
+# which keeps only its message; a store timeout torch raises itself is a DistStoreError.
 TIMEOUT_SIGNS = ("Timed out", "timed out", "Timeout", "timeout")
 MINIMUM_POLL_S = 1.0  # a group below its minimum looks for arrivals this often (a collective each)
 
@@ -75,7 +81,7 @@ MINIMUM_POLL_S = 1.0  # a group below its minimum looks for arrivals this often 
 def is_lost_peer(error: BaseException) -> bool:
     """A collective failed because a member died or stalled past the timeout."""
     return (is_peer_loss(error) or is_member_lost(error)
-            or any(sign in str(error) for sign in TIMEOUT_SIGNS))
+            or isinstance(error, RuntimeError) and any(sign in str(error) for sign in TIMEOUT_SIGNS))
 
 
 class LiveRank:
@@ -94,9 +100,9 @@ class LiveRank:
                  options: RunOptions, progress: LoopProgress):
         self.config, self.slot, self.attempt = config, slot, attempt
         coordinator, timeout_s = config.coordinator, config.ddp.timeout_s
-        self.group = LiveGroup(connect(*store_address, timeout_s), slot, timeout_s,
-                               stale_s=coordinator.heartbeat_timeout,
-                               window_s=2 * coordinator.heartbeat_timeout, attempt=attempt,
+        patience = Patience(stale_s=coordinator.heartbeat_timeout, window_s=2 * coordinator.heartbeat_timeout,
+                            timeout_s=timeout_s)
+        self.group = LiveGroup(connect(*store_address, timeout_s), slot, patience, attempt=attempt,
                                first_members=tuple(range(config.system.num_workers)))
         self.beats = Beats(connect(*store_address, timeout_s), slot, coordinator.heartbeat_interval)
         self.trainer = LiveTrainer(config, slot)
