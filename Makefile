@@ -59,7 +59,7 @@ demo: install
 # so it does the tests marked `extended` (more variants of a capability the suite already
 # runs end to end: another compressor, mode or rank on the same path): `make test-extended`.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q --durations=15
+PYTEST := $(PY) -m pytest -q --durations=20
 PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 # $(1): the marker expression of the tests to run (none: every test).
 define run_tests
