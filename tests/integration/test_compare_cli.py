@@ -23,6 +23,7 @@ def test_an_unknown_strategy_is_refused_before_anything_runs(tmp_path, cli):
 
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs DDP over NCCL to fail (no CUDA device)")
+@pytest.mark.slow  # a comparison of several runs: make test runs it, make test-fast does not
 def test_a_failing_strategy_is_reported_as_failed_and_the_others_still_run(tmp_path, cli):
     folder = tmp_path / "c"
     result = cli("compare", *FAST, "--workers", "2", "--strategies", "ddp,baseline",

@@ -142,6 +142,7 @@ def test_compare_runs_a_users_model_under_baseline_ps_async_and_ddp(tmp_path, cl
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow  # trains a language model: make test runs it
 def test_gpt_small_on_a_text_file_reports_perplexity(tmp_path, cli):
     text = write_text(tmp_path)
     args = ["--model", "gpt_small", "--dataset", f"text:{text}", "--seq-len", "16", "--set", TINY_GPT]

@@ -166,6 +166,7 @@ def worker_command(rank: int, servers: str, folder: Path, *extra: str) -> list[s
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("restart", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["cut", "cut-and-worker-restarted"])
+@pytest.mark.slow  # a cluster cut off mid-step: make test runs it
 def test_a_shard_cut_off_mid_step_never_leaves_a_worker_training_on_two_steps(tmp_path, restart):
     """restart: worker 1 is also killed while cut off, and restarted with --resume once the
     link is back (as a supervisor would): shard 0 holds its push of the step it was in,

@@ -28,6 +28,7 @@ ARGS = ["--dataset", "digits", "--model", "mlp", "--workers", str(WORKERS), "--s
                                          pytest.param("async", 2, marks=VARIANT),
                                          pytest.param("ssp", 2, marks=VARIANT),
                                          pytest.param("sync", 0, marks=pytest.mark.slow)])
+@pytest.mark.slow  # a cluster run to its end: make test runs it
 def test_a_worker_never_restarted_has_its_blocks_done_by_the_others(tmp_path, cli, mode, killed):
     # killed 0: worker 0 writes the summary, and rank 1, the lowest present, does it instead
     result = cli("ps", *ARGS, "--max-restarts", "0", "--reassign-after", "1", "--aggregation-mode", mode,

@@ -39,6 +39,7 @@ def last_line(result):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # a run restarted several times: make test runs it, make test-fast does not
 def test_processes_killed_after_progress_more_often_than_max_restarts_are_restarted_and_the_run_finishes(
         tmp_path, cli):
     # worker 1 killed 4 times and the server twice, each start a little further than the one
@@ -57,6 +58,7 @@ def test_processes_killed_after_progress_more_often_than_max_restarts_are_restar
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # a run restarted several times: make test runs it, make test-fast does not
 def test_a_process_that_dies_again_without_progress_stops_the_run_after_max_restarts_in_a_row(tmp_path, cli):
     # killed at step 7 (its step-5 checkpoint written), then on each start at step 6, before
     # it ever gets past step 7 again: the first restart is free, the next two are a crash loop
@@ -75,6 +77,7 @@ def test_a_process_that_dies_again_without_progress_stops_the_run_after_max_rest
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # a parameter-server run: make test runs it, make test-fast does not
 def test_a_users_error_stops_the_run_at_once_with_it_in_the_last_line_and_nothing_is_restarted(tmp_path, cli):
     result = run_ps(cli, tmp_path, "--num-epochs", "1", "--optimizer", "sgd", "--learning-rate", "1e30")
     assert result.returncode == 1
@@ -143,6 +146,7 @@ def run_ddp(cli, folder, *extra):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # a run restarted several times: make test runs it, make test-fast does not
 def test_a_rank_group_killed_after_each_new_checkpoint_more_often_than_max_restarts_finishes(tmp_path, cli):
     # rank 1 killed on each start two steps past a checkpoint (5, 10, 15): every restart resumes
     # from a checkpoint newer than the one before, so none spends the budget of 1
