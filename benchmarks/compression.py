@@ -128,7 +128,7 @@ def coding_times(repeats: int, dgc: dict | None = None) -> dict:
     schemes = [("quantization", 1.0, False), ("quantization", 1.0, True), ("topk", 0.01, False),
                ("fp16", 1.0, False)]
     compressors = {f"{scheme}{'-stochastic' if stochastic else ''}":
-                   Compressor(scheme, ratio, stochastic_rounding=stochastic, seed=0)
+                   Compressor(scheme, ratio, rounding_seed=0 if stochastic else None)
                    for scheme, ratio, stochastic in schemes}
     if dgc:
         compressors["topk-dgc"] = Compressor.from_config(CompressionConfig(enabled=True, **dgc), 0, 2)

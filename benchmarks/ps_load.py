@@ -133,7 +133,7 @@ class Client(threading.Thread):
 
     def _run(self) -> None:
         client = PSClient([self.address], [self.plan], RetryPolicy(timeout_s=60.0, max_attempts=1),
-                          token=self.token)
+                          credentials=Credentials(self.token))
         worker = self.worker
         channel = channel_as(self.coordinator, self.token)
         register = channel.unary_unary(COORDINATOR + "RegisterNode",

@@ -145,7 +145,8 @@ def shard(tmp_path):
     clients = {}
     for name in ("worker0", "worker1"):
         clients[name] = PSClient([server.address], [plan], RetryPolicy(timeout_s=10.0, max_attempts=1),
-                                 transport="grpc", token=node_token(SECRET, name, "worker"))
+                                 transport="grpc",
+                                 credentials=Credentials(node_token(SECRET, name, "worker")))
         clients[name].register(name)
     send(clients["worker0"], frames(plan, torch.ones(plan.numel), worker_id="worker0",
                                     session=clients["worker0"].shards[0].session))

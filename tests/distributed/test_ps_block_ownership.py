@@ -24,6 +24,7 @@ import torch
 from disttrain.config import Config, config_from_dict
 from disttrain.coordinator.launch import token_env
 from disttrain.core.auth import new_token
+from disttrain.core.credentials import Credentials
 from disttrain.core.identity import node_token
 from disttrain.core.process_spec import ProcessSpec
 from disttrain.core.processes import Cluster
@@ -76,7 +77,8 @@ class Insider:
     def __init__(self, addresses: list[str], config: Config, key: bytes):
         self.plans = plan_shards(init_model(config.training), len(addresses))
         self.client = PSClient(addresses, self.plans, RetryPolicy(timeout_s=10.0, max_attempts=1),
-                               transport="grpc", token=node_token(SECRET, "worker0", "worker"))
+                               transport="grpc",
+                               credentials=Credentials(node_token(SECRET, "worker0", "worker")))
         self.client.register("worker0", 0, 0, key)
 
     def push(self, shard: int, block: int, epoch: int = 0, redo: bool = False) -> pb.PushReply:

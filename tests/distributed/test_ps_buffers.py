@@ -24,7 +24,7 @@ from disttrain.strategies.ps.wire.payloads import GradientEncoder
 from disttrain.strategies.ps.wire.sharding import flat_parameters, initial_buffers, plan_shards
 from disttrain.strategies.ps.worker.buffers import WorkerBuffers
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.worker.exchange import Block, make_exchange
+from disttrain.strategies.ps.worker.exchange import Block, ExchangeRules, WorkerTensors, make_exchange
 from disttrain.training.engine import forward_backward
 from disttrain.training.models import init_model
 
@@ -56,8 +56,9 @@ class Worker:
         encoder = None
         if config.compression.enabled:
             encoder = GradientEncoder(Compressor.from_config(config.compression, rank), self.client.plans)
-        self.exchange = make_exchange(config.ps.aggregation_mode, self.client, f"w{rank}", self.flat,
-                                      self.grads, config.ps.staleness, encoder, buffers=self.buffers)
+        self.exchange = make_exchange(self.client, f"w{rank}",
+                                      WorkerTensors(self.flat, self.grads, self.buffers),
+                                      ExchangeRules(config.ps.aggregation_mode, config.ps.staleness), encoder)
         self.exchange.start()
         self.rank = rank
         generator = torch.Generator().manual_seed(rank)

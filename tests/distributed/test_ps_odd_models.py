@@ -20,7 +20,7 @@ from disttrain.strategies.ps.wire import service
 from disttrain.strategies.ps.wire.sharding import flat_parameters, initial_buffers, plan_shards
 from disttrain.strategies.ps.worker.buffers import WorkerBuffers
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.worker.exchange import Block, make_exchange
+from disttrain.strategies.ps.worker.exchange import Block, WorkerTensors, make_exchange
 from disttrain.training.engine import StepResult
 
 pytestmark = pytest.mark.timeout(90)
@@ -68,7 +68,7 @@ def test_one_sync_step_of_an_odd_model_lands_on_every_shard(tmp_path):
     try:
         client.register("w0", 0, key=b"A" * 32)
         buffers = WorkerBuffers(model, plans, client.shards)
-        exchange = make_exchange("sync", client, "w0", flat, grads, 0, buffers=buffers)
+        exchange = make_exchange(client, "w0", WorkerTensors(flat, grads, buffers))
         exchange.start()
         gradient = torch.linspace(-1.0, 1.0, flat.numel())
 

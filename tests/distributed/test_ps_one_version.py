@@ -20,7 +20,7 @@ from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.wire.sharding import plan_shards
 from disttrain.strategies.ps.worker.agreement import StepsDisagree
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.worker.exchange import Block, make_exchange
+from disttrain.strategies.ps.worker.exchange import Block, SyncOptions, WorkerTensors, make_exchange
 from disttrain.training.engine import StepResult
 from disttrain.training.models import init_model
 from tests.distributed.test_ps_server import make_config
@@ -41,8 +41,8 @@ def exchange_for(config, servers, worker_id, agree_timeout_s=20.0, start=True):
     client = PSClient([s.address for s in servers], plans, RetryPolicy(timeout_s=10.0, max_attempts=3))
     client.register(worker_id, int(worker_id[1:]), key=worker_id.encode() * 16)
     flat = torch.zeros(sum(p.numel for p in plans))
-    exchange = make_exchange("sync", client, worker_id, flat, torch.ones_like(flat), 0,
-                             agree_timeout_s=agree_timeout_s)
+    exchange = make_exchange(client, worker_id, WorkerTensors(flat, torch.ones_like(flat)),
+                             sync=SyncOptions(agree_timeout_s=agree_timeout_s))
     if start:
         exchange.start()
     return exchange

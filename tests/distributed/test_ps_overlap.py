@@ -17,7 +17,7 @@ from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.wire.payloads import GradientEncoder
 from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.worker.exchange import Block, make_exchange
+from disttrain.strategies.ps.worker.exchange import Block, SyncOptions, WorkerTensors, make_exchange
 from disttrain.training.engine import forward_backward
 from disttrain.training.models import init_model
 from tests.distributed.test_ps_server import make_config
@@ -50,9 +50,10 @@ class Cluster:
         encoder = None
         if compression:
             encoder = GradientEncoder(Compressor.from_config(config.compression, 0), plans)
-        self.exchange = make_exchange("sync", self.client, "w0", self.flat, self.grads, 0, encoder,
-                                      overlap=self.model if overlap else None,
-                                      overlap_trial_steps=trial_steps)
+        self.exchange = make_exchange(self.client, "w0", WorkerTensors(self.flat, self.grads),
+                                      encoder=encoder,
+                                      sync=SyncOptions(overlap=self.model if overlap else None,
+                                                       overlap_trial_steps=trial_steps))
         self.exchange.start()
 
     def step(self, step: int, inputs, targets, timer: StepTimer | None = None):

@@ -19,7 +19,7 @@ from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.wire.payloads import ParameterChanges
 from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.worker.exchange import Block, make_exchange
+from disttrain.strategies.ps.worker.exchange import Block, SyncOptions, WorkerTensors, make_exchange
 from disttrain.training.engine import forward_backward
 from disttrain.training.models import init_model
 from tests.distributed.test_ps_server import make_config
@@ -41,8 +41,8 @@ class Worker:
         self.client = PSClient(addresses, self.plans, RetryPolicy(timeout_s=20.0), "grpc")
         self.client.register(f"w{rank}", rank, key=bytes([65 + rank]) * 32)
         self.client.compress_pulls("topk", RATIO)
-        self.exchange = make_exchange("sync", self.client, f"w{rank}", self.flat, self.grads, 0,
-                                      overlap=self.model if overlap else None)
+        self.exchange = make_exchange(self.client, f"w{rank}", WorkerTensors(self.flat, self.grads),
+                                      sync=SyncOptions(overlap=self.model if overlap else None))
         self.rank, self.generator = rank, torch.Generator().manual_seed(rank)
 
     def step(self, step: int):

@@ -14,7 +14,7 @@ from disttrain.strategies.ps.run.server import build_state
 from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.wire.sharding import plan_shards
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.worker.exchange import Block, make_exchange
+from disttrain.strategies.ps.worker.exchange import Block, ExchangeRules, WorkerTensors, make_exchange
 from disttrain.training.engine import StepResult
 from disttrain.training.models import init_model
 from tests.distributed.test_ps_server import make_config
@@ -32,7 +32,8 @@ def exchange_for(config, servers, plans, worker_id, mode="async", generation=0):
     client = PSClient([s.address for s in servers], plans, RetryPolicy(timeout_s=10.0, max_attempts=3))
     client.register(worker_id)
     flat = torch.zeros(sum(p.numel for p in plans))
-    exchange = make_exchange(mode, client, worker_id, flat, torch.ones_like(flat), 0, generation=generation)
+    exchange = make_exchange(client, worker_id, WorkerTensors(flat, torch.ones_like(flat)),
+                             ExchangeRules(mode, generation=generation))
     exchange.start()
     return exchange
 

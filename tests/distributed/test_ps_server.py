@@ -227,7 +227,7 @@ def test_initial_parameters_are_the_seeded_model(tmp_path):
 
 def test_ssp_worker_recomputes_a_rejected_gradient_on_fresh_parameters(tmp_path):
     from disttrain.metrics.window import StepTimer
-    from disttrain.strategies.ps.worker.exchange import Block, make_exchange
+    from disttrain.strategies.ps.worker.exchange import Block, ExchangeRules, WorkerTensors, make_exchange
     from disttrain.training.engine import StepResult
 
     config = make_config(tmp_path, num_workers=2, ps={"aggregation_mode": "ssp", "staleness": 0})
@@ -241,7 +241,7 @@ def test_ssp_worker_recomputes_a_rejected_gradient_on_fresh_parameters(tmp_path)
         for rank, c in enumerate(clients):
             c.register(f"w{rank}", rank)
             flat, grads = torch.zeros(plan.numel), torch.ones(plan.numel)
-            exchanges.append(make_exchange("ssp", c, f"w{rank}", flat, grads, 0))
+            exchanges.append(make_exchange(c, f"w{rank}", WorkerTensors(flat, grads), ExchangeRules("ssp")))
             exchanges[-1].start()
         computed = []
 

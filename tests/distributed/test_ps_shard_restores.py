@@ -25,7 +25,13 @@ from disttrain.strategies.ps.run.server import build_state
 from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.wire.sharding import plan_shards
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.worker.exchange import Block, make_exchange
+from disttrain.strategies.ps.worker.exchange import (
+    Block,
+    ExchangeRules,
+    SyncOptions,
+    WorkerTensors,
+    make_exchange,
+)
 from disttrain.training.engine import StepResult
 from disttrain.training.models import init_model
 from tests.distributed.test_ps_server import make_config
@@ -54,8 +60,9 @@ def exchange_for(config, servers, worker_id, generation=0):
     client = PSClient([s.address for s in servers], plans, RetryPolicy(timeout_s=8.0, max_attempts=2))
     client.register(worker_id, int(worker_id[1:]), generation, key=worker_id.encode() * 16)
     flat = torch.zeros(sum(p.numel for p in plans))
-    exchange = make_exchange("sync", client, worker_id, flat, torch.ones_like(flat), 0,
-                             generation=generation, agree_timeout_s=AGREE_S)
+    exchange = make_exchange(client, worker_id, WorkerTensors(flat, torch.ones_like(flat)),
+                             ExchangeRules("sync", generation=generation),
+                             sync=SyncOptions(agree_timeout_s=AGREE_S))
     exchange.start()
     return exchange
 

@@ -98,7 +98,7 @@ def test_only_shard_zeros_certificate_serves_as_shard_zero(tmp_path, run, served
                          credentials=Credentials(tls=run[served_by]))
     plan = plan_shards(init_model(config.training), 1)[0]
     client = PSClient([server.address], [plan], RetryPolicy(timeout_s=5.0, max_attempts=1), transport="grpc",
-                      tls=run["worker0"])
+                      credentials=Credentials(tls=run["worker0"]))
     try:
         if served_by in ("server0", "server"):
             assert client.register("worker0").world_size == 1

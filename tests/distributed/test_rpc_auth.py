@@ -40,7 +40,8 @@ def shard(tmp_path):
     config = make_config(tmp_path)
     server = ShardServer(build_state(config, 0, 1), "127.0.0.1:0", credentials=Credentials(TOKEN))
     plan = plan_shards(init_model(config.training), 1)[0]
-    client = PSClient([server.address], [plan], RetryPolicy(timeout_s=10.0, max_attempts=2), token=TOKEN)
+    client = PSClient([server.address], [plan], RetryPolicy(timeout_s=10.0, max_attempts=2),
+                      credentials=Credentials(TOKEN))
     client.register("w0")
     yield server, client, plan
     client.close()

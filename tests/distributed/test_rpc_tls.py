@@ -62,7 +62,7 @@ def start_shard(tmp_path, tls: TlsFiles):
 
 
 def ps_client(server, plan, tls: TlsFiles, policy: RetryPolicy = QUICK) -> PSClient:
-    return PSClient([server.address], [plan], policy, transport="grpc", token=TOKEN, tls=tls)
+    return PSClient([server.address], [plan], policy, transport="grpc", credentials=Credentials(TOKEN, tls))
 
 
 def test_a_client_with_the_ca_and_token_registers_pushes_and_pulls(tmp_path, pki):

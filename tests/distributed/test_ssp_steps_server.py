@@ -14,7 +14,7 @@ from disttrain.metrics.window import StepTimer
 from disttrain.strategies.ps.run.server import build_state
 from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.worker.exchange import Block, make_exchange
+from disttrain.strategies.ps.worker.exchange import Block, ExchangeRules, WorkerTensors, make_exchange
 from disttrain.training.engine import StepResult
 
 NUM_WORKERS, NUM_STEPS = 3, 5
@@ -43,7 +43,9 @@ def test_no_worker_computes_a_step_before_the_slowest_is_within_the_bound(tmp_pa
     def worker(rank: int) -> None:
         c = clients[rank]
         c.register(f"w{rank}", rank)
-        exchange = make_exchange("ssp", c, f"w{rank}", torch.zeros(plan.numel), torch.ones(plan.numel), tau)
+        exchange = make_exchange(c, f"w{rank}",
+                                 WorkerTensors(torch.zeros(plan.numel), torch.ones(plan.numel)),
+                                 ExchangeRules("ssp", tau))
         exchange.start()
         for step in range(1, NUM_STEPS + 1):
             def compute(step=step) -> StepResult:

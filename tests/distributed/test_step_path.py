@@ -20,7 +20,7 @@ from disttrain.strategies.ps.run.server import build_state
 from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.worker.exchange import Block, make_exchange
+from disttrain.strategies.ps.worker.exchange import Block, SyncOptions, WorkerTensors, make_exchange
 from disttrain.training.engine import forward_backward
 from disttrain.training.models import init_model
 
@@ -61,7 +61,7 @@ def step_path(tmp_path: Path, transport: str) -> dict[str, set[str]]:
     client = PSClient([server.address], plan_shards(model, 1), RetryPolicy(timeout_s=10), transport)
     try:
         client.register("w0", 0, key=b"k" * 32)
-        exchange = make_exchange("sync", client, "w0", flat, grads, 0, overlap=model)
+        exchange = make_exchange(client, "w0", WorkerTensors(flat, grads), sync=SyncOptions(overlap=model))
         exchange.start()
         inputs, targets = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
 

@@ -47,7 +47,7 @@ finite_floats = st.floats(-1e6, 1e6, allow_nan=False, width=32)
 @given(st.lists(finite_floats, min_size=1, max_size=300), st.booleans())
 def test_quantization_error_is_within_half_a_step(values, stochastic):
     flat = torch.tensor(values, dtype=torch.float32)
-    compressor = Compressor("quantization", error_feedback=False, stochastic_rounding=stochastic, seed=1)
+    compressor = Compressor("quantization", error_feedback=False, rounding_seed=1 if stochastic else None)
     out = round_trip(compressor, flat, [("t", flat.numel())])
     if flat.numel() <= 2:  # too small to pay: sent dense, exactly
         assert torch.equal(out, flat)
@@ -113,7 +113,7 @@ def test_error_feedback_sends_everything_over_many_steps():
 def test_stochastic_rounding_is_unbiased():
     values = torch.linspace(-1.0, 1.0, 257)[1:-1] + 0.0013  # levels fall between the steps
     flat = torch.cat([torch.tensor([-1.0, 1.0]), values])  # fixed min and max: fixed grid
-    compressor = Compressor("quantization", error_feedback=False, stochastic_rounding=True, seed=7)
+    compressor = Compressor("quantization", error_feedback=False, rounding_seed=7)
     trials = 4000
     total = sum(round_trip(compressor, flat, [("t", flat.numel())]) for _ in range(trials))
     mean = total / trials
@@ -138,11 +138,11 @@ def test_a_payload_is_never_larger_than_dense():
 
 @pytest.mark.parametrize("scheme", ["quantization", "topk"])
 def test_state_survives_a_checkpoint_round_trip(scheme, tmp_path):
-    first = Compressor(scheme, ratio=0.05, stochastic_rounding=True, seed=3)
+    first = Compressor(scheme, ratio=0.05, rounding_seed=3)
     for step in range(5):
         round_trip(first, gradient(step))
     torch.save(first.state_dict(), tmp_path / "state.pt")
-    second = Compressor(scheme, ratio=0.05, stochastic_rounding=True, seed=3)  # a resumed run's
+    second = Compressor(scheme, ratio=0.05, rounding_seed=3)  # a resumed run's
     second.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
     for step in range(5, 9):
         assert torch.equal(round_trip(first, gradient(step)), round_trip(second, gradient(step)))
@@ -152,8 +152,8 @@ def test_state_survives_a_checkpoint_round_trip(scheme, tmp_path):
 
 
 def test_rounding_noise_does_not_depend_on_the_order_tensors_are_encoded_in():
-    first = Compressor("quantization", stochastic_rounding=True, seed=5)
-    second = Compressor("quantization", stochastic_rounding=True, seed=5)
+    first = Compressor("quantization", rounding_seed=5)
+    second = Compressor("quantization", rounding_seed=5)
     flat = gradient(4)
     reordered = torch.cat([flat[600:1800], flat[:600]])  # the last tensor first
     by_name = [("a", 600), ("b", 1200)]
@@ -161,7 +161,7 @@ def test_rounding_noise_does_not_depend_on_the_order_tensors_are_encoded_in():
         one = round_trip(first, flat[:1800], by_name)
         other = round_trip(second, reordered, [("b", 1200), ("a", 600)])
         assert torch.equal(one, torch.cat([other[1200:], other[:1200]]))
-    third = Compressor("quantization", stochastic_rounding=True, seed=6)
+    third = Compressor("quantization", rounding_seed=6)
     assert not torch.equal(round_trip(third, flat[:1800], by_name), one)
 
 

@@ -105,8 +105,8 @@ class Compressor:
         scheme: quantization, topk, fp16 or bf16.
         ratio: topk's share of elements kept per segment, in (0, 1].
         error_feedback: keep what was not sent and add it to the next gradient.
-        stochastic_rounding: quantization rounds up with the fraction's probability
-            (unbiased), drawing from a generator seeded with `seed`.
+        rounding_seed: quantization rounds up with the fraction's probability (unbiased),
+            drawing from a generator seeded with it; None: to nearest.
         rules: topk: DGC's training rules (None: none).
         compact: topk: values in fp16 and delta-coded indices (`compact`).
     Raises:
@@ -115,8 +115,7 @@ class Compressor:
     """
 
     def __init__(self, scheme: str, ratio: float = 0.01, error_feedback: bool = True,
-                 stochastic_rounding: bool = False, seed: int = 0, rules: DgcRules | None = None,
-                 compact: bool = False):
+                 rounding_seed: int | None = None, rules: DgcRules | None = None, compact: bool = False):
         if scheme not in SCHEMES:
             raise ValueError(f"unknown compression scheme {scheme!r}; use one of {', '.join(SCHEMES)}")
         if not 0 < ratio <= 1:
@@ -134,8 +133,8 @@ class Compressor:
         self.scheme = scheme
         self.ratio = ratio
         self.error_feedback = error_feedback
-        self.seed = seed
-        self.stochastic = stochastic_rounding and scheme == "quantization"
+        self.seed = rounding_seed or 0
+        self.stochastic = rounding_seed is not None and scheme == "quantization"
         self.draws: dict[str, int] = {}  # segment -> payloads of it taken (stochastic rounding)
         self._bits = np.random.PCG64(0)
         self._generator = np.random.Generator(self._bits)
@@ -150,7 +149,8 @@ class Compressor:
         `num_workers` scales DGC's local clipping (N^-1/2). A receiver, which only decodes,
         may pass any seed and worker count."""
         topk = section.type == "topk"
-        return cls(section.type, section.ratio, section.error_feedback, section.stochastic_rounding, seed,
+        return cls(section.type, section.ratio, section.error_feedback,
+                   seed if section.stochastic_rounding else None,
                    DgcRules.of(section, num_workers) if topk else None, section.compact and topk)
 
     def blocks(self, segments: Sequence[Segment]) -> list[tuple[str, int, list[Segment]]]:

@@ -130,12 +130,12 @@ def _boundaries(sizes: Sequence[int]) -> list[int]:
     return boundaries
 
 
-def outer_compressor(settings: LocalUpdates, seed: int) -> Compressor | None:
+def outer_compressor(settings: LocalUpdates) -> Compressor | None:
     """The compressor of a worker's pseudo-gradients (`training.outer_compression`), with
-    error feedback; None for none. `seed`: this worker's own."""
+    error feedback, rounding to nearest; None for none."""
     if settings.compression == "none":
         return None
-    return Compressor(OUTER_SCHEMES[settings.compression], error_feedback=True, seed=seed)
+    return Compressor(OUTER_SCHEMES[settings.compression], error_feedback=True)
 
 
 @dataclass

@@ -83,18 +83,16 @@ class LocalRounds:
         module: the rank's plain model, already on its device; its parameters and buffers
             are made rank 0's here (a collective).
         compression: the run's compression hook, or None for a plain all-reduce.
-        seed: this rank's training seed (`training.outer_compression`'s rounding).
     """
 
-    def __init__(self, settings: LocalUpdates, module: nn.Module, compression: CompressionHook | None,
-                 seed: int = 0):
+    def __init__(self, settings: LocalUpdates, module: nn.Module, compression: CompressionHook | None):
         self.settings = settings
         self.module = module
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         broadcast_module(module)
         self.outer = StreamingRounds(settings, self.params, [name for name, _ in named])
-        compressor = outer_compressor(settings, seed)
+        compressor = outer_compressor(settings)
         if compressor is not None:  # the config refuses it beside the run's compression
             # Residuals by the fragments' tensors (a part of a parameter is named as such).
             names = {id(tensor): name for fragment in self.outer.fragments

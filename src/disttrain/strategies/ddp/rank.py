@@ -121,7 +121,7 @@ class RankParticipant:
         local_updates = LocalUpdates.of(training)
         # With local updates the rank steps its plain model: nothing crosses the network in a round.
         self.rounds = None if local_updates is None else LocalRounds(
-            local_updates, self.module, self.compression, training_seed(training.seed, runtime.info.rank))
+            local_updates, self.module, self.compression)
         self.model = self.module if self.rounds is not None else self._wrap(ddp)
         self.resized_from: int | None = None  # the world size of a resized checkpoint
         self.samples_extra = 0  # rank 0's samples over the others' since a resize

@@ -42,7 +42,7 @@ from disttrain.strategies.ps.wire.payloads import GradientEncoder
 from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
 from disttrain.strategies.ps.worker.buffers import WorkerBuffers
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
-from disttrain.strategies.ps.worker.exchange import make_exchange
+from disttrain.strategies.ps.worker.exchange import ExchangeRules, SyncOptions, WorkerTensors, make_exchange
 from disttrain.strategies.ps.worker.local_rounds import WorkerRounds
 from disttrain.strategies.ps.worker.participant import WorkerParticipant
 from disttrain.strategies.ps.worker.preemption import PreemptionAgreement
@@ -119,7 +119,7 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
     flat, grads = flat_parameters(model)
     client = PSClient(servers, plan_shards(model, len(servers)),
                       RetryPolicy(timeout_s=config.ps.rpc_timeout_s), config.ps.payload_transport,
-                      token=options.token, tls=options.tls)
+                      options.credentials)
     participant: WorkerParticipant | None = None  # these two are built below; heartbeats start now
     rebalancer: Rebalancer | None = None
     metrics = LatestMetrics()
@@ -164,12 +164,13 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                                                 world_size)
             encoder = GradientEncoder(compressor, client.plans)
         buffers = WorkerBuffers(model, client.plans, client.shards)
-        exchange = make_exchange(assignment.aggregation_mode, client, worker_id, flat, grads,
-                                 assignment.staleness, encoder, link.generation if link else 0,
-                                 retry_late=config.ps.backup_workers == 0,
-                                 buffers=buffers if buffers.any else None,
-                                 overlap=model if config.ps.overlap and local_updates is None else None,
-                                 overlap_trial_steps=config.ps.overlap_trial_steps)
+        exchange = make_exchange(
+            client, worker_id, WorkerTensors(flat, grads, buffers if buffers.any else None),
+            ExchangeRules(assignment.aggregation_mode, assignment.staleness, link.generation if link else 0,
+                          retry_late=config.ps.backup_workers == 0),
+            encoder,
+            SyncOptions(overlap=model if config.ps.overlap and local_updates is None else None,
+                        overlap_trial_steps=config.ps.overlap_trial_steps))
         exchange.start()
         faults = FaultInjector(options.faults, "worker", rank, options.attempt)
         sampler, rebalancer = balance_sampler(config, client, worker_id, assignment, data[0], faults)

@@ -15,8 +15,8 @@ import torch
 
 from disttrain.compression import Encoded
 from disttrain.config.schema import PAYLOAD_TRANSPORTS
+from disttrain.core.credentials import Credentials
 from disttrain.core.errors import DistributedError
-from disttrain.core.tls import TlsFiles
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.wire import service, shared_memory
 from disttrain.strategies.ps.wire.codec import tensor_bytes
@@ -38,15 +38,15 @@ class PSClient:
     Args:
         addresses: "host:port" of each shard's server, in shard order.
         plans: the worker's own shard plans (checked against the servers' at register).
-        token: the run's token, sent with every call (None: the servers run open).
-        tls: the TLS files to reach the servers with (None or empty: plain TCP).
+        credentials: the run's token, sent with every call (None: the servers run open), and
+            the TLS files to reach the servers with (None or empty: plain TCP).
         one_round_trip: trade a gradient for parameters in one call per shard (`step`)
             where the payload allows; False: a push and a pull each time.
     """
 
     def __init__(self, addresses: list[str], plans: list[ShardPlan], policy: RetryPolicy,
-                 transport: str = "auto", token: str | None = None,
-                 tls: TlsFiles | None = None, one_round_trip: bool = True):
+                 transport: str = "auto", credentials: Credentials | None = None,
+                 one_round_trip: bool = True):
         if len(addresses) != len(plans):
             raise ValueError(f"{len(addresses)} server addresses for {len(plans)} shards")
         if transport not in PAYLOAD_TRANSPORTS:
@@ -54,7 +54,9 @@ class PSClient:
         self.plans = plans
         self.transport = transport
         self.one_round_trip = one_round_trip
-        self.shards = [ShardClient(a, i, policy, token, tls) for i, a in enumerate(addresses)]
+        credentials = credentials or Credentials()
+        self.shards = [ShardClient(a, i, policy, credentials.token, credentials.tls)
+                       for i, a in enumerate(addresses)]
         self._pool = ThreadPoolExecutor(max(2 * len(addresses), 2), thread_name_prefix="ps-client")
         self._lock = threading.Lock()
         self.bytes_sent = 0

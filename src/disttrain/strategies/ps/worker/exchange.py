@@ -98,28 +98,67 @@ class Block:
         return self.num_samples if self.shard_samples is None else self.shard_samples[shard]
 
 
-class Exchange:
-    """Shared state of every mode: the versions this worker holds, per shard.
+@dataclass(frozen=True)
+class WorkerTensors:
+    """What a worker's exchange reads and writes: the flat parameters it holds (`flat`), the
+    flat gradient it pushes (`grads`), and the model's buffers (None: pushes carry none; the
+    shards must hold none)."""
+
+    flat: torch.Tensor
+    grads: torch.Tensor
+    buffers: WorkerBuffers | None = None
+
+
+@dataclass(frozen=True)
+class ExchangeRules:
+    """How a worker's pushes are taken.
 
     Args:
+        mode: the aggregation mode, "sync", "async" or "ssp".
+        staleness_bound: ssp's bound (`ps.staleness`).
         generation: the membership generation this worker joined in (0: no coordinator).
         retry_late: push a gradient a synchronous step went on without again (off with
             backup workers, which drop the slowest gradients by design).
-        buffers: the model's buffers (None: pushes carry none; the shards must hold none).
     """
 
-    def __init__(self, client: PSClient, worker_id: str, flat: torch.Tensor, grads: torch.Tensor,
-                 staleness_bound: int, encoder: GradientEncoder | None = None, generation: int = 0,
-                 retry_late: bool = True, buffers: WorkerBuffers | None = None):
+    mode: str = "sync"
+    staleness_bound: int = 0
+    generation: int = 0
+    retry_late: bool = True
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """What only a synchronous exchange uses.
+
+    Args:
+        overlap: the worker's model, to push each shard's gradient as backward produces it
+            (None: after backward).
+        overlap_trial_steps: > 0: overlap only where the first steps measured it faster,
+            timed that many per side (`OverlapTrial`).
+        agree_timeout_s: how long the worker waits for its shards to reach one step (None:
+            one RPC deadline).
+    """
+
+    overlap: torch.nn.Module | None = None
+    overlap_trial_steps: int = 0
+    agree_timeout_s: float | None = None
+
+
+class Exchange:
+    """Shared state of every mode: the versions this worker holds, per shard."""
+
+    def __init__(self, client: PSClient, worker_id: str, tensors: WorkerTensors, rules: ExchangeRules,
+                 encoder: GradientEncoder | None = None):
         self.client = client
-        self.buffers = buffers
+        self.buffers = tensors.buffers
         self.encoder = encoder
         self.worker_id = worker_id
-        self.flat = flat
-        self.grads = grads
-        self.staleness_bound = staleness_bound
-        self.generation = generation
-        self.retry_late = retry_late
+        self.flat = tensors.flat
+        self.grads = tensors.grads
+        self.staleness_bound = rules.staleness_bound
+        self.generation = rules.generation
+        self.retry_late = rules.retry_late
         self.num_shards = len(client.shards)
         self.versions = [0] * self.num_shards
         self.num_rejected = 0
@@ -646,27 +685,20 @@ class SSPExchange(AsyncExchange):
         return result, staleness
 
 
-def make_exchange(mode: str, client: PSClient, worker_id: str, flat: torch.Tensor, grads: torch.Tensor,
-                  staleness_bound: int, encoder: GradientEncoder | None = None, generation: int = 0,
-                  retry_late: bool = True, buffers: WorkerBuffers | None = None,
-                  overlap: torch.nn.Module | None = None, agree_timeout_s: float | None = None,
-                  overlap_trial_steps: int = 0) -> Exchange:
-    """The exchange of aggregation mode `mode` ("sync", "async" or "ssp"); `encoder`
-    compresses each push (None: raw values); `buffers` adds each step's buffer change;
-    `overlap`, the worker's model, pushes each shard's gradient as backward produces it
-    (sync mode; None: after backward), with `overlap_trial_steps` > 0 only where the first
-    steps measured it faster, timed that many per side (`OverlapTrial`);
-    `agree_timeout_s`, how long a sync worker waits for its shards to reach one step
-    (None: one RPC deadline)."""
+def make_exchange(client: PSClient, worker_id: str, tensors: WorkerTensors,
+                  rules: ExchangeRules = ExchangeRules(), encoder: GradientEncoder | None = None,
+                  sync: SyncOptions = SyncOptions()) -> Exchange:
+    """The exchange of `rules.mode`; `encoder` compresses each push (None: raw values);
+    `sync`'s options apply in sync mode alone."""
     classes = {"sync": SyncExchange, "async": AsyncExchange, "ssp": SSPExchange}
-    if mode not in classes:
-        raise ValueError(f"unknown aggregation mode {mode!r}")
-    exchange = classes[mode](client, worker_id, flat, grads, staleness_bound, encoder, generation, retry_late,
-                             buffers)
-    if overlap is not None and isinstance(exchange, SyncExchange):
-        exchange.trigger = ShardTrigger(overlap, client.plans)
-        if overlap_trial_steps > 0:
-            exchange.trial = OverlapTrial(overlap_trial_steps)
-    if isinstance(exchange, SyncExchange) and retry_late:  # backup workers let shards' steps part by design
-        exchange.agreement = Agreement(agree_timeout_s or client.shards[0].policy.timeout_s)
+    if rules.mode not in classes:
+        raise ValueError(f"unknown aggregation mode {rules.mode!r}")
+    exchange = classes[rules.mode](client, worker_id, tensors, rules, encoder)
+    if sync.overlap is not None and isinstance(exchange, SyncExchange):
+        exchange.trigger = ShardTrigger(sync.overlap, client.plans)
+        if sync.overlap_trial_steps > 0:
+            exchange.trial = OverlapTrial(sync.overlap_trial_steps)
+    # Backup workers let the shards' steps part by design.
+    if isinstance(exchange, SyncExchange) and rules.retry_late:
+        exchange.agreement = Agreement(sync.agree_timeout_s or client.shards[0].policy.timeout_s)
     return exchange
