@@ -6,7 +6,9 @@ fragment at an epoch's end); int8 pushes (`compression.type quantization`) send 
 quarter of them; every sample is applied once by the shards' ledgers (each fragment's
 shards hold one block per round of its own); and a run stopped inside the rounds (one
 worker SIGTERMed: every worker and shard checkpoints at one step) and resumed with
-`--resume` ends bit-identical to one never stopped."""
+`--resume` ends bit-identical to one never stopped. With a delay (`training.outer_delay`
+2) the pushes leave at the same steps and land two steps later, and the stop falls between
+a push and its landing: the checkpoint keeps the result and the steps it has left."""
 
 from __future__ import annotations
 
@@ -56,10 +58,12 @@ def round_ends(fragment: int, num_fragments: int) -> list[int]:
     (2, []),
     (4, ["--compression-enabled", "--compression-type", "quantization",
          "--set", "training.outer_mixing=0.5"]),
-], ids=["fragments-2", "fragments-4-int8-mixing"])
+    (2, ["--set", "training.outer_delay=2", "--set", "training.outer_mixing=0.5"]),
+], ids=["fragments-2", "fragments-4-int8-mixing", "fragments-2-delay-2-mixing"])
 def test_streaming_pushes_one_fragment_to_its_shards_applies_every_sample_once_and_resumes_bit_identical(
         cli, tmp_path, num_fragments, extra):
     args = [*ARGS, "--servers", num_fragments, "--set", f"training.outer_fragments={num_fragments}", *extra]
+    compressed, delay = "quantization" in extra, "training.outer_delay=2" in extra
     reference = cli("ps", *args, *dirs(tmp_path / "whole"), timeout=240)
     assert reference.returncode == 0, reference.stderr[-3000:]
     log = (tmp_path / "whole" / "logs" / "worker0.log").read_text()
@@ -80,18 +84,32 @@ def test_streaming_pushes_one_fragment_to_its_shards_applies_every_sample_once_a
     steps = [r for r in read_metrics(logs / "worker0" / "metrics.jsonl") if "loss/train" in r]
     assert [r["step"] for r in steps] == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
     sent = {r["step"]: r.get("comm/bytes_sent", 0) for r in steps}
+    # Every fragment completed a round (1, then 2) at step 4 and the epoch's end; delayed,
+    # fragment 0's first lands two steps after it was sent, at step 6.
+    completed = [r["step"] for r in steps if r["local/rounds"] and r["step"] <= STEPS_PER_EPOCH]
+    assert completed == ([6, STEPS_PER_EPOCH] if delay else [H, STEPS_PER_EPOCH])
     # Each push's gradient was computed on one step of its fragment's shards.
     assert all(r["ps/step_spread"] == 0 for r in steps if "ps/step_spread" in r)
     pushes = sorted({s for f in range(num_fragments) for s in round_ends(f, num_fragments)})
-    assert sorted(s for s in sent if sent[s] and s <= STEPS_PER_EPOCH) == pushes
-    inside = [sent[s] for s in pushes if s != STEPS_PER_EPOCH]
-    ends = [sent[STEPS_PER_EPOCH], sent[EPOCHS * STEPS_PER_EPOCH]]
-    dense = model_bytes if not extra else model_bytes / 4  # int8: one byte per value
+    dense = model_bytes if not compressed else model_bytes / 4  # int8: one byte per value
     share = dense / num_fragments
-    assert all(0.9 * share <= b <= 1.1 * share for b in inside), (inside, dense)
-    assert all(0.97 * dense <= b <= 1.05 * dense for b in ends), (ends, dense)
-    assert max(sent.values()) == max(ends) and max(inside) <= 1.1 * max(ends) / num_fragments
-    if extra:
+    if delay:
+        # A delayed push leaves on its own thread, counted at the step it went out by; an
+        # epoch's last step lands every push in flight: each epoch's pushes are its own.
+        for epoch in range(EPOCHS):
+            total = sum(sent[epoch * STEPS_PER_EPOCH + s] for s in range(1, STEPS_PER_EPOCH + 1))
+            expected_bytes = (len(pushes) - 1) * share + dense
+            assert 0.95 * expected_bytes <= total <= 1.05 * expected_bytes, (total, expected_bytes)
+        # Landed pushes ran beside inner steps.
+        assert sum(r.get("time/comm_overlapped_s", 0.0) for r in steps) > 0
+    else:
+        assert sorted(s for s in sent if sent[s] and s <= STEPS_PER_EPOCH) == pushes
+        inside = [sent[s] for s in pushes if s != STEPS_PER_EPOCH]
+        ends = [sent[STEPS_PER_EPOCH], sent[EPOCHS * STEPS_PER_EPOCH]]
+        assert all(0.9 * share <= b <= 1.1 * share for b in inside), (inside, dense)
+        assert all(0.97 * dense <= b <= 1.05 * dense for b in ends), (ends, dense)
+        assert max(sent.values()) == max(ends) and max(inside) <= 1.1 * max(ends) / num_fragments
+    if compressed:
         compressed = sum(r["compression/bytes_sent"] for r in steps)
         assert 3.5 < sum(r["compression/bytes_dense"] for r in steps) / compressed <= 4
 
@@ -108,6 +126,12 @@ def test_streaming_pushes_one_fragment_to_its_shards_applies_every_sample_once_a
         step - max([0] + [s for s in round_ends(f, num_fragments) if s <= step])
         for f in range(num_fragments)]
     assert any(f["steps_in_round"] > 0 for f in fragments)
+    # With the delay the last push before the stop is in flight: it lands 2 steps after it.
+    last_sent = max((max(s for s in round_ends(f, num_fragments) if s <= step), f)
+                    for f in range(num_fragments))
+    in_flight = [(e["fragment"], e["steps_left"])
+                 for e in ckpt.load_checkpoint(newest)["local"]["outer"].get("in_flight", [])]
+    assert in_flight == ([(last_sent[1], last_sent[0] + 2 - step)] if delay else [])
 
     resumed = cli("ps", *args, *dirs(tmp_path / "cut"), "--resume", timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -5,7 +5,9 @@ own tensors only, mixing, the state mid-round, quantized pseudo-gradients with e
 feedback, and the config's one-line refusals. Fragments cut inside tensors where a
 layer is larger than a fragment's share. A delay tau: the outer result of the
 pseudo-gradient sent at step s lands after step s + tau, mixed with the parameters of
-then, on the same schedule; a state taken with exchanges in flight resumes bit-identical."""
+then, on the same schedule; a state taken with exchanges in flight resumes bit-identical.
+On a parameter-server worker the delayed push runs on its own thread and buffers, and its
+pulled result lands tau steps later, mixed."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from disttrain.config import config_from_dict
 from disttrain.core.errors import ConfigError
 from disttrain.strategies.ddp.runtime import check_supported
 from disttrain.strategies.ps.run.launcher import check_supported as check_ps_supported
+from disttrain.strategies.ps.wire.sharding import flat_parameters
+from disttrain.strategies.ps.worker.local_rounds import WorkerRounds
 from disttrain.training.fragments import Piece, StreamingRounds, done, outer_compressor, split_fragments
 from disttrain.training.local_updates import LocalUpdates, OuterOptimizer
 
@@ -345,8 +349,7 @@ def test_the_parameter_server_takes_fragments_of_whole_shards_and_live_groups_re
         with pytest.raises(ConfigError, match=message) as info:
             check_ps_supported(config_from_dict(config))
         assert "\n" not in str(info.value)
-    with pytest.raises(ConfigError, match="training.outer_delay: 2 .* is DDP's"):
-        check_ps_supported(config_from_dict({"training": {"sync_every": 4, "outer_delay": 2}}))
+    check_ps_supported(config_from_dict({"training": {"sync_every": 4, "outer_delay": 2}}))  # a delay
     with pytest.raises(ConfigError) as info:
         config_from_dict({"training": {"sync_every": 4, "outer_delay": 2},
                           "compression": {"enabled": True, "type": "powersgd"}})
@@ -357,3 +360,73 @@ def test_the_parameter_server_takes_fragments_of_whole_shards_and_live_groups_re
     with pytest.raises(ConfigError, match="not offered with ddp.recovery live"):
         check_supported(config_from_dict({**streaming, "ddp": {"recovery": "live"}}))
     check_supported(config_from_dict(streaming))
+
+
+class PushBuffers:
+    """What a delayed push sees of the exchange: the buffers it pushes from and pulls into."""
+
+    def __init__(self, flat: torch.Tensor, grads: torch.Tensor):
+        self.flat, self.grads = flat, grads
+
+
+def test_a_parameter_server_workers_delayed_push_runs_on_its_own_buffers_and_lands_mixed():
+    tau, alpha = 2, 0.5
+    settings = LocalUpdates(4, num_fragments=2, mixing=alpha, delay=tau)
+    training = config_from_dict({"training": {"sync_every": 4, "optimizer": "sgd",
+                                              "learning_rate": 0.1}}).training
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 4))  # 8 + 12 values
+    flat, grads = flat_parameters(model)
+    rounds = WorkerRounds(settings, model, flat, grads, training, [10, 10])
+    exchange, pushed = PushBuffers(flat, grads), []
+
+    def step(seed: int) -> bool:
+        grads.zero_()
+        model(torch.randn(4, 3, generator=torch.Generator().manual_seed(seed))).square().sum().backward()
+        due = rounds.inner_step(4, ends_epoch=False)
+        rounds.land()
+        return due
+
+    start = flat[10:].clone()
+    assert not step(0) and step(1)  # step 2 ends fragment 1's round
+    delta = rounds.pseudo_gradient()
+    expected = delta[10:].clone()
+    assert rounds.delays and rounds.due_shards == [1]
+
+    def trade() -> None:  # as the exchange would: push from its grads, pull the shards' result
+        assert exchange.flat is not flat and exchange.grads is not grads
+        exchange.grads.copy_(delta)
+        pushed.append(exchange.grads[10:].clone())
+        exchange.flat[10:] = 0.25
+
+    rounds.send(exchange, trade)
+    assert not rounds.opening and rounds.shard_samples() == [8, 0]
+    assert not step(2)  # step 3: in flight, fragment 1's parameters move on
+    assert torch.equal(rounds.outer.fragments[1].outer.start, start)
+    state = copy.deepcopy(rounds.state_dict())  # waits for the push
+    assert [(e["fragment"], e["steps_left"]) for e in state["outer"]["in_flight"]] == [(1, 1)]
+    saved = flat.clone()
+    grads.zero_()
+    model(torch.randn(4, 3, generator=torch.Generator().manual_seed(3))).square().sum().backward()
+    assert rounds.inner_step(4, ends_epoch=False)  # step 4: fragment 0's round ends, 1's lands
+    moved = flat[10:].clone()
+    rounds.land()
+    torch.testing.assert_close(pushed[0], expected, rtol=0, atol=0)
+    torch.testing.assert_close(flat[10:], alpha * moved + (1 - alpha) * torch.full((10,), 0.25),
+                               rtol=0, atol=1e-7)
+    assert torch.equal(rounds.outer.fragments[1].outer.start, torch.full((10,), 0.25))
+    assert rounds.outer.fragments[1].outer.steps_in_round == 2 and rounds.scalars()["local/rounds"] == 0
+
+    # Resumed from the state in flight: the result lands at the same step, the same bits.
+    landed = flat.clone()
+    rounds.load_state_dict(state)
+    assert torch.equal(flat, saved)
+    grads.zero_()
+    model(torch.randn(4, 3, generator=torch.Generator().manual_seed(3))).square().sum().backward()
+    assert rounds.inner_step(4, ends_epoch=False)
+    rounds.land()
+    assert torch.equal(flat, landed)
+
+    with_buffers = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    with pytest.raises(ValueError, match="training.outer_delay on the parameter server takes models without"):
+        WorkerRounds(LocalUpdates(4, delay=1), with_buffers, *flat_parameters(with_buffers), training)

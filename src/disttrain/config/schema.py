@@ -192,7 +192,7 @@ class TrainingConfig:
     # feedback (what a payload leaves out is added to the next one) (DDP; the parameter
     # server compresses pushes by compression.type).
     outer_compression: str = field(default="none", metadata=_choice(OUTER_COMPRESSIONS))
-    # Inner steps a fragment's exchange overlaps (Streaming DiLoCo's tau; DDP): it starts
+    # Inner steps a fragment's exchange overlaps (Streaming DiLoCo's tau): it starts
     # at the fragment's sync step, training goes on, and outer_delay steps later its outer
     # result is applied, mixed by outer_mixing with the parameters that moved on meanwhile
     # (0.5 is the paper's choice with a delay). Less than sync_every; 0: the step waits.

@@ -278,16 +278,21 @@ class StreamingRounds:
         fragment.outer.steps_in_round = 0
         self.in_flight.append(InFlight(fragment, average, self.settings.delay))
 
-    def land(self, ends_epoch: bool) -> list[InFlight]:
+    def land(self, ends_epoch: bool, stepped: bool = False) -> list[InFlight]:
         """Wait for the exchanges due at this step (at an epoch's end every one in flight)
         and apply each, in the order sent; returns them. Call after `end_of_step`, before
-        this step's `send`s."""
+        this step's `send`s. `stepped`: the transport ran the outer step itself (the
+        parameter server's shards), so each handle's value is the fragment's outer result,
+        taken as `take_outer` takes it."""
         due = [e for e in self.in_flight if ends_epoch or e.steps_left <= 0]
         self.in_flight = [e for e in self.in_flight if e not in due]
         for exchange in due:
             outer = exchange.fragment.outer
             steps = outer.steps_in_round  # its next round began when the exchange was sent
-            self.apply(exchange.fragment, exchange.average.wait(), ends_epoch)
+            if stepped:
+                self.take_outer(exchange.fragment, exchange.average.wait(), ends_epoch)
+            else:
+                self.apply(exchange.fragment, exchange.average.wait(), ends_epoch)
             outer.steps_in_round = steps
         return due
 

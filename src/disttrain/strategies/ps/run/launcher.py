@@ -180,10 +180,6 @@ def check_supported(config: Config) -> None:
         raise ConfigError(f"training.outer_compression: {config.training.outer_compression} is DDP's; on the "
                           "parameter server a fragment's pseudo-gradient is compressed as every push is: "
                           "leave it none and set compression.type (quantization for int8, or fp16)")
-    if config.training.local_update_mode and config.training.outer_delay:
-        raise ConfigError(f"training.outer_delay: {config.training.outer_delay} (an exchange overlapped "
-                          "with the next inner steps) is DDP's; the parameter server's workers wait for "
-                          "each fragment's exchange: use training.outer_delay 0, or the ddp strategy")
     if config.training.local_update_mode and config.training.outer_fragments > config.ps.num_servers:
         # A fragment is a group of whole shards: its push goes to them alone.
         fragments = config.training.outer_fragments

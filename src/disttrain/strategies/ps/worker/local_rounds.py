@@ -43,15 +43,30 @@ offset). An epoch's last step ends every fragment's round: one push to every sha
 carrying its fragment's pseudo-gradient and samples. After a fragment's push the worker
 pulls its shards (the outer result) and, with mixing, keeps `outer_mixing` of its own
 values (`StreamingRounds.take_outer`). A push to a shard is numbered by its fragment's round.
+
+With a delay tau (`training.outer_delay`) a fragment's push inside an epoch leaves on a
+thread of its own (`send`) and the worker trains on: the exchange's push and pull run there
+on buffers of their own (the pseudo-gradient's copy, and the parameters pulled), so the
+inner steps meanwhile touch none of them. Tau steps later the pulled result is waited for
+and taken (`land`): the fragment's next round starts from it, counted from its sync step,
+and its parameters, moved on meanwhile, are mixed with it by `outer_mixing` (with none they
+take it). One push is under way at a time (pushes of two fragments due within tau steps go
+one after the other), and the training thread uses the exchange only once every push in
+flight has landed: an epoch's last step lands them all, then pushes every fragment without
+delay. A checkpoint meanwhile waits for the pushes in flight and keeps each fragment's
+result and the steps it has left (`StreamingRounds.state_dict`), so a resumed worker takes
+it at the same step; its `last_block` is the push's, which the shards hold.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -62,6 +77,9 @@ from disttrain.training.engine import StepResult, build_optimizer
 from disttrain.training.fragments import Fragment, StreamingRounds
 from disttrain.training.local_updates import LocalUpdates
 from disttrain.training.stepping import OptimizerStep
+
+if TYPE_CHECKING:
+    from disttrain.strategies.ps.worker.exchange import Exchange
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +119,24 @@ def shard_groups(numels: Sequence[int], num_groups: int) -> list[list[int]]:
     return [list(range(low, high)) for low, high in zip(cuts[:-1], cuts[1:], strict=True)]
 
 
+@dataclass(eq=False)
+class _Push:
+    """A delayed push: when it started and finished on its thread (0: not yet)."""
+
+    started: float = 0.0
+    finished: float = 0.0
+
+
+class _Landing:
+    """One fragment's outer result on its way: the value its delayed push pulled."""
+
+    def __init__(self, future: Future, push: _Push, index: int):
+        self.future, self.push, self.index = future, push, index
+
+    def wait(self) -> torch.Tensor:
+        return self.future.result()[self.index]
+
+
 class WorkerRounds:
     """One worker's rounds: its inner optimizer, its fragments' round-start copies and
     places in their rounds (one fragment but with Streaming DiLoCo), and the samples each
@@ -115,7 +151,8 @@ class WorkerRounds:
         shard_numels: the elements of each shard, in order (None: one shard); F > 1 needs
             F of them at least.
     Raises:
-        ValueError: more fragments than shards.
+        ValueError: more fragments than shards, or fragments (or a delay) with a model
+            that has buffers.
     """
 
     def __init__(self, settings: LocalUpdates, model: nn.Module, flat: torch.Tensor, grads: torch.Tensor,
@@ -131,6 +168,11 @@ class WorkerRounds:
             # A push carries the change to the buffers of every shard that holds some.
             raise ValueError("Streaming DiLoCo on the parameter server takes models without buffers "
                              "(BatchNorm statistics); leave training.outer_fragments at 1, or train with ddp")
+        if settings.delay and self.buffers:
+            # A round's change to the buffers goes with its push, and its next round starts
+            # from the servers' buffers: a push that lands later has no round start for them.
+            raise ValueError("training.outer_delay on the parameter server takes models without buffers "
+                             "(BatchNorm statistics); use training.outer_delay 0, or train with ddp")
         numels = list(shard_numels) if shard_numels is not None else [flat.numel()]
         self.groups = shard_groups(numels, settings.num_fragments)
         offsets = [0]
@@ -146,11 +188,15 @@ class WorkerRounds:
         self.ends_epoch = False
         self.closed = 0  # rounds the last step's push completed (of every fragment: `outer.rounds`)
         self._own: dict[int, torch.Tensor] = {}  # mixing: each due fragment's values before its push
+        # A delayed push's own buffers (its pseudo-gradient, the parameters it pulls) and thread.
+        self._staging = (torch.zeros_like(flat), torch.zeros_like(grads)) if settings.delay else None
+        self._pool: ThreadPoolExecutor | None = None
 
     @property
     def opening(self) -> bool:
         """Whether the next step opens every fragment's round (an epoch's first step)."""
-        return all(fragment.outer.steps_in_round == 0 for fragment in self.outer.fragments)
+        return not self.outer.in_flight and all(fragment.outer.steps_in_round == 0
+                                                for fragment in self.outer.fragments)
 
     @property
     def samples(self) -> int:
@@ -207,7 +253,7 @@ class WorkerRounds:
         for fragment in self.due:
             low, high = self.cuts[fragment.index], self.cuts[fragment.index + 1]
             self.grads[low:high].copy_(self.outer.pseudo_gradient(fragment))
-            if self.settings.mixing and not self.ends_epoch:
+            if self.settings.mixing and not self.ends_epoch and not self.delays:
                 self._own[fragment.index] = self.flat[low:high].clone()
         return self.grads.clone()
 
@@ -220,7 +266,61 @@ class WorkerRounds:
             self.outer.take_outer(fragment, self.flat[low:high].clone(), self.ends_epoch,
                                   self._own.get(fragment.index))
             self.fragment_samples[fragment.index] = 0
-        self.closed, self.due, self._own = self.outer.rounds - completed, [], {}
+        self.closed += self.outer.rounds - completed
+        self.due, self._own = [], {}
+
+    @property
+    def delays(self) -> bool:
+        """Whether the due fragments' push is delayed (`training.outer_delay`; not at an
+        epoch's end): `send` it, else push it and `close`."""
+        return self.settings.delay > 0 and not self.ends_epoch
+
+    def send(self, exchange: Exchange, trade: Callable[[], None]) -> None:
+        """Start the due fragments' push on the push thread: `trade` pushes their
+        pseudo-gradient (`pseudo_gradient`'s copy, put into `exchange.grads`) through
+        `exchange` and pulls the result into `exchange.flat`, which are this worker's own
+        buffers while it runs. Their next rounds count from this step; each lands
+        `training.outer_delay` inner steps later (`land`)."""
+        assert self._staging is not None, "a push is delayed with training.outer_delay only"
+        if self._pool is None:  # one thread: the exchange takes one push at a time
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="delayed-push")
+        push = _Push()
+        places = [(f.index, self.cuts[f.index], self.cuts[f.index + 1]) for f in self.due]
+        future = self._pool.submit(self._trade, exchange, trade, push, places)
+        for fragment in self.due:
+            self.outer.send(fragment, _Landing(future, push, fragment.index), ends_epoch=False)
+            self.fragment_samples[fragment.index] = 0
+        self.due = []
+
+    def _trade(self, exchange: Exchange, trade: Callable[[], None], push: _Push,
+               places: list[tuple[int, int, int]]) -> dict[int, torch.Tensor]:
+        """On the push thread: run `trade` on the staging buffers; returns each fragment's
+        parameters pulled."""
+        assert self._staging is not None
+        push.started = time.perf_counter()
+        held = exchange.flat, exchange.grads
+        exchange.flat, exchange.grads = self._staging
+        try:
+            trade()
+        finally:
+            exchange.flat, exchange.grads = held
+            push.finished = time.perf_counter()
+        return {index: self._staging[0][low:high].clone() for index, low, high in places}
+
+    def land(self) -> float:
+        """Take the delayed pushes due at this step (at an epoch's end every one in flight):
+        wait for each and open its fragments' next round at its result, their parameters
+        mixed with it (`StreamingRounds.land`). Call after `inner_step`, before this step's
+        push. Returns the seconds the pushes landed ran beside inner steps.
+
+        Raises:
+            whatever the push raised on its thread.
+        """
+        entered, completed = time.perf_counter(), self.outer.rounds
+        landed = self.outer.land(self.ends_epoch, stepped=True)
+        self.closed += self.outer.rounds - completed
+        pushes = {id(e.average.push): e.average.push for e in landed if isinstance(e.average, _Landing)}
+        return sum(max(0.0, min(push.finished, entered) - push.started) for push in pushes.values())
 
     @contextmanager
     def aside(self) -> Iterator[None]:

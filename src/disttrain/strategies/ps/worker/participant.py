@@ -82,6 +82,7 @@ class WorkerParticipant:
     precision: Precision | None = None  # bf16 autocast of the forward pass (None: float32)
     rounds: WorkerRounds | None = None  # local updates (None: every step trades its gradient)
     _round_result: StepResult | None = None  # the last inner step's, pushed with its round
+    _counted: tuple[int, int] | None = None  # outer_delay: the bytes sent and received counted so far
     # The block of this worker's last push the exchange saw taken (-1: none yet); saved in
     # its checkpoints, so a resume can tell a checkpoint ahead of the shards (`unapplied`).
     last_block: int = -1
@@ -108,11 +109,13 @@ class WorkerParticipant:
         client, exchange = self.client, self.exchange
         client.finished_epochs(info.epoch)  # the epochs before this one (a resumed worker's too)
         sent, received, rejected = client.bytes_sent, client.bytes_received, exchange.num_rejected
+        if self._counted is not None:  # from the last step's end: a delayed push runs between steps
+            sent, received = self._counted
         entered = time.perf_counter()
         if self.rounds is not None:
             local = self._inner_step(compute, len(indices), info)
-            if local is not None:  # within a round: nothing crosses the network
-                return self._stepped(local, info, len(indices), entered)
+            if local is not None:  # within a round: nothing crosses the network (but a delayed push)
+                return self._delayed_bytes(self._stepped(local, info, len(indices), entered), sent, received)
             compute, step, num_samples = self._round_push(), self.rounds.round_number, self.rounds.samples
             shards, shard_steps = None, None
             shard_samples = tuple(self.rounds.shard_samples())
@@ -125,20 +128,37 @@ class WorkerParticipant:
                       shard_steps=shard_steps, shard_samples=shard_samples)
         if self.faults.drops_reply(info.step):
             client.lose_next_replies()
+        if self.rounds is not None and self.rounds.delays:  # training.outer_delay: lands later
+            self._send(compute, block, shards)
+            return self._delayed_bytes(self._stepped(self._round_result, info, len(indices), entered), sent,
+                                       received)
         result, staleness = exchange.step(compute, block, self.timer, shards)
         self.last_block = block.block_id
         if self.rounds is not None:
             self.rounds.close()
         result = self._stepped(result, info, len(indices), entered)
-        result.scalars.update({"comm/bytes_sent": client.bytes_sent - sent,
-                               "comm/bytes_received": client.bytes_received - received,
-                               "ps/staleness": staleness,
+        result.scalars.update({**self._bytes_since(sent, received), "ps/staleness": staleness,
                                "ps/rejected_pushes": exchange.num_rejected - rejected, **exchange.scalars()})
         if exchange.learning_rate is not None and self.rounds is None:
             result.scalars["optim/learning_rate"] = exchange.learning_rate
         if exchange.encoder is not None:
             result.scalars.update(exchange.encoder.scalars())
         return result
+
+    def _delayed_bytes(self, result: StepResult, sent: int, received: int) -> StepResult:
+        """With `training.outer_delay`, give a step without a push of its own the bytes the
+        delayed pushes moved since the last step's end (each epoch's last step lands them all)."""
+        if self.rounds is not None and self.rounds.settings.delay:
+            result.scalars.update(self._bytes_since(sent, received))
+        return result
+
+    def _bytes_since(self, sent: int, received: int) -> dict[str, float]:
+        """The bytes sent and received since the counts `sent` and `received`; with
+        `training.outer_delay` the counts of now are kept for the next step to count from."""
+        now = self.client.bytes_sent, self.client.bytes_received
+        if self.rounds is not None and self.rounds.settings.delay:
+            self._counted = now
+        return {"comm/bytes_sent": now[0] - sent, "comm/bytes_received": now[1] - received}
 
     def _stepped(self, result: StepResult, info: StepInfo, num_samples: int, entered: float) -> StepResult:
         """Account a step that took `num_samples` (its work time, the heartbeats'
@@ -166,7 +186,12 @@ class WorkerParticipant:
                 buffers.adopt()
                 buffers.begin()
         result = compute()
-        if not rounds.inner_step(num_samples, info.ends_epoch):
+        due = rounds.inner_step(num_samples, info.ends_epoch)
+        if rounds.outer.in_flight:  # training.outer_delay: the pushes due now land
+            with self.timer.phase("comm_blocked"):
+                overlapped = rounds.land()
+            self.timer.add("comm_overlapped", overlapped)
+        if not due:
             return result
         if buffers is not None:
             buffers.finish()
@@ -179,10 +204,20 @@ class WorkerParticipant:
         delta, result = self.rounds.pseudo_gradient(), self._round_result
 
         def push() -> StepResult:
-            self.grads.copy_(delta)
+            self.exchange.grads.copy_(delta)  # a delayed push's own buffer while it runs
             return result
 
         return push
+
+    def _send(self, compute: Callable[[], StepResult], block: Block, shards: list[int] | None) -> None:
+        """Start a round's push that lands `training.outer_delay` steps later (see `local_rounds`)."""
+        timer = StepTimer()  # the push thread's: the step's timer is the training thread's
+
+        def trade() -> None:
+            self.exchange.step(compute, block, timer, shards)
+            self.last_block = block.block_id  # read once the push landed, or a checkpoint waited for it
+
+        self.rounds.send(self.exchange, trade)
 
     def block_id(self, epoch: int, index: int) -> int:
         """The data block of this worker's batch `index` of `epoch`, unique in the run."""
@@ -386,6 +421,8 @@ class WorkerParticipant:
                 "older checkpoint")
 
     def state_dict(self) -> dict[str, Any]:
+        # First: it waits for a delayed push in flight, which moves the figures below.
+        local = {} if self.rounds is None else {"local": self.rounds.state_dict()}
         encoder = self.exchange.encoder
         return {"worker_id": self.worker_id, "rank": self.rank, "world_size": self.world_size,
                 "bytes_sent": self.client.bytes_sent, "bytes_received": self.client.bytes_received,
@@ -393,7 +430,7 @@ class WorkerParticipant:
                 "compression": None if encoder is None else encoder.state_dict(),
                 "samples_redone": self.samples_redone, "samples_taken_over": self.samples_taken_over,
                 "dropped_blocks": sorted(self.exchange.dropped), "last_block": self.last_block,
-                **({} if self.rounds is None else {"local": self.rounds.state_dict()})}
+                **local}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
