@@ -67,8 +67,8 @@ METRICS: dict[str, Metric] = {m.key: m for m in [
            "step still computed, overlaps counted once (DDP: buckets during the backward pass; PS "
            "sync: each shard's push and pull, launched once the backward pass produced its "
            "gradient; PS async and ssp: the prefetch of parameters during the computation, 0 "
-           "when each push trades for parameters in one round trip after it; DDP local updates "
-           "with `training.outer_delay`: a fragment's exchange in flight beside the inner steps, "
+           "when each push trades for parameters in one round trip after it; local updates with "
+           "`training.outer_delay` (both): a fragment's exchange in flight beside the inner steps, "
            "logged at the step it lands)", "ps, ddp"),
     Metric("comm/bytes_sent", "bytes", PER_STEP, "gradient bytes this worker sent to the servers, "
            "through gRPC or shared memory (a retried push counts again; message framing, some "
