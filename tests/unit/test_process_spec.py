@@ -22,6 +22,7 @@ from disttrain.core.faults import parse_fault
 from disttrain.core.process_spec import (
     CLI_ENTRY,
     RANK_ENTRY,
+    PassedOn,
     ProcessSpec,
     arguments,
     command_line,
@@ -77,8 +78,8 @@ def parsed(spec: ProcessSpec) -> ProcessSpec:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.builds(coordinator_spec, paths, st.sampled_from([Path("/runs/cluster.db")]), binds, **{
-    k: v for k, v in common.items() if k != "config"}))
+@given(st.builds(coordinator_spec, paths, st.sampled_from([Path("/runs/cluster.db")]), binds,
+                 common["attempt"], st.builds(PassedOn, common["faults"], common["tls"], common["verbose"])))
 def test_a_coordinator_spec_parses_back(spec):
     assert parsed(spec) == spec
 
