@@ -153,13 +153,29 @@ def repeated(name: str, strategy: str, mode: str | None, compression: dict | Non
              limits: dict, seeds: list[int], optimizer: dict) -> dict:
     """The run once per seed (PS runs of the checks) or once (the rest), and their means."""
     seeds = seeds if strategy == "ps" else seeds[:1]
-    if mode == "async" and optimizer["optimizer"] == "sgd":
-        optimizer = {**optimizer, "learning_rate": optimizer["learning_rate"] / NUM_WORKERS}
+    optimizer = run_optimizer(optimizer, mode)
     runs = [train(name, strategy, mode, compression, folder, limits, seed, optimizer) for seed in seeds]
     wire = [r["wire_bytes_sent"] for r in runs]
     return {"accuracy": statistics.mean(r["accuracy"] for r in runs),
             "bytes_share_of_dense": statistics.mean(r["bytes_share_of_dense"] for r in runs),
-            "wire_bytes_sent": statistics.mean(wire) if None not in wire else None, "runs": runs}
+            "wire_bytes_sent": statistics.mean(wire) if None not in wire else None,
+            "learning_rate": optimizer["learning_rate"], "runs": runs}
+
+
+def run_optimizer(optimizer: dict, mode: str | None) -> dict:
+    """The optimizer a run of `mode` trains with: SGD in async mode takes the rate over the
+    workers (each push is applied whole, so a step moves the model NUM_WORKERS times)."""
+    if mode == "async" and optimizer["optimizer"] == "sgd":
+        return {**optimizer, "learning_rate": optimizer["learning_rate"] / NUM_WORKERS}
+    return optimizer
+
+
+def recorded_optimizer(optimizer: dict, runs: dict) -> dict:
+    """The JSON's top-level optimizer: the rate the runs trained with where they all took
+    one (an async-only invocation: the rate over the workers), else null (each run records
+    its own, `runs.NAME.learning_rate`)."""
+    rates = {run["learning_rate"] for run in runs.values()}
+    return {**optimizer, "learning_rate": rates.pop() if len(rates) == 1 else None}
 
 
 def flags(parser) -> None:
@@ -209,7 +225,7 @@ def main() -> None:
     dgc = dgc_runs(warmup, args.dgc_clip)[1][3] if args.dgc else None
     times = coding_times(max(args.repeats, 20), dgc)
     report("compression", {"dataset": "mnist" if data_dir() else "synthetic", "seeds": seeds,
-                           "optimizer": optimizer,
+                           "optimizer": recorded_optimizer(optimizer, runs),
                            "runs": runs, "checks": checks, "coding_time": times}, args.output,
            target="DGC top-k 0.001: >= 100x fewer bytes than dense, accuracy within 0.5 points" if args.dgc
            else "PS topk 0.01 <= 2.5% of dense bytes, accuracy within 0.5 points; quantization "
