@@ -36,7 +36,9 @@ Where namespaces cannot be made, the section says why (`skipped`) and the rest r
 from its own logged compute only, without timing the step beforehand (the calibration
 test: `tests/integration/test_advise_calibration.py` fails where a run's step falls
 outside 25% of that prediction). Each run also reports its step time, predicted from its
-compute and measured (`n · batch / samples per second`).
+compute and measured (`n · batch / samples per second`). `calibration_misses` lists the
+runs whose measured step falls outside ±25% of the step predicted from their own compute
+(the JSON's `calibration_misses`; the calibration test asserts it empty).
 """
 
 from __future__ import annotations
@@ -224,6 +226,30 @@ def probe_link(net: Network, folder: Path, num_bytes: int) -> Link:
     return Link(measured["bandwidth_bytes_per_s"], measured["latency_s"], f"tbf {folder.name}")
 
 
+def calibration_misses(document: dict, target: float = TARGET) -> list[str]:
+    """The runs of a result `document` (as `main` writes it) whose measured step falls
+    outside `target` of the step the cost model predicts from the compute the run's own
+    processes logged, one line each (empty: every such run within it). Runs without that
+    prediction (the simulated ones, predicted from a step timed before them; a limited
+    link skipped or failed) are not checked here.
+
+    The measured step is `n · batch / measured samples/s` and the predicted one `n · batch
+    / predicted samples/s`, so the step's error is `predicted / measured samples/s - 1`.
+    """
+    misses = []
+    for run in [*document["runs"], *(document.get("limited_links") or {}).get("runs", [])]:
+        predicted, measured = run.get("predicted_from_run_compute"), run.get("measured_samples_per_s")
+        if not predicted or not measured:
+            continue
+        error = predicted / measured - 1
+        if abs(error) > target:
+            where = f" on {run['rate']}" if "rate" in run else ""
+            misses.append(f"{run['strategy']}, {run['num_processes']} processes{where}: measured step "
+                          f"{error:+.1%} off the step predicted from the run's compute "
+                          f"({run['run_compute_s']} s; predicted {predicted} samples/s, measured {measured})")
+    return misses
+
+
 def limited_link_runs(rates: list[str], model: CostModel, num_samples: int, repeats: int, quick: bool,
                       scratch: Path) -> dict:
     """Predicted against measured on each limited link: rates, runs, and why they were
@@ -349,8 +375,10 @@ def main() -> None:
     # the analytic runs given their own logged compute, the simulated ones as above
     worst_given = max((abs(r.get("error_from_run_compute", r.get("error", 0.0))) for r in everything),
                       default=0.0)
+    misses = calibration_misses({"runs": runs, "limited_links": limited})
     report("advise_accuracy", {"quick": args.quick, "num_samples": num_samples, "num_cores": num_cores,
                                "link": link.to_dict(), "runs": runs, "limited_links": limited,
+                               "calibration_misses": misses,
                                "max_abs_error": None if args.from_run_compute else round(worst, 3),
                                "all_within_target": None if args.from_run_compute
                                else worst <= TARGET and not failed,
