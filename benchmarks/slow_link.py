@@ -6,10 +6,15 @@ two DDP nodes, 1 rank each, c10d rendezvous on host b) run on hosts b and c, who
 are limited with `tc qdisc ... tbf` to each `--rates` value in both directions. For each
 rate and each configuration (PS sync and async, each with and without top-k 1%, PS sync
 with top-k 1% both ways, DDP with and without PowerSGD rank 2, PS sync and DDP with local
-updates every 8 and 32 steps) it runs the real commands and reports, from worker or rank
-0's summary: samples/s, the time to the workload's target on the training clock (null
-when not reached: "reached_target" says so), the final figure, and the bytes worker 0
-sent and received; then a table of each configuration's final figure against its bytes.
+updates every 8 and 32 steps, and Streaming DiLoCo at 32 steps: 4 fragments, each
+exchange overlapped with the next 2 steps, mixing 0.5, the PS's on 4 shards) it runs the
+real commands and reports, from worker or rank 0's summary and metrics (logged at every
+step): samples/s, the time to the workload's target on the training clock (null when
+not reached: "reached_target" says so), the final figure and test loss, the bytes worker
+0 sent and received, the largest exchange inside an epoch and the bytes of an epoch's
+last step (`exchange_bytes`), and the share of the step it spent blocked in exchanges;
+then a table of each configuration's final figure against its bytes. `--seed` seeds
+every run (default: the config's, 42).
 
 Workloads (`--workload`):
 - mnist: MNIST, 1 epoch, to 97% test accuracy, when a copy is at hand (`--data-dir`,
@@ -58,17 +63,29 @@ def local(every: int) -> list[str]:
             "--outer-momentum", "0.9"]
 
 
+def stream(fragments: int, delay: int = 2, mixing: float = 0.5) -> list[str]:
+    """Streaming DiLoCo: `fragments` fragments, each exchange overlapped with the next
+    `delay` inner steps and its result mixed by `mixing` (the paper's 0.5 with a delay)."""
+    return ["--set", f"training.outer_fragments={fragments}", "--set", f"training.outer_delay={delay}",
+            "--set", f"training.outer_mixing={mixing}"]
+
+
 CONFIGS = {"ps-sync": ("ps", ["--aggregation-mode", "sync"]),
            "ps-sync+topk": ("ps", ["--aggregation-mode", "sync", *TOPK]),
            "ps-sync+topk-both": ("ps", ["--aggregation-mode", "sync", *TOPK, *PULL_TOPK]),
            "ps-sync+local8": ("ps", ["--aggregation-mode", "sync", *local(8)]),
            "ps-sync+local32": ("ps", ["--aggregation-mode", "sync", *local(32)]),
+           "ps-sync+local32+stream4": ("ps", ["--aggregation-mode", "sync", *local(32), *stream(4)]),
            "ps-async": ("ps", ["--aggregation-mode", "async"]),
            "ps-async+topk": ("ps", ["--aggregation-mode", "async", *TOPK]),
            "ddp": ("ddp", []),
            "ddp+powersgd": ("ddp", POWERSGD),
            "ddp+local8": ("ddp", local(8)),
-           "ddp+local32": ("ddp", local(32))}
+           "ddp+local32": ("ddp", local(32)),
+           "ddp+local32+stream4": ("ddp", [*local(32), *stream(4)])}
+# Every step's own record, so that an exchange's bytes and an epoch's last step are read
+# from the metrics as they were, not from a window's means.
+EVERY_STEP = ["--set", "training.log_interval=1"]
 RUN_TIMEOUT_S = 900
 TEXT_BYTES = 400_000
 GPT = ["--model", "gpt_small", "--seq-len", "64", "--batch-size", "16", "--set",
@@ -110,6 +127,7 @@ def extra_args(parser) -> None:
                         help="mnist (to 97%% accuracy) or text (a small GPT, to perplexity 8)")
     parser.add_argument("--data-dir", type=Path, help="folder holding mnist/ (else digits)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="which configurations")
+    parser.add_argument("--seed", type=int, help="every run's seed (default: the config's, 42)")
 
 
 def write_text(path: Path, size: int) -> str:
@@ -129,20 +147,32 @@ def write_text(path: Path, size: int) -> str:
     return hashlib.sha256(text).hexdigest()
 
 
+def num_shards(flags: list[str]) -> int:
+    """The parameter-server shards a configuration's flags need: one, or one per fragment
+    (a Streaming DiLoCo fragment is a group of whole shards)."""
+    fragments = [flag.split("=", 1)[1] for flag in flags if flag.startswith("training.outer_fragments=")]
+    return int(fragments[-1]) if fragments else 1
+
+
 def run_one(net: Network, kind: str, flags: list[str], data: list[str], target: Target, folder: Path
             ) -> dict:
     a, b, c = net.hosts["a"], net.hosts["b"], net.hosts["c"]
     env = {"OMP_NUM_THREADS": "1", "DISTTRAIN_PARENT_PID": str(os.getpid())}
     # The hosts listen beyond loopback, where every server asks for credentials: a run token.
     token = write_token_file(folder / "run.token", new_token())
-    common = [*data, "--num-threads", "1", "--token-file", str(token), *flags]
+    common = [*data, "--num-threads", "1", "--token-file", str(token), *EVERY_STEP, *flags]
     processes = []
     if kind == "ps":
-        log = folder / "server.out"
-        server = a.start([*DISTTRAIN, "ps-server", "--bind", f"{a.address}:0", "--shard", "0/1",
-                          "--workers", "2", *common, "--log-dir", str(folder / "a"),
-                          "--checkpoint-dir", str(folder / "ckpt-a")], log, env)
-        address = read_event(log, "listening", server)["address"]
+        addresses, shards = [], num_shards(flags)
+        common += ["--set", f"ps.num_servers={shards}"]
+        for shard in range(shards):  # every shard on host a
+            log = folder / f"server{shard}.out"
+            server = a.start([*DISTTRAIN, "ps-server", "--bind", f"{a.address}:0", "--shard",
+                              f"{shard}/{shards}", "--workers", "2", *common,
+                              "--log-dir", str(folder / f"a{shard}"),
+                              "--checkpoint-dir", str(folder / f"ckpt-a{shard}")], log, env)
+            addresses.append(read_event(log, "listening", server)["address"])
+        address = ",".join(addresses)
         for rank, host in enumerate((b, c)):
             processes.append(host.start(
                 [*DISTTRAIN, "ps-worker", "--servers", address, "--rank", str(rank), "--worker-id",
@@ -168,32 +198,92 @@ def run_one(net: Network, kind: str, flags: list[str], data: list[str], target: 
         return {"status": "failed", "exit_codes": codes, "log_tails": tails}
     summary = json.loads((folder / "b" / "summary.json").read_text())
     reached = summary[target.times_field].get(target.key)
-    sent, received = bytes_of_run(folder / "b")
+    records = train_records(folder / "b")
+    sent, received = bytes_of_run(records)
     return {"status": "ok", "samples_per_s": round(summary["throughput_samples_per_s"], 1),
             "time_to_target_s": None if reached is None else round(reached, 3),
             "reached_target": reached is not None,
             f"final_{target.figure}": round(summary[target.final_field], 4),
+            "final_loss": round(summary["final_loss"], 4),
             "train_time_s": round(summary["train_time_s"], 3), "steps": summary["steps"],
-            "bytes_sent": sent, "bytes_received": received}
+            "bytes_sent": sent, "bytes_received": received, "exchange_bytes": exchange_bytes(records),
+            "comm_blocked_share": blocked_share(records)}
 
 
-def bytes_of_run(folder: Path) -> tuple[int, int]:
-    """Bytes worker (rank) 0 sent and received over the run: its windows' per-step means
-    times their steps. Sent: the compressed payload where compression ran, else the PS
-    push or the DDP all-reduce; received: the PS pull (an all-reduce receives what it sends)."""
+def train_records(folder: Path) -> list[dict]:
+    """The training records of the metrics under `folder` (worker or rank 0's), in order."""
     metrics = next(folder.rglob("metrics.jsonl"))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [record for record in records if "loss/train" in record]
+
+
+def steps_of(records: list[dict]) -> list[tuple[dict, int]]:
+    """Each record with the steps its window held (its step minus the previous record's)."""
+    previous, out = 0, []
+    for record in records:
+        out.append((record, record["step"] - previous))
+        previous = record["step"]
+    return out
+
+
+def sent_of(record: dict) -> float:
+    """A record's per-step bytes sent: the compressed payload where compression ran, else
+    the PS push or the DDP all-reduce."""
+    return record.get("compression/bytes_sent",
+                      record.get("comm/bytes_sent", record.get("comm/bytes_allreduced", 0.0)))
+
+
+def bytes_of_run(records: list[dict]) -> tuple[int, int]:
+    """Bytes worker (rank) 0 sent and received over the run: its windows' per-step means
+    times their steps. Received: the PS pull (an all-reduce receives what it sends)."""
     sent = received = 0.0
-    previous = 0
-    for line in metrics.read_text().splitlines():
-        record = json.loads(line)
-        if "loss/train" not in record:
-            continue
-        steps, previous = record["step"] - previous, record["step"]
-        out = record.get("compression/bytes_sent",
-                         record.get("comm/bytes_sent", record.get("comm/bytes_allreduced", 0.0)))
-        sent += out * steps
-        received += record.get("comm/bytes_received", out) * steps
+    for record, steps in steps_of(records):
+        sent += sent_of(record) * steps
+        received += record.get("comm/bytes_received", sent_of(record)) * steps
     return round(sent), round(received)
+
+
+def exchange_bytes(records: list[dict]) -> dict[str, int]:
+    """The bytes of worker (rank) 0's exchanges, from records of one step each.
+
+    Returns:
+        "peak": the largest exchange inside an epoch (its last steps left out). With local
+        updates an exchange is a run of consecutive steps that sent bytes, summed (a PS push
+        overlapped with the next steps counts its bytes in the steps it ran through); on
+        DDP the largest single collective of a step (`local/exchange_bytes`, one fragment's
+        where an epoch's last step all-reduces every fragment in turn). Without local
+        updates every step is an exchange. "epoch_end": the most an epoch's last step sent
+        (with local updates every fragment's round ends there).
+
+    Raises:
+        ValueError: a record stands for more than one step (log every step).
+    """
+    last = {record["epoch"]: record["step"] for record in records}
+    local = any("local/rounds" in record for record in records)
+    peak = run = 0.0
+    for record, steps in steps_of(records):
+        if steps != 1:
+            raise ValueError(f"the record of step {record['step']} stands for {steps} steps: "
+                             "log every step (training.log_interval=1)")
+        if record["step"] == last[record["epoch"]]:
+            run = 0.0
+        elif "local/exchange_bytes" in record:
+            peak = max(peak, record["local/exchange_bytes"])
+        elif local:
+            run = run + sent_of(record) if sent_of(record) else 0.0
+            peak = max(peak, run)
+        else:
+            peak = max(peak, sent_of(record))
+    epoch_end = max((sent_of(r) for r in records if r["step"] == last[r["epoch"]]), default=0.0)
+    return {"peak": round(peak), "epoch_end": round(epoch_end)}
+
+
+def blocked_share(records: list[dict]) -> float:
+    """The share of worker (rank) 0's step time spent blocked in exchanges: the sum of
+    `time/comm_blocked_s` over the sum of `time/step_s`, each a window's mean times its steps."""
+    blocked = sum(r.get("time/comm_blocked_s", 0.0) * steps for r, steps in steps_of(records))
+    total = sum(r["time/step_s"] * steps for r, steps in steps_of(records))
+    return round(blocked / total, 4) if total else 0.0
 
 
 def main() -> int:
@@ -215,6 +305,7 @@ def main() -> int:
     results: dict[str, dict[str, dict]] = {}
     with TemporaryDirectory(prefix="slow-link-") as scratch:
         workload = workload_of(args, Path(scratch))
+        seeded = [] if args.seed is None else ["--seed", str(args.seed)]
         for rate in args.rates.split(","):
             with Network(["a", "b", "c"]) as net:
                 for host in (net.hosts["b"], net.hosts["c"]):
@@ -223,16 +314,16 @@ def main() -> int:
                     folder = Path(scratch) / f"{rate}-{name.replace('+', '-')}"
                     folder.mkdir()
                     kind, flags = CONFIGS[name]
-                    results.setdefault(rate, {})[name] = run_one(net, kind, flags, workload["flags"],
-                                                                  workload["target"], folder)
-                    print(f"{rate:>8} {name:<18} {results[rate][name]}", file=sys.stderr, flush=True)
+                    results.setdefault(rate, {})[name] = run_one(
+                        net, kind, [*seeded, *flags], workload["flags"], workload["target"], folder)
+                    print(f"{rate:>8} {name:<24} {results[rate][name]}", file=sys.stderr, flush=True)
     target = workload["target"]
     table = bytes_table(results, target)
     print("\n".join(table), file=sys.stderr)
     report("slow_link", {"workload": args.workload, "data": " ".join(workload["flags"]),
                          **({"text_sha256": workload["sha256"]} if "sha256" in workload else {}),
                          "to": {"figure": target.figure, "value": target.value}, "workers": 2,
-                         "rates": results, "table": table}, args.output,
+                         "seed": args.seed, "rates": results, "table": table}, args.output,
            target=f"at the slow rate: compression and local updates reach {target.figure} "
                   f"{target.value:g} sooner than the dense runs")
     return 0 if all(r["status"] == "ok" for runs in results.values() for r in runs.values()) else 1
