@@ -176,11 +176,21 @@ def test_fragments_of_a_real_model_are_the_shares_the_model_assumes():
         assert predicted == pytest.approx(2 * 4 * largest, rel=0.1)
 
 
-def test_fragments_and_outer_compression_are_refused_where_they_do_not_run():
-    with pytest.raises(ValueError, match="DDP with local updates"):
+def test_fragments_outer_compression_and_delay_are_refused_where_they_do_not_run():
+    with pytest.raises(ValueError, match="local updates"):
         Candidate("ddp", "none", 0, 1, fragments=2)
-    with pytest.raises(ValueError, match="DDP with local updates"):
+    with pytest.raises(ValueError, match="local updates"):
+        Candidate("ddp", "none", 0, 1, delay=1)
+    with pytest.raises(ValueError, match="local updates"):
+        Candidate("ps-async", "none", 2, 1, fragments=2)
+    with pytest.raises(ValueError, match="groups of whole shards"):
         Candidate("ps-sync", "none", 1, 8, fragments=2)
+    with pytest.raises(ValueError, match="outer compression is DDP's"):
+        Candidate("ps-sync", "none", 2, 8, outer="int8")
+    with pytest.raises(ValueError, match=r"delay 8 must be in \[0, H = 8\)"):
+        Candidate("ddp", "none", 0, 8, delay=8)
+    with pytest.raises(ValueError, match="not the run's compression"):
+        Candidate("ddp", "fp16", 0, 8, delay=2)
     with pytest.raises(ValueError, match="1 to H = 4"):
         Candidate("ddp", "none", 0, 4, fragments=8)
     with pytest.raises(ValueError, match="one of them"):
@@ -197,16 +207,24 @@ def test_the_candidates_include_every_option_the_workload_allows():
     ddp = [c for c in found if c.strategy == "ddp"]
     assert {(c.sync_every, c.fragments, c.outer) for c in ddp if c.compression == "none"} == \
         {(1, 1, "none")} | {(8, f, o) for f in (1, 2, 4, 8) for o in ("none", "int8")}
-    assert {c.fragments for c in found if c.strategy != "ddp"} == {1}
+    assert {c.delay for c in ddp if c.compression == "none"} == {0, 1, 2, 4}
+    assert {c.delay for c in found if c.compression != "none"} == {0}  # a delay with plain pseudo-gradients
+    # the parameter server's fragments: groups of whole shards, so no more than its shards
+    ps = [c for c in found if c.strategy == "ps-sync" and c.sync_every == 8]
+    assert {(c.num_servers, c.fragments) for c in ps} == {(s, f) for s in (1, 2, 4, 8) for f in (1, 2, 4, 8)
+                                                          if f <= s}
+    assert {c.delay for c in ps if c.compression == "none"} == {0, 1, 2, 4}
+    assert {c.fragments for c in found if c.strategy == "ps-async" or c.sync_every == 1} == {1}
     assert not any(c.outer != "none" and c.compression != "none" for c in found)
     assert Candidate("ps-sync", "topk-compact", 8) in found
     # by default: top-k measured, its compact block too, which wins on a slow link
     slow = CostModel(workload(), Link(1e6, 1e-4))
     assert advise(slow, [8])[0].fastest.candidate == Candidate("ddp", "topk-compact")
-    # quantization measured: int8 pseudo-gradients, gathered, half the ring's bytes at 4 ranks
+    # quantization measured: int8 pseudo-gradients, gathered, half the ring's bytes at 4 ranks,
+    # their exchange delayed behind inner steps
     local = advise(slow, [4], sync_every=(8,),
                    choices=CompressionChoices(pushes=("none",)))[0].fastest.candidate
-    assert local == Candidate("ddp", "none", 0, 8, outer="int8")
+    assert (local.strategy, local.outer) == ("ddp", "int8") and local.delay > 0
 
 
 def test_a_runs_config_is_the_candidate_it_ran():

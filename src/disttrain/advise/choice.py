@@ -35,9 +35,10 @@ def candidates(num_workers: int, max_servers: int = 64, sync_every: Sequence[int
     sync and async, with 1, 2, 4 ... shards (at most `max_servers` and no more than the
     workers); each compression (PowerSGD: DDP only); each local-step count H of
     `sync_every` for the sync ones; each pull compression of `pulls` for the parameter
-    server at H = 1 (sync and async); for DDP at H > 1, Streaming DiLoCo's 2, 4 ... H
-    fragments, and each pseudo-gradient compression of `outers` (without the run's
-    compression, which it replaces)."""
+    server at H = 1 (sync and async); at H > 1, Streaming DiLoCo's 2, 4 ... H fragments
+    (the parameter server's: no more than its shards), without the run's compression
+    each delay tau of 1, 2, 4 ... below H, and for DDP each pseudo-gradient compression
+    of `outers` (without the run's compression, which it replaces)."""
     shard_counts = [s for s in (2**i for i in range(11)) if s <= min(max_servers, num_workers)]
     pulls, outers = tuple(pulls), tuple(outers)
     found = []
@@ -45,13 +46,19 @@ def candidates(num_workers: int, max_servers: int = 64, sync_every: Sequence[int
         ps = compression not in DDP_ONLY
         for h in sync_every:
             fragment_counts = [f for f in (2**i for i in range(11)) if f <= h]
+            delays = (0, *(d for d in (2**i for i in range(11)) if d < h)) if compression == "none" else (0,)
             outer_options = outers if compression == "none" else ("none",)
-            found.extend(Candidate("ddp", compression, 0, h, fragments=f, outer=outer)
-                         for f in fragment_counts for outer in outer_options
-                         if h > 1 or (f == 1 and outer == "none"))
-            if ps:
-                found.extend(Candidate("ps-sync", compression, s, h, pull) for s in shard_counts
-                             for pull in (pulls if h == 1 else ("none",)))
+            if h == 1:
+                found.append(Candidate("ddp", compression))
+            else:
+                found.extend(Candidate("ddp", compression, 0, h, fragments=f, outer=outer, delay=d)
+                             for f in fragment_counts for outer in outer_options for d in delays)
+            if ps and h == 1:
+                found.extend(Candidate("ps-sync", compression, s, h, pull)
+                             for s in shard_counts for pull in pulls)
+            elif ps:
+                found.extend(Candidate("ps-sync", compression, s, h, fragments=f, delay=d)
+                             for s in shard_counts for f in fragment_counts if f <= s for d in delays)
         if ps:
             found.extend(Candidate("ps-async", compression, s, 1, pull) for s in shard_counts
                          for pull in pulls)

@@ -62,7 +62,8 @@ def advise_comparison(folder: Path, rows: Sequence[Row], link: Link,
         return AdviceSection(unavailable=f"the baseline's model cannot be built from its config: {e}")
     model = CostModel(workload, link, config.ddp.bucket_cap_mb * 2**20, config.ps.overlap,
                       pull_ratio=config.compression.pull_ratio,
-                      pull_dense_every=config.compression.pull_dense_every)
+                      pull_dense_every=config.compression.pull_dense_every,
+                      overlap_trial=config.ps.overlap_trial_steps > 0)
     measured_counts = {r["workers"] for r in rows if r["status"] == OK}
     top = max(max_workers, *measured_counts)
     counts = tuple(sorted({2**i for i in range(top.bit_length()) if 2**i <= top} | measured_counts))
@@ -118,10 +119,12 @@ def candidate_of(row: Row, config: Config) -> Candidate:
     sync_every = config.training.sync_every if strategy != "ps-async" else 1
     servers = config.ps.num_servers if strategy.startswith("ps") else 0
     pull = config.compression.pull if strategy.startswith("ps") and sync_every == 1 else "none"
-    local = strategy == "ddp" and sync_every > 1
+    local = strategy != "ps-async" and sync_every > 1
+    training = config.training
     return Candidate(strategy, compression, servers, sync_every, pull,
-                     config.training.outer_fragments if local else 1,
-                     config.training.outer_compression if local else "none")
+                     training.outer_fragments if local else 1,
+                     training.outer_compression if local and strategy == "ddp" else "none",
+                     training.outer_delay if local else 0)
 
 
 def compression_of(config: Config) -> str:

@@ -29,9 +29,11 @@ gradient, `t_opt` one optimizer step over every parameter. The formulas (the REA
   `T_push = max(P/β, n·P/(S·β)) + α`, `T_pull = max(G/β, n·G/(S·β)) + α`; each shard
   decodes n slices (`n·d/S`) and applies its slice (`t_opt/S`). With overlap, the slices
   of all but the last shard go while backward finishes: a credit of
-  `min(t_b, e + T_push)·(S-1)/S`. Step: `t_f + t_b + e + T_push + n·d/S + t_opt/S + T_pull
-  - credit`. With pull compression the pull carries each shard's compressed
-  change instead of G (dense every D-th version: `((D-1)·P_pull + G)/D`, see
+  `min(t_b, e + T_push)·(S-1)/S`, less `overlap_contention_s` (the push's CPU work taken
+  from backward where no core is free); with the overlap trial (`ps.overlap_trial_steps`)
+  a worker keeps the faster side, so the credit is never below 0. Step: `t_f + t_b + e +
+  T_push + n·d/S + t_opt/S + T_pull - credit`. With pull compression the pull carries
+  each shard's compressed change instead of G (dense every D-th version: `((D-1)·P_pull + G)/D`, see
   `advise.payloads`), the shards encode and add the change (`(e_p + d_p)/S`), and the
   worker decodes it (`d_p`).
 - **Parameter server, async** (SSP's best case): nobody waits for the slowest. One update
@@ -51,7 +53,13 @@ gradient, `t_opt` one optimizer step over every parameter. The formulas (the REA
   them at once (`peak_bytes`), the longest step `t_f + t_b + t_opt + T_exchange(G/F)`
   (`longest_step_s`): where a whole model's exchange stalls a step, fragments spread it
   over H/F times as many. Pseudo-gradients in fp16 or int8 (`training.outer_compression`)
-  are all-gathered and each decoded: `T = (n-1)·P/F/β + (n-1)·α + (e + n·d)/F`.
+  are all-gathered and each decoded: `T = (n-1)·P/F/β + (n-1)·α + (e + n·d)/F`. The
+  parameter server's F fragments are groups of S/F whole shards: a fragment's push and
+  pull are the sync round trip above with 1/F of the bytes and work on S/F shards (so a
+  shard's link, when it bounds, carries as much as with F = 1). With a delay tau
+  (`training.outer_delay`) an exchange overlaps the tau inner steps after its sync step
+  and blocks only `max(0, T - tau·(t_f + t_b + t_opt))`; the exchanges share the link
+  one after another, so a step takes at least `F·T/H` (`streaming_step_s`).
 - **Sync waits for the slowest of n**: with step times of coefficient of variation cv,
   the expected slowest of n is about `t·(1 + cv·sqrt(2 ln n))` (normal tail); cv = 0
   (the default) assumes equal machines. The simulation (`advise.simulation`) answers
@@ -90,8 +98,11 @@ _TOPK = ("topk", "topk-compact")
 @dataclass(frozen=True)
 class Candidate:
     """One way to run: strategy, push compression, shards (ps), local steps H (sync),
-    pull compression (ps, H = 1), and Streaming DiLoCo's fragments F and pseudo-gradient
-    compression (DDP, H > 1: `training.outer_fragments`, `training.outer_compression`)."""
+    pull compression (ps, H = 1), and Streaming DiLoCo's fragments F (DDP and the
+    parameter server in sync mode, H > 1: `training.outer_fragments`; on the parameter
+    server groups of whole shards, F <= S), pseudo-gradient compression (DDP:
+    `training.outer_compression`) and delay tau (`training.outer_delay`, tau < H, without
+    the run's compression)."""
 
     strategy: str
     compression: str = "none"
@@ -100,6 +111,7 @@ class Candidate:
     pull: str = "none"
     fragments: int = 1
     outer: str = "none"
+    delay: int = 0
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -119,12 +131,25 @@ class Candidate:
         if self.outer not in OUTER_COMPRESSIONS:
             raise ValueError(f"outer compression {self.outer!r} is not one of "
                              f"{', '.join(OUTER_COMPRESSIONS)}")
-        if (self.fragments != 1 or self.outer != "none") and (self.strategy != "ddp" or self.sync_every < 2):
-            raise ValueError("fragments and outer compression are Streaming DiLoCo's: DDP with local updates")
+        streaming = self.fragments != 1 or self.outer != "none" or self.delay != 0
+        if streaming and (self.strategy == "ps-async" or self.sync_every < 2):
+            raise ValueError("fragments, outer compression and delay are Streaming DiLoCo's: local updates "
+                             "(sync_every > 1) with DDP or the parameter server in sync mode")
+        if self.outer != "none" and self.strategy != "ddp":
+            raise ValueError("outer compression is DDP's (the parameter server compresses pushes by "
+                             "its compression)")
         if not 1 <= self.fragments <= max(1, self.sync_every):
             raise ValueError(f"{self.fragments} fragments need 1 to H = {self.sync_every} of them")
+        if self.strategy == "ps-sync" and self.fragments > self.num_servers:
+            raise ValueError(f"{self.fragments} fragments are groups of whole shards: they need at least "
+                             f"as many shards (num_servers is {self.num_servers})")
+        if not 0 <= self.delay < max(1, self.sync_every):
+            raise ValueError(f"delay {self.delay} must be in [0, H = {self.sync_every})")
         if self.outer != "none" and self.compression != "none":
             raise ValueError("outer compression replaces the run's compression: one of them")
+        if self.delay and self.compression != "none":
+            raise ValueError("a delayed exchange carries a plain or outer-compressed pseudo-gradient, "
+                             "not the run's compression: one of them")
 
     def label(self) -> str:
         parts = [self.strategy if self.strategy == "ddp" else f"{self.strategy} S={self.num_servers}"]
@@ -138,15 +163,17 @@ class Candidate:
             parts.append(f"F={self.fragments}")
         if self.outer != "none":
             parts.append(f"+outer-{self.outer}")
+        if self.delay:
+            parts.append(f"tau={self.delay}")
         return " ".join(parts)
 
-    def cost_key(self) -> tuple[int, int, int, int, int]:
+    def cost_key(self) -> tuple[int, int, int, int, int, int]:
         """Lower is cheaper: fewer extra machines (shards), a more exact gradient and
         parameters, fewer local steps between exchanges, synchronous before asynchronous,
-        fewer fragments."""
+        fresher outer results (a smaller delay), fewer fragments."""
         lossiness = _LOSSINESS[self.compression] + _LOSSINESS[self.pull] + _LOSSINESS[self.outer]
         return (self.num_servers, lossiness, self.sync_every, int(self.strategy == "ps-async"),
-                self.fragments)
+                self.delay, self.fragments)
 
 
 @dataclass(frozen=True)
@@ -189,7 +216,7 @@ class Prediction:
         return {"configuration": self.label(), "collective": self.collective, "strategy": c.strategy,
                 "compression": c.compression,
                 "pull_compression": c.pull, "num_servers": c.num_servers, "sync_every": c.sync_every,
-                "outer_fragments": c.fragments, "outer_compression": c.outer,
+                "outer_fragments": c.fragments, "outer_compression": c.outer, "outer_delay": c.delay,
                 "num_workers": self.num_workers,
                 "step_time_s": self.step_time_s, "samples_per_s": self.samples_per_s,
                 "efficiency": self.efficiency, "bytes_per_step": self.bytes_per_step,
@@ -206,6 +233,12 @@ class CostModel:
         compute_cv: coefficient of variation of the step's compute across workers.
         pull_ratio, pull_dense_every: pull compression's topk share and dense period
             (`compression.pull_ratio`, `compression.pull_dense_every`).
+        overlap_trial: with overlap, each worker times its first steps overlapped and
+            plain and keeps the faster (`ps.overlap_trial_steps` > 0): the step is the
+            lower of the two; False: always overlapped, even where that is slower.
+        overlap_contention_s: seconds an overlapped push's CPU work (serialising each
+            shard's slice, gRPC's threads, the parameters brought back) adds to backward
+            where no core is free to run it; 0: a core is free (the overlap costs nothing).
     """
 
     workload: Workload
@@ -215,6 +248,8 @@ class CostModel:
     compute_cv: float = 0.0
     pull_ratio: float = 0.01
     pull_dense_every: int = 100
+    overlap_trial: bool = True
+    overlap_contention_s: float = 0.0
 
     # -- the pieces ------------------------------------------------------------------------
 
@@ -385,18 +420,21 @@ class CostModel:
             comm, wire = self.outer_exchange_s(c.outer, n, 1 / f)
         else:
             comm, wire, _ = self.ddp_exchange_s(c.compression, n, 1 / f, pieces=1)
-        step = compute + w.optimizer_s + f * comm / c.sync_every
-        details = {"exchange_s": comm, "peak_bytes": wire, "longest_step_s": compute + w.optimizer_s + comm}
+        step, longest = streaming_step_s(compute + w.optimizer_s, comm, c)
+        details = {"exchange_s": comm, "peak_bytes": wire, "longest_step_s": longest}
         return step, n * w.batch_size / step, f * wire / c.sync_every, details
 
     # -- parameter server ----------------------------------------------------------------------
 
     def round_trip(self, c: Candidate, n: int) -> RoundTrip:
         """The parameter server's communication at `n` workers (see `RoundTrip`)."""
-        link, w, s = self.link, self.workload, c.num_servers
+        link, w = self.link, self.workload
         behind = n if c.strategy == "ps-async" else 1  # versions a worker's pull catches up
-        push_bytes, pull_bytes = self.payload_bytes(c.compression), self.pull_bytes(c.pull, s, behind)
-        encode_s, decode_s = self.codec_s(c.compression)
+        # Streaming DiLoCo: one fragment's share of the bytes and work, on its S/F shards
+        share, s = 1 / c.fragments, c.num_servers / c.fragments
+        push_bytes = share * self.payload_bytes(c.compression)
+        pull_bytes = share * self.pull_bytes(c.pull, c.num_servers, behind)
+        encode_s, decode_s = (share * t for t in self.codec_s(c.compression))
         pull_encode_s, pull_decode_s = self.pull_codec_s(c.pull, s, behind)
         if c.strategy == "ps-async":
             # each update: the shards encode its change and add it to the broadcast copy
@@ -413,15 +451,19 @@ class CostModel:
                 + pull_decode_s)
         overlap = 0.0
         if self.overlap and c.sync_every == 1:
-            overlap = min(w.backward_s, encode_s + push) * (s - 1) / s
-        apply = (w.optimizer_s + pull_encode_s + pull_decode_s) / s
+            overlap = min(w.backward_s, encode_s + push) * (s - 1) / s - self.overlap_contention_s
+            if self.overlap_trial:  # the worker keeps the faster side; a tie, the plain push
+                overlap = max(0.0, overlap)
+        apply = (share * w.optimizer_s + pull_encode_s + pull_decode_s) / s
         return RoundTrip(encode_s, overlap, push, decode_s / s, apply, pull)
 
     def _ps(self, c: Candidate, n: int) -> tuple[float, float, float, dict[str, float]]:
         w = self.workload
         trip = self.round_trip(c, n)
         behind = n if c.strategy == "ps-async" else 1
-        wire = self.payload_bytes(c.compression) + self.pull_bytes(c.pull, c.num_servers, behind)
+        # Streaming DiLoCo: one fragment's push and pull
+        wire = (self.payload_bytes(c.compression) + self.pull_bytes(c.pull, c.num_servers, behind)) \
+            / c.fragments
         if c.strategy == "ps-async":
             cycle = w.compute_s + trip.encode_s + trip.push_s + trip.service_s + trip.pull_s
             updates_per_s = min(n / cycle, 1 / trip.service_s)
@@ -430,10 +472,14 @@ class CostModel:
         exchange = (trip.encode_s - trip.overlap_s + trip.push_s + n * trip.service_s + trip.apply_s
                     + trip.pull_s)
         compute = self.slowest_compute_s(n)
-        local = w.optimizer_s if c.sync_every > 1 else 0.0
-        step = compute + local + exchange / c.sync_every
         details = {"exchange_s": exchange, "push_s": trip.push_s, "pull_s": trip.pull_s}
-        return step, n * w.batch_size / step, wire / c.sync_every, details
+        if c.sync_every == 1:
+            step = compute + exchange
+            return step, n * w.batch_size / step, wire, details
+        # local updates: the workers step their own optimizers; an exchange every H/F steps
+        step, details["longest_step_s"] = streaming_step_s(compute + w.optimizer_s, exchange, c)
+        details["peak_bytes"] = wire
+        return step, n * w.batch_size / step, c.fragments * wire / c.sync_every, details
 
     # -- predictions ---------------------------------------------------------------------------
 
@@ -447,6 +493,17 @@ class CostModel:
         comm = max(0.0, step - (self.workload.compute_s if c.strategy == "ps-async" else single))
         collective = self.ddp_collective(c.compression, n) if c.strategy == "ddp" and n > 1 else ""
         return Prediction(c, n, step, samples, efficiency, wire, comm, details, collective)
+
+
+def streaming_step_s(inner_step_s: float, exchange_s: float, c: Candidate) -> tuple[float, float]:
+    """(mean step, longest step) of local updates every H steps in F fragments, each
+    fragment's exchange taking `exchange_s` after its sync step, with `inner_step_s` of
+    compute and optimizer a step: the exchange overlaps the `delay` inner steps after it
+    and blocks its step only for what they do not hide, and the link carries the exchanges
+    one after another, at least F·exchange/H a step whatever the delay."""
+    blocked = max(0.0, exchange_s - c.delay * inner_step_s)
+    mean = max(inner_step_s + c.fragments * blocked / c.sync_every, c.fragments * exchange_s / c.sync_every)
+    return mean, inner_step_s + blocked
 
 
 def link_s(link: Link, num_bytes: float, num_latencies: int) -> float:

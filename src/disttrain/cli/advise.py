@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     if args.step_time is not None:
         workload = workload.with_step_time(args.step_time)
     model = CostModel(workload, link, config.ddp.bucket_cap_mb * 2**20, config.ps.overlap,
-                      args.step_time_cv, config.compression.pull_ratio, config.compression.pull_dense_every)
+                      args.step_time_cv, config.compression.pull_ratio, config.compression.pull_dense_every,
+                      config.ps.overlap_trial_steps > 0)
     counts = args.workers or None
     advice = advise(model, *([counts] if counts else []), max_servers=args.max_servers,
                     sync_every=args.local_steps)
