@@ -23,7 +23,7 @@ from disttrain.advise import (
 )
 from disttrain.advise.comparison import candidate_of
 from disttrain.advise.payloads import compact_gap_bytes, compact_topk_nbytes
-from disttrain.compression import Compressor, two_phase
+from disttrain.compression import Compressor, collectives, two_phase
 from disttrain.compression.ddp_hooks import resolved_collective
 from disttrain.config import load_config
 from disttrain.training.fragments import split_fragments
@@ -71,6 +71,19 @@ def test_two_phase_bytes_are_the_chunks_the_real_arithmetic_cuts(num_ranks, nume
     model = CostModel(workload(numel), Link(1e9, 0.0))
     assert model.ddp_collective("quantization", num_ranks) == "two_phase"
     assert model.ddp_exchange_s("quantization", num_ranks, pieces=1)[1] == 2 * received
+
+
+def test_two_phase_bytes_per_rank_stay_flat_as_ranks_are_added():
+    model = CostModel(workload(), Link(1e9, 0.0))
+    g = 40 * MB
+    wires = {n: model.ddp_exchange_s("quantization", n)[1] for n in (3, 8, 64, 1024)}
+    for n, wire in wires.items():
+        # sent and received: 2 · 2(n-1)/n of the int8 gradient, a scale per chunk beside it
+        assert 2 * 2 * (n - 1) / n * g / 4 <= wire <= 2 * 2 * (n - 1) / n * g / 4 * 1.001, n
+    assert wires[1024] < 1.5 * wires[3]
+    # the all-gather it replaces grows with n: (n-1) payloads received
+    gathered = collectives.received_bytes(collectives.GATHER, 1024, model.payload_bytes("quantization"), g)
+    assert gathered > 100 * wires[1024]
 
 
 def test_the_model_and_the_hook_take_the_same_collective_at_every_size():
