@@ -23,8 +23,10 @@ from disttrain.advise import (
 )
 from disttrain.advise.comparison import candidate_of
 from disttrain.advise.payloads import compact_gap_bytes, compact_topk_nbytes
+from disttrain.advise.workload import measure_compressor
 from disttrain.compression import Compressor, collectives, two_phase
 from disttrain.compression.ddp_hooks import resolved_collective
+from disttrain.compression.dgc import DgcRules
 from disttrain.config import load_config
 from disttrain.training.fragments import split_fragments
 
@@ -130,6 +132,38 @@ def test_compact_top_k_in_ddp_gathers_its_lengths_first_and_the_parameter_server
     plain = model.predict(Candidate("ps-sync", "topk", 1), 4)
     assert plain.bytes_per_step - compact.bytes_per_step == pytest.approx(40 * MB / 50 - payload)
     assert compact.label() == "ps-sync S=1 +topk-compact"
+
+
+def test_dgc_warm_up_payloads_vary_in_length_so_ddp_gathers_their_lengths_first():
+    link = Link(1e8, 1e-3)
+    plain = CostModel(workload(), link, bucket_cap_bytes=10 * MB)
+    warm = CostModel(workload(), link, bucket_cap_bytes=10 * MB, dgc=DgcRules(warmup_steps=50))
+    momentum_only = CostModel(workload(), link, bucket_cap_bytes=10 * MB, dgc=DgcRules(momentum=0.9))
+    n, buckets = 8, 4
+    assert warm.variable_payload("topk") and not momentum_only.variable_payload("topk")
+    assert plain.ddp_collective("topk", n) == warm.ddp_collective("topk", n) == "gather"
+    comm = {name: model.ddp_exchange_s("topk", n)[0]
+            for name, model in (("plain", plain), ("warm", warm), ("momentum", momentum_only))}
+    assert comm["warm"] - comm["plain"] == pytest.approx(7 * buckets * 1e-3)  # one more collective a bucket
+    assert comm["momentum"] == comm["plain"]
+    # a bucket whose payloads outgrow the ring goes dense: its lengths are gathered first all the same
+    dense_n = 128
+    assert warm.ddp_collective("topk", dense_n) == "dense"
+    assert warm.ddp_exchange_s("topk", dense_n)[0] - plain.ddp_exchange_s("topk", dense_n)[0] == \
+        pytest.approx(127 * buckets * 1e-3)
+
+
+def test_the_measured_top_k_applies_the_runs_dgc_rules():
+    numel = 100_000
+    gradient = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    segments = [("w", 80_000), ("b", 20_000)]
+    plain = measure_compressor("topk", 0.01, gradient, segments, repeats=1)
+    # under a warm-up the first payload keeps 25%: the rules reach the compressor timed
+    warm = measure_compressor("topk", 0.01, gradient, segments, repeats=1,
+                              rules=DgcRules(warmup_steps=10, warmup_ratio=0.25))
+    assert warm.payload_bytes > 10 * plain.payload_bytes
+    corrected = measure_compressor("topk", 0.01, gradient, segments, repeats=1, rules=DgcRules(momentum=0.9))
+    assert corrected.payload_bytes == plain.payload_bytes and corrected.encode_s > 0
 
 
 def test_a_measured_compact_payload_is_taken_as_measured():

@@ -25,6 +25,7 @@ from disttrain.advise.costmodel import OUTER_COMPRESSIONS, Candidate, CostModel
 from disttrain.advise.link import Link
 from disttrain.advise.probe import measure_loopback
 from disttrain.advise.workload import CompressionCost, Workload, measure_compressor, measure_powersgd
+from disttrain.compression.dgc import DgcRules
 from disttrain.config import Config, config_from_dict
 from disttrain.core.errors import ConfigError, DisttrainError, InputFileError
 from disttrain.report.advice import AdviceSection, Advisor, ScalingCurve
@@ -63,7 +64,7 @@ def advise_comparison(folder: Path, rows: Sequence[Row], link: Link,
     model = CostModel(workload, link, config.ddp.bucket_cap_mb * 2**20, config.ps.overlap,
                       pull_ratio=config.compression.pull_ratio,
                       pull_dense_every=config.compression.pull_dense_every,
-                      overlap_trial=config.ps.overlap_trial_steps > 0)
+                      overlap_trial=config.ps.overlap_trial_steps > 0, dgc=dgc_rules(config))
     measured_counts = {r["workers"] for r in rows if r["status"] == OK}
     top = max(max_workers, *measured_counts)
     counts = tuple(sorted({2**i for i in range(top.bit_length()) if 2**i <= top} | measured_counts))
@@ -125,6 +126,11 @@ def candidate_of(row: Row, config: Config) -> Candidate:
                      training.outer_fragments if local else 1,
                      training.outer_compression if local and strategy == "ddp" else "none",
                      training.outer_delay if local else 0)
+
+
+def dgc_rules(config: Config) -> DgcRules | None:
+    """DGC's rules of a run's top-k (None: none, or not top-k)."""
+    return DgcRules.of(config.compression) if config.compression.type == "topk" else None
 
 
 def compression_of(config: Config) -> str:

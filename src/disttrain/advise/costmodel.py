@@ -80,6 +80,7 @@ from disttrain.advise.link import Link
 from disttrain.advise.payloads import compact_topk_nbytes, pull_change_bytes
 from disttrain.advise.workload import CompressionCost, Workload
 from disttrain.compression import collectives
+from disttrain.compression.dgc import DgcRules
 
 STRATEGIES = ("ddp", "ps-sync", "ps-async")
 # topk-compact: top-k with `compression.compact` (fp16 values, varint index gaps)
@@ -239,6 +240,9 @@ class CostModel:
         overlap_contention_s: seconds an overlapped push's CPU work (serialising each
             shard's slice, gRPC's threads, the parameters brought back) adds to backward
             where no core is free to run it; 0: a core is free (the overlap costs nothing).
+        dgc: DGC's rules of the run's top-k (`DgcRules.of(compression)`): with a sparsity
+            warm-up its payloads are self-describing blocks of varying length, whose
+            lengths DDP all-gathers before them, as compact top-k's.
     """
 
     workload: Workload
@@ -250,6 +254,7 @@ class CostModel:
     pull_dense_every: int = 100
     overlap_trial: bool = True
     overlap_contention_s: float = 0.0
+    dgc: DgcRules | None = None
 
     # -- the pieces ------------------------------------------------------------------------
 
@@ -358,10 +363,11 @@ class CostModel:
             else:
                 wire = collectives.received_bytes(collective, n, payload, g)
             # collectives per bucket: two-phase's four (each phase's codes, then their
-            # scales), a self-describing (compact) payload's lengths before its gather
+            # scales), a self-describing payload's lengths first (the hook gathers them
+            # before it chooses between its gather and the dense all-reduce)
             calls, decodes = {collectives.GATHER: (1, n), collectives.TWO_PHASE: (4, 2),
                               collectives.DENSE: (2, 1)}[collective]
-            if compression == "topk-compact" and collective == collectives.GATHER:
+            if self.variable_payload(compression):
                 calls += 1
             comm = (link.transfer_s(wire) + calls * (n - 1) * buckets * link.latency_s + encode_s
                     + decodes * decode_s)
@@ -386,6 +392,12 @@ class CostModel:
         encode_s, decode_s = (share * t for t in self.codec_s(scheme))
         wire = collectives.received_bytes(collectives.GATHER, n, payload, 0.0)
         return link_s(self.link, wire, n - 1) + encode_s + n * decode_s, 2 * wire
+
+    def variable_payload(self, compression: str) -> bool:
+        """Whether `compression`'s payloads vary in length from rank to rank: compact
+        top-k's, and top-k's under DGC's sparsity warm-up (`Compressor.variable`)."""
+        warmup = self.dgc is not None and self.dgc.warmup_steps > 0
+        return compression == "topk-compact" or (compression == "topk" and warmup)
 
     def ddp_collective(self, compression: str, n: int) -> str:
         """The collective DDP's `compression.ddp_collective: auto` combines `compression`'s

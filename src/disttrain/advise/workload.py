@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from disttrain.compression import SCHEMES, Compressor
+from disttrain.compression.dgc import DgcRules
 from disttrain.config import Config
 from disttrain.core.errors import ConfigError
 from disttrain.data import LANGUAGE_MODEL, DatasetDescription, describe_dataset
@@ -138,8 +139,14 @@ def measure_workload(config: Config, repeats: int = NUM_REPEATS,
     flat = torch.cat([p.grad.reshape(-1) for _, p in named]).float()
     segments = [(name, p.numel()) for name, p in named]
     ratio = config.compression.ratio if compression_ratio is None else compression_ratio
-    costs = {scheme: measure_compressor(scheme, ratio, flat, segments, repeats) for scheme in SCHEMES}
-    costs["topk-compact"] = measure_compressor("topk", ratio, flat, segments, repeats, compact=True)
+    # top-k with the run's DGC rules (momentum correction, clipping: their work is in the
+    # encode), as they run once the sparsity warm-up is over
+    rules = DgcRules.of(config.compression) if config.compression.type == "topk" else None
+    rules = replace(rules, warmup_steps=0) if rules is not None else None
+    costs = {scheme: measure_compressor(scheme, ratio, flat, segments, repeats,
+                                        rules=rules if scheme == "topk" else None) for scheme in SCHEMES}
+    costs["topk-compact"] = measure_compressor("topk", ratio, flat, segments, repeats, compact=True,
+                                               rules=rules)
     gradients = [p.grad for _, p in named]
     costs["powersgd"] = measure_powersgd(gradients, config.compression.powersgd_rank, repeats)
     pull_ratio = config.compression.pull_ratio
@@ -175,10 +182,11 @@ def _time_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
 
 
 def measure_compressor(scheme: str, ratio: float, flat: torch.Tensor, segments: list[tuple[str, int]],
-                       repeats: int = NUM_REPEATS, compact: bool = False) -> CompressionCost:
+                       repeats: int = NUM_REPEATS, compact: bool = False,
+                       rules: DgcRules | None = None) -> CompressionCost:
     """Payload bytes and median encode and decode seconds of `scheme` on gradient `flat`
-    (`compact`: top-k's compact block, named topk-compact)."""
-    compressor = Compressor(scheme, ratio, error_feedback=True, compact=compact)
+    (`compact`: top-k's compact block, named topk-compact; `rules`: top-k's DGC rules)."""
+    compressor = Compressor(scheme, ratio, error_feedback=True, rules=rules, compact=compact)
     encoded = compressor.encode(flat, segments)
     out = torch.empty_like(flat)
     encode_s = statistics.median(_median_time(lambda: compressor.encode(flat, segments), repeats))
