@@ -7,23 +7,23 @@ a compressed push payload, `e`/`d` a compressor's encode/decode time on the whol
 gradient, `t_opt` one optimizer step over every parameter. The formulas (the README's
 "Choosing a strategy with `disttrain advise`" writes them out too):
 
-- **DDP, ring all-reduce** over n ranks in K = ceil(G / bucket_cap) buckets:
-  `T_ar = 2(n-1)/n · G/β + 2(n-1)·K·α`; fp16/bf16 halve G and cost e+d. Quantization and
-  top-k take the collective of fewest bytes (`compression.collectives`, the rule the
-  hook's `ddp_collective: auto` runs): all-gather their payloads, `T = (n-1)·P/β +
-  (n-1)·K·α + e + n·d` (compact top-k, whose length varies, all-gathers the lengths
-  first: one more `(n-1)·K·α`; its P is `advise.payloads.compact_topk_nbytes`, about 3.3
-  bytes per kept element at 1%); int8's two phases (an all-to-all of n chunks of each
-  bucket's int8 values with a float32 scale each, each chunk averaged by its owner, an
-  all-gather of the means), `T = 2(n-1)·(ceil(N/(nK)) + 4)·K/β + 4(n-1)·K·α + e + 2d`
-  for N parameters (about `2(n-1)/n · G/4`, flat in n; four collectives per bucket: each
-  phase's codes, then their scales); or, once (n-1)·P outgrows the ring, each rank's
-  payload decoded and all-reduced dense, `T = T_ar + e + d`. PowerSGD all-reduces the
-  uncompressed gradients, then P, then Q (its payload P is their sum, `advise.payloads`):
-  `T = 2(n-1)/n · P/β + 3·2(n-1)·K·α + e + d`. Buckets overlap with backward: the k-th
-  of K is ready at `t_b·k/K`, so the backward-and-communication tail is `max(t_b + T/K,
-  t_b/K + T)`; the two-phase hook runs its collectives inside backward, so its tail is
-  `t_b + T`. Step: `t_f + tail + t_opt`.
+- **DDP, ring all-reduce** over n ranks in K = ceil(G / bucket_cap) buckets: `T_ar =
+  2(n-1)/n · G/β + 2(n-1)·K·α`; fp16/bf16 halve G and cost e+d. Quantization and top-k
+  take the collective of fewest bytes (`compression.collectives`, the rule the hook's
+  `ddp_collective: auto` runs): all-gather their payloads, `T = (n-1)·P/β + (n-1)·K·α + e
+  + n·d` (compact top-k, and top-k under DGC's sparsity warm-up, whose lengths vary,
+  all-gather the lengths first: one more `(n-1)·K·α`; compact top-k's P is
+  `advise.payloads.compact_topk_nbytes`, about 3.3 bytes per kept element at 1%); int8's
+  two phases (an all-to-all of n chunks of each bucket's int8 values with a float32 scale
+  each, each chunk averaged by its owner, an all-gather of the means), `T =
+  2(n-1)·(ceil(N/(nK)) + 4)·K/β + 4(n-1)·K·α + e + 2d` for N parameters (about `2(n-1)/n ·
+  G/4`, flat in n; four collectives per bucket: each phase's codes, then their scales);
+  or, once (n-1)·P outgrows the ring, each rank's payload decoded and all-reduced dense,
+  `T = T_ar + e + d`. PowerSGD all-reduces the uncompressed gradients, then P, then Q (its
+  payload P is their sum, `advise.payloads`): `T = 2(n-1)/n · P/β + 3·2(n-1)·K·α + e + d`.
+  Buckets overlap with backward: the k-th of K is ready at `t_b·k/K`, so the
+  backward-and-communication tail is `max(t_b + T/K, t_b/K + T)`; the two-phase hook runs
+  its collectives inside backward, so its tail is `t_b + T`. Step: `t_f + tail + t_opt`.
 - **Parameter server, S shards, sync**: each worker pushes P (to S shards, 1/S each) and
   pulls G; a shard's link carries n/S of everyone's traffic, so
   `T_push = max(P/β, n·P/(S·β)) + α`, `T_pull = max(G/β, n·G/(S·β)) + α`; each shard
