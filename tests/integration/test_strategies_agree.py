@@ -298,11 +298,21 @@ FEATURES = ("--optimizer", "adamw", "--weight-decay", 0.05, "--lr-schedule", "li
             "--lr-decay-steps", 20, "--lr-min", 1e-4, "--clip-grad-norm", 0.5)
 
 
+@pytest.fixture(scope="module")
+def features_runs(tmp_path_factory):
+    """One process of each strategy trained with the training features: the seeding rule's
+    test below checks them, and the bf16 test takes the baseline's as its float32 model."""
+    return train_one_process_each(tmp_path_factory.mktemp("features"), FEATURES)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("optimizer", [("--optimizer", "sgd"), FEATURES],
-                         ids=["sgd", "adamw-schedule-clipping"])
-def test_one_process_of_every_strategy_trains_the_same_model(tmp_path, optimizer):
-    models, steps = train_one_process_each(tmp_path, optimizer)
+# Plain SGD runs the same path as the features' run (make test-extended runs it); the
+# exactness of SGD across processes: test_ps_cluster, test_ddp_equivalence.
+@pytest.mark.parametrize("optimizer", [pytest.param(("--optimizer", "sgd"), marks=pytest.mark.extended),
+                                       FEATURES], ids=["sgd", "adamw-schedule-clipping"])
+def test_one_process_of_every_strategy_trains_the_same_model(request, tmp_path, optimizer):
+    models, steps = (request.getfixturevalue("features_runs") if optimizer == FEATURES
+                     else train_one_process_each(tmp_path, optimizer))
     assert set(steps.values()) == {2 * SEEDING_TRAIN_SAMPLES // BATCH_SIZE}, steps
 
     reference = models["baseline"]
@@ -319,8 +329,8 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.timeout(300)
-def test_bf16_autocast_runs_in_every_strategy_on_the_cpu(tmp_path):
+@pytest.mark.timeout(420)  # the features' runs too, where no test before it made them
+def test_bf16_autocast_runs_in_every_strategy_on_the_cpu(tmp_path, features_runs):
     """DDP (restart and live recovery alike) steps the optimizer as the baseline does and
     ends with its very bf16 model. The
     server's fused kernel rounds differently in the last bits (1e-5 apart in float32),
@@ -328,7 +338,7 @@ def test_bf16_autocast_runs_in_every_strategy_on_the_cpu(tmp_path):
     is near the bf16 baseline, not equal: nearer to it than to the float32 one (a PS
     worker computing in float32 would end within 1e-5 of that)."""
     models, _ = train_one_process_each(tmp_path, (*FEATURES, "--precision", "bf16"), (*SINGLE_PROCESS, *LIVE))
-    full, _ = train_one_process_each(tmp_path / "fp32", FEATURES, ("baseline",))
+    full, _ = features_runs  # the same flags in float32
     assert max_difference(models["ddp"], models["baseline"]) <= 1e-5
     assert max_difference(models["ddp-live"], models["baseline"]) <= 1e-5  # live recovery's own trainer
     assert max_difference(models["ddp-live"], full["baseline"]) > 1e-3
