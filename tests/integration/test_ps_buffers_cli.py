@@ -103,6 +103,9 @@ def test_async_and_ssp_add_each_applied_push_change(tmp_path, cli, mode):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+# A server's restore: test_ps_fault_tolerance; a restarted shard's buffers:
+# tests/distributed/test_ps_buffers; the buffer rule end to end: the sync test above
+@pytest.mark.extended
 def test_a_killed_server_comes_back_with_its_buffers(tmp_path, cli):
     args = ["--dataset", "digits", "--model", "mlp_bn", "--set", "training.mlp_hidden_size=32",
             "--set", "training.mlp_num_layers=2", "--workers", "2", "--batch-size", "32",
