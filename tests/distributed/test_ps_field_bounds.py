@@ -17,7 +17,7 @@ from disttrain.config import config_from_dict
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.proto import tensor_pb2
 from disttrain.strategies.ps.run.server import build_state
-from disttrain.strategies.ps.server.ownership import BlockLayout
+from disttrain.strategies.ps.server.ledger import BlockLayout
 from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.wire import codec, shared_memory
 from disttrain.strategies.ps.wire import service as wire

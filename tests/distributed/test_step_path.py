@@ -35,8 +35,12 @@ PACKAGE = Path(ps_package.__file__).parent
 # pass's hooks (the default), so its trigger is on the path; and by one for
 # worker/agreement.py: the step ends once every shard's answer is of one step; and by
 # one for server/ownership.py: a push's block and epoch are checked against the
-# caller's own before the shard takes it.
-MAX_MODULES = {"grpc": 22, "shared_memory": 23}
+# caller's own before the shard takes it. Lowered by two when the server's bookkeeping
+# of who pushes was regrouped by concept: server/members.py (worker keys and sessions,
+# the run's membership, each worker's steps in order: formerly identity.py, roster.py's
+# Roster and decisions.py's StepOrder) and server/ledger.py (the data blocks: their
+# numbering and owners, formerly ownership.py, and the ledger of those applied).
+MAX_MODULES = {"grpc": 20, "shared_memory": 21}
 
 
 def step_path(tmp_path: Path, transport: str) -> dict[str, set[str]]:

@@ -77,7 +77,7 @@ BREAKAGES = [
     ("strategies/ps/worker/exchange.py", "import disttrain.strategies.ps.server.shard", PS_PARTS),
     ("strategies/ps/wire/codec.py", "import disttrain.strategies.ps.worker.client", PS_PARTS),
     # a pure core importing gRPC, a wire message or a servicer, itself or through a helper
-    ("strategies/ps/server/roster.py", "import grpc", PURE),
+    ("strategies/ps/server/members.py", "import grpc", PURE),
     ("coordinator/membership.py", "from disttrain.proto import coordinator_pb2", PURE),
     ("strategies/ps/server/barriers.py", "import disttrain.strategies.ps.server.servicer", PURE),
     ("training/rebalance.py", "from disttrain.core import deadlines", PURE),

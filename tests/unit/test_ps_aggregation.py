@@ -3,7 +3,8 @@
 import pytest
 
 from disttrain.strategies.ps.server.aggregation import AggregationRules, Outcome, Push, PushRefused
-from disttrain.strategies.ps.server.roster import FencedPush, Ledger, UnknownGeneration
+from disttrain.strategies.ps.server.ledger import Ledger
+from disttrain.strategies.ps.server.members import FencedPush, UnknownGeneration
 
 
 class Rules(AggregationRules):

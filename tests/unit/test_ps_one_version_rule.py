@@ -7,7 +7,7 @@ import pytest
 
 from disttrain.core.errors import DistributedError
 from disttrain.strategies.ps.server.aggregation import AggregationRules, Push
-from disttrain.strategies.ps.server.ownership import BlockLayout
+from disttrain.strategies.ps.server.ledger import BlockLayout
 from disttrain.strategies.ps.worker.agreement import Agreement, StepsDisagree, lag
 
 

@@ -1,4 +1,4 @@
-"""Which blocks and epochs a worker may push (`server.ownership`), as pure rules, and the
+"""Which blocks and epochs a worker may push (`server.ledger`), as pure rules, and the
 run's layout a real shard computes from its config (`run.layout`), generated against the
 workers' own block numbering (their samplers, balance plans and local-update rounds)."""
 
@@ -12,7 +12,7 @@ from disttrain.data import PlannedSampler, ShardedSampler, load_datasets
 from disttrain.strategies.ps.run.layout import run_layout, train_length
 from disttrain.strategies.ps.server.aggregation import AggregationRules, Outcome
 from disttrain.strategies.ps.server.decisions import Push
-from disttrain.strategies.ps.server.ownership import BlockLayout, InvalidBlock, NotReassigned
+from disttrain.strategies.ps.server.ledger import BlockLayout, InvalidBlock, NotReassigned
 from disttrain.strategies.ps.worker.blocks import block_id
 
 LAYOUT = BlockLayout(world_size=3, num_epochs=2, batches_per_epoch=5)  # rank 1, epoch 1: blocks 20..24

@@ -6,7 +6,7 @@ import uuid
 import fsspec
 
 from disttrain.strategies.ps.run.worker import KEY_FILE, keep_key, worker_key
-from disttrain.strategies.ps.server.identity import MIN_KEY_BYTES
+from disttrain.strategies.ps.server.members import MIN_KEY_BYTES
 
 
 def test_a_resumed_worker_presents_its_key_again_and_a_fresh_one_another(tmp_path):

@@ -13,10 +13,11 @@ Four parts, each a folder, each depending only on the ones after it:
   part in the training loop), `blocks` (which samples a data block holds).
 - `server/`: a shard's side. `shard` (one shard's state, composing the pure rules),
   `servicer` (the thin gRPC servicer and its server), the pure rules `aggregation` (sync,
-  SSP, async; what they save and undo), `decisions` (what they read and decide), `roster`
-  (ledger and membership), `barriers`; and `validation`, `update` (the weighted sum of
-  the gradients and the optimizer step, refused when non-finite), `identity` (worker
-  keys and sessions), `limits` (what one client may cost a server), `segments` (shared
+  SSP, async; what they save and undo), `decisions` (what they read and decide), `members`
+  (worker keys and sessions, the run's membership, each worker's steps in order), `ledger`
+  (the data blocks: whose each is, which are applied), `barriers`; and `validation`,
+  `update` (the weighted sum of the gradients and the optimizer step, refused when
+  non-finite), `limits` (what one client may cost a server), `segments` (shared
   memory per worker).
 - `wire/`: what both sides share. `codec` (tensors <-> bytes), `service` (the service's
   methods and messages), `sharding` (who owns which slices), `payloads` (compressed

@@ -6,12 +6,12 @@ from disttrain.config import Config, TrainingConfig
 from disttrain.core.errors import ConfigError
 from disttrain.data import load_datasets
 from disttrain.data.datasets import synthetic_shape
-from disttrain.strategies.ps.server.ownership import BlockLayout
+from disttrain.strategies.ps.server.ledger import BlockLayout
 
 
 def run_layout(config: Config, num_samples: int | None = None) -> BlockLayout:
     """The run's block layout, which the shard checks every push's block against
-    (`server.ownership`): which worker may push which block, in every mode, for a balance
+    (`server.ledger`): which worker may push which block, in every mode, for a balance
     plan (whatever its split: the global batches are fixed) and local-update rounds.
 
     It is computed here, from the run's config, as the workers number their blocks

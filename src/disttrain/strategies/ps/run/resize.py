@@ -53,7 +53,7 @@ from disttrain.core import object_store
 from disttrain.core.errors import CheckpointError, ConfigError
 from disttrain.strategies.ps.run.layout import train_length
 from disttrain.strategies.ps.run.positions import EpochSplit, resplit_positions
-from disttrain.strategies.ps.server.ownership import batches_per_epoch
+from disttrain.strategies.ps.server.ledger import batches_per_epoch
 from disttrain.strategies.ps.worker.blocks import block_id
 from disttrain.training.resize import rederived_rng, resized_batch_size
 

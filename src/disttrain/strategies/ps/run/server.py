@@ -30,7 +30,7 @@ from disttrain.strategies.ps.run.layout import run_layout
 from disttrain.strategies.ps.run.link import join
 from disttrain.strategies.ps.server.aggregation import AggregationRules
 from disttrain.strategies.ps.server.broadcast import BroadcastCopy
-from disttrain.strategies.ps.server.ownership import BlockLayout
+from disttrain.strategies.ps.server.ledger import BlockLayout
 from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.server.shard import CheckpointPolicy, ShardCodecs, ShardState, ShardValues
 from disttrain.strategies.ps.server.validation import PushDecoder

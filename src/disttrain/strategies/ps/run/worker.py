@@ -4,7 +4,7 @@ training loop as one worker, and end the run on rank 0.
 A worker checkpoints its own position (sampler, RNG, step) under
 `<checkpoint_dir>/worker<rank>/`; restarted with `--resume` it goes on from there, and
 the servers answer the steps they already applied as duplicates, so each step is applied
-once. Its key (see `server.identity`) is kept in that folder too, so a restart presents
+once. Its key (see `server.members`) is kept in that folder too, so a restart presents
 it again and takes its worker id back. `checkpoint_dir` may be a store's URL
 (`s3://bucket/run`; see `core.object_store`): the folder is then a key prefix there.
 SIGTERM stops it, with the other workers, at a step they agree on, with its checkpoint of
@@ -37,7 +37,7 @@ from disttrain.strategies.ps.run.launcher import check_supported, worker_precisi
 from disttrain.strategies.ps.run.link import join
 from disttrain.strategies.ps.run.progress import EventProgress
 from disttrain.strategies.ps.run.spares import SpareWait
-from disttrain.strategies.ps.server.identity import MIN_KEY_BYTES
+from disttrain.strategies.ps.server.members import MIN_KEY_BYTES
 from disttrain.strategies.ps.wire.payloads import GradientEncoder
 from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
 from disttrain.strategies.ps.worker.buffers import WorkerBuffers

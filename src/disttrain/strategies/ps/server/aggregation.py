@@ -64,10 +64,9 @@ from disttrain.strategies.ps.server.decisions import (
     Outcome,
     Push,
     PushRefused,
-    StepOrder,
 )
-from disttrain.strategies.ps.server.ownership import BlockLayout
-from disttrain.strategies.ps.server.roster import Ledger, Roster
+from disttrain.strategies.ps.server.ledger import BlockLayout, Ledger
+from disttrain.strategies.ps.server.members import Roster, StepOrder
 
 __all__ = ["MODES", "SSP_CLOCKS", "AggregationRules", "Contribution", "Decision", "Outcome", "Push",
            "PushRefused"]
@@ -90,7 +89,7 @@ class AggregationRules:
             behind is refused).
         backup_workers: sync only: a step is applied after all but b of its workers pushed.
         layout: the run's block numbering, which blocks and epochs each worker may push
-            (`ownership`; default: only what holds in any run).
+            (`ledger`; default: only what holds in any run).
     """
 
     def __init__(self, mode: str, world_size: int, staleness_bound: int = 0, backup_workers: int = 0,

@@ -62,31 +62,3 @@ class Decision:
     advanced: bool = False
     samples: int = 0  # the samples `apply` stands for, as counted applied
     learning_rate: float = 0.0
-
-
-@dataclass
-class StepOrder:
-    """Each worker's highest step answered since it last registered (by rank).
-
-    A worker pushes its steps in order: after step s comes s again (a retry: a duplicate)
-    or s + 1. The first push after a registration may go on from any step: the worker
-    resumed from its checkpoint, or the shard restarted from an older one.
-    """
-
-    seen: dict[int, int] = field(default_factory=dict)
-
-    def check(self, rank: int, step: int, last_accepted: int) -> None:
-        """Raises PushRefused when `step` skips ahead of `rank`'s last step."""
-        if rank not in self.seen:
-            return
-        last = max(self.seen[rank], last_accepted)
-        if step > last + 1:
-            raise PushRefused(f"step {step} of worker rank {rank} is ahead of its last step {last}; "
-                              "a worker pushes its steps in order, one at a time")
-
-    def record(self, rank: int, step: int) -> None:
-        self.seen[rank] = max(step, self.seen.get(rank, 0))
-
-    def forget(self, rank: int) -> None:
-        """`rank` registered again: its next push may go on from any step."""
-        self.seen.pop(rank, None)

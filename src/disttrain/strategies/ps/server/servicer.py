@@ -54,7 +54,6 @@ from disttrain.core.rpc_server import refusals as rpc_refusals
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.server.barriers import TooManyBarriers
 from disttrain.strategies.ps.server.decisions import PushRefused
-from disttrain.strategies.ps.server.identity import IdentityTaken, SessionRefused, UnknownWorker
 from disttrain.strategies.ps.server.limits import (
     FIRST_MESSAGE_S,
     LONG_POLL_CAP_S,
@@ -67,7 +66,13 @@ from disttrain.strategies.ps.server.limits import (
     opening_slots,
     push_limits,
 )
-from disttrain.strategies.ps.server.roster import FencedPush, UnknownGeneration
+from disttrain.strategies.ps.server.members import (
+    FencedPush,
+    IdentityTaken,
+    SessionRefused,
+    UnknownGeneration,
+    UnknownWorker,
+)
 from disttrain.strategies.ps.server.shard import ShardState, ShardStopping, WorkerClaim, WorkersNotDone
 from disttrain.strategies.ps.wire import service
 from disttrain.strategies.ps.wire.codec import Payload

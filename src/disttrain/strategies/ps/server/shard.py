@@ -57,7 +57,7 @@ from disttrain.core.saver import CheckpointWriter
 from disttrain.strategies.ps.server.aggregation import AggregationRules, Decision, Outcome, Push
 from disttrain.strategies.ps.server.barriers import Barriers
 from disttrain.strategies.ps.server.broadcast import BroadcastCopy
-from disttrain.strategies.ps.server.identity import Identities
+from disttrain.strategies.ps.server.members import Identities
 from disttrain.strategies.ps.server.optimizer import ShardOptimizer
 from disttrain.strategies.ps.server.segments import WorkerSegments
 from disttrain.strategies.ps.server.update import GuardedUpdate, NonFiniteUpdate

@@ -1,5 +1,13 @@
-"""Which data blocks and epochs a worker may push: the ledger's fields checked against
-the caller's own assignment before the rules take a push.
+"""A shard's data blocks: the run's numbering of them, which blocks and epochs a worker
+may push (its own), and the ledger of those whose gradients were applied.
+
+The **ledger** is the set of data blocks whose gradients the shard has applied. A block
+already there is never applied again, whoever sends it and however often; blocks
+missing from it after a failure are redone. It is saved with the shard's checkpoint, so
+parameters, version and ledger never disagree.
+
+**Ownership.** The ledger's fields of a push are checked against the caller's own
+assignment before the rules take it.
 
 Block `(epoch * workers + rank) * batches_per_epoch + index` is worker `rank`'s batch
 `index` of `epoch` (`worker.blocks`). Without these checks a worker could name another
@@ -24,15 +32,17 @@ from the run's config for every `ps-server`); a layout without `batches_per_epoc
 (rules or shards built bare, in tests of other parts and simulations) checks only the
 bounds that hold whatever it is (a block of rank r of epoch e is at least e * workers + r).
 
-Pure: the rules call `check` with the caller's rank and the ranks reassigned.
+Pure: the rules call `BlockLayout.check` with the caller's rank and the ranks reassigned,
+and add what they apply to the `Ledger`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from disttrain.strategies.ps.server.decisions import Push
-from disttrain.strategies.ps.server.roster import UnknownGeneration
+from disttrain.strategies.ps.server.members import UnknownGeneration
 
 
 class InvalidBlock(ValueError):
@@ -41,6 +51,52 @@ class InvalidBlock(ValueError):
 
 class NotReassigned(UnknownGeneration):
     """A redo of another rank's block that this shard has not seen reassigned (retry)."""
+
+
+@dataclass
+class Ledger:
+    """Applied data blocks, and what was applied or turned away as already done."""
+
+    blocks: set[int] = field(default_factory=set)
+    samples_duplicate: int = 0
+    _journal: list[int] | None = field(default=None, repr=False)  # blocks added since `mark`
+
+    def __contains__(self, block: int) -> bool:
+        return block in self.blocks
+
+    def add(self, block: int) -> None:
+        if block not in self.blocks:
+            self.blocks.add(block)
+            if self._journal is not None:
+                self._journal.append(block)
+
+    def mark(self) -> int:
+        """Start journaling what is added, so `rollback` can undo it: a copy of the blocks
+        would cost a pass over every applied block on every push."""
+        self._journal = []
+        return self.samples_duplicate
+
+    def rollback(self, samples_duplicate: int) -> None:
+        """Forget the blocks added since `mark` (which returned `samples_duplicate`)."""
+        for block in self._journal or ():
+            self.blocks.discard(block)
+        self._journal = None
+        self.samples_duplicate = samples_duplicate
+
+    def copy(self) -> Ledger:
+        """The applied blocks as they are now (a copy of the set alone)."""
+        return Ledger(set(self.blocks), self.samples_duplicate)
+
+    def between(self, first: int, end: int) -> list[int]:
+        """Applied blocks with ids in [first, end) (end 0: no bound), ascending."""
+        return sorted(b for b in self.blocks if b >= first and (end <= 0 or b < end))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"blocks": sorted(self.blocks), "samples_duplicate": self.samples_duplicate}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.blocks = {int(b) for b in state["blocks"]}
+        self.samples_duplicate = int(state["samples_duplicate"])
 
 
 def batches_per_epoch(num_samples: int, batch_size: int, world_size: int, balanced: bool) -> int:
