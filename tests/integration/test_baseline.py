@@ -5,6 +5,7 @@ import signal
 
 import pytest
 import torch
+from conftest import run_cli
 from event_files import assert_tensorboard_mirrors_jsonl
 
 from disttrain.core import checkpoint as ckpt
@@ -24,15 +25,25 @@ def final_weights(tmp_path, name):
     return ckpt.load_checkpoint(tmp_path / name / "ckpt" / "baseline_final.pt")["model"]
 
 
-@pytest.mark.timeout(120)
-def test_run_writes_metrics_events_checkpoints_and_summary(tmp_path, cli):
-    result = cli("baseline", *FAST, *dirs(tmp_path, "run"), "--summary-json", tmp_path / "s.json")
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+    """One uninterrupted run of 3 epochs (69 steps of 64 samples), read by the two tests
+    below: (the folder, the command's result)."""
+    folder = tmp_path_factory.mktemp("baseline")
+    result = run_cli("baseline", *FAST, "--num-epochs", "3", *dirs(folder, "run"),
+                     "--summary-json", folder / "s.json")
+    return folder, result
+
+
+@pytest.mark.timeout(240)  # the shared run too, for the first test that reads it
+def test_run_writes_metrics_events_checkpoints_and_summary(whole_run, cli):
+    tmp_path, result = whole_run
     assert result.returncode == 0, result.stderr
     assert "Final Accuracy:" in result.stdout and "Throughput:" in result.stdout
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["strategy"] == "baseline" and summary["world_size"] == 1
     assert summary["final_accuracy"] > 0.8  # digits is easy; a broken loop stays near 0.1
-    assert summary["steps"] == 2 * 23 and summary["samples_processed"] == 2 * 1438
+    assert summary["steps"] == 3 * 23 and summary["samples_processed"] == 3 * 1438
     assert json.loads((tmp_path / "run" / "logs" / "summary.json").read_text()) == summary
     records = read_metrics(tmp_path / "run" / "logs" / "baseline" / "metrics.jsonl")
     train = [r for r in records if "loss/train" in r]
@@ -175,9 +186,9 @@ def test_a_corrupt_newest_checkpoint_is_named_skipped_and_never_overwritten(tmp_
     assert all(p.read_bytes() == b"garbage" for p in ckpt.list_checkpoints(folder))
 
 
-@pytest.mark.timeout(120)
-def test_summary_times_to_accuracy_and_tensorboard_hparams(tmp_path, cli):
-    result = cli("baseline", *FAST, "--num-epochs", "3", *dirs(tmp_path, "run"))
+@pytest.mark.timeout(240)  # the shared run too, for the first test that reads it
+def test_summary_times_to_accuracy_and_tensorboard_hparams(whole_run):
+    tmp_path, result = whole_run
     assert result.returncode == 0, result.stderr
     assert "Time to accuracy: 90% " in result.stdout
     logs = tmp_path / "run" / "logs"
