@@ -52,13 +52,15 @@ def test_a_share_of_the_data_each_makes_the_straggler_end_every_mode():
                 "--sim-steps", "20", "--num-threads", "1"]
     report = advise_json(*workload, "--sim-share")
     runs = report["simulations"]
-    assert [r["mode"] for r in runs] == ["sync", "sync", "ssp", "async"]
+    assert [r["mode"] for r in runs] == ["sync", "sync", "ssp", "async", "local"]
     # the shard's optimizer step, timed here and scaled as the compute was, adds up to one per
     # push on the straggler's path (it varies from run to run)
     slow_step = 3 * 0.1 + report["workload"]["optimizer_s"]
-    for run in runs:
+    for run in runs[:4]:
         assert run["num_pushes"] == 4 * 20
         assert 20 * 3 * 0.1 <= run["virtual_time_s"] < 20 * slow_step * 1.2
+    # local updates (every 8 steps by default): each exchange waits for the straggler too
+    assert runs[4]["sync_every"] == 8 and runs[4]["virtual_time_s"] >= 20 * 3 * 0.1
     steady = advise_json(*workload)
     # async without shares: the fast workers carry the run, the straggler no longer ends it;
     # against the straggler's 20 steps as this second measurement times them

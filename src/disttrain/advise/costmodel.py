@@ -428,10 +428,7 @@ class CostModel:
         (Streaming DiLoCo) a 1/F share every H/F steps: the same bytes per step on average,
         1/F of them at once, and the longest step shorter by as much of the exchange."""
         w, f = self.workload, c.fragments
-        if c.outer != "none":
-            comm, wire = self.outer_exchange_s(c.outer, n, 1 / f)
-        else:
-            comm, wire, _ = self.ddp_exchange_s(c.compression, n, 1 / f, pieces=1)
+        comm, wire = self.fragment_exchange(c, n)
         step, longest = streaming_step_s(compute + w.optimizer_s, comm, c)
         details = {"exchange_s": comm, "peak_bytes": wire, "longest_step_s": longest}
         return step, n * w.batch_size / step, f * wire / c.sync_every, details
@@ -469,6 +466,33 @@ class CostModel:
         apply = (share * w.optimizer_s + pull_encode_s + pull_decode_s) / s
         return RoundTrip(encode_s, overlap, push, decode_s / s, apply, pull)
 
+    @staticmethod
+    def _sync_exchange_s(trip: RoundTrip, n: int) -> float:
+        """A synchronous step's communication beyond compute: push, the n pushes' turns at
+        the shards, the update, the pull."""
+        return trip.encode_s - trip.overlap_s + trip.push_s + n * trip.service_s + trip.apply_s + trip.pull_s
+
+    def fragment_exchange(self, c: Candidate, n: int) -> tuple[float, float]:
+        """(seconds, bytes one worker sends and receives) of one exchange of local updates
+        at `n` workers: the whole model's with one fragment, one fragment's (1/F of the
+        bytes) with Streaming DiLoCo; DDP's as one flat piece (or its outer compression's
+        all-gather), the parameter server's as a sync round trip on the fragment's shards.
+        What `streaming_step_s` and the simulation's replay (`advise.local_simulation`) take.
+
+        Raises:
+            ValueError: `c` has no local updates (sync_every 1).
+        """
+        if c.sync_every < 2:
+            raise ValueError(f"{c.label()} exchanges every step: no local updates to price")
+        share = 1 / c.fragments
+        if c.strategy == "ddp":
+            if c.outer != "none":
+                return self.outer_exchange_s(c.outer, n, share)
+            comm, wire, _ = self.ddp_exchange_s(c.compression, n, share, pieces=1)
+            return comm, wire
+        wire = share * (self.payload_bytes(c.compression) + self.pull_bytes(c.pull, c.num_servers))
+        return self._sync_exchange_s(self.round_trip(c, n), n), wire
+
     def _ps(self, c: Candidate, n: int) -> tuple[float, float, float, dict[str, float]]:
         w = self.workload
         trip = self.round_trip(c, n)
@@ -481,8 +505,7 @@ class CostModel:
             updates_per_s = min(n / cycle, 1 / trip.service_s)
             details = {"cycle_s": cycle, "shard_updates_per_s": 1 / trip.service_s}
             return n / updates_per_s, updates_per_s * w.batch_size, wire, details
-        exchange = (trip.encode_s - trip.overlap_s + trip.push_s + n * trip.service_s + trip.apply_s
-                    + trip.pull_s)
+        exchange = self._sync_exchange_s(trip, n)
         compute = self.slowest_compute_s(n)
         details = {"exchange_s": exchange, "push_s": trip.push_s, "pull_s": trip.pull_s}
         if c.sync_every == 1:

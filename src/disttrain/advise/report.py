@@ -76,7 +76,8 @@ def simulation_lines(results: Sequence[SimulationResult]) -> list[str]:
              f"{'dropped':>8} {'staleness p50/p99/max':>22} {'wall':>7}"]
     for r in results:
         setup = r.setup
-        name = {"sync": f"sync b={setup.backup_workers}" if setup.backup_workers else "sync",
+        name = {"local": f"H={setup.sync_every} F={setup.fragments} tau={setup.delay}",
+                "sync": f"sync b={setup.backup_workers}" if setup.backup_workers else "sync",
                 "ssp": f"ssp tau={setup.staleness_bound}", "async": "async"}[setup.mode]
         p50, p99, top = staleness_quantiles(r.staleness_histogram)
         lines.append(f"{name:<14} {setup.num_workers:>7} {r.num_updates:>7} {_ms(r.time_per_update_s):>10} "

@@ -39,7 +39,7 @@ from disttrain.advise.costmodel import RoundTrip
 from disttrain.advise.step_times import StepTimes
 from disttrain.strategies.ps.server.aggregation import SSP_CLOCKS, AggregationRules, Decision, Outcome, Push
 
-MODES = ("sync", "ssp", "async")
+MODES = ("sync", "ssp", "async", "local")  # local: `advise.local_simulation` replays it
 _FAILED, _ARRIVED, _OFFERED, _PULLED, _DETECTED, _RESTARTED = range(6)
 
 
@@ -48,7 +48,8 @@ class SimulationSetup:
     """What is simulated.
 
     Args:
-        mode: sync, ssp or async.
+        mode: sync, ssp or async (the rules), or local (local updates, replayed by
+            `advise.local_simulation`).
         num_workers: workers in the run.
         num_updates: stop once the shard applied this many updates (versions).
         staleness_bound: ssp's tau.
@@ -59,6 +60,9 @@ class SimulationSetup:
             the run stops at `num_updates`).
         ssp_clock: what ssp's tau counts: "steps" (a worker waits once tau steps ahead of
             the slowest) or "versions" (a gradient more than tau versions old is refused).
+        sync_every: local: H inner steps between exchanges.
+        fragments: Streaming DiLoCo's F fragments, each exchanged every H steps, staggered.
+        delay: Streaming DiLoCo's tau: inner steps an exchange overlaps before it is waited for.
     """
 
     mode: str
@@ -70,6 +74,9 @@ class SimulationSetup:
     seed: int = 0
     steps_per_worker: int | None = None
     ssp_clock: str = "steps"
+    sync_every: int = 1
+    fragments: int = 1
+    delay: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -80,6 +87,16 @@ class SimulationSetup:
             raise ValueError(f"num_updates {self.num_updates} must be >= 2")
         if self.steps_per_worker is not None and self.steps_per_worker < 1:
             raise ValueError(f"steps_per_worker {self.steps_per_worker} must be >= 1")
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every {self.sync_every} must be >= 1")
+        if self.mode == "local" and self.backup_workers:
+            raise ValueError("local updates wait for every worker: backup_workers must be 0")
+        if self.mode != "local" and (self.sync_every, self.fragments, self.delay) != (1, 1, 0):
+            raise ValueError("sync_every, fragments and delay are local updates': mode local")
+        if not 1 <= self.fragments <= self.sync_every:
+            raise ValueError(f"{self.fragments} fragments need 1 to H = {self.sync_every} of them")
+        if not 0 <= self.delay < max(1, self.sync_every):
+            raise ValueError(f"delay {self.delay} must be in [0, H = {self.sync_every})")
 
 
 @dataclass
@@ -97,6 +114,13 @@ class SimulationResult:
     wall_s: float
     counts: dict[str, int] = field(default_factory=dict)
     num_events: int = 0  # events handled: the simulation's work, whatever the machine's speed
+    # local updates (`advise.local_simulation`): exchanges made, the bytes one worker sent
+    # and received in them, the largest exchange's, and the mean time a worker's step
+    # waited for an exchange
+    num_exchanges: int = 0
+    exchange_bytes: float = 0.0
+    peak_bytes: float = 0.0
+    blocked_s: float = 0.0
 
     @property
     def work_dropped_fraction(self) -> float:
@@ -113,7 +137,10 @@ class SimulationResult:
                 "num_rejected_stale": self.num_rejected_stale, "num_failures": self.num_failures,
                 "work_dropped_fraction": self.work_dropped_fraction,
                 "staleness_histogram": {str(k): v for k, v in sorted(self.staleness_histogram.items())},
-                "num_events": self.num_events, "wall_s": self.wall_s}
+                "sync_every": self.setup.sync_every, "outer_fragments": self.setup.fragments,
+                "outer_delay": self.setup.delay, "num_exchanges": self.num_exchanges,
+                "exchange_bytes": self.exchange_bytes, "peak_bytes": self.peak_bytes,
+                "blocked_s": self.blocked_s, "num_events": self.num_events, "wall_s": self.wall_s}
 
 
 @dataclass
@@ -297,5 +324,11 @@ class Simulation:
 
 
 def simulate(setup: SimulationSetup, step_times: StepTimes, trip: RoundTrip) -> SimulationResult:
-    """Run one simulation (see the module's docstring)."""
+    """Run one simulation (see the module's docstring).
+
+    Raises:
+        ValueError: the setup is local updates' (`advise.local_simulation` replays them).
+    """
+    if setup.mode == "local":
+        raise ValueError("local updates are replayed by simulate_local_updates")
     return Simulation(setup, step_times, trip).run()

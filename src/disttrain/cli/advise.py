@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from disttrain.cli.flags import (
@@ -32,7 +33,8 @@ efficiency and bytes per step of DDP and the parameter server (sync, async; 1 to
 shards; each compression; local updates every H steps) from 1 to 1,024 workers. Each row
 names the fastest configuration and the cheapest within 10% of it. --simulate N replays
 the parameter server's own aggregation rules in virtual time (sync, backup workers,
-SSP, async) with stragglers, a log-normal tail and failures.
+SSP, async) with stragglers, a log-normal tail and failures, and the fastest
+configuration with local updates (Streaming DiLoCo's fragments and delay) step by step.
 
     disttrain advise --model resnet18 --dataset cifar10 --link 1gbit,0.2ms
     disttrain advise --config example --step-time 0.12 --link 10gbit,50us --json
@@ -81,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     sim = parser.add_argument_group("simulation (the parameter server's own rules in virtual time)")
     sim.add_argument("--simulate", type=int, metavar="N",
-                     help="simulate sync, backup workers, SSP and async at N workers")
+                     help="simulate sync, backup workers, SSP and async at N workers, and the fastest "
+                          "configuration with local updates of --local-steps (H > 1)")
     sim.add_argument("--sim-steps", type=int, default=200, metavar="STEPS",
                      help="steps per worker to simulate")
     sim.add_argument("--sim-share", action="store_true",
@@ -161,7 +164,14 @@ def _link(args: argparse.Namespace, token: str | None):
 
 
 def _simulations(args: argparse.Namespace, model):
-    from disttrain.advise import Candidate, SimulationSetup, StepTimes, simulate
+    from disttrain.advise import (
+        Candidate,
+        SimulationSetup,
+        StepTimes,
+        candidates,
+        simulate,
+        simulate_local_updates,
+    )
     n = args.simulate
     if n < 1:
         raise ConfigError(f"--simulate {n}: give the number of workers to simulate, >= 1")
@@ -183,9 +193,18 @@ def _simulations(args: argparse.Namespace, model):
         runs.append(("sync", backups, sync_trip, steps))
     runs += [("ssp", 0, async_trip, steps * n), ("async", 0, async_trip, steps * n)]
     share = steps if args.sim_share else None
-    return [simulate(SimulationSetup(mode, n, updates, args.staleness, b, batch, steps_per_worker=share),
-                     times, trip)
-            for mode, b, trip, updates in runs]
+    results = [simulate(SimulationSetup(mode, n, updates, args.staleness, b, batch, steps_per_worker=share),
+                        times, trip)
+               for mode, b, trip, updates in runs]
+    local_steps = [h for h in args.local_steps if h > 1]
+    if local_steps and not args.failure_rate:  # failures are replayed at H = 1 only
+        local = max((model.predict(c, n) for c in candidates(n, args.max_servers, local_steps, ("none",))
+                     if c.sync_every > 1), key=lambda p: p.samples_per_s).candidate
+        setup = SimulationSetup("local", n, steps, batch_size=batch, steps_per_worker=share,
+                                sync_every=local.sync_every, fragments=local.fragments, delay=local.delay)
+        inner = replace(times, mean_s=workload.compute_s + workload.optimizer_s)  # a worker's own optimizer
+        results.append(simulate_local_updates(setup, inner, *model.fragment_exchange(local, n)))
+    return results
 
 
 def add_advise_link_flag(parser: argparse.ArgumentParser) -> None:
