@@ -512,6 +512,7 @@ class CostModel:
             step = compute + exchange
             return step, n * w.batch_size / step, wire, details
         # local updates: the workers step their own optimizers; an exchange every H/F steps
+        exchange, wire = self.fragment_exchange(c, n)
         step, details["longest_step_s"] = streaming_step_s(compute + w.optimizer_s, exchange, c)
         details["peak_bytes"] = wire
         return step, n * w.batch_size / step, c.fragments * wire / c.sync_every, details
