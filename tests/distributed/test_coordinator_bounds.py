@@ -195,6 +195,7 @@ def test_a_flood_of_new_ids_is_bounded_and_the_live_nodes_stay(tmp_path):
         server.stop(0)
 
 
+@pytest.mark.slow  # a table of the largest nodes filled and read: seconds; make test runs it
 def test_a_full_table_of_the_largest_nodes_answers_status_and_watches_within_the_client_limit(tmp_path):
     config = CoordinatorConfig(heartbeat_interval=1.0, heartbeat_timeout=600.0)
     server = CoordinatorServer(config, "127.0.0.1:0", tmp_path / "registry.db")

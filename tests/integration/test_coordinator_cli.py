@@ -87,6 +87,7 @@ def status_json(cli, *source: str) -> dict:
     return json.loads(result.stdout)
 
 
+@pytest.mark.slow  # a coordinator started twice: make test runs it, make test-fast does not
 def test_a_coordinator_killed_and_restarted_on_its_registry_shows_the_same_cluster(tmp_path, started, cli):
     registry = tmp_path / "cluster.db"
     first = started(registry)

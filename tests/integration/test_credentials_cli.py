@@ -83,6 +83,7 @@ def registers(port: int, token: str | None = None, tls: TlsFiles | None = None) 
         client.close()
 
 
+@pytest.mark.slow  # a command line start per case: make test runs it, make test-fast does not
 @pytest.mark.parametrize("command", REFUSING, ids=lambda c: c[0])
 def test_listening_beyond_this_machine_without_credentials_is_refused_with_how_to_make_them(command):
     result = run(*command)
@@ -101,6 +102,7 @@ def test_tls_without_client_certificates_is_not_credentials(tmp_path):
     assert result.returncode == 2 and "TLS without --tls-ca lets any client in" in result.stderr
 
 
+@pytest.mark.slow  # two command line starts per case: make test runs it, make test-fast does not
 @pytest.mark.parametrize("command", [REFUSING[1], REFUSING[2]], ids=lambda c: c[0])
 def test_insecure_or_a_loopback_bind_is_accepted(command):
     assert run(*command, "--check-config", "--insecure").returncode == 0

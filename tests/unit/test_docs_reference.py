@@ -92,6 +92,7 @@ def test_every_key_is_acted_on_by_some_run(reference):
     assert [key.name for key in reference.schema_keys() if reference.acted_on_by(key) == "none"] == []
 
 
+@pytest.mark.slow  # the reference built three times: seconds; make test runs it
 def test_the_check_mode_names_a_stale_page(reference, monkeypatch, tmp_path, capsys):
     stale = tmp_path / "config.md"
     stale.write_text("old\n")

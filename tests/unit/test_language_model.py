@@ -48,6 +48,7 @@ def test_evaluation_counts_tokens_and_reports_perplexity(tmp_path):
     assert EvalResult.from_sums(result.sums()) == result
 
 
+@pytest.mark.slow  # 40 training steps of a small GPT: seconds; make test runs it
 def test_a_small_gpt_learns_the_text(tmp_path):
     config = TrainingConfig(dataset=f"text:{write_text(tmp_path)}", seq_len=16,
                             model_architecture="gpt_small", model_args=TINY_GPT, learning_rate=0.01)
