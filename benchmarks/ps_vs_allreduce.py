@@ -47,6 +47,7 @@ from disttrain.strategies.ps import (
     plan_shards,
     run_layout,
 )
+from disttrain.strategies.ps.worker.exchange import WorkerTensors
 from disttrain.training import StepResult, init_model
 
 WARMUP_STEPS = 3
@@ -77,7 +78,7 @@ def ps_worker(args: argparse.Namespace) -> None:
     if shared is not None:  # as a worker does: the model lives in the shard's segments
         flat, grads = flat_parameters(model, *shared)
         grads.normal_()
-    exchange = SyncExchange(client, f"worker{args.rank}", flat, grads, 0)
+    exchange = SyncExchange(client, f"worker{args.rank}", WorkerTensors(flat, grads))
     exchange.start()
     timer, times = StepTimer(), []
     batches = run_layout(config).batches_per_epoch  # the shard takes only this worker's own blocks

@@ -43,7 +43,7 @@ from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
 from disttrain.strategies.ps.worker.buffers import WorkerBuffers
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
 from disttrain.strategies.ps.worker.exchange import ExchangeRules, SyncOptions, WorkerTensors, make_exchange
-from disttrain.strategies.ps.worker.local_rounds import WorkerRounds
+from disttrain.strategies.ps.worker.local_rounds import WorkerRounds, shard_groups
 from disttrain.strategies.ps.worker.participant import WorkerParticipant
 from disttrain.strategies.ps.worker.preemption import PreemptionAgreement
 from disttrain.strategies.ps.worker.takeover import Away
@@ -164,13 +164,16 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                                                 world_size)
             encoder = GradientEncoder(compressor, client.plans)
         buffers = WorkerBuffers(model, client.plans, client.shards)
+        groups = None  # Streaming DiLoCo: one step per fragment, each of a group of shards
+        if local_updates is not None and local_updates.num_fragments > 1:
+            groups = shard_groups([plan.numel for plan in client.plans], local_updates.num_fragments)
         exchange = make_exchange(
             client, worker_id, WorkerTensors(flat, grads, buffers if buffers.any else None),
             ExchangeRules(assignment.aggregation_mode, assignment.staleness, link.generation if link else 0,
                           retry_late=config.ps.backup_workers == 0),
             encoder,
             SyncOptions(overlap=model if config.ps.overlap and local_updates is None else None,
-                        overlap_trial_steps=config.ps.overlap_trial_steps))
+                        overlap_trial_steps=config.ps.overlap_trial_steps, groups=groups))
         exchange.start()
         faults = FaultInjector(options.faults, "worker", rank, options.attempt)
         sampler, rebalancer = balance_sampler(config, client, worker_id, assignment, data[0], faults)
@@ -183,8 +186,6 @@ def run_worker(config: Config, servers: list[str], worker_id: str, requested_ran
                                         else WorkerRounds(local_updates, model, flat, grads, training,
                                                           [plan.numel for plan in client.plans]),
                                         start_barrier=start_barrier(config))
-        if participant.rounds is not None and len(participant.rounds.groups) > 1:
-            exchange.groups = participant.rounds.groups  # Streaming DiLoCo: one step per fragment
         if local_updates is not None and rank == 0:
             logger.info("%s", local_updates.describe())
         checkpoints = LocalCheckpoints(object_store.join(system.checkpoint_dir, f"worker{rank}"),

@@ -138,15 +138,20 @@ class SyncOptions:
             timed that many per side (`OverlapTrial`).
         agree_timeout_s: how long the worker waits for its shards to reach one step (None:
             one RPC deadline).
+        groups: Streaming DiLoCo's fragments, each a group of whole shards
+            (`local_rounds.shard_groups`) whose steps go on apart from the other groups'
+            (None: the shards step together).
     """
 
     overlap: torch.nn.Module | None = None
     overlap_trial_steps: int = 0
     agree_timeout_s: float | None = None
+    groups: list[list[int]] | None = None
 
 
 class Exchange:
-    """Shared state of every mode: the versions this worker holds, per shard."""
+    """Shared state of every mode: the versions this worker holds, per shard. Each mode is
+    a subclass, complete once constructed (`make_exchange` picks it by the mode)."""
 
     def __init__(self, client: PSClient, worker_id: str, tensors: WorkerTensors, rules: ExchangeRules,
                  encoder: GradientEncoder | None = None):
@@ -156,14 +161,13 @@ class Exchange:
         self.worker_id = worker_id
         self.flat = tensors.flat
         self.grads = tensors.grads
-        self.staleness_bound = rules.staleness_bound
         self.generation = rules.generation
-        self.retry_late = rules.retry_late
         self.num_shards = len(client.shards)
         self.versions = [0] * self.num_shards
         self.num_rejected = 0
         self.from_step = 0  # sync: the run's step the pushes of the step in progress start from
-        self.dropped: set[int] = set()  # blocks a synchronous step went on without (backup workers)
+        # blocks a synchronous step went on without (backup workers; none in other modes)
+        self.dropped: set[int] = set()
         # The rate shard 0 applied this worker's latest gradient it took with (None: none yet).
         # In sync mode every shard applies the step's; in async and ssp each counts its own
         # updates, so another shard's may be one schedule step apart.
@@ -293,17 +297,33 @@ class SyncExchange(Exchange):
     out shard by shard while backward still computes (`overlap.ShardTrigger`); a shard
     that did not take it gets it again as without overlap, after backward. With an
     `agreement` (no backup workers), every gradient is computed on one step of every
-    shard (see the module's docstring)."""
+    shard (see the module's docstring).
 
-    trigger: ShardTrigger | None = None
-    trial: OverlapTrial | None = None  # with a trigger: overlap only where it measured faster
-    agreement: Agreement | None = None
-    # Streaming DiLoCo: the shards of each fragment, whose steps go on apart from the
-    # other fragments' (a fragment's push goes to its shards alone): the steps must agree
-    # within each group, and do across groups after a push to every shard (an epoch's end).
-    groups: list[list[int]] | None = None
-    trained_on: tuple[int, int] = (0, 0)  # the lowest and highest step of the last gradient's shards
-    _started = False  # `start` pulled; the first step has not begun
+    Args:
+        client, worker_id, tensors, encoder: as every mode's (`Exchange`).
+        rules: `retry_late` off (backup workers) drops a gradient its step went on
+            without, and lets the shards' steps part (no agreement).
+        sync: overlap, its trial, the agreement's deadline and Streaming DiLoCo's groups.
+    """
+
+    def __init__(self, client: PSClient, worker_id: str, tensors: WorkerTensors,
+                 rules: ExchangeRules = ExchangeRules(), encoder: GradientEncoder | None = None,
+                 sync: SyncOptions = SyncOptions()):
+        super().__init__(client, worker_id, tensors, rules, encoder)
+        self.retry_late = rules.retry_late
+        self.trigger = None if sync.overlap is None else ShardTrigger(sync.overlap, client.plans)
+        # with a trigger: overlap only where it measured faster
+        self.trial = OverlapTrial(sync.overlap_trial_steps) \
+            if self.trigger is not None and sync.overlap_trial_steps > 0 else None
+        # Backup workers let the shards' steps part by design.
+        self.agreement = Agreement(sync.agree_timeout_s or client.shards[0].policy.timeout_s) \
+            if rules.retry_late else None
+        # Streaming DiLoCo: the shards of each fragment, whose steps go on apart from the
+        # other fragments' (a fragment's push goes to its shards alone): the steps must agree
+        # within each group, and do across groups after a push to every shard (an epoch's end).
+        self.groups = sync.groups
+        self.trained_on = (0, 0)  # the lowest and highest step of the last gradient's shards
+        self._started = False  # `start` pulled; the first step has not begun
 
     def sync_steps(self) -> list[int]:
         """Per shard, the run's step of the parameters held."""
@@ -572,8 +592,12 @@ class SyncExchange(Exchange):
 
 
 class AsyncExchange(Exchange):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    """Async mode's step: every push is applied on arrival; the parameters are prefetched
+    while computing (or brought back by each push's round trip) and used as they come."""
+
+    def __init__(self, client: PSClient, worker_id: str, tensors: WorkerTensors,
+                 rules: ExchangeRules = ExchangeRules(mode="async"), encoder: GradientEncoder | None = None):
+        super().__init__(client, worker_id, tensors, rules, encoder)
         self.staged = torch.empty_like(self.flat)
         self.prefetched_in: tuple[float, float] | None = None  # (started, done) of the last prefetch
 
@@ -654,51 +678,56 @@ class AsyncExchange(Exchange):
             shards = again
 
     def prefetching_step(self, compute, block, timer) -> tuple[StepResult, int]:
-        """Pull while computing, push, then switch to the prefetched parameters."""
+        """Pull while computing, push, then switch to the prefetched parameters where they
+        are `fresh_enough` (or pull the newest)."""
         fetched = self.prefetch()
-        result, staleness, fetched, _, _ = self.push_until_taken(compute, block, timer, fetched)
+        result, staleness, fetched, shards, replies = self.push_until_taken(compute, block, timer, fetched)
         with timer.phase("comm_blocked"):
-            if fetched is not None:
+            if fetched is not None and self.fresh_enough(fetched.result(), shards, replies):
                 self.use_prefetched(fetched)
             else:
                 self.refresh()
         return result, staleness
 
+    def fresh_enough(self, prefetched: list[int], shards: list[int], replies: list[pb.PushReply]) -> bool:
+        """Whether the next gradient may be computed on the parameters prefetched (of
+        versions `prefetched`), given the replies of the last push to `shards`: always in
+        async mode."""
+        return True
+
 
 class SSPExchange(AsyncExchange):
-    def prefetching_step(self, compute, block, timer):
-        fetched = self.prefetch()
-        result, staleness, fetched, shards, replies = self.push_until_taken(compute, block, timer, fetched)
-        with timer.phase("comm_blocked"):
-            acked = {s: r.version for s, r in zip(shards, replies, strict=True)}
-            if fetched is None:
-                self.refresh()
-                return result, staleness
-            prefetched = fetched.result()
-            # The next gradient is computed on these parameters; each later update adds one.
-            lag = max(acked.get(s, v) - v for s, v in enumerate(prefetched))
-            if lag < self.staleness_bound:
-                self.versions = prefetched
-                self.flat.copy_(self.staged)
-            else:
-                self.refresh()
-        return result, staleness
+    """SSP's step (`ps.ssp_clock` versions or steps, as the servers count it): async's,
+    but the prefetched parameters are taken only when the next gradient computed on them
+    should stay within the staleness bound, and a push refused as too stale is
+    recomputed (`push_until_taken`)."""
+
+    def __init__(self, client: PSClient, worker_id: str, tensors: WorkerTensors,
+                 rules: ExchangeRules = ExchangeRules(mode="ssp"), encoder: GradientEncoder | None = None):
+        super().__init__(client, worker_id, tensors, rules, encoder)
+        self.staleness_bound = rules.staleness_bound
+
+    def fresh_enough(self, prefetched: list[int], shards: list[int], replies: list[pb.PushReply]) -> bool:
+        acked = {s: r.version for s, r in zip(shards, replies, strict=True)}
+        # The next gradient is computed on these parameters; each later update adds one.
+        lag = max(acked.get(s, v) - v for s, v in enumerate(prefetched))
+        return lag < self.staleness_bound
 
 
 def make_exchange(client: PSClient, worker_id: str, tensors: WorkerTensors,
                   rules: ExchangeRules = ExchangeRules(), encoder: GradientEncoder | None = None,
                   sync: SyncOptions = SyncOptions()) -> Exchange:
-    """The exchange of `rules.mode`; `encoder` compresses each push (None: raw values);
-    `sync`'s options apply in sync mode alone."""
-    classes = {"sync": SyncExchange, "async": AsyncExchange, "ssp": SSPExchange}
-    if rules.mode not in classes:
+    """The exchange of `rules.mode`, complete; `encoder` compresses each push (None: raw
+    values); `sync`'s options apply in sync mode alone.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    modes: dict[str, Callable[[], Exchange]] = {
+        "sync": lambda: SyncExchange(client, worker_id, tensors, rules, encoder, sync),
+        "async": lambda: AsyncExchange(client, worker_id, tensors, rules, encoder),
+        "ssp": lambda: SSPExchange(client, worker_id, tensors, rules, encoder),
+    }
+    if rules.mode not in modes:
         raise ValueError(f"unknown aggregation mode {rules.mode!r}")
-    exchange = classes[rules.mode](client, worker_id, tensors, rules, encoder)
-    if sync.overlap is not None and isinstance(exchange, SyncExchange):
-        exchange.trigger = ShardTrigger(sync.overlap, client.plans)
-        if sync.overlap_trial_steps > 0:
-            exchange.trial = OverlapTrial(sync.overlap_trial_steps)
-    # Backup workers let the shards' steps part by design.
-    if isinstance(exchange, SyncExchange) and rules.retry_late:
-        exchange.agreement = Agreement(sync.agree_timeout_s or client.shards[0].policy.timeout_s)
-    return exchange
+    return modes[rules.mode]()
