@@ -157,12 +157,13 @@ def test_the_measured_top_k_applies_the_runs_dgc_rules():
     numel = 100_000
     gradient = torch.randn(numel, generator=torch.Generator().manual_seed(3))
     segments = [("w", 80_000), ("b", 20_000)]
-    plain = measure_compressor("topk", 0.01, gradient, segments, repeats=1)
+    plain = measure_compressor(Compressor("topk", 0.01), gradient, segments, repeats=1)
     # under a warm-up the first payload keeps 25%: the rules reach the compressor timed
-    warm = measure_compressor("topk", 0.01, gradient, segments, repeats=1,
-                              rules=DgcRules(warmup_steps=10, warmup_ratio=0.25))
+    warm = measure_compressor(Compressor("topk", 0.01, rules=DgcRules(warmup_steps=10, warmup_ratio=0.25)),
+                              gradient, segments, repeats=1)
     assert warm.payload_bytes > 10 * plain.payload_bytes
-    corrected = measure_compressor("topk", 0.01, gradient, segments, repeats=1, rules=DgcRules(momentum=0.9))
+    corrected = measure_compressor(Compressor("topk", 0.01, rules=DgcRules(momentum=0.9)), gradient, segments,
+                                   repeats=1)
     assert corrected.payload_bytes == plain.payload_bytes and corrected.encode_s > 0
 
 

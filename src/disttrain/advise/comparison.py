@@ -25,6 +25,7 @@ from disttrain.advise.costmodel import OUTER_COMPRESSIONS, Candidate, CostModel
 from disttrain.advise.link import Link
 from disttrain.advise.probe import measure_loopback
 from disttrain.advise.workload import CompressionCost, Workload, measure_compressor, measure_powersgd
+from disttrain.compression import Compressor
 from disttrain.compression.dgc import DgcRules
 from disttrain.config import Config, config_from_dict
 from disttrain.core.errors import ConfigError, DisttrainError, InputFileError
@@ -164,15 +165,18 @@ def comparison_workload(config: Config, baseline: Row, rows: Sequence[Row], fold
             continue
         section, outer = run.compression, OUTER_COMPRESSIONS[run.training.outer_compression]
         if section.pull != "none" and section.pull not in pull_costs:
-            pull_costs[section.pull] = measure_compressor(section.pull, section.pull_ratio, flat, segments, 1)
+            pull = Compressor(section.pull, section.pull_ratio)
+            pull_costs[section.pull] = measure_compressor(pull, flat, segments, repeats=1)
         if outer != "none" and outer not in costs:  # Streaming DiLoCo's pseudo-gradients
-            costs[outer] = measure_compressor(outer, section.ratio, flat, segments, repeats=1)
+            costs[outer] = measure_compressor(Compressor(outer, section.ratio), flat, segments, repeats=1)
         name = compression_of(run)
         if name == "none" or name in costs:
             continue
-        cost = (measure_powersgd(gradients, section.powersgd_rank, repeats=1) if section.type == "powersgd"
-                else measure_compressor(section.type, section.ratio, flat, segments, repeats=1,
-                                        compact=name == "topk-compact"))
+        if section.type == "powersgd":
+            cost = measure_powersgd(gradients, section.powersgd_rank, repeats=1)
+        else:
+            compressor = Compressor(section.type, section.ratio, compact=name == "topk-compact")
+            cost = measure_compressor(compressor, flat, segments, repeats=1)
         encode_s, ratio = row["step_time"].get("compression_s"), row.get("compression_ratio")
         costs[name] = replace(
             cost, encode_s=float(encode_s) if encode_s else cost.encode_s,

@@ -143,15 +143,15 @@ def measure_workload(config: Config, repeats: int = NUM_REPEATS,
     # encode), as they run once the sparsity warm-up is over
     rules = DgcRules.of(config.compression) if config.compression.type == "topk" else None
     rules = replace(rules, warmup_steps=0) if rules is not None else None
-    costs = {scheme: measure_compressor(scheme, ratio, flat, segments, repeats,
-                                        rules=rules if scheme == "topk" else None) for scheme in SCHEMES}
-    costs["topk-compact"] = measure_compressor("topk", ratio, flat, segments, repeats, compact=True,
-                                               rules=rules)
+    costs = {scheme: measure_compressor(Compressor(scheme, ratio, rules=rules if scheme == "topk" else None),
+                                        flat, segments, repeats) for scheme in SCHEMES}
+    costs["topk-compact"] = measure_compressor(Compressor("topk", ratio, rules=rules, compact=True), flat,
+                                               segments, repeats)
     gradients = [p.grad for _, p in named]
     costs["powersgd"] = measure_powersgd(gradients, config.compression.powersgd_rank, repeats)
     pull_ratio = config.compression.pull_ratio
     pull = {scheme: cost if scheme != "topk" or pull_ratio == ratio
-            else measure_compressor(scheme, pull_ratio, flat, segments, repeats)
+            else measure_compressor(Compressor(scheme, pull_ratio), flat, segments, repeats)
             for scheme, cost in costs.items() if scheme in SCHEMES}
     totals = [f + b for f, b in zip(forward, backward, strict=True)]
     return Workload(training.model_architecture, sum(p.numel() for p in params),
@@ -181,18 +181,18 @@ def _time_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
     return forward, backward
 
 
-def measure_compressor(scheme: str, ratio: float, flat: torch.Tensor, segments: list[tuple[str, int]],
-                       repeats: int = NUM_REPEATS, compact: bool = False,
-                       rules: DgcRules | None = None) -> CompressionCost:
-    """Payload bytes and median encode and decode seconds of `scheme` on gradient `flat`
-    (`compact`: top-k's compact block, named topk-compact; `rules`: top-k's DGC rules)."""
-    compressor = Compressor(scheme, ratio, error_feedback=True, rules=rules, compact=compact)
+def measure_compressor(compressor: Compressor, flat: torch.Tensor, segments: list[tuple[str, int]],
+                       repeats: int = NUM_REPEATS) -> CompressionCost:
+    """Payload bytes and median encode and decode seconds of `compressor` on gradient `flat`
+    (as the run builds it: top-k's compact block is named topk-compact; its DGC rules, if
+    any, are applied in the encode timed)."""
     encoded = compressor.encode(flat, segments)
     out = torch.empty_like(flat)
     encode_s = statistics.median(_median_time(lambda: compressor.encode(flat, segments), repeats))
     decode_s = statistics.median(_median_time(lambda: compressor.decode(encoded.data, segments, out),
                                               repeats))
-    return CompressionCost("topk-compact" if compact else scheme, ratio, encoded.nbytes, encode_s, decode_s)
+    name = "topk-compact" if compressor.compact else compressor.scheme
+    return CompressionCost(name, compressor.ratio, encoded.nbytes, encode_s, decode_s)
 
 
 def measure_powersgd(gradients: list[torch.Tensor], rank: int, repeats: int = NUM_REPEATS) -> CompressionCost:
