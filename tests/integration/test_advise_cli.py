@@ -29,6 +29,7 @@ def advise_json(*args: str) -> dict:
     return json.loads(out.getvalue())
 
 
+@pytest.mark.slow  # a process that measures the model and simulates 8 workers in every mode
 def test_table_and_simulation_from_the_command_line(cli):
     result = cli("advise", "--model", "simplecnn", "--dataset", "digits", "--batch-size", "8", "--link",
                  "1gbit,0.2ms", "--workers", "1,8,64", "--simulate", "8", "--stragglers", "0.125",
@@ -42,6 +43,7 @@ def test_table_and_simulation_from_the_command_line(cli):
         assert any(line.startswith(mode) for line in out.splitlines()), mode
 
 
+@pytest.mark.slow  # two measurements of the model, each simulated in every mode
 def test_a_share_of_the_data_each_makes_the_straggler_end_every_mode():
     """--sim-share: each of 4 workers has 20 steps of data; one is 3x slower, so every mode
     takes at least its 20 slow steps, and every step of every worker is computed once.
@@ -88,6 +90,7 @@ def test_answers_for_the_shipped_workloads(model, dataset, extra):
     assert alone["efficiency"] == pytest.approx(1.0) and alone["bytes_per_step"] == 0
 
 
+@pytest.mark.slow  # measures the user's model and every compressor on it
 def test_answers_for_a_users_model_file(tmp_path):
     plugin = write_plugin(tmp_path)
     report = advise_json("--model", f"{plugin}:model", "--dataset", f"{plugin}:data", *QUICK,
@@ -117,6 +120,7 @@ def test_bad_input_is_one_line_and_exit_2(cli, args, says):
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], result.stderr
 
 
+@pytest.mark.slow  # a serving process, and a measurement of the model through it
 def test_serve_and_peer_measure_the_link_with_the_token(tmp_path, monkeypatch):
     token = tmp_path / "token"
     token.write_text("advise-test-token\n")
