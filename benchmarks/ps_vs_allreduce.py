@@ -42,12 +42,12 @@ from disttrain.strategies.ps import (
     PSClient,
     RetryPolicy,
     SyncExchange,
+    WorkerTensors,
     block_id,
     flat_parameters,
     plan_shards,
     run_layout,
 )
-from disttrain.strategies.ps.worker.exchange import WorkerTensors
 from disttrain.training import StepResult, init_model
 
 WARMUP_STEPS = 3

@@ -26,7 +26,7 @@ Four parts, each a folder, each depending only on the ones after it:
 Its face, for scripts and users (the parts import each other's modules, not this face):
 the strategy; the processes (`start_servers`) or a shard in this process (`build_state`,
 `ShardServer`); a worker's clients (`PSClient`, `RetryPolicy`) and its synchronous step
-(`SyncExchange`, `Block`); the run's data blocks, which a shard takes from their owners
+(`SyncExchange` on its `WorkerTensors`, `Block`); the run's data blocks, which a shard takes from their owners
 only (`run_layout`, `block_id`); the slicing of parameters across shards (`plan_shards`,
 `ShardPlan`, `TensorSlice`, `flat_parameters`). The wire format itself is `wire`'s face.
 """
@@ -38,9 +38,9 @@ from disttrain.strategies.ps.server.servicer import ShardServer
 from disttrain.strategies.ps.wire.sharding import ShardPlan, TensorSlice, flat_parameters, plan_shards
 from disttrain.strategies.ps.worker.blocks import block_id
 from disttrain.strategies.ps.worker.client import PSClient
-from disttrain.strategies.ps.worker.exchange import Block, SyncExchange
+from disttrain.strategies.ps.worker.exchange import Block, SyncExchange, WorkerTensors
 from disttrain.strategies.ps.worker.retry import RetryPolicy
 
 __all__ = ["STRATEGY", "Block", "PSClient", "RetryPolicy", "ShardPlan", "ShardServer", "SyncExchange",
-           "TensorSlice", "block_id", "build_state", "flat_parameters", "plan_shards", "run_layout",
-           "start_servers"]
+           "TensorSlice", "WorkerTensors", "block_id", "build_state", "flat_parameters", "plan_shards",
+           "run_layout", "start_servers"]
