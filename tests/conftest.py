@@ -3,6 +3,7 @@ the check of a benchmark's JSON keys, the test's S3 server (moto's) and a bucket
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -113,3 +114,20 @@ def bucket(moto_port, monkeypatch):
     from s3_runs import new_bucket, point_at
     point_at(moto_port, monkeypatch)
     return new_bucket(moto_port)
+
+
+@pytest.fixture
+def tool(monkeypatch):
+    """Imports a script of tools/ by name, for this test only: each is dropped from
+    `sys.modules` after it, so the next test imports it afresh."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "tools"))
+    names: list[str] = []
+
+    def load(name: str):
+        names.append(name)
+        return importlib.import_module(name)
+
+    yield load
+    for name in names:
+        sys.modules.pop(name, None)
+

@@ -4,7 +4,6 @@ JSON gives other figures, and a violation is shown with its schedule and its rer
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,11 +17,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def chaos_figures(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO_ROOT / "tools"))
-    import chaos_figures
-    yield chaos_figures
-    sys.modules.pop("chaos_figures", None)
+def chaos_figures(tool):
+    return tool("chaos_figures")
 
 
 def result(scenario, seed, outcome, slowdown=1.5, recovery=None, violations=()):

@@ -4,7 +4,6 @@ JSON gives other figures, each seed's row read from its own runs."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,11 +14,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def dgc_figures(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO_ROOT / "tools"))
-    import dgc_figures
-    yield dgc_figures
-    sys.modules.pop("dgc_figures", None)
+def dgc_figures(tool):
+    return tool("dgc_figures")
 
 
 def run(seed, accuracy, wire_bytes_sent, ratio=1.0):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,11 +17,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def gpu_readme(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO_ROOT / "tools"))
-    import gpu_readme
-    yield gpu_readme
-    sys.modules.pop("gpu_readme", None)
+def gpu_readme(tool):
+    return tool("gpu_readme")
 
 
 @pytest.fixture

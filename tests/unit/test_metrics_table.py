@@ -3,8 +3,6 @@ markers, and touches nothing else."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 from conftest import REPO_ROOT
 
@@ -14,11 +12,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def metrics_table(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO_ROOT / "tools"))
-    import metrics_table
-    yield metrics_table
-    sys.modules.pop("metrics_table", None)
+def metrics_table(tool):
+    return tool("metrics_table")
 
 
 def test_it_points_at_the_metrics_page(metrics_table):

@@ -4,8 +4,6 @@ tools/streaming_figures.py writes them; other JSON gives other figures and verdi
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 from conftest import REPO_ROOT
 
@@ -13,11 +11,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def streaming_figures(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO_ROOT / "tools"))
-    import streaming_figures
-    yield streaming_figures
-    sys.modules.pop("streaming_figures", None)
+def streaming_figures(tool):
+    return tool("streaming_figures")
 
 
 def run(accuracy, loss, peak, blocked, samples_per_s=500.0):
