@@ -86,6 +86,29 @@ def test_a_straggler_holds_up_every_exchange():
     assert result.blocked_s == pytest.approx((3 * 8 * 2.0 + 0.5 * 4) / 4, rel=1e-9)  # per worker
 
 
+@pytest.mark.parametrize("fragments, delay", [(1, 0), (2, 0), (4, 2)])
+def test_an_epochs_last_step_exchanges_every_fragment_and_waits_for_all(fragments, delay):
+    """1 s inner steps, H = 8, an epoch of 10 steps a worker, 0.5 s a fragment's exchange:
+    the last step (10) lands what is in flight, then sends every fragment, one after
+    another, and the epoch ends once all are back; the steady state (no epoch) has no
+    such step."""
+    exchange_s, steps = 0.5, 10
+    setup = SimulationSetup("local", 4, 1000, sync_every=8, fragments=fragments, delay=delay,
+                            steps_per_worker=steps)
+    result = simulate_local_updates(setup, StepTimes(1.0), exchange_s, 1000.0)
+    within = [s for s in range(1, steps) if s % 8 in {f * 8 // fragments % 8 for f in range(fragments)}]
+    assert result.num_exchanges == len(within) + fragments
+    assert result.exchange_bytes == pytest.approx(1000.0 * (len(within) + fragments))
+    assert result.peak_bytes == 1000.0  # one fragment an exchange, the last step's too
+    # the epoch's compute, what the exchanges within it blocked, then the F exchanges of its end
+    undelayed_blocking = exchange_s * len(within) if delay == 0 else 0.0
+    assert result.virtual_time_s == pytest.approx(steps * 1.0 + undelayed_blocking + fragments * exchange_s)
+    steady = simulate_local_updates(SimulationSetup("local", 4, steps, sync_every=8, fragments=fragments,
+                                                    delay=delay), StepTimes(1.0), exchange_s, 1000.0)
+    at_ten = sum(1 for f in range(fragments) if steps % 8 == f * 8 // fragments % 8)
+    assert steady.num_exchanges == len(within) + at_ten
+
+
 def test_local_setups_and_their_replay_are_refused_where_they_do_not_apply():
     trip = RoundTrip(0.0, 0.0, 0.01, 0.0, 0.0, 0.01)
     with pytest.raises(ValueError, match="mode local"):

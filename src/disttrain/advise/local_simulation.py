@@ -13,10 +13,13 @@ Without delay a worker waits for it before its next step; with a delay tau
 (`training.outer_delay`) it computes tau more steps while the exchange is in flight and
 waits after step s + tau only for what is left.
 
-With constant step times the mean step is the cost model's `streaming_step_s` (a test).
-Left out, as in the cost model: an epoch's last step (which lands and exchanges every
-fragment), failures (the rules' membership is the parameter server's: `advise.simulation`
-replays them without local updates).
+With `steps_per_worker` (an epoch's share) the epoch's last step ends every round, as
+`training.fragments` does: it waits for every exchange in flight, then exchanges each
+fragment not exchanged at that step, one after another on the link, and waits for them
+(every epoch ends with one model). Without it (the steady state of a long run) there is
+no last step, and with constant step times the mean step is the cost model's
+`streaming_step_s` (a test). Left out: failures (the rules' membership is the parameter
+server's: `advise.simulation` replays them without local updates).
 """
 
 from __future__ import annotations
@@ -67,12 +70,16 @@ def simulate_local_updates(setup: SimulationSetup, step_times: StepTimes, exchan
     for step in range(1, steps + 1):
         for i in range(n):
             clocks[i] += step_times.draw(rng, slow[i])
-        if step % h in sync_residues:
+        # the epoch's last step exchanges every fragment (those of other steps' residues
+        # too), each waited for at once
+        last = setup.steps_per_worker is not None and step == steps
+        due = setup.fragments if last else int(step % h in sync_residues)
+        for _ in range(due):
             ends = max(max(clocks), link_free_s) + exchange_s
             link_free_s = ends
-            in_flight.append((step + setup.delay, ends))
+            in_flight.append((step if last else step + setup.delay, ends))
             num_exchanges += 1
-        while in_flight and in_flight[0][0] <= step:
+        while in_flight and (last or in_flight[0][0] <= step):
             _, ends = in_flight.popleft()
             num_landed += 1
             for i in range(n):
