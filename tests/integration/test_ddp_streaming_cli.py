@@ -47,7 +47,9 @@ def steps_of(run_dir: Path, rank: int) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("num_fragments", "extra"), [
-    (2, []),
+    # make test-extended: the plain outer step (mixing 0) on two fragments; make test runs
+    # the same stop and resume with four compressed fragments and with two delayed ones.
+    pytest.param(2, [], id="fragments-2", marks=pytest.mark.extended),
     (4, ["--set", "training.outer_compression=int8", "--set", "training.outer_mixing=0.5"]),
     (2, ["--set", "training.outer_delay=2", "--set", "training.outer_mixing=0.5"]),
 ], ids=["fragments-2", "fragments-4-int8-mixing", "fragments-2-delay-2-mixing"])

@@ -55,7 +55,9 @@ def round_ends(fragment: int, num_fragments: int) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("num_fragments", "extra"), [
-    (2, []),
+    # make test-extended: the plain outer step (mixing 0) on two fragments; make test runs
+    # the same stop and resume with four compressed fragments and with two delayed ones.
+    pytest.param(2, [], id="fragments-2", marks=pytest.mark.extended),
     (4, ["--compression-enabled", "--compression-type", "quantization",
          "--set", "training.outer_mixing=0.5"]),
     (2, ["--set", "training.outer_delay=2", "--set", "training.outer_mixing=0.5"]),
