@@ -18,6 +18,7 @@ from disttrain.strategies.ps.wire.payloads import GradientEncoder
 from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
 from disttrain.strategies.ps.worker.exchange import Block, SyncOptions, WorkerTensors, make_exchange
+from disttrain.strategies.ps.worker.overlap_trial import keeps_overlap
 from disttrain.training.engine import forward_backward
 from disttrain.training.models import init_model
 from tests.distributed.test_ps_server import make_config
@@ -103,8 +104,8 @@ def test_overlapped_steps_match_one_process_and_overlap_backward(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_trial_of_both_pushes_matches_one_process_and_keeps_one_side(tmp_path):
-    """The overlap trial (`ps.overlap_trial_steps`) alternates overlapped and plain steps
-    on real shards: what is trained is unchanged, both sides ran (overlapped steps send
+    """The overlap trial (`ps.overlap_trial_steps`) runs overlapped and plain steps in ABBA
+    pairs on real shards: what is trained is unchanged, both sides ran (overlapped steps send
     during backward, plain ones do not), and after the trial every step takes one side."""
     count = 2 + 2 * 2 + 3  # warm-up, two timed steps per side, then the side kept
     config = make_config(tmp_path)
@@ -119,10 +120,11 @@ def test_a_trial_of_both_pushes_matches_one_process_and_keeps_one_side(tmp_path)
         torch.testing.assert_close(cluster.parameters(), one_process(config, count), rtol=1e-5, atol=1e-6)
         assert cluster.exchange.versions == [count] * SHARDS
         assert trial.chosen is not None and all(len(t) == 2 for t in trial.timed.values())
-        assert used[2:6].count(False) == 2  # the plain steps of the trial sent nothing during backward
-        assert used[2:6].count(True) == 2  # the overlapped ones did (shard 1 leaves before backward ends)
+        # ABBA pairs: the plain steps of the trial sent nothing during backward, the
+        # overlapped ones did (shard 1 leaves before backward ends)
+        assert used[2:6] == [True, False, False, True]
         assert used[6:] == [trial.chosen] * 3
-        assert trial.chosen == (trial.median(True) < trial.median(False))
+        assert trial.chosen == keeps_overlap(trial.timed[True], trial.timed[False])
     finally:
         cluster.close()
 

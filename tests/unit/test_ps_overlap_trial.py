@@ -1,68 +1,117 @@
-"""The overlap trial's pure choice: the first steps alternate overlapped and plain pushes
-by the step's parity, after untimed warm-up steps, and the side with the lower median
-step time is kept; a tie keeps the plain push. Timings are injected."""
+"""The overlap trial's pure choice: after untimed warm-up steps, the first steps run
+overlapped and plain pushes in ABBA pairs, and the overlap is kept only where the median
+of the pairs' gains beats both the gains' spread and a floor; a near-tie, a noisy sample
+or a load that drifts during the trial keeps the plain push. Timings are injected."""
 
 from __future__ import annotations
 
 import pytest
 
-from disttrain.strategies.ps.worker.overlap_trial import OverlapTrial
+from disttrain.strategies.ps.worker.overlap_trial import OverlapTrial, judge, keeps_overlap
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def run(trial: OverlapTrial, seconds: dict[bool, list[float]], first_step: int = 1) -> list[bool]:
+def run(trial: OverlapTrial, seconds: dict[bool, list[float]]) -> list[bool]:
     """Step `trial` until it chooses, each side taking its next time from `seconds`
     (warm-up steps take 100 s: they must not count); the sides the steps used."""
-    used, step, left = [], first_step, {side: list(times) for side, times in seconds.items()}
+    used, left = [], {side: list(times) for side, times in seconds.items()}
     while trial.chosen is None:
-        side = trial.overlaps(step)
+        side = trial.overlaps()
         warm = len(used) < trial.warmup_steps
         used.append(side)
         trial.record(side, 100.0 if warm else left[side].pop(0))
-        step += 1
-        assert step < 100, "the trial never chose"
+        assert len(used) < 100, "the trial never chose"
     return used
 
 
+def run_on_a_clock(trial: OverlapTrial, step_s) -> list[bool]:
+    """Step `trial` until it chooses, step `i` (from 0, warm-up included) of side `side`
+    taking `step_s(i, side)` seconds; the sides the steps used."""
+    used = []
+    while trial.chosen is None:
+        side = trial.overlaps()
+        trial.record(side, step_s(len(used), side))
+        used.append(side)
+        assert len(used) < 100, "the trial never chose"
+    return used
+
+
+CLEAR_WIN = ([0.80, 0.85, 0.82, 0.90], [1.00, 1.05, 1.01, 1.08])
+# medians 1.125 against 1.15: the lower median alone would keep the overlap, but the pairs
+# disagree (gains +0.10, -0.10, +0.10, -0.05: median 0.025, spread 0.075)
+NOISY_NEAR_TIE = ([1.00, 1.30, 0.95, 1.25], [1.10, 1.20, 1.05, 1.20])
+
+
 @pytest.mark.parametrize(("overlapped", "plain", "kept"), [
-    ([1.0, 1.1, 5.0], [1.2, 1.3, 1.25], True),     # overlap faster at the median (one outlier)
-    ([1.3, 1.2, 1.4], [1.0, 9.0, 1.1], False),     # plain faster at the median (one outlier)
-    ([1.0, 1.0, 1.0], [1.0, 1.0, 1.0], False),     # a tie keeps the plain push
+    (*CLEAR_WIN, True),
+    (*NOISY_NEAR_TIE, False),
+    ([1.0, 1.1, 5.0, 1.0], [1.2, 1.3, 1.25, 1.2], True),   # a clear win with one outlier step
+    ([1.3, 1.2, 1.4, 1.3], [1.0, 9.0, 1.1, 1.0], False),   # plain faster, one outlier step
+    ([1.0] * 4, [1.0] * 4, False),                         # a tie keeps the plain push
+    ([0.995] * 4, [1.0] * 4, False),                       # a steady win under the 2% floor
 ])
-def test_the_trial_keeps_the_side_with_the_lower_median(overlapped, plain, kept):
-    trial = OverlapTrial(steps_each=3)
+def test_the_trial_keeps_the_overlap_only_on_a_clear_win(overlapped, plain, kept):
+    trial = OverlapTrial(steps_each=4)
     used = run(trial, {True: overlapped, False: plain})
-    assert trial.chosen is kept
+    assert trial.chosen is kept and keeps_overlap(overlapped, plain) is kept
     assert used[:2] == [True, True]  # the warm-up steps overlap, untimed
-    assert used[2:].count(True) == 3 and used[2:].count(False) == 3
-    assert trial.median(True) == pytest.approx(sorted(overlapped)[1])
-    assert trial.median(False) == pytest.approx(sorted(plain)[1])
-    # the choice holds for every later step, whatever its parity
-    assert [trial.overlaps(step) for step in range(20, 24)] == [kept] * 4
+    assert used[2:] == [True, False, False, True, True, False, False, True]  # ABBA pairs
+    assert trial.timed == {True: overlapped, False: plain}
+    # the choice holds for every later step
+    assert [trial.overlaps() for _ in range(4)] == [kept] * 4
     assert not trial.record(not kept, 0.001) and trial.chosen is kept
     assert ("keeping the overlapped push" if kept else "keeping the plain push") in trial.describe()
 
 
-def test_sides_alternate_by_the_steps_parity_so_workers_in_lockstep_try_the_same_side():
+def test_the_margin_is_the_gains_spread_or_the_floor_whichever_is_larger():
+    verdict = judge(*NOISY_NEAR_TIE)
+    assert verdict.gain_s == pytest.approx(0.025) and verdict.spread_s == pytest.approx(0.075)
+    assert verdict.needed_s == pytest.approx(0.075) and not verdict.keep_overlap
+    steady = judge([0.9] * 4, [1.0] * 4)
+    assert steady.spread_s == pytest.approx(0.0) and steady.needed_s == pytest.approx(0.02)
+    assert steady.keep_overlap
+    assert not judge([0.9] * 4, [1.0] * 4, min_gain=0.2).keep_overlap
+
+
+def test_a_load_rising_through_the_trial_does_not_pick_the_slower_overlap():
+    """Every step takes 0.1 s longer than the one before (the machine filling up) and the
+    overlap is truly 0.05 s slower: in pairs that always ran overlapped first, the drift
+    would make it look 0.05 s faster in each of them; in ABBA pairs it favours each side
+    in half of them and shows as spread."""
+    trial = OverlapTrial(steps_each=4)
+    run_on_a_clock(trial, lambda i, side: 1.0 + 0.1 * i + (0.05 if side else 0.0))
+    assert trial.verdict.gain_s == pytest.approx(-0.05)
+    assert trial.verdict.spread_s == pytest.approx(0.1)
+    assert trial.chosen is False
+    always_overlapped_first = [(1.0 + 0.2 * i + 0.05, 1.0 + 0.2 * i + 0.1) for i in range(4)]
+    assert keeps_overlap([o for o, _ in always_overlapped_first], [p for _, p in always_overlapped_first])
+
+
+def test_a_clear_win_survives_a_drifting_load():
+    trial = OverlapTrial(steps_each=4)
+    run_on_a_clock(trial, lambda i, side: 1.0 + 0.1 * i - (0.3 if side else 0.0))
+    assert trial.verdict.gain_s == pytest.approx(0.3) and trial.chosen is True
+
+
+def test_a_side_repeated_by_the_caller_reopens_its_pair():
     trial = OverlapTrial(steps_each=2, warmup_steps=0)
-    assert [trial.overlaps(step) for step in (7, 8)] == [True, False]
-    used = run(trial, {True: [1.0, 1.0], False: [2.0, 2.0]}, first_step=7)
-    assert used == [True, False, True, False]
+    for side, seconds in [(True, 9.0), (True, 1.0), (False, 2.0), (False, 2.0), (True, 1.0)]:
+        trial.record(side, seconds)
+    assert trial.pairs == [(1.0, 2.0), (1.0, 2.0)]
     assert trial.chosen is True
 
 
-def test_a_side_with_its_timings_gives_its_steps_to_the_other():
-    trial = OverlapTrial(steps_each=2, warmup_steps=0)
-    # only odd steps come (another parity rule upstream): the plain side still gets its timings
-    for step in (1, 3, 5, 7):
-        trial.record(trial.overlaps(step), 1.0)
-    assert trial.timed == {True: [1.0, 1.0], False: [1.0, 1.0]}
-    assert trial.chosen is False
-
-
 @pytest.mark.parametrize(("kwargs", "message"), [({"steps_each": 0}, "steps_each must be >= 1"),
-                                                 ({"steps_each": 1, "warmup_steps": -1}, "warmup_steps")])
+                                                 ({"steps_each": 1, "warmup_steps": -1}, "warmup_steps"),
+                                                 ({"steps_each": 1, "min_gain": -0.1}, "min_gain")])
 def test_a_trial_of_no_steps_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         OverlapTrial(**kwargs)
+
+
+def test_unpaired_times_are_refused():
+    with pytest.raises(ValueError, match="as many overlapped as plain"):
+        judge([1.0, 1.0], [1.0])
+    with pytest.raises(ValueError, match="at least one"):
+        judge([], [])

@@ -311,9 +311,10 @@ class PSConfig:
     # soon as the backward pass has produced all of it, while backward computes the
     # earlier layers; false: push every shard after backward.
     overlap: bool = True
-    # With overlap: the first steps (after 2 untimed) alternate overlapped and plain pushes,
-    # this many of each, and each worker keeps the faster by median step time (logged): on
-    # saturated cores the overlap's CPU work can slow backward more than it hides. 0: no
+    # With overlap: the first steps (after 2 untimed) run this many ABBA pairs of one
+    # overlapped and one plain push, and each worker keeps the overlap only where its
+    # median gain beats the pairs' spread and 2% of the step, else the plain push (logged):
+    # on saturated cores the overlap's CPU work can slow backward more than it hides. 0: no
     # trial, always overlap.
     overlap_trial_steps: int = field(default=4, metadata=NON_NEGATIVE)
 

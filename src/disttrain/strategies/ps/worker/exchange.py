@@ -19,9 +19,9 @@ has produced that shard's whole gradient (`overlap.ShardTrigger`): the last laye
 shard goes out while backward still computes the first layers. The step then waits only
 for what is still in flight (`time/comm_blocked_s`); what travelled during backward is
 `time/comm_overlapped_s`. With an `overlap_trial.OverlapTrial` (`ps.overlap_trial_steps`,
-the default), the first steps alternate overlapped and plain pushes and the worker keeps
-the faster, logged: on saturated cores the overlap's CPU work slows backward more than it
-hides.
+the default), the first steps run overlapped and plain pushes in ABBA pairs and the worker
+keeps the overlap only on a clear win over the noise it saw, logged: on saturated cores
+the overlap's CPU work slows backward more than it hides.
 
 In sync mode (without backup workers) a worker computes every gradient on parameters
 of one step on every shard (`agreement`): each answer carries the run's step it is the
@@ -450,7 +450,7 @@ class SyncExchange(Exchange):
         overlap = self.trigger is not None and shards is None
         if not overlap or self.trial is None:
             return self._step(compute, block, timer, shards, overlap)
-        overlap = self.trial.overlaps(block.step)
+        overlap = self.trial.overlaps()
         started = time.perf_counter()
         answer = self._step(compute, block, timer, shards, overlap)
         if self.trial.record(overlap, time.perf_counter() - started):
