@@ -174,6 +174,7 @@ def local_reference(training, world_size: int):
     return models[0], num_steps
 
 
+@pytest.mark.slow  # a run of two ranks as processes, tens of seconds
 @pytest.mark.timeout(180)
 def test_local_updates_match_independent_trainings_and_their_outer_steps(cli, tmp_path):
     local = ("--sync-every", SYNC_EVERY, "--outer-optimizer", "nesterov", "--outer-lr", OUTER_LR,

@@ -100,6 +100,7 @@ def test_bucket_cap_mb_sizes_the_gradient_buckets(facts):
         assert small["num_buckets"] == 3, small
 
 
+@pytest.mark.slow  # the module's process group of spawned ranks
 def test_gradient_as_bucket_view_makes_gradients_views_of_the_buckets(facts):
     for rank_facts in facts:
         defaults, view = rank_facts["defaults"], rank_facts["set"]
@@ -109,6 +110,7 @@ def test_gradient_as_bucket_view_makes_gradients_views_of_the_buckets(facts):
         assert view["num_grad_storages"] == view["num_buckets"] == 3  # the three buckets
 
 
+@pytest.mark.slow  # the module's process group of spawned ranks
 def test_static_graph_reaches_the_reducer(facts):
     for rank_facts in facts:
         defaults, static = rank_facts["defaults"], rank_facts["set"]
@@ -116,6 +118,7 @@ def test_static_graph_reaches_the_reducer(facts):
         assert static["static_graph"] and static["logged_static_graph"] == 1
 
 
+@pytest.mark.slow  # the module's process group of spawned ranks
 def test_buffers_are_broadcast_from_rank_zero_whatever_the_options(facts):
     # The README's DDP buffer rule (tests/distributed/test_ddp_buffers.py checks its effect).
     assert all(rank_facts[name]["broadcast_buffers"] for rank_facts in facts for name in SETTINGS)

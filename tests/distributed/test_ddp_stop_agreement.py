@@ -60,6 +60,7 @@ def rank_main(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # a process group of spawned ranks, tens of seconds
 @pytest.mark.timeout(120)
 def test_every_rank_stops_at_the_same_point_within_two_spacings_of_the_first_flag(tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

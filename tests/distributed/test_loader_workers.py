@@ -72,6 +72,7 @@ def make():
 '''
 
 
+@pytest.mark.slow  # spawned loader processes
 def test_a_data_set_from_a_users_file_loads_in_spawned_workers(tmp_path):
     from disttrain.data.plugins import DATASET_GROUP, load_factory
 

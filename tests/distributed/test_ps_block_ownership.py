@@ -148,6 +148,7 @@ def test_an_insider_with_worker0s_credentials_cannot_push_or_redo_outside_its_bl
 
 
 
+@pytest.mark.slow  # a process of the command line
 def test_a_training_set_that_gives_no_worker_a_batch_stops_the_run_before_any_process_starts(tmp_path):
     flags = ["--workers", "4", "--balance", "proportional", "--dataset", "digits",
              "--max-train-samples", "40", "--batch-size", "16",

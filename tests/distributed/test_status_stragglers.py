@@ -83,6 +83,7 @@ def assert_straggler_marked(table: str, cluster: dict) -> None:
     assert f"{STRAGGLER}  straggler: step time 0.100s" in table, table  # the event
 
 
+@pytest.mark.slow  # processes of the command line
 def test_status_marks_the_straggler_from_the_coordinator_and_from_its_registry(cluster, cli):
     address, registry = cluster
     assert_straggler_marked(*status(cli, "--coordinator", address))

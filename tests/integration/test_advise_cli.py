@@ -105,6 +105,7 @@ def free_closed_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # a process of the command line each, seconds on busy cores
 @pytest.mark.parametrize("args, says", [
     (["--link", "1gigabit,2ms"], "--link '1gigabit,2ms': write BANDWIDTH,LATENCY, e.g. 1gbit,0.2ms"),
     (["--model", "no_such_model"], "'no_such_model' is not a registered model"),

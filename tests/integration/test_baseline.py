@@ -35,6 +35,7 @@ def whole_run(tmp_path_factory):
     return folder, result
 
 
+@pytest.mark.slow  # a training run of 3 epochs as a process (the module's)
 @pytest.mark.timeout(240)  # the shared run too, for the first test that reads it
 def test_run_writes_metrics_events_checkpoints_and_summary(whole_run, cli):
     tmp_path, result = whole_run
@@ -130,6 +131,7 @@ def test_bad_config_exits_2_with_one_line(tmp_path, cli, args, fragment):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow  # a process of the command line
 @pytest.mark.timeout(60)
 def test_bad_config_file(tmp_path, cli):
     path = tmp_path / "c.yaml"
@@ -139,6 +141,7 @@ def test_bad_config_file(tmp_path, cli):
     assert "sytem: unknown section; did you mean system?" in result.stderr
 
 
+@pytest.mark.slow  # a process of the command line
 @pytest.mark.timeout(60)
 def test_missing_data_directory(tmp_path, cli):
     result = cli("baseline", "--dataset", "mnist", "--data-dir", tmp_path / "nowhere",
@@ -146,6 +149,7 @@ def test_missing_data_directory(tmp_path, cli):
     one_line_error(result, "put the files train-images-idx3-ubyte.gz", 1)
 
 
+@pytest.mark.slow  # a process of the command line
 @pytest.mark.timeout(60)
 def test_truncated_idx_file(tmp_path, cli, real_data_dir):
     folder = tmp_path / "data" / "mnist"
@@ -186,6 +190,7 @@ def test_a_corrupt_newest_checkpoint_is_named_skipped_and_never_overwritten(tmp_
     assert all(p.read_bytes() == b"garbage" for p in ckpt.list_checkpoints(folder))
 
 
+@pytest.mark.slow  # a training run of 3 epochs as a process (the module's)
 @pytest.mark.timeout(240)  # the shared run too, for the first test that reads it
 def test_summary_times_to_accuracy_and_tensorboard_hparams(whole_run):
     tmp_path, result = whole_run

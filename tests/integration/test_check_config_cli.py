@@ -10,6 +10,7 @@ from disttrain.config.shipped import shipped_configs
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.mark.slow  # a process of the command line
 def test_configs_lists_every_shipped_config_with_its_description(cli, tmp_path):
     result = cli("configs", cwd=tmp_path, timeout=100)
     assert result.returncode == 0, result.stderr
@@ -18,6 +19,7 @@ def test_configs_lists_every_shipped_config_with_its_description(cli, tmp_path):
         assert any(line.split()[0] == config.name and config.description in line for line in lines if line)
 
 
+@pytest.mark.slow  # a process of the command line
 def test_check_config_by_shipped_name_from_any_folder(cli, tmp_path):
     result = cli("baseline", "--config", "example", "--check-config", cwd=tmp_path, timeout=100)
     assert result.returncode == 0, result.stderr

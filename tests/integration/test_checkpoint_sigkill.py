@@ -64,6 +64,7 @@ def kill(process):
     assert process.returncode == -signal.SIGKILL
 
 
+@pytest.mark.slow  # a saving process, killed
 def test_sigkill_during_a_loop_of_saves_leaves_a_good_checkpoint(tmp_path):
     process = start(SAVE_IN_A_LOOP, tmp_path)
     saved = int(read_line(process))  # killed while the next save is most likely under way
@@ -74,6 +75,7 @@ def test_sigkill_during_a_loop_of_saves_leaves_a_good_checkpoint(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+@pytest.mark.slow  # a saving process, killed
 def test_sigkill_inside_a_save_leaves_its_temporary_file_until_the_next_start(tmp_path):
     process = start(STALL_IN_SECOND_SAVE, tmp_path)
     assert read_line(process) == "stalled"

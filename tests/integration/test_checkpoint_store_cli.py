@@ -159,6 +159,7 @@ def test_a_server_killed_mid_upload_keeps_no_torn_checkpoint(tmp_path, cli, monk
         stop_moto(restarted)
 
 
+@pytest.mark.slow  # an S3 server and the command line as processes
 def test_a_bucket_that_does_not_exist_is_refused_before_the_run(tmp_path, cli, moto_port):
     """No such bucket: one line naming it, exit code 2, before any training."""
     url = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run"

@@ -107,7 +107,8 @@ def test_a_memory_store_serves_a_baseline_run_within_its_process(tmp_path):
         fsspec.filesystem("memory").rm(url.split("://", 1)[1].split("/", 1)[0], recursive=True)
 
 
-@pytest.mark.parametrize("command", ["ps", pytest.param("ddp", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a process of the command line each
+@pytest.mark.parametrize("command", ["ps", "ddp"])
 def test_a_memory_store_is_refused_by_runs_of_separate_processes(tmp_path, cli, command):
     result = cli(command, *SMALL, "--checkpoint-dir", "memory://nowhere/run", "--log-dir",
                  tmp_path / "logs", timeout=120)

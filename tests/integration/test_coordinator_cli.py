@@ -146,6 +146,7 @@ def test_a_coordinator_killed_and_restarted_on_its_registry_shows_the_same_clust
     assert "worker-0  rebalanced: batch 24 -> 40 (plan 2)" in table.stdout, table.stdout
 
 
+@pytest.mark.slow  # a coordinator as a process
 def test_failures_by_timeout_are_announced_and_the_injected_kill_fires(tmp_path, started):
     coordinator = started(tmp_path / "cluster.db", *FAST, "--inject", "kill:coordinator:step=10")
     client = CoordinatorClient(coordinator.address)
@@ -162,6 +163,7 @@ def test_failures_by_timeout_are_announced_and_the_injected_kill_fires(tmp_path,
     client.close()
 
 
+@pytest.mark.slow  # a process of the command line
 def test_a_corrupt_registry_is_refused_and_left_as_it_was(tmp_path, cli):
     registry = tmp_path / "cluster.db"
     content = b"not a database " * 200
@@ -174,6 +176,7 @@ def test_a_corrupt_registry_is_refused_and_left_as_it_was(tmp_path, cli):
     assert registry.read_bytes() == content
 
 
+@pytest.mark.slow  # a process of the command line
 def test_status_of_a_registry_escapes_what_a_terminal_would_act_on(tmp_path, cli):
     registry = tmp_path / "cluster.db"
     membership = Membership(heartbeat_timeout_s=5.0)  # written past the coordinator's bounds
@@ -188,6 +191,7 @@ def test_status_of_a_registry_escapes_what_a_terminal_would_act_on(tmp_path, cli
     assert "evil\\x1b[2J" in result.stdout and "killed\\x1b]0;owned\\x07 \\u202eoverride" in result.stdout
 
 
+@pytest.mark.slow  # a process of the command line
 def test_status_refuses_in_one_line_a_registry_an_earlier_disttrain_wrote_with_nan(tmp_path, cli):
     registry = tmp_path / "cluster.db"
     membership = Membership(heartbeat_timeout_s=5.0)
@@ -202,6 +206,7 @@ def test_status_refuses_in_one_line_a_registry_an_earlier_disttrain_wrote_with_n
     assert "pass the --registry of a run of this one" in result.stderr
 
 
+@pytest.mark.slow  # a process of the command line
 def test_status_errors_say_what_is_wrong(tmp_path, cli):
     missing = cli("status", "--registry", tmp_path / "missing.db", timeout=60)
     assert missing.returncode == 1 and "no cluster registry at" in missing.stderr
@@ -211,6 +216,7 @@ def test_status_errors_say_what_is_wrong(tmp_path, cli):
     assert bad.returncode == 2 and "HOST:PORT" in bad.stderr
 
 
+@pytest.mark.slow  # a process of the command line
 def test_status_watch_redraws_until_ctrl_c(tmp_path):
     registry = tmp_path / "cluster.db"
     Registry(registry).close()

@@ -95,6 +95,7 @@ def test_listening_beyond_this_machine_without_credentials_is_refused_with_how_t
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # a process of the command line
 def test_tls_without_client_certificates_is_not_credentials(tmp_path):
     run("tls", "new", tmp_path / "certs").check_returncode()
     result = run("coordinator", "--bind", "0.0.0.0:0", "--tls-cert", tmp_path / "certs" / "server.pem",
@@ -112,6 +113,7 @@ def test_insecure_or_a_loopback_bind_is_accepted(command):
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+@pytest.mark.slow  # a process of the command line
 def test_an_insecure_coordinator_serves_anyone_on_every_interface(tmp_path):
     served = Served(tmp_path, "--bind", "0.0.0.0:0", "--insecure")
     try:
@@ -121,11 +123,13 @@ def test_an_insecure_coordinator_serves_anyone_on_every_interface(tmp_path):
         served.stop()
 
 
+@pytest.mark.slow  # a process of the command line
 def test_the_coordinator_binds_this_machine_only_by_default():
     result = run("coordinator", "--check-config")
     assert result.returncode == 0 and "listening on 127.0.0.1:50050" in result.stdout, result.stderr
 
 
+@pytest.mark.slow  # processes of the command line: the credentials, then a server
 def test_token_new_writes_a_private_secret_that_a_server_then_requires(tmp_path):
     token_file = tmp_path / "run.token"
     made = run("token", "new", token_file)
@@ -144,6 +148,7 @@ def test_token_new_writes_a_private_secret_that_a_server_then_requires(tmp_path)
         served.stop()
 
 
+@pytest.mark.slow  # processes of the command line: the credentials, then a server
 def test_tls_new_makes_a_ca_and_certificates_a_server_then_requires(tmp_path):
     certs = tmp_path / "certs"
     made = run("tls", "new", certs, "--node", "worker0", "--node", "ops:operator")

@@ -42,6 +42,7 @@ def torchrun_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     return result, run_dir
 
 
+@pytest.mark.slow  # torchrun and its ranks as processes, tens of seconds
 @pytest.mark.timeout(180)
 def test_torchrun_entry_trains_and_writes_the_summary(torchrun_run):
     result, run_dir = torchrun_run

@@ -31,6 +31,7 @@ def test_kill_from_a_plan_lands_right_after_its_step(tmp_path, cli):
     assert ckpt.checkpoint_step(ckpt.latest_checkpoint(tmp_path / "ckpt")) == 3
 
 
+@pytest.mark.slow  # a process of the command line each
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("command", "fault", "said"), [
     (["ddp", "--world-size", "2"], "kill:worker=1:step=2", "has no worker; its processes are rank=0..1"),
@@ -49,6 +50,7 @@ def test_a_fault_that_can_never_fire_is_refused_before_anything_starts(tmp_path,
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "logs").exists()
 
 
+@pytest.mark.slow  # a process of the command line
 @pytest.mark.timeout(60)
 def test_a_bad_plan_entry_is_a_usage_error_naming_file_and_entry(tmp_path, cli):
     plan = tmp_path / "plan.yaml"

@@ -53,6 +53,7 @@ def test_the_baseline_learns_from_rows_and_takes_a_users_loss_function(tmp_path,
     assert load_checkpoint(tmp_path / "ckpt" / "baseline_final.pt")["model"]["head.weight"].shape == (2, 8)
 
 
+@pytest.mark.slow  # a process of the command line
 def test_a_target_key_the_rows_lack_stops_before_any_process_with_its_line(tmp_path, cli):
     result = cli("ps", "--workers", "2", *fields(tmp_path, "--set", "training.target_key=answer"), timeout=60)
     assert result.returncode == 2, result.stderr[-2000:]

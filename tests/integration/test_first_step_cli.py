@@ -50,6 +50,7 @@ def model_file(tmp_path):
     return path
 
 
+@pytest.mark.slow  # two processes of the command line each
 @pytest.mark.parametrize("command", [["baseline"], ["ps", "--workers", "2"], ["ddp", "--world-size", "2"]])
 def test_a_model_with_too_few_outputs_stops_before_any_process_with_its_line(tmp_path, cli, model_file,
                                                                            command):

@@ -40,6 +40,7 @@ def gpu_check():
     return module
 
 
+@pytest.mark.slow  # the script and its Python as processes
 def test_without_cuda_it_says_so_in_one_line_and_exits_0(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable, "OUT": str(tmp_path)}
     done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=100)
@@ -63,6 +64,7 @@ def fake_run(monkeypatch, tmp_path, steps, *args):
     return code, json.loads(output.read_text())
 
 
+@pytest.mark.slow  # step processes, one waited on for its 5 s timeout
 def test_a_step_that_hangs_is_stopped_at_its_timeout_and_the_next_step_runs(monkeypatch, tmp_path):
     code, report = fake_run(monkeypatch, tmp_path, [("hangs", 5), ("ends", 30)])
     hangs, ends = report["steps"]["hangs"], report["steps"]["ends"]

@@ -65,6 +65,7 @@ def test_a_users_model_and_data_resume_exactly_mid_epoch_and_evaluate(tmp_path, 
     assert f"Test Accuracy: {summary['final_accuracy'] * 100:.2f}%" in evaluated.stdout, evaluated.stderr
 
 
+@pytest.mark.slow  # a training run as a process, on a package written beside it
 @pytest.mark.timeout(60)
 def test_an_installed_packages_entry_points_are_found_by_name(tmp_path, cli):
     write_distribution(tmp_path / "site", """

@@ -80,6 +80,7 @@ def test_sync_with_batch_norm_matches_one_process_and_keeps_the_buffer_rule(tmp_
         assert f"shard {shard}/2: " in result.stderr and "3 buffer(s)" in result.stderr
 
 
+@pytest.mark.slow  # a parameter-server cluster as processes, tens of seconds
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["async", pytest.param("ssp", marks=VARIANT)])
 def test_async_and_ssp_add_each_applied_push_change(tmp_path, cli, mode):

@@ -194,6 +194,7 @@ def test_sync_with_warmup_adamw_and_clipping_matches_one_process(tmp_path, cli, 
         assert [r["optim/learning_rate"] for r in records if "loss/train" in r] == pytest.approx(rates)
 
 
+@pytest.mark.slow  # a cluster as processes, tens of seconds
 @pytest.mark.timeout(120)
 def test_a_worker_failing_past_its_restarts_stops_the_whole_cluster(tmp_path, cli):
     result = cli(

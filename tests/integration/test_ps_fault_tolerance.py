@@ -45,6 +45,7 @@ def registry_nodes(folder):
     return {node["node_id"]: node for node in snapshot.nodes}
 
 
+@pytest.mark.slow  # a cluster whose worker is killed and restarted, tens of seconds
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=VARIANT),
                                   pytest.param("local", marks=VARIANT)])

@@ -20,9 +20,6 @@ from tests.plugin_files import write_text
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 SUMMARY_STRATEGY = {"baseline": "baseline", "parameter_server": "ps-", "ddp": "ddp"}  # ps-sync, ps-async
-# One config that asks for compression runs in the fast suite; the others are covered there
-# by the strategies' own tests.
-FAST = {"ps_sync_topk.yaml"}
 # make test-extended runs these: each one's keys are validated, and checked to be read by
 # its strategy, in tests/unit (test_shipped_config_names, test_config_usage), and its path
 # is run end to end in make test by another test: the four-worker twins by their two-worker
@@ -51,10 +48,10 @@ def architecture(path: Path) -> str:
     return yaml.safe_load(path.read_text())["system"].get("architecture", "baseline")
 
 
+# Each is a training run of the command line, tens of seconds: none in the fast selection.
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("path", [
-    pytest.param(p, id=p.stem, marks=() if p.name in FAST else
-                 (VARIANT if p.name in EXTENDED else pytest.mark.slow)) for p in CONFIGS])
+    pytest.param(p, id=p.stem, marks=VARIANT if p.name in EXTENDED else pytest.mark.slow) for p in CONFIGS])
 def test_shipped_config_runs_to_the_end(cli, tmp_path, path, mnist_or_digits):
     config = yaml.safe_load(path.read_text())
     data = data_flags(config, tmp_path, mnist_or_digits)

@@ -90,6 +90,7 @@ def test_a_ddp_run_with_mutual_tls_reports_every_rank_to_its_coordinator(cli, pk
     assert "TLS on for" in log and "mutual: clients need a certificate" in log
 
 
+@pytest.mark.slow  # processes of the command line
 @pytest.mark.timeout(120)
 def test_status_reads_a_coordinator_with_mutual_tls_only_with_the_files(cli, pki, tmp_path):
     files = TlsFiles(str(pki["cert"]), str(pki["key"]), str(pki["ca"]), operators=("node",))

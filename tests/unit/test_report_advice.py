@@ -68,6 +68,7 @@ def test_each_run_measured_point_sits_beside_its_prediction(rendered):
     assert "Predicted scaling" in (folder / "report.html").read_text()
 
 
+@pytest.mark.slow  # renders a comparison's report twice, plots too: seconds
 @pytest.mark.timeout(120)
 def test_without_a_baseline_there_is_no_prediction_and_no_plot(tmp_path):
     folder = write_comparison(tmp_path / "cmp", {k: v for k, v in RUNS.items() if k != "baseline"})
