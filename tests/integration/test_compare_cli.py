@@ -12,6 +12,7 @@ from test_ps_cluster import cluster_processes, wait_until
 FAST = ["--dataset", "digits", "--num-epochs", "1", "--num-threads", "1"]
 
 
+@pytest.mark.slow  # a process of the command line
 @pytest.mark.timeout(60)
 def test_an_unknown_strategy_is_refused_before_anything_runs(tmp_path, cli):
     result = cli("compare", *FAST, "--strategies", "baseline,ps-foo", "--output-dir", tmp_path / "c")
@@ -41,6 +42,7 @@ def test_a_failing_strategy_is_reported_as_failed_and_the_others_still_run(tmp_p
     assert "failed" in result.stdout and str(folder / "report.html") in result.stdout
 
 
+@pytest.mark.slow  # a process of the command line
 @pytest.mark.timeout(60)
 def test_a_folder_holding_a_comparison_is_not_overwritten(tmp_path, cli):
     folder = tmp_path / "c"

@@ -11,6 +11,7 @@ different lengths, padded (`training.collate_fn=pad`), with its own loss
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
@@ -21,7 +22,10 @@ from disttrain.core.checkpoint import load_checkpoint
 from disttrain.metrics.logger import read_metrics
 from tests.plugin_files import write_text
 
-pytest.importorskip("transformers", reason="transformers is not installed (pip install 'disttrain[hf]')")
+# Looked up, not imported: collecting the suite (the fast selection too, which runs none of
+# these) then pays no second for transformers; the runs import it in their own processes.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                reason="transformers is not installed (pip install 'disttrain[hf]')")
 
 # Written as a user would: the factory takes the data set's description, sizes GPT-2 to its
 # vocabulary (the text's 256 bytes) and sequence length, and returns the model unchanged.

@@ -17,6 +17,7 @@ def dirs(tmp_path, name):
             "--artifacts-dir", tmp_path / "artifacts"]
 
 
+@pytest.mark.slow  # a process of the command line
 @pytest.mark.timeout(120)
 def test_report_renders_a_comparison_folder(tmp_path, cli):
     folder = write_comparison(tmp_path / "cmp", failed={"ps-async": "exit code 1: killed"})
@@ -31,6 +32,7 @@ def test_report_renders_a_comparison_folder(tmp_path, cli):
     assert (folder / "report.html").stat().st_size > 10_000 and (folder / "report.md").exists()
 
 
+@pytest.mark.slow  # two processes of the command line
 @pytest.mark.timeout(120)
 def test_report_predicts_scaling_on_the_link_given_and_refuses_a_bad_one(tmp_path, cli):
     folder = write_comparison(tmp_path / "cmp")
@@ -99,6 +101,7 @@ def ps_artifact(tmp_path):
     return write_run_artifacts(summary.to_dict(), tmp_path / "artifacts")[0]
 
 
+@pytest.mark.slow  # a process of the command line each
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", ["missing", "not json", "wrong shape", "wrong kind", "no comparison"])
 def test_bad_input_exits_2_with_one_line_naming_the_file(tmp_path, cli, case):
