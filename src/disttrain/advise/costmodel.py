@@ -31,7 +31,8 @@ gradient, `t_opt` one optimizer step over every parameter. The formulas (the REA
   of all but the last shard go while backward finishes: a credit of
   `min(t_b, e + T_push)·(S-1)/S`, less `overlap_contention_s` (the push's CPU work taken
   from backward where no core is free); with the overlap trial (`ps.overlap_trial_steps`)
-  a worker keeps the faster side, so the credit is never below 0. Step: `t_f + t_b + e +
+  a worker keeps the overlap only where the credit is more than `MIN_GAIN` (2%) of the
+  plain step, else none (the plain push): the credit is 0 or above 2%. Step: `t_f + t_b + e +
   T_push + n·d/S + t_opt/S + T_pull - credit`. With pull compression the pull carries
   each shard's compressed change instead of G (dense every D-th version: `((D-1)·P_pull + G)/D`, see
   `advise.payloads`), the shards encode and add the change (`(e_p + d_p)/S`), and the
@@ -81,6 +82,7 @@ from disttrain.advise.payloads import compact_topk_nbytes, pull_change_bytes
 from disttrain.advise.workload import CompressionCost, Workload
 from disttrain.compression import collectives
 from disttrain.compression.dgc import DgcRules
+from disttrain.strategies.ps.worker.overlap_trial import MIN_GAIN
 
 STRATEGIES = ("ddp", "ps-sync", "ps-async")
 # topk-compact: top-k with `compression.compact` (fp16 values, varint index gaps)
@@ -235,8 +237,9 @@ class CostModel:
         pull_ratio, pull_dense_every: pull compression's topk share and dense period
             (`compression.pull_ratio`, `compression.pull_dense_every`).
         overlap_trial: with overlap, each worker times its first steps overlapped and
-            plain and keeps the faster (`ps.overlap_trial_steps` > 0): the step is the
-            lower of the two; False: always overlapped, even where that is slower.
+            plain and keeps the overlap only on a clear win (`ps.overlap_trial_steps` > 0):
+            the step is the overlapped one where it is more than 2% (`MIN_GAIN`) below the
+            plain one, else the plain one; False: always overlapped, even where slower.
         overlap_contention_s: seconds an overlapped push's CPU work (serialising each
             shard's slice, gRPC's threads, the parameters brought back) adds to backward
             where no core is free to run it; 0: a core is free (the overlap costs nothing).
@@ -461,10 +464,15 @@ class CostModel:
         overlap = 0.0
         if self.overlap and c.sync_every == 1:
             overlap = min(w.backward_s, encode_s + push) * (s - 1) / s - self.overlap_contention_s
-            if self.overlap_trial:  # the worker keeps the faster side; a tie, the plain push
-                overlap = max(0.0, overlap)
         apply = (share * w.optimizer_s + pull_encode_s + pull_decode_s) / s
-        return RoundTrip(encode_s, overlap, push, decode_s / s, apply, pull)
+        trip = RoundTrip(encode_s, overlap, push, decode_s / s, apply, pull)
+        if overlap and self.overlap_trial:
+            # the worker keeps the overlap only where it saves more than MIN_GAIN of the plain
+            # step (`overlap_trial.judge`; a model's steps do not vary, so there is no spread)
+            plain_step = self.slowest_compute_s(n) + self._sync_exchange_s(replace(trip, overlap_s=0.0), n)
+            if overlap <= MIN_GAIN * plain_step:
+                trip = replace(trip, overlap_s=0.0)
+        return trip
 
     @staticmethod
     def _sync_exchange_s(trip: RoundTrip, n: int) -> float:
