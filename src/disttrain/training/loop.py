@@ -34,7 +34,7 @@ from disttrain.metrics.summary import Outcome
 from disttrain.metrics.time_to_target import Evaluation, TimeToTarget, time_to_target
 from disttrain.metrics.window import MetricsWindow, TrainClock
 from disttrain.training.checkpoints import Position
-from disttrain.training.engine import EvalResult
+from disttrain.training.engine import EvalResult, StepResult
 from disttrain.training.loading import PrefetchedBatches
 from disttrain.training.rebalance import Rebalancer
 from disttrain.training.strategy import CheckpointStore, Participant, StepInfo
@@ -139,6 +139,92 @@ def evaluation_record(result: EvalResult, task: str, eval_s: float, samples: int
             "progress/train_time_s": train_time_s}
 
 
+def evaluate_off_the_clock(clock: TrainClock, faults: FaultInjector,
+                           evaluate: Callable[[], EvalResult]) -> tuple[EvalResult, float]:
+    """Run `evaluate` (an epoch's evaluation; the faults meant for evaluations first) with the
+    training clock stopped. Returns its result and seconds. Every strategy and recovery mode
+    evaluates through this, so none counts evaluation as training."""
+    with clock.paused():
+        started = time.perf_counter()
+        faults.at_evaluation()
+        result = evaluate()
+        return result, time.perf_counter() - started
+
+
+@dataclass
+class LoopRecords:
+    """The records a training process logs, kept once for every strategy and recovery mode
+    (the shared loop's, and a live DDP rank's generations): the window of training figures
+    every `log_interval` steps, each epoch's evaluation record with its announcement, and
+    the `(train_time_s, figure)` evaluations the run's time to target is computed from.
+
+    Args:
+        metrics: this process's metrics stream.
+        task: the data set's (a language model's records show perplexity, not accuracy).
+        log_interval: steps between two window records.
+        num_epochs: the run's; a record made after the last epoch ended is that epoch's.
+        announce: log each epoch's test figures (the process that speaks for the run).
+        on_metrics: called with (step, epoch, scalars) of every record logged; it runs on
+            the training thread, so it must return at once.
+        evaluations: those of the run so far (a resumed run's, read back from its records).
+    """
+
+    metrics: MetricsLogger
+    task: str
+    log_interval: int
+    num_epochs: int
+    announce: bool = True
+    on_metrics: Callable[[int, int, Mapping[str, float]], None] | None = None
+    evaluations: list[Evaluation] = field(default_factory=list)
+    window: MetricsWindow = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.window = MetricsWindow(0.0, self.perplexity)
+
+    @property
+    def perplexity(self) -> bool:
+        return self.task == LANGUAGE_MODEL
+
+    def open_window(self, clock_s: float) -> None:
+        """Start a window at training-clock reading `clock_s`, dropping the steps of an open
+        one (a live group's steps cut short by a change of group are redone)."""
+        self.window = MetricsWindow(clock_s, self.perplexity)
+
+    def after_step(self, step: int, epoch: int, result: StepResult, samples: int, clock_s: float) -> None:
+        """Count step `step` (done at clock reading `clock_s`, `samples` trained on so far);
+        log the window when the step ends one."""
+        self.window.add(result.loss, result.num_correct, result.num_samples, result.scalars)
+        if step % self.log_interval == 0:
+            self.close_window(step, epoch, samples, clock_s)
+
+    def close_window(self, step: int, epoch: int, samples: int, clock_s: float) -> None:
+        """Log the open window's steps (if any) and open the next one at `clock_s`."""
+        if self.window.num_steps:
+            self.log(step, epoch, window_record(self.window, clock_s, samples))
+        self.open_window(clock_s)
+
+    def evaluated(self, step: int, epoch: int, result: EvalResult, eval_s: float, samples: int,
+                  train_time_s: float) -> None:
+        """Log the evaluation at `epoch`'s end (`eval_s` seconds, off the training clock,
+        whose reading is `train_time_s`), count it among `evaluations` and announce it."""
+        record = evaluation_record(result, self.task, eval_s, samples, train_time_s)
+        self.evaluations.append((train_time_s, record[time_to_target(self.perplexity).metric]))
+        self.log(step, epoch, record)
+        self.metrics.flush()
+        if self.announce and self.perplexity:
+            logger.info("epoch %d: test perplexity %.3f, test loss %.4f (%.2fs)", epoch,
+                        result.perplexity, result.loss, eval_s)
+        elif self.announce:
+            logger.info("epoch %d: test accuracy %.4f, test loss %.4f (%.2fs)", epoch, result.accuracy,
+                        result.loss, eval_s)
+
+    def log(self, step: int, epoch: int, scalars: dict[str, float]) -> None:
+        epoch = min(epoch, self.num_epochs - 1)  # a record after the last epoch ended is that epoch's
+        self.metrics.log(step, epoch, scalars)
+        if self.on_metrics is not None:
+            self.on_metrics(step, epoch, scalars)
+
+
 @dataclass
 class TrainingLoop:
     """Runs a participant from its checkpoint (or the start) to the last epoch.
@@ -202,9 +288,11 @@ class TrainingLoop:
         steps_per_epoch = math.ceil(sampler.num_batches(s.batch_size) / s.micro_batches)
         display = self.progress(steps_per_epoch * s.num_epochs, position.step)
         evaluation = None
+        records = LoopRecords(metrics, s.task, s.log_interval, s.num_epochs, self.announce, self.on_metrics,
+                              evaluations)
         self.participant.start()
         self.clock.start()
-        window = MetricsWindow(self.clock.elapsed(), s.perplexity)
+        records.open_window(self.clock.elapsed())
         for epoch in range(position.epoch, s.num_epochs):
             sampler.set_epoch(epoch)
             position.epoch = epoch
@@ -224,13 +312,12 @@ class TrainingLoop:
                                                                  sampler.exhausted))
                 position.step += 1
                 position.samples_processed += result.num_samples
-                window.add(result.loss, result.num_correct, result.num_samples, result.scalars)
                 display.update(1, loss=result.loss)
                 blocked_s = result.scalars.get("time/comm_blocked_s", 0.0)
                 if self.rebalancer is not None:  # before a checkpoint, which then holds its plan
                     self.rebalancer.after_step(position.step, epoch, result.num_samples, blocked_s)
-                if position.step % s.log_interval == 0:
-                    window = MetricsWindow(self._log_window(metrics, window), s.perplexity)
+                records.after_step(position.step, epoch, result, position.samples_processed,
+                                   self.clock.elapsed())
                 if position.step % s.checkpoint_interval == 0:
                     if not sampler.exhausted:
                         self._save(metrics)
@@ -239,7 +326,7 @@ class TrainingLoop:
                 self.faults.at_step(position.step, train_time_s=self.clock.elapsed(), waited_s=blocked_s)
                 if not sampler.exhausted:
                     self._stop_if_asked(metrics, saved=position.step % s.checkpoint_interval == 0)
-            evaluation = self._evaluate(metrics, epoch, evaluations)
+            evaluation = self._evaluate(records, epoch)
             position.epoch = epoch + 1
             sampler.set_epoch(epoch + 1)
             if save_after_evaluation:
@@ -250,8 +337,7 @@ class TrainingLoop:
         display.close()
         if self.loader is not None:
             self.loader.close()
-        if window.num_steps:
-            self._log_window(metrics, window)
+        records.close_window(position.step, position.epoch, position.samples_processed, self.clock.elapsed())
         if evaluation is None:  # resumed a finished run: nothing left to train
             evaluation = self.participant.evaluate(position.epoch - 1)
         if position.step % s.checkpoint_interval != 0:
@@ -261,39 +347,13 @@ class TrainingLoop:
         resumed_step = None if resumed_from is None else ckpt.checkpoint_step(resumed_from)
         return LoopResult(position, evaluation, resumed_step, evaluations, s.task)
 
-    def _log_window(self, metrics: MetricsLogger, window: MetricsWindow) -> float:
-        """Log the window; returns the clock reading it closed at (the next one opens there)."""
-        now = self.clock.elapsed()
-        epoch = min(self.position.epoch, self.settings.num_epochs - 1)  # after the last epoch ended
-        self._log(metrics, epoch, window_record(window, now, self.position.samples_processed))
-        return now
-
-    def _log(self, metrics: MetricsLogger, epoch: int, scalars: dict[str, float]) -> None:
-        metrics.log(self.position.step, epoch, scalars)
-        if self.on_metrics is not None:
-            self.on_metrics(self.position.step, epoch, scalars)
-
-    def _evaluate(self, metrics: MetricsLogger, epoch: int, evaluations: list[Evaluation]) -> EvalResult:
+    def _evaluate(self, records: LoopRecords, epoch: int) -> EvalResult:
         """Evaluate off the training clock; log the figures with the clock's reading (so a
-        report plots accuracy against training time from the JSONL alone) and append
-        `(train_time_s, figure)` to `evaluations` (accuracy, a language model's perplexity)."""
-        with self.clock.paused():
-            started = time.perf_counter()
-            self.faults.at_evaluation()
-            result = self.participant.evaluate(epoch)
-            seconds = time.perf_counter() - started
-            train_time_s = self.clock.elapsed()
-        record = evaluation_record(result, self.settings.task, seconds, self.position.samples_processed,
-                                   train_time_s)
-        evaluations.append((train_time_s, record[self.settings.target.metric]))
-        self._log(metrics, epoch, record)
-        metrics.flush()
-        if self.announce and self.settings.perplexity:
-            logger.info("epoch %d: test perplexity %.3f, test loss %.4f (%.2fs)", epoch,
-                        result.perplexity, result.loss, seconds)
-        elif self.announce:
-            logger.info("epoch %d: test accuracy %.4f, test loss %.4f (%.2fs)", epoch, result.accuracy,
-                        result.loss, seconds)
+        report plots accuracy against training time from the JSONL alone)."""
+        result, seconds = evaluate_off_the_clock(self.clock, self.faults,
+                                                 lambda: self.participant.evaluate(epoch))
+        records.evaluated(self.position.step, epoch, result, seconds, self.position.samples_processed,
+                          self.clock.elapsed())
         return result
 
     def _stop_if_asked(self, metrics: MetricsLogger, saved: bool) -> None:

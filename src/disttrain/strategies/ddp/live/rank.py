@@ -26,6 +26,7 @@ generation without it; a group below MIN waits at a step boundary for a rank to 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -42,7 +43,6 @@ from disttrain.core.processes import ProgressReport, sigterm_handled_by
 from disttrain.data import LANGUAGE_MODEL, describe_dataset
 from disttrain.metrics.logger import MetricsLogger
 from disttrain.metrics.summary import Outcome, RunSummary, Work
-from disttrain.metrics.window import MetricsWindow
 from disttrain.strategies.ddp.heartbeats import LoopProgress
 from disttrain.strategies.ddp.live.checkpoints import LiveCheckpoints, load_resume_state
 from disttrain.strategies.ddp.live.forming import is_member_lost
@@ -63,7 +63,7 @@ from disttrain.strategies.ddp.live.places import spare_key, wait_for_place
 from disttrain.strategies.ddp.live.state import share_state
 from disttrain.strategies.ddp.live.trainer import LiveTrainer
 from disttrain.strategies.ddp.runtime import is_peer_loss
-from disttrain.training.loop import evaluation_record, window_record
+from disttrain.training.loop import LoopRecords, evaluate_off_the_clock
 from disttrain.training.options import RunOptions
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class LiveRank:
         self.faults = FaultInjector(options.faults, "rank", slot, attempt)
         self.heartbeat_progress = progress
         self.launcher_progress = ProgressReport()
-        self.metrics: MetricsLogger | None = None
+        self.records: LoopRecords | None = None  # this process's metrics, opened at its first generation
         self.task = describe_dataset(config.training).task  # a language model logs perplexity
         self.pending: dict[str, Any] | None = None  # the recovery being made, recorded once synced
         # An elastic run (`--world-size MIN:MAX`) trains while at least MIN remain.
@@ -171,8 +171,8 @@ class LiveRank:
         finally:
             self.beats.stop()
             self.trainer.close()
-            if self.metrics is not None:
-                self.metrics.close()
+            if self.records is not None:
+                self.records.metrics.close()
 
     def _resume(self) -> None:
         """`--resume`: slot 0 holds the newest checkpoint's state, the others none (were
@@ -301,10 +301,13 @@ class LiveRank:
         trainer.attach(group.rank, group.world_size)
         if trainer.balance is not None:  # its balance state goes into the heartbeats
             self.heartbeat_progress.rebalancer = trainer.balance.rebalancer
-        if self.metrics is None:
+        if self.records is None:
             folder = os.path.join(self.config.system.log_dir, f"rank{self.slot}")
             resumed = self.attempt or self.resume  # records past the state's step are replaced
-            self.metrics = MetricsLogger(folder, resume_step=p.step if resumed else None)
+            training = self.config.training
+            self.records = LoopRecords(MetricsLogger(folder, resume_step=p.step if resumed else None),
+                                       self.task, training.log_interval, training.num_epochs)
+        self.records.announce = group.is_leader  # each generation's leader speaks for the run
         logger.info("generation %d trains from step %d (epoch %d, batch %d) on %d rank(s)",
                     group.generation, trainer.progress.step, trainer.progress.epoch,
                     trainer.progress.index, group.world_size)
@@ -334,13 +337,14 @@ class LiveRank:
         """Train this generation until the run ends (None), or joiners wait or members leave
         (what changes: `_boundary`).
 
-        The records are the shared loop's (`training.loop`): a window's figures every
-        `training.log_interval` steps, and each epoch's evaluation."""
-        trainer, group = self.trainer, self.group
+        The records are the shared loop's (`training.loop.LoopRecords`): a window's figures
+        every `training.log_interval` steps, and each epoch's evaluation; the steps of a
+        window a change of group cuts short are redone by the next generation, and counted
+        in its windows."""
+        trainer, group, records = self.trainer, self.group, self.records
+        assert records is not None
         p = trainer.progress
-        log_interval = self.config.training.log_interval
-        perplexity = self.task == LANGUAGE_MODEL
-        window = MetricsWindow(trainer.train_time_s(), perplexity)
+        records.open_window(trainer.train_time_s())
         while not trainer.finished:
             while not trainer.epoch_done:
                 joins_wait_s = 0.0
@@ -352,28 +356,31 @@ class LiveRank:
                         p.admitted = change.tickets
                         return change
                 result = trainer.step()
-                window.add(result.loss, result.num_correct, result.num_samples, result.scalars)
                 self._report()
-                if group.is_leader and self.checkpoints.due(p.step):
-                    self.checkpoints.save(p.step, trainer.state_dict())
-                if p.step % log_interval == 0:
-                    now = trainer.train_time_s()
-                    self._log(window_record(window, now, trainer.samples_trained))
-                    window = MetricsWindow(now, perplexity)
+                if not trainer.epoch_done:  # the epoch's last step: after its evaluation
+                    self._save_if_due()
+                records.after_step(p.step, p.epoch, result, trainer.samples_trained, trainer.train_time_s())
                 # A straggler slows its whole step, its waits for peers included.
                 self.faults.at_step(p.step, train_time_s=trainer.train_time_s())
                 trainer.after_step(result.num_samples, joins_wait_s)  # balanced: this member's speed
             epoch = p.epoch
-            evaluation = trainer.evaluate(group.rank, group.world_size)
-            self._log(evaluation_record(evaluation, self.task, trainer.last_eval_s, trainer.samples_trained,
-                                        trainer.train_time_s()), epoch)
-            if group.is_leader:
-                name, figure = (("perplexity", evaluation.perplexity) if perplexity
-                                else ("accuracy", evaluation.accuracy))
-                logger.info("epoch %d: test %s %.4f, test loss %.4f", epoch, name, figure, evaluation.loss)
-        if window.num_steps:
-            self._log(window_record(window, trainer.train_time_s(), trainer.samples_trained))
+            evaluation, eval_s = evaluate_off_the_clock(
+                trainer.clock, self.faults, lambda: trainer.evaluate(group.rank, group.world_size))
+            records.evaluated(p.step, epoch, evaluation, eval_s, trainer.samples_trained,
+                              trainer.train_time_s())
+            self._save_if_due()
+        records.close_window(p.step, p.epoch, trainer.samples_trained, trainer.train_time_s())
         return None
+
+    def _save_if_due(self) -> None:
+        """The leader writes the checkpoint of a step `training.checkpoint_interval` divides,
+        off the training clock; as the shared loop's, one due at an epoch's last step is
+        written after that epoch's evaluation, so a resumed run never evaluates (or logs)
+        an epoch twice."""
+        trainer, p = self.trainer, self.trainer.progress
+        if self.group.is_leader and self.checkpoints.due(p.step):
+            with trainer.clock.paused():
+                self.checkpoints.save(p.step, trainer.state_dict())
 
     def _boundary(self) -> Change:
         """What changes at this step boundary (a collective). A group of an elastic run
@@ -399,12 +406,6 @@ class LiveRank:
             change = group.pending_changes(p.admitted, group.leave_requested, wait_s=MINIMUM_POLL_S)
         return change
 
-    def _log(self, scalars: dict[str, float], epoch: int | None = None) -> None:
-        p = self.trainer.progress
-        assert self.metrics is not None
-        epoch = min(p.epoch if epoch is None else epoch, self.trainer.num_epochs - 1)  # after the last ended
-        self.metrics.log(p.step, epoch, scalars)
-
     def _report(self) -> None:
         p, position = self.trainer.progress, self.heartbeat_progress.position
         position.epoch, position.step = p.epoch, p.step
@@ -420,7 +421,8 @@ class LiveRank:
         trained = torch.tensor([trainer.samples_trained, trainer.samples_redone], dtype=torch.int64)
         dist.all_reduce(trained)
         if group.is_leader:
-            self.checkpoints.save_final(trainer.progress.step, trainer.state_dict())
+            with trainer.clock.paused():
+                self.checkpoints.save_final(trainer.progress.step, trainer.state_dict())
         self.checkpoints.close()  # the last checkpoint complete before the run reports done
         group.finish()
         dist.barrier()
@@ -438,7 +440,8 @@ class LiveRank:
                               trainer.module.state_dict(), config)
         applied, lost, twice = trainer.ledger_totals()
         _, accuracy, loss = p.evaluations[-1]
-        outcome = Outcome(accuracy, loss, tuple((t, a) for t, a, _ in p.evaluations))
+        evaluations = tuple((t, self._figure(a, test_loss)) for t, a, test_loss in p.evaluations)
+        outcome = Outcome(accuracy, loss, evaluations, self.task)
         work = Work(samples_processed=applied, steps=p.step, world_size=config.system.num_workers,
                     total_time_s=trainer.train_time_s(), train_time_s=trainer.train_time_s())
         return RunSummary.create(
@@ -452,6 +455,13 @@ class LiveRank:
                                                    p.recoveries),
                    **self._elastic_fields(),
                    **({} if trainer.rounds is None else trainer.rounds.summary_fields())})
+
+    def _figure(self, accuracy: float, loss: float) -> float:
+        """An evaluation's figure for the time to target: its accuracy, or a language
+        model's perplexity (`EvalResult.perplexity`: exp of the loss)."""
+        if self.task != LANGUAGE_MODEL:
+            return accuracy
+        return math.exp(min(loss, 700.0))  # past e^700 a float overflows
 
     def _elastic_fields(self) -> dict[str, Any]:
         """An elastic run's range: `min_world_size` and `max_world_size`."""

@@ -35,6 +35,7 @@ from disttrain.config import Config
 from disttrain.core.errors import ConfigError
 from disttrain.data import PlannedSampler, load_datasets
 from disttrain.data.datasets import shard_layout
+from disttrain.metrics.window import TrainClock
 from disttrain.strategies.ddp.live.balance import LiveBalance
 from disttrain.strategies.ddp.live.compression import (
     clear_residuals,
@@ -137,11 +138,13 @@ class LiveTrainer:
         self.blocked_s = 0.0  # the last step's wait in the all-reduce
         # What one all-reduce of the flat buffer (or a round's pseudo-gradient) hands over.
         self.bytes_allreduced = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        self.last_eval_s = 0.0  # the last evaluation's seconds, off the training clock
         self.samples_trained = 0  # by this process, failed steps included
         self.samples_redone = 0  # of steps whose all-reduce failed here (the group redoes them)
         self._in_flight = 0
-        self._clock_from = time.perf_counter()
+        # The shared loop's clock (`metrics.window.TrainClock`): stopped during evaluation
+        # and checkpoint writes (`clock.paused()`), so throughput leaves them out.
+        self.clock = TrainClock()
+        self.clock.start()
 
     @property
     def finished(self) -> bool:
@@ -152,7 +155,13 @@ class LiveTrainer:
         return self.progress.index >= self.batches_per_epoch
 
     def train_time_s(self) -> float:
-        return self.progress.train_time_s + time.perf_counter() - self._clock_from
+        return self.clock.elapsed()
+
+    def _set_clock(self, train_time_s: float) -> None:
+        """The training clock reads on from `train_time_s` (a state taken, or kept across
+        a rollback)."""
+        self.clock = TrainClock(train_time_s)
+        self.clock.start()
 
     @property
     def at_round_boundary(self) -> bool:
@@ -171,7 +180,6 @@ class LiveTrainer:
 
     def _current_state(self) -> dict[str, Any]:
         self.progress.train_time_s = self.train_time_s()
-        self._clock_from = time.perf_counter()
         state = {"model": self.module.state_dict(), **self.stepper.state_dict(),
                  "progress": self.progress.state_dict(), "ledger": self.ledger}
         if self.compression is not None:
@@ -217,7 +225,7 @@ class LiveTrainer:
         self.progress.load_state_dict(state["progress"])
         self.ledger = state["ledger"].clone()
         self._keep_global_batch(self.progress, tuple(self.ledger.shape))
-        self._clock_from = time.perf_counter()
+        self._set_clock(self.progress.train_time_s)
 
     def _keep_global_batch(self, progress: Progress, ledger_shape: tuple[int, ...]) -> None:
         """The state's global batch becomes this process's: a run resumed on another size
@@ -325,6 +333,7 @@ class LiveTrainer:
             elapsed = self.train_time_s()
             self._load_training(start)
             self.progress.train_time_s = elapsed  # the clock of training goes on
+            self._set_clock(elapsed)
 
     def step(self) -> StepResult:
         """Train on this member's pieces of the step's global batches (one, or up to
@@ -402,13 +411,11 @@ class LiveTrainer:
         return {**self._comm_scalars(blocked), "local/rounds": 1}
 
     def evaluate(self, rank: int, world_size: int) -> EvalResult:
-        """The epoch-end evaluation (a collective), recorded; then the next epoch begins."""
+        """The epoch-end evaluation (a collective), recorded; then the next epoch begins.
+        Call with the training clock paused (`clock.paused()`)."""
         training = self.config.training
-        started = time.perf_counter()
         result = evaluate_sharded(self.module, self.test_set, training.eval_batch_size, rank,
                                   world_size, torch.device("cpu"))
-        self.last_eval_s = time.perf_counter() - started
-        self._clock_from += self.last_eval_s  # the training clock stops during evaluation
         p = self.progress
         p.evaluations.append([self.train_time_s(), result.accuracy, result.loss])
         p.epoch, p.index = p.epoch + 1, 0
