@@ -18,7 +18,7 @@ from disttrain.strategies.ps.wire.payloads import GradientEncoder
 from disttrain.strategies.ps.wire.sharding import flat_parameters, plan_shards
 from disttrain.strategies.ps.worker.client import PSClient, RetryPolicy
 from disttrain.strategies.ps.worker.exchange import Block, SyncOptions, WorkerTensors, make_exchange
-from disttrain.strategies.ps.worker.overlap_trial import keeps_overlap
+from disttrain.strategies.ps.worker.overlap_trial import OverlapTrial, judge
 from disttrain.training.engine import forward_backward
 from disttrain.training.models import init_model
 from tests.distributed.test_ps_server import make_config
@@ -106,8 +106,10 @@ def test_overlapped_steps_match_one_process_and_overlap_backward(tmp_path):
 def test_a_trial_of_both_pushes_matches_one_process_and_keeps_one_side(tmp_path):
     """The overlap trial (`ps.overlap_trial_steps`) runs overlapped and plain steps in ABBA
     pairs on real shards: what is trained is unchanged, both sides ran (overlapped steps send
-    during backward, plain ones do not), and after the trial every step takes one side."""
-    count = 2 + 2 * 2 + 3  # warm-up, two timed steps per side, then the side kept
+    during backward, plain ones do not), the trial ran one round of pairs or, undecided,
+    more (up to its cap), and after the trial every step takes one side."""
+    rounds = OverlapTrial(2).max_rounds
+    count = 2 + 2 * 2 * rounds + 3  # warm-up, the most rounds of two timed steps per side, then the side kept
     config = make_config(tmp_path)
     cluster = Cluster(config, overlap=True, trial_steps=2)
     try:
@@ -119,12 +121,17 @@ def test_a_trial_of_both_pushes_matches_one_process_and_keeps_one_side(tmp_path)
         trial = cluster.exchange.trial
         torch.testing.assert_close(cluster.parameters(), one_process(config, count), rtol=1e-5, atol=1e-6)
         assert cluster.exchange.versions == [count] * SHARDS
-        assert trial.chosen is not None and all(len(t) == 2 for t in trial.timed.values())
+        timed = len(trial.pairs)
+        assert trial.chosen is not None and timed in {2 * r for r in range(1, rounds + 1)}
         # ABBA pairs: the plain steps of the trial sent nothing during backward, the
         # overlapped ones did (shard 1 leaves before backward ends)
-        assert used[2:6] == [True, False, False, True]
-        assert used[6:] == [trial.chosen] * 3
-        assert trial.chosen == keeps_overlap(trial.timed[True], trial.timed[False])
+        assert used[2:2 + 2 * timed] == [True, False, False, True] * (timed // 2)
+        assert used[2 + 2 * timed:] == [trial.chosen] * (count - 2 - 2 * timed)
+        # each round but the last was undecided, the last decided it (or reached the cap)
+        for end in range(2, timed, 2):
+            assert judge(trial.timed[True][:end], trial.timed[False][:end]).undecided
+        last = judge(trial.timed[True], trial.timed[False])
+        assert trial.chosen == last.keep_overlap and (timed == 2 * rounds or not last.undecided)
     finally:
         cluster.close()
 

@@ -1,13 +1,15 @@
 """The overlap trial's pure choice: after untimed warm-up steps, the first steps run
 overlapped and plain pushes in ABBA pairs, and the overlap is kept only where the median
 of the pairs' gains beats both the gains' spread and a floor; a near-tie, a noisy sample
-or a load that drifts during the trial keeps the plain push. Timings are injected."""
+or a load that drifts during the trial keeps the plain push. Sequential: undecided after
+a round of pairs, the trial runs another, up to a cap; a tie or a loss stops at once.
+Timings are injected."""
 
 from __future__ import annotations
 
 import pytest
 
-from disttrain.strategies.ps.worker.overlap_trial import OverlapTrial, judge, keeps_overlap
+from disttrain.strategies.ps.worker.overlap_trial import MAX_ROUNDS, OverlapTrial, judge, keeps_overlap
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -52,7 +54,7 @@ NOISY_NEAR_TIE = ([1.00, 1.30, 0.95, 1.25], [1.10, 1.20, 1.05, 1.20])
     ([0.995] * 4, [1.0] * 4, False),                       # a steady win under the 2% floor
 ])
 def test_the_trial_keeps_the_overlap_only_on_a_clear_win(overlapped, plain, kept):
-    trial = OverlapTrial(steps_each=4)
+    trial = OverlapTrial(steps_each=4, max_rounds=1)  # one round: the rule on 4 pairs
     used = run(trial, {True: overlapped, False: plain})
     assert trial.chosen is kept and keeps_overlap(overlapped, plain) is kept
     assert used[:2] == [True, True]  # the warm-up steps overlap, untimed
@@ -94,6 +96,48 @@ def test_a_clear_win_survives_a_drifting_load():
     assert trial.verdict.gain_s == pytest.approx(0.3) and trial.chosen is True
 
 
+# gains +0.12, -0.10, +0.10, 0.00: median 0.05, spread 0.06: positive, not beyond the margin
+UNDECIDED = ([0.88, 1.10, 0.90, 1.00], [1.00, 1.00, 1.00, 1.00])
+
+
+def test_an_undecided_round_runs_another_and_a_clear_win_by_eight_pairs_keeps_the_overlap():
+    first = judge(*UNDECIDED)
+    assert first.gain_s == pytest.approx(0.05) and first.needed_s == pytest.approx(0.06)
+    assert first.undecided and not first.keep_overlap
+    more = ([0.90] * 4, [1.00] * 4)  # four more pairs, each 0.10 faster overlapped
+    eight = judge(UNDECIDED[0] + more[0], UNDECIDED[1] + more[1])
+    assert eight.gain_s == pytest.approx(0.10) and eight.keep_overlap and not eight.undecided
+    trial = OverlapTrial(steps_each=4)
+    used = run(trial, {True: UNDECIDED[0] + more[0], False: UNDECIDED[1] + more[1]})
+    assert trial.chosen is True and len(trial.pairs) == 8
+    assert used[2:] == [True, False, False, True] * 4  # ABBA through both rounds
+    assert trial.verdict == eight and "over 8 step(s) each" in trial.describe()
+
+
+@pytest.mark.parametrize(("overlapped", "plain"), [
+    ([1.3, 1.2, 1.4, 1.3], [1.0, 1.1, 1.0, 1.2]),  # a clear loss
+    ([1.0] * 4, [1.0] * 4),                        # a tie
+])
+def test_a_loss_or_a_tie_stops_after_the_first_round_with_the_plain_push(overlapped, plain):
+    assert not judge(overlapped, plain).undecided
+    trial = OverlapTrial(steps_each=4)
+    used = run(trial, {True: overlapped, False: plain})  # no time for a second round: it must stop
+    assert trial.chosen is False and len(trial.pairs) == 4 and len(used) == 2 + 8
+
+
+def test_undecided_at_the_cap_keeps_the_plain_push():
+    trial = OverlapTrial(steps_each=4)
+    rounds = MAX_ROUNDS
+    used = run(trial, {True: UNDECIDED[0] * rounds, False: UNDECIDED[1] * rounds})
+    assert len(trial.pairs) == 4 * rounds == 12 and len(used) == 2 + 2 * 12
+    assert trial.verdict.undecided and trial.chosen is False
+    assert "undecided at the cap; keeping the plain push" in trial.describe()
+    # a steady win under the floor is undecided too: the cap ends it
+    small = OverlapTrial(steps_each=2, warmup_steps=0, max_rounds=2)
+    run(small, {True: [0.995] * 4, False: [1.0] * 4})
+    assert small.chosen is False and len(small.pairs) == 4
+
+
 def test_a_side_repeated_by_the_caller_reopens_its_pair():
     trial = OverlapTrial(steps_each=2, warmup_steps=0)
     for side, seconds in [(True, 9.0), (True, 1.0), (False, 2.0), (False, 2.0), (True, 1.0)]:
@@ -104,7 +148,8 @@ def test_a_side_repeated_by_the_caller_reopens_its_pair():
 
 @pytest.mark.parametrize(("kwargs", "message"), [({"steps_each": 0}, "steps_each must be >= 1"),
                                                  ({"steps_each": 1, "warmup_steps": -1}, "warmup_steps"),
-                                                 ({"steps_each": 1, "min_gain": -0.1}, "min_gain")])
+                                                 ({"steps_each": 1, "min_gain": -0.1}, "min_gain"),
+                                                 ({"steps_each": 1, "max_rounds": 0}, "max_rounds")])
 def test_a_trial_of_no_steps_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         OverlapTrial(**kwargs)

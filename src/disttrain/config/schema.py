@@ -314,8 +314,9 @@ class PSConfig:
     # With overlap: the first steps (after 2 untimed) run this many ABBA pairs of one
     # overlapped and one plain push, and each worker keeps the overlap only where its
     # median gain beats the pairs' spread and 2% of the step, else the plain push (logged):
-    # on saturated cores the overlap's CPU work can slow backward more than it hides. 0: no
-    # trial, always overlap.
+    # on saturated cores the overlap's CPU work can slow backward more than it hides.
+    # Undecided (a gain, but within the margin), it runs this many pairs again, up to 3
+    # rounds, and judges all of them. 0: no trial, always overlap.
     overlap_trial_steps: int = field(default=4, metadata=NON_NEGATIVE)
 
 

@@ -19,9 +19,10 @@ has produced that shard's whole gradient (`overlap.ShardTrigger`): the last laye
 shard goes out while backward still computes the first layers. The step then waits only
 for what is still in flight (`time/comm_blocked_s`); what travelled during backward is
 `time/comm_overlapped_s`. With an `overlap_trial.OverlapTrial` (`ps.overlap_trial_steps`,
-the default), the first steps run overlapped and plain pushes in ABBA pairs and the worker
-keeps the overlap only on a clear win over the noise it saw, logged: on saturated cores
-the overlap's CPU work slows backward more than it hides.
+the default), the first steps run overlapped and plain pushes in ABBA pairs (more rounds
+of them while undecided, up to a cap) and the worker keeps the overlap only on a clear win
+over the noise it saw, logged: on saturated cores the overlap's CPU work slows backward
+more than it hides.
 
 In sync mode (without backup workers) a worker computes every gradient on parameters
 of one step on every shard (`agreement`): each answer carries the run's step it is the
@@ -135,7 +136,7 @@ class SyncOptions:
         overlap: the worker's model, to push each shard's gradient as backward produces it
             (None: after backward).
         overlap_trial_steps: > 0: overlap only where the first steps measured it faster,
-            timed that many per side (`OverlapTrial`).
+            timed that many per side a round, more rounds while undecided (`OverlapTrial`).
         agree_timeout_s: how long the worker waits for its shards to reach one step (None:
             one RPC deadline).
         groups: Streaming DiLoCo's fragments, each a group of whole shards

@@ -10,7 +10,7 @@ only near the end of backward anyway: the overlapped step is then slower than th
 one (see docs/parameter-server.md, "Overlap"). Neither is known before the run, so the
 worker measures both (`ps.overlap_trial_steps`).
 
-The rule (`keeps_overlap`) is built so that keeping the overlap is never a worse bet than
+The rule (`judge`) is built so that keeping the overlap is never a worse bet than
 keeping the plain push. The steps come in pairs, one of each side, in the order ABBA
 (overlapped then plain, then plain then overlapped, ...): a load that rises or falls
 during the trial then favours each side in half the pairs, and cancels in the median of
@@ -21,11 +21,22 @@ sample, or a win smaller than the floor keeps the plain push, which does less wo
 the cores. A wrong "plain" costs at most the gain that was not clear; a wrong "overlap"
 could cost any amount, so the doubt goes to plain.
 
+The trial is sequential: it judges after the configured pairs and, where undecided (the
+median gain positive but not beyond the margin), runs as many pairs again and judges
+all of them, up to `MAX_ROUNDS` times the configured pairs; a gain of zero or less (a tie
+or a clear loss) stops at once with the plain push, and so does the cap reached
+undecided. Under load the pairs' gains spread as widely as they average, and 4 pairs then
+cannot show a real gain of 30%; 8 or 12 can, and a clear case still stops at 4.
+
 Pure: the exchange says which side a step used and how long it took; nothing here reads
 a clock, so tests step through a trial with timings of their own. The order of the sides
 follows the trial's own count of steps, so the workers of a synchronous run (which step
-together, from the same step) try the same side at the same step and each side's timing
-is not mixed with the other's.
+together, from the same step) try the same side at the same step while they measure and
+each side's timing is not mixed with the other's. Each worker judges its own clock, so
+two workers may stop after different numbers of rounds (and keep different sides, as
+before: both push the same gradient, so what is trained does not depend on it). A
+worker still measuring then times both sides of each pair against a worker whose side
+no longer changes, so the pair's comparison stays fair.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 MIN_GAIN = 0.02  # the overlap must save more than this share of the plain step to be kept
+MAX_ROUNDS = 3  # undecided: more rounds of the configured pairs, up to this many in all
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,12 @@ class Verdict:
     spread_s: float
     needed_s: float
     keep_overlap: bool
+
+    @property
+    def undecided(self) -> bool:
+        """The overlap looked faster, but not by the margin: more pairs may tell. A gain
+        of zero or less is decided (plain): more pairs would only confirm a tie or a loss."""
+        return not self.keep_overlap and self.gain_s > 0
 
 
 def judge(overlapped: Sequence[float], plain: Sequence[float], min_gain: float = MIN_GAIN) -> Verdict:
@@ -79,17 +97,22 @@ class OverlapTrial:
     clear win (`judge`).
 
     Args:
-        steps_each: pairs timed, one step per side each (> 0).
+        steps_each: pairs timed in a round, one step per side each (> 0); undecided
+            after a round, the trial runs another, up to `max_rounds` in all.
         warmup_steps: steps run first (overlapped) and not timed: the first step builds
             the autograd graph, fills the allocator and may wait for the shards.
         min_gain: the share of the plain step the overlap must save (`judge`).
+        max_rounds: the most rounds of `steps_each` pairs; undecided after the last,
+            the plain push is kept.
     Raises:
-        ValueError: `steps_each` < 1, `warmup_steps` < 0 or `min_gain` < 0.
+        ValueError: `steps_each` < 1, `warmup_steps` < 0, `min_gain` < 0 or
+            `max_rounds` < 1.
     """
 
     steps_each: int
     warmup_steps: int = 2
     min_gain: float = MIN_GAIN
+    max_rounds: int = MAX_ROUNDS
     pairs: list[tuple[float, float]] = field(default_factory=list)  # (overlapped, plain) seconds
     chosen: bool | None = None  # None: still measuring
     verdict: Verdict | None = None
@@ -103,6 +126,8 @@ class OverlapTrial:
             raise ValueError(f"warmup_steps must be >= 0 (got {self.warmup_steps})")
         if self.min_gain < 0:
             raise ValueError(f"min_gain must be >= 0 (got {self.min_gain})")
+        if self.max_rounds < 1:
+            raise ValueError(f"max_rounds must be >= 1 (got {self.max_rounds})")
 
     def overlaps(self) -> bool:
         """Whether the next step's push overlaps backward: the choice once made; while
@@ -118,7 +143,8 @@ class OverlapTrial:
 
     def record(self, overlapped: bool, step_s: float) -> bool:
         """Count one finished step that ran `overlapped` (or not) in `step_s` seconds.
-        Returns True when this timing made the choice (the caller logs `describe`)."""
+        Returns True when this timing made the choice (the caller logs `describe`): at
+        the end of a round, unless undecided with rounds left."""
         if self.chosen is not None:
             return False
         self._seen += 1
@@ -129,10 +155,12 @@ class OverlapTrial:
             return False
         first, self._pending = self._pending[1], None
         self.pairs.append((first, step_s) if not overlapped else (step_s, first))
-        if len(self.pairs) < self.steps_each:
+        if len(self.pairs) % self.steps_each:
             return False
         timed = self.timed
         self.verdict = judge(timed[True], timed[False], self.min_gain)
+        if self.verdict.undecided and len(self.pairs) < self.steps_each * self.max_rounds:
+            return False
         self.chosen = self.verdict.keep_overlap
         return True
 
@@ -150,8 +178,9 @@ class OverlapTrial:
         """One line for the log: both medians, the gain against the margin, the side kept."""
         kept = "overlapped" if self.chosen else "plain"
         verdict = self.verdict or Verdict(float("nan"), float("nan"), float("nan"), False)
-        return (f"overlap trial over {self.steps_each} step(s) each: overlapped pushes took "
+        undecided = ", undecided at the cap" if self.verdict is not None and self.verdict.undecided else ""
+        return (f"overlap trial over {len(self.pairs)} step(s) each: overlapped pushes took "
                 f"{self.median(True):.4f} s a step (median), plain pushes {self.median(False):.4f} s; "
                 f"median gain {verdict.gain_s:.4f} s a pair, needed more than {verdict.needed_s:.4f} s "
-                f"(spread {verdict.spread_s:.4f} s); keeping the {kept} push "
+                f"(spread {verdict.spread_s:.4f} s){undecided}; keeping the {kept} push "
                 f"(ps.overlap_trial_steps: 0 always overlaps)")
