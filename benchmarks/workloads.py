@@ -32,17 +32,22 @@ baseline) and its overlapped share (the issue's targets: at least 1.0 and at lea
 --quick keeps the keys and shrinks the models (`training.model_args`: resnet18 of width
 8, a 2-layer gpt_small of width 64), the batches and the steps. --repeats defaults to 2
 (--quick: 1). --models and --strategies pick a subset (the baseline always runs: the
-ratios need it); --steps sets the steps per process of every workload.
+ratios need it); --steps sets the steps per process of every workload. --set KEY=VALUE
+(repeatable) passes a config override to every run (`disttrain`'s own `--set`), before
+each strategy's own settings, so `ps_sync_overlap` still forces the overlap: e.g. `--set
+ps.overlap_trial_steps=8` lengthens the trial of `ps_sync`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -71,9 +76,11 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 
 
-def command(model: str, strategy: str, folder: Path, quick: bool, steps: int | None = None) -> list[str]:
+def command(model: str, strategy: str, folder: Path, quick: bool, steps: int | None = None,
+            overrides: Sequence[str] = ()) -> list[str]:
     """The `disttrain` command line of one run; its logs go under `folder` (`steps`: per
-    process, None: the workload's)."""
+    process, None: the workload's; `overrides`: `KEY=VALUE` config overrides, set before
+    the strategy's own, which win over them)."""
     workload = WORKLOADS[model]
     steps = steps or (workload["quick_steps"] if quick else workload["steps"])
     batch = workload["batch"] // 2 if quick else workload["batch"]
@@ -88,6 +95,8 @@ def command(model: str, strategy: str, folder: Path, quick: bool, steps: int | N
             "--log-dir", str(folder / "logs"), "--checkpoint-dir", str(folder / "ckpt"),
             "--set", f"training.log_interval={LOG_INTERVAL}",
             "--set", "training.eval_batch_size=16"]
+    for override in overrides:
+        args += ["--set", override]
     if model == "gpt_small":
         args += ["--seq-len", "128"]
     if quick and workload["quick_model_args"]:
@@ -127,7 +136,8 @@ def window_means(path: Path) -> dict[str, float]:
             "bytes_per_step": mean("comm/bytes_sent", "comm/bytes_received", "comm/bytes_allreduced")}
 
 
-def measure(model: str, strategy: str, quick: bool, steps: int | None = None) -> dict[str, float]:
+def measure(model: str, strategy: str, quick: bool, steps: int | None = None,
+            overrides: Sequence[str] = ()) -> dict[str, float]:
     """Run one strategy on one workload; its figures, averaged over its processes.
 
     Raises:
@@ -135,8 +145,8 @@ def measure(model: str, strategy: str, quick: bool, steps: int | None = None) ->
     """
     with tempfile.TemporaryDirectory(prefix="bench-workloads-") as tmp:
         folder = Path(tmp)
-        done = subprocess.run(command(model, strategy, folder, quick, steps), capture_output=True, text=True,
-                              timeout=TIMEOUT_S, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        done = subprocess.run(command(model, strategy, folder, quick, steps, overrides), capture_output=True,
+                              text=True, timeout=TIMEOUT_S, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if done.returncode != 0:
             raise RuntimeError(f"{model} {strategy} failed ({done.returncode}): "
                                f"{(done.stdout + done.stderr)[-3000:]}")
@@ -221,7 +231,7 @@ def main() -> None:
     for model in models:
         for _ in range(repeats):  # interleaved: drift in the machine's load hits all alike
             for strategy in strategies:
-                runs[model][strategy].append(measure(model, strategy, args.quick, args.steps))
+                runs[model][strategy].append(measure(model, strategy, args.quick, args.steps, args.set))
     results: dict[str, dict[str, Any]] = {}
     for model, by_strategy in runs.items():
         baseline = summarise(by_strategy["baseline"], None)
@@ -230,6 +240,7 @@ def main() -> None:
             results[model][strategy] = summarise(by_strategy[strategy], baseline)
     report("workloads", {
         "workers": WORKERS, "servers": SERVERS, "repeats": repeats, "threads_per_process": 1,
+        "overrides": args.set,
         "workloads": {model: {"dataset": w["dataset"],
                               "batch_per_process": w["batch"] // 2 if args.quick else w["batch"],
                               "steps_per_process": args.steps or (w["quick_steps"] if args.quick
@@ -249,6 +260,16 @@ def extra_args(parser) -> None:
     parser.add_argument("--strategies", help=f"comma-separated subset of {', '.join(STRATEGIES + OPTIONAL)}")
     parser.add_argument("--steps", type=int, help="steps per process of every workload (default: each "
                         "workload's)")
+    parser.add_argument("--set", action="append", default=[], type=override, metavar="KEY=VALUE",
+                        help="a config override for every run (repeatable), e.g. ps.overlap_trial_steps=8")
+
+
+def override(text: str) -> str:
+    """One `--set` value, checked before any run starts (argparse exits 2 on a bad one)."""
+    key, sep, _ = text.partition("=")
+    if not sep or not key.strip() or "." not in key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not section.key=value (e.g. ps.overlap_trial_steps=8)")
+    return text
 
 
 if __name__ == "__main__":

@@ -99,3 +99,24 @@ def test_the_overlapped_share_and_ps_against_ddp_follow_the_figures(workloads, t
     serial = workloads.command("resnet18", "ps_sync_no_overlap", tmp_path, quick=True)
     assert "--no-overlap" in serial and serial[serial.index("--aggregation-mode") + 1] == "sync"
     assert "--no-overlap" not in workloads.command("resnet18", "ps_sync", tmp_path, quick=True)
+
+
+def test_config_overrides_reach_every_run_before_the_strategys_own(workloads, tmp_path):
+    overrides = ["ps.overlap_trial_steps=8", "training.log_interval=4"]
+    plain = workloads.command("resnet18", "ps_sync", tmp_path, quick=True, overrides=overrides)
+    sets = [plain[i + 1] for i, arg in enumerate(plain) if arg == "--set"]
+    assert sets.index("ps.overlap_trial_steps=8") > sets.index("training.log_interval=3")
+    assert "training.log_interval=4" in sets  # after the benchmark's own default, so it applies
+    forced = workloads.command("resnet18", "ps_sync_overlap", tmp_path, quick=True, overrides=overrides)
+    forced_sets = [forced[i + 1] for i, arg in enumerate(forced) if arg == "--set"]
+    # the forced overlap's own setting comes last, so it still forces the overlap
+    assert forced_sets.index("ps.overlap_trial_steps=0") > forced_sets.index("ps.overlap_trial_steps=8")
+    assert "ps.overlap_trial_steps=8" not in workloads.command("resnet18", "ps_sync", tmp_path, quick=True)
+
+
+def test_a_malformed_override_is_refused_before_any_run(workloads, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["workloads.py", "--set", "overlap_trial_steps"])
+    monkeypatch.setattr(workloads, "measure", lambda *a, **k: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as exited:
+        workloads.main()
+    assert exited.value.code == 2 and "is not section.key=value" in capsys.readouterr().err
