@@ -21,7 +21,7 @@ from conftest import run_cli
 
 from disttrain.core import checkpoint as ckpt
 
-TRAIN, BATCH, EPOCHS, WORKERS, SERVERS = 640, 8, 2, 2, 2  # 40 steps an epoch per worker
+TRAIN, BATCH, EPOCHS, WORKERS, SERVERS = 1280, 8, 2, 2, 2
 STEPS = EPOCHS * TRAIN // WORKERS // BATCH  # per worker
 ARGS = ["--dataset", "digits", "--model", "mlp", "--workers", str(WORKERS), "--servers", str(SERVERS),
         "--batch-size", str(BATCH), "--max-train-samples", str(TRAIN), "--max-test-samples", "200",
