@@ -28,8 +28,8 @@ STEPS = 4
 
 def rank_main(rank: int, port: int, scheme: str, out_dir: str) -> None:
     torch.set_num_threads(1)
+    from disttrain.compression.ddp_hooks import average_flat
     from disttrain.strategies.ddp.live.compression import (
-        compressed_average,
         live_compression,
         load_shared_state,
         shared_state,
@@ -50,7 +50,7 @@ def rank_main(rank: int, port: int, scheme: str, out_dir: str) -> None:
         exact = flat.clone()
         dist.all_reduce(exact)
         record["exact"].append((exact / 2).tolist())
-        record["averages"].append(compressed_average(hook, flat.clone(), params).tolist())
+        record["averages"].append(average_flat(flat.clone(), params, hook).tolist())
     shared = shared_state(hook)
     record["shared_names"] = sorted(shared)
     record["residual_names"] = sorted(set(hook.state_dict()) - set(shared))

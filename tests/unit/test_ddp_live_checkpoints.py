@@ -16,7 +16,7 @@ def state(step: int, weight: torch.Tensor) -> dict:
     return {"model": {"weight": weight}, "ledger": torch.ones(2, 3, dtype=torch.int32),
             "progress": {"epoch": 0, "index": step, "step": step, "train_time_s": 1.5, "admitted": 0,
                          "evaluations": [], "recoveries": [{"kind": "shrink", "members": [0, 2]}],
-                         "plans": [], "replans": 0}}
+                         "plans": [], "replans": 0, "global_batch": 32, "first_world_size": 2}}
 
 
 def test_the_leaders_checkpoints_are_copies_and_resume_takes_the_newest(tmp_path):
@@ -43,10 +43,12 @@ def test_a_checkpoint_of_restart_mode_is_refused_by_a_live_resume(tmp_path):
         load_resume_state(tmp_path)
 
 
-def test_a_checkpoint_an_earlier_disttrain_wrote_is_refused_by_a_live_resume(tmp_path):
-    earlier = state(4, torch.zeros(3))
-    del earlier["progress"]["plans"], earlier["progress"]["replans"]  # written before balance plans
-    ckpt.save_checkpoint(tmp_path, 4, earlier)
-    with pytest.raises(CheckpointError, match="lacks 'plans'") as info:
+@pytest.mark.parametrize("missing", [("plans", "replans"), ("global_batch", "first_world_size")])
+def test_a_checkpoint_lacking_a_piece_of_the_position_is_refused_by_a_live_resume(tmp_path, missing):
+    lacking = state(4, torch.zeros(3))
+    for key in missing:  # the balance plans; the run's global batch and first size
+        del lacking["progress"][key]
+    ckpt.save_checkpoint(tmp_path, 4, lacking)
+    with pytest.raises(CheckpointError, match=f"lacks '{missing[0]}'") as info:
         load_resume_state(tmp_path)
     assert "\n" not in str(info.value)

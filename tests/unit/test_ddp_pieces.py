@@ -20,9 +20,10 @@ from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import ConfigError, DistributedError
 from disttrain.core.faults import format_fault, parse_fault
 from disttrain.core.process_spec import command_line
+from disttrain.metrics.keys import check_keys
 from disttrain.metrics.summary import RunSummary
 from disttrain.strategies.ddp import rng
-from disttrain.strategies.ddp.comm_hooks import CommStats, split_intervals, union_length
+from disttrain.strategies.ddp.comm_hooks import CommSample, CommStats, split_intervals, union_length
 from disttrain.strategies.ddp.endpoint import wait_for_endpoint
 from disttrain.strategies.ddp.launcher import child_failure, launch_config, preflight, rank_spec
 from disttrain.training.engine import eval_slice
@@ -44,6 +45,14 @@ def test_comm_stats_drain_resets():
     # The last bucket went out at 0.1: what ran after it blocked the step, the rest overlapped.
     assert (sample.blocked_s, sample.overlapped_s) == (pytest.approx(0.2), pytest.approx(0.1))
     assert stats.drain().num_buckets == 0
+
+
+def test_a_steps_comm_figures_are_keys_of_the_metrics_vocabulary():
+    scalars = CommSample(blocked_s=0.25, overlapped_s=0.5, num_bytes=400, num_buckets=2).scalars()
+    assert scalars == {"time/comm_blocked_s": 0.25, "time/comm_overlapped_s": 0.5,
+                       "comm/bytes_allreduced": 400}
+    check_keys(scalars)  # the logger's check: every key declared in metrics.keys
+    assert set(CommSample().scalars().values()) == {0}
 
 
 def test_blocked_and_overlapped_split_the_union():

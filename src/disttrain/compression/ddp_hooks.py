@@ -22,6 +22,11 @@ and shapes on every rank, for a `weights_only` checkpoint of every rank's state.
 
 Call order: `build_ddp_hook`, then register `run_hook` with the built hook as its state,
 before the first forward; `stats.drain()` after each step.
+
+Outside DDP's reducer (a live group's gradient, a local-update round's pseudo-gradient)
+one flat buffer is averaged through the same hooks, or one all-reduce without
+compression: `start_average` (and `average_flat`, which waits for it), the one place
+both recovery modes exchange such a buffer.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import astuple
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -112,6 +117,40 @@ class FlatBucket:
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
         self._buffer.copy_(tensor)
+
+
+def start_average(flat: torch.Tensor, params: list[nn.Parameter], hook: CompressionHook | None
+                  ) -> Future[torch.Tensor]:
+    """Start the group's average of `flat` (one value per element of `params`, in order,
+    on every rank alike): through `hook`, which reads it as one `FlatBucket`, or, with
+    None, one all-reduce in place, divided before summing as DDP's own average is (no
+    half-precision overflow). Every rank ends with the same bits.
+
+    Returns:
+        A future of the average (for the all-reduce, `flat` itself); it raises what the
+        collective raised.
+    Raises:
+        RuntimeError, dist.DistError: a peer was lost (the buffer is then unusable).
+    """
+    if hook is not None:
+        return hook.hook(cast(dist.GradBucket, FlatBucket(flat, params)))
+    work = dist.all_reduce(flat.div_(dist.get_world_size()), async_op=True)
+
+    def averaged(done: Future) -> torch.Tensor:
+        done.value()  # a lost peer's error reaches the caller's wait
+        return flat
+
+    return work.get_future().then(averaged)
+
+
+def average_flat(flat: torch.Tensor, params: list[nn.Parameter], hook: CompressionHook | None
+                 ) -> torch.Tensor:
+    """`start_average`, waited for: the group's average of `flat`.
+
+    Raises:
+        RuntimeError, dist.DistError: a peer was lost (the result is then unusable).
+    """
+    return start_average(flat, params, hook).wait()
 
 
 class CompressionHook:

@@ -39,6 +39,13 @@ class CommSample:
     num_bytes: int = 0
     num_buckets: int = 0
 
+    def scalars(self) -> dict[str, float]:
+        """A DDP step's communication figures, the same keys in both recovery modes (see
+        `metrics.keys`): `time/comm_blocked_s`, `time/comm_overlapped_s` and
+        `comm/bytes_allreduced`."""
+        return {"time/comm_blocked_s": self.blocked_s, "time/comm_overlapped_s": self.overlapped_s,
+                "comm/bytes_allreduced": self.num_bytes}
+
 
 def split_intervals(intervals: list[tuple[float, float]]) -> tuple[float, float]:
     """(blocked, overlapped) seconds of one step's bucket intervals: blocked is what runs

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disttrain.compression.ddp_hooks import CompressionHook, FlatBucket, GatherHook
+from disttrain.compression.ddp_hooks import CompressionHook, GatherHook, start_average
+from disttrain.strategies.ddp.comm_hooks import CommSample
 from disttrain.training.fragments import StreamingRounds, outer_compressor
 from disttrain.training.local_updates import LocalUpdates
 
@@ -51,20 +52,18 @@ def broadcast_module(module: nn.Module, parameters: bool = True) -> None:
 
 
 class _Average:
-    """The ranks' mean of a pseudo-gradient under way: a collective's future, with the
+    """The ranks' mean of a pseudo-gradient under way (`ddp_hooks.start_average`), with the
     times it was started and finished (`finished`: when it ended, or now while running)."""
 
-    def __init__(self, future: torch.futures.Future, result: torch.Tensor | None = None):
+    def __init__(self, delta: torch.Tensor, params: list[nn.Parameter], compression: CompressionHook | None):
         self.started = time.perf_counter()
         self._finished: float | None = None
-        self._result = result  # the plain all-reduce's future holds a list: the buffer is the mean
 
         def finish(done: torch.futures.Future) -> torch.Tensor:
             self._finished = time.perf_counter()
-            value = done.value()
-            return value if self._result is None else self._result
+            return done.value()
 
-        self._future = future.then(finish)
+        self._future = start_average(delta, params, compression).then(finish)
 
     @property
     def finished(self) -> float:
@@ -116,28 +115,20 @@ class LocalRounds:
                          for exchange in landed if isinstance(exchange.average, _Average))
         for fragment in due:
             delta = self.outer.pseudo_gradient(fragment)
-            self.outer.send(fragment, self._average(delta, fragment.tensors), ends_epoch)
+            # averaged over the ranks in place where the scheme allows, the same bits on every rank
+            average = _Average(delta, cast(list[nn.Parameter], fragment.tensors), self.compression)
+            self.outer.send(fragment, average, ends_epoch)
             num_bytes += fragment.nbytes()
             largest = max(largest, fragment.nbytes())
         if due or landed:
             broadcast_module(self.module, parameters=False)
         blocked = time.perf_counter() - started if due or landed else 0.0
-        scalars = {"time/comm_blocked_s": blocked, "time/comm_overlapped_s": overlapped,
-                   "comm/bytes_allreduced": num_bytes, "local/rounds": self.outer.rounds - rounds,
-                   "local/exchange_bytes": largest}
+        scalars = {**CommSample(blocked, overlapped, num_bytes).scalars(),
+                   "local/rounds": self.outer.rounds - rounds, "local/exchange_bytes": largest}
         if self.own_compression:  # the run's own hook, when there is one, is drained by the rank
             assert self.compression is not None
             scalars.update(self.compression.stats.drain().scalars())
         return scalars
-
-    def _average(self, delta: torch.Tensor, params: list[torch.Tensor]) -> _Average:
-        """Start averaging `delta` over the ranks (in place where the scheme allows; the
-        same bits on every rank); returns its handle."""
-        if self.compression is None:
-            work = dist.all_reduce(delta.div_(dist.get_world_size()), async_op=True)
-            return _Average(work.get_future(), delta)
-        bucket = FlatBucket(delta, cast(list[nn.Parameter], params))
-        return _Average(self.compression.hook(cast(dist.GradBucket, bucket)))
 
     @property
     def rounds(self) -> int:

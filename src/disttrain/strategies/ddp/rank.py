@@ -166,9 +166,7 @@ class RankParticipant:
         if self.rounds is not None:
             scalars = {**self.rounds.end_of_step(info.ends_epoch), **self.stepper.scalars()}
         else:
-            comm = self.comm.drain()
-            scalars = {"time/comm_blocked_s": comm.blocked_s, "time/comm_overlapped_s": comm.overlapped_s,
-                       "comm/bytes_allreduced": comm.num_bytes, **self.stepper.scalars()}
+            scalars = {**self.comm.drain().scalars(), **self.stepper.scalars()}
         if self.compression is not None:
             scalars.update(self.compression.stats.drain().scalars())
         return StepResult(loss_sum / total, correct, total, scalars)

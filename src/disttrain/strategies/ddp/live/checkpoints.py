@@ -28,9 +28,7 @@ from disttrain.strategies.ddp.live.trainer import Progress
 logger = logging.getLogger(__name__)
 
 LIVE_KEYS = ("model", "progress", "ledger")
-# every piece of the position but the global batch and first size, which an earlier
-# build's checkpoint lacks and which the trainer then takes as its run's
-PROGRESS_KEYS = tuple(f.name for f in fields(Progress) if f.name not in ("global_batch", "first_world_size"))
+PROGRESS_KEYS = tuple(f.name for f in fields(Progress))  # every piece of the position
 
 
 class LiveCheckpoints:
@@ -98,6 +96,6 @@ def load_resume_state(folder: str | Path, why: str = "--resume") -> dict[str, An
         return None
     path, state = chosen
     ckpt.require_keys(state, LIVE_KEYS, path)
-    ckpt.require_keys(state["progress"], PROGRESS_KEYS, path)  # an earlier build's lacks some
+    ckpt.require_keys(state["progress"], PROGRESS_KEYS, path)
     logger.info("%s: taking the run's state from %s (step %d)", why, path, int(state["progress"]["step"]))
     return state

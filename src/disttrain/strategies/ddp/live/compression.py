@@ -1,9 +1,9 @@
 """Gradient compression in a live group: the DDP hooks of `compression.ddp_hooks` (the same
 codecs, the same state) run on the live trainer's one flat gradient buffer.
 
-`ddp_hooks.FlatBucket` is that buffer as the hooks read a `dist.GradBucket`. The hook's
-future gives the average over the current generation's group (every hook divides by the
-world size itself).
+`ddp_hooks.average_flat` averages that buffer over the current generation's group,
+through the hook (which reads it as a `dist.GradBucket`, `ddp_hooks.FlatBucket`) or one
+all-reduce, as restart mode's local updates average their pseudo-gradients.
 
 What is handed over with the rest of the state (`state_dict`, taken by every member but
 the source in `LiveTrainer.load_state_dict`): the byte counters, and PowerSGD's shared
@@ -36,14 +36,12 @@ redoes, which would then count twice.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from disttrain.compression.ddp_hooks import (
     CompressionHook,
-    FlatBucket,
     GatherHook,
     PowerSGDHook,
     TwoPhaseHook,
@@ -61,30 +59,6 @@ def live_compression(config: Config, module: torch.nn.Module, slot: int) -> Comp
     # `auto` chooses the collective once, for the size the run starts at
     return build_ddp_hook(config.compression, module.named_parameters(), seed, training_seed(seed, slot),
                           config.system.num_workers)
-
-
-def compressed_average(hook: CompressionHook, flat: torch.Tensor,
-                       params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """The group's average of `flat` (every parameter's gradient, in order) through `hook`.
-
-    Raises:
-        RuntimeError, dist.DistError: a peer was lost (the result is then unusable).
-    """
-    return hook.hook(cast(dist.GradBucket, FlatBucket(flat, params))).wait()
-
-
-def group_average(flat: torch.Tensor, params: list[torch.nn.Parameter], world_size: int,
-                  hook: CompressionHook | None) -> torch.Tensor:
-    """The group's average of `flat` (one value per element of `params`, in order): through
-    `hook` (`compressed_average`), or one all-reduce (in place).
-
-    Raises:
-        RuntimeError, dist.DistError: a peer was lost (the result is then unusable).
-    """
-    if hook is not None:
-        return compressed_average(hook, flat, params)
-    dist.all_reduce(flat)
-    return flat.div_(world_size)
 
 
 def clear_residuals(hook: CompressionHook) -> None:

@@ -451,8 +451,7 @@ class LiveRank:
                    "samples_applied_twice": twice, "samples_redone": samples_redone,
                    "samples_trained": samples_trained,
                    "final_pids": pids, "live_recoveries": p.recoveries, **self._balance_fields(),
-                   "live_world_sizes": world_sizes(p.first_world_size or config.system.num_workers,
-                                                   p.recoveries),
+                   "live_world_sizes": world_sizes(p.first_world_size, p.recoveries),
                    **self._elastic_fields(),
                    **({} if trainer.rounds is None else trainer.rounds.summary_fields())})
 

@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from disttrain.compression.ddp_hooks import CompressionHook
-from disttrain.strategies.ddp.live.compression import group_average
+from disttrain.compression.ddp_hooks import CompressionHook, average_flat
 from disttrain.training.local_updates import LocalUpdates, OuterOptimizer
 
 
@@ -61,7 +60,7 @@ class LiveRounds:
         if not self.in_round:
             self._start = copy.deepcopy(state_of())
 
-    def end_of_step(self, params: Sequence[torch.nn.Parameter], ends_epoch: bool, world_size: int,
+    def end_of_step(self, params: Sequence[torch.nn.Parameter], ends_epoch: bool,
                     compression: CompressionHook | None) -> float | None:
         """Call after each inner step: at a round's end (H steps, or the epoch's last)
         average the pseudo-gradient over the group and step the outer optimizer; the
@@ -74,7 +73,7 @@ class LiveRounds:
         if not self.outer.end_of_step(ends_epoch):
             return None
         started = time.perf_counter()
-        average = group_average(self.outer.pseudo_gradient(params), list(params), world_size, compression)
+        average = average_flat(self.outer.pseudo_gradient(params), list(params), compression)
         self.outer.step(average)
         self.outer.copy_to(params)
         self._start = None

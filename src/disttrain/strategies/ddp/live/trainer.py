@@ -30,16 +30,16 @@ from typing import Any
 
 import torch
 
-from disttrain.compression.ddp_hooks import CompressionHook
+from disttrain.compression.ddp_hooks import CompressionHook, average_flat
 from disttrain.config import Config
 from disttrain.core.errors import ConfigError
 from disttrain.data import PlannedSampler, load_datasets
 from disttrain.data.datasets import shard_layout
 from disttrain.metrics.window import TrainClock
+from disttrain.strategies.ddp.comm_hooks import CommSample
 from disttrain.strategies.ddp.live.balance import LiveBalance
 from disttrain.strategies.ddp.live.compression import (
     clear_residuals,
-    group_average,
     live_compression,
     load_shared_state,
     shared_state,
@@ -72,8 +72,7 @@ class Progress:
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     plans: list[list[Any]] = field(default_factory=list)  # balanced splits: [epoch, batch, batches]
     replans: int = 0  # of those, made by a speed check within a generation
-    # The run's global batch and first size, kept when it resumes on another size (0: a
-    # checkpoint of an earlier build, which holds neither).
+    # The run's global batch and first size, kept when it resumes on another size.
     global_batch: int = 0
     first_world_size: int = 0
 
@@ -91,8 +90,7 @@ class Progress:
         self.recoveries = [dict(r) for r in state["recoveries"]]
         self.plans = [list(plan) for plan in state["plans"]]
         self.replans = int(state["replans"])
-        self.global_batch = int(state.get("global_batch", 0))
-        self.first_world_size = int(state.get("first_world_size", 0))
+        self.global_batch, self.first_world_size = int(state["global_batch"]), int(state["first_world_size"])
 
 
 class LiveTrainer:
@@ -213,34 +211,20 @@ class LiveTrainer:
         self.has_state = True
 
     def _load_training(self, state: dict[str, Any]) -> None:
-        """Model, optimizer, position and ledger from `state`.
-
-        Raises:
-            ConfigError: a checkpoint of an earlier build, without its global batch, whose
-                epochs hold another number of global batches than this run's.
-        """
+        """Model, optimizer, position and ledger from `state`."""
         self.module.load_state_dict(state["model"])
         self.optimizer.state.clear()
         self.stepper.load_state_dict(state)
         self.progress.load_state_dict(state["progress"])
         self.ledger = state["ledger"].clone()
-        self._keep_global_batch(self.progress, tuple(self.ledger.shape))
+        self._keep_global_batch(self.progress)
         self._set_clock(self.progress.train_time_s)
 
-    def _keep_global_batch(self, progress: Progress, ledger_shape: tuple[int, ...]) -> None:
+    def _keep_global_batch(self, progress: Progress) -> None:
         """The state's global batch becomes this process's: a run resumed on another size
         (or joined by a rank of another range) trains the global batches of the run that
         wrote it, each size splitting them over its members, as a run that shrank or grew
         while it ran. Its learning rate is the state's too (the optimizer's groups)."""
-        if not progress.global_batch:  # an earlier build's: only this run's batch fits it
-            if ledger_shape != (self.num_epochs, self.batches_per_epoch):
-                raise ConfigError(
-                    f"the checkpoint's ledger {list(ledger_shape)} does not fit this run's global batch of "
-                    f"{self.global_batch} ({self.batches_per_epoch} per epoch): it was written by an earlier "
-                    f"build with another world size; resume it with its own --world-size")
-            progress.global_batch = self.global_batch
-            progress.first_world_size = self.config.system.num_workers
-            return
         if progress.global_batch != self.global_batch:
             logger.info("the run's global batch of %d is kept (this launch's size alone would make it %d)",
                         progress.global_batch, self.global_batch)
@@ -367,12 +351,12 @@ class LiveTrainer:
             correct, samples = correct + result.num_correct, samples + result.num_samples
         if self.rounds is None:
             started = time.perf_counter()
-            average_gradients(list(self.module.parameters()), self.world_size, self.compression)
+            average_gradients(list(self.module.parameters()), self.compression)
             self.blocked_s = time.perf_counter() - started
             self._in_flight = 0
             self.stepper.step()
             self.ledger[p.epoch, p.index:p.index + batches] += 1
-            scalars = self._comm_scalars(self.blocked_s)
+            scalars = CommSample(self.blocked_s, 0.0, self.bytes_allreduced).scalars()
         else:
             self.stepper.step()
             scalars = self._end_of_local_step(p.index + batches)
@@ -384,12 +368,6 @@ class LiveTrainer:
             scalars.update(self.compression.stats.drain().scalars())
         return StepResult(loss_sum / max(samples, 1), correct, samples, scalars)
 
-    def _comm_scalars(self, blocked_s: float) -> dict[str, float]:
-        """A step's communication figures: one all-reduce after backward, so nothing of it
-        overlaps the computation."""
-        return {"time/comm_blocked_s": blocked_s, "time/comm_overlapped_s": 0.0,
-                "comm/bytes_allreduced": self.bytes_allreduced}
-
     def _end_of_local_step(self, next_index: int) -> dict[str, float]:
         """After a local step that ends before global batch `next_index`: at the round's
         end, average and count the round's global batches in the ledger. Returns the step's
@@ -399,16 +377,15 @@ class LiveTrainer:
         assert start is not None
         first = int(start["progress"]["index"])  # a round never spans two epochs
         ends_epoch = next_index >= self.batches_per_epoch
-        blocked = self.rounds.end_of_step(list(self.module.parameters()), ends_epoch, self.world_size,
-                                          self.compression)
+        blocked = self.rounds.end_of_step(list(self.module.parameters()), ends_epoch, self.compression)
         if blocked is None:
-            return {"time/comm_blocked_s": 0.0, "time/comm_overlapped_s": 0.0, "comm/bytes_allreduced": 0,
-                    "local/rounds": 0}
+            return {**CommSample().scalars(), "local/rounds": 0}
         broadcast_buffers(self.module)  # the buffers a round ends with are rank 0's
         self.blocked_s = blocked
         self.ledger[self.progress.epoch, first:next_index] += 1
         self._in_flight = 0
-        return {**self._comm_scalars(blocked), "local/rounds": 1}
+        # one exchange after the round's last step: nothing of it overlaps the computation
+        return {**CommSample(blocked, 0.0, self.bytes_allreduced).scalars(), "local/rounds": 1}
 
     def evaluate(self, rank: int, world_size: int) -> EvalResult:
         """The epoch-end evaluation (a collective), recorded; then the next epoch begins.
@@ -435,8 +412,7 @@ class LiveTrainer:
         return applied, lost, twice
 
 
-def average_gradients(params: list[torch.nn.Parameter], world_size: int,
-                      compression: CompressionHook | None = None) -> None:
+def average_gradients(params: list[torch.nn.Parameter], compression: CompressionHook | None = None) -> None:
     """Average `.grad` over the group: one all-reduce of every gradient in one flat buffer
     (a parameter without a gradient counts as zeros, so every rank sends the same layout),
     or, with `compression`, that buffer through its hook.
@@ -445,7 +421,7 @@ def average_gradients(params: list[torch.nn.Parameter], world_size: int,
         RuntimeError, dist.DistError: a peer was lost (the gradients are then unusable).
     """
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = group_average(torch.cat([g.reshape(-1) for g in grads]), params, world_size, compression)
+    flat = average_flat(torch.cat([g.reshape(-1) for g in grads]), params, compression)
     offset = 0
     for param, grad in zip(params, grads, strict=True):
         size = grad.numel()
