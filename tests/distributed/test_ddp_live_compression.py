@@ -20,6 +20,8 @@ import torch.multiprocessing as mp
 
 from disttrain.config import CompressionConfig, Config
 
+pytestmark = pytest.mark.slow  # every test spawns a process group of live ranks
+
 SCHEMES = ("topk", "quantization", "two_phase", "fp16", "bf16", "powersgd")
 # two_phase: int8 combined by the two-phase collective (`compression.ddp_collective`)
 SECTIONS = {"two_phase": {"type": "quantization", "ddp_collective": "two_phase"}}

@@ -20,6 +20,8 @@ import torch.multiprocessing as mp
 from disttrain.strategies.ddp.live.group import Beats, LiveGroup, connect, mark_dead
 from disttrain.strategies.ddp.live.membership import Patience
 
+pytestmark = pytest.mark.slow  # every test spawns a process group of live ranks
+
 TIMEOUT_S = 60.0  # what a member would wait without the launcher's mark
 
 

@@ -22,6 +22,8 @@ from disttrain.strategies.ddp.live.group import Beats, LiveGroup, connect
 from disttrain.strategies.ddp.live.membership import Patience
 from disttrain.strategies.ddp.live.state import share_state
 
+pytestmark = pytest.mark.slow  # every test spawns a process group of live ranks
+
 TIMEOUT_S = 30.0
 STALE_S = 1.0
 

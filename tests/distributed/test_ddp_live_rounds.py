@@ -16,6 +16,8 @@ import torch.multiprocessing as mp
 
 from disttrain.config import Config
 
+pytestmark = pytest.mark.slow  # every test spawns a process group of live ranks
+
 SYNC_EVERY, BATCH = 4, 16
 
 

@@ -43,6 +43,7 @@ def undisturbed(tmp_path_factory) -> dict:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow  # the shared undisturbed live run: a launcher and three ranks
 def test_undisturbed_live_run_applies_every_global_batch_once(undisturbed):
     summary = undisturbed
     assert summary["ddp_recovery"] == "live" and summary["world_size"] == WORLD_SIZE
@@ -164,6 +165,7 @@ def test_balanced_live_run_gives_the_straggler_less_and_replans_after_a_loss(cli
     assert abs(summary["final_accuracy"] - undisturbed["final_accuracy"]) <= 0.005
 
 
+@pytest.mark.slow  # each a process of the command line
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("extra, message", [
     (["--precision", "fp16"], "training.precision: fp16"),
