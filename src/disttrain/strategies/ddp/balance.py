@@ -15,6 +15,15 @@ from disttrain.training.balance import warmup_speed
 from disttrain.training.rebalance import BalancePeers, Rebalancer, start_balance
 
 
+def gather_speeds(speed: float, world_size: int, device: torch.device | None = None) -> list[float]:
+    """Every rank's `speed` in rank order, by an all-gather of one float each (a
+    collective; gloo gathers host tensors, NCCL the rank's GPU's)."""
+    mine = torch.tensor([speed], dtype=torch.float64, device=device)
+    gathered = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    return [float(t.item()) for t in gathered]
+
+
 def balance_sampler(system: SystemConfig, training: TrainingConfig, runtime: rt.Runtime,
                     train_set: ArrayDataset, faults: FaultInjector,
                     ) -> tuple[ShardedSampler | PlannedSampler, Rebalancer | None]:
@@ -25,10 +34,7 @@ def balance_sampler(system: SystemConfig, training: TrainingConfig, runtime: rt.
     device = runtime.device if runtime.backend == "nccl" else torch.device("cpu")
 
     def gather(name: str, speed: float, step: int) -> list[float]:
-        mine = torch.tensor([speed], dtype=torch.float64, device=device)
-        gathered = [torch.zeros_like(mine) for _ in range(info.world_size)]
-        dist.all_gather(gathered, mine)
-        return [float(t.item()) for t in gathered]
+        return gather_speeds(speed, info.world_size, device)
 
     return start_balance(system, training, len(train_set), BalancePeers(info.world_size, info.rank, gather),
                          lambda: warmup_speed(training, runtime.device, train_set, faults),

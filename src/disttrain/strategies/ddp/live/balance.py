@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import logging
 
-import torch
 import torch.distributed as dist
 
 from disttrain.config import SystemConfig
 from disttrain.data import PlannedSampler
+from disttrain.strategies.ddp.balance import gather_speeds
 from disttrain.training.balance import plan_batches
 from disttrain.training.rebalance import Rebalancer
 
@@ -72,7 +72,4 @@ class LiveBalance:
         """Every member's speed in rank order (a collective); `speed` is this member's."""
         if speed > 0:
             self.speed = speed
-        mine = torch.tensor([speed], dtype=torch.float64)
-        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
-        return [float(t.item()) for t in gathered]
+        return gather_speeds(speed, dist.get_world_size())
