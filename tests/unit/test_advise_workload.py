@@ -25,6 +25,7 @@ def test_measures_the_shipped_model_and_every_compressor():
     assert workload.source == "measured" and workload.batch_size == 8
     assert workload.gradient_bytes == 4 * workload.num_parameters
     assert workload.forward_s > 0 and workload.backward_s > 0 and workload.optimizer_s > 0
+    assert workload.overlap_contention_s >= 0  # measured: 0 where a core was free for the push
     assert set(workload.compression) == {"quantization", "topk", "topk-compact", "fp16", "bf16", "powersgd"}
     assert set(workload.pull_compression) == {"quantization", "topk", "fp16", "bf16"}
     assert workload.shapes and sum(math.prod(s) for s in workload.shapes) == workload.num_parameters

@@ -1,12 +1,13 @@
 """`disttrain advise`: what a run would cost on a bigger cluster, predicted from this
 machine. It measures one worker's step and each compressor on the model's gradients
-(`workload`), a link (`link`, `probe`), predicts every strategy with an α-β cost model
-(`costmodel`), chooses at each size (`choice`), and replays the parameter server's own
-aggregation rules in virtual time (`simulation`, `step_times`) for what the formulas
-leave out: stragglers, backup workers, staleness, failures; `local_simulation` replays
-local updates, Streaming DiLoCo's fragments and their delay. `payloads` sizes PowerSGD's
-and pull compression's bytes from the model's shapes; `comparison` predicts a comparison
-report's scaling section from the comparison's own runs."""
+(`workload`; `contention`: what an overlapped push takes from backward), a link (`link`,
+`probe`), predicts every strategy with an α-β cost model (`costmodel`), chooses at each
+size (`choice`), and replays the parameter server's own aggregation rules in virtual
+time (`simulation`, `step_times`) for what the formulas leave out: stragglers, backup
+workers, staleness, failures; `local_simulation` replays local updates, Streaming
+DiLoCo's fragments and their delay. `payloads` sizes PowerSGD's and pull compression's
+bytes from the model's shapes; `comparison` predicts a comparison report's scaling
+section from the comparison's own runs."""
 
 from disttrain.advise.choice import WORKER_COUNTS, Advice, CompressionChoices, advise, candidates, choose
 from disttrain.advise.costmodel import COMPRESSIONS, STRATEGIES, Candidate, CostModel, Prediction, RoundTrip

@@ -9,7 +9,8 @@ compressor's encode time and payload come from the run that used it (`time/compr
 and `compression/ratio` of its workers or ranks); what no run measured (a decoder's time,
 a compressor only a DDP run used) is timed here on the model's gradient. The model is
 built from the baseline's resolved config (its sizes, not its speed). Nothing is
-re-trained and no step re-timed.
+re-trained and no step re-timed. The overlap's contention (`Workload.overlap_contention_s`)
+is not measured by a run: it is taken as 0 there.
 """
 
 from __future__ import annotations
@@ -62,10 +63,7 @@ def advise_comparison(folder: Path, rows: Sequence[Row], link: Link,
         workload = comparison_workload(config, baseline, rows, folder)
     except DisttrainError as e:  # the config unreadable, the model's plug-in gone since the run
         return AdviceSection(unavailable=f"the baseline's model cannot be built from its config: {e}")
-    model = CostModel(workload, link, config.ddp.bucket_cap_mb * 2**20, config.ps.overlap,
-                      pull_ratio=config.compression.pull_ratio,
-                      pull_dense_every=config.compression.pull_dense_every,
-                      overlap_trial=config.ps.overlap_trial_steps > 0, dgc=dgc_rules(config))
+    model = cost_model(config, workload, link)
     measured_counts = {r["workers"] for r in rows if r["status"] == OK}
     top = max(max_workers, *measured_counts)
     counts = tuple(sorted({2**i for i in range(top.bit_length()) if 2**i <= top} | measured_counts))
@@ -127,6 +125,15 @@ def candidate_of(row: Row, config: Config) -> Candidate:
                      training.outer_fragments if local else 1,
                      training.outer_compression if local and strategy == "ddp" else "none",
                      training.outer_delay if local else 0)
+
+
+def cost_model(config: Config, workload: Workload, link: Link, compute_cv: float = 0.0) -> CostModel:
+    """The cost model of `workload` on `link` under a run's config: DDP's buckets, the
+    parameter server's overlap, its trial and the contention measured with the workload,
+    pull compression, DGC's rules."""
+    return CostModel(workload, link, config.ddp.bucket_cap_mb * 2**20, config.ps.overlap, compute_cv,
+                     config.compression.pull_ratio, config.compression.pull_dense_every,
+                     config.ps.overlap_trial_steps > 0, workload.overlap_contention_s, dgc_rules(config))
 
 
 def dgc_rules(config: Config) -> DgcRules | None:

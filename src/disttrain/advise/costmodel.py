@@ -242,7 +242,8 @@ class CostModel:
             plain one, else the plain one; False: always overlapped, even where slower.
         overlap_contention_s: seconds an overlapped push's CPU work (serialising each
             shard's slice, gRPC's threads, the parameters brought back) adds to backward
-            where no core is free to run it; 0: a core is free (the overlap costs nothing).
+            where no core is free to run it; 0: a core is free (the overlap costs nothing);
+            `advise` passes the workload's measured one (`Workload.overlap_contention_s`).
         dgc: DGC's rules of the run's top-k (`DgcRules.of(compression)`): with a sparsity
             warm-up its payloads are self-describing blocks of varying length, whose
             lengths DDP all-gathers before them, as compact top-k's.

@@ -27,7 +27,8 @@ def workload_lines(workload: Workload, link: Link) -> list[str]:
     lines = [f"model {w.model}: {w.num_parameters / 1e6:.3g} M parameters, {_mb(w.gradient_bytes)} of "
              f"gradients in {w.num_tensors} tensors; batch {w.batch_size} per worker",
              f"step ({w.source}): forward {_ms(w.forward_s)} + backward {_ms(w.backward_s)}, "
-             f"optimizer {_ms(w.optimizer_s)}",
+             f"optimizer {_ms(w.optimizer_s)}; an overlapped push's CPU work adds "
+             f"{_ms(w.overlap_contention_s)} to backward",
              f"link: {link.describe()}"]
     codecs = [f"{c.scheme} {_mb(c.payload_bytes)} (encode {_ms(c.encode_s)}, decode {_ms(c.decode_s)})"
               for c in w.compression.values()]

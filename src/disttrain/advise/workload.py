@@ -3,7 +3,8 @@ backward and optimizer times at the configured batch, and each compressor's payl
 encode/decode time on the model's own gradients: the payload schemes (for pushes, with
 top-k's compact block as well, and at `compression.pull_ratio` for pull compression) and
 PowerSGD at `compression.powersgd_rank` (its arithmetic on each gradient matrix, timed as
-PyTorch's hook does it: P = MQ, orthogonalise P, Q = MᵀP to encode; PQᵀ to decode).
+PyTorch's hook does it: P = MQ, orthogonalise P, Q = MᵀP to encode; PQᵀ to decode);
+and what an overlapped push's CPU work adds to backward (`contention`).
 
 The model and its input shapes come from the project's builders (`init_model`,
 `describe_dataset`), so a user's model file is measured as it would be trained. The batch
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from disttrain.advise.contention import contention_s, measure_contention
 from disttrain.compression import SCHEMES, Compressor
 from disttrain.compression.dgc import DgcRules
 from disttrain.config import Config
@@ -55,7 +57,8 @@ class Workload:
     over every parameter (what the shards together spend applying an update); `shapes`
     the trainable parameters' shapes, in order (what PowerSGD and the shards' slices
     follow); `pull_compression` the payload schemes on a pulled change (no error
-    feedback, at the pull ratio).
+    feedback, at the pull ratio); `overlap_contention_s` what one overlapped push's CPU
+    work adds to backward on this machine's cores (`contention`).
     """
 
     model: str
@@ -71,6 +74,7 @@ class Workload:
     compression: dict[str, CompressionCost] = field(default_factory=dict)
     shapes: tuple[tuple[int, ...], ...] = ()
     pull_compression: dict[str, CompressionCost] = field(default_factory=dict)
+    overlap_contention_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -79,7 +83,8 @@ class Workload:
     def with_step_time(self, step_time_s: float) -> Workload:
         """The same model on another device whose forward+backward takes `step_time_s`:
         split between forward and backward as measured here, the optimizer's step scaled
-        by the same factor (the compressors' times are kept as measured); no spread."""
+        by the same factor (the compressors' times and the overlap's contention, CPU work,
+        are kept as measured); no spread."""
         share = self.backward_s / self.compute_s if self.compute_s > 0 else 2 / 3
         scale = step_time_s / self.compute_s if self.compute_s > 0 else 1.0
         return replace(self, forward_s=step_time_s * (1 - share), backward_s=step_time_s * share,
@@ -154,11 +159,15 @@ def measure_workload(config: Config, repeats: int = NUM_REPEATS,
             else measure_compressor(Compressor(scheme, pull_ratio), flat, segments, repeats)
             for scheme, cost in costs.items() if scheme in SCHEMES}
     totals = [f + b for f, b in zip(forward, backward, strict=True)]
+    try:
+        alone, pushing = measure_contention(model, inputs, targets, config.ps.num_servers)
+    except ValueError:  # parameters of mixed dtypes: the parameter server refuses the model
+        alone, pushing = [], []
     return Workload(training.model_architecture, sum(p.numel() for p in params),
                     sum(p.numel() * p.element_size() for p in params), len(params), training.batch_size,
                     statistics.median(forward), statistics.median(backward), optimizer_s,
                     statistics.pstdev(totals), "measured", costs, tuple(tuple(p.shape) for p in params),
-                    pull)
+                    pull, contention_s(alone, pushing))
 
 
 def _time_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,

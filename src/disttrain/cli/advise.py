@@ -115,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
         require_credentials(args.bind, "--bind", "the link probe server would be reachable from other "
                             "machines", token is not None, TlsFiles(), args.insecure)
         return _serve(args.bind, token)
-    from disttrain.advise import CostModel, advise, measure_workload
-    from disttrain.advise.comparison import dgc_rules
+    from disttrain.advise import advise, measure_workload
+    from disttrain.advise.comparison import cost_model
     from disttrain.advise.report import advice_json, advice_lines, simulation_lines
     _check_numbers(args)
     config = config_from_args(args)
@@ -124,9 +124,7 @@ def run(args: argparse.Namespace) -> int:
     workload = measure_workload(config, repeats=1 if args.step_time else 3)
     if args.step_time is not None:
         workload = workload.with_step_time(args.step_time)
-    model = CostModel(workload, link, config.ddp.bucket_cap_mb * 2**20, config.ps.overlap,
-                      args.step_time_cv, config.compression.pull_ratio, config.compression.pull_dense_every,
-                      config.ps.overlap_trial_steps > 0, dgc=dgc_rules(config))
+    model = cost_model(config, workload, link, args.step_time_cv)
     counts = args.workers or None
     advice = advise(model, *([counts] if counts else []), max_servers=args.max_servers,
                     sync_every=args.local_steps)
