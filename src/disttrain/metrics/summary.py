@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from disttrain.metrics.time_to_target import ACCURACY, PERPLEXITY, Evaluation, TimeToTarget
+from disttrain.metrics.time_to_target import ACCURACY, PERPLEXITY, Evaluation, TimeToTarget, perplexity_of
 
 SUMMARY_FILE = "summary.json"
 LANGUAGE_MODEL = "language-model"  # the task whose summary reports perplexity (data.description's)
@@ -94,7 +93,7 @@ class RunSummary:
         """
         time_to_accuracy_s = ACCURACY.times(outcome.evaluations)
         if outcome.task == LANGUAGE_MODEL:
-            extra = {"task": outcome.task, "final_perplexity": math.exp(min(outcome.final_loss, 700.0)),
+            extra = {"task": outcome.task, "final_perplexity": perplexity_of(outcome.final_loss),
                      PERPLEXITY.field: PERPLEXITY.times(outcome.evaluations), **(extra or {})}
             time_to_accuracy_s = {}  # a language model's figure is perplexity
         return cls(strategy=strategy, dataset=config.training.dataset,

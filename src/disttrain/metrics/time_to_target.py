@@ -12,11 +12,18 @@ so a resumed run reports the same times as one that never stopped.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from disttrain.metrics.keys import ACCURACY_THRESHOLDS, PERPLEXITY_TARGETS
+
+
+def perplexity_of(loss: float) -> float:
+    """exp(mean cross-entropy): what a language model reports instead of accuracy; inf
+    past e^700, where a float overflows."""
+    return math.exp(min(loss, 700.0))
 
 Evaluation = tuple[float, float]  # (training-clock seconds, the test figure: accuracy or perplexity)
 

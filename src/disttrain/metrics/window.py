@@ -7,11 +7,12 @@ run's) divides samples by the same kind of seconds.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+from disttrain.metrics.time_to_target import perplexity_of
 
 
 class TrainClock:
@@ -119,7 +120,7 @@ class MetricsWindow:
             per_step["compression/ratio"] = (self.step_sums["compression/bytes_dense"]
                                              / self.step_sums["compression/bytes_sent"])
         loss = self.loss_sum / samples
-        quality = ({"perplexity/train": math.exp(min(loss, 700.0))} if self.perplexity
+        quality = ({"perplexity/train": perplexity_of(loss)} if self.perplexity
                    else {"accuracy/train": self.num_correct / samples})
         return {
             "loss/train": loss,

@@ -22,7 +22,6 @@ of `IGNORE_INDEX` (padding) count in neither the loss nor the accuracy.
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
@@ -38,6 +37,7 @@ from disttrain.core.allocator import tune_allocator
 from disttrain.core.processes import thread_count
 from disttrain.data import LANGUAGE_MODEL, BatchedDataset, plugins
 from disttrain.data.batching import IGNORE_INDEX
+from disttrain.metrics.time_to_target import perplexity_of
 from disttrain.training.precision import Precision
 from disttrain.training.schedule import remember_initial_rates
 
@@ -301,7 +301,7 @@ class EvalResult:
     @property
     def perplexity(self) -> float:
         """exp(mean cross-entropy): what a language model reports instead of accuracy."""
-        return math.exp(min(self.loss, 700.0))  # past e^700 a float overflows; it is inf then
+        return perplexity_of(self.loss)
 
     def sums(self) -> list[float]:
         """The figures ranks add up (`from_sums` makes the total)."""

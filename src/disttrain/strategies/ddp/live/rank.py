@@ -26,7 +26,6 @@ generation without it; a group below MIN waits at a step boundary for a rank to 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from typing import Any
@@ -43,6 +42,7 @@ from disttrain.core.processes import ProgressReport, sigterm_handled_by
 from disttrain.data import LANGUAGE_MODEL, describe_dataset
 from disttrain.metrics.logger import MetricsLogger
 from disttrain.metrics.summary import Outcome, RunSummary, Work
+from disttrain.metrics.time_to_target import perplexity_of
 from disttrain.strategies.ddp.heartbeats import LoopProgress
 from disttrain.strategies.ddp.live.checkpoints import LiveCheckpoints, load_resume_state
 from disttrain.strategies.ddp.live.forming import is_member_lost
@@ -457,10 +457,8 @@ class LiveRank:
 
     def _figure(self, accuracy: float, loss: float) -> float:
         """An evaluation's figure for the time to target: its accuracy, or a language
-        model's perplexity (`EvalResult.perplexity`: exp of the loss)."""
-        if self.task != LANGUAGE_MODEL:
-            return accuracy
-        return math.exp(min(loss, 700.0))  # past e^700 a float overflows
+        model's perplexity."""
+        return accuracy if self.task != LANGUAGE_MODEL else perplexity_of(loss)
 
     def _elastic_fields(self) -> dict[str, Any]:
         """An elastic run's range: `min_world_size` and `max_world_size`."""
