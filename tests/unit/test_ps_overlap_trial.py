@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from disttrain.strategies.ps.worker.overlap_trial import MAX_ROUNDS, OverlapTrial, judge, keeps_overlap
+from disttrain.strategies.ps.worker.overlap_trial import MAX_ROUNDS, OverlapTrial, judge
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -56,7 +56,7 @@ NOISY_NEAR_TIE = ([1.00, 1.30, 0.95, 1.25], [1.10, 1.20, 1.05, 1.20])
 def test_the_trial_keeps_the_overlap_only_on_a_clear_win(overlapped, plain, kept):
     trial = OverlapTrial(steps_each=4, max_rounds=1)  # one round: the rule on 4 pairs
     used = run(trial, {True: overlapped, False: plain})
-    assert trial.chosen is kept and keeps_overlap(overlapped, plain) is kept
+    assert trial.chosen is kept and judge(overlapped, plain).keep_overlap is kept
     assert used[:2] == [True, True]  # the warm-up steps overlap, untimed
     assert used[2:] == [True, False, False, True, True, False, False, True]  # ABBA pairs
     assert trial.timed == {True: overlapped, False: plain}
@@ -87,7 +87,8 @@ def test_a_load_rising_through_the_trial_does_not_pick_the_slower_overlap():
     assert trial.verdict.spread_s == pytest.approx(0.1)
     assert trial.chosen is False
     always_overlapped_first = [(1.0 + 0.2 * i + 0.05, 1.0 + 0.2 * i + 0.1) for i in range(4)]
-    assert keeps_overlap([o for o, _ in always_overlapped_first], [p for _, p in always_overlapped_first])
+    overlapped, plain = zip(*always_overlapped_first, strict=True)
+    assert judge(overlapped, plain).keep_overlap
 
 
 def test_a_clear_win_survives_a_drifting_load():

@@ -86,11 +86,6 @@ def judge(overlapped: Sequence[float], plain: Sequence[float], min_gain: float =
     return Verdict(gain, spread, needed, gain > needed)
 
 
-def keeps_overlap(overlapped: Sequence[float], plain: Sequence[float], min_gain: float = MIN_GAIN) -> bool:
-    """Whether `judge` keeps the overlap on these paired step times."""
-    return judge(overlapped, plain, min_gain).keep_overlap
-
-
 @dataclass
 class OverlapTrial:
     """Times the first steps both ways, in ABBA pairs, and keeps the overlap only on a
