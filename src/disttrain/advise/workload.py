@@ -159,10 +159,7 @@ def measure_workload(config: Config, repeats: int = NUM_REPEATS,
             else measure_compressor(Compressor(scheme, pull_ratio), flat, segments, repeats)
             for scheme, cost in costs.items() if scheme in SCHEMES}
     totals = [f + b for f, b in zip(forward, backward, strict=True)]
-    try:
-        alone, pushing = measure_contention(model, inputs, targets, config.ps.num_servers)
-    except ValueError:  # parameters of mixed dtypes: the parameter server refuses the model
-        alone, pushing = [], []
+    alone, pushing = measure_contention(model, inputs, targets, config.ps.num_servers)
     return Workload(training.model_architecture, sum(p.numel() for p in params),
                     sum(p.numel() * p.element_size() for p in params), len(params), training.batch_size,
                     statistics.median(forward), statistics.median(backward), optimizer_s,
