@@ -121,10 +121,17 @@ class SimulationResult:
     exchange_bytes: float = 0.0
     peak_bytes: float = 0.0
     blocked_s: float = 0.0
+    # local updates: inner steps failures lost (each failed step and the steps since its
+    # worker's last exchange), all computed again
+    num_steps_lost: int = 0
 
     @property
     def work_dropped_fraction(self) -> float:
-        """Share of computed gradients the rules dropped (late, stale) or a failure lost."""
+        """Share of computed gradients the rules dropped (late, stale) or a failure lost
+        (local updates: of the inner steps computed, those lost)."""
+        if self.setup.mode == "local":
+            done = self.setup.num_workers * self.num_updates
+            return self.num_steps_lost / max(1, done + self.num_steps_lost)
         wasted = self.num_dropped_late + self.num_rejected_stale + self.num_failures
         return wasted / max(1, self.num_pushes + self.num_failures)
 
@@ -140,7 +147,8 @@ class SimulationResult:
                 "sync_every": self.setup.sync_every, "outer_fragments": self.setup.fragments,
                 "outer_delay": self.setup.delay, "num_exchanges": self.num_exchanges,
                 "exchange_bytes": self.exchange_bytes, "peak_bytes": self.peak_bytes,
-                "blocked_s": self.blocked_s, "num_events": self.num_events, "wall_s": self.wall_s}
+                "blocked_s": self.blocked_s, "num_steps_lost": self.num_steps_lost,
+                "num_events": self.num_events, "wall_s": self.wall_s}
 
 
 @dataclass

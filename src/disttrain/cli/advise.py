@@ -195,7 +195,7 @@ def _simulations(args: argparse.Namespace, model):
                         times, trip)
                for mode, b, trip, updates in runs]
     local_steps = [h for h in args.local_steps if h > 1]
-    if local_steps and not args.failure_rate:  # failures are replayed at H = 1 only
+    if local_steps:
         local = max((model.predict(c, n) for c in candidates(n, args.max_servers, local_steps, ("none",))
                      if c.sync_every > 1), key=lambda p: p.samples_per_s).candidate
         setup = SimulationSetup("local", n, steps, batch_size=batch, steps_per_worker=share,
