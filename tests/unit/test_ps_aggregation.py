@@ -1,6 +1,8 @@
 """Aggregation rules with no sockets and a hand-stepped clock."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from disttrain.strategies.ps.server.aggregation import AggregationRules, Outcome, Push, PushRefused
 from disttrain.strategies.ps.server.ledger import Ledger
@@ -240,3 +242,78 @@ def test_rollback_forgets_only_the_blocks_added_since_the_mark():
     assert ledger.blocks == {1, 2, 3} and ledger.samples_duplicate == 5
     ledger.add(4)  # no journal open: nothing to undo later
     assert ledger.state_dict() == {"blocks": [1, 2, 3, 4], "samples_duplicate": 5}
+
+
+class Counted(Rules):
+    """The rules, counting how often a step builds the set of ranks it waits for."""
+
+    built = 0
+
+    def _waiting_for(self, epoch):
+        self.built += 1
+        return super()._waiting_for(epoch)
+
+
+class Uncounted(Rules):
+    """The rules without the count that spares building the sets: the reference."""
+
+    def _surely_short(self):
+        return False
+
+
+def test_a_step_with_a_membership_builds_its_waiting_set_only_once_enough_pushes_are_in():
+    # with a coordinator's membership, each push used to build the set of n ranks: O(n²) a step
+    r = Counted("sync", 64)
+    for rank in range(64):
+        r.register(f"w{rank}")
+    r.set_membership(1, {f"w{rank}": 1 for rank in range(64)}, now=0.0)
+    r.built = 0
+    decisions = [r.offer(f"w{rank}", 1, 0, 1.0, "g", now=0.0, generation=1) for rank in range(64)]
+    assert [d.outcome for d in decisions] == [Outcome.BUFFERED] * 63 + [Outcome.APPLIED]
+    assert r.built == 1 and r.version == 1
+
+
+@given(st.integers(2, 6), st.integers(0, 1), st.lists(st.tuples(st.sampled_from(["push", "members", "done"]),
+                                                                   st.integers(0, 5), st.booleans()),
+                                                         max_size=60))
+@settings(max_examples=300, deadline=None)
+def test_counting_first_decides_every_push_as_building_the_sets_does(world_size, backup, operations):
+    backup = min(backup, world_size - 1)
+    fast, reference = Rules("sync", world_size, backup_workers=backup), Uncounted("sync", world_size,
+                                                                                 backup_workers=backup)
+    ids = [f"w{rank}" for rank in range(world_size)]
+    for rules_ in (fast, reference):
+        for worker in ids:
+            rules_.register(worker)
+    steps, generation, joined, now = dict.fromkeys(ids, 1), 0, {}, 0.0
+
+    def both(method, *args, **kwargs):
+        results = []
+        for rules_ in (fast, reference):
+            try:
+                d = getattr(rules_, method)(*args, **kwargs)
+                results.append((d.outcome, d.version, [c.rank for c in d.apply]))
+            except Exception as e:  # a refusal: both must refuse alike
+                results.append(type(e).__name__)
+        assert results[0] == results[1]
+        return results[0]
+
+    for kind, index, flag in operations:
+        now += 1.0
+        worker = ids[index % world_size]
+        if kind == "push":
+            step = steps[worker]
+            # both at one version (asserted below), so the base version is either's
+            result = both("offer", worker, step, fast.version, 1.0, "g", now=now,
+                          generation=joined.get(worker, 0), epoch=step // 4,
+                          last_in_epoch=flag and step % 4 == 3)
+            if not isinstance(result, str):
+                steps[worker] += 1
+        elif kind == "members":
+            generation += 1
+            leaving = worker if flag else None
+            joined = {w: joined.get(w, generation) for w in ids if w != leaving}
+            both("set_membership", generation, dict(joined), now=now)
+        else:
+            both("mark_done", worker, now=now)
+        assert (fast.version, sorted(fast.pending)) == (reference.version, sorted(reference.pending))
