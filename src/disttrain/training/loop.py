@@ -264,6 +264,10 @@ class TrainingLoop:
     # Set (by a SIGTERM handler) to stop at the next step's end with a checkpoint of that
     # step (`Preempted`); a step that ends an epoch stops after its evaluation and checkpoint.
     stop_requested: StopRequest | None = None
+    # A straggler fault (`faults.at_step`'s `slow`) slows a step's waits for peers too, not
+    # only the process's own work (a live DDP group: its run then outlasts a restarted
+    # rank's start-up in the tests).
+    slows_waits: bool = False
     position: Position = field(default_factory=Position)
     clock: TrainClock = field(default_factory=TrainClock)
 
@@ -287,9 +291,37 @@ class TrainingLoop:
                        else s.target.evaluations_from_records(read_metrics(metrics.path)))
         steps_per_epoch = math.ceil(sampler.num_batches(s.batch_size) / s.micro_batches)
         display = self.progress(steps_per_epoch * s.num_epochs, position.step)
-        evaluation = None
         records = LoopRecords(metrics, s.task, s.log_interval, s.num_epochs, self.announce, self.on_metrics,
                               evaluations)
+        evaluation = self.train(records, display)
+        self.clock.stop()
+        display.close()
+        if self.loader is not None:
+            self.loader.close()
+        records.close_window(position.step, position.epoch, position.samples_processed, self.clock.elapsed())
+        if evaluation is None:  # resumed a finished run: nothing left to train
+            evaluation = self.participant.evaluate(position.epoch - 1)
+        if position.step % s.checkpoint_interval != 0:
+            self._save(metrics)
+        position.train_time_s = self.clock.elapsed()
+        metrics.close()
+        resumed_step = None if resumed_from is None else ckpt.checkpoint_step(resumed_from)
+        return LoopResult(position, evaluation, resumed_step, evaluations, s.task)
+
+    def train(self, records: LoopRecords, display: ProgressDisplay | None = None) -> EvalResult | None:
+        """Train from the loop's position (the participant and the sampler at it) to the
+        last epoch's end, logging into `records`: `run` calls it once, after a resume's
+        restore; a live DDP rank once per generation of its group, from the state the
+        generation's members synced. Returns the last epoch's evaluation (None: nothing
+        was left to train).
+
+        Raises:
+            Preempted: asked to stop (`stop_requested`).
+            Exception: whatever the participant's step or evaluation raises (a live
+                group's change of members ends a generation's run so).
+        """
+        s, position, sampler = self.settings, self.position, self.sampler
+        metrics, evaluation = records.metrics, None
         self.participant.start()
         self.clock.start()
         records.open_window(self.clock.elapsed())
@@ -312,7 +344,8 @@ class TrainingLoop:
                                                                  sampler.exhausted))
                 position.step += 1
                 position.samples_processed += result.num_samples
-                display.update(1, loss=result.loss)
+                if display is not None:
+                    display.update(1, loss=result.loss)
                 blocked_s = result.scalars.get("time/comm_blocked_s", 0.0)
                 if self.rebalancer is not None:  # before a checkpoint, which then holds its plan
                     self.rebalancer.after_step(position.step, epoch, result.num_samples, blocked_s)
@@ -323,7 +356,8 @@ class TrainingLoop:
                         self._save(metrics)
                     else:
                         save_after_evaluation = True
-                self.faults.at_step(position.step, train_time_s=self.clock.elapsed(), waited_s=blocked_s)
+                self.faults.at_step(position.step, train_time_s=self.clock.elapsed(),
+                                    waited_s=0.0 if self.slows_waits else blocked_s)
                 if not sampler.exhausted:
                     self._stop_if_asked(metrics, saved=position.step % s.checkpoint_interval == 0)
             evaluation = self._evaluate(records, epoch)
@@ -333,19 +367,7 @@ class TrainingLoop:
                 self._save(metrics)
             if epoch + 1 < s.num_epochs:
                 self._stop_if_asked(metrics, saved=save_after_evaluation)
-        self.clock.stop()
-        display.close()
-        if self.loader is not None:
-            self.loader.close()
-        records.close_window(position.step, position.epoch, position.samples_processed, self.clock.elapsed())
-        if evaluation is None:  # resumed a finished run: nothing left to train
-            evaluation = self.participant.evaluate(position.epoch - 1)
-        if position.step % s.checkpoint_interval != 0:
-            self._save(metrics)
-        position.train_time_s = self.clock.elapsed()
-        metrics.close()
-        resumed_step = None if resumed_from is None else ckpt.checkpoint_step(resumed_from)
-        return LoopResult(position, evaluation, resumed_step, evaluations, s.task)
+        return evaluation
 
     def _evaluate(self, records: LoopRecords, epoch: int) -> EvalResult:
         """Evaluate off the training clock; log the figures with the clock's reading (so a
