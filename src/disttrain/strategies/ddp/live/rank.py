@@ -6,6 +6,12 @@ at each step boundary, take back ranks that ask to join.
          ^                                                        |
          +--- re-form among survivors (a collective failed) <-----+--- grow (joiners)
 
+Each generation trains in the one training loop (`training.loop.TrainingLoop`, as every
+strategy does), its participant the member's step, evaluation and state
+(`participant.LiveParticipant`), from the state its members synced as from a resume; the
+generation's run of the loop ends where the group changes at a step boundary or a
+collective fails, and the next generation runs it again.
+
 A rank started again by the launcher (`attempt` > 0) holds no state: it asks to join,
 and its first generation hands it the weights, optimizer and position of a live peer.
 Rank 0 of each generation writes the periodic checkpoints (`checkpoints`), and rank 0 of
@@ -28,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -39,8 +46,9 @@ from disttrain.core import object_store
 from disttrain.core.errors import ConfigError, DistributedError, Preempted
 from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import ProgressReport, sigterm_handled_by
-from disttrain.data import LANGUAGE_MODEL, describe_dataset
+from disttrain.data import LANGUAGE_MODEL
 from disttrain.metrics.logger import MetricsLogger
+from disttrain.metrics.progress import Progress as ProgressBar
 from disttrain.metrics.summary import Outcome, RunSummary, Work
 from disttrain.metrics.time_to_target import perplexity_of
 from disttrain.strategies.ddp.heartbeats import LoopProgress
@@ -52,18 +60,18 @@ from disttrain.strategies.ddp.live.membership import (
     Holding,
     Patience,
     after_leave,
-    below_minimum,
     choose_source,
     format_members,
     size_change,
     stepped_in,
     world_sizes,
 )
+from disttrain.strategies.ddp.live.participant import GroupChanges, LeaderStore, LiveParticipant
 from disttrain.strategies.ddp.live.places import spare_key, wait_for_place
 from disttrain.strategies.ddp.live.state import share_state
 from disttrain.strategies.ddp.live.trainer import LiveTrainer
 from disttrain.strategies.ddp.runtime import is_peer_loss
-from disttrain.training.loop import LoopRecords, evaluate_off_the_clock
+from disttrain.training.loop import LoopRecords, LoopSettings, TrainingLoop
 from disttrain.training.options import RunOptions
 
 logger = logging.getLogger(__name__)
@@ -75,7 +83,6 @@ FINAL_MODEL = "ddp_final.pt"
 # Python (`forming.WatchedStore`) that reaches here through torch's C++ (the rendezvous),
 # which keeps only its message; a store timeout torch raises itself is a DistStoreError.
 TIMEOUT_SIGNS = ("Timed out", "timed out", "Timeout", "timeout")
-MINIMUM_POLL_S = 1.0  # a group below its minimum looks for arrivals this often (a collective each)
 
 
 def is_lost_peer(error: BaseException) -> bool:
@@ -114,7 +121,11 @@ class LiveRank:
         self.heartbeat_progress = progress
         self.launcher_progress = ProgressReport()
         self.records: LoopRecords | None = None  # this process's metrics, opened at its first generation
-        self.task = describe_dataset(config.training).task  # a language model logs perplexity
+        # The loop's cadence; the trainer reads its data ahead itself (its pieces of the
+        # global batches left, planned again at each change of group), so no shards here.
+        self.settings = replace(LoopSettings.of(config.training, config.to_dict(),
+                                                config.ddp.grad_accumulation_steps), shards=None)
+        self.task = self.settings.task  # a language model logs perplexity
         self.pending: dict[str, Any] | None = None  # the recovery being made, recorded once synced
         # An elastic run (`--world-size MIN:MAX`) trains while at least MIN remain.
         self.min_world_size = config.system.num_workers if config.ddp.max_world_size else 0
@@ -334,83 +345,33 @@ class LiveRank:
         return {**recovery, "spares": list(spares)} if spares else recovery
 
     def _train(self) -> Change | None:
-        """Train this generation until the run ends (None), or joiners wait or members leave
-        (what changes: `_boundary`).
+        """Run the training loop (`training.loop.TrainingLoop`) for this generation, from the
+        state its members synced, until the run ends (None), or joiners wait or members leave
+        at a step boundary (what changes: `LiveParticipant.step`).
 
-        The records are the shared loop's (`training.loop.LoopRecords`): a window's figures
+        The records are the process's (opened at its first generation): a window's figures
         every `training.log_interval` steps, and each epoch's evaluation; the steps of a
         window a change of group cuts short are redone by the next generation, and counted
         in its windows."""
         trainer, group, records = self.trainer, self.group, self.records
-        assert records is not None
+        assert records is not None and trainer.sampler is not None
         p = trainer.progress
-        records.open_window(trainer.train_time_s())
-        while not trainer.finished:
-            while not trainer.epoch_done:
-                joins_wait_s = 0.0
-                if trainer.at_round_boundary:  # with local updates, joiners come between rounds
-                    started = time.perf_counter()
-                    change = self._boundary()
-                    joins_wait_s = time.perf_counter() - started  # mostly waiting for the slowest member
-                    if change.changes(p.admitted):  # every member sees the same: all change the group
-                        p.admitted = change.tickets
-                        return change
-                result = trainer.step()
-                self._report()
-                if not trainer.epoch_done:  # the epoch's last step: after its evaluation
-                    self._save_if_due()
-                records.after_step(p.step, p.epoch, result, trainer.samples_trained, trainer.train_time_s())
-                # A straggler slows its whole step, its waits for peers included.
-                self.faults.at_step(p.step, train_time_s=trainer.train_time_s())
-                trainer.after_step(result.num_samples, joins_wait_s)  # balanced: this member's speed
-            epoch = p.epoch
-            evaluation, eval_s = evaluate_off_the_clock(
-                trainer.clock, self.faults, lambda: trainer.evaluate(group.rank, group.world_size))
-            records.evaluated(p.step, epoch, evaluation, eval_s, trainer.samples_trained,
-                              trainer.train_time_s())
-            self._save_if_due()
+        position = self.heartbeat_progress.position  # the loop moves it; the heartbeats read it
+        position.epoch, position.step = p.epoch, p.step
+        position.samples_processed, position.train_time_s = trainer.samples_trained, trainer.train_time_s()
+        participant = LiveParticipant(trainer, group, self.min_world_size, self.launcher_progress)
+        loop = TrainingLoop(self.settings, participant, trainer.sampler,
+                            LeaderStore(self.checkpoints, group.is_leader),
+                            records.metrics.folder, self.faults,
+                            lambda total, done: ProgressBar(total, "train", done, enabled=False),
+                            announce=group.is_leader,
+                            slows_waits=True, position=position, clock=trainer.clock)
+        try:
+            loop.train(records)  # no progress display: the log tells each generation's start
+        except GroupChanges as changes:
+            return changes.change
         records.close_window(p.step, p.epoch, trainer.samples_trained, trainer.train_time_s())
         return None
-
-    def _save_if_due(self) -> None:
-        """The leader writes the checkpoint of a step `training.checkpoint_interval` divides,
-        off the training clock; as the shared loop's, one due at an epoch's last step is
-        written after that epoch's evaluation, so a resumed run never evaluates (or logs)
-        an epoch twice."""
-        trainer, p = self.trainer, self.trainer.progress
-        if self.group.is_leader and self.checkpoints.due(p.step):
-            with trainer.clock.paused():
-                self.checkpoints.save(p.step, trainer.state_dict())
-
-    def _boundary(self) -> Change:
-        """What changes at this step boundary (a collective). A group of an elastic run
-        below its minimum (`--world-size MIN:MAX`) trains nothing until a rank joins (a
-        restarted one, or one started by hand), within `ddp.timeout_s`.
-
-        Raises:
-            DistributedError: nobody joined within `ddp.timeout_s`.
-        """
-        group, p = self.group, self.trainer.progress
-        change = group.pending_changes(p.admitted, group.leave_requested)
-        deadline = None
-        while not change.changes(p.admitted) and below_minimum(group.world_size, self.min_world_size):
-            if deadline is None:
-                deadline = time.monotonic() + group.timeout_s
-                logger.warning("generation %d has %d rank(s), below the run's minimum of %d: it waits for a "
-                               "rank to join before training on", group.generation, group.world_size,
-                               self.min_world_size)
-            elif time.monotonic() > deadline:
-                raise DistributedError(f"the group has {group.world_size} rank(s), below the minimum of "
-                                       f"{self.min_world_size} (--world-size MIN:MAX), and none joined "
-                                       f"within {group.timeout_s:g}s (ddp.timeout_s); start one with --join")
-            change = group.pending_changes(p.admitted, group.leave_requested, wait_s=MINIMUM_POLL_S)
-        return change
-
-    def _report(self) -> None:
-        p, position = self.trainer.progress, self.heartbeat_progress.position
-        position.epoch, position.step = p.epoch, p.step
-        position.samples_processed = self.trainer.samples_trained
-        self.launcher_progress(p.step)  # the group's step, for the launcher's restart budget
 
     def _finish(self) -> RunSummary | None:
         """The run is over: every member's process id, then the leader writes the results."""

@@ -139,8 +139,8 @@ class LiveTrainer:
         self.samples_trained = 0  # by this process, failed steps included
         self.samples_redone = 0  # of steps whose all-reduce failed here (the group redoes them)
         self._in_flight = 0
-        # The shared loop's clock (`metrics.window.TrainClock`): stopped during evaluation
-        # and checkpoint writes (`clock.paused()`), so throughput leaves them out.
+        # The clock the training loop runs each generation on (`TrainingLoop.clock`): stopped
+        # during evaluation and checkpoint writes (`clock.paused()`), so throughput leaves them out.
         self.clock = TrainClock()
         self.clock.start()
 
