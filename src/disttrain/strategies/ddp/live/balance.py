@@ -13,6 +13,7 @@ global batches, so no plan loses or repeats a sample.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -47,10 +48,12 @@ class LiveBalance:
         system = self.system
         return tuple(plan_batches(speeds, self.global_batch, system.balance, system.balance_margin))
 
-    def start(self, sampler: PlannedSampler, rank: int) -> None:
-        """Check `sampler`'s generation every interval (rank 0 logs each re-plan)."""
+    def start(self, sampler: PlannedSampler, rank: int, clock: Callable[[], float]) -> None:
+        """Check `sampler`'s generation every interval (rank 0 logs each re-plan), timing
+        the work on `clock`: the member's training clock, which stops for evaluations and
+        checkpoint writes (and the faults meant for them), so none counts as work."""
         system = self.system
-        self.rebalancer = Rebalancer(sampler, system, self._gather, rank == 0, self.speed)
+        self.rebalancer = Rebalancer(sampler, system, self._gather, rank == 0, self.speed, clock=clock)
 
     def stop(self) -> None:
         """The generation is gone."""

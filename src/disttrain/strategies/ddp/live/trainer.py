@@ -254,7 +254,8 @@ class LiveTrainer:
         self._follow(self.sampler)
         self.world_size = world_size
         if self.balance is not None:
-            self.balance.start(self.sampler, rank)
+            # this generation's training clock (set before it starts, kept until `detach`)
+            self.balance.start(self.sampler, rank, lambda: self.clock.elapsed())
         if self.compression is not None:  # every member's residual starts again at zero
             clear_residuals(self.compression)
         self._load_ahead()
