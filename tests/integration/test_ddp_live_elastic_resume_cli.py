@@ -77,7 +77,12 @@ def test_a_stopped_live_run_resumes_on_another_size_and_trains_every_global_batc
     assert (summary["samples_lost"], summary["samples_applied_twice"]) == (0, 0)
     assert summary["steps"] * BATCH * FIRST == summary["samples_applied"]  # the global batch kept
     assert f"from step {step} " in (logs / "rank0.log").read_text()
-    assert summary["live_world_sizes"] == [FIRST, size]
+    # The first launch's sizes, then this one's. A rank SIGTERMed while it already waited in
+    # a step boundary's collective (its peer stopped there) said it stays at that boundary:
+    # it leaves at the next one, after a generation without the rank that left (found at
+    # 2 1 3 on a loaded machine); every global batch is still trained once (checked above).
+    sizes = summary["live_world_sizes"]
+    assert sizes[0] == FIRST and sizes[-1] == size and all(s < FIRST for s in sizes[1:-1]), sizes
     assert summary["live_recoveries"][-1]["kind"] == "resume"
     assert summary["live_recoveries"][-1]["members"] == list(range(size))
     # The M ranks trained the rest: each rank's share of the global batches after the stop.
