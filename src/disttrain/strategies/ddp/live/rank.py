@@ -48,7 +48,6 @@ from disttrain.core.faults import FaultInjector
 from disttrain.core.processes import ProgressReport, sigterm_handled_by
 from disttrain.data import LANGUAGE_MODEL
 from disttrain.metrics.logger import MetricsLogger
-from disttrain.metrics.progress import Progress as ProgressBar
 from disttrain.metrics.summary import Outcome, RunSummary, Work
 from disttrain.metrics.time_to_target import perplexity_of
 from disttrain.strategies.ddp.heartbeats import LoopProgress
@@ -363,7 +362,7 @@ class LiveRank:
         loop = TrainingLoop(self.settings, participant, trainer.sampler,
                             LeaderStore(self.checkpoints, group.is_leader),
                             records.metrics.folder, self.faults,
-                            lambda total, done: ProgressBar(total, "train", done, enabled=False),
+                            lambda total, done: None,  # only `run` opens a display; `train` takes none
                             announce=group.is_leader,
                             slows_waits=True, position=position, clock=trainer.clock)
         try:
