@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from disttrain.core.errors import DistributedError, DisttrainError
+from disttrain.core.forking import ForkedProcess, ForkServerError, forking
 from disttrain.core.logs import open_log
-from disttrain.core.process_spec import ProcessSpec, command_line
+from disttrain.core.process_spec import ProcessSpec, arguments, command_line
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class Child:
     event is out."""
 
     name: str
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedProcess
     log_path: Path
     exit_code: int | None = None
     threads: list[threading.Thread] = field(default_factory=list)
@@ -185,10 +186,20 @@ class Cluster:
         child_env = {**os.environ, **self.env, **own, **(env or {}), PARENT_ENV: str(os.getpid()),
                      "PYTHONUNBUFFERED": "1"}
         args = command_line(spec)
-        process = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
-                                   stderr=log_file, stdin=subprocess.DEVNULL, env=child_env,
-                                   start_new_session=True)
-        log_file.close()
+        process: subprocess.Popen | ForkedProcess | None = None
+        try:
+            if forking():  # torch imported once, not once a child (core.forking)
+                try:
+                    process = ForkedProcess(spec.entry, arguments(spec), child_env, log_file.fileno(),
+                                            parent_env=PARENT_ENV)
+                except ForkServerError as e:
+                    logger.warning("%s; starting %s as a new interpreter", e, name)
+            if process is None:
+                process = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+                                           stderr=log_file, stdin=subprocess.DEVNULL, env=child_env,
+                                           start_new_session=True)
+        finally:
+            log_file.close()
         child = Child(name, process, log_path)
         child.threads = [threading.Thread(target=self._read, args=(child,), daemon=True),
                          threading.Thread(target=self._wait, args=(child,), daemon=True)]
@@ -292,7 +303,7 @@ class Cluster:
         self.stop()
 
 
-def _signal_group(process: subprocess.Popen, signum: int) -> None:
+def _signal_group(process: subprocess.Popen | ForkedProcess, signum: int) -> None:
     try:
         os.killpg(process.pid, signum)
     except (ProcessLookupError, PermissionError):

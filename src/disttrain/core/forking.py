@@ -1,0 +1,264 @@
+"""Start a launcher's children by forking a process that has imported torch already.
+
+A child of a cluster (a shard, a worker, a DDP rank, a run of `compare`) spends about two
+seconds of CPU importing torch, and `torch._dynamo`, which torch imports on an optimizer's
+first `step`, before its first line of work; a two-worker parameter server starts four or
+five of them. A launcher instead starts its children through a fork server: one process
+(`forking.main`) that imports those modules once, then forks one child
+for each `python -m MODULE ARGS` it is asked to run (the figures: docs/testing.md).
+
+A forked child is the fork server's child, not the launcher's, so `ForkedProcess` gives the
+launcher what `subprocess.Popen(start_new_session=True)` gave it: the child's pid, in a
+session of its own before `ForkedProcess` returns (a signal to its process group reaches
+it), its stdout as a pipe, its stderr in its log, its exit status (negative for a signal),
+its command line in `ps`, and its death with the launcher's: the fork server exits when the
+launcher's end of their socket closes, however the launcher died, and a child binds to the
+fork server (`processes.bind_to_parent`). The fork server runs nothing but imports (no gRPC,
+no torch operation, one thread of Python), so a fork carries nothing over half-made.
+
+Written here rather than taken from `multiprocessing`'s fork server, which runs the
+launcher's main script again in every child (a user's script calling `disttrain.fit`
+without a `__main__` guard would train again in each) and reaps a child from whichever
+thread starts the next process.
+
+`DISTTRAIN_FORK_SERVER=0` starts every child as a fresh interpreter instead, as does a
+platform without `os.pidfd_open` (Linux before 5.3, or not Linux).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from typing import IO, Any
+
+import setproctitle
+
+FORK_SERVER_ENV = "DISTTRAIN_FORK_SERVER"  # "0": every child a fresh interpreter
+PRELOAD = ("torch", "torch._dynamo")  # what every child imports first (see the module's doc)
+_MAX_REQUEST = 1 << 20  # bytes of one request: a child's whole environment and arguments
+
+_server_lock = threading.Lock()
+_server: _Server | None = None
+
+
+def forking() -> bool:
+    """Whether a launcher's children are forked from the fork server."""
+    return hasattr(os, "pidfd_open") and os.environ.get(FORK_SERVER_ENV, "1") != "0"
+
+
+class ForkServerError(RuntimeError):
+    """The fork server could not start a child (it exited, or its fork failed)."""
+
+
+class _Server:
+    """The launcher's end of its fork server: one request (and its reply) at a time."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self.process = subprocess.Popen(
+                [sys.executable, "-u", "-c", f"from {__name__} import main; main({theirs.fileno()})"],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        self.socket = ours
+        self.lock = threading.Lock()
+
+    def fork(self, request: dict[str, Any], fds: list[int]) -> int:
+        with self.lock:
+            try:
+                socket.send_fds(self.socket, [json.dumps(request).encode()], fds)
+                reply = self.socket.recv(4096)
+            except OSError as e:
+                raise ForkServerError(f"the fork server (pid {self.process.pid}) is gone: {e}") from e
+        if not reply:
+            raise ForkServerError(f"the fork server (pid {self.process.pid}) exited")
+        answer = json.loads(reply)
+        if "error" in answer:
+            raise ForkServerError(f"the fork server could not start {request['module']}: {answer['error']}")
+        return int(answer["pid"])
+
+
+def _fork(request: dict[str, Any], fds: list[int]) -> int:
+    """The pid of the child the fork server started for `request` (a fork server started,
+    or started again, when there is none alive)."""
+    global _server
+    with _server_lock:
+        if _server is None or _server.process.poll() is not None:
+            _server = _Server()
+        server = _server
+    return server.fork(request, fds)
+
+
+class ForkedProcess:
+    """`python -u -m module *args` forked from the fork server, with the part of
+    `subprocess.Popen`'s interface a launcher uses: `pid`, `stdout`, `poll`, `wait`,
+    `returncode`, `send_signal`, `terminate`, `kill`.
+
+    Args:
+        module: the module to run as `__main__`.
+        args: its arguments (`sys.argv[1:]`).
+        env: the child's whole environment.
+        stderr: the file descriptor its stderr goes to (its log).
+        parent_env: a variable the child finds set to its parent's pid (the fork
+            server's), for `processes.bind_to_parent`.
+    Raises:
+        ForkServerError: no child was started.
+    """
+
+    def __init__(self, module: str, args: list[str], env: dict[str, str], stderr: int,
+                 parent_env: str | None = None):
+        self.args = [module, *args]
+        out_read, out_write = os.pipe()
+        status_read, status_write = os.pipe()
+        request = {"module": module, "args": list(args), "env": dict(env), "cwd": os.getcwd(),
+                   "parent_env": parent_env}
+        try:
+            self.pid = _fork(request, [out_write, stderr, status_write])
+        except BaseException:
+            os.close(out_read)
+            os.close(status_read)
+            raise
+        finally:
+            os.close(out_write)
+            os.close(status_write)
+        self.stdout: IO[bytes] = os.fdopen(out_read, "rb")
+        self.returncode: int | None = None
+        self._exited = threading.Event()
+        threading.Thread(target=self._reap, args=(status_read,), name=f"reap-{self.pid}", daemon=True).start()
+
+    def _reap(self, status: int) -> None:
+        """Its exit status, which the fork server writes when it reaps it. Without one
+        (the fork server was killed), the child was too: the kernel kills it with its
+        parent (`processes.bind_to_parent`)."""
+        with os.fdopen(status, "rb") as pipe:
+            text = pipe.read()
+        self.returncode = int(text) if text else -signal.SIGKILL
+        self._exited.set()
+
+    def poll(self) -> int | None:
+        return self.returncode if self._exited.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if not self._exited.is_set():
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+# The fork server's side.
+
+def serve(fd: int) -> dict[str, Any] | None:
+    """Import PRELOAD, then fork a child for each request on socket `fd`, until the
+    launcher's end closes (None). In a child, returns its request, its process set up."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher alone hears a Ctrl-C, as before
+    # Named in `ps`; also readies setproctitle while the environment is still the one this
+    # process started with (it moves it to make room), for the children's titles.
+    setproctitle.setproctitle(f"disttrain fork server (launcher pid {os.getppid()})")
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    launcher = socket.socket(fileno=fd)
+    selector = selectors.DefaultSelector()
+    selector.register(launcher, selectors.EVENT_READ, None)
+    while True:
+        for key, _ in selector.select():
+            if key.data is not None:  # a child's pidfd: it exited
+                pid, status = key.data
+                selector.unregister(key.fd)
+                os.close(key.fd)
+                _, wait_status = os.waitpid(pid, 0)
+                with os.fdopen(status, "wb") as pipe:
+                    pipe.write(str(os.waitstatus_to_exitcode(wait_status)).encode())
+                continue
+            message, fds, _, _ = socket.recv_fds(launcher, _MAX_REQUEST, 3)
+            if not message:
+                return None  # the launcher is gone: so are this process and its children
+            request = json.loads(message)
+            try:
+                pid = _fork_child(fds)
+            except OSError as e:
+                for fd_ in fds:
+                    os.close(fd_)
+                launcher.send(json.dumps({"error": str(e)}).encode())
+                continue
+            if pid == 0:
+                for other in list(selector.get_map().values()):
+                    if other.data is not None:
+                        os.close(other.fd)
+                        os.close(other.data[1])
+                selector.close()
+                launcher.close()
+                _become_child(request, fds)
+                return request
+            os.close(fds[0])
+            os.close(fds[1])
+            selector.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, fds[2]))
+            launcher.send(json.dumps({"pid": pid}).encode())
+
+
+def _fork_child(fds: list[int]) -> int:
+    """Fork; returns once the child is in a session of its own (0 in the child)."""
+    ready_read, ready_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready_read)
+        os.setsid()
+        os.close(ready_write)  # the fork server reads the end of the pipe: ready
+        os.close(fds[2])  # the exit status is the fork server's to write
+        return 0
+    os.close(ready_write)
+    with os.fdopen(ready_read, "rb") as ready:
+        ready.read()
+    return pid
+
+
+def _become_child(request: dict[str, Any], fds: list[int]) -> None:
+    """Set up the forked child as `python -u -m MODULE ARGS` started with the request's
+    environment, folder, stdout and stderr, stdin from /dev/null, would be."""
+    parent = os.getppid()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    for fd, standard in ((devnull, 0), (fds[0], 1), (fds[1], 2)):
+        os.dup2(fd, standard)
+        os.close(fd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if request["parent_env"]:
+        os.environ[request["parent_env"]] = str(parent)
+    os.chdir(request["cwd"])
+    sys.argv = [request["module"], *request["args"]]
+    # What `ps` and /proc/PID/cmdline show: the command line a fresh interpreter would have
+    # had (an operator's view, and how a test finds a run's processes), not the fork server's.
+    setproctitle.setproctitle(" ".join([sys.executable, "-u", "-m", *sys.argv]))
+
+
+def main(fd: int) -> None:
+    """The fork server's process (`python -u -c`): serves until its launcher is gone; in
+    each child, runs the child's module as `python -m` would, and leaves the interpreter as
+    that would (exit status, traceback, threads and atexit functions as usual)."""
+    child = serve(fd)
+    if child is not None:
+        runpy.run_module(child["module"], run_name="__main__", alter_sys=True)
