@@ -27,6 +27,8 @@ platform without `os.pidfd_open` (Linux before 5.3, or not Linux).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib
 import json
 import os
@@ -43,6 +45,7 @@ import setproctitle
 
 FORK_SERVER_ENV = "DISTTRAIN_FORK_SERVER"  # "0": every child a fresh interpreter
 PRELOAD = ("torch", "torch._dynamo")  # what every child imports first (see the module's doc)
+_PR_SET_PDEATHSIG = 1
 _MAX_REQUEST = 1 << 20  # bytes of one request: a child's whole environment and arguments
 
 _server_lock = threading.Lock()
@@ -52,6 +55,15 @@ _server: _Server | None = None
 def forking() -> bool:
     """Whether a launcher's children are forked from the fork server."""
     return hasattr(os, "pidfd_open") and os.environ.get(FORK_SERVER_ENV, "1") != "0"
+
+
+def die_with_parent() -> bool:
+    """Ask the kernel to SIGKILL this process when the thread that forked it ends (its
+    parent's death, SIGKILL included); False where there is no such call (not Linux)."""
+    libc_name = ctypes.util.find_library("c")
+    if not (sys.platform.startswith("linux") and libc_name):
+        return False
+    return ctypes.CDLL(libc_name, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
 
 
 class ForkServerError(RuntimeError):
@@ -225,6 +237,9 @@ def _fork_child(fds: list[int]) -> int:
     pid = os.fork()
     if pid == 0:
         os.close(ready_read)
+        die_with_parent()  # with the fork server, which dies with its launcher
+        if os.getppid() == 1:  # the fork server died before the line above took effect
+            os._exit(1)
         os.setsid()
         os.close(ready_write)  # the fork server reads the end of the pipe: ready
         os.close(fds[2])  # the exit status is the fork server's to write

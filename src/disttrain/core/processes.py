@@ -14,8 +14,6 @@ on Linux the kernel then kills it when the launcher dies, however the launcher d
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import json
 import logging
 import os
@@ -32,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from disttrain.core.errors import DistributedError, DisttrainError
-from disttrain.core.forking import ForkedProcess, ForkServerError, forking
+from disttrain.core.forking import ForkedProcess, ForkServerError, die_with_parent, forking
 from disttrain.core.logs import open_log
 from disttrain.core.process_spec import ProcessSpec, arguments, command_line
 
@@ -42,7 +40,6 @@ EVENT_PREFIX = "@disttrain-event "
 PARENT_ENV = "DISTTRAIN_PARENT_PID"
 PROGRESS_EVENT = "progress"  # with `point`: how far the process got (more fields for a display)
 ERROR_EVENT = "error"  # the error the process fails with: exception, message, recoverable
-_PR_SET_PDEATHSIG = 1
 _QUIET_EVENTS = {PROGRESS_EVENT, ERROR_EVENT}  # out of the log files: frequent, or told there already
 # How long a child may take to report the address it listens on (importing torch, loading
 # a model and data on a loaded machine can take tens of seconds).
@@ -99,11 +96,7 @@ def bind_to_parent() -> None:
     if not parent:
         return
     parent_pid = int(parent)
-    libc_name = ctypes.util.find_library("c")
-    bound = False
-    if sys.platform.startswith("linux") and libc_name:
-        libc = ctypes.CDLL(libc_name, use_errno=True)
-        bound = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    bound = die_with_parent()
     if os.getppid() != parent_pid:  # the launcher died before the line above took effect
         os._exit(1)
     if not bound:

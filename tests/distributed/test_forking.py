@@ -1,0 +1,141 @@
+"""The fork server: a child forked from it behaves as `python -u -m MODULE ARGS` started by
+`subprocess.Popen(start_new_session=True)` would (arguments, environment, folder, stdin,
+stdout, stderr, exit status, signals, threads and atexit functions, its title in `ps`), and
+dies with its launcher however the launcher dies."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from disttrain.core import forking
+from disttrain.core.forking import ForkedProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120),
+              pytest.mark.skipif(not forking.forking(), reason="no fork server on this platform")]
+
+CHILD = textwrap.dedent("""
+    import atexit, os, signal, sys, threading
+    print("argv", sys.argv[1:])
+    print("env", os.environ.get("FORK_TEST"), os.environ.get("FORK_PARENT") == str(os.getppid()))
+    print("folder", os.getcwd())
+    print("session", os.getsid(0) == os.getpid())
+    print("stdin", repr(sys.stdin.read()))
+    print("title", open("/proc/self/cmdline", "rb").read().rstrip(b"\\0").decode())
+    sys.stderr.write("to the log\\n")
+    atexit.register(lambda: print("atexit"))
+    late = threading.Thread(target=lambda: print("thread"))  # not a daemon: exit waits for it
+    mode = sys.argv[1]
+    if mode == "wait":
+        print("ready")
+        signal.pause()
+    late.start()
+    if mode == "exit":
+        sys.exit(7)
+    if mode == "raise":
+        raise ValueError("boom")
+""")
+
+
+@pytest.fixture
+def child_module(tmp_path, monkeypatch):
+    (tmp_path / "forkchild.py").write_text(CHILD)
+    monkeypatch.chdir(tmp_path)
+    return "forkchild"
+
+
+def start(module: str, mode: str, log, **env) -> ForkedProcess:
+    return ForkedProcess(module, [mode, "--flag"], {**os.environ, **env}, log.fileno(),
+                         parent_env="FORK_PARENT")
+
+
+@pytest.mark.parametrize("mode, code", [("exit", 7), ("raise", 1), ("ok", 0)])
+def test_a_forked_child_runs_as_a_new_interpreter_would(tmp_path, child_module, mode, code):
+    with open(tmp_path / "child.log", "wb") as log:
+        child = start(child_module, mode, log, FORK_TEST="passed")
+    out = child.stdout.read().decode().splitlines()
+    assert child.wait(timeout=60) == code and child.poll() == code
+    assert out[:6] == [f"argv ['{mode}', '--flag']", "env passed True", f"folder {tmp_path}",
+                       "session True", "stdin ''", f"title {sys.executable} -u -m forkchild {mode} --flag"]
+    assert out[6:] == ["thread", "atexit"]  # its threads, then its atexit functions, as at any exit
+    log_text = (tmp_path / "child.log").read_text()
+    assert log_text.startswith("to the log\n")
+    assert ("ValueError: boom" in log_text) == (mode == "raise")
+
+
+def test_a_signal_to_its_process_group_stops_it_with_a_negative_status(tmp_path, child_module):
+    with open(tmp_path / "child.log", "wb") as log:
+        child = start(child_module, "wait", log)
+    os.killpg(child.pid, signal.SIGSTOP)  # its own group, from the moment it was returned
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(timeout=0.01)
+    assert child.poll() is None
+    os.killpg(child.pid, signal.SIGCONT)
+    while not child.stdout.readline().startswith(b"ready"):
+        pass
+    os.killpg(child.pid, signal.SIGTERM)
+    assert child.wait(timeout=60) == -signal.SIGTERM
+
+
+LAUNCHER = textwrap.dedent("""
+    # No `__main__` guard, as in a user's script: a child must not run this again.
+    import os, sys
+    from disttrain.core.forking import ForkedProcess
+    import disttrain.core.forking as forking
+    child = ForkedProcess("forkchild", ["wait"], dict(os.environ), 2)
+    while not child.stdout.readline().startswith(b"ready"):
+        pass
+    print(child.pid, forking._server.process.pid, flush=True)
+    sys.stdin.read()
+""")
+
+
+def gone_within(pid: int, timeout_s: float) -> bool:
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)
+
+
+def test_its_children_die_with_a_launcher_killed_outright(tmp_path, child_module):
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    launcher = subprocess.Popen([sys.executable, "launcher.py"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE)
+    try:
+        child_pid, server_pid = map(int, launcher.stdout.readline().split())
+        assert not gone_within(child_pid, 0)
+        launcher.kill()
+        launcher.wait()
+        assert gone_within(server_pid, 30) and gone_within(child_pid, 30)
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
+def test_a_fork_server_that_died_is_started_again(tmp_path, child_module):
+    with open(tmp_path / "child.log", "wb") as log:
+        start(child_module, "ok", log).wait(timeout=60)
+        first = forking._server
+        assert first is not None
+        first.process.kill()
+        first.process.wait()
+        child = start(child_module, "exit", log)
+        assert child.wait(timeout=60) == 7
+    assert forking._server is not first
+
+
+def test_the_variable_turns_it_off(monkeypatch):
+    monkeypatch.setenv(forking.FORK_SERVER_ENV, "0")
+    assert not forking.forking()
+    monkeypatch.setenv(forking.FORK_SERVER_ENV, "1")
+    assert forking.forking()
