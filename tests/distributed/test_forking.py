@@ -139,3 +139,36 @@ def test_the_variable_turns_it_off(monkeypatch):
     assert not forking.forking()
     monkeypatch.setenv(forking.FORK_SERVER_ENV, "1")
     assert forking.forking()
+
+
+def memory_holds(pid: int, needle: bytes) -> bool:
+    """Whether any writable mapping of process `pid` holds `needle`."""
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            if not perms.startswith("rw"):
+                continue
+            start, end = (int(x, 16) for x in span.split("-"))
+            try:
+                mem.seek(start)
+                if needle in mem.read(end - start):
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def test_the_fork_server_never_holds_a_childs_environment(tmp_path, child_module):
+    secret = "token-" + os.urandom(8).hex()
+    with open(tmp_path / "child.log", "wb") as log:
+        child = start(child_module, "wait", log, FORK_TEST=secret)
+    assert child.stdout.readline() == b"argv ['wait', '--flag']\n"
+    assert child.stdout.readline() == f"env {secret} True\n".encode()
+    try:
+        assert memory_holds(child.pid, secret.encode())  # the search finds it where it is
+        assert not memory_holds(forking._server.process.pid, secret.encode())
+    except PermissionError:
+        pytest.skip("this user may not read another process's memory")
+    finally:
+        child.kill()
+        child.wait(timeout=60)

@@ -14,7 +14,9 @@ it), its stdout as a pipe, its stderr in its log, its exit status (negative for 
 its command line in `ps`, and its death with the launcher's: the fork server exits when the
 launcher's end of their socket closes, however the launcher died, and a child binds to the
 fork server (`processes.bind_to_parent`). The fork server runs nothing but imports (no gRPC,
-no torch operation, one thread of Python), so a fork carries nothing over half-made.
+no torch operation, one thread of Python), so a fork carries nothing over half-made; and
+it never reads what a child is to run or its environment (a token among it), which the
+launcher writes to the child alone, so no child's memory holds another's credentials.
 
 Written here rather than taken from `multiprocessing`'s fork server, which runs the
 launcher's main script again in every child (a user's script calling `disttrain.fit`
@@ -46,7 +48,7 @@ import setproctitle
 FORK_SERVER_ENV = "DISTTRAIN_FORK_SERVER"  # "0": every child a fresh interpreter
 PRELOAD = ("torch", "torch._dynamo")  # what every child imports first (see the module's doc)
 _PR_SET_PDEATHSIG = 1
-_MAX_REQUEST = 1 << 20  # bytes of one request: a child's whole environment and arguments
+_FORK = b"fork"  # the one request: with it, the child's stdout, stderr, exit-status and request pipes
 
 _server_lock = threading.Lock()
 _server: _Server | None = None
@@ -83,10 +85,10 @@ class _Server:
         self.socket = ours
         self.lock = threading.Lock()
 
-    def fork(self, request: dict[str, Any], fds: list[int]) -> int:
+    def fork(self, fds: list[int]) -> int:
         with self.lock:
             try:
-                socket.send_fds(self.socket, [json.dumps(request).encode()], fds)
+                socket.send_fds(self.socket, [_FORK], fds)
                 reply = self.socket.recv(4096)
             except OSError as e:
                 raise ForkServerError(f"the fork server (pid {self.process.pid}) is gone: {e}") from e
@@ -94,19 +96,19 @@ class _Server:
             raise ForkServerError(f"the fork server (pid {self.process.pid}) exited")
         answer = json.loads(reply)
         if "error" in answer:
-            raise ForkServerError(f"the fork server could not start {request['module']}: {answer['error']}")
+            raise ForkServerError(f"the fork server could not fork: {answer['error']}")
         return int(answer["pid"])
 
 
-def _fork(request: dict[str, Any], fds: list[int]) -> int:
-    """The pid of the child the fork server started for `request` (a fork server started,
-    or started again, when there is none alive)."""
+def _fork(fds: list[int]) -> int:
+    """The pid of the child the fork server forked with `fds` (a fork server started, or
+    started again, when there is none alive)."""
     global _server
     with _server_lock:
         if _server is None or _server.process.poll() is not None:
             _server = _Server()
         server = _server
-    return server.fork(request, fds)
+    return server.fork(fds)
 
 
 class ForkedProcess:
@@ -130,17 +132,27 @@ class ForkedProcess:
         self.args = [module, *args]
         out_read, out_write = os.pipe()
         status_read, status_write = os.pipe()
-        request = {"module": module, "args": list(args), "env": dict(env), "cwd": os.getcwd(),
-                   "parent_env": parent_env}
+        request_read, request_write = os.pipe()
         try:
-            self.pid = _fork(request, [out_write, stderr, status_write])
+            self.pid = _fork([out_write, stderr, status_write, request_read])
         except BaseException:
             os.close(out_read)
             os.close(status_read)
+            os.close(request_write)
             raise
         finally:
             os.close(out_write)
             os.close(status_write)
+            os.close(request_read)
+        # What to run, and with which environment (its token among it), goes to the child
+        # alone, never through the fork server, whose memory every later child copies.
+        request = {"module": module, "args": list(args), "env": dict(env), "cwd": os.getcwd(),
+                   "parent_env": parent_env}
+        try:
+            with os.fdopen(request_write, "wb") as pipe:
+                pipe.write(json.dumps(request).encode())
+        except BrokenPipeError:
+            pass  # it died before it read it: its exit status tells
         self.stdout: IO[bytes] = os.fdopen(out_read, "rb")
         self.returncode: int | None = None
         self._exited = threading.Event()
@@ -182,7 +194,7 @@ class ForkedProcess:
 
 def serve(fd: int) -> dict[str, Any] | None:
     """Import PRELOAD, then fork a child for each request on socket `fd`, until the
-    launcher's end closes (None). In a child, returns its request, its process set up."""
+    launcher's end closes (None). In a child, returns what it is to run, its process set up."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher alone hears a Ctrl-C, as before
     # Named in `ps`; also readies setproctitle while the environment is still the one this
     # process started with (it moves it to make room), for the children's titles.
@@ -205,10 +217,9 @@ def serve(fd: int) -> dict[str, Any] | None:
                 with os.fdopen(status, "wb") as pipe:
                     pipe.write(str(os.waitstatus_to_exitcode(wait_status)).encode())
                 continue
-            message, fds, _, _ = socket.recv_fds(launcher, _MAX_REQUEST, 3)
+            message, fds, _, _ = socket.recv_fds(launcher, len(_FORK), 4)
             if not message:
                 return None  # the launcher is gone: so are this process and its children
-            request = json.loads(message)
             try:
                 pid = _fork_child(fds)
             except OSError as e:
@@ -223,10 +234,10 @@ def serve(fd: int) -> dict[str, Any] | None:
                         os.close(other.data[1])
                 selector.close()
                 launcher.close()
-                _become_child(request, fds)
-                return request
+                return _become_child(fds)
             os.close(fds[0])
             os.close(fds[1])
+            os.close(fds[3])
             selector.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, fds[2]))
             launcher.send(json.dumps({"pid": pid}).encode())
 
@@ -250,9 +261,12 @@ def _fork_child(fds: list[int]) -> int:
     return pid
 
 
-def _become_child(request: dict[str, Any], fds: list[int]) -> None:
+def _become_child(fds: list[int]) -> dict[str, Any]:
     """Set up the forked child as `python -u -m MODULE ARGS` started with the request's
-    environment, folder, stdout and stderr, stdin from /dev/null, would be."""
+    environment, folder, stdout and stderr, stdin from /dev/null, would be; returns the
+    request, read from its pipe."""
+    with os.fdopen(fds[3], "rb") as pipe:
+        request = json.loads(pipe.read())
     parent = os.getppid()
     devnull = os.open(os.devnull, os.O_RDONLY)
     for fd, standard in ((devnull, 0), (fds[0], 1), (fds[1], 2)):
@@ -268,6 +282,7 @@ def _become_child(request: dict[str, Any], fds: list[int]) -> None:
     # What `ps` and /proc/PID/cmdline show: the command line a fresh interpreter would have
     # had (an operator's view, and how a test finds a run's processes), not the fork server's.
     setproctitle.setproctitle(" ".join([sys.executable, "-u", "-m", *sys.argv]))
+    return request
 
 
 def main(fd: int) -> None:
