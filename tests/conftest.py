@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import importlib
 import json
+import locale
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+
+from disttrain.core import forking
+from disttrain.core.processes import PARENT_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The marks of a variant of a capability the suite already runs end to end (another
@@ -49,15 +54,60 @@ def mnist_or_digits() -> list:
 
 def run_cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None,
             cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m disttrain ARGS` in a fresh process; capture its output. A run past
-    `timeout` fails the test with the end of what it printed and of each log in its
-    `--log-dir` (a hang must say where it hung)."""
+    """Run `python -m disttrain ARGS` in a process of its own, forked from the fork server
+    as launchers start their children (torch imported once for the test process, not once
+    a run: `disttrain.core.forking`, whose tests show a forked child runs as a new
+    interpreter would; `DISTTRAIN_FORK_SERVER=0` runs each as a new interpreter); capture
+    its output. A run past `timeout` fails the test with the end of what it printed and of
+    each log in its `--log-dir` (a hang must say where it hung)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    command = [sys.executable, "-m", "disttrain", *map(str, args)]
     try:
-        return subprocess.run([sys.executable, "-m", "disttrain", *map(str, args)], capture_output=True,
-                              text=True, timeout=timeout, env=full_env, cwd=cwd)
+        if forking.forking():
+            return _run_forked(command, full_env, cwd, timeout)
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"disttrain {' '.join(map(str, args))} ran past {timeout}s\n{_hang_report(args, e)}")
+
+
+def _run_forked(command: list[str], env: dict[str, str], cwd: Path | None,
+                timeout: float) -> subprocess.CompletedProcess:
+    """`subprocess.run(command, capture_output=True, text=True, ...)` with the process forked."""
+    err_read, err_write = os.pipe()
+    try:
+        process = forking.ForkedProcess("disttrain", command[3:], env, err_write, cwd=cwd,
+                                        parent_env=PARENT_ENV if PARENT_ENV in env else None)
+    except BaseException:
+        os.close(err_read)
+        raise
+    finally:
+        os.close(err_write)
+    streams = {"stdout": process.stdout, "stderr": os.fdopen(err_read, "rb")}
+    read: dict[str, bytes] = {}
+    readers = [threading.Thread(target=lambda name=name, stream=stream: read.__setitem__(name, stream.read()),
+                                daemon=True) for name, stream in streams.items()]
+    for reader in readers:
+        reader.start()
+
+    def text(name: str) -> str:  # as text=True decodes: the locale's encoding, universal newlines
+        data = read.get(name, b"").decode(locale.getpreferredencoding(False))
+        return data.replace("\r\n", "\n").replace("\r", "\n")
+
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        for reader in readers:
+            reader.join()
+        raise subprocess.TimeoutExpired(command, timeout, output=text("stdout"),
+                                        stderr=text("stderr")) from None
+    finally:
+        for reader in readers:
+            reader.join()
+        for stream in streams.values():
+            stream.close()
+    return subprocess.CompletedProcess(command, process.returncode, text("stdout"), text("stderr"))
 
 
 def _hang_report(args, error: subprocess.TimeoutExpired) -> str:

@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import pytest
+from process_memory import memory_holds
 
 from disttrain.core import forking
 from disttrain.core.forking import ForkedProcess
@@ -91,7 +92,8 @@ LAUNCHER = textwrap.dedent("""
     child = ForkedProcess("forkchild", ["wait"], dict(os.environ), 2)
     while not child.stdout.readline().startswith(b"ready"):
         pass
-    print(child.pid, forking._server.process.pid, flush=True)
+    server, = forking._servers.values()
+    print(child.pid, server.process.pid, flush=True)
     sys.stdin.read()
 """)
 
@@ -125,13 +127,12 @@ def test_its_children_die_with_a_launcher_killed_outright(tmp_path, child_module
 def test_a_fork_server_that_died_is_started_again(tmp_path, child_module):
     with open(tmp_path / "child.log", "wb") as log:
         start(child_module, "ok", log).wait(timeout=60)
-        first = forking._server
-        assert first is not None
+        first = forking._servers[server_key()]
         first.process.kill()
         first.process.wait()
         child = start(child_module, "exit", log)
         assert child.wait(timeout=60) == 7
-    assert forking._server is not first
+    assert forking._servers[server_key()] is not first
 
 
 def test_the_variable_turns_it_off(monkeypatch):
@@ -141,34 +142,37 @@ def test_the_variable_turns_it_off(monkeypatch):
     assert forking.forking()
 
 
-def memory_holds(pid: int, needle: bytes) -> bool:
-    """Whether any writable mapping of process `pid` holds `needle`."""
-    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
-        for line in maps:
-            span, perms = line.split()[:2]
-            if not perms.startswith("rw"):
-                continue
-            start, end = (int(x, 16) for x in span.split("-"))
-            try:
-                mem.seek(start)
-                if needle in mem.read(end - start):
-                    return True
-            except OSError:
-                continue
-    return False
+def server_key() -> tuple:
+    return tuple(sorted(forking.startup_env(dict(os.environ)).items()))
 
 
-def test_the_fork_server_never_holds_a_childs_environment(tmp_path, child_module):
-    secret = "token-" + os.urandom(8).hex()
+def test_no_fork_server_holds_a_credential(tmp_path, child_module, monkeypatch):
+    """Neither a child's environment (its token) nor the launcher's (the run's secret, as a
+    user exports it) reaches a fork server, whose memory every later child copies: each
+    child holds its own token, and no other."""
+    launcher_secret = "secret-" + os.urandom(8).hex()
+    monkeypatch.setenv("DISTTRAIN_TOKEN", launcher_secret)
+    tokens = ["token-" + os.urandom(8).hex() for _ in range(2)]
+    children = []
     with open(tmp_path / "child.log", "wb") as log:
-        child = start(child_module, "wait", log, FORK_TEST=secret)
-    assert child.stdout.readline() == b"argv ['wait', '--flag']\n"
-    assert child.stdout.readline() == f"env {secret} True\n".encode()
+        for token in tokens:
+            env = {k: v for k, v in os.environ.items() if k != "DISTTRAIN_TOKEN"}
+            children.append(ForkedProcess(child_module, ["wait"], {**env, "FORK_TEST": token}, log.fileno()))
     try:
-        assert memory_holds(child.pid, secret.encode())  # the search finds it where it is
-        assert not memory_holds(forking._server.process.pid, secret.encode())
-    except PermissionError:
-        pytest.skip("this user may not read another process's memory")
+        for child, token in zip(children, tokens, strict=True):
+            assert child.stdout.readline() == b"argv ['wait']\n"
+            assert child.stdout.readline() == f"env {token} False\n".encode()
+        server = forking._servers[server_key()].process.pid
+        try:
+            assert memory_holds(children[0].pid, tokens[0].encode())  # the search finds what is there
+            assert not memory_holds(children[0].pid, tokens[1].encode())
+            assert not memory_holds(children[1].pid, tokens[0].encode())
+            for pid in (server, *(child.pid for child in children)):
+                assert not memory_holds(pid, launcher_secret.encode())
+            assert not any(memory_holds(server, token.encode()) for token in tokens)
+        except PermissionError:
+            pytest.skip("this user may not read another process's memory")
     finally:
-        child.kill()
-        child.wait(timeout=60)
+        for child in children:
+            child.kill()
+            child.wait(timeout=60)

@@ -18,6 +18,7 @@ import grpc
 import pytest
 import torch
 import yaml
+from process_memory import environment_values, memory_holds
 
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.node_info import heartbeat_message
@@ -57,7 +58,17 @@ def nodes_once_up(registry: Path, names: set[str], process: subprocess.Popen) ->
         time.sleep(0.1)
 
 
+def token_in_memory(pid: int) -> str | None:
+    """The token process `pid` set in its environment, read from its memory (a process
+    forked from the fork server sets its environment after it started, so /proc/PID/environ
+    shows the fork server's start-up variables); it must hold at most one."""
+    values = environment_values(pid, TOKEN_ENV, rb"[\x21-\x7e]+")
+    assert len(values) <= 1, f"process {pid} holds several tokens: {sorted(values)}"
+    return next(iter(values), None)
+
+
 def token_in_environment(pid: int) -> str | None:
+    """The token process `pid` was started with (exec'd: its initial environment)."""
     entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     prefix = f"{TOKEN_ENV}=".encode()
     values = [entry[len(prefix):].decode() for entry in entries if entry.startswith(prefix)]
@@ -94,7 +105,8 @@ def test_an_honest_ps_run_ends_whole_and_unchanged_while_forged_calls_are_refuse
         nodes = nodes_once_up(tmp_path / "attacked" / "logs" / "cluster.db",
                               {"server0", "worker0", "worker1"}, process)
         for name in ("worker0", "worker1"):  # each worker was handed its own node token, not the secret
-            assert token_in_environment(nodes[name]["pid"]) == node_token(secret, name, "worker")
+            assert token_in_memory(nodes[name]["pid"]) == node_token(secret, name, "worker")
+            assert not memory_holds(nodes[name]["pid"], secret.encode())
         as_worker0 = node_token(secret, "worker0", "worker")
         shard = open_channel(nodes["server0"]["address"], token=as_worker0)
         register = shard.unary_unary(wire.method_path("RegisterWorker"),
@@ -183,7 +195,8 @@ def test_live_ddp_ranks_call_the_coordinator_in_their_own_name(tmp_path, cli):
     try:
         nodes = nodes_once_up(log_dir / "cluster.db", {"rank0", "rank1"}, process)
         for name in ("rank0", "rank1"):
-            assert token_in_environment(nodes[name]["pid"]) == node_token(secret, name, "rank")
+            assert token_in_memory(nodes[name]["pid"]) == node_token(secret, name, "rank")
+            assert not memory_holds(nodes[name]["pid"], secret.encode())
         said = re.search(r"coordinator listening on (\S+)", (tmp_path / "live.out").read_text())
         client = CoordinatorClient(said.group(1), token=node_token(secret, "rank0", "rank"))
         victim = nodes["rank1"]

@@ -50,8 +50,18 @@ PRELOAD = ("torch", "torch._dynamo")  # what every child imports first (see the 
 _PR_SET_PDEATHSIG = 1
 _FORK = b"fork"  # the one request: with it, the child's stdout, stderr, exit-status and request pipes
 
-_server_lock = threading.Lock()
-_server: _Server | None = None
+# What a new interpreter reads from its environment before its first line runs (the
+# interpreter, the dynamic loader, the OpenMP and BLAS runtimes torch loads, torch's
+# import): a fork server starts with a child's values of these and nothing else, so a
+# child's start-up settings are its own (a fork server for each set of them), and no
+# credential of the launcher's environment reaches a fork server, whose memory every
+# child it forks copies.
+STARTUP_ENV = ("PATH", "HOME", "USER", "LANG", "LC_", "TZ", "TMPDIR", "PYTHON", "VIRTUAL_ENV",
+               "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_")
+_TITLE_ROOM = 2048  # characters a child's title may take in `ps` (see `_Server`)
+
+_servers_lock = threading.Lock()
+_servers: dict[tuple[tuple[str, str], ...], _Server] = {}
 
 
 def forking() -> bool:
@@ -72,15 +82,22 @@ class ForkServerError(RuntimeError):
     """The fork server could not start a child (it exited, or its fork failed)."""
 
 
-class _Server:
-    """The launcher's end of its fork server: one request (and its reply) at a time."""
+def startup_env(env: dict[str, str]) -> dict[str, str]:
+    """The variables of `env` a fork server starts with (STARTUP_ENV)."""
+    return {name: value for name, value in env.items() if name.startswith(STARTUP_ENV)}
 
-    def __init__(self) -> None:
+
+class _Server:
+    """The launcher's end of one fork server: one request (and its reply) at a time."""
+
+    def __init__(self, env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # A title in `ps` can take the room of the command line and the environment a
+        # process started with; the code's trailing comment makes room for a child's.
+        code = f"from {__name__} import main; main({theirs.fileno()})  #" + " " * _TITLE_ROOM
         with theirs:
             self.process = subprocess.Popen(
-                [sys.executable, "-u", "-c", f"from {__name__} import main; main({theirs.fileno()})"],
-                pass_fds=[theirs.fileno()],
+                [sys.executable, "-u", "-c", code], pass_fds=[theirs.fileno()], env=env,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
         self.socket = ours
         self.lock = threading.Lock()
@@ -100,14 +117,15 @@ class _Server:
         return int(answer["pid"])
 
 
-def _fork(fds: list[int]) -> int:
-    """The pid of the child the fork server forked with `fds` (a fork server started, or
-    started again, when there is none alive)."""
-    global _server
-    with _server_lock:
-        if _server is None or _server.process.poll() is not None:
-            _server = _Server()
-        server = _server
+def _fork(fds: list[int], env: dict[str, str]) -> int:
+    """The pid of the child forked with `fds` by the fork server for `env`'s start-up
+    settings (started, or started again, when there is none alive)."""
+    settings = startup_env(env)
+    key = tuple(sorted(settings.items()))
+    with _servers_lock:
+        server = _servers.get(key)
+        if server is None or server.process.poll() is not None:
+            server = _servers[key] = _Server(settings)
     return server.fork(fds)
 
 
@@ -123,18 +141,19 @@ class ForkedProcess:
         stderr: the file descriptor its stderr goes to (its log).
         parent_env: a variable the child finds set to its parent's pid (the fork
             server's), for `processes.bind_to_parent`.
+        cwd: the folder it starts in (None: this process's).
     Raises:
         ForkServerError: no child was started.
     """
 
     def __init__(self, module: str, args: list[str], env: dict[str, str], stderr: int,
-                 parent_env: str | None = None):
+                 parent_env: str | None = None, cwd: str | os.PathLike | None = None):
         self.args = [module, *args]
         out_read, out_write = os.pipe()
         status_read, status_write = os.pipe()
         request_read, request_write = os.pipe()
         try:
-            self.pid = _fork([out_write, stderr, status_write, request_read])
+            self.pid = _fork([out_write, stderr, status_write, request_read], env)
         except BaseException:
             os.close(out_read)
             os.close(status_read)
@@ -146,8 +165,8 @@ class ForkedProcess:
             os.close(request_read)
         # What to run, and with which environment (its token among it), goes to the child
         # alone, never through the fork server, whose memory every later child copies.
-        request = {"module": module, "args": list(args), "env": dict(env), "cwd": os.getcwd(),
-                   "parent_env": parent_env}
+        request = {"module": module, "args": list(args), "env": dict(env),
+                   "cwd": os.fspath(cwd or os.getcwd()), "parent_env": parent_env}
         try:
             with os.fdopen(request_write, "wb") as pipe:
                 pipe.write(json.dumps(request).encode())
