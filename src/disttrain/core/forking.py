@@ -142,25 +142,29 @@ class ForkedProcess:
         parent_env: a variable the child finds set to its parent's pid (the fork
             server's), for `processes.bind_to_parent`.
         cwd: the folder it starts in (None: this process's).
+        stdout: the file descriptor its stdout goes to (None: a pipe, read from `stdout`).
     Raises:
         ForkServerError: no child was started.
     """
 
     def __init__(self, module: str, args: list[str], env: dict[str, str], stderr: int,
-                 parent_env: str | None = None, cwd: str | os.PathLike | None = None):
+                 parent_env: str | None = None, cwd: str | os.PathLike | None = None,
+                 stdout: int | None = None):
         self.args = [module, *args]
-        out_read, out_write = os.pipe()
+        out_read, out_write = os.pipe() if stdout is None else (None, stdout)
         status_read, status_write = os.pipe()
         request_read, request_write = os.pipe()
         try:
             self.pid = _fork([out_write, stderr, status_write, request_read], env)
         except BaseException:
-            os.close(out_read)
+            if out_read is not None:
+                os.close(out_read)
             os.close(status_read)
             os.close(request_write)
             raise
         finally:
-            os.close(out_write)
+            if out_read is not None:
+                os.close(out_write)
             os.close(status_write)
             os.close(request_read)
         # What to run, and with which environment (its token among it), goes to the child
@@ -172,7 +176,7 @@ class ForkedProcess:
                 pipe.write(json.dumps(request).encode())
         except BrokenPipeError:
             pass  # it died before it read it: its exit status tells
-        self.stdout: IO[bytes] = os.fdopen(out_read, "rb")
+        self.stdout: IO[bytes] | None = None if out_read is None else os.fdopen(out_read, "rb")
         self.returncode: int | None = None
         self._exited = threading.Event()
         threading.Thread(target=self._reap, args=(status_read,), name=f"reap-{self.pid}", daemon=True).start()

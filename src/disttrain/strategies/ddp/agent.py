@@ -29,6 +29,12 @@ failure, as torch's count would.
 failure check (`_monitor_workers`) and its count of restarts left (`_remaining_restarts`)
 are torch's internals (stable since torchelastic joined torch); a test of the pieces
 checks both are there.
+
+Within the same block the agent starts each rank (`python -u -m disttrain.torchrun ...`)
+by forking it from the launcher's fork server (`core.forking`: torch imported once, not
+once a rank and again at each restart of the group) through torch's own process handler
+(`SubprocessHandler._popen`, what torch's elastic multiprocessing calls through
+`get_subprocess_handler`); any other command it starts as torch does.
 """
 
 from __future__ import annotations
@@ -36,19 +42,23 @@ from __future__ import annotations
 import logging
 import re
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed.elastic.multiprocessing.api as elastic_processes
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
 from disttrain.coordinator.budget import Decision, ErrorReport, RestartBudget, Verdict, error_class
 from disttrain.core import checkpoint as ckpt
 from disttrain.core.errors import ConfigError, DistributedError, DisttrainError, TrainingError
+from disttrain.core.forking import ForkedProcess, ForkServerError, forking
 from disttrain.strategies.ddp.preemption import group_stop
 
 logger = logging.getLogger(__name__)
@@ -196,19 +206,41 @@ class BudgetedAgent(PreemptibleAgent):
         return result
 
 
+class ForkedRankHandler(SubprocessHandler):
+    """torch's handler of one rank's process, the process forked from the fork server."""
+
+    def _popen(self, args: tuple, env: dict[str, str]) -> Any:
+        if forking() and len(args) > 3 and args[0] == sys.executable and tuple(args[1:3]) == ("-u", "-m"):
+            stdout = self._stdout.fileno() if self._stdout else sys.stdout.fileno()
+            stderr = self._stderr.fileno() if self._stderr else sys.stderr.fileno()
+            try:
+                return ForkedProcess(args[3], [str(a) for a in args[4:]], env, stderr, stdout=stdout)
+            except ForkServerError as e:
+                logger.warning("%s; starting the rank as a new interpreter", e)
+        return super()._popen(args, env)
+
+
+def _forked_rank_handler(entrypoint: str, args: tuple, env: dict[str, str], stdout: str, stderr: str,
+                         local_rank_id: int, numa_options: Any = None) -> SubprocessHandler:
+    return ForkedRankHandler(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
+                             local_rank_id=local_rank_id, numa_options=numa_options)
+
+
 @contextmanager
 def budgeted_agent(budget: GroupBudget | None) -> Iterator[list[PreemptibleAgent]]:
     """Within the block, `elastic_launch` runs a `BudgetedAgent` of `budget` (None: a
-    `PreemptibleAgent`, restarting as torch's own does); yields the agents made."""
+    `PreemptibleAgent`, restarting as torch's own does), which forks its ranks from the
+    fork server; yields the agents made."""
     made: list[PreemptibleAgent] = []
 
     def make(**kwargs: Any) -> PreemptibleAgent:
         made.append(PreemptibleAgent(**kwargs) if budget is None else BudgetedAgent(budget, **kwargs))
         return made[-1]
 
-    original = launcher_api.LocalElasticAgent
+    original = launcher_api.LocalElasticAgent, elastic_processes.get_subprocess_handler
     launcher_api.LocalElasticAgent = make
+    elastic_processes.get_subprocess_handler = _forked_rank_handler
     try:
         yield made
     finally:
-        launcher_api.LocalElasticAgent = original
+        launcher_api.LocalElasticAgent, elastic_processes.get_subprocess_handler = original
