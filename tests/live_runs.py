@@ -50,8 +50,16 @@ def wait_for(path: Path, pattern: str | re.Pattern, *processes: subprocess.Popen
     pytest.fail(f"no {pattern.pattern!r} in {path} within {WAIT_S:.0f}s")
 
 
+def parent_of(pid: int) -> int | None:
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError):
+        return None
+
+
 def rank_pid(launcher: subprocess.Popen, slot: int) -> int:
-    """The process id of `launcher`'s rank `slot` (a child running the rank entry point)."""
+    """The process id of `launcher`'s rank `slot` (a process running the rank entry point,
+    its child or its fork server's)."""
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         for entry in Path("/proc").iterdir():
@@ -63,7 +71,7 @@ def rank_pid(launcher: subprocess.Popen, slot: int) -> int:
             except OSError:
                 continue
             parent = int(stat.rsplit(")", 1)[1].split()[1])
-            if (parent == launcher.pid and b"disttrain.torchrun" in argv
+            if (launcher.pid in (parent, parent_of(parent)) and b"disttrain.torchrun" in argv
                     and argv[argv.index(b"--rank") + 1] == str(slot).encode()):
                 return int(entry.name)
         assert launcher.poll() is None, f"the launcher ended ({launcher.returncode}) before rank {slot}"

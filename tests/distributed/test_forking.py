@@ -1,7 +1,8 @@
 """The fork server: a child forked from it behaves as `python -u -m MODULE ARGS` started by
 `subprocess.Popen(start_new_session=True)` would (arguments, environment, folder, stdin,
-stdout, stderr, exit status, signals, threads and atexit functions, its title in `ps`), and
-dies with its launcher however the launcher dies."""
+stdout, stderr, exit status, signals, threads and atexit functions, its command line in
+/proc/PID/cmdline and `ps`, a chaos run's tag in /proc/PID/environ), holds no other child's
+credentials, and dies with its launcher however the launcher dies."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import textwrap
 import pytest
 from process_memory import memory_holds
 
+from disttrain.chaos.outside import TAG_ENV, tagged_pids
 from disttrain.core import forking
 from disttrain.core.forking import ForkedProcess
 
@@ -28,7 +30,7 @@ CHILD = textwrap.dedent("""
     print("folder", os.getcwd())
     print("session", os.getsid(0) == os.getpid())
     print("stdin", repr(sys.stdin.read()))
-    print("title", open("/proc/self/cmdline", "rb").read().rstrip(b"\\0").decode())
+    print("command", open("/proc/self/cmdline", "rb").read().rstrip(b"\\0").split(b"\\0"))
     sys.stderr.write("to the log\\n")
     atexit.register(lambda: print("atexit"))
     late = threading.Thread(target=lambda: print("thread"))  # not a daemon: exit waits for it
@@ -61,13 +63,26 @@ def test_a_forked_child_runs_as_a_new_interpreter_would(tmp_path, child_module, 
     with open(tmp_path / "child.log", "wb") as log:
         child = start(child_module, mode, log, FORK_TEST="passed")
     out = child.stdout.read().decode().splitlines()
+    command = (sys.executable, "-u", "-m", "forkchild", mode, "--flag")  # NUL-separated, as exec's
     assert child.wait(timeout=60) == code and child.poll() == code
     assert out[:6] == [f"argv ['{mode}', '--flag']", "env passed True", f"folder {tmp_path}",
-                       "session True", "stdin ''", f"title {sys.executable} -u -m forkchild {mode} --flag"]
+                       "session True", "stdin ''", f"command {[w.encode() for w in command]}"]
     assert out[6:] == ["thread", "atexit"]  # its threads, then its atexit functions, as at any exit
     log_text = (tmp_path / "child.log").read_text()
     assert log_text.startswith("to the log\n")
     assert ("ValueError: boom" in log_text) == (mode == "raise")
+
+
+def test_a_chaos_run_finds_a_forked_child_by_its_tag(tmp_path, child_module):
+    tag = os.urandom(8).hex()
+    with open(tmp_path / "child.log", "wb") as log:
+        child = start(child_module, "wait", log, **{TAG_ENV: tag})
+    try:
+        assert child.stdout.readline().startswith(b"argv")
+        assert child.pid in tagged_pids(tag)  # (its fork server, a process of the run, carries it too)
+    finally:
+        child.kill()
+        child.wait(timeout=60)
 
 
 def test_a_signal_to_its_process_group_stops_it_with_a_negative_status(tmp_path, child_module):

@@ -43,8 +43,6 @@ import sys
 import threading
 from typing import IO, Any
 
-import setproctitle
-
 FORK_SERVER_ENV = "DISTTRAIN_FORK_SERVER"  # "0": every child a fresh interpreter
 PRELOAD = ("torch", "torch._dynamo")  # what every child imports first (see the module's doc)
 _PR_SET_PDEATHSIG = 1
@@ -56,9 +54,11 @@ _FORK = b"fork"  # the one request: with it, the child's stdout, stderr, exit-st
 # child's start-up settings are its own (a fork server for each set of them), and no
 # credential of the launcher's environment reaches a fork server, whose memory every
 # child it forks copies.
+# A `chaos` run's tag (`DISTTRAIN_CHAOS_RUN`) is one too: a forked child's
+# /proc/PID/environ shows its fork server's environment, where `chaos` finds the tag.
 STARTUP_ENV = ("PATH", "HOME", "USER", "LANG", "LC_", "TZ", "TMPDIR", "PYTHON", "VIRTUAL_ENV",
-               "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_")
-_TITLE_ROOM = 2048  # characters a child's title may take in `ps` (see `_Server`)
+               "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_", "DISTTRAIN_CHAOS_")
+_ARGV_ROOM = 4096  # bytes a child's command line may take in /proc/PID/cmdline (see `_Server`)
 
 _servers_lock = threading.Lock()
 _servers: dict[tuple[tuple[str, str], ...], _Server] = {}
@@ -92,9 +92,9 @@ class _Server:
 
     def __init__(self, env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # A title in `ps` can take the room of the command line and the environment a
-        # process started with; the code's trailing comment makes room for a child's.
-        code = f"from {__name__} import main; main({theirs.fileno()})  #" + " " * _TITLE_ROOM
+        # A child writes its command line where the fork server's was: the code's trailing
+        # comment makes room for it.
+        code = f"from {__name__} import main; main({theirs.fileno()})  #" + " " * _ARGV_ROOM
         with theirs:
             self.process = subprocess.Popen(
                 [sys.executable, "-u", "-c", code], pass_fds=[theirs.fileno()], env=env,
@@ -219,9 +219,7 @@ def serve(fd: int) -> dict[str, Any] | None:
     """Import PRELOAD, then fork a child for each request on socket `fd`, until the
     launcher's end closes (None). In a child, returns what it is to run, its process set up."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher alone hears a Ctrl-C, as before
-    # Named in `ps`; also readies setproctitle while the environment is still the one this
-    # process started with (it moves it to make room), for the children's titles.
-    setproctitle.setproctitle(f"disttrain fork server (launcher pid {os.getppid()})")
+    _set_command_line(["disttrain-fork-server", f"--launcher={os.getppid()}"])
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -302,10 +300,21 @@ def _become_child(fds: list[int]) -> dict[str, Any]:
         os.environ[request["parent_env"]] = str(parent)
     os.chdir(request["cwd"])
     sys.argv = [request["module"], *request["args"]]
-    # What `ps` and /proc/PID/cmdline show: the command line a fresh interpreter would have
-    # had (an operator's view, and how a test finds a run's processes), not the fork server's.
-    setproctitle.setproctitle(" ".join([sys.executable, "-u", "-m", *sys.argv]))
+    _set_command_line([sys.executable, "-u", "-m", *sys.argv])
     return request
+
+
+def _set_command_line(words: list[str]) -> None:
+    """Make /proc/PID/cmdline (what `ps` shows, and what `chaos` and operators find a
+    run's processes by) read `words`, NUL-separated as a new interpreter's would, by
+    writing them over this process's own command line (the room the fork server's left;
+    longer ones are cut). Written here rather than with setproctitle, which joins the
+    words with spaces and clears the environment's block beside them."""
+    with open("/proc/self/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()  # from field 3, the state, on
+    start, end = int(fields[48 - 3]), int(fields[49 - 3])  # arg_start, arg_end (proc(5))
+    line = b"\0".join(os.fsencode(word) for word in words)[:end - start - 1]
+    ctypes.memmove(start, line.ljust(end - start, b"\0"), end - start)
 
 
 def main(fd: int) -> None:
