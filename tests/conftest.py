@@ -75,7 +75,7 @@ def _run_forked(command: list[str], env: dict[str, str], cwd: Path | None,
     """`subprocess.run(command, capture_output=True, text=True, ...)` with the process forked."""
     err_read, err_write = os.pipe()
     try:
-        process = forking.ForkedProcess("disttrain", command[3:], env, err_write, cwd=cwd,
+        process = forking.ForkedProcess(["disttrain", *command[3:]], env, err_write, cwd=cwd,
                                         parent_env=PARENT_ENV if PARENT_ENV in env else None)
     except BaseException:
         os.close(err_read)

@@ -54,7 +54,7 @@ def child_module(tmp_path, monkeypatch):
 
 
 def start(module: str, mode: str, log, **env) -> ForkedProcess:
-    return ForkedProcess(module, [mode, "--flag"], {**os.environ, **env}, log.fileno(),
+    return ForkedProcess([module, mode, "--flag"], {**os.environ, **env}, log.fileno(),
                          parent_env="FORK_PARENT")
 
 
@@ -104,7 +104,7 @@ LAUNCHER = textwrap.dedent("""
     import os, sys
     from disttrain.core.forking import ForkedProcess
     import disttrain.core.forking as forking
-    child = ForkedProcess("forkchild", ["wait"], dict(os.environ), 2)
+    child = ForkedProcess(["forkchild", "wait"], dict(os.environ), 2)
     while not child.stdout.readline().startswith(b"ready"):
         pass
     server, = forking._servers.values()
@@ -172,7 +172,7 @@ def test_no_fork_server_holds_a_credential(tmp_path, child_module, monkeypatch):
     with open(tmp_path / "child.log", "wb") as log:
         for token in tokens:
             env = {k: v for k, v in os.environ.items() if k != "DISTTRAIN_TOKEN"}
-            children.append(ForkedProcess(child_module, ["wait"], {**env, "FORK_TEST": token}, log.fileno()))
+            children.append(ForkedProcess([child_module, "wait"], {**env, "FORK_TEST": token}, log.fileno()))
     try:
         for child, token in zip(children, tokens, strict=True):
             assert child.stdout.readline() == b"argv ['wait']\n"

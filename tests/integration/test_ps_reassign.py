@@ -14,6 +14,7 @@ import pytest
 from conftest import VARIANT
 
 from disttrain.coordinator.registry import read_status
+from disttrain.core.forking import FORK_SERVER_ENV
 
 TRAIN, TEST, BATCH, EPOCHS, WORKERS = 960, 200, 32, 2, 3
 BATCHES = TRAIN // WORKERS // BATCH  # a worker's batches an epoch
@@ -55,14 +56,15 @@ def test_a_worker_never_restarted_has_its_blocks_done_by_the_others(tmp_path, cl
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_reassigned_worker_that_rejoins_takes_back_what_is_left_and_nothing_is_applied_twice(tmp_path, cli):
-    # Restarted once, after it was reassigned (a process start takes longer than the half
-    # second it may stay away); the survivors are slowed (a few seconds an epoch) so it is
-    # back while they still train.
+    # Restarted once, after it was reassigned: its processes start as new interpreters, and
+    # a start takes longer than the half second it may stay away (forked from the fork
+    # server, it is back within 0.3 s); the survivors are slowed (a few seconds an epoch) so
+    # it is back while they still train.
     epochs = 6
     result = cli("ps", *ARGS, "--num-epochs", str(epochs), "--max-restarts", "1", "--reassign-after", "0.5",
                  "--inject", "kill:worker=2:step=2", "--inject", "slow:worker=0:factor=60",
                  "--inject", "slow:worker=1:factor=60", "--log-dir", tmp_path / "logs",
-                 "--checkpoint-dir", tmp_path / "ckpt", timeout=240)
+                 "--checkpoint-dir", tmp_path / "ckpt", timeout=240, env={FORK_SERVER_ENV: "0"})
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
     assert summary["samples_lost"] == 0 and summary["samples_applied"] == epochs * TRAIN

@@ -130,13 +130,12 @@ def _fork(fds: list[int], env: dict[str, str]) -> int:
 
 
 class ForkedProcess:
-    """`python -u -m module *args` forked from the fork server, with the part of
+    """`python -u -m MODULE ARGS` forked from the fork server, with the part of
     `subprocess.Popen`'s interface a launcher uses: `pid`, `stdout`, `poll`, `wait`,
     `returncode`, `send_signal`, `terminate`, `kill`.
 
     Args:
-        module: the module to run as `__main__`.
-        args: its arguments (`sys.argv[1:]`).
+        command: the module to run as `__main__`, then its arguments (`sys.argv[1:]`).
         env: the child's whole environment.
         stderr: the file descriptor its stderr goes to (its log).
         parent_env: a variable the child finds set to its parent's pid (the fork
@@ -147,9 +146,10 @@ class ForkedProcess:
         ForkServerError: no child was started.
     """
 
-    def __init__(self, module: str, args: list[str], env: dict[str, str], stderr: int,
+    def __init__(self, command: list[str], env: dict[str, str], stderr: int,
                  parent_env: str | None = None, cwd: str | os.PathLike | None = None,
                  stdout: int | None = None):
+        module, *args = command
         self.args = [module, *args]
         out_read, out_write = os.pipe() if stdout is None else (None, stdout)
         status_read, status_write = os.pipe()

@@ -183,7 +183,7 @@ class Cluster:
         try:
             if forking():  # torch imported once, not once a child (core.forking)
                 try:
-                    process = ForkedProcess(spec.entry, arguments(spec), child_env, log_file.fileno(),
+                    process = ForkedProcess([spec.entry, *arguments(spec)], child_env, log_file.fileno(),
                                             parent_env=PARENT_ENV)
                 except ForkServerError as e:
                     logger.warning("%s; starting %s as a new interpreter", e, name)

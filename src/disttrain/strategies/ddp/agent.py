@@ -214,16 +214,16 @@ class ForkedRankHandler(SubprocessHandler):
             stdout = self._stdout.fileno() if self._stdout else sys.stdout.fileno()
             stderr = self._stderr.fileno() if self._stderr else sys.stderr.fileno()
             try:
-                return ForkedProcess(args[3], [str(a) for a in args[4:]], env, stderr, stdout=stdout)
+                return ForkedProcess([str(a) for a in args[3:]], env, stderr, stdout=stdout)
             except ForkServerError as e:
                 logger.warning("%s; starting the rank as a new interpreter", e)
         return super()._popen(args, env)
 
 
-def _forked_rank_handler(entrypoint: str, args: tuple, env: dict[str, str], stdout: str, stderr: str,
-                         local_rank_id: int, numa_options: Any = None) -> SubprocessHandler:
-    return ForkedRankHandler(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
-                             local_rank_id=local_rank_id, numa_options=numa_options)
+def _forked_rank_handler(**handler: Any) -> SubprocessHandler:
+    """`get_subprocess_handler`'s stand-in: its keywords (entrypoint, args, env, stdout,
+    stderr, local_rank_id, numa_options) go to the handler as they are."""
+    return ForkedRankHandler(**handler)
 
 
 @contextmanager
