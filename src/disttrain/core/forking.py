@@ -4,17 +4,18 @@ A child of a cluster (a shard, a worker, a DDP rank, a run of `compare`) spends 
 seconds of CPU importing torch, and `torch._dynamo`, which torch imports on an optimizer's
 first `step`, before its first line of work; a two-worker parameter server starts four or
 five of them. A launcher instead starts its children through a fork server: one process
-(`forking.main`) that imports those modules once, then forks one child
-for each `python -m MODULE ARGS` it is asked to run (the figures: docs/testing.md).
+(`main`) that imports those modules once, then forks one child for each
+`python -m MODULE ARGS` it is asked to run (the figures: docs/testing.md).
 
 A forked child is the fork server's child, not the launcher's, so `ForkedProcess` gives the
 launcher what `subprocess.Popen(start_new_session=True)` gave it: the child's pid, in a
 session of its own before `ForkedProcess` returns (a signal to its process group reaches
 it), its stdout as a pipe, its stderr in its log, its exit status (negative for a signal),
 its command line in `ps`, and its death with the launcher's: the fork server exits when the
-launcher's end of their socket closes, however the launcher died, and a child binds to the
-fork server (`processes.bind_to_parent`). The fork server runs nothing but imports (no gRPC,
-no torch operation, one thread of Python), so a fork carries nothing over half-made; and
+launcher's end of their socket closes, however the launcher died, and the kernel kills a
+child with its fork server (`die_with_parent`, asked for right after the fork). The fork
+server runs nothing but imports (no gRPC, no torch operation, one thread of Python), so a
+fork carries nothing over half-made; and
 it never reads what a child is to run or its environment (a token among it), which the
 launcher writes to the child alone, so no child's memory holds another's credentials.
 
