@@ -95,18 +95,18 @@ def _run_forked(command: list[str], env: dict[str, str], cwd: Path | None,
 
     try:
         process.wait(timeout=timeout)
+        timed_out = False
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-        for reader in readers:
-            reader.join()
-        raise subprocess.TimeoutExpired(command, timeout, output=text("stdout"),
-                                        stderr=text("stderr")) from None
+        timed_out = True
     finally:
         for reader in readers:
             reader.join()
         for stream in streams.values():
             stream.close()
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout, output=text("stdout"), stderr=text("stderr"))
     return subprocess.CompletedProcess(command, process.returncode, text("stdout"), text("stderr"))
 
 

@@ -93,8 +93,7 @@ def test_a_signal_to_its_process_group_stops_it_with_a_negative_status(tmp_path,
         child.wait(timeout=0.01)
     assert child.poll() is None
     os.killpg(child.pid, signal.SIGCONT)
-    while not child.stdout.readline().startswith(b"ready"):
-        pass
+    assert any(line.startswith(b"ready") for line in child.stdout)  # (ends at its exit, if it is never ready)
     os.killpg(child.pid, signal.SIGTERM)
     assert child.wait(timeout=60) == -signal.SIGTERM
 
@@ -105,8 +104,7 @@ LAUNCHER = textwrap.dedent("""
     from disttrain.core.forking import ForkedProcess
     import disttrain.core.forking as forking
     child = ForkedProcess(["forkchild", "wait"], dict(os.environ), 2)
-    while not child.stdout.readline().startswith(b"ready"):
-        pass
+    assert any(line.startswith(b"ready") for line in child.stdout)
     server, = forking._servers.values()
     print(child.pid, server.process.pid, flush=True)
     sys.stdin.read()
