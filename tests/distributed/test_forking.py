@@ -43,6 +43,10 @@ CHILD = textwrap.dedent("""
         sys.exit(7)
     if mode == "raise":
         raise ValueError("boom")
+    if mode == "message":
+        sys.exit("bad input: boom")
+    if mode == "interrupt":
+        raise KeyboardInterrupt
 """)
 
 
@@ -58,7 +62,8 @@ def start(module: str, mode: str, log, **env) -> ForkedProcess:
                          parent_env="FORK_PARENT")
 
 
-@pytest.mark.parametrize("mode, code", [("exit", 7), ("raise", 1), ("ok", 0)])
+@pytest.mark.parametrize("mode, code", [("exit", 7), ("raise", 1), ("ok", 0), ("message", 1),
+                                        ("interrupt", -signal.SIGINT)])
 def test_a_forked_child_runs_as_a_new_interpreter_would(tmp_path, child_module, mode, code):
     with open(tmp_path / "child.log", "wb") as log:
         child = start(child_module, mode, log, FORK_TEST="passed")
@@ -71,6 +76,19 @@ def test_a_forked_child_runs_as_a_new_interpreter_would(tmp_path, child_module, 
     log_text = (tmp_path / "child.log").read_text()
     assert log_text.startswith("to the log\n")
     assert ("ValueError: boom" in log_text) == (mode == "raise")
+    assert ("bad input: boom" in log_text) == (mode == "message")
+    assert ("KeyboardInterrupt" in log_text) == (mode == "interrupt")
+
+
+def test_a_forked_childs_collections_leave_what_the_fork_server_imported_alone(tmp_path):
+    # torch's objects, imported once, are frozen out of the collector's sight: a child's
+    # collections (and its exit) do not write to, and so copy, the pages it shares
+    (tmp_path / "frozen.py").write_text("import gc, sys; print(gc.get_freeze_count() > 100_000, "
+                                        "'torch' in sys.modules)")
+    with open(tmp_path / "child.log", "wb") as log:
+        child = ForkedProcess(["frozen"], dict(os.environ), log.fileno(), cwd=str(tmp_path))
+    assert child.stdout.read().decode().split() == ["True", "True"]
+    assert child.wait(timeout=60) == 0
 
 
 def test_a_chaos_run_finds_a_forked_child_by_its_tag(tmp_path, child_module):

@@ -244,6 +244,20 @@ def test_a_reload_keeps_everything_and_gives_live_nodes_a_fresh_window(membershi
     assert [e.node_id for e in reloaded.check(now=500.0 + TIMEOUT_S + 0.1)] == ["w0"]
 
 
+def test_a_reloaded_nodes_window_starts_when_the_coordinator_serves_not_when_it_reloaded(membership):
+    # a restarted coordinator's start-up (from its reload to its listening) is time in which
+    # no node could reach it: it must not count against the nodes' heartbeat timeout
+    membership.register("w0", "worker", now=0.0, process=NodeProcess(1))
+    membership.register("w1", "worker", now=0.0, process=NodeProcess(2))
+    reloaded = Membership(TIMEOUT_S, 2.0)
+    reloaded.restore(membership.to_rows(), membership.generation, now=100.0)
+    reloaded.heartbeat("w1", now=101.0, pid=2)  # heard from before it served: its window runs
+    reloaded.opened(now=103.0)
+    assert [e.node_id for e in reloaded.check(now=101.0 + TIMEOUT_S + 0.1)] == ["w1"]
+    assert reloaded.check(now=103.0 + TIMEOUT_S) == []  # w0's window opened with the coordinator
+    assert [e.node_id for e in reloaded.check(now=103.0 + TIMEOUT_S + 0.1)] == ["w0"]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["register", "heartbeat", "exit", "check"]),
                           st.integers(0, 2), st.integers(1, 3), st.floats(0.0, 4.0)), max_size=40))

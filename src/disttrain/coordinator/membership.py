@@ -422,3 +422,12 @@ class Membership:
             self._nodes[node.node_id] = node
         self.generation = generation
 
+    def opened(self, now: float) -> None:
+        """The coordinator started serving at `now`: every node reloaded and not heard from
+        since gets its timeout window from here, not from the reload (until now it could
+        not reach us; a restarted coordinator's start-up would otherwise eat its window)."""
+        for node_id in self._unconfirmed:
+            node = self._nodes.get(node_id)
+            if node is not None and node.state == ALIVE:
+                node.last_seen = now
+

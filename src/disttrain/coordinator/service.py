@@ -104,6 +104,11 @@ class CoordinatorState:
             logger.info("reloaded %d nodes (generation %d) from %s", len(snapshot.nodes),
                         snapshot.generation, self.registry.path)
 
+    def opened(self) -> None:
+        """The server listens: the reloaded nodes' heartbeat windows start now."""
+        with self.changed:
+            self.membership.opened(self._clock())
+
     def register(self, request: pb.RegisterNodeRequest) -> pb.RegisterNodeReply:
         """Raises ValueError (a field out of bounds, a bad role), DuplicateNode or
         NodeTableFull, changing nothing."""
@@ -373,6 +378,7 @@ class CoordinatorServer:
             self.registry.close()
             raise
         self.address = self._server.address
+        self.state.opened()
         self._stopped = threading.Event()
         self._monitor = threading.Thread(target=self._watch_heartbeats, args=(config.heartbeat_interval / 4,),
                                          name="heartbeat-monitor", daemon=True)

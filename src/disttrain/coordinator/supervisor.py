@@ -114,6 +114,21 @@ class Supervisor:
             except ProcessLookupError:
                 pass
 
+    def ended(self, name: str, code: int) -> str:
+        """Tell the coordinator `name` exited with `code` (0: it finished), and nothing else
+        (as the run ends, nothing is restarted); the reason told ("" for a process not
+        supervised, of which nothing is told)."""
+        process = self.processes.get(name)
+        if process is None:
+            return ""
+        if code == 0:
+            process.finished = True
+            reason = "finished"
+        else:
+            reason = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        self.report_exit(process.node_id, code, reason)
+        return reason
+
     def exited(self, name: str, code: int) -> bool:
         """Handle the exit of `name`; True when it was restarted. Its restart budget decides,
         from what its process reported (see the module's docstring).
@@ -126,14 +141,9 @@ class Supervisor:
                 expendable).
         """
         process = self.processes.get(name)
-        if process is None:
+        reason = self.ended(name, code)
+        if process is None or code == 0:
             return False
-        if code == 0:
-            process.finished = True
-            self.report_exit(process.node_id, 0, "finished")
-            return False
-        reason = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        self.report_exit(process.node_id, code, reason)
         child = self.cluster.children[name]
         assert process.budget is not None, "started by the supervisor"
         verdict = process.budget.exited(self.clock(), child.furthest, error_of(child, code))

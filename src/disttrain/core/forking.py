@@ -30,8 +30,10 @@ platform without `os.pidfd_open` (Linux before 5.3, or not Linux).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
+import gc
 import importlib
 import json
 import os
@@ -226,6 +228,9 @@ def serve(fd: int) -> dict[str, Any] | None:
             importlib.import_module(name)
         except ImportError:
             pass
+    # What was imported stays for good: out of the collector's sight, a child's collections
+    # never write to (and so copy) the pages it shares with this process.
+    gc.freeze()
     launcher = socket.socket(fileno=fd)
     selector = selectors.DefaultSelector()
     selector.register(launcher, selectors.EVENT_READ, None)
@@ -324,4 +329,50 @@ def main(fd: int) -> None:
     that would (exit status, traceback, threads and atexit functions as usual)."""
     child = serve(fd)
     if child is not None:
-        runpy.run_module(child["module"], run_name="__main__", alter_sys=True)
+        code = _run(child["module"])
+        if code == -signal.SIGINT:  # as an interpreter ends on a Ctrl-C nobody caught
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        os._exit(code)
+
+
+def _run(module: str) -> int:
+    """Run `module` as `python -m` would and end as its interpreter would: the exit status
+    (of `sys.exit`, 1 with the traceback printed, -SIGINT for a KeyboardInterrupt), once the
+    non-daemon threads ended, the atexit functions ran and the standard streams are flushed.
+    What the interpreter's own finalization adds is left out (the caller `os._exit`s): its
+    last collection and the teardown of every module write to each page a child shares
+    with its fork server, and copying them kept a finished worker alive for seconds, past
+    the heartbeat timeout of a coordinator that was waiting to hear it leave."""
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = _exit_status(e.code)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        code = -signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter calls first
+    except KeyboardInterrupt:
+        pass
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return code
+
+
+def _exit_status(code: object) -> int:
+    """The status `sys.exit(code)` ends an interpreter with (a message is printed, then 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1

@@ -372,6 +372,7 @@ class ClusterRun:
                 if deadline is None and event.child.startswith("server") and code == 0:
                     deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S  # worker 0 stopped the servers
                 if deadline is not None and event.child != "coordinator":  # nothing left to restart for
+                    self.supervisor.ended(event.child, code)  # the registry still hears of it
                     running.discard(event.child)
                 elif self._exited(event.child, code) or event.child == "coordinator":
                     continue
