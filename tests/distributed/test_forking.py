@@ -124,7 +124,7 @@ LAUNCHER = textwrap.dedent("""
     child = ForkedProcess(["forkchild", "wait"], dict(os.environ), 2)
     assert any(line.startswith(b"ready") for line in child.stdout)
     server, = forking._servers.values()
-    print(child.pid, server.process.pid, flush=True)
+    print(child.pid, server.pid, flush=True)
     sys.stdin.read()
 """)
 
@@ -153,6 +153,57 @@ def test_its_children_die_with_a_launcher_killed_outright(tmp_path, child_module
     finally:
         launcher.kill()
         launcher.wait()
+
+
+NESTED = textwrap.dedent("""
+    # A launcher that was forked itself: its children come from a fork server forked from
+    # its own, not from a new interpreter.
+    import os, signal
+    import disttrain.core.forking as forking
+    env = {**os.environ, "FORK_TEST": os.environ["GRANDCHILD_TOKEN"]}
+    del env["GRANDCHILD_TOKEN"]
+    child = forking.ForkedProcess(["forkchild", "wait"], env, 2)
+    assert any(line.startswith(b"ready") for line in child.stdout)
+    server, = forking._servers.values()
+    print(child.pid, server.pid, server.process is None, flush=True)
+    signal.pause()
+""")
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_forked_launcher_forks_its_children_from_a_fork_of_its_own_fork_server(tmp_path, child_module):
+    (tmp_path / "nested.py").write_text(NESTED)
+    launcher_token, child_token = ("token-" + os.urandom(8).hex() for _ in range(2))
+    with open(tmp_path / "launcher.log", "wb") as log:
+        launcher = ForkedProcess(["nested"], {**os.environ, "DISTTRAIN_TOKEN": launcher_token,
+                                              "GRANDCHILD_TOKEN": child_token}, log.fileno())
+    try:
+        line = launcher.stdout.readline().split()
+        assert line, (tmp_path / "launcher.log").read_text()
+        child, server = int(line[0]), int(line[1])
+        assert line[2] == b"True"  # not a new interpreter
+        ours = forking._servers[server_key()].pid
+        assert parent_of(server) == ours and parent_of(child) == server
+        with open(f"/proc/{server}/cmdline", "rb") as cmdline:
+            words = cmdline.read().split(b"\0")[:2]
+        assert words == [b"disttrain-fork-server", f"--launcher={launcher.pid}".encode()]
+        try:  # a fork of a fork server: it holds no credential of the launcher or of its children
+            assert memory_holds(child, child_token.encode())
+            assert memory_holds(launcher.pid, launcher_token.encode())
+            assert not any(memory_holds(server, token.encode()) for token in (launcher_token, child_token))
+        except PermissionError:
+            pass  # this user may not read another process's memory: the lifetimes below still hold
+        launcher.kill()  # SIGKILL: its fork server sees its socket close, and its child goes with it
+        assert launcher.wait(timeout=60) == -signal.SIGKILL
+        assert gone_within(server, 30) and gone_within(child, 30)
+        assert not gone_within(ours, 0)  # the test's own fork server serves on
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=60)
 
 
 def test_a_fork_server_that_died_is_started_again(tmp_path, child_module):
@@ -193,7 +244,7 @@ def test_no_fork_server_holds_a_credential(tmp_path, child_module, monkeypatch):
         for child, token in zip(children, tokens, strict=True):
             assert child.stdout.readline() == b"argv ['wait']\n"
             assert child.stdout.readline() == f"env {token} False\n".encode()
-        server = forking._servers[server_key()].process.pid
+        server = forking._servers[server_key()].pid
         try:
             assert memory_holds(children[0].pid, tokens[0].encode())  # the search finds what is there
             assert not memory_holds(children[0].pid, tokens[1].encode())

@@ -24,6 +24,10 @@ launcher's main script again in every child (a user's script calling `disttrain.
 without a `__main__` guard would train again in each) and reaps a child from whichever
 thread starts the next process.
 
+A launcher that was forked itself (a run of `compare`, a command a test runs) asks its own
+fork server for a fork of it to serve as its fork server (`_Server.for_env`): torch imported
+already, and no request read, so no credential in it either.
+
 `DISTTRAIN_FORK_SERVER=0` starts every child as a fresh interpreter instead, as does a
 platform without `os.pidfd_open` (Linux before 5.3, or not Linux).
 """
@@ -38,18 +42,21 @@ import importlib
 import json
 import os
 import runpy
+import select
 import selectors
 import signal
 import socket
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 FORK_SERVER_ENV = "DISTTRAIN_FORK_SERVER"  # "0": every child a fresh interpreter
 PRELOAD = ("torch", "torch._dynamo")  # what every child imports first (see the module's doc)
 _PR_SET_PDEATHSIG = 1
-_FORK = b"fork"  # the one request: with it, the child's stdout, stderr, exit-status and request pipes
+_FORK = b"fork"  # a child: with the request, its stdout, stderr, exit-status and request pipes
+_SERVE = b"serve"  # a fork server for a child (its pid follows): with the request, the socket it serves
 
 # What a new interpreter reads from its environment before its first line runs (the
 # interpreter, the dynamic loader, the OpenMP and BLAS runtimes torch loads, torch's
@@ -65,6 +72,12 @@ _ARGV_ROOM = 4096  # bytes a child's command line may take in /proc/PID/cmdline 
 
 _servers_lock = threading.Lock()
 _servers: dict[tuple[tuple[str, str], ...], _Server] = {}
+# Set in a forked child only: its socket to the fork server it was forked from, and that
+# server's environment (`_Server.for_env`).
+_parent: _Parent | None = None
+_started_with: dict[str, str] = {}  # in a fork server: the environment it was started with
+# Variables whose effect a forked child has whatever their value: a fork server runs with -u.
+_ALREADY_SET = ("PYTHONUNBUFFERED",)
 
 
 def forking() -> bool:
@@ -90,20 +103,68 @@ def startup_env(env: dict[str, str]) -> dict[str, str]:
     return {name: value for name, value in env.items() if name.startswith(STARTUP_ENV)}
 
 
-class _Server:
-    """The launcher's end of one fork server: one request (and its reply) at a time."""
+@dataclass
+class _Parent:
+    """A forked child's end of its own fork server (see `_Server.for_env`)."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    socket: socket.socket
+    env: dict[str, str]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Server:
+    """The launcher's end of one fork server: one request (and its reply) at a time.
+    `process`: the fork server, where this process started it as a new interpreter (else
+    it is a child of this process's own fork server)."""
+
+    def __init__(self, sock: socket.socket, pid: int, process: subprocess.Popen | None = None) -> None:
+        self.socket, self.pid, self.process = sock, pid, process
+        self.exited = os.pidfd_open(pid)  # readable once it has exited
+        self.lock = threading.Lock()
+
+    @classmethod
+    def for_env(cls, env: dict[str, str]) -> _Server:
+        """A fork server started with the start-up variables `env`. A launcher that was
+        forked itself (a run of `compare`, a command a test runs) asks its own fork server
+        for a fork of it: its imports done, in milliseconds rather than the seconds a new
+        interpreter takes to import torch, and as free of credentials (it has read no
+        request). Elsewhere, or when `env` differs from that server's, a new interpreter."""
+        parent = _parent
+        unset = dict.fromkeys(_ALREADY_SET, "")
+        if parent is not None and {**env, **unset} == {**parent.env, **unset}:
+            try:
+                return cls._forked(parent)
+            except (OSError, ForkServerError):
+                pass  # that fork server is gone: a new interpreter, as below
+        return cls._started(env)
+
+    @classmethod
+    def _started(cls, env: dict[str, str]) -> _Server:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # A child writes its command line where the fork server's was: the code's trailing
         # comment makes room for it.
         code = f"from {__name__} import main; main({theirs.fileno()})  #" + " " * _ARGV_ROOM
         with theirs:
-            self.process = subprocess.Popen(
+            process = subprocess.Popen(
                 [sys.executable, "-u", "-c", code], pass_fds=[theirs.fileno()], env=env,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
-        self.socket = ours
-        self.lock = threading.Lock()
+        return cls(ours, process.pid, process)
+
+    @classmethod
+    def _forked(cls, parent: _Parent) -> _Server:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs, parent.lock:
+            socket.send_fds(parent.socket, [_SERVE + str(os.getpid()).encode()], [theirs.fileno()])
+            reply = parent.socket.recv(4096)
+        if not reply or "error" in (answer := json.loads(reply)):
+            ours.close()
+            raise ForkServerError(f"this process's fork server did not fork one for it: {reply!r}")
+        return cls(ours, int(answer["pid"]))
+
+    def alive(self) -> bool:
+        if self.process is not None:
+            return self.process.poll() is None  # (and reaps it once it has exited)
+        return not select.select([self.exited], [], [], 0)[0]
 
     def fork(self, fds: list[int]) -> int:
         with self.lock:
@@ -111,9 +172,9 @@ class _Server:
                 socket.send_fds(self.socket, [_FORK], fds)
                 reply = self.socket.recv(4096)
             except OSError as e:
-                raise ForkServerError(f"the fork server (pid {self.process.pid}) is gone: {e}") from e
+                raise ForkServerError(f"the fork server (pid {self.pid}) is gone: {e}") from e
         if not reply:
-            raise ForkServerError(f"the fork server (pid {self.process.pid}) exited")
+            raise ForkServerError(f"the fork server (pid {self.pid}) exited")
         answer = json.loads(reply)
         if "error" in answer:
             raise ForkServerError(f"the fork server could not fork: {answer['error']}")
@@ -127,8 +188,11 @@ def _fork(fds: list[int], env: dict[str, str]) -> int:
     key = tuple(sorted(settings.items()))
     with _servers_lock:
         server = _servers.get(key)
-        if server is None or server.process.poll() is not None:
-            server = _servers[key] = _Server(settings)
+        if server is None or not server.alive():
+            if server is not None:
+                server.socket.close()
+                os.close(server.exited)
+            server = _servers[key] = _Server.for_env(settings)
     return server.fork(fds)
 
 
@@ -219,10 +283,12 @@ class ForkedProcess:
 # The fork server's side.
 
 def serve(fd: int) -> dict[str, Any] | None:
-    """Import PRELOAD, then fork a child for each request on socket `fd`, until the
-    launcher's end closes (None). In a child, returns what it is to run, its process set up."""
+    """Import PRELOAD, then serve the launcher on socket `fd` (`_serve`). In a child,
+    returns what it is to run, its process set up; None once the launcher is gone."""
+    global _started_with
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher alone hears a Ctrl-C, as before
     _set_command_line(["disttrain-fork-server", f"--launcher={os.getppid()}"])
+    _started_with = dict(os.environ)  # (an import may set more: torch's inductor its cache folder)
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -231,45 +297,75 @@ def serve(fd: int) -> dict[str, Any] | None:
     # What was imported stays for good: out of the collector's sight, a child's collections
     # never write to (and so copy) the pages it shares with this process.
     gc.freeze()
-    launcher = socket.socket(fileno=fd)
+    return _serve(socket.socket(fileno=fd))
+
+
+def _serve(launcher: socket.socket) -> dict[str, Any] | None:
+    """Answer the requests of the launcher and of each child still running, until the
+    launcher's end closes: b"fork" (with the child's stdout, stderr, exit-status and
+    request pipes) forks a child, which gets a socket of its own to this process; b"serve"
+    and a pid (with a socket) forks a fork server for that child, a launcher itself, to
+    serve on the socket. Each child's exit status goes to its pipe once it is reaped."""
     selector = selectors.DefaultSelector()
     selector.register(launcher, selectors.EVENT_READ, None)
     while True:
         for key, _ in selector.select():
-            if key.data is not None:  # a child's pidfd: it exited
+            if isinstance(key.data, tuple):  # a child's pidfd: it exited
                 pid, status = key.data
                 selector.unregister(key.fd)
                 os.close(key.fd)
                 _, wait_status = os.waitpid(pid, 0)
-                with os.fdopen(status, "wb") as pipe:
-                    pipe.write(str(os.waitstatus_to_exitcode(wait_status)).encode())
+                if status is not None:  # (a fork server's has none)
+                    with os.fdopen(status, "wb") as pipe:
+                        pipe.write(str(os.waitstatus_to_exitcode(wait_status)).encode())
                 continue
-            message, fds, _, _ = socket.recv_fds(launcher, len(_FORK), 4)
-            if not message:
+            caller: socket.socket = key.fileobj  # type: ignore[assignment]
+            message, fds, _, _ = socket.recv_fds(caller, 64, 4)
+            if not message and caller is launcher:
                 return None  # the launcher is gone: so are this process and its children
+            if not message:  # a child is gone, or closed its end
+                selector.unregister(caller)
+                caller.close()
+                continue
+            serving = message.startswith(_SERVE)
+            ours, theirs = (None, None) if serving else socket.socketpair(socket.AF_UNIX,
+                                                                          socket.SOCK_SEQPACKET)
             try:
-                pid = _fork_child(fds)
+                pid = _fork_child(fds, status_fd=None if serving else fds[2])
             except OSError as e:
                 for fd_ in fds:
                     os.close(fd_)
-                launcher.send(json.dumps({"error": str(e)}).encode())
+                for end in (ours, theirs):
+                    if end is not None:
+                        end.close()
+                caller.send(json.dumps({"error": str(e)}).encode())
                 continue
-            if pid == 0:
+            if pid == 0:  # the child: nothing of this process's callers and children stays open
                 for other in list(selector.get_map().values()):
-                    if other.data is not None:
+                    if isinstance(other.data, tuple):
                         os.close(other.fd)
-                        os.close(other.data[1])
+                        if other.data[1] is not None:
+                            os.close(other.data[1])
+                    else:
+                        other.fileobj.close()  # type: ignore[union-attr]
                 selector.close()
-                launcher.close()
-                return _become_child(fds)
-            os.close(fds[0])
-            os.close(fds[1])
-            os.close(fds[3])
-            selector.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, fds[2]))
-            launcher.send(json.dumps({"pid": pid}).encode())
+                if serving:
+                    _set_command_line(["disttrain-fork-server", f"--launcher={int(message[len(_SERVE):])}"])
+                    return _serve(socket.socket(fileno=fds[0]))
+                assert ours is not None and theirs is not None
+                ours.close()
+                return _become_child(fds, theirs)
+            for fd_ in fds if serving else (fds[0], fds[1], fds[3]):
+                os.close(fd_)
+            if theirs is not None:
+                theirs.close()
+                selector.register(ours, selectors.EVENT_READ, None)
+            selector.register(os.pidfd_open(pid), selectors.EVENT_READ,
+                              (pid, None if serving else fds[2]))
+            caller.send(json.dumps({"pid": pid}).encode())
 
 
-def _fork_child(fds: list[int]) -> int:
+def _fork_child(fds: list[int], status_fd: int | None) -> int:
     """Fork; returns once the child is in a session of its own (0 in the child)."""
     ready_read, ready_write = os.pipe()
     pid = os.fork()
@@ -280,7 +376,8 @@ def _fork_child(fds: list[int]) -> int:
             os._exit(1)
         os.setsid()
         os.close(ready_write)  # the fork server reads the end of the pipe: ready
-        os.close(fds[2])  # the exit status is the fork server's to write
+        if status_fd is not None:
+            os.close(status_fd)  # the exit status is the fork server's to write
         return 0
     os.close(ready_write)
     with os.fdopen(ready_read, "rb") as ready:
@@ -288,10 +385,12 @@ def _fork_child(fds: list[int]) -> int:
     return pid
 
 
-def _become_child(fds: list[int]) -> dict[str, Any]:
+def _become_child(fds: list[int], server: socket.socket) -> dict[str, Any]:
     """Set up the forked child as `python -u -m MODULE ARGS` started with the request's
     environment, folder, stdout and stderr, stdin from /dev/null, would be; returns the
-    request, read from its pipe."""
+    request, read from its pipe. `server` is its socket to its fork server (`_parent`)."""
+    global _parent
+    _parent = _Parent(server, _started_with)
     with os.fdopen(fds[3], "rb") as pipe:
         request = json.loads(pipe.read())
     parent = os.getppid()
