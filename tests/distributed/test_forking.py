@@ -258,3 +258,17 @@ def test_no_fork_server_holds_a_credential(tmp_path, child_module, monkeypatch):
         for child in children:
             child.kill()
             child.wait(timeout=60)
+
+
+def test_a_rank_handler_closes_a_rank_that_ended_since_torch_saw_it_running(tmp_path, child_module):
+    # torch's agent closes each rank it last saw running by signalling its process group; a
+    # forked rank is reaped by its fork server at once, so its group may be gone by then
+    from disttrain.strategies.ddp.agent import ForkedRankHandler
+
+    handler = ForkedRankHandler(sys.executable, ("-u", "-m", child_module, "ok"), {},
+                                str(tmp_path / "out.log"), str(tmp_path / "err.log"), 0, None)
+    assert isinstance(handler.proc, ForkedProcess) and handler.proc.wait(timeout=60) == 0
+    assert gone_within(handler.proc.pid, 30)
+    handler.close(signal.SIGTERM)
+    assert handler._stdout.closed and handler._stderr.closed
+    assert (tmp_path / "out.log").read_text().startswith("argv ['ok']")

@@ -40,6 +40,7 @@ import ctypes.util
 import gc
 import importlib
 import json
+import logging
 import os
 import runpy
 import select
@@ -51,6 +52,8 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from typing import IO, Any
+
+logger = logging.getLogger(__name__)
 
 FORK_SERVER_ENV = "DISTTRAIN_FORK_SERVER"  # "0": every child a fresh interpreter
 PRELOAD = ("torch", "torch._dynamo")  # what every child imports first (see the module's doc)
@@ -134,8 +137,12 @@ class _Server:
         if parent is not None and {**env, **unset} == {**parent.env, **unset}:
             try:
                 return cls._forked(parent)
-            except (OSError, ForkServerError):
-                pass  # that fork server is gone: a new interpreter, as below
+            except (OSError, ForkServerError) as e:
+                logger.debug("a new fork server: %s", e)  # that fork server is gone
+        elif parent is not None:
+            differing = sorted(set(env.items()) ^ set(parent.env.items()))
+            logger.debug("a new fork server: start-up variables %s differ from this process's "
+                         "fork server's", sorted({name for name, _ in differing} - set(_ALREADY_SET)))
         return cls._started(env)
 
     @classmethod
@@ -194,6 +201,7 @@ def _fork(fds: list[int], env: dict[str, str]) -> int:
                 os.close(server.exited)
             server = _servers[key] = _Server.for_env(settings)
     return server.fork(fds)
+
 
 
 class ForkedProcess:

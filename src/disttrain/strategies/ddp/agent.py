@@ -219,6 +219,17 @@ class ForkedRankHandler(SubprocessHandler):
                 logger.warning("%s; starting the rank as a new interpreter", e)
         return super()._popen(args, env)
 
+    def close(self, death_sig: signal.Signals | None = None) -> None:
+        """torch's close, for a rank that ended since torch saw it running: its fork server
+        reaps it at once, so its process group may be gone already (a `Popen` child stays
+        a zombie, its group with it, until waited for), and there is nothing to signal."""
+        try:
+            super().close(death_sig)
+        except ProcessLookupError:
+            for stream in (self._stdout, self._stderr):
+                if stream:
+                    stream.close()
+
 
 def _forked_rank_handler(**handler: Any) -> SubprocessHandler:
     """`get_subprocess_handler`'s stand-in: its keywords (entrypoint, args, env, stdout,
