@@ -19,6 +19,7 @@ from process_memory import memory_holds
 from disttrain.chaos.outside import TAG_ENV, tagged_pids
 from disttrain.core import forking
 from disttrain.core.forking import ForkedProcess
+from tests.live_runs import parent_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120),
               pytest.mark.skipif(not forking.forking(), reason="no fork server on this platform")]
@@ -168,11 +169,6 @@ NESTED = textwrap.dedent("""
     print(child.pid, server.pid, server.process is None, flush=True)
     signal.pause()
 """)
-
-
-def parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[1])
 
 
 def test_a_forked_launcher_forks_its_children_from_a_fork_of_its_own_fork_server(tmp_path, child_module):
