@@ -14,11 +14,13 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import run_cli
+from live_runs import parent_of
 
 from disttrain.core import checkpoint as ckpt
 
@@ -26,6 +28,7 @@ NUM_SAMPLES, BATCH_SIZE, NUM_EPOCHS = 2048, 32, 2
 RUN = ["--world-size", 2, "--dataset", "synthetic", "--num-samples", NUM_SAMPLES, "--batch-size", BATCH_SIZE,
        "--num-epochs", NUM_EPOCHS, "--seed", 3, "--num-threads", 1]
 TRAINING = [*RUN, "--checkpoint-interval", 1000]  # no periodic checkpoint: a stop writes its own
+WAIT_S = 30  # for a process to reach a state the test waits for
 STEPS = NUM_EPOCHS * NUM_SAMPLES // 2 // BATCH_SIZE
 STOPPED = re.compile(r"^error: preempted at step (\d+): every rank stopped there with its checkpoint "
                      r"\((checkpoint_step\d+\.pt)\); run the same command with --resume to go on$")
@@ -102,6 +105,36 @@ def read_until(launcher: subprocess.Popen, pattern: str, seen: list[str]) -> Non
     pytest.fail(f"the launcher ended without a line matching {pattern!r}:\n{''.join(seen)[-3000:]}")
 
 
+def stopped_rank(launcher: subprocess.Popen) -> int:
+    """The pid of `launcher`'s rank that a fault stopped (state T: a child of its fork
+    server, which is the launcher's child)."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                argv = (entry / "cmdline").read_bytes()
+            except (OSError, ValueError):
+                continue
+            parent, stopped = int(stat[1]), stat[0] == "T"
+            if stopped and b"disttrain.torchrun" in argv and launcher.pid in (parent, parent_of(parent)):
+                return int(entry.name)
+        time.sleep(0.01)
+    pytest.fail(f"no stopped rank of launcher {launcher.pid} within {WAIT_S}s")
+
+
+def wait_for_pending(pid: int, signum: signal.Signals) -> None:
+    """Wait until `signum` is pending on process `pid` (/proc's SigPnd and ShdPnd masks)."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        pending = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+        if pending >> (signum - 1) & 1:
+            return
+        time.sleep(0.01)
+    pytest.fail(f"{signum.name} was not forwarded to the stopped rank {pid} within {WAIT_S}s")
+
+
 def finish(launcher: subprocess.Popen, seen: list[str]) -> str:
     """The rest of the launcher's output, once it has exited (killed if the test failed first)."""
     try:
@@ -140,8 +173,11 @@ def test_a_second_sigterm_to_the_launcher_kills_the_ranks_at_once(tmp_path):
                                     "--preemption-grace", 600, "--inject", "stop:rank=0:step=3:for=60s"), []
     try:
         read_until(launcher, r"\[rank 0\] injected fault: stopped at step 3", seen)
+        stopped = stopped_rank(launcher)
         launcher.send_signal(signal.SIGTERM)
-        read_until(launcher, r"\[rank 1\] SIGTERM: stopping", seen)  # forwarded to the ranks
+        # Forwarded to the ranks: pending on the stopped rank 0. (Rank 1 may be waiting for
+        # rank 0 inside a collective, where its handler, on the main thread, cannot run.)
+        wait_for_pending(stopped, signal.SIGTERM)
         launcher.send_signal(signal.SIGTERM)
     finally:
         stderr = finish(launcher, seen)
