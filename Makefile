@@ -52,18 +52,15 @@ demo: install
 # The import contracts and style first (make lint), then every test, in TEST_WORKERS
 # processes (pytest-xdist): a test spends most of its time waiting on the processes it
 # starts, so two share two cores well. Each test file stays in one process (its
-# module-wide fixtures run once), the slowest files handed out first (tests/durations.json,
-# tools/test_durations.py; --no-loadscope-reorder keeps that order, where pytest-xdist would
-# hand out the files with the most tests first and leave the long ones of one test to the
-# end). TEST_WORKERS=0 runs them in this one process. The tests marked `serial` (speeds or
-# clocks measured in the run decide what they check) run after the others, alone. The
-# tests marked `bench` run the benchmark scripts end to end (their quick modes, minutes
-# each): `make test-bench` runs them, `make test` leaves them out, and so it does the tests
-# marked `extended` (more variants of a capability the suite already runs end to end:
-# another compressor, mode or rank on the same path): `make test-extended`.
+# module-wide fixtures run once). TEST_WORKERS=0 runs them in this one process. The tests
+# marked `serial` (speeds or clocks measured in the run decide what they check) run after
+# the others, alone. The tests marked `bench` run the benchmark scripts end to end (their
+# quick modes, minutes each): `make test-bench` runs them, `make test` leaves them out, and
+# so it does the tests marked `extended` (more variants of a capability the suite already
+# runs end to end: another compressor, mode or rank on the same path): `make test-extended`.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q --durations=20
-PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 # $(1): the marker expression of the tests to run (none: every test).
 # The serial phase may select nothing (every serial test is slow, so test-fast has none):
 # pytest's exit 5, "no tests collected", is then no failure.

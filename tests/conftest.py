@@ -31,18 +31,6 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-# Seconds each test file took in a whole run (tools/test_durations.py writes it).
-DURATIONS = Path(__file__).with_name("durations.json")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slowest files first, each file's tests in their own order: `make test`'s two
-    processes take whole files in this order, so no long file is left to run alone at the
-    end (tools/test_durations.py)."""
-    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
-    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], 0.0))
-
-
 def find_real_data_dir() -> Path | None:
     """MNIST/Fashion-MNIST IDX files: $DISTTRAIN_DATA_DIR, else ./data or ../shared/data
     beside the checkout. None when no copy is at hand (tests needing it skip)."""
