@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -60,23 +61,31 @@ def parent_of(pid: int) -> int | None:
 def rank_pid(launcher: subprocess.Popen, slot: int) -> int:
     """The process id of `launcher`'s rank `slot` (a process running the rank entry point,
     its child or its fork server's)."""
+    return launcher_rank(launcher, lambda state, argv: argv[argv.index(b"--rank") + 1] == str(slot).encode(),
+                         f"rank {slot}")
+
+
+def launcher_rank(launcher: subprocess.Popen, matches: Callable[[str, list[bytes]], bool], what: str) -> int:
+    """The process id of a rank of `launcher` (a process running the rank entry point, its
+    child or its fork server's) for which `matches(state, argv)` holds: its one-letter state
+    in /proc (T: stopped) and its command line."""
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
             try:
-                stat = (entry / "stat").read_text()
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            parent = int(stat[1])
             if (launcher.pid in (parent, parent_of(parent)) and b"disttrain.torchrun" in argv
-                    and argv[argv.index(b"--rank") + 1] == str(slot).encode()):
+                    and matches(stat[0], argv)):
                 return int(entry.name)
-        assert launcher.poll() is None, f"the launcher ended ({launcher.returncode}) before rank {slot}"
+        assert launcher.poll() is None, f"the launcher ended ({launcher.returncode}) before {what}"
         time.sleep(POLL_S)
-    pytest.fail(f"rank {slot} of {launcher.args} did not start within {WAIT_S:.0f}s")
+    pytest.fail(f"{what} of {launcher.args} not found within {WAIT_S:.0f}s")
 
 
 def stop(*processes: subprocess.Popen | None) -> None:

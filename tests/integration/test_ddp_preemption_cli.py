@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_cli
-from live_runs import parent_of
+from live_runs import launcher_rank
 
 from disttrain.core import checkpoint as ckpt
 
@@ -105,24 +105,6 @@ def read_until(launcher: subprocess.Popen, pattern: str, seen: list[str]) -> Non
     pytest.fail(f"the launcher ended without a line matching {pattern!r}:\n{''.join(seen)[-3000:]}")
 
 
-def stopped_rank(launcher: subprocess.Popen) -> int:
-    """The pid of `launcher`'s rank that a fault stopped (state T: a child of its fork
-    server, which is the launcher's child)."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        for entry in Path("/proc").iterdir():
-            try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                argv = (entry / "cmdline").read_bytes()
-            except (OSError, ValueError):
-                continue
-            parent, stopped = int(stat[1]), stat[0] == "T"
-            if stopped and b"disttrain.torchrun" in argv and launcher.pid in (parent, parent_of(parent)):
-                return int(entry.name)
-        time.sleep(0.01)
-    pytest.fail(f"no stopped rank of launcher {launcher.pid} within {WAIT_S}s")
-
-
 def wait_for_pending(pid: int, signum: signal.Signals) -> None:
     """Wait until `signum` is pending on process `pid` (/proc's SigPnd and ShdPnd masks)."""
     deadline = time.monotonic() + WAIT_S
@@ -173,7 +155,7 @@ def test_a_second_sigterm_to_the_launcher_kills_the_ranks_at_once(tmp_path):
                                     "--preemption-grace", 600, "--inject", "stop:rank=0:step=3:for=60s"), []
     try:
         read_until(launcher, r"\[rank 0\] injected fault: stopped at step 3", seen)
-        stopped = stopped_rank(launcher)
+        stopped = launcher_rank(launcher, lambda state, argv: state == "T", "a stopped rank")
         launcher.send_signal(signal.SIGTERM)
         # Forwarded to the ranks: pending on the stopped rank 0. (Rank 1 may be waiting for
         # rank 0 inside a collective, where its handler, on the main thread, cannot run.)

@@ -140,9 +140,9 @@ class _Server:
             except (OSError, ForkServerError) as e:
                 logger.debug("a new fork server: %s", e)  # that fork server is gone
         elif parent is not None:
-            differing = sorted(set(env.items()) ^ set(parent.env.items()))
+            differing = {name for name, _ in set(env.items()) ^ set(parent.env.items())} - set(_ALREADY_SET)
             logger.debug("a new fork server: start-up variables %s differ from this process's "
-                         "fork server's", sorted({name for name, _ in differing} - set(_ALREADY_SET)))
+                         "fork server's", sorted(differing))
         return cls._started(env)
 
     @classmethod
@@ -201,7 +201,6 @@ def _fork(fds: list[int], env: dict[str, str]) -> int:
                 os.close(server.exited)
             server = _servers[key] = _Server.for_env(settings)
     return server.fork(fds)
-
 
 
 class ForkedProcess:
