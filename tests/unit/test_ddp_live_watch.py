@@ -9,7 +9,14 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from disttrain.strategies.ddp.live.forming import MemberLost, WatchedStore, attempt_key, is_member_lost
+from disttrain.strategies.ddp.live.forming import (
+    MemberLost,
+    WatchedStore,
+    arrive,
+    arrived_key,
+    attempt_key,
+    is_member_lost,
+)
 from disttrain.strategies.ddp.live.group import LiveGroup, mark_dead
 from disttrain.strategies.ddp.live.membership import Patience
 
@@ -46,3 +53,36 @@ def test_a_watched_wait_gives_up_at_the_mark_or_at_its_timeout():
     assert is_member_lost(raised.value)
     assert is_member_lost(RuntimeError(f"gloo: {lost[0]}"))  # the message survives a rewrap
     assert not is_member_lost(RuntimeError("Connection reset by peer"))
+
+
+def test_a_watched_wait_lasts_its_own_timeout_whatever_shorter_its_caller_asks():
+    # gloo asks its group's timeout, the short connect bound while the group forms.
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.5  # each look at the clock: half a second later
+        return now[0]
+
+    watched = WatchedStore(dist.HashStore(), lambda: None, timeout_s=3.0, clock=clock)
+    with pytest.raises(RuntimeError, match="Timed out after 3s waiting for missing"):
+        watched.wait(["missing"], timedelta(seconds=0.5))
+    assert now[0] > 3.0  # not given up at the caller's half second
+    with pytest.raises(RuntimeError, match="Timed out after 5s"):
+        watched.wait(["missing"], timedelta(seconds=5))  # a longer one is kept
+
+
+def test_members_wait_in_the_store_until_each_has_arrived():
+    store = dist.HashStore()
+    lost: list[str] = []
+    watched = WatchedStore(store, lambda: lost[0] if lost else None, timeout_s=0.2)
+    attempts = {0: 0, 1: 2}
+    store.set(f"arrived/1/{attempts[1]}", "1")  # slot 1's third process is there
+    arrive(watched, 0, attempts)  # returns: both are
+    assert store.check([arrived_key(0, 0)])
+    store.delete_key(arrived_key(1, 2))
+    store.set(arrived_key(1, 1), "1")  # an earlier process of slot 1 does not count
+    with pytest.raises(RuntimeError, match="waiting for arrived/0/0, arrived/1/2"):
+        arrive(watched, 0, attempts)
+    lost.append("slot 1 died while generation 2 formed")
+    with pytest.raises(MemberLost):
+        arrive(watched, 0, attempts)

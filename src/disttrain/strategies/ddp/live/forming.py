@@ -13,20 +13,31 @@ members forming it watch each other through `WatchedStore`: its waits poll the s
 raise `MemberLost` when a member's count passes its attempt. The caller then starts the
 next generation with whoever proposes itself, as after a failed collective.
 
-What stays bounded by the timeout: a member that dies between publishing its address and
-connecting to its peers (gloo retries the connection inside one call) and a member alive
-but stuck (nothing marks it).
+A member that dies between publishing its address and connecting to its peers leaves the
+others inside gloo's connection of a pair, which no store wait sees and nothing can cut
+short: gloo gives a pair five times the group's timeout to connect. So the members first
+wait for each other in the store (`arrive`, cut short by a death, bounded by
+`ddp.timeout_s`), and the group is made with the short `CONNECT_S` as its timeout, which
+then bounds only the connections of members all present (a store wait still lasts
+`ddp.timeout_s`, whatever gloo asks); its collectives get `ddp.timeout_s` once it is made
+(`group.LiveGroup.form`). Such a death costs the others at most 5 x CONNECT_S (20 s), where
+it cost 5 x `ddp.timeout_s` (25 minutes at the default). A member alive but stuck (nothing
+marks it) stays bounded by the timeout.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
 
 POLL_S = 0.05
+# A forming group's timeout while it connects its pairs, every member present (`arrive`):
+# gloo waits up to five times this for a pair, where the peer must only be scheduled to
+# connect (milliseconds on a quiet machine, a second or two on saturated cores).
+CONNECT_S = 4.0
 # In every MemberLost's message. A MemberLost raised by the store's wait while torch's C++
 # rendezvous called it comes back as a plain RuntimeError (only the message crosses):
 # torch gives no type there, so the text tells it apart.
@@ -45,6 +56,23 @@ def attempt_key(generation: int, slot: int) -> str:
     return f"gen{generation}/attempt/{slot}"
 
 
+def arrived_key(slot: int, attempt: int) -> str:
+    return f"arrived/{slot}/{attempt}"
+
+
+def arrive(store: WatchedStore, slot: int, attempts: Mapping[int, int]) -> None:
+    """Say that this process (`slot`) is at the forming generation, and wait until each of
+    its members (`attempts`: slot -> attempt) is too, so that no member starts connecting
+    its pairs while another is still on its way.
+
+    Raises:
+        MemberLost: a member died meanwhile.
+        DistStoreError: a member did not come within the store's timeout (`ddp.timeout_s`).
+    """
+    store.set(arrived_key(slot, attempts[slot]), "1")
+    store.wait([arrived_key(member, attempt) for member, attempt in sorted(attempts.items())])
+
+
 def is_member_lost(error: BaseException) -> bool:
     """`error` says a member died while a generation formed (raised through the
     rendezvous, its type may come back as RuntimeError; its message does not change)."""
@@ -57,7 +85,9 @@ class WatchedStore(dist.Store):
     Args:
         inner: the store the rendezvous or the state hand-over reads.
         lost: a message naming a member lost, or None while all are alive.
-        timeout_s: the longest a wait lasts when nobody dies (`ddp.timeout_s`).
+        timeout_s: how long a wait lasts when nobody dies (`ddp.timeout_s`), whatever shorter
+            time its caller asks: gloo asks its group's timeout, which while the group forms
+            is `CONNECT_S`, meant for a pair's connection, not for a member's arrival.
     """
 
     def __init__(self, inner: dist.Store, lost: Callable[[], str | None], timeout_s: float,
@@ -98,7 +128,7 @@ class WatchedStore(dist.Store):
             DistStoreError: the timeout passed (the type torch's own stores raise then; a lost
                 peer to the caller).
         """
-        limit_s = self.timeout_s if timeout is None else timeout.total_seconds()
+        limit_s = self.timeout_s if timeout is None else max(self.timeout_s, timeout.total_seconds())
         deadline = self.clock() + limit_s
         while not self.inner.check(keys):
             lost = self.lost()

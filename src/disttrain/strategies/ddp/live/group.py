@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from disttrain.core.errors import DistributedError
-from disttrain.strategies.ddp.live.forming import WatchedStore, attempt_key, deaths_key
+from disttrain.strategies.ddp.live.forming import CONNECT_S, WatchedStore, arrive, attempt_key, deaths_key
 from disttrain.strategies.ddp.live.membership import (
     Change,
     Patience,
@@ -184,15 +184,18 @@ class LiveGroup:
         self.generation, self.members = generation, members
         self.attempts = {slot: self._attempt_of(generation, slot) for slot in members}
         store = self.watched(dist.PrefixStore(f"gen{generation}/pg", self.store))
+        arrive(store, self.slot, self.attempts)
         try:
+            # Made with the short connect bound (see `forming`), then given ddp.timeout_s.
             dist.init_process_group("gloo", store=store, rank=self.rank, world_size=len(members),
-                                    timeout=timedelta(seconds=self.timeout_s))
+                                    timeout=timedelta(seconds=min(CONNECT_S, self.timeout_s)))
         except BaseException:
             # A failed start leaves torch's count of groups advanced (destroying a group
             # resets it), and the next generation would then meet under another name
             # than its peers'.
             distributed_c10d._world.group_count = 0
             raise
+        distributed_c10d._set_pg_timeout(timedelta(seconds=self.timeout_s))
         logger.info("slot %d is rank %d of generation %d (members %s)", self.slot, self.rank, generation,
                     format_members(members))
 
