@@ -7,6 +7,7 @@ folders refused in one line."""
 import io
 import json
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -204,3 +205,33 @@ def test_text_written_as_shards_gives_text_files_windows(tmp_path):
         x, y = shard_split.batch(every)
         assert x.dtype == torch.int64 and torch.equal(x, file_split.batch(every)[0])
         assert torch.equal(y, file_split.batch(every)[1])
+
+
+def test_a_copy_a_peer_removes_while_the_disk_is_counted_counts_as_gone(tmp_path, monkeypatch):
+    """Two workers of one run share the cache: one removes a copy (its own bound) between
+    the other's listing of a folder and its look at the file. The other counts it as gone
+    and reads on (a parameter-server run on S3 shards had a worker fail there, and its
+    restart redo 192 samples)."""
+    url = memory_url()
+    write_shards(url, arrays(40), arrays(8), samples_per_shard=8)
+    files = [f"train-{i:05d}.npz" for i in range(5)]
+    shard_bytes = len(fsspec.filesystem("memory").cat(f"{url}/{files[0]}"))
+    limits = ReaderLimits(cache_bytes=3 * shard_bytes, num_in_memory=1, num_ahead=0)
+    one, other = (ShardReader(ShardFiles(url, tuple(files), ("x", "y")), str(tmp_path / "data"), True, limits)
+                  for _ in range(2))
+    for shard in (1, 2, 3):
+        other.arrays(shard)
+    is_file = Path.is_file
+
+    def removed_by_the_peer(path: Path) -> bool:
+        listed = is_file(path)
+        if listed and path.parent.name.endswith(files[1]):
+            path.unlink()  # the peer's removal lands between the listing and the look
+        return listed
+
+    monkeypatch.setattr(Path, "is_file", removed_by_the_peer)
+    read = one.arrays(0)  # over the bound: it counts the disk as shard 1's copy goes
+    monkeypatch.undo()
+    assert len(read["x"]) == 8
+    assert not any((tmp_path / "data" / "cache").glob(f"*-{files[1]}/*"))
+    assert cached_bytes(tmp_path) <= 3 * shard_bytes

@@ -291,8 +291,7 @@ class ShardReader:
         for shard in range(len(self.files)):
             folders = [folder for folder in self._folders(shard) if folder.is_dir()]
             if folders:
-                sizes[shard] = sum(p.stat().st_size for folder in folders for p in folder.iterdir()
-                                   if p.is_file())
+                sizes[shard] = sum(_size(path) for folder in folders for path in folder.iterdir())
                 changed[shard] = max(folder.stat().st_mtime for folder in folders)
         total = sum(sizes.values())
         with self._lock:
@@ -306,6 +305,8 @@ class ShardReader:
             if shard in busy or shard not in sizes:
                 continue
             for folder in self._folders(shard):
+                if not folder.is_dir():  # (a shard of several objects: not every one fetched)
+                    continue
                 for copy in folder.iterdir():  # not the folder: another process may fill it now
                     if not copy.name.startswith("."):  # nor a fetch's temporary file
                         copy.unlink(missing_ok=True)
@@ -336,3 +337,13 @@ class ShardReader:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
+
+
+def _size(path: Path) -> int:
+    """The bytes of file `path`; 0 when it is not a file, or no longer there: the run's other
+    processes share the cache, and one may remove a copy (its own bound) or rename a fetch
+    into place between this process's listing of a folder and its look at the file."""
+    try:
+        return path.stat().st_size if path.is_file() else 0
+    except FileNotFoundError:
+        return 0
