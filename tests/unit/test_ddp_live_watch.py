@@ -76,7 +76,7 @@ def test_members_wait_in_the_store_until_each_has_arrived():
     lost: list[str] = []
     watched = WatchedStore(store, lambda: lost[0] if lost else None, timeout_s=0.2)
     attempts = {0: 0, 1: 2}
-    store.set(f"arrived/1/{attempts[1]}", "1")  # slot 1's third process is there
+    store.set(arrived_key(1, attempts[1]), "1")  # slot 1's third process is there
     arrive(watched, 0, attempts)  # returns: both are
     assert store.check([arrived_key(0, 0)])
     store.delete_key(arrived_key(1, 2))
