@@ -172,3 +172,59 @@ def test_a_group_a_callback_still_holds_is_freed_by_the_rank_not_on_gloos_thread
     process.join(timeout=100)
     assert process.exitcode == 0
     assert any(json.loads((tmp_path / "threads.json").read_text()))  # the case arose
+
+
+def keeps_its_error() -> None:
+    """Fails inside a call that holds the group and keeps the error in a variable of the
+    frame its traceback passes through: that frame and the error hold each other (a cycle
+    only the collector frees), and the frame below holds the group."""
+
+    def collective(process_group: dist.ProcessGroup) -> None:
+        raise RuntimeError(f"a peer of {process_group.size()} was lost")  # as a failed all-reduce does
+
+    try:
+        collective(dist.group.WORLD)
+    except RuntimeError as e:
+        error = e  # noqa: F841  (kept past the except block: the frame -> error -> traceback -> frame cycle)
+
+
+def leaves_holding_the_group_in_a_cycle(slot: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    store = connect("127.0.0.1", port, TIMEOUT_S)
+    group = LiveGroup(store, slot, Patience(STALE_S, 10.0, TIMEOUT_S))
+    group.form(0, (0, 1))
+    total(group)
+    if slot == 0:  # moves on from the generation while slot 1 is in a collective with it
+        keeps_its_error()
+        group.leave()
+        store.wait(["slot1/done"])  # alive (its sockets its own) until slot 1 has failed or timed out
+        os._exit(0)
+    started = time.monotonic()
+    try:
+        total(group)
+        error = None
+    except (RuntimeError, dist.DistError) as e:
+        error = str(e).splitlines()[0]
+    (Path(out_dir) / "slot1.json").write_text(json.dumps({"failed_after_s": time.monotonic() - started,
+                                                          "error": error}))
+    store.set("slot1/done", "1")
+    os._exit(0)
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_blocked_on_a_member_that_left_fails_at_once_though_a_cycle_held_the_group(tmp_path):
+    # A group destroyed but still held keeps its sockets open: slot 1 would wait out the
+    # whole collective timeout (30 s) on a member that has already moved on.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=TIMEOUT_S))
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=leaves_holding_the_group_in_a_cycle,
+                                 args=(slot, store.port, str(tmp_path))) for slot in (0, 1)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=100)
+        assert process.exitcode == 0
+    record = json.loads((tmp_path / "slot1.json").read_text())
+    assert record["error"] is not None
+    assert record["failed_after_s"] < TIMEOUT_S / 3, record  # at the group's release, not the timeout

@@ -27,6 +27,7 @@ never reads a dead one's addresses.
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import threading
@@ -65,6 +66,7 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.05  # how often a settling survivor or a waiting joiner looks at the store again
 RELEASE_WAIT_S = 2.0  # the longest `leave` waits for a collective's callbacks to let a group go
 RELEASE_POLL_S = 0.001
+RELEASE_COLLECT_S = 0.1  # held this long, a group is looked for in reference cycles (`release`)
 DONE_KEY = "done"
 
 
@@ -116,21 +118,46 @@ class Beats:
 def release(groups: list[dist.ProcessGroup], wait_s: float) -> None:
     """Free each of `groups` (process groups no longer registered with torch) on this thread
     once nothing else holds it, waiting up to `wait_s` for the holders to let go; a group
-    still held then stays in `groups` for the next call.
+    still held then stays in `groups` for the next call, and a warning names its holders.
 
-    Why: a collective's future runs its callbacks on one of gloo's worker threads, and a
-    callback that captured the group (PyTorch's PowerSGD hook does) drops its reference
-    there, just after the future the main thread waits on is complete. Were that the last
-    reference, the group's destructor would run on that worker thread and join every
-    worker thread, itself included, and the process aborts ("Resource deadlock avoided").
-    Holding the group until the callbacks are gone makes this thread the one that frees it.
+    Why it matters: a group's sockets close only when it is freed. A group destroyed but
+    still held keeps its connections open, so a peer blocked in a collective with this
+    process waits out the whole collective timeout (`ddp.timeout_s`) instead of failing at
+    once (measured: two processes, the one blocked in an all-reduce failed after 0.0 s when
+    the other freed its group, after the full 20 s timeout when it destroyed it but kept a
+    reference; the backend's `abort` and `shutdown` close nothing in torch 2.13). In a live
+    group of three or more, that is a survivor waiting on another survivor that has already
+    moved on to re-form.
+
+    Two kinds of holder. A collective's future runs its callbacks on one of gloo's worker
+    threads, and a callback that captured the group (PyTorch's PowerSGD hook does) drops
+    its reference there, just after the future the main thread waits on is complete. Were
+    that the last reference, the group's destructor would run on that worker thread and
+    join every worker thread, itself included, and the process aborts ("Resource deadlock
+    avoided"): holding the group until the callbacks are gone makes this thread the one
+    that frees it. And a reference cycle, which only the collector frees: a failed
+    collective's error kept in a variable of a frame of its own traceback (that frame, or
+    one below it, holds the group), so a group still held after `RELEASE_COLLECT_S` is
+    looked for by one collection, on this thread.
     """
-    deadline = time.monotonic() + wait_s
+    started = time.monotonic()
+    collected = False
     while True:
         for index in reversed(range(len(groups))):
             if sys.getrefcount(groups[index]) <= 2:  # the list's reference and the argument's
                 del groups[index]  # the last reference: the group is freed here
-        if not groups or time.monotonic() >= deadline:
+        waited = time.monotonic() - started
+        if not groups:
+            return
+        if not collected and waited >= min(RELEASE_COLLECT_S, wait_s):
+            gc.collect()  # frees the cycles holding a group; their last reference goes here
+            collected = True
+            continue
+        if waited >= wait_s:
+            holders = sorted({type(r).__name__ for r in gc.get_referrers(*groups) if r is not groups})
+            logger.warning("a past generation's process group is still held after %.1f s (by %s): its "
+                           "sockets stay open, so a peer blocked in a collective with this process "
+                           "waits until its timeout", wait_s, ", ".join(holders) or "nothing Python sees")
             return
         time.sleep(RELEASE_POLL_S)
 
