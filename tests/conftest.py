@@ -24,6 +24,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 VARIANT = (pytest.mark.slow, pytest.mark.extended)
 
 torch.set_num_threads(1)
+# Every process a test starts runs one OpenMP thread by default (each sets its own intra-op
+# count; this is what its other threads start from), as the DDP launcher gives two ranks on
+# these 2 cores: so the fork servers the tests' runs are forked from share the ranks'
+# start-up settings, and a DDP run's ranks are forked rather than new interpreters.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def find_real_data_dir() -> Path | None:

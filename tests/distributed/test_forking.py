@@ -6,6 +6,7 @@ credentials, and dies with its launcher however the launcher dies."""
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -159,10 +160,10 @@ def test_its_children_die_with_a_launcher_killed_outright(tmp_path, child_module
 NESTED = textwrap.dedent("""
     # A launcher that was forked itself: its children come from a fork server forked from
     # its own, not from a new interpreter.
-    import os, signal
+    import json, os, signal
     import disttrain.core.forking as forking
-    env = {**os.environ, "FORK_TEST": os.environ["GRANDCHILD_TOKEN"]}
-    del env["GRANDCHILD_TOKEN"]
+    env = {**os.environ, "FORK_TEST": os.environ["GRANDCHILD_TOKEN"], **json.loads(os.environ["CHILD_ENV"])}
+    del env["GRANDCHILD_TOKEN"], env["CHILD_ENV"]
     child = forking.ForkedProcess(["forkchild", "wait"], env, 2)
     assert any(line.startswith(b"ready") for line in child.stdout)
     server, = forking._servers.values()
@@ -175,8 +176,9 @@ def test_a_forked_launcher_forks_its_children_from_a_fork_of_its_own_fork_server
     (tmp_path / "nested.py").write_text(NESTED)
     launcher_token, child_token = ("token-" + os.urandom(8).hex() for _ in range(2))
     with open(tmp_path / "launcher.log", "wb") as log:
-        launcher = ForkedProcess(["nested"], {**os.environ, "DISTTRAIN_TOKEN": launcher_token,
-                                              "GRANDCHILD_TOKEN": child_token}, log.fileno())
+        env = {**os.environ, "DISTTRAIN_TOKEN": launcher_token, "GRANDCHILD_TOKEN": child_token,
+               "CHILD_ENV": "{}"}
+        launcher = ForkedProcess(["nested"], env, log.fileno())
     try:
         line = launcher.stdout.readline().split()
         assert line, (tmp_path / "launcher.log").read_text()
@@ -197,6 +199,29 @@ def test_a_forked_launcher_forks_its_children_from_a_fork_of_its_own_fork_server
         assert launcher.wait(timeout=60) == -signal.SIGKILL
         assert gone_within(server, 30) and gone_within(child, 30)
         assert not gone_within(ours, 0)  # the test's own fork server serves on
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=60)
+
+
+@pytest.mark.parametrize("child_env, forked", [
+    # What a DDP launcher and torch's elastic agent add for the ranks: read by torch only
+    # when a rendezvous or a process group is made, so the ranks fork from the same server.
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+      "PYTHONUNBUFFERED": "0"}, True),
+    ({"OMP_NUM_THREADS": "3"}, False),  # read as OpenMP loads: a new interpreter with it
+])
+def test_only_a_start_up_variable_makes_a_forked_launchers_fork_server_a_new_interpreter(
+        tmp_path, child_module, child_env, forked):
+    (tmp_path / "nested.py").write_text(NESTED)
+    env = {**os.environ, "GRANDCHILD_TOKEN": "token", "CHILD_ENV": json.dumps(child_env)}
+    with open(tmp_path / "launcher.log", "wb") as log:
+        launcher = ForkedProcess(["nested"], env, log.fileno())
+    try:
+        line = launcher.stdout.readline().split()
+        assert line, (tmp_path / "launcher.log").read_text()
+        assert line[2] == str(forked).encode()
+        assert (parent_of(int(line[1])) == forking._servers[server_key()].pid) == forked
     finally:
         launcher.kill()
         launcher.wait(timeout=60)

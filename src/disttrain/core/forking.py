@@ -79,8 +79,11 @@ _servers: dict[tuple[tuple[str, str], ...], _Server] = {}
 # server's environment (`_Server.for_env`).
 _parent: _Parent | None = None
 _started_with: dict[str, str] = {}  # in a fork server: the environment it was started with
-# Variables whose effect a forked child has whatever their value: a fork server runs with -u.
-_ALREADY_SET = ("PYTHONUNBUFFERED",)
+# Start-up variables whose effect a forked child has whatever its fork server started with,
+# from its own environment (set before its code runs): a fork server runs with -u, and torch
+# reads the other two (a DDP launcher's and its elastic agent's for the ranks) only when a
+# rendezvous or a process group is made, never at its import.
+_READ_AT_RUN = ("PYTHONUNBUFFERED", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 
 
 def forking() -> bool:
@@ -102,8 +105,9 @@ class ForkServerError(RuntimeError):
 
 
 def startup_env(env: dict[str, str]) -> dict[str, str]:
-    """The variables of `env` a fork server starts with (STARTUP_ENV)."""
-    return {name: value for name, value in env.items() if name.startswith(STARTUP_ENV)}
+    """The variables of `env` a fork server starts with (STARTUP_ENV, less _READ_AT_RUN)."""
+    return {name: value for name, value in env.items()
+            if name.startswith(STARTUP_ENV) and name not in _READ_AT_RUN}
 
 
 @dataclass
@@ -133,14 +137,13 @@ class _Server:
         interpreter takes to import torch, and as free of credentials (it has read no
         request). Elsewhere, or when `env` differs from that server's, a new interpreter."""
         parent = _parent
-        unset = dict.fromkeys(_ALREADY_SET, "")
-        if parent is not None and {**env, **unset} == {**parent.env, **unset}:
+        if parent is not None and env == startup_env(parent.env):
             try:
                 return cls._forked(parent)
             except (OSError, ForkServerError) as e:
                 logger.debug("a new fork server: %s", e)  # that fork server is gone
         elif parent is not None:
-            differing = {name for name, _ in set(env.items()) ^ set(parent.env.items())} - set(_ALREADY_SET)
+            differing = {name for name, _ in set(env.items()) ^ set(startup_env(parent.env).items())}
             logger.debug("a new fork server: start-up variables %s differ from this process's "
                          "fork server's", sorted(differing))
         return cls._started(env)

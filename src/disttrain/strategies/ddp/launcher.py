@@ -174,6 +174,10 @@ def launch(config: Config, options: RunOptions) -> RunSummary | None:
                                                             else logging.WARNING)
     logger.info("starting %d rank(s) on this node (%s), up to %d restart(s)", plan.ranks_per_node,
                 plan.backend, config.ddp.max_restarts)
+    # The ranks' thread count (see the module's doc), set before the coordinator starts: its
+    # process and the ranks then share their start-up settings, so one fork server (one
+    # import of torch) starts them all.
+    os.environ["OMP_NUM_THREADS"] = str(thread_count(config.system.num_threads, plan.ranks_per_node))
     with tempfile.TemporaryDirectory(prefix="disttrain-ddp-") as folder:
         config_path, summary_path = Path(folder) / "config.yaml", Path(folder) / SUMMARY_FILE
         config.save(config_path)
@@ -220,7 +224,6 @@ def run_ranks(coordinator: RunCoordinator, plan: LaunchPlan, error_dir: Path, ar
     try:
         os.environ.update(FRESH_STORE_PER_ROUND)
         unclaimed_store_ports()
-        os.environ["OMP_NUM_THREADS"] = str(thread_count(config.system.num_threads, plan.ranks_per_node))
         if coordinator.token is not None:  # the agent hands its environment to the ranks (never argv)
             os.environ[RANK_TOKENS_ENV] = str(write_rank_tokens(tokens_dir, coordinator.token,
                                                                 config.system.num_workers))

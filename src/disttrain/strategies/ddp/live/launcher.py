@@ -214,14 +214,16 @@ def launch_live(config: Config, options: RunOptions, preflight) -> RunSummary | 
             open_places(store, config, store_at)
             spares = spare_slots(store, config)
     processes = RankProcesses(spares=list(spares))
+    # The ranks' thread count (as the restart-mode launcher's), set before the coordinator
+    # starts, so that one fork server starts them both.
+    os.environ["OMP_NUM_THREADS"] = str(thread_count(config.system.num_threads, len(slots)))
     with tempfile.TemporaryDirectory(prefix="disttrain-ddp-live-") as folder:
         config_path, summary_path = Path(folder) / "config.yaml", Path(folder) / SUMMARY_FILE
         config.save(config_path)
         with arrival_coordinator(config) if joining else run_coordinator(
                 config, config_path, options.token, options.tls, options.faults) as coordinator:
             coordinator.config.save(config_path)
-            env = {LIVE_STORE_ENV: store_at,
-                   "OMP_NUM_THREADS": str(thread_count(config.system.num_threads, len(slots)))}
+            env = {LIVE_STORE_ENV: store_at}
             logger.info("starting rank(s) %d-%d of %s with live recovery (store %s), up to %d restart(s) "
                         "each%s", slots[0], slots[-1], f"{world_size}-{config.ddp.max_world_size}"
                         if config.ddp.max_world_size else world_size, store_at, config.ddp.max_restarts,
