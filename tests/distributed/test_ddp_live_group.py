@@ -28,6 +28,12 @@ TIMEOUT_S = 30.0
 STALE_S = 1.0
 
 
+def master_store() -> dist.TCPStore:
+    """The launcher's store, on a free port."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=TIMEOUT_S))
+
+
 def total(group: LiveGroup) -> int:
     ones = torch.ones(1)
     dist.all_reduce(ones)
@@ -91,8 +97,7 @@ def joiner(port: int, out_dir: str) -> None:
 
 @pytest.mark.timeout(180)
 def test_survivors_reform_and_take_the_rank_back(tmp_path):
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=TIMEOUT_S))
+    store = master_store()
     context = mp.get_context("spawn")
     first = [context.Process(target=survivor, args=(slot, store.port, str(tmp_path))) for slot in range(3)]
     for process in first:
@@ -164,8 +169,7 @@ def leaves_while_a_callback_holds_the_group(port: int, out_dir: str) -> None:
 def test_a_group_a_callback_still_holds_is_freed_by_the_rank_not_on_gloos_thread(tmp_path):
     # Freed on gloo's worker thread, the group's destructor joins that thread itself and
     # the process aborts (SIGABRT, "Resource deadlock avoided").
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=TIMEOUT_S))
+    store = master_store()
     process = mp.get_context("spawn").Process(target=leaves_while_a_callback_holds_the_group,
                                               args=(store.port, str(tmp_path)))
     process.start()
@@ -215,8 +219,7 @@ def leaves_holding_the_group_in_a_cycle(slot: int, port: int, out_dir: str) -> N
 def test_a_peer_blocked_on_a_member_that_left_fails_at_once_though_a_cycle_held_the_group(tmp_path):
     # A group destroyed but still held keeps its sockets open: slot 1 would wait out the
     # whole collective timeout (30 s) on a member that has already moved on.
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=TIMEOUT_S))
+    store = master_store()
     context = mp.get_context("spawn")
     processes = [context.Process(target=leaves_holding_the_group_in_a_cycle,
                                  args=(slot, store.port, str(tmp_path))) for slot in (0, 1)]

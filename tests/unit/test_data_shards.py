@@ -93,11 +93,10 @@ def test_the_disk_cache_of_a_store_stays_within_its_bound_and_reads_every_row(tm
     assert 0 < cached_bytes(tmp_path) <= bound < 12 * shard_bytes
 
 
-def test_processes_sharing_a_bounded_cache_remove_the_least_recently_used_copy_of_any_of_them(tmp_path):
-    """Two readers of one cache (a run's two workers): the one that bounds the disk removes
-    the copy least recently used by either, never the other's fresh fetch, which the other
-    has still to read (a parameter-server run on S3 shards had a worker read a copy its
-    peer had just removed, twice in a row, and fail)."""
+def two_readers_of_one_cache(tmp_path: Path) -> tuple[list[str], int, ShardReader, ShardReader]:
+    """Two readers of five 8-sample shards sharing one cache bounded at three shards (a run's
+    two workers), the second holding shards 1, 2 and 3: the shards' names, a shard's bytes,
+    the two readers."""
     url = memory_url()
     write_shards(url, arrays(40), arrays(8), samples_per_shard=8)
     files = [f"train-{i:05d}.npz" for i in range(5)]
@@ -107,6 +106,15 @@ def test_processes_sharing_a_bounded_cache_remove_the_least_recently_used_copy_o
                   for _ in range(2))
     for shard in (1, 2, 3):
         other.arrays(shard)
+    return files, shard_bytes, one, other
+
+
+def test_processes_sharing_a_bounded_cache_remove_the_least_recently_used_copy_of_any_of_them(tmp_path):
+    """Two readers of one cache (a run's two workers): the one that bounds the disk removes
+    the copy least recently used by either, never the other's fresh fetch, which the other
+    has still to read (a parameter-server run on S3 shards had a worker read a copy its
+    peer had just removed, twice in a row, and fail)."""
+    files, shard_bytes, one, other = two_readers_of_one_cache(tmp_path)
     one.arrays(0)  # over the bound: the oldest use goes, shard 1
     other.arrays(4)  # over it again: shard 2, not the other reader's shard 0
     on_disk = {f for f in files if any((tmp_path / "data" / "cache").glob(f"*-{f}/*"))}
@@ -212,15 +220,7 @@ def test_a_copy_a_peer_removes_while_the_disk_is_counted_counts_as_gone(tmp_path
     the other's listing of a folder and its look at the file. The other counts it as gone
     and reads on (a parameter-server run on S3 shards had a worker fail there, and its
     restart redo 192 samples)."""
-    url = memory_url()
-    write_shards(url, arrays(40), arrays(8), samples_per_shard=8)
-    files = [f"train-{i:05d}.npz" for i in range(5)]
-    shard_bytes = len(fsspec.filesystem("memory").cat(f"{url}/{files[0]}"))
-    limits = ReaderLimits(cache_bytes=3 * shard_bytes, num_in_memory=1, num_ahead=0)
-    one, other = (ShardReader(ShardFiles(url, tuple(files), ("x", "y")), str(tmp_path / "data"), True, limits)
-                  for _ in range(2))
-    for shard in (1, 2, 3):
-        other.arrays(shard)
+    files, shard_bytes, one, other = two_readers_of_one_cache(tmp_path)
     is_file = Path.is_file
 
     def removed_by_the_peer(path: Path) -> bool:
