@@ -117,6 +117,7 @@ def powersgd_member(slot: int, port: int, out_dir: str) -> None:
         tickets = 0
         while tickets == 0:  # step boundaries until slot 1's ticket shows
             tickets = group.pending_joins(0)
+        trainer.detach()  # as a live rank does before the group changes
         grown = group.grow(0, tickets)
     else:  # holds no state: it asks to join and takes slot 0's
         grown = group.request_join()

@@ -231,3 +231,50 @@ def test_a_peer_blocked_on_a_member_that_left_fails_at_once_though_a_cycle_held_
     record = json.loads((tmp_path / "slot1.json").read_text())
     assert record["error"] is not None
     assert record["failed_after_s"] < TIMEOUT_S / 3, record  # at the group's release, not the timeout
+
+
+def leaves_after_a_step_through_ddp(slot: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    from disttrain.config import Config
+    from disttrain.strategies.ddp.live.trainer import LiveTrainer
+    store = connect("127.0.0.1", port, TIMEOUT_S)
+    trainer = LiveTrainer(Config().replace(
+        training={"dataset": "digits", "model_architecture": "mlp", "batch_size": 8, "num_epochs": 1},
+        system={"num_workers": 2}), slot)
+    group = LiveGroup(store, slot, Patience(STALE_S, 10.0, TIMEOUT_S))
+    group.form(0, (0, 1))
+    trainer.attach(group.rank, group.world_size)
+    trainer.step()  # through the generation's DDP module
+    if slot == 0:  # leaves while slot 1 is in a collective with it, as a live rank leaves
+        trainer.detach()
+        group.leave()
+        store.wait(["slot1/done"])
+        os._exit(0)
+    started = time.monotonic()
+    try:
+        total(group)
+        error = None
+    except (RuntimeError, dist.DistError) as e:
+        error = str(e).splitlines()[0]
+    (Path(out_dir) / "slot1.json").write_text(json.dumps({"failed_after_s": time.monotonic() - started,
+                                                          "error": error}))
+    store.set("slot1/done", "1")
+    os._exit(0)
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_blocked_on_a_member_that_left_fails_at_once_after_steps_through_ddp(tmp_path):
+    # The DDP module, and the torch module it imports as it wraps a model, must not keep a
+    # generation's group once the member has left it (see `live.group`'s imports).
+    store = master_store()
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=leaves_after_a_step_through_ddp,
+                                 args=(slot, store.port, str(tmp_path))) for slot in (0, 1)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=100)
+        assert process.exitcode == 0
+    record = json.loads((tmp_path / "slot1.json").read_text())
+    assert record["error"] is not None
+    assert record["failed_after_s"] < TIMEOUT_S / 3, record  # at the group's release, not the timeout

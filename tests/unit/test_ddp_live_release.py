@@ -7,7 +7,11 @@ at once when the group goes is `tests/distributed/test_ddp_live_group.py`'s."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import weakref
+
+import pytest
 
 from disttrain.strategies.ddp.live.group import release
 
@@ -46,3 +50,15 @@ def test_a_group_nothing_else_holds_is_freed_at_once():
     del group
     release(groups, wait_s=5.0)  # type: ignore[arg-type]
     assert groups == [] and not freed.alive
+
+
+@pytest.mark.slow  # a new interpreter
+def test_the_module_that_would_keep_the_first_group_is_imported_before_any_group():
+    # torch.distributed.nn's functions take the default group as a default argument,
+    # evaluated at its import; imported while generation 0's group exists, it would hold
+    # that group for the life of the process. The live group imports it first.
+    probe = ("import sys; import disttrain.strategies.ddp.live.group; "
+             "print('torch.distributed.nn' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          check=True)
+    assert done.stdout.strip() == "True", done.stderr

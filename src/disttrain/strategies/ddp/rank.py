@@ -72,12 +72,21 @@ def scaled_learning_rate(learning_rate: float, scaling: str, world_size: int) ->
     raise ConfigError(f"ddp.lr_scaling: unknown rule {scaling!r}; use none or linear")
 
 
-def wrap_model(module: torch.nn.Module, ddp: DDPConfig, runtime: rt.Runtime) -> DistributedDataParallel:
-    """DDP around `module` (which already sits on the rank's device); broadcasts rank 0's weights."""
-    device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=ddp.bucket_cap_mb,
-                                   gradient_as_bucket_view=ddp.gradient_as_bucket_view,
-                                   static_graph=ddp.static_graph)
+def wrap_model(module: torch.nn.Module, ddp: DDPConfig, device: torch.device, comm: CommStats,
+               compression: CompressionHook | None) -> DistributedDataParallel:
+    """DDP around `module` (which already sits on `device`) over the default process group,
+    with the timing communication hook (around compression's, if any): restart mode wraps
+    once per process, live recovery once per generation of its group. Broadcasts rank 0's
+    weights and buffers (a collective)."""
+    device_ids = [device.index] if device.type == "cuda" else None
+    model = DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=ddp.bucket_cap_mb,
+                                    gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+                                    static_graph=ddp.static_graph)
+    if compression is None:
+        register_comm_hook(model, comm)
+    else:
+        register_comm_hook(model, comm, run_hook, compression)
+    return model
 
 
 def compression_hook(compression: CompressionConfig, seed: int, module: torch.nn.Module, rank: int,
@@ -122,20 +131,12 @@ class RankParticipant:
         # With local updates the rank steps its plain model: nothing crosses the network in a round.
         self.rounds = None if local_updates is None else LocalRounds(
             local_updates, self.module, self.compression)
-        self.model = self.module if self.rounds is not None else self._wrap(ddp)
+        self.model = self.module if self.rounds is not None else wrap_model(
+            self.module, ddp, device, self.comm, self.compression)
         self.resized_from: int | None = None  # the world size of a resized checkpoint
         self.samples_extra = 0  # rank 0's samples over the others' since a resize
         if local_updates is not None and runtime.info.is_main:
             logger.info("%s", local_updates.describe())
-
-    def _wrap(self, ddp: DDPConfig) -> DistributedDataParallel:
-        """The module in DDP, with the timing communication hook (around compression's)."""
-        model = wrap_model(self.module, ddp, self.runtime)
-        if self.compression is None:
-            register_comm_hook(model, self.comm)
-        else:
-            register_comm_hook(model, self.comm, run_hook, self.compression)
-        return model
 
     def start(self) -> None:
         rt.barrier(self.runtime)  # every rank's clock starts together

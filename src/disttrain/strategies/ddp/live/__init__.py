@@ -7,7 +7,7 @@ store), `forming` (a generation's rendezvous cut short when a member dies), `res
 (the next generation started by the ranks waiting to join when every member died), `state` (a
 state handed from a live peer, without pickle), `trainer` (model, optimizer, position
 and data ledger), `checkpoints` (the leader's periodic checkpoints and `--resume`),
-`compression` (the DDP compression hooks on the flat gradient buffer), `participant` (a
+`compression` (the compression hooks' state a joiner takes), `participant` (a
 member's step, evaluation and state in the one training loop, and the store its
 generation's leader writes), `rank` (the generations of one rank process, each a run of
 the training loop; a SIGTERMed rank leaves at a step boundary), `places`

@@ -1,9 +1,7 @@
 """Gradient compression in a live group: the DDP hooks of `compression.ddp_hooks` (the same
-codecs, the same state) run on the live trainer's one flat gradient buffer.
-
-`ddp_hooks.average_flat` averages that buffer over the current generation's group,
-through the hook (which reads it as a `dist.GradBucket`, `ddp_hooks.FlatBucket`) or one
-all-reduce, as restart mode's local updates average their pseudo-gradients.
+codecs, the same state), registered on each generation's DDP module as restart mode
+registers them (`rank.wrap_model`), and with local updates run on a round's flat
+pseudo-gradient (`ddp_hooks.average_flat`, as restart mode's local updates).
 
 What is handed over with the rest of the state (`state_dict`, taken by every member but
 the source in `LiveTrainer.load_state_dict`): the byte counters, and PowerSGD's shared

@@ -260,6 +260,7 @@ class LiveRank:
         if everyone and group.is_leader:
             self.checkpoints.save(p.step, self.trainer.state_dict())
         self.checkpoints.close()  # a checkpoint under way is complete before the process ends
+        self.trainer.drop_wrapper()
         group.leave()
         if everyone:
             raise Preempted(f"slot {self.slot}: every member left the group at step {p.step} (SIGTERM); "
@@ -386,6 +387,7 @@ class LiveRank:
         self.checkpoints.close()  # the last checkpoint complete before the run reports done
         group.finish()
         dist.barrier()
+        trainer.drop_wrapper()
         group.leave()
         self.heartbeat_progress.position.train_time_s = trainer.train_time_s()
         if not group.is_leader:

@@ -1,12 +1,11 @@
 """What a live rank trains, and the state its group hands over: model, optimizer and
 schedule, the position in the run, the data ledger, the evaluations and the recoveries.
 
-A live group averages gradients itself, one flat all-reduce per step after backward,
-rather than through torch's DDP wrapper: the wrapper's reducer keeps its process group
-alive (a reference cycle through C++) after the group is destroyed, and a survivor
-blocked in a collective with a peer that already left then waits for the group timeout
-instead of failing at once when the peer's sockets close. Without it, leaving a group
-closes its sockets, and the survivors notice one another's departure at once.
+A live member trains through torch's DDP module, as a restart-mode rank does
+(`rank.wrap_model`: bucketed all-reduces overlapped with backward, the same timing and
+compression hooks), wrapped again for each generation of its group at the generation's
+first step and dropped (`drop_wrapper`) before the member leaves the group, so that
+leaving frees the group and closes its sockets (`group.release`).
 
 The global batches are fixed (`batch_size` x the run's world size, cut from each epoch's
 permutation as the planned sampler cuts them); each generation splits them over its
@@ -24,19 +23,19 @@ applied from it: 1 everywhere at the end means nothing lost and nothing twice.
 from __future__ import annotations
 
 import logging
-import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
-from disttrain.compression.ddp_hooks import CompressionHook, average_flat
 from disttrain.config import Config
 from disttrain.core.errors import ConfigError
 from disttrain.data import PlannedSampler, load_datasets
 from disttrain.data.datasets import shard_layout
 from disttrain.metrics.window import TrainClock
-from disttrain.strategies.ddp.comm_hooks import CommSample
+from disttrain.strategies.ddp.comm_hooks import CommSample, CommStats
 from disttrain.strategies.ddp.live.balance import LiveBalance
 from disttrain.strategies.ddp.live.compression import (
     clear_residuals,
@@ -46,7 +45,7 @@ from disttrain.strategies.ddp.live.compression import (
 )
 from disttrain.strategies.ddp.live.membership import split_batch
 from disttrain.strategies.ddp.live.rounds import LiveRounds
-from disttrain.strategies.ddp.rank import scaled_learning_rate
+from disttrain.strategies.ddp.rank import scaled_learning_rate, wrap_model
 from disttrain.strategies.ddp.reduce import broadcast_buffers, evaluate_sharded
 from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward
 from disttrain.training.loading import prefetch
@@ -134,6 +133,10 @@ class LiveTrainer:
         balanced = config.system.balance != "none"
         self.balance = LiveBalance(config.system, self.global_batch) if balanced else None
         self.blocked_s = 0.0  # the last step's wait in the all-reduce
+        self.comm = CommStats()  # what the DDP module's timing hook saw
+        # The module in DDP over this generation's group (made at its first step; None
+        # between generations, and with local updates, whose steps are the plain module's).
+        self.ddp: DistributedDataParallel | None = None
         # What one all-reduce of the flat buffer (or a round's pseudo-gradient) hands over.
         self.bytes_allreduced = sum(p.numel() * p.element_size() for p in self.module.parameters())
         self.samples_trained = 0  # by this process, failed steps included
@@ -239,7 +242,9 @@ class LiveTrainer:
 
     def attach(self, rank: int, world_size: int) -> None:
         """Split the global batches over this generation's group (call once the state is
-        synced; a collective under `system.balance`, see `live.balance`)."""
+        synced; a collective under `system.balance`, see `live.balance`); its DDP module
+        is made at its first step."""
+        self.drop_wrapper()
         shares = None if self.balance is None else self.balance.shares(world_size)
         if shares is not None:
             self._record_plan(shares)
@@ -306,8 +311,14 @@ class LiveTrainer:
         if self.loader is not None:
             self.loader.close()
 
+    def drop_wrapper(self) -> None:
+        """Let go of this generation's DDP module (call before leaving the group: its
+        reducer holds the group, whose sockets close only once nothing does)."""
+        self.ddp = None
+
     def detach(self) -> None:
         """This generation's group is gone: a step cut short by it will be redone."""
+        self.drop_wrapper()
         self.sampler = None
         if self.balance is not None:
             self.balance.stop()
@@ -322,10 +333,11 @@ class LiveTrainer:
 
     def step(self) -> StepResult:
         """Train on this member's pieces of the step's global batches (one, or up to
-        `ddp.grad_accumulation_steps`: the epoch's last step takes what is left); one
-        all-reduce; apply. With local updates: step this member's model, and average at
-        the round's end. The result's scalars are the metric keys of a DDP rank's step
-        (communication, optimizer, compression), as restart mode's.
+        `ddp.grad_accumulation_steps`: the epoch's last step takes what is left) through
+        the generation's DDP module, which all-reduces in the last backward; apply. With
+        local updates: step this member's model, and average at the round's end. The
+        result's scalars are the metric keys of a DDP rank's step (communication,
+        optimizer, compression), as restart mode's.
 
         Raises:
             RuntimeError, dist.DistError: a peer was lost in the all-reduce (nothing applied;
@@ -337,8 +349,7 @@ class LiveTrainer:
         if self.rounds is not None:
             self.rounds.begin_step(self._current_state)
         self.optimizer.zero_grad(set_to_none=True)
-        if self.rounds is None:  # with local updates, at the round's end
-            broadcast_buffers(self.module)
+        model = self.module if self.rounds is not None else self._wrapped()
         loss_sum, correct, samples = 0.0, 0, 0
         for offset in range(batches):
             indices = self.sampler.block(p.epoch, p.index + offset)
@@ -347,17 +358,20 @@ class LiveTrainer:
             weight = self.world_size * len(indices) / self.global_batch / batches
             self.samples_trained += len(indices)
             self._in_flight += len(indices)
-            result = forward_backward(self.module, inputs, targets, weight, self.precision)
+            # DDP all-reduces in the last micro-batch's backward only (the buffers it
+            # broadcasts from rank 0 before each forward)
+            last = offset == batches - 1
+            with nullcontext() if last or self.ddp is None else self.ddp.no_sync():
+                result = forward_backward(model, inputs, targets, weight, self.precision)
             loss_sum += result.loss * result.num_samples
             correct, samples = correct + result.num_correct, samples + result.num_samples
         if self.rounds is None:
-            started = time.perf_counter()
-            average_gradients(list(self.module.parameters()), self.compression)
-            self.blocked_s = time.perf_counter() - started
+            comm = self.comm.drain()
+            self.blocked_s = comm.blocked_s
             self._in_flight = 0
             self.stepper.step()
             self.ledger[p.epoch, p.index:p.index + batches] += 1
-            scalars = CommSample(self.blocked_s, 0.0, self.bytes_allreduced).scalars()
+            scalars = comm.scalars()
         else:
             self.stepper.step()
             scalars = self._end_of_local_step(p.index + batches)
@@ -368,6 +382,19 @@ class LiveTrainer:
         if self.compression is not None:
             scalars.update(self.compression.stats.drain().scalars())
         return StepResult(loss_sum / max(samples, 1), correct, samples, scalars)
+
+    def _wrapped(self) -> DistributedDataParallel:
+        """This generation's DDP module, made at its first step (a collective: rank 0's
+        weights and buffers, the same as every member's once synced, are broadcast).
+
+        Raises:
+            RuntimeError, dist.DistError: a peer was lost meanwhile.
+        """
+        if self.ddp is None:
+            self.comm.drain()  # what a step the last group cut short recorded
+            self.ddp = wrap_model(self.module, self.config.ddp, torch.device("cpu"), self.comm,
+                                  self.compression)
+        return self.ddp
 
     def _end_of_local_step(self, next_index: int) -> dict[str, float]:
         """After a local step that ends before global batch `next_index`: at the round's
@@ -412,19 +439,3 @@ class LiveTrainer:
         twice = int((self.ledger - 1).clamp(min=0).sum()) * self.global_batch
         return applied, lost, twice
 
-
-def average_gradients(params: list[torch.nn.Parameter], compression: CompressionHook | None = None) -> None:
-    """Average `.grad` over the group: one all-reduce of every gradient in one flat buffer
-    (a parameter without a gradient counts as zeros, so every rank sends the same layout),
-    or, with `compression`, that buffer through its hook.
-
-    Raises:
-        RuntimeError, dist.DistError: a peer was lost (the gradients are then unusable).
-    """
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = average_flat(torch.cat([g.reshape(-1) for g in grads]), params, compression)
-    offset = 0
-    for param, grad in zip(params, grads, strict=True):
-        size = grad.numel()
-        param.grad = flat[offset:offset + size].view_as(param)
-        offset += size
