@@ -43,6 +43,23 @@ def partly_frozen(description, hidden=16):
     return net
 
 
+class WithSpareHead(nn.Module):
+    """`model` beside a second head the forward never uses (as a multi-task model trained
+    on one of its tasks): its parameters take no gradient."""
+
+    def __init__(self, description, hidden):
+        super().__init__()
+        self.net = model(description, hidden)
+        self.spare = nn.Linear(description.input_shape[0], description.num_classes)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def spare_head(description, hidden=16):
+    return WithSpareHead(description, hidden)
+
+
 def raises(description):
     raise RuntimeError("the factory says no")
 

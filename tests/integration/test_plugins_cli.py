@@ -96,6 +96,25 @@ def test_a_users_model_and_data_train_on_two_parameter_server_shards(tmp_path, c
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("recovery", [pytest.param("restart", marks=pytest.mark.extended), "live"])
+def test_a_model_with_a_parameter_no_step_uses_needs_ddp_told_and_then_trains(tmp_path, cli, recovery):
+    config = ["--config", user_config(tmp_path, "spare_head"), *SMALL, "--num-epochs", "3",
+              "--world-size", "2", "--ddp-recovery", recovery]
+    refused = cli("ddp", *config, *dirs(tmp_path, "refused"))
+    assert refused.returncode == 2  # before any rank starts: no log folder
+    assert "spare.weight" in refused.stderr and "--find-unused-parameters" in refused.stderr, refused.stderr
+    assert not (tmp_path / "refused" / "logs").exists()
+    told = cli("ddp", *config, "--find-unused-parameters", *dirs(tmp_path, "told"))
+    assert told.returncode == 0, told.stderr
+    summary = summary_of(tmp_path, "told")
+    assert summary["samples_processed"] == 3 * 192 and summary["final_accuracy"] > 0.6
+    spare = ckpt.load_checkpoint(tmp_path / "told" / "ckpt" / "ddp_final.pt")["model"]["spare.weight"]
+    initial = init_model(load_config(config[1]).training)
+    assert torch.equal(spare, initial.spare.weight.detach())  # nothing trained it
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_a_plugin_file_imports_the_modules_beside_it_in_every_process(tmp_path, cli):
     """Run from another folder, the parameter server's launcher, shards and workers each
     import the user's file, which imports a module of its own folder."""

@@ -89,6 +89,8 @@ DDP_FLAGS = {
     "--gradient-as-bucket-view": ("ddp.gradient_as_bucket_view", bool,
                                   "gradients are views into the buckets (saves a copy)"),
     "--static-graph": ("ddp.static_graph", bool, "the graph is the same every step"),
+    "--find-unused-parameters": ("ddp.find_unused_parameters", bool,
+                                 "a step may leave a trainable parameter without a gradient"),
     "--grad-accumulation-steps": ("ddp.grad_accumulation_steps", int,
                                   "micro-batches per optimizer step (one all-reduce per step)"),
     "--lr-scaling": ("ddp.lr_scaling", str, "none, or linear (learning rate x world size)"),
@@ -159,7 +161,7 @@ def check(args: argparse.Namespace) -> str:
     precision = config.training.precision
     plan_precision(precision, rt.select_device(backend, 0).type,
                    precision == "bf16" and backend == "nccl" and torch.cuda.is_bf16_supported())
-    step = dry_run_step(config.training)
+    step = dry_run_step(config.training, rt.needs_every_gradient(config))
     nodes = (f"{count(ddp.num_nodes, 'node')}, rendezvous at {ddp.rdzv_endpoint}" if ddp.rdzv_endpoint
              else "this node only")
     if ddp.backend == "auto" and backend == "nccl" and ddp.num_nodes > 1:

@@ -434,6 +434,10 @@ class DDPConfig:
     bucket_cap_mb: float = field(default=25.0, metadata=POSITIVE)
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
+    # A model whose step may leave a trainable parameter without a gradient (a branch the
+    # forward skips): DDP then looks for them in the autograd graph at each step. Off
+    # unless needed; the launcher's first-step check names the parameters that need it.
+    find_unused_parameters: bool = False
     grad_accumulation_steps: int = field(default=1, metadata=POSITIVE)
     lr_scaling: str = field(default="none", metadata=_choice(LR_SCALINGS))
     max_restarts: int = field(default=0, metadata=NON_NEGATIVE)

@@ -83,7 +83,7 @@ RULES: tuple[Rule, ...] = (
     *(Rule(f"ddp.{key}", _when(lambda c, s: c.training.local_update_mode,
                                "with local updates each rank steps its plain model, without the "
                                "DDP wrapper (training.sync_every > 1)"))
-      for key in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph")),
+      for key in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")),
     Rule("coordinator.*", _when(lambda c, s: s == BASELINE, "the baseline runs without a coordinator")),
     Rule("compression.*", _when(lambda c, s: s == BASELINE, "the baseline sends no gradients to compress")),
     Rule("system.num_workers", _when(lambda c, s: s == BASELINE, "the baseline trains in one process")),

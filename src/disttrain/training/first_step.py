@@ -29,9 +29,12 @@ from disttrain.training.models import init_model
 KEY = "training.model_architecture"
 
 
-def check_first_step(training: TrainingConfig) -> str:
+def check_first_step(training: TrainingConfig, every_gradient: bool = False) -> str:
     """Run one step of `training`'s model on the first batch of its training set.
 
+    Args:
+        every_gradient: the exchange needs a gradient of every trainable parameter at
+            every step (DDP without `ddp.find_unused_parameters`).
     Returns:
         What the step saw, for `--check-config`: "one step on a batch of 64: logits
         (64, 10), loss 2.31".
@@ -77,10 +80,23 @@ def check_first_step(training: TrainingConfig) -> str:
         except Exception as e:
             raise ConfigError(f"{KEY}: the backward of {training.model_architecture} failed on {given}: "
                               f"{one_line(e)}{user_frame(e)}") from e
+        if every_gradient:
+            check_every_gradient(model, training.model_architecture, given)
     return f"one step on a batch of {size}: logits {tuple(logits.shape)}, loss {float(loss.detach()):.3g}"
 
 
-def dry_run_step(training: TrainingConfig) -> str:
+def check_every_gradient(model: torch.nn.Module, name: str, given: str) -> None:
+    """Every trainable parameter took a gradient in the step just run: DDP's all-reduce
+    waits for each one, and fails the next step on one that took none."""
+    missing = [key for key, param in model.named_parameters() if param.requires_grad and param.grad is None]
+    if missing:
+        listed = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ConfigError(f"{KEY}: {len(missing)} trainable parameter(s) of {name} took no gradient in a "
+                          f"step on {given} ({listed}); DDP needs ddp.find_unused_parameters: true "
+                          "(--find-unused-parameters) for a model that leaves some unused, or freeze them")
+
+
+def dry_run_step(training: TrainingConfig, every_gradient: bool = False) -> str:
     """`check_first_step` for `--check-config`, which writes nothing and may run where
     the data set is not (a launching machine, a container built without it): nothing is
     downloaded, and where the data cannot be read no step is tried and the phrase says
@@ -90,7 +106,7 @@ def dry_run_step(training: TrainingConfig) -> str:
         ConfigError: as `check_first_step`.
     """
     try:
-        return check_first_step(replace(training, download=False))
+        return check_first_step(replace(training, download=False), every_gradient)
     except DataError:
         return f"no step tried: {training.dataset} cannot be read on this machine"
 

@@ -111,7 +111,9 @@ def preflight(config: Config, resume: bool) -> LaunchPlan:
     # Asked only for bf16: the question starts a CUDA context in this (launcher) process.
     plan_precision(training.precision, device.type, training.precision == "bf16"
                    and device.type == "cuda" and torch.cuda.is_bf16_supported())
-    check_first_step(training)  # an unknown model, or one that cannot take the data, fails here, once
+    # an unknown model, or one that cannot take the data (or leaves DDP a parameter without
+    # a gradient), fails here, once
+    check_first_step(training, every_gradient=rt.needs_every_gradient(config))
     train_set, _ = load_datasets(training)
     rt.check_world_size(len(train_set), system.num_workers)
     del train_set  # the ranks load their own copies

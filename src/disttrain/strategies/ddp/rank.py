@@ -81,7 +81,8 @@ def wrap_model(module: torch.nn.Module, ddp: DDPConfig, device: torch.device, co
     device_ids = [device.index] if device.type == "cuda" else None
     model = DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=ddp.bucket_cap_mb,
                                     gradient_as_bucket_view=ddp.gradient_as_bucket_view,
-                                    static_graph=ddp.static_graph)
+                                    static_graph=ddp.static_graph,
+                                    find_unused_parameters=ddp.find_unused_parameters)
     if compression is None:
         register_comm_hook(model, comm)
     else:

@@ -248,6 +248,13 @@ def _join(action: Callable[[], _T], timeout_s: float) -> _T:
 PEER_LOSS_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
+def needs_every_gradient(config: Config) -> bool:
+    """Whether each step must give every trainable parameter a gradient: DDP's module wraps
+    the model (not with local updates, whose steps are the plain model's) and does not look
+    for unused parameters (`ddp.find_unused_parameters`)."""
+    return not config.training.local_update_mode and not config.ddp.find_unused_parameters
+
+
 def is_peer_loss(error: BaseException) -> bool:
     """Whether `error`, raised inside a collective, means another rank went away."""
     if isinstance(error, dist.DistError):  # DistBackendError, DistNetworkError, DistStoreError
