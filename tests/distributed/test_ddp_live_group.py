@@ -192,17 +192,14 @@ def keeps_its_error() -> None:
         error = e  # noqa: F841  (kept past the except block: the frame -> error -> traceback -> frame cycle)
 
 
-def leaves_holding_the_group_in_a_cycle(slot: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    store = connect("127.0.0.1", port, TIMEOUT_S)
-    group = LiveGroup(store, slot, Patience(STALE_S, 10.0, TIMEOUT_S))
-    group.form(0, (0, 1))
-    total(group)
-    if slot == 0:  # moves on from the generation while slot 1 is in a collective with it
-        keeps_its_error()
-        group.leave()
-        store.wait(["slot1/done"])  # alive (its sockets its own) until slot 1 has failed or timed out
-        os._exit(0)
+def stays_until_the_peer_is_done(store: dist.TCPStore) -> None:
+    """Slot 0, having left: alive (its sockets its own) until slot 1 has failed or timed out."""
+    store.wait(["slot1/done"])
+    os._exit(0)
+
+
+def records_how_long_its_collective_waits(group: LiveGroup, store: dist.TCPStore, out_dir: str) -> None:
+    """Slot 1: an all-reduce with slot 0, which has left; how long until it failed."""
     started = time.monotonic()
     try:
         total(group)
@@ -215,20 +212,37 @@ def leaves_holding_the_group_in_a_cycle(slot: int, port: int, out_dir: str) -> N
     os._exit(0)
 
 
-@pytest.mark.timeout(120)
-def test_a_peer_blocked_on_a_member_that_left_fails_at_once_though_a_cycle_held_the_group(tmp_path):
-    # A group destroyed but still held keeps its sockets open: slot 1 would wait out the
-    # whole collective timeout (30 s) on a member that has already moved on.
+def slot1_record(target, tmp_path: Path) -> dict:
+    """Runs `target` as slots 0 and 1 over a new store; slot 1's record."""
     store = master_store()
     context = mp.get_context("spawn")
-    processes = [context.Process(target=leaves_holding_the_group_in_a_cycle,
-                                 args=(slot, store.port, str(tmp_path))) for slot in (0, 1)]
+    processes = [context.Process(target=target, args=(slot, store.port, str(tmp_path))) for slot in (0, 1)]
     for process in processes:
         process.start()
     for process in processes:
         process.join(timeout=100)
         assert process.exitcode == 0
-    record = json.loads((tmp_path / "slot1.json").read_text())
+    return json.loads((tmp_path / "slot1.json").read_text())
+
+
+def leaves_holding_the_group_in_a_cycle(slot: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    store = connect("127.0.0.1", port, TIMEOUT_S)
+    group = LiveGroup(store, slot, Patience(STALE_S, 10.0, TIMEOUT_S))
+    group.form(0, (0, 1))
+    total(group)
+    if slot == 0:  # moves on from the generation while slot 1 is in a collective with it
+        keeps_its_error()
+        group.leave()
+        stays_until_the_peer_is_done(store)
+    records_how_long_its_collective_waits(group, store, out_dir)
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_blocked_on_a_member_that_left_fails_at_once_though_a_cycle_held_the_group(tmp_path):
+    # A group destroyed but still held keeps its sockets open: slot 1 would wait out the
+    # whole collective timeout (30 s) on a member that has already moved on.
+    record = slot1_record(leaves_holding_the_group_in_a_cycle, tmp_path)
     assert record["error"] is not None
     assert record["failed_after_s"] < TIMEOUT_S / 3, record  # at the group's release, not the timeout
 
@@ -248,33 +262,14 @@ def leaves_after_a_step_through_ddp(slot: int, port: int, out_dir: str) -> None:
     if slot == 0:  # leaves while slot 1 is in a collective with it, as a live rank leaves
         trainer.detach()
         group.leave()
-        store.wait(["slot1/done"])
-        os._exit(0)
-    started = time.monotonic()
-    try:
-        total(group)
-        error = None
-    except (RuntimeError, dist.DistError) as e:
-        error = str(e).splitlines()[0]
-    (Path(out_dir) / "slot1.json").write_text(json.dumps({"failed_after_s": time.monotonic() - started,
-                                                          "error": error}))
-    store.set("slot1/done", "1")
-    os._exit(0)
+        stays_until_the_peer_is_done(store)
+    records_how_long_its_collective_waits(group, store, out_dir)
 
 
 @pytest.mark.timeout(120)
 def test_a_peer_blocked_on_a_member_that_left_fails_at_once_after_steps_through_ddp(tmp_path):
     # The DDP module, and the torch module it imports as it wraps a model, must not keep a
     # generation's group once the member has left it (see `live.group`'s imports).
-    store = master_store()
-    context = mp.get_context("spawn")
-    processes = [context.Process(target=leaves_after_a_step_through_ddp,
-                                 args=(slot, store.port, str(tmp_path))) for slot in (0, 1)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=100)
-        assert process.exitcode == 0
-    record = json.loads((tmp_path / "slot1.json").read_text())
+    record = slot1_record(leaves_after_a_step_through_ddp, tmp_path)
     assert record["error"] is not None
     assert record["failed_after_s"] < TIMEOUT_S / 3, record  # at the group's release, not the timeout
