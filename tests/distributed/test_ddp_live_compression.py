@@ -31,11 +31,7 @@ STEPS = 4
 def rank_main(rank: int, port: int, scheme: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     from disttrain.compression.ddp_hooks import average_flat
-    from disttrain.strategies.ddp.live.compression import (
-        live_compression,
-        load_shared_state,
-        shared_state,
-    )
+    from disttrain.strategies.ddp.rank import compression_hook
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     section = SECTIONS.get(scheme, {"type": scheme})
@@ -43,7 +39,7 @@ def rank_main(rank: int, port: int, scheme: str, out_dir: str) -> None:
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(32, 24), torch.nn.ReLU(), torch.nn.Linear(24, 3))
     params = list(module.parameters())
-    hook = live_compression(config, module, rank)
+    hook = compression_hook(config.compression, config.training.seed, module, rank, 2)
     assert hook is not None
     generator = torch.Generator().manual_seed(100 + rank)
     record: dict = {"averages": [], "exact": []}
@@ -53,11 +49,11 @@ def rank_main(rank: int, port: int, scheme: str, out_dir: str) -> None:
         dist.all_reduce(exact)
         record["exact"].append((exact / 2).tolist())
         record["averages"].append(average_flat(flat.clone(), params, hook).tolist())
-    shared = shared_state(hook)
+    shared = hook.shared_state()
     record["shared_names"] = sorted(shared)
     record["residual_names"] = sorted(set(hook.state_dict()) - set(shared))
-    load_shared_state(hook, shared)
-    record["left_after_load"] = sorted(set(hook.state_dict()) - set(shared_state(hook)))
+    hook.load_shared_state(shared)
+    record["left_after_load"] = sorted(set(hook.state_dict()) - set(hook.shared_state()))
     dist.barrier()
     dist.destroy_process_group()
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(record))

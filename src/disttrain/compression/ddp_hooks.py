@@ -23,10 +23,35 @@ and shapes on every rank, for a `weights_only` checkpoint of every rank's state.
 Call order: `build_ddp_hook`, then register `run_hook` with the built hook as its state,
 before the first forward; `stats.drain()` after each step.
 
-Outside DDP's reducer (a live group's gradient, a local-update round's pseudo-gradient)
-one flat buffer is averaged through the same hooks, or one all-reduce without
-compression: `start_average` (and `average_flat`, which waits for it), the one place
-both recovery modes exchange such a buffer.
+Outside DDP's reducer (a local-update round's pseudo-gradient) one flat buffer is averaged
+through the same hooks, or one all-reduce without compression: `start_average` (and
+`average_flat`, which waits for it), the one place both recovery modes exchange such a
+buffer.
+
+A group that changes while it trains (live recovery) hands a hook's state to a member
+that joins, or re-forms: `shared_state` is what every member takes from the one whose
+state they all take, `clear_residuals` what each then starts again. Handed over: the
+byte counters, quantization's draws, and PowerSGD's shared state (its iteration, the
+random generator of Q's start, P and Q, which are all-reduced and so the same on every
+member). PowerSGD's collectives depend on it: before its iteration reaches its start a
+member all-reduces the whole bucket, after it only the uncompressed gradients, then P,
+then Q; a member that missed it (a joiner with a fresh hook) sends a buffer of another
+size and gloo aborts on the mismatch. A reset would agree as well, but would throw away
+the warm start of Q and repeat the plain all-reduces at every recovery, while P and Q are
+small (rank r). When the failed step died inside the hook, the source's P or Q may be its
+own unreduced ones; every member takes the same copy, so they still agree, and a warm
+start only seeds the next power iteration.
+
+Not handed over: each member's own error-feedback residual (top-k's and quantization's
+`residual/...`, the two-phase collective's `owned/...` too, PowerSGD's `error/...`; DGC's
+velocities are cleared with them). After every change of group every member starts again from a zero residual,
+the source of the state included. That is sound: a residual is the gradient mass this
+rank's earlier payloads left out, and error feedback converges from any starting residual
+(it only delays that mass); a zero residual drops at most one residual's worth, once per
+recovery. Carrying the old one would be wrong: the member that held it may be gone, the
+batch split that produced it changes with the group, and a survivor's residual already
+includes the encoding of the failed step that the group redoes, which would then count
+twice.
 """
 
 from __future__ import annotations
@@ -189,6 +214,26 @@ class CompressionHook:
         self.stats.load_state_dict(own.pop("totals"))
         self._load(own)
 
+    def shared_state(self) -> dict[str, torch.Tensor]:
+        """`state_dict` without this rank's own residuals: what a member joining a group
+        takes (see the module's docstring)."""
+        own = ("residual/", "error/", "owned/")  # DGC's velocities ride along; the taker clears them
+        return {name: value for name, value in self.state_dict().items()
+                if not name.partition("/")[2].startswith(own)}
+
+    def load_shared_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Take a peer's `shared_state`; this rank's residuals are then zero.
+
+        Raises:
+            ValueError: the state is of another compression scheme.
+        """
+        self.load_state_dict(state)
+        self.clear_residuals()
+
+    def clear_residuals(self) -> None:
+        """This rank's error feedback starts again from zero (a change of group); nothing
+        in flight from a group that is gone is waited for."""
+
     def _state(self) -> dict[str, torch.Tensor]:
         return {}
 
@@ -282,6 +327,10 @@ class GatherHook(CompressionHook):
             return buffer
 
         return reduced.then(average)
+
+    def clear_residuals(self) -> None:
+        self.compressor.residuals.clear()  # a missing residual reads as zeros
+        self.compressor.velocities.clear()  # DGC's momentum correction: the same reasoning
 
     def _state(self) -> dict[str, torch.Tensor]:
         state = self.compressor.state_dict()
@@ -390,6 +439,11 @@ class PowerSGDHook(CompressionHook):
         self.in_flight = None if dist.get_backend() == "nccl" else future
         return future
 
+    def clear_residuals(self) -> None:
+        self.buckets.state.error_dict.clear()  # the hook starts a missing one at zeros
+        self.buckets.pending.errors.clear()
+        self.in_flight = None
+
     def _state(self) -> dict[str, torch.Tensor]:
         return self.buckets.state_dict()
 
@@ -484,6 +538,10 @@ class TwoPhaseHook(CompressionHook):
         for name, gradient in gradients:
             kept[name] = flat[offset:offset + gradient.numel()].reshape(gradient.shape).cpu()
             offset += gradient.numel()
+
+    def clear_residuals(self) -> None:
+        self.residuals.clear()  # both roundings', the owner's laid out for the old group
+        self.owner_residuals.clear()
 
     def _state(self) -> dict[str, torch.Tensor]:
         return {**{f"residual/{name}": value for name, value in self.residuals.items()},

@@ -7,10 +7,9 @@ store), `forming` (a generation's rendezvous cut short when a member dies), `res
 (the next generation started by the ranks waiting to join when every member died), `state` (a
 state handed from a live peer, without pickle), `trainer` (model, optimizer, position
 and data ledger), `checkpoints` (the leader's periodic checkpoints and `--resume`),
-`compression` (the compression hooks' state a joiner takes), `participant` (a
-member's step, evaluation and state in the one training loop, and the store its
-generation's leader writes), `rank` (the generations of one rank process, each a run of
-the training loop; a SIGTERMed rank leaves at a step boundary), `places`
+`participant` (a member's step, evaluation and state in the one training loop, and the
+store its generation's leader writes), `rank` (the generations of one rank process, each
+a run of the training loop; a SIGTERMed rank leaves at a step boundary), `places`
 (the places of an elastic run or one with hot spares: an arrival takes a free one, a
 spare a lost member's), `launcher` (starts and restarts the ranks and the spares, hosts
 the store; `--join` adds a rank to an elastic run).

@@ -90,7 +90,7 @@ EVENT_WAIT_S = 1.0
 def live_problems(config: Config) -> list[str]:
     """What live recovery does not offer yet, each with the way out. (`resume` is offered:
     the group's leader writes checkpoints, see `live.checkpoints`; so are compression,
-    PowerSGD included, see `live.compression`, gradient accumulation, loader workers,
+    PowerSGD included, see `compression.ddp_hooks`, gradient accumulation, loader workers,
     bf16 mixed precision, `ddp.lr_scaling`, measured `system.balance` and local updates,
     see `live.rounds`.)"""
     training, ddp = config.training, config.ddp

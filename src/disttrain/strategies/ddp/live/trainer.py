@@ -37,15 +37,9 @@ from disttrain.data.datasets import shard_layout
 from disttrain.metrics.window import TrainClock
 from disttrain.strategies.ddp.comm_hooks import CommSample, CommStats
 from disttrain.strategies.ddp.live.balance import LiveBalance
-from disttrain.strategies.ddp.live.compression import (
-    clear_residuals,
-    live_compression,
-    load_shared_state,
-    shared_state,
-)
 from disttrain.strategies.ddp.live.membership import split_batch
 from disttrain.strategies.ddp.live.rounds import LiveRounds
-from disttrain.strategies.ddp.rank import scaled_learning_rate, wrap_model
+from disttrain.strategies.ddp.rank import compression_hook, scaled_learning_rate, wrap_model
 from disttrain.strategies.ddp.reduce import broadcast_buffers, evaluate_sharded
 from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward
 from disttrain.training.loading import prefetch
@@ -116,7 +110,9 @@ class LiveTrainer:
         self.stepper = OptimizerStep(self.optimizer, training)
         # bf16 autocast (live groups train on the CPU, where fp16's loss scaling is not offered)
         self.precision = Precision(plan_precision(training.precision, "cpu"), "cpu")
-        self.compression = live_compression(config, self.module, slot)
+        # `auto` chooses the collective once, for the size the run starts at
+        self.compression = compression_hook(config.compression, training.seed, self.module, slot,
+                                            config.system.num_workers)
         local_updates = LocalUpdates.of(training)
         self.rounds = None if local_updates is None else \
             LiveRounds(local_updates, list(self.module.parameters()))
@@ -184,13 +180,13 @@ class LiveTrainer:
         state = {"model": self.module.state_dict(), **self.stepper.state_dict(),
                  "progress": self.progress.state_dict(), "ledger": self.ledger}
         if self.compression is not None:
-            state["compression"] = shared_state(self.compression)
+            state["compression"] = self.compression.shared_state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a peer's state (the optimizer's is built from scratch, so a joiner that never
         stepped takes the same as a survivor), its compression's shared state included (see
-        `live.compression`; a state without one, a checkpoint of an uncompressed run, leaves
+        `compression.ddp_hooks`; a state without one, a checkpoint of an uncompressed run, leaves
         this member's fresh).
 
         Raises:
@@ -208,7 +204,7 @@ class LiveTrainer:
         self._load_training(state)
         if self.compression is not None and "compression" in state:
             try:
-                load_shared_state(self.compression, state["compression"])
+                self.compression.load_shared_state(state["compression"])
             except ValueError as e:
                 raise ConfigError(str(e)) from e
         self.has_state = True
@@ -262,7 +258,7 @@ class LiveTrainer:
             # this generation's training clock (set before it starts, kept until `detach`)
             self.balance.start(self.sampler, rank, lambda: self.clock.elapsed())
         if self.compression is not None:  # every member's residual starts again at zero
-            clear_residuals(self.compression)
+            self.compression.clear_residuals()
         self._load_ahead()
 
     def _follow(self, sampler: PlannedSampler) -> None:
