@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +47,14 @@ from disttrain.strategies.ddp.preemption import RankSignal, StopAgreement, stopp
 from disttrain.strategies.ddp.reduce import all_reduce_values, evaluate_sharded
 from disttrain.strategies.ddp.store import RankZeroCheckpoints
 from disttrain.training.checkpoints import Position
-from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward, to_device
+from disttrain.training.engine import (
+    EvalResult,
+    Inputs,
+    StepResult,
+    build_optimizer,
+    forward_backward,
+    to_device,
+)
 from disttrain.training.loading import BatchSource, prefetch
 from disttrain.training.local_updates import LocalUpdates
 from disttrain.training.loop import LoopResult, LoopSettings, TrainingLoop
@@ -99,6 +108,61 @@ def compression_hook(compression: CompressionConfig, seed: int, module: torch.nn
     return build_ddp_hook(compression, module.named_parameters(), seed, training_seed(seed, rank), world_size)
 
 
+@dataclass(frozen=True)
+class RankTraining:
+    """What a DDP rank trains with, in either recovery mode: its plain module (checkpoints
+    and evaluation read it; DDP wraps it), optimizer at the scaled learning rate, precision,
+    optimizer step, the timing hook's figures and the compression hook (None: off)."""
+
+    module: torch.nn.Module
+    learning_rate: float
+    optimizer: torch.optim.Optimizer
+    precision: Precision
+    stepper: OptimizerStep
+    comm: CommStats
+    compression: CompressionHook | None
+
+    @classmethod
+    def build(cls, training: TrainingConfig, ddp: DDPConfig, compression: CompressionConfig,
+              device: torch.device, rank: int, world_size: int) -> RankTraining:
+        """For `rank` of a run of `world_size` ranks (what `ddp.lr_scaling` scales by and
+        `compression.ddp_collective: auto` chooses for): the model built and the rank's
+        training seed set, as every strategy does."""
+        module = init_model(training).to(device)
+        seed_training(training.seed, rank)
+        learning_rate = scaled_learning_rate(training.learning_rate, ddp.lr_scaling, world_size)
+        optimizer = build_optimizer(module.parameters(), training, learning_rate)
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        precision = Precision(plan_precision(training.precision, device.type, bf16), device)
+        # Clipping and the schedule act on the averaged gradient: the step runs after the
+        # last backward, whose all-reduce (and compression hook) has finished by then.
+        stepper = OptimizerStep(optimizer, training, precision.scaler)
+        hook = compression_hook(compression, training.seed, module, rank, world_size)
+        return cls(module, learning_rate, optimizer, precision, stepper, CommStats(), hook)
+
+
+def train_micro_batches(model: torch.nn.Module, count: int,
+                        micro_batch: Callable[[int], tuple[Inputs, torch.Tensor, float]],
+                        precision: Precision) -> tuple[float, int, int]:
+    """Forward and backward of `count` micro-batches (`micro_batch(i)`: inputs, targets
+    and the loss's weight), gradients accumulated; a model in DDP all-reduces in the last
+    backward only (the others run under `no_sync()`). Returns the loss summed over the
+    samples, the correct predictions and the samples.
+
+    Raises:
+        RuntimeError, dist.DistError: the all-reduce failed (a peer was lost).
+    """
+    loss_sum, correct, samples = 0.0, 0, 0
+    for i in range(count):
+        inputs, targets, weight = micro_batch(i)
+        last = i == count - 1
+        with model.no_sync() if isinstance(model, DistributedDataParallel) and not last else nullcontext():
+            result = forward_backward(model, inputs, targets, weight, precision)
+        loss_sum += result.loss * result.num_samples
+        correct, samples = correct + result.num_correct, samples + result.num_samples
+    return loss_sum, correct, samples
+
+
 class RankParticipant:
     """One rank's part in the loop: a DDP step (or a local step, with local updates), a
     sharded evaluation, and the model, optimizer, GradScaler and compression state (and
@@ -115,19 +179,11 @@ class RankParticipant:
         self.sampler = sampler  # its balance plan, if any, weights this rank's loss
         self.train_set, self.test_set = data
         self.eval_batch_size = training.eval_batch_size
-        self.module = init_model(training).to(device)  # the plain model: checkpoints, evaluation
-        seed_training(training.seed, runtime.info.rank)
-        self.learning_rate = scaled_learning_rate(training.learning_rate, ddp.lr_scaling,
-                                                  runtime.info.world_size)
-        self.optimizer = build_optimizer(self.module.parameters(), training, self.learning_rate)
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        self.precision = Precision(plan_precision(training.precision, device.type, bf16), device)
-        # Clipping and the schedule act on the averaged gradient: `step` runs after the
-        # last backward, whose all-reduce (and compression hook) has finished by then.
-        self.stepper = OptimizerStep(self.optimizer, training, self.precision.scaler)
-        self.comm = CommStats()
-        self.compression = compression_hook(compression, training.seed, self.module, runtime.info.rank,
-                                            runtime.info.world_size)
+        info = runtime.info
+        built = RankTraining.build(training, ddp, compression, device, info.rank, info.world_size)
+        self.module, self.optimizer, self.precision = built.module, built.optimizer, built.precision
+        self.stepper, self.comm, self.compression = built.stepper, built.comm, built.compression
+        self.learning_rate = built.learning_rate  # a resized checkpoint's goes on (`load_state_dict`)
         local_updates = LocalUpdates.of(training)
         # With local updates the rank steps its plain model: nothing crosses the network in a round.
         self.rounds = None if local_updates is None else LocalRounds(
@@ -155,15 +211,13 @@ class RankParticipant:
         total = sum(len(indices) for indices in batches)
         weight = 1.0 if not isinstance(self.sampler, PlannedSampler) else \
             self.runtime.info.world_size * total / (self.sampler.global_batch * len(batches))
-        loss_sum, correct = 0.0, 0
-        for i, indices in enumerate(batches):
-            inputs, targets = self.train_set.batch(indices)
-            inputs, targets = to_device(inputs, device, True), targets.to(device, non_blocking=True)
-            with self._sync_context(last=i == len(batches) - 1):
-                result = forward_backward(self.model, inputs, targets, weight * len(indices) / total,
-                                          self.precision)
-            loss_sum += result.loss * result.num_samples
-            correct += result.num_correct
+
+        def micro_batch(i: int) -> tuple[Inputs, torch.Tensor, float]:
+            inputs, targets = self.train_set.batch(batches[i])
+            return (to_device(inputs, device, True), targets.to(device, non_blocking=True),
+                    weight * len(batches[i]) / total)
+
+        loss_sum, correct, _ = train_micro_batches(self.model, len(batches), micro_batch, self.precision)
         self.stepper.step()
         if self.rounds is not None:
             scalars = {**self.rounds.end_of_step(info.ends_epoch), **self.stepper.scalars()}
@@ -172,12 +226,6 @@ class RankParticipant:
         if self.compression is not None:
             scalars.update(self.compression.stats.drain().scalars())
         return StepResult(loss_sum / total, correct, total, scalars)
-
-    def _sync_context(self, last: bool):
-        """DDP all-reduces on the last micro-batch only; a local step never does."""
-        if last or not isinstance(self.model, DistributedDataParallel):
-            return nullcontext()
-        return self.model.no_sync()
 
     def summary_fields(self) -> dict[str, Any]:
         """The summary's local-update fields (the settings and the rounds completed), and the

@@ -23,7 +23,6 @@ applied from it: 1 everywhere at the end means nothing lost and nothing twice.
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,19 +34,15 @@ from disttrain.core.errors import ConfigError
 from disttrain.data import PlannedSampler, load_datasets
 from disttrain.data.datasets import shard_layout
 from disttrain.metrics.window import TrainClock
-from disttrain.strategies.ddp.comm_hooks import CommSample, CommStats
+from disttrain.strategies.ddp.comm_hooks import CommSample
 from disttrain.strategies.ddp.live.balance import LiveBalance
 from disttrain.strategies.ddp.live.membership import split_batch
 from disttrain.strategies.ddp.live.rounds import LiveRounds
-from disttrain.strategies.ddp.rank import compression_hook, scaled_learning_rate, wrap_model
+from disttrain.strategies.ddp.rank import RankTraining, train_micro_batches, wrap_model
 from disttrain.strategies.ddp.reduce import broadcast_buffers, evaluate_sharded
-from disttrain.training.engine import EvalResult, StepResult, build_optimizer, forward_backward
+from disttrain.training.engine import EvalResult, Inputs, StepResult
 from disttrain.training.loading import prefetch
 from disttrain.training.local_updates import LocalUpdates
-from disttrain.training.models import init_model
-from disttrain.training.precision import Precision, plan_precision
-from disttrain.training.seeding import seed_training
-from disttrain.training.stepping import OptimizerStep
 
 logger = logging.getLogger(__name__)
 
@@ -101,18 +96,14 @@ class LiveTrainer:
         # A data set read by shards (`shards:`): its epochs ordered shard by shard, its
         # reader told the shards this member's pieces will read, as the training loop does.
         self.shards = shard_layout(training)
-        self.module = init_model(training)
-        seed_training(training.seed, slot)
         # The global batch stays the run's (survivors take a lost member's share), so
-        # `ddp.lr_scaling` scales by the run's world size, whatever the group's size.
-        rate = scaled_learning_rate(training.learning_rate, config.ddp.lr_scaling, config.system.num_workers)
-        self.optimizer = build_optimizer(self.module.parameters(), training, rate)
-        self.stepper = OptimizerStep(self.optimizer, training)
-        # bf16 autocast (live groups train on the CPU, where fp16's loss scaling is not offered)
-        self.precision = Precision(plan_precision(training.precision, "cpu"), "cpu")
-        # `auto` chooses the collective once, for the size the run starts at
-        self.compression = compression_hook(config.compression, training.seed, self.module, slot,
-                                            config.system.num_workers)
+        # `ddp.lr_scaling` scales by the run's world size, whatever the group's size, and
+        # the compression's `auto` collective is chosen for the size the run starts at.
+        # Live groups train on the CPU (bf16 autocast; fp16's loss scaling is not offered).
+        built = RankTraining.build(training, config.ddp, config.compression, torch.device("cpu"), slot,
+                                   config.system.num_workers)
+        self.module, self.optimizer, self.precision = built.module, built.optimizer, built.precision
+        self.stepper, self.comm, self.compression = built.stepper, built.comm, built.compression
         local_updates = LocalUpdates.of(training)
         self.rounds = None if local_updates is None else \
             LiveRounds(local_updates, list(self.module.parameters()))
@@ -129,7 +120,6 @@ class LiveTrainer:
         balanced = config.system.balance != "none"
         self.balance = LiveBalance(config.system, self.global_batch) if balanced else None
         self.blocked_s = 0.0  # the last step's wait in the all-reduce
-        self.comm = CommStats()  # what the DDP module's timing hook saw
         # The module in DDP over this generation's group (made at its first step; None
         # between generations, and with local updates, whose steps are the plain module's).
         self.ddp: DistributedDataParallel | None = None
@@ -339,28 +329,24 @@ class LiveTrainer:
             RuntimeError, dist.DistError: a peer was lost in the all-reduce (nothing applied;
                 the group redoes every global batch of the step, or of the round).
         """
-        assert self.sampler is not None, "attach() first"
+        sampler = self.sampler
+        assert sampler is not None, "attach() first"
         p = self.progress
         batches = min(self.micro_batches, self.batches_per_epoch - p.index)
         if self.rounds is not None:
             self.rounds.begin_step(self._current_state)
         self.optimizer.zero_grad(set_to_none=True)
         model = self.module if self.rounds is not None else self._wrapped()
-        loss_sum, correct, samples = 0.0, 0, 0
-        for offset in range(batches):
-            indices = self.sampler.block(p.epoch, p.index + offset)
+
+        def micro_batch(offset: int) -> tuple[Inputs, torch.Tensor, float]:
+            indices = sampler.block(p.epoch, p.index + offset)
             inputs, targets = (self.loader or self.train_set).batch(indices)
-            # This member's share of the global batch, and the batch's share of the step.
-            weight = self.world_size * len(indices) / self.global_batch / batches
             self.samples_trained += len(indices)
             self._in_flight += len(indices)
-            # DDP all-reduces in the last micro-batch's backward only (the buffers it
-            # broadcasts from rank 0 before each forward)
-            last = offset == batches - 1
-            with nullcontext() if last or self.ddp is None else self.ddp.no_sync():
-                result = forward_backward(model, inputs, targets, weight, self.precision)
-            loss_sum += result.loss * result.num_samples
-            correct, samples = correct + result.num_correct, samples + result.num_samples
+            # This member's share of the global batch, and the batch's share of the step.
+            return inputs, targets, self.world_size * len(indices) / self.global_batch / batches
+
+        loss_sum, correct, samples = train_micro_batches(model, batches, micro_batch, self.precision)
         if self.rounds is None:
             comm = self.comm.drain()
             self.blocked_s = comm.blocked_s
