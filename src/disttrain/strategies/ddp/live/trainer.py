@@ -123,7 +123,7 @@ class LiveTrainer:
         # The module in DDP over this generation's group (made at its first step; None
         # between generations, and with local updates, whose steps are the plain module's).
         self.ddp: DistributedDataParallel | None = None
-        # What one all-reduce of the flat buffer (or a round's pseudo-gradient) hands over.
+        # What the average of a round's pseudo-gradient hands over (local updates).
         self.bytes_allreduced = sum(p.numel() * p.element_size() for p in self.module.parameters())
         self.samples_trained = 0  # by this process, failed steps included
         self.samples_redone = 0  # of steps whose all-reduce failed here (the group redoes them)
