@@ -44,14 +44,14 @@ start only seeds the next power iteration.
 
 Not handed over: each member's own error-feedback residual (top-k's and quantization's
 `residual/...`, the two-phase collective's `owned/...` too, PowerSGD's `error/...`; DGC's
-velocities are cleared with them). After every change of group every member starts again from a zero residual,
-the source of the state included. That is sound: a residual is the gradient mass this
-rank's earlier payloads left out, and error feedback converges from any starting residual
-(it only delays that mass); a zero residual drops at most one residual's worth, once per
-recovery. Carrying the old one would be wrong: the member that held it may be gone, the
-batch split that produced it changes with the group, and a survivor's residual already
-includes the encoding of the failed step that the group redoes, which would then count
-twice.
+velocities are cleared with them). After every change of group every member starts again
+from a zero residual, the source of the state included. That is sound: a residual is the
+gradient mass this rank's earlier payloads left out, and error feedback converges from any
+starting residual (it only delays that mass); a zero residual drops at most one residual's
+worth, once per recovery. Carrying the old one would be wrong: the member that held it may
+be gone, the batch split that produced it changes with the group, and a survivor's
+residual already includes the encoding of the failed step that the group redoes, which
+would then count twice.
 """
 
 from __future__ import annotations
