@@ -15,10 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from disttrain import cli
 from disttrain.core import forking
 from disttrain.core.processes import PARENT_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The tests' fork server (`run_cli`) imports what the commands' children import, once, as a
+# launcher's does (importing `disttrain.cli` asks for it already; said here where it is relied on).
+forking.preload(*cli.CHILD_MODULES)
 # The marks of a variant of a capability the suite already runs end to end (another
 # compressor, mode or rank on the same path): make test-extended runs it, make test does not.
 VARIANT = (pytest.mark.slow, pytest.mark.extended)

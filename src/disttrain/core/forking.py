@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 FORK_SERVER_ENV = "DISTTRAIN_FORK_SERVER"  # "0": every child a fresh interpreter
 PRELOAD = ("torch", "torch._dynamo")  # what every child imports first (see the module's doc)
+# More modules the children of this process's fork servers import, named by a layer above
+# (`preload`): a fork server started after imports them too.
+_preloads: list[str] = []
 _PR_SET_PDEATHSIG = 1
 _FORK = b"fork"  # a child: with the request, its stdout, stderr, exit-status and request pipes
 _SERVE = b"serve"  # a fork server for a child (its pid follows): with the request, the socket it serves
@@ -84,6 +87,14 @@ _started_with: dict[str, str] = {}  # in a fork server: the environment it was s
 # reads the other two (a DDP launcher's and its elastic agent's for the ranks) only when a
 # rendezvous or a process group is made, never at its import.
 _READ_AT_RUN = ("PYTHONUNBUFFERED", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+
+
+def preload(*modules: str) -> None:
+    """Have each fork server this process starts from now on import `modules` (after
+    PRELOAD) before its first fork: a module every child would import is then imported
+    once, not once a child. Only modules whose import starts no thread and reads no
+    variable of a child's environment: a child gets them as its fork server made them."""
+    _preloads.extend(name for name in modules if name not in _preloads)
 
 
 def forking() -> bool:
@@ -153,7 +164,8 @@ class _Server:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # A child writes its command line where the fork server's was: the code's trailing
         # comment makes room for it.
-        code = f"from {__name__} import main; main({theirs.fileno()})  #" + " " * _ARGV_ROOM
+        modules = (*PRELOAD, *_preloads)
+        code = f"from {__name__} import main; main({theirs.fileno()}, {modules!r})  #" + " " * _ARGV_ROOM
         with theirs:
             process = subprocess.Popen(
                 [sys.executable, "-u", "-c", code], pass_fds=[theirs.fileno()], env=env,
@@ -292,17 +304,18 @@ class ForkedProcess:
 
 # The fork server's side.
 
-def serve(fd: int) -> dict[str, Any] | None:
-    """Import PRELOAD, then serve the launcher on socket `fd` (`_serve`). In a child,
-    returns what it is to run, its process set up; None once the launcher is gone."""
+def serve(fd: int, modules: tuple[str, ...] = PRELOAD) -> dict[str, Any] | None:
+    """Import `modules` (PRELOAD and the launcher's `preload`s), then serve the launcher on
+    socket `fd` (`_serve`). In a child, returns what it is to run, its process set up; None
+    once the launcher is gone."""
     global _started_with
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher alone hears a Ctrl-C, as before
     _set_command_line(["disttrain-fork-server", f"--launcher={os.getppid()}"])
     _started_with = dict(os.environ)  # (an import may set more: torch's inductor its cache folder)
-    for name in PRELOAD:
+    for name in modules:
         try:
             importlib.import_module(name)
-        except ImportError:
+        except Exception:  # noqa: BLE001 - a child that needs it imports it again and says why
             pass
     # What was imported stays for good: out of the collector's sight, a child's collections
     # never write to (and so copy) the pages it shares with this process.
@@ -432,11 +445,11 @@ def _set_command_line(words: list[str]) -> None:
     ctypes.memmove(start, line.ljust(end - start, b"\0"), end - start)
 
 
-def main(fd: int) -> None:
+def main(fd: int, modules: tuple[str, ...] = PRELOAD) -> None:
     """The fork server's process (`python -u -c`): serves until its launcher is gone; in
     each child, runs the child's module as `python -m` would, and leaves the interpreter as
     that would (exit status, traceback, threads and atexit functions as usual)."""
-    child = serve(fd)
+    child = serve(fd, modules)
     if child is not None:
         code = _run(child["module"])
         if code == -signal.SIGINT:  # as an interpreter ends on a Ctrl-C nobody caught
