@@ -17,6 +17,7 @@ import textwrap
 import pytest
 from process_memory import memory_holds
 
+from disttrain import cli
 from disttrain.chaos.outside import TAG_ENV, tagged_pids
 from disttrain.core import forking
 from disttrain.core.forking import ForkedProcess
@@ -279,6 +280,33 @@ def test_no_fork_server_holds_a_credential(tmp_path, child_module, monkeypatch):
         for child in children:
             child.kill()
             child.wait(timeout=60)
+
+
+def test_what_the_fork_server_imports_for_the_children_starts_no_thread(tmp_path, child_module):
+    # a fork copies the forking thread alone: a thread started by an import would be
+    # missing, its locks possibly held, in every child
+    with open(tmp_path / "child.log", "wb") as log:
+        assert start(child_module, "ok", log).wait(timeout=60) == 0
+    assert set(cli.CHILD_MODULES) <= set(forking._preloads)
+    server = forking._servers[server_key()]
+    assert len(os.listdir(f"/proc/{server.pid}/task")) == 1
+
+
+def test_a_child_reads_fsspecs_settings_from_its_own_environment_though_its_fork_server_imported_it(
+        tmp_path):
+    # fsspec reads FSSPEC_* as it is imported, and the fork server imports it for the
+    # children (TensorBoard's writer does): each child must see its own, and no other's
+    (tmp_path / "settings.py").write_text(
+        "import sys; preloaded = 'fsspec.config' in sys.modules\n"
+        "import fsspec.config; print(preloaded, fsspec.config.conf.get('s3', {}).get('endpoint_url'))")
+    outputs = []
+    for env in ({"FSSPEC_S3_ENDPOINT_URL": "http://127.0.0.1:9"}, {}):
+        base = {k: v for k, v in os.environ.items() if not k.startswith("FSSPEC_")}
+        with open(tmp_path / "child.log", "wb") as log:
+            child = ForkedProcess(["settings"], {**base, **env}, log.fileno(), cwd=str(tmp_path))
+        outputs.append(child.stdout.read().decode().split())
+        assert child.wait(timeout=60) == 0, (tmp_path / "child.log").read_text()
+    assert outputs == [["True", "http://127.0.0.1:9"], ["True", "None"]]
 
 
 def test_a_rank_handler_closes_a_rank_that_ended_since_torch_saw_it_running(tmp_path, child_module):

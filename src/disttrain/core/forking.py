@@ -5,7 +5,9 @@ seconds of CPU importing torch, and `torch._dynamo`, which torch imports on an o
 first `step`, before its first line of work; a two-worker parameter server starts four or
 five of them. A launcher instead starts its children through a fork server: one process
 (`main`) that imports those modules once, then forks one child for each
-`python -m MODULE ARGS` it is asked to run (the figures: docs/testing.md).
+`python -m MODULE ARGS` it is asked to run (the figures: docs/testing.md). The layer that
+knows what its children run names more modules for it to import (`preload`: the command
+line's own, the worker's, the shard's, TensorBoard's, another half second of CPU a child).
 
 A forked child is the fork server's child, not the launcher's, so `ForkedProcess` gives the
 launcher what `subprocess.Popen(start_new_session=True)` gave it: the child's pid, in a
@@ -72,8 +74,10 @@ _SERVE = b"serve"  # a fork server for a child (its pid follows): with the reque
 # child it forks copies.
 # A `chaos` run's tag (`DISTTRAIN_CHAOS_RUN`) is one too: a forked child's
 # /proc/PID/environ shows its fork server's environment, where `chaos` finds the tag.
+# gRPC and protobuf read theirs as a fork server imports them for its children (`preload`).
 STARTUP_ENV = ("PATH", "HOME", "USER", "LANG", "LC_", "TZ", "TMPDIR", "PYTHON", "VIRTUAL_ENV",
-               "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_", "DISTTRAIN_CHAOS_")
+               "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_", "GRPC_",
+               "PROTOCOL_BUFFERS_", "DISTTRAIN_CHAOS_")
 _ARGV_ROOM = 4096  # bytes a child's command line may take in /proc/PID/cmdline (see `_Server`)
 
 _servers_lock = threading.Lock()
@@ -93,7 +97,9 @@ def preload(*modules: str) -> None:
     """Have each fork server this process starts from now on import `modules` (after
     PRELOAD) before its first fork: a module every child would import is then imported
     once, not once a child. Only modules whose import starts no thread and reads no
-    variable of a child's environment: a child gets them as its fork server made them."""
+    variable of a child's environment but a start-up one (STARTUP_ENV), or whose readings
+    `_read_settings_again` takes from the child's: a child gets them as its fork server made
+    them."""
     _preloads.extend(name for name in modules if name not in _preloads)
 
 
@@ -426,10 +432,25 @@ def _become_child(fds: list[int], server: socket.socket) -> dict[str, Any]:
     os.environ.update(request["env"])
     if request["parent_env"]:
         os.environ[request["parent_env"]] = str(parent)
+    _read_settings_again()
     os.chdir(request["cwd"])
     sys.argv = [request["module"], *request["args"]]
     _set_command_line([sys.executable, "-u", "-m", *sys.argv])
     return request
+
+
+def _read_settings_again() -> None:
+    """Read again, from this child's environment, what a library its fork server imported
+    read from the fork server's: fsspec's config (`FSSPEC_<PROTOCOL>_<KWARG>`, such as an
+    S3-compatible server's address, or its keys, which no fork server may hold), read at
+    fsspec's import (TensorBoard's writer imports it), updated in place as fsspec built it."""
+    config = sys.modules.get("fsspec.config")
+    if config is None:
+        return
+    config.conf.clear()
+    config.conf_dir = os.environ.get("FSSPEC_CONFIG_DIR", config.default_conf_dir)
+    config.set_conf_files(config.conf_dir, config.conf)
+    config.set_conf_env(config.conf, os.environ)
 
 
 def _set_command_line(words: list[str]) -> None:
