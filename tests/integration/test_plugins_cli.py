@@ -161,6 +161,22 @@ def test_compare_runs_a_users_model_under_baseline_ps_async_and_ddp(tmp_path, cl
     assert header.split()[:4] == ["run", "status", "acc", "t90%"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_compare_refuses_a_model_with_a_parameter_no_step_uses_before_any_run_unless_ddp_is_told(
+        tmp_path, cli):
+    config = ["--config", user_config(tmp_path, "spare_head"), *SMALL, "--workers", "2",
+              "--strategies", "baseline,ddp"]
+    refused = cli("compare", *config, "--output-dir", tmp_path / "cmp")
+    assert refused.returncode == 2  # before any run starts: no folder of runs
+    assert "--strategies ddp" in refused.stderr and "spare.weight" in refused.stderr, refused.stderr
+    assert "--set ddp.find_unused_parameters=true" in refused.stderr
+    assert not (tmp_path / "cmp").exists()
+    told = cli("compare", *config, "--set", "ddp.find_unused_parameters=true",
+               "--output-dir", tmp_path / "cmp", "--check-config")
+    assert told.returncode == 0, told.stderr
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.slow  # trains a language model: make test runs it
 def test_gpt_small_on_a_text_file_reports_perplexity(tmp_path, cli):

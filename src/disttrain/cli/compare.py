@@ -92,10 +92,30 @@ def prepare(args: argparse.Namespace) -> tuple[Config, list[PlannedRun], Path]:
     return config, runs, folder
 
 
-def check(args: argparse.Namespace) -> str:
+def first_step(config: Config, runs: list[PlannedRun]) -> str:
+    """One step of the model on the data (`dry_run_step`), as each run's launcher takes it,
+    and, where a DDP run wraps the model in DDP's module, with every trainable parameter's
+    gradient required, as `disttrain ddp` requires it: a model that leaves one unused is
+    refused before any run starts, rather than failing its DDP runs at their second step.
+
+    Raises:
+        ConfigError: the step fails, or leaves a parameter DDP waits for without a gradient.
+    """
+    from disttrain.strategies.ddp import runtime as rt
     from disttrain.training.first_step import dry_run_step
+    ddp = [run for run in runs if run.subcommand == "ddp" and rt.needs_every_gradient(run.config(config))]
+    try:
+        return dry_run_step(config.training, every_gradient=bool(ddp))
+    except ConfigError as e:
+        if not ddp or "ddp.find_unused_parameters" not in str(e):
+            raise
+        raise ConfigError(f"--strategies {ddp[0].name}: {e}; in compare, pass "
+                          "--set ddp.find_unused_parameters=true") from e
+
+
+def check(args: argparse.Namespace) -> str:
     config, runs, folder = prepare(args)
-    step = dry_run_step(config.training)
+    step = first_step(config, runs)
     return (f"{count(len(runs), 'run')} in turn ({', '.join(run.name for run in runs)}), "
             f"{count(config.system.num_workers, 'worker')} each, "
             f"{count(config.system.num_threads, 'torch thread')} per process; "
@@ -104,6 +124,7 @@ def check(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> None:
     config, runs, folder = prepare(args)
+    first_step(config, runs)
     advisor = advisor_from_args(args)
     comparison = Comparison(folder, config, runs, ["disttrain", *sys.argv[1:]], args.timeout_per_run)
     from disttrain.report import render_comparison  # loads plotting only when a report is due
