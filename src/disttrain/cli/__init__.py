@@ -57,7 +57,8 @@ COMMANDS: dict[str, str] = {
 # What the processes a launcher starts (each a `python -m disttrain COMMAND`: a worker, a
 # shard, a rank, the coordinator, a run of `compare`) import beyond torch: their fork
 # server imports it once (`forking.preload`), instead of every child on its own (about half
-# a second of CPU a worker; none of it starts a thread or reads a child's environment).
+# a second of CPU a worker). None of it starts a thread at its import; what it reads from the
+# environment there is a start-up variable or read again in each child (see `preload`).
 CHILD_MODULES = (*COMMANDS.values(), "disttrain.strategies.baseline", "disttrain.strategies.ps.run.worker",
                  "disttrain.strategies.ps.run.server", "disttrain.strategies.ddp.rank",
                  "disttrain.strategies.ddp.live", "torch.utils.tensorboard")

@@ -102,13 +102,11 @@ def first_step(config: Config, runs: list[PlannedRun]) -> str:
         ConfigError: the step fails, or leaves a parameter DDP waits for without a gradient.
     """
     from disttrain.strategies.ddp import runtime as rt
-    from disttrain.training.first_step import dry_run_step
+    from disttrain.training.first_step import UnusedParameters, dry_run_step
     ddp = [run for run in runs if run.subcommand == "ddp" and rt.needs_every_gradient(run.config(config))]
     try:
         return dry_run_step(config.training, every_gradient=bool(ddp))
-    except ConfigError as e:
-        if not ddp or "ddp.find_unused_parameters" not in str(e):
-            raise
+    except UnusedParameters as e:
         raise ConfigError(f"--strategies {ddp[0].name}: {e}; in compare, pass "
                           "--set ddp.find_unused_parameters=true") from e
 

@@ -310,7 +310,7 @@ class ForkedProcess:
 
 # The fork server's side.
 
-def serve(fd: int, modules: tuple[str, ...] = PRELOAD) -> dict[str, Any] | None:
+def serve(fd: int, modules: tuple[str, ...]) -> dict[str, Any] | None:
     """Import `modules` (PRELOAD and the launcher's `preload`s), then serve the launcher on
     socket `fd` (`_serve`). In a child, returns what it is to run, its process set up; None
     once the launcher is gone."""
@@ -466,7 +466,7 @@ def _set_command_line(words: list[str]) -> None:
     ctypes.memmove(start, line.ljust(end - start, b"\0"), end - start)
 
 
-def main(fd: int, modules: tuple[str, ...] = PRELOAD) -> None:
+def main(fd: int, modules: tuple[str, ...]) -> None:
     """The fork server's process (`python -u -c`): serves until its launcher is gone; in
     each child, runs the child's module as `python -m` would, and leaves the interpreter as
     that would (exit status, traceback, threads and atexit functions as usual)."""

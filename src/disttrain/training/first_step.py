@@ -85,15 +85,20 @@ def check_first_step(training: TrainingConfig, every_gradient: bool = False) -> 
     return f"one step on a batch of {size}: logits {tuple(logits.shape)}, loss {float(loss.detach()):.3g}"
 
 
+class UnusedParameters(ConfigError):
+    """A step left trainable parameters without a gradient where DDP's module needs one each."""
+
+
 def check_every_gradient(model: torch.nn.Module, name: str, given: str) -> None:
     """Every trainable parameter took a gradient in the step just run: DDP's all-reduce
     waits for each one, and fails the next step on one that took none."""
     missing = [key for key, param in model.named_parameters() if param.requires_grad and param.grad is None]
     if missing:
         listed = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ConfigError(f"{KEY}: {len(missing)} trainable parameter(s) of {name} took no gradient in a "
-                          f"step on {given} ({listed}); DDP needs ddp.find_unused_parameters: true "
-                          "(--find-unused-parameters) for a model that leaves some unused, or freeze them")
+        raise UnusedParameters(f"{KEY}: {len(missing)} trainable parameter(s) of {name} took no gradient "
+                               f"in a step on {given} ({listed}); DDP needs ddp.find_unused_parameters: "
+                               "true (--find-unused-parameters) for a model that leaves some unused, or "
+                               "freeze them")
 
 
 def dry_run_step(training: TrainingConfig, every_gradient: bool = False) -> str:
