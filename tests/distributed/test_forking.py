@@ -100,10 +100,30 @@ def test_a_chaos_run_finds_a_forked_child_by_its_tag(tmp_path, child_module):
         child = start(child_module, "wait", log, **{TAG_ENV: tag})
     try:
         assert child.stdout.readline().startswith(b"argv")
-        assert child.pid in tagged_pids(tag)  # (its fork server, a process of the run, carries it too)
+        assert tagged_pids(tag) == [child.pid]
     finally:
         child.kill()
         child.wait(timeout=60)
+
+
+def test_children_of_one_fork_server_each_show_their_own_chaos_runs_tag(tmp_path, child_module):
+    # The tag is no start-up setting: one fork server forks the launches of a whole chaos
+    # campaign, each showing its own tag in /proc/PID/environ, where chaos looks for it.
+    tags = [os.urandom(16).hex() for _ in range(3)]
+    with open(tmp_path / "child.log", "wb") as log:
+        children = [start(child_module, "wait", log, **{TAG_ENV: tag}) for tag in tags]
+    try:
+        for child in children:
+            assert child.stdout.readline().startswith(b"argv")
+        assert len({parent_of(child.pid) for child in children}) == 1
+        assert [tagged_pids(tag) for tag in tags] == [[child.pid] for child in children]
+        with open(f"/proc/{children[0].pid}/environ", "rb") as environ:
+            entries = environ.read().split(b"\0")
+        assert not any(entry.startswith(forking._ENV_ROOM.encode()) for entry in entries)
+    finally:
+        for child in children:
+            child.kill()
+            child.wait(timeout=60)
 
 
 def test_a_signal_to_its_process_group_stops_it_with_a_negative_status(tmp_path, child_module):
@@ -176,9 +196,10 @@ NESTED = textwrap.dedent("""
 def test_a_forked_launcher_forks_its_children_from_a_fork_of_its_own_fork_server(tmp_path, child_module):
     (tmp_path / "nested.py").write_text(NESTED)
     launcher_token, child_token = ("token-" + os.urandom(8).hex() for _ in range(2))
+    tag = os.urandom(16).hex()  # a chaos run's
     with open(tmp_path / "launcher.log", "wb") as log:
         env = {**os.environ, "DISTTRAIN_TOKEN": launcher_token, "GRANDCHILD_TOKEN": child_token,
-               "CHILD_ENV": "{}"}
+               "CHILD_ENV": "{}", TAG_ENV: tag}
         launcher = ForkedProcess(["nested"], env, log.fileno())
     try:
         line = launcher.stdout.readline().split()
@@ -190,6 +211,8 @@ def test_a_forked_launcher_forks_its_children_from_a_fork_of_its_own_fork_server
         with open(f"/proc/{server}/cmdline", "rb") as cmdline:
             words = cmdline.read().split(b"\0")[:2]
         assert words == [b"disttrain-fork-server", f"--launcher={launcher.pid}".encode()]
+        # every process of the launch shows its tag, its fork server's fork included
+        assert sorted(tagged_pids(tag)) == sorted([launcher.pid, server, child])
         try:  # a fork of a fork server: it holds no credential of the launcher or of its children
             assert memory_holds(child, child_token.encode())
             assert memory_holds(launcher.pid, launcher_token.encode())

@@ -24,6 +24,7 @@ from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
 from disttrain.coordinator.node_info import heartbeat_message
 from disttrain.coordinator.registry import RegistryError, read_status
 from disttrain.coordinator.reports import NodeProgress
+from disttrain.core import forking
 from disttrain.core.auth import TOKEN_ENV
 from disttrain.core.channels import open_channel
 from disttrain.core.identity import node_token
@@ -98,9 +99,9 @@ def test_an_honest_ps_run_ends_whole_and_unchanged_while_forged_calls_are_refuse
     log = tmp_path / "attacked.out"
     with log.open("wb") as out:
         # worker 0 pauses after its step 2 (SIGSTOP, then SIGCONT), so the run is surely going
-        process = subprocess.Popen(command(tmp_path, "attacked", "--token-file", str(secret_file),
-                                           "--inject", "stop:worker=0:step=2:for=6s"),
-                                   stdout=out, stderr=subprocess.STDOUT, env=environment())
+        process = forking.start(command(tmp_path, "attacked", "--token-file", str(secret_file),
+                                        "--inject", "stop:worker=0:step=2:for=6s"),
+                                environment(), out.fileno(), out.fileno(), parent_env=PARENT_ENV)
     try:
         nodes = nodes_once_up(tmp_path / "attacked" / "logs" / "cluster.db",
                               {"server0", "worker0", "worker1"}, process)
@@ -174,10 +175,10 @@ def start_with_secret(cli, tmp_path: Path, run: list[str], name: str, in_environ
     given = [] if in_environment else ["--token-file", str(secret_file)]
     env = {**environment(), TOKEN_ENV: secret} if in_environment else environment()
     with (tmp_path / f"{name}.out").open("wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "disttrain", *run, *given,
-                                    "--log-dir", str(log_dir), "--checkpoint-dir", str(tmp_path / "ckpt"),
-                                    "--inject", "stop:rank=0:step=2:for=6s"],
-                                   stdout=out, stderr=subprocess.STDOUT, env=env)
+        process = forking.start([sys.executable, "-m", "disttrain", *run, *given,
+                                 "--log-dir", str(log_dir), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                 "--inject", "stop:rank=0:step=2:for=6s"],
+                                env, out.fileno(), out.fileno(), parent_env=PARENT_ENV)
     return secret, log_dir, process
 
 

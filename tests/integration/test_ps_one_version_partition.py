@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from disttrain.core import forking
 from disttrain.core.processes import PARENT_ENV
 from disttrain.metrics.logger import read_metrics
 from disttrain.proto import parameter_server_pb2 as pb
@@ -134,11 +135,12 @@ class PartitionProxy:
                     pass
 
 
-def start(command: list[str], log: Path) -> subprocess.Popen:
+def start(command: list[str], log: Path) -> subprocess.Popen | forking.ForkedProcess:
     # this test as its launcher: servers print the address they bound, and die with the test
-    env = {**os.environ, PARENT_ENV: str(os.getpid()), "OMP_NUM_THREADS": "1"}
+    # (forked from the test's fork server, as a launcher starts them)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with log.open("w") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return forking.start(command, env, out.fileno(), out.fileno(), parent_env=PARENT_ENV)
 
 
 def finished(process: subprocess.Popen, log: Path, timeout_s: float) -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from disttrain.chaos.elastic import JOIN, KILL, LiveChange
 from disttrain.chaos.outside import POLL_S, Sender, members, tagged_pids
+from disttrain.core import forking
 
 # What the run's launcher, and every member of a generation, log (`ddp.live`).
 JOIN_LINE = re.compile(r"--join --rdzv-endpoint (\S+)`")
@@ -38,7 +39,7 @@ ARRIVAL_END_S = 60.0  # how long an arrival's launcher may take to end after the
 class Arrival:
     """A `--join` launcher the sender started: its process, log folder and output."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen | forking.ForkedProcess
     log_dir: Path
     output: Path
 
@@ -131,9 +132,8 @@ class LiveChangeSender(Sender):
         folder.mkdir(parents=True, exist_ok=True)
         output = folder / "output.txt"
         with output.open("ab") as sink:
-            process = subprocess.Popen(self.arrival_command(folder / "logs", self._endpoint() or ""),
-                                       stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=self.env, start_new_session=True)
+            process = forking.start(self.arrival_command(folder / "logs", self._endpoint() or ""), self.env,
+                                    sink.fileno(), sink.fileno())
         self.arrivals[slot] = Arrival(process, folder / "logs", output)
         return self.arrivals[slot]
 

@@ -43,6 +43,7 @@ from disttrain.chaos.elastic import KILL, LiveChange, Resize, live_sizes
 from disttrain.chaos.outside import POLL_S, TAG_ENV, PreemptionSender, ResizeSender, TimedFaults, tagged_pids
 from disttrain.chaos.scenarios import Scenario
 from disttrain.chaos.schedule import Preemption, Schedule, TimedFault, restarts
+from disttrain.core import forking
 from disttrain.core.fault_spec import Fault, format_fault
 
 logger = logging.getLogger(__name__)
@@ -109,8 +110,7 @@ def launch(command: list[str], run_dir: Path, timeout_s: float, scenario: Scenar
     started = time.monotonic()
     offset = stderr.stat().st_size if stderr.exists() else 0
     with open(stdout, "ab") as out, open(stderr, "ab") as err:
-        process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
-                                   start_new_session=True)
+        process = forking.start(command, env, out.fileno(), err.fileno())
         sender = TimedFaults(scenario, timed, run_dir / "logs", tag)
         preempter = PreemptionSender(preemption, process.pid, run_dir / "logs", tag)
         resizer = ResizeSender(resizes, process.pid, run_dir / "logs", tag)

@@ -52,6 +52,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -64,7 +65,7 @@ PRELOAD = ("torch", "torch._dynamo")  # what every child imports first (see the 
 _preloads: list[str] = []
 _PR_SET_PDEATHSIG = 1
 _FORK = b"fork"  # a child: with the request, its stdout, stderr, exit-status and request pipes
-_SERVE = b"serve"  # a fork server for a child (its pid follows): with the request, the socket it serves
+_SERVE = b"serve"  # a fork server for a child (JSON follows: its pid, what it shows), with its socket
 
 # What a new interpreter reads from its environment before its first line runs (the
 # interpreter, the dynamic loader, the OpenMP and BLAS runtimes torch loads, torch's
@@ -72,13 +73,21 @@ _SERVE = b"serve"  # a fork server for a child (its pid follows): with the reque
 # child's start-up settings are its own (a fork server for each set of them), and no
 # credential of the launcher's environment reaches a fork server, whose memory every
 # child it forks copies.
-# A `chaos` run's tag (`DISTTRAIN_CHAOS_RUN`) is one too: a forked child's
-# /proc/PID/environ shows its fork server's environment, where `chaos` finds the tag.
 # gRPC and protobuf read theirs as a fork server imports them for its children (`preload`).
 STARTUP_ENV = ("PATH", "HOME", "USER", "LANG", "LC_", "TZ", "TMPDIR", "PYTHON", "VIRTUAL_ENV",
                "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_", "GRPC_",
-               "PROTOCOL_BUFFERS_", "DISTTRAIN_CHAOS_")
+               "PROTOCOL_BUFFERS_")
 _ARGV_ROOM = 4096  # bytes a child's command line may take in /proc/PID/cmdline (see `_Server`)
+# Variables a forked child shows in /proc/PID/environ as a new interpreter started with its
+# environment would: a `chaos` run finds every process of a launch by its tag there
+# (`DISTTRAIN_CHAOS_RUN`, a new one each launch). A forked child's /proc/PID/environ is its
+# fork server's start-up block, so a fork server starts with room in it (`_ENV_ROOM`, found
+# once, `_room`), which each child, and each fork server forked for a launcher, writes its
+# own of these over (`_show`): one fork server serves every launch of a campaign.
+SHOWN_ENV = ("DISTTRAIN_CHAOS_",)
+_ENV_ROOM = "DISTTRAIN_FORK_ROOM"
+_ENV_ROOM_BYTES = 512
+_room: tuple[int, int] | None = None  # in a fork server and its children: the room's address and size
 
 _servers_lock = threading.Lock()
 _servers: dict[tuple[tuple[str, str], ...], _Server] = {}
@@ -174,7 +183,9 @@ class _Server:
         code = f"from {__name__} import main; main({theirs.fileno()}, {modules!r})  #" + " " * _ARGV_ROOM
         with theirs:
             process = subprocess.Popen(
-                [sys.executable, "-u", "-c", code], pass_fds=[theirs.fileno()], env=env,
+                [sys.executable, "-u", "-c", code], pass_fds=[theirs.fileno()],
+                # (it shows this process's own: a process of the same chaos run as this one)
+                env={**env, **shown_env(os.environ), _ENV_ROOM: " " * _ENV_ROOM_BYTES},
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
         return cls(ours, process.pid, process)
 
@@ -182,7 +193,9 @@ class _Server:
     def _forked(cls, parent: _Parent) -> _Server:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs, parent.lock:
-            socket.send_fds(parent.socket, [_SERVE + str(os.getpid()).encode()], [theirs.fileno()])
+            # It serves this process: it shows this process's variables (its chaos run's tag).
+            serve = {"launcher": os.getpid(), "shown": shown_env(os.environ)}
+            socket.send_fds(parent.socket, [_SERVE + json.dumps(serve).encode()], [theirs.fileno()])
             reply = parent.socket.recv(4096)
         if not reply or "error" in (answer := json.loads(reply)):
             ours.close()
@@ -308,6 +321,24 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+def start(command: list[str], env: dict[str, str], stdout: int | None, stderr: int,
+          parent_env: str | None = None) -> subprocess.Popen | ForkedProcess:
+    """Start `command`, this interpreter running a module (`python [-u] -m MODULE ARGS`),
+    as `subprocess.Popen(command, env=env, stdin=DEVNULL, stdout=stdout, stderr=stderr,
+    start_new_session=True)` would (`stdout` None: a pipe): forked from the fork server
+    where it can be (`forking()`, and the fork server started), else a new interpreter.
+    `parent_env`: as for `ForkedProcess`."""
+    flags = command[1:command.index("-m")] if "-m" in command else None
+    if forking() and command[0] == sys.executable and flags is not None and set(flags) <= {"-u"} \
+            and len(command) > len(flags) + 2:
+        try:
+            return ForkedProcess(command[len(flags) + 2:], env, stderr, parent_env=parent_env, stdout=stdout)
+        except ForkServerError as e:
+            logger.warning("%s; starting %s as a new interpreter", e, command[len(flags) + 2])
+    return subprocess.Popen(command, stdout=subprocess.PIPE if stdout is None else stdout, stderr=stderr,
+                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+
+
 # The fork server's side.
 
 def serve(fd: int, modules: tuple[str, ...]) -> dict[str, Any] | None:
@@ -317,6 +348,7 @@ def serve(fd: int, modules: tuple[str, ...]) -> dict[str, Any] | None:
     global _started_with
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher alone hears a Ctrl-C, as before
     _set_command_line(["disttrain-fork-server", f"--launcher={os.getppid()}"])
+    _make_room()
     _started_with = dict(os.environ)  # (an import may set more: torch's inductor its cache folder)
     for name in modules:
         try:
@@ -349,7 +381,7 @@ def _serve(launcher: socket.socket) -> dict[str, Any] | None:
                         pipe.write(str(os.waitstatus_to_exitcode(wait_status)).encode())
                 continue
             caller: socket.socket = key.fileobj  # type: ignore[assignment]
-            message, fds, _, _ = socket.recv_fds(caller, 64, 4)
+            message, fds, _, _ = socket.recv_fds(caller, 4096, 4)
             if not message and caller is launcher:
                 return None  # the launcher is gone: so are this process and its children
             if not message:  # a child is gone, or closed its end
@@ -379,7 +411,9 @@ def _serve(launcher: socket.socket) -> dict[str, Any] | None:
                         other.fileobj.close()  # type: ignore[union-attr]
                 selector.close()
                 if serving:
-                    _set_command_line(["disttrain-fork-server", f"--launcher={int(message[len(_SERVE):])}"])
+                    served = json.loads(message[len(_SERVE):])
+                    _set_command_line(["disttrain-fork-server", f"--launcher={int(served['launcher'])}"])
+                    _show(served["shown"])
                     return _serve(socket.socket(fileno=fds[0]))
                 assert ours is not None and theirs is not None
                 ours.close()
@@ -433,6 +467,7 @@ def _become_child(fds: list[int], server: socket.socket) -> dict[str, Any]:
     if request["parent_env"]:
         os.environ[request["parent_env"]] = str(parent)
     _read_settings_again()
+    _show(request["env"])
     os.chdir(request["cwd"])
     sys.argv = [request["module"], *request["args"]]
     _set_command_line([sys.executable, "-u", "-m", *sys.argv])
@@ -459,11 +494,50 @@ def _set_command_line(words: list[str]) -> None:
     writing them over this process's own command line (the room the fork server's left;
     longer ones are cut). Written here rather than with setproctitle, which joins the
     words with spaces and clears the environment's block beside them."""
-    with open("/proc/self/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()  # from field 3, the state, on
-    start, end = int(fields[48 - 3]), int(fields[49 - 3])  # arg_start, arg_end (proc(5))
+    start, end = _proc_stat_fields(48, 49)  # arg_start, arg_end (proc(5))
     line = b"\0".join(os.fsencode(word) for word in words)[:end - start - 1]
     ctypes.memmove(start, line.ljust(end - start, b"\0"), end - start)
+
+
+def shown_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of `env` a forked child shows in /proc/PID/environ (SHOWN_ENV)."""
+    return {name: value for name, value in env.items() if name.startswith(SHOWN_ENV)}
+
+
+def _make_room() -> None:
+    """In a fork server started as a new interpreter: find the room its launcher left in
+    its environment's block (`_ENV_ROOM`), take the variable out of its environment and
+    show nothing there yet."""
+    global _room
+    os.environ.pop(_ENV_ROOM, None)
+    start, end = _proc_stat_fields(50, 51)  # env_start, env_end (proc(5))
+    block, key = ctypes.string_at(start, end - start), _ENV_ROOM.encode() + b"="
+    at = 0 if block.startswith(key) else block.find(b"\0" + key) + 1
+    if at == 0 and not block.startswith(key):
+        return  # started without it: its children show its environment
+    _room = (start + at, block.index(b"\0", at) - at)
+    _show({})
+
+
+def _show(env: Mapping[str, str]) -> None:
+    """Write the variables of `env` that a child shows (SHOWN_ENV) in this process's room
+    in /proc/PID/environ, NUL-separated as there, over whatever was shown there before."""
+    if _room is None:
+        return
+    address, size = _room
+    shown = b"".join(f"{name}={value}".encode() + b"\0" for name, value in sorted(shown_env(env).items()))
+    if len(shown) > size:
+        logger.warning("%d bytes of %s do not fit in /proc/%d/environ's %d; not shown",
+                       len(shown), ", ".join(shown_env(env)), os.getpid(), size)
+        shown = b""
+    ctypes.memmove(address, shown.ljust(size, b"\0"), size)
+
+
+def _proc_stat_fields(*numbers: int) -> list[int]:
+    """Fields of /proc/self/stat by their numbers in proc(5) (from 1), as integers."""
+    with open("/proc/self/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()  # from field 3, the state, on
+    return [int(fields[number - 3]) for number in numbers]
 
 
 def main(fd: int, modules: tuple[str, ...]) -> None:

@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from disttrain.core import forking
 from disttrain.core.errors import DistributedError, DisttrainError
-from disttrain.core.forking import ForkedProcess, ForkServerError, die_with_parent, forking
+from disttrain.core.forking import ForkedProcess, die_with_parent
 from disttrain.core.logs import open_log
-from disttrain.core.process_spec import ProcessSpec, arguments, command_line
+from disttrain.core.process_spec import ProcessSpec, command_line
 
 logger = logging.getLogger(__name__)
 
@@ -179,18 +180,9 @@ class Cluster:
         child_env = {**os.environ, **self.env, **own, **(env or {}), PARENT_ENV: str(os.getpid()),
                      "PYTHONUNBUFFERED": "1"}
         args = command_line(spec)
-        process: subprocess.Popen | ForkedProcess | None = None
-        try:
-            if forking():  # torch imported once, not once a child (core.forking)
-                try:
-                    process = ForkedProcess([spec.entry, *arguments(spec)], child_env, log_file.fileno(),
-                                            parent_env=PARENT_ENV)
-                except ForkServerError as e:
-                    logger.warning("%s; starting %s as a new interpreter", e, name)
-            if process is None:
-                process = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
-                                           stderr=log_file, stdin=subprocess.DEVNULL, env=child_env,
-                                           start_new_session=True)
+        try:  # forked where it can be: torch imported once, not once a child (core.forking)
+            process = forking.start([sys.executable, *args], child_env, None, log_file.fileno(),
+                                    parent_env=PARENT_ENV)
         finally:
             log_file.close()
         child = Child(name, process, log_path)
