@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from disttrain.config import TrainingConfig
+from disttrain.core import forking
 from disttrain.data import load_datasets
 
 WAIT_S = 150.0
@@ -27,12 +28,13 @@ def samples_per_epoch(global_batch: int, dataset: str = "digits") -> int:
     return len(train_set) // global_batch * global_batch
 
 
-def start(args: list, output: Path) -> subprocess.Popen:
-    """`disttrain ddp ARGS`, its output into the file at `output`."""
+def start(args: list, output: Path) -> subprocess.Popen | forking.ForkedProcess:
+    """`disttrain ddp ARGS`, its output into the file at `output`: forked from the test's
+    fork server, as a launcher starts its children (`forking.start`)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with output.open("w") as sink:
-        return subprocess.Popen([sys.executable, "-m", "disttrain", "ddp", *map(str, args)], stdout=sink,
-                                stderr=subprocess.STDOUT, env=env)
+        return forking.start([sys.executable, "-m", "disttrain", "ddp", *map(str, args)], env,
+                             sink.fileno(), sink.fileno())
 
 
 def wait_for(path: Path, pattern: str | re.Pattern, *processes: subprocess.Popen) -> re.Match:
@@ -58,6 +60,18 @@ def parent_of(pid: int) -> int | None:
         return None
 
 
+def serves(fork_server: int, launcher: int) -> bool:
+    """Whether process `fork_server` is the fork server of process `launcher`: its child
+    (the launcher started it), or a fork server forked for it (its command line names it)."""
+    if parent_of(fork_server) == launcher:
+        return True
+    try:
+        argv = (Path("/proc") / str(fork_server) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return argv[:2] == [b"disttrain-fork-server", f"--launcher={launcher}".encode()]
+
+
 def rank_pid(launcher: subprocess.Popen, slot: int) -> int:
     """The process id of `launcher`'s rank `slot` (a process running the rank entry point,
     its child or its fork server's)."""
@@ -80,7 +94,7 @@ def launcher_rank(launcher: subprocess.Popen, matches: Callable[[str, list[bytes
             except OSError:
                 continue
             parent = int(stat[1])
-            if (launcher.pid in (parent, parent_of(parent)) and b"disttrain.torchrun" in argv
+            if ((parent == launcher.pid or serves(parent, launcher.pid)) and b"disttrain.torchrun" in argv
                     and matches(stat[0], argv)):
                 return int(entry.name)
         assert launcher.poll() is None, f"the launcher ended ({launcher.returncode}) before {what}"

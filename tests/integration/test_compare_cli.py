@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from launched import Launched
 from test_ps_cluster import cluster_processes, wait_until
 
 FAST = ["--dataset", "digits", "--num-epochs", "1", "--num-threads", "1"]
@@ -58,7 +59,7 @@ def test_a_folder_holding_a_comparison_is_not_overwritten(tmp_path, cli):
 @pytest.mark.timeout(120)
 def test_killing_the_comparison_leaves_no_process_of_its_runs_behind(tmp_path):
     folder = tmp_path / "c"
-    compare = subprocess.Popen(
+    compare = Launched(
         [sys.executable, "-m", "disttrain", "compare", "--dataset", "digits", "--num-epochs", "500",
          "--workers", "2", "--strategies", "ps-sync,baseline", "--output-dir", str(folder)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

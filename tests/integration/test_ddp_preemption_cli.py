@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_cli
+from launched import Launched
 from live_runs import launcher_rank
 
 from disttrain.core import checkpoint as ckpt
@@ -90,9 +91,9 @@ def test_a_rank_sigtermed_mid_epoch_stops_every_rank_at_one_step_and_resumes_bit
 
 
 def start_launcher(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "disttrain", "ddp", *map(str, args)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return Launched([sys.executable, "-m", "disttrain", "ddp", *map(str, args)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def read_until(launcher: subprocess.Popen, pattern: str, seen: list[str]) -> None:

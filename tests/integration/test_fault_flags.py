@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launched import Launched
 
 from disttrain.core import checkpoint as ckpt
 
@@ -88,8 +89,8 @@ def test_stop_really_stops_then_continues(tmp_path):
     stop_s = 1.0
     command = [sys.executable, "-m", "disttrain", *RUN, *map(str, dirs(tmp_path)),
                "--inject", f"stop:worker=0:step=2:for={stop_s * 1000:g}ms"]
-    with subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"}) as process:
+    with Launched(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                  env={**os.environ, "PYTHONUNBUFFERED": "1"}) as process:
         try:
             stopping = read_until(process.stderr, "stopped at step 2")
             wait_for_state(process.pid, "T", timeout_s=5.0)

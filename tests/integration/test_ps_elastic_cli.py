@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launched import Launched
 from test_ps_resize_cli import (
     BATCH_SIZE,
     NUM_EPOCHS,
@@ -50,8 +51,8 @@ def elastic(path: Path, *args: str) -> tuple[int, str]:
                "--workers", "2:3", "--servers", "2", "--num-threads", "1", "--heartbeat-timeout", "60",
                "--log-dir", str(path / "logs"), "--checkpoint-dir", str(path / "ckpt"), *args]
     env = {"PYTHONUNBUFFERED": "1", "RESIZE_RECORDS": str(path / "records"), "RUN_LABEL": "elastic"}
-    with subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                          env={**os.environ, **env}) as launcher:
+    with Launched(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                  env={**os.environ, **env}) as launcher:
         lines = []
         for line in launcher.stderr:  # the run's own progress line: the workers are training
             lines.append(line)

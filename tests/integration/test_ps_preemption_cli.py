@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 from conftest import run_cli
+from launched import Launched
 
 from disttrain.core import checkpoint as ckpt
 
@@ -91,7 +92,7 @@ def assert_resumed_as_uninterrupted(cli, path, step, expected):
 def test_a_preempted_launcher_stops_every_process_with_checkpoints_and_resumes_bit_identical(
         tmp_path, cli, uninterrupted):
     command = [sys.executable, "-m", "disttrain", "ps", *map(str, ARGS), *map(str, folders(tmp_path))]
-    with subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True) as launcher:
+    with Launched(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True) as launcher:
         lines = []
         for line in launcher.stderr:  # the run's own progress line: the workers are training
             lines.append(line)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from launched import Launched
 
 from disttrain.core.auth import METADATA_KEY, SCHEME, new_token
 from disttrain.core.identity import node_token
@@ -188,7 +189,7 @@ def launch(tmp_path: Path) -> tuple[subprocess.Popen, str, list[str], list[str]]
     secret_file = tmp_path / "run.token"
     secret_file.write_text(new_token())
     secret_file.chmod(0o600)
-    process = subprocess.Popen(
+    process = Launched(
         [sys.executable, "-m", "disttrain", "ps", *ARGS, "--token-file", str(secret_file),
          "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt")],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)

@@ -84,7 +84,7 @@ _ARGV_ROOM = 4096  # bytes a child's command line may take in /proc/PID/cmdline 
 # fork server's start-up block, so a fork server starts with room in it (`_ENV_ROOM`, found
 # once, `_room`), which each child, and each fork server forked for a launcher, writes its
 # own of these over (`_show`): one fork server serves every launch of a campaign.
-SHOWN_ENV = ("DISTTRAIN_CHAOS_",)
+SHOWN_ENV = ("DISTTRAIN_CHAOS_RUN",)  # by name: never a credential (the fork server reads them)
 _ENV_ROOM = "DISTTRAIN_FORK_ROOM"
 _ENV_ROOM_BYTES = 512
 _room: tuple[int, int] | None = None  # in a fork server and its children: the room's address and size
@@ -322,21 +322,23 @@ class ForkedProcess:
 
 
 def start(command: list[str], env: dict[str, str], stdout: int | None, stderr: int,
-          parent_env: str | None = None) -> subprocess.Popen | ForkedProcess:
+          parent_env: str | None = None, cwd: str | os.PathLike | None = None
+          ) -> subprocess.Popen | ForkedProcess:
     """Start `command`, this interpreter running a module (`python [-u] -m MODULE ARGS`),
     as `subprocess.Popen(command, env=env, stdin=DEVNULL, stdout=stdout, stderr=stderr,
-    start_new_session=True)` would (`stdout` None: a pipe): forked from the fork server
-    where it can be (`forking()`, and the fork server started), else a new interpreter.
-    `parent_env`: as for `ForkedProcess`."""
+    start_new_session=True, cwd=cwd)` would (`stdout` None: a pipe): forked from the fork
+    server where it can be (`forking()`, and the fork server started), else a new
+    interpreter. `parent_env`: as for `ForkedProcess`."""
     flags = command[1:command.index("-m")] if "-m" in command else None
     if forking() and command[0] == sys.executable and flags is not None and set(flags) <= {"-u"} \
             and len(command) > len(flags) + 2:
         try:
-            return ForkedProcess(command[len(flags) + 2:], env, stderr, parent_env=parent_env, stdout=stdout)
+            return ForkedProcess(command[len(flags) + 2:], env, stderr, parent_env=parent_env, cwd=cwd,
+                                 stdout=stdout)
         except ForkServerError as e:
             logger.warning("%s; starting %s as a new interpreter", e, command[len(flags) + 2])
     return subprocess.Popen(command, stdout=subprocess.PIPE if stdout is None else stdout, stderr=stderr,
-                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                            stdin=subprocess.DEVNULL, env=env, start_new_session=True, cwd=cwd)
 
 
 # The fork server's side.
@@ -501,7 +503,7 @@ def _set_command_line(words: list[str]) -> None:
 
 def shown_env(env: Mapping[str, str]) -> dict[str, str]:
     """The variables of `env` a forked child shows in /proc/PID/environ (SHOWN_ENV)."""
-    return {name: value for name, value in env.items() if name.startswith(SHOWN_ENV)}
+    return {name: value for name, value in env.items() if name in SHOWN_ENV}
 
 
 def _make_room() -> None:
