@@ -22,10 +22,12 @@ Stream = int | IO[Any] | None
 
 class Launched:
     """`subprocess.Popen(command, stdout=..., stderr=..., env=..., text=..., cwd=...)` for a
-    `python [-u] -m MODULE ARGS` command, forked where it can be."""
+    `python [-u] -m MODULE ARGS` command, forked where it can be. `parent_env`: a variable
+    it finds set to its parent's pid (`forking.ForkedProcess`), as a launcher's children do."""
 
     def __init__(self, command: list[str], *, stdout: Stream = None, stderr: Stream = None,
-                 env: dict[str, str] | None = None, text: bool = False, cwd: str | os.PathLike | None = None):
+                 env: dict[str, str] | None = None, text: bool = False, cwd: str | os.PathLike | None = None,
+                 parent_env: str | None = None):
         self.args = command
         pipes: dict[str, int] = {}
         ours: list[int] = []  # descriptors this process opened for the child, closed once it has them
@@ -46,7 +48,8 @@ class Launched:
         try:
             out = target(stdout, "stdout", 1)
             err = out if stderr == subprocess.STDOUT else target(stderr, "stderr", 2)
-            self.process = forking.start(command, dict(os.environ if env is None else env), out, err, cwd=cwd)
+            self.process = forking.start(command, dict(os.environ if env is None else env), out, err,
+                                         parent_env=parent_env, cwd=cwd)
         except BaseException:
             for fd in pipes.values():
                 os.close(fd)

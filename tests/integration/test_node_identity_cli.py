@@ -18,6 +18,7 @@ import grpc
 import pytest
 import torch
 import yaml
+from launched import Launched
 from process_memory import environment_values, memory_holds
 
 from disttrain.coordinator.client import CoordinatorClient, CoordinatorError
@@ -149,9 +150,10 @@ def test_an_honest_ps_run_ends_whole_and_unchanged_while_forged_calls_are_refuse
     assert summary["samples_lost"] == 0 and summary["samples_applied"] == 512
     assert {node["node_id"]: node["restarts"] for node in read_status(
         tmp_path / "attacked" / "logs" / "cluster.db").nodes}["worker1"] == 0
-    alone = subprocess.run(command(tmp_path, "alone"), capture_output=True, text=True, timeout=240,
-                           env=environment())
-    assert alone.returncode == 0, alone.stderr[-3000:]
+    alone = Launched(command(tmp_path, "alone"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                     env=environment(), parent_env=PARENT_ENV)
+    _, said = alone.communicate(timeout=240)
+    assert alone.returncode == 0, said[-3000:]
     attacked, reference = final_model(tmp_path / "attacked"), final_model(tmp_path / "alone")
     assert attacked.keys() == reference.keys()
     for name in reference:

@@ -50,7 +50,8 @@ REFUSALS = 10  # connections refused before the link comes back: the workers rec
 class PartitionProxy:
     """Forwards 127.0.0.1:`port` to the server at `target_port`. Once `cut_after` bytes went
     from the clients to the server, it forwards part of the next read only, closes every
-    connection, and refuses new ones (accepts and closes them) until `heal()`.
+    connection, and refuses new ones (accepts and closes them) until `heal()`. The cut is
+    atomic: no byte a client sent on a connection from before it reaches the server after it.
 
     Attributes:
         port: where clients connect.
@@ -84,6 +85,10 @@ class PartitionProxy:
     def _drop_all(self) -> None:
         with self._lock:
             sockets, self._sockets = self._sockets, []
+        self._shut(sockets)
+
+    @staticmethod
+    def _shut(sockets: list[socket.socket]) -> None:
         for end in sockets:
             try:
                 end.shutdown(socket.SHUT_RDWR)
@@ -97,15 +102,17 @@ class PartitionProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            if self._down():
-                client.close()
+            server = None if self._down() else socket.create_connection(("127.0.0.1", self.target_port))
+            with self._lock:  # one accepted as the cut came is refused too
+                refused = self._down()
+                if not refused:
+                    self._sockets += [client, server]
+            if refused:
+                self._shut([end for end in (client, server) if end is not None])
                 self.num_refused += 1
                 if self.num_refused >= self.refusals:
                     self.refused_enough.set()
                 continue
-            server = socket.create_connection(("127.0.0.1", self.target_port))
-            with self._lock:
-                self._sockets += [client, server]
             threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
 
@@ -115,16 +122,30 @@ class PartitionProxy:
                 data = source.recv(65536)
                 if not data:
                     break
-                if upstream and not self.cut.is_set():
-                    with self._lock:
+                if not upstream:
+                    sink.sendall(data)
+                    continue
+                # Counting, cutting and forwarding in one step under the lock: a pump that
+                # forwarded once `cut` was set but before its connection was closed let the
+                # rest of another worker's push through whole when the cutting thread lost the
+                # CPU in between (under load), and shard 1 then held that worker's push of the
+                # step it waits in, which a restart of that worker need not stand in for.
+                with self._lock:
+                    if source not in self._sockets:  # closed by the cut
+                        break
+                    cutting = False
+                    if not self.cut.is_set():
                         self._forwarded += len(data)
                         cutting = self._forwarded >= self.cut_after
                     if cutting:  # the part of this message before the cut goes through
                         sink.sendall(data[:len(data) // 2])
                         self.cut.set()
-                        self._drop_all()
-                        return
-                sink.sendall(data)
+                        dropped, self._sockets = self._sockets, []
+                    else:
+                        sink.sendall(data)
+                if cutting:
+                    self._shut(dropped)
+                    return
         except OSError:
             pass
         finally:
@@ -230,11 +251,13 @@ def test_a_shard_cut_off_mid_step_never_leaves_a_worker_training_on_two_steps(tm
             assert all(r["ps/sync_step"] == r["step"] - 1 for r in records), records  # the step before
     assert "retry" in (tmp_path / "worker0.out").read_text() + (tmp_path / "worker1.out").read_text()
     if restart:
-        # Whether the restarted worker must stand in depends on where its newest checkpoint
-        # (every 2 steps, written in the background) falls against the cut: from one older
-        # than shard 1's version it stands in for the step shard 1 waits for; from one at that
-        # version its next push is that very step (a duplicate on shard 0), which nobody
-        # waits for in its stead.
+        # Shard 1 never got worker 1's push of the step it waits in: less than one push of
+        # that step passed before the cut, which lets nothing through after it, and the
+        # killed worker pushes nothing more. So a restarted worker that resumed from a
+        # checkpoint older than shard 1's version finds shard 1 a step behind at its first
+        # pull and stands in (`SyncExchange.catch_up` compares its shards' steps). From a
+        # checkpoint at that version its next push is that very step (a duplicate on shard
+        # 0), which nobody waits for in its stead.
         resumed = (tmp_path / "worker1-resumed.out").read_text()
         found = re.search(r"resumed from \S+ \(epoch \d+, step (\d+)\)", resumed)
         assert found, resumed[-3000:]
