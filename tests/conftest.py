@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import locale
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -33,6 +34,11 @@ torch.set_num_threads(1)
 # these 2 cores: so the fork servers the tests' runs are forked from share the ranks'
 # start-up settings, and a DDP run's ranks are forked rather than new interpreters.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The tests that start ranks of a process group themselves start them from multiprocessing's
+# fork server (`start_method="forkserver"`): one new interpreter a test process imports torch
+# and the project once, and each rank is a fork of it, where each spawned rank imported them
+# again (seconds of CPU a rank).
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", *cli.CHILD_MODULES])
 
 
 def find_real_data_dir() -> Path | None:

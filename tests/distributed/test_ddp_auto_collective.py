@@ -70,7 +70,8 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
 def ranks(tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("auto_collective")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # binds a free port
-    mp.start_processes(rank_main, args=(store.port, str(out_dir)), nprocs=WORLD_SIZE, start_method="spawn")
+    mp.start_processes(rank_main, args=(store.port, str(out_dir)), nprocs=WORLD_SIZE,
+                       start_method="forkserver")
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)]
 
 

@@ -89,7 +89,8 @@ def ranks(tmp_path_factory) -> list[dict]:
     """Both ranks' results of every run (one process group, one run after another)."""
     out_dir = tmp_path_factory.mktemp("hooks")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # binds a free port
-    mp.start_processes(rank_main, args=(store.port, str(out_dir)), nprocs=WORLD_SIZE, start_method="spawn")
+    mp.start_processes(rank_main, args=(store.port, str(out_dir)), nprocs=WORLD_SIZE,
+                       start_method="forkserver")
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)]
 
 

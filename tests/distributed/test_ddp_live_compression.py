@@ -65,7 +65,7 @@ def rank_main(rank: int, port: int, scheme: str, out_dir: str) -> None:
 def test_every_scheme_averages_the_flat_buffer_alike_on_every_rank(tmp_path, scheme):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=30))
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")
     processes = [context.Process(target=rank_main, args=(rank, store.port, scheme, str(tmp_path)))
                  for rank in range(2)]
     for process in processes:
@@ -139,7 +139,7 @@ def powersgd_member(slot: int, port: int, out_dir: str) -> None:
 def test_a_powersgd_joiner_takes_the_members_state_and_its_collectives_match(tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=30))
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")
     processes = [context.Process(target=powersgd_member, args=(slot, store.port, str(tmp_path)))
                  for slot in range(2)]
     for process in processes:

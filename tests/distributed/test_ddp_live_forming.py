@@ -71,7 +71,7 @@ def member(slot: int, port: int, out_dir: str) -> None:
 def test_survivor_stops_waiting_for_a_member_that_died_while_the_group_formed(tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=TIMEOUT_S))
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")
     processes = [context.Process(target=member, args=(slot, store.port, str(tmp_path))) for slot in range(4)]
     for process in processes:
         process.start()
@@ -168,7 +168,7 @@ def survivor(port: int, out_dir: str) -> None:
 def test_a_member_dying_between_its_address_and_its_connection_holds_the_others_seconds(tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=TIMEOUT_S))
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")
     dying = context.Process(target=dying_member, args=(store.port,))
     alive = context.Process(target=survivor, args=(store.port, str(tmp_path)))
     dying.start()

@@ -98,7 +98,7 @@ def joiner(port: int, out_dir: str) -> None:
 @pytest.mark.timeout(180)
 def test_survivors_reform_and_take_the_rank_back(tmp_path):
     store = master_store()
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")
     first = [context.Process(target=survivor, args=(slot, store.port, str(tmp_path))) for slot in range(3)]
     for process in first:
         process.start()
@@ -170,7 +170,7 @@ def test_a_group_a_callback_still_holds_is_freed_by_the_rank_not_on_gloos_thread
     # Freed on gloo's worker thread, the group's destructor joins that thread itself and
     # the process aborts (SIGABRT, "Resource deadlock avoided").
     store = master_store()
-    process = mp.get_context("spawn").Process(target=leaves_while_a_callback_holds_the_group,
+    process = mp.get_context("forkserver").Process(target=leaves_while_a_callback_holds_the_group,
                                               args=(store.port, str(tmp_path)))
     process.start()
     process.join(timeout=100)
@@ -215,7 +215,7 @@ def records_how_long_its_collective_waits(group: LiveGroup, store: dist.TCPStore
 def slot1_record(target, tmp_path: Path) -> dict:
     """Runs `target` as slots 0 and 1 over a new store; slot 1's record."""
     store = master_store()
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")
     processes = [context.Process(target=target, args=(slot, store.port, str(tmp_path))) for slot in (0, 1)]
     for process in processes:
         process.start()

@@ -66,7 +66,7 @@ def member(port: int, out_dir: str) -> None:
 @pytest.mark.timeout(120)
 def test_a_change_of_group_mid_round_goes_back_to_the_rounds_start(tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    process = mp.get_context("spawn").Process(target=member, args=(store.port, str(tmp_path)))
+    process = mp.get_context("forkserver").Process(target=member, args=(store.port, str(tmp_path)))
     process.start()
     process.join(timeout=100)
     assert process.exitcode == 0

@@ -64,7 +64,8 @@ def rank_main(rank: int, port: int, out: str) -> None:
 @pytest.mark.timeout(120)
 def test_every_rank_stops_at_the_same_point_within_two_spacings_of_the_first_flag(tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    mp.start_processes(rank_main, args=(store.port, str(tmp_path)), nprocs=WORLD_SIZE, start_method="spawn")
+    mp.start_processes(rank_main, args=(store.port, str(tmp_path)), nprocs=WORLD_SIZE,
+                       start_method="forkserver")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
     for seed in range(NUM_SCHEDULES):
         raised = [p for p in schedule(seed)["raises"] if p is not None]
