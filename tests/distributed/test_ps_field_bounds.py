@@ -7,6 +7,7 @@ are still served.
 """
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -216,11 +217,33 @@ def test_barrier_contents_out_of_bounds_are_refused(shard, case, name, values, c
     done.join()
 
 
-def test_pending_barriers_are_bounded(shard):
+@pytest.fixture(params=[None, "b3"], ids=["on-time", "late"])
+def late_barrier(request, monkeypatch):
+    """The name of a barrier whose call the shard runs only after its deadline has passed
+    (as on a loaded machine); patched in before the shard (`shard`) binds its handlers."""
+    from disttrain.strategies.ps.server.servicer import ParameterServicer
+    on_time = ParameterServicer.Barrier
+
+    def barrier(servicer, call, context):
+        if call.name == request.param:
+            time.sleep(0.5)  # a delay injected: past the call's 0.2 s deadline
+        return on_time(servicer, call, context)
+
+    monkeypatch.setattr(ParameterServicer, "Barrier", barrier)
+    return request.param
+
+
+def test_pending_barriers_are_bounded(late_barrier, shard):
+    # late: the test once failed so, the next call finding three pending barriers, not four
     from disttrain.strategies.ps.server.barriers import PENDING_PER_WORKER
-    for i in range(PENDING_PER_WORKER):  # each waits for w1, and gives up at its deadline
-        refused(lambda i=i: shard.barrier("w0", f"b{i}", [1.0], timeout=0.2),
-                grpc.StatusCode.DEADLINE_EXCEEDED)
+    for name in (f"b{i}" for i in range(PENDING_PER_WORKER)):  # each waits for w1, gives up at its deadline
+        # On a loaded machine a call can reach its deadline before the shard has run it, and
+        # arrive only after the next call (which is then the fourth pending, not the fifth):
+        # the next call waits until the shard holds this one (made again meanwhile, as a
+        # worker would; an arrival again at a barrier adds nothing pending).
+        while name not in shard.server.state.barriers._arrived:
+            refused(lambda name=name: shard.barrier("w0", name, [1.0], timeout=0.2),
+                    grpc.StatusCode.DEADLINE_EXCEEDED)
     refused(lambda: shard.barrier("w0", "one too many", [1.0]), grpc.StatusCode.RESOURCE_EXHAUSTED)
     again = threading.Thread(target=lambda: shard.barrier("w0", "b0", [1.0]))
     again.start()
