@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import importlib
 import json
-import locale
 import multiprocessing
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
+from launched import Launched
 
 from disttrain import cli
 from disttrain.core import forking
@@ -88,41 +87,15 @@ def run_cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None,
 def _run_forked(command: list[str], env: dict[str, str], cwd: Path | None,
                 timeout: float) -> subprocess.CompletedProcess:
     """`subprocess.run(command, capture_output=True, text=True, ...)` with the process forked."""
-    err_read, err_write = os.pipe()
+    process = Launched(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True, cwd=cwd,
+                       parent_env=PARENT_ENV if PARENT_ENV in env else None)
     try:
-        process = forking.ForkedProcess(["disttrain", *command[3:]], env, err_write, cwd=cwd,
-                                        parent_env=PARENT_ENV if PARENT_ENV in env else None)
-    except BaseException:
-        os.close(err_read)
-        raise
-    finally:
-        os.close(err_write)
-    streams = {"stdout": process.stdout, "stderr": os.fdopen(err_read, "rb")}
-    read: dict[str, bytes] = {}
-    readers = [threading.Thread(target=lambda name=name, stream=stream: read.__setitem__(name, stream.read()),
-                                daemon=True) for name, stream in streams.items()]
-    for reader in readers:
-        reader.start()
-
-    def text(name: str) -> str:  # as text=True decodes: the locale's encoding, universal newlines
-        data = read.get(name, b"").decode(locale.getpreferredencoding(False))
-        return data.replace("\r\n", "\n").replace("\r", "\n")
-
-    try:
-        process.wait(timeout=timeout)
-        timed_out = False
+        out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         process.kill()
-        process.wait()
-        timed_out = True
-    finally:
-        for reader in readers:
-            reader.join()
-        for stream in streams.values():
-            stream.close()
-    if timed_out:
-        raise subprocess.TimeoutExpired(command, timeout, output=text("stdout"), stderr=text("stderr"))
-    return subprocess.CompletedProcess(command, process.returncode, text("stdout"), text("stderr"))
+        out, err = process.communicate()
+        raise subprocess.TimeoutExpired(command, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 def _hang_report(args, error: subprocess.TimeoutExpired) -> str:

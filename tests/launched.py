@@ -61,6 +61,8 @@ class Launched:
         self.stdout: IO[Any] | None = open(pipes["stdout"], mode) if "stdout" in pipes else None  # noqa: SIM115
         self.stderr: IO[Any] | None = open(pipes["stderr"], mode) if "stderr" in pipes else None  # noqa: SIM115
         self.pid = self.process.pid
+        self._readers: list[threading.Thread] | None = None  # (`communicate`)
+        self._read: dict[str, Any] = {}
 
     @property
     def returncode(self) -> int | None:
@@ -83,26 +85,29 @@ class Launched:
 
     def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
         """The rest of its stdout and stderr (those that are pipes), once it has exited.
+        As `Popen`'s: after a timeout, call it again (having killed the process, say) for
+        everything it wrote.
 
         Raises:
             subprocess.TimeoutExpired: not within `timeout` (it runs on).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        streams = {name: stream for name, stream in (("stdout", self.stdout), ("stderr", self.stderr))
-                   if stream is not None}
-        read: dict[str, Any] = {}
-        readers = [threading.Thread(target=lambda n=name, s=stream: read.update({n: s.read()}), daemon=True)
-                   for name, stream in streams.items()]
-        for reader in readers:
-            reader.start()
-        for reader in readers:
+        if self._readers is None:  # read to their ends from threads, once, whatever the calls
+            streams = {"stdout": self.stdout, "stderr": self.stderr}
+            read = self._read
+            self._readers = [threading.Thread(target=lambda n=name, s=stream: read.update({n: s.read()}),
+                                              daemon=True) for name, stream in streams.items() if stream]
+            for reader in self._readers:
+                reader.start()
+        for reader in self._readers:
             reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if reader.is_alive():
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        for stream in streams.values():
-            stream.close()
-        return read.get("stdout"), read.get("stderr")
+        for stream in (self.stdout, self.stderr):
+            if stream is not None:
+                stream.close()
+        return self._read.get("stdout"), self._read.get("stderr")
 
     def __enter__(self) -> Launched:
         return self

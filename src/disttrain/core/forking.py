@@ -513,9 +513,9 @@ def _make_room() -> None:
     global _room
     os.environ.pop(_ENV_ROOM, None)
     start, end = _proc_stat_fields(50, 51)  # env_start, env_end (proc(5))
-    block, key = ctypes.string_at(start, end - start), _ENV_ROOM.encode() + b"="
-    at = 0 if block.startswith(key) else block.find(b"\0" + key) + 1
-    if at == 0 and not block.startswith(key):
+    block = ctypes.string_at(start, end - start)
+    at = (b"\0" + block).find(b"\0" + _ENV_ROOM.encode() + b"=")  # (the entry's offset in the block)
+    if at < 0:
         return  # started without it: its children show its environment
     _room = (start + at, block.index(b"\0", at) - at)
     _show({})
