@@ -2,10 +2,11 @@
 ever computes a gradient on parameters of different steps, and the run ends exact.
 
 Real processes on one machine, no root: 2 `ps-server` shards and 2 `ps-worker`s in sync
-mode on the bundled digits data set, with a TCP proxy between the workers and shard 1.
-A few steps in, the proxy cuts shard 1 off in the middle of a push: every connection
-through it closes and new ones are refused. Shard 0, reached directly, applies the step
-and answers; shard 1 stays a step behind while the workers retry. The test checks that
+mode on the bundled digits data set, each worker reaching shard 1 through its own TCP
+proxy. A few steps in, worker 1's proxy holds the rest of its push to shard 1 from the
+middle of it; once shard 0, reached directly, has applied that step (worker 0 has all it
+needs), both proxies cut shard 1 off: every connection through them closes and new ones
+are refused. Shard 1 stays a step behind while the workers retry. The test checks that
 state on the servers themselves, then lets the link come back.
 
 Every worker logs, for each step, the run's step of the parameters its gradient was
@@ -43,49 +44,51 @@ RUN_ARGS = ["--dataset", "digits", "--model", "mlp", "--num-epochs", str(EPOCHS)
             "--max-train-samples", str(TRAIN), "--max-test-samples", "100", "--num-threads", "1",
             "--seed", "7", "--rpc-timeout", "20", "--checkpoint-interval", "2",
             "--set", "training.log_interval=1", "--set", "ps.payload_transport=grpc"]
-CUT_AFTER_BYTES = 1_785_000  # to shard 1 through the proxy: 5 steps of 2 pushes of 170 kB, and half one
-REFUSALS = 10  # connections refused before the link comes back: the workers reconnect with a backoff up to 1s
+HOLD_AFTER_BYTES = 935_000  # from worker 1 to shard 1: 5 pushes of 170 kB, and half one
+REFUSALS = 5  # connections refused by each proxy before the link comes back (the workers
+# reconnect with a backoff up to 1s)
 
 
 class PartitionProxy:
-    """Forwards 127.0.0.1:`port` to the server at `target_port`. Once `cut_after` bytes went
-    from the clients to the server, it forwards part of the next read only, closes every
-    connection, and refuses new ones (accepts and closes them) until `heal()`. The cut is
-    atomic: no byte a client sent on a connection from before it reaches the server after it.
+    """Forwards 127.0.0.1:`port` to the server at `target_port`. With `hold_after`, once that
+    many bytes went from the client to the server, it forwards part of the next read only and
+    holds back everything else the client sends (the server still answers). `cut()` closes
+    every connection and refuses new ones (accepts and closes them) until `heal()`; no byte
+    held back ever reaches the server. A healed proxy forwards everything.
 
     Attributes:
-        port: where clients connect.
-        cut: set once the link is down.
+        port: where the client connects.
+        holding: set once the proxy holds back the client's bytes.
         refused_enough: set once `refusals` connections were refused during the cut.
     """
 
-    def __init__(self, target_port: int, cut_after: int, refusals: int):
-        self.target_port, self.cut_after, self.refusals = target_port, cut_after, refusals
-        self.cut, self.refused_enough = threading.Event(), threading.Event()
+    def __init__(self, target_port: int, refusals: int, hold_after: int | None = None):
+        self.target_port, self.hold_after, self.refusals = target_port, hold_after, refusals
+        self.holding, self.refused_enough = threading.Event(), threading.Event()
         self.num_refused = 0
         self._forwarded = 0
-        self._healed = False
+        self._down = False
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def heal(self) -> None:
+    def cut(self) -> None:
         with self._lock:
-            self._healed = True
+            self._down = True
+            dropped, self._sockets = self._sockets, []
+        self._shut(dropped)
+
+    def heal(self) -> None:
+        """Let the client reach the server again, and hold nothing more."""
+        with self._lock:
+            self._down, self.hold_after = False, None
+            self.holding.clear()
 
     def close(self) -> None:
         self._listener.close()
-        self._drop_all()
-
-    def _down(self) -> bool:
-        return self.cut.is_set() and not self._healed
-
-    def _drop_all(self) -> None:
-        with self._lock:
-            sockets, self._sockets = self._sockets, []
-        self._shut(sockets)
+        self.cut()
 
     @staticmethod
     def _shut(sockets: list[socket.socket]) -> None:
@@ -102,9 +105,9 @@ class PartitionProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            server = None if self._down() else socket.create_connection(("127.0.0.1", self.target_port))
+            server = None if self._down else socket.create_connection(("127.0.0.1", self.target_port))
             with self._lock:  # one accepted as the cut came is refused too
-                refused = self._down()
+                refused = self._down
                 if not refused:
                     self._sockets += [client, server]
             if refused:
@@ -125,27 +128,19 @@ class PartitionProxy:
                 if not upstream:
                     sink.sendall(data)
                     continue
-                # Counting, cutting and forwarding in one step under the lock: a pump that
-                # forwarded once `cut` was set but before its connection was closed let the
-                # rest of another worker's push through whole when the cutting thread lost the
-                # CPU in between (under load), and shard 1 then held that worker's push of the
-                # step it waits in, which a restart of that worker need not stand in for.
+                # Counting, holding and forwarding in one step under the lock: no byte read
+                # once the proxy holds gets through on any of its connections.
                 with self._lock:
                     if source not in self._sockets:  # closed by the cut
                         break
-                    cutting = False
-                    if not self.cut.is_set():
-                        self._forwarded += len(data)
-                        cutting = self._forwarded >= self.cut_after
-                    if cutting:  # the part of this message before the cut goes through
-                        sink.sendall(data[:len(data) // 2])
-                        self.cut.set()
-                        dropped, self._sockets = self._sockets, []
+                    if self.holding.is_set():
+                        continue
+                    self._forwarded += len(data)
+                    if self.hold_after is not None and self._forwarded >= self.hold_after:
+                        sink.sendall(data[:len(data) // 2])  # the part of this message before the hold
+                        self.holding.set()
                     else:
                         sink.sendall(data)
-                if cutting:
-                    self._shut(dropped)
-                    return
         except OSError:
             pass
         finally:
@@ -194,7 +189,7 @@ def test_a_shard_cut_off_mid_step_never_leaves_a_worker_training_on_two_steps(tm
     """restart: worker 1 is also killed while cut off, and restarted with --resume once the
     link is back (as a supervisor would): shard 0 holds its push of the step it was in,
     shard 1 never got it, and no coordinator drops it from the step."""
-    processes, proxy = [], None
+    processes, proxies = [], []
     try:
         servers = []
         for shard in range(2):
@@ -204,18 +199,28 @@ def test_a_shard_cut_off_mid_step_never_leaves_a_worker_training_on_two_steps(tm
                              "--checkpoint-dir", str(tmp_path / "ckpt")], log)
             processes.append((process, log))
             servers.append(read_event(log, "listening", process)["address"])
-        proxy = PartitionProxy(int(servers[1].rsplit(":", 1)[1]), CUT_AFTER_BYTES, REFUSALS)
-        through_proxy = f"{servers[0]},127.0.0.1:{proxy.port}"
+        shard1_port = int(servers[1].rsplit(":", 1)[1])
+        proxies = [PartitionProxy(shard1_port, REFUSALS),  # worker 0's, worker 1's
+                   PartitionProxy(shard1_port, REFUSALS, HOLD_AFTER_BYTES)]
         workers = []
         for rank in range(WORKERS):
             log = tmp_path / f"worker{rank}.out"
+            through_proxy = f"{servers[0]},127.0.0.1:{proxies[rank].port}"
             workers.append((start(worker_command(rank, through_proxy, tmp_path), log), log))
         processes += workers
 
-        assert proxy.cut.wait(120), "the run ended before the cut"
+        assert proxies[1].holding.wait(120), "the run ended before worker 1's proxy held its push"
+        # Mid-step: shard 0 applies the step (worker 0 gets shard 1's answer to the step
+        # before and pushes); shard 1 cannot, and is then cut off from both workers.
+        deadline = time.monotonic() + 60
+        while shard_version(servers[0], 0) != shard_version(servers[1], 1) + 1:
+            assert time.monotonic() < deadline, "shard 0 never applied the step worker 1 is held in"
+            time.sleep(0.05)  # polling the shards' state: no event tells the test
+        for proxy in proxies:
+            proxy.cut()
         cut_at = time.monotonic()
-        assert proxy.refused_enough.wait(60), "the workers never came back to shard 1"
-        # Mid-step: shard 0 applied the step and answered; shard 1 has not.
+        for proxy in proxies:
+            assert proxy.refused_enough.wait(60), "the workers never came back to shard 1"
         behind = shard_version(servers[1], 1)
         assert shard_version(servers[0], 0) == behind + 1
         assert 0 < behind < STEPS
@@ -223,10 +228,12 @@ def test_a_shard_cut_off_mid_step_never_leaves_a_worker_training_on_two_steps(tm
         if restart:
             workers[1][0].kill()
             workers[1][0].wait()
-        proxy.heal()
+        for proxy in proxies:
+            proxy.heal()
         cut_for_s = time.monotonic() - cut_at
         if restart:
             log = tmp_path / "worker1-resumed.out"
+            through_proxy = f"{servers[0]},127.0.0.1:{proxies[1].port}"
             processes.append((start(worker_command(1, through_proxy, tmp_path, "--resume"), log), log))
 
         for process, log in processes:  # worker 0 stops the servers once every worker is done
@@ -237,7 +244,7 @@ def test_a_shard_cut_off_mid_step_never_leaves_a_worker_training_on_two_steps(tm
             if process.poll() is None:
                 process.kill()
                 process.wait()
-        if proxy is not None:
+        for proxy in proxies:
             proxy.close()
 
     for rank in range(WORKERS):
@@ -251,13 +258,12 @@ def test_a_shard_cut_off_mid_step_never_leaves_a_worker_training_on_two_steps(tm
             assert all(r["ps/sync_step"] == r["step"] - 1 for r in records), records  # the step before
     assert "retry" in (tmp_path / "worker0.out").read_text() + (tmp_path / "worker1.out").read_text()
     if restart:
-        # Shard 1 never got worker 1's push of the step it waits in: less than one push of
-        # that step passed before the cut, which lets nothing through after it, and the
-        # killed worker pushes nothing more. So a restarted worker that resumed from a
-        # checkpoint older than shard 1's version finds shard 1 a step behind at its first
-        # pull and stands in (`SyncExchange.catch_up` compares its shards' steps). From a
-        # checkpoint at that version its next push is that very step (a duplicate on shard
-        # 0), which nobody waits for in its stead.
+        # Shard 1 never got worker 1's push of the step it waits in: its proxy let half of
+        # it through and nothing after, and the killed worker pushes nothing more. So a
+        # restarted worker that resumed from a checkpoint older than shard 1's version finds
+        # shard 1 a step behind at its first pull and stands in (`SyncExchange.catch_up`
+        # compares its shards' steps). From a checkpoint at that version its next push is
+        # that very step (a duplicate on shard 0), which nobody waits for in its stead.
         resumed = (tmp_path / "worker1-resumed.out").read_text()
         found = re.search(r"resumed from \S+ \(epoch \d+, step (\d+)\)", resumed)
         assert found, resumed[-3000:]
@@ -267,6 +273,6 @@ def test_a_shard_cut_off_mid_step_never_leaves_a_worker_training_on_two_steps(tm
     assert summary["strategy"] == "ps-sync"
     assert summary["samples_lost"] == 0 and summary["samples_applied"] == EPOCHS * TRAIN
     print(f"one-version figures: cut at shard 1's version {behind} (shard 0 at {behind + 1}) for "
-          f"{cut_for_s:.1f}s, {proxy.num_refused} connections refused, samples_applied "
+          f"{cut_for_s:.1f}s, {sum(p.num_refused for p in proxies)} connections refused, samples_applied "
           f"{summary['samples_applied']}, samples_lost {summary['samples_lost']}, samples_redone "
           f"{summary.get('samples_redone')}, max_round_wait_s {summary['max_round_wait_s']:.2f}")
