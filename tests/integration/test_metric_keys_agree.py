@@ -1,7 +1,8 @@
 """Every strategy and recovery mode logs the same metric keys: one short run of each from
 the CLI on the shipped digits (baseline; parameter server sync, async and ssp; DDP with
-restart and live recovery), every process's training and evaluation records compared,
-save the keys only some modes can have (`ONLY_SOME`, each with its reason)."""
+restart and live recovery; local updates on each transport and recovery policy), every
+process's training and evaluation records compared, save the keys only some modes can
+have (`ONLY_SOME`, each with its reason)."""
 
 from __future__ import annotations
 
@@ -23,14 +24,20 @@ MODES: dict[str, list] = {
     "ps-ssp": ["ps", "--workers", 2, "--aggregation-mode", "ssp"],
     "ddp-restart": ["ddp", "--world-size", 2, "--ddp-recovery", "restart"],
     "ddp-live": ["ddp", "--world-size", 2, "--ddp-recovery", "live", "--timeout-s", 60],
+    "ps-sync-local": ["ps", "--workers", 2, "--aggregation-mode", "sync", "--sync-every", 2],
+    "ddp-restart-local": ["ddp", "--world-size", 2, "--ddp-recovery", "restart", "--sync-every", 2],
+    "ddp-live-local": ["ddp", "--world-size", 2, "--ddp-recovery", "live", "--timeout-s", 60,
+                       "--sync-every", 2],
 }
 PROCESSES = {"baseline": {"baseline"}, "ps-sync": {"worker0", "worker1"}, "ps-async": {"worker0", "worker1"},
              "ps-ssp": {"worker0", "worker1"}, "ddp-restart": {"rank0", "rank1"},
-             "ddp-live": {"rank0", "rank1"}}
+             "ddp-live": {"rank0", "rank1"}, "ps-sync-local": {"worker0", "worker1"},
+             "ddp-restart-local": {"rank0", "rank1"}, "ddp-live-local": {"rank0", "rank1"}}
 
 EXCHANGING = frozenset(MODES) - {"baseline"}
-PS = frozenset({"ps-sync", "ps-async", "ps-ssp"})
-DDP = frozenset({"ddp-restart", "ddp-live"})
+PS = frozenset({"ps-sync", "ps-async", "ps-ssp", "ps-sync-local"})
+DDP = frozenset({"ddp-restart", "ddp-live", "ddp-restart-local", "ddp-live-local"})
+LOCAL = frozenset({"ps-sync-local", "ddp-restart-local", "ddp-live-local"})
 # Training-record keys only some modes can have: the modes that log each, and why.
 ONLY_SOME: dict[str, tuple[frozenset[str], str]] = {
     "time/comm_blocked_s": (EXCHANGING, "the baseline exchanges nothing"),
@@ -40,8 +47,11 @@ ONLY_SOME: dict[str, tuple[frozenset[str], str]] = {
     "comm/bytes_allreduced": (DDP, "gradient bytes handed to all-reduce: a DDP rank's"),
     "ps/staleness": (PS, "versions a pushed gradient is behind the servers: parameter server only"),
     "ps/rejected_pushes": (PS, "pushes a shard turned away as too stale: parameter server only"),
-    **{key: (frozenset({"ps-sync"}), "the step agreement across shards: sync mode only")
+    **{key: (frozenset({"ps-sync", "ps-sync-local"}), "the step agreement across shards: sync mode only")
        for key in SYNC_MODE_ONLY},
+    "local/rounds": (LOCAL, "rounds of local updates that ended: local updates only"),
+    "local/exchange_bytes": (LOCAL - PS, "the largest pseudo-gradient all-reduced (a worker counts its "
+                             "pushes in comm/bytes_sent)"),
 }
 RECORD_FIELDS = {"step", "epoch", "time"}
 

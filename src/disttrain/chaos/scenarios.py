@@ -187,6 +187,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("ddp-restart", "ddp", "restart", group_restart=True, exact=True, preemptible=True,
              resizable=True, exact_resume=True, preempt_before=0.75, preempted_slowdown=10.0),
     Scenario("ddp-live", "ddp", "live"),
+    # Local updates on both recovery policies: restart resumes mid-round from a checkpoint
+    # (bit-identical); a live group sends its survivors back to the round's start.
+    Scenario("ddp-restart-local", "ddp", "restart", ("--sync-every", "4"), group_restart=True, exact=True),
+    Scenario("ddp-live-local", "ddp", "live", ("--sync-every", "4")),
 )}
 # A live elastic group's model: wider than the others' MLP (1.1M parameters, not 10k), so a
 # step is real work (about 20 ms on a quiet core, not 2) and a change sent from outside at a

@@ -86,5 +86,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"{summary['schedules_run']} schedules: {summary['finished']} finished, "
           f"{summary['stopped_with_reason']} stopped with a reason and resumed, "
           f"{summary['invariant_violations']} broke an invariant; slowdown median "
-          f"{summary['slowdown']['median']}, longest recovery {summary['longest_recovery_s'] or 0:g}s")
+          f"{summary['slowdown']['median'] or 0:.2f}x, longest recovery "
+          f"{summary['longest_recovery_s'] or 0:.3g}s")
     return 1 if summary["invariant_violations"] else 0

@@ -79,8 +79,9 @@ class LocalRounds:
 
     Args:
         settings: H and the outer optimizer.
-        module: the rank's plain model, already on its device; its parameters and buffers
-            are made rank 0's here (a collective).
+        module: the rank's plain model, already on its device, the same on every rank
+            (`broadcast_module` makes it so in restart mode; a live group hands its state
+            over); a round starts at its parameters.
         compression: the run's compression hook, or None for a plain all-reduce.
     """
 
@@ -89,7 +90,6 @@ class LocalRounds:
         self.module = module
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
-        broadcast_module(module)
         self.outer = StreamingRounds(settings, self.params, [name for name, _ in named])
         compressor = outer_compressor(settings)
         if compressor is not None:  # the config refuses it beside the run's compression
@@ -133,6 +133,10 @@ class LocalRounds:
     @property
     def rounds(self) -> int:
         return self.outer.rounds
+
+    def summary_fields(self) -> dict[str, Any]:
+        """The summary's local-update fields: the settings and the rounds completed."""
+        return {**self.settings.summary_fields(), "local_rounds": self.rounds}
 
     def local_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         """This rank's own: its model (parameters and buffers) and its inner optimizer's

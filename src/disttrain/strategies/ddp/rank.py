@@ -42,7 +42,7 @@ from disttrain.strategies.ddp import runtime as rt
 from disttrain.strategies.ddp.balance import balance_sampler
 from disttrain.strategies.ddp.comm_hooks import CommStats, register_comm_hook
 from disttrain.strategies.ddp.heartbeats import LoopProgress, coordinator_link
-from disttrain.strategies.ddp.local_updates import LocalRounds
+from disttrain.strategies.ddp.local_updates import LocalRounds, broadcast_module
 from disttrain.strategies.ddp.preemption import RankSignal, StopAgreement, stopped_line
 from disttrain.strategies.ddp.reduce import all_reduce_values, evaluate_sharded
 from disttrain.strategies.ddp.store import RankZeroCheckpoints
@@ -186,6 +186,8 @@ class RankParticipant:
         self.learning_rate = built.learning_rate  # a resized checkpoint's goes on (`load_state_dict`)
         local_updates = LocalUpdates.of(training)
         # With local updates the rank steps its plain model: nothing crosses the network in a round.
+        if local_updates is not None:
+            broadcast_module(self.module)  # every rank starts the first round at rank 0's model
         self.rounds = None if local_updates is None else LocalRounds(
             local_updates, self.module, self.compression)
         self.model = self.module if self.rounds is not None else wrap_model(
@@ -234,7 +236,7 @@ class RankParticipant:
             "resized_from_world_size": self.resized_from}
         if self.rounds is None:
             return fields
-        return {**fields, **self.rounds.settings.summary_fields(), "local_rounds": self.rounds.rounds}
+        return {**fields, **self.rounds.summary_fields()}
 
     def evaluate(self, epoch: int) -> EvalResult:
         info = self.runtime.info

@@ -92,7 +92,7 @@ def live_problems(config: Config) -> list[str]:
     the group's leader writes checkpoints, see `live.checkpoints`; so are compression,
     PowerSGD included, see `compression.ddp_hooks`, gradient accumulation, loader workers,
     bf16 mixed precision, `ddp.lr_scaling`, measured `system.balance` and local updates,
-    see `live.rounds`.)"""
+    see `live.trainer`.)"""
     training, ddp = config.training, config.ddp
     rules = [
         (training.local_update_mode and config.system.balance != "none", "system.balance with local "

@@ -9,19 +9,21 @@ leaving frees the group and closes its sockets (`group.release`).
 
 The global batches are fixed (`batch_size` x the run's world size, cut from each epoch's
 permutation as the planned sampler cuts them); each generation splits them over its
-members, evenly or, under `system.balance`, by their speeds (`live.balance`).
+members, evenly or, under `system.balance`, by their speeds (`ddp.balance`).
 A step's gradient is that of its whole global batch whatever the split (each
 member's loss is weighted by its share), so a step redone by fewer ranks after a failure
 trains on the same samples. With local updates (`training.sync_every`) the members
-average once per round instead, and a change of group mid-round sends every member back to
-the round's start (`live.rounds`). With gradient accumulation a step takes up to
-`ddp.grad_accumulation_steps` global batches (each member's micro-batches, then one
-all-reduce), and a failed step redoes all of them. The ledger counts, per epoch and global batch, the updates
-applied from it: 1 everywhere at the end means nothing lost and nothing twice.
+average once per round instead, through restart mode's rounds (`ddp.local_updates`), and
+a change of group mid-round sends every member back to the round's start (see `step`).
+With gradient accumulation a step takes up to `ddp.grad_accumulation_steps` global
+batches (each member's micro-batches, then one all-reduce), and a failed step redoes all
+of them. The ledger counts, per epoch and global batch, the updates applied from it: 1
+everywhere at the end means nothing lost and nothing twice.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,12 +36,11 @@ from disttrain.core.errors import ConfigError
 from disttrain.data import PlannedSampler, load_datasets
 from disttrain.data.datasets import shard_layout
 from disttrain.metrics.window import TrainClock
-from disttrain.strategies.ddp.comm_hooks import CommSample
-from disttrain.strategies.ddp.live.balance import LiveBalance
+from disttrain.strategies.ddp.balance import LiveBalance
 from disttrain.strategies.ddp.live.membership import split_batch
-from disttrain.strategies.ddp.live.rounds import LiveRounds
+from disttrain.strategies.ddp.local_updates import LocalRounds
 from disttrain.strategies.ddp.rank import RankTraining, train_micro_batches, wrap_model
-from disttrain.strategies.ddp.reduce import broadcast_buffers, evaluate_sharded
+from disttrain.strategies.ddp.reduce import evaluate_sharded
 from disttrain.training.engine import EvalResult, Inputs, StepResult
 from disttrain.training.loading import prefetch
 from disttrain.training.local_updates import LocalUpdates
@@ -106,7 +107,9 @@ class LiveTrainer:
         self.stepper, self.comm, self.compression = built.stepper, built.comm, built.compression
         local_updates = LocalUpdates.of(training)
         self.rounds = None if local_updates is None else \
-            LiveRounds(local_updates, list(self.module.parameters()))
+            LocalRounds(local_updates, self.module, self.compression)
+        # With local updates, the state the round under way began from (None between rounds).
+        self._round_start: dict[str, Any] | None = None
         self.loader = prefetch(self.train_set, training.loader_workers)
         self.global_batch = training.batch_size * config.system.num_workers
         self.batches_per_epoch = len(self.train_set) // self.global_batch
@@ -123,8 +126,6 @@ class LiveTrainer:
         # The module in DDP over this generation's group (made at its first step; None
         # between generations, and with local updates, whose steps are the plain module's).
         self.ddp: DistributedDataParallel | None = None
-        # What the average of a round's pseudo-gradient hands over (local updates).
-        self.bytes_allreduced = sum(p.numel() * p.element_size() for p in self.module.parameters())
         self.samples_trained = 0  # by this process, failed steps included
         self.samples_redone = 0  # of steps whose all-reduce failed here (the group redoes them)
         self._in_flight = 0
@@ -154,15 +155,15 @@ class LiveTrainer:
     def at_round_boundary(self) -> bool:
         """Whether this member may take joiners now: always, or with local updates only
         between rounds."""
-        return self.rounds is None or not self.rounds.in_round
+        return self._round_start is None
 
     def state_dict(self) -> dict[str, Any]:
         """The run's state as this member holds it (with local updates, mid-round: as the
         round began)."""
-        start = None if self.rounds is None else self.rounds.start_state
+        start = self._round_start
         state = dict(start) if start is not None else self._current_state()
-        if self.rounds is not None:
-            state["outer"] = self.rounds.state_dict()
+        if self.rounds is not None:  # the outer state changes only at a round's end
+            state["outer"] = {**self.rounds.outer.state_dict(), "steps_in_round": 0}
         return state
 
     def _current_state(self) -> dict[str, Any]:
@@ -188,9 +189,10 @@ class LiveTrainer:
                               + " local updates (training.sync_every); resume with the run's setting")
         if self.rounds is not None:
             try:
-                self.rounds.load_state_dict(state["outer"])
+                self.rounds.outer.load_state_dict(state["outer"])
             except ValueError as e:
                 raise ConfigError(f"the state's local updates: {e}") from e
+        self._round_start = None  # a round under way here is given up
         self._load_training(state)
         if self.compression is not None and "compression" in state:
             try:
@@ -228,7 +230,7 @@ class LiveTrainer:
 
     def attach(self, rank: int, world_size: int) -> None:
         """Split the global batches over this generation's group (call once the state is
-        synced; a collective under `system.balance`, see `live.balance`); its DDP module
+        synced; a collective under `system.balance`, see `ddp.balance`); its DDP module
         is made at its first step."""
         self.drop_wrapper()
         shares = None if self.balance is None else self.balance.shares(world_size)
@@ -310,8 +312,10 @@ class LiveTrainer:
             self.balance.stop()
         self.samples_redone += self._in_flight
         self._in_flight = 0
-        start = None if self.rounds is None else self.rounds.rollback()
+        start, self._round_start = self._round_start, None
         if start is not None:  # mid-round: back to the round's start, its batches redone
+            assert self.rounds is not None
+            self.rounds.outer.give_up()
             elapsed = self.train_time_s()
             self._load_training(start)
             self.progress.train_time_s = elapsed  # the clock of training goes on
@@ -333,8 +337,14 @@ class LiveTrainer:
         assert sampler is not None, "attach() first"
         p = self.progress
         batches = min(self.micro_batches, self.batches_per_epoch - p.index)
-        if self.rounds is not None:
-            self.rounds.begin_step(self._current_state)
+        if self.rounds is not None and self._round_start is None:
+            # A round's first step: keep what it starts from. The members' models differ
+            # within a round, so a member lost mid-round takes its part of the round with
+            # it, and every survivor goes back here to redo the round's global batches with
+            # the new group (none lost, none applied twice); what a new generation hands a
+            # joiner, and what a checkpoint holds, is this state too. The ledger counts a
+            # round's global batches once it is averaged.
+            self._round_start = copy.deepcopy(self._current_state())
         self.optimizer.zero_grad(set_to_none=True)
         model = self.module if self.rounds is not None else self._wrapped()
 
@@ -382,20 +392,15 @@ class LiveTrainer:
         """After a local step that ends before global batch `next_index`: at the round's
         end, average and count the round's global batches in the ledger. Returns the step's
         communication figures (zero within a round)."""
-        assert self.rounds is not None
-        start = self.rounds.start_state
-        assert start is not None
-        first = int(start["progress"]["index"])  # a round never spans two epochs
-        ends_epoch = next_index >= self.batches_per_epoch
-        blocked = self.rounds.end_of_step(list(self.module.parameters()), ends_epoch, self.compression)
-        if blocked is None:
-            return {**CommSample().scalars(), "local/rounds": 0}
-        broadcast_buffers(self.module)  # the buffers a round ends with are rank 0's
-        self.blocked_s = blocked
-        self.ledger[self.progress.epoch, first:next_index] += 1
-        self._in_flight = 0
-        # one exchange after the round's last step: nothing of it overlaps the computation
-        return {**CommSample(blocked, 0.0, self.bytes_allreduced).scalars(), "local/rounds": 1}
+        assert self.rounds is not None and self._round_start is not None
+        first = int(self._round_start["progress"]["index"])  # a round never spans two epochs
+        scalars = self.rounds.end_of_step(next_index >= self.batches_per_epoch)
+        if scalars["local/rounds"]:  # averaged: the round's global batches are applied
+            self._round_start = None
+            self.blocked_s = scalars["time/comm_blocked_s"]
+            self.ledger[self.progress.epoch, first:next_index] += 1
+            self._in_flight = 0
+        return scalars
 
     def evaluate(self, rank: int, world_size: int) -> EvalResult:
         """The epoch-end evaluation (a collective), recorded; then the next epoch begins.
