@@ -19,8 +19,9 @@ from disttrain.training.stepping import OptimizerStep
 
 
 def assert_matches_one_process(tmp_path: Path,
-                               batches: Callable[[Config, ArrayDataset], Iterable[torch.Tensor]]) -> Config:
-    """The final model in `<tmp_path>/ckpt` equals one process's stepping on `batches(config,
+                               batches: Callable[[Config, ArrayDataset], Iterable[torch.Tensor]],
+                               final: str = "parameter_server_final.pt") -> Config:
+    """The final model `final` in `<tmp_path>/ckpt` equals one process's stepping on `batches(config,
     train_set)` in order, with the task's loss (a language model's: over every token), to
     1e-5; with clipping on, some step must have clipped. Returns the run's config (from
     `<tmp_path>/logs`)."""
@@ -37,9 +38,9 @@ def assert_matches_one_process(tmp_path: Path,
         norms.append(stepper.last_grad_norm)
     if config.training.clip_grad_norm:  # the run is a test of clipping only if some step clipped
         assert max(norms) > config.training.clip_grad_norm, norms
-    final = load_checkpoint(tmp_path / "ckpt" / "parameter_server_final.pt")["model"]
+    trained = load_checkpoint(tmp_path / "ckpt" / final)["model"]
     for name, expected in model.state_dict().items():
-        torch.testing.assert_close(final[name], expected, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(trained[name], expected, rtol=0, atol=1e-5, msg=name)
     return config
 
 

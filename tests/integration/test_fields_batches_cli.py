@@ -36,8 +36,7 @@ def test_padded_rows_with_the_models_own_loss_match_one_process(tmp_path, cli, c
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
     assert summary["samples_processed"] == 256 and summary["steps"] == 8, summary
-    (tmp_path / "ckpt" / final).rename(tmp_path / "ckpt" / "parameter_server_final.pt")
-    config = assert_matches_one_process(tmp_path, concatenated)
+    config = assert_matches_one_process(tmp_path, concatenated, final)
     assert (config.training.loss, config.training.collate_fn) == ("model", "pad")
 
 

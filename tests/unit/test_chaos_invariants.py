@@ -10,6 +10,7 @@ import torch
 
 from disttrain.chaos import invariants
 from disttrain.chaos.scenarios import scenario
+from disttrain.core.atomic_files import atomic_torch_save
 from disttrain.core.checkpoint import save_checkpoint
 
 PS = scenario("ps-sync")
@@ -66,10 +67,10 @@ def test_restart_modes_final_model_must_be_bit_identical(tmp_path):
     model = {"weight": torch.ones(3), "bias": torch.zeros(2)}
     save_checkpoint(tmp_path, 1, {})  # a registry-free run: only the final model matters here
     reference = {"model": {k: v.clone() for k, v in model.items()}}
-    torch.save({"model": model}, tmp_path / "ddp_final.pt")
+    atomic_torch_save({"model": model}, tmp_path / "ddp_final.pt")
     assert invariants.check_ddp(restart, tmp_path, tmp_path, reference) == []
     model["weight"][1] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
-    torch.save({"model": model}, tmp_path / "ddp_final.pt")
+    atomic_torch_save({"model": model}, tmp_path / "ddp_final.pt")
     (problem,) = invariants.check_ddp(restart, tmp_path, tmp_path, reference)
     assert "differs from the fault-free run's in 1 tensor(s) (weight)" in problem
 

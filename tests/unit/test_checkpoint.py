@@ -45,8 +45,8 @@ def test_corrupt_files_raise_a_named_error(tmp_path, damage):
 
 def test_loading_refuses_arbitrary_objects(tmp_path):
     path = tmp_path / "evil.pt"
-    torch.save({"payload": ConfigError("x")}, path)  # any non-allowlisted class
-    with pytest.raises(CheckpointError):
+    ckpt.atomic_torch_save({"payload": ConfigError("x")}, path)  # any non-allowlisted class, its sum right
+    with pytest.raises(CheckpointError, match="evil.pt is corrupt or truncated .*Weights only load failed"):
         ckpt.load_checkpoint(path)
 
 

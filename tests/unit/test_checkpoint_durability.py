@@ -40,6 +40,8 @@ def damage(path, how):
         flip_byte(path, len(data) // 2)
     elif how == "bad sum file":
         sidecar_path(path).write_text("not a sum\n")
+    elif how == "no sum file":
+        sidecar_path(path).unlink()
 
 
 def test_every_save_writes_a_sha256sum_style_sidecar(tmp_path):
@@ -53,14 +55,20 @@ def test_a_flipped_byte_fails_the_checksum(tmp_path):
     flip_byte(path, len(path.read_bytes()) // 2)  # inside the tensor's raw bytes
     with pytest.raises(CheckpointError, match=r"checkpoint_step00000007\.pt is corrupt.*checksum"):
         ckpt.load_checkpoint(path)
-    sidecar_path(path).unlink()  # without its sum the same damage goes unnoticed: the sum catches it
-    assert not torch.equal(ckpt.load_checkpoint(path)["w"], torch.full((5000,), 7.0))
+    # torch.load alone reads the damaged tensor as if nothing were wrong: the sum catches it
+    assert not torch.equal(torch.load(path, weights_only=True)["w"], torch.full((5000,), 7.0))
 
 
-def test_a_checkpoint_without_a_sum_still_loads(tmp_path):
-    torch.save({"step": 4, "w": torch.ones(3)}, tmp_path / ckpt.checkpoint_name(4))  # older format
-    assert ckpt.load_checkpoint(tmp_path / ckpt.checkpoint_name(4))["step"] == 4
-    assert ckpt.prepare_checkpoint_dir(tmp_path, resume=True).name == ckpt.checkpoint_name(4)
+def test_a_checkpoint_without_its_sum_is_refused_and_a_resume_takes_the_one_before(tmp_path):
+    older, newer = save_steps(tmp_path, 4, 8)
+    torch.save({"step": 12, "w": torch.ones(3)}, tmp_path / ckpt.checkpoint_name(12))  # no sidecar
+    for path in (tmp_path / ckpt.checkpoint_name(12), newer):
+        sidecar_path(path).unlink(missing_ok=True)
+        with pytest.raises(CheckpointError, match=rf"{path.name} has no checksum file {path.name}\.sha256"):
+            ckpt.load_checkpoint(path)
+    assert ckpt.prepare_checkpoint_dir(tmp_path, resume=True) == older
+    with pytest.raises(CheckpointError, match=r"checkpoint_step00000099\.pt does not exist"):
+        ckpt.load_checkpoint(tmp_path / ckpt.checkpoint_name(99))
 
 
 def test_pruning_removes_the_sums_with_their_checkpoints(tmp_path):
@@ -70,7 +78,7 @@ def test_pruning_removes_the_sums_with_their_checkpoints(tmp_path):
         "checkpoint_step00000004.pt", "checkpoint_step00000004.pt.sha256"]
 
 
-@pytest.mark.parametrize("how", ["truncated", "empty", "flipped", "bad sum file"])
+@pytest.mark.parametrize("how", ["truncated", "empty", "flipped", "bad sum file", "no sum file"])
 def test_a_damaged_newest_falls_back_to_the_previous_with_a_warning(tmp_path, caplog, how):
     paths = save_steps(tmp_path, 10, 20, 30)
     damage(paths[-1], how)

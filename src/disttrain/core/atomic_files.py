@@ -7,8 +7,8 @@ sum in a sidecar `NAME.sha256`, one line in `sha256sum`'s format (`<hex>  NAME`)
 bit-flipped file from a good one before unpickling it. The sum is taken from the bytes
 as they are written (no second copy of the state in memory). A sidecar beside the file,
 rather than a sum inside it, keeps a checkpoint a plain `torch.save` file that any
-`torch.load` reads. A file without a sidecar (written before sums existed) is still
-accepted, unverified.
+`torch.load` reads. Every file is written with its sidecar, so one without (copied
+without it, or its sidecar lost) is refused: its bytes cannot be told from damaged ones.
 """
 
 from __future__ import annotations
@@ -200,20 +200,25 @@ def file_sha256(path: str | Path) -> str:
                               "permissions and the disk") from e
 
 
-def expected_sha256(path: str | Path) -> str | None:
-    """The sum recorded for `path`; None when it has no sidecar.
+def expected_sha256(path: str | Path) -> str:
+    """The sum recorded for `path` in its sidecar.
 
     Raises:
-        CheckpointError: the sidecar exists but cannot be read or is malformed.
+        CheckpointError: `path` does not exist; it has no sidecar; or the sidecar cannot
+            be read or is malformed.
     """
     sidecar = sidecar_path(path)
     try:
         text = sidecar.read_text(encoding="ascii")
-    except FileNotFoundError:
-        return None
+    except FileNotFoundError as e:
+        if not Path(path).exists():
+            raise CheckpointError(f"checkpoint {path} does not exist") from e
+        raise CheckpointError(f"checkpoint {path} has no checksum file {sidecar.name} beside it (every "
+                              "checkpoint and model file is written with one); copy it along with the "
+                              "checkpoint, or restore a good copy of both") from e
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checksum file {sidecar} cannot be read ({e}); check its "
-                              "permissions, or delete it to load the checkpoint unverified") from e
+                              "permissions, or restore a good copy of it with its checkpoint") from e
     return parse_sidecar(text, sidecar)
 
 
@@ -226,27 +231,21 @@ def parse_sidecar(text: str, sidecar: str | Path) -> str:
     digest = text.split(maxsplit=1)[0] if text.strip() else ""
     if len(digest) != 64 or not set(digest) <= HEX_DIGITS:
         raise CheckpointError(f"checksum file {sidecar} is malformed (expected a 64-digit SHA-256); "
-                              "delete it to load the checkpoint unverified")
+                              "restore a good copy of it with its checkpoint")
     return digest
 
 
-def verify_sha256(path: str | Path) -> bool:
+def verify_sha256(path: str | Path) -> None:
     """Check `path` against its sidecar.
-
-    Returns:
-        True when the sum matched, False when `path` has no sidecar (nothing to check).
 
     Raises:
         CheckpointError: the sum does not match (the message says "corrupt or truncated"
-            and "checksum"), or the file or its sidecar cannot be read.
+            and "checksum"); the file or its sidecar is missing or cannot be read.
     """
     expected = expected_sha256(path)
-    if expected is None:
-        return False
     actual = file_sha256(path)
     if actual != expected:
         raise CheckpointError(f"checkpoint {path} is corrupt or truncated: its SHA-256 checksum "
                               f"{actual[:16]}... does not match {expected[:16]}... recorded in "
                               f"{sidecar_path(path).name}; restore a good copy, or delete it (a resume then "
                               "falls back to the previous checkpoint)")
-    return True

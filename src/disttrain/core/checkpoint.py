@@ -237,8 +237,7 @@ def save_final_model(path: str | Path, model_state: dict[str, Any], config: Any)
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Verify a checkpoint's checksum, then load it with `weights_only=True`.
 
-    A local checkpoint without a `.sha256` sidecar (written before sums existed) still
-    loads; only `torch.load`'s own checks apply to it. On a store the sidecar is required.
+    Its `.sha256` sidecar is required, on a local disk as on a store.
 
     Raises:
         CheckpointError: the file is missing, truncated, corrupt, fails its checksum or is
