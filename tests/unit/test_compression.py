@@ -206,6 +206,22 @@ def test_malformed_quantization_headers_are_refused(low, scale, message):
         Compressor("quantization").decode(payload, [("w", 100)], torch.empty(100))
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([torch.float32, torch.float64, torch.float16]),
+       st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True),
+                          st.sampled_from([3e38, -3e38, 1.7e308, 6e4, 1e20])), max_size=40),
+       st.sampled_from([(-1,), (2, -1), "strided"]))
+def test_all_finite_answers_as_isfinite_does(dtype, values, shape):
+    """The dot product's shortcut never changes the answer: huge finite values whose
+    squares overflow, NaN, infinities, every float dtype, matrices and strided views."""
+    tensor = torch.tensor(values, dtype=torch.float64).to(dtype)  # out of range: inf in float16/32
+    if shape == "strided":
+        tensor = tensor[::2]
+    elif len(values) % 2 == 0 and values:
+        tensor = tensor.reshape(shape)
+    assert all_finite(tensor) == bool(torch.isfinite(tensor).all())
+
+
 def test_all_finite():
     assert all_finite(torch.ones(10))
     assert not all_finite(torch.tensor([1.0, float("nan")]))
