@@ -245,13 +245,6 @@ class StreamingRounds:
         for fragment in self.fragments:
             fragment.outer.take_start(fragment.tensors)
 
-    def give_up(self) -> None:
-        """Give up the round under way, whose start every fragment still holds: the count
-        starts again from it (a live group that changed mid-round goes back there). Plain
-        local updates only (one fragment, no delay): fragments have no start in common."""
-        assert len(self.fragments) == 1 and not self.in_flight, "a round of one fragment only"
-        self.fragments[0].outer.steps_in_round = 0
-
     def end_of_step(self, ends_epoch: bool) -> list[Fragment]:
         """Count one inner step; returns the fragments whose round it ends, in order."""
         for fragment in self.fragments:

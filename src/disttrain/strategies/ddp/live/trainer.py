@@ -160,10 +160,11 @@ class LiveTrainer:
     def state_dict(self) -> dict[str, Any]:
         """The run's state as this member holds it (with local updates, mid-round: as the
         round began)."""
-        start = self._round_start
-        state = dict(start) if start is not None else self._current_state()
-        if self.rounds is not None:  # the outer state changes only at a round's end
-            state["outer"] = {**self.rounds.outer.state_dict(), "steps_in_round": 0}
+        if self._round_start is not None:
+            return dict(self._round_start)
+        state = self._current_state()
+        if self.rounds is not None:
+            state["outer"] = self.rounds.outer.state_dict()
         return state
 
     def _current_state(self) -> dict[str, Any]:
@@ -315,7 +316,9 @@ class LiveTrainer:
         start, self._round_start = self._round_start, None
         if start is not None:  # mid-round: back to the round's start, its batches redone
             assert self.rounds is not None
-            self.rounds.outer.give_up()
+            # the outer state too: an exchange cut short after its outer step (in the
+            # buffers' broadcast) has moved it on
+            self.rounds.outer.load_state_dict(start["outer"])
             elapsed = self.train_time_s()
             self._load_training(start)
             self.progress.train_time_s = elapsed  # the clock of training goes on
@@ -344,7 +347,8 @@ class LiveTrainer:
             # the new group (none lost, none applied twice); what a new generation hands a
             # joiner, and what a checkpoint holds, is this state too. The ledger counts a
             # round's global batches once it is averaged.
-            self._round_start = copy.deepcopy(self._current_state())
+            self._round_start = {**copy.deepcopy(self._current_state()),
+                                 "outer": self.rounds.outer.state_dict()}
         self.optimizer.zero_grad(set_to_none=True)
         model = self.module if self.rounds is not None else self._wrapped()
 
