@@ -25,7 +25,9 @@ def flat(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
 
 
-def member(port: int, out_dir: str) -> None:
+def joined_trainer(port: int):
+    """A live trainer with local updates, attached to a group of one formed through the
+    store at `port`; (trainer, group)."""
     torch.set_num_threads(1)
     from disttrain.strategies.ddp.live.group import LiveGroup, connect
     from disttrain.strategies.ddp.live.membership import Patience
@@ -37,6 +39,11 @@ def member(port: int, out_dir: str) -> None:
     group = LiveGroup(connect("127.0.0.1", port, 30.0), 0, Patience(1.0, 5.0, 30.0))
     group.form(0, (0,))
     trainer.attach(0, 1)
+    return trainer, group
+
+
+def member(port: int, out_dir: str) -> None:
+    trainer, group = joined_trainer(port)
     start = flat(trainer.module)
     record: dict = {}
     for _ in range(2):  # half a round
@@ -63,14 +70,19 @@ def member(port: int, out_dir: str) -> None:
     os._exit(0)
 
 
-@pytest.mark.timeout(120)
-def test_a_change_of_group_mid_round_goes_back_to_the_rounds_start(tmp_path):
+def run_member(target, tmp_path: Path) -> dict:
+    """Run `target` (a member function) in its own process beside a store; its record."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    process = mp.get_context("forkserver").Process(target=member, args=(store.port, str(tmp_path)))
+    process = mp.get_context("forkserver").Process(target=target, args=(store.port, str(tmp_path)))
     process.start()
     process.join(timeout=100)
     assert process.exitcode == 0
-    record = json.loads((tmp_path / "member.json").read_text())
+    return json.loads((tmp_path / "member.json").read_text())
+
+
+@pytest.mark.timeout(120)
+def test_a_change_of_group_mid_round_goes_back_to_the_rounds_start(tmp_path):
+    record = run_member(member, tmp_path)
     assert record["moved"]  # half a round trained this member's own model
     assert record["handed_step"] == 0 and record["handed_is_start"]  # a joiner would get the start
     assert record["back_at_start"] and record["step_after"] == 0
@@ -84,18 +96,8 @@ def member_cut_after_outer_step(port: int, out_dir: str) -> None:
     peer dies between the all-reduce and it): going back to the round's start must take
     the outer state back too, or the next round's pseudo-gradient is taken from a start
     the model never held."""
-    torch.set_num_threads(1)
     from disttrain.strategies.ddp import local_updates
-    from disttrain.strategies.ddp.live.group import LiveGroup, connect
-    from disttrain.strategies.ddp.live.membership import Patience
-    from disttrain.strategies.ddp.live.trainer import LiveTrainer
-    config = Config().replace(training={"model_architecture": "mlp", "dataset": "digits", "batch_size": BATCH,
-                                        "sync_every": SYNC_EVERY, "num_epochs": 1},
-                              system={"num_workers": 1})
-    trainer = LiveTrainer(config, 0)
-    group = LiveGroup(connect("127.0.0.1", port, 30.0), 0, Patience(1.0, 5.0, 30.0))
-    group.form(0, (0,))
-    trainer.attach(0, 1)
+    trainer, group = joined_trainer(port)
     start = flat(trainer.module)
     broadcast = local_updates.broadcast_module
 
@@ -134,13 +136,7 @@ def member_cut_after_outer_step(port: int, out_dir: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_an_exchange_cut_after_its_outer_step_goes_back_with_the_outer_state(tmp_path):
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    process = mp.get_context("forkserver").Process(target=member_cut_after_outer_step,
-                                                   args=(store.port, str(tmp_path)))
-    process.start()
-    process.join(timeout=100)
-    assert process.exitcode == 0
-    record = json.loads((tmp_path / "member.json").read_text())
+    record = run_member(member_cut_after_outer_step, tmp_path)
     assert record["cut"] and record["outer_moved"]
     assert record["back_at_start"] and record["outer_back"] and record["handed_outer_back"]
     assert record["rounds"] == 1 and record["model_is_outer_start"]
