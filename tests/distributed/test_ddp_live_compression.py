@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from disttrain.config import CompressionConfig, Config
+from tests.live_steps import live_step
 
 pytestmark = pytest.mark.slow  # every test spawns a process group of live ranks
 
@@ -31,7 +32,7 @@ STEPS = 4
 def rank_main(rank: int, port: int, scheme: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     from disttrain.compression.ddp_hooks import average_flat
-    from disttrain.strategies.ddp.rank import compression_hook
+    from disttrain.strategies.ddp.participant import compression_hook
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     section = SECTIONS.get(scheme, {"type": scheme})
@@ -109,7 +110,7 @@ def powersgd_member(slot: int, port: int, out_dir: str) -> None:
         group.form(0, (0,))
         trainer.attach(0, 1)
         for _ in range(4):
-            trainer.step()
+            live_step(trainer)
         tickets = 0
         while tickets == 0:  # step boundaries until slot 1's ticket shows
             tickets = group.pending_joins(0)
@@ -125,7 +126,7 @@ def powersgd_member(slot: int, port: int, out_dir: str) -> None:
         trainer.load_state_dict(state)
     trainer.attach(group.rank, group.world_size)
     for _ in range(3):
-        trainer.step()
+        live_step(trainer)
     assert trainer.compression is not None
     record = {"iter": trainer.compression.state_dict()["powersgd/iter"].tolist()[0],
               "weights": [p.detach().sum().item() for p in trainer.module.parameters()]}

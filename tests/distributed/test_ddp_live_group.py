@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from disttrain.strategies.ddp.live.group import Beats, LiveGroup, connect
 from disttrain.strategies.ddp.live.membership import Patience
 from disttrain.strategies.ddp.live.state import share_state
+from tests.live_steps import live_step
 
 pytestmark = pytest.mark.slow  # every test spawns a process group of live ranks
 
@@ -258,7 +259,7 @@ def leaves_after_a_step_through_ddp(slot: int, port: int, out_dir: str) -> None:
     group = LiveGroup(store, slot, Patience(STALE_S, 10.0, TIMEOUT_S))
     group.form(0, (0, 1))
     trainer.attach(group.rank, group.world_size)
-    trainer.step()  # through the generation's DDP module
+    live_step(trainer)  # through the generation's DDP module
     if slot == 0:  # leaves while slot 1 is in a collective with it, as a live rank leaves
         trainer.detach()
         group.leave()

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from disttrain.config import Config
+from tests.live_steps import live_step
 
 pytestmark = pytest.mark.slow  # every test spawns a process group of live ranks
 
@@ -47,7 +48,7 @@ def member(port: int, out_dir: str) -> None:
     start = flat(trainer.module)
     record: dict = {}
     for _ in range(2):  # half a round
-        trainer.step()
+        live_step(trainer)
     record["moved"] = not torch.equal(flat(trainer.module), start)
     handed = trainer.state_dict()
     record["handed_step"] = handed["progress"]["step"]
@@ -60,7 +61,7 @@ def member(port: int, out_dir: str) -> None:
     record["ledger_after"] = int(trainer.ledger.sum())
     trainer.attach(0, 1)
     for _ in range(SYNC_EVERY):  # a whole round
-        trainer.step()
+        live_step(trainer)
     record["ledger_round"] = trainer.ledger[0, :SYNC_EVERY + 1].tolist()
     record["rounds"] = trainer.state_dict()["outer"]["rounds"]
     record["between_rounds"] = trainer.at_round_boundary
@@ -105,11 +106,11 @@ def member_cut_after_outer_step(port: int, out_dir: str) -> None:
         raise RuntimeError("a peer was lost in the broadcast")
 
     for _ in range(SYNC_EVERY - 1):
-        trainer.step()
+        live_step(trainer)
     local_updates.broadcast_module = cut
     record: dict = {}
     try:
-        trainer.step()
+        live_step(trainer)
     except RuntimeError:
         record["cut"] = True
     local_updates.broadcast_module = broadcast
@@ -123,7 +124,7 @@ def member_cut_after_outer_step(port: int, out_dir: str) -> None:
                                    and torch.equal(handed["outer"]["round_start"], start))
     trainer.attach(0, 1)
     for _ in range(SYNC_EVERY):  # the round again, whole
-        trainer.step()
+        live_step(trainer)
     record["rounds"] = trainer.rounds.outer.rounds
     record["model_is_outer_start"] = torch.equal(flat(trainer.module),
                                                  trainer.rounds.outer.state_dict()["round_start"])

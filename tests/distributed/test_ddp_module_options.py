@@ -1,6 +1,6 @@
 """The DDP section's module options reach torch's DDP module: each rank of a real 2-rank
 gloo group joins it as the strategy does (`runtime.start`, rendezvous through a store
-the test hosts as the elastic agent would), builds its `RankParticipant` from a config,
+the test hosts as the elastic agent would), builds its participant from a config (`rank.restart_participant`),
 trains two steps, and reports what the DDP module holds and what the strategy's own
 communication hook saw. Defaults against non-default values of `ddp.bucket_cap_mb`,
 `ddp.gradient_as_bucket_view` and `ddp.static_graph`."""
@@ -18,7 +18,8 @@ import torch.multiprocessing as mp
 from disttrain.config import config_from_dict
 from disttrain.data import load_datasets
 from disttrain.strategies.ddp import runtime as rt
-from disttrain.strategies.ddp.rank import RankParticipant
+from disttrain.strategies.ddp.participant import DDPParticipant
+from disttrain.strategies.ddp.rank import restart_participant
 from disttrain.training.engine import forward_backward
 from disttrain.training.strategy import StepInfo
 
@@ -37,15 +38,15 @@ SETTINGS = {
 }
 
 
-def observe(participant: RankParticipant, rank: int) -> dict:
+def observe(participant: DDPParticipant, rank: int) -> dict:
     """What the strategy's DDP module holds after two training steps, and the buckets the
     strategy's communication hook counted in one more backward pass."""
-    model = participant.model
+    model = participant.recovery.begin_step(0)  # the rank's DDP module
     indices = torch.arange(rank * BATCH_SIZE, (rank + 1) * BATCH_SIZE)
     for step in (1, 2):  # DDP sizes its buckets anew after the first step
         participant.step([indices], StepInfo(step, 0, step - 1))
     participant.optimizer.zero_grad(set_to_none=True)
-    inputs, targets = participant.train_set.batch(indices)
+    inputs, targets = participant.data.train.batch(indices)
     forward_backward(model, inputs, targets, 1.0, participant.precision)
     counted = participant.comm.drain()
     logged = model._get_ddp_logging_data()  # what the reducer was set up with
@@ -72,8 +73,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
     facts = {}
     for name, ddp in SETTINGS.items():
         config = config_from_dict({"training": TRAINING, "ddp": ddp})
-        participant = RankParticipant(config.training, config.ddp, config.compression, runtime,
-                                      load_datasets(config.training))
+        participant = restart_participant(config, runtime, load_datasets(config.training))
         facts[name] = observe(participant, rank)
     torch.save(facts, Path(out_dir) / f"rank{rank}.pt")
     rt.shutdown(runtime)

@@ -14,6 +14,7 @@ from disttrain.data.datasets import digits
 from disttrain.data.shard_order import shard_permutation
 from disttrain.data.shards import write_shards
 from disttrain.strategies.ddp.live.trainer import LiveTrainer
+from tests.live_steps import live_evaluate, live_step
 
 SHARD, BATCH, SEED = 64, 16, 5  # digits' 1,437 training samples in 23 shards
 
@@ -61,13 +62,13 @@ def test_a_live_rank_reads_its_shards_ahead_and_its_steps_read_none(spec, tmp_pa
         reader = live.train_set.reader
         first = reader.stats
         while not live.epoch_done:
-            live.step()
+            live_step(live)
         assert first is reader.stats  # no plan since the attach's
         assert first.read_on_demand == 0
         # shard by shard: each shard the epoch's global batches touch is read once
         taken = shard_permutation(live.shards.shard_sizes, SEED, 0)[:live.batches_per_epoch * BATCH]
         assert first.read_ahead == len(set(live.train_set.shards_of(taken).tolist()))
-        live.evaluate(rank=0, world_size=1)  # the next epoch's plan: the reader counts afresh
+        live_evaluate(live)  # the next epoch's plan: the reader counts afresh
         assert reader.stats is not first
     finally:
         dist.destroy_process_group()

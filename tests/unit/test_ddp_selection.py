@@ -10,7 +10,7 @@ import torch
 
 from disttrain.config import config_from_dict
 from disttrain.core.errors import ConfigError, DistributedError
-from disttrain.strategies.ddp.rank import scaled_learning_rate
+from disttrain.strategies.ddp.participant import scaled_learning_rate
 from disttrain.strategies.ddp.runtime import (
     RankInfo,
     check_gpu_count,

@@ -2,12 +2,14 @@
 elastic agent (`disttrain ddp`) or by torchrun (`python -m disttrain.ddp`).
 
 Modules: `launcher` (checks, elastic agent: `STRATEGY`), `runtime` (backend, device,
-process group), `rank` (a rank's participant in the training loop), `comm_hooks` (the one
-place DDP communication hooks are registered), `precision` (bf16/fp16 on CUDA), `store`
-and `rng` (checkpoints that resume exactly), `reduce` (figures over all ranks),
+process group), `participant` (the one DDP participant in the training loop: the step,
+under a recovery policy), `rank` (restart mode's policy and a rank's run), `comm_hooks`
+(the one place DDP communication hooks are registered), `precision` (bf16/fp16 on CUDA),
+`store` and `rng` (checkpoints that resume exactly), `reduce` (figures over all ranks),
 `endpoint` (the rendezvous check), `preemption` (SIGTERM: the ranks agree on a step and
 stop there with its checkpoint); `live/` (live recovery, `ddp.recovery: live`: survivors
-re-form without restarting, a restarted rank rejoins; the launcher starts the ranks itself).
+re-form without restarting, a restarted rank rejoins; the launcher starts the ranks
+itself).
 """
 
 from disttrain.compression.ddp_hooks import build_ddp_hook, run_hook

@@ -1,6 +1,7 @@
-"""A live rank's part in the one training loop (`training.loop.TrainingLoop`): the step,
-the evaluation and the checkpoint pieces of one generation of its group, and the store
-its leader alone writes.
+"""A live rank's recovery policy for the one DDP participant in the training loop
+(`ddp.participant.DDPParticipant`, which restart mode runs too): the step boundary where
+the group may change, and the checkpoint pieces of one generation of its group; and the
+store its leader alone writes.
 
 A generation's run of the loop ends at a step boundary where the group changes (ranks
 ask to join, members leave: `GroupChanges`), or where a collective fails because a peer
@@ -21,14 +22,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from disttrain.core.errors import CheckpointError, DistributedError
 from disttrain.strategies.ddp.live.checkpoints import LiveCheckpoints
 from disttrain.strategies.ddp.live.group import LiveGroup
 from disttrain.strategies.ddp.live.membership import Change, below_minimum
 from disttrain.strategies.ddp.live.trainer import LiveTrainer
-from disttrain.training.engine import EvalResult, StepResult
+from disttrain.training.engine import EvalResult
 from disttrain.training.loop import LOOP_KEYS
-from disttrain.training.strategy import StepInfo
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +49,10 @@ class GroupChanges(Exception):
         self.change = change
 
 
-class LiveParticipant:
-    """One member's step, evaluation and state in a generation.
+class LiveRecovery:
+    """Live recovery's policy for the one DDP participant (`ddp.participant.DDPParticipant`)
+    in a generation: at each step boundary the group may change, and a checkpoint holds
+    the group's state (`LiveTrainer`: the run's position and data ledger with the model).
 
     Args:
         trainer: the rank's model, optimizer, data and the run's progress (attached to
@@ -65,14 +69,19 @@ class LiveParticipant:
                  report: Callable[[int], None]):
         self.trainer, self.group, self.min_world_size, self.report = trainer, group, min_world_size, report
         self._uncounted: tuple[int, float] | None = None  # the last step's (samples, joins_wait_s)
+        self._step: tuple[int, float] = (0, 0.0)  # the step under way's (samples, joins_wait_s)
 
     def start(self) -> None:
         """Nothing to set up: the generation's group was formed and its state synced."""
 
-    def step(self, batches: list[Any], info: StepInfo) -> StepResult:
-        """Take the group's changes at this boundary, then train this member's pieces of
-        the step's global batches (the trainer cuts them by the generation's split; the
-        loop's `batches` are the same pieces).
+    def place(self) -> tuple[int, int]:
+        """This member's place in the generation (counting the last step's speed first)."""
+        self._count_last_step()
+        return self.group.rank, self.group.world_size
+
+    def begin_step(self, samples: int) -> torch.nn.Module:
+        """Take the group's changes at this boundary; then the module the step trains
+        through (`LiveTrainer.begin_step`).
 
         Raises:
             GroupChanges: ranks join or members leave here (every member raises it).
@@ -90,16 +99,18 @@ class LiveParticipant:
             if change.changes(progress.admitted):  # every member sees the same: all change the group
                 progress.admitted = change.tickets
                 raise GroupChanges(change)
-        result = trainer.step()
-        self.report(progress.step)
-        self._uncounted = (result.num_samples, joins_wait_s)
-        return result
+        self._step = (samples, joins_wait_s)
+        return trainer.begin_step(samples)
 
-    def evaluate(self, epoch: int) -> EvalResult:
-        """The epoch-end evaluation, over the group (a collective); the trainer records it
-        in the run's progress and moves to the next epoch."""
-        self._count_last_step()
-        return self.trainer.evaluate(self.group.rank, self.group.world_size)
+    def end_step(self, batches: int, scalars: dict[str, float]) -> None:
+        """The ledger and the run's position past the step (`LiveTrainer.end_step`); its
+        speed is counted when the loop comes back (see the module's docstring)."""
+        self.trainer.end_step(batches, scalars)
+        self.report(self.trainer.progress.step)
+        self._uncounted = self._step
+
+    def evaluated(self, result: EvalResult) -> None:
+        self.trainer.evaluated(result)
 
     def state_dict(self) -> dict[str, Any]:
         return self.trainer.state_dict()

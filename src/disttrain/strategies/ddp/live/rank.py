@@ -7,10 +7,11 @@ at each step boundary, take back ranks that ask to join.
          +--- re-form among survivors (a collective failed) <-----+--- grow (joiners)
 
 Each generation trains in the one training loop (`training.loop.TrainingLoop`, as every
-strategy does), its participant the member's step, evaluation and state
-(`participant.LiveParticipant`), from the state its members synced as from a resume; the
-generation's run of the loop ends where the group changes at a step boundary or a
-collective fails, and the next generation runs it again.
+strategy does) with the one DDP participant (`ddp.participant.DDPParticipant`, as restart
+mode does) under live recovery's policy (`participant.LiveRecovery`: the step boundary
+where the group may change, and the group's state), from the state its members synced as
+from a resume; the generation's run of the loop ends where the group changes at a step
+boundary or a collective fails, and the next generation runs it again.
 
 A rank started again by the launcher (`attempt` > 0) holds no state: it asks to join,
 and its first generation hands it the weights, optimizer and position of a live peer.
@@ -65,10 +66,11 @@ from disttrain.strategies.ddp.live.membership import (
     stepped_in,
     world_sizes,
 )
-from disttrain.strategies.ddp.live.participant import GroupChanges, LeaderStore, LiveParticipant
+from disttrain.strategies.ddp.live.participant import GroupChanges, LeaderStore, LiveRecovery
 from disttrain.strategies.ddp.live.places import spare_key, wait_for_place
 from disttrain.strategies.ddp.live.state import share_state
 from disttrain.strategies.ddp.live.trainer import LiveTrainer
+from disttrain.strategies.ddp.participant import DDPParticipant, RankData
 from disttrain.strategies.ddp.runtime import is_peer_loss
 from disttrain.training.loop import LoopRecords, LoopSettings, TrainingLoop
 from disttrain.training.options import RunOptions
@@ -347,7 +349,7 @@ class LiveRank:
     def _train(self) -> Change | None:
         """Run the training loop (`training.loop.TrainingLoop`) for this generation, from the
         state its members synced, until the run ends (None), or joiners wait or members leave
-        at a step boundary (what changes: `LiveParticipant.step`).
+        at a step boundary (what changes: `LiveRecovery.begin_step`).
 
         The records are the process's (opened at its first generation): a window's figures
         every `training.log_interval` steps, and each epoch's evaluation; the steps of a
@@ -359,7 +361,10 @@ class LiveRank:
         position = self.heartbeat_progress.position  # the loop moves it; the heartbeats read it
         position.epoch, position.step = p.epoch, p.step
         position.samples_processed, position.train_time_s = trainer.samples_trained, trainer.train_time_s()
-        participant = LiveParticipant(trainer, group, self.min_world_size, self.launcher_progress)
+        recovery = LiveRecovery(trainer, group, self.min_world_size, self.launcher_progress)
+        data = RankData(trainer.loader or trainer.train_set, trainer.test_set, trainer.sampler,
+                        self.config.training.eval_batch_size)
+        participant = DDPParticipant(trainer.training, trainer.rounds, data, recovery)
         loop = TrainingLoop(self.settings, participant, trainer.sampler,
                             LeaderStore(self.checkpoints, group.is_leader),
                             records.metrics.folder, self.faults,

@@ -1,11 +1,12 @@
 """What a live rank trains, and the state its group hands over: model, optimizer and
 schedule, the position in the run, the data ledger, the evaluations and the recoveries.
 
-A live member trains through torch's DDP module, as a restart-mode rank does
-(`rank.wrap_model`: bucketed all-reduces overlapped with backward, the same timing and
-compression hooks), wrapped again for each generation of its group at the generation's
-first step and dropped (`drop_wrapper`) before the member leaves the group, so that
-leaving frees the group and closes its sockets (`group.release`).
+A live member steps through the one DDP participant (`ddp.participant`), as a
+restart-mode rank does, and so through torch's DDP module (`participant.wrap_model`:
+bucketed all-reduces overlapped with backward, the same timing and compression hooks),
+wrapped again for each generation of its group at the generation's first step and
+dropped (`drop_wrapper`) before the member leaves the group, so that leaving frees the
+group and closes its sockets (`group.release`).
 
 The global batches are fixed (`batch_size` x the run's world size, cut from each epoch's
 permutation as the planned sampler cuts them); each generation splits them over its
@@ -14,7 +15,8 @@ A step's gradient is that of its whole global batch whatever the split (each
 member's loss is weighted by its share), so a step redone by fewer ranks after a failure
 trains on the same samples. With local updates (`training.sync_every`) the members
 average once per round instead, through restart mode's rounds (`ddp.local_updates`), and
-a change of group mid-round sends every member back to the round's start (see `step`).
+a change of group mid-round sends every member back to the round's start
+(see `begin_step`).
 With gradient accumulation a step takes up to `ddp.grad_accumulation_steps` global
 batches (each member's micro-batches, then one all-reduce), and a failed step redoes all
 of them. The ledger counts, per epoch and global batch, the updates applied from it: 1
@@ -39,9 +41,8 @@ from disttrain.metrics.window import TrainClock
 from disttrain.strategies.ddp.balance import LiveBalance
 from disttrain.strategies.ddp.live.membership import split_batch
 from disttrain.strategies.ddp.local_updates import LocalRounds
-from disttrain.strategies.ddp.rank import RankTraining, train_micro_batches, wrap_model
-from disttrain.strategies.ddp.reduce import evaluate_sharded
-from disttrain.training.engine import EvalResult, Inputs, StepResult
+from disttrain.strategies.ddp.participant import RankTraining, wrap_model
+from disttrain.training.engine import EvalResult
 from disttrain.training.loading import prefetch
 from disttrain.training.local_updates import LocalUpdates
 
@@ -103,6 +104,7 @@ class LiveTrainer:
         # Live groups train on the CPU (bf16 autocast; fp16's loss scaling is not offered).
         built = RankTraining.build(training, config.ddp, config.compression, torch.device("cpu"), slot,
                                    config.system.num_workers)
+        self.training = built
         self.module, self.optimizer, self.precision = built.module, built.optimizer, built.precision
         self.stepper, self.comm, self.compression = built.stepper, built.comm, built.compression
         local_updates = LocalUpdates.of(training)
@@ -113,7 +115,6 @@ class LiveTrainer:
         self.loader = prefetch(self.train_set, training.loader_workers)
         self.global_batch = training.batch_size * config.system.num_workers
         self.batches_per_epoch = len(self.train_set) // self.global_batch
-        self.micro_batches = config.ddp.grad_accumulation_steps  # global batches per step
         self.num_epochs = training.num_epochs
         self.progress = Progress(global_batch=self.global_batch,
                                  first_world_size=config.system.num_workers)
@@ -246,7 +247,6 @@ class LiveTrainer:
         if self.shards is not None:
             self.sampler.read_by_shards(self.shards.shard_sizes)
         self._follow(self.sampler)
-        self.world_size = world_size
         if self.balance is not None:
             # this generation's training clock (set before it starts, kept until `detach`)
             self.balance.start(self.sampler, rank, lambda: self.clock.elapsed())
@@ -277,7 +277,7 @@ class LiveTrainer:
 
     def _load_ahead(self) -> None:
         """Have the loader workers (`training.loader_workers`) load this member's pieces of
-        the epoch's remaining global batches, in the order `step` asks for them, and a shard
+        the epoch's remaining global batches, in the order the steps ask for them, and a shard
         reader read ahead the shards they come from. Planned again at each attach and
         epoch start: a redone step's batches are cut by the new split, and a batch
         off the plan is loaded in this process anyway, so what a step trains on never
@@ -324,22 +324,16 @@ class LiveTrainer:
             self.progress.train_time_s = elapsed  # the clock of training goes on
             self._set_clock(elapsed)
 
-    def step(self) -> StepResult:
-        """Train on this member's pieces of the step's global batches (one, or up to
-        `ddp.grad_accumulation_steps`: the epoch's last step takes what is left) through
-        the generation's DDP module, which all-reduces in the last backward; apply. With
-        local updates: step this member's model, and average at the round's end. The
-        result's scalars are the metric keys of a DDP rank's step (communication,
-        optimizer, compression), as restart mode's.
+    def begin_step(self, samples: int) -> torch.nn.Module:
+        """Before a step of `samples` samples (this member's pieces of the step's global
+        batches: one, or up to `ddp.grad_accumulation_steps`, the epoch's last step what is
+        left): returns the module it trains through, the generation's DDP module (made at
+        its first step, a collective), or with local updates the plain one.
 
         Raises:
-            RuntimeError, dist.DistError: a peer was lost in the all-reduce (nothing applied;
-                the group redoes every global batch of the step, or of the round).
+            RuntimeError, dist.DistError: a peer was lost making the DDP module.
         """
-        sampler = self.sampler
-        assert sampler is not None, "attach() first"
-        p = self.progress
-        batches = min(self.micro_batches, self.batches_per_epoch - p.index)
+        assert self.sampler is not None, "attach() first"
         if self.rounds is not None and self._round_start is None:
             # A round's first step: keep what it starts from. The members' models differ
             # within a round, so a member lost mid-round takes its part of the round with
@@ -349,35 +343,25 @@ class LiveTrainer:
             # round's global batches once it is averaged.
             self._round_start = {**copy.deepcopy(self._current_state()),
                                  "outer": self.rounds.outer.state_dict()}
-        self.optimizer.zero_grad(set_to_none=True)
         model = self.module if self.rounds is not None else self._wrapped()
+        self.samples_trained += samples
+        self._in_flight += samples
+        return model
 
-        def micro_batch(offset: int) -> tuple[Inputs, torch.Tensor, float]:
-            indices = sampler.block(p.epoch, p.index + offset)
-            inputs, targets = (self.loader or self.train_set).batch(indices)
-            self.samples_trained += len(indices)
-            self._in_flight += len(indices)
-            # This member's share of the global batch, and the batch's share of the step.
-            return inputs, targets, self.world_size * len(indices) / self.global_batch / batches
-
-        loss_sum, correct, samples = train_micro_batches(model, batches, micro_batch, self.precision)
-        if self.rounds is None:
-            comm = self.comm.drain()
-            self.blocked_s = comm.blocked_s
+    def end_step(self, batches: int, scalars: dict[str, float]) -> None:
+        """A step over `batches` global batches was applied (its figures `scalars`): the
+        ledger counts them (with local updates, the round's once it is averaged) and the
+        run's position moves past them."""
+        p = self.progress
+        if self.rounds is None or scalars["local/rounds"]:
+            first = p.index if self._round_start is None else int(self._round_start["progress"]["index"])
+            self._round_start = None  # a round never spans two epochs
+            self.blocked_s = scalars["time/comm_blocked_s"]
+            self.ledger[p.epoch, first:p.index + batches] += 1
             self._in_flight = 0
-            self.stepper.step()
-            self.ledger[p.epoch, p.index:p.index + batches] += 1
-            scalars = comm.scalars()
-        else:
-            self.stepper.step()
-            scalars = self._end_of_local_step(p.index + batches)
         p.index += batches
         p.step += 1
         self._follow(self.sampler)
-        scalars.update(self.stepper.scalars())
-        if self.compression is not None:
-            scalars.update(self.compression.stats.drain().scalars())
-        return StepResult(loss_sum / max(samples, 1), correct, samples, scalars)
 
     def _wrapped(self) -> DistributedDataParallel:
         """This generation's DDP module, made at its first step (a collective: rank 0's
@@ -392,26 +376,9 @@ class LiveTrainer:
                                   self.compression)
         return self.ddp
 
-    def _end_of_local_step(self, next_index: int) -> dict[str, float]:
-        """After a local step that ends before global batch `next_index`: at the round's
-        end, average and count the round's global batches in the ledger. Returns the step's
-        communication figures (zero within a round)."""
-        assert self.rounds is not None and self._round_start is not None
-        first = int(self._round_start["progress"]["index"])  # a round never spans two epochs
-        scalars = self.rounds.end_of_step(next_index >= self.batches_per_epoch)
-        if scalars["local/rounds"]:  # averaged: the round's global batches are applied
-            self._round_start = None
-            self.blocked_s = scalars["time/comm_blocked_s"]
-            self.ledger[self.progress.epoch, first:next_index] += 1
-            self._in_flight = 0
-        return scalars
-
-    def evaluate(self, rank: int, world_size: int) -> EvalResult:
-        """The epoch-end evaluation (a collective), recorded; then the next epoch begins.
-        Call with the training clock paused (`clock.paused()`)."""
-        training = self.config.training
-        result = evaluate_sharded(self.module, self.test_set, training.eval_batch_size, rank,
-                                  world_size, torch.device("cpu"))
+    def evaluated(self, result: EvalResult) -> None:
+        """The epoch-end evaluation was `result` (taken with the training clock paused):
+        recorded; then the next epoch begins."""
         p = self.progress
         p.evaluations.append([self.train_time_s(), result.accuracy, result.loss])
         p.epoch, p.index = p.epoch + 1, 0
@@ -420,7 +387,6 @@ class LiveTrainer:
         if self.balance is not None:
             self.balance.restart()  # the evaluation is not training
         self._load_ahead()
-        return result
 
     def ledger_totals(self) -> tuple[int, int, int]:
         """(samples applied, samples of global batches never applied, samples applied more
