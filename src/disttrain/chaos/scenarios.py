@@ -188,9 +188,14 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              resizable=True, exact_resume=True, preempt_before=0.75, preempted_slowdown=10.0),
     Scenario("ddp-live", "ddp", "live"),
     # Local updates on both recovery policies: restart resumes mid-round from a checkpoint
-    # (bit-identical); a live group sends its survivors back to the round's start.
+    # (bit-identical); a live group sends its survivors back to the round's start. A live
+    # group that shrank trains another algorithm until it grows again: one member's model
+    # over each whole global batch where two members' models, each over half of it, were
+    # averaged. Seed 1203 (a member lost at step 27 of 176, back at step 60) ended at
+    # 98.33% against the fault-free 97.21% (4 of the 359 test samples), every global batch
+    # applied once.
     Scenario("ddp-restart-local", "ddp", "restart", ("--sync-every", "4"), group_restart=True, exact=True),
-    Scenario("ddp-live-local", "ddp", "live", ("--sync-every", "4")),
+    Scenario("ddp-live-local", "ddp", "live", ("--sync-every", "4"), accuracy_gap=0.02),
 )}
 # A live elastic group's model: wider than the others' MLP (1.1M parameters, not 10k), so a
 # step is real work (about 20 ms on a quiet core, not 2) and a change sent from outside at a
