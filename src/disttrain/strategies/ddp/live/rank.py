@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -86,6 +86,16 @@ FINAL_MODEL = "ddp_final.pt"
 TIMEOUT_SIGNS = ("Timed out", "timed out", "Timeout", "timeout")
 
 
+@dataclass
+class Pending:
+    """A change of group under way, recorded in the run's recoveries once the next
+    generation has synced: its kind (shrink, grow, leave, resume, or restore where nobody
+    held the state) and when it began (wall-clock seconds)."""
+
+    kind: str
+    failed_at: float = field(default_factory=time.time)
+
+
 def is_lost_peer(error: BaseException) -> bool:
     """A collective failed because a member died or stalled past the timeout."""
     return (is_peer_loss(error) or is_member_lost(error)
@@ -127,7 +137,7 @@ class LiveRank:
         self.settings = replace(LoopSettings.of(config.training, config.to_dict(),
                                                 config.ddp.grad_accumulation_steps), shards=None)
         self.task = self.settings.task  # a language model logs perplexity
-        self.pending: dict[str, Any] | None = None  # the recovery being made, recorded once synced
+        self.pending: Pending | None = None  # the recovery being made, recorded once synced
         # An elastic run (`--world-size MIN:MAX`) trains while at least MIN remain.
         self.min_world_size = config.system.num_workers if config.ddp.max_world_size else 0
         self.last_members: tuple[int, ...] = ()  # the generation trained before this one
@@ -163,7 +173,7 @@ class LiveRank:
                         return self._finish()
                     if self.slot in change.leavers:
                         self._leave(change.leavers)  # raises Preempted
-                    self.pending = {"kind": "leave" if change.leavers else "grow", "failed_at": time.time()}
+                    self.pending = Pending("leave" if change.leavers else "grow")
                     self.trainer.detach()
                     grown = self.group.change(admitted, change.tickets, change.leavers)
                     if grown is not None:
@@ -197,7 +207,7 @@ class LiveRank:
         if state is not None:
             self.trainer.load_state_dict(state)
             # The run goes on at this launch's size: recorded, so the sizes it ran at read on.
-            self.pending = {"kind": "resume", "failed_at": time.time()}
+            self.pending = Pending("resume")
             # The checkpoint counts the tickets of its run's store; this run's has none yet.
             self.trainer.progress.admitted = self.group.admitted_so_far()
 
@@ -224,7 +234,7 @@ class LiveRank:
         Raises:
             Preempted: SIGTERMed while waiting: this process leaves before it joined.
         """
-        self.pending = {"kind": "grow", "failed_at": time.time()}
+        self.pending = Pending("grow")
         joined = self.group.request_join()
         if joined is None and self.group.leave_requested:
             raise Preempted(f"slot {self.slot} left (SIGTERM) before it joined the group; the others "
@@ -277,7 +287,7 @@ class LiveRank:
         logger.warning("slot %d lost a peer in generation %d (%s); re-forming with the survivors",
                        self.slot, self.group.generation, reason)
         self.trainer.detach()
-        self.pending = {"kind": "shrink", "failed_at": detected}
+        self.pending = Pending("shrink", detected)
         joined = self.group.after_failure()
         if joined is None:
             self.trainer.drop_state()
@@ -296,7 +306,7 @@ class LiveRank:
         if source is None:  # every holder died
             source = 0
             if self.pending is not None:
-                self.pending["kind"] = "restore"
+                self.pending.kind = "restore"
             if group.is_leader:
                 self._restore()
         trainer = self.trainer
@@ -330,13 +340,13 @@ class LiveRank:
             logger.info("world size %s", size_change(self.last_members, group.members, shares))
         self.last_members = group.members
 
-    def _recovery(self, pending: dict[str, Any]) -> dict[str, Any]:
+    def _recovery(self, pending: Pending) -> dict[str, Any]:
         """One recovery as the summary lists it (wall-clock times; the launcher adds when the
         process died); a grow names the hot spares that stepped in (`spares`), each in one
         line of the log."""
         group, step = self.group, self.trainer.progress.step
-        recovery = {"kind": pending["kind"], "generation": group.generation, "members": list(group.members),
-                    "failed_at": pending["failed_at"], "resumed_at": time.time(), "step": step}
+        recovery = {"kind": pending.kind, "generation": group.generation, "members": list(group.members),
+                    "failed_at": pending.failed_at, "resumed_at": time.time(), "step": step}
         before = group.previous_members()  # the leader may be new itself (a spare with a low slot)
         marked = {slot for slot, attempt in group.attempts.items()
                   if slot not in before and group.store.check([spare_key(slot, attempt)])}
