@@ -7,6 +7,7 @@ reports to the coordinator)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 
 from disttrain.config import config_from_dict
 from disttrain.coordinator.reports import LatestMetrics
+from disttrain.core.errors import CheckpointError
 from disttrain.core.faults import FaultInjector
 from disttrain.data import ShardedSampler
 from disttrain.metrics.keys import ACCURACY_THRESHOLDS, PERPLEXITY_TARGETS
@@ -65,16 +67,20 @@ def test_the_first_evaluation_reaching_a_target_counts_even_if_the_figure_worsen
     assert found == {"32": 1.0, "16": 2.0, "8": 2.0, "4": None}  # 12 after 7 undoes nothing
 
 
-def test_evaluations_from_records_take_those_with_the_figure_and_clock():
+def test_evaluations_from_records_take_those_with_a_figure_at_their_clock():
     records = [
         {"step": 5, "loss/train": 1.0, "progress/train_time_s": 0.5},  # a window, not an evaluation
-        {"step": 10, "accuracy/test": 0.8},  # written before evaluations carried the clock
         {"step": 10, "accuracy/test": 0.9, "progress/train_time_s": 1.25},
         {"step": 20, "accuracy/test": None, "progress/train_time_s": 2.5},  # non-finite, as null
         {"step": 30, "perplexity/test": 12.0, "progress/train_time_s": 3.5},
     ]
     assert ACCURACY.evaluations_from_records(records) == [(1.25, 0.9)]
     assert PERPLEXITY.evaluations_from_records(records) == [(3.5, 12.0)]
+
+
+def test_an_evaluation_record_without_the_clock_is_refused_by_its_step():
+    with pytest.raises(ValueError, match="step 10 has no progress/train_time_s"):
+        ACCURACY.evaluations_from_records([{"step": 10, "accuracy/test": 0.8}])
 
 
 # -- the loop ------------------------------------------------------------------------------
@@ -160,6 +166,20 @@ def test_a_resume_keeps_the_evaluations_made_before_it(tmp_path):
     assert times == sorted(times)  # the resumed clock goes on from the checkpoint's
     found = ACCURACY.times(result.evaluations)
     assert found == {"0.90": before[1][0], "0.95": times[2], "0.97": None, "0.98": None}
+
+
+def test_a_resume_whose_metrics_lost_an_evaluations_clock_names_the_file(tmp_path):
+    with pytest.raises(Crash):
+        run_loop(tmp_path, ScriptedParticipant(crash_at=6), resume=False)
+    path = tmp_path / "logs" / "baseline" / "metrics.jsonl"
+    records = read_metrics(path)
+    for record in records:
+        if "accuracy/test" in record:
+            del record["progress/train_time_s"]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    with pytest.raises(CheckpointError, match=f"{path}: the evaluation record of step 2 has no "
+                                              "progress/train_time_s.*start the run afresh"):
+        run_loop(tmp_path, ScriptedParticipant(), resume=True)
 
 
 def test_a_language_model_records_its_test_perplexity_and_a_resume_keeps_it(tmp_path):

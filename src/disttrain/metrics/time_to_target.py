@@ -105,14 +105,22 @@ class TimeToTarget:
         return -figure if self.direction == UP else figure
 
     def evaluations_from_records(self, records: Iterable[dict[str, Any]]) -> list[Evaluation]:
-        """The evaluations among `metrics.jsonl` records: those with both `metric` and
-        `progress/train_time_s` (records written before evaluations carried the training
-        clock have no time and are left out)."""
+        """The evaluations among `metrics.jsonl` records: those with a finite `metric`
+        (a non-finite one is written as null), each at its `progress/train_time_s`, which
+        every evaluation record carries (`training.loop.evaluation_record`).
+
+        Raises:
+            ValueError: an evaluation record without the training clock's reading.
+        """
         found = []
         for record in records:
-            figure, train_time_s = record.get(self.metric), record.get("progress/train_time_s")
-            if figure is not None and train_time_s is not None:
-                found.append((float(train_time_s), float(figure)))
+            figure = record.get(self.metric)
+            if figure is None:
+                continue
+            if record.get("progress/train_time_s") is None:
+                raise ValueError(f"the evaluation record of step {record.get('step')} has no "
+                                 "progress/train_time_s; every evaluation record carries it")
+            found.append((float(record["progress/train_time_s"]), float(figure)))
         return found
 
 

@@ -29,8 +29,8 @@ STEP_TIME_FIELDS = {"step_s": "step_time_s", "compute_s": "compute_s",
 def run_time_to_target(evaluated: Sequence[Evaluation], target: TimeToTarget,
                        recorded: Any = None) -> dict[str, float | None]:
     """Training-clock seconds until the first evaluation reached each of `target.targets`:
-    the summary's own figure where it has one (a summary written before its field existed
-    has none), else from the evaluations in the metrics.
+    the summary's own figure where it has one, else (a target the run did not time: the
+    report's thresholds are its own) from the evaluations in the metrics.
 
     Args:
         evaluated: the run's evaluations, in order.

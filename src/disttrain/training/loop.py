@@ -287,8 +287,12 @@ class TrainingLoop:
         metrics = MetricsLogger(self.metrics_folder,
                                 resume_step=position.step if resumed_from is not None else None)
         # The evaluations a resume keeps are the records the logger kept: those up to its step.
-        evaluations = ([] if resumed_from is None
-                       else s.target.evaluations_from_records(read_metrics(metrics.path)))
+        try:
+            evaluations = ([] if resumed_from is None
+                           else s.target.evaluations_from_records(read_metrics(metrics.path)))
+        except ValueError as e:
+            raise CheckpointError(f"{metrics.path}: {e}; the run's times to target cannot be kept across "
+                                  "the resume: restore the file, or start the run afresh") from e
         steps_per_epoch = math.ceil(sampler.num_batches(s.batch_size) / s.micro_batches)
         display = self.progress(steps_per_epoch * s.num_epochs, position.step)
         records = LoopRecords(metrics, s.task, s.log_interval, s.num_epochs, self.announce, self.on_metrics,
