@@ -43,6 +43,7 @@ def test_digits_is_real_and_split():
 @pytest.mark.parametrize("content", [b"", gzip.compress(b"1,2,3\n", mtime=0),
                                      gzip.compress(b"99," * 64 + b"1\n", mtime=0)],
                          ids=["empty", "too-few-columns", "pixel-out-of-range"])
+@pytest.mark.filterwarnings("error")  # the error's line alone, no warning of numpy's beside it
 def test_a_damaged_digits_file_is_a_clear_error(tmp_path, monkeypatch, content):
     damaged = tmp_path / "digits.csv.gz"
     damaged.write_bytes(content)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,7 +176,9 @@ def digits() -> tuple[ArrayDataset, ArrayDataset]:
         DataError: the shipped file is missing or damaged (reinstall disttrain).
     """
     try:
-        with gzip.open(DIGITS_FILE, "rt") as handle:
+        with gzip.open(DIGITS_FILE, "rt") as handle, warnings.catch_warnings():
+            # an empty file is reported below, as damaged, in the error's one line
+            warnings.filterwarnings("ignore", "loadtxt: input contained no data", UserWarning)
             rows = np.loadtxt(handle, delimiter=",", dtype=np.float32)
     except (OSError, ValueError, EOFError) as e:
         raise DataError(f"the digits data set shipped with disttrain cannot be read ({DIGITS_FILE}: "
