@@ -9,11 +9,8 @@ import torch
 
 from disttrain.strategies.ddp.live.participant import LiveRecovery
 from disttrain.strategies.ddp.live.trainer import LiveTrainer
-from disttrain.strategies.ddp.participant import DDPParticipant, RankData
 from disttrain.training.engine import EvalResult, StepResult
 from disttrain.training.strategy import StepInfo
-
-EVAL_BATCH = 64
 
 
 class NoBoundary(LiveRecovery):
@@ -31,12 +28,6 @@ class NoBoundary(LiveRecovery):
         return self.trainer.begin_step(samples)
 
 
-def participant(trainer: LiveTrainer) -> DDPParticipant:
-    """The trainer's participant for its generation (call after `attach`)."""
-    data = RankData(trainer.loader or trainer.train_set, trainer.test_set, trainer.sampler, EVAL_BATCH)
-    return DDPParticipant(trainer.training, trainer.rounds, data, NoBoundary(trainer))
-
-
 def live_step(trainer: LiveTrainer) -> StepResult:
     """One step: this member's pieces of the next global batches (as many as
     `ddp.grad_accumulation_steps`, fewer at the epoch's end), as the loop hands them."""
@@ -47,9 +38,9 @@ def live_step(trainer: LiveTrainer) -> StepResult:
     batches = [sampler.block(p.epoch, p.index + offset) for offset in range(count)]
     info = StepInfo(p.step + 1, p.epoch, p.index // micro_batches,
                     p.index + count >= trainer.batches_per_epoch)
-    return participant(trainer).step(batches, info)
+    return trainer.participant(NoBoundary(trainer)).step(batches, info)
 
 
 def live_evaluate(trainer: LiveTrainer) -> EvalResult:
     """The epoch-end evaluation; the trainer moves to the next epoch."""
-    return participant(trainer).evaluate(trainer.progress.epoch)
+    return trainer.participant(NoBoundary(trainer)).evaluate(trainer.progress.epoch)

@@ -149,7 +149,9 @@ class Recovery(Protocol):
         ...
 
     def place(self) -> tuple[int, int]:
-        """This rank's (rank, world size) in its group now."""
+        """This rank's (rank, world size) in its group now; asked before each evaluation,
+        which is where a policy settles the last step first (live: its speed under
+        `system.balance`, a collective at a check)."""
         ...
 
     def begin_step(self, samples: int) -> torch.nn.Module:

@@ -70,7 +70,6 @@ from disttrain.strategies.ddp.live.participant import GroupChanges, LeaderStore,
 from disttrain.strategies.ddp.live.places import spare_key, wait_for_place
 from disttrain.strategies.ddp.live.state import share_state
 from disttrain.strategies.ddp.live.trainer import LiveTrainer
-from disttrain.strategies.ddp.participant import DDPParticipant, RankData
 from disttrain.strategies.ddp.runtime import is_peer_loss
 from disttrain.training.loop import LoopRecords, LoopSettings, TrainingLoop
 from disttrain.training.options import RunOptions
@@ -372,9 +371,7 @@ class LiveRank:
         position.epoch, position.step = p.epoch, p.step
         position.samples_processed, position.train_time_s = trainer.samples_trained, trainer.train_time_s()
         recovery = LiveRecovery(trainer, group, self.min_world_size, self.launcher_progress)
-        data = RankData(trainer.loader or trainer.train_set, trainer.test_set, trainer.sampler,
-                        self.config.training.eval_batch_size)
-        participant = DDPParticipant(trainer.training, trainer.rounds, data, recovery)
+        participant = trainer.participant(recovery)
         loop = TrainingLoop(self.settings, participant, trainer.sampler,
                             LeaderStore(self.checkpoints, group.is_leader),
                             records.metrics.folder, self.faults,

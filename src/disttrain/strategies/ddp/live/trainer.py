@@ -41,7 +41,7 @@ from disttrain.metrics.window import TrainClock
 from disttrain.strategies.ddp.balance import LiveBalance
 from disttrain.strategies.ddp.live.membership import split_batch
 from disttrain.strategies.ddp.local_updates import LocalRounds
-from disttrain.strategies.ddp.participant import RankTraining, wrap_model
+from disttrain.strategies.ddp.participant import DDPParticipant, RankData, RankTraining, Recovery, wrap_model
 from disttrain.training.engine import EvalResult
 from disttrain.training.loading import prefetch
 from disttrain.training.local_updates import LocalUpdates
@@ -253,6 +253,14 @@ class LiveTrainer:
         if self.compression is not None:  # every member's residual starts again at zero
             self.compression.clear_residuals()
         self._load_ahead()
+
+    def participant(self, recovery: Recovery) -> DDPParticipant:
+        """This generation's participant in the loop (call after `attach`): the one DDP
+        participant over this member's model, rounds and pieces of the global batches,
+        under `recovery`."""
+        data = RankData(self.loader or self.train_set, self.test_set, self.sampler,
+                        self.config.training.eval_batch_size)
+        return DDPParticipant(self.training, self.rounds, data, recovery)
 
     def _follow(self, sampler: PlannedSampler) -> None:
         """The sampler at the run's position, so a re-plan starts at the next global batch."""
