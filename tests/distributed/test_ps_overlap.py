@@ -36,17 +36,20 @@ def batches(count: int = STEPS):
 
 
 class Cluster:
-    """Two shard servers and one registered worker with its model in flat buffers."""
+    """`shards` shard servers (two by default) and one registered worker with its model in
+    flat buffers, its payloads through `transport`."""
 
-    def __init__(self, config, overlap: bool, compression: bool = False, before=None, trial_steps: int = 0):
-        self.servers = [ShardServer(build_state(config, s, SHARDS), "127.0.0.1:0") for s in range(SHARDS)]
+    def __init__(self, config, overlap: bool, compression: bool = False, before=None, trial_steps: int = 0,
+                 shards: int = SHARDS, transport: str = "auto"):
+        self.servers = [ShardServer(build_state(config, s, shards), "127.0.0.1:0") for s in range(shards)]
         self.model = init_model(config.training)
         if before is not None:
             before(self.model)  # hooks of the test, ahead of the exchange's
-        plans = plan_shards(self.model, SHARDS)
+        plans = plan_shards(self.model, shards)
         self.plans = plans
         self.flat, self.grads = flat_parameters(self.model)
-        self.client = PSClient([s.address for s in self.servers], plans, RetryPolicy(timeout_s=10.0))
+        self.client = PSClient([s.address for s in self.servers], plans, RetryPolicy(timeout_s=20.0),
+                               transport)
         self.client.register("w0", 0, key=b"k" * 32)
         encoder = None
         if compression:

@@ -66,7 +66,8 @@ METRICS: dict[str, Metric] = {m.key: m for m in [
     Metric("time/comm_overlapped_s", "s", PER_STEP, "time communication was in flight while the "
            "step still computed, overlaps counted once (DDP: buckets during the backward pass; PS "
            "sync: each shard's push and pull, launched once the backward pass produced its "
-           "gradient; PS async and ssp: the prefetch of parameters during the computation, 0 "
+           "gradient, or from when it wrote the shard's last tensor where the push streams its "
+           "pieces; PS async and ssp: the prefetch of parameters during the computation, 0 "
            "when each push trades for parameters in one round trip after it; local updates with "
            "`training.outer_delay` (both): a fragment's exchange in flight beside the inner steps, "
            "logged at the step it lands)", "ps, ddp"),

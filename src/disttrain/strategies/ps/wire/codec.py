@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,17 +217,43 @@ def encode_frames(header: Any, payload_field: int, meta: Any, data: memoryview,
         Serialized messages, each valid for the header's type.
     """
     data = memoryview(data).cast("B")
-    total = data.nbytes
+    yield _first_frame(header, payload_field, meta, data[:chunk_bytes])
+    for start in range(chunk_bytes, data.nbytes, chunk_bytes):
+        yield _next_frame(payload_field, data[start:start + chunk_bytes])
+
+
+def pieces_from_end(total: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """The (start, end) byte ranges of a payload of `total` bytes cut into `chunk_bytes`
+    pieces from its end: the last piece first, the first (possibly shorter) last."""
+    return [(max(0, end - chunk_bytes), end) for end in range(total, 0, -chunk_bytes)] or [(0, 0)]
+
+
+def encode_frames_from_end(header: Any, payload_field: int, meta: Any, data: memoryview,
+                           chunk_bytes: int = CHUNK_BYTES,
+                           ready: Callable[[int], bool] = lambda start: True) -> Iterator[bytes]:
+    """`encode_frames` with the pieces last first (`pieces_from_end`): the header rides with
+    the payload's last piece. `ready(start)` is called before the piece beginning at byte
+    `start` is read: it may wait for those bytes to be written, and stops the frames by
+    returning False. The receiver reverses the pieces (the header says `from_end`)."""
+    data = memoryview(data).cast("B")
+    for k, (start, end) in enumerate(pieces_from_end(data.nbytes, chunk_bytes)):
+        if not ready(start):
+            return
+        piece = data[start:end]
+        yield _next_frame(payload_field, piece) if k else _first_frame(header, payload_field, meta, piece)
+
+
+def _first_frame(header: Any, payload_field: int, meta: Any, piece: memoryview) -> bytes:
     meta_bytes = meta.SerializeToString()
-    first = data[:chunk_bytes]
-    inner = _len_field(_TENSOR_DATA_FIELD, first.nbytes)
-    payload_len = len(meta_bytes) + len(inner) + first.nbytes
-    yield b"".join((header.SerializeToString(), _len_field(payload_field, payload_len),
-                    meta_bytes, inner, first))
-    for start in range(chunk_bytes, total, chunk_bytes):
-        part = data[start:start + chunk_bytes]
-        inner = _len_field(_TENSOR_DATA_FIELD, part.nbytes)
-        yield b"".join((_len_field(payload_field, len(inner) + part.nbytes), inner, part))
+    inner = _len_field(_TENSOR_DATA_FIELD, piece.nbytes)
+    payload_len = len(meta_bytes) + len(inner) + piece.nbytes
+    return b"".join((header.SerializeToString(), _len_field(payload_field, payload_len), meta_bytes, inner,
+                     piece))
+
+
+def _next_frame(payload_field: int, piece: memoryview) -> bytes:
+    inner = _len_field(_TENSOR_DATA_FIELD, piece.nbytes)
+    return b"".join((_len_field(payload_field, len(inner) + piece.nbytes), inner, piece))
 
 
 def decode_frame(raw: bytes, header_type: Any, payload_field: int, meta_type: Any,

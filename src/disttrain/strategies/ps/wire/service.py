@@ -8,7 +8,7 @@ client both build their method tables from here, so they cannot disagree.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +22,7 @@ from disttrain.strategies.ps.wire.codec import (
     decode_frame,
     decode_tensor,
     encode_frames,
+    encode_frames_from_end,
     tensor_bytes,
 )
 from disttrain.strategies.ps.wire.sharding import ShardPlan, TensorSlice
@@ -134,6 +135,17 @@ def gradient_frames(header: pb.GradientMessage, plan: ShardPlan, data: memoryvie
     meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
     data = memoryview(data)
     return encode_frames(header, GRADIENT_PAYLOAD_FIELD, meta, data, _chunk_bytes(data.nbytes))
+
+
+def gradient_frames_from_end(header: pb.GradientMessage, plan: ShardPlan, data: memoryview,
+                             ready: Callable[[int], bool]) -> Iterator[bytes]:
+    """The wire messages of one push streamed while its bytes are still being written:
+    `CHUNK_BYTES` pieces last first (`codec.encode_frames_from_end`, `header.from_end`
+    set), each read once `ready(start)` returns True (False: no more frames)."""
+    header.layout.extend(slice_specs(plan))
+    header.from_end = True
+    meta = tensor_pb2.TensorProto(shape=[plan.numel], dtype=plan.dtype)
+    return encode_frames_from_end(header, GRADIENT_PAYLOAD_FIELD, meta, data, CHUNK_BYTES, ready)
 
 
 @dataclass(frozen=True)
@@ -261,4 +273,6 @@ def collect_payload(frames: Iterator[Frame], max_bytes: int, max_frames: int | N
         chunks.append(frame.data)
     if total > max_bytes:
         raise ValueError(f"payload exceeds the {max_bytes} bytes this shard expects")
+    if getattr(first.header, "from_end", False):  # a push streamed last piece first
+        chunks.reverse()
     return Payload(first.header, first.meta, chunks)

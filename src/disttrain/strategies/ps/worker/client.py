@@ -19,9 +19,10 @@ from disttrain.core.credentials import Credentials
 from disttrain.core.errors import DistributedError
 from disttrain.proto import parameter_server_pb2 as pb
 from disttrain.strategies.ps.wire import service, shared_memory
-from disttrain.strategies.ps.wire.codec import tensor_bytes
+from disttrain.strategies.ps.wire.codec import CHUNK_BYTES, tensor_bytes
 from disttrain.strategies.ps.wire.payloads import ParameterChanges
 from disttrain.strategies.ps.wire.sharding import ShardPlan
+from disttrain.strategies.ps.worker.overlap import Written
 from disttrain.strategies.ps.worker.retry import RetryPolicy
 from disttrain.strategies.ps.worker.shard_client import ROLLED_BACK, ShardClient
 
@@ -160,14 +161,16 @@ class PSClient:
         return [r[0] for r in results]
 
     def step(self, headers: list[pb.GradientMessage], grads: torch.Tensor, shards: list[int],
-             flat: torch.Tensor, min_versions: list[int], payloads: list[Encoded] | None = None
-             ) -> tuple[list[pb.PushReply], list[int | None]]:
+             flat: torch.Tensor, min_versions: list[int], payloads: list[Encoded] | None = None,
+             written: dict[int, Written] | None = None) -> tuple[list[pb.PushReply], list[int | None]]:
         """Push to `shards` as `push` does and copy the parameters each push leads to into
         `flat`: in one round trip per shard (Step) where the payload allows (see
         `can_step`), else a push, then a pull at `min_versions[s]`. Returns the replies and, per shard
         of the run, the version now in `flat` (None: untouched, as for a ROLLED_BACK push
-        or a shard not in `shards`)."""
+        or a shard not in `shards`). `written`: for shards whose raw gradient backward is
+        still writing (each one `streams`), how far it has, for the push to stream it."""
         payloads = payloads or [None] * len(shards)
+        written = written or {}
 
         def trade(header: pb.GradientMessage, s: int, payload: Encoded | None):
             plan, shard = self.plans[s], self.shards[s]
@@ -175,7 +178,7 @@ class PSClient:
             if self.can_step(s):
                 reply, version, sent, received = shard.step(header, plan, body, into)
                 return reply, version, sent, received, 0 if version is None else plan.nbytes
-            reply, sent = shard.push(header, plan, body)
+            reply, sent = shard.push(header, plan, body, written.get(s))
             if reply.outcome == ROLLED_BACK:
                 return reply, None, sent, 0, 0
             version, received = shard.pull(header.worker_id, plan, min_versions[s], into)
@@ -201,6 +204,14 @@ class PSClient:
             return None
         segments = self.shards[0].segments
         return segments.parameter_tensor, segments.gradient_tensor
+
+    def streams(self, shard: int) -> bool:
+        """Whether a raw push to `shard` can leave piece by piece while backward still
+        writes it: its bytes travel in gRPC messages, more than one piece of them, and the
+        push goes apart from the pull (not in one Step round trip, which carries one
+        message)."""
+        return not self.can_step(shard) and self.shards[shard].segments is None \
+            and self.plans[shard].nbytes > CHUNK_BYTES
 
     def can_step(self, shard: int) -> bool:
         """Whether a step on `shard` goes in one round trip."""

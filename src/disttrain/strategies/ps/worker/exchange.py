@@ -16,13 +16,15 @@ enough that the next gradient should stay within the bound, and pulls anew other
 With overlap (sync mode, `ps.overlap`, the default), each shard's push, and the pull of
 the parameters it leads to in the same round trip, leaves as soon as the backward pass
 has produced that shard's whole gradient (`overlap.ShardTrigger`): the last layers'
-shard goes out while backward still computes the first layers. The step then waits only
-for what is still in flight (`time/comm_blocked_s`); what travelled during backward is
-`time/comm_overlapped_s`. With an `overlap_trial.OverlapTrial` (`ps.overlap_trial_steps`,
-the default), the first steps run overlapped and plain pushes in ABBA pairs (more rounds
-of them while undecided, up to a cap) and the worker keeps the overlap only on a clear win
-over the noise it saw, logged: on saturated cores the overlap's CPU work slows backward
-more than it hides.
+shard goes out while backward still computes the first layers. A raw push that travels
+in several gRPC pieces apart from its pull starts earlier still: its pieces stream last
+first as backward writes them (`overlap.Written`), the shard taking the push once whole.
+The step then waits only for what is still in flight (`time/comm_blocked_s`); what
+travelled during backward is `time/comm_overlapped_s`. With an
+`overlap_trial.OverlapTrial` (`ps.overlap_trial_steps`, the default), the first steps
+run overlapped and plain pushes in ABBA pairs (more rounds of them while undecided, up to
+a cap) and the worker keeps the overlap only on a clear win over the noise it saw,
+logged: on saturated cores the overlap's CPU work slows backward more than it hides.
 
 In sync mode (without backup workers) a worker computes every gradient on parameters
 of one step on every shard (`agreement`): each answer carries the run's step it is the
@@ -65,7 +67,7 @@ from disttrain.strategies.ps.wire.service import buffer_proto
 from disttrain.strategies.ps.worker.agreement import Agreement, lag
 from disttrain.strategies.ps.worker.buffers import WorkerBuffers
 from disttrain.strategies.ps.worker.client import PSClient
-from disttrain.strategies.ps.worker.overlap import ShardTrigger, overlapped_s
+from disttrain.strategies.ps.worker.overlap import PushAbandoned, ShardTrigger, Written, overlapped_s
 from disttrain.strategies.ps.worker.overlap_trial import OverlapTrial
 from disttrain.training.engine import StepResult
 
@@ -222,6 +224,18 @@ class Exchange:
                 holds NaN or infinity; no shard but those in `sent` was sent any of it.
         """
         self.check_finite(block, checked, sent)
+        headers = self.headers(block, shards)
+        payloads = None
+        if self.encoder is not None:
+            with timer.phase("compression"):
+                payloads = self.encoder.encode(self.grads, shards)
+            for header in headers:
+                header.compressed, header.compression_type = True, self.encoder.scheme
+        return headers, payloads
+
+    def headers(self, block: Block, shards: list[int]) -> list[pb.GradientMessage]:
+        """The headers of a push of `block`'s gradient to `shards` (uncompressed), each with
+        the change the step made to the shard's buffers."""
         headers = [pb.GradientMessage(worker_id=self.worker_id, step=block.step_of(s), shard=s,
                                       base_version=self.versions[s], block_id=block.block_id,
                                       num_samples=block.samples_of(s),
@@ -234,13 +248,7 @@ class Exchange:
                 change = self.buffers.change(header.shard)
                 if change is not None:
                     header.buffers.CopyFrom(change)
-        payloads = None
-        if self.encoder is not None:
-            with timer.phase("compression"):
-                payloads = self.encoder.encode(self.grads, shards)
-            for header in headers:
-                header.compressed, header.compression_type = True, self.encoder.scheme
-        return headers, payloads
+        return headers
 
     @staticmethod
     def check_finite(block: Block, checked: torch.Tensor, sent: list[int] = ()) -> None:
@@ -537,32 +545,54 @@ class SyncExchange(Exchange):
                 redoes the block on the shards that lack it).
         """
         launched: dict[int, tuple[Future, list | None]] = {}
+        written: dict[int, Written] = {}  # the pushes streamed as backward writes them
+        size = self.grads.element_size()
 
-        def launch(shard: int) -> None:
+        def send(shard: int, headers: list[pb.GradientMessage], payloads: list | None) -> None:
             if not launched and self.buffers is not None:
                 self.buffers.finish()  # the forward pass is over: its change to the buffers is known
-            plan = self.client.plans[shard]
-            part = self.grads[plan.offset:plan.offset + plan.numel]
-            headers, payloads = self.outgoing(block, [shard], timer, part, list(launched))
             started = time.perf_counter()
 
-            def send():
-                answer = self.client.step(headers, self.grads, [shard], self.flat, wanted, payloads)
+            def trade():
+                answer = self.client.step(headers, self.grads, [shard], self.flat, wanted, payloads, written)
                 return answer, (started, time.perf_counter())
 
-            launched[shard] = (self.client.submit(send), payloads)
+            launched[shard] = (self.client.submit(trade), payloads)
 
-        self.trigger.arm(launch)
+        def progress(shard: int, start: int) -> None:
+            if shard not in written:
+                if self.encoder is not None or not self.client.streams(shard):
+                    return
+                written[shard] = Written(self.client.plans[shard].numel * size)
+                send(shard, self.headers(block, [shard]), None)
+            written[shard].advance(start * size)
+
+        def whole() -> list[int]:  # the shards sent their whole part: a streamed one once released
+            return [s for s in launched if s not in written or written[s].released]
+
+        def launch(shard: int) -> None:
+            plan = self.client.plans[shard]
+            part = self.grads[plan.offset:plan.offset + plan.numel]
+            if shard in written:  # streaming already: its first piece goes once the whole is checked
+                self.check_finite(block, part, whole())
+                written[shard].release()
+                return
+            headers, payloads = self.outgoing(block, [shard], timer, part, whole())
+            send(shard, headers, payloads)
+
+        self.trigger.arm(launch, progress)
         try:
             result = compute()
             rest = self.trigger.disarm()
             for shard in rest:  # checked before any of them goes (a shard taking no gradient is rare)
                 plan = self.client.plans[shard]
-                self.check_finite(block, self.grads[plan.offset:plan.offset + plan.numel], list(launched))
+                self.check_finite(block, self.grads[plan.offset:plan.offset + plan.numel], whole())
             for shard in rest:
                 launch(shard)
         except BaseException:
             self.trigger.disarm()
+            for stream in written.values():
+                stream.abort(PushAbandoned("the step failed while this push was under way"))
             wait([f for f, _ in launched.values()])  # nothing left writing into `flat`
             raise
         computed = time.perf_counter()

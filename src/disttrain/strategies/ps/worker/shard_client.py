@@ -28,6 +28,7 @@ from disttrain.strategies.ps.wire.codec import Frame, Payload, copy_chunks, deco
 from disttrain.strategies.ps.wire.payloads import ParameterChanges
 from disttrain.strategies.ps.wire.sharding import ShardPlan
 from disttrain.strategies.ps.wire.shared_memory import SegmentPair, SharedMemoryUnavailable
+from disttrain.strategies.ps.worker.overlap import Written
 from disttrain.strategies.ps.worker.retry import ReplyLost, RetryPolicy, describe, with_retries
 from disttrain.strategies.ps.worker.step_stream import StepStream
 
@@ -234,8 +235,12 @@ class ShardClient:
         return memoryview(b""), data.nbytes
 
     def _frames(self, header: pb.GradientMessage, plan: ShardPlan, data: memoryview) -> list[bytes]:
-        """The messages of one attempt of a push: `header` stamped with how its bytes go,
-        the server incarnation and the session as they are now."""
+        """The messages of one attempt of a push (`_stamped_header`)."""
+        return list(service.gradient_frames(self._stamped_header(header), plan, data))
+
+    def _stamped_header(self, header: pb.GradientMessage) -> pb.GradientMessage:
+        """A copy of `header` stamped with how the push's bytes go, the server incarnation
+        and the session as they are now."""
         header_copy = pb.GradientMessage()
         header_copy.CopyFrom(header)
         header_copy.shared_memory = self.segments is not None
@@ -243,17 +248,27 @@ class ShardClient:
         header_copy.holds_version = self.holds_version
         if not header.redo and not header.stand_in:
             self.pushing_step = header.sync_step
-        return list(service.gradient_frames(header_copy, plan, data))
+        return header_copy
 
     def _lose_reply(self, step: int) -> None:
         if self.drop_replies > 0:
             self.drop_replies -= 1
             raise ReplyLost(f"the reply of step {step}'s push was dropped (injected fault)")
 
-    def push(self, header: pb.GradientMessage, plan: ShardPlan, data: memoryview) -> tuple[pb.PushReply, int]:
+    def push(self, header: pb.GradientMessage, plan: ShardPlan, data: memoryview,
+             written: Written | None = None) -> tuple[pb.PushReply, int]:
         """Send one gradient (raw values, or a compressed payload when `header.compressed`);
         returns the reply and the payload bytes sent (a retry sends them again; the
-        messages' framing, some hundred bytes, is not counted)."""
+        messages' framing, some hundred bytes, is not counted). With `written` (raw values
+        through gRPC messages), `data` is still being written by backward: the push streams
+        its pieces last first as they are (`Written`).
+
+        Raises:
+            DistributedError: the push failed for good.
+            BaseException: `written` was aborted (its error).
+        """
+        if written is not None:
+            return self._push_streamed(header, plan, data, written)
         data, nbytes = self._outgoing(data)
         sent = [0]
 
@@ -272,6 +287,36 @@ class ShardClient:
         reply = self._retry("SendGradients", attempt)
         if reply.incarnation not in (0, self.incarnation):
             self.rejoin(reply.incarnation)  # the server restarted: it has read nothing of this push
+        return reply, sent[0]
+
+    def _push_streamed(self, header: pb.GradientMessage, plan: ShardPlan, data: memoryview, written: Written
+                       ) -> tuple[pb.PushReply, int]:
+        """`push` of bytes backward is still writing: one SendGradients stream whose pieces
+        go last first, each once written (a retry streams them again, from what is written)."""
+        if self.segments is not None:
+            raise ValueError("a push through shared memory has no pieces to stream")
+        data = memoryview(data).cast("B")
+        sent = [0]
+
+        def attempt():
+            ready = written.attempt()
+            frames = service.gradient_frames_from_end(self._stamped_header(header), plan, data, ready)
+            call = self._calls["SendGradients"].future(frames, timeout=self.policy.timeout_s,
+                                                       wait_for_ready=True)
+            written.on_abort(call.cancel)
+            sent[0] += data.nbytes
+            try:
+                reply = call.result()
+            except (grpc.RpcError, grpc.FutureCancelledError):
+                if written.error is not None:
+                    raise written.error from None
+                raise
+            self._lose_reply(header.step)
+            return reply
+
+        reply = self._retry("SendGradients", attempt)
+        if reply.incarnation not in (0, self.incarnation):
+            self.rejoin(reply.incarnation)
         return reply, sent[0]
 
     def step(self, header: pb.GradientMessage, plan: ShardPlan, data: memoryview, into: torch.Tensor
