@@ -118,11 +118,28 @@ def test_parameter_server_shard_links_carry_n_over_s_of_the_traffic():
 
 
 def test_parameter_server_overlap_hides_all_but_the_last_shards_push_behind_backward():
+    """Shards of 3 MB (one message each): a push goes shard by shard."""
     link = Link(1e9, 0.0)
-    without = CostModel(workload(), link, overlap=False).predict(Candidate("ps-sync", "none", 4), 4)
-    with_overlap = CostModel(workload(), link, overlap=True).predict(Candidate("ps-sync", "none", 4), 4)
-    push = 40 * MB / 1e9
+    small = workload(gradient_bytes=12 * MB)
+    without = CostModel(small, link, overlap=False).predict(Candidate("ps-sync", "none", 4), 4)
+    with_overlap = CostModel(small, link, overlap=True).predict(Candidate("ps-sync", "none", 4), 4)
+    push = 12 * MB / 1e9
     assert without.step_time_s - with_overlap.step_time_s == pytest.approx(min(0.2, push) * 3 / 4)
+
+
+@pytest.mark.parametrize("servers, pieces", [(1, 39), (4, 40)])
+def test_a_raw_push_of_shards_over_one_message_hides_all_but_its_last_piece(servers, pieces):
+    """Shards over 4 MB stream their 1 MiB pieces as backward writes them (40 MB: 39 pieces
+    in one shard, 10 in each of four): all but the last can leave during backward; a
+    compressed push still goes shard by shard."""
+    link = Link(1e9, 0.0)
+    without = CostModel(workload(), link, overlap=False).predict(Candidate("ps-sync", "none", servers), 4)
+    model = CostModel(workload(), link, overlap=True)
+    assert model.push_pieces(Candidate("ps-sync", "none", servers)) == pieces
+    streamed = model.predict(Candidate("ps-sync", "none", servers), 4)
+    push = max(40 * MB / 1e9, 4 * 40 * MB / servers / 1e9)
+    assert without.step_time_s - streamed.step_time_s == pytest.approx(min(0.2, push) * (pieces - 1) / pieces)
+    assert model.push_pieces(Candidate("ps-sync", "quantization", servers)) == servers
 
 
 def test_compression_trades_bytes_for_compute():

@@ -29,8 +29,10 @@ gradient, `t_opt` one optimizer step over every parameter. The formulas (the REA
   `T_push = max(P/β, n·P/(S·β)) + α`, `T_pull = max(G/β, n·G/(S·β)) + α`; each shard
   decodes n slices (`n·d/S`) and applies its slice (`t_opt/S`). With overlap, the slices
   of all but the last shard go while backward finishes: a credit of
-  `min(t_b, e + T_push)·(S-1)/S`, less `overlap_contention_s` (the push's CPU work taken
-  from backward where no core is free); with the overlap trial (`ps.overlap_trial_steps`)
+  `min(t_b, e + T_push)·(K-1)/K` with K = S, or with K = the push's 1 MB pieces where a raw
+  push's shards each outgrow one message (4 MB: the push streams its pieces as backward
+  writes them, all but the last during backward), less `overlap_contention_s` (the push's
+  CPU work taken from backward where no core is free); with the overlap trial (`ps.overlap_trial_steps`)
   a worker keeps the overlap only where the credit is more than `MIN_GAIN` (2%) of the
   plain step, else none (the plain push): the credit is 0 or above 2%. Step: `t_f + t_b + e +
   T_push + n·d/S + t_opt/S + T_pull - credit`. With pull compression the pull carries
@@ -82,6 +84,8 @@ from disttrain.advise.payloads import compact_topk_nbytes, pull_change_bytes
 from disttrain.advise.workload import CompressionCost, Workload
 from disttrain.compression import collectives
 from disttrain.compression.dgc import DgcRules
+from disttrain.strategies.ps.wire.codec import CHUNK_BYTES
+from disttrain.strategies.ps.wire.service import UNARY_MAX_BYTES
 from disttrain.strategies.ps.worker.overlap_trial import MIN_GAIN
 
 STRATEGIES = ("ddp", "ps-sync", "ps-async")
@@ -464,7 +468,8 @@ class CostModel:
                 + pull_decode_s)
         overlap = 0.0
         if self.overlap and c.sync_every == 1:
-            overlap = min(w.backward_s, encode_s + push) * (s - 1) / s - self.overlap_contention_s
+            pieces = self.push_pieces(c)
+            overlap = min(w.backward_s, encode_s + push) * (pieces - 1) / pieces - self.overlap_contention_s
         apply = (share * w.optimizer_s + pull_encode_s + pull_decode_s) / s
         trip = RoundTrip(encode_s, overlap, push, decode_s / s, apply, pull)
         if overlap and self.overlap_trial:
@@ -474,6 +479,16 @@ class CostModel:
             if overlap <= MIN_GAIN * plain_step:
                 trip = replace(trip, overlap_s=0.0)
         return trip
+
+    def push_pieces(self, c: Candidate) -> float:
+        """How many parts of a synchronous step's push leave one after another as backward
+        writes the gradient: a raw push whose shards each outgrow one message streams its
+        1 MB pieces (`PSClient.streams`: across machines, apart from the pull), so all but
+        the last piece can leave during backward; any other push goes shard by shard."""
+        shard_bytes = self.workload.gradient_bytes / c.num_servers
+        if c.compression == "none" and shard_bytes > UNARY_MAX_BYTES:
+            return float(c.num_servers * math.ceil(shard_bytes / CHUNK_BYTES))
+        return float(c.num_servers)
 
     @staticmethod
     def _sync_exchange_s(trip: RoundTrip, n: int) -> float:
