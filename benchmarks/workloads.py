@@ -9,7 +9,9 @@ default), `ps_sync_no_overlap` (`--no-overlap`: every push after backward) and
 `ps_async` (`disttrain ps`: 2 servers, 2 workers) and `ddp` (`disttrain ddp`, 2 ranks),
 and on request (`--strategies`) `ps_sync_overlap` (overlap forced on every step,
 `ps.overlap_trial_steps=0`; `ps_sync` is the default: overlap kept only if the first
-steps measured it faster),
+steps measured it faster) and `torch_ddp` (a plain `DistributedDataParallel` loop over
+gloo in 2 processes, no disttrain loop around it, each step timed: its step is not split
+into compute and communication, which runs inside backward),
 each run as a user runs it, through the `disttrain` command, with one torch thread per
 process and the same batch per process.
 
@@ -25,7 +27,8 @@ median over interleaved repeats (every strategy in turn, then again), and
 `ratio_to_baseline` divides it by the baseline's of the same model. `where_each_wins` is
 computed from these figures, and `ps_vs_ddp` holds, per model, each synchronous PS
 variant's samples/s over DDP's (its speed-up over the baseline over DDP's: the same
-baseline) and its overlapped share (the issue's targets: at least 1.0 and at least half);
+baseline; `torch_ddp_ratio` over the plain torch DDP loop's) and its overlapped share
+(the targets: at least 1.0, or 1.05 against the plain torch DDP loop, and at least half);
 `overlap_vs_plain`, per model, each overlapped PS variant's samples/s over
 `ps_sync_no_overlap`'s.
 
@@ -35,7 +38,9 @@ baseline) and its overlapped share (the issue's targets: at least 1.0 and at lea
 ratios need it); --steps sets the steps per process of every workload. --set KEY=VALUE
 (repeatable) passes a config override to every run (`disttrain`'s own `--set`), before
 each strategy's own settings, so `ps_sync_overlap` still forces the overlap: e.g. `--set
-ps.overlap_trial_steps=8` lengthens the trial of `ps_sync`.
+ps.overlap_trial_steps=8` lengthens the trial of `ps_sync`. --servers sets the PS runs'
+shards (2 by default): `--servers 1 --set ps.payload_transport=grpc` pushes ResNet-18's
+45 MB through one shard's gRPC stream, whose pieces leave during backward.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from disttrain.metrics import read_metrics
 
 STRATEGIES = ("baseline", "ps_sync", "ps_sync_no_overlap", "ps_async", "ddp")
 PS_SYNC = ("ps_sync", "ps_sync_overlap", "ps_sync_no_overlap")
-OPTIONAL = ("ps_sync_overlap",)  # run only when --strategies names them
+OPTIONAL = ("ps_sync_overlap", "torch_ddp")  # run only when --strategies names them
 WORKERS = 2          # PS workers and DDP ranks
 SERVERS = 2          # PS shards: the first one's push leaves during backward
 LOG_INTERVAL = 3     # steps per logged window; the first window is the warm-up left out
@@ -77,10 +82,10 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 
 
 def command(model: str, strategy: str, folder: Path, quick: bool, steps: int | None = None,
-            overrides: Sequence[str] = ()) -> list[str]:
+            overrides: Sequence[str] = (), servers: int = SERVERS) -> list[str]:
     """The `disttrain` command line of one run; its logs go under `folder` (`steps`: per
     process, None: the workload's; `overrides`: `KEY=VALUE` config overrides, set before
-    the strategy's own, which win over them)."""
+    the strategy's own, which win over them; `servers`: the PS runs' shards)."""
     workload = WORKLOADS[model]
     steps = steps or (workload["quick_steps"] if quick else workload["steps"])
     batch = workload["batch"] // 2 if quick else workload["batch"]
@@ -102,7 +107,7 @@ def command(model: str, strategy: str, folder: Path, quick: bool, steps: int | N
     if quick and workload["quick_model_args"]:
         args += ["--set", f"training.model_args={json.dumps(workload['quick_model_args'])}"]
     if strategy.startswith("ps"):
-        args += ["--workers", str(WORKERS), "--servers", str(SERVERS),
+        args += ["--workers", str(WORKERS), "--servers", str(servers),
                  "--aggregation-mode", strategy.split("_")[1]]
         if strategy == "ps_sync_no_overlap":
             args += ["--no-overlap"]
@@ -137,7 +142,7 @@ def window_means(path: Path) -> dict[str, float]:
 
 
 def measure(model: str, strategy: str, quick: bool, steps: int | None = None,
-            overrides: Sequence[str] = ()) -> dict[str, float]:
+            overrides: Sequence[str] = (), servers: int = SERVERS) -> dict[str, float]:
     """Run one strategy on one workload; its figures, averaged over its processes.
 
     Raises:
@@ -145,8 +150,9 @@ def measure(model: str, strategy: str, quick: bool, steps: int | None = None,
     """
     with tempfile.TemporaryDirectory(prefix="bench-workloads-") as tmp:
         folder = Path(tmp)
-        done = subprocess.run(command(model, strategy, folder, quick, steps, overrides), capture_output=True,
-                              text=True, timeout=TIMEOUT_S, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        done = subprocess.run(command(model, strategy, folder, quick, steps, overrides, servers),
+                              capture_output=True, text=True, timeout=TIMEOUT_S,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if done.returncode != 0:
             raise RuntimeError(f"{model} {strategy} failed ({done.returncode}): "
                                f"{(done.stdout + done.stderr)[-3000:]}")
@@ -157,6 +163,94 @@ def measure(model: str, strategy: str, quick: bool, steps: int | None = None,
     figures["samples_per_s"] = sum(batch / p["step_time_s"] for p in per_process)
     figures["processes"] = len(per_process)
     return figures
+
+
+def torch_ddp_training(model: str, quick: bool, steps: int | None = None) -> dict[str, Any]:
+    """The training section of a `torch_ddp` rank: what `command` gives `disttrain` for
+    the same workload (data, model, samples, batch, optimizer, seed)."""
+    workload = WORKLOADS[model]
+    steps = steps or (workload["quick_steps"] if quick else workload["steps"])
+    batch = workload["batch"] // 2 if quick else workload["batch"]
+    training = {"dataset": workload["dataset"], "model_architecture": model,
+                "num_samples": WORKERS * steps * batch, "max_test_samples": 16, "batch_size": batch,
+                "num_epochs": 1, "optimizer": "adam", "learning_rate": 0.001, "seed": 0}
+    if model == "gpt_small":
+        training["seq_len"] = 128
+    if quick and workload["quick_model_args"]:
+        training["model_args"] = workload["quick_model_args"]
+    return training
+
+
+def torch_ddp_rank(training_json: str, rank: int, store: str, result: str) -> None:
+    """Role: one rank of a plain `DistributedDataParallel` loop over gloo (no disttrain loop,
+    metrics or checkpoints), each step timed; its step times go to `result` as JSON."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from disttrain.config import config_from_dict
+    from disttrain.data import ShardedSampler, load_datasets
+    from disttrain.training import build_optimizer, forward_backward, init_model
+
+    torch.set_num_threads(1)
+    training = config_from_dict({"training": json.loads(training_json)}).training
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=WORKERS)
+    train_set, _ = load_datasets(training)
+    model = torch.nn.parallel.DistributedDataParallel(init_model(training))
+    optimizer = build_optimizer(model.parameters(), training)
+    sampler = ShardedSampler(len(train_set), world_size=WORKERS, rank=rank, seed=training.seed)
+    times = []
+    dist.barrier()
+    for indices in sampler.batches(training.batch_size):
+        started = time.perf_counter()
+        inputs, targets = train_set.batch(indices)
+        optimizer.zero_grad()
+        forward_backward(model, inputs, targets)
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    Path(result).write_text(json.dumps({"step_times_s": times,
+                                        "gradient_bytes": sum(p.numel() * p.element_size()
+                                                              for p in model.parameters())}))
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # gloo's threads may still drop a collective's tensors during shutdown
+
+
+def measure_torch_ddp(model: str, quick: bool, steps: int | None = None) -> dict[str, float]:
+    """A plain torch DDP loop of 2 ranks on the workload, with the figures `measure` gives:
+    each rank's mean step past its first LOG_INTERVAL steps (the warm-up window), averaged
+    over the ranks. DDP's all-reduce runs inside backward, so its step is not split:
+    `compute_s` is the whole step, `comm_s` 0, and the bytes are those handed to
+    all-reduce."""
+    training = torch_ddp_training(model, quick, steps)
+    with tempfile.TemporaryDirectory(prefix="bench-torch-ddp-") as tmp:
+        outputs = [Path(tmp) / f"rank{rank}.json" for rank in range(WORKERS)]
+        processes = [subprocess.Popen([sys.executable, __file__, "torch-ddp-rank", json.dumps(training),
+                                       str(rank), f"file://{tmp}/store", str(out)],
+                                      stderr=subprocess.PIPE, text=True)
+                     for rank, out in enumerate(outputs)]
+        try:
+            for process in processes:
+                _, stderr = process.communicate(timeout=TIMEOUT_S)
+                if process.returncode != 0:
+                    raise RuntimeError(f"{model} torch_ddp rank failed ({process.returncode}): "
+                                       f"{stderr[-3000:]}")
+        finally:
+            for process in processes:
+                process.kill()
+        ranks = [json.loads(out.read_text()) for out in outputs]
+    per_rank = []
+    for r in ranks:
+        timed = r["step_times_s"][LOG_INTERVAL:]
+        if not timed:
+            raise RuntimeError(f"{model} torch_ddp: {len(r['step_times_s'])} steps; the benchmark needs more "
+                               f"than {LOG_INTERVAL} (raise the steps of the workload)")
+        per_rank.append(statistics.fmean(timed))
+    step = statistics.fmean(per_rank)
+    return {"step_time_s": step, "compute_s": step, "comm_s": 0.0, "overlapped_s": 0.0,
+            "bytes_per_step": float(ranks[0]["gradient_bytes"]),
+            "samples_per_s": sum(training["batch_size"] / s for s in per_rank), "processes": WORKERS}
 
 
 def summarise(runs: list[dict[str, float]], baseline: dict[str, float] | None) -> dict[str, Any]:
@@ -197,13 +291,20 @@ def where_each_wins(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def ps_vs_ddp(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Per model: each synchronous PS variant's samples/s over DDP's, and the share of its
-    communication time that overlapped computation."""
-    return {model: {strategy: {"samples_per_s_ratio": figures[strategy]["samples_per_s"]
-                               / figures["ddp"]["samples_per_s"],
-                               "overlapped_share": figures[strategy]["overlapped_share"]}
-                    for strategy in PS_SYNC if strategy in figures}
-            for model, figures in results.items() if "ddp" in figures}
+    """Per model: each synchronous PS variant's samples/s over DDP's (`disttrain ddp`:
+    `samples_per_s_ratio`; the plain torch DDP loop: `torch_ddp_ratio`), and the share of
+    its communication time that overlapped computation."""
+    out: dict[str, Any] = {}
+    for model, figures in results.items():
+        references = [r for r in ("ddp", "torch_ddp") if r in figures]
+        if not references:
+            continue
+        out[model] = {}
+        for strategy in (s for s in PS_SYNC if s in figures):
+            entry = {"samples_per_s_ratio" if r == "ddp" else "torch_ddp_ratio":
+                     figures[strategy]["samples_per_s"] / figures[r]["samples_per_s"] for r in references}
+            out[model][strategy] = {**entry, "overlapped_share": figures[strategy]["overlapped_share"]}
+    return out
 
 
 def overlap_vs_plain(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -231,7 +332,11 @@ def main() -> None:
     for model in models:
         for _ in range(repeats):  # interleaved: drift in the machine's load hits all alike
             for strategy in strategies:
-                runs[model][strategy].append(measure(model, strategy, args.quick, args.steps, args.set))
+                if strategy == "torch_ddp":
+                    runs[model][strategy].append(measure_torch_ddp(model, args.quick, args.steps))
+                    continue
+                runs[model][strategy].append(measure(model, strategy, args.quick, args.steps, args.set,
+                                                     args.servers))
     results: dict[str, dict[str, Any]] = {}
     for model, by_strategy in runs.items():
         baseline = summarise(by_strategy["baseline"], None)
@@ -239,7 +344,7 @@ def main() -> None:
         for strategy in strategies[1:]:
             results[model][strategy] = summarise(by_strategy[strategy], baseline)
     report("workloads", {
-        "workers": WORKERS, "servers": SERVERS, "repeats": repeats, "threads_per_process": 1,
+        "workers": WORKERS, "servers": args.servers, "repeats": repeats, "threads_per_process": 1,
         "overrides": args.set,
         "workloads": {model: {"dataset": w["dataset"],
                               "batch_per_process": w["batch"] // 2 if args.quick else w["batch"],
@@ -260,6 +365,8 @@ def extra_args(parser) -> None:
     parser.add_argument("--strategies", help=f"comma-separated subset of {', '.join(STRATEGIES + OPTIONAL)}")
     parser.add_argument("--steps", type=int, help="steps per process of every workload (default: each "
                         "workload's)")
+    parser.add_argument("--servers", type=int, default=SERVERS,
+                        help=f"the PS runs' shards (default {SERVERS})")
     parser.add_argument("--set", action="append", default=[], type=override, metavar="KEY=VALUE",
                         help="a config override for every run (repeatable), e.g. ps.overlap_trial_steps=8")
 
@@ -273,4 +380,6 @@ def override(text: str) -> str:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["torch-ddp-rank"]:
+        torch_ddp_rank(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
     main()

@@ -120,3 +120,24 @@ def test_a_malformed_override_is_refused_before_any_run(workloads, monkeypatch, 
     with pytest.raises(SystemExit) as exited:
         workloads.main()
     assert exited.value.code == 2 and "is not section.key=value" in capsys.readouterr().err
+
+
+def test_the_ps_is_compared_with_a_plain_torch_ddp_loop_where_one_ran(workloads):
+    runs = {"ps_sync": [figures(0.2, 0.1, 2e6)], "torch_ddp": [figures(0.25, 0.0, 1e6)]}
+    results = {"m": {s: workloads.summarise(r, None) for s, r in runs.items()}}
+    versus = workloads.ps_vs_ddp(results)["m"]["ps_sync"]
+    assert versus["torch_ddp_ratio"] == pytest.approx(0.25 / 0.2) and "samples_per_s_ratio" not in versus
+
+
+@pytest.mark.slow
+def test_a_plain_torch_ddp_loop_runs_the_same_workload_and_gives_the_same_figures(workloads):
+    """Two gloo ranks of a plain DDP loop on the quick simplecnn workload: the figures
+    `measure` gives, from the steps past the warm-up window."""
+    result = workloads.measure_torch_ddp("simplecnn", quick=True, steps=workloads.LOG_INTERVAL + 2)
+    assert result["processes"] == 2 and result["comm_s"] == 0.0
+    assert 0 < result["step_time_s"] == result["compute_s"]
+    batch = workloads.WORKLOADS["simplecnn"]["batch"] // 2
+    assert result["samples_per_s"] == pytest.approx(2 * batch / result["step_time_s"], rel=0.2)
+    assert result["bytes_per_step"] > 1e6  # simplecnn's 1.7 MB of float32 gradients
+    training = workloads.torch_ddp_training("simplecnn", quick=True, steps=5)
+    assert training["num_samples"] == 2 * 5 * batch and training["batch_size"] == batch
