@@ -161,31 +161,44 @@ class PSClient:
         return [r[0] for r in results]
 
     def step(self, headers: list[pb.GradientMessage], grads: torch.Tensor, shards: list[int],
-             flat: torch.Tensor, min_versions: list[int], payloads: list[Encoded] | None = None,
-             written: dict[int, Written] | None = None) -> tuple[list[pb.PushReply], list[int | None]]:
+             flat: torch.Tensor, min_versions: list[int], payloads: list[Encoded] | None = None
+             ) -> tuple[list[pb.PushReply], list[int | None]]:
         """Push to `shards` as `push` does and copy the parameters each push leads to into
         `flat`: in one round trip per shard (Step) where the payload allows (see
         `can_step`), else a push, then a pull at `min_versions[s]`. Returns the replies and, per shard
         of the run, the version now in `flat` (None: untouched, as for a ROLLED_BACK push
-        or a shard not in `shards`). `written`: for shards whose raw gradient backward is
-        still writing (each one `streams`), how far it has, for the push to stream it."""
+        or a shard not in `shards`)."""
         payloads = payloads or [None] * len(shards)
-        written = written or {}
-
-        def trade(header: pb.GradientMessage, s: int, payload: Encoded | None):
-            plan, shard = self.plans[s], self.shards[s]
-            into, body = flat[plan.offset:plan.offset + plan.numel], self._body(grads, s, payload)
-            if self.can_step(s):
-                reply, version, sent, received = shard.step(header, plan, body, into)
-                return reply, version, sent, received, 0 if version is None else plan.nbytes
-            reply, sent = shard.push(header, plan, body, written.get(s))
-            if reply.outcome == ROLLED_BACK:
-                return reply, None, sent, 0, 0
-            version, received = shard.pull(header.worker_id, plan, min_versions[s], into)
-            return reply, version, sent, received, received
-
-        results = self.gather([lambda h=h, s=s, p=p: trade(h, s, p)
+        results = self.gather([lambda h=h, s=s, p=p: self._trade(h, s, self._body(grads, s, p), flat,
+                                                                 min_versions)
                                for h, s, p in zip(headers, shards, payloads, strict=True)])
+        return self._traded(shards, results)
+
+    def step_streamed(self, header: pb.GradientMessage, grads: torch.Tensor, shard: int,
+                      flat: torch.Tensor, min_versions: list[int], written: Written
+                      ) -> tuple[list[pb.PushReply], list[int | None]]:
+        """`step` of one shard's raw gradient that backward is still writing (the shard
+        `streams`): the push streams it as `written` says, then the pull."""
+        return self._traded([shard], [self._trade(header, shard, self._body(grads, shard, None), flat,
+                                                  min_versions, written)])
+
+    def _trade(self, header: pb.GradientMessage, s: int, body: memoryview, flat: torch.Tensor,
+               min_versions: list[int], written: Written | None = None) -> tuple:
+        """One shard's push of `body` and the parameters it leads to (see `step`):
+        (reply, version or None, bytes sent, received, received as dense)."""
+        plan, shard = self.plans[s], self.shards[s]
+        into = flat[plan.offset:plan.offset + plan.numel]
+        if self.can_step(s):
+            reply, version, sent, received = shard.step(header, plan, body, into)
+            return reply, version, sent, received, 0 if version is None else plan.nbytes
+        reply, sent = shard.push(header, plan, body, written)
+        if reply.outcome == ROLLED_BACK:
+            return reply, None, sent, 0, 0
+        version, received = shard.pull(header.worker_id, plan, min_versions[s], into)
+        return reply, version, sent, received, received
+
+    def _traded(self, shards: list[int], results: list[tuple]) -> tuple[list[pb.PushReply], list[int | None]]:
+        """The replies and versions of `_trade`s to `shards`, their bytes counted."""
         self._count(sent=sum(r[2] for r in results), received=sum(r[3] for r in results),
                     dense=sum(r[4] for r in results))
         versions: list[int | None] = [None] * len(self.shards)

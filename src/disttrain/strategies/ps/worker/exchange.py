@@ -548,13 +548,20 @@ class SyncExchange(Exchange):
         written: dict[int, Written] = {}  # the pushes streamed as backward writes them
         size = self.grads.element_size()
 
-        def send(shard: int, headers: list[pb.GradientMessage], payloads: list | None) -> None:
+        def begin() -> None:  # before the first push's headers, which carry the buffers' change
             if not launched and self.buffers is not None:
                 self.buffers.finish()  # the forward pass is over: its change to the buffers is known
+
+        def send(shard: int, headers: list[pb.GradientMessage], payloads: list | None) -> None:
             started = time.perf_counter()
+            stream = written.get(shard)
 
             def trade():
-                answer = self.client.step(headers, self.grads, [shard], self.flat, wanted, payloads, written)
+                if stream is None:
+                    answer = self.client.step(headers, self.grads, [shard], self.flat, wanted, payloads)
+                else:
+                    answer = self.client.step_streamed(headers[0], self.grads, shard, self.flat, wanted,
+                                                       stream)
                 return answer, (started, time.perf_counter())
 
             launched[shard] = (self.client.submit(trade), payloads)
@@ -563,6 +570,7 @@ class SyncExchange(Exchange):
             if shard not in written:
                 if self.encoder is not None or not self.client.streams(shard):
                     return
+                begin()
                 written[shard] = Written(self.client.plans[shard].numel * size)
                 send(shard, self.headers(block, [shard]), None)
             written[shard].advance(start * size)
@@ -577,6 +585,7 @@ class SyncExchange(Exchange):
                 self.check_finite(block, part, whole())
                 written[shard].release()
                 return
+            begin()
             headers, payloads = self.outgoing(block, [shard], timer, part, whole())
             send(shard, headers, payloads)
 
