@@ -216,15 +216,18 @@ def test_live_ddp_ranks_call_the_coordinator_in_their_own_name(tmp_path, cli):
 
 
 def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`."""
+    """The processes whose parent is `pid` that run their own program: a child between its
+    fork and its exec still shows its parent's command line and environment (the loader
+    workers start by spawn: fork, then exec), so it is left out until it has exec'd."""
     found = []
+    parent = Path(f"/proc/{pid}/cmdline").read_bytes()
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
             lines = status.read_text().splitlines()
+            if f"PPid:\t{pid}" in lines and (status.parent / "cmdline").read_bytes() != parent:
+                found.append(int(status.parent.name))
         except OSError:  # it ended meanwhile
             continue
-        if f"PPid:\t{pid}" in lines:
-            found.append(int(status.parent.name))
     return found
 
 
