@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from common import parse_args, report
+from ps_helpers import exit_rank, file_store, one_thread, role_flags, run_roles, write_result
 
 from disttrain.metrics import read_metrics
 
@@ -87,8 +88,7 @@ def command(model: str, strategy: str, folder: Path, quick: bool, steps: int | N
     process, None: the workload's; `overrides`: `KEY=VALUE` config overrides, set before
     the strategy's own, which win over them; `servers`: the PS runs' shards)."""
     workload = WORKLOADS[model]
-    steps = steps or (workload["quick_steps"] if quick else workload["steps"])
-    batch = workload["batch"] // 2 if quick else workload["batch"]
+    steps, batch = steps_and_batch(model, quick, steps)
     processes = 1 if strategy == "baseline" else WORKERS
     samples = processes * steps * batch
     args = [sys.executable, "-m", "disttrain", strategy.split("_")[0],
@@ -159,18 +159,24 @@ def measure(model: str, strategy: str, quick: bool, steps: int | None = None,
         paths = sorted((folder / "logs").glob("*/metrics.jsonl"))
         per_process = [window_means(p) for p in paths]
     figures = {key: statistics.fmean(p[key] for p in per_process) for key in per_process[0]}
-    batch = WORKLOADS[model]["batch"] // 2 if quick else WORKLOADS[model]["batch"]
+    _, batch = steps_and_batch(model, quick)
     figures["samples_per_s"] = sum(batch / p["step_time_s"] for p in per_process)
     figures["processes"] = len(per_process)
     return figures
+
+
+def steps_and_batch(model: str, quick: bool, steps: int | None = None) -> tuple[int, int]:
+    """Steps and batch per process of one workload (`steps`: None for the workload's)."""
+    workload = WORKLOADS[model]
+    steps = steps or (workload["quick_steps"] if quick else workload["steps"])
+    return steps, workload["batch"] // 2 if quick else workload["batch"]
 
 
 def torch_ddp_training(model: str, quick: bool, steps: int | None = None) -> dict[str, Any]:
     """The training section of a `torch_ddp` rank: what `command` gives `disttrain` for
     the same workload (data, model, samples, batch, optimizer, seed)."""
     workload = WORKLOADS[model]
-    steps = steps or (workload["quick_steps"] if quick else workload["steps"])
-    batch = workload["batch"] // 2 if quick else workload["batch"]
+    steps, batch = steps_and_batch(model, quick, steps)
     training = {"dataset": workload["dataset"], "model_architecture": model,
                 "num_samples": WORKERS * steps * batch, "max_test_samples": 16, "batch_size": batch,
                 "num_epochs": 1, "optimizer": "adam", "learning_rate": 0.001, "seed": 0}
@@ -181,25 +187,26 @@ def torch_ddp_training(model: str, quick: bool, steps: int | None = None) -> dic
     return training
 
 
-def torch_ddp_rank(training_json: str, rank: int, store: str, result: str) -> None:
+def torch_ddp_rank(args: argparse.Namespace) -> None:
     """Role: one rank of a plain `DistributedDataParallel` loop over gloo (no disttrain loop,
-    metrics or checkpoints), each step timed; its step times go to `result` as JSON."""
+    metrics or checkpoints) on the config's training section, each step timed; its step
+    times go to `args.result` as JSON."""
     import time
 
     import torch
     import torch.distributed as dist
 
-    from disttrain.config import config_from_dict
+    from disttrain.config import load_config
     from disttrain.data import ShardedSampler, load_datasets
     from disttrain.training import build_optimizer, forward_backward, init_model
 
-    torch.set_num_threads(1)
-    training = config_from_dict({"training": json.loads(training_json)}).training
-    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=WORKERS)
+    one_thread()
+    training = load_config(args.config).training
+    dist.init_process_group("gloo", init_method=args.store, rank=args.rank, world_size=WORKERS)
     train_set, _ = load_datasets(training)
     model = torch.nn.parallel.DistributedDataParallel(init_model(training))
     optimizer = build_optimizer(model.parameters(), training)
-    sampler = ShardedSampler(len(train_set), world_size=WORKERS, rank=rank, seed=training.seed)
+    sampler = ShardedSampler(len(train_set), world_size=WORKERS, rank=args.rank, seed=training.seed)
     times = []
     dist.barrier()
     for indices in sampler.batches(training.batch_size):
@@ -209,12 +216,10 @@ def torch_ddp_rank(training_json: str, rank: int, store: str, result: str) -> No
         forward_backward(model, inputs, targets)
         optimizer.step()
         times.append(time.perf_counter() - started)
-    Path(result).write_text(json.dumps({"step_times_s": times,
-                                        "gradient_bytes": sum(p.numel() * p.element_size()
-                                                              for p in model.parameters())}))
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    write_result(args.result, {"step_times_s": times, "gradient_bytes": gradient_bytes})
     dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # gloo's threads may still drop a collective's tensors during shutdown
+    exit_rank()
 
 
 def measure_torch_ddp(model: str, quick: bool, steps: int | None = None) -> dict[str, float]:
@@ -223,23 +228,14 @@ def measure_torch_ddp(model: str, quick: bool, steps: int | None = None) -> dict
     over the ranks. DDP's all-reduce runs inside backward, so its step is not split:
     `compute_s` is the whole step, `comm_s` 0, and the bytes are those handed to
     all-reduce."""
+    from disttrain.config import config_from_dict
+
     training = torch_ddp_training(model, quick, steps)
     with tempfile.TemporaryDirectory(prefix="bench-torch-ddp-") as tmp:
-        outputs = [Path(tmp) / f"rank{rank}.json" for rank in range(WORKERS)]
-        processes = [subprocess.Popen([sys.executable, __file__, "torch-ddp-rank", json.dumps(training),
-                                       str(rank), f"file://{tmp}/store", str(out)],
-                                      stderr=subprocess.PIPE, text=True)
-                     for rank, out in enumerate(outputs)]
-        try:
-            for process in processes:
-                _, stderr = process.communicate(timeout=TIMEOUT_S)
-                if process.returncode != 0:
-                    raise RuntimeError(f"{model} torch_ddp rank failed ({process.returncode}): "
-                                       f"{stderr[-3000:]}")
-        finally:
-            for process in processes:
-                process.kill()
-        ranks = [json.loads(out.read_text()) for out in outputs]
+        config = Path(tmp) / "torch_ddp.yaml"
+        config_from_dict({"training": training}).save(config)
+        ranks = run_roles(__file__, "torch-ddp", WORKERS,
+                          ["--config", str(config), "--store", file_store(Path(tmp))], timeout_s=TIMEOUT_S)
     per_rank = []
     for r in ranks:
         timed = r["step_times_s"][LOG_INTERVAL:]
@@ -380,6 +376,8 @@ def override(text: str) -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["torch-ddp-rank"]:
-        torch_ddp_rank(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    if "--role" in sys.argv:  # a torch_ddp rank, started by `run_roles`
+        roles = argparse.ArgumentParser()
+        role_flags(roles)
+        torch_ddp_rank(roles.parse_args())
     main()

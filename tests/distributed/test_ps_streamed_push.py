@@ -17,7 +17,7 @@ from disttrain.core.errors import TrainingError
 from disttrain.metrics.window import StepTimer
 from disttrain.strategies.ps.wire import service
 from disttrain.strategies.ps.wire.codec import CHUNK_BYTES
-from tests.distributed.test_ps_overlap import Cluster, batches, one_process
+from tests.distributed.test_ps_overlap import Cluster, batches, one_process, poison
 from tests.distributed.test_ps_server import make_config
 
 pytestmark = pytest.mark.timeout(90)
@@ -106,13 +106,10 @@ def test_a_gradient_with_nan_stops_the_stream_before_its_last_piece(tmp_path, mo
     seen = []
 
     def before(model):
-        def poison(param) -> None:
-            param.grad.view(-1)[0] = float("nan")
-
         def first_layer(_param) -> None:
             seen.append(arrived.wait(timeout=20))
 
-        list(model.parameters())[-1].register_post_accumulate_grad_hook(poison)
+        poison(-1)(model)
         next(model.parameters()).register_post_accumulate_grad_hook(first_layer)
 
     config = wide_config(tmp_path)

@@ -547,6 +547,8 @@ class SyncExchange(Exchange):
         launched: dict[int, tuple[Future, list | None]] = {}
         written: dict[int, Written] = {}  # the pushes streamed as backward writes them
         size = self.grads.element_size()
+        streamed = set() if self.encoder is not None else \
+            {s for s in range(self.num_shards) if self.client.streams(s)}
 
         def begin() -> None:  # before the first push's headers, which carry the buffers' change
             if not launched and self.buffers is not None:
@@ -568,7 +570,7 @@ class SyncExchange(Exchange):
 
         def progress(shard: int, start: int) -> None:
             if shard not in written:
-                if self.encoder is not None or not self.client.streams(shard):
+                if shard not in streamed:
                     return
                 begin()
                 written[shard] = Written(self.client.plans[shard].numel * size)
@@ -589,7 +591,7 @@ class SyncExchange(Exchange):
             headers, payloads = self.outgoing(block, [shard], timer, part, whole())
             send(shard, headers, payloads)
 
-        self.trigger.arm(launch, progress)
+        self.trigger.arm(launch, progress if streamed else None)  # no bookkeeping where none streams
         try:
             result = compute()
             rest = self.trigger.disarm()
