@@ -130,7 +130,7 @@ def test_balanced_live_run_gives_the_straggler_less_and_replans_after_a_loss(cli
     give it a smaller piece of each global batch; slot 1 is killed, and the survivors
     split by the speeds they measured (slot 2, now rank 1 of 2, still the smaller piece);
     a rejoined rank, not measured yet, makes the split even until the next check, which
-    measures it from its second step and gives it a piece like slot 0's. The global
+    measures it from its second step and keeps the straggler's piece the smallest. The global
     batches stay the same, so every one is applied once and the model learns as the
     undisturbed run's."""
     result = cli("ddp", *ARGS, *dirs(tmp_path), "--max-restarts", 1, "--set", "system.balance=proportional",
@@ -150,15 +150,21 @@ def test_balanced_live_run_gives_the_straggler_less_and_replans_after_a_loss(cli
     shrunk = next(i for i, (_, _, batches) in enumerate(plans) if len(batches) == 2)
     pair = plans[shrunk][2]
     assert pair[1] < pair[0] / 2
-    # Until slot 1 is back, a check may re-plan the pair again (as above). Once rejoined
-    # (whether before the run's end depends on the machine's load: nothing holds the run
-    # back for it here), a re-plan gives slot 1 a piece like slot 0's: it was measured from
-    # its second step.
-    for _, _, batches in plans[shrunk + 1:]:
+    # Until slot 1 is back, a check may re-plan the pair again (as above). Once rejoined (0.8 s
+    # after the loss here, of a run of 30 s), it is measured at the next check (a speed of
+    # 0 would stop every re-plan), and measured as a rank at full speed: the straggler keeps
+    # the smallest piece by far. Not held: slot 1's piece against slot 0's. Equal ranks
+    # measured over 5 steps of a few milliseconds, 3 of them on 2 cores, differ by 2x (29
+    # against 17 before the loss; 32 against 15 on a CI run), and a first step measured
+    # too would move slot 1's piece less than that.
+    assert summary["live_recoveries"][1]["kind"] == "grow"
+    later = [batches for _, _, batches in plans[shrunk + 1:]]
+    assert any(len(batches) == 3 for batches in later), plans
+    for batches in later:
         if len(batches) == 2:
             assert batches[1] < batches[0] / 2
         else:
-            assert batches[1] > batches[0] / 2 > batches[2]
+            assert batches[2] < min(batches[0], batches[1]) / 2
     assert summary["samples_applied"] == EPOCHS * samples_per_epoch()
     assert (summary["samples_lost"], summary["samples_applied_twice"]) == (0, 0)
     assert summary["steps"] == undisturbed["steps"]

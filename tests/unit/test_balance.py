@@ -126,3 +126,15 @@ def test_a_planned_sampler_resumes_with_its_plans_and_refuses_a_plain_state():
         pass
     sampler.replan((32, 32))  # at an epoch's end: from the next epoch's first batch
     assert sampler.plans[-1] == (1, 0, (32, 32)) and sampler.shares_at(0, 9) == (40, 24)
+
+
+def test_a_new_generations_first_step_is_not_measured():
+    """A live member's checks start unmeasured (`LiveBalance.start`): its first step (a
+    joiner's first forward, its caches) may take many times its later ones, and a speed
+    over it would hand a rejoined rank a straggler's piece."""
+    run = FakeRun()
+    run.now += 1.0  # the first step's cold start: a second before its 32 ms of work
+    run.step(1)
+    for step in range(2, 5):
+        run.step(step)
+    assert run.reported[0] == [pytest.approx(1000.0)]  # steps 2 to 4, at 1 ms a sample
