@@ -107,6 +107,9 @@ def mutate(raw: bytes, edits, cut: int, how: str) -> bytes:
 
 @FUZZ
 @given(mutations())
+# Found by the test below on a CI run: an insert makes the shape (0, 1, 1, 26, 7, 102, ...)
+# of 0 bytes, whose strides overflowed torch's view (RuntimeError).
+@example(([1.0], [(15, 0), (72263, 20)], 0, "insert"))
 def test_mutated_frames_decode_or_are_refused_with_value_error(case):
     values, edits, cut, how = case
     decode_or_refuse(mutate(valid_frames(values, 32)[0], edits, cut, how))
@@ -119,3 +122,9 @@ def test_thousands_of_mutated_and_random_frames(case, raw):
     values, edits, cut, how = case
     decode_or_refuse(mutate(valid_frames(values, 32)[0], edits, cut, how))
     decode_or_refuse(raw)
+
+
+@pytest.mark.parametrize("shape", [(0, 2 ** 40, 2 ** 40), (-1, -4), (-2, 0), (2 ** 62, 2)])
+def test_a_shape_no_tensor_can_take_is_refused_with_value_error(shape):
+    with pytest.raises(ValueError, match="shape"):
+        codec.decode_tensor(b"" if 0 in shape else bytes(16), "float32", shape)

@@ -16,13 +16,13 @@ ordinary messages, so the contract is unchanged. This module knows nothing of gR
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 CHUNK_BYTES = 1 << 20
@@ -71,6 +71,21 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.numpy()).cast("B")
 
 
+def check_shape(shape: tuple[int, ...], itemsize: int) -> None:
+    """Refuse a shape from the wire that no tensor can take: a negative size, or one whose
+    strides (the products of the sizes after each, a size of 0 counted as 1) or bytes
+    pass 64 bits; such a shape of 0 elements matches 0 bytes, and torch's view of it fails
+    with RuntimeError (found by the codec's fuzz test).
+
+    Raises:
+        ValueError: which size, against what.
+    """
+    if any(size < 0 for size in shape):
+        raise ValueError(f"shape {list(shape)} has a negative size")
+    if math.prod(max(size, 1) for size in shape) * itemsize >= 2 ** 63:
+        raise ValueError(f"shape {list(shape)} is too large for a tensor (strides past 64 bits)")
+
+
 def decode_tensor(data: Any, dtype: str | torch.dtype, shape: tuple[int, ...] | None = None
                   ) -> torch.Tensor:
     """A tensor over `data` (bytes, bytearray or memoryview of raw little-endian elements).
@@ -78,14 +93,17 @@ def decode_tensor(data: Any, dtype: str | torch.dtype, shape: tuple[int, ...] | 
     The tensor shares memory with `data` and must be treated as read-only when `data` is.
 
     Raises:
-        ValueError: the byte length does not fit the dtype and shape.
+        ValueError: the byte length does not fit the dtype and shape, or the shape is not
+            one a tensor can take (a negative size, or strides past 64 bits).
     """
     dtype = to_dtype(dtype) if isinstance(dtype, str) else dtype
     itemsize = torch.empty((), dtype=dtype).element_size()
     length = memoryview(data).nbytes
     if length % itemsize:
         raise ValueError(f"{length} bytes is not a whole number of {dtype} elements")
-    expected = None if shape is None else int(np.prod(shape, dtype=np.int64)) * itemsize
+    if shape is not None:
+        check_shape(shape, itemsize)
+    expected = None if shape is None else math.prod(shape) * itemsize
     if expected is not None and expected != length:
         raise ValueError(f"{length} bytes given for shape {list(shape)} of {dtype}, which needs {expected}")
     if length == 0:
