@@ -101,9 +101,10 @@ def decode_tensor(data: Any, dtype: str | torch.dtype, shape: tuple[int, ...] | 
     length = memoryview(data).nbytes
     if length % itemsize:
         raise ValueError(f"{length} bytes is not a whole number of {dtype} elements")
+    expected = None
     if shape is not None:
         check_shape(shape, itemsize)
-    expected = None if shape is None else math.prod(shape) * itemsize
+        expected = math.prod(shape) * itemsize
     if expected is not None and expected != length:
         raise ValueError(f"{length} bytes given for shape {list(shape)} of {dtype}, which needs {expected}")
     if length == 0:
